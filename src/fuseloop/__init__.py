@@ -1,0 +1,37 @@
+"""fuseloop: a fused training loop for JAX.
+
+K training steps run inside one device-side loop; the host synchronizes once per chunk
+instead of once per batch, and every callback, metric, log line and halt behaves exactly
+as in the plain loop.
+
+Example:
+    >>> import fuseloop as fl, optax
+    >>> loop = fl.trainer(fl.models.mlp([32, 10]), "sparse_categorical_cross_entropy",
+    ...                   optax.adam(1e-3))
+"""
+
+from . import data, diagnostics, models
+from ._checkpoint import load_state, save_state
+from ._events import Event
+from ._fusion import FusionError
+from ._loop import Loop, evaluator, loop, trainer
+from ._state import State
+from .handlers.plot import plot_history
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Event",
+    "FusionError",
+    "Loop",
+    "State",
+    "data",
+    "diagnostics",
+    "evaluator",
+    "load_state",
+    "loop",
+    "models",
+    "plot_history",
+    "save_state",
+    "trainer",
+]

@@ -1,0 +1,84 @@
+"""Data sources: what `run(data, ...)` accepts, and exact, closing consumption.
+
+Kinds of data (DESIGN.md §3):
+  * a list of batches, or any re-iterable: a fresh pass each epoch;
+  * a callable returning an iterator: called once per epoch;
+  * a one-shot iterator or generator: consumed across epochs;
+  * an epoch-aware source such as `fl.data.arrays`: `iter_epoch(epoch)` per epoch, so the
+    order of epoch `e` depends only on the source's seed and `e`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterator
+
+__all__ = ["as_source", "Source"]
+
+
+class Source:
+    """Hands out one iterator per epoch and closes what the run stopped reading early."""
+
+    def __init__(self, data: Any):
+        self.data = data
+        self.one_shot = False
+        self.epoch_aware = hasattr(data, "iter_epoch")
+        if self.epoch_aware:
+            self.kind = "epoch_aware"
+        elif isinstance(data, (str, bytes)) or not (callable(data) or hasattr(data, "__iter__")):
+            raise ValueError(
+                f"data={type(data).__name__} is not a data source; pass a list of (x, y) "
+                f"batches, a re-iterable, a callable returning an iterator, an iterator, "
+                f"or fl.data.arrays(x, y, batch_size)"
+            )
+        elif hasattr(data, "__iter__") and iter(data) is data:
+            self.kind, self.one_shot = "one_shot", True
+        elif hasattr(data, "__iter__"):
+            self.kind = "reiterable"
+        else:
+            self.kind = "callable"
+        self._open: list[Iterator[Any]] = []
+        self.pulled = 0
+
+    @property
+    def prefetch_safe(self) -> bool:
+        """Whether pulling a batch that is never stepped is harmless (DESIGN.md §4.7)."""
+        return not self.one_shot
+
+    def epoch_iterator(self, epoch: int) -> Iterator[Any]:
+        """The iterator for `epoch`; the previous epoch's is closed if it was not finished."""
+        if self.one_shot:
+            if not self._open:
+                self._open.append(self.data)
+            return self.data
+        self.close()
+        if self.kind == "epoch_aware":
+            iterator = iter(self.data.iter_epoch(epoch))
+        elif self.kind == "reiterable":
+            iterator = iter(self.data)
+        else:
+            iterator = iter(self.data())
+        self._open.append(iterator)
+        return iterator
+
+    def pull(self, iterator: Iterator[Any], count: int) -> list[Any]:
+        """Up to `count` batches from `iterator`, never more (exact consumption)."""
+        batches = list(itertools.islice(iterator, count))
+        self.pulled += len(batches)
+        return batches
+
+    def close(self) -> None:
+        """Closes every iterator the run opened and did not exhaust (a generator's
+        `finally` runs)."""
+        for iterator in self._open:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                close()
+        self._open.clear()
+
+
+def as_source(data: Any) -> Source:
+    """Wraps user data in a `Source`, or raises a ValueError that says what is accepted."""
+    if isinstance(data, Source):
+        return data
+    return Source(data)

@@ -1,0 +1,198 @@
+"""The host-side driver of `Loop.run`: epochs, events, halting, host boundaries.
+
+This is the one module that reads device values on the host; every such read goes through
+`_HostReads` and is named in a comment at its call site.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._data import as_source
+from ._events import CONTINUE, HALT_EPOCH, HALT_LOOP, Event
+from ._execute import Executor
+from ._metrics import read_metric
+from ._replay import EventBus
+from ._state import State, new_stats
+from ._step import split_batch
+from ._signals import SignalGuard
+
+__all__ = ["run_loop"]
+
+
+class _HostReads:
+    """The only place device values are pulled to the host; counts `host_syncs`."""
+
+    def __init__(self, stats: dict[str, Any], metrics: tuple[Any, ...]):
+        self.stats, self.metrics = stats, metrics
+
+    def get(self, tree: Any) -> Any:
+        self.stats["host_syncs"] += 1
+        return jax.device_get(tree)
+
+    def metrics_of(self, acc_host: dict[str, Any]) -> dict[str, float]:
+        """Host floats from accumulators already on the host (no sync here)."""
+        return {
+            m.name: read_metric(m, acc_host[m.name])
+            for m in self.metrics
+            if float(acc_host[m.name]["count"]) > 0
+        }
+
+
+def _copy_tree(tree: Any) -> Any:
+    """A private device copy, so donation never invalidates the caller's arrays."""
+    return jax.tree.map(lambda a: jnp.array(a, copy=True) if _is_array(a) else a, tree)
+
+
+def _is_array(value: Any) -> bool:
+    return isinstance(value, (jax.Array, np.ndarray, np.generic))
+
+
+def _check_count(value: Any, argument: str, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{argument}={value!r} must be a positive int")
+
+
+class Run:
+    """One call of `Loop.run`."""
+
+    def __init__(self, loop: Any, data: Any, init_state: Any, *, epochs: int,
+                 iterations: int | None, fuse: Any, jit: bool, progress: bool,
+                 mesh: Any, max_in_flight: int):
+        _check_count(epochs, "epochs", allow_none=False)
+        _check_count(iterations, "iterations", allow_none=True)
+        _check_count(max_in_flight, "max_in_flight", allow_none=False)
+        if not isinstance(jit, bool):
+            raise ValueError(f"jit={jit!r} must be True or False")
+        self.loop, self.epochs, self.iterations = loop, int(epochs), iterations
+        self.stats = new_stats()
+        self.source = as_source(data)
+        self.reads = _HostReads(self.stats, loop.metrics)
+        self.executor = Executor(loop, fuse=fuse, jit=jit, mesh=mesh, stats=self.stats,
+                                 max_in_flight=max_in_flight, reads=self.reads)
+        self.bus = EventBus(loop.registrations, progress=progress, reads=self.reads)
+        self.init_state = init_state
+
+    # ----------------------------------------------------------------- state setup
+    def _resume(self) -> tuple[State, Any, int]:
+        """The starting State, the user's initial step state, and the first epoch."""
+        given = self.init_state
+        state = State(max_epoch=self.epochs, max_iteration=self.iterations, stats=self.stats)
+        if not isinstance(given, State):
+            return state, given, 0
+        if self.loop.program.kind == "evaluator":  # a State only supplies params
+            return state, given.params, 0
+        start = max(given.history) + 1 if given.history else 0
+        self.bus.restore_counts(given.event_counts)
+        state = state.replace(history={k: dict(v) for k, v in given.history.items()},
+                              handler_metadata=dict(given.handler_metadata),
+                              times=dict(given.times), epoch=start)
+        return state, given.step_state, start
+
+    def _first_batch(self) -> Any:
+        self.first_iterator = self.source.epoch_iterator(self.start_epoch)
+        first = self.source.pull(self.first_iterator, 1)
+        if not first:
+            raise ValueError(
+                "data is empty: the first epoch yielded no batch. Pass at least one (x, y) "
+                "batch (check batch_size against the dataset size and drop_remainder)"
+            )
+        if self.loop.program.kind != "custom":
+            split_batch(first[0])
+        return first[0]
+
+    def _initial_step_state(self, user_state: Any, first: Any) -> Any:
+        program = self.loop.program
+        if program.kind == "evaluator":
+            return program.init(first, user_state)
+        copied = _copy_tree(user_state) if user_state is not None else None
+        if program.kind == "trainer" and isinstance(self.init_state, State):
+            return copied  # resume: the saved step state as it was
+        return _copy_tree(program.init(first, copied))
+
+    # ----------------------------------------------------------------- the run
+    def run(self) -> State:
+        state, user_state, self.start_epoch = self._resume()
+        try:
+            first = self._first_batch()
+            step_state = self._initial_step_state(user_state, first)
+            self.executor.start(step_state, first)
+            with SignalGuard() as signals:
+                state = self._epochs(state, signals)
+        finally:
+            self.source.close()
+            self.bus.close()
+        return state.replace(step_state=self.executor.state, stats=self.stats,
+                             event_counts=self.bus.counts(), iteration=state.iteration)
+
+    def _epochs(self, state: State, signals: SignalGuard) -> State:
+        self.stats["compiles_before"] = self.executor.traces()
+        status, state = self.bus.fire(Event.STARTED, state)
+        halted = status == HALT_LOOP
+        epoch = self.start_epoch
+        while not halted and epoch < self.epochs:
+            state, status = self._epoch(state, epoch, signals)
+            halted = status == HALT_LOOP or signals.requested
+            epoch += 1
+        self.stats["compiles"] = self.executor.traces() - self.stats.pop("compiles_before")
+        final = Event.HALTED if halted else Event.COMPLETED
+        state = state.replace(status="halted" if halted else "completed",
+                              step_state=self.executor.state, event_counts=self.bus.counts())
+        _, state = self.bus.fire(final, state)
+        return state.replace(status="halted" if halted else "completed")
+
+    def _epoch(self, state: State, epoch: int, signals: SignalGuard) -> tuple[State, str]:
+        began = time.perf_counter()
+        self.bus.new_epoch()
+        self.executor.reset_metrics()
+        state = state.replace(epoch=epoch, iteration=0, metrics={}, status="running",
+                              step_state=self.executor.state)
+        status, state = self.bus.fire(Event.EPOCH_STARTED, state)
+        self.executor.adopt(state.step_state)
+        if status == CONTINUE:
+            iterator = (self.first_iterator if epoch == self.start_epoch
+                        else self.source.epoch_iterator(epoch))
+            status, state = self.executor.run_epoch(state, iterator, self.source,
+                                                    self.iterations, self.bus, signals)
+        if status == HALT_LOOP and state.handler_metadata.get("_nonfinite_at") is not None:
+            self._warn_nonfinite(state)
+        if signals.requested:
+            status = HALT_LOOP
+        # Host boundary: the end of the epoch reads the final metric accumulators.
+        metrics = dict(state.metrics)
+        metrics.update(self.executor.final_metrics())
+        history = dict(state.history)
+        history[epoch] = dict(metrics)
+        self.stats["epoch_time"][epoch] = time.perf_counter() - began
+        state = state.replace(metrics=metrics, history=history, step_state=self.executor.state,
+                              times={**state.times, epoch: time.perf_counter() - began})
+        if status == HALT_LOOP:
+            return state, status
+        event = Event.EPOCH_HALTED if status == HALT_EPOCH else Event.EPOCH_COMPLETED
+        status, state = self.bus.fire(event, state, mirror_history=True)
+        self.executor.adopt(state.step_state)
+        return state, status
+
+    @staticmethod
+    def _warn_nonfinite(state: State) -> None:
+        where = state.handler_metadata["_nonfinite_at"]
+        warnings.warn(
+            f"terminate_on_nan: the loss became non-finite at epoch {where['epoch']}, "
+            f"iteration {where['iteration']}; that step was not applied and the loop halted "
+            f"with the parameters from before it",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+def run_loop(loop: Any, data: Any, init_state: Any = None, **options: Any) -> State:
+    """Runs `loop` over `data` (see `Loop.run`)."""
+    return Run(loop, data, init_state, **options).run()

@@ -1,0 +1,163 @@
+"""Event names, filters, halt statuses and the handler return protocol.
+
+A filter is evaluated from counters alone wherever it can be, so the fused loop can
+decide which iterations need a State without building one for every iteration.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+__all__ = ["Event", "Filter", "Registration", "normalize_event", "make_filter", "parse_result"]
+
+
+class Event(str, enum.Enum):
+    """The events a loop fires, in the order a plain run fires them.
+
+    Example:
+        >>> Event.EPOCH_COMPLETED == "epoch_completed"
+        True
+    """
+
+    STARTED = "started"
+    EPOCH_STARTED = "epoch_started"
+    ITERATION_STARTED = "iteration_started"
+    ITERATION_COMPLETED = "iteration_completed"
+    EPOCH_COMPLETED = "epoch_completed"
+    EPOCH_HALTED = "epoch_halted"
+    HALTED = "halted"
+    COMPLETED = "completed"
+
+    # Allow `fl.Event.X` spelled like the event name too.
+    def __str__(self) -> str:  # pragma: no cover - trivial
+        return self.value
+
+
+ITERATION_EVENTS = (Event.ITERATION_STARTED, Event.ITERATION_COMPLETED)
+EVENT_NAMES = tuple(e.value for e in Event)
+
+CONTINUE = "continue"
+HALT_EPOCH = "halt_epoch"
+HALT_LOOP = "halt_loop"
+STATUSES = (CONTINUE, HALT_EPOCH, HALT_LOOP)
+
+_FILTER_KEYS = ("every", "before", "after", "once")
+
+
+def normalize_event(event: Any, argument: str = "event") -> Event:
+    """Returns the `Event` for a name or an `Event`, or raises a ValueError naming `argument`."""
+    try:
+        return Event(event.value if isinstance(event, Event) else event)
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"{argument}={event!r} is not an event; accepted values: {', '.join(EVENT_NAMES)}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Filter:
+    """When a handler fires, as a function of the event's count (1-based, per run).
+
+    `every=n` fires on counts 1, n+1, 2n+1, ...; `before=n` on counts < n; `after=n` on
+    counts > n; `once=n` on count n only. Keys combine with AND. A `predicate` (a callable
+    filter) needs the State, so it is only consulted once the counter keys pass.
+    """
+
+    every: int | None = None
+    before: int | None = None
+    after: int | None = None
+    once: int | None = None
+    predicate: Callable[[Any], bool] | None = None
+
+    def by_count(self, count: int) -> bool:
+        """Whether the counter keys pass for `count` (the predicate is not consulted)."""
+        if self.every is not None and (count - 1) % self.every != 0:
+            return False
+        if self.before is not None and not count < self.before:
+            return False
+        if self.after is not None and not count > self.after:
+            return False
+        if self.once is not None and count != self.once:
+            return False
+        return True
+
+    @property
+    def needs_state(self) -> bool:
+        return self.predicate is not None
+
+
+ALWAYS = Filter()
+
+
+def make_filter(spec: Any, argument: str = "filter") -> Filter:
+    """Turns a user filter (`"always"`, `"first"`, a dict, or a callable) into a `Filter`."""
+    if isinstance(spec, Filter):
+        return spec
+    if spec is None or spec == "always":
+        return ALWAYS
+    if spec == "first":
+        return Filter(once=1)
+    if callable(spec):
+        return Filter(predicate=spec)
+    if isinstance(spec, Mapping):
+        unknown = set(spec) - set(_FILTER_KEYS)
+        if unknown or not spec:
+            raise ValueError(
+                f"{argument}={spec!r} has unknown or no keys {sorted(map(str, unknown))}; "
+                f"accepted keys: {', '.join(_FILTER_KEYS)}"
+            )
+        for key, value in spec.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"{argument}[{key!r}]={value!r} must be a positive int "
+                    f"(counts start at 1)"
+                )
+        return Filter(**{k: int(v) for k, v in spec.items()})
+    raise ValueError(
+        f"{argument}={spec!r} is not a filter; accepted values: 'always', 'first', "
+        f"a dict with keys {', '.join(_FILTER_KEYS)}, or a callable(state) -> bool"
+    )
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One handler attached to one event."""
+
+    event: Event
+    handler: Callable[[Any], Any]
+    filter: Filter = ALWAYS
+    name: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.name or getattr(self.handler, "__qualname__", None) or repr(self.handler)
+
+
+def parse_result(result: Any, label: str) -> tuple[str, Any]:
+    """Splits a handler's return value into `(status, new_state_or_None)`.
+
+    A handler returns None, a status string, or `(status, new_state)`.
+    """
+    if result is None:
+        return CONTINUE, None
+    if isinstance(result, str):
+        if result not in STATUSES:
+            raise ValueError(
+                f"handler {label} returned status {result!r}; accepted values: "
+                f"{', '.join(STATUSES)}"
+            )
+        return result, None
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], str):
+        status, new_state = result
+        if status not in STATUSES:
+            raise ValueError(
+                f"handler {label} returned status {status!r}; accepted values: "
+                f"{', '.join(STATUSES)}"
+            )
+        return status, new_state
+    raise ValueError(
+        f"handler {label} returned {type(result).__name__}; a handler returns None, a status "
+        f"({', '.join(STATUSES)}) or (status, new_state)"
+    )

@@ -1,0 +1,272 @@
+"""Executes an epoch's steps, unfused (one dispatch per batch) or fused (one per chunk).
+
+Both paths run the same `carry_step`; the fused one inside `_fusion.make_chunk_fn`'s device
+loop. What differs is *when* steps are launched and *when* the host sees their results:
+
+  unfused: one dispatch per batch; the host reads metrics only when a handler fires, and
+           blocks every `max_in_flight` steps so it never runs unboundedly ahead.
+  fused:   one transfer + one dispatch per chunk; while chunk n runs, chunk n+1 is pulled,
+           stacked and transferred; per-iteration records are read once per chunk, and only
+           when an iteration handler needs them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+
+from ._events import CONTINUE, HALT_LOOP, Event
+from ._fusion import make_chunk_fn, resolve_fuse, stack_chunk
+from ._placement import Placement
+from ._step import init_tail, make_carry_step
+
+__all__ = ["Executor"]
+
+_STARTED, _COMPLETED = Event.ITERATION_STARTED, Event.ITERATION_COMPLETED
+
+
+class _Compiled:
+    """The loop's jitted programs, cached on the Loop so a second run does not recompile."""
+
+    def __init__(self, loop: Any):
+        self.cache = loop._cache
+        self.cache.setdefault("traces", [0])
+        self.loop = loop
+
+    def _counted(self, fn: Any) -> Any:
+        counter = self.cache["traces"]
+
+        def traced(*args: Any) -> Any:
+            counter[0] += 1  # runs at trace time only: one per compile
+            return fn(*args)
+
+        return traced
+
+    def _donate(self, n_state_args: int) -> tuple[int, ...]:
+        return (0, 1) if self.loop.program.donate_state else (1,)
+
+    def step(self, jit: bool) -> Any:
+        guard = self.loop.guard_nonfinite
+        carry_step = make_carry_step(self.loop.program, self.loop.metrics, guard)
+        if not jit:
+            return carry_step
+        key = ("step", guard)
+        if key not in self.cache:
+            self.cache[key] = jax.jit(self._counted(carry_step), donate_argnums=self._donate(2))
+        return self.cache[key]
+
+    def chunk(self, record: bool, fetch: Any = None, fetch_name: str = "stacked") -> Any:
+        guard = self.loop.guard_nonfinite
+        key = ("chunk", record, guard, fetch_name)
+        if key not in self.cache:
+            carry_step = make_carry_step(self.loop.program, self.loop.metrics, guard)
+            kwargs = {"fetch": fetch} if fetch is not None else {}
+            fn = make_chunk_fn(carry_step, record, guard, **kwargs)
+            self.cache[key] = jax.jit(self._counted(fn), donate_argnums=self._donate(2))
+        return self.cache[key]
+
+    @property
+    def traces(self) -> int:
+        return self.cache["traces"][0]
+
+
+class Executor:
+    """Holds the device-side carry (step state + metric tail) and runs epochs."""
+
+    def __init__(self, loop: Any, *, fuse: Any, jit: bool, mesh: Any, stats: dict[str, Any],
+                 max_in_flight: int, reads: Any):
+        self.loop, self.jit, self.stats, self.reads = loop, jit, stats, reads
+        self.fuse = resolve_fuse(fuse, jit)
+        self.max_in_flight = max_in_flight
+        self.compiled = _Compiled(loop)
+        self.placement = Placement(mesh, stats)
+        self.state: Any = None
+        self.tail: Any = None
+        self.pending: list[Any] = []
+        self._metrics_cache: dict[str, float] | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self, step_state: Any, first_batch: Any) -> None:
+        self.state = self.placement.put_state(step_state)
+        self.pending = [first_batch]
+        if self.fuse == "auto":
+            from .diagnostics import choose_chunk_size
+
+            self.fuse = choose_chunk_size(self.loop, step_state, first_batch,
+                                          placement=self.placement)
+        self.stats["chunk_size"] = self.fuse or 1
+
+    def traces(self) -> int:
+        return self.compiled.traces
+
+    def adopt(self, step_state: Any) -> None:
+        """Takes a step state a handler returned (epoch-level events; unfused iterations)."""
+        if step_state is not None and step_state is not self.state:
+            self.state = self.placement.put_state(step_state)
+
+    def reset_metrics(self) -> None:
+        self.tail = self.placement.put_state(
+            init_tail(self.loop.metrics, self.loop.guard_nonfinite))
+        self._metrics_cache = {}
+
+    def final_metrics(self) -> dict[str, float]:
+        return self._live_metrics()
+
+    def _live_metrics(self) -> dict[str, float]:
+        if self._metrics_cache is None:
+            # Host sync: a handler, or the end of the epoch, needs the metrics.
+            self._metrics_cache = self.reads.metrics_of(self.reads.get(self.tail["acc"]))
+        return self._metrics_cache
+
+    def _pull(self, iterator: Iterator[Any], source: Any, count: int) -> list[Any]:
+        batches, self.pending = self.pending[:count], self.pending[count:]
+        if len(batches) < count:
+            batches += source.pull(iterator, count - len(batches))
+        return batches
+
+    def run_epoch(self, state: Any, iterator: Iterator[Any], source: Any, bound: int | None,
+                  bus: Any, signals: Any) -> tuple[str, Any]:
+        if self.fuse is None:
+            return self._unfused_epoch(state, iterator, source, bound, bus, signals)
+        return self._fused_epoch(state, iterator, source, bound, bus, signals)
+
+    # ----------------------------------------------------------------- unfused
+    def _unfused_epoch(self, state: Any, iterator: Iterator[Any], source: Any,
+                       bound: int | None, bus: Any, signals: Any) -> tuple[str, Any]:
+        step = self.compiled.step(self.jit)
+        status, i, in_flight, last = CONTINUE, 0, 0, 0
+        while bound is None or i < bound:
+            batch = self._pull(iterator, source, 1)
+            if not batch:
+                break
+            last = i
+            status, state = self._fire_live(bus, _STARTED, state, i)
+            if status != CONTINUE:
+                break
+            device_batch = self.placement.put_batch(batch[0], i)
+            self.state, self.tail = step(self.state, self.tail, device_batch)
+            self.stats["dispatches"] += 1
+            self._metrics_cache = None
+            if self.loop.guard_nonfinite and self._nonfinite():
+                status, state = HALT_LOOP, self._mark_nonfinite(state, i)
+                break
+            status, state = self._fire_live(bus, _COMPLETED, state, i)
+            bus.advance(1, self._metrics_cache)
+            i, in_flight = i + 1, in_flight + 1
+            if in_flight >= self.max_in_flight:
+                # Flush: wait for the queued steps so the host stays at most
+                # max_in_flight steps ahead (no value is read).
+                jax.block_until_ready(self.tail)
+                in_flight = 0
+            if status != CONTINUE or signals.requested:
+                break
+        return status, state.replace(iteration=last)
+
+    def _fire_live(self, bus: Any, event: Event, state: Any, i: int) -> tuple[str, Any]:
+        """Fires an unfused iteration event with the live step state; adopts a step state
+        a handler returned."""
+        live = self.state
+        status, fired = bus.fire_iteration(event, state, i, self._live_metrics, live)
+        if fired is not state and fired.step_state is not live:
+            self.adopt(fired.step_state)
+        return status, fired
+
+    def _nonfinite(self) -> bool:
+        # Host sync: terminate_on_nan in an unfused loop checks every step.
+        return bool(self.reads.get(self.tail["nonfinite"]))
+
+    def _mark_nonfinite(self, state: Any, iteration: int) -> Any:
+        where = {"epoch": state.epoch, "iteration": iteration}
+        return state.replace(iteration=iteration,
+                             handler_metadata={**state.handler_metadata, "_nonfinite_at": where})
+
+    # ----------------------------------------------------------------- fused
+    def _prepare(self, iterator: Iterator[Any], source: Any, first_index: int,
+                 bound: int | None) -> tuple[Any, int, int] | None:
+        """Pulls, stacks and transfers the next chunk: `(device_chunk, n, requested)`."""
+        size = self.fuse
+        requested = size if bound is None else min(size, bound - first_index)
+        if requested <= 0:
+            return None
+        batches = self._pull(iterator, source, requested)
+        if not batches:
+            return None
+        stacked = stack_chunk(batches, size, first_index)
+        chunk = self.placement.put_chunk((stacked, np.int32(len(batches))))
+        return chunk, len(batches), requested
+
+    def _fused_epoch(self, state: Any, iterator: Iterator[Any], source: Any,
+                     bound: int | None, bus: Any, signals: Any) -> tuple[str, Any]:
+        record = bus.has_iteration_handlers
+        guard = self.loop.guard_nonfinite
+        program = self.compiled.chunk(record)
+        # Pulling ahead is harmless for re-iterable sources; for a one-shot iterator only
+        # when no iteration handler can halt mid-chunk (exact consumption wins).
+        prefetch = source.prefetch_safe or not (record or guard)
+        status, i, last = CONTINUE, 0, 0
+        self._previous: dict[str, float] = {}
+        nxt = self._prepare(iterator, source, 0, bound)
+        while nxt is not None:
+            (chunk, n_valid), n, requested = nxt
+            self.state, self.tail, records, n_run = program(self.state, self.tail, chunk, n_valid)
+            self.stats["dispatches"] += 1
+            self._metrics_cache = None
+            exhausted = n < requested or (bound is not None and i + n >= bound)
+            nxt = None
+            if prefetch and not exhausted:
+                # Overlap: the device runs chunk n while the host prepares chunk n+1.
+                nxt = self._prepare(iterator, source, i + n, bound)
+            status, state, last = self._replay(state, bus, i, n, records, n_run, record, guard)
+            i += n
+            if status != CONTINUE or signals.requested:
+                break
+            if not prefetch and not exhausted:
+                nxt = self._prepare(iterator, source, i, bound)
+        return status, state.replace(iteration=last)
+
+    def _replay(self, state: Any, bus: Any, first: int, n: int, records: Any, n_run: Any,
+                record: bool, guard: bool) -> tuple[str, Any, int]:
+        """Fires the chunk's iteration events on the host, in unfused order.
+
+        Returns the status, the State, and the last iteration whose events fired.
+        """
+        if not (record or guard):
+            bus.skip_iterations(n)
+            bus.advance(n, None)
+            return CONTINUE, state, first + n - 1
+        # Host sync: once per chunk, the records (and the non-finite flag) come back.
+        wanted = {"records": records, "n_run": n_run}
+        if guard:
+            wanted["nonfinite"] = self.tail["nonfinite"]
+        host = self.reads.get(wanted)
+        good = n
+        if guard and bool(host["nonfinite"]):
+            good = int(host["n_run"]) - 1
+        status, last = CONTINUE, first + n - 1
+        for j in range(good):
+            before = self._previous
+            current = self._record_metrics(host["records"], j) if record else {}
+            status, state = bus.fire_iteration(_STARTED, state, first + j, lambda: before, None)
+            if status != CONTINUE:
+                last = first + j
+                break
+            status, state = bus.fire_iteration(_COMPLETED, state, first + j,
+                                               lambda: current, None)
+            self._previous = current
+            if status != CONTINUE:
+                last = first + j
+                break
+        else:
+            if good < n:  # the non-finite step: its iteration started, then the loop halts
+                before = self._previous
+                _, state = bus.fire_iteration(_STARTED, state, first + good, lambda: before, None)
+                return HALT_LOOP, self._mark_nonfinite(state, first + good), first + good
+        bus.advance(n, self._previous or None)
+        return status, state, last
+
+    def _record_metrics(self, records: Any, j: int) -> dict[str, float]:
+        acc = {name: {"sum": rec["sum"][j], "count": rec["count"][j]}
+               for name, rec in records.items()}
+        return self.reads.metrics_of(acc)

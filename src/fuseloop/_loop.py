@@ -1,0 +1,233 @@
+"""`Loop`: the immutable builder, and the `trainer`/`evaluator`/`loop` factories."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, TextIO
+
+from ._events import Event, Registration, make_filter, normalize_event
+from ._metrics import MetricSpec, resolve_metric
+from ._state import State
+from ._step import Program, custom_program, evaluator_program, trainer_program
+
+__all__ = ["Loop", "trainer", "evaluator", "loop"]
+
+
+@dataclass(frozen=True)
+class Loop:
+    """A training, evaluation or custom loop. Every builder returns a new Loop.
+
+    Example:
+        >>> import fuseloop as fl, optax
+        >>> loop = fl.trainer(fl.models.mlp([8, 2]), "sparse_categorical_cross_entropy",
+        ...                   optax.sgd(0.1)).metric("accuracy")
+    """
+
+    program: Program
+    metrics: tuple[MetricSpec, ...] = ()
+    registrations: tuple[Registration, ...] = ()
+    guard_nonfinite: bool = False
+    _cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def _with(self, **changes: Any) -> "Loop":
+        return dataclasses.replace(self, _cache={}, **changes)
+
+    # ----------------------------------------------------------------- builders
+    def metric(self, metric: Any, name: str | None = None,
+               accumulate: str = "running_average") -> "Loop":
+        """Adds a metric, computed on the device each step and accumulated there.
+
+        Args:
+            metric: A name ("accuracy", "precision", "recall", "mean_absolute_error",
+                "mean_squared_error") or `callable(y_true, y_pred) -> scalar`.
+            name: The key in `state.metrics` (default: the metric's name).
+            accumulate: "running_average" (mean over the epoch's iterations) or "running_sum".
+
+        Example:
+            >>> loop = loop.metric("accuracy")  # doctest: +SKIP
+        """
+        if self.program.kind == "custom" and isinstance(metric, str) and (
+            metric not in _known_metrics()
+        ):
+            spec = MetricSpec(name or metric, None, _check_accumulate(accumulate), source=metric)
+        else:
+            spec = resolve_metric(metric, name, accumulate)
+        if any(m.name == spec.name for m in self.metrics):
+            raise ValueError(f"metric name {spec.name!r} is already used; pass name=...")
+        return self._with(metrics=self.metrics + (spec,))
+
+    def handle_event(self, event: Any, handler: Callable[[State], Any],
+                     filter: Any = "always", name: str = "") -> "Loop":
+        """Attaches `handler(state)` to `event`, fired when `filter` passes.
+
+        Example:
+            >>> loop = loop.handle_event("epoch_completed", lambda s: print(s.epoch))  # doctest: +SKIP
+        """
+        event = normalize_event(event)
+        if not callable(handler):
+            raise ValueError(f"handler={handler!r} must be callable(state)")
+        registration = Registration(event, handler, make_filter(filter), name)
+        return self._with(registrations=self.registrations + (registration,))
+
+    def log(self, fn: Callable[[State], str], event: Any = "iteration_completed",
+            filter: Any = "always", stream: TextIO | None = None) -> "Loop":
+        """Writes `fn(state)` to `stream` (stdout by default) when `event` fires.
+
+        Example:
+            >>> loop = loop.log(lambda s: f"epoch {s.epoch}\\n", event="epoch_completed")  # doctest: +SKIP
+        """
+        from .handlers.log import Writer
+
+        return self.handle_event(event, Writer(fn, stream), filter, name="log")
+
+    def validate(self, model: Any, data: Any, event: Any = "epoch_completed",
+                 filter: Any = "always", fuse: Any = False) -> "Loop":
+        """Evaluates on `data` and adds `validation_<name>` for the loss and each metric."""
+        from .handlers.validate import Validator
+
+        validator = Validator(model, data, self.program.loss, self.metrics, fuse)
+        return self.handle_event(event, validator, filter, name="validate")
+
+    def early_stop(self, monitor: str, patience: int = 3, mode: str = "min",
+                   min_delta: float = 0.0) -> "Loop":
+        """Halts after `patience` consecutive epochs without improvement (as Keras does)."""
+        from .handlers.monitor import EarlyStopping
+
+        return self.handle_event("epoch_completed",
+                                 EarlyStopping(monitor, patience, mode, min_delta),
+                                 name="early_stop")
+
+    def reduce_lr_on_plateau(self, monitor: str, factor: float = 0.1, patience: int = 3,
+                             mode: str = "min", min_delta: float = 0.0,
+                             min_lr: float = 0.0) -> "Loop":
+        """Multiplies the learning rate by `factor` after `patience` epochs on a plateau."""
+        from .handlers.monitor import ReduceLROnPlateau
+
+        handler = ReduceLROnPlateau(monitor, factor, patience, mode, min_delta, min_lr)
+        handler.check_optimizer(self.program)
+        return self.handle_event("epoch_completed", handler, name="reduce_lr_on_plateau")
+
+    def checkpoint(self, path: str, event: Any = "epoch_completed", filter: Any = "always",
+                   criteria: str | None = None, mode: str = "min", keep: int | None = None
+                   ) -> "Loop":
+        """Saves the whole State under `path` (one atomic subdirectory per save)."""
+        from .handlers.checkpoint import Checkpointer
+
+        return self.handle_event(event, Checkpointer(path, criteria, mode, keep), filter,
+                                 name="checkpoint")
+
+    def terminate_on_nan(self) -> "Loop":
+        """Halts at the first non-finite loss, checked on the device (even inside a chunk).
+
+        The bad step is not applied: params are exactly those from before it.
+        """
+        return self._with(guard_nonfinite=True)
+
+    # ----------------------------------------------------------------- running
+    def run(self, data: Any, init_state: Any = None, *, epochs: int = 1,
+            iterations: int | None = None, fuse: Any = False, jit: bool = True,
+            progress: bool = False, mesh: Any = None, max_in_flight: int = 64) -> State:
+        """Runs the loop.
+
+        Args:
+            data: A list of `(x, y)` batches, a re-iterable, a callable returning an
+                iterator, a one-shot iterator, or `fl.data.arrays(...)`.
+            init_state: None (initialize from the first batch), initial variables, or a
+                State to resume from.
+            epochs: Total number of epochs (a resumed run continues up to this many).
+            iterations: Bound on iterations per epoch.
+            fuse: False; True (chunks of 32); a positive int chunk size; or "auto".
+            jit: False runs op by op for debugging (unfused only).
+            progress: Show a tqdm bar per epoch.
+            mesh: A `jax.sharding.Mesh` with a "data" axis for data parallelism.
+            max_in_flight: Unfused steps the host may queue before waiting for the device.
+
+        Returns:
+            The final State (never donated).
+
+        Example:
+            >>> state = loop.run(batches, epochs=3, fuse=True)  # doctest: +SKIP
+        """
+        from ._driver import run_loop
+
+        return run_loop(self, data, init_state, epochs=epochs, iterations=iterations,
+                        fuse=fuse, jit=jit, progress=progress, mesh=mesh,
+                        max_in_flight=max_in_flight)
+
+
+def _known_metrics() -> tuple[str, ...]:
+    from ._metrics import METRICS
+
+    return tuple(METRICS)
+
+
+def _check_accumulate(accumulate: str) -> str:
+    from ._metrics import ACCUMULATORS
+
+    if accumulate not in ACCUMULATORS:
+        raise ValueError(
+            f"accumulate={accumulate!r} is not an accumulator; accepted values: "
+            f"{', '.join(ACCUMULATORS)}"
+        )
+    return accumulate
+
+
+def trainer(model: Any, loss: Any, optimizer: Any, *, log: int = 0, seed: int = 0,
+            log_stream: TextIO | None = None) -> Loop:
+    """A supervised training loop that tracks "loss".
+
+    Args:
+        model: A flax.linen module (or any object with `.init(rng, x)` / `.apply(vars, x)`,
+            an nnx/equinox module, or an `(init_fn, apply_fn)` pair).
+        loss: A loss name or `callable(y_true, y_pred) -> scalar`; cross-entropies take logits.
+        optimizer: An optax transformation, or "sgd", "adam", "adamw".
+        log: Print a line every `log` iterations (0: silent).
+        seed: Seeds parameter initialization and dropout.
+        log_stream: Where log lines go (stdout by default).
+
+    Example:
+        >>> import fuseloop as fl, optax
+        >>> loop = fl.trainer(fl.models.mlp([32, 10]), "sparse_categorical_cross_entropy",
+        ...                   optax.adam(1e-3), log=50)
+    """
+    if isinstance(log, bool) or not isinstance(log, int) or log < 0:
+        raise ValueError(f"log={log!r} must be a non-negative int (0 disables logging)")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed={seed!r} must be an int")
+    program = trainer_program(model, loss, optimizer, seed)
+    built = Loop(program, metrics=(MetricSpec("loss", None, source="loss"),))
+    if log:
+        from .handlers.log import attach_trainer_log
+
+        built = attach_trainer_log(built, log, log_stream)
+    return built
+
+
+def evaluator(model: Any) -> Loop:
+    """An evaluation loop: `evaluator(model).run(data, params_or_state)`.
+
+    Example:
+        >>> loop = evaluator(model).metric("accuracy")  # doctest: +SKIP
+    """
+    return Loop(evaluator_program(model))
+
+
+def loop(step_fn: Callable[[Any, Any], Any], init_fn: Callable[[Any, Any], Any] | None = None
+         ) -> Loop:
+    """A custom loop around `step_fn(batch, step_state) -> step_state` (pure, jit-able).
+
+    Args:
+        step_fn: One step.
+        init_fn: `init_fn(first_batch, init_state) -> step_state` (default: `init_state`).
+
+    Example:
+        >>> count = loop(lambda batch, s: {"n": s["n"] + 1})
+        >>> count.run([(0, 0)] * 3, {"n": 0}).step_state["n"]  # doctest: +SKIP
+    """
+    if not callable(step_fn):
+        raise ValueError(f"step_fn={step_fn!r} must be callable(batch, step_state)")
+    if init_fn is not None and not callable(init_fn):
+        raise ValueError(f"init_fn={init_fn!r} must be callable(first_batch, init_state)")
+    return Loop(custom_program(step_fn, init_fn))
+

@@ -1,0 +1,64 @@
+"""Where arrays live: one device, or a mesh with a "data" axis (data parallelism).
+
+Every host-to-device transfer of training data goes through `put_batch`/`put_chunk` and is
+counted in `stats["h2d_transfers"]`; moving the initial state is not counted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+__all__ = ["Placement"]
+
+
+class Placement:
+    """Puts the step state (replicated) and the data (batch axis sharded) on devices."""
+
+    def __init__(self, mesh: Mesh | None, stats: dict[str, Any]):
+        self.mesh, self.stats = mesh, stats
+        if mesh is None:
+            self._state = self._batch = self._chunk = None
+            return
+        if not isinstance(mesh, Mesh) or "data" not in mesh.axis_names:
+            raise ValueError(
+                f"mesh={mesh!r} must be a jax.sharding.Mesh with a 'data' axis, e.g. "
+                f"Mesh(jax.devices(), ('data',))"
+            )
+        self.n_shards = mesh.shape["data"]
+        self._state = NamedSharding(mesh, PartitionSpec())
+        self._batch = NamedSharding(mesh, PartitionSpec("data"))
+        self._chunk = NamedSharding(mesh, PartitionSpec(None, "data"))
+
+    def put_state(self, tree: Any) -> Any:
+        if self._state is None:
+            return jax.device_put(tree)
+        return jax.device_put(tree, self._state)
+
+    def _check_divisible(self, tree: Any, axis: int, where: str) -> None:
+        for leaf in jax.tree.leaves(tree):
+            shape = getattr(leaf, "shape", ())
+            if len(shape) > axis and shape[axis] % self.n_shards != 0:
+                raise ValueError(
+                    f"mesh: {where} has batch size {shape[axis]}, which does not divide over "
+                    f"the {self.n_shards} devices of the mesh's 'data' axis; use a batch size "
+                    f"that is a multiple of {self.n_shards}"
+                )
+
+    def put_batch(self, batch: Any, iteration: int) -> Any:
+        self.stats["h2d_transfers"] += 1
+        if self._batch is None:
+            return jax.device_put(batch)
+        self._check_divisible(batch, 0, f"the batch at iteration {iteration}")
+        return jax.device_put(batch, self._batch)
+
+    def put_chunk(self, chunk_and_count: Any) -> Any:
+        """Moves `(stacked_chunk, n_valid)` to the device in one transfer."""
+        self.stats["h2d_transfers"] += 1
+        if self._chunk is None:
+            return jax.device_put(chunk_and_count)
+        stacked, n_valid = chunk_and_count
+        self._check_divisible(stacked, 1, "a fused chunk")
+        return jax.device_put(stacked, self._chunk), jax.device_put(n_valid, self._state)

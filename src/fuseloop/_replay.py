@@ -1,0 +1,159 @@
+"""Event dispatch: counters, filters, handler calls, and iteration replay.
+
+Counters live here as plain ints, so an iteration whose handlers do not fire costs a few
+integer operations and no State is built for it. Iteration events of a fused chunk are
+replayed through the same `fire_iteration` the unfused loop calls live, which is what makes
+their event streams identical.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable, Iterable
+
+from ._events import (
+    CONTINUE,
+    ITERATION_EVENTS,
+    Event,
+    Registration,
+    parse_result,
+)
+from ._state import State
+
+__all__ = ["EventBus"]
+
+
+class EventBus:
+    """Fires events to registered handlers and keeps the run's event counts."""
+
+    def __init__(self, registrations: Iterable[Registration], progress: bool, reads: Any):
+        self.by_event: dict[Event, list[Registration]] = defaultdict(list)
+        for registration in registrations:
+            self.by_event[registration.event].append(registration)
+        self.total = {event: 0 for event in Event}
+        self.in_epoch = {event: 0 for event in ITERATION_EVENTS}
+        self.reads = reads
+        self.progress = None
+        if progress:
+            from .handlers.progress import ProgressBar
+
+            self.progress = ProgressBar()
+
+    # ----------------------------------------------------------------- counters
+    def restore_counts(self, event_counts: dict[str, Any]) -> None:
+        """Continues the counts of a resumed State (per-call events restart)."""
+        for event in Event:
+            value = event_counts.get(event.value)
+            if value is None or event in (Event.STARTED, Event.COMPLETED, Event.HALTED):
+                continue
+            self.total[event] = int(value["total"] if isinstance(value, dict) else value)
+
+    def counts(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for event in Event:
+            if event in ITERATION_EVENTS:
+                out[event.value] = {"total": self.total[event], "epoch": self.in_epoch[event]}
+            else:
+                out[event.value] = self.total[event]
+        return out
+
+    def new_epoch(self) -> None:
+        for event in ITERATION_EVENTS:
+            self.in_epoch[event] = 0
+
+    def has(self, event: Event) -> bool:
+        return bool(self.by_event.get(event))
+
+    @property
+    def has_iteration_handlers(self) -> bool:
+        return any(self.has(event) for event in ITERATION_EVENTS)
+
+    def skip_iterations(self, n: int) -> None:
+        """Advances iteration counters by `n` when no iteration handler is registered."""
+        for event in ITERATION_EVENTS:
+            self.total[event] += n
+            self.in_epoch[event] += n
+
+    # ----------------------------------------------------------------- firing
+    def _call(self, event: Event, registrations: list[Registration], state: State,
+              mirror_history: bool = False) -> tuple[str, State]:
+        status = CONTINUE
+        for registration in registrations:
+            if registration.filter.predicate is not None and not registration.filter.predicate(
+                state
+            ):
+                continue
+            try:
+                result = registration.handler(state)
+            except Exception as error:
+                error.add_note(
+                    f"fuseloop: raised by handler {registration.label} on event "
+                    f"'{event.value}' (epoch {state.epoch}, iteration {state.iteration})"
+                )
+                raise
+            status, new_state = parse_result(result, registration.label)
+            if new_state is not None:
+                if not isinstance(new_state, State):
+                    raise ValueError(
+                        f"handler {registration.label} returned (status, "
+                        f"{type(new_state).__name__}); the second element must be a State "
+                        f"(use state.replace(...))"
+                    )
+                state = new_state
+                if mirror_history:
+                    state = state.replace(
+                        history={**state.history, state.epoch: dict(state.metrics)}
+                    )
+            if status != CONTINUE:
+                break
+        return status, state
+
+    def fire(self, event: Event, state: State, mirror_history: bool = False) -> tuple[str, State]:
+        """Fires an epoch- or run-level event with a complete State."""
+        self.total[event] += 1
+        registrations = [
+            r for r in self.by_event.get(event, ()) if r.filter.by_count(self.total[event])
+        ]
+        if self.progress is not None:
+            self.progress.on_event(event, state)
+        if not registrations:
+            return CONTINUE, state
+        state = state.replace(event_counts=self.counts())
+        return self._call(event, registrations, state, mirror_history)
+
+    def fire_iteration(
+        self,
+        event: Event,
+        state: State,
+        iteration: int,
+        metrics: Callable[[], dict[str, Any]],
+        step_state: Any,
+    ) -> tuple[str, State]:
+        """Fires an iteration event; builds a State only if some handler's counter passes.
+
+        `metrics()` returns this iteration's device metrics (it may read them, which is a
+        host sync, so it is only called when a handler fires).
+        """
+        self.total[event] += 1
+        self.in_epoch[event] += 1
+        registrations = self.by_event.get(event)
+        if not registrations:
+            return CONTINUE, state
+        count = self.total[event]
+        firing = [r for r in registrations if r.filter.by_count(count)]
+        if not firing:
+            return CONTINUE, state
+        merged = dict(state.metrics)
+        merged.update(metrics())
+        state = state.replace(iteration=iteration, metrics=merged, step_state=step_state,
+                              event_counts=self.counts())
+        return self._call(event, firing, state)
+
+    # ----------------------------------------------------------------- progress
+    def advance(self, n: int, metrics: dict[str, Any] | None) -> None:
+        if self.progress is not None:
+            self.progress.advance(n, metrics)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()

@@ -1,0 +1,48 @@
+"""SIGINT/SIGTERM during a run become a `halt_loop` at the next host boundary."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+__all__ = ["SignalGuard"]
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class SignalGuard:
+    """Installs handlers for the duration of a run and restores the previous ones.
+
+    The first signal sets `requested`; the loop halts at its next host boundary (an
+    attached checkpoint handler still writes). A second signal aborts at once with
+    KeyboardInterrupt. Outside the main thread, signals cannot be caught and the guard
+    does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested:
+            self._restore()
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: aborting the run")
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name
+
+    def __enter__(self) -> "SignalGuard":
+        if threading.current_thread() is threading.main_thread():
+            for signum in _SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _restore(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._restore()

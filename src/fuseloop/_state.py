@@ -1,0 +1,85 @@
+"""The State handlers see, and the run statistics.
+
+State is immutable: handlers change it by returning `state.replace(...)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["State", "new_stats"]
+
+
+def new_stats() -> dict[str, Any]:
+    """The counters of one run (DESIGN.md §5)."""
+    return {
+        "dispatches": 0,
+        "host_syncs": 0,
+        "h2d_transfers": 0,
+        "compiles": 0,
+        "chunk_size": 1,
+        "epoch_time": {},
+    }
+
+
+@dataclass(frozen=True)
+class State:
+    """What handlers see and what `Loop.run` returns.
+
+    Attributes:
+        epoch: The current epoch (0-based).
+        max_epoch: The number of epochs the run trains for in total.
+        iteration: The current iteration within the epoch (0-based).
+        max_iteration: The bound on iterations per epoch (`None` when unbounded).
+        metrics: This epoch's metrics, name -> Python float (or array).
+        history: Epoch -> that epoch's metrics.
+        step_state: The device-side step state (`None` inside iteration handlers of a fused
+            loop). Its arrays are donated to the next step: copy what you keep.
+        handler_metadata: Free-form per-handler data that survives checkpoints.
+        event_counts: Iteration events: `{"total": n, "epoch": n}`; others: an int.
+        status: `"running"`, `"completed"` or `"halted"`.
+        times: Epoch -> wall seconds.
+        stats: Dispatch/sync/transfer/compile counters of the current run.
+
+    Example:
+        >>> s = State()
+        >>> s.replace(epoch=3).epoch
+        3
+    """
+
+    epoch: int = 0
+    max_epoch: int = 1
+    iteration: int = 0
+    max_iteration: int | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    history: dict[int, dict[str, Any]] = field(default_factory=dict)
+    step_state: Any = None
+    handler_metadata: dict[str, Any] = field(default_factory=dict)
+    event_counts: dict[str, Any] = field(default_factory=dict)
+    status: str = "running"
+    times: dict[int, float] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=new_stats)
+
+    def replace(self, **changes: Any) -> "State":
+        """Returns a copy with `changes` applied.
+
+        Example:
+            >>> State(epoch=1).replace(metrics={"loss": 0.5}).metrics
+            {'loss': 0.5}
+        """
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ValueError(
+                f"State.replace got unknown fields {sorted(unknown)}; accepted: "
+                f"{', '.join(f.name for f in dataclasses.fields(self))}"
+            )
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def params(self) -> Any:
+        """`step_state["params"]`: the variables `model.apply` accepts."""
+        if isinstance(self.step_state, dict) and "params" in self.step_state:
+            return self.step_state["params"]
+        return None

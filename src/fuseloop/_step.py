@@ -1,0 +1,248 @@
+"""Step builders: the pure functions the unfused and the fused loop both run.
+
+A *program* knows how to build the initial step state and how to take one step:
+`step(step_state, batch) -> (step_state, aux)`, where `aux` carries what metrics need
+(`y_true`, `y_pred`, `loss`). `carry_step` wraps it with the metric accumulators and the
+optional non-finite guard; that wrapped function is the one thing both loops execute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ._metrics import MetricSpec, resolve_loss
+from .models import as_model
+
+__all__ = ["Program", "trainer_program", "evaluator_program", "custom_program", "make_carry_step"]
+
+OPTIMIZERS: dict[str, tuple[Callable[..., optax.GradientTransformation], float]] = {
+    "sgd": (optax.sgd, 1e-2),
+    "adam": (optax.adam, 1e-3),
+    "adamw": (optax.adamw, 1e-3),
+}
+
+
+def resolve_optimizer(optimizer: Any) -> optax.GradientTransformation:
+    """Returns an optax transformation for a name or a transformation.
+
+    Named optimizers are built with `optax.inject_hyperparams`, so their learning rate
+    lives in the optimizer state and can be changed between chunks.
+    """
+    if isinstance(optimizer, str):
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"optimizer={optimizer!r} is not a known optimizer; accepted values: "
+                f"{', '.join(OPTIMIZERS)} or an optax.GradientTransformation"
+            )
+        factory, learning_rate = OPTIMIZERS[optimizer]
+        return optax.inject_hyperparams(factory)(learning_rate=learning_rate)
+    if isinstance(optimizer, optax.GradientTransformation) or (
+        hasattr(optimizer, "init") and hasattr(optimizer, "update")
+    ):
+        return optimizer
+    raise ValueError(
+        f"optimizer={optimizer!r} must be a name ({', '.join(OPTIMIZERS)}) or an "
+        f"optax.GradientTransformation"
+    )
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """`(x, y)` from a batch; anything else is a clear error."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    kind = type(batch).__name__
+    size = f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""
+    raise ValueError(
+        f"data: a batch must be a pair (x, y); got a {kind}{size}. Yield (inputs, targets) "
+        f"tuples, or use fl.loop(step_fn) for other batch structures"
+    )
+
+
+@dataclass(frozen=True)
+class Program:
+    """A step function and how to start it.
+
+    Attributes:
+        init: `(first_batch, init_state) -> step_state` (runs on the host, once per run).
+        step: `(step_state, batch) -> (step_state, aux)`; pure and jit-able.
+        donate_state: Whether the step state may be donated (False for evaluators, whose
+            step state is the caller's params).
+        kind: "trainer", "evaluator" or "custom".
+    """
+
+    init: Callable[[Any, Any], Any]
+    step: Callable[[Any, Any], tuple[Any, dict[str, Any]]]
+    donate_state: bool
+    kind: str
+    loss_name: str | None = None
+    optimizer: Any = None
+    model: Any = None
+    loss: Any = None
+
+
+def _trainable(variables: Any) -> tuple[Any, Any]:
+    """Splits variables into (trainable params, the rest)."""
+    if isinstance(variables, dict) and "params" in variables:
+        rest = {k: v for k, v in variables.items() if k != "params"}
+        return variables["params"], rest
+    return variables, None
+
+
+def _merge(params: Any, rest: Any) -> Any:
+    if rest is None:
+        return params
+    return {"params": params, **rest}
+
+
+def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program:
+    """The supervised training step: forward, loss, gradient and optimizer update."""
+    adapter = as_model(model)
+    loss_name, loss_fn = resolve_loss(loss)
+    tx = resolve_optimizer(optimizer)
+
+    def init(first_batch: Any, variables: Any) -> dict[str, Any]:
+        x, _ = split_batch(first_batch)
+        init_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
+        if variables is None:
+            variables = adapter.init(init_key, x)
+        params, _ = _trainable(variables)
+        return {
+            "params": variables,
+            "opt_state": tx.init(params),
+            "rng": dropout_key,
+            "step": jnp.zeros((), jnp.int32),
+        }
+
+    def step(state: dict[str, Any], batch: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        x, y = split_batch(batch)
+        # Randomness comes from the global step counter, so a fused and an unfused run
+        # (and a resumed one) draw the same dropout masks.
+        key = jax.random.fold_in(state["rng"], state["step"])
+        params, rest = _trainable(state["params"])
+
+        def objective(p: Any) -> tuple[Any, tuple[Any, Any]]:
+            y_pred, new_rest = adapter.forward(_merge(p, rest), x, train=True, rng=key)
+            return loss_fn(y, y_pred), (y_pred, new_rest)
+
+        (loss_value, (y_pred, new_rest)), grads = jax.value_and_grad(objective, has_aux=True)(
+            params
+        )
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        params = optax.apply_updates(params, updates)
+        new_state = {
+            "params": _merge(params, rest if new_rest is None else new_rest),
+            "opt_state": opt_state,
+            "rng": state["rng"],
+            "step": state["step"] + 1,
+        }
+        return new_state, {"loss": loss_value, "y_pred": y_pred, "y_true": y}
+
+    return Program(init, step, True, "trainer", loss_name, tx, adapter, loss)
+
+
+def evaluator_program(model: Any, loss: Any = None) -> Program:
+    """The evaluation step: a forward pass in inference mode (and the loss, if given)."""
+    adapter = as_model(model)
+    loss_name, loss_fn = resolve_loss(loss) if loss is not None else (None, None)
+
+    def init(first_batch: Any, variables: Any) -> dict[str, Any]:
+        if variables is None:
+            raise ValueError(
+                "init_state: an evaluator needs trained variables (or a State holding "
+                "them): evaluator(model).run(data, params)"
+            )
+        return {"params": variables}
+
+    def step(state: dict[str, Any], batch: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        x, y = split_batch(batch)
+        y_pred, _ = adapter.forward(state["params"], x, train=False, rng=None)
+        aux = {"y_pred": y_pred, "y_true": y}
+        if loss_fn is not None:
+            aux["loss"] = loss_fn(y, y_pred)
+        return state, aux
+
+    return Program(init, step, False, "evaluator", loss_name, None, adapter, loss)
+
+
+def custom_program(step_fn: Callable[[Any, Any], Any], init_fn: Callable | None) -> Program:
+    """A user loop: `step_fn(batch, step_state) -> step_state`."""
+
+    def init(first_batch: Any, init_state: Any) -> Any:
+        if init_fn is None:
+            return init_state
+        return init_fn(first_batch, init_state)
+
+    def step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
+        new_state = step_fn(batch, state)
+        aux: dict[str, Any] = {"step_state": new_state}
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+            aux["y_true"] = batch[1]
+        if isinstance(new_state, dict):
+            if "y_pred" in new_state:
+                aux["y_pred"] = new_state["y_pred"]
+            if "loss" in new_state:
+                aux["loss"] = new_state["loss"]
+        return new_state, aux
+
+    return Program(init, step, True, "custom")
+
+
+def _metric_value(spec: MetricSpec, aux: dict[str, Any]) -> Any:
+    if spec.source is not None:
+        if spec.source in aux:
+            return aux[spec.source]
+        inner = aux.get("step_state")
+        if isinstance(inner, dict) and spec.source in inner:
+            return inner[spec.source]
+        raise ValueError(
+            f"metric {spec.name!r} reads {spec.source!r}, which the step does not produce; "
+            f"return a dict step state holding a scalar {spec.source!r}"
+        )
+    if "y_pred" not in aux or "y_true" not in aux:
+        raise ValueError(
+            f"metric {spec.name!r} needs y_true and y_pred: a custom loop's step must return "
+            f"a dict step state with a 'y_pred' entry and take (x, y) batches, or name a "
+            f"scalar of its step state with Loop.metric(name, ...)"
+        )
+    return spec.fn(aux["y_true"], aux["y_pred"])
+
+
+def init_tail(metrics: tuple[MetricSpec, ...], guard_nonfinite: bool) -> dict[str, Any]:
+    """The part of the carry beside the step state: metric sums/counts and the guard flag."""
+    tail: dict[str, Any] = {"acc": {m.name: m.init() for m in metrics}}
+    if guard_nonfinite:
+        tail["nonfinite"] = jnp.zeros((), jnp.bool_)
+    return tail
+
+
+def make_carry_step(
+    program: Program, metrics: tuple[MetricSpec, ...], guard_nonfinite: bool
+) -> Callable[[Any, dict[str, Any], Any], tuple[Any, dict[str, Any]]]:
+    """`(step_state, tail, batch) -> (step_state, tail)`: one step plus metric accumulation.
+
+    With the guard on, a step whose loss is not finite is not committed: the step state and
+    the accumulators stay as they were and `tail["nonfinite"]` becomes (and stays) True.
+    """
+
+    def carry_step(state: Any, tail: dict[str, Any], batch: Any) -> tuple[Any, dict[str, Any]]:
+        new_state, aux = program.step(state, batch)
+        acc = {m.name: m.update(tail["acc"][m.name], _metric_value(m, aux)) for m in metrics}
+        if not guard_nonfinite:
+            return new_state, {"acc": acc}
+        if "loss" not in aux:
+            raise ValueError(
+                "terminate_on_nan needs a loss: use it with a trainer, or return a dict step "
+                "state with a scalar 'loss' from a custom loop"
+            )
+        bad = tail["nonfinite"] | ~jnp.all(jnp.isfinite(aux["loss"]))
+        keep = lambda old, new: jax.lax.select(bad, old, new)  # noqa: E731
+        new_state = jax.tree.map(keep, state, new_state)
+        acc = jax.tree.map(keep, tail["acc"], acc)
+        return new_state, {"acc": acc, "nonfinite": bad}
+
+    return carry_step

@@ -1,0 +1,1 @@
+"""Handlers users attach to a Loop: log, validate, monitors, checkpoints, progress, writers."""

@@ -1,0 +1,3 @@
+"""(in progress)"""
+def plot_history(history, path):
+    raise NotImplementedError
