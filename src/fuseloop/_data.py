@@ -39,6 +39,8 @@ class Source:
             self.kind = "callable"
         self._open: list[Iterator[Any]] = []
         self.pulled = 0
+        self.position = (0, 0)  # (epoch, first iteration of the current epoch) for notes
+        self.epoch_pulled = 0
 
     @property
     def prefetch_safe(self) -> bool:
@@ -47,6 +49,7 @@ class Source:
 
     def epoch_iterator(self, epoch: int) -> Iterator[Any]:
         """The iterator for `epoch`; the previous epoch's is closed if it was not finished."""
+        self.epoch_pulled = 0
         if self.one_shot:
             if not self._open:
                 self._open.append(self.data)
@@ -63,8 +66,17 @@ class Source:
 
     def pull(self, iterator: Iterator[Any], count: int) -> list[Any]:
         """Up to `count` batches from `iterator`, never more (exact consumption)."""
-        batches = list(itertools.islice(iterator, count))
+        try:
+            batches = list(itertools.islice(iterator, count))
+        except Exception as error:
+            epoch, _ = self.position
+            error.add_note(
+                f"fuseloop: raised by the data source while pulling the batch for epoch "
+                f"{epoch}, iteration {self.epoch_pulled}"
+            )
+            raise
         self.pulled += len(batches)
+        self.epoch_pulled += len(batches)
         return batches
 
     def close(self) -> None:

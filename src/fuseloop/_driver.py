@@ -20,7 +20,6 @@ from ._execute import Executor
 from ._metrics import read_metric
 from ._replay import EventBus
 from ._state import State, new_stats
-from ._step import split_batch
 from ._signals import SignalGuard
 
 __all__ = ["run_loop"]
@@ -105,8 +104,7 @@ class Run:
                 "data is empty: the first epoch yielded no batch. Pass at least one (x, y) "
                 "batch (check batch_size against the dataset size and drop_remainder)"
             )
-        if self.loop.program.kind != "custom":
-            split_batch(first[0])
+        self.executor.checker.first(first[0])
         return first[0]
 
     def _initial_step_state(self, user_state: Any, first: Any) -> Any:

@@ -19,6 +19,7 @@ import numpy as np
 
 from ._events import CONTINUE, HALT_LOOP, Event
 from ._fusion import make_chunk_fn, resolve_fuse, stack_chunk
+from ._checks import Checker
 from ._placement import Placement
 from ._step import init_tail, make_carry_step
 
@@ -82,6 +83,8 @@ class Executor:
         self.max_in_flight = max_in_flight
         self.compiled = _Compiled(loop)
         self.placement = Placement(mesh, stats)
+        self.checker = Checker(loop.program)
+        self.epoch = 0
         self.state: Any = None
         self.tail: Any = None
         self.pending: list[Any] = []
@@ -128,6 +131,8 @@ class Executor:
 
     def run_epoch(self, state: Any, iterator: Iterator[Any], source: Any, bound: int | None,
                   bus: Any, signals: Any) -> tuple[str, Any]:
+        self.epoch = state.epoch
+        source.position = (state.epoch, 0)
         if self.fuse is None:
             return self._unfused_epoch(state, iterator, source, bound, bus, signals)
         return self._fused_epoch(state, iterator, source, bound, bus, signals)
@@ -145,6 +150,7 @@ class Executor:
             status, state = self._fire_live(bus, _STARTED, state, i)
             if status != CONTINUE:
                 break
+            self.checker.batch(batch[0], self.epoch, i)
             device_batch = self.placement.put_batch(batch[0], i)
             self.state, self.tail = step(self.state, self.tail, device_batch)
             self.stats["dispatches"] += 1
@@ -193,6 +199,7 @@ class Executor:
         batches = self._pull(iterator, source, requested)
         if not batches:
             return None
+        self.checker.chunk(batches, self.epoch, first_index)
         stacked = stack_chunk(batches, size, first_index)
         chunk = self.placement.put_chunk((stacked, np.int32(len(batches))))
         return chunk, len(batches), requested
