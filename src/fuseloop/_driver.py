@@ -21,6 +21,7 @@ from ._metrics import read_metric
 from ._replay import EventBus
 from ._state import State, new_stats
 from ._signals import SignalGuard
+from ._start import initial_step_state
 
 __all__ = ["run_loop"]
 
@@ -44,15 +45,6 @@ class _HostReads:
         }
 
 
-def _copy_tree(tree: Any) -> Any:
-    """A private device copy, so donation never invalidates the caller's arrays."""
-    return jax.tree.map(lambda a: jnp.array(a, copy=True) if _is_array(a) else a, tree)
-
-
-def _is_array(value: Any) -> bool:
-    return isinstance(value, (jax.Array, np.ndarray, np.generic))
-
-
 def _check_count(value: Any, argument: str, allow_none: bool) -> None:
     if value is None and allow_none:
         return
@@ -65,10 +57,13 @@ class Run:
 
     def __init__(self, loop: Any, data: Any, init_state: Any, *, epochs: int,
                  iterations: int | None, fuse: Any, jit: bool, progress: bool,
-                 mesh: Any, max_in_flight: int):
+                 mesh: Any, max_in_flight: int, prefetch: int = 2):
         _check_count(epochs, "epochs", allow_none=False)
         _check_count(iterations, "iterations", allow_none=True)
         _check_count(max_in_flight, "max_in_flight", allow_none=False)
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch={prefetch!r} must be an int >= 0 (chunks pulled ahead "
+                             f"in a background thread; 0 pulls the next chunk in the caller)")
         if not isinstance(jit, bool):
             raise ValueError(f"jit={jit!r} must be True or False")
         self.loop, self.epochs, self.iterations = loop, int(epochs), iterations
@@ -76,7 +71,8 @@ class Run:
         self.source = as_source(data)
         self.reads = _HostReads(self.stats, loop.metrics)
         self.executor = Executor(loop, fuse=fuse, jit=jit, mesh=mesh, stats=self.stats,
-                                 max_in_flight=max_in_flight, reads=self.reads)
+                                 max_in_flight=max_in_flight, reads=self.reads,
+                                 prefetch=prefetch)
         self.bus = EventBus(loop.registrations, progress=progress, reads=self.reads)
         self.init_state = init_state
 
@@ -107,22 +103,14 @@ class Run:
         self.executor.checker.first(first[0])
         return first[0]
 
-    def _initial_step_state(self, user_state: Any, first: Any) -> Any:
-        program = self.loop.program
-        if program.kind == "evaluator":
-            return program.init(first, user_state)
-        copied = _copy_tree(user_state) if user_state is not None else None
-        if program.kind == "trainer" and isinstance(self.init_state, State):
-            return copied  # resume: the saved step state as it was
-        return _copy_tree(program.init(first, copied))
-
     # ----------------------------------------------------------------- the run
     def run(self) -> State:
         state, user_state, self.start_epoch = self._resume()
         try:
             first = self._first_batch()
-            step_state = self._initial_step_state(user_state, first)
-            self.executor.start(step_state, first)
+            step_state = initial_step_state(self.loop, user_state, first,
+                                            resuming=isinstance(self.init_state, State))
+            self.executor.start(step_state, first, self.source, self.start_epoch)
             with SignalGuard() as signals:
                 state = self._epochs(state, signals)
         finally:

@@ -21,6 +21,7 @@ from ._events import CONTINUE, HALT_LOOP, Event
 from ._fusion import make_chunk_fn, resolve_fuse, stack_chunk
 from ._checks import Checker
 from ._placement import Placement
+from ._prefetch import ChunkProducer
 from ._step import init_tail, make_carry_step
 
 __all__ = ["Executor"]
@@ -77,10 +78,11 @@ class Executor:
     """Holds the device-side carry (step state + metric tail) and runs epochs."""
 
     def __init__(self, loop: Any, *, fuse: Any, jit: bool, mesh: Any, stats: dict[str, Any],
-                 max_in_flight: int, reads: Any):
+                 max_in_flight: int, reads: Any, prefetch: int = 2):
         self.loop, self.jit, self.stats, self.reads = loop, jit, stats, reads
         self.fuse = resolve_fuse(fuse, jit)
         self.max_in_flight = max_in_flight
+        self.prefetch = prefetch
         self.compiled = _Compiled(loop)
         self.placement = Placement(mesh, stats)
         self.checker = Checker(loop.program)
@@ -91,9 +93,15 @@ class Executor:
         self._metrics_cache: dict[str, float] | None = None
 
     # ----------------------------------------------------------------- lifecycle
-    def start(self, step_state: Any, first_batch: Any) -> None:
+    def start(self, step_state: Any, first_batch: Any, source: Any, start_epoch: int) -> None:
         self.state = self.placement.put_state(step_state)
         self.pending = [first_batch]
+        self.resident = None
+        if getattr(source.data, "resident", False):
+            from ._resident import ResidentData
+
+            self.pending = []  # the first batch only shaped the initialization
+            self.resident = ResidentData(source.data, self, start_epoch)
         if self.fuse == "auto":
             from .diagnostics import choose_chunk_size
 
@@ -132,27 +140,40 @@ class Executor:
     def run_epoch(self, state: Any, iterator: Iterator[Any], source: Any, bound: int | None,
                   bus: Any, signals: Any) -> tuple[str, Any]:
         self.epoch = state.epoch
-        source.position = (state.epoch, 0)
+        if self.resident is not None:
+            if self.fuse is not None:
+                return self.resident.run_epoch(state, bound, bus, signals)
+            return self._unfused_epoch(state, *self.resident.unfused_feed(bound), bus, signals)
+        step = self.compiled.step(self.jit)
+
+        def next_batch(i: int) -> Any:
+            batch = self._pull(iterator, source, 1)
+            return batch[0] if batch else None
+
+        def dispatch(batch: Any, i: int) -> None:
+            self.checker.batch(batch, self.epoch, i)
+            device_batch = self.placement.put_batch(batch, i)
+            self.state, self.tail = step(self.state, self.tail, device_batch)
+
         if self.fuse is None:
-            return self._unfused_epoch(state, iterator, source, bound, bus, signals)
+            return self._unfused_epoch(state, next_batch, dispatch, bound, bus, signals)
         return self._fused_epoch(state, iterator, source, bound, bus, signals)
 
     # ----------------------------------------------------------------- unfused
-    def _unfused_epoch(self, state: Any, iterator: Iterator[Any], source: Any,
-                       bound: int | None, bus: Any, signals: Any) -> tuple[str, Any]:
-        step = self.compiled.step(self.jit)
+    def _unfused_epoch(self, state: Any, next_batch: Any, dispatch: Any, bound: int | None,
+                       bus: Any, signals: Any) -> tuple[str, Any]:
+        """One dispatch per batch: `next_batch(i)` gives it (None at the end),
+        `dispatch(batch, i)` steps it."""
         status, i, in_flight, last = CONTINUE, 0, 0, 0
         while bound is None or i < bound:
-            batch = self._pull(iterator, source, 1)
-            if not batch:
+            batch = next_batch(i)
+            if batch is None:
                 break
             last = i
             status, state = self._fire_live(bus, _STARTED, state, i)
             if status != CONTINUE:
                 break
-            self.checker.batch(batch[0], self.epoch, i)
-            device_batch = self.placement.put_batch(batch[0], i)
-            self.state, self.tail = step(self.state, self.tail, device_batch)
+            dispatch(batch, i)
             self.stats["dispatches"] += 1
             self._metrics_cache = None
             if self.loop.guard_nonfinite and self._nonfinite():
@@ -211,26 +232,35 @@ class Executor:
         program = self.compiled.chunk(record)
         # Pulling ahead is harmless for re-iterable sources; for a one-shot iterator only
         # when no iteration handler can halt mid-chunk (exact consumption wins).
-        prefetch = source.prefetch_safe or not (record or guard)
+        ahead = source.prefetch_safe or not (record or guard)
+        prepare = lambda first: self._prepare(iterator, source, first, bound)  # noqa: E731
+        producer = ChunkProducer(prepare, self.prefetch) if ahead and self.prefetch else None
+        next_chunk = producer.get if producer else prepare
         status, i, last = CONTINUE, 0, 0
         self._previous: dict[str, float] = {}
-        nxt = self._prepare(iterator, source, 0, bound)
-        while nxt is not None:
-            (chunk, n_valid), n, requested = nxt
-            self.state, self.tail, records, n_run = program(self.state, self.tail, chunk, n_valid)
-            self.stats["dispatches"] += 1
-            self._metrics_cache = None
-            exhausted = n < requested or (bound is not None and i + n >= bound)
-            nxt = None
-            if prefetch and not exhausted:
-                # Overlap: the device runs chunk n while the host prepares chunk n+1.
-                nxt = self._prepare(iterator, source, i + n, bound)
-            status, state, last = self._replay(state, bus, i, n, records, n_run, record, guard)
-            i += n
-            if status != CONTINUE or signals.requested:
-                break
-            if not prefetch and not exhausted:
-                nxt = self._prepare(iterator, source, i, bound)
+        try:
+            nxt = next_chunk(0)
+            while nxt is not None:
+                (chunk, n_valid), n, requested = nxt
+                self.state, self.tail, records, n_run = program(self.state, self.tail, chunk,
+                                                                n_valid)
+                self.stats["dispatches"] += 1
+                self._metrics_cache = None
+                exhausted = n < requested or (bound is not None and i + n >= bound)
+                nxt = None
+                if ahead and not exhausted:
+                    # Overlap: the device runs this chunk while the host prepares the next.
+                    nxt = next_chunk(i + n)
+                status, state, last = self._replay(state, bus, i, n, records, n_run, record,
+                                                   guard)
+                i += n
+                if status != CONTINUE or signals.requested:
+                    break
+                if not ahead and not exhausted:
+                    nxt = next_chunk(i)
+        finally:
+            if producer is not None:
+                producer.stop()
         return status, state.replace(iteration=last)
 
     def _replay(self, state: Any, bus: Any, first: int, n: int, records: Any, n_run: Any,

@@ -56,9 +56,9 @@ def resolve_fuse(fuse: Any, jit: bool) -> int | str | None:
     )
 
 
-def _signature(leaf: Any) -> tuple[tuple[int, ...], str]:
-    array = np.asarray(leaf) if not hasattr(leaf, "shape") else leaf
-    return tuple(array.shape), str(array.dtype)
+def _signature(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
+    array = leaf if hasattr(leaf, "dtype") else np.asarray(leaf)
+    return tuple(array.shape), np.dtype(array.dtype)
 
 
 def stack_chunk(batches: Sequence[Any], size: int, first_index: int) -> Any:
@@ -70,31 +70,40 @@ def stack_chunk(batches: Sequence[Any], size: int, first_index: int) -> Any:
     """
     leaves0, treedef = jax.tree.flatten(batches[0])
     expected = [_signature(leaf) for leaf in leaves0]
-    columns: list[list[Any]] = [[leaf] for leaf in leaves0]
-    for offset, batch in enumerate(batches[1:], start=1):
-        leaves, other = jax.tree.flatten(batch)
-        where = f"batch {first_index + offset} (iteration {first_index + offset} of the epoch)"
-        if other != treedef:
-            raise FusionError(
-                f"{where} has structure {other}, expected {treedef} like the chunk's first "
-                f"batch; fused chunks need uniform batches: use fuse=False or make them uniform"
-            )
+    out = [np.empty((size,) + shape, dtype) for shape, dtype in expected]
+    for slot, batch in enumerate(batches):
+        if slot:
+            _check_structure(batch, treedef, first_index + slot)
+        leaves = leaves0 if slot == 0 else treedef.flatten_up_to(batch)
         for j, leaf in enumerate(leaves):
-            actual = _signature(leaf)
-            if actual != expected[j]:
-                raise FusionError(
-                    f"{where}, leaf {j}: expected shape {expected[j][0]} dtype {expected[j][1]}, "
-                    f"got shape {actual[0]} dtype {actual[1]}; fused chunks need uniform "
-                    f"batches: use fuse=False, drop_remainder=True, or pad your batches"
-                )
-            columns[j].append(leaf)
-    stacked = []
-    for column, (shape, dtype) in zip(columns, expected):
-        out = np.zeros((size,) + shape, dtype=dtype)
-        for slot, leaf in enumerate(column):
-            out[slot] = np.asarray(leaf)
-        stacked.append(out)
-    return jax.tree.unflatten(treedef, stacked)
+            if not hasattr(leaf, "dtype"):
+                leaf = np.asarray(leaf)
+            if slot and (tuple(leaf.shape), leaf.dtype) != expected[j]:
+                _raise_mismatch(first_index + slot, j, expected[j], _signature(leaf))
+            out[j][slot] = leaf
+    if len(batches) < size:  # padded slots are never stepped; zeros keep them harmless
+        for buffer in out:
+            buffer[len(batches):] = 0
+    return jax.tree.unflatten(treedef, out)
+
+
+def _check_structure(batch: Any, treedef: Any, index: int) -> None:
+    other = jax.tree.structure(batch)
+    if other != treedef:
+        raise FusionError(
+            f"batch {index} (iteration {index} of the epoch) has structure {other}, expected "
+            f"{treedef} like the chunk's first batch; fused chunks need uniform batches: use "
+            f"fuse=False or make them uniform"
+        )
+
+
+def _raise_mismatch(index: int, leaf: int, expected: tuple[Any, Any], actual: tuple[Any, Any]
+                    ) -> None:
+    raise FusionError(
+        f"batch {index} (iteration {index} of the epoch), leaf {leaf}: expected shape "
+        f"{expected[0]} dtype {expected[1]}, got shape {actual[0]} dtype {actual[1]}; fused "
+        f"chunks need uniform batches: use fuse=False, drop_remainder=True, or pad your batches"
+    )
 
 
 def _index(tree: Any, i: Any) -> Any:
@@ -106,6 +115,7 @@ def make_chunk_fn(
     record: bool,
     guard_nonfinite: bool,
     fetch: Callable[[Any, Any], Any] = _index,
+    slots: int | None = None,
 ) -> Callable[..., tuple[Any, Any, Any, Any]]:
     """The fused program: `(state, tail, chunk, n_valid) -> (state, tail, records, n_run)`.
 
@@ -115,12 +125,13 @@ def make_chunk_fn(
         guard_nonfinite: Stop the loop at the first non-finite step (which is not committed).
         fetch: `(chunk, i) -> batch`; the default indexes a stacked chunk, a device-resident
             source gathers by index instead.
+        slots: The chunk size K (default: the stacked chunk's leading axis).
     """
 
     def chunk_fn(state: Any, tail: Any, chunk: Any, n_valid: Any) -> tuple[Any, Any, Any, Any]:
-        slots = jax.tree.leaves(chunk)[0].shape[0]
+        size = slots if slots is not None else jax.tree.leaves(chunk)[0].shape[0]
         records = (
-            jax.tree.map(lambda a: jnp.zeros((slots,) + a.shape, a.dtype), tail["acc"])
+            jax.tree.map(lambda a: jnp.zeros((size,) + a.shape, a.dtype), tail["acc"])
             if record
             else None
         )

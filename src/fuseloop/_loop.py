@@ -127,7 +127,8 @@ class Loop:
     # ----------------------------------------------------------------- running
     def run(self, data: Any, init_state: Any = None, *, epochs: int = 1,
             iterations: int | None = None, fuse: Any = False, jit: bool = True,
-            progress: bool = False, mesh: Any = None, max_in_flight: int = 64) -> State:
+            progress: bool = False, mesh: Any = None, max_in_flight: int = 64,
+            prefetch: int = 2) -> State:
         """Runs the loop.
 
         Args:
@@ -142,6 +143,8 @@ class Loop:
             progress: Show a tqdm bar per epoch.
             mesh: A `jax.sharding.Mesh` with a "data" axis for data parallelism.
             max_in_flight: Unfused steps the host may queue before waiting for the device.
+            prefetch: Fused chunks a background thread may prepare ahead (0: the next chunk
+                is prepared in the caller's thread while the device runs the current one).
 
         Returns:
             The final State (never donated).
@@ -153,7 +156,7 @@ class Loop:
 
         return run_loop(self, data, init_state, epochs=epochs, iterations=iterations,
                         fuse=fuse, jit=jit, progress=progress, mesh=mesh,
-                        max_in_flight=max_in_flight)
+                        max_in_flight=max_in_flight, prefetch=prefetch)
 
 
 def _known_metrics() -> tuple[str, ...]:

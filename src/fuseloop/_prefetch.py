@@ -1,0 +1,88 @@
+"""A bounded background producer of fused chunks.
+
+While the device runs chunk n, a thread pulls, checks, stacks and transfers the next chunks,
+at most `depth` of them ahead. It is only used where pulling a batch that is never stepped
+is harmless (DESIGN.md §4.7); the loop stops it at the end of every epoch, so no thread
+outlives `run`, and an exception raised by the source is re-raised in the caller's thread
+with its own type and traceback.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable
+
+__all__ = ["ChunkProducer"]
+
+_END = object()
+
+
+class _Failure:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class ChunkProducer:
+    """Runs `prepare(first_index)` ahead in a thread; `get()` returns chunks in order.
+
+    `prepare(first_index)` returns `(chunk, n, requested)` or None at the end of the epoch.
+    """
+
+    def __init__(self, prepare: Callable[[int], Any], depth: int):
+        self._prepare = prepare
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, name="fuseloop-prefetch",
+                                        daemon=True)
+        self._thread.start()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _produce(self) -> None:
+        first = 0
+        try:
+            while not self._stop.is_set():
+                prepared = self._prepare(first)
+                if prepared is None:
+                    break
+                if not self._put(prepared):
+                    return
+                _, n, requested = prepared
+                first += n
+                if n < requested:
+                    break
+        except BaseException as error:  # handed to the consumer, re-raised there
+            self._put(_Failure(error))
+            return
+        self._put(_END)
+
+    def get(self, first_index: int = 0) -> Any:
+        """The next prepared chunk, or None when the epoch's data is exhausted.
+
+        `first_index` is accepted for symmetry with the synchronous path (the thread keeps
+        its own position).
+        """
+        item = self._queue.get()
+        if item is _END:
+            return None
+        if isinstance(item, _Failure):
+            raise item.error
+        return item
+
+    def stop(self) -> None:
+        """Stops the thread and waits for it (batches it pulled ahead are dropped)."""
+        self._stop.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join()

@@ -1,0 +1,125 @@
+"""Device-resident datasets (`fl.data.arrays(..., device=True)`): no transfer per epoch.
+
+The dataset is moved to the device once. Each epoch's order is computed on the device from
+the source's seed and a device-side epoch counter, and every step gathers its batch by
+index there, so an epoch moves nothing from the host: `stats["h2d_transfers"]` only counts
+the dataset's one move. The batches are the ones the host path (`iter_epoch`) serves, in the
+same order, so results match `device=False`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._events import CONTINUE
+from ._fusion import make_chunk_fn
+from ._step import make_carry_step
+
+__all__ = ["ResidentData"]
+
+
+class ResidentData:
+    """Runs the epochs of a device-resident `ArraySource`, fused or unfused."""
+
+    def __init__(self, source: Any, executor: Any, start_epoch: int):
+        if executor.placement.mesh is not None:
+            raise ValueError(
+                "mesh: a device-resident dataset (fl.data.arrays(..., device=True)) is not "
+                "sharded over a mesh yet; use device=False with mesh=..."
+            )
+        self.source, self.executor = source, executor
+        before = source.transfers_done
+        self.data = source.put()
+        executor.stats["h2d_transfers"] += source.transfers_done - before
+        # The epoch counter lives on the device, so advancing it moves nothing.
+        self.epoch = jax.device_put(np.int32(start_epoch))
+        cache, self.guard = executor.loop._cache, executor.loop.guard_nonfinite
+        key = ("resident_epoch", source.seed, source.n, source.batch_size, source.shuffle)
+        if key not in cache:
+            cache[key] = jax.jit(self._next_epoch_fn(source))
+        self.next_epoch = cache[key]
+
+    @staticmethod
+    def _next_epoch_fn(source: Any) -> Any:
+        def next_epoch(epoch: Any) -> tuple[Any, Any, Any]:
+            indices = source.epoch_indices(source.seed, epoch)
+            return indices, epoch + 1, jnp.zeros((), jnp.int32)
+
+        return next_epoch
+
+    def _programs(self, record: bool, fused: bool) -> Any:
+        executor, loop = self.executor, self.executor.loop
+        size = executor.fuse if fused else 1
+        key = ("resident", fused, record, self.guard, size, self.source.batch_size)
+        cache = loop._cache
+        if key in cache:
+            return cache[key]
+        carry_step = make_carry_step(loop.program, loop.metrics, self.guard)
+        gather = self.source.gather
+
+        def fetch(chunk: Any, i: Any) -> Any:
+            data, indices, cursor = chunk
+            return gather(data, indices[cursor + i])
+
+        body = make_chunk_fn(carry_step, record, self.guard, fetch=fetch, slots=size)
+
+        def program(state: Any, tail: Any, data: Any, indices: Any, cursor: Any,
+                    limit: Any) -> tuple[Any, ...]:
+            n_valid = jnp.minimum(size, limit - cursor)
+            state, tail, records, n_run = body(state, tail, (data, indices, cursor), n_valid)
+            return state, tail, records, n_run, cursor + n_run
+
+        donate = (0, 1) if loop.program.donate_state else (1,)
+        cache[key] = jax.jit(executor.compiled._counted(program), donate_argnums=donate,
+                             static_argnums=(5,))
+        return cache[key]
+
+    def _limit(self, bound: int | None) -> int:
+        return self.source.num_batches if bound is None else min(bound, self.source.num_batches)
+
+    def unfused_feed(self, bound: int | None) -> tuple[Any, Any, int]:
+        """`(next_batch, dispatch, bound)` for the executor's unfused loop: one gathered
+        step per dispatch, still without any host transfer."""
+        program = self._programs(record=False, fused=False)
+        limit = self._limit(bound)
+        indices, self.epoch, cursor = self.next_epoch(self.epoch)
+        position = {"cursor": cursor}
+
+        def next_batch(i: int) -> Any:
+            return True if i < limit else None
+
+        def dispatch(_: Any, i: int) -> None:
+            executor = self.executor
+            executor.state, executor.tail, _, _, position["cursor"] = program(
+                executor.state, executor.tail, self.data, indices, position["cursor"], limit)
+
+        return next_batch, dispatch, limit
+
+    def run_epoch(self, state: Any, bound: int | None, bus: Any, signals: Any
+                  ) -> tuple[str, Any]:
+        """One epoch, one dispatch per chunk (K = 1 when unfused), no host transfer."""
+        executor = self.executor
+        fused = executor.fuse is not None
+        record = bus.has_iteration_handlers
+        program = self._programs(record, fused)
+        indices, self.epoch, cursor = self.next_epoch(self.epoch)
+        limit = self._limit(bound)
+        size = executor.fuse if fused else 1
+        status, i, last = CONTINUE, 0, 0
+        executor._previous = {}
+        while i < limit:
+            n = min(size, limit - i)
+            executor.state, executor.tail, records, n_run, cursor = program(
+                executor.state, executor.tail, self.data, indices, cursor, limit)
+            executor.stats["dispatches"] += 1
+            executor._metrics_cache = None
+            status, state, last = executor._replay(state, bus, i, n, records, n_run, record,
+                                                   self.guard)
+            i += n
+            if status != CONTINUE or signals.requested:
+                break
+        return status, state.replace(iteration=last)
