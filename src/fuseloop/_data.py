@@ -47,6 +47,13 @@ class Source:
         """Whether pulling a batch that is never stepped is harmless (DESIGN.md §4.7)."""
         return not self.one_shot
 
+    @property
+    def in_memory(self) -> bool:
+        """Batches already in host memory (a list, or `fl.data.arrays`): pulling one is so
+        cheap that a producer thread would only add GIL hand-offs, so the loop prepares the
+        next chunk in its own thread while the device runs the current one."""
+        return isinstance(self.data, (list, tuple)) or type(self.data).__name__ == "ArraySource"
+
     def epoch_iterator(self, epoch: int) -> Iterator[Any]:
         """The iterator for `epoch`; the previous epoch's is closed if it was not finished."""
         self.epoch_pulled = 0

@@ -29,6 +29,10 @@ __all__ = ["Executor"]
 _STARTED, _COMPLETED = Event.ITERATION_STARTED, Event.ITERATION_COMPLETED
 
 
+def _constant(value: Any) -> Any:
+    return lambda: value
+
+
 class _Compiled:
     """The loop's jitted programs, cached on the Loop so a second run does not recompile."""
 
@@ -234,10 +238,11 @@ class Executor:
         # when no iteration handler can halt mid-chunk (exact consumption wins).
         ahead = source.prefetch_safe or not (record or guard)
         prepare = lambda first: self._prepare(iterator, source, first, bound)  # noqa: E731
-        producer = ChunkProducer(prepare, self.prefetch) if ahead and self.prefetch else None
+        threaded = ahead and self.prefetch > 0 and not source.in_memory
+        producer = ChunkProducer(prepare, self.prefetch) if threaded else None
         next_chunk = producer.get if producer else prepare
         status, i, last = CONTINUE, 0, 0
-        self._previous: dict[str, float] = {}
+        self._previous: Any = dict  # metrics before the epoch's first iteration: none
         try:
             nxt = next_chunk(0)
             while nxt is not None:
@@ -267,11 +272,15 @@ class Executor:
                 record: bool, guard: bool) -> tuple[str, Any, int]:
         """Fires the chunk's iteration events on the host, in unfused order.
 
-        Returns the status, the State, and the last iteration whose events fired.
+        Returns the status, the State, and the last iteration whose events fired. A chunk in
+        which no handler fires (judged from the counters) is not read at all; its records
+        stay on the device in case the next chunk's first `iteration_started` needs them.
         """
-        if not (record or guard):
+        if not guard and not (record and bus.fires_within(n)):
             bus.skip_iterations(n)
             bus.advance(n, None)
+            if record:
+                self._previous = self._lazy_record(records, n - 1)
             return CONTINUE, state, first + n - 1
         # Host sync: once per chunk, the records (and the non-finite flag) come back.
         wanted = {"records": records, "n_run": n_run}
@@ -285,23 +294,36 @@ class Executor:
         for j in range(good):
             before = self._previous
             current = self._record_metrics(host["records"], j) if record else {}
-            status, state = bus.fire_iteration(_STARTED, state, first + j, lambda: before, None)
+            status, state = bus.fire_iteration(_STARTED, state, first + j, before, None)
             if status != CONTINUE:
                 last = first + j
                 break
-            status, state = bus.fire_iteration(_COMPLETED, state, first + j,
-                                               lambda: current, None)
-            self._previous = current
+            self._previous = _constant(current)
+            status, state = bus.fire_iteration(_COMPLETED, state, first + j, self._previous,
+                                               None)
             if status != CONTINUE:
                 last = first + j
                 break
         else:
             if good < n:  # the non-finite step: its iteration started, then the loop halts
-                before = self._previous
-                _, state = bus.fire_iteration(_STARTED, state, first + good, lambda: before, None)
+                _, state = bus.fire_iteration(_STARTED, state, first + good, self._previous,
+                                              None)
                 return HALT_LOOP, self._mark_nonfinite(state, first + good), first + good
-        bus.advance(n, self._previous or None)
+        bus.advance(n, self._previous() if record else None)
         return status, state, last
+
+    def _lazy_record(self, records: Any, j: int) -> Any:
+        """Metrics of slot `j` of a chunk that was not read, read only if asked for."""
+        cache: dict[str, Any] = {}
+
+        def metrics() -> dict[str, float]:
+            if "value" not in cache:
+                # Host sync: an iteration_started handler needs the previous chunk's last
+                # iteration's metrics.
+                cache["value"] = self._record_metrics(self.reads.get(records), j)
+            return cache["value"]
+
+        return metrics
 
     def _record_metrics(self, records: Any, j: int) -> dict[str, float]:
         acc = {name: {"sum": rec["sum"][j], "count": rec["count"][j]}

@@ -48,9 +48,12 @@ class Placement:
                 )
 
     def put_batch(self, batch: Any, iteration: int) -> Any:
+        """One batch for an unfused step. On one device the host arrays go straight into
+        the compiled call, whose C++ argument path moves them far faster than a separate
+        `device_put` (the transfer is still counted)."""
         self.stats["h2d_transfers"] += 1
         if self._batch is None:
-            return jax.device_put(batch)
+            return batch
         self._check_divisible(batch, 0, f"the batch at iteration {iteration}")
         return jax.device_put(batch, self._batch)
 

@@ -110,7 +110,7 @@ class ResidentData:
         limit = self._limit(bound)
         size = executor.fuse if fused else 1
         status, i, last = CONTINUE, 0, 0
-        executor._previous = {}
+        executor._previous = dict
         while i < limit:
             n = min(size, limit - i)
             executor.state, executor.tail, records, n_run, cursor = program(
