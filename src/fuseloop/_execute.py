@@ -73,6 +73,14 @@ class _Compiled:
             self.cache[key] = jax.jit(self._counted(fn), donate_argnums=self._donate(2))
         return self.cache[key]
 
+    def fresh_tail(self) -> Any:
+        """Zeroed metric accumulators (and guard flag), made by one cached program."""
+        key = ("tail", self.loop.guard_nonfinite)
+        if key not in self.cache:
+            metrics, guard = self.loop.metrics, self.loop.guard_nonfinite
+            self.cache[key] = jax.jit(lambda: init_tail(metrics, guard))
+        return self.cache[key]()
+
     @property
     def traces(self) -> int:
         return self.cache["traces"][0]
@@ -122,8 +130,7 @@ class Executor:
             self.state = self.placement.put_state(step_state)
 
     def reset_metrics(self) -> None:
-        self.tail = self.placement.put_state(
-            init_tail(self.loop.metrics, self.loop.guard_nonfinite))
+        self.tail = self.placement.put_state(self.compiled.fresh_tail())
         self._metrics_cache = {}
 
     def final_metrics(self) -> dict[str, float]:

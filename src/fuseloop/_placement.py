@@ -33,7 +33,10 @@ class Placement:
         self._chunk = NamedSharding(mesh, PartitionSpec(None, "data"))
 
     def put_state(self, tree: Any) -> Any:
+        """The step state (or metric tail) on the device; replicated over a mesh."""
         if self._state is None:
+            if all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(tree)):
+                return tree  # already on the device: skip a Python-side device_put
             return jax.device_put(tree)
         return jax.device_put(tree, self._state)
 

@@ -59,11 +59,12 @@ class ResidentData:
         if key in cache:
             return cache[key]
         carry_step = make_carry_step(loop.program, loop.metrics, self.guard)
-        gather = self.source.gather
-
         def fetch(chunk: Any, i: Any) -> Any:
             data, indices, cursor = chunk
-            return gather(data, indices[cursor + i])
+            rows = indices[cursor + i]
+            # Plain indexing (clamping) rather than jnp.take's default fill mode, which adds
+            # a mask per element; the indices are a permutation, always in bounds.
+            return jax.tree.map(lambda leaf: leaf[rows], data)
 
         body = make_chunk_fn(carry_step, record, self.guard, fetch=fetch, slots=size)
 
