@@ -10,8 +10,11 @@ Kinds of data (DESIGN.md §3):
 
 from __future__ import annotations
 
-import itertools
+import collections.abc
 from typing import Any, Iterator
+
+import jax
+import numpy as np
 
 __all__ = ["as_source", "Source"]
 
@@ -31,7 +34,7 @@ class Source:
                 f"batches, a re-iterable, a callable returning an iterator, an iterator, "
                 f"or fl.data.arrays(x, y, batch_size)"
             )
-        elif hasattr(data, "__iter__") and iter(data) is data:
+        elif isinstance(data, collections.abc.Iterator):  # never iter(): it may open a pass
             self.kind, self.one_shot = "one_shot", True
         elif hasattr(data, "__iter__"):
             self.kind = "reiterable"
@@ -39,8 +42,9 @@ class Source:
             self.kind = "callable"
         self._open: list[Iterator[Any]] = []
         self.pulled = 0
-        self.position = (0, 0)  # (epoch, first iteration of the current epoch) for notes
+        self.epoch = 0  # for notes on errors raised by the source
         self.epoch_pulled = 0
+        self._convert: bool | None = None  # decided by the first batch
 
     @property
     def prefetch_safe(self) -> bool:
@@ -52,11 +56,13 @@ class Source:
         """Batches already in host memory (a list, or `fl.data.arrays`): pulling one is so
         cheap that a producer thread would only add GIL hand-offs, so the loop prepares the
         next chunk in its own thread while the device runs the current one."""
-        return isinstance(self.data, (list, tuple)) or type(self.data).__name__ == "ArraySource"
+        from .data import ArraySource
+
+        return isinstance(self.data, (list, tuple, ArraySource))
 
     def epoch_iterator(self, epoch: int) -> Iterator[Any]:
         """The iterator for `epoch`; the previous epoch's is closed if it was not finished."""
-        self.epoch_pulled = 0
+        self.epoch, self.epoch_pulled = epoch, 0
         if self.one_shot:
             if not self._open:
                 self._open.append(self.data)
@@ -72,18 +78,28 @@ class Source:
         return iterator
 
     def pull(self, iterator: Iterator[Any], count: int) -> list[Any]:
-        """Up to `count` batches from `iterator`, never more (exact consumption)."""
-        try:
-            batches = list(itertools.islice(iterator, count))
-        except Exception as error:
-            epoch, _ = self.position
-            error.add_note(
-                f"fuseloop: raised by the data source while pulling the batch for epoch "
-                f"{epoch}, iteration {self.epoch_pulled}"
-            )
-            raise
-        self.pulled += len(batches)
-        self.epoch_pulled += len(batches)
+        """Up to `count` batches from `iterator`, never more (exact consumption).
+
+        Leaves that are neither numpy nor jax arrays (torch tensors from a DataLoader's
+        default collate, Python lists) are converted with `np.asarray`.
+        """
+        batches = []
+        for _ in range(count):
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            except Exception as error:
+                error.add_note(
+                    f"fuseloop: raised by the data source while pulling the batch for epoch "
+                    f"{self.epoch}, iteration {self.epoch_pulled}"
+                )
+                raise
+            if self._convert is None:
+                self._convert = not all(map(_is_array, jax.tree.leaves(batch)))
+            batches.append(jax.tree.map(_as_array, batch) if self._convert else batch)
+            self.pulled += 1
+            self.epoch_pulled += 1
         return batches
 
     def close(self) -> None:
@@ -94,6 +110,14 @@ class Source:
             if close is not None:
                 close()
         self._open.clear()
+
+
+def _is_array(leaf: Any) -> bool:
+    return isinstance(leaf, (np.ndarray, jax.Array))
+
+
+def _as_array(leaf: Any) -> Any:
+    return leaf if _is_array(leaf) else np.asarray(leaf)
 
 
 def as_source(data: Any) -> Source:

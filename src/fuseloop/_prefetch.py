@@ -31,25 +31,32 @@ class ChunkProducer:
 
     def __init__(self, prepare: Callable[[int], Any], depth: int):
         self._prepare = prepare
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue[Any] = queue.Queue()
+        # At most `depth` chunks prepared and not yet handed out: a slot is taken before
+        # a chunk is pulled and given back when the consumer takes the next one.
+        self._slots = threading.Semaphore(depth)
+        self._handed_out = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, name="fuseloop-prefetch",
                                         daemon=True)
         self._thread.start()
 
-    def _put(self, item: Any) -> bool:
+    def _acquire(self) -> bool:
         while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)
+            if self._slots.acquire(timeout=0.05):
                 return True
-            except queue.Full:
-                continue
         return False
+
+    def _put(self, item: Any) -> bool:
+        if self._stop.is_set():
+            return False
+        self._queue.put(item)
+        return True
 
     def _produce(self) -> None:
         first = 0
         try:
-            while not self._stop.is_set():
+            while self._acquire():
                 prepared = self._prepare(first)
                 if prepared is None:
                     break
@@ -70,7 +77,10 @@ class ChunkProducer:
         `first_index` is accepted for symmetry with the synchronous path (the thread keeps
         its own position).
         """
+        if self._handed_out:  # the previous chunk has been dispatched: free its slot
+            self._slots.release()
         item = self._queue.get()
+        self._handed_out = True
         if item is _END:
             return None
         if isinstance(item, _Failure):

@@ -1,1 +1,268 @@
-"""(in progress)"""
+"""In-memory datasets as batch sources: `fl.data.arrays`.
+
+`run(data, ...)` accepts lists of batches, re-iterables, callables and one-shot iterators
+as they are (DESIGN.md §3). This module adds the source for a dataset that already sits in
+memory as arrays: it batches and shuffles it, and the order of epoch `e` depends only on
+`(seed, e)`, so a resumed run, a rerun and a `device=True` run all see the same batches.
+
+Example:
+    >>> import numpy as np, fuseloop as fl
+    >>> source = fl.data.arrays(np.zeros((10, 3)), np.arange(10), batch_size=4)
+    >>> len(source), [y.tolist() for _, y in source] == [y.tolist() for _, y in source]
+    (2, True)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["arrays", "ArraySource"]
+
+_MAX_SEED = 2**32
+
+
+def _named_leaves(tree: Any, name: str) -> list[tuple[str, np.ndarray]]:
+    """`(path, array)` for each leaf of `tree`, the path spelled as the user would index."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [(name + jax.tree_util.keystr(path), leaf) for path, leaf in flat]
+
+
+def _leading_size(x: Any, y: Any) -> int:
+    """The shared leading-axis length of every leaf of `x` and `y`, or a ValueError."""
+    x_leaves = _named_leaves(x, "x")
+    if not x_leaves:
+        raise ValueError("x has no arrays; pass an array or a pytree (e.g. a dict) of arrays")
+    sizes = {}
+    for name, leaf in x_leaves + _named_leaves(y, "y"):
+        shape = np.shape(leaf)
+        if len(shape) == 0:
+            raise ValueError(
+                f"{name} is a scalar; every leaf of x and y needs a leading (example) axis"
+            )
+        sizes[name] = shape[0]
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{name}: {size}" for name, size in sizes.items())
+        raise ValueError(
+            f"x and y must share the leading (example) axis, got {listed}; slice them to "
+            f"the same number of examples"
+        )
+    n = next(iter(sizes.values()))
+    if n == 0:
+        raise ValueError("x and y hold no examples (leading axis of size 0)")
+    return int(n)
+
+
+def _check_int(value: Any, name: str, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name}={value!r} must be an int")
+    if value < low or (high is not None and value >= high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high})"
+        raise ValueError(f"{name}={value!r} must be {bound}")
+    return int(value)
+
+
+def _check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}={value!r} must be True or False")
+    return bool(value)
+
+
+class ArraySource:
+    """A dataset held as arrays, served as `(x, y)` batches in a per-epoch order.
+
+    Built by `arrays(...)`; see there for the arguments. The order of epoch `e` is
+    `jax.random.permutation(jax.random.fold_in(jax.random.PRNGKey(seed), e), n)` (the
+    identity when `shuffle=False`), so it depends on nothing but `(seed, e)`.
+
+    Attributes:
+        n: The number of examples.
+        batch_size: Examples per batch.
+        num_batches: Batches per epoch (`len(source)`).
+        seed: The shuffle seed.
+        shuffle: Whether epochs are shuffled.
+        drop_remainder: Whether a last, short batch is dropped.
+        resident: True for `device=True`: the executor may keep the dataset on the device
+            and gather each chunk there (see `device_arrays` and `epoch_indices`).
+        transfers_done: How many times the dataset was moved to the device (0 or 1).
+    """
+
+    def __init__(self, x: Any, y: Any, batch_size: int, *, shuffle: bool, seed: int,
+                 drop_remainder: bool, device: bool):
+        self.shuffle = _check_bool(shuffle, "shuffle")
+        self.drop_remainder = _check_bool(drop_remainder, "drop_remainder")
+        self.resident = _check_bool(device, "device")
+        self.seed = _check_int(seed, "seed", 0, _MAX_SEED)
+        self.batch_size = _check_int(batch_size, "batch_size", 1)
+        self.n = _leading_size(x, y)
+        # Host copies: later edits to the caller's arrays do not change the dataset.
+        self.x = jax.tree.map(np.array, x)
+        self.y = jax.tree.map(np.array, y)
+        full, remainder = divmod(self.n, self.batch_size)
+        if self.drop_remainder and full == 0:
+            raise ValueError(
+                f"batch_size={batch_size} is larger than the dataset ({self.n} examples) and "
+                f"drop_remainder=True drops the only, short batch; use batch_size <= {self.n} "
+                f"or drop_remainder=False"
+            )
+        if self.resident and remainder:
+            raise ValueError(
+                f"device=True needs every batch full, but {self.n} examples leave a short "
+                f"batch of {remainder} with batch_size={batch_size}; pass drop_remainder=True "
+                f"or a batch_size that divides {self.n}"
+            )
+        self.num_batches = full if self.drop_remainder else full + (remainder > 0)
+        self.transfers_done = 0
+        self._device_arrays: Any = None
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __repr__(self) -> str:
+        return (f"ArraySource(n={self.n}, batch_size={self.batch_size}, "
+                f"num_batches={self.num_batches}, shuffle={self.shuffle}, seed={self.seed}, "
+                f"drop_remainder={self.drop_remainder}, device={self.resident})")
+
+    # ----------------------------------------------------------------- order
+    @property
+    def key_data(self) -> np.ndarray:
+        """`uint32[2]`: the raw `jax.random.PRNGKey(seed)`, for `epoch_indices`."""
+        return np.asarray(jax.random.PRNGKey(self.seed))
+
+    def _permutation(self, key: Any, epoch: Any) -> jax.Array:
+        if not self.shuffle:
+            return jnp.arange(self.n, dtype=jnp.int32)
+        order = jax.random.permutation(jax.random.fold_in(key, epoch), self.n)
+        return order.astype(jnp.int32)
+
+    def epoch_indices(self, key_data_or_seed: Any, epoch: Any) -> jax.Array:
+        """`int32[num_batches, batch_size]`: the example indices of each batch of `epoch`.
+
+        Pure and jittable (jax ops only), so a device-resident loop computes the epoch's
+        order on the device from a device scalar `epoch`; the host path (`iter_epoch`)
+        computes the same permutation, so both serve identical batches. Only whole
+        batches are returned: a short last batch (`drop_remainder=False`) is left out.
+
+        Args:
+            key_data_or_seed: `key_data` (`uint32[2]`), the seed as a Python int, or the
+                seed as a uint32 scalar array (an int32 array covers seeds below 2**31).
+            epoch: The epoch (an int, or an int32 scalar array, traced or not).
+
+        Example:
+            >>> import numpy as np, jax
+            >>> s = arrays(np.arange(8.0), np.arange(8), batch_size=4, seed=3)
+            >>> idx = jax.jit(s.epoch_indices)(s.key_data, 1)
+            >>> idx.shape, sorted(np.asarray(idx).ravel().tolist()) == list(range(8))
+            ((2, 4), True)
+        """
+        given = key_data_or_seed
+        if isinstance(given, (int, np.integer)):  # a Python seed: any value in [0, 2**32)
+            key = jax.random.PRNGKey(int(given))
+        else:
+            given = jnp.asarray(given)
+            key = given.astype(jnp.uint32) if given.shape == (2,) else jax.random.PRNGKey(given)
+        order = self._permutation(key, jnp.asarray(epoch, jnp.int32))
+        whole = (self.n // self.batch_size) * self.batch_size
+        return order[:whole].reshape(self.n // self.batch_size, self.batch_size)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The host copy of epoch `epoch`'s permutation of the `n` examples."""
+        epoch = _check_int(epoch, "epoch", 0)
+        # Host read: the permutation is computed with jax so it matches the device path.
+        return np.asarray(self._permutation(jax.random.PRNGKey(self.seed), epoch))
+
+    # ----------------------------------------------------------------- host batches
+    def _take(self, index: np.ndarray) -> tuple[Any, Any]:
+        take = lambda a: a[index]  # noqa: E731
+        return jax.tree.map(take, self.x), jax.tree.map(take, self.y)
+
+    def iter_epoch(self, epoch: int) -> Iterator[tuple[Any, Any]]:
+        """The `(x, y)` numpy batches of `epoch`, in that epoch's order.
+
+        Example:
+            >>> import numpy as np
+            >>> s = arrays(np.arange(6.0), np.arange(6), batch_size=3, shuffle=False)
+            >>> [y.tolist() for _, y in s.iter_epoch(5)]
+            [[0, 1, 2], [3, 4, 5]]
+        """
+        order = self.order(epoch)
+        for b in range(self.num_batches):
+            yield self._take(order[b * self.batch_size:(b + 1) * self.batch_size])
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        return self.iter_epoch(0)
+
+    # ----------------------------------------------------------------- device
+    @property
+    def device_arrays(self) -> tuple[Any, Any]:
+        """The `(x, y)` pytree on the default device, moved there once (one transfer).
+
+        Only for `device=True`; use `put(sharding)` to choose where it goes.
+        """
+        return self.put()
+
+    def put(self, sharding: Any = None) -> tuple[Any, Any]:
+        """Moves the dataset to the device (or `sharding`) the first time; then reuses it.
+
+        Each actual move adds one to `transfers_done`; calling again with the same
+        `sharding` moves nothing.
+        """
+        if not self.resident:
+            raise ValueError(
+                "this source was built with device=False; pass fl.data.arrays(..., "
+                "device=True) to keep the dataset on the device"
+            )
+        if self._device_arrays is None or self._device_arrays[0] != sharding:
+            placed = jax.device_put((self.x, self.y), sharding)
+            self._device_arrays = (sharding, placed)
+            self.transfers_done += 1
+        return self._device_arrays[1]
+
+    def gather(self, arrays_on_device: tuple[Any, Any], index: Any) -> tuple[Any, Any]:
+        """The batch `index` (int32[batch_size]) of the device dataset; jittable."""
+        take = lambda a: jnp.take(a, index, axis=0)  # noqa: E731
+        x, y = arrays_on_device
+        return jax.tree.map(take, x), jax.tree.map(take, y)
+
+
+def arrays(x: Any, y: Any, batch_size: int, shuffle: bool = True, seed: int = 0,
+           drop_remainder: bool = True, device: bool = False) -> ArraySource:
+    """A batch source over in-memory arrays, shuffled per epoch from `(seed, epoch)`.
+
+    Args:
+        x: An array, or a pytree (e.g. a dict) of arrays, with the examples on axis 0.
+        y: The targets: an array or a pytree of arrays with the same leading size.
+        batch_size: Examples per batch (>= 1).
+        shuffle: Shuffle each epoch. The order of epoch `e` is
+            `jax.random.permutation(jax.random.fold_in(jax.random.PRNGKey(seed), e), n)`:
+            it depends only on `(seed, e)`, so a resumed run and a rerun see the same order.
+        seed: The shuffle seed, an int in [0, 2**32).
+        drop_remainder: Drop the last batch when it would be short (so every batch has the
+            same shape, as `fuse` needs). With `False` the last batch is short.
+        device: Keep the whole dataset on the device (moved once); a fused run then
+            gathers and shuffles each chunk there, with no host-to-device transfer per
+            epoch. Requires full batches: `drop_remainder=True`, or a `batch_size` that
+            divides the dataset. Unfused runs and plain iteration still get the same
+            batches on the host.
+
+    Returns:
+        An `ArraySource`: `iter_epoch(e)` yields the batches of epoch `e`, `iter(source)`
+        those of epoch 0, `len(source)` is the number of batches per epoch.
+
+    Raises:
+        ValueError: leaves with different leading sizes (naming them), a bad `batch_size`
+            (< 1, or larger than the dataset with `drop_remainder=True`), a bad `seed`, or
+            `device=True` with a short last batch.
+
+    Example:
+        >>> import numpy as np, fuseloop as fl
+        >>> x = {"image": np.zeros((64, 4, 4)), "meta": np.zeros((64, 2))}
+        >>> source = fl.data.arrays(x, np.zeros(64, np.int32), batch_size=16, seed=1)
+        >>> xb, yb = next(iter(source)); xb["image"].shape, yb.shape
+        ((16, 4, 4), (16,))
+    """
+    return ArraySource(x, y, batch_size, shuffle=shuffle, seed=seed,
+                       drop_remainder=drop_remainder, device=device)

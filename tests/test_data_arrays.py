@@ -1,0 +1,290 @@
+"""`fl.data.arrays`: validation, batching, per-epoch shuffling, pytrees, and the
+device-resident variant (one transfer, identical results to the host source)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fuseloop as fl
+
+N, FEATURES, CLASSES = 48, 3, 2
+
+
+def _xy(n: int = N) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+    y = (x.sum(axis=1) > 0).astype(np.int32)
+    return x, y
+
+
+def _expected_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The documented contract: the order depends only on (seed, epoch)."""
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), epoch)
+    return np.asarray(jax.random.permutation(key, n))
+
+
+def _labels(source, epoch: int) -> list[list[int]]:
+    return [yb.tolist() for _, yb in source.iter_epoch(epoch)]
+
+
+# --------------------------------------------------------------------- validation
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"batch_size": 0}, ["batch_size"]),
+        ({"batch_size": -3}, ["batch_size"]),
+        ({"batch_size": 2.0}, ["batch_size"]),
+        ({"batch_size": True}, ["batch_size"]),
+        ({"batch_size": N + 1}, ["batch_size", "drop_remainder"]),
+        ({"batch_size": 4, "seed": -1}, ["seed"]),
+        ({"batch_size": 4, "seed": 2**32}, ["seed"]),
+        ({"batch_size": 4, "shuffle": "yes"}, ["shuffle"]),
+        ({"batch_size": 4, "drop_remainder": None}, ["drop_remainder"]),
+        ({"batch_size": 4, "device": 1}, ["device"]),
+        ({"batch_size": 5, "device": True, "drop_remainder": False}, ["device", "drop_remainder"]),
+    ],
+)
+def test_bad_arguments_raise_value_errors_naming_them(kwargs, words):
+    x, y = _xy()
+    with pytest.raises(ValueError) as info:
+        fl.data.arrays(x, y, **kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_mismatched_leading_sizes_name_the_leaves():
+    x, y = _xy()
+    with pytest.raises(ValueError) as info:
+        fl.data.arrays({"image": x, "meta": x[:40]}, y, batch_size=4)
+    message = str(info.value)
+    assert "image" in message and "meta" in message and "40" in message and str(N) in message
+
+
+def test_scalar_leaves_and_empty_data_are_rejected():
+    x, y = _xy()
+    with pytest.raises(ValueError, match="scalar"):
+        fl.data.arrays({"x": x, "scale": np.float32(2.0)}, y, batch_size=4)
+    with pytest.raises(ValueError, match="no examples"):
+        fl.data.arrays(x[:0], y[:0], batch_size=4, drop_remainder=False)
+    with pytest.raises(ValueError, match="x has no arrays"):
+        fl.data.arrays({}, y, batch_size=4)
+
+
+def test_batch_larger_than_data_without_drop_remainder_gives_one_short_batch():
+    x, y = _xy(5)
+    source = fl.data.arrays(x, y, batch_size=8, drop_remainder=False)
+    batches = list(source)
+    assert len(source) == 1 and [b[1].shape for b in batches] == [(5,)]
+
+
+# --------------------------------------------------------------------- batching
+@pytest.mark.parametrize("drop_remainder", [True, False])
+def test_each_epoch_serves_every_example_at_most_once(drop_remainder):
+    x, y = _xy(50)
+    source = fl.data.arrays(x, np.arange(50), batch_size=8, drop_remainder=drop_remainder)
+    sizes = [yb.shape[0] for _, yb in source.iter_epoch(3)]
+    served = np.concatenate([yb for _, yb in source.iter_epoch(3)])
+    if drop_remainder:
+        assert len(source) == 6 and sizes == [8] * 6
+    else:
+        assert len(source) == 7 and sizes == [8] * 6 + [2]
+    assert len(set(served.tolist())) == len(served)
+    # the examples travel together: x rows match their labels
+    for xb, yb in source.iter_epoch(3):
+        np.testing.assert_array_equal(xb, x[yb])
+
+
+def test_batches_are_numpy_with_the_input_dtypes():
+    x, y = _xy()
+    xb, yb = next(iter(fl.data.arrays(x, y, batch_size=4)))
+    assert isinstance(xb, np.ndarray) and isinstance(yb, np.ndarray)
+    assert xb.dtype == np.float32 and yb.dtype == np.int32 and xb.shape == (4, FEATURES)
+
+
+def test_source_keeps_its_own_copy_of_the_arrays():
+    x, y = _xy()
+    source = fl.data.arrays(x, y, batch_size=4, shuffle=False)
+    before = _labels(source, 0)
+    y[:] = 7
+    assert _labels(source, 0) == before
+
+
+def test_pytree_inputs_are_batched_leaf_by_leaf():
+    x, y = _xy()
+    tree = {"a": x, "b": {"c": np.arange(N * 2).reshape(N, 2)}}
+    source = fl.data.arrays(tree, (y, y * 2), batch_size=6, seed=4)
+    for xb, (y1, y2) in source.iter_epoch(2):
+        assert set(xb) == {"a", "b"} and xb["b"]["c"].shape == (6, 2)
+        rows = xb["b"]["c"][:, 0] // 2  # the example index, recovered from the leaf
+        np.testing.assert_array_equal(xb["a"], x[rows])
+        np.testing.assert_array_equal(y1, y[rows])
+        np.testing.assert_array_equal(y2, 2 * y[rows])
+
+
+# --------------------------------------------------------------------- order
+def test_order_is_the_documented_permutation_of_seed_and_epoch():
+    x, y = _xy()
+    source = fl.data.arrays(x, np.arange(N), batch_size=8, seed=11)
+    for epoch in (0, 1, 5):
+        expected = _expected_order(11, epoch, N).reshape(-1, 8).tolist()
+        assert _labels(source, epoch) == expected
+
+
+def test_same_seed_same_order_different_epochs_and_seeds_differ():
+    x, y = _xy()
+    a = fl.data.arrays(x, np.arange(N), batch_size=8, seed=3)
+    b = fl.data.arrays(x, np.arange(N), batch_size=8, seed=3)
+    c = fl.data.arrays(x, np.arange(N), batch_size=8, seed=4)
+    assert _labels(a, 2) == _labels(b, 2)
+    assert _labels(a, 2) == _labels(a, 2)  # re-reading an epoch repeats it
+    assert _labels(a, 0) != _labels(a, 1)
+    assert _labels(a, 1) != _labels(c, 1)
+
+
+def test_order_of_an_epoch_does_not_depend_on_what_was_read_before():
+    x, y = _xy()
+    fresh = fl.data.arrays(x, np.arange(N), batch_size=8, seed=5)
+    used = fl.data.arrays(x, np.arange(N), batch_size=8, seed=5)
+    for epoch in (0, 1, 2):
+        list(used.iter_epoch(epoch))
+    next(iter(used.iter_epoch(7)))  # a partly read epoch
+    assert _labels(used, 4) == _labels(fresh, 4)
+
+
+def test_iter_is_epoch_zero_and_no_shuffle_is_the_identity():
+    x, y = _xy()
+    source = fl.data.arrays(x, np.arange(N), batch_size=8, seed=2)
+    assert [yb.tolist() for _, yb in source] == _labels(source, 0)
+    plain = fl.data.arrays(x, np.arange(N), batch_size=8, shuffle=False)
+    assert _labels(plain, 3) == np.arange(N).reshape(-1, 8).tolist()
+
+
+# --------------------------------------------------------------------- device=True
+def test_device_indices_are_computed_in_jit_and_match_the_host_order():
+    x, y = _xy()
+    source = fl.data.arrays(x, np.arange(N), batch_size=8, seed=9, device=True)
+    indices = jax.jit(source.epoch_indices)
+    for epoch in (0, 3):
+        on_device = indices(source.key_data, jnp.int32(epoch))
+        assert on_device.dtype == jnp.int32 and on_device.shape == (len(source), 8)
+        assert np.asarray(on_device).tolist() == _labels(source, epoch)
+        from_seed = indices(np.uint32(9), jnp.int32(epoch))
+        np.testing.assert_array_equal(from_seed, on_device)
+
+
+@pytest.mark.parametrize("seed", [0, 2**31, 2**32 - 1])
+def test_device_indices_from_a_python_seed_cover_the_whole_seed_range(seed):
+    x, y = _xy(16)
+    source = fl.data.arrays(x, np.arange(16), batch_size=4, seed=seed, device=True)
+    in_jit = jax.jit(lambda epoch: source.epoch_indices(source.seed, epoch))(jnp.int32(1))
+    assert np.asarray(in_jit).tolist() == _labels(source, 1)
+    assert np.asarray(in_jit).ravel().tolist() == _expected_order(seed, 1, 16).tolist()
+
+
+def test_device_arrays_are_transferred_once_and_gather_matches_host_batches():
+    x, y = _xy()
+    source = fl.data.arrays({"v": x}, y, batch_size=8, seed=1, device=True)
+    assert source.resident and source.batch_size == 8 and source.num_batches == N // 8
+    assert source.transfers_done == 0
+    placed = source.device_arrays
+    assert source.device_arrays is placed and source.transfers_done == 1
+    assert isinstance(placed[0]["v"], jax.Array)
+    gather = jax.jit(source.gather)
+    index = source.epoch_indices(source.key_data, 2)
+    for b, (xb, yb) in enumerate(source.iter_epoch(2)):
+        gx, gy = gather(placed, index[b])
+        np.testing.assert_array_equal(np.asarray(gx["v"]), xb["v"])
+        np.testing.assert_array_equal(np.asarray(gy), yb)
+
+
+def test_host_source_refuses_device_placement():
+    x, y = _xy()
+    source = fl.data.arrays(x, y, batch_size=8)
+    assert not source.resident
+    with pytest.raises(ValueError, match="device=True"):
+        source.device_arrays
+
+
+# --------------------------------------------------------------------- in a run
+def _loop():
+    return fl.trainer(fl.models.mlp([4, CLASSES]), "sparse_categorical_cross_entropy",
+                      optax.sgd(0.1)).metric("accuracy")
+
+
+LOOP = _loop()  # shared so each program compiles once for the module
+
+
+def _leaves(state) -> list[np.ndarray]:
+    return [np.asarray(a) for a in jax.tree.leaves(state.step_state)]
+
+
+def _assert_same_run(a, b) -> None:
+    for u, v in zip(_leaves(a), _leaves(b), strict=True):
+        np.testing.assert_array_equal(u, v)
+    assert a.history == b.history
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_a_resumed_run_sees_the_same_order_as_an_uninterrupted_one(fuse):
+    x, y = _xy()
+    whole = LOOP.run(fl.data.arrays(x, y, batch_size=8, seed=6), epochs=3, fuse=fuse)
+    first = LOOP.run(fl.data.arrays(x, y, batch_size=8, seed=6), epochs=2, fuse=fuse)
+    resumed = LOOP.run(fl.data.arrays(x, y, batch_size=8, seed=6), first, epochs=3, fuse=fuse)
+    _assert_same_run(whole, resumed)
+    # and the shuffle matters: another seed trains differently
+    other = LOOP.run(fl.data.arrays(x, y, batch_size=8, seed=7), epochs=3, fuse=fuse)
+    assert any(not np.array_equal(u, v) for u, v in zip(_leaves(whole), _leaves(other)))
+
+
+def test_reusing_a_source_in_another_run_repeats_its_orders():
+    x, y = _xy()
+    source = fl.data.arrays(x, y, batch_size=8, seed=6)
+    _assert_same_run(LOOP.run(source, epochs=2, fuse=4), LOOP.run(source, epochs=2, fuse=4))
+
+
+def test_an_epoch_runs_the_same_batches_as_a_list_of_that_epochs_batches():
+    x, y = _xy()
+    source = fl.data.arrays(x, y, batch_size=8, seed=2)
+    epoch0 = list(source.iter_epoch(0))
+    _assert_same_run(LOOP.run(source, fuse=4), LOOP.run(epoch0, fuse=4))
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_device_resident_source_is_bitwise_equal_to_the_host_source(fuse):
+    x, y = _xy()
+    host = LOOP.run(fl.data.arrays(x, y, batch_size=8, seed=3), epochs=3, fuse=fuse)
+    device = LOOP.run(fl.data.arrays(x, y, batch_size=8, seed=3, device=True), epochs=3,
+                      fuse=fuse)
+    _assert_same_run(host, device)
+
+
+def test_device_resident_source_with_an_iteration_bound_is_bitwise_equal():
+    x, y = _xy()
+    kwargs = dict(epochs=2, iterations=5, fuse=4)
+    host = LOOP.run(fl.data.arrays(x, y, batch_size=8, seed=3), **kwargs)
+    device = LOOP.run(fl.data.arrays(x, y, batch_size=8, seed=3, device=True), **kwargs)
+    _assert_same_run(host, device)
+    assert int(device.step_state["step"]) == 10
+
+
+def test_device_resident_fused_epochs_make_no_host_to_device_transfer():
+    x, y = _xy()
+    source = fl.data.arrays(x, y, batch_size=8, seed=3, device=True)
+    state = LOOP.run(source, epochs=3, fuse=4)
+    # The dataset moves once; epochs gather their chunks on the device.
+    assert state.stats["h2d_transfers"] == 1
+    assert int(state.step_state["step"]) == 3 * len(source)
+    host = LOOP.run(fl.data.arrays(x, y, batch_size=8, seed=3), epochs=3, fuse=4)
+    assert host.stats["h2d_transfers"] > 1  # the counter does count chunk transfers
+
+
+def test_device_resident_source_resumes_with_the_same_order():
+    x, y = _xy()
+    make = lambda: fl.data.arrays(x, y, batch_size=8, seed=8, device=True)  # noqa: E731
+    whole = LOOP.run(make(), epochs=3, fuse=4)
+    first = LOOP.run(make(), epochs=1, fuse=4)
+    _assert_same_run(whole, LOOP.run(make(), first, epochs=3, fuse=4))

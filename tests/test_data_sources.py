@@ -1,0 +1,258 @@
+"""Every kind of data `run` accepts, fused (K=4) and unfused: the batches each epoch sees,
+exact consumption (pull counts == steps) and closing (DESIGN.md §3, §4.7)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+
+import fuseloop as fl
+
+FEATURES, CLASSES, BATCH, N_BATCHES = 3, 2, 8, 6
+FUSES = [False, 4]
+
+
+def _batches(n: int = N_BATCHES, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        x = rng.normal(size=(BATCH, FEATURES)).astype(np.float32)
+        out.append((x, (x.sum(axis=1) > 0).astype(np.int32)))
+    return out
+
+
+BATCHES = _batches()
+LOOP = fl.trainer(fl.models.mlp([4, CLASSES]), "sparse_categorical_cross_entropy",
+                  optax.sgd(0.1)).metric("accuracy")
+
+
+def _leaves(state) -> list[np.ndarray]:
+    return [np.asarray(a) for a in jax.tree.leaves(state.step_state)]
+
+
+def _assert_same_params(a, b) -> None:
+    for u, v in zip(_leaves(a), _leaves(b), strict=True):
+        np.testing.assert_array_equal(u, v)
+
+
+def _assert_same_run(a, b) -> None:
+    _assert_same_params(a, b)
+    assert a.history == b.history
+
+
+def _steps(state) -> int:
+    return int(state.step_state["step"])
+
+
+class Counting:
+    """A one-shot generator of `batches` that counts pulls and notes when it is closed."""
+
+    def __init__(self, batches: list[Any]):
+        self.batches, self.pulled, self.closed, self.finished = batches, 0, False, False
+        self.generator = self._run()
+
+    def _run(self) -> Iterator[Any]:
+        try:
+            for batch in self.batches:
+                self.pulled += 1
+                yield batch
+            self.finished = True
+        finally:
+            self.closed = True
+
+
+class Reiterable:
+    """A fresh pass over `batches` each time it is iterated; counts passes, pulls, closes."""
+
+    def __init__(self, batches: list[Any]):
+        self.batches, self.passes, self.pulled, self.closed = batches, 0, 0, 0
+        self.pulled_per_pass: list[int] = []
+
+    def __iter__(self) -> Iterator[Any]:
+        self.passes += 1
+        self.pulled_per_pass.append(0)
+        return self._pass()
+
+    def _pass(self) -> Iterator[Any]:
+        try:
+            for batch in self.batches:
+                self.pulled += 1
+                self.pulled_per_pass[-1] += 1
+                yield batch
+        finally:
+            self.closed += 1
+
+
+# --------------------------------------------------------------------- each kind
+@pytest.mark.parametrize("fuse", FUSES)
+def test_list_is_a_fresh_pass_each_epoch_and_fused_equals_unfused(fuse):
+    state = LOOP.run(BATCHES, epochs=2, fuse=fuse)
+    assert _steps(state) == 2 * N_BATCHES and sorted(state.history) == [0, 1]
+    _assert_same_run(state, LOOP.run(list(BATCHES), epochs=2, fuse=not fuse and 4))
+
+
+@pytest.mark.parametrize("fuse", FUSES)
+def test_reiterable_gets_one_fresh_pass_per_epoch(fuse):
+    source = Reiterable(BATCHES)
+    state = LOOP.run(source, epochs=3, fuse=fuse)
+    assert source.passes == 3 and source.pulled_per_pass == [N_BATCHES] * 3
+    assert _steps(state) == 3 * N_BATCHES
+    _assert_same_run(state, LOOP.run(BATCHES, epochs=3, fuse=fuse))
+
+
+@pytest.mark.parametrize("fuse", FUSES)
+def test_reiterable_bounded_by_iterations_closes_each_unfinished_pass(fuse):
+    source = Reiterable(BATCHES)
+    state = LOOP.run(source, epochs=3, iterations=5, fuse=fuse)
+    assert _steps(state) == 15 and source.passes == 3
+    assert source.closed == 3  # each pass stopped at 5 of 6 batches was closed
+    _assert_same_run(state, LOOP.run(BATCHES[:5], epochs=3, fuse=fuse))
+
+
+@pytest.mark.parametrize("fuse", FUSES)
+def test_callable_is_called_once_per_epoch(fuse):
+    calls: list[int] = []
+
+    def make() -> Iterator[Any]:
+        calls.append(1)
+        return iter(BATCHES)
+
+    state = LOOP.run(make, epochs=3, fuse=fuse)
+    assert len(calls) == 3 and _steps(state) == 3 * N_BATCHES
+    _assert_same_run(state, LOOP.run(BATCHES, epochs=3, fuse=fuse))
+
+
+@pytest.mark.parametrize("fuse", FUSES)
+def test_callable_iterators_stopped_by_the_bound_are_closed(fuse):
+    source = Reiterable(BATCHES)  # its passes are generators with a finally
+    state = LOOP.run(source.__iter__, epochs=2, iterations=3, fuse=fuse)
+    assert _steps(state) == 6 and source.passes == 2 and source.pulled_per_pass == [3, 3]
+    assert source.closed == 2
+
+
+@pytest.mark.parametrize("fuse", FUSES)
+def test_one_shot_generator_is_consumed_across_epochs_exactly(fuse):
+    many = _batches(20, seed=3)
+    source = Counting(many)
+    state = LOOP.run(source.generator, epochs=3, iterations=5, fuse=fuse)
+    assert _steps(state) == 15 and source.pulled == 15
+    assert source.closed and not source.finished  # the unexhausted generator was closed
+    # epoch e trained on batches 5e..5e+4: the same as a list holding them in order
+    _assert_same_params(state, LOOP.run(many[:15], epochs=1, fuse=fuse))
+
+
+@pytest.mark.parametrize("fuse", FUSES)
+def test_one_shot_iterator_without_a_bound_runs_until_exhausted(fuse):
+    source = Counting(_batches(7, seed=4))
+    state = LOOP.run(source.generator, epochs=1, fuse=fuse)
+    assert _steps(state) == 7 and source.pulled == 7 and source.finished and source.closed
+
+
+@pytest.mark.parametrize("fuse", FUSES)
+@pytest.mark.parametrize("status", ["halt_loop", "halt_epoch"])
+def test_one_shot_generator_closed_when_an_epoch_handler_halts(fuse, status):
+    source = Counting(_batches(30, seed=5))
+    loop = LOOP.handle_event("epoch_completed", lambda s: status, filter="first")
+    state = loop.run(source.generator, epochs=3, iterations=4, fuse=fuse)
+    assert source.pulled == _steps(state) and source.closed and not source.finished
+    assert _steps(state) == (4 if status == "halt_loop" else 12)
+
+
+@pytest.mark.parametrize("fuse", FUSES)
+def test_one_shot_generator_closed_when_a_handler_raises(fuse):
+    source = Counting(_batches(30, seed=5))
+
+    def boom(state):
+        raise RuntimeError("handler failed")
+
+    loop = LOOP.handle_event("epoch_completed", boom)
+    with pytest.raises(RuntimeError, match="handler failed"):
+        loop.run(source.generator, epochs=3, iterations=4, fuse=fuse)
+    assert source.closed and source.pulled == 4
+
+
+@pytest.mark.parametrize("fuse", FUSES)
+def test_reiterable_pass_closed_when_the_run_raises_mid_epoch(fuse):
+    source = Reiterable(BATCHES)
+
+    def boom(state):
+        raise KeyError("stop here")
+
+    loop = LOOP.handle_event("iteration_completed", boom, filter={"once": 3})
+    with pytest.raises(KeyError):
+        loop.run(source, epochs=2, fuse=fuse)
+    assert source.passes == 1 and source.closed == 1
+
+
+# --------------------------------------------------------------------- torch
+@pytest.mark.parametrize("fuse", FUSES)
+def test_torch_dataloader_yielding_numpy_is_a_reiterable(fuse):
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    xs = np.concatenate([b[0] for b in BATCHES])
+    ys = np.concatenate([b[1] for b in BATCHES])
+    dataset = TensorDataset(torch.from_numpy(xs), torch.from_numpy(ys))
+
+    def numpy_collate(items):
+        return (np.stack([x.numpy() for x, _ in items]), np.stack([y.numpy() for _, y in items]))
+
+    loader = DataLoader(dataset, batch_size=BATCH, shuffle=False, collate_fn=numpy_collate)
+    state = LOOP.run(loader, epochs=2, fuse=fuse)
+    _assert_same_run(state, LOOP.run(BATCHES, epochs=2, fuse=fuse))
+
+
+# --------------------------------------------------------------------- pytrees
+class DictModel(nn.Module):
+    """Takes `{"a": [B, 3], "b": [B, 2]}`: a dict input, as multi-input models do."""
+
+    @nn.compact
+    def __call__(self, x: dict[str, Any]) -> Any:
+        h = nn.Dense(4)(x["a"]) + nn.Dense(4)(x["b"])
+        return nn.Dense(CLASSES)(nn.relu(h))
+
+
+DICT_LOOP = fl.trainer(DictModel(), "sparse_categorical_cross_entropy",
+                       optax.adam(1e-2)).metric("accuracy")
+
+
+def _dict_batches() -> list[tuple[dict[str, np.ndarray], np.ndarray]]:
+    rng = np.random.default_rng(6)
+    out = []
+    for x, y in BATCHES:
+        out.append(({"a": x, "b": rng.normal(size=(BATCH, 2)).astype(np.float32)}, y))
+    return out
+
+
+def test_dict_batches_train_a_dict_model_fused_like_unfused():
+    batches = _dict_batches()
+    unfused = DICT_LOOP.run(batches, epochs=2)
+    fused = DICT_LOOP.run(batches, epochs=2, fuse=4)
+    _assert_same_run(unfused, fused)
+    assert _steps(fused) == 2 * N_BATCHES and np.isfinite(fused.metrics["loss"])
+
+
+@pytest.mark.parametrize("fuse", FUSES)
+def test_dict_arrays_source_matches_a_list_of_its_batches(fuse):
+    batches = _dict_batches()
+    x = {k: np.concatenate([b[0][k] for b in batches]) for k in ("a", "b")}
+    y = np.concatenate([b[1] for b in batches])
+    source = fl.data.arrays(x, y, batch_size=BATCH, shuffle=False)
+    _assert_same_run(DICT_LOOP.run(source, epochs=2, fuse=fuse),
+                     DICT_LOOP.run(batches, epochs=2, fuse=fuse))
+
+
+@pytest.mark.parametrize("fuse", FUSES)
+def test_dict_device_resident_source_matches_the_host_source(fuse):
+    batches = _dict_batches()
+    x = {k: np.concatenate([b[0][k] for b in batches]) for k in ("a", "b")}
+    y = np.concatenate([b[1] for b in batches])
+    host = DICT_LOOP.run(fl.data.arrays(x, y, BATCH, seed=2), epochs=2, fuse=fuse)
+    device = DICT_LOOP.run(fl.data.arrays(x, y, BATCH, seed=2, device=True), epochs=2,
+                           fuse=fuse)
+    _assert_same_run(host, device)

@@ -1,0 +1,165 @@
+"""Data parallelism over a `jax.sharding.Mesh` with a "data" axis (issue 6 item 5).
+
+The checks run in one subprocess started with 4 virtual CPU devices
+(`XLA_FLAGS=--xla_force_host_platform_device_count=4`), since the device count is fixed
+when jax starts. The script prints one JSON line of findings that the tests assert on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import json
+    import jax, numpy as np, optax
+    from jax.sharding import Mesh
+    import fuseloop as fl
+
+    assert len(jax.devices()) == 4, jax.devices()
+    out = {}
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 3)).astype(np.float32)
+    y = (x.sum(axis=1) > 0).astype(np.int32)
+    batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 64, 8)]
+    loop = fl.trainer(fl.models.mlp([8, 2]), "sparse_categorical_cross_entropy",
+                      optax.adam(1e-2)).metric("accuracy")
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+
+    def leaves(state):
+        return [np.asarray(a) for a in jax.tree.leaves(state.step_state)]
+
+    def gap(a, b):
+        worst = 0.0
+        for u, v in zip(leaves(a), leaves(b), strict=True):
+            scale = np.maximum(np.abs(v).astype(np.float64), 1e-3)
+            worst = max(worst, float(np.max(np.abs(u - v) / scale)))
+        return worst
+
+    def history_gap(a, b):
+        return max(abs(a.history[e][k] - b.history[e][k]) / max(abs(b.history[e][k]), 1e-3)
+                   for e in b.history for k in b.history[e])
+
+    def sharding_of(state):
+        return [str(getattr(a, "sharding", None)) for a in jax.tree.leaves(state.step_state)]
+
+    data_kinds = {
+        "list": lambda: batches,
+        "arrays": lambda: fl.data.arrays(x, y, 8, seed=1),
+        "resident": lambda: fl.data.arrays(x, y, 8, seed=1, device=True),
+    }
+    for kind, make in data_kinds.items():
+        single = loop.run(make(), epochs=2)
+        for fuse in (False, 4):
+            name = f"{kind}-{fuse}"
+            try:
+                sharded = loop.run(make(), epochs=2, fuse=fuse, mesh=mesh)
+            except Exception as error:
+                out[name] = {"error": f"{type(error).__name__}: {error}"}
+                continue
+            out[name] = {
+                "param_gap": gap(sharded, single),
+                "history_gap": history_gap(sharded, single),
+                "steps": int(sharded.step_state["step"]),
+                "replicated": all(
+                    getattr(a, "sharding", None) is not None
+                    and a.sharding.is_fully_replicated
+                    for a in jax.tree.leaves(sharded.step_state)),
+            }
+
+    for fuse in (False, 4):
+        odd = [(x[i:i + 6], y[i:i + 6]) for i in range(0, 36, 6)]
+        try:
+            loop.run(odd, fuse=fuse, mesh=mesh)
+            out[f"odd-{fuse}"] = "no error"
+        except ValueError as error:
+            out[f"odd-{fuse}"] = str(error)
+
+    # Inside the compiled step, the batch is split over the "data" axis.
+    seen = []
+
+    def inspecting_step(batch, state):
+        jax.debug.inspect_array_sharding(batch[0], callback=seen.append)
+        return {"total": state["total"] + batch[0].sum()}
+
+    for fuse in (False, 4):
+        seen.clear()
+        summed = fl.loop(inspecting_step).run(batches, {"total": np.float32(0)}, fuse=fuse,
+                                              mesh=mesh)
+        out[f"batch-sharding-{fuse}"] = {
+            "sharded": bool(seen) and all(not s.is_fully_replicated for s in seen),
+            "specs": [str(getattr(s, "spec", s)) for s in seen],
+            "total_gap": abs(float(summed.step_state["total"]) - float(x.sum())),
+        }
+
+    try:
+        loop.run(batches, mesh=Mesh(np.array(jax.devices()), ("model",)))
+        out["no-data-axis"] = "no error"
+    except ValueError as error:
+        out["no-data-axis"] = str(error)
+    print("RESULT " + json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def findings() -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        " --xla_force_host_platform_device_count=4").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("kind", ["list", "arrays"])
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_mesh_run_matches_a_single_device_run(findings, kind, fuse):
+    result = findings[f"{kind}-{fuse}"]
+    assert "error" not in result, result.get("error")
+    _assert_matches(result)
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_device_resident_data_on_a_mesh_matches_or_says_clearly_it_cannot(findings, fuse):
+    result = findings[f"resident-{fuse}"]
+    if "error" in result:  # allowed: no silent fallback, a clear refusal instead
+        message = result["error"]
+        assert message.startswith("ValueError") and "mesh" in message
+        assert "device=False" in message
+    else:
+        _assert_matches(result)
+
+
+def _assert_matches(result: dict) -> None:
+    assert result["steps"] == 16
+    assert result["param_gap"] < 1e-5 and result["history_gap"] < 1e-5, result
+    assert result["replicated"]  # params and optimizer state replicated over the mesh
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_the_batch_axis_is_sharded_inside_the_step(findings, fuse):
+    result = findings[f"batch-sharding-{fuse}"]
+    assert result["sharded"] and all("data" in spec for spec in result["specs"]), result
+    assert result["total_gap"] < 1e-3  # every example still seen once
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_batch_that_does_not_divide_over_the_mesh_is_a_clear_error(findings, fuse):
+    message = findings[f"odd-{fuse}"]
+    assert message != "no error"
+    assert "mesh" in message and "6" in message and "4" in message
+
+
+def test_mesh_without_a_data_axis_is_rejected(findings):
+    message = findings["no-data-axis"]
+    assert message != "no error" and "data" in message and "mesh" in message
