@@ -10,7 +10,7 @@ Example:
     ...                   optax.adam(1e-3))
 """
 
-from . import data, diagnostics, models
+from . import data, diagnostics, handlers, models
 from ._checkpoint import load_state, save_state
 from ._events import Event
 from ._fusion import FusionError
@@ -28,6 +28,7 @@ __all__ = [
     "data",
     "diagnostics",
     "evaluator",
+    "handlers",
     "load_state",
     "loop",
     "models",

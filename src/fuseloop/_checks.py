@@ -1,23 +1,360 @@
-"""Input checks with clear errors (placeholder: the reliability work fills this in)."""
+"""Input checks: bad batches fail early, with an error that says what, where and how to fix.
+
+The first batch of a run is checked thoroughly, before anything compiles: its structure,
+and - for a trainer or an evaluator - whether x fits the model and y fits the model's output
+and the loss, found with `jax.eval_shape` (abstract: nothing runs on the device). Every later
+batch is compared with the first one through a precomputed tuple of `(shape, dtype)` per leaf,
+which costs a few microseconds; only a batch whose signature was never seen is diagnosed.
+
+    unfused: a batch whose leaves differ from the first batch's only along the batch axis
+             (a ragged last batch) is allowed once - jit compiles for it once - with a warning;
+             any other difference raises a ValueError naming the leaf, expected and actual.
+    fused:   every batch must match the first batch (the chunk program compiles once),
+             otherwise `FusionError`.
+
+Integer labels of a sparse cross-entropy are range-checked on the host when they are numpy
+arrays (labels already on the device are not read back). float64 inputs, which JAX casts to
+float32 while 64-bit mode is off, warn once per run.
+"""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._fusion import FusionError
+from ._metrics import resolve_loss
 
 __all__ = ["Checker"]
 
+_SPARSE = "sparse_categorical_cross_entropy"
+_SAME_SHAPE_LOSSES = ("categorical_cross_entropy",)
+_SAME_SIZE_LOSSES = ("mean_squared_error", "mean_absolute_error", "binary_cross_entropy")
+
+
+def _leaf_signature(leaf: Any) -> tuple[Any, Any]:
+    """`(shape, dtype)` of an array leaf; Python scalars are weakly typed, so their type."""
+    shape = getattr(leaf, "shape", None)
+    if shape is not None and hasattr(leaf, "dtype"):
+        return tuple(shape), leaf.dtype
+    return (), type(leaf).__name__
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0].rstrip('.') if text else ''}"
+
+
+def _describe(tree: Any, name: str) -> str:
+    parts = [f"{leaf} of shape {shape}" for leaf, shape in _named_shapes(tree, name)]
+    return ", ".join(parts) if parts else "no arrays"
+
+
+def _named_shapes(tree: Any, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [(prefix + jax.tree_util.keystr(path), tuple(np.shape(leaf))) for path, leaf in flat]
+
+
+def _abstract(leaf: Any) -> Any:
+    """The ShapeDtypeStruct the device sees for a host leaf (float64 becomes float32)."""
+    if isinstance(leaf, (int, float, bool, complex)):
+        return leaf
+    dtype = jax.dtypes.canonicalize_dtype(
+        leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf),
+        allow_extended_dtype=True)  # typed PRNG keys (nnx RNG streams) stay as they are
+    return jax.ShapeDtypeStruct(np.shape(leaf), dtype)
+
 
 class Checker:
-    """Checks batches as they arrive; cheap enough to run on every batch."""
+    """Checks batches as they arrive; cheap enough to run on every batch.
+
+    Args:
+        program: The loop's `Program` (its kind, model and loss decide what is checked).
+    """
 
     def __init__(self, program: Any):
         self.program = program
+        self.pairs = program.kind in ("trainer", "evaluator")
+        self.treedef: Any = None
+        self.names: tuple[str, ...] = ()
+        self.expected: tuple[tuple[Any, Any], ...] = ()
+        self.accepted: set[tuple[Any, ...]] = set()
+        self.ragged_size: int | None = None
+        self.classes: int | None = None  # the model's output width, for sparse labels
+        self.warned_float64 = False
+        self.first_x: tuple[Any, Any] | None = None  # (x, its abstract value)
 
+    # ----------------------------------------------------------------- entry points
     def first(self, batch: Any) -> None:
         """Called once with the run's first batch, before anything compiles."""
+        if self.pairs:
+            self._require_pair(batch, "the run's first batch")
+        flat, self.treedef = jax.tree_util.tree_flatten_with_path(batch)
+        self.names = tuple(self._leaf_name(path) for path, _ in flat)
+        self.expected = tuple(_leaf_signature(leaf) for _, leaf in flat)
+        self.accepted = {self.expected}
+        self._warn_float64([leaf for _, leaf in flat])
+        if self.pairs:
+            self._check_model(batch)
+            self._check_labels(batch, "the run's first batch")
 
     def batch(self, batch: Any, epoch: int, iteration: int) -> None:
         """Called for each unfused batch before it is moved to the device."""
+        self._check(batch, epoch, iteration, fused=False)
 
     def chunk(self, batches: list[Any], epoch: int, first_iteration: int) -> None:
         """Called for each fused chunk's batches before they are stacked."""
+        for offset, batch in enumerate(batches):
+            self._check(batch, epoch, first_iteration + offset, fused=True)
+
+    # ----------------------------------------------------------------- per batch
+    def _check(self, batch: Any, epoch: int, iteration: int, fused: bool) -> None:
+        if self.treedef is None:  # no first batch was seen: this one sets the reference
+            self.first(batch)
+        leaves, treedef = jax.tree.flatten(batch)
+        signature = tuple(_leaf_signature(leaf) for leaf in leaves)
+        if signature not in self.accepted or treedef != self.treedef:
+            self._diagnose(batch, leaves, treedef, signature, epoch, iteration, fused)
+        if self.classes is not None:
+            self._check_labels(batch, f"epoch {epoch}, iteration {iteration}")
+
+    def _diagnose(self, batch: Any, leaves: list[Any], treedef: Any,
+                  signature: tuple[Any, ...], epoch: int, iteration: int, fused: bool) -> None:
+        """A batch whose signature was not seen before: accept it, warn, or raise."""
+        where = f"data: the batch at epoch {epoch}, iteration {iteration}"
+        error = FusionError if fused else ValueError
+        if treedef != self.treedef:
+            if self.pairs:
+                self._require_pair(batch, f"the batch at epoch {epoch}, iteration {iteration}")
+            raise error(
+                f"{where} has structure {treedef}, but the run's first batch has "
+                f"{self.treedef}; every batch must have the same structure (the same "
+                f"containers, keys and number of arrays)"
+            )
+        ragged_sizes = set()
+        for name, expected, actual in zip(self.names, self.expected, signature):
+            if self._same(expected, actual, fused):
+                continue
+            if fused or not self._differs_on_batch_axis(expected, actual):
+                raise error(self._mismatch(where, name, expected, actual, fused))
+            ragged_sizes.add(actual[0][0])
+        if ragged_sizes:
+            self._allow_ragged(ragged_sizes, where)
+        self._warn_float64(leaves)
+        self.accepted.add(signature)
+
+    @staticmethod
+    def _same(expected: tuple[Any, Any], actual: tuple[Any, Any], fused: bool) -> bool:
+        """Equal as the step sees them: unfused, JAX casts float64 to float32 (x64 off), so
+        those match; a fused chunk is stacked on the host, so its dtypes must match exactly."""
+        if expected == actual:
+            return True
+        if fused or expected[0] != actual[0]:
+            return False
+        if isinstance(expected[1], str) or isinstance(actual[1], str):
+            return False
+        canonical = jax.dtypes.canonicalize_dtype
+        return canonical(expected[1]) == canonical(actual[1])
+
+    def _differs_on_batch_axis(self, expected: tuple[Any, Any], actual: tuple[Any, Any]) -> bool:
+        shape, other = expected[0], actual[0]
+        return (len(shape) >= 1 and len(shape) == len(other) and shape[1:] == other[1:]
+                and self._same(((), expected[1]), ((), actual[1]), fused=False))
+
+    def _allow_ragged(self, sizes: set[int], where: str) -> None:
+        """A smaller batch, e.g. the epoch's last: jit compiles for it once, with a warning."""
+        full = self._batch_size()
+        if len(sizes) > 1:
+            raise ValueError(
+                f"{where} has leaves with different batch sizes {sorted(sizes)}; every leaf "
+                f"of x and y must hold the same number of examples"
+            )
+        size = sizes.pop()
+        if self.ragged_size is None:
+            self.ragged_size = size
+            warnings.warn(
+                f"{where} has batch size {size} instead of {full} (a ragged last batch?); "
+                f"the step compiles once more for it. Use batches of equal size (e.g. "
+                f"fl.data.arrays(..., drop_remainder=True)) to avoid the extra compile",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+        if size != self.ragged_size:
+            raise ValueError(
+                f"{where} has batch size {size}, after batches of {full} and {self.ragged_size}; "
+                f"only one short batch size (a ragged last batch) is allowed, because each new "
+                f"batch size recompiles the step. Use batches of equal size, or pad them"
+            )
+
+    def _batch_size(self) -> int | None:
+        for shape, _ in self.expected:
+            if len(shape) >= 1:
+                return shape[0]
+        return None
+
+    @staticmethod
+    def _mismatch(where: str, name: str, expected: tuple[Any, Any], actual: tuple[Any, Any],
+                  fused: bool) -> str:
+        fix = ("fused chunks compile once for one batch shape: use fuse=False, "
+               "drop_remainder=True, or pad your batches" if fused else
+               "every batch must have the shapes and dtypes of the run's first batch (only "
+               "the batch axis of a ragged last batch may differ); reshape or cast the data")
+        return (f"{where}: leaf {name} has shape {actual[0]} dtype {actual[1]}, expected "
+                f"shape {expected[0]} dtype {expected[1]} like the run's first batch; {fix}")
+
+    # ----------------------------------------------------------------- helpers
+    def _leaf_name(self, path: tuple[Any, ...]) -> str:
+        if self.pairs and path and isinstance(path[0], jax.tree_util.SequenceKey) and (
+            path[0].idx in (0, 1)
+        ):
+            return ("x", "y")[path[0].idx] + jax.tree_util.keystr(path[1:])
+        return "batch" + jax.tree_util.keystr(path)
+
+    @staticmethod
+    def _require_pair(batch: Any, where: str) -> None:
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+            return
+        kind = type(batch).__name__
+        size = f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""
+        raise ValueError(
+            f"data: {where} is a {kind}{size}, but a trainer or evaluator batch must be a "
+            f"pair (x, y). Yield (inputs, targets) tuples, or use fl.loop(step_fn) for other "
+            f"batch structures"
+        )
+
+    def _warn_float64(self, leaves: list[Any]) -> None:
+        if self.warned_float64 or jax.config.jax_enable_x64:
+            return
+        for name, leaf in zip(self.names, leaves):
+            if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype == np.float64:
+                self.warned_float64 = True
+                warnings.warn(
+                    f"data: leaf {name} is float64, but JAX runs with 64-bit mode off, so it "
+                    f"is cast to float32 on the device. Convert it with .astype(np.float32) "
+                    f"to silence this warning (or enable jax_enable_x64 for float64 math)",
+                    UserWarning,
+                    stacklevel=4,
+                )
+                return
+
+    # ----------------------------------------------------------------- model fit
+    def variables(self, step_state: Any) -> None:
+        """Called once with the initial step state: x fits the variables actually used.
+
+        `first` checks x against a freshly initialized model; an evaluator, or a trainer
+        given trained variables, runs with the caller's variables instead.
+        """
+        if self.first_x is None or not isinstance(step_state, dict) or "params" not in step_state:
+            return
+        variables = jax.tree.map(_abstract, step_state["params"])
+        self._forward(variables, "the given variables")
+
+    def _forward(self, variables: Any, whose: str) -> Any:
+        model, (x, xs) = self.program.model, self.first_x
+        train = self.program.kind == "trainer"
+        key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+
+        def forward(variables: Any, x: Any, key: Any) -> Any:
+            return model.forward(variables, x, train=train, rng=key if train else None)[0]
+
+        try:
+            return jax.eval_shape(forward, variables, xs, key)
+        except Exception as error:  # noqa: BLE001 - re-raised with context
+            raise ValueError(
+                f"data: x does not fit the model: applying it with {whose} to the first "
+                f"batch's x ({_describe(x, 'x')}) fails with {_first_line(error)}. Give x the "
+                f"shape the model expects (the batch axis first), or pass matching variables"
+            ) from error
+
+    def _check_model(self, batch: Any) -> None:
+        """x fits the model and y fits its output and the loss (abstractly, nothing runs)."""
+        model, x, y = self.program.model, batch[0], batch[1]
+        if model is None:
+            return
+        self.first_x = (x, jax.tree.map(_abstract, x))
+        try:
+            variables = jax.eval_shape(model.init, jax.ShapeDtypeStruct((2,), jnp.uint32),
+                                       self.first_x[1])
+        except Exception as error:  # noqa: BLE001 - re-raised with context below
+            if self.program.kind == "evaluator" or isinstance(error, jax.errors.JAXTypeError):
+                # An evaluator never initializes (its variables come from the caller), and
+                # an init that needs concrete values cannot be checked abstractly.
+                return
+            raise ValueError(
+                f"data: x does not fit the model: initializing it on the first batch's x "
+                f"({_describe(x, 'x')}) fails with {_first_line(error)}. Give x the shape the "
+                f"model expects (the batch axis first)"
+            ) from error
+        y_pred = self._forward(variables, "freshly initialized variables")
+        if self.program.loss is not None:
+            self._check_loss(y, y_pred, jax.tree.map(_abstract, y))
+
+    def _check_loss(self, y: Any, y_pred: Any, ys: Any) -> None:
+        name, loss_fn = resolve_loss(self.program.loss)
+        shape = getattr(y_pred, "shape", None)
+        output = (f"the model's output of shape {shape}" if shape is not None
+                  else f"the model's output ({_describe(y_pred, 'output')})")
+        if isinstance(ys, jax.ShapeDtypeStruct) and isinstance(y_pred, jax.ShapeDtypeStruct):
+            self._check_named_loss(name, ys, y_pred, output)
+        try:
+            value = jax.eval_shape(loss_fn, ys, y_pred)
+        except Exception as error:  # noqa: BLE001
+            raise ValueError(
+                f"data: y does not fit the loss {name!r}: with y ({_describe(y, 'y')}) and "
+                f"{output} it fails with {_first_line(error)}. Give y the shape the loss "
+                f"expects for this output"
+            ) from error
+        if getattr(value, "shape", ()) != ():
+            raise ValueError(
+                f"loss {name!r} returned shape {value.shape} for the first batch; a loss "
+                f"must return a scalar (reduce it, e.g. with .mean())"
+            )
+
+    def _check_named_loss(self, name: str, ys: Any, y_pred: Any, output: str) -> None:
+        batch_size, shape = y_pred.shape[:1], ys.shape
+        if name == _SPARSE:
+            accepted = (y_pred.shape[:-1], y_pred.shape[:-1] + (1,))
+            if shape not in accepted:
+                raise ValueError(
+                    f"data: y has shape {shape}, but {name} with {output} expects integer "
+                    f"class labels of shape {accepted[0]} (or {accepted[1]}); for one-hot "
+                    f"targets use 'categorical_cross_entropy'"
+                )
+            self.classes = int(y_pred.shape[-1])
+        elif name in _SAME_SHAPE_LOSSES and shape != y_pred.shape:
+            raise ValueError(
+                f"data: y has shape {shape}, but {name} with {output} expects targets of the "
+                f"same shape {y_pred.shape} (one-hot or probabilities); for integer labels "
+                f"use 'sparse_categorical_cross_entropy'"
+            )
+        elif name in _SAME_SIZE_LOSSES and (
+            shape[:1] != batch_size or int(np.prod(shape)) != int(np.prod(y_pred.shape))
+        ):
+            raise ValueError(
+                f"data: y has shape {shape}, but {name} with {output} expects targets with "
+                f"one value per output, shape {y_pred.shape}; reshape y or change the "
+                f"model's last layer"
+            )
+
+    def _check_labels(self, batch: Any, where: str) -> None:
+        """Sparse labels in [0, classes), for numpy labels (device labels are not read)."""
+        if self.classes is None or not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            return
+        labels = batch[1]
+        if not isinstance(labels, np.ndarray) or labels.size == 0:
+            return
+        low, high = labels.min(), labels.max()
+        if low >= 0 and high < self.classes:
+            return
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"data: {where}: y holds the label {bad}, out of range for {_SPARSE} with a model "
+            f"output of {self.classes} classes (labels must be integers in [0, "
+            f"{self.classes})). Fix the labels, or give the model's last layer at least "
+            f"{int(high) + 1} units"
+        )

@@ -25,6 +25,8 @@ from ._start import initial_step_state
 
 __all__ = ["run_loop"]
 
+_RAN_OUT = "ran_out"  # an epoch found no data left: the run ends, completed
+
 
 class _HostReads:
     """The only place device values are pulled to the host; counts `host_syncs`."""
@@ -66,6 +68,8 @@ class Run:
                              f"in a background thread; 0 pulls the next chunk in the caller)")
         if not isinstance(jit, bool):
             raise ValueError(f"jit={jit!r} must be True or False")
+        if not isinstance(progress, bool):
+            raise ValueError(f"progress={progress!r} must be True or False")
         self.loop, self.epochs, self.iterations = loop, int(epochs), iterations
         self.stats = new_stats()
         self.source = as_source(data)
@@ -110,6 +114,7 @@ class Run:
             first = self._first_batch()
             step_state = initial_step_state(self.loop, user_state, first,
                                             resuming=isinstance(self.init_state, State))
+            self.executor.checker.variables(step_state)
             self.executor.start(step_state, first, self.source, self.start_epoch)
             with SignalGuard() as signals:
                 state = self._epochs(state, signals)
@@ -121,11 +126,15 @@ class Run:
 
     def _epochs(self, state: State, signals: SignalGuard) -> State:
         self.stats["compiles_before"] = self.executor.traces()
+        state = state.replace(step_state=self.executor.state)
         status, state = self.bus.fire(Event.STARTED, state)
+        self.executor.adopt(state.step_state)
         halted = status == HALT_LOOP
         epoch = self.start_epoch
         while not halted and epoch < self.epochs:
             state, status = self._epoch(state, epoch, signals)
+            if status == _RAN_OUT:
+                break
             halted = status == HALT_LOOP or signals.requested
             epoch += 1
         self.stats["compiles"] = self.executor.traces() - self.stats.pop("compiles_before")
@@ -148,6 +157,8 @@ class Run:
                         else self.source.epoch_iterator(epoch))
             status, state = self.executor.run_epoch(state, iterator, self.source,
                                                     self.iterations, self.bus, signals)
+            if status == CONTINUE and self._ran_out(epoch):
+                return state, _RAN_OUT
         if status == HALT_LOOP and state.handler_metadata.get("_nonfinite_at") is not None:
             self._warn_nonfinite(state)
         if signals.requested:
@@ -155,17 +166,32 @@ class Run:
         # Host boundary: the end of the epoch reads the final metric accumulators.
         metrics = dict(state.metrics)
         metrics.update(self.executor.final_metrics())
-        history = dict(state.history)
-        history[epoch] = dict(metrics)
         self.stats["epoch_time"][epoch] = time.perf_counter() - began
-        state = state.replace(metrics=metrics, history=history, step_state=self.executor.state,
+        state = state.replace(metrics=metrics, step_state=self.executor.state,
                               times={**state.times, epoch: time.perf_counter() - began})
         if status == HALT_LOOP:
+            # Halted mid-epoch (a handler, a non-finite loss, a signal): the epoch is not
+            # complete, so history does not record it and a resumed run redoes it.
             return state, status
+        state = state.replace(history={**state.history, epoch: dict(metrics)})
         event = Event.EPOCH_HALTED if status == HALT_EPOCH else Event.EPOCH_COMPLETED
         status, state = self.bus.fire(event, state, mirror_history=True)
         self.executor.adopt(state.step_state)
         return state, status
+
+    def _ran_out(self, epoch: int) -> bool:
+        """A one-shot iterator that had nothing left for this epoch ends the run (as Keras
+        does when its input runs out), with a warning naming the epoch."""
+        if self.executor.resident is not None or self.source.epoch_pulled > 0:
+            return False
+        warnings.warn(
+            f"data ran out at the start of epoch {epoch}: the run ends after {epoch} epochs "
+            f"instead of {self.epochs}. A one-shot iterator is consumed across epochs; pass "
+            f"a re-iterable or a callable returning a fresh iterator, or lower epochs",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+        return True
 
     @staticmethod
     def _warn_nonfinite(state: State) -> None:

@@ -18,72 +18,23 @@ import jax
 import numpy as np
 
 from ._events import CONTINUE, HALT_LOOP, Event
-from ._fusion import make_chunk_fn, resolve_fuse, stack_chunk
+from ._fusion import resolve_fuse, stack_chunk
 from ._checks import Checker
 from ._placement import Placement
 from ._prefetch import ChunkProducer
-from ._step import init_tail, make_carry_step
+from ._programs import MIN_SLOTS, Programs
+from ._start import private_copy
 
 __all__ = ["Executor"]
 
 _STARTED, _COMPLETED = Event.ITERATION_STARTED, Event.ITERATION_COMPLETED
 
 
+_ONE = np.int32(1)
+
+
 def _constant(value: Any) -> Any:
     return lambda: value
-
-
-class _Compiled:
-    """The loop's jitted programs, cached on the Loop so a second run does not recompile."""
-
-    def __init__(self, loop: Any):
-        self.cache = loop._cache
-        self.cache.setdefault("traces", [0])
-        self.loop = loop
-
-    def _counted(self, fn: Any) -> Any:
-        counter = self.cache["traces"]
-
-        def traced(*args: Any) -> Any:
-            counter[0] += 1  # runs at trace time only: one per compile
-            return fn(*args)
-
-        return traced
-
-    def _donate(self, n_state_args: int) -> tuple[int, ...]:
-        return (0, 1) if self.loop.program.donate_state else (1,)
-
-    def step(self, jit: bool) -> Any:
-        guard = self.loop.guard_nonfinite
-        carry_step = make_carry_step(self.loop.program, self.loop.metrics, guard)
-        if not jit:
-            return carry_step
-        key = ("step", guard)
-        if key not in self.cache:
-            self.cache[key] = jax.jit(self._counted(carry_step), donate_argnums=self._donate(2))
-        return self.cache[key]
-
-    def chunk(self, record: bool, fetch: Any = None, fetch_name: str = "stacked") -> Any:
-        guard = self.loop.guard_nonfinite
-        key = ("chunk", record, guard, fetch_name)
-        if key not in self.cache:
-            carry_step = make_carry_step(self.loop.program, self.loop.metrics, guard)
-            kwargs = {"fetch": fetch} if fetch is not None else {}
-            fn = make_chunk_fn(carry_step, record, guard, **kwargs)
-            self.cache[key] = jax.jit(self._counted(fn), donate_argnums=self._donate(2))
-        return self.cache[key]
-
-    def fresh_tail(self) -> Any:
-        """Zeroed metric accumulators (and guard flag), made by one cached program."""
-        key = ("tail", self.loop.guard_nonfinite)
-        if key not in self.cache:
-            metrics, guard = self.loop.metrics, self.loop.guard_nonfinite
-            self.cache[key] = jax.jit(lambda: init_tail(metrics, guard))
-        return self.cache[key]()
-
-    @property
-    def traces(self) -> int:
-        return self.cache["traces"][0]
 
 
 class Executor:
@@ -95,7 +46,7 @@ class Executor:
         self.fuse = resolve_fuse(fuse, jit)
         self.max_in_flight = max_in_flight
         self.prefetch = prefetch
-        self.compiled = _Compiled(loop)
+        self.compiled = Programs(loop)
         self.placement = Placement(mesh, stats)
         self.checker = Checker(loop.program)
         self.epoch = 0
@@ -125,9 +76,12 @@ class Executor:
         return self.compiled.traces
 
     def adopt(self, step_state: Any) -> None:
-        """Takes a step state a handler returned (epoch-level events; unfused iterations)."""
+        """Takes a step state a handler returned (epoch-level events; unfused iterations).
+
+        It is copied: the next step donates it, and the handler may still hold its arrays.
+        """
         if step_state is not None and step_state is not self.state:
-            self.state = self.placement.put_state(step_state)
+            self.state = self.placement.put_state(private_copy(step_state))
 
     def reset_metrics(self) -> None:
         self.tail = self.placement.put_state(self.compiled.fresh_tail())
@@ -155,16 +109,25 @@ class Executor:
             if self.fuse is not None:
                 return self.resident.run_epoch(state, bound, bus, signals)
             return self._unfused_epoch(state, *self.resident.unfused_feed(bound), bus, signals)
-        step = self.compiled.step(self.jit)
-
         def next_batch(i: int) -> Any:
             batch = self._pull(iterator, source, 1)
             return batch[0] if batch else None
 
-        def dispatch(batch: Any, i: int) -> None:
-            self.checker.batch(batch, self.epoch, i)
-            device_batch = self.placement.put_batch(batch, i)
-            self.state, self.tail = step(self.state, self.tail, device_batch)
+        if self.jit:
+            program = self.compiled.chunk()
+
+            def dispatch(batch: Any, i: int) -> None:
+                self.checker.batch(batch, self.epoch, i)
+                # The unfused step runs in the fused program's loop with one live slot,
+                # so both paths execute the same compiled loop body (see _programs.py).
+                chunk = self.placement.put_batch(stack_chunk([batch], MIN_SLOTS, i), i)
+                self.state, self.tail, _, _ = program(self.state, self.tail, chunk, _ONE)
+        else:
+            step = self.compiled.eager_step()
+
+            def dispatch(batch: Any, i: int) -> None:
+                self.checker.batch(batch, self.epoch, i)
+                self.state, self.tail = step(self.state, self.tail, batch)
 
         if self.fuse is None:
             return self._unfused_epoch(state, next_batch, dispatch, bound, bus, signals)
@@ -226,6 +189,7 @@ class Executor:
         """Pulls, stacks and transfers the next chunk: `(device_chunk, n, requested)`."""
         size = self.fuse
         requested = size if bound is None else min(size, bound - first_index)
+        size = max(size, MIN_SLOTS)
         if requested <= 0:
             return None
         batches = self._pull(iterator, source, requested)
@@ -240,7 +204,7 @@ class Executor:
                      bound: int | None, bus: Any, signals: Any) -> tuple[str, Any]:
         record = bus.has_iteration_handlers
         guard = self.loop.guard_nonfinite
-        program = self.compiled.chunk(record)
+        program = self.compiled.chunk()
         # Pulling ahead is harmless for re-iterable sources; for a one-shot iterator only
         # when no iteration handler can halt mid-chunk (exact consumption wins).
         ahead = source.prefetch_safe or not (record or guard)

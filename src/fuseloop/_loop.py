@@ -31,7 +31,11 @@ class Loop:
     _cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def _with(self, **changes: Any) -> "Loop":
-        return dataclasses.replace(self, _cache={}, **changes)
+        # Compiled programs depend on the step, the metrics and the guard, not on handlers:
+        # a loop that only gains handlers shares its parent's compile cache.
+        shares_programs = set(changes) <= {"registrations"}
+        cache = self._cache if shares_programs else {}
+        return dataclasses.replace(self, _cache=cache, **changes)
 
     # ----------------------------------------------------------------- builders
     def metric(self, metric: Any, name: str | None = None,
@@ -74,6 +78,9 @@ class Loop:
             filter: Any = "always", stream: TextIO | None = None) -> "Loop":
         """Writes `fn(state)` to `stream` (stdout by default) when `event` fires.
 
+        The text holds whatever `fn` returns; leave out timings and the output of a fused
+        and an unfused run is byte for byte the same.
+
         Example:
             >>> loop = loop.log(lambda s: f"epoch {s.epoch}\\n", event="epoch_completed")  # doctest: +SKIP
         """
@@ -83,7 +90,22 @@ class Loop:
 
     def validate(self, model: Any, data: Any, event: Any = "epoch_completed",
                  filter: Any = "always", fuse: Any = False) -> "Loop":
-        """Evaluates on `data` and adds `validation_<name>` for the loss and each metric."""
+        """Evaluates on `data` and adds `validation_<name>` for the loss and each metric.
+
+        Attach it after `metric(...)` calls (it evaluates the metrics the loop has then) and
+        before handlers that monitor `validation_*`. The evaluation loop is built once here,
+        so it compiles once; it reads the params and never changes them.
+
+        Args:
+            model: The model to evaluate (usually the trainer's).
+            data: Re-iterable validation batches (list, callable, `fl.data.arrays`).
+            event: When to validate (default: at the end of each epoch).
+            filter: Which firings validate, e.g. `{"every": 5}`.
+            fuse: The validation run's `fuse`: False, True or a chunk size.
+
+        Example:
+            >>> loop = loop.metric("accuracy").validate(model, val_batches)  # doctest: +SKIP
+        """
         from .handlers.validate import Validator
 
         validator = Validator(model, data, self.program.loss, self.metrics, fuse)
@@ -91,31 +113,104 @@ class Loop:
 
     def early_stop(self, monitor: str, patience: int = 3, mode: str = "min",
                    min_delta: float = 0.0) -> "Loop":
-        """Halts after `patience` consecutive epochs without improvement (as Keras does)."""
+        """Halts after `patience` consecutive epochs without improvement (as Keras does).
+
+        A non-finite monitored value halts at once. The best value and the wait count live
+        in `state.handler_metadata`, so they survive a checkpoint and resume.
+
+        Example:
+            >>> loop = loop.early_stop("validation_loss", patience=3)  # doctest: +SKIP
+        """
         from .handlers.monitor import EarlyStopping
 
+        key = self._metadata_key(f"early_stop:{monitor}")
         return self.handle_event("epoch_completed",
-                                 EarlyStopping(monitor, patience, mode, min_delta),
+                                 EarlyStopping(monitor, patience, mode, min_delta, key=key),
                                  name="early_stop")
 
     def reduce_lr_on_plateau(self, monitor: str, factor: float = 0.1, patience: int = 3,
                              mode: str = "min", min_delta: float = 0.0,
-                             min_lr: float = 0.0) -> "Loop":
-        """Multiplies the learning rate by `factor` after `patience` epochs on a plateau."""
+                             min_lr: float = 0.0, cooldown: int = 0) -> "Loop":
+        """Multiplies the learning rate by `factor` after `patience` epochs on a plateau.
+
+        Needs an optimizer built with `optax.inject_hyperparams` (the named optimizers
+        are); any other raises a ValueError here. The new rate applies from the next step.
+
+        Example:
+            >>> loop = loop.reduce_lr_on_plateau("validation_loss", factor=0.5)  # doctest: +SKIP
+        """
         from .handlers.monitor import ReduceLROnPlateau
 
-        handler = ReduceLROnPlateau(monitor, factor, patience, mode, min_delta, min_lr)
+        key = self._metadata_key(f"reduce_lr_on_plateau:{monitor}")
+        handler = ReduceLROnPlateau(monitor, factor, patience, mode, min_delta, min_lr,
+                                    cooldown, key=key)
         handler.check_optimizer(self.program)
         return self.handle_event("epoch_completed", handler, name="reduce_lr_on_plateau")
 
     def checkpoint(self, path: str, event: Any = "epoch_completed", filter: Any = "always",
                    criteria: str | None = None, mode: str = "min", keep: int | None = None
                    ) -> "Loop":
-        """Saves the whole State under `path` (one atomic subdirectory per save)."""
+        """Saves the whole State under `path` (one atomic subdirectory per save).
+
+        Attach it last, so each save holds what the other handlers did this epoch.
+        `fl.load_state(path)` loads the latest complete one. Without `criteria`, a run
+        that halts (early stopping, SIGINT/SIGTERM) also saves its final State.
+
+        Args:
+            path: The checkpoint directory.
+            event: When to save (default: at the end of each epoch).
+            filter: Which firings save, e.g. `{"every": 5}`.
+            criteria: Save only when this metric improves (checkpoint-on-best).
+            mode: "min" or "max" for `criteria`.
+            keep: Keep only the newest `keep` checkpoints (None: all).
+
+        Example:
+            >>> loop = loop.checkpoint("ckpts", keep=3)  # doctest: +SKIP
+        """
         from .handlers.checkpoint import Checkpointer
 
-        return self.handle_event(event, Checkpointer(path, criteria, mode, keep), filter,
-                                 name="checkpoint")
+        key = self._metadata_key(f"checkpoint:{criteria}") if criteria is not None else ""
+        saver = Checkpointer(path, criteria, mode, keep, key=key)
+        loop = self.handle_event(event, saver, filter, name="checkpoint")
+        if criteria is None and normalize_event(event) != Event.HALTED:
+            # A halted run (early stop, a signal) also saves its final State.
+            loop = loop.handle_event("halted", saver.on_halted, name="checkpoint")
+        return loop
+
+    def csv_log(self, path: str, event: Any = "epoch_completed",
+                filter: Any = "always") -> "Loop":
+        """Writes the metrics to a CSV file, one row (epoch, iteration, step, metrics...)
+        per firing.
+
+        Example:
+            >>> loop = loop.csv_log("metrics.csv")  # doctest: +SKIP
+        """
+        from .handlers.writers import CSVWriter, attach_writer
+
+        return attach_writer(self, CSVWriter(path, event), event, filter, "csv_log")
+
+    def tensorboard(self, logdir: str, event: Any = "epoch_completed", filter: Any = "always",
+                    prefix: str | None = None) -> "Loop":
+        """Writes the metrics as TensorBoard scalars (needs tensorboardX).
+
+        Example:
+            >>> loop = loop.tensorboard("runs/exp1", event="iteration_completed",
+            ...                         filter={"every": 10})  # doctest: +SKIP
+        """
+        from .handlers.writers import TensorBoardWriter, attach_writer
+
+        return attach_writer(self, TensorBoardWriter(logdir, event, prefix), event, filter,
+                             "tensorboard")
+
+    def _metadata_key(self, base: str) -> str:
+        """A `handler_metadata` key no attached handler uses yet (stable across runs)."""
+        used = {getattr(getattr(r.handler, "monitor", None), "key", None)
+                for r in self.registrations}
+        key, n = base, 1
+        while key in used:
+            n += 1
+            key = f"{base}#{n}"
+        return key
 
     def terminate_on_nan(self) -> "Loop":
         """Halts at the first non-finite loss, checked on the device (even inside a chunk).

@@ -50,15 +50,15 @@ class Placement:
                     f"that is a multiple of {self.n_shards}"
                 )
 
-    def put_batch(self, batch: Any, iteration: int) -> Any:
-        """One batch for an unfused step. On one device the host arrays go straight into
-        the compiled call, whose C++ argument path moves them far faster than a separate
-        `device_put` (the transfer is still counted)."""
+    def put_batch(self, stacked: Any, iteration: int) -> Any:
+        """An unfused step's batch, stacked into its (mostly padding) chunk. On one device
+        the host arrays go straight into the compiled call, whose C++ argument path moves
+        them far faster than a separate `device_put` (the transfer is still counted)."""
         self.stats["h2d_transfers"] += 1
         if self._batch is None:
-            return batch
-        self._check_divisible(batch, 0, f"the batch at iteration {iteration}")
-        return jax.device_put(batch, self._batch)
+            return stacked
+        self._check_divisible(stacked, 1, f"the batch at iteration {iteration}")
+        return jax.device_put(stacked, self._chunk)
 
     def put_chunk(self, chunk_and_count: Any) -> Any:
         """Moves `(stacked_chunk, n_valid)` to the device in one transfer."""

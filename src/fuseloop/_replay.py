@@ -127,12 +127,16 @@ class EventBus:
         registrations = [
             r for r in self.by_event.get(event, ()) if r.filter.by_count(self.total[event])
         ]
-        if self.progress is not None:
+        ends_epoch = event in (Event.EPOCH_COMPLETED, Event.EPOCH_HALTED)
+        if self.progress is not None and not ends_epoch:
             self.progress.on_event(event, state)
-        if not registrations:
-            return CONTINUE, state
-        state = state.replace(event_counts=self.counts())
-        return self._call(event, registrations, state, mirror_history)
+        status = CONTINUE
+        if registrations:
+            state = state.replace(event_counts=self.counts())
+            status, state = self._call(event, registrations, state, mirror_history)
+        if self.progress is not None and ends_epoch:  # shows what validation added
+            self.progress.on_event(event, state)
+        return status, state
 
     def fire_iteration(
         self,

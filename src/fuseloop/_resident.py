@@ -16,8 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._events import CONTINUE
-from ._fusion import make_chunk_fn
-from ._step import make_carry_step
+from ._programs import MIN_SLOTS
 
 __all__ = ["ResidentData"]
 
@@ -51,41 +50,13 @@ class ResidentData:
 
         return next_epoch
 
-    def _programs(self, record: bool, fused: bool) -> Any:
-        executor, loop = self.executor, self.executor.loop
-        size = executor.fuse if fused else 1
-        key = ("resident", fused, record, self.guard, size, self.source.batch_size)
-        cache = loop._cache
-        if key in cache:
-            return cache[key]
-        carry_step = make_carry_step(loop.program, loop.metrics, self.guard)
-        def fetch(chunk: Any, i: Any) -> Any:
-            data, indices, cursor = chunk
-            rows = indices[cursor + i]
-            # Plain indexing (clamping) rather than jnp.take's default fill mode, which adds
-            # a mask per element; the indices are a permutation, always in bounds.
-            return jax.tree.map(lambda leaf: leaf[rows], data)
-
-        body = make_chunk_fn(carry_step, record, self.guard, fetch=fetch, slots=size)
-
-        def program(state: Any, tail: Any, data: Any, indices: Any, cursor: Any,
-                    limit: Any) -> tuple[Any, ...]:
-            n_valid = jnp.minimum(size, limit - cursor)
-            state, tail, records, n_run = body(state, tail, (data, indices, cursor), n_valid)
-            return state, tail, records, n_run, cursor + n_run
-
-        donate = (0, 1) if loop.program.donate_state else (1,)
-        cache[key] = jax.jit(executor.compiled._counted(program), donate_argnums=donate,
-                             static_argnums=(5,))
-        return cache[key]
-
     def _limit(self, bound: int | None) -> int:
         return self.source.num_batches if bound is None else min(bound, self.source.num_batches)
 
     def unfused_feed(self, bound: int | None) -> tuple[Any, Any, int]:
         """`(next_batch, dispatch, bound)` for the executor's unfused loop: one gathered
         step per dispatch, still without any host transfer."""
-        program = self._programs(record=False, fused=False)
+        program = self.executor.compiled.resident(MIN_SLOTS, live=1)
         limit = self._limit(bound)
         indices, self.epoch, cursor = self.next_epoch(self.epoch)
         position = {"cursor": cursor}
@@ -106,10 +77,10 @@ class ResidentData:
         executor = self.executor
         fused = executor.fuse is not None
         record = bus.has_iteration_handlers
-        program = self._programs(record, fused)
+        size = executor.fuse if fused else 1
+        program = executor.compiled.resident(max(size, MIN_SLOTS), live=size)
         indices, self.epoch, cursor = self.next_epoch(self.epoch)
         limit = self._limit(bound)
-        size = executor.fuse if fused else 1
         status, i, last = CONTINUE, 0, 0
         executor._previous = dict
         while i < limit:

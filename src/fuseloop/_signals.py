@@ -10,6 +10,7 @@ from typing import Any
 __all__ = ["SignalGuard"]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_outermost: "SignalGuard | None" = None
 
 
 class SignalGuard:
@@ -34,6 +35,12 @@ class SignalGuard:
         self.signal_name = signal.Signals(signum).name
 
     def __enter__(self) -> "SignalGuard":
+        global _outermost
+        if _outermost is not None:
+            # A run inside a run (validation): the outer run's guard owns the signals and
+            # halts the outer loop; the inner run completes.
+            return self
+        _outermost = self
         if threading.current_thread() is threading.main_thread():
             for signum in _SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
@@ -45,4 +52,7 @@ class SignalGuard:
         self._previous.clear()
 
     def __exit__(self, *exc: Any) -> None:
+        global _outermost
         self._restore()
+        if _outermost is self:
+            _outermost = None

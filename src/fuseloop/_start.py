@@ -39,7 +39,13 @@ def private_copy(tree: Any) -> Any:
 
 def _signature(tree: Any) -> tuple[Any, ...]:
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((np.shape(leaf), np.result_type(leaf)) for leaf in leaves)
+    return treedef, tuple((np.shape(leaf), _dtype(leaf)) for leaf in leaves)
+
+
+def _dtype(leaf: Any) -> Any:
+    # Canonical (x64 off: float64 -> float32), as the compiled step will see it.
+    dtype = leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf)
+    return jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)
 
 
 def _trainer_init(loop: Any, first: Any) -> Any:

@@ -140,10 +140,13 @@ class from_functions:  # noqa: N801 - reads as a constructor
 
 
 class from_nnx:  # noqa: N801
-    """Adapts a flax.nnx module: variables are `{"params": Param state, "state": the rest}`.
+    """Adapts a flax.nnx module: variables are `{"params": ..., "state": ...}` pure dicts
+    (the Param variables, and everything else: batch statistics, RNG streams).
 
     Dropout and BatchNorm switch with `module.train()`/`module.eval()`; the module's own
     RNG streams are part of `"state"`, so they advance with each step and checkpoint.
+    Variables are rebuilt from plain arrays inside each traced call, so nnx never sees a
+    Variable created at another trace level (inside `grad` or the fused loop).
 
     Example:
         >>> from flax import nnx
@@ -155,19 +158,27 @@ class from_nnx:  # noqa: N801
 
         self._nnx = nnx
         self.graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-        self._initial = {"params": params, "state": rest}
+        self._templates = (params, rest)
+        self._initial = {"params": nnx.to_pure_dict(params), "state": nnx.to_pure_dict(rest)}
 
     def init(self, rng: Any, x: Any) -> Any:
         return jax.tree.map(lambda a: a, self._initial)
 
+    def _rebuild(self, template: Any, pure: Any) -> Any:
+        fresh = jax.tree.map(lambda a: a, template)  # new Variables at this trace level
+        self._nnx.replace_by_pure_dict(fresh, pure)
+        return fresh
+
     def _run(self, variables: Any, x: Any, train: bool) -> tuple[Any, Any]:
         nnx = self._nnx
-        module = nnx.merge(self.graphdef, variables["params"], variables["state"])
+        params = self._rebuild(self._templates[0], variables["params"])
+        rest = self._rebuild(self._templates[1], variables["state"])
+        module = nnx.merge(self.graphdef, params, rest)
         if hasattr(module, "train"):
             module.train() if train else module.eval()
         y = module(x)
         _, _, rest = nnx.split(module, nnx.Param, ...)
-        return y, rest
+        return y, nnx.to_pure_dict(rest)
 
     def apply(self, variables: Any, x: Any) -> Any:
         return self._run(variables, x, train=False)[0]

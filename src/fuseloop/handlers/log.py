@@ -20,12 +20,21 @@ class Writer:
     def __init__(self, fn: Callable[[State], str], stream: TextIO | None = None):
         if not callable(fn):
             raise ValueError(f"fn={fn!r} must be callable(state) -> str")
+        if stream is not None and not callable(getattr(stream, "write", None)):
+            raise ValueError(f"stream={stream!r} must be a writable text stream (with .write) "
+                             f"or None for stdout")
         self.fn, self.stream = fn, stream
 
     def __call__(self, state: State) -> None:
         stream = self.stream if self.stream is not None else sys.stdout
-        stream.write(self.fn(state))
-        stream.flush()
+        text = self.fn(state)
+        if not isinstance(text, str):
+            raise ValueError(f"log: fn returned {type(text).__name__}; it must return a str "
+                             f"(add the newline yourself)")
+        stream.write(text)
+        flush = getattr(stream, "flush", None)
+        if flush is not None:
+            flush()
 
 
 def format_metrics(metrics: dict[str, Any]) -> str:

@@ -1,3 +1,96 @@
-"""(in progress)"""
-def plot_history(history, path):
-    raise NotImplementedError
+"""`fl.plot_history`: a PNG of the metric curves, training and validation on shared axes.
+
+matplotlib is an optional extra (`pip install fuseloop[plot]`); it is imported only here,
+and only its object-oriented API is used (no pyplot), so plotting changes no global
+matplotlib state such as the backend.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from .._state import State
+from .validate import PREFIX
+from .writers import scalar_metrics
+
+__all__ = ["plot_history"]
+
+
+def _series(history: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[str, list[tuple]]]:
+    """{base metric: {"training"|"validation": [(epoch, value), ...]}}, epochs ascending."""
+    panels: dict[str, dict[str, list[tuple]]] = {}
+    for epoch in sorted(history, key=int):
+        for name, value in scalar_metrics(dict(history[epoch])).items():
+            split = "validation" if name.startswith(PREFIX) else "training"
+            base = name[len(PREFIX):] if split == "validation" else name
+            panels.setdefault(base, {}).setdefault(split, []).append((int(epoch), value))
+    return panels
+
+
+def _figure_class() -> tuple[Any, Any]:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ImportError(
+            "plot_history needs matplotlib: pip install fuseloop[plot]"
+        ) from None
+    return Figure, FigureCanvasAgg
+
+
+def plot_history(history: Mapping[int, Mapping[str, Any]] | State,
+                 path: str | os.PathLike[str], metrics: list[str] | None = None,
+                 title: str | None = None) -> Path:
+    """Writes a PNG with one panel per metric: training and `validation_<name>` on shared axes.
+
+    Args:
+        history: `state.history` (epoch -> metrics), or a State.
+        path: The PNG file to write.
+        metrics: The metric names to plot (default: every scalar metric in the history).
+        title: A title over the figure.
+
+    Returns:
+        The path written.
+
+    Example:
+        >>> fl.plot_history(state.history, "history.png")  # doctest: +SKIP
+    """
+    if isinstance(history, State):
+        history = history.history
+    if not isinstance(history, Mapping) or not history:
+        raise ValueError("history must be a non-empty mapping epoch -> metrics "
+                         "(state.history after at least one epoch), or a State")
+    panels = _series(history)
+    if metrics is not None:
+        unknown = [m for m in metrics if m not in panels]
+        if unknown:
+            raise ValueError(f"metrics={unknown!r} are not in the history; accepted values: "
+                             f"{', '.join(sorted(panels))}")
+        panels = {m: panels[m] for m in metrics}
+    if not panels:
+        raise ValueError("history holds no scalar metric to plot")
+    figure_cls, canvas_cls = _figure_class()
+    columns = min(3, len(panels))
+    rows = math.ceil(len(panels) / columns)
+    figure = figure_cls(figsize=(4.2 * columns, 3.2 * rows), layout="constrained")
+    canvas_cls(figure)
+    for index, (name, splits) in enumerate(panels.items()):
+        axes = figure.add_subplot(rows, columns, index + 1)
+        for split, style in (("training", "o-"), ("validation", "s--")):
+            if split in splits:
+                epochs, values = zip(*splits[split])
+                axes.plot(epochs, values, style, markersize=3, label=split)
+        axes.set_title(name)
+        axes.set_xlabel("epoch")
+        axes.grid(True, alpha=0.3)
+        axes.xaxis.get_major_locator().set_params(integer=True)
+        axes.legend(fontsize="small")
+    if title:
+        figure.suptitle(title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png", dpi=100)
+    return path

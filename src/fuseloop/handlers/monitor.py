@@ -1,0 +1,276 @@
+"""One monitor, three handlers: early stopping, LR on plateau, and checkpoint-on-best.
+
+A `Monitor` watches one metric of `state.metrics` and keeps its best value and how many
+epochs passed without improvement. That record lives in `state.handler_metadata` under the
+handler's key, so it is saved with a checkpoint and a resumed run continues it exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .._state import State
+
+__all__ = ["Monitor", "EarlyStopping", "ReduceLROnPlateau", "find_learning_rates"]
+
+MODES = ("min", "max")
+
+_INJECT_STATES = tuple(
+    cls for cls in (getattr(optax, "InjectHyperparamsState", None),
+                    getattr(optax, "InjectStatefulHyperparamsState", None))
+    if cls is not None
+)
+
+
+def _check_int(value: Any, argument: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{argument}={value!r} must be an int >= {minimum}")
+    return int(value)
+
+
+def _check_float(value: Any, argument: str, minimum: float, maximum: float = math.inf,
+                 open_low: bool = False, open_high: bool = False) -> float:
+    low_ok = (lambda v: v > minimum) if open_low else (lambda v: v >= minimum)
+    high_ok = (lambda v: v < maximum) if open_high else (lambda v: v <= maximum)
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{argument}={value!r} must be a number")
+    value = float(value)
+    if not (math.isfinite(value) and low_ok(value) and high_ok(value)):
+        low = "(" if open_low else "["
+        high = ")" if open_high else "]"
+        raise ValueError(f"{argument}={value!r} must be in {low}{minimum}, {maximum}{high}")
+    return value
+
+
+@dataclass(frozen=True)
+class Monitor:
+    """Watches `state.metrics[monitor]` and tracks its best value.
+
+    Attributes:
+        monitor: The metric's name, e.g. "validation_loss".
+        mode: "min" (lower is better) or "max".
+        patience: Epochs without improvement a handler tolerates (>= 0).
+        min_delta: The smallest change that counts as an improvement (>= 0).
+        key: Where the record lives in `state.handler_metadata`.
+
+    Example:
+        >>> m = Monitor("loss", mode="min", patience=2, key="doc")
+        >>> record, improved = m.update(m.record(State()), 0.5)
+        >>> improved, record["best"], record["wait"]
+        (True, 0.5, 0)
+    """
+
+    monitor: str
+    mode: str = "min"
+    patience: int = 3
+    min_delta: float = 0.0
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.monitor, str) or not self.monitor:
+            raise ValueError(f"monitor={self.monitor!r} must be a metric name such as "
+                             f"'loss' or 'validation_loss'")
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} is not a mode; accepted values: "
+                             f"{', '.join(MODES)}")
+        object.__setattr__(self, "patience", _check_int(self.patience, "patience", 0))
+        object.__setattr__(self, "min_delta", _check_float(self.min_delta, "min_delta", 0.0))
+        if not self.key:
+            object.__setattr__(self, "key", f"monitor:{self.monitor}")
+
+    def value(self, state: State) -> float:
+        """The monitored value of this epoch, or a ValueError naming the metrics there are."""
+        if self.monitor not in state.metrics:
+            available = ", ".join(sorted(state.metrics)) or "(none)"
+            raise ValueError(
+                f"monitor={self.monitor!r} is not among this epoch's metrics ({available}). "
+                f"Add it with Loop.metric(...), or, for 'validation_*', attach Loop.validate(...) "
+                f"before the handler that monitors it"
+            )
+        try:
+            return float(np.asarray(state.metrics[self.monitor]).item())
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"monitor={self.monitor!r}: the metric is not a scalar "
+                f"({state.metrics[self.monitor]!r}); monitor a scalar metric"
+            ) from None
+
+    def record(self, state: State) -> dict[str, Any]:
+        """This monitor's record in `state.handler_metadata` (a fresh one if absent)."""
+        saved = state.handler_metadata.get(self.key)
+        if saved is None:
+            return {"best": None, "best_epoch": None, "wait": 0}
+        return dict(saved)
+
+    def improves(self, value: float, best: float | None) -> bool:
+        """Whether `value` beats `best` by more than `min_delta` (non-finite never does)."""
+        if not math.isfinite(value):
+            return False
+        if best is None:
+            return True
+        if self.mode == "min":
+            return value < best - self.min_delta
+        return value > best + self.min_delta
+
+    def update(self, record: dict[str, Any], value: float, epoch: int | None = None
+               ) -> tuple[dict[str, Any], bool]:
+        """The record after seeing `value`, and whether it improved."""
+        record = dict(record)
+        if self.improves(value, record["best"]):
+            record.update(best=value, best_epoch=epoch, wait=0)
+            return record, True
+        record["wait"] += 1
+        return record, False
+
+    def store(self, state: State, record: dict[str, Any]) -> State:
+        return state.replace(handler_metadata={**state.handler_metadata, self.key: record})
+
+
+class EarlyStopping:
+    """Halts the loop after `patience` consecutive epochs without improvement.
+
+    Keras semantics: the first epoch always sets the best value; every later epoch that does
+    not beat it by more than `min_delta` adds one to the wait count, and the loop halts when
+    the count reaches `patience`. A non-finite monitored value halts at once.
+
+    Example:
+        >>> stop = EarlyStopping("validation_loss", patience=2)
+    """
+
+    def __init__(self, monitor: str, patience: int = 3, mode: str = "min",
+                 min_delta: float = 0.0, key: str = ""):
+        self.monitor = Monitor(monitor, mode, patience, min_delta,
+                               key or f"early_stop:{monitor}")
+
+    def __call__(self, state: State) -> tuple[str, State]:
+        value = self.monitor.value(state)
+        record, _ = self.monitor.update(self.monitor.record(state), value, state.epoch)
+        if not math.isfinite(value):
+            record["stopped_epoch"] = state.epoch
+            return "halt_loop", self.monitor.store(state, record)
+        if record["wait"] > 0 and record["wait"] >= self.monitor.patience:
+            record["stopped_epoch"] = state.epoch
+            return "halt_loop", self.monitor.store(state, record)
+        return "continue", self.monitor.store(state, record)
+
+
+def _is_inject_state(node: Any) -> bool:
+    return isinstance(node, _INJECT_STATES)
+
+
+def find_learning_rates(opt_state: Any) -> list[Any]:
+    """The `learning_rate` hyperparameters found in an optax state (chains included).
+
+    Example:
+        >>> import optax, jax.numpy as jnp
+        >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)
+        >>> [float(lr) for lr in find_learning_rates(tx.init(jnp.zeros(2)))]
+        [0.5]
+    """
+    found = []
+    for node in jax.tree.leaves(opt_state, is_leaf=_is_inject_state):
+        if _is_inject_state(node) and "learning_rate" in node.hyperparams:
+            found.append(node.hyperparams["learning_rate"])
+    return found
+
+
+def _set_learning_rate(opt_state: Any, scale: float, floor: float) -> Any:
+    """`opt_state` with every injected learning rate set to max(lr * scale, floor)."""
+
+    def change(node: Any) -> Any:
+        if not (_is_inject_state(node) and "learning_rate" in node.hyperparams):
+            return node
+        old = node.hyperparams["learning_rate"]
+        # Computed on the host in float64 and cast once, so the result is a pure function
+        # of the old value: the same in a fused and an unfused run.
+        new = max(float(np.asarray(old)) * scale, floor)
+        hyperparams = {**node.hyperparams, "learning_rate": jnp.asarray(new, old.dtype)}
+        return node._replace(hyperparams=hyperparams)
+
+    return jax.tree.map(change, opt_state, is_leaf=_is_inject_state)
+
+
+class ReduceLROnPlateau:
+    """Multiplies the learning rate by `factor` after `patience` epochs on a plateau.
+
+    Works with optimizers built by `optax.inject_hyperparams` (the named optimizers
+    "sgd", "adam", "adamw" are). The new rate is written into the optimizer state, so it
+    takes effect from the next step (the next chunk when fused). Keras semantics: after a
+    reduction, `cooldown` epochs pass before the wait count starts again; the rate never
+    goes below `min_lr`.
+
+    Example:
+        >>> plateau = ReduceLROnPlateau("validation_loss", factor=0.5, patience=2)
+    """
+
+    def __init__(self, monitor: str, factor: float = 0.1, patience: int = 3,
+                 mode: str = "min", min_delta: float = 0.0, min_lr: float = 0.0,
+                 cooldown: int = 0, key: str = ""):
+        self.monitor = Monitor(monitor, mode, patience, min_delta,
+                               key or f"reduce_lr_on_plateau:{monitor}")
+        self.factor = _check_float(factor, "factor", 0.0, 1.0, open_low=True, open_high=True)
+        self.min_lr = _check_float(min_lr, "min_lr", 0.0)
+        self.cooldown = _check_int(cooldown, "cooldown", 0)
+
+    def check_optimizer(self, program: Any) -> None:
+        """Raises a ValueError now if the loop's learning rate cannot be changed later."""
+        if getattr(program, "kind", None) != "trainer" or program.optimizer is None:
+            raise ValueError(
+                "reduce_lr_on_plateau needs a trainer loop (fl.trainer(...)): this loop has "
+                "no optimizer whose learning rate it could change"
+            )
+        probe = {"w": jax.ShapeDtypeStruct((1,), jnp.float32)}
+        try:
+            shapes = jax.eval_shape(program.optimizer.init, probe)
+        except Exception:  # noqa: BLE001 - structure-dependent optimizers: checked at run time
+            return
+        if not find_learning_rates(shapes):
+            raise _fixed_lr_error()
+
+    def __call__(self, state: State) -> tuple[str, State]:
+        value = self.monitor.value(state)
+        record = self.monitor.record(state)
+        record.setdefault("cooldown", 0)
+        if record["cooldown"] > 0:
+            record["cooldown"] -= 1
+            record["wait"] = 0
+        record, improved = self.monitor.update(record, value, state.epoch)
+        if improved or record["cooldown"] > 0:
+            if not improved:
+                record["wait"] = 0
+            return "continue", self.monitor.store(state, record)
+        if record["wait"] < self.monitor.patience:
+            return "continue", self.monitor.store(state, record)
+        step_state = state.step_state
+        if not isinstance(step_state, dict) or "opt_state" not in step_state:
+            raise ValueError(
+                "reduce_lr_on_plateau: the State has no optimizer state (it runs on epoch "
+                "events of a trainer loop)"
+            )
+        rates = find_learning_rates(step_state["opt_state"])
+        if not rates:
+            raise _fixed_lr_error()
+        record["wait"] = 0
+        if float(np.asarray(rates[0])) <= self.min_lr:
+            return "continue", self.monitor.store(state, record)
+        opt_state = _set_learning_rate(step_state["opt_state"], self.factor, self.min_lr)
+        record["cooldown"] = self.cooldown
+        record["reductions"] = record.get("reductions", 0) + 1
+        state = state.replace(step_state={**step_state, "opt_state": opt_state})
+        return "continue", self.monitor.store(state, record)
+
+
+def _fixed_lr_error() -> ValueError:
+    return ValueError(
+        "reduce_lr_on_plateau cannot change this optimizer's learning rate: it is fixed "
+        "inside the optax transformation. Build it with optax.inject_hyperparams, e.g. "
+        "optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), or pass a named "
+        "optimizer ('sgd', 'adam', 'adamw')"
+    )

@@ -1,0 +1,163 @@
+"""Metric writers: CSV files and TensorBoard event files.
+
+Both write only what the loop already read on the host (the metrics handlers see), with the
+epoch/iteration counters as their x-axis, so a fused and an unfused run write the same rows
+and the same scalar events.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._events import ITERATION_EVENTS, Event, normalize_event
+from .._state import State
+
+__all__ = ["CSVWriter", "TensorBoardWriter", "attach_writer", "scalar_metrics"]
+
+_INDEX_COLUMNS = ("epoch", "iteration", "step")
+_writer_ids = itertools.count()
+
+
+def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """The metrics that are scalars, as Python floats (arrays of other sizes are skipped)."""
+    out = {}
+    for name, value in metrics.items():
+        try:
+            array = np.asarray(value)
+        except Exception:  # noqa: BLE001 - not array-like: not a scalar metric
+            continue
+        if array.size == 1 and np.issubdtype(array.dtype, np.number):
+            out[name] = float(array.reshape(()))
+    return out
+
+
+def _step(state: State, event: Event) -> int:
+    """The x-axis value: the epoch for epoch events, the event's total count (1-based,
+    across epochs and resumed runs) for iteration events."""
+    if event in ITERATION_EVENTS:
+        return int(state.event_counts[event.value]["total"])
+    return int(state.epoch)
+
+
+class CSVWriter:
+    """Appends one row of `epoch, iteration, step, <metrics...>` per firing.
+
+    A fresh run starts a new file; a run resumed from a State continues the file, dropping
+    the rows of epochs the resumed run is about to redo. A metric that appears later (e.g.
+    validation on some epochs only) adds a column and the file is rewritten with it.
+
+    Example:
+        >>> loop = loop.csv_log("metrics.csv", event="epoch_completed")  # doctest: +SKIP
+    """
+
+    def __init__(self, path: str | os.PathLike[str], event: Any = "epoch_completed"):
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise ValueError(f"path={path!r} must be a file path")
+        self.path, self.event = Path(path), normalize_event(event)
+        self.columns: list[str] = []
+
+    def start(self, state: State) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        rows: list[dict[str, str]] = []
+        if state.history and self.path.exists():
+            rows = [row for row in self._read() if int(row["epoch"]) < state.epoch]
+        self.columns = list(self._header()) if rows else []
+        self._rewrite(rows)
+
+    def _header(self) -> list[str]:
+        with open(self.path, newline="") as handle:
+            return next(csv.reader(handle), [])
+
+    def _read(self) -> list[dict[str, str]]:
+        with open(self.path, newline="") as handle:
+            return list(csv.DictReader(handle))
+
+    def _rewrite(self, rows: list[dict[str, str]]) -> None:
+        with open(self.path, "w", newline="") as handle:
+            if self.columns:
+                writer = csv.DictWriter(handle, self.columns, restval="")
+                writer.writeheader()
+                writer.writerows(rows)
+
+    def __call__(self, state: State) -> None:
+        row = {"epoch": str(state.epoch), "iteration": str(state.iteration),
+               "step": str(_step(state, self.event))}
+        # repr is the shortest text that reads back as the same float.
+        row.update({k: repr(v) for k, v in scalar_metrics(state.metrics).items()})
+        new = [name for name in row if name not in self.columns]
+        if new:
+            rows = self._read() if self.columns else []
+            self.columns = self.columns or list(_INDEX_COLUMNS)
+            self.columns += [name for name in new if name not in self.columns]
+            self._rewrite(rows)
+        with open(self.path, "a", newline="") as handle:
+            csv.DictWriter(handle, self.columns, restval="").writerow(row)
+
+    def close(self, state: State) -> None:
+        """Nothing stays open between rows; present for a uniform writer interface."""
+
+
+class TensorBoardWriter:
+    """Writes each scalar metric as a TensorBoard scalar (tensorboardX).
+
+    Tags are `<prefix><metric>`, with the prefix "epoch/" for epoch events and
+    "iteration/" for iteration events unless given; the global step is the epoch or the
+    iteration event's total count. One event file per run.
+
+    Example:
+        >>> loop = loop.tensorboard("runs/exp1", event="epoch_completed")  # doctest: +SKIP
+    """
+
+    def __init__(self, logdir: str | os.PathLike[str], event: Any = "epoch_completed",
+                 prefix: str | None = None):
+        if not isinstance(logdir, (str, os.PathLike)) or not str(logdir):
+            raise ValueError(f"logdir={logdir!r} must be a directory path")
+        self.logdir, self.event = Path(logdir), normalize_event(event)
+        if prefix is None:
+            prefix = "iteration/" if self.event in ITERATION_EVENTS else "epoch/"
+        if not isinstance(prefix, str):
+            raise ValueError(f"prefix={prefix!r} must be a string")
+        self.prefix = prefix
+        self._summary_writer()  # a missing tensorboardX is reported at attach time
+        self.writer: Any = None
+
+    @staticmethod
+    def _summary_writer() -> Any:
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise ImportError(
+                "the TensorBoard writer needs tensorboardX: pip install fuseloop[tensorboard]"
+            ) from None
+        return SummaryWriter
+
+    def start(self, state: State) -> None:
+        self.close(state)
+        suffix = f".{os.getpid()}.{next(_writer_ids)}"  # two runs in one second: two files
+        self.writer = self._summary_writer()(str(self.logdir), filename_suffix=suffix)
+
+    def __call__(self, state: State) -> None:
+        if self.writer is None:
+            self.start(state)
+        step = _step(state, self.event)
+        for name, value in scalar_metrics(state.metrics).items():
+            self.writer.add_scalar(self.prefix + name, value, global_step=step)
+
+    def close(self, state: State) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def attach_writer(loop: Any, writer: Any, event: Any, filter: Any, name: str) -> Any:
+    """Registers `writer` on `event`, plus its start (run start) and close (run end)."""
+    loop = loop.handle_event("started", writer.start, name=f"{name}:start")
+    loop = loop.handle_event(event, writer, filter, name=name)
+    loop = loop.handle_event("completed", writer.close, name=f"{name}:close")
+    return loop.handle_event("halted", writer.close, name=f"{name}:close")

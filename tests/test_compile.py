@@ -1,0 +1,122 @@
+"""Compilation: a second run of a Loop does not recompile, one program serves every chunk
+of every epoch (padded last chunk included), and the fused program does not grow with K
+(the device loop is a `while_loop`, not an unrolled Python loop).
+
+`stats["compiles"]` is cross-checked against JAX's own compile log."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import fuseloop as fl
+from conftest import counter_init, counter_loop, make_batches, tiny_mlp, trainer
+
+DATA = make_batches(12)
+
+
+@contextlib.contextmanager
+def jax_compiles():
+    """Collects the names of the programs XLA compiles inside the block."""
+    names: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            match = re.match(r"Compiling (\S+)", record.getMessage())
+            if match:
+                names.append(match.group(1))
+
+    handler = Collect(level=logging.DEBUG)
+    logger = logging.getLogger("jax")
+    previous_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        yield names
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logger.removeHandler(handler)
+        logger.setLevel(previous_level)
+
+
+@pytest.mark.parametrize("fuse", [False, 5, 32])
+def test_second_run_does_not_recompile(fuse):
+    loop = trainer().metric("accuracy")
+    first = loop.run(DATA, epochs=3, fuse=fuse)
+    # One program for all epochs and, fused, for the padded last chunk (12 = 5 + 5 + 2).
+    assert first.stats["compiles"] == 1
+    with jax_compiles() as compiled:
+        second = loop.run(DATA, epochs=2, fuse=fuse)
+        third = loop.run(make_batches(12, seed=9), epochs=1, iterations=7, fuse=fuse)
+    assert second.stats["compiles"] == 0 and third.stats["compiles"] == 0
+    assert compiled == []
+
+
+def test_fused_loop_with_iteration_handlers_compiles_once():
+    loop = trainer().metric("accuracy").handle_event("iteration_completed", lambda s: None,
+                                                     {"every": 4})
+    first = loop.run(DATA, epochs=2, fuse=5)
+    assert first.stats["compiles"] == 1
+    with jax_compiles() as compiled:
+        second = loop.run(DATA, epochs=2, fuse=5, iterations=11)
+    assert second.stats["compiles"] == 0 and compiled == []
+
+
+def test_evaluator_and_custom_loop_do_not_recompile():
+    params = tiny_mlp().init(jax.random.PRNGKey(0), DATA[0][0])
+    evaluator = fl.evaluator(tiny_mlp()).metric("accuracy")
+    custom = counter_loop()
+    for fuse in (False, 4):
+        evaluator.run(DATA, params, fuse=fuse)
+        custom.run(DATA, counter_init(), fuse=fuse)
+        with jax_compiles() as compiled:
+            assert evaluator.run(DATA, params, epochs=2, fuse=fuse).stats["compiles"] == 0
+            assert custom.run(DATA, counter_init(), fuse=fuse).stats["compiles"] == 0
+        assert compiled == []
+
+
+def test_compile_counter_sees_a_new_shape():
+    """Control: the counter does count compiles (a new batch size is a new program)."""
+    loop = counter_loop()
+    loop.run(DATA[:2], counter_init())
+    with jax_compiles() as compiled:
+        state = loop.run(make_batches(2, batch=8), counter_init())
+    assert state.stats["compiles"] == 1
+    assert compiled
+
+
+# --------------------------------------------------------------------------- program size
+def _fused_program_text(k: int) -> tuple[str, str]:
+    """The lowered (StableHLO) and compiled (optimized HLO) text of the trainer's fused
+    program for chunks of `k` batches, recording per-iteration metrics."""
+    from fuseloop._fusion import make_chunk_fn
+    from fuseloop._step import init_tail, make_carry_step
+
+    loop = trainer().metric("accuracy")
+    program = loop.program
+    state = program.init(DATA[0], None)
+    tail = init_tail(loop.metrics, False)
+    chunk = jax.tree.map(lambda a: np.zeros((k,) + a.shape, a.dtype), DATA[0])
+    fn = make_chunk_fn(make_carry_step(program, loop.metrics, False), True, False)
+    lowered = jax.jit(fn).lower(state, tail, chunk, np.int32(k))
+    return lowered.as_text(), lowered.compile().as_text()
+
+
+def _ops(text: str) -> int:
+    return sum(1 for line in text.splitlines() if "=" in line)
+
+
+def test_fused_program_does_not_grow_with_chunk_size():
+    small_lowered, small_compiled = _fused_program_text(8)
+    large_lowered, large_compiled = _fused_program_text(256)
+    assert _ops(large_lowered) == _ops(small_lowered)
+    assert _ops(large_compiled) <= 1.1 * _ops(small_compiled)
+    assert len(large_compiled) <= 1.1 * len(small_compiled)
+    # The steps run in a device-side loop.
+    assert re.search(r"\bwhile\(", large_compiled)

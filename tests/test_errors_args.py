@@ -1,0 +1,164 @@
+"""Bad arguments raise ValueError naming the argument and the accepted values, before
+anything is pulled from the data or compiled (DESIGN.md §3 "Errors", §4.8)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fuseloop as fl
+from conftest import CountingGenerator, counter_init, counter_loop, make_batches, tiny_mlp, trainer
+
+DATA = make_batches(3)
+
+
+def check(error: pytest.ExceptionInfo, *words: str) -> None:
+    message = str(error.value)
+    for word in words:
+        assert word in message, f"{word!r} not in {message!r}"
+
+
+# --------------------------------------------------------------------------- names
+def test_unknown_loss():
+    with pytest.raises(ValueError) as info:
+        fl.trainer(tiny_mlp(), "hinge", "sgd")
+    check(info, "loss", "hinge", "mean_squared_error", "sparse_categorical_cross_entropy",
+          "binary_cross_entropy", "categorical_cross_entropy", "mean_absolute_error")
+
+
+def test_unknown_optimizer():
+    with pytest.raises(ValueError) as info:
+        fl.trainer(tiny_mlp(), "mean_squared_error", "rmsprop")
+    check(info, "optimizer", "rmsprop", "sgd", "adam", "adamw")
+
+
+def test_optimizer_of_the_wrong_type():
+    with pytest.raises(ValueError) as info:
+        fl.trainer(tiny_mlp(), "mean_squared_error", 0.1)
+    check(info, "optimizer", "sgd", "adam", "adamw")
+
+
+def test_unknown_metric():
+    with pytest.raises(ValueError) as info:
+        trainer().metric("f1")
+    check(info, "metric", "f1", "accuracy", "precision", "recall", "mean_absolute_error",
+          "mean_squared_error")
+
+
+def test_unknown_accumulator():
+    with pytest.raises(ValueError) as info:
+        trainer().metric("accuracy", accumulate="median")
+    check(info, "accumulate", "running_average", "running_sum")
+
+
+def test_not_a_model():
+    with pytest.raises(ValueError) as info:
+        fl.trainer(42, "mean_squared_error", "sgd")
+    check(info, "model")
+
+
+@pytest.mark.parametrize("kwargs,word", [({"log": -1}, "log"), ({"log": 1.5}, "log"),
+                                         ({"seed": "x"}, "seed")])
+def test_bad_trainer_options(kwargs, word):
+    with pytest.raises(ValueError) as info:
+        fl.trainer(tiny_mlp(), "mean_squared_error", "sgd", **kwargs)
+    check(info, word)
+
+
+# --------------------------------------------------------------------------- events and filters
+@pytest.mark.parametrize("spec", ["sometimes", {"evry": 2}, {}, 3, ["every", 2]])
+def test_bad_filter(spec):
+    with pytest.raises(ValueError) as info:
+        counter_loop().handle_event("iteration_completed", lambda s: None, filter=spec)
+    check(info, "filter", "every", "before", "after", "once")
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, True, "3"])
+def test_bad_filter_count(value):
+    with pytest.raises(ValueError) as info:
+        counter_loop().handle_event("iteration_completed", lambda s: None,
+                                    filter={"every": value})
+    check(info, "filter", "every", "positive")
+
+
+def test_unknown_event():
+    with pytest.raises(ValueError) as info:
+        counter_loop().handle_event("iteration_done", lambda s: None)
+    check(info, "event", "iteration_done", "iteration_completed", "epoch_halted", "completed")
+
+
+def test_handler_must_be_callable():
+    with pytest.raises(ValueError) as info:
+        counter_loop().handle_event("epoch_completed", "print")
+    check(info, "handler")
+
+
+def test_custom_loop_step_must_be_callable():
+    with pytest.raises(ValueError, match="step_fn"):
+        fl.loop(3)
+    with pytest.raises(ValueError, match="init_fn"):
+        fl.loop(lambda b, s: s, init_fn=3)
+
+
+# --------------------------------------------------------------------------- run arguments
+@pytest.mark.parametrize("kwargs,words", [
+    ({"epochs": 0}, ["epochs", "positive"]),
+    ({"epochs": -1}, ["epochs", "positive"]),
+    ({"epochs": 1.5}, ["epochs", "positive"]),
+    ({"iterations": 0}, ["iterations", "positive"]),
+    ({"max_in_flight": 0}, ["max_in_flight", "positive"]),
+    ({"jit": "yes"}, ["jit", "True", "False"]),
+])
+def test_bad_run_arguments_fail_before_pulling_data(kwargs, words):
+    source = CountingGenerator(DATA)
+    with pytest.raises(ValueError) as info:
+        counter_loop().run(source, counter_init(), **kwargs)
+    check(info, *words)
+    assert source.pulls == 0
+
+
+@pytest.mark.parametrize("fuse", [0, -1, 1.5, "x", [4]])
+def test_bad_fuse_values(fuse):
+    source = CountingGenerator(DATA)
+    with pytest.raises(ValueError) as info:
+        counter_loop().run(source, counter_init(), fuse=fuse)
+    check(info, "fuse", "True", "positive int")
+    assert source.pulls == 0
+
+
+@pytest.mark.parametrize("fuse", [True, 4])
+def test_fuse_with_jit_false(fuse):
+    with pytest.raises(ValueError) as info:
+        counter_loop().run(DATA, counter_init(), fuse=fuse, jit=False)
+    check(info, "fuse", "jit")
+
+
+@pytest.mark.parametrize("data", [[], lambda: iter([]), iter([]), (b for b in [])],
+                         ids=["list", "callable", "iterator", "generator"])
+def test_empty_data(data):
+    with pytest.raises(ValueError) as info:
+        trainer().run(data)
+    check(info, "data", "empty")
+
+
+@pytest.mark.parametrize("data", [42, "batches", None])
+def test_data_that_is_not_a_source(data):
+    with pytest.raises(ValueError) as info:
+        trainer().run(data)
+    check(info, "data")
+
+
+@pytest.mark.parametrize("batch", [
+    np.zeros((4, 3), np.float32),
+    (np.zeros((4, 3), np.float32),),
+    (np.zeros((4, 3), np.float32), np.zeros(4, np.int32), np.zeros(4, np.int32)),
+], ids=["array", "1-tuple", "3-tuple"])
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_a_batch_that_is_not_x_y(batch, fuse):
+    with pytest.raises(ValueError) as info:
+        trainer().run([batch] * 3, fuse=fuse)
+    check(info, "(x, y)")
+
+
+def test_errors_are_value_errors_and_fusion_error_is_one_too():
+    assert issubclass(fl.FusionError, ValueError)

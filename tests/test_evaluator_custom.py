@@ -1,0 +1,169 @@
+"""`fl.evaluator` and custom `fl.loop` loops (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fuseloop as fl
+from conftest import (
+    DropBN,
+    assert_tree_close,
+    assert_tree_equal,
+    counter_init,
+    counter_loop,
+    make_batches,
+    tiny_mlp,
+    trainer,
+)
+
+DATA = make_batches(6)
+
+
+def hand_accuracy(apply, data):
+    total = np.float32(0)
+    for x, y in data:
+        total = np.float32(total + np.mean((np.argmax(np.asarray(apply(x)), -1) == y)
+                                           .astype(np.float32)))
+    return float(total / np.float32(len(data)))
+
+
+# --------------------------------------------------------------------------- evaluator
+def test_evaluator_with_params_and_with_a_state():
+    trained = trainer().run(DATA, epochs=2)
+    params = jax.tree.map(np.array, trained.params)
+    loop = fl.evaluator(tiny_mlp()).metric("accuracy")
+    from_params = loop.run(DATA, params)
+    from_state = loop.run(DATA, trained)
+    expected = hand_accuracy(lambda x: tiny_mlp().apply(params, x), DATA)
+    assert from_params.metrics == {"accuracy": expected}
+    assert from_state.metrics == {"accuracy": expected}
+    # Evaluation leaves the params alone, and the caller's arrays stay valid and unchanged.
+    assert_tree_equal(from_params.params, params)
+    assert_tree_equal(trained.params, params)
+    assert from_params.event_counts["iteration_completed"] == {"total": 6, "epoch": 6}
+    assert from_params.status == "completed"
+
+
+def test_evaluator_runs_flax_modules_in_inference_mode():
+    model = DropBN()
+    variables = jax.tree.map(np.array, model.init(jax.random.PRNGKey(0), DATA[0][0]))
+    # Non-trivial running statistics, so inference mode is distinguishable from training.
+    stats = variables["batch_stats"]["BatchNorm_0"]
+    stats["mean"] = np.linspace(-1, 1, stats["mean"].size).astype(np.float32)
+    stats["var"] = np.linspace(0.5, 3, stats["var"].size).astype(np.float32)
+    loop = fl.evaluator(model).metric("accuracy")
+    state = loop.run(DATA, variables, epochs=2)
+    # train=False: running batch statistics, no dropout, nothing mutated.
+    expected = hand_accuracy(lambda x: model.apply(variables, x, train=False), DATA)
+    assert state.history[0] == state.history[1] == {"accuracy": expected}
+    assert_tree_equal(state.params, variables)
+
+
+def test_evaluator_needs_params():
+    with pytest.raises(ValueError, match="init_state"):
+        fl.evaluator(tiny_mlp()).metric("accuracy").run(DATA)
+
+
+# --------------------------------------------------------------------------- custom loops
+def test_custom_loop_without_init_fn():
+    init = counter_init()
+    state = counter_loop().run(DATA, init, epochs=2)
+    assert int(state.step_state["n"]) == 12
+    expected = np.float32(0)
+    for _ in range(2):
+        for x, _ in DATA:
+            expected = np.float32(expected + x.sum(dtype=np.float32))
+    np.testing.assert_allclose(state.step_state["total"], expected, rtol=1e-5)
+    # The caller's initial state is untouched.
+    assert int(init["n"]) == 0 and float(init["total"]) == 0.0
+    assert state.event_counts["epoch_completed"] == 2
+
+
+def _regression_data():
+    rng = np.random.default_rng(11)
+    w = np.array([1.5, -2.0, 0.5], np.float32)
+    out = []
+    for _ in range(8):
+        x = rng.normal(size=(4, 3)).astype(np.float32)
+        out.append((x, x @ w))
+    return out
+
+
+def _sgd_step(batch, s):
+    x, y = batch
+
+    def loss_fn(w):
+        return jnp.mean((x @ w - y) ** 2)
+
+    loss, grad = jax.value_and_grad(loss_fn)(s["w"])
+    return {"w": s["w"] - 0.1 * grad, "loss": loss, "seen": s["seen"] + x.shape[0]}
+
+
+def test_custom_loop_with_init_fn_and_a_metric_named_after_a_scalar():
+    data = _regression_data()
+    calls: list = []
+
+    def init_fn(first_batch, init_state):
+        calls.append((np.shape(first_batch[0]), init_state))
+        x, _ = first_batch
+        return {"w": jnp.zeros(x.shape[1]), "loss": jnp.float32(0), "seen": jnp.int32(0)}
+
+    losses: list = []
+    loop = (fl.loop(_sgd_step, init_fn).metric("loss")
+            .metric("seen", name="examples", accumulate="running_sum")
+            .handle_event("iteration_completed",
+                          lambda s: losses.append(float(s.step_state["loss"]))))
+    state = loop.run(data, epochs=3)
+    assert calls == [((4, 3), None)]
+    for epoch in range(3):
+        epoch_losses = losses[epoch * 8:(epoch + 1) * 8]
+        np.testing.assert_allclose(state.history[epoch]["loss"], np.mean(epoch_losses),
+                                   rtol=1e-5)
+    assert state.history[2]["loss"] < state.history[0]["loss"]
+    # "seen" at step k is 4*(global step): its running sum over epoch e is exact.
+    for epoch in range(3):
+        expected = float(sum(4 * (epoch * 8 + i + 1) for i in range(8)))
+        assert state.history[epoch]["examples"] == expected
+
+
+def test_custom_loop_with_predictions_supports_named_metrics():
+    def step(batch, s):
+        x, y = batch
+        return {"y_pred": x, "n": s["n"] + 1}
+
+    data = [(x, y) for x, y in DATA]
+    init = {"y_pred": jnp.zeros_like(DATA[0][0]), "n": jnp.int32(0)}
+    state = fl.loop(step).metric("accuracy").run(data, init)
+    assert state.metrics["accuracy"] == hand_accuracy(lambda x: x, data)
+
+
+def test_custom_loop_over_non_pair_batches():
+    batches = [{"a": np.full((2,), float(i), np.float32)} for i in range(5)]
+    loop = fl.loop(lambda b, s: {"sum": s["sum"] + b["a"].sum()}).metric("sum")
+    state = loop.run(batches, {"sum": np.float32(0)})
+    assert float(state.step_state["sum"]) == 2.0 * sum(range(5))
+    # Running average of the running "sum" scalar after each step.
+    partial = [2.0 * sum(range(i + 1)) for i in range(5)]
+    assert state.metrics["sum"] == pytest.approx(np.mean(partial))
+
+
+def test_custom_metric_of_a_missing_scalar_is_a_clear_error():
+    loop = counter_loop().metric("loss")
+    with pytest.raises(ValueError, match="loss"):
+        loop.run(DATA, counter_init())
+
+
+def test_custom_loop_jit_false_matches_jit_true():
+    data = _regression_data()
+    init = {"w": np.zeros(3, np.float32), "loss": np.float32(0), "seen": np.int32(0)}
+    loop = fl.loop(_sgd_step).metric("loss")
+    compiled = loop.run(data, init, epochs=2)
+    eager = loop.run(data, init, epochs=2, jit=False)
+    assert_tree_close(compiled.step_state, eager.step_state)
+    for epoch in range(2):
+        assert eager.history[epoch]["loss"] == pytest.approx(compiled.history[epoch]["loss"],
+                                                             rel=1e-5)
+    assert eager.event_counts == compiled.event_counts

@@ -1,0 +1,269 @@
+"""The event system of an unfused run: the exact stream, counts, the handler return
+protocol, registration order and `state.replace` (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fuseloop as fl
+from conftest import (
+    EVENTS,
+    assert_tree_equal,
+    counter_init,
+    counter_loop,
+    make_batches,
+    record_all,
+    trainer,
+)
+
+
+def expected_stream(epochs: int, n: int) -> list[tuple]:
+    """The plain loop's event stream: (event, epoch) for epoch/run events and
+    (event, epoch, iteration) for iteration events."""
+    out: list[tuple] = [("started", 0)]
+    for epoch in range(epochs):
+        out.append(("epoch_started", epoch))
+        for i in range(n):
+            out += [("iteration_started", epoch, i), ("iteration_completed", epoch, i)]
+        out.append(("epoch_completed", epoch))
+    out.append(("completed", epochs - 1))
+    return out
+
+
+def as_stream(log: list[tuple]) -> list[tuple]:
+    return [item[:3] if item[0].startswith("iteration") else item[:2] for item in log]
+
+
+def expected_counts(epochs: int, n: int, **changes) -> dict:
+    counts = {
+        "started": 1,
+        "epoch_started": epochs,
+        "iteration_started": {"total": epochs * n, "epoch": n},
+        "iteration_completed": {"total": epochs * n, "epoch": n},
+        "epoch_completed": epochs,
+        "epoch_halted": 0,
+        "halted": 0,
+        "completed": 1,
+    }
+    counts.update(changes)
+    return counts
+
+
+def test_event_stream_of_a_plain_trainer_run():
+    log: list = []
+    loop = record_all(trainer().metric("accuracy"), log)
+    state = loop.run(make_batches(3), epochs=2)
+    assert as_stream(log) == expected_stream(2, 3)
+    assert state.event_counts == expected_counts(2, 3)
+    assert state.status == "completed"
+    assert sorted(state.history) == [0, 1]
+    assert sorted(state.times) == [0, 1]
+    assert all(t >= 0 for t in state.times.values())
+
+
+def test_event_stream_of_a_custom_loop_and_counts_seen_by_handlers():
+    seen: list = []
+
+    def on(event):
+        def handler(state):
+            counts = state.event_counts[event]
+            seen.append((event, counts["total"] if isinstance(counts, dict) else counts))
+        return handler
+
+    loop = counter_loop()
+    for event in EVENTS:
+        loop = loop.handle_event(event, on(event))
+    state = loop.run(make_batches(4), counter_init(), epochs=3)
+    # Each handler sees its own event already counted (counts start at 1).
+    for event in EVENTS:
+        totals = [c for e, c in seen if e == event]
+        assert totals == list(range(1, len(totals) + 1)), event
+    assert state.event_counts == expected_counts(3, 4)
+    assert int(state.step_state["n"]) == 12
+
+
+def test_iteration_handlers_see_live_state_and_per_epoch_counts():
+    seen: list = []
+
+    def handler(state):
+        seen.append((state.epoch, state.iteration, state.event_counts["iteration_completed"],
+                     state.step_state is not None, state.max_epoch, state.max_iteration))
+
+    state = trainer().handle_event("iteration_completed", handler).run(
+        make_batches(3), epochs=2)
+    assert seen == [
+        (e, i, {"total": 3 * e + i + 1, "epoch": i + 1}, True, 2, None)
+        for e in range(2) for i in range(3)
+    ]
+    assert state.max_epoch == 2
+
+
+def test_epoch_handlers_see_complete_state_with_params():
+    seen: list = []
+
+    def handler(state):
+        seen.append((state.epoch, set(state.metrics), state.params is not None,
+                     int(state.step_state["step"])))
+
+    trainer().metric("accuracy").handle_event("epoch_completed", handler).run(
+        make_batches(3), epochs=2)
+    assert seen == [(0, {"loss", "accuracy"}, True, 3), (1, {"loss", "accuracy"}, True, 6)]
+
+
+def test_every_event_but_fused_iterations_sees_the_step_state():
+    """Epoch- and run-level handlers see a complete State, including `started` (the
+    initial step state) and `completed`."""
+    seen: dict = {}
+
+    def look(event):
+        def handler(state):
+            seen.setdefault(event, set()).add(
+                None if state.step_state is None else int(state.step_state["step"]))
+        return handler
+
+    loop = trainer()
+    for event in EVENTS:
+        loop = loop.handle_event(event, look(event))
+    loop.run(make_batches(2), epochs=1)
+    assert seen["started"] == {0}
+    assert seen["epoch_started"] == {0}
+    assert seen["iteration_started"] == {0, 1}
+    assert seen["iteration_completed"] == {1, 2}
+    assert seen["epoch_completed"] == {2}
+    assert seen["completed"] == {2}
+
+
+@pytest.mark.parametrize("returned", [None, "continue", ("continue", None)])
+def test_continue_returns_change_nothing(returned):
+    data = make_batches(4)
+    loop = counter_loop()
+    reference = loop.run(data, counter_init(), epochs=2)
+    if isinstance(returned, tuple):
+        handler = lambda s: ("continue", s)  # noqa: E731
+    else:
+        handler = lambda s: returned  # noqa: E731
+    state = loop.handle_event("iteration_completed", handler).handle_event(
+        "epoch_completed", handler).run(data, counter_init(), epochs=2)
+    assert_tree_equal(state.step_state, reference.step_state)
+    assert state.event_counts == reference.event_counts
+    assert state.status == "completed"
+
+
+def test_invalid_status_is_a_value_error_naming_the_accepted_statuses():
+    loop = counter_loop().handle_event("epoch_completed", lambda s: "stop")
+    with pytest.raises(ValueError, match="halt_epoch") as info:
+        loop.run(make_batches(2), counter_init())
+    assert "continue" in str(info.value) and "halt_loop" in str(info.value)
+
+
+def test_second_element_must_be_a_state():
+    loop = counter_loop().handle_event("epoch_completed", lambda s: ("continue", {"epoch": 1}))
+    with pytest.raises(ValueError, match="State"):
+        loop.run(make_batches(2), counter_init())
+
+
+def test_other_return_types_are_rejected():
+    loop = counter_loop().handle_event("epoch_completed", lambda s: 3)
+    with pytest.raises(ValueError, match="returned int"):
+        loop.run(make_batches(2), counter_init())
+
+
+def test_handlers_run_in_registration_order():
+    order: list = []
+    loop = counter_loop()
+    for name in "abc":
+        loop = loop.handle_event("epoch_completed", lambda s, name=name: order.append(name))
+    loop.run(make_batches(2), counter_init(), epochs=2)
+    assert order == list("abcabc")
+
+
+@pytest.mark.parametrize("event", ["iteration_completed", "epoch_completed", "started"])
+def test_first_halt_stops_the_remaining_handlers(event):
+    called: list = []
+    loop = (counter_loop()
+            .handle_event(event, lambda s: called.append("a"))
+            .handle_event(event, lambda s: (called.append("b"), "halt_loop")[1])
+            .handle_event(event, lambda s: called.append("c")))
+    state = loop.run(make_batches(3), counter_init(), epochs=2)
+    assert called == ["a", "b"]
+    assert state.status == "halted"
+
+
+def test_state_replace_from_handlers_is_carried_along():
+    def mark_epoch(state):
+        meta = dict(state.handler_metadata)
+        meta.setdefault("epochs", []).append(state.epoch)
+        return "continue", state.replace(handler_metadata=meta)
+
+    def add_metric(state):
+        return "continue", state.replace(metrics={**state.metrics, "extra": 2.5})
+
+    loop = (counter_loop().metric("total", accumulate="running_sum")
+            .handle_event("epoch_started", mark_epoch)
+            .handle_event("epoch_completed", add_metric))
+    state = loop.run(make_batches(3), counter_init(), epochs=2)
+    assert state.handler_metadata["epochs"] == [0, 1]
+    # A metric an epoch_completed handler adds is mirrored into that epoch's history.
+    assert state.history[0]["extra"] == 2.5 and state.history[1]["extra"] == 2.5
+    assert state.metrics["extra"] == 2.5
+
+
+def test_state_replace_is_immutable_and_validates_fields():
+    state = fl.State(epoch=2, metrics={"loss": 1.0})
+    changed = state.replace(epoch=3)
+    assert (state.epoch, changed.epoch) == (2, 3)
+    assert changed.metrics == {"loss": 1.0}
+    with pytest.raises(ValueError, match="epoch"):
+        state.replace(epochs=3)
+
+
+def test_step_state_returned_from_epoch_completed_is_adopted():
+    data = make_batches(3)
+
+    def reset_counter(state):
+        return "continue", state.replace(step_state={**state.step_state, "n": np.int32(100)})
+
+    loop = counter_loop().handle_event("epoch_completed", reset_counter, filter={"once": 1})
+    state = loop.run(data, counter_init(), epochs=2)
+    assert int(state.step_state["n"]) == 103
+
+
+def test_step_state_returned_from_an_unfused_iteration_handler_is_adopted():
+    def bump(state):
+        return "continue", state.replace(step_state={**state.step_state, "n": np.int32(50)})
+
+    loop = counter_loop().handle_event("iteration_completed", bump, filter={"once": 2})
+    state = loop.run(make_batches(4), counter_init())
+    assert int(state.step_state["n"]) == 52
+
+
+def test_event_enum_names_work_as_event_arguments():
+    log: list = []
+    loop = counter_loop().handle_event(fl.Event.EPOCH_COMPLETED, lambda s: log.append(s.epoch))
+    loop.run(make_batches(2), counter_init(), epochs=3)
+    assert log == [0, 1, 2]
+    assert [e.value for e in fl.Event] == list(EVENTS)
+
+
+def test_builders_return_new_loops_and_leave_the_old_unchanged():
+    base = counter_loop()
+    log: list = []
+    with_handler = base.handle_event("epoch_completed", lambda s: log.append(1))
+    assert with_handler is not base
+    base.run(make_batches(2), counter_init(), epochs=2)
+    assert log == []
+    with_handler.run(make_batches(2), counter_init(), epochs=2)
+    assert log == [1, 1]
+    with_metric = trainer().metric("accuracy")
+    assert [m.name for m in trainer().metrics] == ["loss"]
+    assert [m.name for m in with_metric.metrics] == ["loss", "accuracy"]
+
+
+def test_handler_exceptions_propagate_with_a_note():
+    def boom(state):
+        raise RuntimeError("boom")
+
+    loop = counter_loop().handle_event("iteration_completed", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        loop.run(make_batches(2), counter_init())

@@ -1,0 +1,158 @@
+"""Data consumption of the fused loop (DESIGN.md §4.1, §4.2, §4.7): exactly as many batches
+pulled as stepped, iterators closed when a run stops reading early, and ragged chunks
+rejected with `fl.FusionError`.
+
+The step counter of a custom counting loop (`step_state["n"]`) says how many batches were
+stepped; a counting generator says how many were pulled."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fuseloop as fl
+from conftest import (
+    CountingGenerator,
+    counter_init,
+    counter_loop,
+    counting_generator,
+    make_batches,
+)
+
+DATA = make_batches(30)
+CONTROL: dict = {}
+
+
+def halt_when_told(state: fl.State):
+    if (state.epoch, state.iteration) == CONTROL.get("at"):
+        return CONTROL["status"]
+    return None
+
+
+PLAIN = counter_loop()
+HALTING = counter_loop().handle_event("iteration_completed", halt_when_told)
+
+
+def run(loop, data, at=None, status=None, **kwargs):
+    CONTROL.clear()
+    if at is not None:
+        CONTROL.update(at=at, status=status)
+    return loop.run(data, counter_init(), **kwargs)
+
+
+@pytest.mark.parametrize("fuse", [False, 1, 4, 7, 32])
+def test_one_shot_generator_is_consumed_exactly(fuse):
+    source = CountingGenerator(DATA)
+    state = run(PLAIN, source, fuse=fuse)
+    assert source.pulls == int(state.step_state["n"]) == 30
+
+
+@pytest.mark.parametrize("fuse", [False, 4, 7, 32])
+def test_iterations_bound_pulls_exactly_the_bounded_batches(fuse):
+    source = CountingGenerator(DATA)
+    state = run(PLAIN, source, epochs=3, iterations=7, fuse=fuse)
+    assert source.pulls == int(state.step_state["n"]) == 21
+    assert source.closed  # the run stopped reading an unexhausted generator: closed
+
+
+@pytest.mark.parametrize("fuse", [4, 7, 32])
+def test_callable_source_with_iterations_pulls_no_more_than_the_epoch_needs(fuse):
+    counters: list[dict] = []
+
+    def source():
+        counters.append({})
+        return counting_generator(DATA, counters[-1])
+
+    state = run(PLAIN, source, epochs=2, iterations=9, fuse=fuse)
+    assert int(state.step_state["n"]) == 18
+    assert [c["pulls"] for c in counters] == [9, 9]
+    assert [c.get("finally") for c in counters] == [1, 1]
+
+
+@pytest.mark.parametrize("fuse,steps", [(False, 7), (1, 7), (4, 8), (5, 10), (32, 30)])
+def test_halt_loop_with_a_one_shot_generator_pulls_only_what_was_stepped(fuse, steps):
+    source = CountingGenerator(DATA)
+    state = run(HALTING, source, at=(0, 6), status="halt_loop", fuse=fuse)
+    assert int(state.step_state["n"]) == steps
+    assert source.pulls == steps
+    assert source.closed
+    assert state.status == "halted"
+
+
+@pytest.mark.parametrize("fuse,first_epoch", [(False, 7), (4, 8), (5, 10)])
+def test_halt_epoch_with_a_one_shot_generator_leaves_the_rest_for_the_next_epoch(
+        fuse, first_epoch):
+    source = CountingGenerator(DATA)
+    state = run(HALTING, source, at=(0, 6), status="halt_epoch", epochs=2, fuse=fuse)
+    # Epoch 1 continues where epoch 0 stopped pulling, and drains the generator.
+    assert source.pulls == int(state.step_state["n"]) == 30
+    assert state.event_counts["iteration_completed"] == {"total": 7 + 30 - first_epoch,
+                                                         "epoch": 30 - first_epoch}
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_generator_finally_runs_on_early_stop(fuse):
+    counter: dict = {}
+    run(HALTING, counting_generator(DATA, counter), at=(0, 2), status="halt_loop", fuse=fuse)
+    assert counter["finally"] == 1
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_generator_finally_runs_when_a_handler_raises(fuse):
+    counter: dict = {}
+
+    def boom(state):
+        if state.iteration == 5:
+            raise RuntimeError("boom")
+
+    loop = counter_loop().handle_event("iteration_completed", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        loop.run(counting_generator(DATA, counter), counter_init(), fuse=fuse)
+    assert counter["finally"] == 1
+
+
+# --------------------------------------------------------------------------- ragged data
+def ragged(at: int, x_shape=None, x_dtype=None):
+    data = make_batches(12)
+    x, y = data[at]
+    if x_shape is not None:
+        x = np.zeros(x_shape, np.float32)
+    if x_dtype is not None:
+        x = x.astype(x_dtype)
+    data[at] = (x, y)
+    return data
+
+
+@pytest.mark.parametrize("fuse", [4, 5, 32])
+def test_ragged_shape_raises_fusion_error_naming_batch_and_shapes(fuse):
+    with pytest.raises(fl.FusionError) as info:
+        run(PLAIN, ragged(7, x_shape=(3, 3)), fuse=fuse)
+    message = str(info.value)
+    assert "7" in message and "(4, 3)" in message and "(3, 3)" in message
+    assert "fuse=False" in message
+    assert isinstance(info.value, ValueError)
+
+
+def test_ragged_dtype_raises_fusion_error_naming_dtypes():
+    with pytest.raises(fl.FusionError) as info:
+        run(PLAIN, ragged(6, x_dtype=np.float16), fuse=4)
+    message = str(info.value)
+    assert "6" in message and "float32" in message and "float16" in message
+
+
+def test_ragged_last_batch_alone_in_its_chunk_is_rejected():
+    """12 batches at K=11: the short last batch is alone in the last chunk. Every batch of
+    a fused epoch must share shape and dtype (one compiled program per epoch)."""
+    data = ragged(11, x_shape=(2, 3))
+    data[11] = (data[11][0], data[11][1][:2])
+    with pytest.raises(fl.FusionError, match="11"):
+        run(PLAIN, data, fuse=11)
+
+
+def test_ragged_data_closes_the_generator_and_runs_unfused():
+    counter: dict = {}
+    with pytest.raises(fl.FusionError):
+        run(PLAIN, counting_generator(ragged(5, x_shape=(3, 3)), counter), fuse=4)
+    assert counter["finally"] == 1
+    state = run(PLAIN, ragged(5, x_shape=(3, 3)), fuse=False)
+    assert int(state.step_state["n"]) == 12

@@ -1,0 +1,134 @@
+"""Fused == unfused, bitwise on CPU (DESIGN.md §4.9): parameters, optimizer state, RNG and
+step counter, metrics, history, event counts, and log output byte for byte."""
+
+from __future__ import annotations
+
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fuseloop as fl
+from conftest import (
+    DropBN,
+    assert_runs_identical,
+    assert_tree_equal,
+    counter_init,
+    counter_loop,
+    make_batches,
+    tiny_mlp,
+    trainer,
+)
+
+DATA = make_batches(12)
+KS = [1, 4, 5, 12, 32]  # K=1, K divides 12, does not divide, equals, exceeds the epoch
+
+# Named adam: its optimizer state is an optax NamedTuple holding injected hyperparams.
+MLP_LOOP = trainer(optimizer="adam").metric("accuracy")
+
+
+@pytest.fixture(scope="module")
+def unfused():
+    return MLP_LOOP.run(DATA, epochs=2)
+
+
+@pytest.mark.parametrize("fuse", KS + [True], ids=[f"K{k}" for k in KS] + ["True"])
+def test_trainer_with_accuracy(unfused, fuse):
+    fused = MLP_LOOP.run(DATA, epochs=2, fuse=fuse)
+    assert_runs_identical(unfused, fused)
+    assert fused.stats["chunk_size"] == (32 if fuse is True else fuse)
+
+
+@pytest.mark.parametrize("fuse", [4, 5, 32])
+def test_trainer_with_iterations_bound(fuse):
+    reference = MLP_LOOP.run(DATA, epochs=2, iterations=7)
+    fused = MLP_LOOP.run(DATA, epochs=2, iterations=7, fuse=fuse)
+    assert_runs_identical(reference, fused)
+    assert fused.event_counts["iteration_completed"] == {"total": 14, "epoch": 7}
+
+
+def test_trainer_over_other_data_sources(unfused):
+    # A one-shot generator is consumed across epochs: `iterations` splits it into epochs.
+    generator = MLP_LOOP.run((b for b in DATA * 2), epochs=2, iterations=12, fuse=5)
+    callable_source = MLP_LOOP.run(lambda: iter(DATA), epochs=2, fuse=5)
+    assert_runs_identical(unfused, generator)
+    assert_runs_identical(unfused, callable_source)
+
+
+DROPBN_LOOP = trainer(DropBN(), optax.adam(0.01)).metric("accuracy")
+
+
+@pytest.fixture(scope="module")
+def dropbn_unfused():
+    return DROPBN_LOOP.run(DATA, epochs=2)
+
+
+@pytest.mark.parametrize("fuse", [5, 32])
+def test_dropout_and_batchnorm_model(dropbn_unfused, fuse):
+    fused = DROPBN_LOOP.run(DATA, epochs=2, fuse=fuse)
+    assert_runs_identical(dropbn_unfused, fused)
+    assert not np.allclose(dropbn_unfused.params["batch_stats"]["BatchNorm_0"]["var"], 1.0)
+
+
+def test_evaluator(unfused):
+    loop = fl.evaluator(tiny_mlp()).metric("accuracy")
+    params = jax.tree.map(np.array, unfused.params)
+    reference = loop.run(DATA, params, epochs=2)
+    for fuse in (5, 32):
+        assert_runs_identical(reference, loop.run(DATA, params, epochs=2, fuse=fuse))
+        assert_runs_identical(reference, loop.run(DATA, unfused, epochs=2, fuse=fuse))
+    assert_tree_equal(unfused.params, params)  # the evaluator leaves its input alone
+
+
+@pytest.mark.parametrize("fuse", [4, 5, 32])
+def test_metric_free_custom_loop(fuse):
+    loop = counter_loop()
+    reference = loop.run(DATA, counter_init(), epochs=2)
+    fused = loop.run(DATA, counter_init(), epochs=2, fuse=fuse)
+    assert_runs_identical(reference, fused)
+    assert fused.metrics == {} and int(fused.step_state["n"]) == 24
+
+
+def test_custom_loop_with_a_scalar_metric():
+    def step(batch, s):
+        x, y = batch
+        loss, grad = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(s["w"])
+        return {"w": s["w"] - 0.05 * grad, "loss": loss}
+
+    init = {"w": np.ones(3, np.float32), "loss": np.float32(0)}
+    loop = fl.loop(step).metric("loss")
+    reference = loop.run(DATA, init, epochs=2)
+    for fuse in (5, 32):
+        assert_runs_identical(reference, loop.run(DATA, init, epochs=2, fuse=fuse))
+
+
+class Redirect:
+    """A log stream whose target can be swapped, so one Loop serves several runs."""
+
+    def __init__(self) -> None:
+        self.target = io.StringIO()
+
+    def write(self, text: str) -> int:
+        return self.target.write(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_log_output_is_byte_identical():
+    stream = Redirect()
+    loop = fl.trainer(tiny_mlp(), "sparse_categorical_cross_entropy", "adam", log=3,
+                      log_stream=stream).metric("accuracy")
+    outputs, states = {}, {}
+    for fuse in (False, 5, 32):
+        stream.target = io.StringIO()
+        states[fuse] = loop.run(DATA, epochs=2, fuse=fuse)
+        outputs[fuse] = stream.target.getvalue()
+    assert outputs[False].count("Epoch: ") == 8 and outputs[False].count("\n") == 2
+    assert outputs[5] == outputs[False]
+    assert outputs[32] == outputs[False]
+    assert_runs_identical(states[False], states[5])
+    assert_runs_identical(states[False], states[32])

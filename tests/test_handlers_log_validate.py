@@ -1,0 +1,160 @@
+"""Log, validate and the progress bar, fused and unfused (issue 4 items 1, 2, 6)."""
+
+from __future__ import annotations
+
+import io
+
+import jax
+import numpy as np
+import pytest
+
+import fuseloop as fl
+from fuseloop._metrics import LOSSES
+from fuseloop.handlers.log import format_metrics
+
+MODEL = fl.models.mlp([8, 3])
+LOSS = "sparse_categorical_cross_entropy"
+
+
+def _batches(n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    return [(rng.normal(size=(8, 4)).astype(np.float32),
+             rng.integers(0, 3, size=(8,)).astype(np.int32)) for _ in range(n)]
+
+
+DATA, VAL = _batches(5, 0), _batches(3, 1)
+
+
+def _epoch_line(state: fl.State) -> str:
+    return f"[epoch {state.epoch}] {format_metrics(state.metrics)}\n"
+
+
+LOG = io.StringIO()
+LOGGED = (fl.trainer(MODEL, LOSS, "adam", log=2, log_stream=LOG)
+          .metric("accuracy")
+          .validate(MODEL, VAL)
+          .early_stop("validation_accuracy", patience=2, mode="max")
+          .log(_epoch_line, event="epoch_completed", stream=LOG))
+
+
+def _logged_run(fuse) -> tuple[str, fl.State]:
+    LOG.seek(0)
+    LOG.truncate()
+    state = LOGGED.run(DATA, epochs=8, fuse=fuse)
+    return LOG.getvalue(), state
+
+
+@pytest.fixture(scope="module")
+def unfused_reference():
+    return _logged_run(False)
+
+
+def _equal_trees(a, b) -> bool:
+    same = jax.tree.map(lambda x, y: bool(np.array_equal(np.asarray(x), np.asarray(y))), a, b)
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(jax.tree.leaves(same))
+
+
+@pytest.mark.parametrize("fuse", [1, 3, 32])
+def test_log_is_byte_identical_with_validation_and_early_stopping(unfused_reference, fuse):
+    expected, reference = unfused_reference
+    # The scenario is meaningful only if early stopping really cut the run short.
+    assert reference.status == "halted" and len(reference.history) < 8
+    assert "validation_accuracy" in expected and "Iteration" in expected
+    text, state = _logged_run(fuse)
+    assert text == expected
+    assert state.history == reference.history and state.status == reference.status
+    assert _equal_trees(state.step_state, reference.step_state)
+    assert state.handler_metadata == reference.handler_metadata
+
+
+def test_log_goes_to_the_stream_and_checks_its_arguments():
+    stream = io.StringIO()
+    loop = fl.loop(lambda b, s: {"n": s["n"] + 1})
+    loop.log(lambda s: f"{s.iteration};", stream=stream).run([(0, 0)] * 3, {"n": 0})
+    assert stream.getvalue() == "0;1;2;"
+    with pytest.raises(ValueError, match="str"):
+        loop.log(lambda s: None, stream=stream).run([(0, 0)], {"n": 0})
+    with pytest.raises(ValueError, match="stream"):
+        loop.log(str, stream=42)
+    with pytest.raises(ValueError, match="fn"):
+        loop.log("not callable")
+
+
+# ----------------------------------------------------------------- validation
+
+BASE = fl.trainer(MODEL, LOSS, "adam").metric("accuracy")
+VALIDATED = BASE.validate(MODEL, VAL)
+
+
+@pytest.mark.parametrize("fuse", [False, 3])
+def test_validation_never_changes_the_training_trajectory(fuse):
+    plain = BASE.run(DATA, epochs=2, fuse=fuse)
+    validated = VALIDATED.run(DATA, epochs=2, fuse=fuse)
+    assert _equal_trees(plain.step_state, validated.step_state)
+    for epoch, metrics in plain.history.items():
+        assert {k: v for k, v in validated.history[epoch].items()
+                if not k.startswith("validation_")} == metrics
+
+
+def test_validation_metrics_match_a_direct_evaluation():
+    state = VALIDATED.run(DATA, epochs=2)
+    assert set(state.metrics) == {"loss", "accuracy", "validation_loss", "validation_accuracy"}
+    assert state.history[1] == state.metrics
+    losses, accuracies = [], []
+    for x, y in VAL:
+        logits = np.asarray(MODEL.apply(state.params, x))
+        losses.append(float(LOSSES[LOSS](y, logits)))
+        accuracies.append(float(np.mean(np.argmax(logits, -1) == y)))
+    assert state.metrics["validation_loss"] == pytest.approx(np.mean(losses), rel=1e-5)
+    assert state.metrics["validation_accuracy"] == pytest.approx(np.mean(accuracies))
+
+
+def _validator(loop: fl.Loop):
+    return next(r.handler for r in loop.registrations if r.name == "validate")
+
+
+def test_validation_compiles_once_per_process():
+    VALIDATED.run(DATA, epochs=3)
+    assert _validator(VALIDATED).loop._cache["traces"][0] == 1
+    VALIDATED.run(DATA, epochs=2, fuse=3)
+    assert _validator(VALIDATED).loop._cache["traces"][0] == 1
+
+
+def test_fused_validation_gives_the_unfused_metrics():
+    from fuseloop.handlers.validate import Validator
+
+    params = VALIDATED.run(DATA, epochs=1).params
+    fused = Validator(MODEL, VAL, LOSS, VALIDATED.metrics, fuse=2).evaluate(params)
+    assert fused == _validator(VALIDATED).evaluate(params)
+    assert set(fused) == {"loss", "accuracy"}
+
+
+def test_validation_filter_and_event():
+    state = BASE.validate(MODEL, VAL, filter={"every": 2}).run(DATA, epochs=3)
+    assert ["validation_loss" in state.history[e] for e in range(3)] == [True, False, True]
+
+
+def test_validation_arguments_are_checked():
+    with pytest.raises(ValueError, match="re-iterable"):
+        BASE.validate(MODEL, iter(VAL))
+    with pytest.raises(ValueError, match="fuse"):
+        BASE.validate(MODEL, VAL, fuse=0)
+    with pytest.raises(ValueError, match="event"):
+        BASE.validate(MODEL, VAL, event="epoch_ended")
+    with pytest.raises(ValueError, match="model"):
+        BASE.validate(None, VAL)
+
+
+# ----------------------------------------------------------------- progress bar
+
+
+def test_progress_bar_shows_epochs_and_metrics_without_extra_syncs(capsys):
+    quiet = VALIDATED.run(DATA, epochs=2, fuse=3)
+    capsys.readouterr()
+    shown = VALIDATED.run(DATA, epochs=2, fuse=3, progress=True)
+    err = capsys.readouterr().err
+    assert "Epoch 0" in err and "Epoch 1" in err
+    assert "loss=" in err and "accuracy=" in err
+    assert "5/5" in err  # the second epoch knows its length from the first
+    assert shown.stats["host_syncs"] == quiet.stats["host_syncs"]
+    assert shown.history == quiet.history

@@ -1,0 +1,257 @@
+"""The monitor, early stopping and LR on plateau (DESIGN.md §3, issue 4 items 3-4)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fuseloop as fl
+from fuseloop.handlers.monitor import (
+    EarlyStopping,
+    Monitor,
+    ReduceLROnPlateau,
+    find_learning_rates,
+)
+
+# ----------------------------------------------------------------- helpers
+
+
+def _counter_loop() -> fl.Loop:
+    """A custom loop that compiles in no time: it only counts its steps."""
+    return fl.loop(lambda batch, s: {"n": s["n"] + 1})
+
+
+def _scripted(loop: fl.Loop, values: list[float], name: str = "score") -> fl.Loop:
+    """Sets metrics[name] = values[epoch] at each epoch end (before later handlers)."""
+
+    def script(state: fl.State):
+        metrics = {**state.metrics, name: values[state.epoch]}
+        return "continue", state.replace(metrics=metrics)
+
+    return loop.handle_event("epoch_completed", script)
+
+
+def _run_scripted(values, **early_stop) -> fl.State:
+    loop = _scripted(_counter_loop(), values).early_stop("score", **early_stop)
+    return loop.run([(0, 0)] * 2, {"n": jnp.int32(0)}, epochs=len(values))
+
+
+def _keras_stop(values, patience, mode="min", min_delta=0.0):
+    """Reference: the epoch after which Keras' EarlyStopping stops (None: never)."""
+    best, wait = None, 0
+    for epoch, value in enumerate(values):
+        if not math.isfinite(value):
+            return epoch
+        better = best is None or (value < best - min_delta if mode == "min"
+                                  else value > best + min_delta)
+        if better:
+            best, wait = value, 0
+        else:
+            wait += 1
+            if wait >= patience:
+                return epoch
+    return None
+
+
+def _batches(n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    return [(rng.normal(size=(8, 4)).astype(np.float32),
+             rng.normal(size=(8, 1)).astype(np.float32)) for _ in range(n)]
+
+
+def _flat(y_true, y_pred):
+    return jnp.float32(1.0)  # never improves: a plateau from the second epoch on
+
+
+# ----------------------------------------------------------------- option validation
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"mode": "lowest"}, "mode"),
+    ({"patience": -1}, "patience"),
+    ({"patience": 1.5}, "patience"),
+    ({"min_delta": -0.1}, "min_delta"),
+    ({"min_delta": float("nan")}, "min_delta"),
+])
+def test_monitor_options_are_validated(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        Monitor("loss", **kwargs)
+    with pytest.raises(ValueError, match=word):
+        _counter_loop().early_stop("loss", **kwargs)
+
+
+def test_monitor_name_is_validated():
+    with pytest.raises(ValueError, match="monitor"):
+        Monitor("")
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"factor": 1.0}, "factor"), ({"factor": 0.0}, "factor"), ({"factor": 2}, "factor"),
+    ({"min_lr": -1.0}, "min_lr"), ({"cooldown": -1}, "cooldown"), ({"mode": "up"}, "mode"),
+])
+def test_reduce_lr_options_are_validated(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        ReduceLROnPlateau("loss", **kwargs)
+
+
+def test_improvement_rules():
+    low = Monitor("m", mode="min", min_delta=0.1)
+    assert low.improves(1.0, None)
+    assert low.improves(0.85, 1.0) and not low.improves(0.95, 1.0)
+    high = Monitor("m", mode="max")
+    assert high.improves(2.0, 1.0) and not high.improves(1.0, 1.0)
+    assert not low.improves(float("nan"), None) and not high.improves(float("inf"), 1.0)
+
+
+# ----------------------------------------------------------------- early stopping
+
+
+@pytest.mark.parametrize("values, patience, mode, min_delta", [
+    ([5.0, 4.0, 4.5, 4.2, 3.0, 2.0], 2, "min", 0.0),   # stops after epoch 3
+    ([5.0, 4.0, 4.5, 3.9, 4.2, 4.1, 4.0], 2, "min", 0.0),
+    ([1.0, 0.99, 0.98, 0.97, 0.96], 2, "min", 0.05),    # improvements below min_delta
+    ([1.0, 2.0, 3.0, 2.5, 2.9, 3.5], 1, "max", 0.0),
+    ([3.0, 2.0, 1.0, 0.5], 3, "min", 0.0),              # never stops
+    ([3.0, 3.0, 3.0], 0, "min", 0.0),                   # patience 0: the first plateau stops
+])
+def test_early_stop_patience_on_a_scripted_metric(values, patience, mode, min_delta):
+    state = _run_scripted(values, patience=patience, mode=mode, min_delta=min_delta)
+    expected = _keras_stop(values, patience, mode, min_delta)
+    if expected is None:
+        assert state.status == "completed" and len(state.history) == len(values)
+    else:
+        assert state.status == "halted"
+        assert max(state.history) == expected
+        assert state.handler_metadata["early_stop:score"]["stopped_epoch"] == expected
+
+
+def test_early_stop_example_from_the_docs():
+    # Patience 2: epochs 2 and 3 do not beat epoch 1's 4.0, so the loop stops after epoch 3.
+    state = _run_scripted([5.0, 4.0, 4.5, 4.2, 3.0, 2.0], patience=2)
+    assert sorted(state.history) == [0, 1, 2, 3]
+    record = state.handler_metadata["early_stop:score"]
+    assert record["best"] == 4.0 and record["best_epoch"] == 1 and record["wait"] == 2
+
+
+def test_non_finite_monitored_value_stops_at_once():
+    state = _run_scripted([3.0, 2.0, float("nan"), 1.0], patience=10)
+    assert state.status == "halted" and max(state.history) == 2
+
+
+def test_missing_monitor_names_the_available_metrics():
+    loop = _scripted(_counter_loop(), [1.0, 1.0]).early_stop("validation_loss")
+    with pytest.raises(ValueError, match=r"validation_loss.*score.*validate"):
+        loop.run([(0, 0)], {"n": jnp.int32(0)}, epochs=2)
+
+
+def test_two_monitors_on_one_metric_keep_separate_records():
+    loop = (_scripted(_counter_loop(), [3.0, 4.0, 5.0, 6.0])
+            .early_stop("score", patience=5).early_stop("score", patience=2))
+    state = loop.run([(0, 0)], {"n": jnp.int32(0)}, epochs=4)
+    assert set(state.handler_metadata) == {"early_stop:score", "early_stop:score#2"}
+    assert max(state.history) == 2 and state.status == "halted"
+
+
+def test_early_stop_resumes_its_wait_count_from_the_state():
+    values = [5.0, 4.0, 4.5, 4.2, 3.0, 2.0]
+    loop = _scripted(_counter_loop(), values).early_stop("score", patience=2)
+    first = loop.run([(0, 0)], {"n": jnp.int32(0)}, epochs=3)
+    assert first.status == "completed" and first.handler_metadata["early_stop:score"]["wait"] == 1
+    resumed = loop.run([(0, 0)], first, epochs=len(values))
+    assert resumed.status == "halted" and max(resumed.history) == 3
+
+
+# ----------------------------------------------------------------- LR on plateau
+
+
+def test_find_learning_rates_in_a_chain():
+    tx = optax.chain(optax.clip(1.0), optax.inject_hyperparams(optax.sgd)(learning_rate=0.5))
+    rates = find_learning_rates(tx.init({"w": jnp.zeros(3)}))
+    assert [float(r) for r in rates] == [0.5]
+    assert find_learning_rates(optax.adam(1e-3).init({"w": jnp.zeros(3)})) == []
+
+
+def test_fixed_learning_rate_is_refused_when_attached():
+    loop = fl.trainer(fl.models.mlp([4, 1]), "mean_squared_error", optax.adam(1e-3))
+    with pytest.raises(ValueError, match="inject_hyperparams"):
+        loop.reduce_lr_on_plateau("loss")
+    with pytest.raises(ValueError, match="trainer"):
+        _counter_loop().reduce_lr_on_plateau("loss")
+
+
+def _lr(state: fl.State) -> float:
+    return float(find_learning_rates(state.step_state["opt_state"])[0])
+
+
+def _set_lr(state: fl.State, value: np.float32) -> fl.State:
+    opt_state = state.step_state["opt_state"]
+    hyper = {**opt_state.hyperparams, "learning_rate": jnp.asarray(value, jnp.float32)}
+    step_state = {**state.step_state, "opt_state": opt_state._replace(hyperparams=hyper)}
+    return state.replace(step_state=step_state)
+
+
+@pytest.fixture(scope="module")
+def plateau_runs():
+    data = _batches(4, 0)
+    plain = fl.trainer(fl.models.mlp([4, 1]), "mean_squared_error", "sgd").metric(_flat, "flat")
+    reducing = plain.reduce_lr_on_plateau("flat", factor=0.5, patience=1)
+    return data, plain, reducing
+
+
+@pytest.mark.parametrize("fuse", [False, 3])
+def test_reduce_lr_on_plateau_is_effective_from_the_next_epoch(plateau_runs, fuse):
+    data, plain, reducing = plateau_runs
+    state = reducing.run(data, epochs=3, fuse=fuse)
+    # "flat" never improves: epoch 0 sets the best, epochs 1 and 2 each halve the rate.
+    lr0 = np.float32(0.01)
+    assert _lr(state) == float(lr0 * np.float32(0.25))
+    assert state.handler_metadata["reduce_lr_on_plateau:flat"]["reductions"] == 2
+    # The same trajectory by hand: train, change the rate in the optimizer state, resume.
+    manual = _set_lr(plain.run(data, epochs=2, fuse=fuse), lr0 * np.float32(0.5))
+    manual = plain.run(data, manual, epochs=3, fuse=fuse)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(manual.params)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_manual_reference_differs_without_the_change(plateau_runs):
+    # Guards the test above: changing the rate really changes the params.
+    data, plain, reducing = plateau_runs
+    reduced = reducing.run(data, epochs=3)
+    unchanged = plain.run(data, epochs=3)
+    leaves = zip(jax.tree.leaves(reduced.params), jax.tree.leaves(unchanged.params))
+    assert any(not np.array_equal(a, b) for a, b in leaves)
+
+
+def test_reduce_lr_respects_min_lr_and_cooldown(plateau_runs):
+    data, plain, _ = plateau_runs
+    floor = plain.reduce_lr_on_plateau("flat", factor=0.1, patience=1, min_lr=0.004)
+    state = floor.run(data[:1], epochs=4)
+    assert _lr(state) == pytest.approx(0.004)
+    cooling = plain.reduce_lr_on_plateau("flat", factor=0.5, patience=1, cooldown=2)
+    state = cooling.run(data[:1], epochs=5)
+    # Reduced after epoch 1, then two cooldown epochs, then reduced again after epoch 4.
+    assert state.handler_metadata["reduce_lr_on_plateau:flat"]["reductions"] == 2
+
+
+def test_reduce_lr_works_with_a_chained_injected_optimizer():
+    tx = optax.chain(optax.clip(1.0), optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
+    loop = (fl.trainer(fl.models.mlp([4, 1]), "mean_squared_error", tx).metric(_flat, "flat")
+            .reduce_lr_on_plateau("flat", factor=0.5, patience=1))
+    state = loop.run(_batches(1, 0), epochs=2)
+    assert _lr(state) == float(np.float32(0.1) * np.float32(0.5))
+    assert type(state.step_state["opt_state"]) is tuple  # the chain's structure is kept
+
+
+def test_reduce_lr_handler_unit():
+    handler = ReduceLROnPlateau("m", factor=0.5, patience=2, key="k")
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=1.0)
+    state = fl.State(step_state={"opt_state": tx.init(jnp.zeros(2))}, metrics={"m": 1.0})
+    for _ in range(3):  # best, wait 1, wait 2 -> reduce
+        _, state = handler(state)
+    assert _lr(state) == 0.5 and state.handler_metadata["k"]["wait"] == 0
+    assert isinstance(EarlyStopping("m")(state)[1], fl.State)

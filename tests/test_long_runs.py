@@ -1,0 +1,168 @@
+"""Long runs do not accumulate: device arrays, host memory, compiled programs and threads
+stay flat over hundreds of epochs and repeated runs (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import tracemalloc
+from typing import Any, Iterator
+
+import jax
+import jax.monitoring
+import numpy as np
+import pytest
+from conftest import counter_init, counter_loop, make_batches, tiny_mlp
+
+import fuseloop as fl
+
+SPARSE = "sparse_categorical_cross_entropy"
+EPOCHS = 300
+SAMPLED = (50, 150, EPOCHS - 1)
+# History, times and epoch_time gain one small entry per epoch by design (well under 1 KB);
+# a leaked chunk of the batches below would be >= 8 KB an epoch.
+BYTES_PER_EPOCH = 2048
+
+
+class CompileCounter:
+    """Counts XLA backend compiles while enabled (a process-wide jax.monitoring listener)."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self) -> None:
+        self.enabled, self.count = False, 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **kwargs: Any) -> None:
+        if self.enabled and event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self) -> "CompileCounter":
+        self.enabled, self.count = True, 0
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.enabled = False
+
+
+COMPILES = CompileCounter()
+
+
+def wide_batches(n: int = 2) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    return [(rng.normal(size=(16, 64)).astype(np.float32),
+             rng.integers(0, 3, 16).astype(np.int32)) for _ in range(n)]
+
+
+class Sampler:
+    """At a few epochs: the number of live device arrays and the traced host memory."""
+
+    def __init__(self) -> None:
+        self.samples: dict[int, tuple[int, int]] = {}
+
+    def __call__(self, state: fl.State) -> None:
+        if state.epoch in SAMPLED:
+            gc.collect()
+            self.samples[state.epoch] = (len(jax.live_arrays()),
+                                         tracemalloc.get_traced_memory()[0])
+
+
+@pytest.mark.parametrize("fuse", [2, False])
+def test_device_arrays_and_host_memory_stay_flat_over_hundreds_of_epochs(fuse):
+    sampler = Sampler()
+    loop = fl.trainer(tiny_mlp(), SPARSE, "adam").metric("accuracy").handle_event(
+        "epoch_completed", sampler)
+    data = wide_batches()
+    loop.run(data, epochs=2, fuse=fuse)  # compile outside the measured run
+    tracemalloc.start()
+    try:
+        state = loop.run(data, epochs=EPOCHS, fuse=fuse)
+    finally:
+        tracemalloc.stop()
+    assert state.status == "completed" and len(state.history) == EPOCHS
+    first, *_, last = (sampler.samples[e] for e in SAMPLED)
+    assert [s[0] for s in sampler.samples.values()] == [first[0]] * len(SAMPLED)
+    grown = last[1] - first[1]
+    assert grown < BYTES_PER_EPOCH * (SAMPLED[-1] - SAMPLED[0]), f"{grown} bytes"
+
+
+def test_repeated_runs_leave_no_device_arrays_behind():
+    loop = fl.trainer(tiny_mlp(), SPARSE, "adam")
+    data = make_batches(4)
+
+    def live_after_run(fuse: Any) -> int:
+        state = loop.run(data, epochs=1, fuse=fuse)
+        del state
+        gc.collect()
+        return len(jax.live_arrays())
+
+    for fuse in (False, 2):
+        baseline = live_after_run(fuse)
+        assert [live_after_run(fuse) for _ in range(3)] == [baseline] * 3
+
+
+# --------------------------------------------------------------------------- compiles
+@pytest.mark.parametrize("fuse", [False, 1, 4])
+def test_a_second_run_of_the_same_loop_compiles_nothing(fuse):
+    loop = fl.trainer(tiny_mlp(), SPARSE, "adam").metric("accuracy").handle_event(
+        "iteration_completed", lambda s: None, {"every": 3}).terminate_on_nan()
+    first = loop.run(make_batches(6), epochs=2, fuse=fuse)
+    assert first.stats["compiles"] >= 1
+    loop.run(make_batches(6), first, epochs=3, fuse=fuse)  # the first resume may compile a copy
+    with COMPILES:
+        again = loop.run(make_batches(6, seed=1), epochs=2, fuse=fuse)
+        resumed = loop.run(make_batches(6), again, epochs=3, fuse=fuse)
+    assert again.stats["compiles"] == resumed.stats["compiles"] == 0
+    assert COMPILES.count == 0, "XLA compiled during a repeated run"
+    assert int(resumed.step_state["step"]) == 18
+
+
+def test_evaluator_and_custom_loops_do_not_recompile():
+    params = fl.trainer(tiny_mlp(), SPARSE, "adam").run(make_batches(2)).params
+    evaluator = fl.evaluator(tiny_mlp()).metric("accuracy")
+    custom = counter_loop()
+    for fuse in (False, 4):
+        evaluator.run(make_batches(4), params, fuse=fuse)
+        custom.run(make_batches(4), counter_init(), fuse=fuse)
+        with COMPILES:
+            assert evaluator.run(make_batches(4), params, fuse=fuse).stats["compiles"] == 0
+            assert custom.run(make_batches(4), counter_init(), fuse=fuse).stats["compiles"] == 0
+        assert COMPILES.count == 0
+
+
+# --------------------------------------------------------------------------- threads
+def threads() -> set[int]:
+    return {t.ident for t in threading.enumerate()}
+
+
+class Boom(Exception):
+    pass
+
+
+def generated(n: int, fail_at: int | None = None) -> Any:
+    """A callable source (re-iterable: the fused loop may prepare chunks in a thread)."""
+
+    def epoch() -> Iterator[Any]:
+        for i, batch in enumerate(make_batches(n)):
+            if i == fail_at:
+                raise Boom("bad record")
+            yield batch
+
+    return epoch
+
+
+@pytest.mark.parametrize("fuse", [False, 2])
+def test_no_threads_left_behind(fuse):
+    loop = counter_loop()
+    before = threads()
+    loop.run(generated(8), counter_init(), epochs=2, fuse=fuse)
+    assert threads() == before
+    halting = loop.handle_event("epoch_completed", lambda s: "halt_loop")
+    assert halting.run(generated(8), counter_init(), epochs=3, fuse=fuse).status == "halted"
+    assert threads() == before
+    with pytest.raises(Boom):
+        loop.run(generated(8, fail_at=5), counter_init(), fuse=fuse)
+    assert threads() == before
+    with pytest.raises(ValueError):  # a bad batch in the middle of an epoch
+        loop.run([*make_batches(3), (np.zeros((2, 2)), None)], counter_init(), fuse=fuse)
+    assert threads() == before

@@ -1,0 +1,286 @@
+"""Faults lose nothing: a non-finite loss, a raising handler, a raising data source, and
+donation never touching the caller's arrays (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import traceback
+import warnings
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_tree_equal, counter_init, counter_loop, make_batches, tiny_mlp
+
+import fuseloop as fl
+
+SPARSE = "sparse_categorical_cross_entropy"
+BAD_AT = 7  # the iteration whose batch holds NaN inputs
+CHUNKS = [False, 1, 4, 32]
+COUNTED = ("iteration_started", "iteration_completed", "epoch_completed", "halted", "completed")
+
+
+class Probe:
+    """Counts events and halts at `stop_at` = (epoch, iteration) when set: one compiled
+    loop serves every test of this module (a new Loop would compile again)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.stop_at: tuple[int, int] | None = None
+
+    def reset(self, stop_at: tuple[int, int] | None = None) -> "Probe":
+        self.counts, self.stop_at = {}, stop_at
+        return self
+
+    def attach(self, loop: fl.Loop) -> fl.Loop:
+        for event in COUNTED:
+            loop = loop.handle_event(event, self._counter(event))
+        return loop.handle_event("iteration_started", self._stop)
+
+    def _counter(self, event: str):
+        def count(state: fl.State) -> None:
+            self.counts[event] = self.counts.get(event, 0) + 1
+        return count
+
+    def _stop(self, state: fl.State) -> str | None:
+        return "halt_loop" if (state.epoch, state.iteration) == self.stop_at else None
+
+
+PROBE = Probe()
+
+
+@pytest.fixture(scope="module")
+def nan_loop() -> fl.Loop:
+    return PROBE.attach(fl.trainer(tiny_mlp(), SPARSE, "adam").terminate_on_nan())
+
+
+@pytest.fixture(scope="module")
+def plain_loop() -> fl.Loop:
+    return fl.trainer(tiny_mlp(), SPARSE, "adam")
+
+
+def poisoned(batches: list[Any], at: int) -> list[Any]:
+    out = list(batches)
+    x, y = out[at]
+    out[at] = (np.full_like(x, np.nan), y)
+    return out
+
+
+# --------------------------------------------------------------------------- terminate_on_nan
+@pytest.fixture(scope="module")
+def before_nan(nan_loop) -> fl.State:
+    """The reference: an unfused run halted by a handler just before the bad iteration."""
+    PROBE.reset(stop_at=(0, BAD_AT))
+    return nan_loop.run(make_batches(12), epochs=3)
+
+
+@pytest.mark.parametrize("fuse", CHUNKS)
+def test_nan_keeps_params_from_before_the_bad_step(nan_loop, before_nan, fuse):
+    data = poisoned(make_batches(12), BAD_AT)
+    PROBE.reset()
+    with pytest.warns(RuntimeWarning, match=rf"non-finite at epoch 0, iteration {BAD_AT}"):
+        state = nan_loop.run(data, epochs=3, fuse=fuse)
+    assert state.status == "halted"
+    assert (state.epoch, state.iteration) == (0, BAD_AT)
+    assert state.handler_metadata["_nonfinite_at"] == {"epoch": 0, "iteration": BAD_AT}
+    assert_tree_equal(state.step_state, before_nan.step_state, "step_state")
+    assert int(state.step_state["step"]) == BAD_AT
+    # The bad step's loss is not averaged in; the halted epoch is recorded as any halt is.
+    assert "loss" in state.metrics
+    assert state.metrics == before_nan.metrics and state.history == before_nan.history
+    assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(state.params))
+    # The same events at every chunk size: the bad iteration started, never completed, no
+    # epoch completed, the loop halted.
+    assert PROBE.counts == {"iteration_started": BAD_AT + 1, "iteration_completed": BAD_AT,
+                            "halted": 1}
+    assert state.event_counts["iteration_started"] == {"total": BAD_AT + 1, "epoch": BAD_AT + 1}
+    assert state.event_counts["iteration_completed"] == {"total": BAD_AT, "epoch": BAD_AT}
+    assert (state.event_counts["halted"], state.event_counts["completed"]) == (1, 0)
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_nan_in_a_later_epoch(nan_loop, fuse):
+    data = make_batches(6)
+    bad_epoch, bad_at = 1, 3
+    epochs = iter(range(10))
+
+    def source() -> Iterator[Any]:
+        return iter(poisoned(data, bad_at) if next(epochs) == bad_epoch else data)
+
+    PROBE.reset()
+    with pytest.warns(RuntimeWarning, match=rf"epoch {bad_epoch}, iteration {bad_at}"):
+        state = nan_loop.run(source, epochs=3, fuse=fuse)
+    counts = PROBE.counts
+    PROBE.reset(stop_at=(bad_epoch, bad_at))  # the reference halts before the bad step
+    reference = nan_loop.run(data, epochs=3)
+    assert reference.status == state.status == "halted"
+    assert_tree_equal(state.step_state, reference.step_state, "step_state")
+    assert state.history[0] == reference.history[0]
+    assert state.handler_metadata["_nonfinite_at"] == {"epoch": bad_epoch, "iteration": bad_at}
+    assert counts == PROBE.counts
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_finite_runs_are_unchanged_by_the_guard(nan_loop, plain_loop, fuse):
+    data = make_batches(8)
+    plain = plain_loop.run(data, epochs=2, fuse=fuse)
+    PROBE.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = nan_loop.run(data, epochs=2, fuse=fuse)
+    assert state.status == "completed" and "_nonfinite_at" not in state.handler_metadata
+    assert_tree_equal(state.step_state, plain.step_state)
+    assert state.history == plain.history
+
+
+# --------------------------------------------------------------------------- raising handlers
+class HandlerFailure(Exception):
+    pass
+
+
+@pytest.mark.parametrize("fuse", [False, 3])
+@pytest.mark.parametrize("event, filter, where", [
+    ("iteration_completed", {"once": 5}, "epoch 0, iteration 4"),
+    ("epoch_completed", {"once": 2}, "epoch 1"),
+    ("started", "always", "epoch 0"),
+])
+def test_raising_handler_keeps_its_type_with_a_note(fuse, event, filter, where):
+    def explode(state: fl.State) -> None:
+        raise HandlerFailure("kaboom")
+
+    opened, closed = [], []
+
+    def batches() -> Iterator[Any]:
+        opened.append(1)
+        try:
+            yield from make_batches(6)
+        finally:
+            closed.append(1)
+
+    loop = counter_loop().handle_event(event, explode, filter, name="exploder")
+    with pytest.raises(HandlerFailure, match="kaboom") as info:
+        loop.run(batches, counter_init(), epochs=3, fuse=fuse)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert f"handler exploder on event '{event}'" in notes and where in notes
+    assert any(frame.name == "explode" for frame in traceback.extract_tb(info.tb))
+    assert len(closed) == len(opened) >= 1  # every iterator the run opened was closed
+
+
+def test_raising_handler_without_a_name_is_named_by_its_function():
+    def my_broken_handler(state: fl.State) -> None:
+        raise KeyError("missing")
+
+    loop = counter_loop().handle_event("epoch_completed", my_broken_handler)
+    with pytest.raises(KeyError) as info:
+        loop.run(make_batches(2), counter_init())
+    assert "my_broken_handler" in "\n".join(info.value.__notes__)
+
+
+# --------------------------------------------------------------------------- raising data
+class DataFailure(Exception):
+    pass
+
+
+def failing_source(fail_epoch: int, fail_at: int, closed: list[int]) -> Any:
+    data = make_batches(6)
+    epochs = iter(range(100))
+
+    def one_epoch() -> Iterator[Any]:
+        epoch = next(epochs)
+        try:
+            for i, batch in enumerate(data):
+                if (epoch, i) == (fail_epoch, fail_at):
+                    raise DataFailure(f"corrupt record {i}")
+                yield batch
+        finally:
+            closed.append(epoch)
+
+    return one_epoch
+
+
+@pytest.mark.parametrize("fuse", [False, 1, 4])
+def test_data_iterator_raising_mid_epoch_keeps_type_traceback_and_notes(fuse):
+    closed: list[int] = []
+    with pytest.raises(DataFailure, match="corrupt record 4") as info:
+        counter_loop().run(failing_source(1, 4, closed), counter_init(), epochs=3, fuse=fuse)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "data source" in notes and "epoch 1, iteration 4" in notes
+    assert any(frame.name == "one_epoch" for frame in traceback.extract_tb(info.tb))
+    assert closed == [0, 1]  # every iterator the run opened was closed
+
+
+def test_one_shot_generator_raising_mid_epoch():
+    def generator() -> Iterator[Any]:
+        yield from make_batches(3)
+        raise DataFailure("disk gone")
+
+    with pytest.raises(DataFailure) as info:
+        counter_loop().run(generator(), counter_init(), epochs=2)
+    assert "epoch 0, iteration 3" in "\n".join(info.value.__notes__)
+
+
+# --------------------------------------------------------------------------- donation safety
+def readable(tree: Any) -> Any:
+    """Host copies of every leaf: raises if a buffer was donated (deleted)."""
+    return jax.tree.map(lambda a: np.array(a, copy=True), tree)
+
+
+@pytest.mark.parametrize("fuse", [False, 1, 4])
+def test_initial_variables_stay_readable(plain_loop, fuse):
+    x = make_batches(1)[0][0]
+    variables = jax.device_put(tiny_mlp().init(jax.random.PRNGKey(3), jnp.asarray(x)))
+    before = readable(variables)
+    state = plain_loop.run(make_batches(6), variables, epochs=2, fuse=fuse)
+    assert_tree_equal(readable(variables), before, "initial variables")
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(variables))
+    assert int(state.step_state["step"]) == 12
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_custom_loop_init_state_stays_readable(fuse):
+    init = {"n": jnp.zeros((), jnp.int32), "total": jnp.zeros((), jnp.float32)}
+    state = counter_loop().run(make_batches(5), init, epochs=2, fuse=fuse)
+    assert int(init["n"]) == 0 and float(init["total"]) == 0.0
+    assert int(state.step_state["n"]) == 10
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_a_state_passed_back_in_stays_readable(plain_loop, fuse):
+    loop = plain_loop
+    first = loop.run(make_batches(4), epochs=1, fuse=fuse)
+    kept = readable(first.step_state)
+    second = loop.run(make_batches(4), first, epochs=2, fuse=fuse)
+    assert_tree_equal(readable(first.step_state), kept, "the State passed back in")
+    assert int(second.step_state["step"]) == 8
+    third = loop.run(make_batches(4), first, epochs=2, fuse=fuse)  # the same State, again
+    assert_tree_equal(third.step_state, second.step_state)
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_evaluator_params_and_device_batches_stay_readable(plain_loop, fuse):
+    params = plain_loop.run(make_batches(2)).params
+    kept = readable(params)
+    device_batches = [jax.device_put(b) for b in make_batches(4)]
+    fl.evaluator(tiny_mlp()).metric("accuracy").run(device_batches, params, fuse=fuse)
+    assert_tree_equal(readable(params), kept)
+    readable(device_batches)
+    plain_loop.run(device_batches, params, fuse=fuse)
+    assert_tree_equal(readable(params), kept)
+    readable(device_batches)
+
+
+def test_arrays_a_handler_returns_are_not_the_ones_donated():
+    """The State returned by run is never donated, even after a handler swapped params."""
+    loop = fl.trainer(tiny_mlp(), SPARSE, "sgd")
+    x = jnp.asarray(make_batches(1)[0][0])
+    fresh = jax.device_put(tiny_mlp().init(jax.random.PRNGKey(9), x))
+    kept = readable(fresh)
+
+    def reset(state: fl.State) -> Any:
+        return "continue", state.replace(step_state={**state.step_state, "params": fresh})
+
+    result = loop.handle_event("epoch_completed", reset, {"once": 1}).run(
+        make_batches(3), epochs=2)
+    assert_tree_equal(readable(fresh), kept, "arrays a handler handed to the loop")
+    readable(result.step_state)

@@ -1,0 +1,319 @@
+"""Bad input gets a clear error: what was wrong, where (epoch, iteration, argument or leaf),
+and how to fix it - raised before anything compiles where it can be (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import BATCH, CLASSES, FEATURES, make_batches, tiny_mlp
+
+import fuseloop as fl
+
+SPARSE = "sparse_categorical_cross_entropy"
+
+
+def sparse_trainer(model: Any = None) -> fl.Loop:
+    return fl.trainer(tiny_mlp() if model is None else model, SPARSE, optax.sgd(0.1))
+
+
+def linear_model(features: int = FEATURES, outputs: int = CLASSES) -> Any:
+    """A plain (init, apply) model with a fixed input width: x must have `features`."""
+    return fl.models.from_functions(
+        lambda rng, x: {"w": jnp.ones((features, outputs), jnp.float32)},
+        lambda p, x: x @ p["w"],
+    )
+
+
+def traced_loop(counter: list[int]) -> fl.Loop:
+    """A custom loop whose step counts its traces: 0 means nothing compiled."""
+
+    def step(batch: Any, s: Any) -> Any:
+        counter[0] += 1
+        return {"n": s["n"] + 1}
+
+    return fl.loop(step)
+
+
+@pytest.fixture(scope="module")
+def loop() -> fl.Loop:
+    return sparse_trainer()
+
+
+# --------------------------------------------------------------------------- (x, y) pairs
+@pytest.mark.parametrize("bad", [
+    lambda b: (b[0],),
+    lambda b: (b[0], b[1], b[1]),
+    lambda b: {"x": b[0], "y": b[1]},
+    lambda b: b[0],
+], ids=["one", "three", "dict", "array"])
+@pytest.mark.parametrize("kind", ["trainer", "evaluator"])
+def test_first_batch_not_a_pair(loop, kind, bad):
+    data = [bad(b) for b in make_batches(2)]
+    with pytest.raises(ValueError, match=r"first batch .*pair \(x, y\).*fl\.loop"):
+        if kind == "trainer":
+            loop.run(data)
+        else:
+            params = jax.tree.map(np.zeros_like, loop.run(make_batches(1)).params)
+            fl.evaluator(tiny_mlp()).run(data, params)
+
+
+@pytest.mark.parametrize("fuse", [False, 2])
+def test_later_batch_not_a_pair_names_epoch_and_iteration(loop, fuse):
+    data = make_batches(4)
+    data[3] = (data[3][0], data[3][1], data[3][1])
+    with pytest.raises(ValueError, match=r"epoch 0, iteration 3 is a tuple of length 3.*pair"):
+        loop.run(data, fuse=fuse)
+
+
+@pytest.mark.parametrize("fuse", [False, 2])
+@pytest.mark.parametrize("batch", [
+    (0, 0),
+    {"a": np.ones(3, np.float32)},
+    np.ones(3, np.float32),
+    (np.ones(2, np.float32), np.ones(2, np.float32), np.ones(2, np.float32)),
+], ids=["ints", "dict", "array", "triple"])
+def test_custom_loops_take_any_batch(fuse, batch):
+    counter = fl.loop(lambda b, s: {"n": s["n"] + 1})
+    state = counter.run([batch] * 3, {"n": jnp.zeros((), jnp.int32)}, fuse=fuse)
+    assert int(state.step_state["n"]) == 3
+
+
+# --------------------------------------------------------------------------- shapes
+@pytest.mark.parametrize("fuse", [False, 2])
+def test_later_x_of_another_shape_names_leaf_expected_and_actual(loop, fuse):
+    data = make_batches(4)
+    data[2] = (np.zeros((BATCH, FEATURES + 2), np.float32), data[2][1])
+    with pytest.raises(ValueError) as info:
+        loop.run(data, fuse=fuse)
+    message = str(info.value)
+    assert "epoch 0, iteration 2" in message and "leaf x " in message
+    assert f"({BATCH}, {FEATURES + 2})" in message and f"({BATCH}, {FEATURES})" in message
+    if fuse:
+        assert isinstance(info.value, fl.FusionError)
+
+
+def test_pytree_leaf_is_named_by_its_path():
+    loop = fl.trainer(fl.models.from_functions(
+        lambda rng, x: {"w": jnp.ones((FEATURES, CLASSES))},
+        lambda p, x: x["image"] @ p["w"] + x["meta"].sum()), SPARSE, "sgd")
+    data = [({"image": x, "meta": np.zeros((BATCH, 2), np.float32)}, y)
+            for x, y in make_batches(3)]
+    data[1] = ({"image": data[1][0]["image"], "meta": np.zeros((BATCH, 5), np.float32)},
+               data[1][1])
+    with pytest.raises(ValueError, match=r"leaf x\['meta'\] has shape \(4, 5\).*\(4, 2\)"):
+        loop.run(data)
+
+
+def test_later_y_of_another_dtype_is_named(loop):
+    data = make_batches(3)
+    data[1] = (data[1][0], data[1][1].astype(np.float32))
+    with pytest.raises(ValueError, match=r"iteration 1: leaf y .*float32.*int32"):
+        loop.run(data)
+
+
+def test_x_that_does_not_fit_the_model_fails_before_compiling():
+    data = [(np.zeros((BATCH, FEATURES + 1), np.float32), y) for _, y in make_batches(2)]
+    with pytest.raises(ValueError, match=r"x does not fit the model.*x of shape \(4, 4\)"):
+        fl.trainer(linear_model(), SPARSE, "sgd").run(data)
+
+
+def test_x_that_does_not_fit_given_variables_is_named():
+    params = sparse_trainer().run(make_batches(1)).params  # trained on FEATURES inputs
+    data = [(np.zeros((BATCH, FEATURES + 1), np.float32), y) for _, y in make_batches(2)]
+    with pytest.raises(ValueError, match=r"x does not fit the model.*given variables"):
+        fl.evaluator(tiny_mlp()).run(data, params)
+
+
+@pytest.mark.parametrize("loss, y, pattern", [
+    (SPARSE, np.zeros((BATCH, 2), np.int32), r"y has shape \(4, 2\).*labels of shape \(4,\)"),
+    ("categorical_cross_entropy", np.zeros((BATCH,), np.float32),
+     r"y has shape \(4,\).*same shape \(4, 3\)"),
+    ("mean_squared_error", np.zeros((BATCH, 2), np.float32),
+     r"y has shape \(4, 2\).*one value per output, shape \(4, 3\)"),
+    (lambda y, p: jnp.mean((p - y) ** 2), np.zeros((BATCH, 2), np.float32),
+     r"y does not fit the loss '<lambda>'.*y of shape \(4, 2\).*\(4, 3\)"),
+    (lambda y, p: (p - y) ** 2, np.zeros((BATCH, 3), np.float32), r"must return a scalar"),
+], ids=["sparse", "categorical", "mse", "custom", "not-scalar"])
+def test_y_that_does_not_fit_output_and_loss(loss, y, pattern):
+    x = make_batches(1)[0][0]
+    with pytest.raises(ValueError, match=pattern):
+        fl.trainer(tiny_mlp(), loss, "sgd").run([(x, y)])
+
+
+def test_column_labels_are_accepted(loop):
+    data = [(x, y[:, None]) for x, y in make_batches(2)]
+    assert loop.run(data).status == "completed"
+
+
+# --------------------------------------------------------------------------- labels
+def test_label_out_of_range_in_first_batch():
+    data = make_batches(2)
+    data[0] = (data[0][0], np.full((BATCH,), CLASSES + 2, np.int32))
+    with pytest.raises(ValueError,
+                       match=rf"first batch: y holds the label {CLASSES + 2}.*{CLASSES} classes"):
+        sparse_trainer().run(data)
+
+
+@pytest.mark.parametrize("fuse", [False, 3])
+def test_negative_label_in_a_later_batch_names_epoch_and_iteration(loop, fuse):
+    data = make_batches(5)
+    data[4] = (data[4][0], np.array([0, -1, 1, 0], np.int32))
+    with pytest.raises(ValueError, match=r"epoch 0, iteration 4: y holds the label -1"):
+        loop.run(data, fuse=fuse)
+
+
+# --------------------------------------------------------------------------- dtypes
+def test_float64_input_warns_once_and_trains_as_float32(loop):
+    data32 = make_batches(3)
+    data64 = [(x.astype(np.float64), y) for x, y in data32]
+    with pytest.warns(UserWarning, match=r"leaf x is float64.*astype\(np\.float32\)") as caught:
+        state64 = loop.run(data64, epochs=2)
+    assert sum("is float64" in str(w.message) for w in caught) == 1
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*float64.*")
+        state32 = loop.run(data32, epochs=2)
+    for a, b in zip(jax.tree.leaves(state64.params), jax.tree.leaves(state32.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("fuse", [2, 4])
+def test_mixed_dtypes_in_a_fused_chunk_raise_fusion_error(loop, fuse):
+    data = make_batches(4)
+    data[1] = (data[1][0], data[1][1].astype(np.int16))
+    with pytest.raises(fl.FusionError, match=r"iteration 1: leaf y .*int16.*int32.*fuse=False"):
+        loop.run(data, fuse=fuse)
+
+
+@pytest.mark.parametrize("fuse", [False, 1, 2])
+def test_float64_among_float32_batches(loop, fuse):
+    data = make_batches(4)
+    data[2] = (data[2][0].astype(np.float64), data[2][1])
+    if not fuse:  # unfused, the step sees float32 either way: accepted, with the warning
+        with pytest.warns(UserWarning, match="leaf x is float64"):
+            assert loop.run(data).status == "completed"
+        return
+    with pytest.raises(fl.FusionError, match=r"iteration 2: leaf x .*float64.*float32"):
+        loop.run(data, fuse=fuse)
+
+
+# --------------------------------------------------------------------------- ragged batches
+def test_ragged_last_batch_unfused_compiles_once_more_and_warns_once():
+    loop = sparse_trainer()
+    data = make_batches(3)
+    x, y = make_batches(1, seed=1)[0]
+    data.append((x[:2], y[:2]))
+    with pytest.warns(UserWarning, match=r"iteration 3 has batch size 2 instead of 4") as caught:
+        state = loop.run(data, epochs=3)
+    assert sum("batch size" in str(w.message) for w in caught) == 1
+    assert state.stats["compiles"] == 2
+    assert state.event_counts["iteration_completed"]["total"] == 12
+    with pytest.warns(UserWarning, match="batch size 2"):
+        assert loop.run(data).stats["compiles"] == 0
+
+
+def test_second_short_batch_size_raises(loop):
+    data = make_batches(4)
+    data[1] = (data[1][0][:3], data[1][1][:3])
+    data[3] = (data[3][0][:2], data[3][1][:2])
+    with pytest.warns(UserWarning, match="batch size 3"), pytest.raises(
+            ValueError, match=r"iteration 3 has batch size 2.*only one short batch size"):
+        loop.run(data)
+
+
+def test_leaves_with_different_batch_sizes_raise(loop):
+    data = make_batches(2)
+    data[1] = (data[1][0][:2], data[1][1][:3])
+    with pytest.raises(ValueError, match=r"different batch sizes \[2, 3\]"):
+        loop.run(data)
+
+
+@pytest.mark.parametrize("fuse", [1, 3])
+def test_ragged_last_batch_fused_raises_fusion_error(loop, fuse):
+    data = make_batches(3)
+    data.append((data[0][0][:2], data[0][1][:2]))
+    with pytest.raises(fl.FusionError, match=r"iteration 3: leaf x has shape \(2, 3\).*"
+                                             r"drop_remainder=True"):
+        loop.run(data, fuse=fuse)
+
+
+# --------------------------------------------------------------------------- empty data
+@pytest.mark.parametrize("data", [[], (), lambda: iter([]), iter([])],
+                         ids=["list", "tuple", "callable", "iterator"])
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_empty_data_raises_before_compiling(data, fuse):
+    traces = [0]
+    with pytest.raises(ValueError, match=r"data is empty.*at least one"):
+        traced_loop(traces).run(data, {"n": 0}, fuse=fuse)
+    assert traces[0] == 0
+
+
+# --------------------------------------------------------------------------- arguments
+@pytest.mark.parametrize("kwargs, argument", [
+    ({"epochs": 0}, "epochs"),
+    ({"epochs": -2}, "epochs"),
+    ({"epochs": 1.5}, "epochs"),
+    ({"epochs": True}, "epochs"),
+    ({"epochs": "3"}, "epochs"),
+    ({"iterations": 0}, "iterations"),
+    ({"fuse": 0}, "fuse"),
+    ({"fuse": -4}, "fuse"),
+    ({"fuse": 2.0}, "fuse"),
+    ({"fuse": "fast"}, "fuse"),
+    ({"fuse": True, "jit": False}, "fuse"),
+    ({"jit": "yes"}, "jit"),
+    ({"max_in_flight": 0}, "max_in_flight"),
+    ({"mesh": "cpu"}, "mesh"),
+])
+def test_invalid_run_arguments_name_the_argument(kwargs, argument):
+    traces = [0]
+    with pytest.raises(ValueError, match=rf"{argument}="):
+        traced_loop(traces).run([(0, 0)], {"n": 0}, **kwargs)
+    assert traces[0] == 0
+
+
+@pytest.mark.parametrize("data", [5, "abc", None, 3.0])
+def test_data_that_is_not_a_source(data):
+    with pytest.raises(ValueError, match=r"data=.*not a data source.*list of \(x, y\)"):
+        traced_loop([0]).run(data, {"n": 0})
+
+
+@pytest.mark.parametrize("build, argument", [
+    (lambda: fl.trainer(5, SPARSE, "sgd"), "model"),
+    (lambda: fl.trainer(tiny_mlp(), "hinge", "sgd"), "loss"),
+    (lambda: fl.trainer(tiny_mlp(), 3, "sgd"), "loss"),
+    (lambda: fl.trainer(tiny_mlp(), SPARSE, "rmsprop"), "optimizer"),
+    (lambda: fl.trainer(tiny_mlp(), SPARSE, 0.1), "optimizer"),
+    (lambda: fl.trainer(tiny_mlp(), SPARSE, "sgd", log=-1), "log"),
+    (lambda: fl.trainer(tiny_mlp(), SPARSE, "sgd", seed="a"), "seed"),
+    (lambda: fl.evaluator("model"), "model"),
+    (lambda: fl.loop(5), "step_fn"),
+    (lambda: fl.loop(lambda b, s: s, init_fn=3), "init_fn"),
+    (lambda: sparse_trainer().handle_event("epoch_done", print), "event"),
+    (lambda: sparse_trainer().handle_event("started", 5), "handler"),
+    (lambda: sparse_trainer().handle_event("started", print, "sometimes"), "filter"),
+    (lambda: sparse_trainer().handle_event("started", print, {"evry": 2}), "filter"),
+    (lambda: sparse_trainer().handle_event("started", print, {"every": 0}), "filter"),
+    (lambda: sparse_trainer().metric("f1"), "metric"),
+    (lambda: sparse_trainer().metric("accuracy", accumulate="max"), "accumulate"),
+    (lambda: sparse_trainer().metric("accuracy").metric("accuracy"), "metric name"),
+    (lambda: fl.models.mlp([]), "features"),
+    (lambda: fl.models.mlp([4], activation="swish2"), "activation"),
+])
+def test_invalid_builder_arguments_name_the_argument(build, argument):
+    with pytest.raises(ValueError, match=argument):
+        build()
+
+
+def test_handler_returning_garbage_is_named(loop):
+    bad = loop.handle_event("epoch_completed", lambda s: 42, name="answer")
+    with pytest.raises(ValueError, match=r"handler answer returned int.*None, a status"):
+        bad.run(make_batches(2))
+    with pytest.raises(ValueError, match=r"handler answer returned status 'stop'.*halt_loop"):
+        loop.handle_event("epoch_completed", lambda s: "stop", name="answer").run(
+            make_batches(2))

@@ -1,0 +1,159 @@
+"""CSV and TensorBoard writers (identical fused and unfused) and plot_history."""
+
+from __future__ import annotations
+
+import csv
+import struct
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fuseloop as fl
+
+MODEL = fl.models.mlp([8, 3])
+
+
+def _batches(n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    return [(rng.normal(size=(8, 4)).astype(np.float32),
+             rng.integers(0, 3, size=(8,)).astype(np.int32)) for _ in range(n)]
+
+
+DATA, VAL = _batches(5, 0), _batches(3, 1)
+TRAINER = (fl.trainer(MODEL, "sparse_categorical_cross_entropy", "adam")
+           .metric("accuracy").validate(MODEL, VAL))
+
+
+def _with_writers(loop: fl.Loop, folder) -> fl.Loop:
+    return (loop.csv_log(folder / "epochs.csv")
+            .csv_log(folder / "iterations.csv", event="iteration_completed",
+                     filter={"every": 2})
+            .tensorboard(folder / "tb")
+            .tensorboard(folder / "tb", event="iteration_completed", filter={"every": 3}))
+
+
+def _scalars(logdir) -> list[tuple[str, int, float]]:
+    """(tag, step, value) of every scalar event under `logdir`, wall times left out."""
+    from tensorboardX.proto import event_pb2
+
+    found = []
+    for path in sorted(logdir.iterdir()):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):  # TFRecord: length, crc, payload, crc
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                found.append((value.tag, event.step, value.simple_value))
+    return found
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    runs = {}
+    for fuse in (False, 3):
+        folder = tmp_path_factory.mktemp(f"fuse{fuse}")
+        runs[fuse] = (folder, _with_writers(TRAINER, folder).run(DATA, epochs=3, fuse=fuse))
+    return runs
+
+
+def test_csv_files_are_identical_fused_and_unfused(written):
+    (unfused, _), (fused, _) = written[False], written[3]
+    for name in ("epochs.csv", "iterations.csv"):
+        assert (fused / name).read_bytes() == (unfused / name).read_bytes()
+
+
+def test_csv_rows_hold_the_metrics(written):
+    folder, state = written[False]
+    with open(folder / "epochs.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [int(r["epoch"]) for r in rows] == [0, 1, 2]
+    for row in rows:
+        for name, value in state.history[int(row["epoch"])].items():
+            assert float(row[name]) == value  # exact: written with repr
+    with open(folder / "iterations.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    # every=2 on the running count of iterations (5 an epoch): counts 1, 3, 5, ...
+    assert [int(r["step"]) for r in rows] == list(range(1, 16, 2))
+    assert [(int(r["epoch"]), int(r["iteration"])) for r in rows][:3] == [(0, 0), (0, 2), (0, 4)]
+    assert "validation_loss" not in rows[0]
+
+
+def test_tensorboard_scalars_are_identical_fused_and_unfused(written):
+    (unfused, state), (fused, _) = written[False], written[3]
+    expected = _scalars(unfused / "tb")
+    assert expected == _scalars(fused / "tb")
+    epoch_scalars = {(tag, step): value for tag, step, value in expected
+                     if tag.startswith("epoch/")}
+    for epoch, metrics in state.history.items():
+        for name, value in metrics.items():
+            assert epoch_scalars[("epoch/" + name, epoch)] == np.float32(value)
+    iteration_steps = sorted({step for tag, step, _ in expected if tag == "iteration/loss"})
+    assert iteration_steps == list(range(1, 16, 3))
+
+
+def _counter_loop() -> fl.Loop:
+    def step(batch, s):
+        return {"n": s["n"] + 1, "loss": 1.0 / (s["n"] + 1.0)}
+
+    return fl.loop(step).metric("loss")
+
+
+def test_csv_of_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
+    start = {"n": jnp.float32(0.0), "loss": jnp.float32(0.0)}
+    loop = _counter_loop().csv_log(tmp_path / "full.csv")
+    loop.run([(0, 0)] * 2, start, epochs=4)
+    resuming = _counter_loop().csv_log(tmp_path / "resumed.csv")
+    first = resuming.run([(0, 0)] * 2, start, epochs=3)
+    # Resume from epoch 1, as from a checkpoint: the row of epoch 2 is redone, not doubled.
+    from_epoch_1 = first.replace(history={e: first.history[e] for e in (0, 1)},
+                                 step_state={"n": jnp.float32(4.0), "loss": jnp.float32(0.0)})
+    resuming.run([(0, 0)] * 2, from_epoch_1, epochs=4)
+    assert (tmp_path / "resumed.csv").read_text() == (tmp_path / "full.csv").read_text()
+
+
+def test_csv_adds_a_column_when_a_metric_appears(tmp_path):
+    def late(state):
+        if state.epoch == 1:
+            return "continue", state.replace(metrics={**state.metrics, "extra": 2.5})
+        return None
+
+    start = {"n": jnp.float32(0.0), "loss": jnp.float32(0.0)}
+    loop = _counter_loop().handle_event("epoch_completed", late).csv_log(tmp_path / "m.csv")
+    loop.run([(0, 0)], start, epochs=3)
+    with open(tmp_path / "m.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [r["extra"] for r in rows] == ["", "2.5", ""]
+
+
+def test_writer_arguments_are_checked():
+    with pytest.raises(ValueError, match="path"):
+        _counter_loop().csv_log("")
+    with pytest.raises(ValueError, match="event"):
+        _counter_loop().tensorboard("tb", event="sometimes")
+
+
+# ----------------------------------------------------------------- plot
+
+
+def test_plot_history_writes_a_png(written, tmp_path):
+    _, state = written[False]
+    path = fl.plot_history(state.history, tmp_path / "plots" / "history.png", title="demo")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 600 and height > 200  # two panels (loss, accuracy) side by side
+    assert fl.plot_history(state, tmp_path / "again.png", metrics=["loss"]).exists()
+
+
+def test_plot_history_errors(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="history"):
+        fl.plot_history({}, tmp_path / "x.png")
+    with pytest.raises(ValueError, match="metrics"):
+        fl.plot_history({0: {"loss": 1.0}}, tmp_path / "x.png", metrics=["accuracy"])
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(ImportError, match=r"fuseloop\[plot\]"):
+        fl.plot_history({0: {"loss": 1.0}}, tmp_path / "x.png")
