@@ -76,8 +76,11 @@ class Checker:
         program: The loop's `Program` (its kind, model and loss decide what is checked).
     """
 
-    def __init__(self, program: Any):
+    def __init__(self, program: Any, cache: dict[Any, Any] | None = None):
         self.program = program
+        # The abstract model checks trace the model; their verdicts are kept per Loop, keyed
+        # by the shapes checked, so a second run of the same loop pays nothing for them.
+        self.cache = cache if cache is not None else {}
         self.pairs = program.kind in ("trainer", "evaluator")
         self.treedef: Any = None
         self.names: tuple[str, ...] = ()
@@ -99,7 +102,12 @@ class Checker:
         self.accepted = {self.expected}
         self._warn_float64([leaf for _, leaf in flat])
         if self.pairs:
-            self._check_model(batch)
+            key = ("checked_model", self.treedef, self.expected)
+            if key in self.cache:
+                self.first_x, self.classes = self.cache[key]
+            else:
+                self._check_model(batch)
+                self.cache[key] = (self.first_x, self.classes)
             self._check_labels(batch, "the run's first batch")
 
     def batch(self, batch: Any, epoch: int, iteration: int) -> None:
@@ -107,19 +115,49 @@ class Checker:
         self._check(batch, epoch, iteration, fused=False)
 
     def chunk(self, batches: list[Any], epoch: int, first_iteration: int) -> None:
-        """Called for each fused chunk's batches before they are stacked."""
+        """Called for each fused chunk's batches before they are stacked.
+
+        Only the chunk's first batch is compared with the run's first (a mismatch there
+        would compile the fused program again); stacking compares every other batch with
+        it, and `stacked` checks the labels of the whole chunk at once.
+        """
+        self._check(batches[0], epoch, first_iteration, fused=True, labels=False)
+        if self.pairs:
+            for offset, batch in enumerate(batches[1:], start=1):
+                if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+                    self._require_pair(batch, f"the batch at epoch {epoch}, iteration "
+                                              f"{first_iteration + offset}")
+
+    def explain_chunk(self, batches: list[Any], epoch: int, first_iteration: int) -> None:
+        """Checks every batch of a chunk that failed to stack, to raise the error that names
+        the leaf (`x`, `y`, `x['key']`) rather than its position."""
         for offset, batch in enumerate(batches):
-            self._check(batch, epoch, first_iteration + offset, fused=True)
+            self._check(batch, epoch, first_iteration + offset, fused=True, labels=False)
+
+    def stacked(self, chunk: Any, n: int, epoch: int, first_iteration: int) -> None:
+        """Called with a stacked chunk of `n` live batches: its labels, in one pass."""
+        if self.classes is None or not isinstance(chunk, (tuple, list)) or len(chunk) != 2:
+            return
+        labels = chunk[1]
+        if not isinstance(labels, np.ndarray) or labels.size == 0:
+            return
+        live = labels[:n]
+        if live.min() >= 0 and live.max() < self.classes:
+            return
+        bad = ((live < 0) | (live >= self.classes)).reshape(n, -1).any(axis=1)
+        slot = int(np.argmax(bad))
+        self._check_labels((None, live[slot]), f"epoch {epoch}, iteration {first_iteration + slot}")
 
     # ----------------------------------------------------------------- per batch
-    def _check(self, batch: Any, epoch: int, iteration: int, fused: bool) -> None:
+    def _check(self, batch: Any, epoch: int, iteration: int, fused: bool,
+               labels: bool = True) -> None:
         if self.treedef is None:  # no first batch was seen: this one sets the reference
             self.first(batch)
         leaves, treedef = jax.tree.flatten(batch)
         signature = tuple(_leaf_signature(leaf) for leaf in leaves)
         if signature not in self.accepted or treedef != self.treedef:
             self._diagnose(batch, leaves, treedef, signature, epoch, iteration, fused)
-        if self.classes is not None:
+        if labels and self.classes is not None:
             self._check_labels(batch, f"epoch {epoch}, iteration {iteration}")
 
     def _diagnose(self, batch: Any, leaves: list[Any], treedef: Any,
@@ -252,7 +290,12 @@ class Checker:
         if self.first_x is None or not isinstance(step_state, dict) or "params" not in step_state:
             return
         variables = jax.tree.map(_abstract, step_state["params"])
-        self._forward(variables, "the given variables")
+        leaves, treedef = jax.tree.flatten(variables)
+        key = ("checked_variables", self.treedef, self.expected, treedef,
+               tuple((leaf.shape, leaf.dtype) for leaf in leaves))
+        if key not in self.cache:
+            self._forward(variables, "the given variables")
+            self.cache[key] = True
 
     def _forward(self, variables: Any, whose: str) -> Any:
         model, (x, xs) = self.program.model, self.first_x

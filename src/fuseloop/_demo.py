@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 import time
+from typing import Any
 
 import numpy as np
 import optax
@@ -36,6 +38,15 @@ def _parse_fuse(fuse: str) -> bool | int | str:
         raise ValueError(f"--fuse={fuse!r}: use a chunk size, 'auto', 'true' or 'false'") from None
 
 
+def _log_epoch(state: Any) -> None:
+    """One line per epoch; `tqdm.write` keeps it from colliding with the progress bar."""
+    from tqdm.auto import tqdm
+
+    from .handlers.log import format_metrics
+
+    tqdm.write(f"Epoch: {state.epoch}, {format_metrics(state.metrics)}", file=sys.stdout)
+
+
 def demo(epochs: int = 20, fuse: str = "32", plot: str | None = "demo_history.png",
          progress: bool = True) -> int:
     """Trains an MLP on digits with a held-out split and prints the validation accuracy.
@@ -52,10 +63,11 @@ def demo(epochs: int = 20, fuse: str = "32", plot: str | None = "demo_history.pn
     print(f"fuseloop demo: digits, {len(x_train)} train / {len(x_val)} held-out examples, "
           f"MLP 64-128-10, {epochs} epochs, fuse={fuse}")
     loop = (
-        fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-3), log=10)
+        fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-3))
         .metric("accuracy")
         .validate(model, val)
         .early_stop("validation_loss", patience=5)
+        .handle_event("epoch_completed", _log_epoch, name="demo_log")
     )
     began = time.perf_counter()
     state = loop.run(train, epochs=epochs, fuse=_parse_fuse(fuse), progress=progress)

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from ._events import CONTINUE, HALT_LOOP, Event
-from ._fusion import resolve_fuse, stack_chunk
+from ._fusion import FusionError, resolve_fuse, stack_chunk
 from ._checks import Checker
 from ._placement import Placement
 from ._prefetch import ChunkProducer
@@ -48,7 +48,7 @@ class Executor:
         self.prefetch = prefetch
         self.compiled = Programs(loop)
         self.placement = Placement(mesh, stats)
-        self.checker = Checker(loop.program)
+        self.checker = Checker(loop.program, loop._cache)
         self.epoch = 0
         self.state: Any = None
         self.tail: Any = None
@@ -114,14 +114,14 @@ class Executor:
             return batch[0] if batch else None
 
         if self.jit:
-            program = self.compiled.chunk()
+            program = self.compiled.unfused()
 
             def dispatch(batch: Any, i: int) -> None:
                 self.checker.batch(batch, self.epoch, i)
                 # The unfused step runs in the fused program's loop with one live slot,
                 # so both paths execute the same compiled loop body (see _programs.py).
-                chunk = self.placement.put_batch(stack_chunk([batch], MIN_SLOTS, i), i)
-                self.state, self.tail, _, _ = program(self.state, self.tail, chunk, _ONE)
+                device_batch = self.placement.put_batch(batch, i)
+                self.state, self.tail = program(self.state, self.tail, device_batch, _ONE)
         else:
             step = self.compiled.eager_step()
 
@@ -196,7 +196,12 @@ class Executor:
         if not batches:
             return None
         self.checker.chunk(batches, self.epoch, first_index)
-        stacked = stack_chunk(batches, size, first_index)
+        try:
+            stacked = stack_chunk(batches, size, first_index)
+        except FusionError:
+            self.checker.explain_chunk(batches, self.epoch, first_index)
+            raise
+        self.checker.stacked(stacked, len(batches), self.epoch, first_index)
         chunk = self.placement.put_chunk((stacked, np.int32(len(batches))))
         return chunk, len(batches), requested
 
@@ -218,8 +223,9 @@ class Executor:
             nxt = next_chunk(0)
             while nxt is not None:
                 (chunk, n_valid), n, requested = nxt
-                self.state, self.tail, records, n_run = program(self.state, self.tail, chunk,
-                                                                n_valid)
+                with self.placement.chunk_transfer():  # the chunk's one explicit transfer
+                    self.state, self.tail, records, n_run = program(self.state, self.tail,
+                                                                    chunk, n_valid)
                 self.stats["dispatches"] += 1
                 self._metrics_cache = None
                 exhausted = n < requested or (bound is not None and i + n >= bound)

@@ -70,21 +70,31 @@ def stack_chunk(batches: Sequence[Any], size: int, first_index: int) -> Any:
     """
     leaves0, treedef = jax.tree.flatten(batches[0])
     expected = [_signature(leaf) for leaf in leaves0]
-    out = [np.empty((size,) + shape, dtype) for shape, dtype in expected]
+    columns: list[list[Any]] = [[] for _ in expected]
+    pair_of_arrays = treedef == _PAIR and all(isinstance(leaf, np.ndarray) for leaf in leaves0)
     for slot, batch in enumerate(batches):
-        if slot:
+        if pair_of_arrays and type(batch) is tuple and len(batch) == 2:
+            leaves = batch  # the common case, without a pytree walk per batch
+        else:
             _check_structure(batch, treedef, first_index + slot)
-        leaves = leaves0 if slot == 0 else treedef.flatten_up_to(batch)
+            leaves = treedef.flatten_up_to(batch)
         for j, leaf in enumerate(leaves):
             if not hasattr(leaf, "dtype"):
                 leaf = np.asarray(leaf)
-            if slot and (tuple(leaf.shape), leaf.dtype) != expected[j]:
+            if (leaf.shape, leaf.dtype) != expected[j]:
                 _raise_mismatch(first_index + slot, j, expected[j], _signature(leaf))
-            out[j][slot] = leaf
-    if len(batches) < size:  # padded slots are never stepped; zeros keep them harmless
-        for buffer in out:
-            buffer[len(batches):] = 0
+            columns[j].append(leaf)
+    n = len(batches)
+    out = []
+    for column, (shape, dtype) in zip(columns, expected):
+        buffer = np.empty((size,) + shape, dtype)
+        np.stack(column, out=buffer[:n])
+        buffer[n:] = 0  # padded slots are never stepped; zeros keep them harmless
+        out.append(buffer)
     return jax.tree.unflatten(treedef, out)
+
+
+_PAIR = jax.tree.structure((0, 0))
 
 
 def _check_structure(batch: Any, treedef: Any, index: int) -> None:

@@ -65,6 +65,27 @@ class Programs:
             self.cache[key] = self._jit(make_chunk_fn(self._carry_step(), True, self.guard))
         return self.cache[key]
 
+    def unfused(self) -> Any:
+        """`(state, tail, batch, n_valid) -> (state, tail)`: one step through the chunk loop.
+
+        The batch is widened to `MIN_SLOTS` slots on the device (a broadcast outside the
+        loop), so the host moves it once, as it is, and the loop body stays the fused one.
+        `n_valid` (always 1) is a runtime value so XLA cannot see a one-trip loop and
+        simplify it away.
+        """
+        key = ("unfused", self.guard)
+        if key not in self.cache:
+            body = make_chunk_fn(self._carry_step(), True, self.guard)
+
+            def program(state: Any, tail: Any, batch: Any, n_valid: Any) -> tuple[Any, Any]:
+                chunk = jax.tree.map(
+                    lambda a: jnp.broadcast_to(a[None], (MIN_SLOTS,) + a.shape), batch)
+                state, tail, _, _ = body(state, tail, chunk, n_valid)
+                return state, tail
+
+            self.cache[key] = self._jit(program)
+        return self.cache[key]
+
     def resident(self, slots: int, live: int) -> Any:
         """The chunk program over a device-resident dataset.
 
