@@ -33,10 +33,6 @@ _STARTED, _COMPLETED = Event.ITERATION_STARTED, Event.ITERATION_COMPLETED
 _ONE = np.int32(1)
 
 
-def _constant(value: Any) -> Any:
-    return lambda: value
-
-
 class Executor:
     """Holds the device-side carry (step state + metric tail) and runs epochs."""
 
@@ -270,12 +266,12 @@ class Executor:
         status, last = CONTINUE, first + n - 1
         for j in range(good):
             before = self._previous
-            current = self._record_metrics(host["records"], j) if record else {}
+            # Metrics are built from the records only for iterations whose handlers fire.
+            self._previous = self._host_record(host["records"], j) if record else dict
             status, state = bus.fire_iteration(_STARTED, state, first + j, before, None)
             if status != CONTINUE:
                 last = first + j
                 break
-            self._previous = _constant(current)
             status, state = bus.fire_iteration(_COMPLETED, state, first + j, self._previous,
                                                None)
             if status != CONTINUE:
@@ -288,6 +284,17 @@ class Executor:
                 return HALT_LOOP, self._mark_nonfinite(state, first + good), first + good
         bus.advance(n, self._previous() if record else None)
         return status, state, last
+
+    def _host_record(self, records: Any, j: int) -> Any:
+        """Metrics of slot `j` of records already on the host, built when first asked for."""
+        cache: dict[str, Any] = {}
+
+        def metrics() -> dict[str, float]:
+            if "value" not in cache:
+                cache["value"] = self._record_metrics(records, j)
+            return cache["value"]
+
+        return metrics
 
     def _lazy_record(self, records: Any, j: int) -> Any:
         """Metrics of slot `j` of a chunk that was not read, read only if asked for."""

@@ -124,8 +124,6 @@ def make_chunk_fn(
     carry_step: Callable[[Any, Any, Any], tuple[Any, Any]],
     record: bool,
     guard_nonfinite: bool,
-    fetch: Callable[[Any, Any], Any] = _index,
-    slots: int | None = None,
 ) -> Callable[..., tuple[Any, Any, Any, Any]]:
     """The fused program: `(state, tail, chunk, n_valid) -> (state, tail, records, n_run)`.
 
@@ -133,13 +131,10 @@ def make_chunk_fn(
         carry_step: One step plus metric accumulation (see `_step.make_carry_step`).
         record: Write each iteration's accumulators into a `[K]` buffer for host replay.
         guard_nonfinite: Stop the loop at the first non-finite step (which is not committed).
-        fetch: `(chunk, i) -> batch`; the default indexes a stacked chunk, a device-resident
-            source gathers by index instead.
-        slots: The chunk size K (default: the stacked chunk's leading axis).
     """
 
     def chunk_fn(state: Any, tail: Any, chunk: Any, n_valid: Any) -> tuple[Any, Any, Any, Any]:
-        size = slots if slots is not None else jax.tree.leaves(chunk)[0].shape[0]
+        size = jax.tree.leaves(chunk)[0].shape[0]
         records = (
             jax.tree.map(lambda a: jnp.zeros((size,) + a.shape, a.dtype), tail["acc"])
             if record
@@ -155,7 +150,7 @@ def make_chunk_fn(
 
         def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
             i, state, tail, records = carry
-            state, tail = carry_step(state, tail, fetch(chunk, i))
+            state, tail = carry_step(state, tail, _index(chunk, i))
             if record:
                 records = jax.tree.map(
                     lambda buf, value: lax.dynamic_update_index_in_dim(buf, value, i, 0),
