@@ -1,7 +1,8 @@
 """Executes an epoch's steps, unfused (one dispatch per batch) or fused (one per chunk).
 
-Both paths run the same `carry_step`; the fused one inside `_fusion.make_chunk_fn`'s device
-loop. What differs is *when* steps are launched and *when* the host sees their results:
+Both paths run the same compiled device loop (`_programs.py`): the unfused one with one live
+slot per dispatch. What differs is *when* steps are launched and *when* the host sees their
+results:
 
   unfused: one dispatch per batch; the host reads metrics only when a handler fires, and
            blocks every `max_in_flight` steps so it never runs unboundedly ahead.
@@ -28,9 +29,7 @@ from ._start import private_copy
 __all__ = ["Executor"]
 
 _STARTED, _COMPLETED = Event.ITERATION_STARTED, Event.ITERATION_COMPLETED
-
-
-_ONE = np.int32(1)
+_ONE = np.int32(1)  # an unfused dispatch's live slots, passed at run time (see _programs)
 
 
 class Executor:
@@ -105,29 +104,34 @@ class Executor:
             if self.fuse is not None:
                 return self.resident.run_epoch(state, bound, bus, signals)
             return self._unfused_epoch(state, *self.resident.unfused_feed(bound), bus, signals)
+        if self.fuse is not None:
+            return self._fused_epoch(state, iterator, source, bound, bus, signals)
+        return self._unfused_epoch(state, *self._host_feed(iterator, source), bound, bus,
+                                   signals)
+
+    def _host_feed(self, iterator: Iterator[Any], source: Any) -> tuple[Any, Any]:
+        """`(next_batch, dispatch)` for unfused steps on batches pulled from the host."""
+
         def next_batch(i: int) -> Any:
             batch = self._pull(iterator, source, 1)
             return batch[0] if batch else None
 
-        if self.jit:
-            program = self.compiled.unfused()
-
-            def dispatch(batch: Any, i: int) -> None:
-                self.checker.batch(batch, self.epoch, i)
-                # The unfused step runs in the fused program's loop with one live slot,
-                # so both paths execute the same compiled loop body (see _programs.py).
-                device_batch = self.placement.put_batch(batch, i)
-                self.state, self.tail = program(self.state, self.tail, device_batch, _ONE)
-        else:
+        if not self.jit:
             step = self.compiled.eager_step()
 
-            def dispatch(batch: Any, i: int) -> None:
+            def dispatch_eagerly(batch: Any, i: int) -> None:
                 self.checker.batch(batch, self.epoch, i)
                 self.state, self.tail = step(self.state, self.tail, batch)
 
-        if self.fuse is None:
-            return self._unfused_epoch(state, next_batch, dispatch, bound, bus, signals)
-        return self._fused_epoch(state, iterator, source, bound, bus, signals)
+            return next_batch, dispatch_eagerly
+        program = self.compiled.unfused()
+
+        def dispatch(batch: Any, i: int) -> None:
+            self.checker.batch(batch, self.epoch, i)
+            device_batch = self.placement.put_batch(batch, i)
+            self.state, self.tail = program(self.state, self.tail, device_batch, _ONE)
+
+        return next_batch, dispatch
 
     # ----------------------------------------------------------------- unfused
     def _unfused_epoch(self, state: Any, next_batch: Any, dispatch: Any, bound: int | None,
