@@ -115,7 +115,8 @@ class Run:
             step_state = initial_step_state(self.loop, user_state, first,
                                             resuming=isinstance(self.init_state, State))
             self.executor.checker.variables(step_state)
-            self.executor.start(step_state, first, self.source, self.start_epoch)
+            self.executor.start(step_state, first, self.source, self.start_epoch,
+                                self.iterations)
             with SignalGuard() as signals:
                 state = self._epochs(state, signals)
         finally:

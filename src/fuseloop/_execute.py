@@ -32,6 +32,17 @@ _STARTED, _COMPLETED = Event.ITERATION_STARTED, Event.ITERATION_COMPLETED
 _ONE = np.int32(1)  # an unfused dispatch's live slots, passed at run time (see _programs)
 
 
+def _epoch_length(source: Any, iterations: int | None) -> int | None:
+    """Batches per epoch where known (a sized re-iterable source, or `iterations`)."""
+    known = [] if iterations is None else [iterations]
+    if not source.one_shot:
+        try:
+            known.append(len(source.data))
+        except TypeError:
+            pass
+    return min(known) if known else None
+
+
 class Executor:
     """Holds the device-side carry (step state + metric tail) and runs epochs."""
 
@@ -51,7 +62,8 @@ class Executor:
         self._metrics_cache: dict[str, float] | None = None
 
     # ----------------------------------------------------------------- lifecycle
-    def start(self, step_state: Any, first_batch: Any, source: Any, start_epoch: int) -> None:
+    def start(self, step_state: Any, first_batch: Any, source: Any, start_epoch: int,
+              iterations: int | None = None) -> None:
         self.state = self.placement.put_state(step_state)
         self.pending = [first_batch]
         self.resident = None
@@ -64,7 +76,8 @@ class Executor:
             from .diagnostics import choose_chunk_size
 
             self.fuse = choose_chunk_size(self.loop, step_state, first_batch,
-                                          placement=self.placement)
+                                          placement=self.placement,
+                                          epoch_length=_epoch_length(source, iterations))
         self.stats["chunk_size"] = self.fuse or 1
 
     def traces(self) -> int:

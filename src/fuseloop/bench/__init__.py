@@ -1,0 +1,249 @@
+"""`fuseloop bench`: fuseloop against the floor and its peers, side by side, in one process.
+
+For each model (MLPs of ~1.1K, ~25K and ~1.2M parameters; batch 32, 100 batches an epoch)
+every system trains one epoch per repetition, repetitions interleaved so drifting machine
+load is shared, compilation and a warm-up epoch excluded. A timing is only reported once
+its guards pass (see `_guards`): right device, no NaN, fused == unfused bitwise, reference
+loops training what fuseloop trains. Peers that cannot run are listed as skipped.
+
+Example:
+    >>> from fuseloop.bench import main
+    >>> main(["--quick", "--models", "mlp-tiny"])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Any, Callable, Sequence
+
+from ._harness import RATIOS, compile_vs_k, cross_check, measure, ratios, targets
+from ._output import machine_info, markdown, write_json, write_plot
+from ._overlap import overlap
+from ._workload import MODELS, ModelSpec, Workload
+
+__all__ = ["main", "run_benchmark", "MODELS", "ModelSpec"]
+
+SWEEP_KS = (1, 4, 8, 16, 32, 64)
+COMPILE_KS = (8, 256)
+MAIN_FUSE = 32
+
+
+def _plan(w: Workload, sweep_ks: Sequence[int], peers: bool) -> list[tuple[str, str, Callable]]:
+    """(key, label, factory) for every system to time on workload `w`, in table order."""
+    from ._peers import KerasFit, TorchEager
+    from ._systems import Floor, Fuseloop, HostCallback, PlainLoop
+
+    plan: list[tuple[str, str, Callable]] = [
+        ("floor", "floor: jit(lax.scan) over the epoch, data on device",
+         lambda: Floor(w, transfer=False)),
+        ("floor_transfer", "floor incl. the epoch's one stack + device_put",
+         lambda: Floor(w, transfer=True)),
+        (f"fl_fuse{MAIN_FUSE}", f"fuseloop fuse={MAIN_FUSE}", lambda: Fuseloop(w, MAIN_FUSE)),
+        (f"fl_fuse{MAIN_FUSE}_resident", f"fuseloop fuse={MAIN_FUSE}, device-resident data",
+         lambda: Fuseloop(w, MAIN_FUSE, resident=True)),
+        ("fl_fuseauto", "fuseloop fuse='auto'", lambda: Fuseloop(w, "auto")),
+        ("fl_unfused", "fuseloop fuse=False", lambda: Fuseloop(w, False)),
+        ("plain", "plain per-batch jax.jit + optax, float(loss) each step",
+         lambda: PlainLoop(w)),
+    ]
+    if peers:
+        plan += [
+            ("keras_spe1", "Keras 3 fit (JAX), steps_per_execution=1", lambda: KerasFit(w, 1)),
+            ("keras_spe32", "Keras 3 fit (JAX), steps_per_execution=32",
+             lambda: KerasFit(w, 32)),
+            ("torch", "PyTorch eager, loss.item() each step (faster of default/1 thread)",
+             lambda: TorchEager(w)),
+        ]
+    plan.append(("io_callback", "rejected design: device loop, io_callback per batch",
+                 lambda: HostCallback(w)))
+    for k in sweep_ks:
+        if k != MAIN_FUSE:
+            plan.append((f"fl_fuse{k}", f"fuseloop fuse={k}",
+                         lambda k=k: Fuseloop(w, k)))
+    return plan
+
+
+def _sweep(model: str, results: dict[str, Any], ks: Sequence[int]) -> dict[str, Any]:
+    unfused = results["fl_unfused"].median_us
+    rows = []
+    for k in ks:
+        result = results.get(f"fl_fuse{k}")
+        median = result.median_us if result is not None else None
+        rows.append({"K": k, "median_us": median,
+                     "min_us": result.min_us if result is not None else None,
+                     "status": result.status if result is not None else "missing",
+                     "speedup": unfused / median if unfused and median else None})
+    return {"model": model, "unfused_us": unfused, "rows": rows,
+            "floor_transfer_us": results["floor_transfer"].median_us}
+
+
+def _epochs_per_sample(w: Workload, target_s: float, least: int) -> int:
+    """Epochs per timed sample, so a sample lasts about `target_s` (one floor epoch timed)."""
+    from ._systems import Floor
+
+    floor = Floor(w, transfer=True)
+    floor.setup()
+    seconds = min(floor.sample(2).seconds)
+    return max(least, min(20, round(target_s / max(seconds, 1e-6))))
+
+
+def _resolve(models: Sequence[str | ModelSpec]) -> list[ModelSpec]:
+    specs = []
+    for model in models:
+        if isinstance(model, ModelSpec):
+            specs.append(model)
+        elif model in MODELS:
+            specs.append(MODELS[model])
+        else:
+            raise ValueError(f"models: {model!r} is not a benchmark model; accepted values: "
+                             f"{', '.join(MODELS)}")
+    return specs
+
+
+def run_benchmark(models: Sequence[str | ModelSpec] = tuple(MODELS), *, reps: int = 10,
+                  quick: bool = False, batch_size: int = 32, n_batches: int = 100,
+                  peers: bool = True, sweep_model: str | None = "mlp-small",
+                  sweep_ks: Sequence[int] = SWEEP_KS, compile_ks: Sequence[int] = COMPILE_KS,
+                  overlap_model: str | None = "mlp-large", target_s: float = 0.02,
+                  log: Callable[[str], None] = lambda _: None
+                  ) -> dict[str, Any]:
+    """Runs the benchmark and returns every figure as a JSON-ready dict.
+
+    Args:
+        models: Names from `MODELS`, or `ModelSpec`s.
+        reps: Timed, interleaved rounds; each runs every system for a sample of epochs.
+        quick: Recorded in the output (the caller chose fewer reps).
+        batch_size, n_batches: The epoch's shape.
+        peers: Include Keras and PyTorch.
+        sweep_model: Model for the chunk-size sweep and the compile-vs-K figures (None: no
+            sweep); if it is not among `models`, the sweep is skipped.
+        sweep_ks, compile_ks: Chunk sizes for those.
+        overlap_model: Model for the slow-source line (a source that takes the fused step
+            time to produce each batch); None or absent from `models`: no such line.
+        target_s: About how long one sample lasts: a model whose epoch is short gets
+            more epochs per sample (2 to 20; 1 to 20 when `quick`), so scheduler noise
+            averages out.
+        log: Progress messages.
+
+    Example:
+        >>> report = run_benchmark(["mlp-tiny"], reps=3, quick=True)  # doctest: +SKIP
+    """
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"reps={reps!r} must be a positive int")
+    specs = _resolve(models)
+    began = time.perf_counter()
+    out: dict[str, Any] = {"meta": {
+        "reps": reps, "quick": quick, "batch_size": batch_size,
+        "batches_per_epoch": n_batches, "machine": machine_info(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "timing": "per-iteration microseconds = one epoch's wall time / batches; every "
+                  "epoch of every sample is a data point; fuseloop and Keras time epochs "
+                  "1..n of an (n+1)-epoch run (state.stats['epoch_time'], on_epoch_begin/"
+                  "end), the others start each epoch from the initial parameters",
+    }, "models": {}, "ratio_definitions": [list(r) for r in RATIOS], "targets": [],
+        "sweep": None, "compile_vs_k": None, "compile_model": None, "overlap": None}
+    per_model_ratios = {}
+    for spec in specs:
+        log(f"{spec.name} ({spec.params:,} params)")
+        w = Workload(spec, batch_size=batch_size, n_batches=n_batches)
+        ks = sweep_ks if spec.name == sweep_model else ()
+        epochs = _epochs_per_sample(w, target_s, least=1 if quick else 2)
+        log(f"  {epochs} epoch(s) per sample")
+        results, params, references = measure(_plan(w, ks, peers), reps, n_batches, epochs, log)
+        cross_check(results, params, references)
+        per_model_ratios[spec.name] = ratios(results)
+        main_keys = [key for key in results if not key.startswith("fl_fuse")
+                     or key in (f"fl_fuse{MAIN_FUSE}", f"fl_fuse{MAIN_FUSE}_resident",
+                                "fl_fuseauto")]
+        out["models"][spec.name] = {
+            "params": spec.params, "inputs": spec.inputs, "features": list(spec.features),
+            "epochs_per_sample": epochs,
+            "systems": {key: results[key].to_json() for key in main_keys},
+            "ratios": per_model_ratios[spec.name],
+            "ratios_of_minima": ratios(results, "min_us")}
+        if ks:
+            out["sweep"] = _sweep(spec.name, results, ks)
+            out["sweep"]["systems"] = {f"fl_fuse{k}": results[f"fl_fuse{k}"].to_json()
+                                       for k in ks}
+            log(f"  compile time against K {tuple(compile_ks)}")
+            out["compile_vs_k"] = compile_vs_k(w, tuple(compile_ks))
+            out["compile_model"] = spec.name
+        if spec.name == overlap_model:
+            log("  slow source: data time vs compute time")
+            out["overlap"] = overlap(w, min(reps, 3), MAIN_FUSE)
+    out["targets"] = targets(per_model_ratios)
+    out["meta"]["total_s"] = round(time.perf_counter() - began, 1)
+    return out
+
+
+def _diagnostics(specs: list[ModelSpec], fuse: Any, batch_size: int, n_batches: int
+                 ) -> dict[str, Any]:
+    from .. import diagnostics, trainer
+
+    reports = {}
+    for spec in specs:
+        w = Workload(spec, batch_size=batch_size, n_batches=n_batches)
+        loop = trainer(w.module, "sparse_categorical_cross_entropy", w.tx)
+        reports[spec.name] = diagnostics.report(loop, w.batches, fuse=fuse)
+    return reports
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fuseloop bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="3 repetitions instead of 10 (under 2 minutes on 2 cores)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per system")
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument("--json", metavar="PATH", help="write every figure to PATH")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG to PATH")
+    parser.add_argument("--report", action="store_true",
+                        help="print fl.diagnostics.report(fuse=32) per model, no benchmark")
+    parser.add_argument("--no-peers", action="store_true", help="leave out Keras and PyTorch")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`fuseloop bench [--quick] [--json PATH] [--plot PATH] [--report] [--models ...]
+    [--reps N]`; prints markdown to stdout, progress to stderr. Returns the exit status.
+
+    Example:
+        >>> main(["--quick", "--json", "bench.json"])  # doctest: +SKIP
+    """
+    parser = _parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    reps = args.reps if args.reps is not None else (3 if args.quick else 10)
+    if reps < 1:
+        parser.error(f"--reps={reps} must be a positive int")
+    try:
+        specs = _resolve([m.strip() for m in args.models.split(",") if m.strip()])
+    except ValueError as error:
+        parser.error(str(error))
+    started = time.perf_counter()
+
+    def log(message: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+    if args.report:
+        reports = _diagnostics(specs, MAIN_FUSE, 32, 100)
+        for name, report in reports.items():
+            print(f"## {name}\n\n```\n{report}\n```\n")
+        if args.json:
+            write_json({name: {"text": str(r), **r.__dict__} for name, r in reports.items()},
+                       args.json)
+        return 0
+    report = run_benchmark(specs, reps=reps, quick=args.quick, peers=not args.no_peers,
+                           log=log)
+    report["meta"]["command"] = "fuseloop bench " + " ".join(argv or sys.argv[1:])
+    print(markdown(report))
+    if args.json:
+        write_json(report, args.json)
+        log(f"wrote {args.json}")
+    if args.plot:
+        problem = write_plot(report, args.plot)
+        log(f"plot not written: {problem}" if problem else f"wrote {args.plot}")
+    log(f"done in {report['meta']['total_s']}s")
+    return 0

@@ -1,0 +1,178 @@
+"""Smoke test of the benchmark machinery: tiny model, one repetition, no timing asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from fuseloop import bench
+from fuseloop.bench import _guards, _harness, _output, _peers
+from fuseloop.bench._systems import Sample, System
+from fuseloop.bench._workload import ModelSpec, Workload
+
+MICRO = ModelSpec("micro", 4, (8, 3))
+JAX_SYSTEMS = ("floor", "floor_transfer", "fl_fuse32", "fl_fuseauto", "fl_unfused", "plain",
+               "io_callback")
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    return bench.run_benchmark([MICRO], reps=1, quick=True, batch_size=8, n_batches=6,
+                               peers=False, sweep_model="micro", sweep_ks=(1, 4),
+                               compile_ks=(2, 4), overlap_model="micro")
+
+
+def test_json_has_every_section(report: dict, tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "bench.json"
+    _output.write_json(report, str(path))
+    loaded = json.loads(path.read_text())
+    assert {"meta", "models", "ratio_definitions", "targets", "sweep",
+            "compile_vs_k", "overlap"} <= set(loaded)
+    machine = loaded["meta"]["machine"]
+    assert machine["cpu_count"] >= 1 and machine["platform"] and machine["jax_devices"]
+    assert loaded["meta"]["machine"]["versions"]["jax"] == jax.__version__
+    micro = loaded["models"]["micro"]
+    assert micro["params"] == 4 * 8 + 8 + 8 * 3 + 3
+    assert set(JAX_SYSTEMS) <= set(micro["systems"])
+    assert set(micro["ratios"]) == {r[0] for r in _harness.RATIOS}
+    assert [row["K"] for row in loaded["sweep"]["rows"]] == [1, 4]
+    assert [row["K"] for row in loaded["compile_vs_k"]] == [2, 4]
+    overlap = loaded["overlap"]
+    assert overlap["status"] == "ok", overlap["reason"]
+    assert overlap["data_s"] > 0 and overlap["fused_s"] > 0
+
+
+def test_jax_systems_pass_their_guards(report: dict) -> None:
+    systems = report["models"]["micro"]["systems"]
+    for key in JAX_SYSTEMS:
+        assert systems[key]["status"] == "ok", (key, systems[key]["reason"])
+        epochs = report["models"]["micro"]["epochs_per_sample"]
+        assert len(systems[key]["samples_us"]) == epochs and systems[key]["median_us"] > 0
+    assert systems["fl_fuse32"]["info"]["bitwise_equal_to_unfused"] is True
+    assert systems["floor"]["info"]["max_abs_diff_vs_fuseloop"] <= 1e-4
+
+
+def test_markdown_and_plot(report: dict, tmp_path) -> None:  # noqa: ANN001
+    text = _output.markdown(report)
+    assert "| system | micro (67 params) |" in text and "Chunk-size sweep" in text
+    assert "fuseloop fuse=32" in text
+    if importlib.util.find_spec("matplotlib") is not None:
+        path = tmp_path / "bench.png"
+        assert _output.write_plot(report, str(path)) is None
+        assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+# ----------------------------------------------------------------- guards
+class FakeSystem(System):
+    """A system whose sample is whatever the test says."""
+
+    def __init__(self, workload: Workload, sample: Sample):
+        super().__init__(workload)
+        self._sample = sample
+
+    def setup(self) -> None:
+        pass
+
+    def sample(self, epochs: int) -> Sample:
+        return self._sample
+
+
+@pytest.fixture(scope="module")
+def workload() -> Workload:
+    return Workload(MICRO, batch_size=4, n_batches=2)
+
+
+def _measure(workload: Workload, **samples: Sample) -> dict:
+    plan = [(key, key, lambda s=s: FakeSystem(workload, s)) for key, s in samples.items()]
+    results, params, references = _harness.measure(plan, reps=2, iterations=2)
+    _harness.cross_check(results, params, {"fl_unfused": _params(workload)})
+    return results
+
+
+def _params(workload: Workload, delta: float = 0.0) -> dict:
+    return jax.tree.map(lambda a: a + np.float32(delta), workload.params)
+
+
+def test_guards_refuse_nan_and_the_wrong_device(workload: Workload) -> None:
+    device = str(jax.devices()[0])
+    results = _measure(
+        workload,
+        nan=Sample([0.01], {device}, outputs=np.array([1.0, np.nan])),
+        elsewhere=Sample([0.01], {"some_other_device:7"}, outputs=np.ones(2)),
+        nowhere=Sample([0.01], set(), outputs=np.ones(2)),
+        fine=Sample([0.01], {device}, outputs=np.ones(2)),
+    )
+    assert results["nan"].status == "refused" and "NaN" in results["nan"].reason
+    assert results["elsewhere"].status == "refused"
+    assert "intended device" in results["elsewhere"].reason
+    assert results["nowhere"].status == "refused"
+    assert results["fine"].ok and results["fine"].median_us == pytest.approx(5000.0)
+
+
+def test_guards_refuse_fused_results_that_differ_from_unfused(workload: Workload) -> None:
+    device = str(jax.devices()[0])
+    tiny = np.finfo(np.float32).eps
+    results = _measure(
+        workload,
+        fl_unfused=Sample([0.01], {device}, np.ones(1), _params(workload)),
+        fl_fuse32=Sample([0.01], {device}, np.ones(1), _params(workload, tiny)),
+        fl_fuse4=Sample([0.01], {device}, np.ones(1), _params(workload)),
+        floor=Sample([0.01], {device}, np.ones(1), _params(workload, 0.5)),
+        plain=Sample([0.01], {device}, np.ones(1), _params(workload, 1e-6)),
+    )
+    assert results["fl_fuse32"].status == "refused" and "bitwise" in results["fl_fuse32"].reason
+    assert results["fl_fuse4"].ok
+    assert results["floor"].status == "refused" and "same training" in results["floor"].reason
+    assert results["plain"].ok
+
+
+def test_fused_results_are_refused_without_an_unfused_reference(workload: Workload) -> None:
+    device = str(jax.devices()[0])
+    results = _measure(
+        workload,
+        fl_unfused=Sample([0.01], {device}, np.array([np.inf]), _params(workload)),
+        fl_fuse32=Sample([0.01], {device}, np.ones(1), _params(workload)),
+    )
+    assert results["fl_unfused"].status == "refused"
+    assert results["fl_fuse32"].status == "refused"
+    assert "fuse=False" in results["fl_fuse32"].reason
+
+
+def test_bitwise_check_sees_one_ulp() -> None:
+    a = {"w": np.float32([1.0, 2.0])}
+    b = {"w": np.nextafter(a["w"], np.float32(3.0))}
+    _guards.check_bitwise(a, a, "same")
+    with pytest.raises(_guards.Refused, match="bitwise"):
+        _guards.check_bitwise(a, b, "one ulp")
+
+
+# ----------------------------------------------------------------- peers
+def test_missing_peers_are_reported_as_skipped(workload: Workload,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("keras", "torch") else real(name, *a))
+    monkeypatch.delitem(sys.modules, "keras", raising=False)
+    plan = [("keras_spe32", "Keras", lambda: _peers.KerasFit(workload, 32)),
+            ("torch", "PyTorch", lambda: _peers.TorchEager(workload))]
+    results, _, _ = _harness.measure(plan, reps=1, iterations=2)
+    for key in ("keras_spe32", "torch"):
+        assert results[key].status == "skipped"
+        assert "not installed" in results[key].reason
+        assert results[key].to_json()["median_us"] is None
+    report = {"meta": {"reps": 1, "quick": True, "batch_size": 4, "batches_per_epoch": 2,
+                       "machine": {"cpus_usable": 2, "jax_backend": "cpu"}},
+              "models": {"micro": {"params": 67, "ratios": {},
+                                   "systems": {k: r.to_json() for k, r in results.items()}}},
+              "ratio_definitions": [], "targets": []}
+    assert "skipped: keras not installed" in _output.markdown(report)
+
+
+def test_cli_rejects_an_unknown_model() -> None:
+    with pytest.raises(SystemExit):
+        bench.main(["--models", "mlp-huge"])

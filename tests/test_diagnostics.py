@@ -1,0 +1,211 @@
+"""fuse="auto" (the chunk-size cost model) and fl.diagnostics.report."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import fuseloop as fl
+from fuseloop import diagnostics
+
+BATCH, FEATURES, N_BATCHES = 8, 4, 40
+
+
+def _batches(n: int = N_BATCHES, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((BATCH, FEATURES)).astype(np.float32),
+             rng.integers(0, 3, BATCH).astype(np.int32)) for _ in range(n)]
+
+
+def _loop() -> fl.Loop:
+    return fl.trainer(fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy",
+                      optax.adam(1e-2))
+
+
+def _batch_bytes(batch: tuple[np.ndarray, np.ndarray]) -> int:
+    return sum(a.nbytes for a in batch)
+
+
+def _assert_bitwise(a: object, b: object) -> None:
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+class FakeProbe:
+    """Stands in for the timing probe: fixed (step, overhead) seconds, calls counted."""
+
+    def __init__(self) -> None:
+        self.value, self.calls = (1e-5, 1e-4), 0
+
+    def __call__(self, *args: object, **kwargs: object) -> tuple[float, float]:
+        self.calls += 1
+        return self.value
+
+
+@pytest.fixture
+def fake_probe(monkeypatch: pytest.MonkeyPatch) -> FakeProbe:
+    probe = FakeProbe()
+    monkeypatch.setattr(diagnostics, "_probe", probe)
+    return probe
+
+
+# ----------------------------------------------------------------- run(fuse="auto")
+def test_auto_picks_at_least_16_for_a_tiny_mlp() -> None:
+    state = _loop().run(_batches(), fuse="auto")
+    chunk = state.stats["chunk_size"]
+    assert isinstance(chunk, int) and chunk >= 16
+
+
+def test_auto_run_equals_unfused_bitwise() -> None:
+    loop, data = _loop(), _batches()
+    fused = loop.run(data, fuse="auto", epochs=2)
+    plain = loop.run(data, fuse=False, epochs=2)
+    _assert_bitwise(fused.step_state, plain.step_state)
+    assert fused.history == plain.history
+
+
+def test_auto_consumes_no_extra_batch() -> None:
+    pulled = []
+
+    def generator():  # noqa: ANN202
+        for i, batch in enumerate(_batches(24)):
+            pulled.append(i)
+            yield batch
+
+    state = _loop().run(generator(), fuse="auto")
+    assert len(pulled) == 24 and state.iteration == 23
+
+
+# ----------------------------------------------------------------- choose_chunk_size
+def test_result_is_an_int_of_at_least_one() -> None:
+    loop, batch = _loop(), _batches(1)[0]
+    k = diagnostics.choose_chunk_size(loop, loop.program.init(batch, None), batch)
+    assert type(k) is int and k >= 1
+
+
+def test_probe_leaves_the_step_state_usable() -> None:
+    loop, data = _loop(), _batches()
+    step_state = loop.program.init(data[0], None)
+    before = jax.device_get(step_state)
+    diagnostics.choose_chunk_size(loop, step_state, data[0])
+    _assert_bitwise(jax.device_get(step_state), before)  # not donated, not changed
+
+
+def test_a_tiny_budget_caps_k() -> None:
+    loop, batch = _loop(), _batches(1)[0]
+    state = loop.program.init(batch, None)
+    k = diagnostics.choose_chunk_size(loop, state, batch, budget_bytes=3 * _batch_bytes(batch))
+    assert 1 <= k <= 3
+
+
+def test_a_batch_larger_than_the_budget_gives_one() -> None:
+    loop, batch = _loop(), _batches(1)[0]
+    state = loop.program.init(batch, None)
+    assert diagnostics.choose_chunk_size(loop, state, batch, budget_bytes=16) == 1
+
+
+def test_k_amortizes_the_overhead_to_the_tolerance(fake_probe: FakeProbe) -> None:
+    # overhead 100 us, step 10 us, 2%: K >= 100 / (0.02 * 10) = 500 -> 512
+    fake_probe.value = (1e-5, 1e-4)
+    loop, batch = _loop(), _batches(1)[0]
+    assert diagnostics.choose_chunk_size(loop, None, batch) == 512
+    decision = loop._cache["auto_chunk_decision"]
+    assert decision.bound == "tolerance" and decision.wanted == 500
+    # a compute-bound step needs few steps per dispatch
+    fake_probe.value = (1e-3, 1e-4)
+    assert diagnostics.choose_chunk_size(_loop(), None, batch) == 8
+
+
+def test_caps_max_chunk_memory_and_epoch_length(fake_probe: FakeProbe) -> None:
+    fake_probe.value = (1e-6, 1e-3)  # wants K = 50000
+    batch = _batches(1)[0]
+    size = _batch_bytes(batch)
+    choose = diagnostics.choose_chunk_size
+    assert choose(_loop(), None, batch) == diagnostics.DEFAULT_MAX_CHUNK
+    assert choose(_loop(), None, batch, max_chunk=64) == 64
+    assert choose(_loop(), None, batch, budget_bytes=100 * size) == 100
+    assert choose(_loop(), None, batch, epoch_length=100) == 100
+    # 1500 batches in chunks of at most 1024: two balanced chunks of 750
+    assert choose(_loop(), None, batch, epoch_length=1500) == 750
+    k = choose(_loop(), None, batch, budget_bytes=7 * size + size // 2)
+    assert k * size <= 7 * size + size // 2
+
+
+def test_measures_once_per_loop_and_batch_shape(fake_probe: FakeProbe) -> None:
+    loop, batch = _loop(), _batches(1)[0]
+    for _ in range(3):
+        diagnostics.choose_chunk_size(loop, None, batch)
+    assert fake_probe.calls == 1
+    wider = (np.zeros((BATCH * 2, FEATURES), np.float32), np.zeros(BATCH * 2, np.int32))
+    diagnostics.choose_chunk_size(loop, None, wider)
+    assert fake_probe.calls == 2
+
+
+@pytest.mark.parametrize("argument, value", [("budget_bytes", 0), ("max_chunk", -1),
+                                             ("tolerance", 0.0), ("epoch_length", 0)])
+def test_bad_arguments_name_themselves(argument: str, value: float) -> None:
+    loop, batch = _loop(), _batches(1)[0]
+    with pytest.raises(ValueError, match=argument):
+        diagnostics.choose_chunk_size(loop, None, batch, **{argument: value})
+
+
+# ----------------------------------------------------------------- fusion count
+def test_count_fusions_counts_fusion_instructions_only() -> None:
+    text = "\n".join([
+        "%fused_computation (p: f32[4]) -> f32[4] {",
+        "  ROOT %add.0 = f32[4]{0} add(%p, %p)",
+        "}",
+        "ENTRY %main (a: f32[4]) -> (f32[4], f32[]) {",
+        "  %fusion.1 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation",
+        "  %neg = f32[4]{0} negate(%fusion.1)",
+        "  ROOT %tuple_fusion = (f32[4]{0}, f32[]) fusion(%neg), kind=kInput, calls=%c2",
+        "}",
+    ])
+    assert diagnostics.count_fusions(text) == 2
+    assert diagnostics.count_fusions("ENTRY %m (a: f32[]) -> f32[] {\n ROOT %a = f32[] "
+                                     "parameter(0)\n}") == 0
+
+
+def test_count_fusions_on_a_compiled_program() -> None:
+    f = jax.jit(lambda a: jax.numpy.tanh(a * 2.0 + 1.0))
+    assert diagnostics.count_fusions(f.lower(np.ones(8, np.float32)).compile().as_text()) >= 1
+
+
+# ----------------------------------------------------------------- report
+def test_report_counts_an_epoch_fused_and_unfused() -> None:
+    data = _batches(8)
+    result = diagnostics.report(_loop(), data, fuse=4, reps=1)
+    size = _batch_bytes(data[0])
+    assert result.chunk_size == 4 and result.iterations == 8
+    assert result.fused["dispatches"] == 2 and result.unfused["dispatches"] == 8
+    assert result.fused["h2d_transfers"] == 2
+    assert result.fused["h2d_bytes"] == 2 * (4 * size + 4)
+    assert result.unfused["h2d_bytes"] == result.unfused["h2d_transfers"] * size
+    assert result.fused["compiles"] >= 1
+    assert result.step_fusions >= 1 and result.chunk_fusions >= 1
+    assert result.step_us > 0 and result.fused["us_per_iteration"] > 0
+    text = str(result)
+    assert 4 <= len(text.splitlines()) <= 10
+    assert "dispatches/epoch   2 (unfused 8)" in text
+
+
+def test_report_auto_shows_the_decision(fake_probe: FakeProbe) -> None:
+    result = diagnostics.report(_loop(), _batches(), fuse="auto", reps=1)
+    assert result.auto is not None and result.auto.chunk_size == result.chunk_size
+    assert "auto" in str(result)
+
+
+def test_report_rejects_one_shot_data_and_fuse_false() -> None:
+    with pytest.raises(ValueError, match="re-iterable"):
+        diagnostics.report(_loop(), iter(_batches(4)), fuse=2)
+    with pytest.raises(ValueError, match="fuse"):
+        diagnostics.report(_loop(), _batches(4), fuse=False)
+
+
+def test_auto_runs_under_a_transfer_guard() -> None:
+    # The probe's own transfers are allowed; the user's guard still governs the run.
+    with jax.transfer_guard("disallow"):
+        state = _loop().run(_batches(), fuse="auto")
+    assert state.stats["chunk_size"] >= 1
