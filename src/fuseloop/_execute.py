@@ -222,7 +222,6 @@ class Executor:
                      bound: int | None, bus: Any, signals: Any) -> tuple[str, Any]:
         record = bus.has_iteration_handlers
         guard = self.loop.guard_nonfinite
-        program = self.compiled.chunk()
         # Pulling ahead is harmless for re-iterable sources; for a one-shot iterator only
         # when no iteration handler can halt mid-chunk (exact consumption wins).
         ahead = source.prefetch_safe or not (record or guard)
@@ -234,39 +233,50 @@ class Executor:
         self._previous: Any = dict  # metrics before the epoch's first iteration: none
         try:
             nxt = next_chunk(0)
-            while nxt is not None:
-                (chunk, n_valid), n, requested = nxt
-                with self.placement.chunk_transfer():  # the chunk's one explicit transfer
-                    self.state, self.tail, records, n_run = program(self.state, self.tail,
-                                                                    chunk, n_valid)
-                self.stats["dispatches"] += 1
-                self._metrics_cache = None
+            current = self._dispatch(nxt) if nxt is not None else None
+            while current is not None:
+                records, n_run, n, requested, tail = current
                 exhausted = n < requested or (bound is not None and i + n >= bound)
                 nxt = None
                 if ahead and not exhausted:
                     # Overlap: the device runs this chunk while the host prepares the next.
                     nxt = next_chunk(i + n)
                 status, state, last = self._replay(state, bus, i, n, records, n_run, record,
-                                                   guard)
+                                                   guard, tail)
                 i += n
                 if status != CONTINUE or signals.requested:
                     break
                 if not ahead and not exhausted:
                     nxt = next_chunk(i)
+                current = self._dispatch(nxt) if nxt is not None else None
         finally:
             if producer is not None:
                 producer.stop()
         return status, state.replace(iteration=last)
 
+    def _dispatch(self, prepared: Any) -> tuple[Any, ...]:
+        """Launches a prepared chunk: `(records, n_run, n, requested, tail after it)`."""
+        (chunk, n_valid), n, requested = prepared
+        program = self.compiled.chunk()
+        with self.placement.chunk_transfer():  # the chunk's one explicit transfer
+            self.state, self.tail, records, n_run = program(self.state, self.tail, chunk,
+                                                            n_valid)
+        self.stats["dispatches"] += 1
+        self._metrics_cache = None
+        return records, n_run, n, requested, self.tail
+
     def _replay(self, state: Any, bus: Any, first: int, n: int, records: Any, n_run: Any,
-                record: bool, guard: bool) -> tuple[str, Any, int]:
+                record: bool, guard: bool, tail: Any) -> tuple[str, Any, int]:
         """Fires the chunk's iteration events on the host, in unfused order.
 
-        Returns the status, the State, and the last iteration whose events fired. A chunk in
-        which no handler fires (judged from the counters) is not read at all; its records
-        stay on the device in case the next chunk's first `iteration_started` needs them.
+        Returns the status, the State, and the last iteration whose events fired. Only the
+        iterations at which some handler fires (judged from the counters) are visited; the
+        others advance the counters in bulk. A chunk in which no handler fires is not read
+        at all: its records stay on the device in case the next chunk's first
+        `iteration_started` needs them.
         """
-        if not guard and not (record and bus.fires_within(n)):
+        firing = bus.firing_offsets(n) if record else []
+        if not guard and not firing:
             bus.skip_iterations(n)
             bus.advance(n, None)
             if record:
@@ -275,32 +285,32 @@ class Executor:
         # Host sync: once per chunk, the records (and the non-finite flag) come back.
         wanted = {"records": records, "n_run": n_run}
         if guard:
-            wanted["nonfinite"] = self.tail["nonfinite"]
+            wanted["nonfinite"] = tail["nonfinite"]
         host = self.reads.get(wanted)
-        good = n
-        if guard and bool(host["nonfinite"]):
-            good = int(host["n_run"]) - 1
-        status, last = CONTINUE, first + n - 1
-        for j in range(good):
-            before = self._previous
-            # Metrics are built from the records only for iterations whose handlers fire.
-            self._previous = self._host_record(host["records"], j) if record else dict
+        good = int(host["n_run"]) - 1 if guard and bool(host["nonfinite"]) else n
+        metrics_at = (lambda j: self._host_record(host["records"], j)) if record else (
+            lambda j: dict)
+        done = 0  # iterations of this chunk whose events have been accounted for
+        for j in (j for j in firing if j < good):
+            bus.skip_iterations(j - done)
+            before = self._previous if j == 0 else metrics_at(j - 1)
+            self._previous = metrics_at(j)
+            done = j + 1
             status, state = bus.fire_iteration(_STARTED, state, first + j, before, None)
             if status != CONTINUE:
-                last = first + j
-                break
+                return status, state, first + j
             status, state = bus.fire_iteration(_COMPLETED, state, first + j, self._previous,
                                                None)
             if status != CONTINUE:
-                last = first + j
-                break
-        else:
-            if good < n:  # the non-finite step: its iteration started, then the loop halts
-                _, state = bus.fire_iteration(_STARTED, state, first + good, self._previous,
-                                              None)
-                return HALT_LOOP, self._mark_nonfinite(state, first + good), first + good
+                return status, state, first + j
+        bus.skip_iterations(good - done)
+        if good:
+            self._previous = metrics_at(good - 1)
+        if good < n:  # the non-finite step: its iteration started, then the loop halts
+            _, state = bus.fire_iteration(_STARTED, state, first + good, self._previous, None)
+            return HALT_LOOP, self._mark_nonfinite(state, first + good), first + good
         bus.advance(n, self._previous() if record else None)
-        return status, state, last
+        return CONTINUE, state, first + n - 1
 
     def _host_record(self, records: Any, j: int) -> Any:
         """Metrics of slot `j` of records already on the host, built when first asked for."""

@@ -68,18 +68,19 @@ class EventBus:
     def has_iteration_handlers(self) -> bool:
         return any(self.has(event) for event in ITERATION_EVENTS)
 
-    def fires_within(self, n: int) -> bool:
-        """Whether any iteration handler would fire during the next `n` iterations, judged
-        from the counters alone (a callable filter always counts as firing)."""
+    def firing_offsets(self, n: int) -> list[int]:
+        """The offsets `j` in `[0, n)` of the next `n` iterations at which some iteration
+        handler's counter filter passes, judged from the counters alone (every offset when
+        a callable filter, which needs the State, is registered)."""
+        offsets: set[int] = set()
         for event in ITERATION_EVENTS:
             first = self.total[event] + 1
             for registration in self.by_event.get(event, ()):
                 spec = registration.filter
                 if spec.predicate is not None:
-                    return True
-                if any(spec.by_count(count) for count in range(first, first + n)):
-                    return True
-        return False
+                    return list(range(n))
+                offsets.update(j for j in range(n) if spec.by_count(first + j))
+        return sorted(offsets)
 
     def skip_iterations(self, n: int) -> None:
         """Advances iteration counters by `n` when no iteration handler is registered."""

@@ -90,7 +90,7 @@ class ResidentData:
             executor.stats["dispatches"] += 1
             executor._metrics_cache = None
             status, state, last = executor._replay(state, bus, i, n, records, n_run, record,
-                                                   self.guard)
+                                                   self.guard, executor.tail)
             i += n
             if status != CONTINUE or signals.requested:
                 break
