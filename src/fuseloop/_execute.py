@@ -24,7 +24,7 @@ from ._checks import Checker
 from ._placement import Placement
 from ._prefetch import ChunkProducer
 from ._programs import MIN_SLOTS, Programs
-from ._start import private_copy
+from ._start import copy_arrays, private_copy
 
 __all__ = ["Executor"]
 
@@ -241,18 +241,41 @@ class Executor:
                 if ahead and not exhausted:
                     # Overlap: the device runs this chunk while the host prepares the next.
                     nxt = next_chunk(i + n)
+                speculative, rollback = None, None
+                if nxt is not None and record and bus.firing_offsets(n):
+                    # The handlers are about to wait for this chunk's records: launch the
+                    # next chunk first, so the device keeps working meanwhile. Handlers of a
+                    # fused loop can only halt (never change the step state), and a halt
+                    # rolls back to a device copy of this chunk's results.
+                    rollback = self._snapshot()
+                    tail = rollback[1]  # this chunk's own tail is donated to the next one
+                    speculative = self._dispatch(nxt)
                 status, state, last = self._replay(state, bus, i, n, records, n_run, record,
                                                    guard, tail)
                 i += n
                 if status != CONTINUE or signals.requested:
+                    if rollback is not None:
+                        self._restore(rollback)
                     break
                 if not ahead and not exhausted:
                     nxt = next_chunk(i)
-                current = self._dispatch(nxt) if nxt is not None else None
+                current = speculative or (self._dispatch(nxt) if nxt is not None else None)
         finally:
             if producer is not None:
                 producer.stop()
         return status, state.replace(iteration=last)
+
+    def _snapshot(self) -> tuple[Any, Any]:
+        """A device copy of the carry `(state, tail)` (one cached copy program, launched
+        asynchronously)."""
+        leaves, treedef = jax.tree.flatten((self.state, self.tail))
+        return jax.tree.unflatten(treedef, copy_arrays(leaves))
+
+    def _restore(self, snapshot: tuple[Any, Any]) -> None:
+        """Rolls the carry back to a snapshot: a speculatively launched chunk is dropped
+        (its batches count as pulled ahead, its dispatch does not count)."""
+        self.state, self.tail = snapshot
+        self.stats["dispatches"] -= 1
 
     def _dispatch(self, prepared: Any) -> tuple[Any, ...]:
         """Launches a prepared chunk: `(records, n_run, n, requested, tail after it)`."""

@@ -14,11 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["initial_step_state", "private_copy"]
+__all__ = ["copy_arrays", "initial_step_state", "private_copy"]
 
 
 @jax.jit
-def _copy_arrays(tree: Any) -> Any:
+def copy_arrays(tree: Any) -> Any:
+    """Fresh device buffers holding the same values (a utility, not a loop program)."""
     return jax.tree.map(jnp.copy, tree)
 
 
@@ -31,7 +32,7 @@ def private_copy(tree: Any) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
     arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
     # Explicit transfer of host arrays (the initial state is not counted as data transfer).
-    copied = _copy_arrays(jax.device_put([leaves[i] for i in arrays]))
+    copied = copy_arrays(jax.device_put([leaves[i] for i in arrays]))
     for i, leaf in zip(arrays, copied):
         leaves[i] = leaf
     return jax.tree.unflatten(treedef, leaves)
