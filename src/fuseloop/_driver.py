@@ -126,7 +126,7 @@ class Run:
                              event_counts=self.bus.counts(), iteration=state.iteration)
 
     def _epochs(self, state: State, signals: SignalGuard) -> State:
-        self.stats["compiles_before"] = self.executor.traces()
+        compiles_before = self.executor.traces()
         state = state.replace(step_state=self.executor.state)
         status, state = self.bus.fire(Event.STARTED, state)
         self.executor.adopt(state.step_state)
@@ -138,7 +138,7 @@ class Run:
                 break
             halted = status == HALT_LOOP or signals.requested
             epoch += 1
-        self.stats["compiles"] = self.executor.traces() - self.stats.pop("compiles_before")
+        self.stats["compiles"] = self.executor.traces() - compiles_before
         final = Event.HALTED if halted else Event.COMPLETED
         state = state.replace(status="halted" if halted else "completed",
                               step_state=self.executor.state, event_counts=self.bus.counts())
