@@ -216,6 +216,10 @@ class Loop:
         """Halts at the first non-finite loss, checked on the device (even inside a chunk).
 
         The bad step is not applied: params are exactly those from before it.
+
+        Example:
+            >>> state = loop.terminate_on_nan().run(batches, fuse=32)  # doctest: +SKIP
+            >>> state.status  # "halted" if a loss went non-finite  # doctest: +SKIP
         """
         return self._with(guard_nonfinite=True)
 
