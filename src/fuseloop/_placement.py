@@ -40,6 +40,24 @@ class Placement:
             return jax.device_put(tree)
         return jax.device_put(tree, self._state)
 
+    @property
+    def replicated(self) -> Any:
+        """The sharding of data every device holds whole (None on one device)."""
+        return self._state
+
+    def chunk_sharding(self, batch_size: int) -> Any:
+        """The sharding of a stacked chunk over the mesh (None on one device), after
+        checking that `batch_size` divides over the mesh's "data" axis."""
+        if self._chunk is None:
+            return None
+        if batch_size % self.n_shards:
+            raise ValueError(
+                f"mesh: the dataset's batch size {batch_size} does not divide over the "
+                f"{self.n_shards} devices of the mesh's 'data' axis; use a batch size that is "
+                f"a multiple of {self.n_shards}"
+            )
+        return self._chunk
+
     def chunk_transfer(self) -> Any:
         """The context in which a fused dispatch may move its host chunk to the device
         (the one host-to-device transfer of a chunk; every other stays disallowed by a

@@ -86,14 +86,15 @@ class Programs:
             self.cache[key] = self._jit(program)
         return self.cache[key]
 
-    def resident(self, slots: int, live: int) -> Any:
+    def resident(self, slots: int, live: int, sharding: Any = None) -> Any:
         """The chunk program over a device-resident dataset.
 
         `(state, tail, data, indices, cursor, limit) -> (state, tail, records, n_run, cursor)`:
         the chunk's rows are gathered on the device, then stepped by the same loop as a
         host-fed chunk; at most `live` of the `slots` slots run (1 for an unfused step).
+        `sharding` (over a mesh) is imposed on the gathered chunk.
         """
-        key = ("resident", self.guard, slots, live)
+        key = ("resident", self.guard, slots, live, sharding)
         if key in self.cache:
             return self.cache[key]
         body = make_chunk_fn(self._carry_step(), True, self.guard)
@@ -103,6 +104,8 @@ class Programs:
             # Slots past the epoch's end gather clamped (valid) rows; they are never stepped.
             rows = indices[jnp.minimum(cursor + jnp.arange(slots), indices.shape[0] - 1)]
             chunk = jax.tree.map(lambda leaf: leaf[rows], data)
+            if sharding is not None:
+                chunk = jax.lax.with_sharding_constraint(chunk, sharding)
             n_valid = jnp.minimum(live, limit - cursor)
             state, tail, records, n_run = body(state, tail, chunk, n_valid)
             return state, tail, records, n_run, cursor + n_run

@@ -25,14 +25,13 @@ class ResidentData:
     """Runs the epochs of a device-resident `ArraySource`, fused or unfused."""
 
     def __init__(self, source: Any, executor: Any, start_epoch: int):
-        if executor.placement.mesh is not None:
-            raise ValueError(
-                "mesh: a device-resident dataset (fl.data.arrays(..., device=True)) is not "
-                "sharded over a mesh yet; use device=False with mesh=..."
-            )
         self.source, self.executor = source, executor
+        placement = executor.placement
+        # Over a mesh the dataset is replicated and each gathered chunk is sharded along
+        # its batch axis, as a host-fed chunk would be.
+        self.chunk_sharding = placement.chunk_sharding(source.batch_size)
         before = source.transfers_done
-        self.data = source.put()
+        self.data = source.put(placement.replicated)
         executor.stats["h2d_transfers"] += source.transfers_done - before
         # The epoch counter lives on the device, so advancing it moves nothing.
         self.epoch = jax.device_put(np.int32(start_epoch))
@@ -56,7 +55,7 @@ class ResidentData:
     def unfused_feed(self, bound: int | None) -> tuple[Any, Any, int]:
         """`(next_batch, dispatch, bound)` for the executor's unfused loop: one gathered
         step per dispatch, still without any host transfer."""
-        program = self.executor.compiled.resident(MIN_SLOTS, live=1)
+        program = self.executor.compiled.resident(MIN_SLOTS, 1, self.chunk_sharding)
         limit = self._limit(bound)
         indices, self.epoch, cursor = self.next_epoch(self.epoch)
         position = {"cursor": cursor}
@@ -78,7 +77,7 @@ class ResidentData:
         fused = executor.fuse is not None
         record = bus.has_iteration_handlers
         size = executor.fuse if fused else 1
-        program = executor.compiled.resident(max(size, MIN_SLOTS), live=size)
+        program = executor.compiled.resident(max(size, MIN_SLOTS), size, self.chunk_sharding)
         indices, self.epoch, cursor = self.next_epoch(self.epoch)
         limit = self._limit(bound)
         status, i, last = CONTINUE, 0, 0
