@@ -2,7 +2,8 @@
 
 The first batch of a run is checked thoroughly, before anything compiles: its structure,
 and - for a trainer or an evaluator - whether x fits the model and y fits the model's output
-and the loss, found with `jax.eval_shape` (abstract: nothing runs on the device). Every later
+and the loss, found with `jax.eval_shape` (abstract: nothing runs on the device; see
+`_model_fit.py`). Every later
 batch is compared with the first one through a precomputed tuple of `(shape, dtype)` per leaf,
 which costs a few microseconds; only a batch whose signature was never seen is diagnosed.
 
@@ -23,17 +24,14 @@ import warnings
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ._fusion import FusionError
-from ._metrics import resolve_loss
+from ._model_fit import SPARSE, ModelFit, abstract
+from ._step import require_pair
 
 __all__ = ["Checker"]
 
-_SPARSE = "sparse_categorical_cross_entropy"
-_SAME_SHAPE_LOSSES = ("categorical_cross_entropy",)
-_SAME_SIZE_LOSSES = ("mean_squared_error", "mean_absolute_error", "binary_cross_entropy")
 
 
 def _leaf_signature(leaf: Any) -> tuple[Any, Any]:
@@ -42,31 +40,6 @@ def _leaf_signature(leaf: Any) -> tuple[Any, Any]:
     if shape is not None and hasattr(leaf, "dtype"):
         return tuple(shape), leaf.dtype
     return (), type(leaf).__name__
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0].rstrip('.') if text else ''}"
-
-
-def _describe(tree: Any, name: str) -> str:
-    parts = [f"{leaf} of shape {shape}" for leaf, shape in _named_shapes(tree, name)]
-    return ", ".join(parts) if parts else "no arrays"
-
-
-def _named_shapes(tree: Any, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return [(prefix + jax.tree_util.keystr(path), tuple(np.shape(leaf))) for path, leaf in flat]
-
-
-def _abstract(leaf: Any) -> Any:
-    """The ShapeDtypeStruct the device sees for a host leaf (float64 becomes float32)."""
-    if isinstance(leaf, (int, float, bool, complex)):
-        return leaf
-    dtype = jax.dtypes.canonicalize_dtype(
-        leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf),
-        allow_extended_dtype=True)  # typed PRNG keys (nnx RNG streams) stay as they are
-    return jax.ShapeDtypeStruct(np.shape(leaf), dtype)
 
 
 class Checker:
@@ -87,15 +60,14 @@ class Checker:
         self.expected: tuple[tuple[Any, Any], ...] = ()
         self.accepted: set[tuple[Any, ...]] = set()
         self.ragged_size: int | None = None
-        self.classes: int | None = None  # the model's output width, for sparse labels
+        self.fit = ModelFit(program)  # x and y against the model and loss, abstractly
         self.warned_float64 = False
-        self.first_x: tuple[Any, Any] | None = None  # (x, its abstract value)
 
     # ----------------------------------------------------------------- entry points
     def first(self, batch: Any) -> None:
         """Called once with the run's first batch, before anything compiles."""
         if self.pairs:
-            self._require_pair(batch, "the run's first batch")
+            require_pair(batch, "the run's first batch")
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(batch)
         self.names = tuple(self._leaf_name(path) for path, _ in flat)
         self.expected = tuple(_leaf_signature(leaf) for _, leaf in flat)
@@ -104,10 +76,10 @@ class Checker:
         if self.pairs:
             key = ("checked_model", self.treedef, self.expected)
             if key in self.cache:
-                self.first_x, self.classes = self.cache[key]
+                self.fit.first_x, self.fit.classes = self.cache[key]
             else:
-                self._check_model(batch)
-                self.cache[key] = (self.first_x, self.classes)
+                self.fit.check_first(batch)
+                self.cache[key] = (self.fit.first_x, self.fit.classes)
             self._check_labels(batch, "the run's first batch")
 
     def batch(self, batch: Any, epoch: int, iteration: int) -> None:
@@ -125,7 +97,7 @@ class Checker:
         if self.pairs:
             for offset, batch in enumerate(batches[1:], start=1):
                 if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-                    self._require_pair(batch, f"the batch at epoch {epoch}, iteration "
+                    require_pair(batch, f"the batch at epoch {epoch}, iteration "
                                               f"{first_iteration + offset}")
 
     def explain_chunk(self, batches: list[Any], epoch: int, first_iteration: int) -> None:
@@ -136,15 +108,15 @@ class Checker:
 
     def stacked(self, chunk: Any, n: int, epoch: int, first_iteration: int) -> None:
         """Called with a stacked chunk of `n` live batches: its labels, in one pass."""
-        if self.classes is None or not isinstance(chunk, (tuple, list)) or len(chunk) != 2:
+        if self.fit.classes is None or not isinstance(chunk, (tuple, list)) or len(chunk) != 2:
             return
         labels = chunk[1]
         if not isinstance(labels, np.ndarray) or labels.size == 0:
             return
         live = labels[:n]
-        if live.min() >= 0 and live.max() < self.classes:
+        if live.min() >= 0 and live.max() < self.fit.classes:
             return
-        bad = ((live < 0) | (live >= self.classes)).reshape(n, -1).any(axis=1)
+        bad = ((live < 0) | (live >= self.fit.classes)).reshape(n, -1).any(axis=1)
         slot = int(np.argmax(bad))
         self._check_labels((None, live[slot]), f"epoch {epoch}, iteration {first_iteration + slot}")
 
@@ -157,7 +129,7 @@ class Checker:
         signature = tuple(_leaf_signature(leaf) for leaf in leaves)
         if signature not in self.accepted or treedef != self.treedef:
             self._diagnose(batch, leaves, treedef, signature, epoch, iteration, fused)
-        if labels and self.classes is not None:
+        if labels and self.fit.classes is not None:
             self._check_labels(batch, f"epoch {epoch}, iteration {iteration}")
 
     def _diagnose(self, batch: Any, leaves: list[Any], treedef: Any,
@@ -167,7 +139,7 @@ class Checker:
         error = FusionError if fused else ValueError
         if treedef != self.treedef:
             if self.pairs:
-                self._require_pair(batch, f"the batch at epoch {epoch}, iteration {iteration}")
+                require_pair(batch, f"the batch at epoch {epoch}, iteration {iteration}")
             raise error(
                 f"{where} has structure {treedef}, but the run's first batch has "
                 f"{self.treedef}; every batch must have the same structure (the same "
@@ -253,18 +225,6 @@ class Checker:
             return ("x", "y")[path[0].idx] + jax.tree_util.keystr(path[1:])
         return "batch" + jax.tree_util.keystr(path)
 
-    @staticmethod
-    def _require_pair(batch: Any, where: str) -> None:
-        if isinstance(batch, (tuple, list)) and len(batch) == 2:
-            return
-        kind = type(batch).__name__
-        size = f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""
-        raise ValueError(
-            f"data: {where} is a {kind}{size}, but a trainer or evaluator batch must be a "
-            f"pair (x, y). Yield (inputs, targets) tuples, or use fl.loop(step_fn) for other "
-            f"batch structures"
-        )
-
     def _warn_float64(self, leaves: list[Any]) -> None:
         if self.warned_float64 or jax.config.jax_enable_x64:
             return
@@ -287,117 +247,31 @@ class Checker:
         `first` checks x against a freshly initialized model; an evaluator, or a trainer
         given trained variables, runs with the caller's variables instead.
         """
-        if self.first_x is None or not isinstance(step_state, dict) or "params" not in step_state:
+        if self.fit.first_x is None or not isinstance(step_state, dict) or (
+                "params" not in step_state):
             return
-        variables = jax.tree.map(_abstract, step_state["params"])
+        variables = jax.tree.map(abstract, step_state["params"])
         leaves, treedef = jax.tree.flatten(variables)
         key = ("checked_variables", self.treedef, self.expected, treedef,
                tuple((leaf.shape, leaf.dtype) for leaf in leaves))
         if key not in self.cache:
-            self._forward(variables, "the given variables")
+            self.fit.check_variables(variables, "the given variables")
             self.cache[key] = True
-
-    def _forward(self, variables: Any, whose: str) -> Any:
-        model, (x, xs) = self.program.model, self.first_x
-        train = self.program.kind == "trainer"
-        key = jax.ShapeDtypeStruct((2,), jnp.uint32)
-
-        def forward(variables: Any, x: Any, key: Any) -> Any:
-            return model.forward(variables, x, train=train, rng=key if train else None)[0]
-
-        try:
-            return jax.eval_shape(forward, variables, xs, key)
-        except Exception as error:  # noqa: BLE001 - re-raised with context
-            raise ValueError(
-                f"data: x does not fit the model: applying it with {whose} to the first "
-                f"batch's x ({_describe(x, 'x')}) fails with {_first_line(error)}. Give x the "
-                f"shape the model expects (the batch axis first), or pass matching variables"
-            ) from error
-
-    def _check_model(self, batch: Any) -> None:
-        """x fits the model and y fits its output and the loss (abstractly, nothing runs)."""
-        model, x, y = self.program.model, batch[0], batch[1]
-        if model is None:
-            return
-        self.first_x = (x, jax.tree.map(_abstract, x))
-        try:
-            variables = jax.eval_shape(model.init, jax.ShapeDtypeStruct((2,), jnp.uint32),
-                                       self.first_x[1])
-        except Exception as error:  # noqa: BLE001 - re-raised with context below
-            if self.program.kind == "evaluator" or isinstance(error, jax.errors.JAXTypeError):
-                # An evaluator never initializes (its variables come from the caller), and
-                # an init that needs concrete values cannot be checked abstractly.
-                return
-            raise ValueError(
-                f"data: x does not fit the model: initializing it on the first batch's x "
-                f"({_describe(x, 'x')}) fails with {_first_line(error)}. Give x the shape the "
-                f"model expects (the batch axis first)"
-            ) from error
-        y_pred = self._forward(variables, "freshly initialized variables")
-        if self.program.loss is not None:
-            self._check_loss(y, y_pred, jax.tree.map(_abstract, y))
-
-    def _check_loss(self, y: Any, y_pred: Any, ys: Any) -> None:
-        name, loss_fn = resolve_loss(self.program.loss)
-        shape = getattr(y_pred, "shape", None)
-        output = (f"the model's output of shape {shape}" if shape is not None
-                  else f"the model's output ({_describe(y_pred, 'output')})")
-        if isinstance(ys, jax.ShapeDtypeStruct) and isinstance(y_pred, jax.ShapeDtypeStruct):
-            self._check_named_loss(name, ys, y_pred, output)
-        try:
-            value = jax.eval_shape(loss_fn, ys, y_pred)
-        except Exception as error:  # noqa: BLE001
-            raise ValueError(
-                f"data: y does not fit the loss {name!r}: with y ({_describe(y, 'y')}) and "
-                f"{output} it fails with {_first_line(error)}. Give y the shape the loss "
-                f"expects for this output"
-            ) from error
-        if getattr(value, "shape", ()) != ():
-            raise ValueError(
-                f"loss {name!r} returned shape {value.shape} for the first batch; a loss "
-                f"must return a scalar (reduce it, e.g. with .mean())"
-            )
-
-    def _check_named_loss(self, name: str, ys: Any, y_pred: Any, output: str) -> None:
-        batch_size, shape = y_pred.shape[:1], ys.shape
-        if name == _SPARSE:
-            accepted = (y_pred.shape[:-1], y_pred.shape[:-1] + (1,))
-            if shape not in accepted:
-                raise ValueError(
-                    f"data: y has shape {shape}, but {name} with {output} expects integer "
-                    f"class labels of shape {accepted[0]} (or {accepted[1]}); for one-hot "
-                    f"targets use 'categorical_cross_entropy'"
-                )
-            self.classes = int(y_pred.shape[-1])
-        elif name in _SAME_SHAPE_LOSSES and shape != y_pred.shape:
-            raise ValueError(
-                f"data: y has shape {shape}, but {name} with {output} expects targets of the "
-                f"same shape {y_pred.shape} (one-hot or probabilities); for integer labels "
-                f"use 'sparse_categorical_cross_entropy'"
-            )
-        elif name in _SAME_SIZE_LOSSES and (
-            shape[:1] != batch_size or int(np.prod(shape)) != int(np.prod(y_pred.shape))
-        ):
-            raise ValueError(
-                f"data: y has shape {shape}, but {name} with {output} expects targets with "
-                f"one value per output, shape {y_pred.shape}; reshape y or change the "
-                f"model's last layer"
-            )
 
     def _check_labels(self, batch: Any, where: str) -> None:
         """Sparse labels in [0, classes), for numpy labels (device labels are not read)."""
-        if self.classes is None or not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        if self.fit.classes is None or not isinstance(batch, (tuple, list)) or len(batch) != 2:
             return
         labels = batch[1]
         if not isinstance(labels, np.ndarray) or labels.size == 0:
             return
         low, high = labels.min(), labels.max()
-        if low >= 0 and high < self.classes:
+        if low >= 0 and high < self.fit.classes:
             return
         bad = low if low < 0 else high
         raise ValueError(
-            f"data: {where}: y holds the label {bad}, out of range for {_SPARSE} with a model "
-            f"output of {self.classes} classes (labels must be integers in [0, "
-            f"{self.classes})). Fix the labels, or give the model's last layer at least "
+            f"data: {where}: y holds the label {bad}, out of range for {SPARSE} with a model "
+            f"output of {self.fit.classes} classes (labels must be integers in [0, "
+            f"{self.fit.classes})). Fix the labels, or give the model's last layer at least "
             f"{int(high) + 1} units"
         )

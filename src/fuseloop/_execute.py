@@ -24,7 +24,7 @@ from ._checks import Checker
 from ._placement import Placement
 from ._prefetch import ChunkProducer
 from ._programs import MIN_SLOTS, Programs
-from ._start import copy_arrays, private_copy
+from ._start import private_copy
 
 __all__ = ["Executor"]
 
@@ -247,7 +247,7 @@ class Executor:
                     # next chunk first, so the device keeps working meanwhile. Handlers of a
                     # fused loop can only halt (never change the step state), and a halt
                     # rolls back to a device copy of this chunk's results.
-                    rollback = self._snapshot()
+                    rollback = private_copy((self.state, self.tail))
                     tail = rollback[1]  # this chunk's own tail is donated to the next one
                     speculative = self._dispatch(nxt)
                 status, state, last = self._replay(state, bus, i, n, records, n_run, record,
@@ -264,12 +264,6 @@ class Executor:
             if producer is not None:
                 producer.stop()
         return status, state.replace(iteration=last)
-
-    def _snapshot(self) -> tuple[Any, Any]:
-        """A device copy of the carry `(state, tail)` (one cached copy program, launched
-        asynchronously)."""
-        leaves, treedef = jax.tree.flatten((self.state, self.tail))
-        return jax.tree.unflatten(treedef, copy_arrays(leaves))
 
     def _restore(self, snapshot: tuple[Any, Any]) -> None:
         """Rolls the carry back to a snapshot: a speculatively launched chunk is dropped
@@ -303,7 +297,7 @@ class Executor:
             bus.skip_iterations(n)
             bus.advance(n, None)
             if record:
-                self._previous = self._lazy_record(records, n - 1)
+                self._previous = self._record_at(records, n - 1, on_device=True)
             return CONTINUE, state, first + n - 1
         # Host sync: once per chunk, the records (and the non-finite flag) come back.
         wanted = {"records": records, "n_run": n_run}
@@ -311,7 +305,7 @@ class Executor:
             wanted["nonfinite"] = tail["nonfinite"]
         host = self.reads.get(wanted)
         good = int(host["n_run"]) - 1 if guard and bool(host["nonfinite"]) else n
-        metrics_at = (lambda j: self._host_record(host["records"], j)) if record else (
+        metrics_at = (lambda j: self._record_at(host["records"], j)) if record else (
             lambda j: dict)
         done = 0  # iterations of this chunk whose events have been accounted for
         for j in (j for j in firing if j < good):
@@ -335,26 +329,17 @@ class Executor:
         bus.advance(n, self._previous() if record else None)
         return CONTINUE, state, first + n - 1
 
-    def _host_record(self, records: Any, j: int) -> Any:
-        """Metrics of slot `j` of records already on the host, built when first asked for."""
+    def _record_at(self, records: Any, j: int, on_device: bool = False) -> Any:
+        """Metrics of slot `j` of a chunk's records, built (and, for records still on the
+        device, read) only when first asked for."""
         cache: dict[str, Any] = {}
 
         def metrics() -> dict[str, float]:
             if "value" not in cache:
-                cache["value"] = self._record_metrics(records, j)
-            return cache["value"]
-
-        return metrics
-
-    def _lazy_record(self, records: Any, j: int) -> Any:
-        """Metrics of slot `j` of a chunk that was not read, read only if asked for."""
-        cache: dict[str, Any] = {}
-
-        def metrics() -> dict[str, float]:
-            if "value" not in cache:
-                # Host sync: an iteration_started handler needs the previous chunk's last
-                # iteration's metrics.
-                cache["value"] = self._record_metrics(self.reads.get(records), j)
+                # Host sync (records on the device only): an iteration_started handler needs
+                # the previous chunk's last iteration's metrics.
+                host = self.reads.get(records) if on_device else records
+                cache["value"] = self._record_metrics(host, j)
             return cache["value"]
 
         return metrics

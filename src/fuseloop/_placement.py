@@ -9,9 +9,23 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["Placement"]
+__all__ = ["Placement", "device_dtype", "device_signature"]
+
+
+def device_dtype(leaf: Any) -> Any:
+    """The dtype a host leaf has on the device: canonical, so float64 becomes float32 while
+    64-bit mode is off; typed PRNG keys (nnx RNG streams) stay as they are."""
+    dtype = leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf)
+    return jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)
+
+
+def device_signature(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], Any], ...]]:
+    """`(treedef, ((shape, device dtype), ...))`: what a compiled program specializes on."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((np.shape(leaf), device_dtype(leaf)) for leaf in leaves)
 
 
 class Placement:

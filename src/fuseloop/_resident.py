@@ -35,7 +35,8 @@ class ResidentData:
         executor.stats["h2d_transfers"] += source.transfers_done - before
         # The epoch counter lives on the device, so advancing it moves nothing.
         self.epoch = jax.device_put(np.int32(start_epoch))
-        cache, self.guard = executor.loop._cache, executor.loop.guard_nonfinite
+        cache = executor.loop._cache
+        self.guard = executor.loop.guard_nonfinite
         key = ("resident_epoch", source.seed, source.n, source.batch_size, source.shuffle)
         if key not in cache:
             cache[key] = jax.jit(self._next_epoch_fn(source))
@@ -72,11 +73,10 @@ class ResidentData:
 
     def run_epoch(self, state: Any, bound: int | None, bus: Any, signals: Any
                   ) -> tuple[str, Any]:
-        """One epoch, one dispatch per chunk (K = 1 when unfused), no host transfer."""
+        """One fused epoch, one dispatch per chunk, no host transfer."""
         executor = self.executor
-        fused = executor.fuse is not None
         record = bus.has_iteration_handlers
-        size = executor.fuse if fused else 1
+        size = executor.fuse
         program = executor.compiled.resident(max(size, MIN_SLOTS), size, self.chunk_sharding)
         indices, self.epoch, cursor = self.next_epoch(self.epoch)
         limit = self._limit(bound)

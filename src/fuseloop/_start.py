@@ -14,12 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["copy_arrays", "initial_step_state", "private_copy"]
+from ._placement import device_signature
+from ._programs import Programs
+
+__all__ = ["initial_step_state", "private_copy"]
 
 
 @jax.jit
-def copy_arrays(tree: Any) -> Any:
-    """Fresh device buffers holding the same values (a utility, not a loop program)."""
+def _copy_arrays(tree: Any) -> Any:
     return jax.tree.map(jnp.copy, tree)
 
 
@@ -28,42 +30,34 @@ def _is_array(value: Any) -> bool:
 
 
 def private_copy(tree: Any) -> Any:
-    """A device copy of every array leaf (other leaves are kept as they are)."""
+    """A device copy of every array leaf (other leaves are kept as they are), made by one
+    cached program; launched asynchronously like any other."""
     leaves, treedef = jax.tree.flatten(tree)
     arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
-    # Explicit transfer of host arrays (the initial state is not counted as data transfer).
-    copied = copy_arrays(jax.device_put([leaves[i] for i in arrays]))
+    to_copy = [leaves[i] for i in arrays]
+    if not all(isinstance(leaf, jax.Array) for leaf in to_copy):
+        # Explicit transfer of host arrays (an initial state: not counted as data transfer).
+        to_copy = jax.device_put(to_copy)
+    copied = _copy_arrays(to_copy)
     for i, leaf in zip(arrays, copied):
         leaves[i] = leaf
     return jax.tree.unflatten(treedef, leaves)
 
 
-def _signature(tree: Any) -> tuple[Any, ...]:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((np.shape(leaf), _dtype(leaf)) for leaf in leaves)
-
-
-def _dtype(leaf: Any) -> Any:
-    # Canonical (x64 off: float64 -> float32), as the compiled step will see it.
-    dtype = leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf)
-    return jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)
-
-
 def _trainer_init(loop: Any, first: Any) -> Any:
     """The cached jitted trainer init for batches shaped like `first`."""
-    treedef, spec = _signature(first)
+    treedef, spec = device_signature(first)
     key = ("init", treedef, spec)
     if key not in loop._cache:
-        program, counter = loop.program, loop._cache.setdefault("traces", [0])
+        program = loop.program
 
         def init(variables: Any) -> Any:
-            counter[0] += 1  # trace time only: one per compile
             # Initialization depends on the batch's shapes, not its values; building zeros
             # inside the program avoids moving the first batch to the device twice.
             zeros = jax.tree.unflatten(treedef, [jnp.zeros(s, d) for s, d in spec])
             return jax.tree.map(jnp.copy, program.init(zeros, variables))
 
-        loop._cache[key] = jax.jit(init)
+        loop._cache[key] = jax.jit(Programs(loop).counted(init))
     return loop._cache[key]
 
 

@@ -51,16 +51,23 @@ def resolve_optimizer(optimizer: Any) -> optax.GradientTransformation:
     )
 
 
-def split_batch(batch: Any) -> tuple[Any, Any]:
-    """`(x, y)` from a batch; anything else is a clear error."""
+def require_pair(batch: Any, where: str = "a batch") -> None:
+    """Raises a ValueError saying what `where` is, unless `batch` is a pair `(x, y)`."""
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
+        return
     kind = type(batch).__name__
     size = f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""
     raise ValueError(
-        f"data: a batch must be a pair (x, y); got a {kind}{size}. Yield (inputs, targets) "
-        f"tuples, or use fl.loop(step_fn) for other batch structures"
+        f"data: {where} is a {kind}{size}, but a trainer or evaluator batch must be a "
+        f"pair (x, y). Yield (inputs, targets) tuples, or use fl.loop(step_fn) for other "
+        f"batch structures"
     )
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """`(x, y)` from a batch; anything else is a clear error."""
+    require_pair(batch)
+    return batch[0], batch[1]
 
 
 @dataclass(frozen=True)

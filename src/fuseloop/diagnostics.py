@@ -43,8 +43,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._fusion import make_chunk_fn
-from ._step import init_tail, make_carry_step
+from ._placement import device_signature
+from ._programs import Programs
+from ._step import init_tail
 
 __all__ = ["Report", "ChunkDecision", "report", "choose_chunk_size", "count_fusions",
            "DEFAULT_BUDGET_BYTES", "DEFAULT_MAX_CHUNK", "DEFAULT_TOLERANCE"]
@@ -76,11 +77,6 @@ def _nbytes(tree: Any) -> int:
     return int(sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(tree)))
 
 
-def _signature(tree: Any) -> tuple[Any, ...]:
-    leaves, treedef = jax.tree.flatten(tree)
-    return (treedef,) + tuple((np.shape(a), str(np.asarray(a).dtype)) for a in leaves)
-
-
 def _check_positive(value: Any, name: str, kind: type = int) -> None:
     ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
     if not ok or value <= 0:
@@ -100,15 +96,13 @@ def _probe(loop: Any, step_state: Any, batch: Any, placement: Any, copies: int,
     """`(step_seconds, overhead_seconds)` from a chunk of `copies` copies of `batch`, run
     with 1 and with up to `_PROBE_COPIES` valid steps.
 
-    `program` is a compiled chunk program to reuse; by default one is built. Either way it
-    may donate, as the run's does: each call gets a fresh private copy of the state, so the
-    caller's step state is only read.
+    `program` is a compiled chunk program to reuse; by default the run's own (cached on the
+    loop). Either way it may donate, as the run's does: each call gets a fresh private copy
+    of the state, so the caller's step state is only read.
     """
     guard = loop.guard_nonfinite
     if program is None:
-        carry_step = make_carry_step(loop.program, loop.metrics, guard)
-        # The run's chunk program records per-slot metrics; so does the probe's.
-        program = jax.jit(make_chunk_fn(carry_step, True, guard), donate_argnums=(0, 1))
+        program = Programs(loop).chunk()
     stacked = jax.tree.map(lambda a: np.repeat(np.asarray(a)[None], copies, axis=0), batch)
     state_sharding, chunk_sharding = _shardings(placement)
     try:
@@ -226,7 +220,7 @@ def choose_chunk_size(loop: Any, step_state: Any, first_batch: Any, *, placement
 def _decide(loop: Any, step_state: Any, batch: Any, placement: Any, tolerance: float,
             cap: int, cap_name: str, memory_cap: int, epoch_length: int | None
             ) -> ChunkDecision:
-    key = ("auto_chunk_probe", _signature(batch), id(getattr(placement, "mesh", None)))
+    key = ("auto_chunk_probe", device_signature(batch), id(getattr(placement, "mesh", None)))
     if key not in loop._cache:
         copies = max(2, min(_PROBE_COPIES, memory_cap))
         # The probe's transfers (copies of the first batch, fresh accumulators) are the
@@ -318,8 +312,6 @@ def _program_fusions(loop: Any, step_state: Any, batch: Any, chunk_size: int
     They are the loop's cached programs, already compiled by the runs the report made, so
     lowering them again compiles nothing new.
     """
-    from ._programs import Programs
-
     programs = Programs(loop)
     tail = init_tail(loop.metrics, loop.guard_nonfinite)
     one = np.int32(1)
