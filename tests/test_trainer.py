@@ -272,21 +272,27 @@ def test_jit_false_matches_jit_true(model):
 
 
 # --------------------------------------------------------------------------- logging
-LINE = re.compile(r"^Epoch: (\d+), Iteration: (\d+), loss: (\d+\.\d{7}) accuracy: (\d\.\d{7})$")
+LINE = re.compile(r"^Epoch (\d+)/2 - iteration (\d+) - loss: (\d+\.\d{7}) - accuracy: (\d\.\d{7})$")
+SUMMARY = re.compile(r"^Epoch (\d+)/2 - loss: (\d+\.\d{7}) - accuracy: (\d\.\d{7})$")
 
 
-def test_log_lines_every_n_iterations_and_a_newline_per_epoch():
+def test_log_lines_every_n_iterations_and_one_per_epoch():
     out = io.StringIO()
     loop = fl.trainer(tiny_mlp(), "sparse_categorical_cross_entropy", "adam", log=5,
                       log_stream=out).metric("accuracy")
     state = loop.run(DATA, epochs=2)
     text = out.getvalue()
-    assert text.count("\n") == 2
-    lines = [piece for piece in re.split(r"[\r\n]", text) if piece]
-    parsed = [LINE.match(line) for line in lines]
+    assert "\r" not in text and text.endswith("\n")
+    lines = text.splitlines()
+    parsed = [LINE.match(line) for line in lines if " - iteration " in line]
     assert all(parsed), lines
-    # every=5 on the run's iteration count: counts 1, 6, 11, 16, 21.
-    assert [(int(m[1]), int(m[2])) for m in parsed] == [(0, 0), (0, 5), (0, 10), (1, 3), (1, 8)]
+    # every=5 on the run's iteration count: counts 1, 6, 11, 16, 21; shown 1-based.
+    assert [(int(m[1]), int(m[2])) for m in parsed] == [(1, 1), (1, 6), (1, 11), (2, 4), (2, 9)]
+    summaries = [SUMMARY.match(line) for line in lines if " - iteration " not in line]
+    assert all(summaries), lines
+    assert [int(m[1]) for m in summaries] == [1, 2]
+    for m, epoch in zip(summaries, (0, 1)):
+        assert m[2] == f"{state.history[epoch]['loss']:.7f}"
     assert state.history[1]["loss"] > 0
 
 

@@ -157,3 +157,10 @@ def test_plot_history_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(ImportError, match=r"fuseloop\[plot\]"):
         fl.plot_history({0: {"loss": 1.0}}, tmp_path / "x.png")
+
+
+def test_plot_numbers_epochs_from_1():
+    from fuseloop.handlers.plot import _series
+
+    panels = _series({0: {"loss": 1.0, "validation_loss": 2.0}, 1: {"loss": 0.5}})
+    assert panels == {"loss": {"training": [(1, 1.0), (2, 0.5)], "validation": [(1, 2.0)]}}

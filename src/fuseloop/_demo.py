@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import optax
 
-__all__ = ["demo", "digits_split"]
+__all__ = ["default_plot_path", "demo", "digits_split"]
 
 
 def digits_split(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -39,36 +42,73 @@ def _parse_fuse(fuse: str) -> bool | int | str:
 
 
 def _log_epoch(state: Any) -> None:
-    """One line per epoch; `tqdm.write` keeps it from colliding with the progress bar."""
-    from tqdm.auto import tqdm
+    """One line per epoch, written above the progress bar (never into it)."""
+    from .handlers.log import epoch_label, format_metrics, SEPARATOR
+    from .handlers.progress import write_above_bars
 
-    from .handlers.log import format_metrics
+    line = SEPARATOR.join((epoch_label(state.epoch, state.max_epoch),
+                           format_metrics(state.metrics)))
+    write_above_bars(line + "\n", sys.stdout)
 
-    tqdm.write(f"Epoch: {state.epoch}, {format_metrics(state.metrics)}", file=sys.stdout)
+
+def default_plot_path() -> Path:
+    """Where `fuseloop demo` writes its plot unless told: the system's temporary folder
+    (never the current directory, which may be a repository)."""
+    return Path(tempfile.gettempdir()) / "fuseloop-demo" / "history.png"
 
 
-def demo(epochs: int = 20, fuse: str = "32", plot: str | None = "demo_history.png",
+def _plot_target(plot: str | os.PathLike[str] | bool | None) -> Path | None:
+    if plot is None or plot is False:
+        return None
+    if plot is True:
+        return default_plot_path()
+    if not isinstance(plot, (str, os.PathLike)) or not str(plot):
+        raise ValueError(f"plot={plot!r} must be a file path, True (the default location "
+                         f"{default_plot_path()}) or False/None (no plot)")
+    return Path(plot).expanduser().resolve()
+
+
+def _even_batch(n: int, at_most: int = 64) -> int:
+    """The largest batch size <= at_most that divides n, so evaluation has no ragged batch."""
+    return max(b for b in range(1, min(n, at_most) + 1) if n % b == 0)
+
+
+def demo(epochs: int = 20, fuse: str = "32", plot: str | os.PathLike[str] | bool | None = True,
          progress: bool = True) -> int:
     """Trains an MLP on digits with a held-out split and prints the validation accuracy.
 
+    Args:
+        epochs: Epochs to train (early stopping may end sooner).
+        fuse: A chunk size, "auto", "true" or "false".
+        plot: Where to write the PNG of the metric curves: a path, True for
+            `default_plot_path()`, False or None for no plot. The path is printed.
+        progress: Show the progress display.
+
+    Returns:
+        The exit status: 0 when the validation accuracy reaches 0.9.
+
     Example:
-        >>> demo(epochs=1, plot=None, progress=False)  # doctest: +SKIP
+        >>> demo(epochs=1, plot=False, progress=False)  # doctest: +SKIP
     """
     import fuseloop as fl
 
+    target = _plot_target(plot)
     x_train, y_train, x_val, y_val = digits_split()
     train = fl.data.arrays(x_train, y_train, batch_size=32, shuffle=True, seed=0)
-    val = fl.data.arrays(x_val, y_val, batch_size=32, shuffle=False, drop_remainder=False)
+    val = fl.data.arrays(x_val, y_val, batch_size=_even_batch(len(x_val)), shuffle=False)
     model = fl.models.mlp([128, 10])
     print(f"fuseloop demo: digits, {len(x_train)} train / {len(x_val)} held-out examples, "
           f"MLP 64-128-10, {epochs} epochs, fuse={fuse}")
+    if target is not None:
+        print(f"the plot of the metric curves will be written to {target}")
     loop = (
         fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-3))
         .metric("accuracy")
         .validate(model, val)
         .early_stop("validation_loss", patience=5)
-        .handle_event("epoch_completed", _log_epoch, name="demo_log")
     )
+    if not progress:  # the progress display already shows each epoch's metrics
+        loop = loop.handle_event("epoch_completed", _log_epoch, name="demo_log")
     began = time.perf_counter()
     state = loop.run(train, epochs=epochs, fuse=_parse_fuse(fuse), progress=progress)
     wall = time.perf_counter() - began
@@ -76,10 +116,10 @@ def demo(epochs: int = 20, fuse: str = "32", plot: str | None = "demo_history.pn
     print(f"final validation accuracy: {accuracy:.4f} ({state.status} after "
           f"{state.epoch + 1} epochs, wall time {wall:.2f} s, "
           f"{state.stats['dispatches']} dispatches, chunk size {state.stats['chunk_size']})")
-    if plot:
+    if target is not None:
         try:
-            fl.plot_history(state.history, plot)
-            print(f"metric curves written to {plot}")
+            fl.plot_history(state.history, target)
+            print(f"metric curves written to {target}")
         except ImportError as error:
             print(f"no plot: {error}")
     return 0 if accuracy >= 0.9 else 1

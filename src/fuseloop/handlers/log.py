@@ -1,17 +1,26 @@
-"""Log lines: `Loop.log(fn, ...)` and the trainer's `log=N` line.
+"""Log lines: `Loop.log(fn, ...)` and the trainer's `log=N` lines.
 
 Lines hold only the epoch, the iteration and metrics (no timings), so the output of a fused
-and an unfused run is byte for byte the same.
+and an unfused run is byte for byte the same. Text shown to people numbers epochs and
+iterations from 1 (`Epoch 3/20`); the State stays 0-based. Every line is written through
+`write_above_bars`, so a progress bar on the same terminal is cleared first and redrawn
+below the line instead of being overwritten mid-line.
 """
 
 from __future__ import annotations
 
+import math
 import sys
-from typing import Any, Callable, TextIO
+from typing import Any, Callable, Mapping, TextIO
+
+import numpy as np
 
 from .._state import State
+from .progress import write_above_bars
 
-__all__ = ["Writer", "attach_trainer_log", "format_metrics"]
+__all__ = ["Writer", "attach_trainer_log", "epoch_label", "format_metrics", "format_value"]
+
+SEPARATOR = " - "
 
 
 class Writer:
@@ -26,34 +35,108 @@ class Writer:
         self.fn, self.stream = fn, stream
 
     def __call__(self, state: State) -> None:
-        stream = self.stream if self.stream is not None else sys.stdout
         text = self.fn(state)
         if not isinstance(text, str):
             raise ValueError(f"log: fn returned {type(text).__name__}; it must return a str "
                              f"(add the newline yourself)")
-        stream.write(text)
-        flush = getattr(stream, "flush", None)
-        if flush is not None:
-            flush()
+        write_above_bars(text, self.stream if self.stream is not None else sys.stdout)
 
 
-def format_metrics(metrics: dict[str, Any]) -> str:
-    """`name: 0.1234567` pairs with fixed 7-digit formatting."""
-    parts = []
-    for name, value in metrics.items():
-        try:
-            parts.append(f"{name}: {float(value):.7f}")
-        except (TypeError, ValueError):
-            parts.append(f"{name}: {value}")
-    return " ".join(parts)
+def format_value(value: Any) -> str:
+    """One metric value on one line: 7 decimals, scientific notation for tiny magnitudes,
+    arrays (a population's metrics) as `[a, b, ...]`.
+
+    Example:
+        >>> format_value(0.5), format_value(3e-9), format_value([1, 2])
+        ('0.5000000', '3.0000000e-09', '[1.0000000, 2.0000000]')
+    """
+    try:
+        array = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        return " ".join(str(value).split())  # one line, whatever the object prints
+    if array.ndim:
+        return "[" + ", ".join(format_value(v) for v in array.ravel()) + "]"
+    number = float(array)
+    if number != 0 and math.isfinite(number) and abs(number) < 1e-4:
+        return f"{number:.7e}"
+    return f"{number:.7f}"
 
 
-def _iteration_line(state: State) -> str:
-    return f"\rEpoch: {state.epoch}, Iteration: {state.iteration}, {format_metrics(state.metrics)}"
+def format_metrics(metrics: Mapping[str, Any]) -> str:
+    """`name: value` pairs joined by " - ".
+
+    Example:
+        >>> format_metrics({"loss": 0.25, "accuracy": 1})
+        'loss: 0.2500000 - accuracy: 1.0000000'
+    """
+    return SEPARATOR.join(f"{name}: {format_value(value)}" for name, value in metrics.items())
+
+
+def epoch_label(epoch: int, max_epoch: int | None) -> str:
+    """`Epoch e/E` numbered from 1 for people (`epoch` is the State's 0-based epoch).
+
+    Example:
+        >>> epoch_label(2, 20)
+        'Epoch 3/20'
+    """
+    return f"Epoch {epoch + 1}/{max_epoch}" if max_epoch else f"Epoch {epoch + 1}"
+
+
+def _line(*fields: str) -> str:
+    return SEPARATOR.join(field for field in fields if field) + "\n"
+
+
+def iteration_line(state: State) -> str:
+    """`Epoch 1/3 - iteration 6 - loss: ... - accuracy: ...` (1-based; `/N` under an
+    `iterations` bound)."""
+    bound = f"/{state.max_iteration}" if state.max_iteration else ""
+    return _line(epoch_label(state.epoch, state.max_epoch),
+                 f"iteration {state.iteration + 1}{bound}", format_metrics(state.metrics))
+
+
+class EpochSummary:
+    """The trainer log's one line per epoch, with the epoch's final metrics.
+
+    The trainer attaches its log before any `validate`, so at `epoch_completed` the
+    validation metrics do not exist yet. The line is therefore written at the next
+    boundary that sees the finished epoch in `state.history` (the next `epoch_started`,
+    or the end of the run), when every handler of that epoch has run.
+    """
+
+    def __init__(self, stream: TextIO | None):
+        self.stream = stream
+        self.pending: int | None = None
+
+    def started(self, state: State) -> None:
+        self.pending = None  # a Loop is reusable: forget a previous run that raised
+
+    def ended(self, state: State) -> None:
+        self.pending = state.epoch
+
+    def flush(self, state: State) -> None:
+        epoch, self.pending = self.pending, None
+        if epoch is None or epoch not in state.history:
+            return
+        text = _line(epoch_label(epoch, state.max_epoch), format_metrics(state.history[epoch]))
+        write_above_bars(text, self.stream if self.stream is not None else sys.stdout)
 
 
 def attach_trainer_log(loop: Any, every: int, stream: TextIO | None) -> Any:
-    """The `trainer(log=N)` line every N iterations, and a newline at each epoch end."""
-    loop = loop.handle_event("iteration_completed", Writer(_iteration_line, stream),
-                             {"every": every}, name="log")
-    return loop.handle_event("epoch_completed", Writer(lambda s: "\n", stream), name="log")
+    """The `trainer(log=N)` lines: one every N iterations and one per finished epoch."""
+    summary = EpochSummary(stream)
+    loop = _observe(loop, "iteration_completed", Writer(iteration_line, stream),
+                    {"every": every})
+    for event, action in (("started", summary.started), ("epoch_started", summary.flush),
+                          ("epoch_completed", summary.ended), ("epoch_halted", summary.ended),
+                          ("completed", summary.flush), ("halted", summary.flush)):
+        loop = _observe(loop, event, action)
+    return loop
+
+
+def _observe(loop: Any, event: str, fn: Callable[[State], None], filter: Any = "always") -> Any:
+    """Attaches a handler that only observes; `Loop.observe` (where the loop has it) never
+    splits a multi-epoch dispatch, which a plain handler may."""
+    observe = getattr(loop, "observe", None)
+    if observe is not None:
+        return observe(event, fn, filter)
+    return loop.handle_event(event, fn, filter, name="log")

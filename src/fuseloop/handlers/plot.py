@@ -20,13 +20,14 @@ __all__ = ["plot_history"]
 
 
 def _series(history: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[str, list[tuple]]]:
-    """{base metric: {"training"|"validation": [(epoch, value), ...]}}, epochs ascending."""
+    """{base metric: {"training"|"validation": [(epoch, value), ...]}}, epochs ascending and
+    numbered from 1 as people count them (`state.history` keys are 0-based)."""
     panels: dict[str, dict[str, list[tuple]]] = {}
     for epoch in sorted(history, key=int):
         for name, value in scalar_metrics(dict(history[epoch])).items():
             split = "validation" if name.startswith(PREFIX) else "training"
             base = name[len(PREFIX):] if split == "validation" else name
-            panels.setdefault(base, {}).setdefault(split, []).append((int(epoch), value))
+            panels.setdefault(base, {}).setdefault(split, []).append((int(epoch) + 1, value))
     return panels
 
 
@@ -47,7 +48,8 @@ def plot_history(history: Mapping[int, Mapping[str, Any]] | State,
     """Writes a PNG with one panel per metric: training and `validation_<name>` on shared axes.
 
     Args:
-        history: `state.history` (epoch -> metrics), or a State.
+        history: `state.history` (epoch -> metrics), or a State; the x axis numbers
+            epochs from 1.
         path: The PNG file to write.
         metrics: The metric names to plot (default: every scalar metric in the history).
         title: A title over the figure.

@@ -1,52 +1,151 @@
-"""`run(progress=True)`: a tqdm bar per epoch, updated at host boundaries only.
+"""`run(progress=True)`: a bar per epoch on a terminal, one plain line per epoch elsewhere.
 
-The bar never reads a device value itself: it shows metrics when the loop already read them
-(a handler fired, a chunk was replayed, or the epoch ended).
+The display never reads a device value itself: it shows metrics when the loop already read
+them (a handler fired, a chunk was replayed, or the epoch ended). On a terminal (or in a
+notebook) it is a tqdm bar; when stderr is not a terminal (CI, a redirected file) carriage
+returns would only pile up, so it writes one line at each epoch's end instead, as Keras's
+`verbose=2` does. Log lines go through `write_above_bars`, which clears the bar, writes the
+line and redraws the bar below it, so a line is never mixed into the bar.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import collections.abc
+import sys
+import time
+from typing import Any, TextIO
 
 from .._events import Event
 
-__all__ = ["ProgressBar"]
+__all__ = ["ProgressBar", "epoch_length_of", "write_above_bars"]
+
+
+def write_above_bars(text: str, stream: TextIO) -> None:
+    """Writes `text` to `stream` above any tqdm bar drawn on the same terminal.
+
+    Example:
+        >>> import io
+        >>> out = io.StringIO()
+        >>> write_above_bars("Epoch 1/2 - loss: 0.5000000\\n", out)
+        >>> out.getvalue()
+        'Epoch 1/2 - loss: 0.5000000\\n'
+    """
+    if "tqdm" not in sys.modules:  # no bar can be on screen; do not import tqdm for nothing
+        _write(text, stream)
+        return
+    from tqdm.std import tqdm
+
+    # Clears every open bar that shares this stream (or the terminal, for stdout/stderr)
+    # and redraws it after the write; a no-op when no bar is open.
+    with tqdm.external_write_mode(file=stream):
+        _write(text, stream)
+
+
+def _write(text: str, stream: TextIO) -> None:
+    stream.write(text)
+    flush = getattr(stream, "flush", None)
+    if flush is not None:
+        flush()
+
+
+def epoch_length_of(data: Any, iterations: int | None = None) -> int | None:
+    """Iterations per epoch when the data source knows its length (`len(data)`, capped by
+    `iterations`); None for one-shot iterators and callables.
+
+    Example:
+        >>> epoch_length_of([(0, 0)] * 5), epoch_length_of([(0, 0)] * 5, iterations=3)
+        (5, 3)
+        >>> epoch_length_of(iter([(0, 0)])) is None
+        True
+    """
+    length = None
+    if isinstance(data, collections.abc.Sized) and not isinstance(
+        data, collections.abc.Iterator
+    ):
+        length = len(data)
+    if iterations is not None:
+        return iterations if length is None else min(length, iterations)
+    return length
+
+
+def _interactive(stream: TextIO) -> bool:
+    """A terminal, or a notebook (where tqdm draws a widget), rather than a file or a pipe."""
+    try:
+        if stream.isatty():
+            return True
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        pass
+    from tqdm.auto import tqdm
+
+    return any(base.__module__ == "tqdm.notebook" for base in tqdm.__mro__)
 
 
 class ProgressBar:
-    """One tqdm bar per epoch, on stderr.
+    """The epoch display of `run(progress=True)`; the loop drives it with `on_event`,
+    `advance` and `close`.
+
+    Args:
+        epoch_length: Iterations per epoch when the data source knows it (see
+            `epoch_length_of`); otherwise the bar learns it from the first epoch.
+        stream: Where to draw (default: `sys.stderr` when the first epoch starts).
 
     Example:
         >>> state = loop.run(data, epochs=3, progress=True)  # doctest: +SKIP
     """
 
-    def __init__(self) -> None:
+    def __init__(self, epoch_length: int | None = None, stream: TextIO | None = None) -> None:
+        self.epoch_length, self.stream = epoch_length, stream
         self.bar: Any = None
         self.last_length: int | None = None
+        self.plain: dict[str, Any] | None = None  # the epoch a plain line will report
+
+    @classmethod
+    def for_data(cls, data: Any, iterations: int | None = None,
+                 stream: TextIO | None = None) -> "ProgressBar":
+        """A display whose bar knows the epoch's length when `data` knows it."""
+        return cls(epoch_length_of(data, iterations), stream)
 
     def on_event(self, event: Event, state: Any) -> None:
         if event == Event.EPOCH_STARTED:
+            self.close()
+            self._open(state)
+        elif event in (Event.EPOCH_COMPLETED, Event.EPOCH_HALTED):
+            if self.bar is not None:
+                self.last_length = self.bar.n
+                self._show(state.metrics)
+                self.close()
+            elif self.plain is not None:
+                self.last_length = self.plain["done"]
+                halted = "halted" if event == Event.EPOCH_HALTED else ""
+                self._write_plain(state.metrics, halted)
+
+    def _open(self, state: Any) -> None:
+        from .log import epoch_label
+
+        stream = self.stream if self.stream is not None else sys.stderr
+        total = state.max_iteration or self.epoch_length or self.last_length
+        if state.max_iteration and self.epoch_length:
+            total = min(state.max_iteration, self.epoch_length)
+        label = epoch_label(state.epoch, state.max_epoch)
+        if _interactive(stream):
             from tqdm.auto import tqdm
 
-            self.close()
-            # Without an `iterations` bound the epoch's length is unknown until it ends;
-            # the previous epoch's length is the best guess for a re-iterable source.
-            total = state.max_iteration or self.last_length
-            self.bar = tqdm(total=total, desc=f"Epoch {state.epoch}",
-                            leave=True, dynamic_ncols=True)
-        elif event in (Event.EPOCH_COMPLETED, Event.EPOCH_HALTED) and self.bar is not None:
-            if event == Event.EPOCH_COMPLETED:
-                self.last_length = self.bar.n
-            self._show(state.metrics)
-            self.close()
+            self.bar = tqdm(total=total, desc=label, leave=True, dynamic_ncols=True,
+                            file=stream)
+        else:
+            self.plain = {"label": label, "total": total, "done": 0, "stream": stream,
+                          "began": time.perf_counter(), "metrics": {}}
 
     def advance(self, n: int, metrics: dict[str, Any] | None) -> None:
-        """Moves the bar by `n` iterations; shows `metrics` if the loop already read them."""
-        if self.bar is None:
-            return
-        self.bar.update(n)
-        if metrics:
-            self._show(metrics)
+        """Moves the display by `n` iterations; shows `metrics` if the loop already read them."""
+        if self.bar is not None:
+            self.bar.update(n)
+            if metrics:
+                self._show(metrics)
+        elif self.plain is not None:
+            self.plain["done"] += n
+            if metrics:
+                self.plain["metrics"] = dict(metrics)
 
     def _show(self, metrics: dict[str, Any]) -> None:
         shown = {}
@@ -57,8 +156,21 @@ class ProgressBar:
                 continue
         self.bar.set_postfix(shown, refresh=False)
 
+    def _write_plain(self, metrics: dict[str, Any], note: str) -> None:
+        from .log import SEPARATOR, format_metrics
+
+        plain, self.plain = self.plain, None
+        done, total = plain["done"], plain["total"]
+        fields = [plain["label"], f"{done}/{total}" if total else f"{done} iterations",
+                  f"{time.perf_counter() - plain['began']:.1f}s", note,
+                  format_metrics(metrics)]
+        write_above_bars(SEPARATOR.join(f for f in fields if f) + "\n", plain["stream"])
+
     def close(self) -> None:
-        """Closes the current bar (it stays on screen)."""
+        """Closes the current bar (it stays on screen); an epoch that never ended (a halt
+        mid-epoch, an error) still gets its plain line, marked "stopped"."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        if self.plain is not None:
+            self._write_plain(self.plain["metrics"], "stopped")

@@ -1,0 +1,212 @@
+"""Readable logs and progress (issue 10 item 12): newline-terminated lines with one separator,
+epochs numbered from 1 for people, log lines above the bar, plain lines off a terminal."""
+
+from __future__ import annotations
+
+import io
+import re
+import sys
+import tempfile
+import warnings
+
+import numpy as np
+import pytest
+
+import fuseloop as fl
+from fuseloop._events import Event
+from fuseloop._state import State
+from fuseloop.handlers.log import format_metrics, format_value
+from fuseloop.handlers.progress import ProgressBar, epoch_length_of
+
+MODEL = fl.models.mlp([8, 3])
+LOSS = "sparse_categorical_cross_entropy"
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(60, 4)).astype(np.float32)
+Y = RNG.integers(0, 3, size=60).astype(np.int32)
+TRAIN = fl.data.arrays(X, Y, batch_size=10, seed=1)
+VAL = fl.data.arrays(X[:20], Y[:20], batch_size=10, shuffle=False)
+NUMBER = r"-?\d+\.\d{7}"
+ITERATION = re.compile(rf"^Epoch (\d)/3 - iteration (\d)(/4)? - loss: {NUMBER} - "
+                       rf"accuracy: {NUMBER}$")
+SUMMARY = re.compile(rf"^Epoch (\d)/3 - loss: {NUMBER} - accuracy: {NUMBER} - "
+                     rf"validation_loss: {NUMBER} - validation_accuracy: {NUMBER}$")
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal, so tqdm draws a bar into it."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _loop(stream) -> fl.Loop:
+    return (fl.trainer(MODEL, LOSS, "adam", log=2, log_stream=stream)
+            .metric("accuracy").validate(MODEL, VAL))
+
+
+@pytest.mark.parametrize("iterations", [None, 4])
+def test_log_lines_are_whole_lines_numbered_from_1_and_fused_equals_unfused(iterations):
+    texts = {}
+    for fuse in (False, 3):
+        out = io.StringIO()
+        state = _loop(out).run(TRAIN, epochs=3, fuse=fuse, iterations=iterations)
+        texts[fuse] = out.getvalue()
+    assert texts[3] == texts[False]
+    text = texts[False]
+    assert "\r" not in text and text.endswith("\n")
+    lines = text.splitlines()
+    iteration_lines = [ITERATION.match(line) for line in lines if " - iteration " in line]
+    summaries = [SUMMARY.match(line) for line in lines if " - iteration " not in line]
+    assert all(iteration_lines) and all(summaries), lines
+    per_epoch = 4 if iterations else 6
+    # every=2 on the running count: counts 1, 3, 5, ... shown as 1-based iterations.
+    expected = [(c // per_epoch + 1, c % per_epoch + 1) for c in range(0, 3 * per_epoch, 2)]
+    assert [(int(m[1]), int(m[2])) for m in iteration_lines] == expected
+    assert all(bool(m[3]) == bool(iterations) for m in iteration_lines)
+    # One summary per epoch, after its last iteration line, with the validation metrics.
+    assert [int(m[1]) for m in summaries] == [1, 2, 3]
+    for epoch, line in zip(range(3), (l for l in lines if " - iteration " not in l)):
+        assert f"validation_loss: {state.history[epoch]['validation_loss']:.7f}" in line
+
+
+def test_an_early_stopped_run_summarises_every_finished_epoch():
+    out = io.StringIO()
+    loop = _loop(out).early_stop("validation_accuracy", patience=1, mode="max")
+    state = loop.run(TRAIN, epochs=30)
+    assert state.status == "halted"
+    summaries = [l for l in out.getvalue().splitlines() if " - iteration " not in l]
+    assert [s.split(" - ")[0] for s in summaries] == [
+        f"Epoch {e + 1}/30" for e in sorted(state.history)]
+
+
+def test_a_resumed_run_numbers_on_and_does_not_repeat_the_last_summary():
+    out = io.StringIO()
+    loop = _loop(out)
+    first = loop.run(TRAIN, epochs=1)
+    out.seek(0)
+    out.truncate()
+    loop.run(TRAIN, first, epochs=3)
+    summaries = [l.split(" - ")[0] for l in out.getvalue().splitlines()
+                 if " - iteration " not in l]
+    assert summaries == ["Epoch 2/3", "Epoch 3/3"]
+
+
+def test_log_lines_print_above_the_bar_never_into_it(monkeypatch):
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    monkeypatch.setattr(sys, "stderr", terminal)
+    loop = (_loop(None).log(lambda s: f"user line {s.epoch + 1}\n", event="epoch_completed"))
+    loop.run(TRAIN, epochs=3, fuse=2, progress=True)
+    raw = terminal.getvalue()
+    assert "Epoch 1/3:" in raw and "Epoch 3/3:" in raw  # the bar's label, from 1
+    screen = _render(raw)
+    logged = [line for line in screen if not _is_bar(line)]
+    # 9 iteration lines, 3 summaries, 3 user lines, each whole on its own screen line:
+    # a line mixed with the bar (or a bar overwritten by a shorter line) would not match.
+    assert len(logged) == 15, screen
+    for line in logged:
+        assert ITERATION.match(line) or SUMMARY.match(line) or re.fullmatch(
+            r"user line \d", line), repr(line)
+
+
+def _render(raw: str) -> list[str]:
+    """What a terminal shows for `raw`: "\r" returns to the line start, later characters
+    overwrite earlier ones, "\n" ends the line."""
+    lines, current, column = [], [], 0
+    for char in raw:
+        if char == "\r":
+            column = 0
+        elif char == "\n":
+            lines.append("".join(current).rstrip())
+            current, column = [], 0
+        else:
+            if column < len(current):
+                current[column] = char
+            else:
+                current.append(char)
+            column += 1
+    if "".join(current).strip():
+        lines.append("".join(current).rstrip())
+    return [line for line in lines if line]
+
+
+def _is_bar(line: str) -> bool:
+    return bool(re.match(r"^Epoch \d/3: ", line))
+
+
+def test_off_a_terminal_progress_is_one_plain_line_per_epoch(capsys):
+    state = _loop(io.StringIO()).run(TRAIN, epochs=3, progress=True, fuse=4)
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert [line.split(" - ")[0] for line in lines] == ["Epoch 1/3", "Epoch 2/3", "Epoch 3/3"]
+    assert lines[1].split(" - ")[1] == "6/6"  # the length is known from the first epoch on
+    assert re.fullmatch(r"\d+\.\ds", lines[2].split(" - ")[2])
+    assert lines[2].endswith(format_metrics(state.history[2]))
+
+
+def test_off_a_terminal_an_epoch_halted_midway_still_gets_its_line(capsys):
+    def stop(state):
+        return "halt_loop" if state.epoch == 1 and state.iteration == 2 else None
+
+    loop = fl.trainer(MODEL, LOSS, "adam").handle_event("iteration_completed", stop)
+    state = loop.run(TRAIN, epochs=3, progress=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert state.status == "halted" and len(lines) == 2
+    assert lines[1].startswith("Epoch 2/3 - 3/6 - ") and " - stopped - loss: " in lines[1]
+
+
+def _fake_state(epoch: int, max_iteration: int | None = None) -> State:
+    return State(epoch=epoch, max_epoch=2, max_iteration=max_iteration)
+
+
+def test_the_bar_knows_its_total_when_the_source_knows_its_length():
+    assert epoch_length_of(TRAIN) == 6 and epoch_length_of(TRAIN, iterations=4) == 4
+    assert epoch_length_of(iter([(0, 0)])) is None and epoch_length_of(lambda: iter([])) is None
+    assert epoch_length_of(lambda: iter([]), iterations=3) == 3
+    terminal = Terminal()
+    bar = ProgressBar.for_data(TRAIN, stream=terminal)
+    bar.on_event(Event.EPOCH_STARTED, _fake_state(0))
+    assert bar.bar.total == 6 and bar.bar.desc.startswith("Epoch 1/2")
+    bar.advance(6, {"loss": 0.5})
+    bar.on_event(Event.EPOCH_COMPLETED, _fake_state(0).replace(metrics={"loss": 0.25}))
+    assert bar.bar is None and "6/6" in terminal.getvalue()
+    bounded = ProgressBar(epoch_length=6, stream=terminal)
+    bounded.on_event(Event.EPOCH_STARTED, _fake_state(1, max_iteration=4))
+    assert bounded.bar.total == 4
+    bounded.close()
+    unknown = ProgressBar(stream=terminal)  # the loop's default: learns from the first epoch
+    unknown.on_event(Event.EPOCH_STARTED, _fake_state(0))
+    assert unknown.bar.total is None
+    unknown.advance(5, None)
+    unknown.on_event(Event.EPOCH_COMPLETED, _fake_state(0))
+    unknown.on_event(Event.EPOCH_STARTED, _fake_state(1))
+    assert unknown.bar.total == 5
+    unknown.close()
+
+
+def test_values_format_on_one_line():
+    assert format_value(0.5) == "0.5000000" and format_value(-2) == "-2.0000000"
+    assert format_value(2.5e-7) == "2.5000000e-07" and format_value(0.0) == "0.0000000"
+    assert format_value(float("nan")) == "nan" and format_value(np.float32(1.5)) == "1.5000000"
+    assert format_value(np.array([0.5, 1.0])) == "[0.5000000, 1.0000000]"
+    assert format_value("a\nb") == "a b"
+    assert format_metrics({"loss": 1.0, "members": np.zeros((2,))}) == (
+        "loss: 1.0000000 - members: [0.0000000, 0.0000000]")
+
+
+def test_demo_writes_its_plot_where_it_says_without_warnings(tmp_path, monkeypatch, capsys):
+    from fuseloop._demo import default_plot_path, demo
+
+    monkeypatch.chdir(tmp_path)
+    target = tmp_path / "out" / "curves.png"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        demo(epochs=1, plot=str(target), progress=False)
+    out = capsys.readouterr().out
+    assert target.exists() and f"written to {target}" in out
+    assert list(tmp_path.iterdir()) == [tmp_path / "out"]  # nothing else in the cwd
+    assert "Epoch 1/1 - loss: " in out
+    assert default_plot_path().is_relative_to(tempfile.gettempdir())
+    with pytest.raises(ValueError, match="plot"):
+        demo(epochs=1, plot=3, progress=False)
