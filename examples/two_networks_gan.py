@@ -21,6 +21,7 @@ import numpy as np
 import optax
 
 import fuseloop as fl
+from fuseloop.handlers.log import format_metrics
 
 NOISE, MODES, SPREAD = 8, 8, 0.05
 CENTERS = np.stack([np.cos(np.arange(MODES) * 2 * np.pi / MODES),
@@ -111,7 +112,7 @@ def main(argv=None) -> dict:
     loop = fl.loop(step_fn, init_fn).metric("d_loss").metric("g_loss")
     if args.log:
         loop = loop.log(lambda s: f"Epoch {s.epoch + 1}/{s.max_epoch} - "
-                                  f"{fl.handlers.log.format_metrics(s.metrics)}\n",
+                                  f"{format_metrics(s.metrics)}\n",
                         event="epoch_completed", filter={"every": args.log})
     epochs, iterations = (2, 4) if args.quick else (args.epochs, None)
     state = loop.run(data, 0, epochs=epochs, iterations=iterations, fuse=args.fuse or False)
