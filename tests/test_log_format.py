@@ -190,7 +190,7 @@ def test_values_format_on_one_line():
     assert format_value(2.5e-7) == "2.5000000e-07" and format_value(0.0) == "0.0000000"
     assert format_value(float("nan")) == "nan" and format_value(np.float32(1.5)) == "1.5000000"
     assert format_value(np.array([0.5, 1.0])) == "[0.5000000, 1.0000000]"
-    assert format_value("a\nb") == "a b"
+    assert format_value("a\nb") == "a b" and format_value(None) == "None"
     assert format_metrics({"loss": 1.0, "members": np.zeros((2,))}) == (
         "loss: 1.0000000 - members: [0.0000000, 0.0000000]")
 

@@ -50,6 +50,8 @@ def format_value(value: Any) -> str:
         >>> format_value(0.5), format_value(3e-9), format_value([1, 2])
         ('0.5000000', '3.0000000e-09', '[1.0000000, 2.0000000]')
     """
+    if value is None:  # np.asarray would turn it into nan
+        return "None"
     try:
         array = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError):
