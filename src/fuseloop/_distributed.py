@@ -18,6 +18,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 from typing import Any, Callable
 
 import jax
@@ -25,7 +26,7 @@ import numpy as np
 
 __all__ = [
     "initialize_from_environment", "process_index", "process_count", "is_main_process",
-    "sync", "assemble_global", "local_rows", "local_indices", "check_same_config",
+    "sync", "assemble_global", "local_rows", "process_block", "local_indices", "check_same_config",
     "config_fingerprint", "main_process_only", "all_processes", "runs_on_all_processes",
     "ENV_COORDINATOR", "ENV_COUNT", "ENV_ID",
 ]
@@ -63,10 +64,16 @@ def initialize_from_environment() -> bool:
             f"for the last two") from None
     # Real collectives between CPU processes (the default CPU backend has none).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=address, num_processes=count,
-                               process_id=index, initialization_timeout=max(timeout * 3, 30),
-                               heartbeat_timeout_seconds=timeout,
-                               shutdown_timeout_seconds=timeout)
+    try:
+        jax.distributed.initialize(
+            coordinator_address=address, num_processes=count, process_id=index,
+            initialization_timeout=max(timeout * 3, 30), heartbeat_timeout_seconds=timeout,
+            shutdown_timeout_seconds=timeout)
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"process {index} of {count} (started by fuseloop launch) could not initialise "
+            f"jax.distributed: {err}. Import fuseloop before the script uses jax (before "
+            f"jax.devices() or any computation)") from err
     return True
 
 
@@ -157,25 +164,47 @@ def local_rows(sharding: jax.sharding.Sharding, global_batch_size: int,
     return slice(first, last)
 
 
-def local_indices(global_indices: np.ndarray, sharding: jax.sharding.Sharding | None,
-                  batch_size: int) -> np.ndarray:
+def process_block(global_batch_size: int) -> slice:
+    """This process's contiguous share of a global batch: rows [p*B/P, (p+1)*B/P).
+
+    It is what `local_rows` gives for a "data" mesh built from `jax.devices()` (devices
+    are ordered by process), and what a data source uses when it does not know the mesh.
+
+    Example:
+        >>> process_block(8)
+        slice(0, 8, None)
+    """
+    count = jax.process_count()
+    if global_batch_size % count:
+        raise ValueError(
+            f"batch_size={global_batch_size} does not divide over {count} processes; each "
+            f"process feeds an equal share of every global batch, so use a multiple of "
+            f"{count}")
+    share = global_batch_size // count
+    return slice(jax.process_index() * share, (jax.process_index() + 1) * share)
+
+
+def local_indices(global_indices: np.ndarray, batch_size: int,
+                  sharding: jax.sharding.Sharding | None = None) -> np.ndarray:
     """This process's part of the example indices of one global batch.
 
     `fl.data.arrays` given the full arrays calls this for each batch, so every process
-    keeps the global order a single process would use and feeds only its own rows.
+    keeps the global order a single process would use and feeds only its own rows (those
+    `sharding` places on its devices, or `process_block` without a sharding).
 
     Example:
-        >>> local_indices(np.arange(8), None, 8)
+        >>> local_indices(np.arange(8), 8)
         array([0, 1, 2, 3, 4, 5, 6, 7])
     """
-    if sharding is None or jax.process_count() == 1:
+    if jax.process_count() == 1:
         return global_indices
     if len(global_indices) != batch_size:
         raise ValueError(
-            f"a global batch of {len(global_indices)} examples cannot be split across "
-            f"{jax.process_count()} processes as batch_size={batch_size}; pass "
+            f"a last batch of {len(global_indices)} examples cannot be split across "
+            f"{jax.process_count()} processes like batch_size={batch_size}; pass "
             f"drop_remainder=True")
-    return global_indices[local_rows(sharding, batch_size)]
+    rows = process_block(batch_size) if sharding is None else local_rows(sharding, batch_size)
+    return global_indices[rows]
 
 
 def assemble_global(local_tree: Any, sharding: jax.sharding.Sharding) -> Any:
@@ -199,6 +228,9 @@ def assemble_global(local_tree: Any, sharding: jax.sharding.Sharding) -> Any:
 
 
 # ----------------------------------------------------------------- agreement
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+
+
 def config_fingerprint(config: dict[str, Any]) -> dict[str, str]:
     """A short, comparable description of each configuration entry.
 
@@ -208,7 +240,8 @@ def config_fingerprint(config: dict[str, Any]) -> dict[str, str]:
     """
     out = {}
     for key, value in sorted(config.items()):
-        text = json.dumps(value, sort_keys=True, default=repr)
+        # Memory addresses in reprs differ between processes running the same code.
+        text = _ADDRESS.sub("0x", json.dumps(value, sort_keys=True, default=repr))
         out[str(key)] = text if len(text) <= 80 else \
             f"{text[:60]}... sha256:{hashlib.sha256(text.encode()).hexdigest()[:12]}"
     return out
