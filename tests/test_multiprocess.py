@@ -73,6 +73,12 @@ _UNITS = textwrap.dedent("""
         dist.check_same_config({"batch_size": 16 * (1 + dist.process_index()), "epochs": 3})
     except ValueError as err:
         result["config_error"] = str(err)
+    try:  # a different model on process 1: its variables differ in shape
+        variables = fl.models.mlp([8 + dist.process_index(), 3]).init(
+            jax.random.key(0), np.zeros((1, 4), np.float32))
+        dist.check_same_config({"model": dist.describe(variables, values=True)})
+    except ValueError as err:
+        result["model_error"] = str(err)
     calls = []
     dist.main_process_only(lambda s: calls.append("main"))(None)
     dist.main_process_only(dist.all_processes(lambda s: calls.append("all")))(None)
@@ -151,6 +157,8 @@ def test_a_configuration_difference_is_named_on_every_process(two_processes):
     for s in seen:
         assert "batch_size (process 0: 16, process 1: 32)" in s["config_error"]
         assert "epochs" not in s["config_error"]
+        assert s["model_error"].startswith("the processes of this run were given different "
+                                           "configurations: model (process 0: ")
 
 
 def test_side_effects_run_on_process_0_unless_marked(two_processes):

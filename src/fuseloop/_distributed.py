@@ -27,7 +27,7 @@ import numpy as np
 __all__ = [
     "initialize_from_environment", "process_index", "process_count", "is_main_process",
     "sync", "assemble_global", "local_rows", "process_block", "local_indices", "check_same_config",
-    "config_fingerprint", "main_process_only", "all_processes", "runs_on_all_processes",
+    "config_fingerprint", "describe", "main_process_only", "all_processes", "runs_on_all_processes",
     "ENV_COORDINATOR", "ENV_COUNT", "ENV_ID",
 ]
 
@@ -245,6 +245,29 @@ def config_fingerprint(config: dict[str, Any]) -> dict[str, str]:
         out[str(key)] = text if len(text) <= 80 else \
             f"{text[:60]}... sha256:{hashlib.sha256(text.encode()).hexdigest()[:12]}"
     return out
+
+
+def describe(tree: Any, values: bool = False) -> str:
+    """A configuration entry for a pytree of arrays: its structure, shapes and dtypes, and
+    with `values=True` a digest of its values (a host read of every leaf).
+
+    Use it for the model's initial variables (a different model or seed shows) and the
+    first batch (a different batch size shows).
+
+    Example:
+        >>> describe({"w": np.zeros((2, 3), np.float32)})
+        "PyTreeDef({'w': *}) [((2, 3), 'float32')]"
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    shapes = [(tuple(np.shape(leaf)), str(getattr(leaf, "dtype", type(leaf).__name__)))
+              for leaf in leaves]
+    text = f"{treedef} {shapes}"
+    if values:
+        digest = hashlib.sha256()
+        for leaf in jax.device_get(leaves):  # host sync point: one read of every leaf
+            digest.update(np.ascontiguousarray(leaf).tobytes())
+        text += f" values:{digest.hexdigest()[:16]}"
+    return text
 
 
 def _gather_text(text: str) -> list[str]:
