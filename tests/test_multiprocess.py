@@ -99,11 +99,13 @@ _UNITS = textwrap.dedent("""
 
     # Training: the engine on global batches every process feeds whole (fused), and on
     # global batches assembled from each process's share (unfused), then a resume.
-    for name, data, fuse in [("fused", train, 2), ("local_share", local_share, False)]:
+    resident = fl.data.arrays(x[:64], y[:64], 16, shuffle=False, device=True)
+    for name, data, fuse in [("fused", train, 2), ("local_share", local_share, False),
+                             ("resident", resident, 2)]:
         path = os.path.join(out, f"ck_{name}")
-        trained = trainer.checkpoint(path).run(data, epochs=4, fuse=fuse, mesh=mesh)
+        trained = trainer.checkpoint(path).run(data, epochs=3, fuse=fuse, mesh=mesh)
         first = fl.load_state(list_checkpoints(path)[0])
-        resumed = trainer.run(data, first, epochs=4, fuse=fuse, mesh=mesh)
+        resumed = trainer.run(data, first, epochs=3, fuse=fuse, mesh=mesh)
         result[name] = {"params": params(trained), "resumed": params(resumed),
                         "history": {str(k): v for k, v in trained.history.items()},
                         "status": trained.status, "epoch": trained.epoch}
@@ -123,13 +125,13 @@ _DIES = textwrap.dedent("""
 """)
 
 
-def _launch(tmp_path, body: str, timeout: int = 180) -> subprocess.CompletedProcess:
+def _launch(tmp_path, body: str, *options: str) -> subprocess.CompletedProcess:
     script = tmp_path / "script.py"
     script.write_text(_COMMON + body)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     return subprocess.run([sys.executable, "-m", "fuseloop.cli", "launch", "-n", "2",
-                           str(script), str(tmp_path)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                           *options, str(script), str(tmp_path)], capture_output=True,
+                          text=True, timeout=300, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -187,10 +189,10 @@ def _common() -> dict:
 def reference():
     """The same training in this single process, on one device."""
     common = _common()
-    return common["trainer"].run(common["train"], epochs=4, fuse=2)
+    return common["trainer"].run(common["train"], epochs=3, fuse=2)
 
 
-@pytest.mark.parametrize("name", ["fused", "local_share"])
+@pytest.mark.parametrize("name", ["fused", "local_share", "resident"])
 def test_two_processes_train_like_one(two_processes, reference, name):
     _, seen = two_processes
     first, second = (s[name] for s in seen)
@@ -207,14 +209,16 @@ def test_two_processes_train_like_one(two_processes, reference, name):
             assert first["history"][str(epoch)][key] == pytest.approx(value, rel=1e-5)
 
 
-def test_fused_and_per_process_input_agree_bitwise(two_processes):
+def test_fused_per_process_input_and_device_resident_agree_bitwise(two_processes):
     _, seen = two_processes
     assert seen[0]["fused"]["params"] == seen[0]["local_share"]["params"]
+    assert seen[0]["fused"]["params"] == seen[0]["resident"]["params"]
+    assert seen[1]["resident"]["resumed"] == seen[1]["resident"]["params"]
 
 
 def test_a_dead_process_fails_the_run_in_bounded_time_and_the_checkpoint_loads(tmp_path):
     began = time.monotonic()
-    result = _launch(tmp_path, _DIES)
+    result = _launch(tmp_path, _DIES, "--grace", "1")
     elapsed = time.monotonic() - began
     assert result.returncode != 0 and elapsed < 120
     assert "[1] process 1 dies now" in result.stdout

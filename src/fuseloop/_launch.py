@@ -111,6 +111,8 @@ def launch(count: int, script: str, args: Sequence[str] = (), *, port: int | Non
     """
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"count={count!r} must be a positive int (the number of processes)")
+    if not grace >= 0:
+        raise ValueError(f"grace={grace!r} must be a number of seconds >= 0")
     if not os.path.isfile(script):
         raise ValueError(f"script={script!r} is not a file")
     sink = out or sys.stdout

@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="coordinator port on 127.0.0.1 (default: a free one)")
     launch.add_argument("--failure-timeout", type=int, default=None,
                         help="seconds after which jax reports an unresponsive process")
+    launch.add_argument("--grace", type=float, default=5.0,
+                        help="seconds between SIGTERM and SIGKILL when stopping the other "
+                             "processes after one failed")
     launch.add_argument("script", help="the Python script to run")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     return parser
@@ -73,7 +76,8 @@ def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     options = {} if args.failure_timeout is None else {"failure_timeout": args.failure_timeout}
     try:
-        return launch(args.nprocs, args.script, args.args, port=args.port, **options)
+        return launch(args.nprocs, args.script, args.args, port=args.port, grace=args.grace,
+                      **options)
     except ValueError as err:
         parser.error(str(err))
         return 2  # pragma: no cover - parser.error exits
