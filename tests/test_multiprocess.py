@@ -37,8 +37,10 @@ _COMMON = textwrap.dedent("""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(96, 4)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0).astype(np.int32)
-    train = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 64, 16)]
-    val = [(x[64:80], y[64:80]), (x[80:96], y[80:96])]
+    # fl.data.arrays sources, given the full arrays on every process, are right whether the
+    # engine assembles each process's share or is handed whole global batches.
+    train = fl.data.arrays(x[:64], y[:64], 16, shuffle=False)
+    val = fl.data.arrays(x[64:], y[64:], 16, shuffle=False)
     model = fl.models.mlp([8, 3])
     trainer = (fl.trainer(model, "sparse_categorical_cross_entropy", "adam").metric("accuracy")
                .validate(model, val).early_stop("validation_loss", patience=1))
@@ -47,7 +49,8 @@ _COMMON = textwrap.dedent("""
     def local_share():
         # Per-process input: each process feeds only its rows of every global batch.
         rows = dist.local_rows(batch, 16)
-        for bx, by in train:
+        for start in range(0, 64, 16):  # assembled here: the engine receives global arrays
+            bx, by = x[start:start + 16], y[start:start + 16]
             yield dist.assemble_global((bx[rows], by[rows]), batch)
 
 

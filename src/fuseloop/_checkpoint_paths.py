@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Iterator
 
 from etils import epath
-from orbax.checkpoint._src.path import atomicity, step as step_lib
+from orbax.checkpoint.path import atomicity, step as step_lib
 
 __all__ = ["HiddenTemporaryPath", "EpochNames", "checkpoint_dirs", "CHECKPOINT_NAME", "TRASH"]
 

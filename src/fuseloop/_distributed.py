@@ -222,9 +222,19 @@ def assemble_global(local_tree: Any, sharding: jax.sharding.Sharding) -> Any:
     """
     if jax.process_count() == 1:
         return jax.device_put(local_tree, sharding)
-    return jax.tree.map(
-        lambda leaf: jax.make_array_from_process_local_data(sharding, np.asarray(leaf)),
-        local_tree)
+    return jax.tree.map(lambda leaf: _assemble_leaf(leaf, sharding), local_tree)
+
+
+def _assemble_leaf(leaf: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        # Already global (a source that assembled its own batches): used as it is.
+        if leaf.sharding != sharding:
+            raise ValueError(
+                f"a global array with sharding {leaf.sharding} was given where the mesh's "
+                f"batch sharding {sharding} is expected; yield process-local numpy arrays "
+                f"(fuseloop assembles them) or arrays with this sharding")
+        return leaf
+    return jax.make_array_from_process_local_data(sharding, np.asarray(leaf))
 
 
 # ----------------------------------------------------------------- agreement
