@@ -54,6 +54,12 @@ _COMMON = textwrap.dedent("""
             yield dist.assemble_global((bx[rows], by[rows]), batch)
 
 
+    # Whether the engine assembles each process's share itself (docs/distributed.md).
+    import fuseloop._placement, fuseloop.data
+    ENGINE_ASSEMBLES = (hasattr(fuseloop._placement, "assemble_global")
+                        and hasattr(fuseloop.data, "local_indices"))
+
+
     def params(state):
         return [np.asarray(leaf).tolist() for leaf in jax.tree.leaves(state.params)]
 """)
@@ -112,6 +118,8 @@ _UNITS = textwrap.dedent("""
         result[name] = {"params": params(trained), "resumed": params(resumed),
                         "history": {str(k): v for k, v in trained.history.items()},
                         "status": trained.status, "epoch": trained.epoch}
+    if ENGINE_ASSEMBLES:  # no mesh given: the processes still form one global mesh
+        result["auto_mesh"] = params(trainer.run(train, epochs=3, fuse=2))
     with open(os.path.join(out, f"result_{dist.process_index()}.json"), "w") as handle:
         json.dump(result, handle)
 """)
@@ -233,3 +241,10 @@ def test_a_dead_process_fails_the_run_in_bounded_time_and_the_checkpoint_loads(t
     common = _common()
     resumed = common["trainer"].run(common["train"], latest, epochs=latest.epoch + 2, fuse=2)
     assert sorted(resumed.history) == list(range(latest.epoch + 2))
+
+
+def test_without_a_mesh_the_processes_form_one(two_processes):
+    _, seen = two_processes
+    if "auto_mesh" not in seen[0]:
+        pytest.skip("the engine does not assemble per-process shares yet")
+    assert seen[0]["auto_mesh"] == seen[1]["auto_mesh"] == seen[0]["fused"]["params"]
