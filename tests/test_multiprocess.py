@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 import textwrap
@@ -30,7 +31,7 @@ _COMMON = textwrap.dedent("""
     from fuseloop import _distributed as dist
     from fuseloop.handlers.checkpoint import Checkpointer, list_checkpoints
 
-    out = sys.argv[1]
+    out = sys.argv[1] if __name__ == "__main__" else None
     mesh = jax.sharding.Mesh(jax.devices(), ("data",))
     batch = jax.NamedSharding(mesh, jax.P("data"))
     replicated = jax.NamedSharding(mesh, jax.P())
@@ -142,7 +143,7 @@ def _launch(tmp_path, body: str, *options: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     return subprocess.run([sys.executable, "-m", "fuseloop.cli", "launch", "-n", "2",
                            *options, str(script), str(tmp_path)], capture_output=True,
-                          text=True, timeout=300, env=env)
+                          text=True, timeout=300, env=env, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -188,18 +189,17 @@ def test_saves_are_collective(two_processes):
     assert fl.load_state(tmp_path / "one").epoch == 2  # and loads in a single process
 
 
-def _common() -> dict:
+def _common(tmp_path) -> dict:
     """The launched scripts' set-up (data, trainer), run in this single process."""
-    namespace: dict = {}
-    exec(compile(_COMMON.replace("out = sys.argv[1]", "out = None"), "common", "exec"),
-         namespace)
-    return namespace
+    script = tmp_path / "common.py"
+    script.write_text(_COMMON)
+    return runpy.run_path(str(script))
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(tmp_path_factory):
     """The same training in this single process, on one device."""
-    common = _common()
+    common = _common(tmp_path_factory.mktemp("reference"))
     return common["trainer"].run(common["train"], epochs=3, fuse=2)
 
 
@@ -238,7 +238,7 @@ def test_a_dead_process_fails_the_run_in_bounded_time_and_the_checkpoint_loads(t
     assert "finished" not in result.stdout
     latest = fl.load_state(tmp_path / "ck")
     assert latest.epoch == 1 and latest.status == "running"  # the last complete save
-    common = _common()
+    common = _common(tmp_path)
     resumed = common["trainer"].run(common["train"], latest, epochs=latest.epoch + 2, fuse=2)
     assert sorted(resumed.history) == list(range(latest.epoch + 2))
 

@@ -31,7 +31,7 @@ import numpy as np
 from ._json_tree import decode, encode
 from ._state import State
 
-__all__ = ["save_state", "load_state", "is_save", "read_legacy_arrays", "FORMAT"]
+__all__ = ["FORMAT", "is_save", "load_state", "read_legacy_arrays", "save_state"]
 
 FORMAT = "fuseloop-state"
 VERSION = 2

@@ -10,13 +10,14 @@ deleted.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from etils import epath
-from orbax.checkpoint.path import atomicity, step as step_lib
+from orbax.checkpoint.path import atomicity
+from orbax.checkpoint.path import step as step_lib
 
-__all__ = ["HiddenTemporaryPath", "EpochNames", "checkpoint_dirs", "CHECKPOINT_NAME", "TRASH"]
+__all__ = ["CHECKPOINT_NAME", "TRASH", "EpochNames", "HiddenTemporaryPath", "checkpoint_dirs"]
 
 CHECKPOINT_NAME = re.compile(r"^checkpoint_(\d+)_epoch_(\d+)$")
 TRASH = ".trash"

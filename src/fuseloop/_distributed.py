@@ -19,16 +19,31 @@ import hashlib
 import json
 import os
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 
 __all__ = [
-    "initialize_from_environment", "process_index", "process_count", "is_main_process",
-    "sync", "assemble_global", "local_rows", "process_block", "local_indices", "check_same_config",
-    "config_fingerprint", "describe", "main_process_only", "all_processes", "runs_on_all_processes",
-    "ENV_COORDINATOR", "ENV_COUNT", "ENV_ID",
+    "ENV_COORDINATOR",
+    "ENV_COUNT",
+    "ENV_ID",
+    "all_processes",
+    "assemble_global",
+    "check_same_config",
+    "config_fingerprint",
+    "describe",
+    "initialize_from_environment",
+    "is_main_process",
+    "local_indices",
+    "local_rows",
+    "main_process_only",
+    "process_block",
+    "process_count",
+    "process_index",
+    "runs_on_all_processes",
+    "sync",
 ]
 
 ENV_COORDINATOR = "FUSELOOP_COORDINATOR"

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.tree_util import PyTreeDef, default_registry
 
-__all__ = ["encode", "decode"]
+__all__ = ["decode", "encode"]
 
 _SCALARS = (bool, int, float, str)
 
@@ -122,7 +122,7 @@ def _one_level(value: Any) -> tuple[list[Any], PyTreeDef]:
 
 
 def _is_node(value: Any) -> bool:
-    children, treedef = _one_level(value)
+    _, treedef = _one_level(value)
     return not (treedef.num_nodes == 1 and treedef.num_leaves == 1)
 
 
@@ -213,7 +213,7 @@ def _decode_node(encoded, arrays, where):
     try:
         treedef = PyTreeDef.from_node_data_and_children(
             default_registry, (node_type, data), [leaf] * len(children))
-    except Exception as err:  # jax raises RuntimeError for unregistered types
+    except (RuntimeError, TypeError, ValueError) as err:  # RuntimeError: unregistered
         raise ValueError(f"{where}: {encoded['node']!r} is not a pytree node type jax "
                          f"knows ({err})") from None
     return treedef.unflatten(children)

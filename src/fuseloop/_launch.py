@@ -17,11 +17,18 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Sequence
+from collections.abc import Sequence
+from typing import IO
 
-from ._distributed import DEFAULT_FAILURE_TIMEOUT, ENV_COORDINATOR, ENV_COUNT, ENV_ID, ENV_TIMEOUT
+from ._distributed import (
+    DEFAULT_FAILURE_TIMEOUT,
+    ENV_COORDINATOR,
+    ENV_COUNT,
+    ENV_ID,
+    ENV_TIMEOUT,
+)
 
-__all__ = ["launch", "free_port"]
+__all__ = ["free_port", "launch"]
 
 _POLL_SECONDS = 0.05
 

@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .._checkpoint import save_args
-from .._checkpoint_paths import (TRASH, EpochNames, HiddenTemporaryPath,
-                                 checkpoint_dirs)
+from .._checkpoint_paths import TRASH, EpochNames, HiddenTemporaryPath, checkpoint_dirs
 from .._state import State
 from .monitor import Monitor
 
