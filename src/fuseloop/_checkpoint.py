@@ -1,17 +1,19 @@
-"""`save_state` / `load_state`: the whole State on disk, written atomically.
+"""`save_state` / `load_state`: the whole State on disk, written atomically, no pickle.
 
-A save is a directory:
+A save is a directory written by orbax-checkpoint (atomic finalize: it is written under a
+hidden temporary name and renamed into place when complete; every process of a
+multi-process run takes part):
 
-    arrays/      the step state's arrays (orbax-checkpoint, saved from host numpy copies)
-    state.pkl    everything else: the step state's tree structure (optax NamedTuples
-                 included, so a restored optimizer state has the original pytree type),
-                 epoch and counters, metrics, history, handler metadata, event counts,
-                 status, times
-    info.json    a small human-readable summary, written last
+    state/metadata   JSON: format and version, a readable summary (epoch, iteration,
+                     status), the step state's tree structure, and every other State field
+                     (history, metrics, counters, handler metadata, event counts, times)
+    arrays/          the arrays, numbered as the JSON refers to them (orbax PyTree)
 
-It is written into a hidden temporary directory next to its destination, flushed to disk,
-and renamed into place: a process killed mid-save leaves at most a stray temporary
-directory, never a half-written save under the final name.
+What a save can hold and how it is rebuilt without pickle: see `_json_tree`. Loading never
+unpickles and never imports a module, so a crafted directory cannot run code.
+
+A directory written by fuseloop's first format (`state.pkl`, a pickle) is refused with a
+message that says how to recover its arrays (`read_legacy_arrays`).
 """
 
 from __future__ import annotations
@@ -19,183 +21,196 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import pickle
-import re
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
+from ._json_tree import decode, encode
 from ._state import State
 
-__all__ = ["save_state", "load_state", "write_atomically", "is_save", "FORMAT"]
+__all__ = ["FORMAT", "is_save", "load_state", "read_legacy_arrays", "save_state"]
 
 FORMAT = "fuseloop-state"
-VERSION = 1
-_INFO, _PICKLE, _ARRAYS = "info.json", "state.pkl", "arrays"
-_CHECKPOINT_DIR = re.compile(r"^checkpoint_(\d+)")
+VERSION = 2
+LEGACY_VERSION = 1
+_STATE, _ARRAYS, _JSON_FILE = "state", "arrays", "metadata"
+_LEGACY_INFO, _LEGACY_PICKLE = "info.json", "state.pkl"
 
 
-# ----------------------------------------------------------------- arrays <-> disk
-def _array_kind(leaf: Any) -> str | None:
-    """"key" (typed PRNG key), "jax", "numpy", or None (kept as a Python object)."""
-    if isinstance(leaf, jax.Array):
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            return "key"
-        return "jax"
-    if isinstance(leaf, (np.ndarray, np.generic)):
-        return "numpy"
+# ----------------------------------------------------------------- State <-> JSON + arrays
+def to_payload(state: State) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """The JSON document and the host arrays that together hold `state`.
+
+    Raises:
+        ValueError: naming the field or key of a value that cannot be saved.
+    """
+    arrays: list[Any] = []
+    step_state = encode(state.step_state, arrays, "step_state")
+    fields = {f.name: encode(getattr(state, f.name), arrays, f.name)
+              for f in dataclasses.fields(state) if f.name != "step_state"}
+    summary = {"epoch": state.epoch, "iteration": state.iteration, "status": state.status,
+               "epochs_in_history": sorted(int(e) for e in state.history)}
+    payload = {"format": FORMAT, "version": VERSION, "summary": summary,
+               "n_arrays": len(arrays), "step_state": step_state, "fields": fields}
+    return payload, host_copies(arrays)
+
+
+def host_copies(arrays: list[Any]) -> list[np.ndarray]:
+    """Numpy copies of `arrays` (they survive later donation and asynchronous writes).
+
+    Host sync point: one device-to-host read for all arrays. An array sharded across
+    processes is gathered first (a collective: every process saves).
+    """
+    gathered = []
+    for array in arrays:
+        if isinstance(array, jax.Array) and not array.is_fully_addressable \
+                and not array.is_fully_replicated:
+            from jax.experimental import multihost_utils
+
+            array = multihost_utils.process_allgather(array, tiled=True)
+        gathered.append(array)
+    return [np.array(a) for a in jax.device_get(gathered)]
+
+
+def from_payload(payload: Any, arrays: list[np.ndarray], where: str) -> State:
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise ValueError(f"path={where!r} is not a fuseloop save")
+    if payload.get("version") != VERSION:
+        raise ValueError(f"path={where!r} holds fuseloop save format version "
+                         f"{payload.get('version')!r}; this fuseloop reads version {VERSION}")
+    fields = payload.get("fields")
+    known = {f.name for f in dataclasses.fields(State)} - {"step_state"}
+    if not isinstance(fields, dict) or not set(fields) <= known:
+        raise ValueError(f"path={where!r}: the save's State fields are damaged")
+    values = {name: decode(value, arrays, name) for name, value in fields.items()}
+    return State(step_state=decode(payload.get("step_state"), arrays, "step_state"), **values)
+
+
+def save_args(state: State) -> Any:
+    """orbax `Composite` arguments that save `state` (its arrays already on the host)."""
+    import orbax.checkpoint as ocp
+
+    payload, arrays = to_payload(state)
+    items = {_STATE: ocp.args.JsonSave(payload)}
+    if arrays:
+        items[_ARRAYS] = ocp.args.PyTreeSave({f"leaf_{i:06d}": a for i, a in enumerate(arrays)})
+    return ocp.args.Composite(**items)
+
+
+# ----------------------------------------------------------------- reading
+def _read_json(file: Path) -> Any:
+    with open(file) as handle:
+        return json.load(handle)
+
+
+def save_version(path: Path) -> int | None:
+    """VERSION for a complete save, LEGACY_VERSION for the first (pickle) format, else None."""
+    path = Path(path)
+    try:
+        if _read_json(path / _STATE / _JSON_FILE).get("format") == FORMAT:
+            return VERSION
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        if _read_json(path / _LEGACY_INFO).get("format") == FORMAT:
+            return LEGACY_VERSION
+    except (OSError, ValueError, AttributeError):
+        pass
     return None
 
 
-def _split(step_state: Any) -> tuple[Any, list[Any], list[Any]]:
-    """(skeleton, host array leaves, per-leaf restore info).
-
-    The skeleton is the step state with leaf i replaced by the int i. Pickling it rather
-    than its PyTreeDef keeps node types whose aux data does not survive pickling a treedef
-    (equinox modules), and optax NamedTuples come back as themselves.
-    """
-    leaves, treedef = jax.tree.flatten(step_state)
-    skeleton = jax.tree.unflatten(treedef, list(range(len(leaves))))
-    arrays, info = [], []
-    for leaf in leaves:
-        kind = _array_kind(leaf)
-        if kind is None:
-            info.append(("object", leaf))
-            continue
-        if kind == "key":
-            info.append(("key", str(jax.random.key_impl(leaf)), len(arrays)))
-            leaf = jax.random.key_data(leaf)
-        else:
-            info.append((kind, len(arrays)))
-        arrays.append(leaf)
-    # One device-to-host read for all arrays; numpy copies survive later donation.
-    host = [np.array(a) for a in jax.device_get(arrays)]
-    return skeleton, host, info
+def is_save(path: Path) -> bool:
+    """Whether `path` is one complete save (of this format or the first one)."""
+    return save_version(path) is not None
 
 
-def _join(skeleton: Any, arrays: list[np.ndarray], info: list[Any]) -> Any:
-    order, treedef = jax.tree.flatten(skeleton)
-    if order != list(range(len(info))):
-        raise ValueError("the saved step state's structure does not flatten back in order; "
-                         "the save is damaged or its pytree types changed")
-    leaves = []
-    for entry in info:
-        if entry[0] == "object":
-            leaves.append(entry[1])
-        elif entry[0] == "key":
-            leaves.append(jax.random.wrap_key_data(arrays[entry[2]], impl=entry[1]))
-        elif entry[0] == "jax":
-            leaves.append(jax.device_put(arrays[entry[1]]))
-        else:
-            leaves.append(arrays[entry[1]])
-    return jax.tree.unflatten(treedef, leaves)
-
-
-def _save_arrays(arrays: list[np.ndarray], directory: Path) -> None:
-    if not arrays:
-        return
-    import orbax.checkpoint as ocp
-
-    tree = {f"leaf_{i:06d}": a for i, a in enumerate(arrays)}
-    with ocp.PyTreeCheckpointer() as checkpointer:
-        checkpointer.save(directory, tree)
-
-
-def _load_arrays(directory: Path, count: int) -> list[np.ndarray]:
+def _load_arrays(folder: Path, count: int) -> list[np.ndarray]:
     if count == 0:
         return []
     import orbax.checkpoint as ocp
 
     with ocp.PyTreeCheckpointer() as checkpointer:
-        tree = checkpointer.restore(directory)
-    return [np.asarray(tree[f"leaf_{i:06d}"]) for i in range(count)]
-
-
-# ----------------------------------------------------------------- atomic writes
-def _fsync_tree(root: Path) -> None:
-    """Flushes every file and directory under `root` to disk (so a rename publishes data
-    that is really there, also after a power loss)."""
-    for folder, _, files in os.walk(root):
-        for name in files:
-            with open(os.path.join(folder, name), "rb") as handle:
-                os.fsync(handle.fileno())
-        _fsync_dir(Path(folder))
-
-
-def _fsync_dir(folder: Path) -> None:
+        tree = checkpointer.restore(folder)
     try:
-        descriptor = os.open(folder, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory descriptors
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(descriptor)
+        return [np.asarray(tree[f"leaf_{i:06d}"]) for i in range(count)]
+    except KeyError as err:
+        raise ValueError(f"path={str(folder)!r} lacks the array {err}; the save is "
+                         f"damaged") from None
 
 
-def temp_name(destination: Path) -> Path:
-    """A hidden sibling of `destination` that names this process (for stale cleanup)."""
-    return destination.parent / f".tmp-{destination.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+def read_save(folder: Path) -> State:
+    """Loads one save directory (never unpickles)."""
+    if save_version(folder) == LEGACY_VERSION:
+        raise ValueError(_legacy_message(folder))
+    payload = _read_json(folder / _STATE / _JSON_FILE)
+    count = payload.get("n_arrays") if isinstance(payload, dict) else None
+    if type(count) is not int or count < 0:
+        raise ValueError(f"path={str(folder)!r}: the save's array count is damaged")
+    return from_payload(payload, _load_arrays(folder / _ARRAYS, count), str(folder))
 
 
-def write_atomically(state: State, destination: Path) -> Path:
-    """Writes `state` to a temporary sibling of `destination`, then renames it into place.
+def _legacy_message(folder: Path) -> str:
+    return (
+        f"path={str(folder)!r} was written by fuseloop's first save format, whose non-array "
+        f"part is a pickle ({_LEGACY_PICKLE}); fuseloop no longer unpickles, because loading "
+        f"a pickle can run arbitrary code. To recover: its arrays load safely with "
+        f"fuseloop._checkpoint.read_legacy_arrays(path) (the step state's array leaves in "
+        f"jax.tree.leaves order, and its info.json summary); rebuild the step state with "
+        f"jax.tree.unflatten(jax.tree.structure(fresh_step_state), arrays) and save it again "
+        f"with fl.save_state. If you trust the file, you may instead load it with the "
+        f"fuseloop version that wrote it and save it again with this one")
 
-    `destination` must not exist.
+
+def read_legacy_arrays(path: str | os.PathLike[str]) -> tuple[list[np.ndarray], dict]:
+    """The arrays and the JSON summary of a save in the first (pickle) format, read
+    without unpickling anything.
+
+    The arrays are the step state's array leaves in `jax.tree.leaves` order (typed PRNG
+    keys as their key data).
+
+    Example:
+        >>> arrays, info = read_legacy_arrays("old_save")  # doctest: +SKIP
     """
-    destination = Path(destination)
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    staging = temp_name(destination)
-    try:
-        _write(state, staging)
-        _fsync_tree(staging)
-        os.rename(staging, destination)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    _fsync_dir(destination.parent)
-    return destination
+    folder = Path(path)
+    if save_version(folder) != LEGACY_VERSION:
+        raise ValueError(f"path={str(folder)!r} is not a save in fuseloop's first format")
+    info = _read_json(folder / _LEGACY_INFO)
+    if not (folder / _ARRAYS).exists():
+        return [], info
+    import orbax.checkpoint as ocp
+
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        tree = checkpointer.restore(folder / _ARRAYS)
+    return [np.asarray(tree[k]) for k in sorted(tree)], info
 
 
-def _write(state: State, folder: Path) -> None:
-    folder.mkdir(parents=True)
-    skeleton, arrays, info = _split(state.step_state)
-    _save_arrays(arrays, folder / _ARRAYS)
-    host = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
-            if f.name != "step_state"}
-    payload = {"format": FORMAT, "version": VERSION, "skeleton": skeleton, "leaves": info,
-               "n_arrays": len(arrays), "fields": host}
-    with open(folder / _PICKLE, "wb") as handle:
-        pickle.dump(payload, handle, protocol=pickle.HIGHEST_PROTOCOL)
-    summary = {"format": FORMAT, "version": VERSION, "epoch": state.epoch,
-               "iteration": state.iteration, "status": state.status,
-               "epochs_in_history": sorted(int(e) for e in state.history)}
-    with open(folder / _INFO, "w") as handle:
-        json.dump(summary, handle, indent=1)
+# ----------------------------------------------------------------- writing one save
+def write_save(state: State, destination: Path) -> Path:
+    """Writes `state` to `destination` (which must not exist) with orbax's atomic finalize."""
+    import orbax.checkpoint as ocp
+
+    from ._checkpoint_paths import HiddenTemporaryPath
+
+    handler = ocp.CompositeCheckpointHandler()
+    with ocp.Checkpointer(handler, temporary_path_class=HiddenTemporaryPath) as checkpointer:
+        checkpointer.save(Path(destination).absolute(), args=save_args(state))
+    return Path(destination)
 
 
-def is_save(path: Path) -> bool:
-    """Whether `path` is one complete save written by `save_state`."""
-    try:
-        with open(Path(path) / _INFO) as handle:
-            return json.load(handle).get("format") == FORMAT
-    except (OSError, ValueError):
-        return False
+def _staging(path: Path, tag: str) -> Path:
+    return path.parent / f".{path.name}.{tag}"
 
 
-# ----------------------------------------------------------------- public API
 def save_state(state: State, path: str | os.PathLike[str]) -> Path:
     """Saves the whole State (arrays and host data) to the directory `path`, atomically.
 
     An existing save at `path` is replaced; anything else at `path` is refused. Only the
     State's values are saved, not the loop (its model, optimizer and handlers): resume with
-    the same Loop, `loop.run(data, fl.load_state(path), epochs=N)`.
+    the same Loop, `loop.run(data, fl.load_state(path), epochs=N)`. Under
+    `jax.distributed` every process calls it (the save is collective) with the same path.
 
     Args:
         state: The State to save (e.g. what `run` returned, or a handler's State).
@@ -204,84 +219,77 @@ def save_state(state: State, path: str | os.PathLike[str]) -> Path:
     Returns:
         The path written.
 
+    Raises:
+        ValueError: for a value in the State that cannot be saved without pickle (the
+            message names its field and key), or a `path` holding something else.
+
     Example:
-        >>> fl.save_state(state, "run1/final")  # doctest: +SKIP
-        >>> resumed = loop.run(data, fl.load_state("run1/final"), epochs=20)  # doctest: +SKIP
+        >>> import tempfile, jax.numpy as jnp, fuseloop as fl
+        >>> folder = tempfile.mkdtemp()
+        >>> _ = fl.save_state(fl.State(epoch=2, step_state={"w": jnp.ones(2)}),
+        ...                   folder + "/s")
+        >>> fl.load_state(folder + "/s").epoch
+        2
     """
     if not isinstance(state, State):
         raise ValueError(f"state={type(state).__name__} must be a fuseloop State")
     path = Path(path)
     if not path.exists():
-        return write_atomically(state, path)
+        return write_save(state, path)
     if not is_save(path):
         raise ValueError(
             f"path={str(path)!r} exists and is not a fuseloop save; refusing to replace it. "
             f"Pass a new path (or remove it)"
         )
-    staging = temp_name(path)
-    backup = path.parent / f".old-{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    write_atomically(state, staging)
-    # Between these two renames `path` is briefly absent; load_state then finds the
-    # previous save under its backup name.
-    os.rename(path, backup)
-    os.rename(staging, path)
-    _fsync_dir(path.parent)
-    shutil.rmtree(backup, ignore_errors=True)
+    staging, backup = _staging(path, "new"), _staging(path, "old")
+    from ._distributed import is_main_process, sync
+
+    if is_main_process():
+        shutil.rmtree(staging, ignore_errors=True)
+    sync("fuseloop_save_state_staging")
+    write_save(state, staging)
+    if is_main_process():
+        # Between these two renames `path` is briefly absent; load_state then finds the
+        # previous save under its backup name.
+        shutil.rmtree(backup, ignore_errors=True)
+        os.rename(path, backup)
+        os.rename(staging, path)
+        shutil.rmtree(backup, ignore_errors=True)
+    sync("fuseloop_save_state_swapped")
     return path
 
 
-def _read(folder: Path) -> State:
-    with open(folder / _PICKLE, "rb") as handle:
-        payload = pickle.load(handle)
-    if payload.get("format") != FORMAT or payload.get("version") != VERSION:
-        raise ValueError(f"path={str(folder)!r} holds an unknown save format "
-                         f"({payload.get('format')!r} v{payload.get('version')!r})")
-    arrays = _load_arrays(folder / _ARRAYS, payload["n_arrays"])
-    step_state = _join(payload["skeleton"], arrays, payload["leaves"])
-    return State(step_state=step_state, **payload["fields"])
-
-
-def checkpoint_dirs(directory: Path) -> list[Path]:
-    """The complete saves in a `Loop.checkpoint` directory, oldest first."""
-    found = []
-    for child in Path(directory).iterdir():
-        match = _CHECKPOINT_DIR.match(child.name)
-        if match and child.is_dir() and is_save(child):
-            found.append((int(match.group(1)), child))
-    return [child for _, child in sorted(found)]
-
-
-def _backup_of(path: Path) -> Path | None:
-    if not path.parent.is_dir():
-        return None
-    prefix = f".old-{path.name}-"
-    backups = [p for p in path.parent.iterdir() if p.name.startswith(prefix) and is_save(p)]
-    return max(backups, key=lambda p: p.stat().st_mtime) if backups else None
-
-
+# ----------------------------------------------------------------- loading
 def load_state(path: str | os.PathLike[str]) -> State:
     """Loads a State written by `save_state`, or the latest complete save in a directory
     written by `Loop.checkpoint`.
 
     The restored step state has the original pytree structure (optax NamedTuples, flax
-    dicts), so `loop.run(data, fl.load_state(path), epochs=N)` resumes at epoch
-    `max(history) + 1`. Saves are pickled: load only files you trust.
+    dicts, equinox modules), so `loop.run(data, fl.load_state(path), epochs=N)` resumes at
+    epoch `max(history) + 1`. Nothing is unpickled and no module is imported: pytree types
+    are looked up among the modules the program has imported.
 
     Example:
-        >>> state = fl.load_state("checkpoints/")  # doctest: +SKIP
+        >>> import tempfile, jax.numpy as jnp, fuseloop as fl
+        >>> folder = tempfile.mkdtemp()
+        >>> _ = fl.save_state(fl.State(history={0: {"loss": 1.5}}), folder + "/s")
+        >>> fl.load_state(folder + "/s").history
+        {0: {'loss': 1.5}}
     """
+    from ._checkpoint_paths import checkpoint_dirs
+
     path = Path(path)
     if is_save(path):
-        return _read(path)
+        return read_save(path)
     if path.is_dir():
         saves = checkpoint_dirs(path)
         if saves:
-            return _read(saves[-1])
+            return read_save(saves[-1])
         raise ValueError(
             f"path={str(path)!r} holds no complete save: expected a directory written by "
             f"fl.save_state or one written by Loop.checkpoint (checkpoint_* subdirectories)"
         )
-    backup = _backup_of(path)
-    if backup is not None:  # a replacement by save_state was interrupted between renames
-        return _read(backup)
+    backup = _staging(path, "old")
+    if is_save(backup):  # a replacement by save_state was interrupted between renames
+        return read_save(backup)
     raise ValueError(f"path={str(path)!r} does not exist")

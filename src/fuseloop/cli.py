@@ -1,12 +1,52 @@
-"""The `fuseloop` command: `fuseloop demo` and `fuseloop bench`."""
+"""The `fuseloop` command: `fuseloop demo`, `fuseloop bench` and `fuseloop launch`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["main"]
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("fuseloop")
+    except metadata.PackageNotFoundError:  # running from a source tree without install
+        from . import __version__
+
+        return __version__
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fuseloop", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"fuseloop {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="train an MLP on scikit-learn's digits")
+    demo.add_argument("--epochs", type=int, default=20)
+    demo.add_argument("--fuse", default="32", help="chunk size, 'auto', or 'false'")
+    demo.add_argument("--plot", default="demo_history.png", help="PNG of the metric curves")
+    demo.add_argument("--no-progress", action="store_true")
+    commands.add_parser("bench", help="benchmark fused vs unfused vs peers", add_help=False)
+    launch = commands.add_parser(
+        "launch", help="run a script in N local processes under jax.distributed",
+        description="Starts N local processes of `python script.py [args]` with the "
+                    "coordinator address, process ids and CPU collectives set; "
+                    "`import fuseloop` initialises jax.distributed in each.")
+    launch.add_argument("-n", "--nprocs", type=int, required=True,
+                        help="the number of processes")
+    launch.add_argument("--port", type=int, default=None,
+                        help="coordinator port on 127.0.0.1 (default: a free one)")
+    launch.add_argument("--failure-timeout", type=int, default=None,
+                        help="seconds after which jax reports an unresponsive process")
+    launch.add_argument("--grace", type=float, default=5.0,
+                        help="seconds between SIGTERM and SIGKILL when stopping the other "
+                             "processes after one failed")
+    launch.add_argument("script", help="the Python script to run")
+    launch.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -15,14 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Example:
         >>> main(["demo", "--epochs", "1"])  # doctest: +SKIP
     """
-    parser = argparse.ArgumentParser(prog="fuseloop", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="train an MLP on scikit-learn's digits")
-    demo.add_argument("--epochs", type=int, default=20)
-    demo.add_argument("--fuse", default="32", help="chunk size, 'auto', or 'false'")
-    demo.add_argument("--plot", default="demo_history.png", help="PNG of the metric curves")
-    demo.add_argument("--no-progress", action="store_true")
-    commands.add_parser("bench", help="benchmark fused vs unfused vs peers", add_help=False)
+    parser = _parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         from .bench import main as bench_main
@@ -30,10 +63,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "launch":
+        return _launch(parser, args)
     from ._demo import demo as run_demo
 
     return run_demo(epochs=args.epochs, fuse=args.fuse, plot=args.plot,
                     progress=not args.no_progress)
+
+
+def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from ._launch import launch
+
+    options = {} if args.failure_timeout is None else {"failure_timeout": args.failure_timeout}
+    try:
+        return launch(args.nprocs, args.script, args.args, port=args.port, grace=args.grace,
+                      **options)
+    except ValueError as err:
+        parser.error(str(err))
+        return 2  # pragma: no cover - parser.error exits
 
 
 if __name__ == "__main__":  # pragma: no cover

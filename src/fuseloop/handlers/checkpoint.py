@@ -1,9 +1,11 @@
 """`Loop.checkpoint`: one atomically written save per firing, in a directory.
 
 Saves are `<path>/checkpoint_<seq>_epoch_<e>`, numbered in the order they were written
-(a resumed run continues the numbering). Each is written under a hidden temporary name and
-renamed into place when complete; `keep=N` removes the oldest only after the new one is in
-place, so a process killed at any moment leaves the last good checkpoint loadable.
+(a resumed run continues the numbering), written by `orbax.checkpoint.CheckpointManager`:
+each is written under a hidden temporary name and renamed into place when complete (orbax's
+atomic finalize), and `keep=N` (orbax's `max_to_keep`) removes the oldest only after the new
+one is in place, so a process killed at any moment leaves the last good checkpoint loadable.
+Under `jax.distributed` every process takes part in each save (orbax's multi-process save).
 
 When a run halts (early stopping, SIGINT/SIGTERM, terminate_on_nan), the final State is
 saved too, unless the last checkpoint already holds it.
@@ -13,10 +15,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from pathlib import Path
+from typing import Any
 
-from .._checkpoint import _CHECKPOINT_DIR, checkpoint_dirs, write_atomically
+from .._checkpoint import save_args
+from .._checkpoint_paths import TRASH, EpochNames, HiddenTemporaryPath, checkpoint_dirs
 from .._state import State
 from .monitor import Monitor
 
@@ -41,16 +44,6 @@ def _position(state: State) -> tuple[int, int]:
     return state.epoch, int(counts.get("total", 0)) if isinstance(counts, dict) else 0
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # pragma: no cover - someone else's process
-        return True
-    return True
-
-
 class Checkpointer:
     """Saves the whole State under `path` when its event fires.
 
@@ -59,26 +52,33 @@ class Checkpointer:
         criteria: None (save at every firing) or a metric name: save only when it improves.
         mode: "min" or "max" for `criteria`.
         keep: None (keep all) or the number of newest checkpoints to keep.
+        asynchronous: Write in the background, so training does not wait on the disk (the
+            State's arrays are copied to the host first). Attach `finish` to the
+            "completed" and "halted" events so the last write ends before `run` returns.
 
     Example:
         >>> loop = loop.checkpoint("ckpts", criteria="validation_loss", keep=2)  # doctest: +SKIP
     """
 
     def __init__(self, path: str | os.PathLike[str], criteria: str | None = None,
-                 mode: str = "min", keep: int | None = None, key: str = ""):
+                 mode: str = "min", keep: int | None = None, key: str = "",
+                 asynchronous: bool = False):
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise ValueError(f"path={path!r} must be a directory path")
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)
                                  or keep < 1):
             raise ValueError(f"keep={keep!r} must be None (keep all) or a positive int")
-        self.path, self.keep = Path(path), keep
+        if not isinstance(asynchronous, bool):
+            raise ValueError(f"asynchronous={asynchronous!r} must be True or False")
+        self.path, self.keep, self.asynchronous = Path(path).absolute(), keep, asynchronous
         self.monitor = None
         if criteria is not None:
             self.monitor = Monitor(criteria, mode, patience=0,
                                    key=key or f"checkpoint:{criteria}")
         elif mode not in ("min", "max"):
             raise ValueError(f"mode={mode!r} is not a mode; accepted values: min, max")
-        self._cleaned = False
+        self._manager: Any = None
+        self._names = EpochNames()
         self._last_saved: tuple[int, int] | None = None
 
     def __call__(self, state: State) -> tuple[str, State] | None:
@@ -106,45 +106,54 @@ class Checkpointer:
         """Saves the final State of a halted run (early stopping, a signal, a NaN), unless
         the last save already holds it. Checkpoint-on-best does not save here."""
         if self.monitor is not None or state.step_state is None:
+            self.finish(state)
             return
         if self._last_saved != _position(state):
             self.save(state)
+        self.finish(state)
+
+    def finish(self, state: State | None = None) -> None:
+        """Waits for an asynchronous write in flight (a handler for "completed"/"halted")."""
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._empty_trash()
 
     def save(self, state: State) -> Path:
-        """Writes one checkpoint and prunes old ones (only after it is complete)."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        if not self._cleaned:
-            self._remove_stale()
-            self._cleaned = True
-        destination = self.path / f"checkpoint_{self._next_number():06d}_epoch_{state.epoch}"
-        write_atomically(state, destination)
+        """Writes one checkpoint; orbax prunes old ones only after it is complete."""
+        manager = self._open()
+        step = max(manager.all_steps(), default=0) + 1
+        self._names.next_epoch(step, state.epoch)
+        manager.save(step, args=save_args(state), force=True)
+        if not self.asynchronous:
+            manager.wait_until_finished()
         self._last_saved = _position(state)
-        if self.keep is not None:
-            self._prune()
-        return destination
+        self._empty_trash()
+        return self.path / self._names.build_name(step)
 
-    def _next_number(self) -> int:
-        numbers = [int(m.group(1)) for m in map(_CHECKPOINT_DIR.match,
-                                                 (p.name for p in self.path.iterdir())) if m]
-        return max(numbers, default=0) + 1
+    def _open(self) -> Any:
+        """The CheckpointManager (created on the first save: it cleans up the temporary
+        directories of writers that died mid-save)."""
+        if self._manager is None:
+            import orbax.checkpoint as ocp
 
-    def _prune(self) -> None:
-        saves = checkpoint_dirs(self.path)
-        for old in saves[: max(len(saves) - self.keep, 0)]:
-            # Renamed away first (atomic), so a kill mid-delete never leaves a partial
-            # directory under a checkpoint name.
-            doomed = self.path / f".del-{old.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            os.rename(old, doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=self.keep, step_name_format=self._names, create=True,
+                cleanup_tmp_directories=True, todelete_subdir=TRASH,
+                enable_async_checkpointing=self.asynchronous, save_root_metadata=False,
+                temporary_path_class=HiddenTemporaryPath)
+            self._manager = ocp.CheckpointManager(self.path, options=options)
+            self._empty_trash()
+        return self._manager
 
-    def _remove_stale(self) -> None:
-        """Removes temporary directories left by processes that died mid-save."""
-        for child in self.path.iterdir():
-            if not child.name.startswith((".tmp-", ".del-")):
-                continue
-            try:
-                pid = int(child.name.rsplit("-", 2)[-2])
-            except (ValueError, IndexError):
-                continue
-            if pid != os.getpid() and not _alive(pid):
-                shutil.rmtree(child, ignore_errors=True)
+    def _empty_trash(self) -> None:
+        """Deletes saves the manager pruned (moved into the trash by an atomic rename)."""
+        from .._distributed import is_main_process
+
+        if is_main_process():
+            shutil.rmtree(self.path / TRASH, ignore_errors=True)
+
+    def close(self) -> None:
+        """Waits for writes in flight and releases the manager."""
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None

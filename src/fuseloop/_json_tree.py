@@ -1,0 +1,239 @@
+"""Values <-> JSON plus a list of arrays: how a save holds Python data without pickle.
+
+What can be encoded:
+
+- `None`, bools, ints, floats (NaN and infinities included) and strings, as JSON;
+- lists, tuples, and dicts whose keys are strings or ints;
+- numpy arrays and scalars, jax arrays and typed PRNG keys: stored in the array list, the
+  JSON holds their index;
+- pytree nodes of types the program has already imported: NamedTuples (optax states),
+  dataclass pytrees (equinox modules, flax struct dataclasses) and other registered nodes
+  whose node data is itself encodable;
+- module-level functions (an equinox MLP's activation), by module and name.
+
+Decoding never imports a module and never unpickles: a type or function is looked up among
+the modules the program has already imported, and a type is rebuilt only if jax knows it as
+a pytree node (or it is a dataclass pytree). Anything else raises ValueError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import jax
+import numpy as np
+from jax.tree_util import PyTreeDef, default_registry
+
+__all__ = ["decode", "encode"]
+
+_SCALARS = (bool, int, float, str)
+
+
+def _name_of(obj: Any) -> str:
+    return f"{obj.__module__}:{obj.__qualname__}"
+
+
+def _lookup(name: Any, where: str) -> Any:
+    """The object called `module:qualname` in an already imported module (never imports)."""
+    if not isinstance(name, str) or ":" not in name:
+        raise ValueError(f"{where}: {name!r} is not a 'module:name' reference")
+    module_name, qualname = name.split(":", 1)
+    obj = sys.modules.get(module_name)
+    if obj is None:
+        raise ValueError(
+            f"{where}: the save refers to {name!r}, but module {module_name!r} is not "
+            f"imported; fuseloop never imports a module named by a save. Import it before "
+            f"load_state")
+    for part in qualname.split("."):
+        if part.startswith("__") or not hasattr(obj, part):
+            raise ValueError(f"{where}: {name!r} does not name an object")
+        obj = getattr(obj, part)
+    return obj
+
+
+# ----------------------------------------------------------------- encode
+def encode(value: Any, arrays: list[Any], where: str = "value") -> Any:
+    """Returns the JSON form of `value`, appending its arrays to `arrays`.
+
+    Raises:
+        ValueError: naming `where` (the path to the value) for anything not encodable.
+
+    Example:
+        >>> arrays = []
+        >>> encode({"a": (1, 2.5), "b": [None, "x"]}, arrays)
+        {'dict': [['a', {'tuple': [1, 2.5]}], ['b', [None, 'x']]]}
+    """
+    if value is None or type(value) in _SCALARS:
+        return value
+    if type(value) is list:
+        return [encode(v, arrays, f"{where}[{i}]") for i, v in enumerate(value)]
+    if type(value) is tuple:
+        return {"tuple": [encode(v, arrays, f"{where}[{i}]") for i, v in enumerate(value)]}
+    if type(value) is dict:
+        return {"dict": [[_key(k, where), encode(v, arrays, f"{where}[{k!r}]")]
+                         for k, v in value.items()]}
+    array = _encode_array(value, arrays)
+    if array is not None:
+        return array
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) \
+            and _is_node(value):
+        return {"dataclass": _name_of(type(value)),
+                "fields": [[f.name, encode(getattr(value, f.name), arrays,
+                                           f"{where}.{f.name}")]
+                           for f in dataclasses.fields(value) if hasattr(value, f.name)]}
+    if _is_node(value):
+        return _encode_node(value, arrays, where)
+    if callable(value) and _is_named(value):
+        return {"function": _name_of(value)}
+    raise ValueError(
+        f"{where}={type(value).__name__} cannot be saved without pickle: a save holds "
+        f"numbers, strings, bools, None, lists, tuples, dicts with str/int keys, numpy/jax "
+        f"arrays, pytree nodes (NamedTuples, dataclass pytrees) and module-level functions. "
+        f"Convert it (e.g. to a dict of those) before saving")
+
+
+def _key(key: Any, where: str) -> Any:
+    if type(key) in (str, int):
+        return key
+    raise ValueError(f"{where} has the key {key!r} ({type(key).__name__}); a saved dict "
+                     f"takes str or int keys")
+
+
+def _encode_array(value: Any, arrays: list[Any]) -> dict[str, Any] | None:
+    if isinstance(value, jax.Array):
+        arrays.append(value)
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+            arrays[-1] = jax.random.key_data(value)
+            return {"key": len(arrays) - 1, "impl": str(jax.random.key_impl(value))}
+        return {"jax": len(arrays) - 1}
+    if isinstance(value, np.ndarray):
+        arrays.append(value)
+        return {"numpy": len(arrays) - 1}
+    if isinstance(value, np.generic):
+        arrays.append(np.asarray(value))
+        return {"numpy_scalar": len(arrays) - 1}
+    return None
+
+
+def _one_level(value: Any) -> tuple[list[Any], PyTreeDef]:
+    return jax.tree.flatten(value, is_leaf=lambda x: x is not value)
+
+
+def _is_node(value: Any) -> bool:
+    _, treedef = _one_level(value)
+    return not (treedef.num_nodes == 1 and treedef.num_leaves == 1)
+
+
+def _is_named(value: Any) -> bool:
+    try:
+        return _lookup(_name_of(value), "") is value
+    except (AttributeError, ValueError):
+        return False
+
+
+def _encode_node(value: Any, arrays: list[Any], where: str) -> dict[str, Any]:
+    children, treedef = _one_level(value)
+    node_type, node_data = treedef.node_data()
+    try:
+        data = encode(node_data, [], f"{where} (node data)")
+    except ValueError as err:
+        raise ValueError(f"{where}={type(value).__name__}: its pytree node data cannot be "
+                         f"saved without pickle ({err})") from None
+    return {"node": _name_of(node_type), "data": data,
+            "children": [encode(c, arrays, f"{where}/{i}") for i, c in enumerate(children)]}
+
+
+# ----------------------------------------------------------------- decode
+def decode(encoded: Any, arrays: list[Any], where: str = "value") -> Any:
+    """Rebuilds what `encode` wrote, given the arrays it collected (as numpy arrays).
+
+    Example:
+        >>> decode({'dict': [['a', {'tuple': [1, 2.5]}]]}, [])
+        {'a': (1, 2.5)}
+    """
+    if encoded is None or type(encoded) in _SCALARS:
+        return encoded
+    if type(encoded) is list:
+        return [decode(v, arrays, f"{where}[{i}]") for i, v in enumerate(encoded)]
+    if type(encoded) is not dict or not encoded:
+        raise ValueError(f"{where}: unexpected {type(encoded).__name__} in the save")
+    tag = next(iter(encoded))
+    decoder = _DECODERS.get(tag)
+    if decoder is None:
+        raise ValueError(f"{where}: unknown entry {tag!r} in the save")
+    return decoder(encoded, arrays, where)
+
+
+def _array(encoded: dict[str, Any], tag: str, arrays: list[Any], where: str) -> Any:
+    index = encoded[tag]
+    if type(index) is not int or not 0 <= index < len(arrays):
+        raise ValueError(f"{where}: array index {index!r} is out of range")
+    return arrays[index]
+
+
+def _decode_dict(encoded, arrays, where):
+    out = {}
+    for item in encoded["dict"]:
+        if not (isinstance(item, list) and len(item) == 2 and type(item[0]) in (str, int)):
+            raise ValueError(f"{where}: malformed dict entry in the save")
+        out[item[0]] = decode(item[1], arrays, f"{where}[{item[0]!r}]")
+    return out
+
+
+def _decode_key(encoded, arrays, where):
+    return jax.random.wrap_key_data(np.asarray(_array(encoded, "key", arrays, where)),
+                                    impl=str(encoded["impl"]))
+
+
+def _decode_dataclass(encoded, arrays, where):
+    cls = _lookup(encoded["dataclass"], where)
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise ValueError(f"{where}: {encoded['dataclass']!r} is not a dataclass type")
+    names = {f.name for f in dataclasses.fields(cls)}
+    # Built the way equinox and flax rebuild their dataclass pytrees (no __init__ runs).
+    obj = object.__new__(cls)
+    for name, value in encoded["fields"]:
+        if name not in names:
+            raise ValueError(f"{where}: {cls.__name__} has no field {name!r}")
+        object.__setattr__(obj, name, decode(value, arrays, f"{where}.{name}"))
+    if not _is_node(obj):
+        raise ValueError(f"{where}: {encoded['dataclass']!r} is not a pytree node type")
+    return obj
+
+
+def _decode_node(encoded, arrays, where):
+    node_type = _lookup(encoded["node"], where)
+    if not isinstance(node_type, type):
+        raise ValueError(f"{where}: {encoded['node']!r} is not a type")
+    children = [decode(c, arrays, f"{where}/{i}") for i, c in enumerate(encoded["children"])]
+    data = decode(encoded["data"], [], where)
+    leaf = jax.tree.structure(0)
+    try:
+        treedef = PyTreeDef.from_node_data_and_children(
+            default_registry, (node_type, data), [leaf] * len(children))
+    except (RuntimeError, TypeError, ValueError) as err:  # RuntimeError: unregistered
+        raise ValueError(f"{where}: {encoded['node']!r} is not a pytree node type jax "
+                         f"knows ({err})") from None
+    return treedef.unflatten(children)
+
+
+def _decode_function(encoded, arrays, where):
+    function = _lookup(encoded["function"], where)
+    if not callable(function) or isinstance(function, type):
+        raise ValueError(f"{where}: {encoded['function']!r} is not a function")
+    return function
+
+
+_DECODERS = {
+    "tuple": lambda e, a, w: tuple(decode(v, a, f"{w}[{i}]") for i, v in enumerate(e["tuple"])),
+    "dict": _decode_dict,
+    "jax": lambda e, a, w: jax.device_put(_array(e, "jax", a, w)),
+    "numpy": lambda e, a, w: np.asarray(_array(e, "numpy", a, w)),
+    "numpy_scalar": lambda e, a, w: np.asarray(_array(e, "numpy_scalar", a, w))[()],
+    "key": _decode_key,
+    "dataclass": _decode_dataclass,
+    "node": _decode_node,
+    "function": _decode_function,
+}

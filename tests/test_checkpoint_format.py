@@ -1,0 +1,175 @@
+"""The save format: JSON plus orbax arrays, no pickle, crafted directories cannot run code,
+the first (pickle) format is refused with a way to recover, asynchronous saves."""
+
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+import pickle
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fuseloop as fl
+from fuseloop._checkpoint import read_legacy_arrays
+from fuseloop.handlers.checkpoint import Checkpointer, list_checkpoints
+
+SOURCE = pathlib.Path(fl.__file__).parent
+
+
+def test_no_module_of_fuseloop_imports_pickle():
+    for file in SOURCE.rglob("*.py"):
+        tree = ast.parse(file.read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not any(n.split(".")[0] in ("pickle", "cloudpickle", "dill") for n in names), file
+
+
+def test_the_metadata_is_json_and_the_arrays_are_orbax(tmp_path):
+    state = fl.State(epoch=2, history={0: {"loss": 1.0}, 1: {"loss": float("nan")}},
+                     times={0: 0.5}, step_state={"w": jnp.arange(3.0)},
+                     handler_metadata={"mine": {"best": None, "seen": [1, 2.5, "x", True],
+                                                "when": (3, 4), "by_epoch": {7: "seven"}}})
+    fl.save_state(state, tmp_path / "s")
+    document = json.loads((tmp_path / "s" / "state" / "metadata").read_text())
+    assert document["format"] == "fuseloop-state" and document["version"] == 2
+    assert document["summary"]["epoch"] == 2
+    loaded = fl.load_state(tmp_path / "s")
+    assert loaded.handler_metadata == state.handler_metadata
+    assert loaded.times == {0: 0.5} and loaded.history[0] == {"loss": 1.0}
+    assert np.isnan(loaded.history[1]["loss"])
+    assert type(loaded.handler_metadata["mine"]["when"]) is tuple
+
+
+def test_handler_metadata_arrays_round_trip_and_other_objects_are_refused(tmp_path):
+    metadata = {"np": np.arange(4, dtype=np.int16), "jax": {"w": jnp.ones((2, 2))},
+                "scalar": np.float32(1.5)}
+    fl.save_state(fl.State(handler_metadata=metadata), tmp_path / "ok")
+    loaded = fl.load_state(tmp_path / "ok").handler_metadata
+    assert loaded["np"].dtype == np.int16 and loaded["scalar"].dtype == np.float32
+    np.testing.assert_array_equal(loaded["jax"]["w"], np.ones((2, 2)))
+    with pytest.raises(ValueError, match=r"handler_metadata\['mine'\]\['deep'\]=object"):
+        fl.save_state(fl.State(handler_metadata={"mine": {"deep": object()}}), tmp_path / "a")
+    with pytest.raises(ValueError, match=r"handler_metadata\['mine'\].*key \(1, 2\)"):
+        fl.save_state(fl.State(handler_metadata={"mine": {(1, 2): 3}}), tmp_path / "b")
+    with pytest.raises(ValueError, match=r"handler_metadata\['f'\]=function"):
+        fl.save_state(fl.State(handler_metadata={"f": lambda x: x}), tmp_path / "c")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok"]  # nothing half-written
+
+
+def test_optax_states_and_named_functions_come_back_as_themselves(tmp_path):
+    params = {"w": jnp.ones(3)}
+    optimizer = optax.chain(optax.clip(1.0), optax.inject_hyperparams(optax.adam)(1e-3))
+    step_state = {"params": params, "opt": optimizer.init(params), "act": jax.nn.relu}
+    fl.save_state(fl.State(step_state=step_state), tmp_path / "s")
+    loaded = fl.load_state(tmp_path / "s").step_state
+    assert jax.tree.structure(loaded) == jax.tree.structure(step_state)
+    assert loaded["act"] is jax.nn.relu
+    updates, _ = optimizer.update(params, loaded["opt"], params)  # the optimizer accepts it
+    assert jax.tree.structure(updates) == jax.tree.structure(params)
+
+
+# ----------------------------------------------------------------- crafted directories
+
+class _Payload:
+    """Unpickling this creates the marker directory: proof that code ran."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.mkdir, (str(self.marker),)
+
+
+def _legacy_save(folder: pathlib.Path, payload) -> None:
+    """A directory in the first format: info.json, state.pkl and orbax arrays."""
+    import orbax.checkpoint as ocp
+
+    folder.mkdir(parents=True)
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        checkpointer.save(folder / "arrays", {"leaf_000000": np.arange(3.0),
+                                              "leaf_000001": np.float32(2.0) * np.ones(2)})
+    (folder / "state.pkl").write_bytes(pickle.dumps(payload))
+    (folder / "info.json").write_text(json.dumps({"format": "fuseloop-state", "version": 1,
+                                                  "epoch": 4, "status": "completed"}))
+
+
+def test_a_malicious_pickle_is_never_unpickled(tmp_path):
+    marker = tmp_path / "code_ran"
+    _legacy_save(tmp_path / "old", {"fields": _Payload(marker)})
+    _legacy_save(tmp_path / "ck" / "checkpoint_000001_epoch_0", _Payload(marker))
+    for path in (tmp_path / "old", tmp_path / "ck"):
+        with pytest.raises(ValueError, match="pickle.*read_legacy_arrays"):
+            fl.load_state(path)
+    assert not marker.exists()
+
+
+def test_the_first_format_arrays_are_recoverable(tmp_path):
+    _legacy_save(tmp_path / "old", {})
+    arrays, info = read_legacy_arrays(tmp_path / "old")
+    assert info["epoch"] == 4
+    fresh = {"a": jnp.zeros(3), "b": jnp.zeros(2)}
+    rebuilt = jax.tree.unflatten(jax.tree.structure(fresh), arrays)
+    np.testing.assert_array_equal(rebuilt["a"], np.arange(3.0))
+    fl.save_state(fl.State(epoch=info["epoch"], step_state=rebuilt), tmp_path / "new")
+    assert fl.load_state(tmp_path / "new").epoch == 4
+
+
+def _crafted(tmp_path, step_state_json) -> pathlib.Path:
+    fl.save_state(fl.State(step_state={"w": jnp.ones(2)}), tmp_path / "c")
+    file = tmp_path / "c" / "state" / "metadata"
+    document = json.loads(file.read_text())
+    document["step_state"] = step_state_json
+    file.write_text(json.dumps(document))
+    return tmp_path / "c"
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"node": "subprocess:Popen", "data": None, "children": [["sh", "-c", "touch x"]]},
+     "not imported|not a pytree node"),
+    ({"node": "os:system", "data": None, "children": ["touch x"]}, "not a type"),
+    ({"dataclass": "os:system", "fields": []}, "not a dataclass"),
+    ({"function": "antigravity:geohash"}, "not imported"),
+    ({"node": "builtins:dict", "data": 5, "children": [1]}, "not a pytree node"),
+    ({"node": "os:__builtins__", "data": None, "children": []}, "does not name"),
+    ({"jax": 99}, "out of range"),
+    ({"eval": "print(1)"}, "unknown entry"),
+])
+def test_a_crafted_json_cannot_run_code_or_import(tmp_path, entry, message):
+    path = _crafted(tmp_path, entry)
+    with pytest.raises(ValueError, match=message):
+        fl.load_state(path)
+    assert "antigravity" not in sys.modules and not pathlib.Path("x").exists()
+
+
+# ----------------------------------------------------------------- asynchronous saves
+
+def test_asynchronous_checkpoints_resume_bitwise(tmp_path):
+    model = fl.models.mlp([8, 3])
+    rng = np.random.default_rng(0)
+    data = [(rng.normal(size=(8, 4)).astype(np.float32),
+             rng.integers(0, 3, size=(8,)).astype(np.int32)) for _ in range(4)]
+    trainer = fl.trainer(model, "sparse_categorical_cross_entropy", "adam").metric("accuracy")
+    saver = Checkpointer(tmp_path / "ck", keep=2, asynchronous=True)
+    loop = (trainer.handle_event("epoch_completed", saver)
+            .handle_event("completed", saver.finish))
+    full = loop.run(data, epochs=3, fuse=2)
+    assert [p.name for p in list_checkpoints(tmp_path / "ck")] == [
+        "checkpoint_000002_epoch_1", "checkpoint_000003_epoch_2"]
+    middle = fl.load_state(list_checkpoints(tmp_path / "ck")[0])
+    resumed = trainer.run(data, middle, epochs=3, fuse=2)
+    for a, b in zip(jax.tree.leaves(full.step_state), jax.tree.leaves(resumed.step_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert resumed.history == full.history
+    saver.close()
