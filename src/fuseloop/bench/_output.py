@@ -84,8 +84,31 @@ def markdown(report: dict[str, Any]) -> str:
             met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
             out.append(f"| {t['model']} {t['ratio']} {t['target']} | {_ratio(t['value'])} "
                        f"| {met} |")
-    out += _sweep_lines(report) + _compile_lines(report) + _overlap_lines(report)
+    out += (_zoo_lines(report) + _sweep_lines(report) + _compile_lines(report)
+            + _overlap_lines(report))
     return "\n".join(out) + "\n"
+
+
+def _zoo_lines(report: dict[str, Any]) -> list[str]:
+    zoo = {name: m["zoo"] for name, m in report["models"].items() if m.get("zoo")}
+    if not zoo:
+        return []
+    lines = ["", "Model zoo: where fusion helps. Launch overhead = fuse=False minus the floor "
+             "(per iteration, medians); its share of the step bounds what fusion can save.", "",
+             "| model | data | floor us/step | fuse=False us | launch overhead us | overhead"
+             " / step | plain / floor | fused / floor | fused / floor incl. transfer | "
+             "resident / floor | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, z in zoo.items():
+        data = report["models"][name].get("data", "")
+        if z.get("overhead_us") is None:
+            lines.append(f"| {name} | {data} | " + " | ".join(["n/a"] * 8) + f" | {z['verdict']} |")
+            continue
+        lines.append(
+            f"| {name} | {data} | {z['floor_us']:.1f} | {z['unfused_us']:.1f} | "
+            f"{z['overhead_us']:.1f} | {z['overhead_over_step']:.2f} | "
+            f"{_ratio(z['plain_over_floor'])} | {_ratio(z['fused_vs_floor'])} | {_ratio(z['fused_vs_floor_transfer'])} | "
+            f"{_ratio(z['resident_vs_floor'])} | {z['verdict']} |")
+    return lines
 
 
 def _sweep_lines(report: dict[str, Any]) -> list[str]:
