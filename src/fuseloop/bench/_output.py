@@ -76,7 +76,10 @@ def markdown(report: dict[str, Any]) -> str:
     out += ["", "| ratio (median times) | " + " | ".join(names) + " |",
             "|" + "---|" * (len(names) + 1)]
     for name, _, _, meaning in report["ratio_definitions"]:
-        cells = [_ratio(models[n]["ratios"].get(name)) for n in names]
+        values = [models[n]["ratios"].get(name) for n in names]
+        if all(value is None for value in values):
+            continue  # a ratio of systems none of these models ran (zoo: no torch)
+        cells = [_ratio(value) for value in values]
         out.append(f"| {name}: {meaning} | " + " | ".join(cells) + " |")
     if report["targets"]:
         out += ["", "| target | value | met |", "|---|---|---|"]
