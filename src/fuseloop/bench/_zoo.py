@@ -78,7 +78,11 @@ def char_corpus(log: Callable[[str], None] | None = None) -> tuple[str, str]:
 
 
 def _digits(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, str]:
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as error:
+        raise ImportError("the zoo's cnn trains on scikit-learn's digits: pip install "
+                          "scikit-learn (or leave cnn out of --models)") from error
 
     digits = load_digits()
     images = (digits.images / 16.0).astype(np.float32)[..., None]
