@@ -224,12 +224,21 @@ def test_zoo_guards_compare_batch_stats() -> None:
         _guards.check_bitwise(changed, variables, "batch_stats")
 
 
-def test_zoo_char_data_is_next_character_prediction_on_an_installed_text() -> None:
-    from fuseloop.bench._zoo import SEQUENCE, ZOO, ZooWorkload, char_corpus
+@pytest.fixture(scope="module")
+def char_workloads() -> dict:
+    from fuseloop.bench._zoo import ZOO, ZooWorkload
+
+    return {name: ZooWorkload(ZOO[name], batch_size=4, n_batches=2)
+            for name in ("transformer", "gru")}
+
+
+def test_zoo_char_data_is_next_character_prediction_on_an_installed_text(
+        char_workloads: dict) -> None:
+    from fuseloop.bench._zoo import SEQUENCE, char_corpus
 
     text, source = char_corpus()
     assert len(text) > 1000 and source.startswith(("jax", "flax", "optax", "numpy"))
-    w = ZooWorkload(ZOO["transformer"], batch_size=4, n_batches=2)
+    w = char_workloads["transformer"]
     assert w.x.shape == w.y.shape == (8, SEQUENCE) and w.x.dtype == np.int32
     np.testing.assert_array_equal(w.x[:, 1:], w.y[:, :-1])
     assert 0 <= w.x.min() and w.x.max() < w.vocab == len(set(text))
@@ -237,11 +246,10 @@ def test_zoo_char_data_is_next_character_prediction_on_an_installed_text() -> No
     assert logits.shape == (4, SEQUENCE, w.vocab)
 
 
-def test_zoo_gru_step_is_fuseloops_trainer_step() -> None:
+def test_zoo_gru_step_is_fuseloops_trainer_step(char_workloads: dict) -> None:
     import fuseloop as fl
-    from fuseloop.bench._zoo import ZOO, ZooWorkload
 
-    w = ZooWorkload(ZOO["gru"], batch_size=4, n_batches=2)
+    w = char_workloads["gru"]
     state = fl.trainer(w.module, "sparse_categorical_cross_entropy", w.tx).run(
         w.batches, w.variables, fuse=False)
     variables, opt_state = w.fresh_state()
@@ -264,7 +272,7 @@ def test_cli_selects_the_zoo() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("keras") is None, reason="keras not installed")
-def test_zoo_keras_models_have_the_same_shapes() -> None:
+def test_zoo_keras_models_have_the_same_shapes(char_workloads: dict) -> None:
     from fuseloop.bench._zoo import ZOO, ZooWorkload
 
     try:
@@ -274,7 +282,7 @@ def test_zoo_keras_models_have_the_same_shapes() -> None:
     for name in ZOO:
         if name == "cnn" and importlib.util.find_spec("sklearn") is None:
             continue
-        w = ZooWorkload(ZOO[name], batch_size=4, n_batches=1)
+        w = char_workloads.get(name) or ZooWorkload(ZOO[name], batch_size=4, n_batches=1)
         model = w.keras_model(keras)
         out = jax.eval_shape(lambda v, x: w.module.apply(v, x), w.variables, w.batches[0][0])
         assert tuple(model.output_shape[1:]) == out.shape[1:], name
