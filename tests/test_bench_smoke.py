@@ -176,3 +176,117 @@ def test_missing_peers_are_reported_as_skipped(workload: Workload,
 def test_cli_rejects_an_unknown_model() -> None:
     with pytest.raises(SystemExit):
         bench.main(["--models", "mlp-huge"])
+
+
+# ----------------------------------------------------------------- model zoo
+@pytest.fixture(scope="module")
+def zoo_report() -> dict:
+    pytest.importorskip("sklearn", reason="the zoo's cnn trains on scikit-learn's digits")
+    return bench.run_benchmark(["cnn"], reps=1, quick=True, batch_size=8, n_batches=2,
+                               peers=False)
+
+
+def test_zoo_cnn_passes_its_guards_with_batch_stats(zoo_report: dict) -> None:
+    cnn = zoo_report["models"]["cnn"]
+    systems = cnn["systems"]
+    expected = {"floor", "floor_transfer", "fl_fuse32", "fl_fuse32_resident", "fl_unfused",
+                "plain"}
+    assert set(systems) == expected
+    for key in expected:
+        assert systems[key]["status"] == "ok", (key, systems[key]["reason"])
+    assert systems["fl_fuse32"]["info"]["bitwise_equal_to_unfused"] is True
+    assert systems["fl_fuse32_resident"]["info"]["bitwise_equal_to_unfused"] is True
+    assert systems["fl_fuse32_resident"]["info"]["h2d_transfers_per_epoch"] == [0.0]
+    assert systems["floor"]["info"]["max_abs_diff_vs_fuseloop"] <= 1e-4
+    assert cnn["data"] == "sklearn digits" and cnn["params"] > 1000
+    for stat in ("median", "min"):
+        zoo = cnn["zoo"][stat]
+        assert zoo["floor_us"] > 0
+        assert zoo["overhead_us"] == zoo["unfused_us"] - zoo["floor_us"]
+        assert zoo["fused_vs_floor"] == zoo["fused_us"] / zoo["floor_us"]
+    assert cnn["zoo"]["verdict"].split(":")[0] in (
+        "compute-bound", "overhead-bound", "loop-penalized", "loop-favoured")
+    text = _output.markdown(zoo_report)
+    assert "Model zoo: where fusion helps" in text and "| cnn | sklearn digits |" in text
+
+
+def test_zoo_guards_compare_batch_stats() -> None:
+    from fuseloop.bench._zoo import ZOO, ZooWorkload
+
+    pytest.importorskip("sklearn", reason="the zoo's cnn trains on scikit-learn's digits")
+
+    w = ZooWorkload(ZOO["cnn"], batch_size=4, n_batches=1)
+    variables = w.compared(w.variables)
+    assert set(variables) == {"params", "batch_stats"}
+    changed = jax.tree.map(lambda a: a, variables)
+    changed["batch_stats"] = jax.tree.map(lambda a: a + 1.0, changed["batch_stats"])
+    with pytest.raises(_guards.Refused, match="bitwise"):
+        _guards.check_bitwise(changed, variables, "batch_stats")
+
+
+@pytest.fixture(scope="module")
+def char_workloads() -> dict:
+    from fuseloop.bench._zoo import ZOO, ZooWorkload
+
+    return {name: ZooWorkload(ZOO[name], batch_size=4, n_batches=2)
+            for name in ("transformer", "gru")}
+
+
+def test_zoo_char_data_is_next_character_prediction_on_an_installed_text(
+        char_workloads: dict) -> None:
+    from fuseloop.bench._zoo import SEQUENCE, char_corpus
+
+    text, source = char_corpus()
+    assert len(text) > 1000 and source.startswith(("jax", "flax", "optax", "numpy"))
+    w = char_workloads["transformer"]
+    assert w.x.shape == w.y.shape == (8, SEQUENCE) and w.x.dtype == np.int32
+    np.testing.assert_array_equal(w.x[:, 1:], w.y[:, :-1])
+    assert 0 <= w.x.min() and w.x.max() < w.vocab == len(set(text))
+    logits = jax.eval_shape(lambda v, x: w.module.apply(v, x), w.variables, w.batches[0][0])
+    assert logits.shape == (4, SEQUENCE, w.vocab)
+
+
+def test_zoo_gru_step_is_fuseloops_trainer_step(char_workloads: dict) -> None:
+    import fuseloop as fl
+
+    w = char_workloads["gru"]
+    state = fl.trainer(w.module, "sparse_categorical_cross_entropy", w.tx).run(
+        w.batches, w.variables, fuse=False)
+    variables, opt_state = w.fresh_state()
+    step = jax.jit(w.train_step)
+    losses = []
+    for x, y in w.batches:
+        variables, opt_state, loss = step(variables, opt_state, x, y)
+        losses.append(float(loss))
+    assert _guards.check_close(jax.device_get(variables), jax.device_get(
+        w.compared(state.step_state["params"])), "gru step") <= 1e-5
+    assert state.history[0]["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
+
+
+def test_cli_selects_the_zoo() -> None:
+    assert bench.select_models("cnn,gru", zoo=False) == ["cnn", "gru"]
+    assert bench.select_models("gru", zoo=True) == ["gru", "cnn", "transformer"]
+    assert bench.select_models(None, zoo=True) == ["cnn", "transformer", "gru"]
+    with pytest.raises(ValueError, match="transformer"):
+        bench.run_benchmark(["resnet"], reps=1)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("keras") is None, reason="keras not installed")
+def test_zoo_keras_models_have_the_same_shapes(char_workloads: dict) -> None:
+    from fuseloop.bench._zoo import ZOO, ZooWorkload
+
+    try:
+        keras = _peers.import_keras()
+    except _guards.Skipped as why:
+        pytest.skip(str(why))
+    for name in ZOO:
+        if name == "cnn" and importlib.util.find_spec("sklearn") is None:
+            continue
+        w = char_workloads.get(name) or ZooWorkload(ZOO[name], batch_size=4, n_batches=1)
+        model = w.keras_model(keras)
+        out = jax.eval_shape(lambda v, x: w.module.apply(v, x), w.variables, w.batches[0][0])
+        assert tuple(model.output_shape[1:]) == out.shape[1:], name
+        if name != "cnn":  # Keras' GRU gate layout differs; the CNN has BN's moving stats
+            continue
+        trainable = sum(int(np.prod(v.shape)) for v in model.trainable_weights)
+        assert trainable == w.n_params

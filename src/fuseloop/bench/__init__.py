@@ -1,6 +1,7 @@
 """`fuseloop bench`: fuseloop against the floor and its peers, side by side, in one process.
 
-For each model (MLPs of ~1.1K, ~25K and ~1.2M parameters; batch 32, 100 batches an epoch)
+For each model (MLPs of ~1.1K, ~25K and ~1.2M parameters, and with `--zoo` a CNN, a causal
+transformer and a GRU; batch 32, 100 batches an epoch)
 every system trains one epoch per repetition, repetitions interleaved so drifting machine
 load is shared, compilation and a warm-up epoch excluded. A timing is only reported once
 its guards pass (see `_guards`): right device, no NaN, fused == unfused bitwise, reference
@@ -9,6 +10,7 @@ loops training what fuseloop trains. Peers that cannot run are listed as skipped
 Example:
     >>> from fuseloop.bench import main
     >>> main(["--quick", "--models", "mlp-tiny"])  # doctest: +SKIP
+    >>> main(["--quick", "--zoo"])  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -23,18 +25,23 @@ from ._harness import RATIOS, compile_vs_k, cross_check, measure, ratios, target
 from ._output import machine_info, markdown, write_json, write_plot
 from ._overlap import overlap
 from ._workload import MODELS, ModelSpec, Workload
+from ._zoo import ZOO, ZooSpec, ZooWorkload, zoo_plan, zoo_summary
 
-__all__ = ["main", "run_benchmark", "MODELS", "ModelSpec"]
+__all__ = ["main", "run_benchmark", "select_models", "MODELS", "ModelSpec", "ZOO", "ZooSpec"]
 
 SWEEP_KS = (1, 4, 8, 16, 32, 64)
 COMPILE_KS = (8, 256)
 MAIN_FUSE = 32
 
 
-def _plan(w: Workload, sweep_ks: Sequence[int], peers: bool) -> list[tuple[str, str, Callable]]:
+def _plan(w: Workload | ZooWorkload, sweep_ks: Sequence[int], peers: bool
+          ) -> list[tuple[str, str, Callable]]:
     """(key, label, factory) for every system to time on workload `w`, in table order."""
     from ._peers import KerasFit, TorchEager
     from ._systems import Floor, Fuseloop, HostCallback, PlainLoop
+
+    if isinstance(w, ZooWorkload):
+        return zoo_plan(w, peers, MAIN_FUSE)
 
     plan: list[tuple[str, str, Callable]] = [
         ("floor", "floor: jit(lax.scan) over the epoch, data on device",
@@ -80,30 +87,46 @@ def _sweep(model: str, results: dict[str, Any], ks: Sequence[int]) -> dict[str, 
             "floor_transfer_us": results["floor_transfer"].median_us}
 
 
-def _epochs_per_sample(w: Workload, target_s: float, least: int) -> int:
-    """Epochs per timed sample, so a sample lasts about `target_s` (one floor epoch timed)."""
+def _epochs_per_sample(w: Workload | ZooWorkload, target_s: float, least: int) -> int:
+    """Epochs per timed sample, so a sample lasts about `target_s` (one floor epoch timed).
+
+    An epoch longer than `LONG_EPOCH_S` is a sample of its own: it already spans many
+    scheduler slices, and a second one would only lengthen the run.
+    """
     from ._systems import Floor
 
     floor = Floor(w, transfer=True)
     floor.setup()
-    seconds = min(floor.sample(2).seconds)
+    seconds = min(floor.sample(1 if isinstance(w, ZooWorkload) else 2).seconds)
+    if seconds >= LONG_EPOCH_S:
+        return 1
     return max(least, min(20, round(target_s / max(seconds, 1e-6))))
 
 
-def _resolve(models: Sequence[str | ModelSpec]) -> list[ModelSpec]:
-    specs = []
+LONG_EPOCH_S = 0.5
+Spec = ModelSpec | ZooSpec
+
+
+def _resolve(models: Sequence[str | Spec]) -> list[Spec]:
+    specs: list[Spec] = []
     for model in models:
-        if isinstance(model, ModelSpec):
+        if isinstance(model, (ModelSpec, ZooSpec)):
             specs.append(model)
-        elif model in MODELS:
-            specs.append(MODELS[model])
+        elif model in MODELS or model in ZOO:
+            specs.append(MODELS.get(model) or ZOO[model])
         else:
             raise ValueError(f"models: {model!r} is not a benchmark model; accepted values: "
-                             f"{', '.join(MODELS)}")
+                             f"{', '.join([*MODELS, *ZOO])}")
     return specs
 
 
-def run_benchmark(models: Sequence[str | ModelSpec] = tuple(MODELS), *, reps: int = 10,
+def _workload(spec: Spec, batch_size: int, n_batches: int) -> Workload | ZooWorkload:
+    if isinstance(spec, ZooSpec):
+        return ZooWorkload(spec, batch_size=batch_size, n_batches=n_batches)
+    return Workload(spec, batch_size=batch_size, n_batches=n_batches)
+
+
+def run_benchmark(models: Sequence[str | Spec] = tuple(MODELS), *, reps: int = 10,
                   quick: bool = False, batch_size: int = 32, n_batches: int = 100,
                   peers: bool = True, sweep_model: str | None = "mlp-small",
                   sweep_ks: Sequence[int] = SWEEP_KS, compile_ks: Sequence[int] = COMPILE_KS,
@@ -113,7 +136,7 @@ def run_benchmark(models: Sequence[str | ModelSpec] = tuple(MODELS), *, reps: in
     """Runs the benchmark and returns every figure as a JSON-ready dict.
 
     Args:
-        models: Names from `MODELS`, or `ModelSpec`s.
+        models: Names from `MODELS` or `ZOO`, or `ModelSpec`s / `ZooSpec`s.
         reps: Timed, interleaved rounds; each runs every system for a sample of epochs.
         quick: Recorded in the output (the caller chose fewer reps).
         batch_size, n_batches: The epoch's shape.
@@ -147,8 +170,8 @@ def run_benchmark(models: Sequence[str | ModelSpec] = tuple(MODELS), *, reps: in
         "sweep": None, "compile_vs_k": None, "compile_model": None, "overlap": None}
     per_model_ratios = {}
     for spec in specs:
-        log(f"{spec.name} ({spec.params:,} params)")
-        w = Workload(spec, batch_size=batch_size, n_batches=n_batches)
+        w = _workload(spec, batch_size, n_batches)
+        log(f"{spec.name} ({w.n_params:,} params)")
         ks = sweep_ks if spec.name == sweep_model else ()
         epochs = _epochs_per_sample(w, target_s, least=1 if quick else 2)
         log(f"  {epochs} epoch(s) per sample")
@@ -159,11 +182,12 @@ def run_benchmark(models: Sequence[str | ModelSpec] = tuple(MODELS), *, reps: in
                      or key in (f"fl_fuse{MAIN_FUSE}", f"fl_fuse{MAIN_FUSE}_resident",
                                 "fl_fuseauto")]
         out["models"][spec.name] = {
-            "params": spec.params, "inputs": spec.inputs, "features": list(spec.features),
-            "epochs_per_sample": epochs,
+            **w.describe(), "epochs_per_sample": epochs,
             "systems": {key: results[key].to_json() for key in main_keys},
             "ratios": per_model_ratios[spec.name],
             "ratios_of_minima": ratios(results, "min_us")}
+        if isinstance(w, ZooWorkload):
+            out["models"][spec.name]["zoo"] = zoo_summary(results, MAIN_FUSE)
         if ks:
             out["sweep"] = _sweep(spec.name, results, ks)
             out["sweep"]["systems"] = {f"fl_fuse{k}": results[f"fl_fuse{k}"].to_json()
@@ -179,16 +203,32 @@ def run_benchmark(models: Sequence[str | ModelSpec] = tuple(MODELS), *, reps: in
     return out
 
 
-def _diagnostics(specs: list[ModelSpec], fuse: Any, batch_size: int, n_batches: int
+def _diagnostics(specs: list[Spec], fuse: Any, batch_size: int, n_batches: int
                  ) -> dict[str, Any]:
     from .. import diagnostics, trainer
 
     reports = {}
     for spec in specs:
-        w = Workload(spec, batch_size=batch_size, n_batches=n_batches)
+        w = _workload(spec, batch_size, n_batches)
         loop = trainer(w.module, "sparse_categorical_cross_entropy", w.tx)
         reports[spec.name] = diagnostics.report(loop, w.batches, fuse=fuse)
     return reports
+
+
+def select_models(models: str | None, zoo: bool) -> list[str]:
+    """The model names `--models` and `--zoo` select: the comma-separated `models` (the
+    MLPs when None and no `--zoo`), then the zoo models not already named.
+
+    Example:
+        >>> select_models("mlp-tiny", zoo=True)
+        ['mlp-tiny', 'cnn', 'transformer', 'gru']
+        >>> select_models(None, zoo=False)
+        ['mlp-tiny', 'mlp-small', 'mlp-large']
+    """
+    names = [m.strip() for m in (models or "").split(",") if m.strip()]
+    if models is None and not zoo:
+        names = list(MODELS)
+    return names + [name for name in ZOO if zoo and name not in names]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -196,8 +236,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true",
                         help="3 repetitions instead of 10 (under 2 minutes on 2 cores)")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per system")
-    parser.add_argument("--models", default=",".join(MODELS),
-                        help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument("--models", default=None,
+                        help=f"comma-separated models among {', '.join([*MODELS, *ZOO])} "
+                             f"(default: the MLPs, or none with --zoo)")
+    parser.add_argument("--zoo", action="store_true",
+                        help=f"add the model zoo ({', '.join(ZOO)}): the floor, fuseloop, "
+                             f"the plain loop and Keras per model")
     parser.add_argument("--json", metavar="PATH", help="write every figure to PATH")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG to PATH")
     parser.add_argument("--report", action="store_true",
@@ -208,7 +252,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`fuseloop bench [--quick] [--json PATH] [--plot PATH] [--report] [--models ...]
-    [--reps N]`; prints markdown to stdout, progress to stderr. Returns the exit status.
+    [--zoo] [--reps N]`; prints markdown to stdout, progress to stderr. Returns the exit
+    status.
 
     Example:
         >>> main(["--quick", "--json", "bench.json"])  # doctest: +SKIP
@@ -219,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if reps < 1:
         parser.error(f"--reps={reps} must be a positive int")
     try:
-        specs = _resolve([m.strip() for m in args.models.split(",") if m.strip()])
+        specs = _resolve(select_models(args.models, args.zoo))
     except ValueError as error:
         parser.error(str(error))
     started = time.perf_counter()

@@ -76,7 +76,10 @@ def markdown(report: dict[str, Any]) -> str:
     out += ["", "| ratio (median times) | " + " | ".join(names) + " |",
             "|" + "---|" * (len(names) + 1)]
     for name, _, _, meaning in report["ratio_definitions"]:
-        cells = [_ratio(models[n]["ratios"].get(name)) for n in names]
+        values = [models[n]["ratios"].get(name) for n in names]
+        if all(value is None for value in values):
+            continue  # a ratio of systems none of these models ran (zoo: no torch)
+        cells = [_ratio(value) for value in values]
         out.append(f"| {name}: {meaning} | " + " | ".join(cells) + " |")
     if report["targets"]:
         out += ["", "| target | value | met |", "|---|---|---|"]
@@ -84,8 +87,34 @@ def markdown(report: dict[str, Any]) -> str:
             met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
             out.append(f"| {t['model']} {t['ratio']} {t['target']} | {_ratio(t['value'])} "
                        f"| {met} |")
-    out += _sweep_lines(report) + _compile_lines(report) + _overlap_lines(report)
+    out += (_zoo_lines(report) + _sweep_lines(report) + _compile_lines(report)
+            + _overlap_lines(report))
     return "\n".join(out) + "\n"
+
+
+def _zoo_lines(report: dict[str, Any]) -> list[str]:
+    zoo = {name: m["zoo"] for name, m in report["models"].items() if m.get("zoo")}
+    if not zoo:
+        return []
+    lines = ["", "Model zoo: where fusion helps, median (min). Launch overhead = fuse=False "
+             "minus the floor per iteration; plain / floor = a standalone jitted step against "
+             "the same step in the floor's loop. The verdict reads the minima.", "",
+             "| model | data | floor us/step | fuse=False us | overhead us | overhead / step "
+             "| plain / floor | fused / floor | fused / floor incl. transfer | resident / floor "
+             "| verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    keys = ("floor_us", "unfused_us", "overhead_us", "overhead_over_step", "plain_over_floor",
+            "fused_vs_floor", "fused_vs_floor_transfer", "resident_vs_floor")
+    for name, z in zoo.items():
+        data = report["models"][name].get("data", "")
+        cells = [_pair(z.get("median"), z.get("min"), key) for key in keys]
+        lines.append(f"| {name} | {data} | " + " | ".join(cells) + f" | {z['verdict']} |")
+    return lines
+
+
+def _pair(median: dict[str, Any] | None, minimum: dict[str, Any] | None, key: str) -> str:
+    digits = 1 if key.endswith("_us") else 2
+    values = [None if part is None else part.get(key) for part in (median, minimum)]
+    return f"{_ratio(values[0], digits)} ({_ratio(values[1], digits)})"
 
 
 def _sweep_lines(report: dict[str, Any]) -> list[str]:

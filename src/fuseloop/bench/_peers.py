@@ -50,12 +50,7 @@ class KerasFit(System):
 
     def setup(self) -> None:
         keras = import_keras()
-        spec = self.w.spec
-        layers: list[Any] = [keras.Input((spec.inputs,))]
-        for i, width in enumerate(spec.features):
-            last = i == len(spec.features) - 1
-            layers.append(keras.layers.Dense(width, activation=None if last else "relu"))
-        self.model = keras.Sequential(layers)
+        self.model = self.w.keras_model(keras)
         self.model.compile(
             optimizer=keras.optimizers.Adam(1e-3),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -201,7 +201,7 @@ class Fuseloop(System):
     def setup(self) -> None:
         # The warm-up run compiles; timed runs must then compile nothing.
         state = self.loop.run(self.data, self.w.variables, fuse=self.fuse)
-        self.reference_params = jax.device_get(state.step_state["params"]["params"])
+        self.reference_params = jax.device_get(self.w.compared(state.step_state["params"]))
 
     def _expected_dispatches(self, epochs: int) -> int | None:
         n = self.w.n_batches
@@ -234,4 +234,5 @@ class Fuseloop(System):
                 "chunk_size": stats["chunk_size"]}
         losses = [h["loss"] for h in state.history.values()]
         return Sample(times[1:], devices_of(state.step_state), outputs=np.array(losses),
-                      params=jax.device_get(state.step_state["params"]["params"]), info=info)
+                      params=jax.device_get(self.w.compared(state.step_state["params"])),
+                      info=info)

@@ -99,6 +99,28 @@ class Workload:
         """The initial variables as fuseloop's trainer takes them."""
         return {"params": self.params}
 
+    @property
+    def n_params(self) -> int:
+        return self.spec.params
+
+    def describe(self) -> dict[str, Any]:
+        """The model's figures for the report."""
+        return {"params": self.spec.params, "inputs": self.spec.inputs,
+                "features": list(self.spec.features)}
+
+    def compared(self, variables: Any) -> Any:
+        """What the agreement guards compare of fuseloop's variables: the trainable
+        parameters, as the floor and the plain loop return them."""
+        return variables["params"]
+
+    def keras_model(self, keras: Any) -> Any:
+        """The same layer widths in Keras 3."""
+        layers: list[Any] = [keras.Input((self.spec.inputs,))]
+        for i, width in enumerate(self.spec.features):
+            last = i == len(self.spec.features) - 1
+            layers.append(keras.layers.Dense(width, activation=None if last else "relu"))
+        return keras.Sequential(layers)
+
     def stacked(self) -> tuple[np.ndarray, np.ndarray]:
         """The epoch stacked on a leading batch axis: `[n_batches, batch_size, ...]`."""
         xs = np.stack([b[0] for b in self.batches])
