@@ -27,7 +27,10 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="train an MLP on scikit-learn's digits")
     demo.add_argument("--epochs", type=int, default=20)
     demo.add_argument("--fuse", default="32", help="chunk size, 'auto', or 'false'")
-    demo.add_argument("--plot", default="demo_history.png", help="PNG of the metric curves")
+    demo.add_argument("--plot", default=None, metavar="PATH",
+                      help="PNG of the metric curves (default: <temp dir>/fuseloop-demo/"
+                           "history.png; the path is printed)")
+    demo.add_argument("--no-plot", action="store_true", help="write no plot")
     demo.add_argument("--no-progress", action="store_true")
     commands.add_parser("bench", help="benchmark fused vs unfused vs peers", add_help=False)
     launch = commands.add_parser(
@@ -67,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _launch(parser, args)
     from ._demo import demo as run_demo
 
-    return run_demo(epochs=args.epochs, fuse=args.fuse, plot=args.plot,
+    plot = False if args.no_plot else (args.plot or True)
+    return run_demo(epochs=args.epochs, fuse=args.fuse, plot=plot,
                     progress=not args.no_progress)
 
 
