@@ -188,8 +188,9 @@ class Checker:
             self.ragged_size = size
             warnings.warn(
                 f"{where} has batch size {size} instead of {full} (a ragged last batch?); "
-                f"the step compiles once more for it. Use batches of equal size (e.g. "
-                f"fl.data.arrays(..., drop_remainder=True)) to avoid the extra compile",
+                f"the step compiles once more for it. Metrics are means over examples, so "
+                f"the short batch counts by its size: keep it in evaluation data. In "
+                f"training data, drop_remainder=True avoids the extra compile",
                 UserWarning,
                 stacklevel=2,
             )

@@ -14,19 +14,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-
+from .._optim import (find_learning_rates, has_schedule, rate_is_scheduled,
+                      set_learning_rate)
 from .._state import State
 
 __all__ = ["Monitor", "EarlyStopping", "ReduceLROnPlateau", "find_learning_rates"]
 
 MODES = ("min", "max")
-
-_INJECT_STATES = tuple(
-    cls for cls in (getattr(optax, "InjectHyperparamsState", None),
-                    getattr(optax, "InjectStatefulHyperparamsState", None))
-    if cls is not None
-)
 
 
 def _check_int(value: Any, argument: str, minimum: int) -> int:
@@ -161,42 +155,6 @@ class EarlyStopping:
         return "continue", self.monitor.store(state, record)
 
 
-def _is_inject_state(node: Any) -> bool:
-    return isinstance(node, _INJECT_STATES)
-
-
-def find_learning_rates(opt_state: Any) -> list[Any]:
-    """The `learning_rate` hyperparameters found in an optax state (chains included).
-
-    Example:
-        >>> import optax, jax.numpy as jnp
-        >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)
-        >>> [float(lr) for lr in find_learning_rates(tx.init(jnp.zeros(2)))]
-        [0.5]
-    """
-    found = []
-    for node in jax.tree.leaves(opt_state, is_leaf=_is_inject_state):
-        if _is_inject_state(node) and "learning_rate" in node.hyperparams:
-            found.append(node.hyperparams["learning_rate"])
-    return found
-
-
-def _set_learning_rate(opt_state: Any, scale: float, floor: float) -> Any:
-    """`opt_state` with every injected learning rate set to max(lr * scale, floor)."""
-
-    def change(node: Any) -> Any:
-        if not (_is_inject_state(node) and "learning_rate" in node.hyperparams):
-            return node
-        old = node.hyperparams["learning_rate"]
-        # Computed on the host in float64 and cast once, so the result is a pure function
-        # of the old value: the same in a fused and an unfused run.
-        new = max(float(np.asarray(old)) * scale, floor)
-        hyperparams = {**node.hyperparams, "learning_rate": jnp.asarray(new, old.dtype)}
-        return node._replace(hyperparams=hyperparams)
-
-    return jax.tree.map(change, opt_state, is_leaf=_is_inject_state)
-
-
 class ReduceLROnPlateau:
     """Multiplies the learning rate by `factor` after `patience` epochs on a plateau.
 
@@ -226,9 +184,18 @@ class ReduceLROnPlateau:
                 "reduce_lr_on_plateau needs a trainer loop (fl.trainer(...)): this loop has "
                 "no optimizer whose learning rate it could change"
             )
+        tx = program.optimizer
+        if rate_is_scheduled(tx) or (not _injected_rate(tx) and has_schedule(tx)):
+            raise ValueError(
+                "reduce_lr_on_plateau cannot change this optimizer's learning rate: it is an "
+                "optax schedule, recomputed at every step, so a reduced rate would be "
+                "overwritten. Use a constant learning rate (e.g. optax.inject_hyperparams("
+                "optax.adam)(learning_rate=1e-3), or a named optimizer) with "
+                "reduce_lr_on_plateau, or drop it and keep the schedule"
+            )
         probe = {"w": jax.ShapeDtypeStruct((1,), jnp.float32)}
         try:
-            shapes = jax.eval_shape(program.optimizer.init, probe)
+            shapes = jax.eval_shape(tx.init, probe)
         except Exception:  # noqa: BLE001 - structure-dependent optimizers: checked at run time
             return
         if not find_learning_rates(shapes):
@@ -260,11 +227,19 @@ class ReduceLROnPlateau:
         record["wait"] = 0
         if float(np.asarray(rates[0])) <= self.min_lr:
             return "continue", self.monitor.store(state, record)
-        opt_state = _set_learning_rate(step_state["opt_state"], self.factor, self.min_lr)
+        opt_state = set_learning_rate(step_state["opt_state"], self.factor, self.min_lr)
         record["cooldown"] = self.cooldown
         record["reductions"] = record.get("reductions", 0) + 1
         state = state.replace(step_state={**step_state, "opt_state": opt_state})
         return "continue", self.monitor.store(state, record)
+
+
+def _injected_rate(tx: Any) -> bool:
+    probe = {"w": jax.ShapeDtypeStruct((1,), jnp.float32)}
+    try:
+        return bool(find_learning_rates(jax.eval_shape(tx.init, probe)))
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _fixed_lr_error() -> ValueError:
