@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from ._fusion import FusionError
-from ._model_fit import SPARSE, ModelFit, abstract
+from ._model_fit import SPARSE, ModelFit, abstract, check_step_keeps_state
 from ._step import require_pair
 
 __all__ = ["Checker"]
@@ -61,6 +61,7 @@ class Checker:
         self.accepted: set[tuple[Any, ...]] = set()
         self.ragged_size: int | None = None
         self.fit = ModelFit(program)  # x and y against the model and loss, abstractly
+        self.first_batch: Any = None
         self.warned_float64 = False
 
     # ----------------------------------------------------------------- entry points
@@ -68,6 +69,7 @@ class Checker:
         """Called once with the run's first batch, before anything compiles."""
         if self.pairs:
             require_pair(batch, "the run's first batch")
+        self.first_batch = batch
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(batch)
         self.names = tuple(self._leaf_name(path) for path, _ in flat)
         self.expected = tuple(_leaf_signature(leaf) for _, leaf in flat)
@@ -243,11 +245,27 @@ class Checker:
 
     # ----------------------------------------------------------------- model fit
     def variables(self, step_state: Any) -> None:
-        """Called once with the initial step state: x fits the variables actually used.
+        """Called once with the initial step state, before anything compiles.
 
         `first` checks x against a freshly initialized model; an evaluator, or a trainer
-        given trained variables, runs with the caller's variables instead.
+        given trained variables, runs with the caller's variables instead, so x is checked
+        against those here. Then one step is evaluated abstractly: it must return a step
+        state of the same structure, dtypes and shapes (fused and unfused alike).
         """
+        self._check_variables(step_state)
+        if self.first_batch is None or self.program.kind == "evaluator":
+            return
+        leaves, treedef = jax.tree.flatten(step_state)
+        try:
+            key = ("checked_step", self.treedef, self.expected, treedef,
+                   tuple((np.shape(leaf), str(jax.numpy.result_type(leaf))) for leaf in leaves))
+        except TypeError:  # a non-array leaf: the run itself reports what is wrong
+            return
+        if key not in self.cache:
+            check_step_keeps_state(self.program.step, step_state, self.first_batch)
+            self.cache[key] = True
+
+    def _check_variables(self, step_state: Any) -> None:
         if self.fit.first_x is None or not isinstance(step_state, dict) or (
                 "params" not in step_state):
             return
