@@ -42,6 +42,43 @@ def _leaf_signature(leaf: Any) -> tuple[Any, Any]:
     return (), type(leaf).__name__
 
 
+def _is_scalar_list(value: Any) -> bool:
+    leaves = jax.tree.leaves(value)
+    # The source turns Python numbers into 0-d arrays; neither has a batch axis.
+    return isinstance(value, (list, tuple)) and bool(leaves) and all(
+        np.ndim(leaf) == 0 for leaf in leaves)
+
+
+def _check_python_lists(batch: Any, where: str) -> None:
+    """x or y given as (nested) Python lists of numbers: one error, not one per number."""
+    for name, part in zip(("x", "y"), batch):
+        if _is_scalar_list(part):
+            count = len(jax.tree.leaves(part))
+            raise ValueError(
+                f"data: {where}: {name} is a Python {type(part).__name__} of {count} numbers, "
+                f"but x and y must be arrays with the examples on axis 0. Convert them, e.g. "
+                f"np.asarray({name}, np.float32) (integer labels: np.int32), or pass "
+                f"fl.data.arrays(x, y, batch_size=...)"
+            )
+
+
+def _leading_sizes(tree: Any) -> list[int]:
+    return [int(np.shape(leaf)[0]) for leaf in jax.tree.leaves(tree) if np.ndim(leaf) >= 1]
+
+
+def _check_pair_sizes(batch: Any, where: str) -> None:
+    """x and y of one batch hold the same number of examples."""
+    x_sizes, y_sizes = _leading_sizes(batch[0]), _leading_sizes(batch[1])
+    if not x_sizes or not y_sizes:
+        return
+    bad = [size for size in y_sizes if size != x_sizes[0]]
+    if bad:
+        raise ValueError(
+            f"data: {where}: x holds {x_sizes[0]} examples but y holds {bad[0]}; x and y of a "
+            f"batch must have the same size along axis 0 (one target per example)"
+        )
+
+
 class Checker:
     """Checks batches as they arrive; cheap enough to run on every batch.
 
@@ -69,6 +106,8 @@ class Checker:
         """Called once with the run's first batch, before anything compiles."""
         if self.pairs:
             require_pair(batch, "the run's first batch")
+            _check_python_lists(batch, "the run's first batch")
+            _check_pair_sizes(batch, "the run's first batch")
         self.first_batch = batch
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(batch)
         self.names = tuple(self._leaf_name(path) for path, _ in flat)
@@ -139,9 +178,12 @@ class Checker:
         """A batch whose signature was not seen before: accept it, warn, or raise."""
         where = f"data: the batch at epoch {epoch}, iteration {iteration}"
         error = FusionError if fused else ValueError
+        if self.pairs:  # the same errors fused and unfused: checked before any fusion error
+            at = f"the batch at epoch {epoch}, iteration {iteration}"
+            require_pair(batch, at)
+            _check_python_lists(batch, at)
+            _check_pair_sizes(batch, at)
         if treedef != self.treedef:
-            if self.pairs:
-                require_pair(batch, f"the batch at epoch {epoch}, iteration {iteration}")
             raise error(
                 f"{where} has structure {treedef}, but the run's first batch has "
                 f"{self.treedef}; every batch must have the same structure (the same "
@@ -242,6 +284,16 @@ class Checker:
                     stacklevel=4,
                 )
                 return
+
+    def dataset(self, data: Any) -> None:
+        """Called once per run with the data source: the labels of a whole in-memory
+        dataset (`fl.data.arrays`, device-resident or not) are range-checked here on the
+        host, so a fused and an unfused run over device-resident data (whose batches the
+        host never sees) reject a bad label alike."""
+        labels = getattr(data, "host_labels", None)
+        if labels is None or self.fit.classes is None:
+            return
+        self._check_labels((None, labels()), "the dataset (fl.data.arrays)")
 
     # ----------------------------------------------------------------- model fit
     def variables(self, step_state: Any) -> None:

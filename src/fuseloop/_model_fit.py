@@ -122,6 +122,12 @@ class ModelFit:
 
     def _check_named_loss(self, name: str, ys: Any, y_pred: Any, output: str) -> None:
         batch_size, shape = y_pred.shape[:1], ys.shape
+        if name == SPARSE and jnp.issubdtype(ys.dtype, jnp.floating):
+            raise ValueError(
+                f"data: y has dtype {ys.dtype}, but {name} expects integer class labels; a "
+                f"float label would be truncated to a class. Cast them (y.astype(np.int32)), "
+                f"or for one-hot or probability targets use 'categorical_cross_entropy'"
+            )
         if name == SPARSE:
             accepted = (y_pred.shape[:-1], y_pred.shape[:-1] + (1,))
             if shape not in accepted:

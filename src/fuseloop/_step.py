@@ -29,10 +29,16 @@ def require_pair(batch: Any, where: str = "a batch") -> None:
         return
     kind = type(batch).__name__
     size = f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""
+    shape = getattr(batch, "shape", None)
+    hint = ""
+    if shape is not None and len(shape) >= 1:
+        size = f" of shape {tuple(shape)}"
+        hint = (" If you passed whole arrays as run((x, y)), iterating over them yields x "
+                "and then y: batch them with fl.data.arrays(x, y, batch_size=...) instead.")
     raise ValueError(
         f"data: {where} is a {kind}{size}, but a trainer or evaluator batch must be a "
-        f"pair (x, y). Yield (inputs, targets) tuples, or use fl.loop(step_fn) for other "
-        f"batch structures"
+        f"pair (x, y).{hint} Yield (inputs, targets) tuples, or use fl.loop(step_fn) for "
+        f"other batch structures"
     )
 
 
