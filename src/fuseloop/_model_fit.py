@@ -15,6 +15,7 @@ import numpy as np
 
 from ._metrics import resolve_loss
 from ._placement import device_dtype
+from .models import ModelModeError
 
 __all__ = ["ModelFit", "SPARSE", "abstract", "check_step_keeps_state"]
 
@@ -69,6 +70,8 @@ class ModelFit:
 
         try:
             return jax.eval_shape(forward, variables, xs, key)
+        except ModelModeError:
+            raise
         except Exception as error:  # noqa: BLE001 - re-raised with context
             raise ValueError(
                 f"data: x does not fit the model: applying it with {whose} to the first "
@@ -85,6 +88,8 @@ class ModelFit:
         try:
             variables = jax.eval_shape(model.init, jax.ShapeDtypeStruct((2,), jnp.uint32),
                                        self.first_x[1])
+        except ModelModeError:
+            raise
         except Exception as error:  # noqa: BLE001 - re-raised with context below
             if self.program.kind == "evaluator" or isinstance(error, jax.errors.JAXTypeError):
                 # An evaluator never initializes (its variables come from the caller), and

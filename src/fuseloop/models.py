@@ -17,10 +17,12 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Sequence
 
+import flax
 import flax.linen as nn
 import jax
 
-__all__ = ["mlp", "MLP", "as_model", "from_functions", "from_nnx", "from_equinox"]
+__all__ = ["mlp", "MLP", "as_model", "linen", "trained", "from_functions", "from_nnx",
+           "from_equinox", "TRAIN_FLAGS", "ModelModeError"]
 
 _ACTIVATIONS: dict[str, Callable[[Any], Any]] = {
     "relu": nn.relu,
@@ -80,31 +82,133 @@ def _takes(fn: Callable[..., Any], name: str) -> bool:
         return False
 
 
-class _Linen:
-    """flax.linen: `train=True`, a dropout rng and mutable non-param collections in training."""
+# `__call__` flags that switch a flax.linen module between training and evaluation, and
+# the value each takes while training.
+TRAIN_FLAGS: dict[str, bool] = {
+    "train": True,
+    "training": True,
+    "is_training": True,
+    "deterministic": False,
+    "use_running_average": False,
+}
 
-    def __init__(self, module: nn.Module):
+
+class ModelModeError(ValueError):
+    """A model whose train/eval mode fuseloop cannot set (raised at the first batch)."""
+
+
+def _call_parameters(module: Any) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(type(module).__call__).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
+class linen:  # noqa: N801 - reads as a constructor, like the other adapters
+    """Adapts a flax.linen module, naming the `__call__` flag that switches train/eval mode.
+
+    Flags named `train`, `training`, `is_training` (True while training), `deterministic`
+    or `use_running_average` (False while training) are found by themselves; name any other
+    with `train_arg` and give `train_value`, the value it takes while training, unless the
+    name is one of those five. While training the step passes the flag, a `dropout` rng and
+    makes the non-`params` collections (e.g. `batch_stats`) mutable; evaluation passes the
+    flag's evaluation value. A module with mutable collections or a need for a `dropout` rng
+    but no flag is a ValueError at the first batch.
+
+    Args:
+        module: The flax.linen module.
+        train_arg: The name of its train/eval flag (None: find one of the five).
+        train_value: The flag's value while training (None: from the name).
+
+    Example:
+        >>> import flax.linen as nn
+        >>> class Net(nn.Module):
+        ...     @nn.compact
+        ...     def __call__(self, x, eval_mode: bool = True):
+        ...         return nn.Dropout(0.5, deterministic=eval_mode)(nn.Dense(2)(x))
+        >>> model = linen(Net(), train_arg="eval_mode", train_value=False)
+    """
+
+    def __init__(self, module: nn.Module, train_arg: str | None = None,
+                 train_value: bool | None = None):
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"module={module!r} must be a flax.linen Module")
+        if train_value is not None and not isinstance(train_value, bool):
+            raise ValueError(f"train_value={train_value!r} must be True or False")
+        names = _call_parameters(module)
         self.module = module
-        self.takes_train = _takes(type(module).__call__, "train")
+        if train_arg is None:
+            if train_value is not None:
+                raise ValueError("train_value needs train_arg: name the flag it is for")
+            self.flags = {name: value for name, value in TRAIN_FLAGS.items() if name in names}
+            return
+        if train_arg not in names and not any(
+                p.kind == inspect.Parameter.VAR_KEYWORD
+                for p in inspect.signature(type(module).__call__).parameters.values()):
+            raise ValueError(
+                f"train_arg={train_arg!r} is not an argument of {type(module).__name__}."
+                f"__call__ (its arguments: {', '.join(names[1:])})"
+            )
+        if train_value is None:
+            if train_arg not in TRAIN_FLAGS:
+                raise ValueError(
+                    f"train_value is needed for train_arg={train_arg!r}: say which value the "
+                    f"flag takes while training (True or False); it is inferred only for "
+                    f"{', '.join(TRAIN_FLAGS)}"
+                )
+            train_value = TRAIN_FLAGS[train_arg]
+        self.flags = {train_arg: train_value}
+
+    @property
+    def takes_train(self) -> bool:
+        return bool(self.flags)
+
+    def mode(self, train: bool) -> dict[str, bool]:
+        """The flag arguments for training (`train=True`) or evaluation."""
+        return {name: (value if train else not value) for name, value in self.flags.items()}
 
     def init(self, rng: Any, x: Any) -> Any:
-        kwargs = {"train": False} if self.takes_train else {}
-        return dict(self.module.init(rng, x, **kwargs))
+        try:
+            return dict(self.module.init(rng, x, **self.mode(False)))
+        except flax.errors.InvalidRngError as error:
+            raise self._no_flag("needs a 'dropout' rng") from error
 
     def apply(self, variables: Any, x: Any, **kwargs: Any) -> Any:
-        if self.takes_train:
-            kwargs.setdefault("train", False)
+        for name, value in self.mode(False).items():
+            kwargs.setdefault(name, value)
         return self.module.apply(variables, x, **kwargs)
 
     def forward(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
-        if not (train and self.takes_train):
-            return self.apply(variables, x), None
         mutable = [k for k in variables if k != "params"]
+        if not self.flags:
+            if train and mutable:
+                raise self._no_flag(f"has mutable collections {mutable}")
+            try:
+                return self.module.apply(variables, x), None
+            except flax.errors.InvalidRngError as error:
+                raise self._no_flag("needs a 'dropout' rng") from error
+        if not train:
+            return self.apply(variables, x), None
         rngs = {"dropout": rng}
         if mutable:
-            y, updates = self.module.apply(variables, x, train=True, rngs=rngs, mutable=mutable)
+            y, updates = self.module.apply(variables, x, rngs=rngs, mutable=mutable,
+                                           **self.mode(True))
             return y, dict(updates)
-        return self.module.apply(variables, x, train=True, rngs=rngs), None
+        return self.module.apply(variables, x, rngs=rngs, **self.mode(True)), None
+
+    def _no_flag(self, need: str) -> ModelModeError:
+        name = type(self.module).__name__
+        return ModelModeError(
+            f"model: {name} {need}, but its __call__ has no flag fuseloop recognises to switch "
+            f"between training and evaluation ({', '.join(TRAIN_FLAGS)}), so Dropout and "
+            f"BatchNorm could not behave differently in each. Add one, e.g. "
+            f"`def __call__(self, x, train: bool = False)` passing deterministic=not train to "
+            f"Dropout and use_running_average=not train to BatchNorm, or name yours with "
+            f"fl.models.linen(module, train_arg='name', train_value=True or False)"
+        )
+
+
+_Linen = linen  # the adapter every flax.linen module gets
 
 
 class from_functions:  # noqa: N801 - reads as a constructor
@@ -174,8 +278,7 @@ class from_nnx:  # noqa: N801
         params = self._rebuild(self._templates[0], variables["params"])
         rest = self._rebuild(self._templates[1], variables["state"])
         module = nnx.merge(self.graphdef, params, rest)
-        if hasattr(module, "train"):
-            module.train() if train else module.eval()
+        _set_nnx_mode(module, train)
         y = module(x)
         _, _, rest = nnx.split(module, nnx.Param, ...)
         return y, nnx.to_pure_dict(rest)
@@ -188,11 +291,46 @@ class from_nnx:  # noqa: N801
         return y, ({"state": rest} if train else None)
 
 
+def _set_nnx_mode(module: Any, train: bool) -> None:
+    """nnx's own switch (`.train()`/`.eval()`: Dropout's `deterministic`, BatchNorm's
+    `use_running_average`), then any of the recognised flag attributes a user's module
+    keeps as a plain bool (e.g. `self.training`)."""
+    from flax import nnx
+
+    if hasattr(module, "train") and hasattr(module, "eval"):
+        module.train() if train else module.eval()
+    for _, sub in nnx.iter_graph(module):
+        if not isinstance(sub, nnx.Module):
+            continue
+        for name, train_value in TRAIN_FLAGS.items():
+            if isinstance(getattr(sub, name, None), bool):
+                setattr(sub, name, train_value if train else not train_value)
+
+
+def _equinox_stateful_layers(module: Any) -> list[str]:
+    """Paths of equinox layers that keep state in an `eqx.nn.State` (BatchNorm, ...)."""
+    import equinox as eqx
+
+    stateful = (eqx.nn.StateIndex,)
+    found = []
+    leaves = jax.tree_util.tree_flatten_with_path(
+        module, is_leaf=lambda node: isinstance(node, stateful + (eqx.nn.BatchNorm,)))[0]
+    for path, leaf in leaves:
+        if isinstance(leaf, eqx.nn.BatchNorm):
+            found.append(f"eqx.nn.BatchNorm at model{jax.tree_util.keystr(path)}")
+        elif isinstance(leaf, stateful):
+            found.append(f"eqx.nn.StateIndex at model{jax.tree_util.keystr(path)}")
+    return found
+
+
 class from_equinox:  # noqa: N801
     """Adapts an equinox module applied per example (vmapped over the batch axis).
 
     Variables are `{"params": the module's inexact arrays}`; a module whose `__call__`
-    takes `key` gets a per-example key in training.
+    takes `key` gets a per-example key in training. Training runs the module with
+    `eqx.nn.inference_mode(module, False)` and evaluation with `True`, so Dropout is on only
+    while training. Layers with `eqx.nn.State` (BatchNorm) are refused with an error that
+    names them.
 
     Example:
         >>> import equinox as eqx, jax
@@ -203,6 +341,14 @@ class from_equinox:  # noqa: N801
         import equinox as eqx
 
         self._eqx = eqx
+        stateful = _equinox_stateful_layers(module)
+        if stateful:
+            raise ValueError(
+                f"model: equinox layers that keep state in an eqx.nn.State are not supported "
+                f"({'; '.join(stateful)}): their state would have to be threaded through "
+                f"every call. Use a stateless normalization (eqx.nn.LayerNorm, "
+                f"eqx.nn.GroupNorm), or write the step yourself with fl.loop(step_fn)"
+            )
         self.params, self.static = eqx.partition(module, eqx.is_inexact_array)
         self.batched = batched
         self.takes_key = _takes(type(module).__call__, "key")
@@ -214,7 +360,8 @@ class from_equinox:  # noqa: N801
         return self.forward(variables, x, train=False, rng=None)[0]
 
     def forward(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
-        module = self._eqx.combine(variables["params"], self.static)
+        module = self._eqx.nn.inference_mode(
+            self._eqx.combine(variables["params"], self.static), value=not train)
         if self.batched:
             return module(x), None
         if train and self.takes_key and rng is not None:
@@ -252,3 +399,69 @@ def as_model(model: Any) -> Any:
         f"module, an (init_fn, apply_fn) pair, or any object with .init(rng, x) and "
         f".apply(variables, x)"
     )
+
+
+class _EvalFlag(nn.Module):
+    """Calls `inner` with its train/eval flags set for evaluation (see `trained`)."""
+
+    inner: nn.Module
+    flags: tuple[tuple[str, bool], ...]
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(x, *args, **{**dict(self.flags), **kwargs})
+
+
+def _flag_defaults_evaluate(adapter: linen) -> bool:
+    """Whether calling the module without its flags already evaluates."""
+    parameters = inspect.signature(type(adapter.module).__call__).parameters
+    return all(name in parameters and parameters[name].default is (not value)
+               for name, value in adapter.flags.items())
+
+
+def _trained_linen(adapter: linen, variables: Any) -> Any:
+    if _flag_defaults_evaluate(adapter):
+        return adapter.module.bind(variables)
+    # Nest the variables one level down, under the wrapper's child `inner`.
+    nested = {collection: {"inner": tree} for collection, tree in variables.items()}
+    flags = tuple(adapter.mode(False).items())
+    return _EvalFlag(adapter.module, flags).bind(nested)
+
+
+def trained(model: Any, state_or_variables: Any) -> Any:
+    """The trained model in its own library's form, callable on x in evaluation mode.
+
+    * flax.linen: the module bound to the variables (`bound(x)`); when the module's
+      train/eval flag does not default to evaluation, a bound wrapper that passes it.
+    * flax.nnx: the module rebuilt with the trained params and state, in `.eval()` mode.
+    * equinox: the module with the trained arrays, in inference mode (batched as equinox
+      modules are: per example; `jax.vmap` it for a batch).
+    * `(init, apply)` functions or any `.init`/`.apply` object: `lambda x: apply(vars, x)`.
+
+    Args:
+        model: The model given to the trainer.
+        state_or_variables: A State from `run` or the variables (`state.params`).
+
+    Example:
+        >>> import fuseloop as fl, jax, jax.numpy as jnp
+        >>> model = fl.models.mlp([4, 2])
+        >>> variables = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 3)))
+        >>> fl.models.trained(model, variables)(jnp.zeros((5, 3))).shape
+        (5, 2)
+    """
+    variables = getattr(state_or_variables, "params", state_or_variables)
+    if variables is None:
+        raise ValueError("state_or_variables: the State holds no params (step_state is None)")
+    adapter = as_model(model)
+    if isinstance(adapter, linen):
+        return _trained_linen(adapter, dict(variables))
+    if isinstance(adapter, from_nnx):
+        nnx = adapter._nnx
+        params = adapter._rebuild(adapter._templates[0], variables["params"])
+        rest = adapter._rebuild(adapter._templates[1], variables["state"])
+        module = nnx.merge(adapter.graphdef, params, rest)
+        _set_nnx_mode(module, False)
+        return module
+    if isinstance(adapter, from_equinox):
+        eqx = adapter._eqx
+        return eqx.nn.inference_mode(eqx.combine(variables["params"], adapter.static))
+    return lambda x: adapter.apply(variables, x)
