@@ -8,6 +8,7 @@ handler's key, so it is saved with a checkpoint and a resumed run continues it e
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,25 +135,62 @@ class EarlyStopping:
     not beat it by more than `min_delta` adds one to the wait count, and the loop halts when
     the count reaches `patience`. A non-finite monitored value halts at once.
 
+    With `restore_best=True` (Keras's `restore_best_weights`), the step state of each new
+    best epoch is copied on the device, and when the run ends - this handler halts it, or
+    its last epoch completes - the State's step state (params, optimizer state, counters)
+    is that copy, bitwise. `on_end` does the same for a run that another handler or a
+    signal ends.
+
     Example:
-        >>> stop = EarlyStopping("validation_loss", patience=2)
+        >>> stop = EarlyStopping("validation_loss", patience=2, restore_best=True)
     """
 
     def __init__(self, monitor: str, patience: int = 3, mode: str = "min",
-                 min_delta: float = 0.0, key: str = ""):
+                 min_delta: float = 0.0, key: str = "", restore_best: bool = False):
+        if not isinstance(restore_best, bool):
+            raise ValueError(f"restore_best={restore_best!r} must be True or False")
         self.monitor = Monitor(monitor, mode, patience, min_delta,
                                key or f"early_stop:{monitor}")
+        self.restore_best = restore_best
+        self._best: tuple[Any, Any] | None = None  # ((epoch, value), device copy)
 
     def __call__(self, state: State) -> tuple[str, State]:
         value = self.monitor.value(state)
-        record, _ = self.monitor.update(self.monitor.record(state), value, state.epoch)
-        if not math.isfinite(value):
+        previous = self.monitor.record(state)
+        if previous["best"] is None:  # a fresh run: nothing kept from an earlier one
+            self._best = None
+        record, improved = self.monitor.update(previous, value, state.epoch)
+        if improved and self.restore_best and state.step_state is not None:
+            # A device copy (no host sync): the live arrays are donated by the next step.
+            self._best = ((state.epoch, value), jax.tree.map(jnp.copy, state.step_state))
+        stop = not math.isfinite(value) or (
+            record["wait"] > 0 and record["wait"] >= self.monitor.patience)
+        if stop:
             record["stopped_epoch"] = state.epoch
-            return "halt_loop", self.monitor.store(state, record)
-        if record["wait"] > 0 and record["wait"] >= self.monitor.patience:
-            record["stopped_epoch"] = state.epoch
-            return "halt_loop", self.monitor.store(state, record)
-        return "continue", self.monitor.store(state, record)
+        state = self.monitor.store(state, record)
+        if stop or state.epoch + 1 >= state.max_epoch:
+            state = self._restored(state)
+        return ("halt_loop" if stop else "continue"), state
+
+    def on_end(self, state: State) -> tuple[str, State]:
+        """For the "completed" and "halted" events: the best epoch's step state."""
+        return "continue", self._restored(state)
+
+    def _restored(self, state: State) -> State:
+        if not self.restore_best:
+            return state
+        record = self.monitor.record(state)
+        if self._best is None or self._best[0] != (record["best_epoch"], record["best"]):
+            if record["best_epoch"] is not None and record["best_epoch"] != state.epoch:
+                warnings.warn(
+                    f"early_stop(restore_best=True): the best epoch ({record['best_epoch']}) "
+                    f"ran in an earlier run, whose step state this one does not hold; the "
+                    f"State keeps the last epoch's",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return state
+        return state.replace(step_state=jax.tree.map(jnp.copy, self._best[1]))
 
 
 class ReduceLROnPlateau:
