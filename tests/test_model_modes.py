@@ -234,3 +234,20 @@ def test_trained_plain_functions():
     model = fl.models.trained((init, apply), state)
     np.testing.assert_allclose(np.asarray(model(DATA[0][0])),
                                DATA[0][0] @ np.ones((5, 3), np.float32), rtol=1e-6)
+
+
+class EqxDropoutNoKey(eqx.Module):
+    dense: eqx.nn.Linear
+    drop: eqx.nn.Dropout
+
+    def __init__(self):
+        self.dense = eqx.nn.Linear(5, 3, key=jax.random.PRNGKey(0))
+        self.drop = eqx.nn.Dropout(0.5)
+
+    def __call__(self, x):
+        return self.drop(self.dense(x))
+
+
+def test_equinox_dropout_without_a_key_argument_is_refused():
+    with pytest.raises(ValueError, match=r"eqx.nn.Dropout \(at model\.drop\).*`key=None`"):
+        fl.trainer(EqxDropoutNoKey(), SPARSE, "sgd")

@@ -146,7 +146,7 @@ def predict(model: Any, variables_or_state: Any, x: Any, *, batch_size: int = 25
         >>> import fuseloop as fl, jax, numpy as np
         >>> model = fl.models.mlp([4, 2])
         >>> variables = model.init(jax.random.PRNGKey(0), np.zeros((1, 3), np.float32))
-        >>> fl.predict(model, variables, np.zeros((10, 3), np.float32), batch_size=4).shape
+        >>> predict(model, variables, np.zeros((10, 3), np.float32), batch_size=4).shape
         (10, 2)
     """
     variables = getattr(variables_or_state, "params", variables_or_state)

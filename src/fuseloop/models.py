@@ -352,6 +352,16 @@ class from_equinox:  # noqa: N801
         self.params, self.static = eqx.partition(module, eqx.is_inexact_array)
         self.batched = batched
         self.takes_key = _takes(type(module).__call__, "key")
+        dropouts = [path for path, leaf in jax.tree_util.tree_flatten_with_path(
+            module, is_leaf=lambda node: isinstance(node, eqx.nn.Dropout))[0]
+            if isinstance(leaf, eqx.nn.Dropout)]
+        if dropouts and not self.takes_key:
+            raise ValueError(
+                f"model: {type(module).__name__} has eqx.nn.Dropout (at model"
+                f"{jax.tree_util.keystr(dropouts[0])}) but its __call__ takes no `key`, so "
+                f"Dropout cannot draw a mask while training. Add `key=None` to __call__ and "
+                f"pass it on to the Dropout layers"
+            )
 
     def init(self, rng: Any, x: Any) -> Any:
         return {"params": jax.tree.map(lambda a: a, self.params)}
