@@ -112,7 +112,7 @@ def test_precision_without_positives_reads_zero():
 
 @pytest.mark.parametrize("fuse", [2, True])
 def test_fused_equals_unfused_bitwise_with_ragged_validation(fuse):
-    x, y, train = _classifier_data(n=48, batch=8, seed=1)
+    _, _, train = _classifier_data(n=48, batch=8, seed=1)
     vx, vy, val = _classifier_data(n=21, batch=8, seed=2)
     model = fl.models.mlp([6, 3])
 
@@ -132,7 +132,7 @@ def test_fused_equals_unfused_bitwise_with_ragged_validation(fuse):
 
 
 def test_ragged_warning_does_not_advise_dropping_evaluation_data():
-    x, y, source = _classifier_data(n=20, batch=8)
+    x, _, source = _classifier_data(n=20, batch=8)
     model = fl.models.mlp([3])
     variables = model.init(jax.random.PRNGKey(0), x[:2])
     with pytest.warns(UserWarning) as caught:

@@ -49,8 +49,8 @@ def _is_array(value: Any) -> bool:
 
 
 def _is_array_tree(x: Any) -> bool:
-    if isinstance(x, list) or isinstance(x, collections.abc.Iterator) or callable(x) or (
-            hasattr(x, "iter_epoch")):
+    if isinstance(x, (list, collections.abc.Iterator)) or callable(x) or hasattr(
+            x, "iter_epoch"):
         return False
     leaves = jax.tree.leaves(x)
     return bool(leaves) and all(_is_array(leaf) and np.ndim(leaf) >= 1 for leaf in leaves)
@@ -115,7 +115,7 @@ def _padded_chunks(x: Any, n: int, batch_size: int, per_chunk: int):
     for first in range(0, batches, per_chunk):
         start, stop = first * batch_size, min(n, (first + per_chunk) * batch_size)
 
-        def cut(leaf: np.ndarray) -> np.ndarray:
+        def cut(leaf: np.ndarray, start: int = start, stop: int = stop) -> np.ndarray:
             part = leaf[start:stop]
             padded = np.zeros((per_chunk * batch_size,) + leaf.shape[1:], leaf.dtype)
             padded[: stop - start] = part

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from .._optim import (find_learning_rates, has_schedule, rate_is_scheduled,
                       set_learning_rate)
 from .._state import State
