@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from ._fusion import FusionError
-from ._model_fit import SPARSE, ModelFit, abstract
+from ._model_fit import SPARSE, ModelFit, abstract, check_step_keeps_state
 from ._step import require_pair
 
 __all__ = ["Checker"]
@@ -40,6 +40,43 @@ def _leaf_signature(leaf: Any) -> tuple[Any, Any]:
     if shape is not None and hasattr(leaf, "dtype"):
         return tuple(shape), leaf.dtype
     return (), type(leaf).__name__
+
+
+def _is_scalar_list(value: Any) -> bool:
+    leaves = jax.tree.leaves(value)
+    # The source turns Python numbers into 0-d arrays; neither has a batch axis.
+    return isinstance(value, (list, tuple)) and bool(leaves) and all(
+        np.ndim(leaf) == 0 for leaf in leaves)
+
+
+def _check_python_lists(batch: Any, where: str) -> None:
+    """x or y given as (nested) Python lists of numbers: one error, not one per number."""
+    for name, part in zip(("x", "y"), batch):
+        if _is_scalar_list(part):
+            count = len(jax.tree.leaves(part))
+            raise ValueError(
+                f"data: {where}: {name} is a Python {type(part).__name__} of {count} numbers, "
+                f"but x and y must be arrays with the examples on axis 0. Convert them, e.g. "
+                f"np.asarray({name}, np.float32) (integer labels: np.int32), or pass "
+                f"fl.data.arrays(x, y, batch_size=...)"
+            )
+
+
+def _leading_sizes(tree: Any) -> list[int]:
+    return [int(np.shape(leaf)[0]) for leaf in jax.tree.leaves(tree) if np.ndim(leaf) >= 1]
+
+
+def _check_pair_sizes(batch: Any, where: str) -> None:
+    """x and y of one batch hold the same number of examples."""
+    x_sizes, y_sizes = _leading_sizes(batch[0]), _leading_sizes(batch[1])
+    if not x_sizes or not y_sizes:
+        return
+    bad = [size for size in y_sizes if size != x_sizes[0]]
+    if bad:
+        raise ValueError(
+            f"data: {where}: x holds {x_sizes[0]} examples but y holds {bad[0]}; x and y of a "
+            f"batch must have the same size along axis 0 (one target per example)"
+        )
 
 
 class Checker:
@@ -61,6 +98,7 @@ class Checker:
         self.accepted: set[tuple[Any, ...]] = set()
         self.ragged_size: int | None = None
         self.fit = ModelFit(program)  # x and y against the model and loss, abstractly
+        self.first_batch: Any = None
         self.warned_float64 = False
 
     # ----------------------------------------------------------------- entry points
@@ -68,6 +106,9 @@ class Checker:
         """Called once with the run's first batch, before anything compiles."""
         if self.pairs:
             require_pair(batch, "the run's first batch")
+            _check_python_lists(batch, "the run's first batch")
+            _check_pair_sizes(batch, "the run's first batch")
+        self.first_batch = batch
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(batch)
         self.names = tuple(self._leaf_name(path) for path, _ in flat)
         self.expected = tuple(_leaf_signature(leaf) for _, leaf in flat)
@@ -137,9 +178,12 @@ class Checker:
         """A batch whose signature was not seen before: accept it, warn, or raise."""
         where = f"data: the batch at epoch {epoch}, iteration {iteration}"
         error = FusionError if fused else ValueError
+        if self.pairs:  # the same errors fused and unfused: checked before any fusion error
+            at = f"the batch at epoch {epoch}, iteration {iteration}"
+            require_pair(batch, at)
+            _check_python_lists(batch, at)
+            _check_pair_sizes(batch, at)
         if treedef != self.treedef:
-            if self.pairs:
-                require_pair(batch, f"the batch at epoch {epoch}, iteration {iteration}")
             raise error(
                 f"{where} has structure {treedef}, but the run's first batch has "
                 f"{self.treedef}; every batch must have the same structure (the same "
@@ -188,8 +232,9 @@ class Checker:
             self.ragged_size = size
             warnings.warn(
                 f"{where} has batch size {size} instead of {full} (a ragged last batch?); "
-                f"the step compiles once more for it. Use batches of equal size (e.g. "
-                f"fl.data.arrays(..., drop_remainder=True)) to avoid the extra compile",
+                f"the step compiles once more for it. Metrics are means over examples, so "
+                f"the short batch counts by its size: keep it in evaluation data. In "
+                f"training data, drop_remainder=True avoids the extra compile",
                 UserWarning,
                 stacklevel=2,
             )
@@ -240,13 +285,39 @@ class Checker:
                 )
                 return
 
+    def dataset(self, data: Any) -> None:
+        """Called once per run with the data source: the labels of a whole in-memory
+        dataset (`fl.data.arrays`, device-resident or not) are range-checked here on the
+        host, so a fused and an unfused run over device-resident data (whose batches the
+        host never sees) reject a bad label alike."""
+        labels = getattr(data, "host_labels", None)
+        if labels is None or self.fit.classes is None:
+            return
+        self._check_labels((None, labels()), "the dataset (fl.data.arrays)")
+
     # ----------------------------------------------------------------- model fit
     def variables(self, step_state: Any) -> None:
-        """Called once with the initial step state: x fits the variables actually used.
+        """Called once with the initial step state, before anything compiles.
 
         `first` checks x against a freshly initialized model; an evaluator, or a trainer
-        given trained variables, runs with the caller's variables instead.
+        given trained variables, runs with the caller's variables instead, so x is checked
+        against those here. Then one step is evaluated abstractly: it must return a step
+        state of the same structure, dtypes and shapes (fused and unfused alike).
         """
+        self._check_variables(step_state)
+        if self.first_batch is None or self.program.kind == "evaluator":
+            return
+        leaves, treedef = jax.tree.flatten(step_state)
+        try:
+            key = ("checked_step", self.treedef, self.expected, treedef,
+                   tuple((np.shape(leaf), str(jax.numpy.result_type(leaf))) for leaf in leaves))
+        except TypeError:  # a non-array leaf: the run itself reports what is wrong
+            return
+        if key not in self.cache:
+            check_step_keeps_state(self.program.step, step_state, self.first_batch)
+            self.cache[key] = True
+
+    def _check_variables(self, step_state: Any) -> None:
         if self.fit.first_x is None or not isinstance(step_state, dict) or (
                 "params" not in step_state):
             return

@@ -2,54 +2,89 @@
 
 Accumulators keep a sum and a count and divide only when read on the host. A running
 average written as `(avg * n + x) / (n + 1)` invites XLA to contract a multiply-add
-differently in a separately jitted step and in a scanned loop (DESIGN.md §2); a sum has no
-multiply to contract, so fused and unfused accumulators agree to the bit.
+differently in a separately jitted step and in a scanned loop; a sum has no multiply to
+contract, so fused and unfused accumulators agree to the bit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-__all__ = ["LOSSES", "METRICS", "resolve_loss", "resolve_metric", "MetricSpec", "ACCUMULATORS"]
+__all__ = ["LOSSES", "PER_ELEMENT_LOSSES", "METRICS", "Mean", "resolve_loss", "resolve_metric",
+           "MetricSpec", "ACCUMULATORS", "batch_size"]
 
 Array = Any
 
 
-def _sparse_cce(y_true: Array, y_pred: Array) -> Array:
+class Mean(NamedTuple):
+    """A batch's contribution to a mean over examples: the sum of its per-example values
+    and how many examples it holds. Accumulating these (sums and counts, no division
+    until the host reads them) weighs a ragged last batch by its size."""
+
+    total: Array  # float32 scalar: sum over the batch's examples (elements)
+    count: Array  # float32 scalar: number of examples (elements) summed
+
+
+def _mean_of(values: Array) -> Mean:
+    values = jnp.asarray(values, jnp.float32)
+    return Mean(jnp.sum(values), jnp.asarray(values.size, jnp.float32))
+
+
+def _sparse_labels(y_true: Array, y_pred: Array) -> Array:
     labels = jnp.asarray(y_true).astype(jnp.int32)
     if labels.ndim == y_pred.ndim:  # (batch, 1) labels
         labels = labels[..., 0]
-    return optax.softmax_cross_entropy_with_integer_labels(y_pred, labels).mean()
+    return labels
 
 
-def _cce(y_true: Array, y_pred: Array) -> Array:
-    return optax.softmax_cross_entropy(y_pred, y_true.astype(y_pred.dtype)).mean()
+def _sparse_cce_each(y_true: Array, y_pred: Array) -> Array:
+    return optax.softmax_cross_entropy_with_integer_labels(y_pred, _sparse_labels(y_true, y_pred))
 
 
-def _bce(y_true: Array, y_pred: Array) -> Array:
+def _cce_each(y_true: Array, y_pred: Array) -> Array:
+    return optax.softmax_cross_entropy(y_pred, y_true.astype(y_pred.dtype))
+
+
+def _bce_each(y_true: Array, y_pred: Array) -> Array:
     y_true = jnp.reshape(y_true, y_pred.shape).astype(y_pred.dtype)
-    return optax.sigmoid_binary_cross_entropy(y_pred, y_true).mean()
+    return optax.sigmoid_binary_cross_entropy(y_pred, y_true)
 
 
-def _mse(y_true: Array, y_pred: Array) -> Array:
-    return jnp.mean(jnp.square(y_pred - jnp.reshape(y_true, y_pred.shape)))
+def _mse_each(y_true: Array, y_pred: Array) -> Array:
+    return jnp.square(y_pred - jnp.reshape(y_true, y_pred.shape))
 
 
-def _mae(y_true: Array, y_pred: Array) -> Array:
-    return jnp.mean(jnp.abs(y_pred - jnp.reshape(y_true, y_pred.shape)))
+def _mae_each(y_true: Array, y_pred: Array) -> Array:
+    return jnp.abs(y_pred - jnp.reshape(y_true, y_pred.shape))
+
+
+# Per-element losses: the training objective is their mean over the batch, and the "loss"
+# metric accumulates their sum and count, so its epoch value is the mean over all examples.
+PER_ELEMENT_LOSSES: dict[str, Callable[[Array, Array], Array]] = {
+    "mean_squared_error": _mse_each,
+    "mean_absolute_error": _mae_each,
+    "binary_cross_entropy": _bce_each,
+    "categorical_cross_entropy": _cce_each,
+    "sparse_categorical_cross_entropy": _sparse_cce_each,
+}
+
+
+def _batch_mean(each: Callable[[Array, Array], Array]) -> Callable[[Array, Array], Array]:
+    def loss(y_true: Array, y_pred: Array) -> Array:
+        return each(y_true, y_pred).mean()
+
+    loss.__name__ = each.__name__.removesuffix("_each").lstrip("_")
+    return loss
 
 
 LOSSES: dict[str, Callable[[Array, Array], Array]] = {
-    "mean_squared_error": _mse,
-    "mean_absolute_error": _mae,
-    "binary_cross_entropy": _bce,
-    "categorical_cross_entropy": _cce,
-    "sparse_categorical_cross_entropy": _sparse_cce,
+    name: _batch_mean(each) for name, each in PER_ELEMENT_LOSSES.items()
 }
 
 
@@ -65,9 +100,9 @@ def _predicted_and_true_classes(y_true: Array, y_pred: Array) -> tuple[Array, Ar
     return jnp.reshape(y_true, y_pred.shape) > 0.5, y_pred > 0
 
 
-def _accuracy(y_true: Array, y_pred: Array) -> Array:
+def _accuracy(y_true: Array, y_pred: Array) -> Mean:
     true, predicted = _predicted_and_true_classes(y_true, y_pred)
-    return jnp.mean((true == predicted).astype(jnp.float32))
+    return _mean_of(true == predicted)
 
 
 def _binary_counts(y_true: Array, y_pred: Array) -> tuple[Array, Array, Array]:
@@ -78,17 +113,34 @@ def _binary_counts(y_true: Array, y_pred: Array) -> tuple[Array, Array, Array]:
     return true_pos, jnp.sum(predicted.astype(jnp.float32)), jnp.sum(true.astype(jnp.float32))
 
 
-def _precision(y_true: Array, y_pred: Array) -> Array:
+# Precision is true positives over predicted positives, summed over the epoch. A batch
+# with no predicted positive still adds this tiny count, so an epoch without any reads as
+# 0.0 (as Keras reports it) instead of vanishing; it is far below half a unit in the last
+# place of any count >= 1, so a real count of positives is stored exactly.
+_PRESENT = 2.0**-100
+
+
+def _precision(y_true: Array, y_pred: Array) -> Mean:
     true_pos, predicted_pos, _ = _binary_counts(y_true, y_pred)
-    return jnp.where(predicted_pos > 0, true_pos / jnp.maximum(predicted_pos, 1.0), 0.0)
+    return Mean(true_pos, predicted_pos + _PRESENT)
 
 
-def _recall(y_true: Array, y_pred: Array) -> Array:
+def _recall(y_true: Array, y_pred: Array) -> Mean:
     true_pos, _, actual_pos = _binary_counts(y_true, y_pred)
-    return jnp.where(actual_pos > 0, true_pos / jnp.maximum(actual_pos, 1.0), 0.0)
+    return Mean(true_pos, actual_pos + _PRESENT)
 
 
-METRICS: dict[str, Callable[[Array, Array], Array]] = {
+def _mae(y_true: Array, y_pred: Array) -> Mean:
+    return _mean_of(_mae_each(y_true, y_pred))
+
+
+def _mse(y_true: Array, y_pred: Array) -> Mean:
+    return _mean_of(_mse_each(y_true, y_pred))
+
+
+# Built-in metrics return a `Mean`: their epoch value is a mean over examples (precision and
+# recall: over predicted and actual positives), whatever the batch sizes.
+METRICS: dict[str, Callable[[Array, Array], Mean]] = {
     "accuracy": _accuracy,
     "precision": _precision,
     "recall": _recall,
@@ -119,21 +171,64 @@ def resolve_loss(loss: Any) -> tuple[str, Callable[[Array, Array], Array]]:
 class MetricSpec:
     """A metric attached to a loop: its name, function and accumulator.
 
-    `fn(y_true, y_pred) -> scalar`. `source` names a scalar in the step state to read
-    instead (how a custom loop exposes its loss).
+    `fn(y_true, y_pred)` returns a `Mean` (built-in metrics: the epoch value is a mean over
+    examples) or a scalar (a user's callable: the epoch value is the mean of the per-batch
+    scalars, each batch weighing the same). `source` names a scalar in the step state to
+    read instead (how a custom loop exposes its loss).
     """
 
     name: str
-    fn: Callable[[Array, Array], Array] | None
+    fn: Callable[[Array, Array], Any] | None
     accumulate: str = "running_average"
     source: str | None = None
 
     def init(self) -> dict[str, Array]:
         return {"sum": jnp.zeros((), jnp.float32), "count": jnp.zeros((), jnp.float32)}
 
-    def update(self, acc: dict[str, Array], value: Array) -> dict[str, Array]:
-        value = jnp.asarray(value, jnp.float32)
-        return {"sum": acc["sum"] + value, "count": acc["count"] + 1.0}
+    def update(self, acc: dict[str, Array], value: Any) -> dict[str, Array]:
+        """`acc` plus one batch: a `Mean` adds its sum and example count, a scalar adds
+        itself and a count of one (a running sum counts batches, so it reads as present)."""
+        if isinstance(value, Mean):
+            total = jnp.asarray(value.total, jnp.float32)
+            count = jnp.asarray(value.count, jnp.float32)
+        else:
+            total, count = jnp.asarray(value, jnp.float32), jnp.ones((), jnp.float32)
+        if self.accumulate == "running_sum":
+            count = jnp.ones((), jnp.float32)
+        if self.accumulate == "last":  # the value of the latest step (a learning rate)
+            return {"sum": total, "count": count}
+        return {"sum": acc["sum"] + total, "count": acc["count"] + count}
+
+
+def batch_size(tree: Any) -> int:
+    """The leading-axis size of the first array leaf of `tree` (1 for scalars)."""
+    for leaf in jax.tree.leaves(tree):
+        shape = getattr(leaf, "shape", ())
+        return int(shape[0]) if len(shape) >= 1 else 1
+    return 1
+
+
+def loss_mean(loss: Any) -> Callable[[Array, Array], tuple[Array, Mean]]:
+    """`fn(y_true, y_pred) -> (batch loss, Mean)` for a loss name or callable.
+
+    A named loss is a mean of per-element losses: the batch loss (the training objective)
+    is their mean, and the `Mean` holds their sum and count. A callable returns the batch's
+    loss only; it is taken as a mean over the batch's examples and weighted by their number
+    (the leading axis of y_true), as Keras weighs its loss tracker.
+    """
+    name, fn = resolve_loss(loss)
+    each = PER_ELEMENT_LOSSES.get(name) if isinstance(loss, str) else None
+
+    def named(y_true: Array, y_pred: Array) -> tuple[Array, Mean]:
+        values = each(y_true, y_pred)
+        return values.mean(), _mean_of(values)
+
+    def weighted(y_true: Array, y_pred: Array) -> tuple[Array, Mean]:
+        value = fn(y_true, y_pred)
+        n = jnp.asarray(batch_size(y_true), jnp.float32)
+        return value, Mean(jnp.asarray(value, jnp.float32) * n, n)
+
+    return named if each is not None else weighted
 
 
 def resolve_metric(metric: Any, name: str | None, accumulate: str) -> MetricSpec:
@@ -160,7 +255,11 @@ def resolve_metric(metric: Any, name: str | None, accumulate: str) -> MetricSpec
 def read_metric(spec: MetricSpec, acc: dict[str, np.ndarray]) -> float:
     """The host-side value of an accumulator that was already read to the host."""
     total = np.float32(acc["sum"])
-    if spec.accumulate == "running_sum":
+    if spec.accumulate in ("running_sum", "last"):
         return float(total)
     count = np.float32(acc["count"])
-    return float(total / count) if count > 0 else float("nan")
+    if count <= 0:
+        return float("nan")
+    if count < 1:  # precision/recall: no positive in the epoch, only the presence marks
+        return 0.0
+    return float(total / count)

@@ -15,8 +15,9 @@ import numpy as np
 
 from ._metrics import resolve_loss
 from ._placement import device_dtype
+from .models import ModelModeError
 
-__all__ = ["ModelFit", "SPARSE", "abstract"]
+__all__ = ["ModelFit", "SPARSE", "abstract", "check_step_keeps_state"]
 
 SPARSE = "sparse_categorical_cross_entropy"
 _SAME_SHAPE_LOSSES = ("categorical_cross_entropy",)
@@ -69,6 +70,8 @@ class ModelFit:
 
         try:
             return jax.eval_shape(forward, variables, xs, key)
+        except ModelModeError:
+            raise
         except Exception as error:  # noqa: BLE001 - re-raised with context
             raise ValueError(
                 f"data: x does not fit the model: applying it with {whose} to the first "
@@ -85,6 +88,8 @@ class ModelFit:
         try:
             variables = jax.eval_shape(model.init, jax.ShapeDtypeStruct((2,), jnp.uint32),
                                        self.first_x[1])
+        except ModelModeError:
+            raise
         except Exception as error:  # noqa: BLE001 - re-raised with context below
             if self.program.kind == "evaluator" or isinstance(error, jax.errors.JAXTypeError):
                 # An evaluator never initializes (its variables come from the caller), and
@@ -122,6 +127,12 @@ class ModelFit:
 
     def _check_named_loss(self, name: str, ys: Any, y_pred: Any, output: str) -> None:
         batch_size, shape = y_pred.shape[:1], ys.shape
+        if name == SPARSE and jnp.issubdtype(ys.dtype, jnp.floating):
+            raise ValueError(
+                f"data: y has dtype {ys.dtype}, but {name} expects integer class labels; a "
+                f"float label would be truncated to a class. Cast them (y.astype(np.int32)), "
+                f"or for one-hot or probability targets use 'categorical_cross_entropy'"
+            )
         if name == SPARSE:
             accepted = (y_pred.shape[:-1], y_pred.shape[:-1] + (1,))
             if shape not in accepted:
@@ -146,3 +157,41 @@ class ModelFit:
                 f"model's last layer"
             )
 
+
+
+def _state_leaf(leaf: Any) -> Any:
+    """The abstract value of a step-state leaf as the device loop carries it."""
+    return jax.ShapeDtypeStruct(np.shape(leaf), jax.dtypes.canonicalize_dtype(
+        jnp.result_type(leaf)))
+
+
+def check_step_keeps_state(step: Any, step_state: Any, batch: Any) -> None:
+    """Raises a ValueError if one step changes the step state's structure, or a leaf's
+    dtype or shape (found abstractly with `jax.eval_shape`: nothing runs or compiles).
+
+    The fused and the unfused loop carry the step state through a device loop, which needs
+    it unchanged; an optimizer state that promotes bfloat16 to float32 would otherwise fail
+    deep inside JAX. A step that cannot be evaluated abstractly is left to the run itself.
+    """
+    try:
+        before = jax.tree.map(_state_leaf, step_state)
+        after = jax.eval_shape(lambda s, b: step(s, b)[0], before, jax.tree.map(abstract, batch))
+    except Exception:  # noqa: BLE001 - the run raises its own, more specific error
+        return
+    old, old_def = jax.tree_util.tree_flatten_with_path(before)
+    new, new_def = jax.tree_util.tree_flatten_with_path(after)
+    if old_def != new_def:
+        raise ValueError(
+            f"the step changes the structure of the step state: it starts as {old_def} and "
+            f"one step returns {new_def}. A step must return a state with the same "
+            f"structure, dtypes and shapes it was given"
+        )
+    for (path, a), (_, b) in zip(old, new):
+        if (a.shape, a.dtype) != (b.shape, jax.dtypes.canonicalize_dtype(b.dtype)):
+            raise ValueError(
+                f"the step changes step_state{jax.tree_util.keystr(path)} from dtype "
+                f"{a.dtype} shape {a.shape} to dtype {b.dtype} shape {b.shape}; a step must "
+                f"keep every leaf's dtype and shape (the loop carries the state through a "
+                f"device loop). Cast the result back (e.g. .astype(old dtype)), or build the "
+                f"state (e.g. the optimizer state) in the dtype the step produces"
+            )

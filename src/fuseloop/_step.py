@@ -15,40 +15,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._metrics import MetricSpec, resolve_loss
+from ._metrics import Mean, MetricSpec, loss_mean, resolve_loss
+from ._optim import OPTIMIZERS, exposes_learning_rate, learning_rate_of, resolve_optimizer
 from .models import as_model
 
-__all__ = ["Program", "trainer_program", "evaluator_program", "custom_program", "make_carry_step"]
-
-OPTIMIZERS: dict[str, tuple[Callable[..., optax.GradientTransformation], float]] = {
-    "sgd": (optax.sgd, 1e-2),
-    "adam": (optax.adam, 1e-3),
-    "adamw": (optax.adamw, 1e-3),
-}
-
-
-def resolve_optimizer(optimizer: Any) -> optax.GradientTransformation:
-    """Returns an optax transformation for a name or a transformation.
-
-    Named optimizers are built with `optax.inject_hyperparams`, so their learning rate
-    lives in the optimizer state and can be changed between chunks.
-    """
-    if isinstance(optimizer, str):
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(
-                f"optimizer={optimizer!r} is not a known optimizer; accepted values: "
-                f"{', '.join(OPTIMIZERS)} or an optax.GradientTransformation"
-            )
-        factory, learning_rate = OPTIMIZERS[optimizer]
-        return optax.inject_hyperparams(factory)(learning_rate=learning_rate)
-    if isinstance(optimizer, optax.GradientTransformation) or (
-        hasattr(optimizer, "init") and hasattr(optimizer, "update")
-    ):
-        return optimizer
-    raise ValueError(
-        f"optimizer={optimizer!r} must be a name ({', '.join(OPTIMIZERS)}) or an "
-        f"optax.GradientTransformation"
-    )
+__all__ = ["Program", "trainer_program", "evaluator_program", "custom_program", "make_carry_step",
+           "default_metrics", "OPTIMIZERS", "resolve_optimizer"]
 
 
 def require_pair(batch: Any, where: str = "a batch") -> None:
@@ -57,10 +29,16 @@ def require_pair(batch: Any, where: str = "a batch") -> None:
         return
     kind = type(batch).__name__
     size = f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""
+    shape = getattr(batch, "shape", None)
+    hint = ""
+    if shape is not None and len(shape) >= 1:
+        size = f" of shape {tuple(shape)}"
+        hint = (" If you passed whole arrays as run((x, y)), iterating over them yields x "
+                "and then y: batch them with fl.data.arrays(x, y, batch_size=...) instead.")
     raise ValueError(
         f"data: {where} is a {kind}{size}, but a trainer or evaluator batch must be a "
-        f"pair (x, y). Yield (inputs, targets) tuples, or use fl.loop(step_fn) for other "
-        f"batch structures"
+        f"pair (x, y).{hint} Yield (inputs, targets) tuples, or use fl.loop(step_fn) for "
+        f"other batch structures"
     )
 
 
@@ -90,6 +68,7 @@ class Program:
     optimizer: Any = None
     model: Any = None
     loss: Any = None
+    exposes_lr: bool = False  # the step's aux holds "learning_rate"
 
 
 def _trainable(variables: Any) -> tuple[Any, Any]:
@@ -109,8 +88,10 @@ def _merge(params: Any, rest: Any) -> Any:
 def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program:
     """The supervised training step: forward, loss, gradient and optimizer update."""
     adapter = as_model(model)
-    loss_name, loss_fn = resolve_loss(loss)
+    loss_name, _ = resolve_loss(loss)
+    loss_fn = loss_mean(loss)
     tx = resolve_optimizer(optimizer)
+    exposes_lr = exposes_learning_rate(tx)
 
     def init(first_batch: Any, variables: Any) -> dict[str, Any]:
         x, _ = split_batch(first_batch)
@@ -132,30 +113,34 @@ def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program
         key = jax.random.fold_in(state["rng"], state["step"])
         params, rest = _trainable(state["params"])
 
-        def objective(p: Any) -> tuple[Any, tuple[Any, Any]]:
+        def objective(p: Any) -> tuple[Any, tuple[Any, Any, Mean]]:
             y_pred, new_rest = adapter.forward(_merge(p, rest), x, train=True, rng=key)
-            return loss_fn(y, y_pred), (y_pred, new_rest)
+            value, mean = loss_fn(y, y_pred)
+            return value, (y_pred, new_rest, mean)
 
-        (loss_value, (y_pred, new_rest)), grads = jax.value_and_grad(objective, has_aux=True)(
-            params
-        )
+        (loss_value, (y_pred, new_rest, mean)), grads = jax.value_and_grad(
+            objective, has_aux=True)(params)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, updates)
+        aux = {"loss": loss_value, "y_pred": y_pred, "y_true": y, "means": {"loss": mean}}
+        if exposes_lr:
+            aux["learning_rate"] = learning_rate_of(tx, opt_state)
         new_state = {
             "params": _merge(params, rest if new_rest is None else new_rest),
             "opt_state": opt_state,
             "rng": state["rng"],
             "step": state["step"] + 1,
         }
-        return new_state, {"loss": loss_value, "y_pred": y_pred, "y_true": y}
+        return new_state, aux
 
-    return Program(init, step, True, "trainer", loss_name, tx, adapter, loss)
+    return Program(init, step, True, "trainer", loss_name, tx, adapter, loss, exposes_lr)
 
 
 def evaluator_program(model: Any, loss: Any = None) -> Program:
     """The evaluation step: a forward pass in inference mode (and the loss, if given)."""
     adapter = as_model(model)
-    loss_name, loss_fn = resolve_loss(loss) if loss is not None else (None, None)
+    loss_name = resolve_loss(loss)[0] if loss is not None else None
+    loss_fn = loss_mean(loss) if loss is not None else None
 
     def init(first_batch: Any, variables: Any) -> dict[str, Any]:
         if variables is None:
@@ -170,10 +155,24 @@ def evaluator_program(model: Any, loss: Any = None) -> Program:
         y_pred, _ = adapter.forward(state["params"], x, train=False, rng=None)
         aux = {"y_pred": y_pred, "y_true": y}
         if loss_fn is not None:
-            aux["loss"] = loss_fn(y, y_pred)
+            aux["loss"], mean = loss_fn(y, y_pred)
+            aux["means"] = {"loss": mean}
         return state, aux
 
     return Program(init, step, False, "evaluator", loss_name, None, adapter, loss)
+
+
+def default_metrics(program: Program) -> tuple[MetricSpec, ...]:
+    """The metrics a trainer or evaluator tracks by itself: "loss" (a mean over examples)
+    when it has a loss, and "learning_rate" (the rate of the epoch's last step) when the
+    trainer's optimizer exposes it."""
+    specs = []
+    if program.loss_name is not None:
+        specs.append(MetricSpec("loss", None, source="loss"))
+    if program.exposes_lr:
+        specs.append(MetricSpec("learning_rate", None, accumulate="last",
+                                source="learning_rate"))
+    return tuple(specs)
 
 
 def custom_program(step_fn: Callable[[Any, Any], Any], init_fn: Callable | None) -> Program:
@@ -201,6 +200,8 @@ def custom_program(step_fn: Callable[[Any, Any], Any], init_fn: Callable | None)
 
 def _metric_value(spec: MetricSpec, aux: dict[str, Any]) -> Any:
     if spec.source is not None:
+        if spec.source in aux.get("means", {}):  # the trainer's or evaluator's own loss
+            return aux["means"][spec.source]
         if spec.source in aux:
             return aux[spec.source]
         inner = aux.get("step_state")

@@ -195,6 +195,10 @@ class ArraySource:
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         return self.iter_epoch(0)
 
+    def host_labels(self) -> Any:
+        """All targets, as the host holds them (for checks that must not read the device)."""
+        return self.y
+
     # ----------------------------------------------------------------- device
     @property
     def device_arrays(self) -> tuple[Any, Any]:

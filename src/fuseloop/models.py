@@ -20,7 +20,10 @@ from typing import Any, Callable, Sequence
 import flax.linen as nn
 import jax
 
-__all__ = ["mlp", "MLP", "as_model", "from_functions", "from_nnx", "from_equinox"]
+from ._linen import TRAIN_FLAGS, ModelModeError, linen
+
+__all__ = ["mlp", "MLP", "as_model", "linen", "trained", "from_functions", "from_nnx",
+           "from_equinox", "TRAIN_FLAGS", "ModelModeError"]
 
 _ACTIVATIONS: dict[str, Callable[[Any], Any]] = {
     "relu": nn.relu,
@@ -80,31 +83,7 @@ def _takes(fn: Callable[..., Any], name: str) -> bool:
         return False
 
 
-class _Linen:
-    """flax.linen: `train=True`, a dropout rng and mutable non-param collections in training."""
-
-    def __init__(self, module: nn.Module):
-        self.module = module
-        self.takes_train = _takes(type(module).__call__, "train")
-
-    def init(self, rng: Any, x: Any) -> Any:
-        kwargs = {"train": False} if self.takes_train else {}
-        return dict(self.module.init(rng, x, **kwargs))
-
-    def apply(self, variables: Any, x: Any, **kwargs: Any) -> Any:
-        if self.takes_train:
-            kwargs.setdefault("train", False)
-        return self.module.apply(variables, x, **kwargs)
-
-    def forward(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
-        if not (train and self.takes_train):
-            return self.apply(variables, x), None
-        mutable = [k for k in variables if k != "params"]
-        rngs = {"dropout": rng}
-        if mutable:
-            y, updates = self.module.apply(variables, x, train=True, rngs=rngs, mutable=mutable)
-            return y, dict(updates)
-        return self.module.apply(variables, x, train=True, rngs=rngs), None
+_Linen = linen  # the adapter every flax.linen module gets
 
 
 class from_functions:  # noqa: N801 - reads as a constructor
@@ -174,8 +153,7 @@ class from_nnx:  # noqa: N801
         params = self._rebuild(self._templates[0], variables["params"])
         rest = self._rebuild(self._templates[1], variables["state"])
         module = nnx.merge(self.graphdef, params, rest)
-        if hasattr(module, "train"):
-            module.train() if train else module.eval()
+        _set_nnx_mode(module, train)
         y = module(x)
         _, _, rest = nnx.split(module, nnx.Param, ...)
         return y, nnx.to_pure_dict(rest)
@@ -188,11 +166,46 @@ class from_nnx:  # noqa: N801
         return y, ({"state": rest} if train else None)
 
 
+def _set_nnx_mode(module: Any, train: bool) -> None:
+    """nnx's own switch (`.train()`/`.eval()`: Dropout's `deterministic`, BatchNorm's
+    `use_running_average`), then any of the recognised flag attributes a user's module
+    keeps as a plain bool (e.g. `self.training`)."""
+    from flax import nnx
+
+    if hasattr(module, "train") and hasattr(module, "eval"):
+        module.train() if train else module.eval()
+    for _, sub in nnx.iter_graph(module):
+        if not isinstance(sub, nnx.Module):
+            continue
+        for name, train_value in TRAIN_FLAGS.items():
+            if isinstance(getattr(sub, name, None), bool):
+                setattr(sub, name, train_value if train else not train_value)
+
+
+def _equinox_stateful_layers(module: Any) -> list[str]:
+    """Paths of equinox layers that keep state in an `eqx.nn.State` (BatchNorm, ...)."""
+    import equinox as eqx
+
+    stateful = (eqx.nn.StateIndex,)
+    found = []
+    leaves = jax.tree_util.tree_flatten_with_path(
+        module, is_leaf=lambda node: isinstance(node, stateful + (eqx.nn.BatchNorm,)))[0]
+    for path, leaf in leaves:
+        if isinstance(leaf, eqx.nn.BatchNorm):
+            found.append(f"eqx.nn.BatchNorm at model{jax.tree_util.keystr(path)}")
+        elif isinstance(leaf, stateful):
+            found.append(f"eqx.nn.StateIndex at model{jax.tree_util.keystr(path)}")
+    return found
+
+
 class from_equinox:  # noqa: N801
     """Adapts an equinox module applied per example (vmapped over the batch axis).
 
     Variables are `{"params": the module's inexact arrays}`; a module whose `__call__`
-    takes `key` gets a per-example key in training.
+    takes `key` gets a per-example key in training. Training runs the module with
+    `eqx.nn.inference_mode(module, False)` and evaluation with `True`, so Dropout is on only
+    while training. Layers with `eqx.nn.State` (BatchNorm) are refused with an error that
+    names them.
 
     Example:
         >>> import equinox as eqx, jax
@@ -203,9 +216,27 @@ class from_equinox:  # noqa: N801
         import equinox as eqx
 
         self._eqx = eqx
+        stateful = _equinox_stateful_layers(module)
+        if stateful:
+            raise ValueError(
+                f"model: equinox layers that keep state in an eqx.nn.State are not supported "
+                f"({'; '.join(stateful)}): their state would have to be threaded through "
+                f"every call. Use a stateless normalization (eqx.nn.LayerNorm, "
+                f"eqx.nn.GroupNorm), or write the step yourself with fl.loop(step_fn)"
+            )
         self.params, self.static = eqx.partition(module, eqx.is_inexact_array)
         self.batched = batched
         self.takes_key = _takes(type(module).__call__, "key")
+        dropouts = [path for path, leaf in jax.tree_util.tree_flatten_with_path(
+            module, is_leaf=lambda node: isinstance(node, eqx.nn.Dropout))[0]
+            if isinstance(leaf, eqx.nn.Dropout)]
+        if dropouts and not self.takes_key:
+            raise ValueError(
+                f"model: {type(module).__name__} has eqx.nn.Dropout (at model"
+                f"{jax.tree_util.keystr(dropouts[0])}) but its __call__ takes no `key`, so "
+                f"Dropout cannot draw a mask while training. Add `key=None` to __call__ and "
+                f"pass it on to the Dropout layers"
+            )
 
     def init(self, rng: Any, x: Any) -> Any:
         return {"params": jax.tree.map(lambda a: a, self.params)}
@@ -214,7 +245,8 @@ class from_equinox:  # noqa: N801
         return self.forward(variables, x, train=False, rng=None)[0]
 
     def forward(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
-        module = self._eqx.combine(variables["params"], self.static)
+        module = self._eqx.nn.inference_mode(
+            self._eqx.combine(variables["params"], self.static), value=not train)
         if self.batched:
             return module(x), None
         if train and self.takes_key and rng is not None:
@@ -252,3 +284,69 @@ def as_model(model: Any) -> Any:
         f"module, an (init_fn, apply_fn) pair, or any object with .init(rng, x) and "
         f".apply(variables, x)"
     )
+
+
+class _EvalFlag(nn.Module):
+    """Calls `inner` with its train/eval flags set for evaluation (see `trained`)."""
+
+    inner: nn.Module
+    flags: tuple[tuple[str, bool], ...]
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(x, *args, **{**dict(self.flags), **kwargs})
+
+
+def _flag_defaults_evaluate(adapter: linen) -> bool:
+    """Whether calling the module without its flags already evaluates."""
+    parameters = inspect.signature(type(adapter.module).__call__).parameters
+    return all(name in parameters and parameters[name].default is (not value)
+               for name, value in adapter.flags.items())
+
+
+def _trained_linen(adapter: linen, variables: Any) -> Any:
+    if _flag_defaults_evaluate(adapter):
+        return adapter.module.bind(variables)
+    # Nest the variables one level down, under the wrapper's child `inner`.
+    nested = {collection: {"inner": tree} for collection, tree in variables.items()}
+    flags = tuple(adapter.mode(False).items())
+    return _EvalFlag(adapter.module, flags).bind(nested)
+
+
+def trained(model: Any, state_or_variables: Any) -> Any:
+    """The trained model in its own library's form, callable on x in evaluation mode.
+
+    * flax.linen: the module bound to the variables (`bound(x)`); when the module's
+      train/eval flag does not default to evaluation, a bound wrapper that passes it.
+    * flax.nnx: the module rebuilt with the trained params and state, in `.eval()` mode.
+    * equinox: the module with the trained arrays, in inference mode (batched as equinox
+      modules are: per example; `jax.vmap` it for a batch).
+    * `(init, apply)` functions or any `.init`/`.apply` object: `lambda x: apply(vars, x)`.
+
+    Args:
+        model: The model given to the trainer.
+        state_or_variables: A State from `run` or the variables (`state.params`).
+
+    Example:
+        >>> import fuseloop as fl, jax, jax.numpy as jnp
+        >>> model = fl.models.mlp([4, 2])
+        >>> variables = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 3)))
+        >>> fl.models.trained(model, variables)(jnp.zeros((5, 3))).shape
+        (5, 2)
+    """
+    variables = getattr(state_or_variables, "params", state_or_variables)
+    if variables is None:
+        raise ValueError("state_or_variables: the State holds no params (step_state is None)")
+    adapter = as_model(model)
+    if isinstance(adapter, linen):
+        return _trained_linen(adapter, dict(variables))
+    if isinstance(adapter, from_nnx):
+        nnx = adapter._nnx
+        params = adapter._rebuild(adapter._templates[0], variables["params"])
+        rest = adapter._rebuild(adapter._templates[1], variables["state"])
+        module = nnx.merge(adapter.graphdef, params, rest)
+        _set_nnx_mode(module, False)
+        return module
+    if isinstance(adapter, from_equinox):
+        eqx = adapter._eqx
+        return eqx.nn.inference_mode(eqx.combine(variables["params"], adapter.static))
+    return lambda x: adapter.apply(variables, x)

@@ -8,25 +8,21 @@ handler's key, so it is saved with a checkpoint and a resumed run continues it e
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
+from .._optim import (find_learning_rates, has_schedule, rate_is_scheduled,
+                      set_learning_rate)
 from .._state import State
 
 __all__ = ["Monitor", "EarlyStopping", "ReduceLROnPlateau", "find_learning_rates"]
 
 MODES = ("min", "max")
-
-_INJECT_STATES = tuple(
-    cls for cls in (getattr(optax, "InjectHyperparamsState", None),
-                    getattr(optax, "InjectStatefulHyperparamsState", None))
-    if cls is not None
-)
 
 
 def _check_int(value: Any, argument: str, minimum: int) -> int:
@@ -140,61 +136,62 @@ class EarlyStopping:
     not beat it by more than `min_delta` adds one to the wait count, and the loop halts when
     the count reaches `patience`. A non-finite monitored value halts at once.
 
+    With `restore_best=True` (Keras's `restore_best_weights`), the step state of each new
+    best epoch is copied on the device, and when the run ends - this handler halts it, or
+    its last epoch completes - the State's step state (params, optimizer state, counters)
+    is that copy, bitwise. `on_end` does the same for a run that another handler or a
+    signal ends.
+
     Example:
-        >>> stop = EarlyStopping("validation_loss", patience=2)
+        >>> stop = EarlyStopping("validation_loss", patience=2, restore_best=True)
     """
 
     def __init__(self, monitor: str, patience: int = 3, mode: str = "min",
-                 min_delta: float = 0.0, key: str = ""):
+                 min_delta: float = 0.0, key: str = "", restore_best: bool = False):
+        if not isinstance(restore_best, bool):
+            raise ValueError(f"restore_best={restore_best!r} must be True or False")
         self.monitor = Monitor(monitor, mode, patience, min_delta,
                                key or f"early_stop:{monitor}")
+        self.restore_best = restore_best
+        self._best: tuple[Any, Any] | None = None  # ((epoch, value), device copy)
 
     def __call__(self, state: State) -> tuple[str, State]:
         value = self.monitor.value(state)
-        record, _ = self.monitor.update(self.monitor.record(state), value, state.epoch)
-        if not math.isfinite(value):
+        previous = self.monitor.record(state)
+        if previous["best"] is None:  # a fresh run: nothing kept from an earlier one
+            self._best = None
+        record, improved = self.monitor.update(previous, value, state.epoch)
+        if improved and self.restore_best and state.step_state is not None:
+            # A device copy (no host sync): the live arrays are donated by the next step.
+            self._best = ((state.epoch, value), jax.tree.map(jnp.copy, state.step_state))
+        stop = not math.isfinite(value) or (
+            record["wait"] > 0 and record["wait"] >= self.monitor.patience)
+        if stop:
             record["stopped_epoch"] = state.epoch
-            return "halt_loop", self.monitor.store(state, record)
-        if record["wait"] > 0 and record["wait"] >= self.monitor.patience:
-            record["stopped_epoch"] = state.epoch
-            return "halt_loop", self.monitor.store(state, record)
-        return "continue", self.monitor.store(state, record)
+        state = self.monitor.store(state, record)
+        if stop or state.epoch + 1 >= state.max_epoch:
+            state = self._restored(state)
+        return ("halt_loop" if stop else "continue"), state
 
+    def on_end(self, state: State) -> tuple[str, State]:
+        """For the "completed" and "halted" events: the best epoch's step state."""
+        return "continue", self._restored(state)
 
-def _is_inject_state(node: Any) -> bool:
-    return isinstance(node, _INJECT_STATES)
-
-
-def find_learning_rates(opt_state: Any) -> list[Any]:
-    """The `learning_rate` hyperparameters found in an optax state (chains included).
-
-    Example:
-        >>> import optax, jax.numpy as jnp
-        >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)
-        >>> [float(lr) for lr in find_learning_rates(tx.init(jnp.zeros(2)))]
-        [0.5]
-    """
-    found = []
-    for node in jax.tree.leaves(opt_state, is_leaf=_is_inject_state):
-        if _is_inject_state(node) and "learning_rate" in node.hyperparams:
-            found.append(node.hyperparams["learning_rate"])
-    return found
-
-
-def _set_learning_rate(opt_state: Any, scale: float, floor: float) -> Any:
-    """`opt_state` with every injected learning rate set to max(lr * scale, floor)."""
-
-    def change(node: Any) -> Any:
-        if not (_is_inject_state(node) and "learning_rate" in node.hyperparams):
-            return node
-        old = node.hyperparams["learning_rate"]
-        # Computed on the host in float64 and cast once, so the result is a pure function
-        # of the old value: the same in a fused and an unfused run.
-        new = max(float(np.asarray(old)) * scale, floor)
-        hyperparams = {**node.hyperparams, "learning_rate": jnp.asarray(new, old.dtype)}
-        return node._replace(hyperparams=hyperparams)
-
-    return jax.tree.map(change, opt_state, is_leaf=_is_inject_state)
+    def _restored(self, state: State) -> State:
+        if not self.restore_best:
+            return state
+        record = self.monitor.record(state)
+        if self._best is None or self._best[0] != (record["best_epoch"], record["best"]):
+            if record["best_epoch"] is not None and record["best_epoch"] != state.epoch:
+                warnings.warn(
+                    f"early_stop(restore_best=True): the best epoch ({record['best_epoch']}) "
+                    f"ran in an earlier run, whose step state this one does not hold; the "
+                    f"State keeps the last epoch's",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return state
+        return state.replace(step_state=jax.tree.map(jnp.copy, self._best[1]))
 
 
 class ReduceLROnPlateau:
@@ -226,9 +223,18 @@ class ReduceLROnPlateau:
                 "reduce_lr_on_plateau needs a trainer loop (fl.trainer(...)): this loop has "
                 "no optimizer whose learning rate it could change"
             )
+        tx = program.optimizer
+        if rate_is_scheduled(tx) or (not _injected_rate(tx) and has_schedule(tx)):
+            raise ValueError(
+                "reduce_lr_on_plateau cannot change this optimizer's learning rate: it is an "
+                "optax schedule, recomputed at every step, so a reduced rate would be "
+                "overwritten. Use a constant learning rate (e.g. optax.inject_hyperparams("
+                "optax.adam)(learning_rate=1e-3), or a named optimizer) with "
+                "reduce_lr_on_plateau, or drop it and keep the schedule"
+            )
         probe = {"w": jax.ShapeDtypeStruct((1,), jnp.float32)}
         try:
-            shapes = jax.eval_shape(program.optimizer.init, probe)
+            shapes = jax.eval_shape(tx.init, probe)
         except Exception:  # noqa: BLE001 - structure-dependent optimizers: checked at run time
             return
         if not find_learning_rates(shapes):
@@ -260,11 +266,19 @@ class ReduceLROnPlateau:
         record["wait"] = 0
         if float(np.asarray(rates[0])) <= self.min_lr:
             return "continue", self.monitor.store(state, record)
-        opt_state = _set_learning_rate(step_state["opt_state"], self.factor, self.min_lr)
+        opt_state = set_learning_rate(step_state["opt_state"], self.factor, self.min_lr)
         record["cooldown"] = self.cooldown
         record["reductions"] = record.get("reductions", 0) + 1
         state = state.replace(step_state={**step_state, "opt_state": opt_state})
         return "continue", self.monitor.store(state, record)
+
+
+def _injected_rate(tx: Any) -> bool:
+    probe = {"w": jax.ShapeDtypeStruct((1,), jnp.float32)}
+    try:
+        return bool(find_learning_rates(jax.eval_shape(tx.init, probe)))
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _fixed_lr_error() -> ValueError:

@@ -1,0 +1,139 @@
+"""The flax.linen adapter: train/eval mode by the module's own `__call__` flag.
+
+Re-exported from `fuseloop.models` (as `fl.models.linen`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import flax
+import flax.linen as nn
+
+__all__ = ["TRAIN_FLAGS", "ModelModeError", "linen"]
+
+# `__call__` flags that switch a flax.linen module between training and evaluation, and
+# the value each takes while training.
+TRAIN_FLAGS: dict[str, bool] = {
+    "train": True,
+    "training": True,
+    "is_training": True,
+    "deterministic": False,
+    "use_running_average": False,
+}
+
+
+class ModelModeError(ValueError):
+    """A model whose train/eval mode fuseloop cannot set (raised at the first batch)."""
+
+
+def _call_parameters(module: Any) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(type(module).__call__).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
+class linen:  # noqa: N801 - reads as a constructor, like the other adapters
+    """Adapts a flax.linen module, naming the `__call__` flag that switches train/eval mode.
+
+    Flags named `train`, `training`, `is_training` (True while training), `deterministic`
+    or `use_running_average` (False while training) are found by themselves; name any other
+    with `train_arg` and give `train_value`, the value it takes while training, unless the
+    name is one of those five. While training the step passes the flag, a `dropout` rng and
+    makes the non-`params` collections (e.g. `batch_stats`) mutable; evaluation passes the
+    flag's evaluation value. A module with mutable collections or a need for a `dropout` rng
+    but no flag is a ValueError at the first batch.
+
+    Args:
+        module: The flax.linen module.
+        train_arg: The name of its train/eval flag (None: find one of the five).
+        train_value: The flag's value while training (None: from the name).
+
+    Example:
+        >>> import flax.linen as nn
+        >>> class Net(nn.Module):
+        ...     @nn.compact
+        ...     def __call__(self, x, eval_mode: bool = True):
+        ...         return nn.Dropout(0.5, deterministic=eval_mode)(nn.Dense(2)(x))
+        >>> model = linen(Net(), train_arg="eval_mode", train_value=False)
+    """
+
+    def __init__(self, module: nn.Module, train_arg: str | None = None,
+                 train_value: bool | None = None):
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"module={module!r} must be a flax.linen Module")
+        if train_value is not None and not isinstance(train_value, bool):
+            raise ValueError(f"train_value={train_value!r} must be True or False")
+        names = _call_parameters(module)
+        self.module = module
+        if train_arg is None:
+            if train_value is not None:
+                raise ValueError("train_value needs train_arg: name the flag it is for")
+            self.flags = {name: value for name, value in TRAIN_FLAGS.items() if name in names}
+            return
+        if train_arg not in names and not any(
+                p.kind == inspect.Parameter.VAR_KEYWORD
+                for p in inspect.signature(type(module).__call__).parameters.values()):
+            raise ValueError(
+                f"train_arg={train_arg!r} is not an argument of {type(module).__name__}."
+                f"__call__ (its arguments: {', '.join(names[1:])})"
+            )
+        if train_value is None:
+            if train_arg not in TRAIN_FLAGS:
+                raise ValueError(
+                    f"train_value is needed for train_arg={train_arg!r}: say which value the "
+                    f"flag takes while training (True or False); it is inferred only for "
+                    f"{', '.join(TRAIN_FLAGS)}"
+                )
+            train_value = TRAIN_FLAGS[train_arg]
+        self.flags = {train_arg: train_value}
+
+    @property
+    def takes_train(self) -> bool:
+        return bool(self.flags)
+
+    def mode(self, train: bool) -> dict[str, bool]:
+        """The flag arguments for training (`train=True`) or evaluation."""
+        return {name: (value if train else not value) for name, value in self.flags.items()}
+
+    def init(self, rng: Any, x: Any) -> Any:
+        try:
+            return dict(self.module.init(rng, x, **self.mode(False)))
+        except flax.errors.InvalidRngError as error:
+            raise self._no_flag("needs a 'dropout' rng") from error
+
+    def apply(self, variables: Any, x: Any, **kwargs: Any) -> Any:
+        for name, value in self.mode(False).items():
+            kwargs.setdefault(name, value)
+        return self.module.apply(variables, x, **kwargs)
+
+    def forward(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
+        mutable = [k for k in variables if k != "params"]
+        if not self.flags:
+            if train and mutable:
+                raise self._no_flag(f"has mutable collections {mutable}")
+            try:
+                return self.module.apply(variables, x), None
+            except flax.errors.InvalidRngError as error:
+                raise self._no_flag("needs a 'dropout' rng") from error
+        if not train:
+            return self.apply(variables, x), None
+        rngs = {"dropout": rng}
+        if mutable:
+            y, updates = self.module.apply(variables, x, rngs=rngs, mutable=mutable,
+                                           **self.mode(True))
+            return y, dict(updates)
+        return self.module.apply(variables, x, rngs=rngs, **self.mode(True)), None
+
+    def _no_flag(self, need: str) -> ModelModeError:
+        name = type(self.module).__name__
+        return ModelModeError(
+            f"model: {name} {need}, but its __call__ has no flag fuseloop recognises to switch "
+            f"between training and evaluation ({', '.join(TRAIN_FLAGS)}), so Dropout and "
+            f"BatchNorm could not behave differently in each. Add one, e.g. "
+            f"`def __call__(self, x, train: bool = False)` passing deterministic=not train to "
+            f"Dropout and use_running_average=not train to BatchNorm, or name yours with "
+            f"fl.models.linen(module, train_arg='name', train_value=True or False)"
+        )

@@ -1,0 +1,206 @@
+"""Optimizers: the named ones, and the learning rate an optimizer exposes.
+
+Named optimizers ("sgd", "adam", "adamw") are built with `optax.inject_hyperparams`, so the
+learning rate lives in the optimizer state (reduce_lr_on_plateau changes it there), with
+float32 hyperparameters and a float32 optimizer state whatever the params' dtype: in
+bfloat16, adam's b2=0.999 rounds to 1.0 and the loss turns NaN from the second step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+__all__ = ["OPTIMIZERS", "resolve_optimizer", "find_learning_rates", "learning_rate_of",
+           "exposes_learning_rate", "rate_is_scheduled", "set_learning_rate",
+           "has_schedule"]
+
+OPTIMIZERS: dict[str, tuple[Callable[..., optax.GradientTransformation], float]] = {
+    "sgd": (optax.sgd, 1e-2),
+    "adam": (optax.adam, 1e-3),
+    "adamw": (optax.adamw, 1e-3),
+}
+
+_INJECT_STATES = tuple(
+    cls for cls in (getattr(optax, "InjectHyperparamsState", None),
+                    getattr(optax, "InjectStatefulHyperparamsState", None))
+    if cls is not None
+)
+
+
+def _to_float32(tree: Any) -> Any:
+    def cast(leaf: Any) -> Any:
+        if jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+            return jnp.asarray(leaf, jnp.float32)
+        return leaf
+
+    return jax.tree.map(cast, tree)
+
+
+def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`inner` run on float32 copies of the gradients and params; its state is float32 and
+    its updates are cast back to each gradient's dtype. With float32 params every cast is
+    the identity, so nothing changes there. The state is `inner`'s own (same structure)."""
+
+    def init(params: Any) -> Any:
+        return inner.init(_to_float32(params))
+
+    def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        wide_params = None if params is None else _to_float32(params)
+        updates, state = inner.update(_to_float32(grads), state, wide_params)
+        updates = jax.tree.map(lambda u, g: u.astype(jnp.result_type(g)), updates, grads)
+        return updates, state
+
+    return optax.GradientTransformation(init, update)
+
+
+def resolve_optimizer(optimizer: Any) -> optax.GradientTransformation:
+    """Returns an optax transformation for a name or a transformation."""
+    if isinstance(optimizer, str):
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"optimizer={optimizer!r} is not a known optimizer; accepted values: "
+                f"{', '.join(OPTIMIZERS)} or an optax.GradientTransformation"
+            )
+        factory, learning_rate = OPTIMIZERS[optimizer]
+        injected = optax.inject_hyperparams(factory, hyperparam_dtype=jnp.float32)
+        return in_float32(injected(learning_rate=learning_rate))
+    if isinstance(optimizer, optax.GradientTransformation) or (
+        hasattr(optimizer, "init") and hasattr(optimizer, "update")
+    ):
+        return optimizer
+    raise ValueError(
+        f"optimizer={optimizer!r} must be a name ({', '.join(OPTIMIZERS)}) or an "
+        f"optax.GradientTransformation"
+    )
+
+
+def _is_inject_state(node: Any) -> bool:
+    return isinstance(node, _INJECT_STATES)
+
+
+def find_learning_rates(opt_state: Any) -> list[Any]:
+    """The `learning_rate` hyperparameters found in an optax state (chains included).
+
+    Example:
+        >>> import optax, jax.numpy as jnp
+        >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)
+        >>> [float(lr) for lr in find_learning_rates(tx.init(jnp.zeros(2)))]
+        [0.5]
+    """
+    found = []
+    for node in jax.tree.leaves(opt_state, is_leaf=_is_inject_state):
+        if _is_inject_state(node) and "learning_rate" in node.hyperparams:
+            found.append(node.hyperparams["learning_rate"])
+    return found
+
+
+def set_learning_rate(opt_state: Any, scale: float, floor: float) -> Any:
+    """`opt_state` with every injected learning rate set to max(lr * scale, floor)."""
+
+    def change(node: Any) -> Any:
+        if not (_is_inject_state(node) and "learning_rate" in node.hyperparams):
+            return node
+        old = node.hyperparams["learning_rate"]
+        # Computed on the host in float64 and cast once, so the result is a pure function
+        # of the old value: the same in a fused and an unfused run.
+        new = max(float(np.asarray(old)) * scale, floor)
+        hyperparams = {**node.hyperparams, "learning_rate": jnp.asarray(new, old.dtype)}
+        return node._replace(hyperparams=hyperparams)
+
+    return jax.tree.map(change, opt_state, is_leaf=_is_inject_state)
+
+
+class _Schedule(NamedTuple):
+    schedule: Callable[[Any], Any]
+    path: tuple[int, ...]  # where its ScaleByScheduleState sits in the (chained) state
+
+
+def _closure(fn: Any) -> dict[str, Any]:
+    cells = getattr(fn, "__closure__", None) or ()
+    names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+    found = {}
+    for name, cell in zip(names, cells):
+        try:
+            found[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    return found
+
+
+def _find_schedule(update: Any, state: Any, path: tuple[int, ...] = ()) -> _Schedule | None:
+    """The schedule of an `optax.scale_by_schedule` inside `update` (an optax learning rate
+    given as a schedule, e.g. `optax.adam(optax.cosine_decay_schedule(...))`), following
+    `optax.chain`; None when there is none or the structure is not one optax builds."""
+    cells = _closure(update)
+    wrapped = cells.get("tx")  # optax's with_extra_args_support wraps a transformation
+    if wrapped is not None and hasattr(wrapped, "update") and len(cells) == 1:
+        return _find_schedule(wrapped.update, state, path)
+    if isinstance(state, optax.ScaleByScheduleState) and callable(cells.get("step_size_fn")):
+        return _Schedule(cells["step_size_fn"], path)
+    chained = cells.get("update_fns")
+    if isinstance(chained, (tuple, list)) and isinstance(state, tuple) and len(chained) == len(
+            state):
+        for i, (inner, inner_state) in enumerate(zip(chained, state)):
+            found = _find_schedule(inner, inner_state, path + (i,))
+            if found is not None:
+                return found
+    return None
+
+
+def learning_rate_of(tx: Any, opt_state: Any) -> Any | None:
+    """The learning rate the last update of `tx` used, read from its new state; None when
+    the optimizer does not expose it (jit-able)."""
+    rates = find_learning_rates(opt_state)
+    if rates:
+        return jnp.asarray(rates[0], jnp.float32)
+    found = _find_schedule(getattr(tx, "update", None), opt_state)
+    if found is None:
+        return None
+    node = opt_state
+    for i in found.path:
+        node = node[i]
+    # scale_by_schedule counts updates; the last one used the count before it advanced.
+    # optax folds the descent sign into the scale, so the rate is its magnitude.
+    return jnp.abs(jnp.asarray(found.schedule(node.count - 1), jnp.float32))
+
+
+def exposes_learning_rate(tx: Any) -> bool:
+    """Whether `learning_rate_of` finds a rate for `tx` (checked on a tiny abstract probe;
+    an optimizer whose state depends on the params' structure is taken as not exposing)."""
+    probe = {"w": jax.ShapeDtypeStruct((1,), jnp.float32)}
+    try:
+        state = jax.eval_shape(tx.init, probe)
+        return jax.eval_shape(lambda s: learning_rate_of(tx, s), state) is not None
+    except Exception:  # noqa: BLE001 - a structure-dependent optimizer: not exposed
+        return False
+
+
+def rate_is_scheduled(tx: Any) -> bool | None:
+    """Whether `tx`'s injected learning rate is recomputed by a schedule at each update
+    (so writing it into the state does nothing). Found by one tiny update on the host: the
+    rate is set to a marker, and a schedule overwrites it. None when it cannot be probed."""
+    params = {"w": jnp.zeros((1,), jnp.float32)}
+    try:
+        state = tx.init(params)
+        if not find_learning_rates(state):
+            return None
+        marked = set_learning_rate(state, 0.0, 0.123456789)
+        _, after = tx.update(jax.tree.map(jnp.zeros_like, params), marked, params)
+        return float(find_learning_rates(after)[0]) != float(find_learning_rates(marked)[0])
+    except Exception:  # noqa: BLE001 - structure-dependent optimizers: checked when run
+        return None
+
+
+def has_schedule(tx: Any) -> bool:
+    """Whether `tx` takes its rate from an optax schedule (`scale_by_schedule`)."""
+    probe = {"w": jax.ShapeDtypeStruct((1,), jnp.float32)}
+    try:
+        state = jax.eval_shape(tx.init, probe)
+    except Exception:  # noqa: BLE001 - structure-dependent: not recognised
+        return False
+    return _find_schedule(getattr(tx, "update", None), state) is not None

@@ -1,0 +1,176 @@
+"""`fl.predict`: evaluation-mode outputs for every example, in order, in fused chunks.
+
+The examples are cut into batches of `batch_size` (the last one padded to full size and its
+padding dropped from the output, so every batch has one shape and the program compiles
+once), and `fuse` batches at a time go to the device in one transfer, where a `lax.map`
+runs the model on each. Outputs come back once per chunk.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+from typing import Any
+
+import jax
+import numpy as np
+
+from .models import as_model
+
+__all__ = ["predict"]
+
+_PROGRAMS: dict[int, tuple[Any, Any]] = {}  # id(model) -> (model, jitted chunk program)
+_MAX_PROGRAMS = 16
+_DEFAULT_CHUNK = 32
+
+
+def _chunk_program(model: Any) -> Any:
+    """One jitted program per model (kept alive with it), so a second call reuses it."""
+    cached = _PROGRAMS.get(id(model))
+    if cached is not None and cached[0] is model:
+        return cached[1]
+    adapter = as_model(model)
+
+    def run_chunk(variables: Any, chunk: Any) -> Any:
+        def one(x: Any) -> Any:
+            return adapter.forward(variables, x, train=False, rng=None)[0]
+
+        return jax.lax.map(one, chunk)
+
+    program = jax.jit(run_chunk)
+    if len(_PROGRAMS) >= _MAX_PROGRAMS:
+        _PROGRAMS.pop(next(iter(_PROGRAMS)))
+    _PROGRAMS[id(model)] = (model, program)
+    return program
+
+
+def _is_array(value: Any) -> bool:
+    return isinstance(value, (np.ndarray, jax.Array)) or hasattr(value, "__array__") and (
+        hasattr(value, "shape"))
+
+
+def _is_array_tree(x: Any) -> bool:
+    if isinstance(x, (list, collections.abc.Iterator)) or callable(x) or hasattr(
+            x, "iter_epoch"):
+        return False
+    leaves = jax.tree.leaves(x)
+    return bool(leaves) and all(_is_array(leaf) and np.ndim(leaf) >= 1 for leaf in leaves)
+
+
+def _inputs_of_source(source: Any) -> tuple[Any, int]:
+    """All inputs of a batch source (batches `x` or `(x, y)`), concatenated in order, and
+    the first batch's size."""
+    from ._data import as_source
+
+    wrapped = as_source(source)
+    iterator = wrapped.epoch_iterator(0)
+    inputs = []
+    try:
+        for batch in iterator:
+            inputs.append(batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 2
+                          else batch)
+    finally:
+        wrapped.close()
+    if not inputs:
+        raise ValueError("x: the batch source yielded no batch; there is nothing to predict")
+    first = jax.tree.leaves(inputs[0])
+    size = int(np.shape(first[0])[0]) if first and np.ndim(first[0]) >= 1 else 0
+    if size == 0:
+        raise ValueError(
+            "x: the batch source's batches have no batch axis; yield arrays (or (x, y) "
+            "pairs) with the examples on axis 0"
+        )
+    joined = jax.tree.map(lambda *parts: np.concatenate([np.asarray(p) for p in parts]),
+                          *inputs)
+    return joined, size
+
+
+def _example_count(x: Any) -> int:
+    sizes = {int(np.shape(leaf)[0]) for leaf in jax.tree.leaves(x)}
+    if len(sizes) != 1:
+        raise ValueError(f"x: its arrays hold different numbers of examples {sorted(sizes)}; "
+                         f"every leaf needs the same size along axis 0")
+    return sizes.pop()
+
+
+def _chunk_size(fuse: Any) -> int:
+    if fuse is True:
+        return _DEFAULT_CHUNK
+    if fuse is False:
+        return 1
+    if isinstance(fuse, (int, np.integer)) and not isinstance(fuse, bool) and fuse >= 1:
+        return int(fuse)
+    raise ValueError(f"fuse={fuse!r} must be True, False or a positive int (batches per chunk)")
+
+
+def _as_device_dtype(leaf: Any) -> np.ndarray:
+    array = np.asarray(leaf)
+    if array.dtype == np.float64 and not jax.config.jax_enable_x64:
+        return array.astype(np.float32)
+    return array
+
+
+def _padded_chunks(x: Any, n: int, batch_size: int, per_chunk: int):
+    """Yields host chunks of shape (per_chunk, batch_size, ...); the tail is zero-padded."""
+    batches = -(-n // batch_size)
+    for first in range(0, batches, per_chunk):
+        start, stop = first * batch_size, min(n, (first + per_chunk) * batch_size)
+
+        def cut(leaf: np.ndarray, start: int = start, stop: int = stop) -> np.ndarray:
+            part = leaf[start:stop]
+            padded = np.zeros((per_chunk * batch_size,) + leaf.shape[1:], leaf.dtype)
+            padded[: stop - start] = part
+            return padded.reshape((per_chunk, batch_size) + leaf.shape[1:])
+
+        yield jax.tree.map(cut, x), stop - start
+
+
+def predict(model: Any, variables_or_state: Any, x: Any, *, batch_size: int = 256,
+            fuse: Any = True) -> Any:
+    """The model's evaluation-mode outputs for every example of `x`, in order.
+
+    Args:
+        model: The model (as given to the trainer).
+        variables_or_state: Trained variables, or the State a run returned.
+        x: Inputs with the examples on axis 0 (an array or a pytree of arrays), or a batch
+            source (a list of batches, `fl.data.arrays`, an iterator, a callable) yielding
+            inputs or `(x, y)` pairs; its batches are kept in their order.
+        batch_size: Examples per batch for array inputs (a source's own batch size is used
+            for a source). A short last batch is included.
+        fuse: Batches per device call: True (32), False (one), or a positive int.
+
+    Returns:
+        A numpy array of outputs (or the model's output pytree of numpy arrays), one row per
+        example.
+
+    Example:
+        >>> import fuseloop as fl, jax, numpy as np
+        >>> model = fl.models.mlp([4, 2])
+        >>> variables = model.init(jax.random.PRNGKey(0), np.zeros((1, 3), np.float32))
+        >>> predict(model, variables, np.zeros((10, 3), np.float32), batch_size=4).shape
+        (10, 2)
+    """
+    variables = getattr(variables_or_state, "params", variables_or_state)
+    if variables is None:
+        raise ValueError("variables_or_state: the State holds no params")
+    per_chunk = _chunk_size(fuse)
+    if _is_array_tree(x):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or (
+                batch_size < 1):
+            raise ValueError(f"batch_size={batch_size!r} must be a positive int")
+        inputs, size = x, int(batch_size)
+    else:
+        inputs, size = _inputs_of_source(x)
+    inputs = jax.tree.map(_as_device_dtype, inputs)
+    n = _example_count(inputs)
+    if n == 0:
+        raise ValueError("x holds no examples; there is nothing to predict")
+    size = min(size, n)
+    program = _chunk_program(model)
+    outputs = []
+    for chunk, live in _padded_chunks(inputs, n, size, per_chunk):
+        result = program(variables, chunk)
+        # Host sync: the chunk's outputs come back to the host (one read per chunk).
+        host = jax.device_get(result)
+        outputs.append(jax.tree.map(
+            lambda a, live=live: a.reshape((-1,) + a.shape[2:])[:live], host))
+    return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)

@@ -1,0 +1,65 @@
+"""bfloat16 params: the named optimizers keep float32 hyperparameters and state, and a step
+that changes a leaf's dtype or shape is a ValueError naming the leaf, fused and unfused."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fuseloop as fl
+from conftest import make_batches
+
+
+class Bf16MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(8, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)(x))
+        return nn.Dense(3, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)(x)
+
+
+DATA = make_batches(8)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_named_optimizers_train_bf16_params(name):
+    loop = fl.trainer(Bf16MLP(), "sparse_categorical_cross_entropy", name)
+    unfused = loop.run(DATA, epochs=3)
+    fused = loop.run(DATA, epochs=3, fuse=4)
+    assert all(np.isfinite(h["loss"]) for h in unfused.history.values())
+    assert unfused.history == fused.history
+    leaves = jax.tree.leaves(unfused.params)
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in leaves)
+    hyper = [leaf for leaf in jax.tree.leaves(unfused.step_state["opt_state"])
+             if jnp.issubdtype(leaf.dtype, jnp.floating)]
+    assert all(leaf.dtype == jnp.float32 for leaf in hyper)
+
+
+def test_adam_bf16_actually_learns():
+    loop = fl.trainer(Bf16MLP(), "sparse_categorical_cross_entropy", "adam")
+    state = loop.run(DATA, epochs=5)
+    assert state.history[4]["loss"] < state.history[0]["loss"]
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_a_step_that_promotes_a_leaf_is_a_value_error(fuse):
+    promoting = optax.inject_hyperparams(optax.adam, hyperparam_dtype=jnp.float32)(
+        learning_rate=1e-3)
+    loop = fl.trainer(Bf16MLP(), "sparse_categorical_cross_entropy", promoting)
+    with pytest.raises(ValueError) as info:
+        loop.run(DATA, fuse=fuse)
+    text = str(info.value)
+    assert "step_state['opt_state']" in text
+    assert "bfloat16" in text and "float32" in text
+
+
+@pytest.mark.parametrize("fuse", [False, 2])
+def test_a_custom_step_that_changes_a_shape_is_a_value_error(fuse):
+    def step(batch, s):
+        return {"total": jnp.concatenate([s["total"], jnp.zeros(1)])}
+
+    with pytest.raises(ValueError, match=r"step_state\['total'\].*shape \(2,\) to .*shape \(3,\)"):
+        fl.loop(step).run([(np.zeros(2, np.float32), np.zeros(2, np.float32))] * 3, {"total": jnp.zeros(2)}, fuse=fuse)

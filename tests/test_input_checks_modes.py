@@ -1,0 +1,91 @@
+"""The same bad input is rejected fused and unfused, with the same class and message."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import fuseloop as fl
+from conftest import make_batches
+from fuseloop._checks import Checker
+
+DATA = make_batches(6)
+SPARSE = "sparse_categorical_cross_entropy"
+
+
+def errors_in_both_modes(data, loss=SPARSE):
+    """(class, message) of the error each mode raises."""
+    found = []
+    for fuse in (False, 3):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(Exception) as info:
+                fl.trainer(fl.models.mlp([4, 3]), loss, "sgd").run(data, fuse=fuse)
+        found.append((type(info.value), str(info.value)))
+    assert found[0] == found[1]
+    return found[0]
+
+
+def test_x_y_size_mismatch_in_a_later_batch():
+    bad = list(DATA)
+    bad[4] = (bad[4][0], bad[4][1][:3])
+    kind, message = errors_in_both_modes(bad)
+    assert kind is ValueError
+    assert "iteration 4" in message and "x holds 4 examples but y holds 3" in message
+    assert "ragged" not in message
+
+
+def test_x_y_size_mismatch_gives_no_ragged_warning_unfused():
+    bad = list(DATA)
+    bad[4] = (bad[4][0], bad[4][1][:3])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="x holds 4 examples but y holds 3"):
+            fl.trainer(fl.models.mlp([4, 3]), SPARSE, "sgd").run(bad)
+
+
+def test_float_labels_for_sparse_cross_entropy():
+    kind, message = errors_in_both_modes([(x, y.astype(np.float32)) for x, y in DATA])
+    assert kind is ValueError
+    assert "integer class labels" in message and "float32" in message
+
+
+def test_whole_arrays_passed_as_a_pair():
+    x = np.concatenate([x for x, _ in DATA])
+    y = np.concatenate([y for _, y in DATA])
+    kind, message = errors_in_both_modes((x, y))
+    assert kind is ValueError
+    assert "fl.data.arrays(x, y, batch_size=...)" in message
+
+
+@pytest.mark.parametrize("batch", [([0.1, 0.2, 0.3], [0, 1, 2]),
+                                   ([[0.1, 0.2, 0.3]] * 4, [0, 1, 2, 1])])
+def test_python_lists_of_numbers_one_message(batch):
+    kind, message = errors_in_both_modes([batch] * 4)
+    assert kind is ValueError
+    assert "Python list of" in message and "numbers" in message
+    assert "x[0]" not in message  # one message, not one per number
+
+
+def _resident_with_bad_label():
+    x = np.concatenate([x for x, _ in DATA])
+    y = np.concatenate([y for _, y in DATA])
+    y[17] = 5
+    return fl.data.arrays(x, y, batch_size=4, device=True)
+
+
+def test_checker_rejects_a_bad_label_in_a_whole_dataset():
+    loop = fl.trainer(fl.models.mlp([4, 3]), SPARSE, "sgd")
+    source = _resident_with_bad_label()
+    checker = Checker(loop.program)
+    checker.first(next(iter(source)))
+    with pytest.raises(ValueError, match="the dataset .*label 5, out of range"):
+        checker.dataset(source)
+
+
+@pytest.mark.xfail(strict=True, reason="needs the driver to call Checker.dataset (see report)")
+def test_labels_out_of_range_on_device_resident_data():
+    kind, message = errors_in_both_modes(_resident_with_bad_label())
+    assert kind is ValueError and "label 5, out of range" in message

@@ -1,0 +1,61 @@
+"""`state.metrics["learning_rate"]`: the rate of the epoch's last step, when the optimizer
+exposes it; reduce_lr_on_plateau refuses a schedule at attach time."""
+
+from __future__ import annotations
+
+import numpy as np
+import optax
+import pytest
+
+import fuseloop as fl
+from conftest import make_batches
+from fuseloop._loop import Loop
+from fuseloop._step import default_metrics
+
+DATA = make_batches(6)
+SPARSE = "sparse_categorical_cross_entropy"
+SCHEDULE = optax.linear_schedule(1.0, 0.0, 100)
+
+
+def trainer(optimizer):
+    """`fl.trainer` with its default metrics ("loss", and "learning_rate" when exposed)."""
+    loop = fl.trainer(fl.models.mlp([4, 3]), SPARSE, optimizer)
+    return Loop(loop.program, metrics=default_metrics(loop.program))
+
+
+@pytest.mark.parametrize("optimizer, rates", [
+    ("adam", [1e-3, 1e-3]),
+    (optax.inject_hyperparams(optax.sgd)(learning_rate=0.25), [0.25, 0.25]),
+    (optax.inject_hyperparams(optax.sgd)(learning_rate=SCHEDULE), [SCHEDULE(5), SCHEDULE(11)]),
+    (optax.adam(SCHEDULE), [SCHEDULE(5), SCHEDULE(11)]),
+    (optax.chain(optax.clip(1.0), optax.sgd(SCHEDULE)), [SCHEDULE(5), SCHEDULE(11)]),
+])
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_learning_rate_in_metrics_and_history(optimizer, rates, fuse):
+    state = trainer(optimizer).run(DATA, epochs=2, fuse=fuse)
+    for epoch, rate in enumerate(rates):
+        assert state.history[epoch]["learning_rate"] == pytest.approx(float(rate), rel=1e-6)
+    assert state.metrics["learning_rate"] == state.history[1]["learning_rate"]
+
+
+def test_a_fixed_rate_is_not_reported():
+    state = trainer(optax.adam(1e-3)).run(DATA)
+    assert "learning_rate" not in state.metrics
+
+
+def test_plateau_reduction_shows_in_the_next_epoch():
+    loop = trainer("sgd").handle_event(
+        "epoch_completed", lambda s: ("continue", s.replace(metrics={**s.metrics, "flat": 1.0})))
+    state = loop.reduce_lr_on_plateau("flat", factor=0.5, patience=0).run(DATA, epochs=3)
+    rates = [state.history[e]["learning_rate"] for e in range(3)]
+    # epoch 0 sets the best; epoch 1 plateaus and halves the rate for epoch 2
+    np.testing.assert_allclose(rates, [1e-2, 1e-2, 5e-3], rtol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", [
+    optax.inject_hyperparams(optax.adam)(learning_rate=SCHEDULE),
+    optax.adam(SCHEDULE),
+])
+def test_plateau_on_a_schedule_is_refused_at_attach_time(optimizer):
+    with pytest.raises(ValueError, match="schedule"):
+        fl.trainer(fl.models.mlp([4, 3]), SPARSE, optimizer).reduce_lr_on_plateau("loss")

@@ -1,0 +1,253 @@
+"""Train/eval mode by every common convention (linen flags, nnx's switch, equinox's
+inference mode), and `fl.models.trained`."""
+
+from __future__ import annotations
+
+import inspect
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import fuseloop as fl
+from fuseloop._loop import Loop
+from fuseloop._step import default_metrics, evaluator_program
+
+SPARSE = "sparse_categorical_cross_entropy"
+RNG = np.random.default_rng(0)
+DATA = [(RNG.normal(size=(8, 5)).astype(np.float32), RNG.integers(0, 3, 8).astype(np.int32))
+        for _ in range(4)]
+
+
+def evaluator_with_loss(model, loss=SPARSE):
+    if "loss" in inspect.signature(fl.evaluator).parameters:
+        return fl.evaluator(model, loss=loss)
+    program = evaluator_program(model, loss)
+    return Loop(program, metrics=default_metrics(program))
+
+
+def frozen_train_loss(model, variables=None):
+    """The epoch's training loss with learning rate 0 (params never change)."""
+    return fl.trainer(model, SPARSE, optax.sgd(0.0)).run(DATA, variables)
+
+
+def make_linen(flag: str, train_value: bool):
+    """A linen MLP with BatchNorm and Dropout switched by a flag named `flag`."""
+
+    def body(self, x, value):
+        training = value == train_value
+        x = nn.Dense(16)(x)
+        x = nn.BatchNorm(use_running_average=not training)(x)
+        x = nn.Dropout(0.5, deterministic=not training)(nn.relu(x))
+        return nn.Dense(3)(x)
+
+    namespace = {"__annotations__": {}}
+    source = (f"def __call__(self, x, {flag}: bool = {not train_value}):\n"
+              f"    return body(self, x, {flag})\n")
+    exec(source, {"body": body}, namespace)  # noqa: S102 - builds the flag's name
+    call = nn.compact(namespace["__call__"])
+    return type(f"Net_{flag}", (nn.Module,), {"__call__": call})()
+
+
+@pytest.mark.parametrize("flag, train_value", [
+    ("train", True), ("training", True), ("is_training", True),
+    ("deterministic", False), ("use_running_average", False)])
+def test_linen_flags_switch_dropout_and_batchnorm(flag, train_value):
+    model = make_linen(flag, train_value)
+    state = frozen_train_loss(model)
+    init = model.init(jax.random.PRNGKey(0), DATA[0][0], **{flag: not train_value})
+    # BatchNorm updated its statistics while training ...
+    moved = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))),
+                         state.params["batch_stats"], dict(init)["batch_stats"])
+    assert all(jax.tree.leaves(moved))
+    # ... and dropout made the training loss differ from the evaluation loss.
+    evaluated = evaluator_with_loss(model).run(DATA, state.params)
+    assert state.metrics["loss"] != pytest.approx(evaluated.metrics["loss"], rel=1e-3)
+    fused = fl.trainer(model, SPARSE, "adam").run(DATA, epochs=2, fuse=2)
+    unfused = fl.trainer(model, SPARSE, "adam").run(DATA, epochs=2)
+    assert fused.history == unfused.history
+
+
+def test_linen_named_flag_with_given_polarity():
+    model = make_linen("mode_is_eval", False)
+    with pytest.raises(ValueError, match="train_value is needed"):
+        fl.models.linen(model, train_arg="mode_is_eval")
+    with pytest.raises(ValueError, match="not an argument"):
+        fl.models.linen(model, train_arg="nope", train_value=True)
+    adapter = fl.models.linen(model, train_arg="mode_is_eval", train_value=False)
+    state = frozen_train_loss(adapter)
+    assert not np.allclose(np.asarray(state.params["batch_stats"]["BatchNorm_0"]["var"]), 1.0)
+
+
+def test_linen_named_flag_infers_polarity_of_known_names():
+    model = make_linen("deterministic", False)
+    adapter = fl.models.linen(model, train_arg="deterministic")
+    assert adapter.mode(True) == {"deterministic": False}
+
+
+class NoFlagBatchNorm(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(nn.BatchNorm(use_running_average=False)(x))
+
+
+class NoFlagDropout(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(nn.Dropout(0.5, deterministic=False)(x))
+
+
+@pytest.mark.parametrize("module, need", [(NoFlagBatchNorm(), "mutable collections"),
+                                          (NoFlagDropout(), "'dropout' rng")])
+@pytest.mark.parametrize("fuse", [False, 2])
+def test_linen_without_a_flag_is_refused_at_the_first_batch(module, need, fuse):
+    with pytest.raises(ValueError, match=need) as info:
+        fl.trainer(module, SPARSE, "sgd").run(DATA, fuse=fuse)
+    assert "train_arg" in str(info.value)
+
+
+class NnxNet(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(5, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(nnx.relu(self.norm(self.dense(x)))))
+
+
+class NnxOwnFlag(nnx.Module):
+    """A user's module with its own plain-bool `training` attribute."""
+
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(5, 3, rngs=rngs)
+        self.training = False
+        self.rngs = rngs
+
+    def __call__(self, x):
+        y = self.dense(x)
+        if self.training:
+            y = y + 1.0  # visibly different while training
+        return y
+
+
+def test_nnx_train_and_eval_modes():
+    model = NnxNet(nnx.Rngs(0))
+    state = frozen_train_loss(model)
+    assert not np.allclose(np.asarray(state.params["state"]["norm"]["mean"]), 0.0)
+    evaluated = evaluator_with_loss(model).run(DATA, state.params)
+    assert state.metrics["loss"] != pytest.approx(evaluated.metrics["loss"], rel=1e-3)
+    fused = fl.trainer(model, SPARSE, "adam").run(DATA, epochs=2, fuse=2)
+    unfused = fl.trainer(model, SPARSE, "adam").run(DATA, epochs=2)
+    assert fused.history == unfused.history
+    trained = fl.models.trained(model, unfused)
+    np.testing.assert_array_equal(np.asarray(trained(DATA[0][0])),
+                                  np.asarray(fl.models.as_model(model).apply(unfused.params,
+                                                                             DATA[0][0])))
+
+
+def test_nnx_plain_bool_training_attribute():
+    model = NnxOwnFlag(nnx.Rngs(0))
+    adapter = fl.models.as_model(model)
+    variables = adapter.init(None, None)
+    x = DATA[0][0]
+    y_train, _ = adapter.forward(variables, x, train=True, rng=None)
+    np.testing.assert_allclose(np.asarray(y_train) - np.asarray(adapter.apply(variables, x)),
+                               1.0, rtol=1e-5)
+
+
+class EqxNet(eqx.Module):
+    dense: eqx.nn.Linear
+    drop: eqx.nn.Dropout
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.dense = eqx.nn.Linear(5, 16, key=k1)
+        self.drop = eqx.nn.Dropout(0.5)
+        self.out = eqx.nn.Linear(16, 3, key=k2)
+
+    def __call__(self, x, key=None):
+        return self.out(self.drop(jax.nn.relu(self.dense(x)), key=key))
+
+
+def test_equinox_dropout_in_training_only():
+    model = EqxNet(jax.random.PRNGKey(0))
+    state = frozen_train_loss(model)
+    evaluated = evaluator_with_loss(model).run(DATA, state.params)  # needed no key
+    assert state.metrics["loss"] != pytest.approx(evaluated.metrics["loss"], rel=1e-3)
+    fused = fl.trainer(model, SPARSE, "adam").run(DATA, epochs=2, fuse=2)
+    unfused = fl.trainer(model, SPARSE, "adam").run(DATA, epochs=2)
+    assert fused.history == unfused.history
+    trained = fl.models.trained(model, unfused)
+    assert trained.drop.inference is True
+    np.testing.assert_allclose(np.asarray(jax.vmap(trained)(DATA[0][0])),
+                               np.asarray(fl.models.as_model(model).apply(unfused.params,
+                                                                          DATA[0][0])),
+                               rtol=1e-6)
+
+
+class EqxBatchNorm(eqx.Module):
+    dense: eqx.nn.Linear
+    norm: eqx.nn.BatchNorm
+
+    def __init__(self, key):
+        self.dense = eqx.nn.Linear(5, 3, key=key)
+        self.norm = eqx.nn.BatchNorm(3, axis_name="batch")
+
+    def __call__(self, x, state):
+        return self.norm(self.dense(x), state)
+
+
+def test_equinox_batchnorm_is_refused_by_name():
+    model, _ = eqx.nn.make_with_state(EqxBatchNorm)(jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match=r"eqx.nn.BatchNorm at model\.norm") as info:
+        fl.trainer(model, SPARSE, "sgd").run(DATA)
+    assert "shape" not in str(info.value)
+
+
+def test_trained_linen_binds_and_evaluates():
+    model = make_linen("training", True)
+    state = fl.trainer(model, SPARSE, "adam").run(DATA, epochs=2)
+    bound = fl.models.trained(model, state)
+    expected = model.apply(state.params, DATA[0][0], training=False)
+    np.testing.assert_array_equal(np.asarray(bound(DATA[0][0])), np.asarray(expected))
+    # A flag without an evaluation default: the bound wrapper passes it.
+    required = make_linen("deterministic", False)
+    state = fl.trainer(required, SPARSE, "adam").run(DATA)
+    wrapped = fl.models.trained(required, state.params)
+    np.testing.assert_array_equal(
+        np.asarray(wrapped(DATA[0][0])),
+        np.asarray(required.apply(state.params, DATA[0][0], deterministic=True)))
+
+
+def test_trained_plain_functions():
+    init = lambda rng, x: {"w": jnp.ones((5, 3))}  # noqa: E731
+    apply = lambda p, x, train=False: x @ p["w"] + (1.0 if train else 0.0)  # noqa: E731
+    state = fl.trainer((init, apply), SPARSE, optax.sgd(0.0)).run(DATA)
+    model = fl.models.trained((init, apply), state)
+    np.testing.assert_allclose(np.asarray(model(DATA[0][0])),
+                               DATA[0][0] @ np.ones((5, 3), np.float32), rtol=1e-6)
+
+
+class EqxDropoutNoKey(eqx.Module):
+    dense: eqx.nn.Linear
+    drop: eqx.nn.Dropout
+
+    def __init__(self):
+        self.dense = eqx.nn.Linear(5, 3, key=jax.random.PRNGKey(0))
+        self.drop = eqx.nn.Dropout(0.5)
+
+    def __call__(self, x):
+        return self.drop(self.dense(x))
+
+
+def test_equinox_dropout_without_a_key_argument_is_refused():
+    with pytest.raises(ValueError, match=r"eqx.nn.Dropout \(at model\.drop\).*`key=None`"):
+        fl.trainer(EqxDropoutNoKey(), SPARSE, "sgd")

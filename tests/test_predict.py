@@ -1,0 +1,117 @@
+"""`fl.predict`: eval-mode outputs for every example in order, ragged last batch included."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+import fuseloop as fl
+from fuseloop._predict import predict
+
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.BatchNorm(use_running_average=not train)(nn.Dense(8)(x))
+        return nn.Dense(3)(nn.Dropout(0.5, deterministic=not train)(nn.relu(x)))
+
+
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(23, 5)).astype(np.float32)
+Y = RNG.integers(0, 3, 23).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def state():
+    source = fl.data.arrays(X, Y, batch_size=4)
+    return fl.trainer(Net(), "sparse_categorical_cross_entropy", "adam").run(source, epochs=2)
+
+
+def expected(state):
+    return np.asarray(Net().apply(state.params, X, train=False))
+
+
+@pytest.mark.parametrize("fuse", [True, False, 2])
+@pytest.mark.parametrize("batch_size", [4, 5, 256])
+def test_every_example_in_order(state, fuse, batch_size):
+    out = predict(Net(), state, X, batch_size=batch_size, fuse=fuse)
+    assert out.shape == (23, 3)
+    np.testing.assert_allclose(out, expected(state), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_and_unfused_agree_bitwise(state):
+    a = predict(Net(), state.params, X, batch_size=4, fuse=True)
+    b = predict(Net(), state.params, X, batch_size=4, fuse=False)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_batch_sources(state):
+    pairs = [(X[i:i + 6], Y[i:i + 6]) for i in range(0, 23, 6)]
+    inputs = [X[i:i + 6] for i in range(0, 23, 6)]
+    ordered = fl.data.arrays(X, Y, batch_size=6, shuffle=False, drop_remainder=False)
+    for source in (pairs, inputs, iter(pairs), lambda: iter(inputs), ordered):
+        np.testing.assert_allclose(predict(Net(), state, source), expected(state),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_pytree_inputs_and_outputs():
+    init = lambda rng, x: {"w": np.ones((5, 2), np.float32)}  # noqa: E731
+    apply = lambda p, x: {"a": x["u"] @ p["w"], "b": x["v"].sum(-1)}  # noqa: E731
+    x = {"u": X, "v": X[:, :2]}
+    out = predict((init, apply), {"w": np.ones((5, 2), np.float32)}, x, batch_size=7)
+    np.testing.assert_allclose(out["a"], X @ np.ones((5, 2), np.float32), rtol=1e-6)
+    np.testing.assert_allclose(out["b"], X[:, :2].sum(-1), rtol=1e-6)
+
+
+def test_bad_arguments(state):
+    with pytest.raises(ValueError, match="fuse=0"):
+        predict(Net(), state, X, fuse=0)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        predict(Net(), state, X, batch_size=0)
+    with pytest.raises(ValueError, match="no batch"):
+        predict(Net(), state, [])
+
+
+def test_second_call_does_not_recompile(state):
+    predict(Net(), state, X, batch_size=4)
+    model = Net()
+    predict(model, state, X, batch_size=4)
+    from fuseloop._predict import _chunk_program
+
+    program = _chunk_program(model)
+    size = program._cache_size()
+    predict(model, state, X, batch_size=4)
+    assert program._cache_size() == size
+
+
+def test_equinox_and_nnx_models_predict_in_eval_mode():
+    import equinox as eqx
+    from flax import nnx
+
+    class Eqx(eqx.Module):
+        dense: eqx.nn.Linear
+        drop: eqx.nn.Dropout
+
+        def __init__(self):
+            self.dense = eqx.nn.Linear(5, 3, key=jax.random.PRNGKey(0))
+            self.drop = eqx.nn.Dropout(0.5)
+
+        def __call__(self, x, key=None):
+            return self.drop(self.dense(x), key=key)
+
+    class Nnx(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(5, 3, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.dense(x))
+
+    for model in (Eqx(), Nnx(nnx.Rngs(0))):
+        state = fl.trainer(model, "sparse_categorical_cross_entropy", "sgd").run(
+            [(X[:8], Y[:8])])
+        out = predict(model, state, X, batch_size=8)
+        np.testing.assert_allclose(out, np.asarray(fl.models.as_model(model).apply(
+            state.params, X)), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,80 @@
+"""`early_stop(..., restore_best=True)`: the run ends with the best epoch's step state."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import fuseloop as fl
+from conftest import make_batches
+from fuseloop.handlers.monitor import EarlyStopping
+
+DATA = make_batches(6)
+SPARSE = "sparse_categorical_cross_entropy"
+
+
+def attach(loop, stopper):
+    """What `Loop.early_stop(..., restore_best=True)` attaches."""
+    loop = loop.handle_event("epoch_completed", stopper, name="early_stop")
+    return loop.handle_event("completed", stopper.on_end).handle_event("halted", stopper.on_end)
+
+
+def snapshots(loop_factory, fuse):
+    """Each epoch's step state (host copies) from a run without early stopping."""
+    kept = {}
+
+    def keep(state):
+        kept[state.epoch] = jax.tree.map(np.asarray, state.step_state)
+
+    loop_factory().handle_event("epoch_completed", keep).run(DATA, epochs=8, fuse=fuse)
+    return kept
+
+
+def scripted_metric(values):
+    """A handler that writes a scripted "score" each epoch (so the best epoch is known)."""
+
+    def write(state):
+        return "continue", state.replace(metrics={**state.metrics, "score": values[state.epoch]})
+
+    return write
+
+
+@pytest.mark.parametrize("fuse", [False, 3])
+@pytest.mark.parametrize("values, epochs, best", [
+    ([5, 3, 1, 2, 4, 6, 7, 8], 8, 2),   # halts at epoch 4 (patience 2), best epoch 2
+    ([5, 4, 3, 2, 1.5, 1.7, 1.6, 1.8], 6, 4),  # runs to the end, best epoch 4
+])
+def test_restore_best_step_state_bitwise(fuse, values, epochs, best):
+    def factory():
+        return fl.trainer(fl.models.mlp([4, 3]), SPARSE, optax.adam(0.05)).handle_event(
+            "epoch_completed", scripted_metric(values))
+
+    kept = snapshots(factory, fuse)
+    stopper = EarlyStopping("score", patience=2, restore_best=True)
+    state = attach(factory(), stopper).run(DATA, epochs=epochs, fuse=fuse)
+    jax.tree.map(np.testing.assert_array_equal,
+                 jax.tree.map(np.asarray, state.step_state), kept[best])
+    np.testing.assert_array_equal(
+        np.asarray(state.params["params"]["Dense_0"]["kernel"]),
+        kept[best]["params"]["params"]["Dense_0"]["kernel"])
+
+
+def test_default_keeps_the_last_epoch():
+    values = [5, 3, 1, 2, 4, 6, 7, 8]
+
+    def factory():
+        return fl.trainer(fl.models.mlp([4, 3]), SPARSE, optax.adam(0.05)).handle_event(
+            "epoch_completed", scripted_metric(values))
+
+    kept = snapshots(factory, False)
+    state = attach(factory(), EarlyStopping("score", patience=2)).run(DATA, epochs=6)
+    assert state.epoch == 4
+    jax.tree.map(np.testing.assert_array_equal,
+                 jax.tree.map(np.asarray, state.step_state), kept[4])
+
+
+def test_restore_best_is_validated():
+    with pytest.raises(ValueError, match="restore_best"):
+        EarlyStopping("loss", restore_best="yes")
