@@ -13,7 +13,7 @@ __all__ = ["State", "new_stats"]
 
 
 def new_stats() -> dict[str, Any]:
-    """The counters of one run (DESIGN.md §5)."""
+    """The counters of one run (docs/design.md, observability)."""
     return {
         "dispatches": 0,
         "host_syncs": 0,
