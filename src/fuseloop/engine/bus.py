@@ -36,6 +36,7 @@ class EventBus:
         self.total = {event: 0 for event in Event}
         self.in_epoch = {event: 0 for event in ITERATION_EVENTS}
         self.observer = observer
+        self.failed_state: State | None = None
         self.iteration_handlers = any(self.by_event.get(e) for e in ITERATION_EVENTS)
 
     # ----------------------------------------------------------------- counters
@@ -98,7 +99,8 @@ class EventBus:
                 continue
             try:
                 result = registration.handler(state)
-            except Exception as error:
+            except BaseException as error:
+                self.failed_state = state  # what the run reports as the State reached
                 error.add_note(
                     f"fuseloop: raised by handler {registration.label} on event "
                     f"'{event.value}' (epoch {state.epoch}, iteration {state.iteration})"

@@ -60,7 +60,14 @@ class EpochLoop:
               ) -> tuple[str, Any, int, ChunkResult | None]:
         """Replays `current` and launches the next chunk: `(status, state, last, next)`."""
         feed = self.feed
-        nxt = feed.next(current.end) if feed.ahead and not current.exhausted else None
+        nxt, failed = None, None
+        if feed.ahead and not current.exhausted:
+            try:
+                nxt = feed.next(current.end)
+            except Exception as error:  # noqa: BLE001 - re-raised below, after the replay
+                # A batch pulled ahead failed: the steps already run are replayed first,
+                # and the error surfaces only where the unfused loop would reach that batch.
+                failed = error
         rollback = speculative = None
         if nxt is not None and self.replay.reads_chunk(current):
             # The replay is about to wait for this chunk: launch the next one first. Only
@@ -81,6 +88,8 @@ class EpochLoop:
             if rollback is not None:
                 self._drop(rollback)
             return status, state, last, None
+        if failed is not None:
+            raise failed
         if speculative is not None:
             return status, state, last, speculative
         if not feed.ahead and not current.exhausted:
