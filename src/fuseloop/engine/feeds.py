@@ -20,7 +20,7 @@ from .prefetch import ChunkProducer
 from .programs import MIN_SLOTS
 from .replay import ChunkResult
 
-__all__ = ["Prepared", "HostFeed", "ResidentFeed"]
+__all__ = ["Prepared", "HostFeed", "ResidentFeed", "place_dataset", "first_resident_batch"]
 
 _ONE = np.int32(1)  # an unfused dispatch's live slots, passed at run time (see programs)
 
@@ -138,8 +138,8 @@ class ResidentFeed:
     the device from the epoch's order, which is computed there too; nothing moves from the
     host per epoch. With `drop_remainder=False` the short last batch is its own launch."""
 
-    def __init__(self, source: Any, *, size: int | None, placement: Any, programs: Any,
-                 stats: dict[str, Any], start_epoch: int):
+    def __init__(self, source: Any, data: Any, *, size: int | None, placement: Any,
+                 programs: Any, start_epoch: int):
         self.source, self.programs = source, programs
         self.size, self.live = (1 if size is None else size), size is None
         self.ahead = not self.live
@@ -150,9 +150,7 @@ class ResidentFeed:
         self.short = None if self.whole == source.num_batches else source.n % source.batch_size
         self.short_sharding = (placement.chunk_sharding(self.short)
                                if self.short is not None else None)
-        before = source.transfers_done
-        self.data = source.put(placement.replicated)
-        stats["h2d_transfers"] += source.transfers_done - before
+        self.data = data
         # The epoch counter lives on the device, so advancing it moves nothing.
         self.epoch_counter = jax.device_put(np.int32(start_epoch))
         self.next_order = programs.epoch_order(source)
@@ -191,3 +189,20 @@ class ResidentFeed:
     def unlaunch(self) -> None:
         """The last launch was dropped: its position in the epoch is given back."""
         self.cursor = self._before
+
+
+def place_dataset(source: Any, placement: Any, stats: dict[str, Any]) -> Any:
+    """A resident source's arrays on the device (replicated over a mesh); the one move is
+    counted as a transfer, and later runs of the same source reuse it."""
+    before = source.transfers_done
+    data = source.put(placement.replicated)
+    stats["h2d_transfers"] += source.transfers_done - before
+    return data
+
+
+def first_resident_batch(programs: Any, source: Any, data: Any, epoch: int, reads: Any
+                         ) -> Any:
+    """The first batch of `epoch`, gathered on the device (the same rows the host source
+    serves first) and read back: it shapes the initialization and the checks."""
+    # Host read: the run's first batch, once per run.
+    return reads.get(programs.first_batch(source)(data, jax.device_put(np.int32(epoch))))

@@ -18,6 +18,8 @@ class Handoff:
 
     def fire(self, event: Event, state: Any, mirror_history: bool = False) -> tuple[str, Any]:
         """A run or epoch event: handlers see (and may replace) the live step state."""
+        if not self.bus.has(event):  # counted and observed; no handler can change a thing
+            return self.bus.fire(event, state, mirror_history)
         state = state.replace(step_state=self.carry.step_state)
         status, state = self.bus.fire(event, state, mirror_history)
         self.carry.adopt(state.step_state)

@@ -36,6 +36,7 @@ class ProgramCache:
         resident: Resident chunk programs by `(slots, live, sharding, data signature)`.
         epoch_order: Resident epoch-order programs by the source's seed, size, batch size,
             shuffle and drop_remainder.
+        first_batch: Resident first-batch programs, keyed as `epoch_order`.
         fresh_tail: Builds zeroed metric accumulators.
         init: The trainer's jitted initialization by first-batch signature.
         verdicts: Model-fit checks already passed, by the shapes checked (`_checks.Checker`).
@@ -47,6 +48,7 @@ class ProgramCache:
     unfused: Any = None
     resident: dict[Any, Any] = field(default_factory=dict)
     epoch_order: dict[Any, Any] = field(default_factory=dict)
+    first_batch: dict[Any, Any] = field(default_factory=dict)
     fresh_tail: Any = None
     init: dict[Any, Any] = field(default_factory=dict)
     verdicts: dict[Any, Any] = field(default_factory=dict)
@@ -132,7 +134,7 @@ class Programs:
 
     def epoch_order(self, source: Any) -> Any:
         """`epoch -> (order, epoch + 1, cursor 0)` for a resident source, on the device."""
-        key = (source.seed, source.n, source.batch_size, source.shuffle, source.drop_remainder)
+        key = _source_key(source)
         if key not in self.cache.epoch_order:
             def next_epoch(epoch: Any) -> tuple[Any, Any, Any]:
                 return (_epoch_order(source, epoch), epoch + 1, jnp.zeros((), jnp.int32))
@@ -140,12 +142,30 @@ class Programs:
             self.cache.epoch_order[key] = jax.jit(next_epoch)
         return self.cache.epoch_order[key]
 
+    def first_batch(self, source: Any) -> Any:
+        """`(data, epoch) -> batch`: the first batch of an epoch of a resident source."""
+        key = _source_key(source)
+        if key not in self.cache.first_batch:
+            def first(data: Any, epoch: Any) -> Any:
+                rows = _epoch_order(source, epoch)[0]
+                if source.n < source.batch_size:  # the only batch is short
+                    rows = rows[:source.n]
+                return jax.tree.map(lambda leaf: leaf[rows], data)
+
+            self.cache.first_batch[key] = jax.jit(first)
+        return self.cache.first_batch[key]
+
     def fresh_tail(self) -> Any:
         """Zeroed metric accumulators (and guard flag), made by one cached program."""
         if self.cache.fresh_tail is None:
             metrics, guard = self.loop.metrics, self.guard
             self.cache.fresh_tail = jax.jit(lambda: init_tail(metrics, guard))
         return self.cache.fresh_tail()
+
+
+def _source_key(source: Any) -> tuple[Any, ...]:
+    """What a resident source's order programs depend on."""
+    return (source.seed, source.n, source.batch_size, source.shuffle, source.drop_remainder)
 
 
 def _epoch_order(source: Any, epoch: Any) -> Any:

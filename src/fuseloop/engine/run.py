@@ -24,7 +24,7 @@ from .auto_chunk import choose_chunk_size
 from .bus import EventBus
 from .carry import Carry
 from .epoch import EpochLoop
-from .feeds import HostFeed, ResidentFeed
+from .feeds import HostFeed, ResidentFeed, first_resident_batch, place_dataset
 from .handoff import Handoff
 from .host import HostReads
 from .programs import Programs
@@ -73,6 +73,7 @@ class Run:
         self.init_state = init_state
         self.stats = new_stats()
         self.source = as_source(data)
+        self.resident = bool(getattr(self.source.data, "resident", False))
         self.programs = Programs(loop)
         self.reads = HostReads(self.stats, loop.metrics)
         self.placement = Placement(mesh, self.stats)
@@ -138,7 +139,12 @@ class Run:
 
     def _first_batch(self) -> Any:
         self.first_iterator = self.source.epoch_iterator(self.start_epoch)
-        first = self.source.pull(self.first_iterator, 1)
+        if self.resident:
+            self.dataset = place_dataset(self.source.data, self.placement, self.stats)
+            first = [first_resident_batch(self.programs, self.source.data, self.dataset,
+                                          self.start_epoch, self.reads)]
+        else:
+            first = self.source.pull(self.first_iterator, 1)
         if not first:
             raise ValueError(
                 "data is empty: the first epoch yielded no batch. Pass at least one (x, y) "
@@ -154,9 +160,9 @@ class Run:
                                           epoch_length=_epoch_length(self.source,
                                                                      self.iterations))
         self.stats["chunk_size"] = self.fuse or 1
-        if getattr(self.source.data, "resident", False):
-            return ResidentFeed(self.source.data, size=self.fuse, placement=self.placement,
-                                programs=self.programs, stats=self.stats,
+        if self.resident:
+            return ResidentFeed(self.source.data, self.dataset, size=self.fuse,
+                                placement=self.placement, programs=self.programs,
                                 start_epoch=self.start_epoch)
         return HostFeed(self.source, first, size=self.fuse, jit=self.jit,
                         placement=self.placement, checker=self.checker,
@@ -178,7 +184,7 @@ class Run:
             epoch += 1
         self.stats["compiles"] = self.programs.traces - compiles_before
         ended = "halted" if halted else "completed"
-        state = state.replace(status=ended, event_counts=self.bus.counts())
+        state = state.replace(status=ended)
         _, state = self.handoff.fire(Event.HALTED if halted else Event.COMPLETED, state)
         self.state = state
         return state.replace(status=ended)
@@ -201,7 +207,7 @@ class Run:
             _warn_nonfinite(state)
         if signals.requested:
             status = HALT_LOOP
-        state = self._epoch_metrics(state, epoch, time.perf_counter() - began, stepped)
+        state = self._epoch_metrics(state, epoch, began, stepped)
         if status == HALT_LOOP:
             # Halted mid-epoch (a handler, a non-finite loss, a signal): the epoch is not
             # complete, so history does not record it and a resumed run redoes it.
@@ -212,7 +218,7 @@ class Run:
         status, state = self.handoff.fire(event, state, mirror_history=True)
         return state, status
 
-    def _epoch_metrics(self, state: State, epoch: int, seconds: float, stepped: bool
+    def _epoch_metrics(self, state: State, epoch: int, began: float, stepped: bool
                        ) -> State:
         """The epoch's metrics: the accumulators' final values (one host read), unless a
         handler wrote after the loop last computed them (last writer wins)."""
@@ -223,13 +229,14 @@ class Run:
                               and replay.merged_through == replay.steps - 1)
         if not handler_wrote_last:
             metrics.update(final)
+        seconds = time.perf_counter() - began  # the epoch's wall time, its last step done
         self.stats["epoch_time"][epoch] = seconds
         return state.replace(metrics=metrics, times={**state.times, epoch: seconds})
 
     def _ran_out(self, epoch: int) -> bool:
         """A one-shot iterator that had nothing left for this epoch ends the run (as Keras
         does when its input runs out), with a warning naming the epoch."""
-        if isinstance(self.epoch_loop.feed, ResidentFeed) or self.source.epoch_pulled > 0:
+        if self.resident or self.source.epoch_pulled > 0:
             return False
         warnings.warn(
             f"data ran out at the start of epoch {epoch}: the run ends after {epoch} epochs "

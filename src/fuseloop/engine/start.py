@@ -44,6 +44,13 @@ def private_copy(tree: Any) -> Any:
     return jax.tree.unflatten(treedef, leaves)
 
 
+def _on_device(tree: Any) -> Any:
+    """`tree` on the device (None stays None); arrays already there are not moved again."""
+    if tree is None or all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(tree)):
+        return tree
+    return jax.device_put(tree)
+
+
 def _trainer_init(programs: Programs, first: Any) -> Any:
     """The cached jitted trainer init for batches shaped like `first`."""
     treedef, spec = device_signature(first)
@@ -70,6 +77,5 @@ def initial_step_state(programs: Programs, user_state: Any, first: Any, resuming
     if resuming:
         return private_copy(user_state)
     if program.kind == "trainer":
-        placed = jax.device_put(user_state) if user_state is not None else None
-        return _trainer_init(programs, first)(placed)
+        return _trainer_init(programs, first)(_on_device(user_state))
     return private_copy(program.init(first, user_state))
