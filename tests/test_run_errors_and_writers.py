@@ -89,7 +89,7 @@ def test_a_handler_error_keeps_the_last_completed_step_unfused() -> None:
     assert_tree_equal(caught.value.fuseloop_state.step_state, reference.step_state)
 
 
-def test_a_fused_handler_error_drops_the_chunk_launched_ahead() -> None:
+def test_a_fused_handler_error_keeps_the_whole_chunk_it_ran_in() -> None:
     def explode(state: fl.State) -> None:
         if state.epoch == 1 and state.iteration == 5:
             raise HandlerBroke("no")
@@ -98,7 +98,7 @@ def test_a_fused_handler_error_drops_the_chunk_launched_ahead() -> None:
     with pytest.raises(HandlerBroke) as caught:
         loop.run(DATA, counter_init(), epochs=2, fuse=4)
     state = caught.value.fuseloop_state
-    # The chunk holding iteration 5 (4..7) ran; the one launched while replaying it did not.
+    # The chunk holding iteration 5 (4..7) ran whole; the next one was never launched.
     assert int(np.asarray(state.step_state["n"])) == 12 + 8
     assert state.stats["dispatches"] == 3 + 2
 

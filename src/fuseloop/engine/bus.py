@@ -79,7 +79,7 @@ class EventBus:
                 spec = registration.filter
                 if spec.predicate is not None:
                     return list(range(n))
-                offsets.update(j for j in range(n) if spec.by_count(first + j))
+                offsets.update(spec.offsets(first, n))
         return sorted(offsets)
 
     def skip_iterations(self, n: int) -> None:

@@ -57,17 +57,6 @@ class Carry:
             jax.block_until_ready(self.tail)
             self._queued = 0
 
-    def snapshot(self) -> tuple[Any, Any]:
-        """A device copy of the carry (before a dispatch that may have to be dropped)."""
-        return private_copy((self.step_state, self.tail))
-
-    def restore(self, snapshot: tuple[Any, Any]) -> None:
-        """Rolls back to `snapshot`: the dispatch launched after it is dropped (and does not
-        count)."""
-        self.step_state, self.tail = snapshot
-        self._metrics = None
-        self.stats["dispatches"] -= 1
-
     def metrics(self) -> dict[str, float]:
         """The accumulated metrics now (read once per dispatch, when first asked for)."""
         if self._metrics is None:

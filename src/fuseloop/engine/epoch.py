@@ -2,10 +2,11 @@
 
     next chunk ──► (live: iteration_started) ──► launch ──► replay ──► halt? ──► next
 
-While chunk n runs, the feed may prepare chunk n+1 (`feed.ahead`). When replaying chunk n
-will wait for its records (a handler fires in it, or the guard is on), chunk n+1 is
-launched first, so the device keeps working while the host replays; a halt (or an error)
-then rolls the carry back to a copy taken before that launch.
+While chunk n runs, the feed may prepare chunk n+1 (`feed.ahead`); it is launched once
+chunk n has been replayed, so a halt in chunk n takes effect at its end. (Launching chunk
+n+1 before that replay would keep the device busy while the host waits for chunk n's
+records, but a halt would then need a copy of the carry taken before the launch; on a CPU
+that copy costs more than the wait it hides — see docs/design.md §6.)
 """
 
 from __future__ import annotations
@@ -62,41 +63,18 @@ class EpochLoop:
         feed = self.feed
         nxt, failed = None, None
         if feed.ahead and not current.exhausted:
-            try:
+            try:  # Overlap: the host prepares the next chunk while the device runs this one.
                 nxt = feed.next(current.end)
             except Exception as error:  # noqa: BLE001 - re-raised below, after the replay
                 # A batch pulled ahead failed: the steps already run are replayed first,
                 # and the error surfaces only where the unfused loop would reach that batch.
                 failed = error
-        rollback = speculative = None
-        if nxt is not None and self.replay.reads_chunk(current):
-            # The replay is about to wait for this chunk: launch the next one first. Only
-            # a halt can stop here (replayed handlers cannot change the step state), and a
-            # halt rolls back to this copy of the carry.
-            rollback = self.carry.snapshot()
-            current = ChunkResult(current.first, current.n, current.records, current.n_run,
-                                  current.exhausted, rollback[1].get("nonfinite"))
-            speculative = feed.launch(self.carry, nxt)
-        try:
-            status, state, last = self.replay.chunk(state, current)
-        except BaseException:
-            if rollback is not None:
-                self._drop(rollback)
-            raise
+        status, state, last = self.replay.chunk(state, current)
         self.latest = state
         if status != CONTINUE or self.signals.requested:
-            if rollback is not None:
-                self._drop(rollback)
             return status, state, last, None
         if failed is not None:
             raise failed
-        if speculative is not None:
-            return status, state, last, speculative
         if not feed.ahead and not current.exhausted:
             nxt = feed.next(current.end)
         return self._start(state, nxt, last)
-
-    def _drop(self, rollback: Any) -> None:
-        """Drops the speculatively launched chunk: the carry goes back to `rollback`."""
-        self.carry.restore(rollback)
-        self.feed.unlaunch()

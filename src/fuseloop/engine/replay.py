@@ -74,10 +74,20 @@ class EpochReplay:
         self.previous: Metrics = _no_metrics
         self.steps = 0
         self.merged_through = -1
+        self._firing_key: tuple[int, int, int] | None = None
+        self._firing_offsets: list[int] = []
 
     def reads_chunk(self, result: ChunkResult) -> bool:
         """Whether replaying `result` will wait for its records."""
-        return self.guard or bool(self.record and self.bus.firing_offsets(result.n))
+        return self.guard or bool(self.record and self._firing(result.n))
+
+    def _firing(self, n: int) -> list[int]:
+        """The offsets of the next `n` iterations at which a handler fires (from counters;
+        remembered until the counters move)."""
+        key = (self.bus.total[_STARTED], self.bus.total[_COMPLETED], n)
+        if key != self._firing_key:
+            self._firing_key, self._firing_offsets = key, self.bus.firing_offsets(n)
+        return self._firing_offsets
 
     def _fire(self, event: Event, state: Any, i: int, metrics: Metrics, live: bool,
               stamp: int) -> tuple[str, Any]:
@@ -107,7 +117,7 @@ class EpochReplay:
         if result.live:
             return self._live(state, result)
         first, n = result.first, result.n
-        firing = self.bus.firing_offsets(n) if self.record else []
+        firing = self._firing(n) if self.record else []
         if not self.guard and not firing:
             self.bus.skip_iterations(n)
             self.bus.advance(n, None)
