@@ -11,6 +11,7 @@ from ._metrics import MetricSpec, resolve_metric
 from ._state import State
 from ._step import Program, custom_program, evaluator_program, trainer_program
 from .engine import run_loop
+from .engine.run import check_run_options
 from .engine.programs import ProgramCache
 
 __all__ = ["Loop", "trainer", "evaluator", "loop"]
@@ -257,8 +258,7 @@ class Loop:
         Example:
             >>> state = loop.run(batches, epochs=3, fuse=True)  # doctest: +SKIP
         """
-        if not isinstance(progress, bool):
-            raise ValueError(f"progress={progress!r} must be True or False")
+        check_run_options(epochs, iterations, jit, progress, max_in_flight, prefetch)
         observer = None
         if progress:
             from .handlers.progress import ProgressBar

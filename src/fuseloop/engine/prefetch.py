@@ -2,9 +2,9 @@
 
 While the device runs chunk n, a thread pulls, checks, stacks and transfers the next chunks,
 at most `depth` of them ahead. It is only used where pulling a batch that is never stepped
-is harmless (docs/design.md §2, exact consumption); the loop stops it at the end of every epoch, so no thread
-outlives `run`, and an exception raised by the source is re-raised in the caller's thread
-with its own type and traceback.
+is harmless (docs/design.md §2, exact consumption); the loop stops it at the end of every
+epoch, so no thread outlives `run`, and an exception raised by the source is re-raised in
+the caller's thread with its own type and traceback.
 """
 
 from __future__ import annotations

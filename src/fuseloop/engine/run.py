@@ -36,9 +36,10 @@ __all__ = ["Run", "check_run_options"]
 _RAN_OUT = "ran_out"  # an epoch found no data left: the run ends, completed
 
 
-def check_run_options(epochs: Any, iterations: Any, jit: Any, max_in_flight: Any,
-                      prefetch: Any) -> None:
-    """Raises a ValueError naming the first bad `run(...)` argument."""
+def check_run_options(epochs: Any, iterations: Any, jit: Any, progress: Any,
+                      max_in_flight: Any, prefetch: Any) -> None:
+    """Raises a ValueError naming the first bad `run(...)` argument (`Loop.run` calls it
+    before anything else; `fuse` and `mesh` are checked by the run)."""
     _check_count(epochs, "epochs", allow_none=False)
     _check_count(iterations, "iterations", allow_none=True)
     _check_count(max_in_flight, "max_in_flight", allow_none=False)
@@ -47,6 +48,8 @@ def check_run_options(epochs: Any, iterations: Any, jit: Any, max_in_flight: Any
                          f"in a background thread; 0 pulls the next chunk in the caller)")
     if not isinstance(jit, bool):
         raise ValueError(f"jit={jit!r} must be True or False")
+    if not isinstance(progress, bool):
+        raise ValueError(f"progress={progress!r} must be True or False")
 
 
 def _check_count(value: Any, argument: str, allow_none: bool) -> None:
@@ -57,7 +60,8 @@ def _check_count(value: Any, argument: str, allow_none: bool) -> None:
 
 
 class Run:
-    """One call of `Loop.run`.
+    """One call of `Loop.run` (its plain arguments already checked by
+    `check_run_options`).
 
     `observer` is told about events and steps without changing the run (the progress bar;
     see `bus.EventBus`), or None.
@@ -66,13 +70,12 @@ class Run:
     def __init__(self, loop: Any, data: Any, init_state: Any, *, epochs: int,
                  iterations: int | None, fuse: Any, jit: bool, observer: Any, mesh: Any,
                  max_in_flight: int, prefetch: int):
-        check_run_options(epochs, iterations, jit, max_in_flight, prefetch)
         self.loop, self.epochs, self.iterations = loop, int(epochs), iterations
-        self.fuse = resolve_fuse(fuse, jit)
         self.jit, self.max_in_flight, self.prefetch = jit, max_in_flight, prefetch
         self.init_state = init_state
         self.stats = new_stats()
         self.source = as_source(data)
+        self.fuse = resolve_fuse(fuse, jit)
         self.resident = bool(getattr(self.source.data, "resident", False))
         self.programs = Programs(loop)
         self.reads = HostReads(self.stats, loop.metrics)
