@@ -77,10 +77,6 @@ class EpochReplay:
         self._firing_key: tuple[int, int, int] | None = None
         self._firing_offsets: list[int] = []
 
-    def reads_chunk(self, result: ChunkResult) -> bool:
-        """Whether replaying `result` will wait for its records."""
-        return self.guard or bool(self.record and self._firing(result.n))
-
     def _firing(self, n: int) -> list[int]:
         """The offsets of the next `n` iterations at which a handler fires (from counters;
         remembered until the counters move)."""
