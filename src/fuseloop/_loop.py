@@ -11,8 +11,8 @@ from ._metrics import MetricSpec, resolve_metric
 from ._state import State
 from ._step import Program, custom_program, evaluator_program, trainer_program
 from .engine import run_loop
-from .engine.run import check_run_options
 from .engine.programs import ProgramCache
+from .engine.run import check_run_options
 
 __all__ = ["Loop", "trainer", "evaluator", "loop"]
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-import jax
 import numpy as np
 
 from .._fusion import FusionError, stack_chunk
@@ -136,7 +135,7 @@ class ResidentFeed:
     host per epoch. With `drop_remainder=False` the short last batch is its own launch."""
 
     def __init__(self, source: Any, data: Any, *, size: int | None, placement: Any,
-                 programs: Any, start_epoch: int):
+                 programs: Any, start_epoch: Any):
         self.source, self.programs = source, programs
         self.size, self.live = (1 if size is None else size), size is None
         self.ahead = not self.live
@@ -148,8 +147,9 @@ class ResidentFeed:
         self.short_sharding = (placement.chunk_sharding(self.short)
                                if self.short is not None else None)
         self.data = data
-        # The epoch counter lives on the device, so advancing it moves nothing.
-        self.epoch_counter = jax.device_put(np.int32(start_epoch))
+        # The epoch counter lives on the device (`start_epoch` is a device int32 scalar),
+        # so advancing it moves nothing.
+        self.epoch_counter = start_epoch
         self.next_order = programs.epoch_order(source)
 
     def begin(self, epoch: int, iterator: Any, bound: int | None, replay_reads: bool) -> None:
@@ -191,9 +191,10 @@ def place_dataset(source: Any, placement: Any, stats: dict[str, Any]) -> Any:
     return data
 
 
-def first_resident_batch(programs: Any, source: Any, data: Any, epoch: int, reads: Any
+def first_resident_batch(programs: Any, source: Any, data: Any, epoch: Any, reads: Any
                          ) -> Any:
-    """The first batch of `epoch`, gathered on the device (the same rows the host source
-    serves first) and read back: it shapes the initialization and the checks."""
+    """The first batch of `epoch` (a device int32 scalar), gathered on the device (the same
+    rows the host source serves first) and read back: it shapes the initialization and the
+    checks."""
     # Host read: the run's first batch, once per run.
-    return reads.get(programs.first_batch(source)(data, jax.device_put(np.int32(epoch))))
+    return reads.get(programs.first_batch(source)(data, epoch))

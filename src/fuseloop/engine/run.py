@@ -12,6 +12,7 @@ import time
 import warnings
 from typing import Any
 
+import jax
 import numpy as np
 
 from .._checks import Checker
@@ -144,8 +145,9 @@ class Run:
         self.first_iterator = self.source.epoch_iterator(self.start_epoch)
         if self.resident:
             self.dataset = place_dataset(self.source.data, self.placement, self.stats)
+            self.device_epoch = jax.device_put(np.int32(self.start_epoch))
             first = [first_resident_batch(self.programs, self.source.data, self.dataset,
-                                          self.start_epoch, self.reads)]
+                                          self.device_epoch, self.reads)]
         else:
             first = self.source.pull(self.first_iterator, 1)
         if not first:
@@ -166,7 +168,7 @@ class Run:
         if self.resident:
             return ResidentFeed(self.source.data, self.dataset, size=self.fuse,
                                 placement=self.placement, programs=self.programs,
-                                start_epoch=self.start_epoch)
+                                start_epoch=self.device_epoch)
         return HostFeed(self.source, first, size=self.fuse, jit=self.jit,
                         placement=self.placement, checker=self.checker,
                         programs=self.programs, prefetch=self.prefetch,
