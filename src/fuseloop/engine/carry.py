@@ -57,6 +57,19 @@ class Carry:
             jax.block_until_ready(self.tail)
             self._queued = 0
 
+    def snapshot(self) -> Any:
+        """A packed device copy of the carry, taken before a launch that a halt may have to
+        undo."""
+        return self.programs.pack((self.step_state, self.tail))
+
+    def restore(self, snapshot: Any) -> None:
+        """Rolls back to `snapshot`: the dispatch launched after it is dropped (and does not
+        count)."""
+        carry = self.programs.unpack(snapshot, (self.step_state, self.tail))
+        self.step_state, self.tail = self.placement.put_state(carry)
+        self._metrics = None
+        self.stats["dispatches"] -= 1
+
     def metrics(self) -> dict[str, float]:
         """The accumulated metrics now (read once per dispatch, when first asked for)."""
         if self._metrics is None:

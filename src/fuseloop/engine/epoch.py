@@ -2,11 +2,11 @@
 
     next chunk ──► (live: iteration_started) ──► launch ──► replay ──► halt? ──► next
 
-While chunk n runs, the feed may prepare chunk n+1 (`feed.ahead`); it is launched once
-chunk n has been replayed, so a halt in chunk n takes effect at its end. (Launching chunk
-n+1 before that replay would keep the device busy while the host waits for chunk n's
-records, but a halt would then need a copy of the carry taken before the launch; on a CPU
-that copy costs more than the wait it hides — see docs/design.md §6.)
+While chunk n runs, the feed may prepare chunk n+1 (`feed.ahead`). When replaying chunk n
+will wait for its records (a handler fires in it), chunk n+1 is launched first, so the
+device keeps working while the host replays; a halt (or an error) in chunk n then rolls the
+carry back to a packed copy taken before that launch, so the halt still takes effect at
+the end of chunk n (docs/design.md §6).
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ class EpochLoop:
                  signals: Any):
         self.feed, self.carry, self.handoff = feed, carry, handoff
         self.reads, self.guard, self.signals = reads, guard, signals
+        # Launching ahead needs the guard off: the guard's flag is read from the chunk's
+        # own carry, which the launch ahead would donate.
+        self.speculate = not guard
         self.latest: Any = None  # the State reached within an epoch (for an error's report)
         self.replay: EpochReplay | None = None
 
@@ -69,12 +72,33 @@ class EpochLoop:
                 # A batch pulled ahead failed: the steps already run are replayed first,
                 # and the error surfaces only where the unfused loop would reach that batch.
                 failed = error
-        status, state, last = self.replay.chunk(state, current)
+        rollback = speculative = None
+        if nxt is not None and self.speculate and self.replay.waits_for(current):
+            # The replay is about to wait for this chunk's records: launch the next chunk
+            # first, so the device keeps working. Replayed handlers can only halt (or
+            # raise), and then the carry goes back to this copy of it.
+            rollback = self.carry.snapshot()
+            speculative = feed.launch(self.carry, nxt)
+        try:
+            status, state, last = self.replay.chunk(state, current)
+        except BaseException:
+            if rollback is not None:
+                self._drop(rollback)
+            raise
         self.latest = state
         if status != CONTINUE or self.signals.requested:
+            if rollback is not None:
+                self._drop(rollback)
             return status, state, last, None
         if failed is not None:
             raise failed
+        if speculative is not None:
+            return status, state, last, speculative
         if not feed.ahead and not current.exhausted:
             nxt = feed.next(current.end)
         return self._start(state, nxt, last)
+
+    def _drop(self, rollback: Any) -> None:
+        """Drops the chunk launched ahead: the carry and the feed go back to before it."""
+        self.carry.restore(rollback)
+        self.feed.unlaunch()

@@ -76,6 +76,9 @@ class HostFeed:
             return self._producer.get()
         return self._prepare(first)
 
+    def unlaunch(self) -> None:
+        """The last launch was dropped; its batches count as pulled ahead."""
+
     # ----------------------------------------------------------------- preparing
     def _pull(self, count: int) -> list[Any]:
         batches, self.pending = self.pending[:count], self.pending[count:]
@@ -157,6 +160,7 @@ class ResidentFeed:
         self.limit = self.source.num_batches if bound is None else min(
             bound, self.source.num_batches)
         self.full_limit = min(self.limit, self.whole)
+        self._before = self.cursor
 
     def end(self) -> None:
         pass
@@ -174,12 +178,17 @@ class ResidentFeed:
 
     def launch(self, carry: Any, prepared: Prepared) -> ChunkResult:
         program, limit = prepared.payload
+        self._before = self.cursor
         records, n_run, self.cursor = carry.advance(program, self.data, self.order,
                                                     self.cursor, limit)
         if self.live:
             return ChunkResult(prepared.first, 1, None, None, prepared.exhausted)
         return ChunkResult(prepared.first, prepared.n, records, n_run, prepared.exhausted,
                            carry.tail.get("nonfinite"))
+
+    def unlaunch(self) -> None:
+        """The last launch was dropped: its place in the epoch is given back."""
+        self.cursor = self._before
 
 
 def place_dataset(source: Any, placement: Any, stats: dict[str, Any]) -> Any:

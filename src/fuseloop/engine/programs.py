@@ -8,6 +8,7 @@ and unfused runs bitwise equal is in docs/design.md §2 ("one loop body for ever
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -41,6 +42,8 @@ class ProgramCache:
         init: The trainer's jitted initialization by first-batch signature.
         verdicts: Model-fit checks already passed, by the shapes checked (`_checks.Checker`).
         probe: `fuse="auto"` probe timings `(step_s, overhead_s)` by batch signature and mesh.
+        pack: Packs a carry into one buffer per dtype (the snapshot before a launch ahead).
+        unpack: Unpacks such a snapshot, by the carry's structure, shapes and dtypes.
     """
 
     traces: int = 0
@@ -53,6 +56,8 @@ class ProgramCache:
     init: dict[Any, Any] = field(default_factory=dict)
     verdicts: dict[Any, Any] = field(default_factory=dict)
     probe: dict[Any, Any] = field(default_factory=dict)
+    pack: Any = None
+    unpack: dict[Any, Any] = field(default_factory=dict)
 
 
 class Programs:
@@ -155,6 +160,21 @@ class Programs:
             self.cache.first_batch[key] = jax.jit(first)
         return self.cache.first_batch[key]
 
+    def pack(self, carry: Any) -> Any:
+        """A device copy of `carry` packed into one buffer per dtype (on a CPU, a copy of
+        many small arrays costs a dispatch per array; a pack costs one)."""
+        if self.cache.pack is None:
+            self.cache.pack = jax.jit(_pack)
+        return self.cache.pack(carry)
+
+    def unpack(self, packed: Any, like: Any) -> Any:
+        """The carry `packed` holds, shaped like `like` (a carry of the same structure)."""
+        leaves, treedef = jax.tree.flatten(like)
+        layout = (treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
+        if layout not in self.cache.unpack:
+            self.cache.unpack[layout] = jax.jit(_unpacker(treedef, layout[1]))
+        return self.cache.unpack[layout](packed)
+
     def fresh_tail(self) -> Any:
         """Zeroed metric accumulators (and guard flag), made by one cached program."""
         if self.cache.fresh_tail is None:
@@ -197,3 +217,42 @@ def _resident_program(body: Any, slots: int, live: int, rows: int | None, shardi
         return state, tail, records, n_run, cursor + n_run
 
     return program
+
+
+def _packable(dtype: Any) -> bool:
+    return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)  # typed PRNG keys stay whole
+
+
+def _pack(carry: Any) -> tuple[list[Any], list[Any]]:
+    """`(one flat buffer per dtype in first-seen order, the unpackable leaves copied)`."""
+    groups: dict[Any, list[Any]] = {}
+    whole = []
+    for leaf in jax.tree.leaves(carry):
+        if _packable(leaf.dtype):
+            groups.setdefault(leaf.dtype, []).append(jnp.ravel(leaf))
+        else:
+            whole.append(jnp.copy(leaf))
+    return [jnp.concatenate(parts) for parts in groups.values()], whole
+
+
+def _unpacker(treedef: Any, spec: tuple[tuple[Any, Any], ...]) -> Callable[..., Any]:
+    """The inverse of `_pack` for carries with this structure and these leaves."""
+
+    def unpack(packed: tuple[list[Any], list[Any]]) -> Any:
+        buffers, whole = packed
+        order = list(dict.fromkeys(d for _, d in spec if _packable(d)))
+        offsets = dict.fromkeys(order, 0)
+        whole_iter = iter(whole)
+        leaves = []
+        for shape, dtype in spec:
+            if not _packable(dtype):
+                leaves.append(next(whole_iter))
+                continue
+            size = math.prod(shape)
+            start = offsets[dtype]
+            flat = buffers[order.index(dtype)]
+            leaves.append(jax.lax.slice(flat, (start,), (start + size,)).reshape(shape))
+            offsets[dtype] = start + size
+        return jax.tree.unflatten(treedef, leaves)
+
+    return unpack

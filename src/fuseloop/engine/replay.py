@@ -77,6 +77,10 @@ class EpochReplay:
         self._firing_key: tuple[int, int, int] | None = None
         self._firing_offsets: list[int] = []
 
+    def waits_for(self, result: ChunkResult) -> bool:
+        """Whether replaying `result` reads its records (some handler fires in it)."""
+        return self.record and not result.live and bool(self._firing(result.n))
+
     def _firing(self, n: int) -> list[int]:
         """The offsets of the next `n` iterations at which a handler fires (from counters;
         remembered until the counters move)."""
