@@ -121,14 +121,22 @@ def main() -> None:
         "steady resident fuse=100": lambda: base.run(resident, variables, fuse=100, epochs=6),
         "steady resident fuse=32": lambda: base.run(resident, variables, fuse=32, epochs=6),
     }
-    for fn in list(walls.values()) + list(steadies.values()):
-        fn()  # compile and warm up
-    got: dict[str, list[float]] = {k: [] for k in list(walls) + list(steadies)}
+    timed = {**{k: v for k, v in walls.items()},
+             **{k: (lambda fn=fn: _steady(fn())) for k, fn in steadies.items()}}
+    # Each ratio's two sides run next to each other in every round.
+    order = ["run1 fuse=32", "steady fuse=32", "run3 fuse=32", "run3 fuse=32 +handler/50",
+             "floor epoch", "steady resident fuse=100", "run3 resident fuse=100",
+             "floor epoch", "steady resident fuse=32", "run3 resident fuse=32",
+             "floor epoch +transfer", "steady fuse=100"]
+    for name in timed:
+        timed[name]()  # compile and warm up
+    got: dict[str, list[float]] = {k: [] for k in timed}
     for _ in range(rounds):
-        for name, fn in walls.items():
-            got[name].append(fn())
-        for name, fn in steadies.items():
-            got[name].append(_steady(fn()))
+        this: dict[str, list[float]] = {k: [] for k in timed}
+        for name in order:
+            this[name].append(timed[name]())
+        for name, values in this.items():
+            got[name].append(min(values))
     med = {k: statistics.median(v) for k, v in got.items()}
     low = {k: min(v) for k, v in got.items()}
     for name in got:
