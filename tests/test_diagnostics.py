@@ -9,6 +9,7 @@ import pytest
 
 import fuseloop as fl
 from fuseloop import diagnostics
+from fuseloop.engine import auto_chunk
 
 BATCH, FEATURES, N_BATCHES = 8, 4, 40
 
@@ -47,7 +48,7 @@ class FakeProbe:
 @pytest.fixture
 def fake_probe(monkeypatch: pytest.MonkeyPatch) -> FakeProbe:
     probe = FakeProbe()
-    monkeypatch.setattr(diagnostics, "_probe", probe)
+    monkeypatch.setattr(auto_chunk, "probe", probe)
     return probe
 
 
@@ -111,7 +112,7 @@ def test_k_amortizes_the_overhead_to_the_tolerance(fake_probe: FakeProbe) -> Non
     fake_probe.value = (1e-5, 1e-4)
     loop, batch = _loop(), _batches(1)[0]
     assert diagnostics.choose_chunk_size(loop, None, batch) == 512
-    decision = loop._cache["auto_chunk_decision"]
+    decision = diagnostics.decide_chunk_size(loop, None, batch)
     assert decision.bound == "tolerance" and decision.wanted == 500
     # a compute-bound step needs few steps per dispatch
     fake_probe.value = (1e-3, 1e-4)

@@ -115,16 +115,16 @@ def _validator(loop: fl.Loop):
 
 def test_validation_compiles_once_per_process():
     VALIDATED.run(DATA, epochs=3)
-    assert _validator(VALIDATED).loop._cache["traces"][0] == 1
+    assert _validator(VALIDATED).loop._programs.traces == 1
     VALIDATED.run(DATA, epochs=2, fuse=3)
-    assert _validator(VALIDATED).loop._cache["traces"][0] == 1
+    assert _validator(VALIDATED).loop._programs.traces == 1
 
 
 def test_fused_validation_gives_the_unfused_metrics():
     from fuseloop.handlers.validate import Validator
 
     params = VALIDATED.run(DATA, epochs=1).params
-    fused = Validator(MODEL, VAL, LOSS, VALIDATED.metrics, fuse=2).evaluate(params)
+    fused = Validator(_validator(VALIDATED).loop, VAL, fuse=2).evaluate(params)
     assert fused == _validator(VALIDATED).evaluate(params)
     assert set(fused) == {"loss", "accuracy"}
 

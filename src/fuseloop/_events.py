@@ -83,6 +83,23 @@ class Filter:
             return False
         return True
 
+    def offsets(self, first: int, n: int) -> range:
+        """The offsets `j` in `[0, n)` whose count `first + j` the counter keys pass (the
+        same as `by_count`, computed as one range instead of n tests)."""
+        low, high = first, first + n  # counts in [low, high)
+        if self.after is not None:
+            low = max(low, self.after + 1)
+        if self.before is not None:
+            high = min(high, self.before)
+        if self.once is not None:
+            low, high = max(low, self.once), min(high, self.once + 1)
+        if low >= high:
+            return range(0)
+        if self.every is None:
+            return range(low - first, high - first)
+        start = low + (1 - low) % self.every  # the first count c >= low with (c-1) % every == 0
+        return range(start - first, high - first, self.every)
+
     @property
     def needs_state(self) -> bool:
         return self.predicate is not None

@@ -10,6 +10,9 @@ from ._events import Event, Registration, make_filter, normalize_event
 from ._metrics import MetricSpec, resolve_metric
 from ._state import State
 from ._step import Program, custom_program, evaluator_program, trainer_program
+from .engine import run_loop
+from .engine.programs import ProgramCache
+from .engine.run import check_run_options
 
 __all__ = ["Loop", "trainer", "evaluator", "loop"]
 
@@ -28,14 +31,14 @@ class Loop:
     metrics: tuple[MetricSpec, ...] = ()
     registrations: tuple[Registration, ...] = ()
     guard_nonfinite: bool = False
-    _cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    _programs: ProgramCache = field(default_factory=ProgramCache, compare=False, repr=False)
 
     def _with(self, **changes: Any) -> "Loop":
         # Compiled programs depend on the step, the metrics and the guard, not on handlers:
-        # a loop that only gains handlers shares its parent's compile cache.
+        # a loop that only gains handlers shares its parent's program cache.
         shares_programs = set(changes) <= {"registrations"}
-        cache = self._cache if shares_programs else {}
-        return dataclasses.replace(self, _cache=cache, **changes)
+        programs = self._programs if shares_programs else ProgramCache()
+        return dataclasses.replace(self, _programs=programs, **changes)
 
     # ----------------------------------------------------------------- builders
     def metric(self, metric: Any, name: str | None = None,
@@ -106,10 +109,14 @@ class Loop:
         Example:
             >>> loop = loop.metric("accuracy").validate(model, val_batches)  # doctest: +SKIP
         """
-        from .handlers.validate import Validator
+        from .handlers.validate import Validator, check_validation, evaluable_metrics
 
-        validator = Validator(model, data, self.program.loss, self.metrics, fuse)
-        return self.handle_event(event, validator, filter, name="validate")
+        loss = self.program.loss
+        specs = evaluable_metrics(self.metrics, loss is not None)
+        check_validation(model, data, fuse, specs)
+        evaluation = Loop(evaluator_program(model, loss), metrics=specs)
+        return self.handle_event(event, Validator(evaluation, data, fuse), filter,
+                                 name="validate")
 
     def early_stop(self, monitor: str, patience: int = 3, mode: str = "min",
                    min_delta: float = 0.0) -> "Loop":
@@ -251,10 +258,14 @@ class Loop:
         Example:
             >>> state = loop.run(batches, epochs=3, fuse=True)  # doctest: +SKIP
         """
-        from ._driver import run_loop
+        check_run_options(epochs, iterations, jit, progress, max_in_flight, prefetch)
+        observer = None
+        if progress:
+            from .handlers.progress import ProgressBar
 
+            observer = ProgressBar()
         return run_loop(self, data, init_state, epochs=epochs, iterations=iterations,
-                        fuse=fuse, jit=jit, progress=progress, mesh=mesh,
+                        fuse=fuse, jit=jit, observer=observer, mesh=mesh,
                         max_in_flight=max_in_flight, prefetch=prefetch)
 
 

@@ -13,7 +13,7 @@ __all__ = ["State", "new_stats"]
 
 
 def new_stats() -> dict[str, Any]:
-    """The counters of one run (DESIGN.md §5)."""
+    """The counters of one run (docs/design.md, observability)."""
     return {
         "dispatches": 0,
         "host_syncs": 0,
@@ -69,13 +69,20 @@ class State:
             >>> State(epoch=1).replace(metrics={"loss": 0.5}).metrics
             {'loss': 0.5}
         """
-        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
-        if unknown:
+        names = _field_names(type(self))
+        if not names.issuperset(changes):
+            unknown = sorted(set(changes) - names)
             raise ValueError(
-                f"State.replace got unknown fields {sorted(unknown)}; accepted: "
+                f"State.replace got unknown fields {unknown}; accepted: "
                 f"{', '.join(f.name for f in dataclasses.fields(self))}"
             )
-        return dataclasses.replace(self, **changes)
+        # A shallow copy with the changes: what dataclasses.replace does for a State (no
+        # __post_init__, no init-only fields), without re-running __init__ - the loop
+        # replaces States at every event.
+        copy = object.__new__(type(self))
+        copy.__dict__.update(self.__dict__)
+        copy.__dict__.update(changes)
+        return copy
 
     @property
     def params(self) -> Any:
@@ -83,3 +90,12 @@ class State:
         if isinstance(self.step_state, dict) and "params" in self.step_state:
             return self.step_state["params"]
         return None
+
+
+_FIELD_NAMES: dict[type, frozenset[str]] = {}
+
+
+def _field_names(cls: type) -> frozenset[str]:
+    if cls not in _FIELD_NAMES:
+        _FIELD_NAMES[cls] = frozenset(f.name for f in dataclasses.fields(cls))
+    return _FIELD_NAMES[cls]

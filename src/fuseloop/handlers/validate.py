@@ -1,10 +1,10 @@
 """`Loop.validate`: evaluate the trainer's current params on validation data.
 
-The evaluation loop is built once, when the handler is attached, so its compiled programs
-are cached on it: it compiles once per process, not once per epoch. It reads the trainer's
-params and never donates or changes them (an evaluator step returns its state untouched and
-only its metric accumulators are donated), so validation cannot change the training
-trajectory.
+The evaluation loop is built once, when the handler is attached (by `Loop.validate`, which
+hands it here), so its compiled programs are cached on it: it compiles once per process,
+not once per epoch. It reads the trainer's params and never donates or changes them (an
+evaluator step returns its state untouched and only its metric accumulators are donated),
+so validation cannot change the training trajectory.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from .._fusion import resolve_fuse
 from .._metrics import MetricSpec
 from .._state import State
 
-__all__ = ["Validator"]
+__all__ = ["Validator", "check_validation", "evaluable_metrics"]
 
 PREFIX = "validation_"
 
 
-def _evaluable(metrics: tuple[MetricSpec, ...], has_loss: bool) -> tuple[MetricSpec, ...]:
+def evaluable_metrics(metrics: tuple[MetricSpec, ...], has_loss: bool
+                      ) -> tuple[MetricSpec, ...]:
     """The trainer's metrics an evaluator can compute: functions of (y_true, y_pred), and
     the loss when the evaluator is given one (it is produced in the step's aux["loss"])."""
     kept = []
@@ -31,16 +32,40 @@ def _evaluable(metrics: tuple[MetricSpec, ...], has_loss: bool) -> tuple[MetricS
     return tuple(kept)
 
 
+def check_validation(model: Any, data: Any, fuse: Any,
+                     specs: tuple[MetricSpec, ...]) -> None:
+    """Raises a ValueError naming what `Loop.validate` cannot use: no model, one-shot data,
+    a `fuse` a validation run does not take, or no metric an evaluator can compute."""
+    if model is None:
+        raise ValueError("model=None: validate needs the model to evaluate")
+    if as_source(data).one_shot:
+        raise ValueError(
+            "data: validation data must be re-iterable (a list of batches, a callable "
+            "returning an iterator, or fl.data.arrays(...)); a one-shot iterator or "
+            "generator would be exhausted after the first validation"
+        )
+    if fuse == "auto":
+        raise ValueError("fuse='auto' is not supported for validation; accepted values: "
+                         "False, True, or a positive int chunk size")
+    resolve_fuse(fuse, True)  # validates the value now, not at the first epoch's end
+    if not specs:
+        raise ValueError(
+            "validate: the loop has no metric an evaluator can compute (a loss, or a "
+            "metric of (y_true, y_pred)); add one with Loop.metric(...) before "
+            "Loop.validate(...)"
+        )
+
+
 class Validator:
-    """Runs one evaluator Loop on `state.params` and adds `validation_<name>` metrics.
+    """Runs an evaluator Loop on `state.params` and adds `validation_<name>` metrics.
+
+    `Loop.validate` builds the evaluator Loop once (so it compiles once per process) and
+    hands it here; this module does not build loops itself.
 
     Args:
-        model: The model to evaluate (the trainer's model, or one that accepts its params).
+        loop: The evaluator Loop (the model, the trainer's loss and its evaluable metrics).
         data: Re-iterable validation data (a list of batches, a callable returning an
-            iterator, or `fl.data.arrays(...)`); a one-shot iterator would be exhausted by
-            the first validation, so it is refused.
-        loss: The trainer's loss spec (None: no validation loss).
-        metrics: The trainer's metric specs.
+            iterator, or `fl.data.arrays(...)`).
         fuse: The validation run's `fuse` (False, True, or a chunk size).
 
     Example:
@@ -48,32 +73,8 @@ class Validator:
         >>> state.metrics["validation_accuracy"]  # doctest: +SKIP
     """
 
-    def __init__(self, model: Any, data: Any, loss: Any, metrics: tuple[MetricSpec, ...],
-                 fuse: Any = False):
-        from .._loop import Loop
-        from .._step import evaluator_program
-
-        if model is None:
-            raise ValueError("model=None: validate needs the model to evaluate")
-        if as_source(data).one_shot:
-            raise ValueError(
-                "data: validation data must be re-iterable (a list of batches, a callable "
-                "returning an iterator, or fl.data.arrays(...)); a one-shot iterator or "
-                "generator would be exhausted after the first validation"
-            )
-        if fuse == "auto":
-            raise ValueError("fuse='auto' is not supported for validation; accepted values: "
-                             "False, True, or a positive int chunk size")
-        resolve_fuse(fuse, True)  # validates the value now, not at the first epoch's end
-        specs = _evaluable(tuple(metrics), loss is not None)
-        if not specs:
-            raise ValueError(
-                "validate: the loop has no metric an evaluator can compute (a loss, or a "
-                "metric of (y_true, y_pred)); add one with Loop.metric(...) before "
-                "Loop.validate(...)"
-            )
-        self.data, self.fuse = data, fuse
-        self.loop = Loop(evaluator_program(model, loss), metrics=specs)
+    def __init__(self, loop: Any, data: Any, fuse: Any = False):
+        self.loop, self.data, self.fuse = loop, data, fuse
 
     def evaluate(self, params: Any) -> dict[str, float]:
         """The evaluator's metrics on `params` (unprefixed)."""

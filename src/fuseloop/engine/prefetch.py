@@ -2,9 +2,9 @@
 
 While the device runs chunk n, a thread pulls, checks, stacks and transfers the next chunks,
 at most `depth` of them ahead. It is only used where pulling a batch that is never stepped
-is harmless (DESIGN.md §4.7); the loop stops it at the end of every epoch, so no thread
-outlives `run`, and an exception raised by the source is re-raised in the caller's thread
-with its own type and traceback.
+is harmless (docs/design.md §2, exact consumption); the loop stops it at the end of every
+epoch, so no thread outlives `run`, and an exception raised by the source is re-raised in
+the caller's thread with its own type and traceback.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ class _Failure:
 class ChunkProducer:
     """Runs `prepare(first_index)` ahead in a thread; `get()` returns chunks in order.
 
-    `prepare(first_index)` returns `(chunk, n, requested)` or None at the end of the epoch.
+    `prepare(first_index)` returns a prepared chunk (with its live steps `n` and whether it
+    `exhausted` the epoch) or None at the end of the epoch.
     """
 
     def __init__(self, prepare: Callable[[int], Any], depth: int):
@@ -62,9 +63,8 @@ class ChunkProducer:
                     break
                 if not self._put(prepared):
                     return
-                _, n, requested = prepared
-                first += n
-                if n < requested:
+                first += prepared.n
+                if prepared.exhausted:
                     break
         except BaseException as error:  # handed to the consumer, re-raised there
             self._put(_Failure(error))

@@ -1,9 +1,9 @@
-"""Event dispatch: counters, filters, handler calls, and iteration replay.
+"""The event bus: counters, filters and handler calls.
 
 Counters live here as plain ints, so an iteration whose handlers do not fire costs a few
 integer operations and no State is built for it. Iteration events of a fused chunk are
-replayed through the same `fire_iteration` the unfused loop calls live, which is what makes
-their event streams identical.
+replayed (`replay.py`) through the same `fire_iteration` the unfused loop calls live, which
+is what makes their event streams identical.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
-from ._events import (
+from .._events import (
     CONTINUE,
     ITERATION_EVENTS,
     Event,
     Registration,
     parse_result,
 )
-from ._state import State
+from .._state import State
 
 __all__ = ["EventBus"]
 
@@ -26,18 +26,18 @@ __all__ = ["EventBus"]
 class EventBus:
     """Fires events to registered handlers and keeps the run's event counts."""
 
-    def __init__(self, registrations: Iterable[Registration], progress: bool, reads: Any):
+    def __init__(self, registrations: Iterable[Registration], observer: Any = None):
+        """`observer` (e.g. the progress bar) is told about every run and epoch event
+        (`on_event(event, state)`), about steps as they are accounted for (`advance(n,
+        metrics or None)`), and closed at the end (`close()`); it never changes the run."""
         self.by_event: dict[Event, list[Registration]] = defaultdict(list)
         for registration in registrations:
             self.by_event[registration.event].append(registration)
         self.total = {event: 0 for event in Event}
         self.in_epoch = {event: 0 for event in ITERATION_EVENTS}
-        self.reads = reads
-        self.progress = None
-        if progress:
-            from .handlers.progress import ProgressBar
-
-            self.progress = ProgressBar()
+        self.observer = observer
+        self.failed_state: State | None = None
+        self.iteration_handlers = any(self.by_event.get(e) for e in ITERATION_EVENTS)
 
     # ----------------------------------------------------------------- counters
     def restore_counts(self, event_counts: dict[str, Any]) -> None:
@@ -66,7 +66,7 @@ class EventBus:
 
     @property
     def has_iteration_handlers(self) -> bool:
-        return any(self.has(event) for event in ITERATION_EVENTS)
+        return self.iteration_handlers
 
     def firing_offsets(self, n: int) -> list[int]:
         """The offsets `j` in `[0, n)` of the next `n` iterations at which some iteration
@@ -79,7 +79,7 @@ class EventBus:
                 spec = registration.filter
                 if spec.predicate is not None:
                     return list(range(n))
-                offsets.update(j for j in range(n) if spec.by_count(first + j))
+                offsets.update(spec.offsets(first, n))
         return sorted(offsets)
 
     def skip_iterations(self, n: int) -> None:
@@ -99,7 +99,8 @@ class EventBus:
                 continue
             try:
                 result = registration.handler(state)
-            except Exception as error:
+            except BaseException as error:
+                self.failed_state = state  # what the run reports as the State reached
                 error.add_note(
                     f"fuseloop: raised by handler {registration.label} on event "
                     f"'{event.value}' (epoch {state.epoch}, iteration {state.iteration})"
@@ -129,14 +130,14 @@ class EventBus:
             r for r in self.by_event.get(event, ()) if r.filter.by_count(self.total[event])
         ]
         ends_epoch = event in (Event.EPOCH_COMPLETED, Event.EPOCH_HALTED)
-        if self.progress is not None and not ends_epoch:
-            self.progress.on_event(event, state)
+        if self.observer is not None and not ends_epoch:
+            self.observer.on_event(event, state)
         status = CONTINUE
         if registrations:
             state = state.replace(event_counts=self.counts())
             status, state = self._call(event, registrations, state, mirror_history)
-        if self.progress is not None and ends_epoch:  # shows what validation added
-            self.progress.on_event(event, state)
+        if self.observer is not None and ends_epoch:  # shows what validation added
+            self.observer.on_event(event, state)
         return status, state
 
     def fire_iteration(
@@ -167,11 +168,11 @@ class EventBus:
                               event_counts=self.counts())
         return self._call(event, firing, state)
 
-    # ----------------------------------------------------------------- progress
+    # ----------------------------------------------------------------- observer
     def advance(self, n: int, metrics: dict[str, Any] | None) -> None:
-        if self.progress is not None:
-            self.progress.advance(n, metrics)
+        if self.observer is not None:
+            self.observer.advance(n, metrics)
 
     def close(self) -> None:
-        if self.progress is not None:
-            self.progress.close()
+        if self.observer is not None:
+            self.observer.close()

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._placement import device_signature
-from ._programs import Programs
+from .._placement import device_signature
+from .programs import Programs
 
 __all__ = ["initial_step_state", "private_copy"]
 
@@ -44,12 +44,19 @@ def private_copy(tree: Any) -> Any:
     return jax.tree.unflatten(treedef, leaves)
 
 
-def _trainer_init(loop: Any, first: Any) -> Any:
+def _on_device(tree: Any) -> Any:
+    """`tree` on the device (None stays None); arrays already there are not moved again."""
+    if tree is None or all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(tree)):
+        return tree
+    return jax.device_put(tree)
+
+
+def _trainer_init(programs: Programs, first: Any) -> Any:
     """The cached jitted trainer init for batches shaped like `first`."""
     treedef, spec = device_signature(first)
-    key = ("init", treedef, spec)
-    if key not in loop._cache:
-        program = loop.program
+    cache = programs.cache.init
+    if (treedef, spec) not in cache:
+        program = programs.loop.program
 
         def init(variables: Any) -> Any:
             # Initialization depends on the batch's shapes, not its values; building zeros
@@ -57,18 +64,18 @@ def _trainer_init(loop: Any, first: Any) -> Any:
             zeros = jax.tree.unflatten(treedef, [jnp.zeros(s, d) for s, d in spec])
             return jax.tree.map(jnp.copy, program.init(zeros, variables))
 
-        loop._cache[key] = jax.jit(Programs(loop).counted(init))
-    return loop._cache[key]
+        cache[(treedef, spec)] = jax.jit(programs.counted(init))
+    return cache[(treedef, spec)]
 
 
-def initial_step_state(loop: Any, user_state: Any, first: Any, resuming: bool) -> Any:
+def initial_step_state(programs: Programs, user_state: Any, first: Any, resuming: bool
+                       ) -> Any:
     """The step state the run starts from (never aliasing the caller's arrays)."""
-    program = loop.program
+    program = programs.loop.program
     if program.kind == "evaluator":  # not donated: the caller's params are only read
         return program.init(first, user_state)
     if resuming:
         return private_copy(user_state)
     if program.kind == "trainer":
-        placed = jax.device_put(user_state) if user_state is not None else None
-        return _trainer_init(loop, first)(placed)
+        return _trainer_init(programs, first)(_on_device(user_state))
     return private_copy(program.init(first, user_state))

@@ -1,0 +1,171 @@
+"""The engine's own costs on mlp-tiny, side by side in one process (public API only).
+
+Measures, as medians over interleaved rounds (other processes share the CPU, so every
+configuration runs once per round, in turn):
+
+  * fixed cost of a run: wall time of `run(epochs=1)` minus a steady epoch of the same loop;
+  * an iteration handler firing every 50 iterations, fuse=32, over a 3-epoch run;
+  * device-resident data against the on-device floor (a jitted `lax.scan` over the epoch's
+    batches already on the device), steady epoch and a whole 3-epoch run;
+  * host-fed fused against the floor including the epoch's stacking and transfer.
+
+Run: PYTHONPATH=src python bench/engine_costs.py [--rounds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import optax
+from jax import lax
+
+import fuseloop as fl
+
+INPUTS, WIDTHS, BATCH, N_BATCHES = 24, (32, 10), 32, 100  # mlp-tiny, as `fuseloop bench`
+
+
+def _data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N_BATCHES * BATCH, INPUTS)).astype(np.float32)
+    y = rng.integers(0, WIDTHS[-1], N_BATCHES * BATCH).astype(np.int32)
+    return x, y
+
+
+def _floor(model: Any, variables: Any, x: np.ndarray, y: np.ndarray
+           ) -> tuple[Callable[[], float], Callable[[], float]]:
+    """`(on_device_epoch, with_transfer_epoch)`: seconds of one floor epoch each."""
+    tx = optax.adam(1e-3)
+
+    def step(carry: Any, batch: Any) -> Any:
+        params, opt_state = carry
+        xb, yb = batch
+
+        def loss_fn(p: Any) -> Any:
+            logits = model.apply(p, xb)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    epoch = jax.jit(lambda carry, xs, ys: lax.scan(step, carry, (xs, ys)), donate_argnums=0)
+    xs, ys = x.reshape(N_BATCHES, BATCH, INPUTS), y.reshape(N_BATCHES, BATCH)
+    on_device = jax.device_put((xs, ys))
+
+    def fresh() -> Any:
+        return jax.block_until_ready(jax.tree.map(lambda a: jax.numpy.array(a, copy=True),
+                                                  (variables, tx.init(variables))))
+
+    def timed(transfer: bool) -> float:
+        carry = fresh()
+        began = time.perf_counter()
+        if transfer:
+            batches = [(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH])
+                       for i in range(N_BATCHES)]
+            data = jax.device_put((np.stack([b[0] for b in batches]),
+                                   np.stack([b[1] for b in batches])))
+        else:
+            data = on_device
+        jax.block_until_ready(epoch(carry, *data))
+        return time.perf_counter() - began
+
+    return (lambda: timed(False)), (lambda: timed(True))
+
+
+def _wall(fn: Callable[[], Any]) -> float:
+    began = time.perf_counter()
+    state = fn()
+    jax.block_until_ready(state.step_state)
+    return time.perf_counter() - began
+
+
+def _steady(state: Any) -> float:
+    return statistics.median(state.times[e] for e in sorted(state.times)[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=15)
+    rounds = parser.parse_args().rounds
+    x, y = _data()
+    model = fl.models.mlp(list(WIDTHS))
+    variables = model.init(jax.random.PRNGKey(0), x[:BATCH])
+    batches = [(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH])
+               for i in range(N_BATCHES)]
+    resident = fl.data.arrays(x, y, batch_size=BATCH, shuffle=False, device=True)
+    base = fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-3))
+    seen: list[float] = []
+    handled = base.handle_event("iteration_completed",
+                                lambda s: seen.append(s.metrics["loss"]), {"every": 50})
+    floor, floor_transfer = _floor(model, variables, x, y)
+    walls: dict[str, Callable[[], float]] = {
+        "run1 fuse=32": lambda: _wall(lambda: base.run(batches, variables, fuse=32)),
+        "run3 fuse=32": lambda: _wall(lambda: base.run(batches, variables, fuse=32, epochs=3)),
+        "run3 fuse=32 +handler/50": lambda: _wall(
+            lambda: handled.run(batches, variables, fuse=32, epochs=3)),
+        "run3 resident fuse=100": lambda: _wall(
+            lambda: base.run(resident, variables, fuse=100, epochs=3)),
+        "run3 resident fuse=32": lambda: _wall(
+            lambda: base.run(resident, variables, fuse=32, epochs=3)),
+        "floor epoch": floor,
+        "floor epoch +transfer": floor_transfer,
+    }
+    steadies: dict[str, Callable[[], Any]] = {
+        "steady fuse=32": lambda: base.run(batches, variables, fuse=32, epochs=6),
+        "steady fuse=100": lambda: base.run(batches, variables, fuse=100, epochs=6),
+        "steady resident fuse=100": lambda: base.run(resident, variables, fuse=100, epochs=6),
+        "steady resident fuse=32": lambda: base.run(resident, variables, fuse=32, epochs=6),
+    }
+    timed = {**{k: v for k, v in walls.items()},
+             **{k: (lambda fn=fn: _steady(fn())) for k, fn in steadies.items()}}
+    # Each ratio's two sides run next to each other in every round.
+    order = ["run1 fuse=32", "steady fuse=32", "run3 fuse=32", "run3 fuse=32 +handler/50",
+             "floor epoch", "steady resident fuse=100", "run3 resident fuse=100",
+             "floor epoch", "steady resident fuse=32", "run3 resident fuse=32",
+             "floor epoch +transfer", "steady fuse=100"]
+    for name in timed:
+        timed[name]()  # compile and warm up
+    got: dict[str, list[float]] = {k: [] for k in timed}
+    for _ in range(rounds):
+        this: dict[str, list[float]] = {k: [] for k in timed}
+        for name in order:
+            this[name].append(timed[name]())
+        for name, values in this.items():
+            got[name].append(min(values))
+    med = {k: statistics.median(v) for k, v in got.items()}
+    low = {k: min(v) for k, v in got.items()}
+    for name in got:
+        print(f"{name:28s} median {med[name] * 1e3:8.3f} ms   min {low[name] * 1e3:8.3f} ms")
+    print("\nPaired within each round (median over rounds; in brackets: from the minima)")
+    for label, (fn, target) in _derived().items():
+        per_round = [fn({k: v[r] for k, v in got.items()}) for r in range(rounds)]
+        print(f"{label:48s} {statistics.median(per_round):7.3f}  [{fn(low):7.3f}]  "
+              f"target {target}")
+
+
+def _derived() -> dict[str, tuple[Callable[[dict[str, float]], float], str]]:
+    """What the issue's targets compare, as functions of one round's timings."""
+    out: dict[str, tuple[Callable[[dict[str, float]], float], str]] = {
+        "fixed cost per run, ms (run1 - steady, fuse=32)": (
+            lambda t: (t["run1 fuse=32"] - t["steady fuse=32"]) * 1e3, "<= 0.3"),
+        "handler every 50, fuse=32, 3 epochs (ratio)": (
+            lambda t: t["run3 fuse=32 +handler/50"] / t["run3 fuse=32"], "<= 1.05"),
+    }
+    for k in (100, 32):
+        out[f"resident fuse={k} steady / floor"] = (
+            lambda t, k=k: t[f"steady resident fuse={k}"] / t["floor epoch"], "<= 1.05")
+        out[f"resident fuse={k} 3-epoch run / 3 floors"] = (
+            lambda t, k=k: t[f"run3 resident fuse={k}"] / (3 * t["floor epoch"]), "<= 1.15")
+    for k in (32, 100):
+        out[f"host fuse={k} steady / floor incl. transfer"] = (
+            lambda t, k=k: t[f"steady fuse={k}"] / t["floor epoch +transfer"], "<= 1.05")
+    return out
+
+
+if __name__ == "__main__":
+    main()

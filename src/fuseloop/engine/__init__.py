@@ -1,0 +1,17 @@
+"""The engine that runs a Loop (docs/design.md): feeds, the device loop's programs, the
+carry, replay, the event bus and the run. It imports nothing public: `Loop.run` calls
+`run_loop` and hands it what it needs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._state import State
+from .run import Run
+
+__all__ = ["run_loop"]
+
+
+def run_loop(loop: Any, data: Any, init_state: Any = None, **options: Any) -> State:
+    """Runs `loop` over `data` (see `Loop.run`; `observer` replaces `progress`)."""
+    return Run(loop, data, init_state, **options).run()

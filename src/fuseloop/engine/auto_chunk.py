@@ -1,0 +1,190 @@
+"""The cost model behind `run(fuse="auto")`: how many steps one dispatch should run.
+
+A fused chunk of K steps costs about `overhead + K * step`, where `overhead` is the fixed
+price of one dispatch (the call, the chunk's transfer latency, the wait) and `step` the
+device time of one step. Per iteration that is `step * (1 + overhead / (K * step))`, so K is
+the smallest power of two with `overhead / (K * step) <= tolerance` (2% by default), then
+capped:
+
+  * by the memory budget: `K * bytes(batch) <= budget_bytes` (64 MiB by default) - the
+    stacked chunk never exceeds it;
+  * by `max_chunk` (1024) and, when known, by the epoch length, whose chunks are then
+    balanced (100 batches with K=64 run as two chunks of 50, not 64 + 36 padded slots).
+
+Both figures are measured once per loop on the first batch, which the run has already
+pulled: a chunk of a few copies of it runs with 1 and with all its steps valid (the device
+loop's trip count is a runtime value, so one compiled program gives both), and
+`step = (t_full - t_one) / (copies - 1)`, `overhead = t_one - step` plus the latency of one
+`device_put`. Nothing is consumed from the data, and the real step state is only read (the
+probe runs on private copies of it). The timings are kept in the loop's program cache.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._placement import device_signature
+from .._step import init_tail
+from .programs import Programs
+
+__all__ = ["ChunkDecision", "decide_chunk_size", "choose_chunk_size", "probe",
+           "DEFAULT_BUDGET_BYTES", "DEFAULT_MAX_CHUNK", "DEFAULT_TOLERANCE", "PROBE_COPIES"]
+
+DEFAULT_BUDGET_BYTES = 64 * 2**20
+DEFAULT_MAX_CHUNK = 1024
+DEFAULT_TOLERANCE = 0.02
+PROBE_COPIES = 8
+_PROBE_REPEATS = 5
+
+
+def nbytes(tree: Any) -> int:
+    return int(sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(tree)))
+
+
+def check_positive(value: Any, name: str, kind: type = int) -> None:
+    ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+    if not ok or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive {kind.__name__}")
+
+
+# --------------------------------------------------------------------------- the probe
+def _shardings(placement: Any) -> tuple[Any, Any]:
+    """The state and chunk shardings of a mesh placement (None, None on one device)."""
+    if placement is None or getattr(placement, "mesh", None) is None:
+        return None, None
+    return getattr(placement, "_state", None), getattr(placement, "_chunk", None)
+
+
+def probe(programs: Programs, step_state: Any, batch: Any, placement: Any, copies: int,
+          program: Any = None) -> tuple[float, float]:
+    """`(step_seconds, overhead_seconds)` from a chunk of `copies` copies of `batch`, run
+    with 1 and with up to `PROBE_COPIES` valid steps.
+
+    `program` is a compiled chunk program to reuse; by default the run's own (cached on the
+    loop). Either way it may donate, as the run's does: each call gets a fresh private copy
+    of the state, so the caller's step state is only read.
+    """
+    loop = programs.loop
+    guard = loop.guard_nonfinite
+    if program is None:
+        program = programs.chunk()
+    stacked = jax.tree.map(lambda a: np.repeat(np.asarray(a)[None], copies, axis=0), batch)
+    state_sharding, chunk_sharding = _shardings(placement)
+    try:
+        chunk = jax.device_put(stacked, chunk_sharding)
+    except ValueError:  # a batch the mesh cannot split: the run reports that itself
+        state_sharding = chunk_sharding = None
+        chunk = jax.device_put(stacked)
+    tail = init_tail(loop.metrics, guard)
+    steps = min(copies, PROBE_COPIES)
+    counts = {n: jax.device_put(np.int32(n), state_sharding) for n in (1, steps)}
+
+    def seconds(n_valid: int) -> float:
+        # Private copies (untimed): a donating program consumes them, the real state stays.
+        carry = jax.block_until_ready(jax.device_put(
+            jax.tree.map(lambda a: jnp.array(a, copy=True), (step_state, tail)),
+            state_sharding))
+        began = time.perf_counter()
+        jax.block_until_ready(program(*carry, chunk, counts[n_valid]))
+        return time.perf_counter() - began
+
+    def put_one() -> float:
+        began = time.perf_counter()
+        jax.block_until_ready(jax.device_put(batch))
+        return time.perf_counter() - began
+
+    seconds(steps)  # compiles (unless reused) and warms up
+    one, full, put = [], [], []
+    for _ in range(_PROBE_REPEATS):  # interleaved, so all see the same machine load
+        one.append(seconds(1))
+        full.append(seconds(steps))
+        put.append(put_one())
+    # Minima are the least disturbed by other work on the machine. The fixed cost of a
+    # chunk is its dispatch and wait plus one transfer's latency (its bytes are paid per
+    # batch whatever K is, so they do not enter the choice).
+    step = max((min(full) - min(one)) / (steps - 1), 1e-9)
+    return step, max(min(one) - step, 0.0) + min(put)
+
+
+# --------------------------------------------------------------------------- fuse="auto"
+@dataclass(frozen=True)
+class ChunkDecision:
+    """What `decide_chunk_size` measured and chose.
+
+    Attributes:
+        chunk_size: The chosen K.
+        step_us: Measured device time of one step, in microseconds (None if not measured).
+        overhead_us: Measured fixed cost of one dispatch, in microseconds.
+        wanted: The K that meets the tolerance before any cap.
+        memory_cap: The largest K whose stacked chunk fits the budget.
+        bound: What decided K: "tolerance", "memory budget", "max_chunk" or "epoch length".
+    """
+
+    chunk_size: int
+    step_us: float | None
+    overhead_us: float | None
+    wanted: int
+    memory_cap: int
+    bound: str
+
+
+def _balance(k: int, epoch_length: int | None) -> int:
+    """The smallest chunk size that runs the epoch in as many chunks as `k` does."""
+    if not epoch_length:
+        return k
+    chunks = math.ceil(epoch_length / k)
+    return math.ceil(epoch_length / chunks)
+
+
+def decide_chunk_size(programs: Programs, step_state: Any, first_batch: Any, *,
+                      placement: Any = None, budget_bytes: int = DEFAULT_BUDGET_BYTES,
+                      max_chunk: int = DEFAULT_MAX_CHUNK, tolerance: float = DEFAULT_TOLERANCE,
+                      epoch_length: int | None = None) -> ChunkDecision:
+    """Chooses K with the cost model in this module's docstring; see
+    `fuseloop.diagnostics.decide_chunk_size` for the arguments."""
+    check_positive(budget_bytes, "budget_bytes")
+    check_positive(max_chunk, "max_chunk")
+    check_positive(tolerance, "tolerance", float)
+    if epoch_length is not None:
+        check_positive(epoch_length, "epoch_length")
+    memory_cap = max(1, budget_bytes // max(nbytes(first_batch), 1))
+    caps = {"memory budget": memory_cap, "max_chunk": max_chunk,
+            "epoch length": epoch_length or max_chunk}
+    cap_name = min(caps, key=lambda name: caps[name])
+    cap = caps[cap_name]
+    if cap == 1:
+        return ChunkDecision(1, None, None, 1, memory_cap, cap_name)
+    step, overhead = _timings(programs, step_state, first_batch, placement, memory_cap)
+    wanted = max(1, math.ceil(overhead / (tolerance * step)))
+    k = 1 << (wanted - 1).bit_length()  # the next power of two: few distinct programs
+    bound = "tolerance"
+    if k >= cap:
+        k, bound = cap, cap_name
+    k = max(1, min(_balance(k, epoch_length), cap))
+    return ChunkDecision(k, step * 1e6, overhead * 1e6, wanted, memory_cap, bound)
+
+
+def choose_chunk_size(programs: Programs, step_state: Any, first_batch: Any, **options: Any
+                      ) -> int:
+    """The K of `decide_chunk_size` (what `run(fuse="auto")` uses)."""
+    return decide_chunk_size(programs, step_state, first_batch, **options).chunk_size
+
+
+def _timings(programs: Programs, step_state: Any, batch: Any, placement: Any,
+             memory_cap: int) -> tuple[float, float]:
+    """`(step_s, overhead_s)`, measured once per loop, batch signature and mesh."""
+    key = (device_signature(batch), id(getattr(placement, "mesh", None)))
+    if key not in programs.cache.probe:
+        copies = max(2, min(PROBE_COPIES, memory_cap))
+        # The probe's transfers (copies of the first batch, fresh accumulators) are the
+        # library's own, not data the caller's transfer guard is watching for.
+        with jax.transfer_guard("allow"):
+            programs.cache.probe[key] = probe(programs, step_state, batch, placement, copies)
+    return programs.cache.probe[key]

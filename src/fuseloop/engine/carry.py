@@ -1,0 +1,87 @@
+"""`Carry`: the one owner of the device-side carry during a run (docs/design.md §2).
+
+The carry is the step state plus the metric accumulators (the "tail"). Programs take it,
+donate it and return the next one; only `Carry` holds the current one. Handlers see the
+step state through the State they are given and hand a new one back through their return
+value, which `Handoff` passes to `adopt` — nothing else assigns the carry.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from .start import private_copy
+
+__all__ = ["Carry"]
+
+
+class Carry:
+    """The current step state and accumulators, and the programs that advance them."""
+
+    def __init__(self, placement: Any, programs: Any, reads: Any, stats: dict[str, Any]):
+        self.placement, self.programs, self.reads, self.stats = placement, programs, reads, stats
+        self.step_state: Any = None
+        self.tail: Any = None
+        self._metrics: dict[str, float] | None = None
+        self._queued = 0
+
+    def start(self, step_state: Any) -> None:
+        self.step_state = self.placement.put_state(step_state)
+
+    def reset_metrics(self) -> None:
+        self.tail = self.placement.put_state(self.programs.fresh_tail())
+        self._metrics = {}
+
+    def adopt(self, step_state: Any) -> None:
+        """Takes a step state a handler returned; it is copied, since the next step donates
+        it and the handler may still hold its arrays."""
+        if step_state is not None and step_state is not self.step_state:
+            self.step_state = self.placement.put_state(private_copy(step_state))
+
+    def advance(self, program: Any, *args: Any) -> tuple[Any, ...]:
+        """Runs `program(step_state, tail, *args)`, keeps the new carry, and returns the
+        program's other outputs (records, steps run, ...). One dispatch."""
+        out = program(self.step_state, self.tail, *args)
+        self.step_state, self.tail = out[0], out[1]
+        self._metrics = None
+        self._queued += 1
+        self.stats["dispatches"] += 1
+        return out[2:]
+
+    def throttle(self, max_queued: int) -> None:
+        """Waits for the queued dispatches once `max_queued` have been launched since the
+        last wait, so the host stays at most that far ahead (no value is read)."""
+        if self._queued >= max_queued:
+            jax.block_until_ready(self.tail)
+            self._queued = 0
+
+    def snapshot(self) -> Any:
+        """A packed device copy of the carry, taken before a launch that a halt may have to
+        undo."""
+        return self.programs.pack((self.step_state, self.tail))
+
+    def restore(self, snapshot: Any) -> None:
+        """Rolls back to `snapshot`: the dispatch launched after it is dropped (and does not
+        count)."""
+        carry = self.programs.unpack(snapshot, (self.step_state, self.tail))
+        self.step_state, self.tail = self.placement.put_state(carry)
+        self._metrics = None
+        self.stats["dispatches"] -= 1
+
+    def metrics(self) -> dict[str, float]:
+        """The accumulated metrics now (read once per dispatch, when first asked for)."""
+        if self._metrics is None:
+            # Host read: a handler, or the end of the epoch, needs the live metrics.
+            self._metrics = self.reads.metrics_of(self.reads.get(self.tail["acc"]))
+        return self._metrics
+
+    @property
+    def metrics_if_read(self) -> dict[str, float] | None:
+        """The live metrics if something already read them since the last dispatch."""
+        return self._metrics
+
+    def nonfinite(self) -> bool:
+        # Host read: terminate_on_nan in an unfused loop checks every step.
+        return bool(self.reads.get(self.tail["nonfinite"]))

@@ -1,0 +1,104 @@
+"""The epoch loop: one loop over a feed's chunks, fused or unfused (docs/design.md §1).
+
+    next chunk ──► (live: iteration_started) ──► launch ──► replay ──► halt? ──► next
+
+While chunk n runs, the feed may prepare chunk n+1 (`feed.ahead`). When replaying chunk n
+will wait for its records (a handler fires in it), chunk n+1 is launched first, so the
+device keeps working while the host replays; a halt (or an error) in chunk n then rolls the
+carry back to a packed copy taken before that launch, so the halt still takes effect at
+the end of chunk n (docs/design.md §6).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._events import CONTINUE
+from .replay import ChunkResult, EpochReplay
+
+__all__ = ["EpochLoop"]
+
+
+class EpochLoop:
+    """Runs the epochs of one run over one feed and one carry."""
+
+    def __init__(self, feed: Any, carry: Any, handoff: Any, reads: Any, guard: bool,
+                 signals: Any):
+        self.feed, self.carry, self.handoff = feed, carry, handoff
+        self.reads, self.guard, self.signals = reads, guard, signals
+        # Launching ahead needs the guard off: the guard's flag is read from the chunk's
+        # own carry, which the launch ahead would donate.
+        self.speculate = not guard
+        self.latest: Any = None  # the State reached within an epoch (for an error's report)
+        self.replay: EpochReplay | None = None
+
+    def run(self, state: Any, iterator: Any, bound: int | None) -> tuple[str, Any]:
+        """Steps one epoch: `(status, state)`, `state.iteration` the last one fired."""
+        self.replay = replay = EpochReplay(self.handoff, self.carry, self.reads, self.guard)
+        feed = self.feed
+        feed.begin(state.epoch, iterator, bound, replay.record or self.guard)
+        self.latest = state
+        try:
+            status, state, last, current = self._start(state, feed.next(0), 0)
+            while current is not None:
+                status, state, last, current = self._step(state, current, last)
+        finally:
+            feed.end()
+        self.latest = None  # the epoch is over: the run holds its State again
+        return status, state.replace(iteration=last)
+
+    def _start(self, state: Any, prepared: Any, last: int
+               ) -> tuple[str, Any, int, ChunkResult | None]:
+        """Launches `prepared` (None: the epoch is over); a live step's
+        `iteration_started` fires first, and may halt before the launch."""
+        if prepared is None:
+            return CONTINUE, state, last, None
+        if self.feed.live:
+            last = prepared.first
+            status, state = self.replay.started_live(state, prepared.first)
+            if status != CONTINUE:
+                return status, state, last, None
+        return CONTINUE, state, last, self.feed.launch(self.carry, prepared)
+
+    def _step(self, state: Any, current: ChunkResult, last: int
+              ) -> tuple[str, Any, int, ChunkResult | None]:
+        """Replays `current` and launches the next chunk: `(status, state, last, next)`."""
+        feed = self.feed
+        nxt, failed = None, None
+        if feed.ahead and not current.exhausted:
+            try:  # Overlap: the host prepares the next chunk while the device runs this one.
+                nxt = feed.next(current.end)
+            except Exception as error:  # noqa: BLE001 - re-raised below, after the replay
+                # A batch pulled ahead failed: the steps already run are replayed first,
+                # and the error surfaces only where the unfused loop would reach that batch.
+                failed = error
+        rollback = speculative = None
+        if nxt is not None and self.speculate and self.replay.waits_for(current):
+            # The replay is about to wait for this chunk's records: launch the next chunk
+            # first, so the device keeps working. Replayed handlers can only halt (or
+            # raise), and then the carry goes back to this copy of it.
+            rollback = self.carry.snapshot()
+            speculative = feed.launch(self.carry, nxt)
+        try:
+            status, state, last = self.replay.chunk(state, current)
+        except BaseException:
+            if rollback is not None:
+                self._drop(rollback)
+            raise
+        self.latest = state
+        if status != CONTINUE or self.signals.requested:
+            if rollback is not None:
+                self._drop(rollback)
+            return status, state, last, None
+        if failed is not None:
+            raise failed
+        if speculative is not None:
+            return status, state, last, speculative
+        if not feed.ahead and not current.exhausted:
+            nxt = feed.next(current.end)
+        return self._start(state, nxt, last)
+
+    def _drop(self, rollback: Any) -> None:
+        """Drops the chunk launched ahead: the carry and the feed go back to before it."""
+        self.carry.restore(rollback)
+        self.feed.unlaunch()

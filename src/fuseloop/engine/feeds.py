@@ -1,0 +1,209 @@
+"""Feeds: what hands the epoch loop its chunks (docs/design.md §1).
+
+A feed prepares a chunk (`next`) and launches it on the carry (`launch`), which returns a
+`ChunkResult`. The host feed pulls, checks, stacks and transfers batches; the resident feed
+gathers them on the device. Either runs *chunked* (`fuse=K`) or *live* (`fuse=False`):
+chunks of one step whose `iteration_started` the epoch loop fires before the launch, with
+the live step state — the unfused loop is that mode, not another loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+
+from .._fusion import FusionError, stack_chunk
+from .prefetch import ChunkProducer
+from .programs import MIN_SLOTS
+from .replay import ChunkResult
+
+__all__ = ["Prepared", "HostFeed", "ResidentFeed", "place_dataset", "first_resident_batch"]
+
+_ONE = np.int32(1)  # an unfused dispatch's live slots, passed at run time (see programs)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A chunk ready to launch: its first iteration, live steps, and what the launch needs."""
+
+    first: int
+    n: int
+    exhausted: bool  # nothing follows it in this epoch
+    payload: Any
+
+
+class HostFeed:
+    """Batches pulled from a host source: stacked and transferred per chunk, or one live
+    step per batch (`size=None`)."""
+
+    def __init__(self, source: Any, first_batch: Any, *, size: int | None, jit: bool,
+                 placement: Any, checker: Any, programs: Any, prefetch: int,
+                 max_in_flight: int):
+        self.source, self.placement, self.checker = source, placement, checker
+        self.size, self.live = size, size is None
+        self.prefetch, self.max_in_flight = prefetch, max_in_flight
+        self.pending = [first_batch]  # pulled to initialize: it is the first step's batch
+        if self.live:
+            self.program = programs.unfused() if jit else programs.eager_step()
+            self.jit = jit
+        else:
+            self.program = programs.chunk()
+        self.ahead = False
+        self._producer: ChunkProducer | None = None
+
+    # ----------------------------------------------------------------- epoch
+    def begin(self, epoch: int, iterator: Iterator[Any], bound: int | None,
+              replay_reads: bool) -> None:
+        """Starts an epoch. `replay_reads`: some handler or the guard will read a chunk's
+        results on the host (a halt may then stop the epoch mid-way)."""
+        self.epoch, self.iterator, self.bound = epoch, iterator, bound
+        # Pulling ahead is harmless for re-iterable sources; for a one-shot iterator only
+        # when nothing can halt mid-chunk (exact consumption wins).
+        self.ahead = not self.live and (self.source.prefetch_safe or not replay_reads)
+        threaded = self.ahead and self.prefetch > 0 and not self.source.in_memory
+        self._producer = ChunkProducer(self._prepare, self.prefetch) if threaded else None
+
+    def end(self) -> None:
+        if self._producer is not None:
+            self._producer.stop()
+            self._producer = None
+
+    def next(self, first: int) -> Prepared | None:
+        """The next chunk, starting at iteration `first`, or None at the epoch's end."""
+        if self._producer is not None:
+            return self._producer.get()
+        return self._prepare(first)
+
+    def unlaunch(self) -> None:
+        """The last launch was dropped; its batches count as pulled ahead."""
+
+    # ----------------------------------------------------------------- preparing
+    def _pull(self, count: int) -> list[Any]:
+        batches, self.pending = self.pending[:count], self.pending[count:]
+        if len(batches) < count:
+            batches += self.source.pull(self.iterator, count - len(batches))
+        return batches
+
+    def _prepare(self, first: int) -> Prepared | None:
+        requested = 1 if self.live else self.size
+        if self.bound is not None:
+            requested = min(requested, self.bound - first)
+        if requested <= 0:
+            return None
+        batches = self._pull(requested)
+        if not batches:
+            return None
+        n = len(batches)
+        exhausted = n < requested or (self.bound is not None and first + n >= self.bound)
+        if self.live:
+            return Prepared(first, 1, exhausted, batches[0])
+        return Prepared(first, n, exhausted, self._stack(batches, first))
+
+    def _stack(self, batches: list[Any], first: int) -> Any:
+        """Checks and stacks a chunk into `max(K, MIN_SLOTS)` slots; one transfer."""
+        self.checker.chunk(batches, self.epoch, first)
+        try:
+            stacked = stack_chunk(batches, max(self.size, MIN_SLOTS), first)
+        except FusionError:
+            self.checker.explain_chunk(batches, self.epoch, first)
+            raise
+        self.checker.stacked(stacked, len(batches), self.epoch, first)
+        return self.placement.put_chunk((stacked, np.int32(len(batches))))
+
+    # ----------------------------------------------------------------- launching
+    def launch(self, carry: Any, prepared: Prepared) -> ChunkResult:
+        if self.live:
+            return self._launch_step(carry, prepared)
+        with self.placement.chunk_transfer():  # the chunk's one explicit transfer
+            records, n_run = carry.advance(self.program, *prepared.payload)
+        return ChunkResult(prepared.first, prepared.n, records, n_run, prepared.exhausted,
+                           carry.tail.get("nonfinite"))
+
+    def _launch_step(self, carry: Any, prepared: Prepared) -> ChunkResult:
+        batch, i = prepared.payload, prepared.first
+        self.checker.batch(batch, self.epoch, i)
+        if self.jit:
+            carry.advance(self.program, self.placement.put_batch(batch, i), _ONE)
+        else:
+            carry.advance(self.program, batch)
+        carry.throttle(self.max_in_flight)
+        return ChunkResult(i, 1, None, None, prepared.exhausted)
+
+
+class ResidentFeed:
+    """A device-resident `fl.data.arrays(..., device=True)` dataset: chunks are gathered on
+    the device from the epoch's order, which is computed there too; nothing moves from the
+    host per epoch. With `drop_remainder=False` the short last batch is its own launch."""
+
+    def __init__(self, source: Any, data: Any, *, size: int | None, placement: Any,
+                 programs: Any, start_epoch: Any):
+        self.source, self.programs = source, programs
+        self.size, self.live = (1 if size is None else size), size is None
+        self.ahead = not self.live
+        # Over a mesh the dataset is replicated and each gathered chunk is sharded along
+        # its batch axis, as a host-fed chunk would be.
+        self.sharding = placement.chunk_sharding(source.batch_size)
+        self.whole = source.n // source.batch_size
+        self.short = None if self.whole == source.num_batches else source.n % source.batch_size
+        self.short_sharding = (placement.chunk_sharding(self.short)
+                               if self.short is not None else None)
+        self.data = data
+        # The epoch counter lives on the device (`start_epoch` is a device int32 scalar),
+        # so advancing it moves nothing.
+        self.epoch_counter = start_epoch
+        self.next_order = programs.epoch_order(source)
+
+    def begin(self, epoch: int, iterator: Any, bound: int | None, replay_reads: bool) -> None:
+        self.order, self.epoch_counter, self.cursor = self.next_order(self.epoch_counter)
+        self.limit = self.source.num_batches if bound is None else min(
+            bound, self.source.num_batches)
+        self.full_limit = min(self.limit, self.whole)
+        self._before = self.cursor
+
+    def end(self) -> None:
+        pass
+
+    def next(self, first: int) -> Prepared | None:
+        if first >= self.limit:
+            return None
+        if first >= self.full_limit:  # the short last batch: one step of its own shape
+            program = self.programs.resident(MIN_SLOTS, 1, self.short, self.short_sharding)
+            return Prepared(first, 1, True, (program, self.limit))
+        n = min(self.size, self.full_limit - first)
+        program = self.programs.resident(max(self.size, MIN_SLOTS), self.size, None,
+                                         self.sharding)
+        return Prepared(first, n, first + n >= self.limit, (program, self.full_limit))
+
+    def launch(self, carry: Any, prepared: Prepared) -> ChunkResult:
+        program, limit = prepared.payload
+        self._before = self.cursor
+        records, n_run, self.cursor = carry.advance(program, self.data, self.order,
+                                                    self.cursor, limit)
+        if self.live:
+            return ChunkResult(prepared.first, 1, None, None, prepared.exhausted)
+        return ChunkResult(prepared.first, prepared.n, records, n_run, prepared.exhausted,
+                           carry.tail.get("nonfinite"))
+
+    def unlaunch(self) -> None:
+        """The last launch was dropped: its place in the epoch is given back."""
+        self.cursor = self._before
+
+
+def place_dataset(source: Any, placement: Any, stats: dict[str, Any]) -> Any:
+    """A resident source's arrays on the device (replicated over a mesh); the one move is
+    counted as a transfer, and later runs of the same source reuse it."""
+    before = source.transfers_done
+    data = source.put(placement.replicated)
+    stats["h2d_transfers"] += source.transfers_done - before
+    return data
+
+
+def first_resident_batch(programs: Any, source: Any, data: Any, epoch: Any, reads: Any
+                         ) -> Any:
+    """The first batch of `epoch` (a device int32 scalar), gathered on the device (the same
+    rows the host source serves first) and read back: it shapes the initialization and the
+    checks."""
+    # Host read: the run's first batch, once per run.
+    return reads.get(programs.first_batch(source)(data, epoch))

@@ -1,0 +1,37 @@
+"""`Handoff`: handlers see the carry through their State and hand changes back; this is
+the one place those changes reach the carry (docs/design.md §2, one owner of the carry)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._events import Event
+
+__all__ = ["Handoff"]
+
+
+class Handoff:
+    """Fires events with the live step state and adopts a step state a handler returns."""
+
+    def __init__(self, bus: Any, carry: Any):
+        self.bus, self.carry = bus, carry
+
+    def fire(self, event: Event, state: Any, mirror_history: bool = False) -> tuple[str, Any]:
+        """A run or epoch event: handlers see (and may replace) the live step state."""
+        if not self.bus.has(event):  # counted and observed; no handler can change a thing
+            return self.bus.fire(event, state, mirror_history)
+        state = state.replace(step_state=self.carry.step_state)
+        status, state = self.bus.fire(event, state, mirror_history)
+        self.carry.adopt(state.step_state)
+        return status, state
+
+    def fire_iteration(self, event: Event, state: Any, iteration: int, metrics: Any,
+                       live: bool) -> tuple[str, Any]:
+        """An iteration event. Live (unfused): the handlers see the step state and may
+        replace it. Replayed (fused): `step_state` is None and a returned one is ignored
+        (the steps after it already ran)."""
+        step_state = self.carry.step_state if live else None
+        status, fired = self.bus.fire_iteration(event, state, iteration, metrics, step_state)
+        if live and fired is not state:
+            self.carry.adopt(fired.step_state)
+        return status, fired

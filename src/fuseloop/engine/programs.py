@@ -1,0 +1,258 @@
+"""The loop's compiled programs, in a typed cache kept on the Loop (no recompiles).
+
+Every step a jitted run takes, fused or not, runs inside one and the same device loop
+(`_fusion.make_chunk_fn`), built only here. The unfused step hands it `MIN_SLOTS` slots with
+one live batch; chunks are padded to K; records are always written. Why that makes fused
+and unfused runs bitwise equal is in docs/design.md §2 ("one loop body for every K").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from .._fusion import make_chunk_fn
+from .._step import init_tail, make_carry_step
+
+__all__ = ["ProgramCache", "Programs", "MIN_SLOTS"]
+
+MIN_SLOTS = 2
+
+
+@dataclass(eq=False)
+class ProgramCache:
+    """Compiled programs and measurements of one Loop, one named field per kind.
+
+    Loops that differ only in their handlers share one cache (handlers do not change a
+    program); any other change starts a fresh one.
+
+    Attributes:
+        traces: How many times a program of the loop was traced (each trace is a compile).
+        chunk: The host-fed chunk program.
+        unfused: One live step on a host batch.
+        resident: Resident chunk programs by `(slots, live, sharding, data signature)`.
+        epoch_order: Resident epoch-order programs by the source's seed, size, batch size,
+            shuffle and drop_remainder.
+        first_batch: Resident first-batch programs, keyed as `epoch_order`.
+        fresh_tail: Builds zeroed metric accumulators.
+        init: The trainer's jitted initialization by first-batch signature.
+        verdicts: Model-fit checks already passed, by the shapes checked (`_checks.Checker`).
+        probe: `fuse="auto"` probe timings `(step_s, overhead_s)` by batch signature and mesh.
+        pack: Packs a carry into one buffer per dtype (the snapshot before a launch ahead).
+        unpack: Unpacks such a snapshot, by the carry's structure, shapes and dtypes.
+    """
+
+    traces: int = 0
+    chunk: Any = None
+    unfused: Any = None
+    resident: dict[Any, Any] = field(default_factory=dict)
+    epoch_order: dict[Any, Any] = field(default_factory=dict)
+    first_batch: dict[Any, Any] = field(default_factory=dict)
+    fresh_tail: Any = None
+    init: dict[Any, Any] = field(default_factory=dict)
+    verdicts: dict[Any, Any] = field(default_factory=dict)
+    probe: dict[Any, Any] = field(default_factory=dict)
+    pack: Any = None
+    unpack: dict[Any, Any] = field(default_factory=dict)
+
+
+class Programs:
+    """Builds a Loop's programs on first use, into the Loop's `ProgramCache`."""
+
+    def __init__(self, loop: Any):
+        self.loop, self.cache = loop, loop._programs
+        self.guard = loop.guard_nonfinite
+
+    @property
+    def traces(self) -> int:
+        return self.cache.traces
+
+    def counted(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn`, counting its traces in the cache (each trace is a compile)."""
+        cache = self.cache
+
+        def traced(*args: Any) -> Any:
+            cache.traces += 1  # runs at trace time only
+            return fn(*args)
+
+        return traced
+
+    def _jit(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
+        donate = (0, 1) if self.loop.program.donate_state else (1,)
+        return jax.jit(self.counted(fn), donate_argnums=donate, **kwargs)
+
+    def _device_loop(self) -> Callable[..., Any]:
+        """The one device loop every program runs (records always on: the body must not
+        change with what the host needs)."""
+        carry_step = make_carry_step(self.loop.program, self.loop.metrics, self.guard)
+        return make_chunk_fn(carry_step, True, self.guard)
+
+    def eager_step(self) -> Any:
+        """`jit=False`: one step, op by op, for debugging."""
+        return make_carry_step(self.loop.program, self.loop.metrics, self.guard)
+
+    def chunk(self) -> Any:
+        """`(state, tail, stacked_chunk, n_valid) -> (state, tail, records, n_run)`."""
+        if self.cache.chunk is None:
+            self.cache.chunk = self._jit(self._device_loop())
+        return self.cache.chunk
+
+    def unfused(self) -> Any:
+        """`(state, tail, batch, n_valid) -> (state, tail)`: one step through the loop.
+
+        The batch is widened to `MIN_SLOTS` slots on the device, so the host moves it once,
+        as it is. `n_valid` (always 1) is a runtime value, so XLA cannot see a one-trip loop
+        and simplify it away.
+        """
+        if self.cache.unfused is None:
+            body = self._device_loop()
+
+            def program(state: Any, tail: Any, batch: Any, n_valid: Any) -> tuple[Any, Any]:
+                chunk = jax.tree.map(
+                    lambda a: jnp.broadcast_to(a[None], (MIN_SLOTS,) + a.shape), batch)
+                state, tail, _, _ = body(state, tail, chunk, n_valid)
+                return state, tail
+
+            self.cache.unfused = self._jit(program)
+        return self.cache.unfused
+
+    def resident(self, slots: int, live: int, rows: int | None, sharding: Any = None) -> Any:
+        """The chunk program over a device-resident dataset.
+
+        `(state, tail, data, order, cursor, limit) -> (state, tail, records, n_run, cursor)`:
+        the chunk's examples are gathered on the device by `order` (int32[batches, batch])
+        from batch `cursor` on, then stepped by the same loop as a host-fed chunk; at most
+        `live` of the `slots` slots run. `rows` (not None) gathers a short batch of that
+        many examples instead (the epoch's last batch with `drop_remainder=False`).
+        `sharding` (over a mesh) is imposed on the gathered chunk.
+        """
+        key = (slots, live, rows, sharding)
+        if key not in self.cache.resident:
+            self.cache.resident[key] = self._jit(
+                _resident_program(self._device_loop(), slots, live, rows, sharding),
+                static_argnums=(5,))
+        return self.cache.resident[key]
+
+    def epoch_order(self, source: Any) -> Any:
+        """`epoch -> (order, epoch + 1, cursor 0)` for a resident source, on the device."""
+        key = _source_key(source)
+        if key not in self.cache.epoch_order:
+            def next_epoch(epoch: Any) -> tuple[Any, Any, Any]:
+                return (_epoch_order(source, epoch), epoch + 1, jnp.zeros((), jnp.int32))
+
+            self.cache.epoch_order[key] = jax.jit(next_epoch)
+        return self.cache.epoch_order[key]
+
+    def first_batch(self, source: Any) -> Any:
+        """`(data, epoch) -> batch`: the first batch of an epoch of a resident source."""
+        key = _source_key(source)
+        if key not in self.cache.first_batch:
+            def first(data: Any, epoch: Any) -> Any:
+                rows = _epoch_order(source, epoch)[0]
+                if source.n < source.batch_size:  # the only batch is short
+                    rows = rows[:source.n]
+                return jax.tree.map(lambda leaf: leaf[rows], data)
+
+            self.cache.first_batch[key] = jax.jit(first)
+        return self.cache.first_batch[key]
+
+    def pack(self, carry: Any) -> Any:
+        """A device copy of `carry` packed into one buffer per dtype (on a CPU, a copy of
+        many small arrays costs a dispatch per array; a pack costs one)."""
+        if self.cache.pack is None:
+            self.cache.pack = jax.jit(_pack)
+        return self.cache.pack(carry)
+
+    def unpack(self, packed: Any, like: Any) -> Any:
+        """The carry `packed` holds, shaped like `like` (a carry of the same structure)."""
+        leaves, treedef = jax.tree.flatten(like)
+        layout = (treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
+        if layout not in self.cache.unpack:
+            self.cache.unpack[layout] = jax.jit(_unpacker(treedef, layout[1]))
+        return self.cache.unpack[layout](packed)
+
+    def fresh_tail(self) -> Any:
+        """Zeroed metric accumulators (and guard flag), made by one cached program."""
+        if self.cache.fresh_tail is None:
+            metrics, guard = self.loop.metrics, self.guard
+            self.cache.fresh_tail = jax.jit(lambda: init_tail(metrics, guard))
+        return self.cache.fresh_tail()
+
+
+def _source_key(source: Any) -> tuple[Any, ...]:
+    """What a resident source's order programs depend on."""
+    return (source.seed, source.n, source.batch_size, source.shuffle, source.drop_remainder)
+
+
+def _epoch_order(source: Any, epoch: Any) -> Any:
+    """The epoch's example order as `int32[batches, batch_size]`, the short last batch (if
+    kept) as a row padded with its own first index; pure jax, so it runs on the device."""
+    whole = source.epoch_indices(source.seed, epoch)
+    remainder = source.n - whole.size
+    if source.drop_remainder or remainder == 0:
+        return whole
+    # The host path serves the permutation's tail as the last batch, in order.
+    tail = source._permutation(jax.random.PRNGKey(source.seed), epoch)[whole.size:]
+    padded = jnp.concatenate([tail, jnp.full(source.batch_size - remainder, tail[0])])
+    return jnp.concatenate([whole, padded[None]], axis=0)
+
+
+def _resident_program(body: Any, slots: int, live: int, rows: int | None, sharding: Any
+                      ) -> Callable[..., Any]:
+    def program(state: Any, tail: Any, data: Any, order: Any, cursor: Any, limit: Any
+                ) -> tuple[Any, ...]:
+        # Slots past the epoch's end gather clamped (valid) rows; they are never stepped.
+        batches = order[jnp.minimum(cursor + jnp.arange(slots), order.shape[0] - 1)]
+        if rows is not None:
+            batches = batches[:, :rows]
+        chunk = jax.tree.map(lambda leaf: leaf[batches], data)
+        if sharding is not None:
+            chunk = jax.lax.with_sharding_constraint(chunk, sharding)
+        n_valid = jnp.minimum(live, limit - cursor)
+        state, tail, records, n_run = body(state, tail, chunk, n_valid)
+        return state, tail, records, n_run, cursor + n_run
+
+    return program
+
+
+def _packable(dtype: Any) -> bool:
+    return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)  # typed PRNG keys stay whole
+
+
+def _pack(carry: Any) -> tuple[list[Any], list[Any]]:
+    """`(one flat buffer per dtype in first-seen order, the unpackable leaves copied)`."""
+    groups: dict[Any, list[Any]] = {}
+    whole = []
+    for leaf in jax.tree.leaves(carry):
+        if _packable(leaf.dtype):
+            groups.setdefault(leaf.dtype, []).append(jnp.ravel(leaf))
+        else:
+            whole.append(jnp.copy(leaf))
+    return [jnp.concatenate(parts) for parts in groups.values()], whole
+
+
+def _unpacker(treedef: Any, spec: tuple[tuple[Any, Any], ...]) -> Callable[..., Any]:
+    """The inverse of `_pack` for carries with this structure and these leaves."""
+
+    def unpack(packed: tuple[list[Any], list[Any]]) -> Any:
+        buffers, whole = packed
+        order = list(dict.fromkeys(d for _, d in spec if _packable(d)))
+        offsets = dict.fromkeys(order, 0)
+        whole_iter = iter(whole)
+        leaves = []
+        for shape, dtype in spec:
+            if not _packable(dtype):
+                leaves.append(next(whole_iter))
+                continue
+            size = math.prod(shape)
+            start = offsets[dtype]
+            flat = buffers[order.index(dtype)]
+            leaves.append(jax.lax.slice(flat, (start,), (start + size,)).reshape(shape))
+            offsets[dtype] = start + size
+        return jax.tree.unflatten(treedef, leaves)
+
+    return unpack

@@ -1,0 +1,183 @@
+"""Replay: a launched chunk's iteration events, fired on the host in unfused order.
+
+A chunk's `ChunkResult` holds only device values. `EpochReplay.chunk` decides from the
+event counters at which iterations some handler fires; only then does it read the chunk's
+records (one host read per chunk) and build a State for those iterations. The others
+advance the counters in bulk. A live step (the unfused loop) is a chunk of one whose
+`iteration_started` already fired before its launch, with the live step state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .._events import CONTINUE, HALT_LOOP, Event
+
+__all__ = ["ChunkResult", "EpochReplay"]
+
+_STARTED, _COMPLETED = Event.ITERATION_STARTED, Event.ITERATION_COMPLETED
+Metrics = Callable[[], dict[str, float]]
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    """A launched chunk, not yet read.
+
+    Attributes:
+        first: The epoch iteration of its first step.
+        n: Its live steps.
+        records: Per-slot accumulators on the device (None for a live step, whose metrics
+            are the carry's).
+        n_run: Steps the device loop ran, on the device (None for a live step).
+        exhausted: Nothing follows it in the epoch.
+        nonfinite: The guard's flag after the chunk, on the device (None without the guard
+            or for a live step).
+    """
+
+    first: int
+    n: int
+    records: Any
+    n_run: Any
+    exhausted: bool
+    nonfinite: Any = None
+
+    @property
+    def end(self) -> int:
+        return self.first + self.n
+
+    @property
+    def live(self) -> bool:
+        return self.records is None
+
+
+def _no_metrics() -> dict[str, float]:
+    return {}
+
+
+class EpochReplay:
+    """Fires one epoch's iteration events, chunk by chunk.
+
+    Attributes:
+        previous: The metrics as of the iteration before the next one (for its
+            `iteration_started`), read only if a handler needs them.
+        steps: Steps committed so far this epoch.
+        merged_through: The last step whose metrics a firing merged into `state.metrics`
+            (-1: none), so the epoch's end knows whether a handler wrote after the loop
+            last computed them (last writer wins).
+    """
+
+    def __init__(self, handoff: Any, carry: Any, reads: Any, guard: bool):
+        self.handoff, self.bus, self.carry, self.reads = handoff, handoff.bus, carry, reads
+        self.guard = guard
+        self.record = self.bus.has_iteration_handlers
+        self.previous: Metrics = _no_metrics
+        self.steps = 0
+        self.merged_through = -1
+        self._firing_key: tuple[int, int, int] | None = None
+        self._firing_offsets: list[int] = []
+
+    def waits_for(self, result: ChunkResult) -> bool:
+        """Whether replaying `result` reads its records (some handler fires in it)."""
+        return self.record and not result.live and bool(self._firing(result.n))
+
+    def _firing(self, n: int) -> list[int]:
+        """The offsets of the next `n` iterations at which a handler fires (from counters;
+        remembered until the counters move)."""
+        key = (self.bus.total[_STARTED], self.bus.total[_COMPLETED], n)
+        if key != self._firing_key:
+            self._firing_key, self._firing_offsets = key, self.bus.firing_offsets(n)
+        return self._firing_offsets
+
+    def _fire(self, event: Event, state: Any, i: int, metrics: Metrics, live: bool,
+              stamp: int) -> tuple[str, Any]:
+        status, fired = self.handoff.fire_iteration(event, state, i, metrics, live)
+        if fired is not state:
+            self.merged_through = stamp
+        return status, fired
+
+    # ----------------------------------------------------------------- live steps
+    def started_live(self, state: Any, i: int) -> tuple[str, Any]:
+        """`iteration_started` of a live step, before its launch."""
+        return self._fire(_STARTED, state, i, self.carry.metrics, True, self.steps - 1)
+
+    def _live(self, state: Any, result: ChunkResult) -> tuple[str, Any, int]:
+        i = result.first
+        if self.guard and self.carry.nonfinite():
+            return HALT_LOOP, mark_nonfinite(state, i), i
+        self.steps += 1
+        status, state = self._fire(_COMPLETED, state, i, self.carry.metrics, True,
+                                   self.steps - 1)
+        self.bus.advance(1, self.carry.metrics_if_read)
+        return status, state, i
+
+    # ----------------------------------------------------------------- chunks
+    def chunk(self, state: Any, result: ChunkResult) -> tuple[str, Any, int]:
+        """Fires `result`'s iteration events: `(status, state, last iteration fired)`."""
+        if result.live:
+            return self._live(state, result)
+        first, n = result.first, result.n
+        firing = self._firing(n) if self.record else []
+        if not self.guard and not firing:
+            self.bus.skip_iterations(n)
+            self.bus.advance(n, None)
+            self.steps += n
+            if self.record:
+                self.previous = self._lazy(result.records, n - 1, on_device=True)
+            return CONTINUE, state, first + n - 1
+        # Host read: once per chunk, the records, the steps run and the guard's flag.
+        wanted = {"records": result.records, "n_run": result.n_run}
+        if self.guard:
+            wanted["nonfinite"] = result.nonfinite
+        host = self.reads.get(wanted)
+        good = int(host["n_run"]) - 1 if self.guard and bool(host["nonfinite"]) else n
+        return self._fire_chunk(state, first, n, good, firing, host["records"])
+
+    def _fire_chunk(self, state: Any, first: int, n: int, good: int, firing: list[int],
+                    records: Any) -> tuple[str, Any, int]:
+        at = (lambda j: self._lazy(records, j)) if self.record else (lambda j: _no_metrics)
+        done = 0  # offsets whose events have been accounted for
+        for j in (j for j in firing if j < good):
+            self.bus.skip_iterations(j - done)
+            before = self.previous if j == 0 else at(j - 1)
+            self.previous, done = at(j), j + 1
+            status, state = self._fire(_STARTED, state, first + j, before, False,
+                                       self.steps + j - 1)
+            if status == CONTINUE:
+                status, state = self._fire(_COMPLETED, state, first + j, self.previous,
+                                           False, self.steps + j)
+            if status != CONTINUE:
+                self.steps += good  # the device ran the whole chunk
+                return status, state, first + j
+        self.bus.skip_iterations(good - done)
+        self.steps += good
+        if good:
+            self.previous = at(good - 1)
+        if good < n:  # the non-finite step: its iteration started, then the loop halts
+            _, state = self._fire(_STARTED, state, first + good, self.previous, False,
+                                  self.steps - 1)
+            return HALT_LOOP, mark_nonfinite(state, first + good), first + good
+        self.bus.advance(n, self.previous() if self.record else None)
+        return CONTINUE, state, first + n - 1
+
+    def _lazy(self, records: Any, j: int, on_device: bool = False) -> Metrics:
+        """Metrics of slot `j` of a chunk's records, built (and, for records still on the
+        device, read) only when first asked for."""
+        cache: dict[str, Any] = {}
+
+        def metrics() -> dict[str, float]:
+            if "value" not in cache:
+                # Host read (records still on the device only): an iteration_started
+                # handler needs the previous chunk's last metrics.
+                host = self.reads.get(records) if on_device else records
+                cache["value"] = self.reads.record_metrics(host, j)
+            return cache["value"]
+
+        return metrics
+
+
+def mark_nonfinite(state: Any, iteration: int) -> Any:
+    """Notes in the State where the loss went non-finite (the run warns and halts)."""
+    where = {"epoch": state.epoch, "iteration": iteration}
+    return state.replace(iteration=iteration,
+                         handler_metadata={**state.handler_metadata, "_nonfinite_at": where})

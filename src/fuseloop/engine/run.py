@@ -1,0 +1,284 @@
+"""One call of `Loop.run`: the run's parts, its epochs, and what it returns or raises.
+
+The run builds the parts once (source, checker, carry, feed, bus), then loops over epochs:
+`epoch_started`, the epoch loop (`epoch.py`), the epoch's metrics (one host read), history,
+`epoch_completed`. A halt ends it; an exception leaving it carries the State reached so far
+as `err.fuseloop_state` (docs/design.md §2).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._checks import Checker
+from .._data import as_source
+from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, Event
+from .._fusion import resolve_fuse
+from .._placement import Placement
+from .._state import State, new_stats
+from .auto_chunk import choose_chunk_size
+from .bus import EventBus
+from .carry import Carry
+from .epoch import EpochLoop
+from .feeds import HostFeed, ResidentFeed, first_resident_batch, place_dataset
+from .handoff import Handoff
+from .host import HostReads
+from .programs import Programs
+from .signals import SignalGuard
+from .start import initial_step_state
+
+__all__ = ["Run", "check_run_options"]
+
+_RAN_OUT = "ran_out"  # an epoch found no data left: the run ends, completed
+
+
+def check_run_options(epochs: Any, iterations: Any, jit: Any, progress: Any,
+                      max_in_flight: Any, prefetch: Any) -> None:
+    """Raises a ValueError naming the first bad `run(...)` argument (`Loop.run` calls it
+    before anything else; `fuse` and `mesh` are checked by the run)."""
+    _check_count(epochs, "epochs", allow_none=False)
+    _check_count(iterations, "iterations", allow_none=True)
+    _check_count(max_in_flight, "max_in_flight", allow_none=False)
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch={prefetch!r} must be an int >= 0 (chunks pulled ahead "
+                         f"in a background thread; 0 pulls the next chunk in the caller)")
+    if not isinstance(jit, bool):
+        raise ValueError(f"jit={jit!r} must be True or False")
+    if not isinstance(progress, bool):
+        raise ValueError(f"progress={progress!r} must be True or False")
+
+
+def _check_count(value: Any, argument: str, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{argument}={value!r} must be a positive int")
+
+
+class Run:
+    """One call of `Loop.run` (its plain arguments already checked by
+    `check_run_options`).
+
+    `observer` is told about events and steps without changing the run (the progress bar;
+    see `bus.EventBus`), or None.
+    """
+
+    def __init__(self, loop: Any, data: Any, init_state: Any, *, epochs: int,
+                 iterations: int | None, fuse: Any, jit: bool, observer: Any, mesh: Any,
+                 max_in_flight: int, prefetch: int):
+        self.loop, self.epochs, self.iterations = loop, int(epochs), iterations
+        self.jit, self.max_in_flight, self.prefetch = jit, max_in_flight, prefetch
+        self.init_state = init_state
+        self.stats = new_stats()
+        self.source = as_source(data)
+        self.fuse = resolve_fuse(fuse, jit)
+        self.resident = bool(getattr(self.source.data, "resident", False))
+        self.programs = Programs(loop)
+        self.reads = HostReads(self.stats, loop.metrics)
+        self.placement = Placement(mesh, self.stats)
+        self.checker = Checker(loop.program, self.programs.cache.verdicts)
+        self.carry = Carry(self.placement, self.programs, self.reads, self.stats)
+        self.bus = EventBus(loop.registrations, observer)
+        self.handoff = Handoff(self.bus, self.carry)
+        self.epoch_loop: EpochLoop | None = None
+        self.state = State(max_epoch=self.epochs, max_iteration=iterations, stats=self.stats)
+
+    # ----------------------------------------------------------------- the run
+    def run(self) -> State:
+        try:
+            self._resume()
+            first = self._first_batch()
+            step_state = initial_step_state(self.programs, self.user_state, first,
+                                            resuming=isinstance(self.init_state, State))
+            self.checker.variables(step_state)
+            self.carry.start(step_state)
+            feed = self._feed(step_state, first)
+            with SignalGuard() as signals:
+                self.epoch_loop = EpochLoop(feed, self.carry, self.handoff, self.reads,
+                                            self.loop.guard_nonfinite, signals)
+                state = self._epochs(signals)
+        except BaseException as error:
+            _attach_state(error, self._reached())
+            raise
+        finally:
+            self.source.close()
+            self.bus.close()
+        return self._final(state)
+
+    def _final(self, state: State) -> State:
+        return state.replace(step_state=self.carry.step_state, stats=self.stats,
+                             event_counts=self.bus.counts())
+
+    def _reached(self) -> State:
+        """The State reached so far: the last completed step's step state, the counters,
+        the history (an exception is leaving the run)."""
+        latest = self.state
+        if self.epoch_loop is not None and self.epoch_loop.latest is not None:
+            latest = self.epoch_loop.latest  # an epoch was under way
+        if self.bus.failed_state is not None:
+            latest = self.bus.failed_state  # a handler raised: the State it was given
+        return self._final(latest).replace(status="halted")
+
+    # ----------------------------------------------------------------- setup
+    def _resume(self) -> None:
+        """The starting State, the user's initial step state, and the first epoch."""
+        given, state = self.init_state, self.state
+        self.user_state, self.start_epoch = given, 0
+        if not isinstance(given, State):
+            return
+        if self.loop.program.kind == "evaluator":  # a State only supplies params
+            self.user_state = given.params
+            return
+        self.start_epoch = max(given.history) + 1 if given.history else 0
+        self.bus.restore_counts(given.event_counts)
+        self.user_state = given.step_state
+        self.state = state.replace(history={k: dict(v) for k, v in given.history.items()},
+                                   handler_metadata=dict(given.handler_metadata),
+                                   times=dict(given.times), epoch=self.start_epoch)
+
+    def _first_batch(self) -> Any:
+        self.first_iterator = self.source.epoch_iterator(self.start_epoch)
+        if self.resident:
+            self.dataset = place_dataset(self.source.data, self.placement, self.stats)
+            self.device_epoch = jax.device_put(np.int32(self.start_epoch))
+            first = [first_resident_batch(self.programs, self.source.data, self.dataset,
+                                          self.device_epoch, self.reads)]
+        else:
+            first = self.source.pull(self.first_iterator, 1)
+        if not first:
+            raise ValueError(
+                "data is empty: the first epoch yielded no batch. Pass at least one (x, y) "
+                "batch (check batch_size against the dataset size and drop_remainder)"
+            )
+        self.checker.first(first[0])
+        return first[0]
+
+    def _feed(self, step_state: Any, first: Any) -> Any:
+        if self.fuse == "auto":
+            self.fuse = choose_chunk_size(self.programs, step_state, first,
+                                          placement=self.placement,
+                                          epoch_length=_epoch_length(self.source,
+                                                                     self.iterations))
+        self.stats["chunk_size"] = self.fuse or 1
+        if self.resident:
+            return ResidentFeed(self.source.data, self.dataset, size=self.fuse,
+                                placement=self.placement, programs=self.programs,
+                                start_epoch=self.device_epoch)
+        return HostFeed(self.source, first, size=self.fuse, jit=self.jit,
+                        placement=self.placement, checker=self.checker,
+                        programs=self.programs, prefetch=self.prefetch,
+                        max_in_flight=self.max_in_flight)
+
+    # ----------------------------------------------------------------- epochs
+    def _epochs(self, signals: SignalGuard) -> State:
+        compiles_before = self.programs.traces
+        status, state = self.handoff.fire(Event.STARTED, self.state)
+        halted = status == HALT_LOOP
+        epoch = self.start_epoch
+        while not halted and epoch < self.epochs:
+            state, status = self._epoch(state, epoch, signals)
+            self.state = state
+            if status == _RAN_OUT:
+                break
+            halted = status == HALT_LOOP or signals.requested
+            epoch += 1
+        self.stats["compiles"] = self.programs.traces - compiles_before
+        ended = "halted" if halted else "completed"
+        state = state.replace(status=ended)
+        _, state = self.handoff.fire(Event.HALTED if halted else Event.COMPLETED, state)
+        self.state = state
+        return state.replace(status=ended)
+
+    def _epoch(self, state: State, epoch: int, signals: SignalGuard) -> tuple[State, str]:
+        began = time.perf_counter()
+        self.bus.new_epoch()
+        self.carry.reset_metrics()
+        state = state.replace(epoch=epoch, iteration=0, metrics={}, status="running")
+        self.state = state
+        status, state = self.handoff.fire(Event.EPOCH_STARTED, state)
+        self.state, stepped = state, status == CONTINUE
+        if stepped:
+            iterator = (self.first_iterator if epoch == self.start_epoch
+                        else self.source.epoch_iterator(epoch))
+            status, state = self.epoch_loop.run(state, iterator, self.iterations)
+            if status == CONTINUE and self._ran_out(epoch):
+                return state, _RAN_OUT
+        if status == HALT_LOOP and state.handler_metadata.get("_nonfinite_at") is not None:
+            _warn_nonfinite(state)
+        if signals.requested:
+            status = HALT_LOOP
+        state = self._epoch_metrics(state, epoch, began, stepped)
+        if status == HALT_LOOP:
+            # Halted mid-epoch (a handler, a non-finite loss, a signal): the epoch is not
+            # complete, so history does not record it and a resumed run redoes it.
+            return state, status
+        state = state.replace(history={**state.history, epoch: dict(state.metrics)})
+        self.state = state
+        event = Event.EPOCH_HALTED if status == HALT_EPOCH else Event.EPOCH_COMPLETED
+        status, state = self.handoff.fire(event, state, mirror_history=True)
+        return state, status
+
+    def _epoch_metrics(self, state: State, epoch: int, began: float, stepped: bool
+                       ) -> State:
+        """The epoch's metrics: the accumulators' final values (one host read), unless a
+        handler wrote after the loop last computed them (last writer wins)."""
+        metrics = dict(state.metrics)
+        final = self.carry.metrics()  # Host read (in Carry.metrics): the epoch's end
+        replay = self.epoch_loop.replay
+        handler_wrote_last = (stepped and replay.steps > 0
+                              and replay.merged_through == replay.steps - 1)
+        if not handler_wrote_last:
+            metrics.update(final)
+        seconds = time.perf_counter() - began  # the epoch's wall time, its last step done
+        self.stats["epoch_time"][epoch] = seconds
+        return state.replace(metrics=metrics, times={**state.times, epoch: seconds})
+
+    def _ran_out(self, epoch: int) -> bool:
+        """A one-shot iterator that had nothing left for this epoch ends the run (as Keras
+        does when its input runs out), with a warning naming the epoch."""
+        if self.resident or self.source.epoch_pulled > 0:
+            return False
+        warnings.warn(
+            f"data ran out at the start of epoch {epoch}: the run ends after {epoch} epochs "
+            f"instead of {self.epochs}. A one-shot iterator is consumed across epochs; pass "
+            f"a re-iterable or a callable returning a fresh iterator, or lower epochs",
+            RuntimeWarning,
+            stacklevel=7,
+        )
+        return True
+
+
+def _warn_nonfinite(state: State) -> None:
+    where = state.handler_metadata["_nonfinite_at"]
+    warnings.warn(
+        f"terminate_on_nan: the loss became non-finite at epoch {where['epoch']}, "
+        f"iteration {where['iteration']}; that step was not applied and the loop halted "
+        f"with the parameters from before it",
+        RuntimeWarning,
+        stacklevel=7,
+    )
+
+
+def _attach_state(error: BaseException, state: State) -> None:
+    """`error.fuseloop_state`: the State reached (an outer run overwrites an inner one's,
+    so a validation run's error reports the training run's State)."""
+    try:
+        error.fuseloop_state = state  # type: ignore[attr-defined]
+    except AttributeError:  # an exception type without attributes: nothing to attach to
+        pass
+
+
+def _epoch_length(source: Any, iterations: int | None) -> int | None:
+    """Batches per epoch where known (a sized re-iterable source, or `iterations`)."""
+    known = [] if iterations is None else [iterations]
+    if not source.one_shot:
+        try:
+            known.append(len(source.data))
+        except TypeError:
+            pass
+    return min(known) if known else None
