@@ -45,7 +45,6 @@ def _labels(source, epoch: int) -> list[list[int]]:
         ({"batch_size": 4, "shuffle": "yes"}, ["shuffle"]),
         ({"batch_size": 4, "drop_remainder": None}, ["drop_remainder"]),
         ({"batch_size": 4, "device": 1}, ["device"]),
-        ({"batch_size": 5, "device": True, "drop_remainder": False}, ["device", "drop_remainder"]),
     ],
 )
 def test_bad_arguments_raise_value_errors_naming_them(kwargs, words):

@@ -1,5 +1,5 @@
 """Every kind of data `run` accepts, fused (K=4) and unfused: the batches each epoch sees,
-exact consumption (pull counts == steps) and closing (DESIGN.md §3, §4.7)."""
+exact consumption (pull counts == steps) and closing."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Bad arguments raise ValueError naming the argument and the accepted values, before
-anything is pulled from the data or compiled (DESIGN.md §3 "Errors", §4.8)."""
+anything is pulled from the data or compiled."""
 
 from __future__ import annotations
 

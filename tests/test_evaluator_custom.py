@@ -1,4 +1,4 @@
-"""`fl.evaluator` and custom `fl.loop` loops (DESIGN.md §3)."""
+"""`fl.evaluator` and custom `fl.loop` loops."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The event system of an unfused run: the exact stream, counts, the handler return
-protocol, registration order and `state.replace` (DESIGN.md §3)."""
+protocol, registration order and `state.replace`."""
 
 from __future__ import annotations
 

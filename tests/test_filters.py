@@ -1,4 +1,4 @@
-"""Handler filters (DESIGN.md §3): "always", "first", every/before/after/once (on the
+"""Handler filters: "always", "first", every/before/after/once (on the
 event's total count in the run, starting at 1, keys combined with AND) and callables;
 honoured identically by the unfused and the fused loop."""
 

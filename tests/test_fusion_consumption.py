@@ -1,4 +1,4 @@
-"""Data consumption of the fused loop (DESIGN.md §4.1, §4.2, §4.7): exactly as many batches
+"""Data consumption of the fused loop: exactly as many batches
 pulled as stepped, iterators closed when a run stops reading early, and ragged chunks
 rejected with `fl.FusionError`.
 

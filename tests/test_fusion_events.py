@@ -1,4 +1,4 @@
-"""Events of a fused loop (DESIGN.md §4.4-4.6): iteration events replayed once each, in
+"""Events of a fused loop: iteration events replayed once each, in
 unfused order, with `step_state=None`, real counters and the metrics of their own
 iteration; returned metrics/metadata kept and a returned step state discarded; halting
 from iteration handlers at the end of the chunk, exactly at `fuse=1` and from

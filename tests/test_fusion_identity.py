@@ -1,4 +1,4 @@
-"""Fused == unfused, bitwise on CPU (DESIGN.md §4.9): parameters, optimizer state, RNG and
+"""Fused == unfused, bitwise on CPU: parameters, optimizer state, RNG and
 step counter, metrics, history, event counts, and log output byte for byte."""
 
 from __future__ import annotations

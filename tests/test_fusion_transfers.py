@@ -1,4 +1,4 @@
-"""Host syncs and transfers of the fused loop (DESIGN.md §1 loop level, §5): one dispatch
+"""Host syncs and transfers of the fused loop: one dispatch
 and one transfer per chunk, at most one host sync per chunk plus one per epoch, and no
 hidden host<->device transfer inside the fused region (checked with JAX's transfer
 guards: the loop's explicit `device_put`/`device_get` are allowed, implicit ones are not)."""

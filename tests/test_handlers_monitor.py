@@ -1,4 +1,4 @@
-"""The monitor, early stopping and LR on plateau (DESIGN.md §3, issue 4 items 3-4)."""
+"""The monitor, early stopping and LR on plateau."""
 
 from __future__ import annotations
 

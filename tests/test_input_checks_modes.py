@@ -85,7 +85,6 @@ def test_checker_rejects_a_bad_label_in_a_whole_dataset():
         checker.dataset(source)
 
 
-@pytest.mark.xfail(strict=True, reason="needs the driver to call Checker.dataset (see report)")
 def test_labels_out_of_range_on_device_resident_data():
     kind, message = errors_in_both_modes(_resident_with_bad_label())
     assert kind is ValueError and "label 5, out of range" in message

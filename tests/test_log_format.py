@@ -26,10 +26,12 @@ Y = RNG.integers(0, 3, size=60).astype(np.int32)
 TRAIN = fl.data.arrays(X, Y, batch_size=10, seed=1)
 VAL = fl.data.arrays(X[:20], Y[:20], batch_size=10, shuffle=False)
 NUMBER = r"-?\d+\.\d{7}"
+# "adam" exposes its rate, so the trainer tracks learning_rate next to the loss.
 ITERATION = re.compile(rf"^Epoch (\d)/3 - iteration (\d)(/4)? - loss: {NUMBER} - "
-                       rf"accuracy: {NUMBER}$")
-SUMMARY = re.compile(rf"^Epoch (\d)/3 - loss: {NUMBER} - accuracy: {NUMBER} - "
-                     rf"validation_loss: {NUMBER} - validation_accuracy: {NUMBER}$")
+                       rf"learning_rate: {NUMBER} - accuracy: {NUMBER}$")
+SUMMARY = re.compile(rf"^Epoch (\d)/3 - loss: {NUMBER} - learning_rate: {NUMBER} - "
+                     rf"accuracy: {NUMBER} - validation_loss: {NUMBER} - "
+                     rf"validation_accuracy: {NUMBER}$")
 
 
 class Terminal(io.StringIO):

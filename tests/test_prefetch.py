@@ -1,4 +1,4 @@
-"""Prefetch (DESIGN.md §4.7, issue 6 item 3): a bounded producer pulls the next chunks while
+"""Prefetch: a bounded producer pulls the next chunks while
 the device runs the current one. Checked here: the bound, exact consumption of one-shot
 iterators, error propagation with the source's own type and a note, and no leftover thread."""
 

@@ -148,7 +148,7 @@ def test_signal_halts_at_the_next_host_boundary(tmp_path, signum, fuse):
     assert result["epoch"] == 1 and result["counts"]["epoch_completed"] == 1
     # The step in flight finished (unfused: the batch being pulled; fused: its chunk of 4),
     # then the loop stopped: epoch 0's 8 steps plus 4. Unfused, nothing was pulled and left
-    # unstepped; fused, a re-iterable source may have been read ahead (DESIGN.md 4.7).
+    # unstepped; fused, a re-iterable source may have been read ahead.
     assert result["step"] == 12
     assert result["pulled"] == 12 if fuse == 0 else result["pulled"] >= 12
     halted = json.loads((tmp_path / "halted.json").read_text())

@@ -13,9 +13,11 @@ Example:
 from . import _distributed; _distributed.initialize_from_environment()  # noqa: E702  (first: before any module touches a jax backend)
 from . import data, diagnostics, handlers, models
 from ._checkpoint import load_state, save_state
+from ._distributed import all_processes, is_main_process, main_process_only
 from ._events import Event
 from ._fusion import FusionError
 from ._loop import Loop, evaluator, loop, trainer
+from ._predict import predict
 from ._state import State
 from .handlers.plot import plot_history
 
@@ -26,14 +28,18 @@ __all__ = [
     "FusionError",
     "Loop",
     "State",
+    "all_processes",
     "data",
     "diagnostics",
     "evaluator",
     "handlers",
+    "is_main_process",
     "load_state",
     "loop",
+    "main_process_only",
     "models",
     "plot_history",
+    "predict",
     "save_state",
     "trainer",
 ]

@@ -1,6 +1,6 @@
 """Data sources: what `run(data, ...)` accepts, and exact, closing consumption.
 
-Kinds of data (DESIGN.md §3):
+Kinds of data:
   * a list of batches, or any re-iterable: a fresh pass each epoch;
   * a callable returning an iterator: called once per epoch;
   * a one-shot iterator or generator: consumed across epochs;
@@ -48,7 +48,7 @@ class Source:
 
     @property
     def prefetch_safe(self) -> bool:
-        """Whether pulling a batch that is never stepped is harmless (DESIGN.md §4.7)."""
+        """Whether pulling a batch that is never stepped is harmless."""
         return not self.one_shot
 
     @property
@@ -56,9 +56,7 @@ class Source:
         """Batches already in host memory (a list, or `fl.data.arrays`): pulling one is so
         cheap that a producer thread would only add GIL hand-offs, so the loop prepares the
         next chunk in its own thread while the device runs the current one."""
-        from .data import ArraySource
-
-        return isinstance(self.data, (list, tuple, ArraySource))
+        return isinstance(self.data, (list, tuple)) or getattr(self.data, "in_memory", False)
 
     def epoch_iterator(self, epoch: int) -> Iterator[Any]:
         """The iterator for `epoch`; the previous epoch's is closed if it was not finished."""

@@ -9,7 +9,13 @@ from typing import Any, Callable, TextIO
 from ._events import Event, Registration, make_filter, normalize_event
 from ._metrics import MetricSpec, resolve_metric
 from ._state import State
-from ._step import Program, custom_program, evaluator_program, trainer_program
+from ._step import (
+    Program,
+    custom_program,
+    default_metrics,
+    evaluator_program,
+    trainer_program,
+)
 from .engine import run_loop
 from .engine.programs import ProgramCache
 from .engine.run import check_run_options
@@ -49,7 +55,9 @@ class Loop:
             metric: A name ("accuracy", "precision", "recall", "mean_absolute_error",
                 "mean_squared_error") or `callable(y_true, y_pred) -> scalar`.
             name: The key in `state.metrics` (default: the metric's name).
-            accumulate: "running_average" (mean over the epoch's iterations) or "running_sum".
+            accumulate: "running_average" (for built-in metrics and the loss, the mean over
+                the epoch's examples; for a callable, the mean of its per-batch values) or
+                "running_sum".
 
         Example:
             >>> loop = loop.metric("accuracy")  # doctest: +SKIP
@@ -87,9 +95,13 @@ class Loop:
         Example:
             >>> loop = loop.log(lambda s: f"epoch {s.epoch}\\n", event="epoch_completed")  # doctest: +SKIP
         """
+        from ._distributed import main_process_only, runs_on_all_processes
         from .handlers.log import Writer
 
-        return self.handle_event(event, Writer(fn, stream), filter, name="log")
+        writer = Writer(fn, stream)
+        if not runs_on_all_processes(fn):  # process 0 writes, unless fn asks for all
+            writer = main_process_only(writer)
+        return self.handle_event(event, writer, filter, name="log")
 
     def validate(self, model: Any, data: Any, event: Any = "epoch_completed",
                  filter: Any = "always", fuse: Any = False) -> "Loop":
@@ -119,11 +131,13 @@ class Loop:
                                  name="validate")
 
     def early_stop(self, monitor: str, patience: int = 3, mode: str = "min",
-                   min_delta: float = 0.0) -> "Loop":
+                   min_delta: float = 0.0, restore_best: bool = False) -> "Loop":
         """Halts after `patience` consecutive epochs without improvement (as Keras does).
 
         A non-finite monitored value halts at once. The best value and the wait count live
-        in `state.handler_metadata`, so they survive a checkpoint and resume.
+        in `state.handler_metadata`, so they survive a checkpoint and resume. With
+        `restore_best=True` (Keras's `restore_best_weights`) the run ends with the step state
+        of the best epoch, bitwise, however it ends.
 
         Example:
             >>> loop = loop.early_stop("validation_loss", patience=3)  # doctest: +SKIP
@@ -131,9 +145,13 @@ class Loop:
         from .handlers.monitor import EarlyStopping
 
         key = self._metadata_key(f"early_stop:{monitor}")
-        return self.handle_event("epoch_completed",
-                                 EarlyStopping(monitor, patience, mode, min_delta, key=key),
-                                 name="early_stop")
+        stopper = EarlyStopping(monitor, patience, mode, min_delta, key=key,
+                                restore_best=restore_best)
+        built = self.handle_event("epoch_completed", stopper, name="early_stop")
+        if restore_best:  # however the run ends, it ends on the best epoch's step state
+            built = built.handle_event("completed", stopper.on_end, name="early_stop:restore")
+            built = built.handle_event("halted", stopper.on_end, name="early_stop:restore")
+        return built
 
     def reduce_lr_on_plateau(self, monitor: str, factor: float = 0.1, patience: int = 3,
                              mode: str = "min", min_delta: float = 0.0,
@@ -155,8 +173,8 @@ class Loop:
         return self.handle_event("epoch_completed", handler, name="reduce_lr_on_plateau")
 
     def checkpoint(self, path: str, event: Any = "epoch_completed", filter: Any = "always",
-                   criteria: str | None = None, mode: str = "min", keep: int | None = None
-                   ) -> "Loop":
+                   criteria: str | None = None, mode: str = "min", keep: int | None = None,
+                   asynchronous: bool = False) -> "Loop":
         """Saves the whole State under `path` (one atomic subdirectory per save).
 
         Attach it last, so each save holds what the other handlers did this epoch.
@@ -170,6 +188,8 @@ class Loop:
             criteria: Save only when this metric improves (checkpoint-on-best).
             mode: "min" or "max" for `criteria`.
             keep: Keep only the newest `keep` checkpoints (None: all).
+            asynchronous: Write in the background so training does not wait on the disk;
+                the run waits for the last write before it returns.
 
         Example:
             >>> loop = loop.checkpoint("ckpts", keep=3)  # doctest: +SKIP
@@ -177,11 +197,14 @@ class Loop:
         from .handlers.checkpoint import Checkpointer
 
         key = self._metadata_key(f"checkpoint:{criteria}") if criteria is not None else ""
-        saver = Checkpointer(path, criteria, mode, keep, key=key)
+        saver = Checkpointer(path, criteria, mode, keep, key=key, asynchronous=asynchronous)
         loop = self.handle_event(event, saver, filter, name="checkpoint")
         if criteria is None and normalize_event(event) != Event.HALTED:
             # A halted run (early stop, a signal) also saves its final State.
             loop = loop.handle_event("halted", saver.on_halted, name="checkpoint")
+        if asynchronous:  # the run returns only when every write is complete
+            loop = loop.handle_event("completed", saver.finish, name="checkpoint:finish")
+            loop = loop.handle_event("halted", saver.finish, name="checkpoint:finish")
         return loop
 
     def csv_log(self, path: str, event: Any = "epoch_completed",
@@ -261,9 +284,11 @@ class Loop:
         check_run_options(epochs, iterations, jit, progress, max_in_flight, prefetch)
         observer = None
         if progress:
+            from ._distributed import is_main_process
             from .handlers.progress import ProgressBar
 
-            observer = ProgressBar()
+            # Side effects happen once: the bar is drawn by process 0 only.
+            observer = ProgressBar.for_data(data, iterations) if is_main_process() else None
         return run_loop(self, data, init_state, epochs=epochs, iterations=iterations,
                         fuse=fuse, jit=jit, observer=observer, mesh=mesh,
                         max_in_flight=max_in_flight, prefetch=prefetch)
@@ -309,7 +334,7 @@ def trainer(model: Any, loss: Any, optimizer: Any, *, log: int = 0, seed: int = 
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed={seed!r} must be an int")
     program = trainer_program(model, loss, optimizer, seed)
-    built = Loop(program, metrics=(MetricSpec("loss", None, source="loss"),))
+    built = Loop(program, metrics=default_metrics(program))
     if log:
         from .handlers.log import attach_trainer_log
 
@@ -317,13 +342,19 @@ def trainer(model: Any, loss: Any, optimizer: Any, *, log: int = 0, seed: int = 
     return built
 
 
-def evaluator(model: Any) -> Loop:
+def evaluator(model: Any, loss: Any = None) -> Loop:
     """An evaluation loop: `evaluator(model).run(data, params_or_state)`.
 
+    Args:
+        model: The model, in any form `trainer` takes.
+        loss: None, or a loss name or `callable(y_true, y_pred)`: then the loop tracks
+            "loss", a mean over the examples.
+
     Example:
-        >>> loop = evaluator(model).metric("accuracy")  # doctest: +SKIP
+        >>> loop = evaluator(model, "mean_squared_error").metric("accuracy")  # doctest: +SKIP
     """
-    return Loop(evaluator_program(model))
+    program = evaluator_program(model, loss)
+    return Loop(program, metrics=default_metrics(program))
 
 
 def loop(step_fn: Callable[[Any, Any], Any], init_fn: Callable[[Any, Any], Any] | None = None

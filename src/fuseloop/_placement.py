@@ -12,6 +12,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ._distributed import assemble_global
+
 __all__ = ["Placement", "device_dtype", "device_signature"]
 
 
@@ -32,6 +34,9 @@ class Placement:
     """Puts the step state (replicated) and the data (batch axis sharded) on devices."""
 
     def __init__(self, mesh: Mesh | None, stats: dict[str, Any]):
+        if mesh is None and jax.process_count() > 1:
+            # Several processes form one global mesh (docs/distributed.md).
+            mesh = Mesh(jax.devices(), ("data",))
         self.mesh, self.stats = mesh, stats
         if mesh is None:
             self._state = self._batch = self._chunk = None
@@ -42,6 +47,8 @@ class Placement:
                 f"Mesh(jax.devices(), ('data',))"
             )
         self.n_shards = mesh.shape["data"]
+        # The batch a process feeds is its share: it divides over its own devices.
+        self.n_local = self.n_shards // jax.process_count()
         self._state = NamedSharding(mesh, PartitionSpec())
         self._batch = NamedSharding(mesh, PartitionSpec("data"))
         self._chunk = NamedSharding(mesh, PartitionSpec(None, "data"))
@@ -81,7 +88,7 @@ class Placement:
     def _check_divisible(self, tree: Any, axis: int, where: str) -> None:
         for leaf in jax.tree.leaves(tree):
             shape = getattr(leaf, "shape", ())
-            if len(shape) > axis and shape[axis] % self.n_shards != 0:
+            if len(shape) > axis and shape[axis] % self.n_local != 0:
                 raise ValueError(
                     f"mesh: {where} has batch size {shape[axis]}, which does not divide over "
                     f"the {self.n_shards} devices of the mesh's 'data' axis; use a batch size "
@@ -96,7 +103,7 @@ class Placement:
         if self._batch is None:
             return batch
         self._check_divisible(batch, 0, f"the batch at iteration {iteration}")
-        return jax.device_put(batch, self._batch)
+        return assemble_global(batch, self._batch)
 
     def put_chunk(self, chunk_and_count: Any) -> Any:
         """`(stacked_chunk, n_valid)` ready for the fused program: one transfer.
@@ -110,4 +117,4 @@ class Placement:
             return chunk_and_count
         stacked, n_valid = chunk_and_count
         self._check_divisible(stacked, 1, "a fused chunk")
-        return jax.device_put(stacked, self._chunk), jax.device_put(n_valid, self._state)
+        return assemble_global(stacked, self._chunk), assemble_global(n_valid, self._state)

@@ -1,7 +1,7 @@
 """In-memory datasets as batch sources: `fl.data.arrays`.
 
 `run(data, ...)` accepts lists of batches, re-iterables, callables and one-shot iterators
-as they are (DESIGN.md §3). This module adds the source for a dataset that already sits in
+as they are. This module adds the source for a dataset that already sits in
 memory as arrays: it batches and shuffles it, and the order of epoch `e` depends only on
 `(seed, e)`, so a resumed run, a rerun and a `device=True` run all see the same batches.
 
@@ -19,6 +19,8 @@ from typing import Any, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from ._distributed import local_indices
 
 __all__ = ["arrays", "ArraySource"]
 
@@ -95,6 +97,7 @@ class ArraySource:
         self.shuffle = _check_bool(shuffle, "shuffle")
         self.drop_remainder = _check_bool(drop_remainder, "drop_remainder")
         self.resident = _check_bool(device, "device")
+        self.in_memory = True  # batches come from host arrays: cheap to pull (see _data)
         self.seed = _check_int(seed, "seed", 0, _MAX_SEED)
         self.batch_size = _check_int(batch_size, "batch_size", 1)
         self.n = _leading_size(x, y)
@@ -107,12 +110,6 @@ class ArraySource:
                 f"batch_size={batch_size} is larger than the dataset ({self.n} examples) and "
                 f"drop_remainder=True drops the only, short batch; use batch_size <= {self.n} "
                 f"or drop_remainder=False"
-            )
-        if self.resident and remainder:
-            raise ValueError(
-                f"device=True needs every batch full, but {self.n} examples leave a short "
-                f"batch of {remainder} with batch_size={batch_size}; pass drop_remainder=True "
-                f"or a batch_size that divides {self.n}"
             )
         self.num_batches = full if self.drop_remainder else full + (remainder > 0)
         self.transfers_done = 0
@@ -190,7 +187,9 @@ class ArraySource:
         """
         order = self.order(epoch)
         for b in range(self.num_batches):
-            yield self._take(order[b * self.batch_size:(b + 1) * self.batch_size])
+            index = order[b * self.batch_size:(b + 1) * self.batch_size]
+            # Under jax.distributed each process takes its share of every global batch.
+            yield self._take(local_indices(index, self.batch_size))
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         return self.iter_epoch(0)
@@ -248,9 +247,9 @@ def arrays(x: Any, y: Any, batch_size: int, shuffle: bool = True, seed: int = 0,
             same shape, as `fuse` needs). With `False` the last batch is short.
         device: Keep the whole dataset on the device (moved once); a fused run then
             gathers and shuffles each chunk there, with no host-to-device transfer per
-            epoch. Requires full batches: `drop_remainder=True`, or a `batch_size` that
-            divides the dataset. Unfused runs and plain iteration still get the same
-            batches on the host.
+            epoch. Any dataset size works: the remainder is dropped as on the host, or,
+            with `drop_remainder=False`, the short last batch runs too, exactly as the host
+            source runs it. Plain iteration still gets the same batches on the host.
 
     Returns:
         An `ArraySource`: `iter_epoch(e)` yields the batches of epoch `e`, `iter(source)`
@@ -258,8 +257,7 @@ def arrays(x: Any, y: Any, batch_size: int, shuffle: bool = True, seed: int = 0,
 
     Raises:
         ValueError: leaves with different leading sizes (naming them), a bad `batch_size`
-            (< 1, or larger than the dataset with `drop_remainder=True`), a bad `seed`, or
-            `device=True` with a short last batch.
+            (< 1, or larger than the dataset with `drop_remainder=True`) or a bad `seed`.
 
     Example:
         >>> import numpy as np, fuseloop as fl

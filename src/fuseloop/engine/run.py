@@ -17,6 +17,7 @@ import numpy as np
 
 from .._checks import Checker
 from .._data import as_source
+from .._distributed import check_same_config, describe, process_count
 from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, Event
 from .._fusion import resolve_fuse
 from .._placement import Placement
@@ -96,6 +97,7 @@ class Run:
             step_state = initial_step_state(self.programs, self.user_state, first,
                                             resuming=isinstance(self.init_state, State))
             self.checker.variables(step_state)
+            self._agree_across_processes(first, step_state)
             self.carry.start(step_state)
             feed = self._feed(step_state, first)
             with SignalGuard() as signals:
@@ -109,6 +111,17 @@ class Run:
             self.source.close()
             self.bus.close()
         return self._final(state)
+
+    def _agree_across_processes(self, first: Any, step_state: Any) -> None:
+        """Under jax.distributed every process must run the same configuration; a
+        difference is an error naming it, before anything trains (a collective: every
+        process calls it at the same point)."""
+        if process_count() > 1:
+            check_same_config({
+                "epochs": self.epochs, "iterations": self.iterations,
+                "fuse": str(self.fuse), "first_batch": describe(first),
+                "step_state": describe(step_state, True),
+                "handlers": [(str(r.event), r.name) for r in self.loop.registrations]})
 
     def _final(self, state: State) -> State:
         return state.replace(step_state=self.carry.step_state, stats=self.stats,
@@ -156,6 +169,7 @@ class Run:
                 "batch (check batch_size against the dataset size and drop_remainder)"
             )
         self.checker.first(first[0])
+        self.checker.dataset(self.source.data)
         return first[0]
 
     def _feed(self, step_state: Any, first: Any) -> Any:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, TextIO
 
 import numpy as np
 
+from .._distributed import main_process_only
 from .._state import State
 from .progress import write_above_bars
 
@@ -138,6 +139,7 @@ def attach_trainer_log(loop: Any, every: int, stream: TextIO | None) -> Any:
 def _observe(loop: Any, event: str, fn: Callable[[State], None], filter: Any = "always") -> Any:
     """Attaches a handler that only observes; `Loop.observe` (where the loop has it) never
     splits a multi-epoch dispatch, which a plain handler may."""
+    fn = main_process_only(fn)  # log lines are written once, by process 0
     observe = getattr(loop, "observe", None)
     if observe is not None:
         return observe(event, fn, filter)

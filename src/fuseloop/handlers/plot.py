@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from .._distributed import is_main_process
 from .._state import State
 from .validate import PREFIX
 from .writers import scalar_metrics
@@ -55,7 +56,8 @@ def plot_history(history: Mapping[int, Mapping[str, Any]] | State,
         title: A title over the figure.
 
     Returns:
-        The path written.
+        The path written. Under jax.distributed only process 0 writes it (every process
+        holds the same history); the others return the path without writing.
 
     Example:
         >>> fl.plot_history(state.history, "history.png")  # doctest: +SKIP
@@ -74,6 +76,8 @@ def plot_history(history: Mapping[int, Mapping[str, Any]] | State,
         panels = {m: panels[m] for m in metrics}
     if not panels:
         raise ValueError("history holds no scalar metric to plot")
+    if not is_main_process():  # side effects happen once, on process 0
+        return Path(path)
     figure_cls, canvas_cls = _figure_class()
     columns = min(3, len(panels))
     rows = math.ceil(len(panels) / columns)

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from .._distributed import main_process_only
 from .._events import ITERATION_EVENTS, Event, normalize_event
 from .._state import State
 
@@ -156,8 +157,11 @@ class TensorBoardWriter:
 
 
 def attach_writer(loop: Any, writer: Any, event: Any, filter: Any, name: str) -> Any:
-    """Registers `writer` on `event`, plus its start (run start) and close (run end)."""
-    loop = loop.handle_event("started", writer.start, name=f"{name}:start")
-    loop = loop.handle_event(event, writer, filter, name=name)
-    loop = loop.handle_event("completed", writer.close, name=f"{name}:close")
-    return loop.handle_event("halted", writer.close, name=f"{name}:close")
+    """Registers `writer` on `event`, plus its start (run start) and close (run end).
+
+    Under jax.distributed only process 0 writes (the others see the same metrics)."""
+    start, close = main_process_only(writer.start), main_process_only(writer.close)
+    loop = loop.handle_event("started", start, name=f"{name}:start")
+    loop = loop.handle_event(event, main_process_only(writer), filter, name=name)
+    loop = loop.handle_event("completed", close, name=f"{name}:close")
+    return loop.handle_event("halted", close, name=f"{name}:close")
