@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -36,8 +37,9 @@ def _data() -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def _floor(model: Any, variables: Any, x: np.ndarray, y: np.ndarray
-           ) -> tuple[Callable[[], float], Callable[[], float]]:
+def _floor(
+    model: Any, variables: Any, x: np.ndarray, y: np.ndarray
+) -> tuple[Callable[[], float], Callable[[], float]]:
     """`(on_device_epoch, with_transfer_epoch)`: seconds of one floor epoch each."""
     tx = optax.adam(1e-3)
 
@@ -58,17 +60,21 @@ def _floor(model: Any, variables: Any, x: np.ndarray, y: np.ndarray
     on_device = jax.device_put((xs, ys))
 
     def fresh() -> Any:
-        return jax.block_until_ready(jax.tree.map(lambda a: jax.numpy.array(a, copy=True),
-                                                  (variables, tx.init(variables))))
+        return jax.block_until_ready(
+            jax.tree.map(lambda a: jax.numpy.array(a, copy=True), (variables, tx.init(variables)))
+        )
 
     def timed(transfer: bool) -> float:
         carry = fresh()
         began = time.perf_counter()
         if transfer:
-            batches = [(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH])
-                       for i in range(N_BATCHES)]
-            data = jax.device_put((np.stack([b[0] for b in batches]),
-                                   np.stack([b[1] for b in batches])))
+            batches = [
+                (x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH])
+                for i in range(N_BATCHES)
+            ]
+            data = jax.device_put(
+                (np.stack([b[0] for b in batches]), np.stack([b[1] for b in batches]))
+            )
         else:
             data = on_device
         jax.block_until_ready(epoch(carry, *data))
@@ -95,23 +101,28 @@ def main() -> None:
     x, y = _data()
     model = fl.models.mlp(list(WIDTHS))
     variables = model.init(jax.random.PRNGKey(0), x[:BATCH])
-    batches = [(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH])
-               for i in range(N_BATCHES)]
+    batches = [
+        (x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]) for i in range(N_BATCHES)
+    ]
     resident = fl.data.arrays(x, y, batch_size=BATCH, shuffle=False, device=True)
     base = fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-3))
     seen: list[float] = []
-    handled = base.handle_event("iteration_completed",
-                                lambda s: seen.append(s.metrics["loss"]), {"every": 50})
+    handled = base.handle_event(
+        "iteration_completed", lambda s: seen.append(s.metrics["loss"]), {"every": 50}
+    )
     floor, floor_transfer = _floor(model, variables, x, y)
     walls: dict[str, Callable[[], float]] = {
         "run1 fuse=32": lambda: _wall(lambda: base.run(batches, variables, fuse=32)),
         "run3 fuse=32": lambda: _wall(lambda: base.run(batches, variables, fuse=32, epochs=3)),
         "run3 fuse=32 +handler/50": lambda: _wall(
-            lambda: handled.run(batches, variables, fuse=32, epochs=3)),
+            lambda: handled.run(batches, variables, fuse=32, epochs=3)
+        ),
         "run3 resident fuse=100": lambda: _wall(
-            lambda: base.run(resident, variables, fuse=100, epochs=3)),
+            lambda: base.run(resident, variables, fuse=100, epochs=3)
+        ),
         "run3 resident fuse=32": lambda: _wall(
-            lambda: base.run(resident, variables, fuse=32, epochs=3)),
+            lambda: base.run(resident, variables, fuse=32, epochs=3)
+        ),
         "floor epoch": floor,
         "floor epoch +transfer": floor_transfer,
     }
@@ -121,13 +132,25 @@ def main() -> None:
         "steady resident fuse=100": lambda: base.run(resident, variables, fuse=100, epochs=6),
         "steady resident fuse=32": lambda: base.run(resident, variables, fuse=32, epochs=6),
     }
-    timed = {**{k: v for k, v in walls.items()},
-             **{k: (lambda fn=fn: _steady(fn())) for k, fn in steadies.items()}}
+    timed = {
+        **{k: v for k, v in walls.items()},
+        **{k: (lambda fn=fn: _steady(fn())) for k, fn in steadies.items()},
+    }
     # Each ratio's two sides run next to each other in every round.
-    order = ["run1 fuse=32", "steady fuse=32", "run3 fuse=32", "run3 fuse=32 +handler/50",
-             "floor epoch", "steady resident fuse=100", "run3 resident fuse=100",
-             "floor epoch", "steady resident fuse=32", "run3 resident fuse=32",
-             "floor epoch +transfer", "steady fuse=100"]
+    order = [
+        "run1 fuse=32",
+        "steady fuse=32",
+        "run3 fuse=32",
+        "run3 fuse=32 +handler/50",
+        "floor epoch",
+        "steady resident fuse=100",
+        "run3 resident fuse=100",
+        "floor epoch",
+        "steady resident fuse=32",
+        "run3 resident fuse=32",
+        "floor epoch +transfer",
+        "steady fuse=100",
+    ]
     for name in timed:
         timed[name]()  # compile and warm up
     got: dict[str, list[float]] = {k: [] for k in timed}
@@ -144,26 +167,35 @@ def main() -> None:
     print("\nPaired within each round (median over rounds; in brackets: from the minima)")
     for label, (fn, target) in _derived().items():
         per_round = [fn({k: v[r] for k, v in got.items()}) for r in range(rounds)]
-        print(f"{label:48s} {statistics.median(per_round):7.3f}  [{fn(low):7.3f}]  "
-              f"target {target}")
+        print(f"{label:48s} {statistics.median(per_round):7.3f}  [{fn(low):7.3f}]  target {target}")
 
 
 def _derived() -> dict[str, tuple[Callable[[dict[str, float]], float], str]]:
     """What the issue's targets compare, as functions of one round's timings."""
     out: dict[str, tuple[Callable[[dict[str, float]], float], str]] = {
         "fixed cost per run, ms (run1 - steady, fuse=32)": (
-            lambda t: (t["run1 fuse=32"] - t["steady fuse=32"]) * 1e3, "<= 0.3"),
+            lambda t: (t["run1 fuse=32"] - t["steady fuse=32"]) * 1e3,
+            "<= 0.3",
+        ),
         "handler every 50, fuse=32, 3 epochs (ratio)": (
-            lambda t: t["run3 fuse=32 +handler/50"] / t["run3 fuse=32"], "<= 1.05"),
+            lambda t: t["run3 fuse=32 +handler/50"] / t["run3 fuse=32"],
+            "<= 1.05",
+        ),
     }
     for k in (100, 32):
         out[f"resident fuse={k} steady / floor"] = (
-            lambda t, k=k: t[f"steady resident fuse={k}"] / t["floor epoch"], "<= 1.05")
+            lambda t, k=k: t[f"steady resident fuse={k}"] / t["floor epoch"],
+            "<= 1.05",
+        )
         out[f"resident fuse={k} 3-epoch run / 3 floors"] = (
-            lambda t, k=k: t[f"run3 resident fuse={k}"] / (3 * t["floor epoch"]), "<= 1.15")
+            lambda t, k=k: t[f"run3 resident fuse={k}"] / (3 * t["floor epoch"]),
+            "<= 1.15",
+        )
     for k in (32, 100):
         out[f"host fuse={k} steady / floor incl. transfer"] = (
-            lambda t, k=k: t[f"steady fuse={k}"] / t["floor epoch +transfer"], "<= 1.05")
+            lambda t, k=k: t[f"steady fuse={k}"] / t["floor epoch +transfer"],
+            "<= 1.05",
+        )
     return out
 
 

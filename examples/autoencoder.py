@@ -43,8 +43,12 @@ def init_fn(first_batch, seed):
     x, _ = first_batch
     params = MODEL.init(jax.random.PRNGKey(seed), x)
     reconstruction = MODEL.apply(params, x)
-    return {"params": params, "opt_state": OPTIMIZER.init(params),
-            "loss": np.float32(0.0), "y_pred": reconstruction}
+    return {
+        "params": params,
+        "opt_state": OPTIMIZER.init(params),
+        "loss": np.float32(0.0),
+        "y_pred": reconstruction,
+    }
 
 
 def step_fn(batch, state):
@@ -57,8 +61,12 @@ def step_fn(batch, state):
 
     (loss, reconstruction), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"])
     updates, opt_state = OPTIMIZER.update(grads, state["opt_state"], state["params"])
-    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
-            "loss": loss, "y_pred": reconstruction}
+    return {
+        "params": optax.apply_updates(state["params"], updates),
+        "opt_state": opt_state,
+        "loss": loss,
+        "y_pred": reconstruction,
+    }
 
 
 def pca_error(x_train, x_test, components):
@@ -87,9 +95,9 @@ def main(argv=None) -> dict:
     val = fl.data.arrays(x_val, x_val, batch_size=100, shuffle=False)
     loop = (
         fl.loop(step_fn, init_fn)
-        .metric("loss")                   # reads step_state["loss"]
-        .metric("mean_absolute_error")    # reads step_state["y_pred"] against the batch's y
-        .validate(MODEL, val)             # evaluates MODEL on state.params
+        .metric("loss")  # reads step_state["loss"]
+        .metric("mean_absolute_error")  # reads step_state["y_pred"] against the batch's y
+        .validate(MODEL, val)  # evaluates MODEL on state.params
         .early_stop("validation_mean_absolute_error", patience=5)
     )
     epochs, iterations = (2, 4) if args.quick else (args.epochs, None)
@@ -99,15 +107,20 @@ def main(argv=None) -> dict:
     first = loop.run(train, 0, epochs=max(1, epochs // 2), iterations=iterations, fuse=fuse)
     with tempfile.TemporaryDirectory() as folder:
         fl.save_state(first, f"{folder}/half")
-        state = loop.run(train, fl.load_state(f"{folder}/half"), epochs=epochs,
-                         iterations=iterations, fuse=fuse)
+        state = loop.run(
+            train, fl.load_state(f"{folder}/half"), epochs=epochs, iterations=iterations, fuse=fuse
+        )
     reconstruction = np.asarray(MODEL.apply(state.params, x_test))
     error = float(((reconstruction - x_test) ** 2).mean())
     baseline = pca_error(x_train, x_test, CODE_SIZE)
-    print(f"{state.status} after {len(state.history)} epochs (resumed at epoch "
-          f"{len(first.history) + 1})")
-    print(f"test reconstruction MSE with an {CODE_SIZE}-number code: {error:.5f} "
-          f"(PCA with {CODE_SIZE} components: {baseline:.5f})")
+    print(
+        f"{state.status} after {len(state.history)} epochs (resumed at epoch "
+        f"{len(first.history) + 1})"
+    )
+    print(
+        f"test reconstruction MSE with an {CODE_SIZE}-number code: {error:.5f} "
+        f"(PCA with {CODE_SIZE} components: {baseline:.5f})"
+    )
     return {"state": state, "first": first, "test_mse": error, "pca_mse": baseline}
 
 

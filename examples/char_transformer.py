@@ -18,7 +18,6 @@ import math
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -43,7 +42,8 @@ class Block(nn.Module):
         width = x.shape[-1]
         h = nn.LayerNorm()(x)
         h = nn.MultiHeadDotProductAttention(num_heads=self.heads, dropout_rate=self.dropout)(
-            h, h, mask=mask, deterministic=not train)
+            h, h, mask=mask, deterministic=not train
+        )
         x = x + h
         h = nn.Dense(width)(nn.gelu(nn.Dense(4 * width)(nn.LayerNorm()(x))))
         return x + nn.Dropout(self.dropout, deterministic=not train)(h)
@@ -59,8 +59,9 @@ class CharTransformer(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, train: bool):
-        positions = self.param("positions", nn.initializers.normal(0.02),
-                               (self.context, self.width))
+        positions = self.param(
+            "positions", nn.initializers.normal(0.02), (self.context, self.width)
+        )
         x = nn.Embed(self.vocab, self.width)(tokens) + positions[: tokens.shape[-1]]
         mask = nn.make_causal_mask(tokens)  # position t sees positions <= t only
         for _ in range(self.depth):
@@ -82,12 +83,13 @@ def unigram_perplexity(train_ids: np.ndarray, val_ids: np.ndarray, vocab: int) -
     return float(math.exp(-log_p[val_ids].mean()))
 
 
-def sample(model, params, prompt_ids: np.ndarray, length: int, seed: int = 0,
-           temperature: float = 0.8) -> np.ndarray:
+def sample(
+    model, params, prompt_ids: np.ndarray, length: int, seed: int = 0, temperature: float = 0.8
+) -> np.ndarray:
     """Draws `length` characters after the prompt, one at a time, from a sliding window of
     the model's context size (one compiled program for every position)."""
     next_logits = jax.jit(lambda p, w: model.apply(p, w, train=False)[0, -1])
-    window, out = np.array(prompt_ids[-model.context:]), []
+    window, out = np.array(prompt_ids[-model.context :]), []
     key = jax.random.PRNGKey(seed)
     for i in range(length):
         logits = next_logits(params, window[None])
@@ -100,8 +102,9 @@ def sample(model, params, prompt_ids: np.ndarray, length: int, seed: int = 0,
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--quick", action="store_true",
-                        help="a tiny model, 2 epochs of 4 iterations")
+    parser.add_argument(
+        "--quick", action="store_true", help="a tiny model, 2 epochs of 4 iterations"
+    )
     parser.add_argument("--fuse", type=int, default=16, help="chunk size (0: unfused)")
     parser.add_argument("--progress", action="store_true")
     parser.add_argument("--sample", type=int, default=300, help="characters to generate")
@@ -130,21 +133,25 @@ def main(argv=None) -> dict:
         .validate(model, val)
         .early_stop("validation_loss", patience=3)
     )
-    state = loop.run(train, epochs=epochs, iterations=iterations, fuse=args.fuse or False,
-                     progress=args.progress)
+    state = loop.run(
+        train, epochs=epochs, iterations=iterations, fuse=args.fuse or False, progress=args.progress
+    )
     best = min(state.history, key=lambda e: state.history[e]["validation_loss"])
     perplexity = math.exp(state.history[best]["validation_loss"])
     baseline = unigram_perplexity(ids[:cut], ids[cut:], len(alphabet))
-    print(f"corpus: {len(text)} characters, {len(alphabet)} distinct; "
-          f"{state.status} after {len(state.history)} epochs")
-    print(f"best validation perplexity per character: {perplexity:.2f} at epoch {best + 1} "
-          f"(unigram baseline: {baseline:.2f}); next-character accuracy "
-          f"{state.history[best]['validation_accuracy']:.3f}")
-    generated = sample(model, state.params, ids[cut:cut + model.context], length)
+    print(
+        f"corpus: {len(text)} characters, {len(alphabet)} distinct; "
+        f"{state.status} after {len(state.history)} epochs"
+    )
+    print(
+        f"best validation perplexity per character: {perplexity:.2f} at epoch {best + 1} "
+        f"(unigram baseline: {baseline:.2f}); next-character accuracy "
+        f"{state.history[best]['validation_accuracy']:.3f}"
+    )
+    generated = sample(model, state.params, ids[cut : cut + model.context], length)
     text_out = "".join(alphabet[i] for i in generated)
     print("sample:\n" + text_out)
-    return {"state": state, "perplexity": perplexity, "baseline": baseline,
-            "sample": text_out}
+    return {"state": state, "perplexity": perplexity, "baseline": baseline, "sample": text_out}
 
 
 if __name__ == "__main__":

@@ -87,13 +87,16 @@ def main(argv=None) -> dict:
         .early_stop("validation_loss", patience=5)
     )
     epochs, iterations = (2, 4) if args.quick else (args.epochs, None)
-    state = loop.run(train, epochs=epochs, iterations=iterations, fuse=args.fuse or False,
-                     progress=args.progress)
+    state = loop.run(
+        train, epochs=epochs, iterations=iterations, fuse=args.fuse or False, progress=args.progress
+    )
     module = trained_module(model, state)
     predicted = np.asarray(jax.vmap(module)(x_test)).argmax(axis=-1)
     test_accuracy = float(np.mean(predicted == y_test))
-    print(f"{state.status} after {len(state.history)} epochs; last validation accuracy "
-          f"{state.metrics['validation_accuracy']:.4f}")
+    print(
+        f"{state.status} after {len(state.history)} epochs; last validation accuracy "
+        f"{state.metrics['validation_accuracy']:.4f}"
+    )
     print(f"test accuracy: {test_accuracy:.4f} on {len(y_test)} unseen digits")
     return {"state": state, "test_accuracy": test_accuracy, "predicted": predicted}
 

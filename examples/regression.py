@@ -66,19 +66,25 @@ def main(argv=None) -> dict:
         .early_stop("validation_loss", patience=15)
     )
     epochs, iterations = (2, 4) if args.quick else (args.epochs, None)
-    state = loop.run(train, epochs=epochs, iterations=iterations, fuse=args.fuse or False,
-                     progress=args.progress)
+    state = loop.run(
+        train, epochs=epochs, iterations=iterations, fuse=args.fuse or False, progress=args.progress
+    )
     y_hat = predict(model, state, x_test)
     design = np.hstack([x_train, np.ones((len(x_train), 1), np.float32)])
     coefficients, *_ = np.linalg.lstsq(design, y_train, rcond=None)
     y_linear = np.hstack([x_test, np.ones((len(x_test), 1), np.float32)]) @ coefficients
-    result = {"mlp_r2": r2(y_test, y_hat), "linear_r2": r2(y_test, y_linear),
-              "mlp_mae": float(np.abs(y_test - y_hat).mean() * y_std),
-              "linear_mae": float(np.abs(y_test - y_linear).mean() * y_std)}
+    result = {
+        "mlp_r2": r2(y_test, y_hat),
+        "linear_r2": r2(y_test, y_linear),
+        "mlp_mae": float(np.abs(y_test - y_hat).mean() * y_std),
+        "linear_mae": float(np.abs(y_test - y_linear).mean() * y_std),
+    }
     print(f"{state.status} after {len(state.history)} epochs")
-    print(f"test R^2: MLP {result['mlp_r2']:.3f}, least squares {result['linear_r2']:.3f}; "
-          f"test MAE in score points: MLP {result['mlp_mae']:.1f}, "
-          f"least squares {result['linear_mae']:.1f}")
+    print(
+        f"test R^2: MLP {result['mlp_r2']:.3f}, least squares {result['linear_r2']:.3f}; "
+        f"test MAE in score points: MLP {result['mlp_mae']:.1f}, "
+        f"least squares {result['linear_mae']:.1f}"
+    )
     return {"state": state, **result}
 
 

@@ -24,8 +24,10 @@ import fuseloop as fl
 from fuseloop.handlers.log import format_metrics
 
 NOISE, MODES, SPREAD = 8, 8, 0.05
-CENTERS = np.stack([np.cos(np.arange(MODES) * 2 * np.pi / MODES),
-                    np.sin(np.arange(MODES) * 2 * np.pi / MODES)], axis=1).astype(np.float32)
+CENTERS = np.stack(
+    [np.cos(np.arange(MODES) * 2 * np.pi / MODES), np.sin(np.arange(MODES) * 2 * np.pi / MODES)],
+    axis=1,
+).astype(np.float32)
 
 
 class MLP(nn.Module):
@@ -55,9 +57,16 @@ def init_fn(first_batch, seed):
     key_g, key_d, key_noise = jax.random.split(jax.random.PRNGKey(seed), 3)
     g = GENERATOR.init(key_g, jnp.zeros((1, NOISE)))
     d = DISCRIMINATOR.init(key_d, real)
-    return {"g": g, "d": d, "g_opt": G_OPT.init(g), "d_opt": D_OPT.init(d),
-            "key": key_noise, "step": jnp.zeros((), jnp.int32),
-            "d_loss": jnp.zeros(()), "g_loss": jnp.zeros(())}
+    return {
+        "g": g,
+        "d": d,
+        "g_opt": G_OPT.init(g),
+        "d_opt": D_OPT.init(d),
+        "key": key_noise,
+        "step": jnp.zeros((), jnp.int32),
+        "d_loss": jnp.zeros(()),
+        "g_loss": jnp.zeros(()),
+    }
 
 
 def _bce(logits, label):
@@ -70,8 +79,7 @@ def step_fn(batch, s):
 
     def d_loss_of(d):
         fake = GENERATOR.apply(s["g"], noise)
-        return (_bce(DISCRIMINATOR.apply(d, real), 1.0)
-                + _bce(DISCRIMINATOR.apply(d, fake), 0.0))
+        return _bce(DISCRIMINATOR.apply(d, real), 1.0) + _bce(DISCRIMINATOR.apply(d, fake), 0.0)
 
     d_loss, d_grads = jax.value_and_grad(d_loss_of)(s["d"])
     d_updates, d_opt = D_OPT.update(d_grads, s["d_opt"], s["d"])
@@ -82,9 +90,16 @@ def step_fn(batch, s):
 
     g_loss, g_grads = jax.value_and_grad(g_loss_of)(s["g"])
     g_updates, g_opt = G_OPT.update(g_grads, s["g_opt"], s["g"])
-    return {"g": optax.apply_updates(s["g"], g_updates), "d": d, "g_opt": g_opt,
-            "d_opt": d_opt, "key": s["key"], "step": s["step"] + 1,
-            "d_loss": d_loss, "g_loss": g_loss}
+    return {
+        "g": optax.apply_updates(s["g"], g_updates),
+        "d": d,
+        "g_opt": g_opt,
+        "d_opt": d_opt,
+        "key": s["key"],
+        "step": s["step"] + 1,
+        "d_loss": d_loss,
+        "g_loss": g_loss,
+    }
 
 
 def coverage(samples: np.ndarray) -> tuple[int, float]:
@@ -111,18 +126,24 @@ def main(argv=None) -> dict:
     data = fl.data.arrays(points, mode, batch_size=128, seed=0)
     loop = fl.loop(step_fn, init_fn).metric("d_loss").metric("g_loss")
     if args.log:
-        loop = loop.log(lambda s: f"Epoch {s.epoch + 1}/{s.max_epoch} - "
-                                  f"{format_metrics(s.metrics)}\n",
-                        event="epoch_completed", filter={"every": args.log})
+        loop = loop.log(
+            lambda s: f"Epoch {s.epoch + 1}/{s.max_epoch} - {format_metrics(s.metrics)}\n",
+            event="epoch_completed",
+            filter={"every": args.log},
+        )
     epochs, iterations = (2, 4) if args.quick else (args.epochs, None)
     state = loop.run(data, 0, epochs=epochs, iterations=iterations, fuse=args.fuse or False)
     noise = jax.random.normal(jax.random.PRNGKey(1), (2000, NOISE))
     samples = np.asarray(GENERATOR.apply(state.step_state["g"], noise))
     modes, share = coverage(samples)
-    print(f"after {len(state.history)} epochs: discriminator loss "
-          f"{state.metrics['d_loss']:.3f}, generator loss {state.metrics['g_loss']:.3f}")
-    print(f"the generator covers {modes} of {MODES} Gaussians; {share:.0%} of its points "
-          f"lie within 4 standard deviations of a center")
+    print(
+        f"after {len(state.history)} epochs: discriminator loss "
+        f"{state.metrics['d_loss']:.3f}, generator loss {state.metrics['g_loss']:.3f}"
+    )
+    print(
+        f"the generator covers {modes} of {MODES} Gaussians; {share:.0%} of its points "
+        f"lie within 4 standard deviations of a center"
+    )
     return {"state": state, "modes": modes, "share": share, "samples": samples}
 
 

@@ -8,7 +8,8 @@ so test modules may `from conftest import ...` them for use in parametrization.
 from __future__ import annotations
 
 import io
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -35,8 +36,13 @@ CLASSES = 3
 
 
 # --------------------------------------------------------------------------- data
-def make_batches(n: int = N_BATCHES, batch: int = BATCH, features: int = FEATURES,
-                 classes: int = CLASSES, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+def make_batches(
+    n: int = N_BATCHES,
+    batch: int = BATCH,
+    features: int = FEATURES,
+    classes: int = CLASSES,
+    seed: int = 0,
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """`n` classification batches `(x float32[batch, features], y int32[batch])`.
 
     The labels depend on x (argmax of a fixed projection), so a model can learn them.
@@ -72,7 +78,7 @@ class CountingGenerator:
         finally:
             self.closed = True
 
-    def __iter__(self) -> "CountingGenerator":
+    def __iter__(self) -> CountingGenerator:
         return self
 
     def __next__(self) -> Any:
@@ -123,8 +129,12 @@ class DropoutOnly(nn.Module):
 
 def trainer(model: Any = None, optimizer: Any = "adam", **kwargs: Any) -> fl.Loop:
     """A sparse-cross-entropy trainer on `model` (default: the tiny MLP)."""
-    return fl.trainer(tiny_mlp() if model is None else model,
-                      "sparse_categorical_cross_entropy", optimizer, **kwargs)
+    return fl.trainer(
+        tiny_mlp() if model is None else model,
+        "sparse_categorical_cross_entropy",
+        optimizer,
+        **kwargs,
+    )
 
 
 def counter_loop() -> fl.Loop:
@@ -177,20 +187,21 @@ def assert_tree_equal(a: Any, b: Any, what: str = "tree") -> None:
     for path, x, y in zip(paths, leaves_a, leaves_b):
         x, y = host(x), host(y)
         assert x.dtype == y.dtype and x.shape == y.shape, (
-            f"{what}{path}: {x.dtype}{x.shape} vs {y.dtype}{y.shape}")
+            f"{what}{path}: {x.dtype}{x.shape} vs {y.dtype}{y.shape}"
+        )
         if not np.array_equal(x, y):
             diff = np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)))
             raise AssertionError(f"{what}{path} differs: max |diff| {diff}")
 
 
-def assert_tree_close(a: Any, b: Any, rtol: float = 1e-5, atol: float = 1e-6,
-                      what: str = "tree") -> None:
+def assert_tree_close(
+    a: Any, b: Any, rtol: float = 1e-5, atol: float = 1e-6, what: str = "tree"
+) -> None:
     leaves_a, def_a = jax.tree.flatten(a)
     leaves_b, def_b = jax.tree.flatten(b)
     assert def_a == def_b, f"{what}: structures differ"
     for x, y in zip(leaves_a, leaves_b):
-        np.testing.assert_allclose(host(x), host(y), rtol=rtol, atol=atol,
-                                   err_msg=what)
+        np.testing.assert_allclose(host(x), host(y), rtol=rtol, atol=atol, err_msg=what)
 
 
 def assert_runs_identical(a: fl.State, b: fl.State, step_state: bool = True) -> None:

@@ -16,23 +16,46 @@ from fuseloop.bench._systems import Sample, System
 from fuseloop.bench._workload import ModelSpec, Workload
 
 MICRO = ModelSpec("micro", 4, (8, 3))
-JAX_SYSTEMS = ("floor", "floor_transfer", "fl_fuse32", "fl_fuseauto", "fl_unfused", "plain",
-               "io_callback")
+JAX_SYSTEMS = (
+    "floor",
+    "floor_transfer",
+    "fl_fuse32",
+    "fl_fuseauto",
+    "fl_unfused",
+    "plain",
+    "io_callback",
+)
 
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    return bench.run_benchmark([MICRO], reps=1, quick=True, batch_size=8, n_batches=6,
-                               peers=False, sweep_model="micro", sweep_ks=(1, 4),
-                               compile_ks=(2, 4), overlap_model="micro")
+    return bench.run_benchmark(
+        [MICRO],
+        reps=1,
+        quick=True,
+        batch_size=8,
+        n_batches=6,
+        peers=False,
+        sweep_model="micro",
+        sweep_ks=(1, 4),
+        compile_ks=(2, 4),
+        overlap_model="micro",
+    )
 
 
 def test_json_has_every_section(report: dict, tmp_path) -> None:  # noqa: ANN001
     path = tmp_path / "bench.json"
     _output.write_json(report, str(path))
     loaded = json.loads(path.read_text())
-    assert {"meta", "models", "ratio_definitions", "targets", "sweep",
-            "compile_vs_k", "overlap"} <= set(loaded)
+    assert {
+        "meta",
+        "models",
+        "ratio_definitions",
+        "targets",
+        "sweep",
+        "compile_vs_k",
+        "overlap",
+    } <= set(loaded)
     machine = loaded["meta"]["machine"]
     assert machine["cpu_count"] >= 1 and machine["platform"] and machine["jax_devices"]
     assert loaded["meta"]["machine"]["versions"]["jax"] == jax.__version__
@@ -152,24 +175,43 @@ def test_bitwise_check_sees_one_ulp() -> None:
 
 
 # ----------------------------------------------------------------- peers
-def test_missing_peers_are_reported_as_skipped(workload: Workload,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_peers_are_reported_as_skipped(
+    workload: Workload, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name in ("keras", "torch") else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in ("keras", "torch") else real(name, *a),
+    )
     monkeypatch.delitem(sys.modules, "keras", raising=False)
-    plan = [("keras_spe32", "Keras", lambda: _peers.KerasFit(workload, 32)),
-            ("torch", "PyTorch", lambda: _peers.TorchEager(workload))]
+    plan = [
+        ("keras_spe32", "Keras", lambda: _peers.KerasFit(workload, 32)),
+        ("torch", "PyTorch", lambda: _peers.TorchEager(workload)),
+    ]
     results, _, _ = _harness.measure(plan, reps=1, iterations=2)
     for key in ("keras_spe32", "torch"):
         assert results[key].status == "skipped"
         assert "not installed" in results[key].reason
         assert results[key].to_json()["median_us"] is None
-    report = {"meta": {"reps": 1, "quick": True, "batch_size": 4, "batches_per_epoch": 2,
-                       "machine": {"cpus_usable": 2, "jax_backend": "cpu"}},
-              "models": {"micro": {"params": 67, "ratios": {},
-                                   "systems": {k: r.to_json() for k, r in results.items()}}},
-              "ratio_definitions": [], "targets": []}
+    report = {
+        "meta": {
+            "reps": 1,
+            "quick": True,
+            "batch_size": 4,
+            "batches_per_epoch": 2,
+            "machine": {"cpus_usable": 2, "jax_backend": "cpu"},
+        },
+        "models": {
+            "micro": {
+                "params": 67,
+                "ratios": {},
+                "systems": {k: r.to_json() for k, r in results.items()},
+            }
+        },
+        "ratio_definitions": [],
+        "targets": [],
+    }
     assert "skipped: keras not installed" in _output.markdown(report)
 
 
@@ -182,15 +224,13 @@ def test_cli_rejects_an_unknown_model() -> None:
 @pytest.fixture(scope="module")
 def zoo_report() -> dict:
     pytest.importorskip("sklearn", reason="the zoo's cnn trains on scikit-learn's digits")
-    return bench.run_benchmark(["cnn"], reps=1, quick=True, batch_size=8, n_batches=2,
-                               peers=False)
+    return bench.run_benchmark(["cnn"], reps=1, quick=True, batch_size=8, n_batches=2, peers=False)
 
 
 def test_zoo_cnn_passes_its_guards_with_batch_stats(zoo_report: dict) -> None:
     cnn = zoo_report["models"]["cnn"]
     systems = cnn["systems"]
-    expected = {"floor", "floor_transfer", "fl_fuse32", "fl_fuse32_resident", "fl_unfused",
-                "plain"}
+    expected = {"floor", "floor_transfer", "fl_fuse32", "fl_fuse32_resident", "fl_unfused", "plain"}
     assert set(systems) == expected
     for key in expected:
         assert systems[key]["status"] == "ok", (key, systems[key]["reason"])
@@ -205,7 +245,11 @@ def test_zoo_cnn_passes_its_guards_with_batch_stats(zoo_report: dict) -> None:
         assert zoo["overhead_us"] == zoo["unfused_us"] - zoo["floor_us"]
         assert zoo["fused_vs_floor"] == zoo["fused_us"] / zoo["floor_us"]
     assert cnn["zoo"]["verdict"].split(":")[0] in (
-        "compute-bound", "overhead-bound", "loop-penalized", "loop-favoured")
+        "compute-bound",
+        "overhead-bound",
+        "loop-penalized",
+        "loop-favoured",
+    )
     text = _output.markdown(zoo_report)
     assert "Model zoo: where fusion helps" in text and "| cnn | sklearn digits |" in text
 
@@ -228,12 +272,14 @@ def test_zoo_guards_compare_batch_stats() -> None:
 def char_workloads() -> dict:
     from fuseloop.bench._zoo import ZOO, ZooWorkload
 
-    return {name: ZooWorkload(ZOO[name], batch_size=4, n_batches=2)
-            for name in ("transformer", "gru")}
+    return {
+        name: ZooWorkload(ZOO[name], batch_size=4, n_batches=2) for name in ("transformer", "gru")
+    }
 
 
 def test_zoo_char_data_is_next_character_prediction_on_an_installed_text(
-        char_workloads: dict) -> None:
+    char_workloads: dict,
+) -> None:
     from fuseloop.bench._zoo import SEQUENCE, char_corpus
 
     text, source = char_corpus()
@@ -241,7 +287,7 @@ def test_zoo_char_data_is_next_character_prediction_on_an_installed_text(
     w = char_workloads["transformer"]
     assert w.x.shape == w.y.shape == (8, SEQUENCE) and w.x.dtype == np.int32
     np.testing.assert_array_equal(w.x[:, 1:], w.y[:, :-1])
-    assert 0 <= w.x.min() and w.x.max() < w.vocab == len(set(text))
+    assert w.x.min() >= 0 and w.x.max() < w.vocab == len(set(text))
     logits = jax.eval_shape(lambda v, x: w.module.apply(v, x), w.variables, w.batches[0][0])
     assert logits.shape == (4, SEQUENCE, w.vocab)
 
@@ -251,15 +297,22 @@ def test_zoo_gru_step_is_fuseloops_trainer_step(char_workloads: dict) -> None:
 
     w = char_workloads["gru"]
     state = fl.trainer(w.module, "sparse_categorical_cross_entropy", w.tx).run(
-        w.batches, w.variables, fuse=False)
+        w.batches, w.variables, fuse=False
+    )
     variables, opt_state = w.fresh_state()
     step = jax.jit(w.train_step)
     losses = []
     for x, y in w.batches:
         variables, opt_state, loss = step(variables, opt_state, x, y)
         losses.append(float(loss))
-    assert _guards.check_close(jax.device_get(variables), jax.device_get(
-        w.compared(state.step_state["params"])), "gru step") <= 1e-5
+    assert (
+        _guards.check_close(
+            jax.device_get(variables),
+            jax.device_get(w.compared(state.step_state["params"])),
+            "gru step",
+        )
+        <= 1e-5
+    )
     assert state.history[0]["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
 
 

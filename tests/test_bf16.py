@@ -33,8 +33,11 @@ def test_named_optimizers_train_bf16_params(name):
     assert unfused.history == fused.history
     leaves = jax.tree.leaves(unfused.params)
     assert all(leaf.dtype == jnp.bfloat16 for leaf in leaves)
-    hyper = [leaf for leaf in jax.tree.leaves(unfused.step_state["opt_state"])
-             if jnp.issubdtype(leaf.dtype, jnp.floating)]
+    hyper = [
+        leaf
+        for leaf in jax.tree.leaves(unfused.step_state["opt_state"])
+        if jnp.issubdtype(leaf.dtype, jnp.floating)
+    ]
     assert all(leaf.dtype == jnp.float32 for leaf in hyper)
 
 
@@ -47,7 +50,8 @@ def test_adam_bf16_actually_learns():
 @pytest.mark.parametrize("fuse", [False, 4])
 def test_a_step_that_promotes_a_leaf_is_a_value_error(fuse):
     promoting = optax.inject_hyperparams(optax.adam, hyperparam_dtype=jnp.float32)(
-        learning_rate=1e-3)
+        learning_rate=1e-3
+    )
     loop = fl.trainer(Bf16MLP(), "sparse_categorical_cross_entropy", promoting)
     with pytest.raises(ValueError) as info:
         loop.run(DATA, fuse=fuse)
@@ -62,4 +66,8 @@ def test_a_custom_step_that_changes_a_shape_is_a_value_error(fuse):
         return {"total": jnp.concatenate([s["total"], jnp.zeros(1)])}
 
     with pytest.raises(ValueError, match=r"step_state\['total'\].*shape \(2,\) to .*shape \(3,\)"):
-        fl.loop(step).run([(np.zeros(2, np.float32), np.zeros(2, np.float32))] * 3, {"total": jnp.zeros(2)}, fuse=fuse)
+        fl.loop(step).run(
+            [(np.zeros(2, np.float32), np.zeros(2, np.float32))] * 3,
+            {"total": jnp.zeros(2)},
+            fuse=fuse,
+        )

@@ -23,8 +23,10 @@ from fuseloop.handlers.checkpoint import Checkpointer, list_checkpoints
 
 def _batches(n: int, seed: int):
     rng = np.random.default_rng(seed)
-    return [(rng.normal(size=(8, 4)).astype(np.float32),
-             rng.integers(0, 3, size=(8,)).astype(np.int32)) for _ in range(n)]
+    return [
+        (rng.normal(size=(8, 4)).astype(np.float32), rng.integers(0, 3, size=(8,)).astype(np.int32))
+        for _ in range(n)
+    ]
 
 
 def _flat(y_true, y_pred):
@@ -35,11 +37,14 @@ MODEL = fl.models.mlp([8, 3])
 DATA, VAL = _batches(5, 0), _batches(3, 1)
 # Every handler whose state must survive a checkpoint: validation metrics in the history,
 # the early-stop record, the LR-on-plateau record and the learning rate it changed.
-TRAINER = (fl.trainer(MODEL, "sparse_categorical_cross_entropy", "adam")
-           .metric("accuracy").metric(_flat, "flat")
-           .validate(MODEL, VAL)
-           .early_stop("validation_loss", patience=10)
-           .reduce_lr_on_plateau("validation_flat", factor=0.5, patience=1))
+TRAINER = (
+    fl.trainer(MODEL, "sparse_categorical_cross_entropy", "adam")
+    .metric("accuracy")
+    .metric(_flat, "flat")
+    .validate(MODEL, VAL)
+    .early_stop("validation_loss", patience=10)
+    .reduce_lr_on_plateau("validation_flat", factor=0.5, patience=1)
+)
 
 
 def _assert_trees_identical(a, b):
@@ -50,8 +55,9 @@ def _assert_trees_identical(a, b):
 
 
 def _counts(state: fl.State) -> dict:
-    return {k: v for k, v in state.event_counts.items()
-            if k not in ("started", "completed", "halted")}
+    return {
+        k: v for k, v in state.event_counts.items() if k not in ("started", "completed", "halted")
+    }
 
 
 def _assert_same_run(a: fl.State, b: fl.State):
@@ -72,11 +78,22 @@ def test_save_and_load_round_trip_the_whole_state(tmp_path):
     _assert_trees_identical(loaded.step_state, state.step_state)
     # optax NamedTuples come back as themselves, so the optimizer accepts the state.
     assert type(loaded.step_state["opt_state"]) is type(state.step_state["opt_state"])
-    for name in ("epoch", "max_epoch", "iteration", "max_iteration", "metrics", "history",
-                 "handler_metadata", "event_counts", "status", "times"):
+    for name in (
+        "epoch",
+        "max_epoch",
+        "iteration",
+        "max_iteration",
+        "metrics",
+        "history",
+        "handler_metadata",
+        "event_counts",
+        "status",
+        "times",
+    ):
         assert getattr(loaded, name) == getattr(state, name), name
-    optax.apply_updates(loaded.params["params"],
-                        jax.tree.map(jnp.zeros_like, loaded.params["params"]))
+    optax.apply_updates(
+        loaded.params["params"], jax.tree.map(jnp.zeros_like, loaded.params["params"])
+    )
 
 
 def test_save_state_replaces_a_save_but_nothing_else(tmp_path):
@@ -99,9 +116,13 @@ def test_save_state_replaces_a_save_but_nothing_else(tmp_path):
 
 def test_custom_step_states_keep_python_scalars_and_typed_keys(tmp_path):
     eqx = pytest.importorskip("equinox")
-    step_state = {"key": jax.random.key(3), "scale": 0.5, "n": np.int64(7),
-                  "nested": (jnp.ones(2, jnp.bfloat16), None),
-                  "module": eqx.nn.Linear(2, 3, key=jax.random.PRNGKey(0))}
+    step_state = {
+        "key": jax.random.key(3),
+        "scale": 0.5,
+        "n": np.int64(7),
+        "nested": (jnp.ones(2, jnp.bfloat16), None),
+        "module": eqx.nn.Linear(2, 3, key=jax.random.PRNGKey(0)),
+    }
     fl.save_state(fl.State(step_state=step_state), tmp_path / "s")
     loaded = fl.load_state(tmp_path / "s").step_state
     # An equinox module (whose tree structure does not survive pickling a PyTreeDef).
@@ -110,8 +131,9 @@ def test_custom_step_states_keep_python_scalars_and_typed_keys(tmp_path):
     assert loaded["scale"] == 0.5 and type(loaded["scale"]) is float
     assert loaded["n"].dtype == np.int64 and loaded["nested"][1] is None
     assert loaded["nested"][0].dtype == jnp.bfloat16
-    np.testing.assert_array_equal(jax.random.key_data(loaded["key"]),
-                                  jax.random.key_data(step_state["key"]))
+    np.testing.assert_array_equal(
+        jax.random.key_data(loaded["key"]), jax.random.key_data(step_state["key"])
+    )
 
 
 # ----------------------------------------------------------------- Loop.checkpoint
@@ -166,8 +188,11 @@ def test_a_signal_still_writes_a_checkpoint(tmp_path):
         if state.epoch == 1 and state.iteration == 1:
             os.kill(os.getpid(), signal.SIGINT)
 
-    loop = (_counting([0.0] * 4).handle_event("iteration_completed", interrupt)
-            .checkpoint(tmp_path / "sig"))
+    loop = (
+        _counting([0.0] * 4)
+        .handle_event("iteration_completed", interrupt)
+        .checkpoint(tmp_path / "sig")
+    )
     state = loop.run([(0, 0)] * 3, {"n": jnp.int32(0)}, epochs=4)
     assert state.status == "halted"
     latest = fl.load_state(tmp_path / "sig")
@@ -226,8 +251,9 @@ _SAVER = textwrap.dedent("""
 def _save_until_killed(script, path, first: int, delay: float) -> int:
     """Runs the saver, kills it with SIGKILL `delay` seconds after its second save, and
     returns the last epoch it reported saved."""
-    process = subprocess.Popen([sys.executable, str(script), str(path), str(first)],
-                               stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(path), str(first)], stdout=subprocess.PIPE, text=True
+    )
     try:
         reported = [int(process.stdout.readline()) for _ in range(2)]
         time.sleep(delay)

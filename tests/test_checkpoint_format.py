@@ -31,14 +31,26 @@ def test_no_module_of_fuseloop_imports_pickle():
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
-            assert not any(n.split(".")[0] in ("pickle", "cloudpickle", "dill") for n in names), file
+            assert not any(n.split(".")[0] in ("pickle", "cloudpickle", "dill") for n in names), (
+                file
+            )
 
 
 def test_the_metadata_is_json_and_the_arrays_are_orbax(tmp_path):
-    state = fl.State(epoch=2, history={0: {"loss": 1.0}, 1: {"loss": float("nan")}},
-                     times={0: 0.5}, step_state={"w": jnp.arange(3.0)},
-                     handler_metadata={"mine": {"best": None, "seen": [1, 2.5, "x", True],
-                                                "when": (3, 4), "by_epoch": {7: "seven"}}})
+    state = fl.State(
+        epoch=2,
+        history={0: {"loss": 1.0}, 1: {"loss": float("nan")}},
+        times={0: 0.5},
+        step_state={"w": jnp.arange(3.0)},
+        handler_metadata={
+            "mine": {
+                "best": None,
+                "seen": [1, 2.5, "x", True],
+                "when": (3, 4),
+                "by_epoch": {7: "seven"},
+            }
+        },
+    )
     fl.save_state(state, tmp_path / "s")
     document = json.loads((tmp_path / "s" / "state" / "metadata").read_text())
     assert document["format"] == "fuseloop-state" and document["version"] == 2
@@ -51,8 +63,11 @@ def test_the_metadata_is_json_and_the_arrays_are_orbax(tmp_path):
 
 
 def test_handler_metadata_arrays_round_trip_and_other_objects_are_refused(tmp_path):
-    metadata = {"np": np.arange(4, dtype=np.int16), "jax": {"w": jnp.ones((2, 2))},
-                "scalar": np.float32(1.5)}
+    metadata = {
+        "np": np.arange(4, dtype=np.int16),
+        "jax": {"w": jnp.ones((2, 2))},
+        "scalar": np.float32(1.5),
+    }
     fl.save_state(fl.State(handler_metadata=metadata), tmp_path / "ok")
     loaded = fl.load_state(tmp_path / "ok").handler_metadata
     assert loaded["np"].dtype == np.int16 and loaded["scalar"].dtype == np.float32
@@ -80,6 +95,7 @@ def test_optax_states_and_named_functions_come_back_as_themselves(tmp_path):
 
 # ----------------------------------------------------------------- crafted directories
 
+
 class _Payload:
     """Unpickling this creates the marker directory: proof that code ran."""
 
@@ -98,11 +114,14 @@ def _legacy_save(folder: pathlib.Path, payload) -> None:
 
     folder.mkdir(parents=True)
     with ocp.PyTreeCheckpointer() as checkpointer:
-        checkpointer.save(folder / "arrays", {"leaf_000000": np.arange(3.0),
-                                              "leaf_000001": np.float32(2.0) * np.ones(2)})
+        checkpointer.save(
+            folder / "arrays",
+            {"leaf_000000": np.arange(3.0), "leaf_000001": np.float32(2.0) * np.ones(2)},
+        )
     (folder / "state.pkl").write_bytes(pickle.dumps(payload))
-    (folder / "info.json").write_text(json.dumps({"format": "fuseloop-state", "version": 1,
-                                                  "epoch": 4, "status": "completed"}))
+    (folder / "info.json").write_text(
+        json.dumps({"format": "fuseloop-state", "version": 1, "epoch": 4, "status": "completed"})
+    )
 
 
 def test_a_malicious_pickle_is_never_unpickled(tmp_path):
@@ -135,17 +154,22 @@ def _crafted(tmp_path, step_state_json) -> pathlib.Path:
     return tmp_path / "c"
 
 
-@pytest.mark.parametrize("entry, message", [
-    ({"node": "subprocess:Popen", "data": None, "children": [["sh", "-c", "touch x"]]},
-     "not imported|not a pytree node"),
-    ({"node": "os:system", "data": None, "children": ["touch x"]}, "not a type"),
-    ({"dataclass": "os:system", "fields": []}, "not a dataclass"),
-    ({"function": "antigravity:geohash"}, "not imported"),
-    ({"node": "builtins:dict", "data": 5, "children": [1]}, "not a pytree node"),
-    ({"node": "os:__builtins__", "data": None, "children": []}, "does not name"),
-    ({"jax": 99}, "out of range"),
-    ({"eval": "print(1)"}, "unknown entry"),
-])
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        (
+            {"node": "subprocess:Popen", "data": None, "children": [["sh", "-c", "touch x"]]},
+            "not imported|not a pytree node",
+        ),
+        ({"node": "os:system", "data": None, "children": ["touch x"]}, "not a type"),
+        ({"dataclass": "os:system", "fields": []}, "not a dataclass"),
+        ({"function": "antigravity:geohash"}, "not imported"),
+        ({"node": "builtins:dict", "data": 5, "children": [1]}, "not a pytree node"),
+        ({"node": "os:__builtins__", "data": None, "children": []}, "does not name"),
+        ({"jax": 99}, "out of range"),
+        ({"eval": "print(1)"}, "unknown entry"),
+    ],
+)
 def test_a_crafted_json_cannot_run_code_or_import(tmp_path, entry, message):
     path = _crafted(tmp_path, entry)
     with pytest.raises(ValueError, match=message):
@@ -155,18 +179,22 @@ def test_a_crafted_json_cannot_run_code_or_import(tmp_path, entry, message):
 
 # ----------------------------------------------------------------- asynchronous saves
 
+
 def test_asynchronous_checkpoints_resume_bitwise(tmp_path):
     model = fl.models.mlp([8, 3])
     rng = np.random.default_rng(0)
-    data = [(rng.normal(size=(8, 4)).astype(np.float32),
-             rng.integers(0, 3, size=(8,)).astype(np.int32)) for _ in range(4)]
+    data = [
+        (rng.normal(size=(8, 4)).astype(np.float32), rng.integers(0, 3, size=(8,)).astype(np.int32))
+        for _ in range(4)
+    ]
     trainer = fl.trainer(model, "sparse_categorical_cross_entropy", "adam").metric("accuracy")
     saver = Checkpointer(tmp_path / "ck", keep=2, asynchronous=True)
-    loop = (trainer.handle_event("epoch_completed", saver)
-            .handle_event("completed", saver.finish))
+    loop = trainer.handle_event("epoch_completed", saver).handle_event("completed", saver.finish)
     full = loop.run(data, epochs=3, fuse=2)
     assert [p.name for p in list_checkpoints(tmp_path / "ck")] == [
-        "checkpoint_000002_epoch_1", "checkpoint_000003_epoch_2"]
+        "checkpoint_000002_epoch_1",
+        "checkpoint_000003_epoch_2",
+    ]
     middle = fl.load_state(list_checkpoints(tmp_path / "ck")[0])
     resumed = trainer.run(data, middle, epochs=3, fuse=2)
     for a, b in zip(jax.tree.leaves(full.step_state), jax.tree.leaves(resumed.step_state)):

@@ -59,8 +59,11 @@ def test_second_run_does_not_recompile(fuse):
 
 
 def test_fused_loop_with_iteration_handlers_compiles_once():
-    loop = trainer().metric("accuracy").handle_event("iteration_completed", lambda s: None,
-                                                     {"every": 4})
+    loop = (
+        trainer()
+        .metric("accuracy")
+        .handle_event("iteration_completed", lambda s: None, {"every": 4})
+    )
     first = loop.run(DATA, epochs=2, fuse=5)
     assert first.stats["compiles"] == 1
     with jax_compiles() as compiled:

@@ -210,8 +210,9 @@ def test_host_source_refuses_device_placement():
 
 # --------------------------------------------------------------------- in a run
 def _loop():
-    return fl.trainer(fl.models.mlp([4, CLASSES]), "sparse_categorical_cross_entropy",
-                      optax.sgd(0.1)).metric("accuracy")
+    return fl.trainer(
+        fl.models.mlp([4, CLASSES]), "sparse_categorical_cross_entropy", optax.sgd(0.1)
+    ).metric("accuracy")
 
 
 LOOP = _loop()  # shared so each program compiles once for the module
@@ -256,8 +257,7 @@ def test_an_epoch_runs_the_same_batches_as_a_list_of_that_epochs_batches():
 def test_device_resident_source_is_bitwise_equal_to_the_host_source(fuse):
     x, y = _xy()
     host = LOOP.run(fl.data.arrays(x, y, batch_size=8, seed=3), epochs=3, fuse=fuse)
-    device = LOOP.run(fl.data.arrays(x, y, batch_size=8, seed=3, device=True), epochs=3,
-                      fuse=fuse)
+    device = LOOP.run(fl.data.arrays(x, y, batch_size=8, seed=3, device=True), epochs=3, fuse=fuse)
     _assert_same_run(host, device)
 
 

@@ -3,7 +3,8 @@ exact consumption (pull counts == steps) and closing."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -27,8 +28,9 @@ def _batches(n: int = N_BATCHES, seed: int = 0) -> list[tuple[np.ndarray, np.nda
 
 
 BATCHES = _batches()
-LOOP = fl.trainer(fl.models.mlp([4, CLASSES]), "sparse_categorical_cross_entropy",
-                  optax.sgd(0.1)).metric("accuracy")
+LOOP = fl.trainer(
+    fl.models.mlp([4, CLASSES]), "sparse_categorical_cross_entropy", optax.sgd(0.1)
+).metric("accuracy")
 
 
 def _leaves(state) -> list[np.ndarray]:
@@ -217,8 +219,9 @@ class DictModel(nn.Module):
         return nn.Dense(CLASSES)(nn.relu(h))
 
 
-DICT_LOOP = fl.trainer(DictModel(), "sparse_categorical_cross_entropy",
-                       optax.adam(1e-2)).metric("accuracy")
+DICT_LOOP = fl.trainer(DictModel(), "sparse_categorical_cross_entropy", optax.adam(1e-2)).metric(
+    "accuracy"
+)
 
 
 def _dict_batches() -> list[tuple[dict[str, np.ndarray], np.ndarray]]:
@@ -243,8 +246,9 @@ def test_dict_arrays_source_matches_a_list_of_its_batches(fuse):
     x = {k: np.concatenate([b[0][k] for b in batches]) for k in ("a", "b")}
     y = np.concatenate([b[1] for b in batches])
     source = fl.data.arrays(x, y, batch_size=BATCH, shuffle=False)
-    _assert_same_run(DICT_LOOP.run(source, epochs=2, fuse=fuse),
-                     DICT_LOOP.run(batches, epochs=2, fuse=fuse))
+    _assert_same_run(
+        DICT_LOOP.run(source, epochs=2, fuse=fuse), DICT_LOOP.run(batches, epochs=2, fuse=fuse)
+    )
 
 
 @pytest.mark.parametrize("fuse", FUSES)
@@ -253,6 +257,5 @@ def test_dict_device_resident_source_matches_the_host_source(fuse):
     x = {k: np.concatenate([b[0][k] for b in batches]) for k in ("a", "b")}
     y = np.concatenate([b[1] for b in batches])
     host = DICT_LOOP.run(fl.data.arrays(x, y, BATCH, seed=2), epochs=2, fuse=fuse)
-    device = DICT_LOOP.run(fl.data.arrays(x, y, BATCH, seed=2, device=True), epochs=2,
-                           fuse=fuse)
+    device = DICT_LOOP.run(fl.data.arrays(x, y, BATCH, seed=2, device=True), epochs=2, fuse=fuse)
     _assert_same_run(host, device)

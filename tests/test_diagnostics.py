@@ -16,13 +16,17 @@ BATCH, FEATURES, N_BATCHES = 8, 4, 40
 
 def _batches(n: int = N_BATCHES, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(seed)
-    return [(rng.standard_normal((BATCH, FEATURES)).astype(np.float32),
-             rng.integers(0, 3, BATCH).astype(np.int32)) for _ in range(n)]
+    return [
+        (
+            rng.standard_normal((BATCH, FEATURES)).astype(np.float32),
+            rng.integers(0, 3, BATCH).astype(np.int32),
+        )
+        for _ in range(n)
+    ]
 
 
 def _loop() -> fl.Loop:
-    return fl.trainer(fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy",
-                      optax.adam(1e-2))
+    return fl.trainer(fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy", optax.adam(1e-2))
 
 
 def _batch_bytes(batch: tuple[np.ndarray, np.ndarray]) -> int:
@@ -144,8 +148,10 @@ def test_measures_once_per_loop_and_batch_shape(fake_probe: FakeProbe) -> None:
     assert fake_probe.calls == 2
 
 
-@pytest.mark.parametrize("argument, value", [("budget_bytes", 0), ("max_chunk", -1),
-                                             ("tolerance", 0.0), ("epoch_length", 0)])
+@pytest.mark.parametrize(
+    "argument, value",
+    [("budget_bytes", 0), ("max_chunk", -1), ("tolerance", 0.0), ("epoch_length", 0)],
+)
 def test_bad_arguments_name_themselves(argument: str, value: float) -> None:
     loop, batch = _loop(), _batches(1)[0]
     with pytest.raises(ValueError, match=argument):
@@ -154,19 +160,25 @@ def test_bad_arguments_name_themselves(argument: str, value: float) -> None:
 
 # ----------------------------------------------------------------- fusion count
 def test_count_fusions_counts_fusion_instructions_only() -> None:
-    text = "\n".join([
-        "%fused_computation (p: f32[4]) -> f32[4] {",
-        "  ROOT %add.0 = f32[4]{0} add(%p, %p)",
-        "}",
-        "ENTRY %main (a: f32[4]) -> (f32[4], f32[]) {",
-        "  %fusion.1 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation",
-        "  %neg = f32[4]{0} negate(%fusion.1)",
-        "  ROOT %tuple_fusion = (f32[4]{0}, f32[]) fusion(%neg), kind=kInput, calls=%c2",
-        "}",
-    ])
+    text = "\n".join(
+        [
+            "%fused_computation (p: f32[4]) -> f32[4] {",
+            "  ROOT %add.0 = f32[4]{0} add(%p, %p)",
+            "}",
+            "ENTRY %main (a: f32[4]) -> (f32[4], f32[]) {",
+            "  %fusion.1 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation",
+            "  %neg = f32[4]{0} negate(%fusion.1)",
+            "  ROOT %tuple_fusion = (f32[4]{0}, f32[]) fusion(%neg), kind=kInput, calls=%c2",
+            "}",
+        ]
+    )
     assert diagnostics.count_fusions(text) == 2
-    assert diagnostics.count_fusions("ENTRY %m (a: f32[]) -> f32[] {\n ROOT %a = f32[] "
-                                     "parameter(0)\n}") == 0
+    assert (
+        diagnostics.count_fusions(
+            "ENTRY %m (a: f32[]) -> f32[] {\n ROOT %a = f32[] parameter(0)\n}"
+        )
+        == 0
+    )
 
 
 def test_count_fusions_on_a_compiled_program() -> None:

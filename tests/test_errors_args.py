@@ -22,8 +22,16 @@ def check(error: pytest.ExceptionInfo, *words: str) -> None:
 def test_unknown_loss():
     with pytest.raises(ValueError) as info:
         fl.trainer(tiny_mlp(), "hinge", "sgd")
-    check(info, "loss", "hinge", "mean_squared_error", "sparse_categorical_cross_entropy",
-          "binary_cross_entropy", "categorical_cross_entropy", "mean_absolute_error")
+    check(
+        info,
+        "loss",
+        "hinge",
+        "mean_squared_error",
+        "sparse_categorical_cross_entropy",
+        "binary_cross_entropy",
+        "categorical_cross_entropy",
+        "mean_absolute_error",
+    )
 
 
 def test_unknown_optimizer():
@@ -41,8 +49,16 @@ def test_optimizer_of_the_wrong_type():
 def test_unknown_metric():
     with pytest.raises(ValueError) as info:
         trainer().metric("f1")
-    check(info, "metric", "f1", "accuracy", "precision", "recall", "mean_absolute_error",
-          "mean_squared_error")
+    check(
+        info,
+        "metric",
+        "f1",
+        "accuracy",
+        "precision",
+        "recall",
+        "mean_absolute_error",
+        "mean_squared_error",
+    )
 
 
 def test_unknown_accumulator():
@@ -57,8 +73,9 @@ def test_not_a_model():
     check(info, "model")
 
 
-@pytest.mark.parametrize("kwargs,word", [({"log": -1}, "log"), ({"log": 1.5}, "log"),
-                                         ({"seed": "x"}, "seed")])
+@pytest.mark.parametrize(
+    "kwargs,word", [({"log": -1}, "log"), ({"log": 1.5}, "log"), ({"seed": "x"}, "seed")]
+)
 def test_bad_trainer_options(kwargs, word):
     with pytest.raises(ValueError) as info:
         fl.trainer(tiny_mlp(), "mean_squared_error", "sgd", **kwargs)
@@ -76,8 +93,7 @@ def test_bad_filter(spec):
 @pytest.mark.parametrize("value", [0, -2, 1.5, True, "3"])
 def test_bad_filter_count(value):
     with pytest.raises(ValueError) as info:
-        counter_loop().handle_event("iteration_completed", lambda s: None,
-                                    filter={"every": value})
+        counter_loop().handle_event("iteration_completed", lambda s: None, filter={"every": value})
     check(info, "filter", "every", "positive")
 
 
@@ -101,14 +117,17 @@ def test_custom_loop_step_must_be_callable():
 
 
 # --------------------------------------------------------------------------- run arguments
-@pytest.mark.parametrize("kwargs,words", [
-    ({"epochs": 0}, ["epochs", "positive"]),
-    ({"epochs": -1}, ["epochs", "positive"]),
-    ({"epochs": 1.5}, ["epochs", "positive"]),
-    ({"iterations": 0}, ["iterations", "positive"]),
-    ({"max_in_flight": 0}, ["max_in_flight", "positive"]),
-    ({"jit": "yes"}, ["jit", "True", "False"]),
-])
+@pytest.mark.parametrize(
+    "kwargs,words",
+    [
+        ({"epochs": 0}, ["epochs", "positive"]),
+        ({"epochs": -1}, ["epochs", "positive"]),
+        ({"epochs": 1.5}, ["epochs", "positive"]),
+        ({"iterations": 0}, ["iterations", "positive"]),
+        ({"max_in_flight": 0}, ["max_in_flight", "positive"]),
+        ({"jit": "yes"}, ["jit", "True", "False"]),
+    ],
+)
 def test_bad_run_arguments_fail_before_pulling_data(kwargs, words):
     source = CountingGenerator(DATA)
     with pytest.raises(ValueError) as info:
@@ -133,8 +152,11 @@ def test_fuse_with_jit_false(fuse):
     check(info, "fuse", "jit")
 
 
-@pytest.mark.parametrize("data", [[], lambda: iter([]), iter([]), (b for b in [])],
-                         ids=["list", "callable", "iterator", "generator"])
+@pytest.mark.parametrize(
+    "data",
+    [[], lambda: iter([]), iter([]), (b for b in [])],
+    ids=["list", "callable", "iterator", "generator"],
+)
 def test_empty_data(data):
     with pytest.raises(ValueError) as info:
         trainer().run(data)
@@ -148,11 +170,15 @@ def test_data_that_is_not_a_source(data):
     check(info, "data")
 
 
-@pytest.mark.parametrize("batch", [
-    np.zeros((4, 3), np.float32),
-    (np.zeros((4, 3), np.float32),),
-    (np.zeros((4, 3), np.float32), np.zeros(4, np.int32), np.zeros(4, np.int32)),
-], ids=["array", "1-tuple", "3-tuple"])
+@pytest.mark.parametrize(
+    "batch",
+    [
+        np.zeros((4, 3), np.float32),
+        (np.zeros((4, 3), np.float32),),
+        (np.zeros((4, 3), np.float32), np.zeros(4, np.int32), np.zeros(4, np.int32)),
+    ],
+    ids=["array", "1-tuple", "3-tuple"],
+)
 @pytest.mark.parametrize("fuse", [False, 4])
 def test_a_batch_that_is_not_x_y(batch, fuse):
     with pytest.raises(ValueError) as info:

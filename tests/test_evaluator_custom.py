@@ -25,8 +25,9 @@ DATA = make_batches(6)
 def hand_accuracy(apply, data):
     total = np.float32(0)
     for x, y in data:
-        total = np.float32(total + np.mean((np.argmax(np.asarray(apply(x)), -1) == y)
-                                           .astype(np.float32)))
+        total = np.float32(
+            total + np.mean((np.argmax(np.asarray(apply(x)), -1) == y).astype(np.float32))
+        )
     return float(total / np.float32(len(data)))
 
 
@@ -112,16 +113,17 @@ def test_custom_loop_with_init_fn_and_a_metric_named_after_a_scalar():
         return {"w": jnp.zeros(x.shape[1]), "loss": jnp.float32(0), "seen": jnp.int32(0)}
 
     losses: list = []
-    loop = (fl.loop(_sgd_step, init_fn).metric("loss")
-            .metric("seen", name="examples", accumulate="running_sum")
-            .handle_event("iteration_completed",
-                          lambda s: losses.append(float(s.step_state["loss"]))))
+    loop = (
+        fl.loop(_sgd_step, init_fn)
+        .metric("loss")
+        .metric("seen", name="examples", accumulate="running_sum")
+        .handle_event("iteration_completed", lambda s: losses.append(float(s.step_state["loss"])))
+    )
     state = loop.run(data, epochs=3)
     assert calls == [((4, 3), None)]
     for epoch in range(3):
-        epoch_losses = losses[epoch * 8:(epoch + 1) * 8]
-        np.testing.assert_allclose(state.history[epoch]["loss"], np.mean(epoch_losses),
-                                   rtol=1e-5)
+        epoch_losses = losses[epoch * 8 : (epoch + 1) * 8]
+        np.testing.assert_allclose(state.history[epoch]["loss"], np.mean(epoch_losses), rtol=1e-5)
     assert state.history[2]["loss"] < state.history[0]["loss"]
     # "seen" at step k is 4*(global step): its running sum over epoch e is exact.
     for epoch in range(3):
@@ -164,6 +166,7 @@ def test_custom_loop_jit_false_matches_jit_true():
     eager = loop.run(data, init, epochs=2, jit=False)
     assert_tree_close(compiled.step_state, eager.step_state)
     for epoch in range(2):
-        assert eager.history[epoch]["loss"] == pytest.approx(compiled.history[epoch]["loss"],
-                                                             rel=1e-5)
+        assert eager.history[epoch]["loss"] == pytest.approx(
+            compiled.history[epoch]["loss"], rel=1e-5
+        )
     assert eager.event_counts == compiled.event_counts

@@ -69,6 +69,7 @@ def test_event_stream_of_a_custom_loop_and_counts_seen_by_handlers():
         def handler(state):
             counts = state.event_counts[event]
             seen.append((event, counts["total"] if isinstance(counts, dict) else counts))
+
         return handler
 
     loop = counter_loop()
@@ -87,14 +88,22 @@ def test_iteration_handlers_see_live_state_and_per_epoch_counts():
     seen: list = []
 
     def handler(state):
-        seen.append((state.epoch, state.iteration, state.event_counts["iteration_completed"],
-                     state.step_state is not None, state.max_epoch, state.max_iteration))
+        seen.append(
+            (
+                state.epoch,
+                state.iteration,
+                state.event_counts["iteration_completed"],
+                state.step_state is not None,
+                state.max_epoch,
+                state.max_iteration,
+            )
+        )
 
-    state = trainer().handle_event("iteration_completed", handler).run(
-        make_batches(3), epochs=2)
+    state = trainer().handle_event("iteration_completed", handler).run(make_batches(3), epochs=2)
     assert seen == [
         (e, i, {"total": 3 * e + i + 1, "epoch": i + 1}, True, 2, None)
-        for e in range(2) for i in range(3)
+        for e in range(2)
+        for i in range(3)
     ]
     assert state.max_epoch == 2
 
@@ -103,11 +112,18 @@ def test_epoch_handlers_see_complete_state_with_params():
     seen: list = []
 
     def handler(state):
-        seen.append((state.epoch, set(state.metrics), state.params is not None,
-                     int(state.step_state["step"])))
+        seen.append(
+            (
+                state.epoch,
+                set(state.metrics),
+                state.params is not None,
+                int(state.step_state["step"]),
+            )
+        )
 
     trainer().metric("accuracy").handle_event("epoch_completed", handler).run(
-        make_batches(3), epochs=2)
+        make_batches(3), epochs=2
+    )
     assert seen == [(0, {"loss", "accuracy"}, True, 3), (1, {"loss", "accuracy"}, True, 6)]
 
 
@@ -119,7 +135,9 @@ def test_every_event_but_fused_iterations_sees_the_step_state():
     def look(event):
         def handler(state):
             seen.setdefault(event, set()).add(
-                None if state.step_state is None else int(state.step_state["step"]))
+                None if state.step_state is None else int(state.step_state["step"])
+            )
+
         return handler
 
     loop = trainer()
@@ -143,8 +161,11 @@ def test_continue_returns_change_nothing(returned):
         handler = lambda s: ("continue", s)  # noqa: E731
     else:
         handler = lambda s: returned  # noqa: E731
-    state = loop.handle_event("iteration_completed", handler).handle_event(
-        "epoch_completed", handler).run(data, counter_init(), epochs=2)
+    state = (
+        loop.handle_event("iteration_completed", handler)
+        .handle_event("epoch_completed", handler)
+        .run(data, counter_init(), epochs=2)
+    )
     assert_tree_equal(state.step_state, reference.step_state)
     assert state.event_counts == reference.event_counts
     assert state.status == "completed"
@@ -181,10 +202,12 @@ def test_handlers_run_in_registration_order():
 @pytest.mark.parametrize("event", ["iteration_completed", "epoch_completed", "started"])
 def test_first_halt_stops_the_remaining_handlers(event):
     called: list = []
-    loop = (counter_loop()
-            .handle_event(event, lambda s: called.append("a"))
-            .handle_event(event, lambda s: (called.append("b"), "halt_loop")[1])
-            .handle_event(event, lambda s: called.append("c")))
+    loop = (
+        counter_loop()
+        .handle_event(event, lambda s: called.append("a"))
+        .handle_event(event, lambda s: (called.append("b"), "halt_loop")[1])
+        .handle_event(event, lambda s: called.append("c"))
+    )
     state = loop.run(make_batches(3), counter_init(), epochs=2)
     assert called == ["a", "b"]
     assert state.status == "halted"
@@ -199,9 +222,12 @@ def test_state_replace_from_handlers_is_carried_along():
     def add_metric(state):
         return "continue", state.replace(metrics={**state.metrics, "extra": 2.5})
 
-    loop = (counter_loop().metric("total", accumulate="running_sum")
-            .handle_event("epoch_started", mark_epoch)
-            .handle_event("epoch_completed", add_metric))
+    loop = (
+        counter_loop()
+        .metric("total", accumulate="running_sum")
+        .handle_event("epoch_started", mark_epoch)
+        .handle_event("epoch_completed", add_metric)
+    )
     state = loop.run(make_batches(3), counter_init(), epochs=2)
     assert state.handler_metadata["epochs"] == [0, 1]
     # A metric an epoch_completed handler adds is mirrored into that epoch's history.

@@ -32,7 +32,7 @@ def identity_model():
 def ragged(x, y, sizes):
     out, start = [], 0
     for size in sizes:
-        out.append((x[start:start + size], y[start:start + size]))
+        out.append((x[start : start + size], y[start : start + size]))
         start += size
     return out
 
@@ -45,8 +45,11 @@ def test_mae_over_examples_not_batches():
     data = ragged(x, y, [4, 4, 2])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        state = fl.evaluator(identity_model()).metric("mean_absolute_error").run(
-            data, {"b": jnp.zeros(())})
+        state = (
+            fl.evaluator(identity_model())
+            .metric("mean_absolute_error")
+            .run(data, {"b": jnp.zeros(())})
+        )
     assert state.metrics["mean_absolute_error"] == pytest.approx(0.2, abs=1e-7)
 
 
@@ -63,8 +66,11 @@ def test_accuracy_and_loss_are_per_example_on_a_ragged_source():
     variables = model.init(jax.random.PRNGKey(0), x[:2])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        state = evaluator_with_loss(model, "sparse_categorical_cross_entropy").metric(
-            "accuracy").run(source, variables)
+        state = (
+            evaluator_with_loss(model, "sparse_categorical_cross_entropy")
+            .metric("accuracy")
+            .run(source, variables)
+        )
     logits = np.asarray(model.apply(variables, x))
     expected_acc = np.mean(np.argmax(logits, -1) == y)
     expected_loss = np.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
@@ -80,7 +86,8 @@ def test_trainer_loss_is_mean_over_examples():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         state = fl.trainer(model, "sparse_categorical_cross_entropy", optax.sgd(0.0)).run(
-            source, variables)
+            source, variables
+        )
     logits = np.asarray(model.apply(variables, x))
     expected = np.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
     assert state.metrics["loss"] == pytest.approx(float(expected), rel=1e-6)
@@ -104,8 +111,12 @@ def test_callable_metric_keeps_per_batch_averaging():
 def test_precision_without_positives_reads_zero():
     x = -np.ones((6, 1), np.float32)
     y = np.ones((6, 1), np.float32)
-    state = fl.evaluator(identity_model()).metric("precision").metric("recall").run(
-        [(x[:3], y[:3]), (x[3:], y[3:])], {"b": jnp.zeros(())})
+    state = (
+        fl.evaluator(identity_model())
+        .metric("precision")
+        .metric("recall")
+        .run([(x[:3], y[:3]), (x[3:], y[3:])], {"b": jnp.zeros(())})
+    )
     assert state.metrics["precision"] == 0.0
     assert state.metrics["recall"] == 0.0
 
@@ -117,8 +128,12 @@ def test_fused_equals_unfused_bitwise_with_ragged_validation(fuse):
     model = fl.models.mlp([6, 3])
 
     def run(f):
-        loop = (fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-2))
-                .metric("accuracy").metric("precision").validate(model, val))
+        loop = (
+            fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-2))
+            .metric("accuracy")
+            .metric("precision")
+            .validate(model, val)
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return loop.run(train, epochs=2, fuse=f)
@@ -127,7 +142,8 @@ def test_fused_equals_unfused_bitwise_with_ragged_validation(fuse):
     assert unfused.history == fused.history
     logits = np.asarray(model.apply(unfused.params, vx))
     assert unfused.metrics["validation_accuracy"] == pytest.approx(
-        np.mean(np.argmax(logits, -1) == vy), abs=1e-7)
+        np.mean(np.argmax(logits, -1) == vy), abs=1e-7
+    )
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), unfused.params, fused.params)
 
 

@@ -29,8 +29,15 @@ def _finite_history(state: fl.State) -> None:
 
 
 def test_every_example_has_a_test():
-    tested = {"linen_cnn_digits", "nnx_cnn_digits", "equinox_cnn_digits", "autoencoder",
-              "two_networks_gan", "char_transformer", "regression"}
+    tested = {
+        "linen_cnn_digits",
+        "nnx_cnn_digits",
+        "equinox_cnn_digits",
+        "autoencoder",
+        "two_networks_gan",
+        "char_transformer",
+        "regression",
+    }
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -75,7 +82,12 @@ def test_regression_from_the_command_line():
     # Run as a user would, in a fresh process, to check the script itself (its imports and
     # its __main__ block), not only its main().
     env = {**os.environ, "PYTHONPATH": str(Path(fl.__file__).resolve().parent.parent)}
-    done = subprocess.run([sys.executable, str(EXAMPLES / "regression.py"), "--quick"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "regression.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "test R^2: MLP" in done.stdout and "least squares 0.3" in done.stdout

@@ -62,16 +62,19 @@ def test_callable_filter_receives_the_state(fuse):
     assert seen == list(range(N)) * EPOCHS
 
 
-@pytest.mark.parametrize("spec,expected", [
-    ("always", [0, 1, 2, 3, 4]),
-    ("first", [0]),
-    ({"every": 2}, [0, 2, 4]),
-    ({"before": 3}, [0, 1]),
-    ({"after": 3}, [3, 4]),
-    ({"once": 3}, [2]),
-    ({"every": 2, "after": 1}, [2, 4]),
-    (lambda s: s.epoch % 2 == 1, [1, 3]),
-])
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        ("always", [0, 1, 2, 3, 4]),
+        ("first", [0]),
+        ({"every": 2}, [0, 2, 4]),
+        ({"before": 3}, [0, 1]),
+        ({"after": 3}, [3, 4]),
+        ({"once": 3}, [2]),
+        ({"every": 2, "after": 1}, [2, 4]),
+        (lambda s: s.epoch % 2 == 1, [1, 3]),
+    ],
+)
 @pytest.mark.parametrize("event", ["epoch_started", "epoch_completed"])
 def test_filters_on_epoch_events(spec, expected, event):
     epochs: list[int] = []
@@ -83,8 +86,9 @@ def test_filters_on_epoch_events(spec, expected, event):
 def test_filters_count_per_run_not_per_epoch_and_restart_each_run():
     loop = counter_loop()
     fired: list = []
-    loop = loop.handle_event("iteration_completed",
-                             lambda s: fired.append((s.epoch, s.iteration)), filter={"once": 5})
+    loop = loop.handle_event(
+        "iteration_completed", lambda s: fired.append((s.epoch, s.iteration)), filter={"once": 5}
+    )
     loop.run(make_batches(3), counter_init(), epochs=2)
     loop.run(make_batches(3), counter_init(), epochs=2)
     assert fired == [(1, 1), (1, 1)]
@@ -93,17 +97,20 @@ def test_filters_count_per_run_not_per_epoch_and_restart_each_run():
 def test_filter_of_one_handler_does_not_affect_others():
     a: list = []
     b: list = []
-    loop = (counter_loop()
-            .handle_event("iteration_completed", lambda s: a.append(s.iteration), "first")
-            .handle_event("iteration_completed", lambda s: b.append(s.iteration)))
+    loop = (
+        counter_loop()
+        .handle_event("iteration_completed", lambda s: a.append(s.iteration), "first")
+        .handle_event("iteration_completed", lambda s: b.append(s.iteration))
+    )
     loop.run(make_batches(3), counter_init())
     assert a == [0] and b == [0, 1, 2]
 
 
 def test_filter_is_checked_before_a_handler_halts():
     """A halting handler whose filter does not pass lets the run continue."""
-    loop = counter_loop().handle_event("iteration_completed", lambda s: "halt_loop",
-                                       filter={"once": 4})
+    loop = counter_loop().handle_event(
+        "iteration_completed", lambda s: "halt_loop", filter={"once": 4}
+    )
     state = loop.run(make_batches(6), counter_init())
     assert state.status == "halted"
     assert int(state.step_state["n"]) == 4

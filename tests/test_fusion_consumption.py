@@ -80,14 +80,15 @@ def test_halt_loop_with_a_one_shot_generator_pulls_only_what_was_stepped(fuse, s
 
 
 @pytest.mark.parametrize("fuse,first_epoch", [(False, 7), (4, 8), (5, 10)])
-def test_halt_epoch_with_a_one_shot_generator_leaves_the_rest_for_the_next_epoch(
-        fuse, first_epoch):
+def test_halt_epoch_with_a_one_shot_generator_leaves_the_rest_for_the_next_epoch(fuse, first_epoch):
     source = CountingGenerator(DATA)
     state = run(HALTING, source, at=(0, 6), status="halt_epoch", epochs=2, fuse=fuse)
     # Epoch 1 continues where epoch 0 stopped pulling, and drains the generator.
     assert source.pulls == int(state.step_state["n"]) == 30
-    assert state.event_counts["iteration_completed"] == {"total": 7 + 30 - first_epoch,
-                                                         "epoch": 30 - first_epoch}
+    assert state.event_counts["iteration_completed"] == {
+        "total": 7 + 30 - first_epoch,
+        "epoch": 30 - first_epoch,
+    }
 
 
 @pytest.mark.parametrize("fuse", [False, 4])

@@ -46,14 +46,17 @@ def act(event):
         return "continue", state.replace(
             metrics={**state.metrics, "extra": 7.0},
             handler_metadata={**state.handler_metadata, "seen": [state.epoch, state.iteration]},
-            step_state=bogus)
+            step_state=bogus,
+        )
 
     return handler
 
 
-LOOP = (record_all(trainer(optimizer="adam").metric("accuracy"), LOG, extra=snapshot)
-        .handle_event("iteration_completed", act("iteration_completed"))
-        .handle_event("epoch_completed", act("epoch_completed")))
+LOOP = (
+    record_all(trainer(optimizer="adam").metric("accuracy"), LOG, extra=snapshot)
+    .handle_event("iteration_completed", act("iteration_completed"))
+    .handle_event("epoch_completed", act("epoch_completed"))
+)
 PLAIN = trainer(optimizer="adam").metric("accuracy")  # no handlers
 
 
@@ -142,8 +145,9 @@ def test_halting_at_fuse_32_takes_effect_at_the_end_of_the_chunk(status):
     full, _ = run(False, epochs=epochs, loop=PLAIN)
     assert_tree_equal(b.step_state, full.step_state)
     assert int(b.step_state["step"]) == 12 * epochs
-    assert not np.array_equal(a.params["params"]["Dense_0"]["kernel"],
-                              b.params["params"]["Dense_0"]["kernel"])
+    assert not np.array_equal(
+        a.params["params"]["Dense_0"]["kernel"], b.params["params"]["Dense_0"]["kernel"]
+    )
 
 
 def test_halt_loop_mid_chunk_finishes_that_chunk_only():
@@ -168,12 +172,16 @@ def test_halting_from_epoch_completed_is_exact(status, fuse):
 
 def test_iteration_started_sees_metrics_of_the_previous_iteration_across_chunks():
     seen: dict = {False: [], 5: []}
-    loop = PLAIN.handle_event("iteration_started",
-                              lambda s: seen[CONTROL["fuse"]].append((s.iteration, s.metrics)),
-                              filter=lambda s: s.iteration in (0, 5, 10))
+    loop = PLAIN.handle_event(
+        "iteration_started",
+        lambda s: seen[CONTROL["fuse"]].append((s.iteration, s.metrics)),
+        filter=lambda s: s.iteration in (0, 5, 10),
+    )
     loop_once = PLAIN.handle_event(
-        "iteration_started", lambda s: seen[CONTROL["fuse"]].append((s.iteration, s.metrics)),
-        filter={"once": 6})
+        "iteration_started",
+        lambda s: seen[CONTROL["fuse"]].append((s.iteration, s.metrics)),
+        filter={"once": 6},
+    )
     for fuse in (False, 5):
         CONTROL.clear()
         CONTROL["fuse"] = fuse
@@ -193,7 +201,8 @@ def test_epoch_handlers_see_the_same_counts_without_iteration_handlers(fuse):
     a: list = []
     b: list = []
     counter_loop().handle_event("epoch_completed", collect(a)).run(DATA, counter_init(), epochs=3)
-    counter_loop().handle_event("epoch_completed", collect(b)).run(DATA, counter_init(),
-                                                                   epochs=3, fuse=fuse)
+    counter_loop().handle_event("epoch_completed", collect(b)).run(
+        DATA, counter_init(), epochs=3, fuse=fuse
+    )
     assert a == b
     assert a[-1][1]["iteration_completed"] == {"total": 36, "epoch": 12}

@@ -120,8 +120,9 @@ class Redirect:
 
 def test_log_output_is_byte_identical():
     stream = Redirect()
-    loop = fl.trainer(tiny_mlp(), "sparse_categorical_cross_entropy", "adam", log=3,
-                      log_stream=stream).metric("accuracy")
+    loop = fl.trainer(
+        tiny_mlp(), "sparse_categorical_cross_entropy", "adam", log=3, log_stream=stream
+    ).metric("accuracy")
     outputs, states = {}, {}
     for fuse in (False, 5, 32):
         stream.target = io.StringIO()

@@ -41,8 +41,9 @@ def test_fuse_32_over_100_batches_is_4_dispatches_an_epoch():
 
 def test_host_syncs_with_an_iteration_handler_stay_per_chunk():
     fired: list = []
-    loop = LOOP.handle_event("iteration_completed", lambda s: fired.append(s.metrics),
-                             {"every": 10})
+    loop = LOOP.handle_event(
+        "iteration_completed", lambda s: fired.append(s.metrics), {"every": 10}
+    )
     state = loop.run(DATA, epochs=2, fuse=32)
     assert len(fired) == 20
     assert state.stats["dispatches"] == 8
@@ -79,13 +80,15 @@ class Guard:
 def guarded(loop: fl.Loop, guard: Guard) -> fl.Loop:
     """`loop` with the guard around each epoch (the base loops have no epoch handlers,
     so these are the first on epoch_started and the last on epoch_completed)."""
-    return (loop.handle_event("epoch_started", guard.enter)
-            .handle_event("epoch_completed", guard.leave))
+    return loop.handle_event("epoch_started", guard.enter).handle_event(
+        "epoch_completed", guard.leave
+    )
 
 
 @pytest.mark.parametrize("device_to_host", [False, True], ids=["h2d", "h2d+d2h"])
-@pytest.mark.parametrize("with_iteration_handler", [False, True],
-                         ids=["no_handlers", "iteration_handler"])
+@pytest.mark.parametrize(
+    "with_iteration_handler", [False, True], ids=["no_handlers", "iteration_handler"]
+)
 def test_no_hidden_transfers_in_the_fused_region(device_to_host, with_iteration_handler):
     data = DATA[:30]
     loop = LOOP

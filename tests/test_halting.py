@@ -36,12 +36,21 @@ def test_halt_epoch_from_an_iteration_handler():
     log: list = []
     loop = trainer().metric("accuracy")
     # Recorders first: the halting handler stops those registered after it.
-    halted = record_all(loop, log).handle_event(
-        "iteration_completed", halt_at(0, 3, "halt_epoch")).run(DATA, epochs=2)
+    halted = (
+        record_all(loop, log)
+        .handle_event("iteration_completed", halt_at(0, 3, "halt_epoch"))
+        .run(DATA, epochs=2)
+    )
     reference = loop.run(per_epoch(DATA[:4], DATA), epochs=2)
     events = [(e, ep) for e, ep, _ in log if not e.startswith("iteration")]
-    assert events == [("started", 0), ("epoch_started", 0), ("epoch_halted", 0),
-                      ("epoch_started", 1), ("epoch_completed", 1), ("completed", 1)]
+    assert events == [
+        ("started", 0),
+        ("epoch_started", 0),
+        ("epoch_halted", 0),
+        ("epoch_started", 1),
+        ("epoch_completed", 1),
+        ("completed", 1),
+    ]
     iterations = [(ep, i) for e, ep, i in log if e == "iteration_completed"]
     assert iterations == [(0, i) for i in range(4)] + [(1, i) for i in range(12)]
     assert halted.event_counts["epoch_halted"] == 1
@@ -58,12 +67,20 @@ def test_halt_epoch_from_an_iteration_handler():
 def test_halt_loop_from_an_iteration_handler():
     log: list = []
     loop = trainer()
-    halted = record_all(loop, log).handle_event(
-        "iteration_completed", halt_at(1, 2, "halt_loop")).run(DATA, epochs=3)
+    halted = (
+        record_all(loop, log)
+        .handle_event("iteration_completed", halt_at(1, 2, "halt_loop"))
+        .run(DATA, epochs=3)
+    )
     reference = loop.run(per_epoch(DATA, DATA[:3]), epochs=2)
     events = [(e, ep) for e, ep, _ in log if not e.startswith("iteration")]
-    assert events == [("started", 0), ("epoch_started", 0), ("epoch_completed", 0),
-                      ("epoch_started", 1), ("halted", 1)]
+    assert events == [
+        ("started", 0),
+        ("epoch_started", 0),
+        ("epoch_completed", 0),
+        ("epoch_started", 1),
+        ("halted", 1),
+    ]
     assert halted.status == "halted"
     assert halted.event_counts["halted"] == 1 and halted.event_counts["completed"] == 0
     assert halted.event_counts["epoch_halted"] == 0
@@ -103,12 +120,15 @@ def test_halt_loop_from_iteration_started_skips_that_step():
 
 def test_final_handlers_see_the_final_status():
     seen: list = []
-    loop = (counter_loop()
-            .handle_event("halted", lambda s: seen.append(("halted", s.status)))
-            .handle_event("completed", lambda s: seen.append(("completed", s.status))))
+    loop = (
+        counter_loop()
+        .handle_event("halted", lambda s: seen.append(("halted", s.status)))
+        .handle_event("completed", lambda s: seen.append(("completed", s.status)))
+    )
     loop.run(make_batches(2), counter_init())
     loop.handle_event("iteration_completed", lambda s: "halt_loop").run(
-        make_batches(2), counter_init())
+        make_batches(2), counter_init()
+    )
     assert seen == [("completed", "completed"), ("halted", "halted")]
 
 

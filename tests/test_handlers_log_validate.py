@@ -18,8 +18,10 @@ LOSS = "sparse_categorical_cross_entropy"
 
 def _batches(n: int, seed: int):
     rng = np.random.default_rng(seed)
-    return [(rng.normal(size=(8, 4)).astype(np.float32),
-             rng.integers(0, 3, size=(8,)).astype(np.int32)) for _ in range(n)]
+    return [
+        (rng.normal(size=(8, 4)).astype(np.float32), rng.integers(0, 3, size=(8,)).astype(np.int32))
+        for _ in range(n)
+    ]
 
 
 DATA, VAL = _batches(5, 0), _batches(3, 1)
@@ -30,11 +32,13 @@ def _epoch_line(state: fl.State) -> str:
 
 
 LOG = io.StringIO()
-LOGGED = (fl.trainer(MODEL, LOSS, "adam", log=2, log_stream=LOG)
-          .metric("accuracy")
-          .validate(MODEL, VAL)
-          .early_stop("validation_accuracy", patience=2, mode="max")
-          .log(_epoch_line, event="epoch_completed", stream=LOG))
+LOGGED = (
+    fl.trainer(MODEL, LOSS, "adam", log=2, log_stream=LOG)
+    .metric("accuracy")
+    .validate(MODEL, VAL)
+    .early_stop("validation_accuracy", patience=2, mode="max")
+    .log(_epoch_line, event="epoch_completed", stream=LOG)
+)
 
 
 def _logged_run(fuse) -> tuple[str, fl.State]:
@@ -92,8 +96,9 @@ def test_validation_never_changes_the_training_trajectory(fuse):
     validated = VALIDATED.run(DATA, epochs=2, fuse=fuse)
     assert _equal_trees(plain.step_state, validated.step_state)
     for epoch, metrics in plain.history.items():
-        assert {k: v for k, v in validated.history[epoch].items()
-                if not k.startswith("validation_")} == metrics
+        assert {
+            k: v for k, v in validated.history[epoch].items() if not k.startswith("validation_")
+        } == metrics
 
 
 def test_validation_metrics_match_a_direct_evaluation():

@@ -47,8 +47,9 @@ def _keras_stop(values, patience, mode="min", min_delta=0.0):
     for epoch, value in enumerate(values):
         if not math.isfinite(value):
             return epoch
-        better = best is None or (value < best - min_delta if mode == "min"
-                                  else value > best + min_delta)
+        better = best is None or (
+            value < best - min_delta if mode == "min" else value > best + min_delta
+        )
         if better:
             best, wait = value, 0
         else:
@@ -60,8 +61,10 @@ def _keras_stop(values, patience, mode="min", min_delta=0.0):
 
 def _batches(n: int, seed: int):
     rng = np.random.default_rng(seed)
-    return [(rng.normal(size=(8, 4)).astype(np.float32),
-             rng.normal(size=(8, 1)).astype(np.float32)) for _ in range(n)]
+    return [
+        (rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(8, 1)).astype(np.float32))
+        for _ in range(n)
+    ]
 
 
 def _flat(y_true, y_pred):
@@ -71,13 +74,16 @@ def _flat(y_true, y_pred):
 # ----------------------------------------------------------------- option validation
 
 
-@pytest.mark.parametrize("kwargs, word", [
-    ({"mode": "lowest"}, "mode"),
-    ({"patience": -1}, "patience"),
-    ({"patience": 1.5}, "patience"),
-    ({"min_delta": -0.1}, "min_delta"),
-    ({"min_delta": float("nan")}, "min_delta"),
-])
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        ({"mode": "lowest"}, "mode"),
+        ({"patience": -1}, "patience"),
+        ({"patience": 1.5}, "patience"),
+        ({"min_delta": -0.1}, "min_delta"),
+        ({"min_delta": float("nan")}, "min_delta"),
+    ],
+)
 def test_monitor_options_are_validated(kwargs, word):
     with pytest.raises(ValueError, match=word):
         Monitor("loss", **kwargs)
@@ -90,10 +96,17 @@ def test_monitor_name_is_validated():
         Monitor("")
 
 
-@pytest.mark.parametrize("kwargs, word", [
-    ({"factor": 1.0}, "factor"), ({"factor": 0.0}, "factor"), ({"factor": 2}, "factor"),
-    ({"min_lr": -1.0}, "min_lr"), ({"cooldown": -1}, "cooldown"), ({"mode": "up"}, "mode"),
-])
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        ({"factor": 1.0}, "factor"),
+        ({"factor": 0.0}, "factor"),
+        ({"factor": 2}, "factor"),
+        ({"min_lr": -1.0}, "min_lr"),
+        ({"cooldown": -1}, "cooldown"),
+        ({"mode": "up"}, "mode"),
+    ],
+)
 def test_reduce_lr_options_are_validated(kwargs, word):
     with pytest.raises(ValueError, match=word):
         ReduceLROnPlateau("loss", **kwargs)
@@ -111,14 +124,17 @@ def test_improvement_rules():
 # ----------------------------------------------------------------- early stopping
 
 
-@pytest.mark.parametrize("values, patience, mode, min_delta", [
-    ([5.0, 4.0, 4.5, 4.2, 3.0, 2.0], 2, "min", 0.0),   # stops after epoch 3
-    ([5.0, 4.0, 4.5, 3.9, 4.2, 4.1, 4.0], 2, "min", 0.0),
-    ([1.0, 0.99, 0.98, 0.97, 0.96], 2, "min", 0.05),    # improvements below min_delta
-    ([1.0, 2.0, 3.0, 2.5, 2.9, 3.5], 1, "max", 0.0),
-    ([3.0, 2.0, 1.0, 0.5], 3, "min", 0.0),              # never stops
-    ([3.0, 3.0, 3.0], 0, "min", 0.0),                   # patience 0: the first plateau stops
-])
+@pytest.mark.parametrize(
+    "values, patience, mode, min_delta",
+    [
+        ([5.0, 4.0, 4.5, 4.2, 3.0, 2.0], 2, "min", 0.0),  # stops after epoch 3
+        ([5.0, 4.0, 4.5, 3.9, 4.2, 4.1, 4.0], 2, "min", 0.0),
+        ([1.0, 0.99, 0.98, 0.97, 0.96], 2, "min", 0.05),  # improvements below min_delta
+        ([1.0, 2.0, 3.0, 2.5, 2.9, 3.5], 1, "max", 0.0),
+        ([3.0, 2.0, 1.0, 0.5], 3, "min", 0.0),  # never stops
+        ([3.0, 3.0, 3.0], 0, "min", 0.0),  # patience 0: the first plateau stops
+    ],
+)
 def test_early_stop_patience_on_a_scripted_metric(values, patience, mode, min_delta):
     state = _run_scripted(values, patience=patience, mode=mode, min_delta=min_delta)
     expected = _keras_stop(values, patience, mode, min_delta)
@@ -150,8 +166,11 @@ def test_missing_monitor_names_the_available_metrics():
 
 
 def test_two_monitors_on_one_metric_keep_separate_records():
-    loop = (_scripted(_counter_loop(), [3.0, 4.0, 5.0, 6.0])
-            .early_stop("score", patience=5).early_stop("score", patience=2))
+    loop = (
+        _scripted(_counter_loop(), [3.0, 4.0, 5.0, 6.0])
+        .early_stop("score", patience=5)
+        .early_stop("score", patience=2)
+    )
     state = loop.run([(0, 0)], {"n": jnp.int32(0)}, epochs=4)
     assert set(state.handler_metadata) == {"early_stop:score", "early_stop:score#2"}
     assert max(state.history) == 2 and state.status == "halted"
@@ -240,8 +259,11 @@ def test_reduce_lr_respects_min_lr_and_cooldown(plateau_runs):
 
 def test_reduce_lr_works_with_a_chained_injected_optimizer():
     tx = optax.chain(optax.clip(1.0), optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
-    loop = (fl.trainer(fl.models.mlp([4, 1]), "mean_squared_error", tx).metric(_flat, "flat")
-            .reduce_lr_on_plateau("flat", factor=0.5, patience=1))
+    loop = (
+        fl.trainer(fl.models.mlp([4, 1]), "mean_squared_error", tx)
+        .metric(_flat, "flat")
+        .reduce_lr_on_plateau("flat", factor=0.5, patience=1)
+    )
     state = loop.run(_batches(1, 0), epochs=2)
     assert _lr(state) == float(np.float32(0.1) * np.float32(0.5))
     assert type(state.step_state["opt_state"]) is tuple  # the chain's structure is kept

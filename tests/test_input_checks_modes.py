@@ -60,8 +60,9 @@ def test_whole_arrays_passed_as_a_pair():
     assert "fl.data.arrays(x, y, batch_size=...)" in message
 
 
-@pytest.mark.parametrize("batch", [([0.1, 0.2, 0.3], [0, 1, 2]),
-                                   ([[0.1, 0.2, 0.3]] * 4, [0, 1, 2, 1])])
+@pytest.mark.parametrize(
+    "batch", [([0.1, 0.2, 0.3], [0, 1, 2]), ([[0.1, 0.2, 0.3]] * 4, [0, 1, 2, 1])]
+)
 def test_python_lists_of_numbers_one_message(batch):
     kind, message = errors_in_both_modes([batch] * 4)
     assert kind is ValueError

@@ -81,9 +81,13 @@ def test_a_process_that_ignores_sigterm_is_killed(tmp_path):
 
 def test_the_command_line(tmp_path):
     script = _script(tmp_path, _ECHO)
-    result = subprocess.run([sys.executable, "-m", "fuseloop.cli", "launch", "-n", "2", script,
-                             "--fuse", "4", "-x"], capture_output=True, text=True, timeout=120,
-                            check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "fuseloop.cli", "launch", "-n", "2", script, "--fuse", "4", "-x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     assert "[1] id 1 of 2" in result.stdout and "args ['--fuse', '4', '-x']" in result.stdout
     with pytest.raises(SystemExit):

@@ -8,8 +8,15 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "fuseloop"
 # What the engine may not import: the public layer above it.
-ABOVE_ENGINE = ("fuseloop._loop", "fuseloop.handlers", "fuseloop.diagnostics",
-                "fuseloop.data", "fuseloop.cli", "fuseloop.bench", "fuseloop._demo")
+ABOVE_ENGINE = (
+    "fuseloop._loop",
+    "fuseloop.handlers",
+    "fuseloop.diagnostics",
+    "fuseloop.data",
+    "fuseloop.cli",
+    "fuseloop.bench",
+    "fuseloop._demo",
+)
 
 
 def _module_name(path: Path) -> str:
@@ -60,7 +67,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
             if target.startswith(node + "."):  # a package importing its own submodule
                 continue
             if state.get(target) == 1:
-                return stack[stack.index(target):] + [target]
+                return stack[stack.index(target) :] + [target]
             if target not in state:
                 found = visit(target)
                 if found:

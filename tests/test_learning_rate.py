@@ -23,13 +23,16 @@ def trainer(optimizer):
     return Loop(loop.program, metrics=default_metrics(loop.program))
 
 
-@pytest.mark.parametrize("optimizer, rates", [
-    ("adam", [1e-3, 1e-3]),
-    (optax.inject_hyperparams(optax.sgd)(learning_rate=0.25), [0.25, 0.25]),
-    (optax.inject_hyperparams(optax.sgd)(learning_rate=SCHEDULE), [SCHEDULE(5), SCHEDULE(11)]),
-    (optax.adam(SCHEDULE), [SCHEDULE(5), SCHEDULE(11)]),
-    (optax.chain(optax.clip(1.0), optax.sgd(SCHEDULE)), [SCHEDULE(5), SCHEDULE(11)]),
-])
+@pytest.mark.parametrize(
+    "optimizer, rates",
+    [
+        ("adam", [1e-3, 1e-3]),
+        (optax.inject_hyperparams(optax.sgd)(learning_rate=0.25), [0.25, 0.25]),
+        (optax.inject_hyperparams(optax.sgd)(learning_rate=SCHEDULE), [SCHEDULE(5), SCHEDULE(11)]),
+        (optax.adam(SCHEDULE), [SCHEDULE(5), SCHEDULE(11)]),
+        (optax.chain(optax.clip(1.0), optax.sgd(SCHEDULE)), [SCHEDULE(5), SCHEDULE(11)]),
+    ],
+)
 @pytest.mark.parametrize("fuse", [False, 4])
 def test_learning_rate_in_metrics_and_history(optimizer, rates, fuse):
     state = trainer(optimizer).run(DATA, epochs=2, fuse=fuse)
@@ -45,17 +48,21 @@ def test_a_fixed_rate_is_not_reported():
 
 def test_plateau_reduction_shows_in_the_next_epoch():
     loop = trainer("sgd").handle_event(
-        "epoch_completed", lambda s: ("continue", s.replace(metrics={**s.metrics, "flat": 1.0})))
+        "epoch_completed", lambda s: ("continue", s.replace(metrics={**s.metrics, "flat": 1.0}))
+    )
     state = loop.reduce_lr_on_plateau("flat", factor=0.5, patience=0).run(DATA, epochs=3)
     rates = [state.history[e]["learning_rate"] for e in range(3)]
     # epoch 0 sets the best; epoch 1 plateaus and halves the rate for epoch 2
     np.testing.assert_allclose(rates, [1e-2, 1e-2, 5e-3], rtol=1e-6)
 
 
-@pytest.mark.parametrize("optimizer", [
-    optax.inject_hyperparams(optax.adam)(learning_rate=SCHEDULE),
-    optax.adam(SCHEDULE),
-])
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        optax.inject_hyperparams(optax.adam)(learning_rate=SCHEDULE),
+        optax.adam(SCHEDULE),
+    ],
+)
 def test_plateau_on_a_schedule_is_refused_at_attach_time(optimizer):
     with pytest.raises(ValueError, match="schedule"):
         fl.trainer(fl.models.mlp([4, 3]), SPARSE, optimizer).reduce_lr_on_plateau("loss")

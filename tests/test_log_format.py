@@ -27,11 +27,15 @@ TRAIN = fl.data.arrays(X, Y, batch_size=10, seed=1)
 VAL = fl.data.arrays(X[:20], Y[:20], batch_size=10, shuffle=False)
 NUMBER = r"-?\d+\.\d{7}"
 # "adam" exposes its rate, so the trainer tracks learning_rate next to the loss.
-ITERATION = re.compile(rf"^Epoch (\d)/3 - iteration (\d)(/4)? - loss: {NUMBER} - "
-                       rf"learning_rate: {NUMBER} - accuracy: {NUMBER}$")
-SUMMARY = re.compile(rf"^Epoch (\d)/3 - loss: {NUMBER} - learning_rate: {NUMBER} - "
-                     rf"accuracy: {NUMBER} - validation_loss: {NUMBER} - "
-                     rf"validation_accuracy: {NUMBER}$")
+ITERATION = re.compile(
+    rf"^Epoch (\d)/3 - iteration (\d)(/4)? - loss: {NUMBER} - "
+    rf"learning_rate: {NUMBER} - accuracy: {NUMBER}$"
+)
+SUMMARY = re.compile(
+    rf"^Epoch (\d)/3 - loss: {NUMBER} - learning_rate: {NUMBER} - "
+    rf"accuracy: {NUMBER} - validation_loss: {NUMBER} - "
+    rf"validation_accuracy: {NUMBER}$"
+)
 
 
 class Terminal(io.StringIO):
@@ -42,8 +46,11 @@ class Terminal(io.StringIO):
 
 
 def _loop(stream) -> fl.Loop:
-    return (fl.trainer(MODEL, LOSS, "adam", log=2, log_stream=stream)
-            .metric("accuracy").validate(MODEL, VAL))
+    return (
+        fl.trainer(MODEL, LOSS, "adam", log=2, log_stream=stream)
+        .metric("accuracy")
+        .validate(MODEL, VAL)
+    )
 
 
 @pytest.mark.parametrize("iterations", [None, 4])
@@ -78,7 +85,8 @@ def test_an_early_stopped_run_summarises_every_finished_epoch():
     assert state.status == "halted"
     summaries = [l for l in out.getvalue().splitlines() if " - iteration " not in l]
     assert [s.split(" - ")[0] for s in summaries] == [
-        f"Epoch {e + 1}/30" for e in sorted(state.history)]
+        f"Epoch {e + 1}/30" for e in sorted(state.history)
+    ]
 
 
 def test_a_resumed_run_numbers_on_and_does_not_repeat_the_last_summary():
@@ -88,8 +96,7 @@ def test_a_resumed_run_numbers_on_and_does_not_repeat_the_last_summary():
     out.seek(0)
     out.truncate()
     loop.run(TRAIN, first, epochs=3)
-    summaries = [l.split(" - ")[0] for l in out.getvalue().splitlines()
-                 if " - iteration " not in l]
+    summaries = [l.split(" - ")[0] for l in out.getvalue().splitlines() if " - iteration " not in l]
     assert summaries == ["Epoch 2/3", "Epoch 3/3"]
 
 
@@ -97,7 +104,7 @@ def test_log_lines_print_above_the_bar_never_into_it(monkeypatch):
     terminal = Terminal()
     monkeypatch.setattr(sys, "stdout", terminal)
     monkeypatch.setattr(sys, "stderr", terminal)
-    loop = (_loop(None).log(lambda s: f"user line {s.epoch + 1}\n", event="epoch_completed"))
+    loop = _loop(None).log(lambda s: f"user line {s.epoch + 1}\n", event="epoch_completed")
     loop.run(TRAIN, epochs=3, fuse=2, progress=True)
     raw = terminal.getvalue()
     assert "Epoch 1/3:" in raw and "Epoch 3/3:" in raw  # the bar's label, from 1
@@ -107,8 +114,9 @@ def test_log_lines_print_above_the_bar_never_into_it(monkeypatch):
     # a line mixed with the bar (or a bar overwritten by a shorter line) would not match.
     assert len(logged) == 15, screen
     for line in logged:
-        assert ITERATION.match(line) or SUMMARY.match(line) or re.fullmatch(
-            r"user line \d", line), repr(line)
+        assert (
+            ITERATION.match(line) or SUMMARY.match(line) or re.fullmatch(r"user line \d", line)
+        ), repr(line)
 
 
 def _render(raw: str) -> list[str]:
@@ -194,7 +202,8 @@ def test_values_format_on_one_line():
     assert format_value(np.array([0.5, 1.0])) == "[0.5000000, 1.0000000]"
     assert format_value("a\nb") == "a b" and format_value(None) == "None"
     assert format_metrics({"loss": 1.0, "members": np.zeros((2,))}) == (
-        "loss: 1.0000000 - members: [0.0000000, 0.0000000]")
+        "loss: 1.0000000 - members: [0.0000000, 0.0000000]"
+    )
 
 
 def test_demo_writes_its_plot_where_it_says_without_warnings(tmp_path, monkeypatch, capsys):

@@ -6,15 +6,16 @@ from __future__ import annotations
 import gc
 import threading
 import tracemalloc
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.monitoring
 import numpy as np
 import pytest
-from conftest import counter_init, counter_loop, make_batches, tiny_mlp
 
 import fuseloop as fl
+from conftest import counter_init, counter_loop, make_batches, tiny_mlp
 
 SPARSE = "sparse_categorical_cross_entropy"
 EPOCHS = 300
@@ -37,7 +38,7 @@ class CompileCounter:
         if self.enabled and event == self.EVENT:
             self.count += 1
 
-    def __enter__(self) -> "CompileCounter":
+    def __enter__(self) -> CompileCounter:
         self.enabled, self.count = True, 0
         return self
 
@@ -50,8 +51,10 @@ COMPILES = CompileCounter()
 
 def wide_batches(n: int = 2) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(0)
-    return [(rng.normal(size=(16, 64)).astype(np.float32),
-             rng.integers(0, 3, 16).astype(np.int32)) for _ in range(n)]
+    return [
+        (rng.normal(size=(16, 64)).astype(np.float32), rng.integers(0, 3, 16).astype(np.int32))
+        for _ in range(n)
+    ]
 
 
 class Sampler:
@@ -63,15 +66,17 @@ class Sampler:
     def __call__(self, state: fl.State) -> None:
         if state.epoch in SAMPLED:
             gc.collect()
-            self.samples[state.epoch] = (len(jax.live_arrays()),
-                                         tracemalloc.get_traced_memory()[0])
+            self.samples[state.epoch] = (len(jax.live_arrays()), tracemalloc.get_traced_memory()[0])
 
 
 @pytest.mark.parametrize("fuse", [2, False])
 def test_device_arrays_and_host_memory_stay_flat_over_hundreds_of_epochs(fuse):
     sampler = Sampler()
-    loop = fl.trainer(tiny_mlp(), SPARSE, "adam").metric("accuracy").handle_event(
-        "epoch_completed", sampler)
+    loop = (
+        fl.trainer(tiny_mlp(), SPARSE, "adam")
+        .metric("accuracy")
+        .handle_event("epoch_completed", sampler)
+    )
     data = wide_batches()
     loop.run(data, epochs=2, fuse=fuse)  # compile outside the measured run
     tracemalloc.start()
@@ -104,8 +109,12 @@ def test_repeated_runs_leave_no_device_arrays_behind():
 # --------------------------------------------------------------------------- compiles
 @pytest.mark.parametrize("fuse", [False, 1, 4])
 def test_a_second_run_of_the_same_loop_compiles_nothing(fuse):
-    loop = fl.trainer(tiny_mlp(), SPARSE, "adam").metric("accuracy").handle_event(
-        "iteration_completed", lambda s: None, {"every": 3}).terminate_on_nan()
+    loop = (
+        fl.trainer(tiny_mlp(), SPARSE, "adam")
+        .metric("accuracy")
+        .handle_event("iteration_completed", lambda s: None, {"every": 3})
+        .terminate_on_nan()
+    )
     first = loop.run(make_batches(6), epochs=2, fuse=fuse)
     assert first.stats["compiles"] >= 1
     loop.run(make_batches(6), first, epochs=3, fuse=fuse)  # the first resume may compile a copy

@@ -38,8 +38,11 @@ def batch_accuracies(params, data):
 
 def test_accuracy_is_the_running_average_of_batch_accuracies(params):
     seen: list = []
-    loop = fl.evaluator(tiny_mlp()).metric("accuracy").handle_event(
-        "iteration_completed", lambda s: seen.append(s.metrics["accuracy"]))
+    loop = (
+        fl.evaluator(tiny_mlp())
+        .metric("accuracy")
+        .handle_event("iteration_completed", lambda s: seen.append(s.metrics["accuracy"]))
+    )
     state = loop.run(DATA, params)
     per_batch = batch_accuracies(params, DATA)
     assert state.metrics["accuracy"] == running_average(per_batch)
@@ -52,11 +55,15 @@ def test_running_sum_and_reset_each_epoch():
     label_sum = lambda y_true, y_pred: jnp.sum(y_true)  # noqa: E731
     one = lambda y_true, y_pred: jnp.float32(1.0)  # noqa: E731
     seen: list = []
-    loop = (fl.trainer(tiny_mlp(), "sparse_categorical_cross_entropy", "sgd")
-            .metric(label_sum, name="labels", accumulate="running_sum")
-            .metric(one, name="batches", accumulate="running_sum")
-            .handle_event("iteration_completed",
-                          lambda s: seen.append((s.epoch, s.iteration, s.metrics["batches"]))))
+    loop = (
+        fl.trainer(tiny_mlp(), "sparse_categorical_cross_entropy", "sgd")
+        .metric(label_sum, name="labels", accumulate="running_sum")
+        .metric(one, name="batches", accumulate="running_sum")
+        .handle_event(
+            "iteration_completed",
+            lambda s: seen.append((s.epoch, s.iteration, s.metrics["batches"])),
+        )
+    )
     state = loop.run(DATA, epochs=3)
     expected = float(sum(int(y.sum()) for _, y in DATA))
     for epoch in range(3):
@@ -87,29 +94,34 @@ def test_trainer_loss_metric_matches_a_hand_written_optax_loop():
             accs.append(float(np.mean(np.argmax(np.asarray(logits), -1) == y)))
         np.testing.assert_allclose(state.history[epoch]["loss"], np.mean(losses), rtol=1e-5)
         assert state.history[epoch]["accuracy"] == pytest.approx(np.mean(accs), abs=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                 state.params, p)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), state.params, p
+    )
     # The caller's variables were not donated or changed.
     assert np.isfinite(np.asarray(variables["params"]["Dense_0"]["kernel"])).all()
 
 
 def _linear_pair(w, b):
-    return (lambda rng, x: {"w": jnp.asarray(w), "b": jnp.asarray(b)},
-            lambda p, x: x @ p["w"] + p["b"])
+    return (
+        lambda rng, x: {"w": jnp.asarray(w), "b": jnp.asarray(b)},
+        lambda p, x: x @ p["w"] + p["b"],
+    )
 
 
 @pytest.mark.parametrize("name", ["mean_squared_error", "mean_absolute_error"])
 def test_regression_metrics(name):
     rng = np.random.default_rng(5)
-    data = [(rng.normal(size=(4, 3)).astype(np.float32), rng.normal(size=(4, 1)).astype(np.float32))
-            for _ in range(5)]
+    data = [
+        (rng.normal(size=(4, 3)).astype(np.float32), rng.normal(size=(4, 1)).astype(np.float32))
+        for _ in range(5)
+    ]
     w = rng.normal(size=(3, 1)).astype(np.float32)
     b = np.zeros((1,), np.float32)
     model = _linear_pair(w, b)
     state = fl.evaluator(model).metric(name).run(data, {"w": w, "b": b})
     errors = [(x @ w + b) - y for x, y in data]
     if name == "mean_squared_error":
-        per_batch = [np.mean(e ** 2) for e in errors]
+        per_batch = [np.mean(e**2) for e in errors]
     else:
         per_batch = [np.mean(np.abs(e)) for e in errors]
     np.testing.assert_allclose(state.metrics[name], np.mean(per_batch), rtol=1e-5)
@@ -118,8 +130,13 @@ def test_regression_metrics(name):
 @pytest.mark.parametrize("name", ["precision", "recall", "accuracy"])
 def test_binary_classification_metrics(name):
     rng = np.random.default_rng(7)
-    data = [(rng.normal(size=(8, 3)).astype(np.float32),
-             rng.integers(0, 2, size=(8, 1)).astype(np.float32)) for _ in range(5)]
+    data = [
+        (
+            rng.normal(size=(8, 3)).astype(np.float32),
+            rng.integers(0, 2, size=(8, 1)).astype(np.float32),
+        )
+        for _ in range(5)
+    ]
     w = rng.normal(size=(3, 1)).astype(np.float32)
     b = np.full((1,), 0.1, np.float32)
     state = fl.evaluator(_linear_pair(w, b)).metric(name).run(data, {"w": w, "b": b})
@@ -128,8 +145,11 @@ def test_binary_classification_metrics(name):
     tp = np.sum(predicted & true)
     # Epoch values over all examples (precision and recall: over all positives), not means
     # of per-batch values.
-    expected = {"precision": tp / predicted.sum(), "recall": tp / true.sum(),
-                "accuracy": np.mean(predicted == true)}[name]
+    expected = {
+        "precision": tp / predicted.sum(),
+        "recall": tp / true.sum(),
+        "accuracy": np.mean(predicted == true),
+    }[name]
     np.testing.assert_allclose(state.metrics[name], expected, rtol=1e-6)
 
 
@@ -137,13 +157,14 @@ def test_callable_metric_and_custom_name(params):
     def top_class_rate(y_true, y_pred):
         return jnp.mean((jnp.argmax(y_pred, -1) == CLASSES - 1).astype(jnp.float32))
 
-    loop = (fl.evaluator(tiny_mlp()).metric(top_class_rate)
-            .metric("accuracy", name="acc"))
+    loop = fl.evaluator(tiny_mlp()).metric(top_class_rate).metric("accuracy", name="acc")
     state = loop.run(DATA, params)
     assert set(state.metrics) == {"top_class_rate", "acc"}
     assert state.metrics["acc"] == running_average(batch_accuracies(params, DATA))
-    rates = [np.mean(np.argmax(np.asarray(tiny_mlp().apply(params, x)), -1) == CLASSES - 1)
-             for x, _ in DATA]
+    rates = [
+        np.mean(np.argmax(np.asarray(tiny_mlp().apply(params, x)), -1) == CLASSES - 1)
+        for x, _ in DATA
+    ]
     assert state.metrics["top_class_rate"] == running_average(rates)
 
 

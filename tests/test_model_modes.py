@@ -20,8 +20,10 @@ from fuseloop._step import default_metrics, evaluator_program
 
 SPARSE = "sparse_categorical_cross_entropy"
 RNG = np.random.default_rng(0)
-DATA = [(RNG.normal(size=(8, 5)).astype(np.float32), RNG.integers(0, 3, 8).astype(np.int32))
-        for _ in range(4)]
+DATA = [
+    (RNG.normal(size=(8, 5)).astype(np.float32), RNG.integers(0, 3, 8).astype(np.int32))
+    for _ in range(4)
+]
 
 
 def evaluator_with_loss(model, loss=SPARSE):
@@ -47,23 +49,35 @@ def make_linen(flag: str, train_value: bool):
         return nn.Dense(3)(x)
 
     namespace = {"__annotations__": {}}
-    source = (f"def __call__(self, x, {flag}: bool = {not train_value}):\n"
-              f"    return body(self, x, {flag})\n")
+    source = (
+        f"def __call__(self, x, {flag}: bool = {not train_value}):\n"
+        f"    return body(self, x, {flag})\n"
+    )
     exec(source, {"body": body}, namespace)  # noqa: S102 - builds the flag's name
     call = nn.compact(namespace["__call__"])
     return type(f"Net_{flag}", (nn.Module,), {"__call__": call})()
 
 
-@pytest.mark.parametrize("flag, train_value", [
-    ("train", True), ("training", True), ("is_training", True),
-    ("deterministic", False), ("use_running_average", False)])
+@pytest.mark.parametrize(
+    "flag, train_value",
+    [
+        ("train", True),
+        ("training", True),
+        ("is_training", True),
+        ("deterministic", False),
+        ("use_running_average", False),
+    ],
+)
 def test_linen_flags_switch_dropout_and_batchnorm(flag, train_value):
     model = make_linen(flag, train_value)
     state = frozen_train_loss(model)
     init = model.init(jax.random.PRNGKey(0), DATA[0][0], **{flag: not train_value})
     # BatchNorm updated its statistics while training ...
-    moved = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))),
-                         state.params["batch_stats"], dict(init)["batch_stats"])
+    moved = jax.tree.map(
+        lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))),
+        state.params["batch_stats"],
+        dict(init)["batch_stats"],
+    )
     assert all(jax.tree.leaves(moved))
     # ... and dropout made the training loss differ from the evaluation loss.
     evaluated = evaluator_with_loss(model).run(DATA, state.params)
@@ -102,8 +116,9 @@ class NoFlagDropout(nn.Module):
         return nn.Dense(3)(nn.Dropout(0.5, deterministic=False)(x))
 
 
-@pytest.mark.parametrize("module, need", [(NoFlagBatchNorm(), "mutable collections"),
-                                          (NoFlagDropout(), "'dropout' rng")])
+@pytest.mark.parametrize(
+    "module, need", [(NoFlagBatchNorm(), "mutable collections"), (NoFlagDropout(), "'dropout' rng")]
+)
 @pytest.mark.parametrize("fuse", [False, 2])
 def test_linen_without_a_flag_is_refused_at_the_first_batch(module, need, fuse):
     with pytest.raises(ValueError, match=need) as info:
@@ -147,9 +162,10 @@ def test_nnx_train_and_eval_modes():
     unfused = fl.trainer(model, SPARSE, "adam").run(DATA, epochs=2)
     assert fused.history == unfused.history
     trained = fl.models.trained(model, unfused)
-    np.testing.assert_array_equal(np.asarray(trained(DATA[0][0])),
-                                  np.asarray(fl.models.as_model(model).apply(unfused.params,
-                                                                             DATA[0][0])))
+    np.testing.assert_array_equal(
+        np.asarray(trained(DATA[0][0])),
+        np.asarray(fl.models.as_model(model).apply(unfused.params, DATA[0][0])),
+    )
 
 
 def test_nnx_plain_bool_training_attribute():
@@ -158,8 +174,9 @@ def test_nnx_plain_bool_training_attribute():
     variables = adapter.init(None, None)
     x = DATA[0][0]
     y_train, _ = adapter.forward(variables, x, train=True, rng=None)
-    np.testing.assert_allclose(np.asarray(y_train) - np.asarray(adapter.apply(variables, x)),
-                               1.0, rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(y_train) - np.asarray(adapter.apply(variables, x)), 1.0, rtol=1e-5
+    )
 
 
 class EqxNet(eqx.Module):
@@ -187,10 +204,11 @@ def test_equinox_dropout_in_training_only():
     assert fused.history == unfused.history
     trained = fl.models.trained(model, unfused)
     assert trained.drop.inference is True
-    np.testing.assert_allclose(np.asarray(jax.vmap(trained)(DATA[0][0])),
-                               np.asarray(fl.models.as_model(model).apply(unfused.params,
-                                                                          DATA[0][0])),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(jax.vmap(trained)(DATA[0][0])),
+        np.asarray(fl.models.as_model(model).apply(unfused.params, DATA[0][0])),
+        rtol=1e-6,
+    )
 
 
 class EqxBatchNorm(eqx.Module):
@@ -224,7 +242,8 @@ def test_trained_linen_binds_and_evaluates():
     wrapped = fl.models.trained(required, state.params)
     np.testing.assert_array_equal(
         np.asarray(wrapped(DATA[0][0])),
-        np.asarray(required.apply(state.params, DATA[0][0], deterministic=True)))
+        np.asarray(required.apply(state.params, DATA[0][0], deterministic=True)),
+    )
 
 
 def test_trained_plain_functions():
@@ -232,8 +251,9 @@ def test_trained_plain_functions():
     apply = lambda p, x, train=False: x @ p["w"] + (1.0 if train else 0.0)  # noqa: E731
     state = fl.trainer((init, apply), SPARSE, optax.sgd(0.0)).run(DATA)
     model = fl.models.trained((init, apply), state)
-    np.testing.assert_allclose(np.asarray(model(DATA[0][0])),
-                               DATA[0][0] @ np.ones((5, 3), np.float32), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(model(DATA[0][0])), DATA[0][0] @ np.ones((5, 3), np.float32), rtol=1e-6
+    )
 
 
 class EqxDropoutNoKey(eqx.Module):

@@ -141,9 +141,24 @@ def _launch(tmp_path, body: str, *options: str) -> subprocess.CompletedProcess:
     script = tmp_path / "script.py"
     script.write_text(_COMMON + body)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.run([sys.executable, "-m", "fuseloop.cli", "launch", "-n", "2",
-                           *options, str(script), str(tmp_path)], capture_output=True,
-                          text=True, timeout=300, env=env, check=False)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fuseloop.cli",
+            "launch",
+            "-n",
+            "2",
+            *options,
+            str(script),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +186,9 @@ def test_a_configuration_difference_is_named_on_every_process(two_processes):
     for s in seen:
         assert "batch_size (process 0: 16, process 1: 32)" in s["config_error"]
         assert "epochs" not in s["config_error"]
-        assert s["model_error"].startswith("the processes of this run were given different "
-                                           "configurations: model (process 0: ")
+        assert s["model_error"].startswith(
+            "the processes of this run were given different configurations: model (process 0: "
+        )
 
 
 def test_side_effects_run_on_process_0_unless_marked(two_processes):
@@ -233,8 +249,7 @@ def test_a_dead_process_fails_the_run_in_bounded_time_and_the_checkpoint_loads(t
     elapsed = time.monotonic() - began
     assert result.returncode != 0 and elapsed < 120
     assert "[1] process 1 dies now" in result.stdout
-    assert "[launch] process 1 was killed by SIGKILL; stopping the other processes" in \
-        result.stdout
+    assert "[launch] process 1 was killed by SIGKILL; stopping the other processes" in result.stdout
     assert "finished" not in result.stdout
     latest = fl.load_state(tmp_path / "ck")
     assert latest.epoch == 1 and latest.status == "running"  # the last complete save

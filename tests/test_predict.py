@@ -48,12 +48,13 @@ def test_fused_and_unfused_agree_bitwise(state):
 
 
 def test_batch_sources(state):
-    pairs = [(X[i:i + 6], Y[i:i + 6]) for i in range(0, 23, 6)]
-    inputs = [X[i:i + 6] for i in range(0, 23, 6)]
+    pairs = [(X[i : i + 6], Y[i : i + 6]) for i in range(0, 23, 6)]
+    inputs = [X[i : i + 6] for i in range(0, 23, 6)]
     ordered = fl.data.arrays(X, Y, batch_size=6, shuffle=False, drop_remainder=False)
     for source in (pairs, inputs, iter(pairs), lambda: iter(inputs), ordered):
-        np.testing.assert_allclose(predict(Net(), state, source), expected(state),
-                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            predict(Net(), state, source), expected(state), rtol=1e-5, atol=1e-6
+        )
 
 
 def test_pytree_inputs_and_outputs():
@@ -110,8 +111,8 @@ def test_equinox_and_nnx_models_predict_in_eval_mode():
             return self.drop(self.dense(x))
 
     for model in (Eqx(), Nnx(nnx.Rngs(0))):
-        state = fl.trainer(model, "sparse_categorical_cross_entropy", "sgd").run(
-            [(X[:8], Y[:8])])
+        state = fl.trainer(model, "sparse_categorical_cross_entropy", "sgd").run([(X[:8], Y[:8])])
         out = predict(model, state, X, batch_size=8)
-        np.testing.assert_allclose(out, np.asarray(fl.models.as_model(model).apply(
-            state.params, X)), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            out, np.asarray(fl.models.as_model(model).apply(state.params, X)), rtol=1e-5, atol=1e-6
+        )

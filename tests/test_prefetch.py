@@ -7,7 +7,8 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import optax
@@ -28,8 +29,7 @@ def _batches(n: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 BATCHES = _batches(24)
-LOOP = fl.trainer(fl.models.mlp([4, CLASSES]), "sparse_categorical_cross_entropy",
-                  optax.sgd(0.1))
+LOOP = fl.trainer(fl.models.mlp([4, CLASSES]), "sparse_categorical_cross_entropy", optax.sgd(0.1))
 
 
 class SourceError(Exception):
@@ -59,8 +59,9 @@ class Reiterable:
             self.closed += 1
 
 
-def counting_generator(batches: list[Any], log: dict[str, Any],
-                       fail_at: int | None = None) -> Iterator[Any]:
+def counting_generator(
+    batches: list[Any], log: dict[str, Any], fail_at: int | None = None
+) -> Iterator[Any]:
     """A one-shot generator: `log["pulled"]` counts pulls, `log["closed"]` its finally."""
     log.update(pulled=0, closed=False)
     try:
@@ -112,8 +113,9 @@ def test_pulls_never_pass_the_iteration_bound_of_an_epoch():
 def test_prefetch_zero_pulls_no_chunk_ahead():
     source = Reiterable(BATCHES)
     seen: list[tuple[int, int]] = []
-    loop = LOOP.handle_event("iteration_completed",
-                             lambda s: seen.append((s.iteration, source.pulled_per_pass[-1])))
+    loop = LOOP.handle_event(
+        "iteration_completed", lambda s: seen.append((s.iteration, source.pulled_per_pass[-1]))
+    )
     loop.run(source, epochs=1, fuse=K, prefetch=0)
     for i, pulled in seen:
         assert pulled <= (i // K + 1) * K + K  # at most the chunk about to run
@@ -145,8 +147,9 @@ def test_one_shot_without_handlers_never_prefetches_across_an_epoch():
 def test_one_shot_with_a_handler_is_never_pulled_ahead_of_its_chunk():
     log: dict[str, Any] = {}
     seen: list[tuple[int, int]] = []
-    loop = LOOP.handle_event("iteration_completed",
-                             lambda s: seen.append((s.iteration, log["pulled"])))
+    loop = LOOP.handle_event(
+        "iteration_completed", lambda s: seen.append((s.iteration, log["pulled"]))
+    )
     loop.run(counting_generator(BATCHES, log), epochs=1, fuse=K)
     for i, pulled in seen:
         assert pulled == (i // K + 1) * K
@@ -177,8 +180,7 @@ def test_one_shot_error_names_the_epoch_and_iteration(fuse):
     log: dict[str, Any] = {}
     before = _our_threads()
     with pytest.raises(SourceError) as info:
-        LOOP.run(counting_generator(BATCHES, log, fail_at=13), epochs=3, iterations=5,
-                 fuse=fuse)
+        LOOP.run(counting_generator(BATCHES, log, fail_at=13), epochs=3, iterations=5, fuse=fuse)
     _assert_source_error(info, epoch=2, iteration=3)
     assert _our_threads() <= before
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import assert_runs_identical, make_batches, tiny_mlp
 
 import fuseloop as fl
+from conftest import assert_runs_identical, make_batches, tiny_mlp
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
@@ -61,8 +61,14 @@ def configurations(draw: Any) -> dict[str, Any]:
     fuse = 1 if halting else draw(st.sampled_from([2, 3, 4]))
     per_epoch = min(n_data, iterations or n_data)
     halt_at = draw(st.integers(1, per_epoch * epochs)) if halting else None
-    return {"n_data": n_data, "epochs": epochs, "iterations": iterations, "fuse": fuse,
-            "halting": halting, "halt_at": halt_at}
+    return {
+        "n_data": n_data,
+        "epochs": epochs,
+        "iterations": iterations,
+        "fuse": fuse,
+        "halting": halting,
+        "halt_at": halt_at,
+    }
 
 
 @settings(deadline=None, max_examples=25, derandomize=True)

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import traceback
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_tree_equal, counter_init, counter_loop, make_batches, tiny_mlp
 
 import fuseloop as fl
+from conftest import assert_tree_equal, counter_init, counter_loop, make_batches, tiny_mlp
 
 SPARSE = "sparse_categorical_cross_entropy"
 BAD_AT = 7  # the iteration whose batch holds NaN inputs
@@ -29,7 +30,7 @@ class Probe:
         self.counts: dict[str, int] = {}
         self.stop_at: tuple[int, int] | None = None
 
-    def reset(self, stop_at: tuple[int, int] | None = None) -> "Probe":
+    def reset(self, stop_at: tuple[int, int] | None = None) -> Probe:
         self.counts, self.stop_at = {}, stop_at
         return self
 
@@ -41,6 +42,7 @@ class Probe:
     def _counter(self, event: str):
         def count(state: fl.State) -> None:
             self.counts[event] = self.counts.get(event, 0) + 1
+
         return count
 
     def _stop(self, state: fl.State) -> str | None:
@@ -92,8 +94,11 @@ def test_nan_keeps_params_from_before_the_bad_step(nan_loop, before_nan, fuse):
     assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(state.params))
     # The same events at every chunk size: the bad iteration started, never completed, no
     # epoch completed, the loop halted.
-    assert PROBE.counts == {"iteration_started": BAD_AT + 1, "iteration_completed": BAD_AT,
-                            "halted": 1}
+    assert PROBE.counts == {
+        "iteration_started": BAD_AT + 1,
+        "iteration_completed": BAD_AT,
+        "halted": 1,
+    }
     assert state.event_counts["iteration_started"] == {"total": BAD_AT + 1, "epoch": BAD_AT + 1}
     assert state.event_counts["iteration_completed"] == {"total": BAD_AT, "epoch": BAD_AT}
     assert (state.event_counts["halted"], state.event_counts["completed"]) == (1, 0)
@@ -140,11 +145,14 @@ class HandlerFailure(Exception):
 
 
 @pytest.mark.parametrize("fuse", [False, 3])
-@pytest.mark.parametrize("event, filter, where", [
-    ("iteration_completed", {"once": 5}, "epoch 0, iteration 4"),
-    ("epoch_completed", {"once": 2}, "epoch 1"),
-    ("started", "always", "epoch 0"),
-])
+@pytest.mark.parametrize(
+    "event, filter, where",
+    [
+        ("iteration_completed", {"once": 5}, "epoch 0, iteration 4"),
+        ("epoch_completed", {"once": 2}, "epoch 1"),
+        ("started", "always", "epoch 0"),
+    ],
+)
 def test_raising_handler_keeps_its_type_with_a_note(fuse, event, filter, where):
     def explode(state: fl.State) -> None:
         raise HandlerFailure("kaboom")
@@ -280,7 +288,6 @@ def test_arrays_a_handler_returns_are_not_the_ones_donated():
     def reset(state: fl.State) -> Any:
         return "continue", state.replace(step_state={**state.step_state, "params": fresh})
 
-    result = loop.handle_event("epoch_completed", reset, {"once": 1}).run(
-        make_batches(3), epochs=2)
+    result = loop.handle_event("epoch_completed", reset, {"once": 1}).run(make_batches(3), epochs=2)
     assert_tree_equal(readable(fresh), kept, "arrays a handler handed to the loop")
     readable(result.step_state)

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import BATCH, CLASSES, FEATURES, make_batches, tiny_mlp
 
 import fuseloop as fl
+from conftest import BATCH, CLASSES, FEATURES, make_batches, tiny_mlp
 
 SPARSE = "sparse_categorical_cross_entropy"
 
@@ -46,12 +46,16 @@ def loop() -> fl.Loop:
 
 
 # --------------------------------------------------------------------------- (x, y) pairs
-@pytest.mark.parametrize("bad", [
-    lambda b: (b[0],),
-    lambda b: (b[0], b[1], b[1]),
-    lambda b: {"x": b[0], "y": b[1]},
-    lambda b: b[0],
-], ids=["one", "three", "dict", "array"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda b: (b[0],),
+        lambda b: (b[0], b[1], b[1]),
+        lambda b: {"x": b[0], "y": b[1]},
+        lambda b: b[0],
+    ],
+    ids=["one", "three", "dict", "array"],
+)
 @pytest.mark.parametrize("kind", ["trainer", "evaluator"])
 def test_first_batch_not_a_pair(loop, kind, bad):
     data = [bad(b) for b in make_batches(2)]
@@ -72,12 +76,16 @@ def test_later_batch_not_a_pair_names_epoch_and_iteration(loop, fuse):
 
 
 @pytest.mark.parametrize("fuse", [False, 2])
-@pytest.mark.parametrize("batch", [
-    (0, 0),
-    {"a": np.ones(3, np.float32)},
-    np.ones(3, np.float32),
-    (np.ones(2, np.float32), np.ones(2, np.float32), np.ones(2, np.float32)),
-], ids=["ints", "dict", "array", "triple"])
+@pytest.mark.parametrize(
+    "batch",
+    [
+        (0, 0),
+        {"a": np.ones(3, np.float32)},
+        np.ones(3, np.float32),
+        (np.ones(2, np.float32), np.ones(2, np.float32), np.ones(2, np.float32)),
+    ],
+    ids=["ints", "dict", "array", "triple"],
+)
 def test_custom_loops_take_any_batch(fuse, batch):
     counter = fl.loop(lambda b, s: {"n": s["n"] + 1})
     state = counter.run([batch] * 3, {"n": jnp.zeros((), jnp.int32)}, fuse=fuse)
@@ -99,13 +107,16 @@ def test_later_x_of_another_shape_names_leaf_expected_and_actual(loop, fuse):
 
 
 def test_pytree_leaf_is_named_by_its_path():
-    loop = fl.trainer(fl.models.from_functions(
-        lambda rng, x: {"w": jnp.ones((FEATURES, CLASSES))},
-        lambda p, x: x["image"] @ p["w"] + x["meta"].sum()), SPARSE, "sgd")
-    data = [({"image": x, "meta": np.zeros((BATCH, 2), np.float32)}, y)
-            for x, y in make_batches(3)]
-    data[1] = ({"image": data[1][0]["image"], "meta": np.zeros((BATCH, 5), np.float32)},
-               data[1][1])
+    loop = fl.trainer(
+        fl.models.from_functions(
+            lambda rng, x: {"w": jnp.ones((FEATURES, CLASSES))},
+            lambda p, x: x["image"] @ p["w"] + x["meta"].sum(),
+        ),
+        SPARSE,
+        "sgd",
+    )
+    data = [({"image": x, "meta": np.zeros((BATCH, 2), np.float32)}, y) for x, y in make_batches(3)]
+    data[1] = ({"image": data[1][0]["image"], "meta": np.zeros((BATCH, 5), np.float32)}, data[1][1])
     with pytest.raises(ValueError, match=r"leaf x\['meta'\] has shape \(4, 5\).*\(4, 2\)"):
         loop.run(data)
 
@@ -130,16 +141,29 @@ def test_x_that_does_not_fit_given_variables_is_named():
         fl.evaluator(tiny_mlp()).run(data, params)
 
 
-@pytest.mark.parametrize("loss, y, pattern", [
-    (SPARSE, np.zeros((BATCH, 2), np.int32), r"y has shape \(4, 2\).*labels of shape \(4,\)"),
-    ("categorical_cross_entropy", np.zeros((BATCH,), np.float32),
-     r"y has shape \(4,\).*same shape \(4, 3\)"),
-    ("mean_squared_error", np.zeros((BATCH, 2), np.float32),
-     r"y has shape \(4, 2\).*one value per output, shape \(4, 3\)"),
-    (lambda y, p: jnp.mean((p - y) ** 2), np.zeros((BATCH, 2), np.float32),
-     r"y does not fit the loss '<lambda>'.*y of shape \(4, 2\).*\(4, 3\)"),
-    (lambda y, p: (p - y) ** 2, np.zeros((BATCH, 3), np.float32), r"must return a scalar"),
-], ids=["sparse", "categorical", "mse", "custom", "not-scalar"])
+@pytest.mark.parametrize(
+    "loss, y, pattern",
+    [
+        (SPARSE, np.zeros((BATCH, 2), np.int32), r"y has shape \(4, 2\).*labels of shape \(4,\)"),
+        (
+            "categorical_cross_entropy",
+            np.zeros((BATCH,), np.float32),
+            r"y has shape \(4,\).*same shape \(4, 3\)",
+        ),
+        (
+            "mean_squared_error",
+            np.zeros((BATCH, 2), np.float32),
+            r"y has shape \(4, 2\).*one value per output, shape \(4, 3\)",
+        ),
+        (
+            lambda y, p: jnp.mean((p - y) ** 2),
+            np.zeros((BATCH, 2), np.float32),
+            r"y does not fit the loss '<lambda>'.*y of shape \(4, 2\).*\(4, 3\)",
+        ),
+        (lambda y, p: (p - y) ** 2, np.zeros((BATCH, 3), np.float32), r"must return a scalar"),
+    ],
+    ids=["sparse", "categorical", "mse", "custom", "not-scalar"],
+)
 def test_y_that_does_not_fit_output_and_loss(loss, y, pattern):
     x = make_batches(1)[0][0]
     with pytest.raises(ValueError, match=pattern):
@@ -155,8 +179,9 @@ def test_column_labels_are_accepted(loop):
 def test_label_out_of_range_in_first_batch():
     data = make_batches(2)
     data[0] = (data[0][0], np.full((BATCH,), CLASSES + 2, np.int32))
-    with pytest.raises(ValueError,
-                       match=rf"first batch: y holds the label {CLASSES + 2}.*{CLASSES} classes"):
+    with pytest.raises(
+        ValueError, match=rf"first batch: y holds the label {CLASSES + 2}.*{CLASSES} classes"
+    ):
         sparse_trainer().run(data)
 
 
@@ -221,8 +246,10 @@ def test_second_short_batch_size_raises(loop):
     data = make_batches(4)
     data[1] = (data[1][0][:3], data[1][1][:3])
     data[3] = (data[3][0][:2], data[3][1][:2])
-    with pytest.warns(UserWarning, match="batch size 3"), pytest.raises(
-            ValueError, match=r"iteration 3 has batch size 2.*only one short batch size"):
+    with (
+        pytest.warns(UserWarning, match="batch size 3"),
+        pytest.raises(ValueError, match=r"iteration 3 has batch size 2.*only one short batch size"),
+    ):
         loop.run(data)
 
 
@@ -237,14 +264,18 @@ def test_leaves_with_different_batch_sizes_raise(loop):
 def test_ragged_last_batch_fused_raises_fusion_error(loop, fuse):
     data = make_batches(3)
     data.append((data[0][0][:2], data[0][1][:2]))
-    with pytest.raises(fl.FusionError, match=r"iteration 3: leaf x has shape \(2, 3\).*"
-                                             r"drop_remainder=True"):
+    with pytest.raises(
+        fl.FusionError,
+        match=r"iteration 3: leaf x has shape \(2, 3\).*"
+        r"drop_remainder=True",
+    ):
         loop.run(data, fuse=fuse)
 
 
 # --------------------------------------------------------------------------- empty data
-@pytest.mark.parametrize("data", [[], (), lambda: iter([]), iter([])],
-                         ids=["list", "tuple", "callable", "iterator"])
+@pytest.mark.parametrize(
+    "data", [[], (), lambda: iter([]), iter([])], ids=["list", "tuple", "callable", "iterator"]
+)
 @pytest.mark.parametrize("fuse", [False, 4])
 def test_empty_data_raises_before_compiling(data, fuse):
     traces = [0]
@@ -254,22 +285,25 @@ def test_empty_data_raises_before_compiling(data, fuse):
 
 
 # --------------------------------------------------------------------------- arguments
-@pytest.mark.parametrize("kwargs, argument", [
-    ({"epochs": 0}, "epochs"),
-    ({"epochs": -2}, "epochs"),
-    ({"epochs": 1.5}, "epochs"),
-    ({"epochs": True}, "epochs"),
-    ({"epochs": "3"}, "epochs"),
-    ({"iterations": 0}, "iterations"),
-    ({"fuse": 0}, "fuse"),
-    ({"fuse": -4}, "fuse"),
-    ({"fuse": 2.0}, "fuse"),
-    ({"fuse": "fast"}, "fuse"),
-    ({"fuse": True, "jit": False}, "fuse"),
-    ({"jit": "yes"}, "jit"),
-    ({"max_in_flight": 0}, "max_in_flight"),
-    ({"mesh": "cpu"}, "mesh"),
-])
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        ({"epochs": 0}, "epochs"),
+        ({"epochs": -2}, "epochs"),
+        ({"epochs": 1.5}, "epochs"),
+        ({"epochs": True}, "epochs"),
+        ({"epochs": "3"}, "epochs"),
+        ({"iterations": 0}, "iterations"),
+        ({"fuse": 0}, "fuse"),
+        ({"fuse": -4}, "fuse"),
+        ({"fuse": 2.0}, "fuse"),
+        ({"fuse": "fast"}, "fuse"),
+        ({"fuse": True, "jit": False}, "fuse"),
+        ({"jit": "yes"}, "jit"),
+        ({"max_in_flight": 0}, "max_in_flight"),
+        ({"mesh": "cpu"}, "mesh"),
+    ],
+)
 def test_invalid_run_arguments_name_the_argument(kwargs, argument):
     traces = [0]
     with pytest.raises(ValueError, match=rf"{argument}="):
@@ -283,28 +317,31 @@ def test_data_that_is_not_a_source(data):
         traced_loop([0]).run(data, {"n": 0})
 
 
-@pytest.mark.parametrize("build, argument", [
-    (lambda: fl.trainer(5, SPARSE, "sgd"), "model"),
-    (lambda: fl.trainer(tiny_mlp(), "hinge", "sgd"), "loss"),
-    (lambda: fl.trainer(tiny_mlp(), 3, "sgd"), "loss"),
-    (lambda: fl.trainer(tiny_mlp(), SPARSE, "rmsprop"), "optimizer"),
-    (lambda: fl.trainer(tiny_mlp(), SPARSE, 0.1), "optimizer"),
-    (lambda: fl.trainer(tiny_mlp(), SPARSE, "sgd", log=-1), "log"),
-    (lambda: fl.trainer(tiny_mlp(), SPARSE, "sgd", seed="a"), "seed"),
-    (lambda: fl.evaluator("model"), "model"),
-    (lambda: fl.loop(5), "step_fn"),
-    (lambda: fl.loop(lambda b, s: s, init_fn=3), "init_fn"),
-    (lambda: sparse_trainer().handle_event("epoch_done", print), "event"),
-    (lambda: sparse_trainer().handle_event("started", 5), "handler"),
-    (lambda: sparse_trainer().handle_event("started", print, "sometimes"), "filter"),
-    (lambda: sparse_trainer().handle_event("started", print, {"evry": 2}), "filter"),
-    (lambda: sparse_trainer().handle_event("started", print, {"every": 0}), "filter"),
-    (lambda: sparse_trainer().metric("f1"), "metric"),
-    (lambda: sparse_trainer().metric("accuracy", accumulate="max"), "accumulate"),
-    (lambda: sparse_trainer().metric("accuracy").metric("accuracy"), "metric name"),
-    (lambda: fl.models.mlp([]), "features"),
-    (lambda: fl.models.mlp([4], activation="swish2"), "activation"),
-])
+@pytest.mark.parametrize(
+    "build, argument",
+    [
+        (lambda: fl.trainer(5, SPARSE, "sgd"), "model"),
+        (lambda: fl.trainer(tiny_mlp(), "hinge", "sgd"), "loss"),
+        (lambda: fl.trainer(tiny_mlp(), 3, "sgd"), "loss"),
+        (lambda: fl.trainer(tiny_mlp(), SPARSE, "rmsprop"), "optimizer"),
+        (lambda: fl.trainer(tiny_mlp(), SPARSE, 0.1), "optimizer"),
+        (lambda: fl.trainer(tiny_mlp(), SPARSE, "sgd", log=-1), "log"),
+        (lambda: fl.trainer(tiny_mlp(), SPARSE, "sgd", seed="a"), "seed"),
+        (lambda: fl.evaluator("model"), "model"),
+        (lambda: fl.loop(5), "step_fn"),
+        (lambda: fl.loop(lambda b, s: s, init_fn=3), "init_fn"),
+        (lambda: sparse_trainer().handle_event("epoch_done", print), "event"),
+        (lambda: sparse_trainer().handle_event("started", 5), "handler"),
+        (lambda: sparse_trainer().handle_event("started", print, "sometimes"), "filter"),
+        (lambda: sparse_trainer().handle_event("started", print, {"evry": 2}), "filter"),
+        (lambda: sparse_trainer().handle_event("started", print, {"every": 0}), "filter"),
+        (lambda: sparse_trainer().metric("f1"), "metric"),
+        (lambda: sparse_trainer().metric("accuracy", accumulate="max"), "accumulate"),
+        (lambda: sparse_trainer().metric("accuracy").metric("accuracy"), "metric name"),
+        (lambda: fl.models.mlp([]), "features"),
+        (lambda: fl.models.mlp([4], activation="swish2"), "activation"),
+    ],
+)
 def test_invalid_builder_arguments_name_the_argument(build, argument):
     with pytest.raises(ValueError, match=argument):
         build()
@@ -315,5 +352,4 @@ def test_handler_returning_garbage_is_named(loop):
     with pytest.raises(ValueError, match=r"handler answer returned int.*None, a status"):
         bad.run(make_batches(2))
     with pytest.raises(ValueError, match=r"handler answer returned status 'stop'.*halt_loop"):
-        loop.handle_event("epoch_completed", lambda s: "stop", name="answer").run(
-            make_batches(2))
+        loop.handle_event("epoch_completed", lambda s: "stop", name="answer").run(make_batches(2))

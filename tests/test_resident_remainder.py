@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import assert_tree_equal, trainer
 
 import fuseloop as fl
+from conftest import assert_tree_equal, trainer
 
 N, BATCH, FEATURES = 70, 16, 3  # four full batches and a short one of 6
 LOOP = trainer().metric("accuracy")
@@ -24,8 +24,15 @@ def _arrays() -> tuple[np.ndarray, np.ndarray]:
 def _source(device: bool, drop_remainder: bool, shuffle: bool = True) -> Any:
     x, y = _arrays()
     try:
-        return fl.data.arrays(x, y, batch_size=BATCH, seed=5, shuffle=shuffle,
-                              drop_remainder=drop_remainder, device=device)
+        return fl.data.arrays(
+            x,
+            y,
+            batch_size=BATCH,
+            seed=5,
+            shuffle=shuffle,
+            drop_remainder=drop_remainder,
+            device=device,
+        )
     except ValueError as error:
         if device and "device=True needs every batch full" in str(error):
             pytest.skip("fl.data.arrays still refuses device=True with a remainder")
@@ -64,7 +71,8 @@ def test_the_short_batch_sees_iteration_handlers_in_order() -> None:
         log: list[tuple[int, int, float]] = []
         loop = LOOP.handle_event(
             "iteration_completed",
-            lambda s, log=log: log.append((s.epoch, s.iteration, s.metrics["loss"])))
+            lambda s, log=log: log.append((s.epoch, s.iteration, s.metrics["loss"])),
+        )
         loop.run(_source(True, False), epochs=2, fuse=fuse)
         seen[fuse] = log
     assert seen[False] == seen[3]

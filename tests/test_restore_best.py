@@ -42,23 +42,29 @@ def scripted_metric(values):
 
 
 @pytest.mark.parametrize("fuse", [False, 3])
-@pytest.mark.parametrize("values, epochs, best", [
-    ([5, 3, 1, 2, 4, 6, 7, 8], 8, 2),   # halts at epoch 4 (patience 2), best epoch 2
-    ([5, 4, 3, 2, 1.5, 1.7, 1.6, 1.8], 6, 4),  # runs to the end, best epoch 4
-])
+@pytest.mark.parametrize(
+    "values, epochs, best",
+    [
+        ([5, 3, 1, 2, 4, 6, 7, 8], 8, 2),  # halts at epoch 4 (patience 2), best epoch 2
+        ([5, 4, 3, 2, 1.5, 1.7, 1.6, 1.8], 6, 4),  # runs to the end, best epoch 4
+    ],
+)
 def test_restore_best_step_state_bitwise(fuse, values, epochs, best):
     def factory():
         return fl.trainer(fl.models.mlp([4, 3]), SPARSE, optax.adam(0.05)).handle_event(
-            "epoch_completed", scripted_metric(values))
+            "epoch_completed", scripted_metric(values)
+        )
 
     kept = snapshots(factory, fuse)
     stopper = EarlyStopping("score", patience=2, restore_best=True)
     state = attach(factory(), stopper).run(DATA, epochs=epochs, fuse=fuse)
-    jax.tree.map(np.testing.assert_array_equal,
-                 jax.tree.map(np.asarray, state.step_state), kept[best])
+    jax.tree.map(
+        np.testing.assert_array_equal, jax.tree.map(np.asarray, state.step_state), kept[best]
+    )
     np.testing.assert_array_equal(
         np.asarray(state.params["params"]["Dense_0"]["kernel"]),
-        kept[best]["params"]["params"]["Dense_0"]["kernel"])
+        kept[best]["params"]["params"]["Dense_0"]["kernel"],
+    )
 
 
 def test_default_keeps_the_last_epoch():
@@ -66,13 +72,13 @@ def test_default_keeps_the_last_epoch():
 
     def factory():
         return fl.trainer(fl.models.mlp([4, 3]), SPARSE, optax.adam(0.05)).handle_event(
-            "epoch_completed", scripted_metric(values))
+            "epoch_completed", scripted_metric(values)
+        )
 
     kept = snapshots(factory, False)
     state = attach(factory(), EarlyStopping("score", patience=2)).run(DATA, epochs=6)
     assert state.epoch == 4
-    jax.tree.map(np.testing.assert_array_equal,
-                 jax.tree.map(np.asarray, state.step_state), kept[4])
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.step_state), kept[4])
 
 
 def test_restore_best_is_validated():

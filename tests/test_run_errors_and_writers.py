@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
-from conftest import assert_tree_equal, counter_init, counter_loop, make_batches, trainer
 
 import fuseloop as fl
+from conftest import assert_tree_equal, counter_init, counter_loop, make_batches, trainer
 
 DATA = make_batches(12)
 FUSES = [False, 4, 5]
@@ -196,8 +197,7 @@ def _halt_at(epoch: int, iteration: int) -> Any:
 def test_a_fused_halt_keeps_exactly_its_chunk_although_the_next_was_launched() -> None:
     # fuse=4, halt at iteration 5 of epoch 1: the chunk 4..7 ran, the one launched ahead
     # while it was replayed is undone.
-    state = BASE.handle_event("iteration_completed", _halt_at(1, 5)).run(DATA, epochs=3,
-                                                                        fuse=4)
+    state = BASE.handle_event("iteration_completed", _halt_at(1, 5)).run(DATA, epochs=3, fuse=4)
     assert state.status == "halted" and list(state.history) == [0]
     first = BASE.run(DATA, epochs=1)
     reference = BASE.run(DATA[:8], first, epochs=2)
@@ -206,7 +206,8 @@ def test_a_fused_halt_keeps_exactly_its_chunk_although_the_next_was_launched() -
 
 
 def test_a_resident_fused_halt_gives_back_its_place_in_the_epoch() -> None:
-    x = np.concatenate([b[0] for b in DATA]); y = np.concatenate([b[1] for b in DATA])
+    x = np.concatenate([b[0] for b in DATA])
+    y = np.concatenate([b[1] for b in DATA])
     source = fl.data.arrays(x, y, batch_size=len(DATA[0][0]), seed=1, device=True)
     host = fl.data.arrays(x, y, batch_size=len(DATA[0][0]), seed=1)
     loop = BASE.handle_event("iteration_completed", _halt_at(1, 5))
@@ -215,5 +216,6 @@ def test_a_resident_fused_halt_gives_back_its_place_in_the_epoch() -> None:
     assert_tree_equal(resident.step_state, plain.step_state)
     assert resident.stats["dispatches"] == plain.stats["dispatches"] == 5
     # The source is reusable: a fresh run over it matches the host source again.
-    assert_tree_equal(BASE.run(source, epochs=2, fuse=4).step_state,
-                      BASE.run(host, epochs=2, fuse=4).step_state)
+    assert_tree_equal(
+        BASE.run(source, epochs=2, fuse=4).step_state, BASE.run(host, epochs=2, fuse=4).step_state
+    )

@@ -25,7 +25,7 @@ import fuseloop as fl
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
-CHILD = r'''
+CHILD = r"""
 import json, os, signal, sys, threading, time
 import numpy as np
 import fuseloop as fl
@@ -82,7 +82,7 @@ print("RESULT " + json.dumps({
     "int_restored": signal.getsignal(signal.SIGINT) is previous_int,
     "term_restored": signal.getsignal(signal.SIGTERM) is previous_term,
     "threads_before": threads, "threads_after": threading.active_count()}), flush=True)
-'''
+"""
 
 
 class Child:
@@ -92,7 +92,11 @@ class Child:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", CHILD, mode, str(fuse), str(workdir)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -109,7 +113,7 @@ class Child:
             line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
             self.seen.append(line)
             if line.startswith(prefix):
-                return line[len(prefix):].strip()
+                return line[len(prefix) :].strip()
             if line == "" and self.proc.poll() is not None:
                 raise AssertionError(f"no {prefix!r} line; output:\n" + "\n".join(self.seen))
 
@@ -138,8 +142,11 @@ def run_and_signal(mode: str, fuse: int, signum: int, workdir: Path) -> tuple[An
     return result, child
 
 
-@pytest.mark.parametrize("signum, fuse", [(signal.SIGTERM, 0), (signal.SIGINT, 4)],
-                         ids=["SIGTERM-unfused", "SIGINT-fused"])
+@pytest.mark.parametrize(
+    "signum, fuse",
+    [(signal.SIGTERM, 0), (signal.SIGINT, 4)],
+    ids=["SIGTERM-unfused", "SIGINT-fused"],
+)
 def test_signal_halts_at_the_next_host_boundary(tmp_path, signum, fuse):
     result, child = run_and_signal("halt", fuse, signum, tmp_path)
     assert result["status"] == "halted"

@@ -104,16 +104,24 @@ def _hand_loss(name, y, logits):
     return np.mean(-log_softmax[np.arange(len(y)), y])
 
 
-@pytest.mark.parametrize("name", ["mean_squared_error", "mean_absolute_error",
-                                  "binary_cross_entropy", "categorical_cross_entropy",
-                                  "sparse_categorical_cross_entropy"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "mean_squared_error",
+        "mean_absolute_error",
+        "binary_cross_entropy",
+        "categorical_cross_entropy",
+        "sparse_categorical_cross_entropy",
+    ],
+)
 def test_named_losses_take_logits_and_match_a_hand_computation(name):
     data, out = _loss_case(name)
     model = fl.models.mlp([4, out])
     variables = model.init(jax.random.PRNGKey(0), data[0][0])
     first: list = []
     loop = fl.trainer(model, name, "sgd").handle_event(
-        "iteration_completed", lambda s: first.append(s.metrics["loss"]), "first")
+        "iteration_completed", lambda s: first.append(s.metrics["loss"]), "first"
+    )
     loop.run(data, variables)
     logits = np.asarray(model.apply(variables, data[0][0]), np.float64)
     y = data[0][1]
@@ -126,8 +134,9 @@ def test_callable_loss():
         return optax.softmax_cross_entropy_with_integer_labels(y_pred, y_true).mean()
 
     by_name = MLP_LOOP.run(DATA[:4], epochs=2)
-    by_callable = fl.trainer(tiny_mlp(), my_loss, optax.adam(0.05)).metric("accuracy").run(
-        DATA[:4], epochs=2)
+    by_callable = (
+        fl.trainer(tiny_mlp(), my_loss, optax.adam(0.05)).metric("accuracy").run(DATA[:4], epochs=2)
+    )
     assert_tree_close(by_name.params, by_callable.params)
 
 
@@ -151,8 +160,9 @@ def test_same_seed_is_bitwise_reproducible_and_seeds_differ():
     b = DROPBN_LOOP.run(DATA[:4], epochs=2)
     d = trainer(DropBN(), optax.adam(0.05), seed=4).metric("accuracy").run(DATA[:4], epochs=2)
     assert_runs_identical(a, b)
-    assert not np.array_equal(a.params["params"]["Dense_0"]["kernel"],
-                              d.params["params"]["Dense_0"]["kernel"])
+    assert not np.array_equal(
+        a.params["params"]["Dense_0"]["kernel"], d.params["params"]["Dense_0"]["kernel"]
+    )
 
 
 def test_dropout_masks_come_from_the_global_step_not_the_epoch_iteration():
@@ -190,7 +200,8 @@ def test_batchnorm_and_dropout_model_trains_and_updates_batch_stats():
     n_params = len(jax.tree.leaves(state.params["params"]))
     assert len(opt_leaves) >= n_params
     assert jax.tree.structure(state.step_state["opt_state"]) == jax.tree.structure(
-        optax.adam(0.05).init(state.params["params"]))
+        optax.adam(0.05).init(state.params["params"])
+    )
 
 
 # --------------------------------------------------------------------------- adapters
@@ -217,8 +228,12 @@ class NnxDropBN(nnx.Module):
 def _pair():
     def init(rng, x):
         k1, k2 = jax.random.split(rng)
-        return {"w1": jax.random.normal(k1, (x.shape[1], 8)) * 0.5, "b1": jnp.zeros(8),
-                "w2": jax.random.normal(k2, (8, CLASSES)) * 0.5, "b2": jnp.zeros(CLASSES)}
+        return {
+            "w1": jax.random.normal(k1, (x.shape[1], 8)) * 0.5,
+            "b1": jnp.zeros(8),
+            "w2": jax.random.normal(k2, (8, CLASSES)) * 0.5,
+            "b2": jnp.zeros(CLASSES),
+        }
 
     def apply(p, x):
         return jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
@@ -231,7 +246,8 @@ ADAPTERS = {
     "nnx": lambda: fl.models.from_nnx(NnxMLP(nnx.Rngs(0))),
     "nnx_dropout_batchnorm": lambda: fl.models.from_nnx(NnxDropBN(nnx.Rngs(0))),
     "equinox": lambda: fl.models.from_equinox(
-        eqx.nn.MLP(FEATURES, CLASSES, 8, 1, key=jax.random.PRNGKey(0))),
+        eqx.nn.MLP(FEATURES, CLASSES, 8, 1, key=jax.random.PRNGKey(0))
+    ),
     "pair": _pair,  # a bare (init_fn, apply_fn) tuple
 }
 
@@ -278,8 +294,9 @@ SUMMARY = re.compile(r"^Epoch (\d+)/2 - loss: (\d+\.\d{7}) - accuracy: (\d\.\d{7
 
 def test_log_lines_every_n_iterations_and_one_per_epoch():
     out = io.StringIO()
-    loop = fl.trainer(tiny_mlp(), "sparse_categorical_cross_entropy", "adam", log=5,
-                      log_stream=out).metric("accuracy")
+    loop = fl.trainer(
+        tiny_mlp(), "sparse_categorical_cross_entropy", "adam", log=5, log_stream=out
+    ).metric("accuracy")
     state = loop.run(DATA, epochs=2)
     text = out.getvalue()
     assert "\r" not in text and text.endswith("\n")
@@ -304,7 +321,8 @@ def test_log_zero_is_silent(capsys):
 def test_loop_log_writes_fn_output():
     out = io.StringIO()
     counter_loop().log(lambda s: f"[{s.epoch}]", event="epoch_completed", stream=out).run(
-        DATA[:2], counter_init(), epochs=3)
+        DATA[:2], counter_init(), epochs=3
+    )
     assert out.getvalue() == "[0][1][2]"
 
 
@@ -317,8 +335,9 @@ def test_unfused_stats_count_dispatches_and_host_boundaries():
     assert plain.stats["host_syncs"] <= 2  # only the end of each epoch reads metrics
     assert plain.stats["chunk_size"] == 1
     fired: list = []
-    watched = loop.handle_event("iteration_completed", lambda s: fired.append(s.metrics),
-                                {"every": 4}).run(DATA, epochs=2)
+    watched = loop.handle_event(
+        "iteration_completed", lambda s: fired.append(s.metrics), {"every": 4}
+    ).run(DATA, epochs=2)
     assert len(fired) == 6
     assert watched.stats["host_syncs"] <= 6 + 2
     assert_tree_equal(watched.step_state, plain.step_state)
@@ -326,5 +345,6 @@ def test_unfused_stats_count_dispatches_and_host_boundaries():
 
 @pytest.mark.parametrize("max_in_flight", [1, 3])
 def test_max_in_flight_does_not_change_results(max_in_flight):
-    assert_runs_identical(MLP_LOOP.run(DATA, epochs=2),
-                          MLP_LOOP.run(DATA, epochs=2, max_in_flight=max_in_flight))
+    assert_runs_identical(
+        MLP_LOOP.run(DATA, epochs=2), MLP_LOOP.run(DATA, epochs=2, max_in_flight=max_in_flight)
+    )

@@ -17,21 +17,27 @@ MODEL = fl.models.mlp([8, 3])
 
 def _batches(n: int, seed: int):
     rng = np.random.default_rng(seed)
-    return [(rng.normal(size=(8, 4)).astype(np.float32),
-             rng.integers(0, 3, size=(8,)).astype(np.int32)) for _ in range(n)]
+    return [
+        (rng.normal(size=(8, 4)).astype(np.float32), rng.integers(0, 3, size=(8,)).astype(np.int32))
+        for _ in range(n)
+    ]
 
 
 DATA, VAL = _batches(5, 0), _batches(3, 1)
-TRAINER = (fl.trainer(MODEL, "sparse_categorical_cross_entropy", "adam")
-           .metric("accuracy").validate(MODEL, VAL))
+TRAINER = (
+    fl.trainer(MODEL, "sparse_categorical_cross_entropy", "adam")
+    .metric("accuracy")
+    .validate(MODEL, VAL)
+)
 
 
 def _with_writers(loop: fl.Loop, folder) -> fl.Loop:
-    return (loop.csv_log(folder / "epochs.csv")
-            .csv_log(folder / "iterations.csv", event="iteration_completed",
-                     filter={"every": 2})
-            .tensorboard(folder / "tb")
-            .tensorboard(folder / "tb", event="iteration_completed", filter={"every": 3}))
+    return (
+        loop.csv_log(folder / "epochs.csv")
+        .csv_log(folder / "iterations.csv", event="iteration_completed", filter={"every": 2})
+        .tensorboard(folder / "tb")
+        .tensorboard(folder / "tb", event="iteration_completed", filter={"every": 3})
+    )
 
 
 def _scalars(logdir) -> list[tuple[str, int, float]]:
@@ -43,8 +49,8 @@ def _scalars(logdir) -> list[tuple[str, int, float]]:
         data = path.read_bytes()
         offset = 0
         while offset < len(data):  # TFRecord: length, crc, payload, crc
-            (length,) = struct.unpack("<Q", data[offset:offset + 8])
-            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
             offset += 12 + length + 4
             for value in event.summary.value:
                 found.append((value.tag, event.step, value.simple_value))
@@ -86,8 +92,9 @@ def test_tensorboard_scalars_are_identical_fused_and_unfused(written):
     (unfused, state), (fused, _) = written[False], written[3]
     expected = _scalars(unfused / "tb")
     assert expected == _scalars(fused / "tb")
-    epoch_scalars = {(tag, step): value for tag, step, value in expected
-                     if tag.startswith("epoch/")}
+    epoch_scalars = {
+        (tag, step): value for tag, step, value in expected if tag.startswith("epoch/")
+    }
     for epoch, metrics in state.history.items():
         for name, value in metrics.items():
             assert epoch_scalars[("epoch/" + name, epoch)] == np.float32(value)
@@ -109,8 +116,10 @@ def test_csv_of_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
     resuming = _counter_loop().csv_log(tmp_path / "resumed.csv")
     first = resuming.run([(0, 0)] * 2, start, epochs=3)
     # Resume from epoch 1, as from a checkpoint: the row of epoch 2 is redone, not doubled.
-    from_epoch_1 = first.replace(history={e: first.history[e] for e in (0, 1)},
-                                 step_state={"n": jnp.float32(4.0), "loss": jnp.float32(0.0)})
+    from_epoch_1 = first.replace(
+        history={e: first.history[e] for e in (0, 1)},
+        step_state={"n": jnp.float32(4.0), "loss": jnp.float32(0.0)},
+    )
     resuming.run([(0, 0)] * 2, from_epoch_1, epochs=4)
     assert (tmp_path / "resumed.csv").read_text() == (tmp_path / "full.csv").read_text()
 

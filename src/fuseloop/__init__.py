@@ -10,7 +10,9 @@ Example:
     ...                   optax.adam(1e-3))
 """
 
-from . import _distributed; _distributed.initialize_from_environment()  # noqa: E702  (first: before any module touches a jax backend)
+from . import _distributed
+
+_distributed.initialize_from_environment()  # first: before any module touches a jax backend
 from . import data, diagnostics, handlers, models
 from ._checkpoint import load_state, save_state
 from ._distributed import all_processes, is_main_process, main_process_only

@@ -49,12 +49,25 @@ def to_payload(state: State) -> tuple[dict[str, Any], list[np.ndarray]]:
     """
     arrays: list[Any] = []
     step_state = encode(state.step_state, arrays, "step_state")
-    fields = {f.name: encode(getattr(state, f.name), arrays, f.name)
-              for f in dataclasses.fields(state) if f.name != "step_state"}
-    summary = {"epoch": state.epoch, "iteration": state.iteration, "status": state.status,
-               "epochs_in_history": sorted(int(e) for e in state.history)}
-    payload = {"format": FORMAT, "version": VERSION, "summary": summary,
-               "n_arrays": len(arrays), "step_state": step_state, "fields": fields}
+    fields = {
+        f.name: encode(getattr(state, f.name), arrays, f.name)
+        for f in dataclasses.fields(state)
+        if f.name != "step_state"
+    }
+    summary = {
+        "epoch": state.epoch,
+        "iteration": state.iteration,
+        "status": state.status,
+        "epochs_in_history": sorted(int(e) for e in state.history),
+    }
+    payload = {
+        "format": FORMAT,
+        "version": VERSION,
+        "summary": summary,
+        "n_arrays": len(arrays),
+        "step_state": step_state,
+        "fields": fields,
+    }
     return payload, host_copies(arrays)
 
 
@@ -66,8 +79,11 @@ def host_copies(arrays: list[Any]) -> list[np.ndarray]:
     """
     gathered = []
     for array in arrays:
-        if isinstance(array, jax.Array) and not array.is_fully_addressable \
-                and not array.is_fully_replicated:
+        if (
+            isinstance(array, jax.Array)
+            and not array.is_fully_addressable
+            and not array.is_fully_replicated
+        ):
             from jax.experimental import multihost_utils
 
             array = multihost_utils.process_allgather(array, tiled=True)
@@ -79,8 +95,10 @@ def from_payload(payload: Any, arrays: list[np.ndarray], where: str) -> State:
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"path={where!r} is not a fuseloop save")
     if payload.get("version") != VERSION:
-        raise ValueError(f"path={where!r} holds fuseloop save format version "
-                         f"{payload.get('version')!r}; this fuseloop reads version {VERSION}")
+        raise ValueError(
+            f"path={where!r} holds fuseloop save format version "
+            f"{payload.get('version')!r}; this fuseloop reads version {VERSION}"
+        )
     fields = payload.get("fields")
     known = {f.name for f in dataclasses.fields(State)} - {"step_state"}
     if not isinstance(fields, dict) or not set(fields) <= known:
@@ -137,8 +155,9 @@ def _load_arrays(folder: Path, count: int) -> list[np.ndarray]:
     try:
         return [np.asarray(tree[f"leaf_{i:06d}"]) for i in range(count)]
     except KeyError as err:
-        raise ValueError(f"path={str(folder)!r} lacks the array {err}; the save is "
-                         f"damaged") from None
+        raise ValueError(
+            f"path={str(folder)!r} lacks the array {err}; the save is damaged"
+        ) from None
 
 
 def read_save(folder: Path) -> State:
@@ -161,7 +180,8 @@ def _legacy_message(folder: Path) -> str:
         f"jax.tree.leaves order, and its info.json summary); rebuild the step state with "
         f"jax.tree.unflatten(jax.tree.structure(fresh_step_state), arrays) and save it again "
         f"with fl.save_state. If you trust the file, you may instead load it with the "
-        f"fuseloop version that wrote it and save it again with this one")
+        f"fuseloop version that wrote it and save it again with this one"
+    )
 
 
 def read_legacy_arrays(path: str | os.PathLike[str]) -> tuple[list[np.ndarray], dict]:

@@ -29,18 +29,28 @@ class HiddenTemporaryPath(atomicity.AtomicRenameTemporaryPath):
     first), so that no partial directory ever starts with a save's name."""
 
     @classmethod
-    def from_final(cls, final_path, *, checkpoint_metadata_store=None, file_options=None,
-                   snapshot_type=None):
+    def from_final(
+        cls, final_path, *, checkpoint_metadata_store=None, file_options=None, snapshot_type=None
+    ):
         temporary = final_path.parent / f".{final_path.name}{_SUFFIX}"
-        return cls(temporary, final_path, checkpoint_metadata_store=checkpoint_metadata_store,
-                   file_options=file_options, snapshot_type=snapshot_type)
+        return cls(
+            temporary,
+            final_path,
+            checkpoint_metadata_store=checkpoint_metadata_store,
+            file_options=file_options,
+            snapshot_type=snapshot_type,
+        )
 
     @classmethod
     def from_temporary(cls, temporary_path, *, file_options=None, snapshot_type=None):
         name = temporary_path.name
-        final = name[1 if name.startswith(".") else 0: name.find(_SUFFIX)]
-        return cls(temporary_path, temporary_path.parent / final, file_options=file_options,
-                   snapshot_type=snapshot_type)
+        final = name[1 if name.startswith(".") else 0 : name.find(_SUFFIX)]
+        return cls(
+            temporary_path,
+            temporary_path.parent / final,
+            file_options=file_options,
+            snapshot_type=snapshot_type,
+        )
 
 
 class EpochNames(step_lib.NameFormat):

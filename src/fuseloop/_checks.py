@@ -33,7 +33,6 @@ from ._step import require_pair
 __all__ = ["Checker"]
 
 
-
 def _leaf_signature(leaf: Any) -> tuple[Any, Any]:
     """`(shape, dtype)` of an array leaf; Python scalars are weakly typed, so their type."""
     shape = getattr(leaf, "shape", None)
@@ -45,8 +44,11 @@ def _leaf_signature(leaf: Any) -> tuple[Any, Any]:
 def _is_scalar_list(value: Any) -> bool:
     leaves = jax.tree.leaves(value)
     # The source turns Python numbers into 0-d arrays; neither has a batch axis.
-    return isinstance(value, (list, tuple)) and bool(leaves) and all(
-        np.ndim(leaf) == 0 for leaf in leaves)
+    return (
+        isinstance(value, (list, tuple))
+        and bool(leaves)
+        and all(np.ndim(leaf) == 0 for leaf in leaves)
+    )
 
 
 def _check_python_lists(batch: Any, where: str) -> None:
@@ -138,8 +140,9 @@ class Checker:
         if self.pairs:
             for offset, batch in enumerate(batches[1:], start=1):
                 if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-                    require_pair(batch, f"the batch at epoch {epoch}, iteration "
-                                              f"{first_iteration + offset}")
+                    require_pair(
+                        batch, f"the batch at epoch {epoch}, iteration {first_iteration + offset}"
+                    )
 
     def explain_chunk(self, batches: list[Any], epoch: int, first_iteration: int) -> None:
         """Checks every batch of a chunk that failed to stack, to raise the error that names
@@ -162,8 +165,9 @@ class Checker:
         self._check_labels((None, live[slot]), f"epoch {epoch}, iteration {first_iteration + slot}")
 
     # ----------------------------------------------------------------- per batch
-    def _check(self, batch: Any, epoch: int, iteration: int, fused: bool,
-               labels: bool = True) -> None:
+    def _check(
+        self, batch: Any, epoch: int, iteration: int, fused: bool, labels: bool = True
+    ) -> None:
         if self.treedef is None:  # no first batch was seen: this one sets the reference
             self.first(batch)
         leaves, treedef = jax.tree.flatten(batch)
@@ -173,8 +177,16 @@ class Checker:
         if labels and self.fit.classes is not None:
             self._check_labels(batch, f"epoch {epoch}, iteration {iteration}")
 
-    def _diagnose(self, batch: Any, leaves: list[Any], treedef: Any,
-                  signature: tuple[Any, ...], epoch: int, iteration: int, fused: bool) -> None:
+    def _diagnose(
+        self,
+        batch: Any,
+        leaves: list[Any],
+        treedef: Any,
+        signature: tuple[Any, ...],
+        epoch: int,
+        iteration: int,
+        fused: bool,
+    ) -> None:
         """A batch whose signature was not seen before: accept it, warn, or raise."""
         where = f"data: the batch at epoch {epoch}, iteration {iteration}"
         error = FusionError if fused else ValueError
@@ -216,8 +228,12 @@ class Checker:
 
     def _differs_on_batch_axis(self, expected: tuple[Any, Any], actual: tuple[Any, Any]) -> bool:
         shape, other = expected[0], actual[0]
-        return (len(shape) >= 1 and len(shape) == len(other) and shape[1:] == other[1:]
-                and self._same(((), expected[1]), ((), actual[1]), fused=False))
+        return (
+            len(shape) >= 1
+            and len(shape) == len(other)
+            and shape[1:] == other[1:]
+            and self._same(((), expected[1]), ((), actual[1]), fused=False)
+        )
 
     def _allow_ragged(self, sizes: set[int], where: str) -> None:
         """A smaller batch, e.g. the epoch's last: jit compiles for it once, with a warning."""
@@ -253,19 +269,28 @@ class Checker:
         return None
 
     @staticmethod
-    def _mismatch(where: str, name: str, expected: tuple[Any, Any], actual: tuple[Any, Any],
-                  fused: bool) -> str:
-        fix = ("fused chunks compile once for one batch shape: use fuse=False, "
-               "drop_remainder=True, or pad your batches" if fused else
-               "every batch must have the shapes and dtypes of the run's first batch (only "
-               "the batch axis of a ragged last batch may differ); reshape or cast the data")
-        return (f"{where}: leaf {name} has shape {actual[0]} dtype {actual[1]}, expected "
-                f"shape {expected[0]} dtype {expected[1]} like the run's first batch; {fix}")
+    def _mismatch(
+        where: str, name: str, expected: tuple[Any, Any], actual: tuple[Any, Any], fused: bool
+    ) -> str:
+        fix = (
+            "fused chunks compile once for one batch shape: use fuse=False, "
+            "drop_remainder=True, or pad your batches"
+            if fused
+            else "every batch must have the shapes and dtypes of the run's first batch (only "
+            "the batch axis of a ragged last batch may differ); reshape or cast the data"
+        )
+        return (
+            f"{where}: leaf {name} has shape {actual[0]} dtype {actual[1]}, expected "
+            f"shape {expected[0]} dtype {expected[1]} like the run's first batch; {fix}"
+        )
 
     # ----------------------------------------------------------------- helpers
     def _leaf_name(self, path: tuple[Any, ...]) -> str:
-        if self.pairs and path and isinstance(path[0], jax.tree_util.SequenceKey) and (
-            path[0].idx in (0, 1)
+        if (
+            self.pairs
+            and path
+            and isinstance(path[0], jax.tree_util.SequenceKey)
+            and (path[0].idx in (0, 1))
         ):
             return ("x", "y")[path[0].idx] + jax.tree_util.keystr(path[1:])
         return "batch" + jax.tree_util.keystr(path)
@@ -309,8 +334,13 @@ class Checker:
             return
         leaves, treedef = jax.tree.flatten(step_state)
         try:
-            key = ("checked_step", self.treedef, self.expected, treedef,
-                   tuple((np.shape(leaf), str(jax.numpy.result_type(leaf))) for leaf in leaves))
+            key = (
+                "checked_step",
+                self.treedef,
+                self.expected,
+                treedef,
+                tuple((np.shape(leaf), str(jax.numpy.result_type(leaf))) for leaf in leaves),
+            )
         except TypeError:  # a non-array leaf: the run itself reports what is wrong
             return
         if key not in self.cache:
@@ -318,13 +348,21 @@ class Checker:
             self.cache[key] = True
 
     def _check_variables(self, step_state: Any) -> None:
-        if self.fit.first_x is None or not isinstance(step_state, dict) or (
-                "params" not in step_state):
+        if (
+            self.fit.first_x is None
+            or not isinstance(step_state, dict)
+            or ("params" not in step_state)
+        ):
             return
         variables = jax.tree.map(abstract, step_state["params"])
         leaves, treedef = jax.tree.flatten(variables)
-        key = ("checked_variables", self.treedef, self.expected, treedef,
-               tuple((leaf.shape, leaf.dtype) for leaf in leaves))
+        key = (
+            "checked_variables",
+            self.treedef,
+            self.expected,
+            treedef,
+            tuple((leaf.shape, leaf.dtype) for leaf in leaves),
+        )
         if key not in self.cache:
             self.fit.check_variables(variables, "the given variables")
             self.cache[key] = True

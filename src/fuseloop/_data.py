@@ -11,7 +11,8 @@ Kinds of data:
 from __future__ import annotations
 
 import collections.abc
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import numpy as np

@@ -43,11 +43,12 @@ def _parse_fuse(fuse: str) -> bool | int | str:
 
 def _log_epoch(state: Any) -> None:
     """One line per epoch, written above the progress bar (never into it)."""
-    from .handlers.log import epoch_label, format_metrics, SEPARATOR
+    from .handlers.log import SEPARATOR, epoch_label, format_metrics
     from .handlers.progress import write_above_bars
 
-    line = SEPARATOR.join((epoch_label(state.epoch, state.max_epoch),
-                           format_metrics(state.metrics)))
+    line = SEPARATOR.join(
+        (epoch_label(state.epoch, state.max_epoch), format_metrics(state.metrics))
+    )
     write_above_bars(line + "\n", sys.stdout)
 
 
@@ -63,8 +64,10 @@ def _plot_target(plot: str | os.PathLike[str] | bool | None) -> Path | None:
     if plot is True:
         return default_plot_path()
     if not isinstance(plot, (str, os.PathLike)) or not str(plot):
-        raise ValueError(f"plot={plot!r} must be a file path, True (the default location "
-                         f"{default_plot_path()}) or False/None (no plot)")
+        raise ValueError(
+            f"plot={plot!r} must be a file path, True (the default location "
+            f"{default_plot_path()}) or False/None (no plot)"
+        )
     return Path(plot).expanduser().resolve()
 
 
@@ -73,8 +76,12 @@ def _even_batch(n: int, at_most: int = 64) -> int:
     return max(b for b in range(1, min(n, at_most) + 1) if n % b == 0)
 
 
-def demo(epochs: int = 20, fuse: str = "32", plot: str | os.PathLike[str] | bool | None = True,
-         progress: bool = True) -> int:
+def demo(
+    epochs: int = 20,
+    fuse: str = "32",
+    plot: str | os.PathLike[str] | bool | None = True,
+    progress: bool = True,
+) -> int:
     """Trains an MLP on digits with a held-out split and prints the validation accuracy.
 
     Args:
@@ -97,8 +104,10 @@ def demo(epochs: int = 20, fuse: str = "32", plot: str | os.PathLike[str] | bool
     train = fl.data.arrays(x_train, y_train, batch_size=32, shuffle=True, seed=0)
     val = fl.data.arrays(x_val, y_val, batch_size=_even_batch(len(x_val)), shuffle=False)
     model = fl.models.mlp([128, 10])
-    print(f"fuseloop demo: digits, {len(x_train)} train / {len(x_val)} held-out examples, "
-          f"MLP 64-128-10, {epochs} epochs, fuse={fuse}")
+    print(
+        f"fuseloop demo: digits, {len(x_train)} train / {len(x_val)} held-out examples, "
+        f"MLP 64-128-10, {epochs} epochs, fuse={fuse}"
+    )
     if target is not None:
         print(f"the plot of the metric curves will be written to {target}")
     loop = (
@@ -113,9 +122,11 @@ def demo(epochs: int = 20, fuse: str = "32", plot: str | os.PathLike[str] | bool
     state = loop.run(train, epochs=epochs, fuse=_parse_fuse(fuse), progress=progress)
     wall = time.perf_counter() - began
     accuracy = state.metrics["validation_accuracy"]
-    print(f"final validation accuracy: {accuracy:.4f} ({state.status} after "
-          f"{state.epoch + 1} epochs, wall time {wall:.2f} s, "
-          f"{state.stats['dispatches']} dispatches, chunk size {state.stats['chunk_size']})")
+    print(
+        f"final validation accuracy: {accuracy:.4f} ({state.status} after "
+        f"{state.epoch + 1} epochs, wall time {wall:.2f} s, "
+        f"{state.stats['dispatches']} dispatches, chunk size {state.stats['chunk_size']})"
+    )
     if target is not None:
         try:
             fl.plot_history(state.history, target)

@@ -76,19 +76,25 @@ def initialize_from_environment() -> bool:
         raise ValueError(
             f"fuseloop launch environment is incomplete or malformed ({err}): "
             f"{ENV_COORDINATOR}, {ENV_COUNT} and {ENV_ID} must all be set, as integers "
-            f"for the last two") from None
+            f"for the last two"
+        ) from None
     # Real collectives between CPU processes (the default CPU backend has none).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         jax.distributed.initialize(
-            coordinator_address=address, num_processes=count, process_id=index,
-            initialization_timeout=max(timeout * 3, 30), heartbeat_timeout_seconds=timeout,
-            shutdown_timeout_seconds=timeout)
+            coordinator_address=address,
+            num_processes=count,
+            process_id=index,
+            initialization_timeout=max(timeout * 3, 30),
+            heartbeat_timeout_seconds=timeout,
+            shutdown_timeout_seconds=timeout,
+        )
     except RuntimeError as err:
         raise RuntimeError(
             f"process {index} of {count} (started by fuseloop launch) could not initialise "
             f"jax.distributed: {err}. Import fuseloop before the script uses jax (before "
-            f"jax.devices() or any computation)") from err
+            f"jax.devices() or any computation)"
+        ) from err
     return True
 
 
@@ -143,8 +149,9 @@ def sync(name: str) -> None:
 
 
 # ----------------------------------------------------------------- per-process input
-def local_rows(sharding: jax.sharding.Sharding, global_batch_size: int,
-               batch_axis: int = 0) -> slice:
+def local_rows(
+    sharding: jax.sharding.Sharding, global_batch_size: int, batch_axis: int = 0
+) -> slice:
     """The rows of every global batch this process feeds, under `sharding`.
 
     They are the rows the sharding places on this process's devices; they must be
@@ -166,8 +173,10 @@ def local_rows(sharding: jax.sharding.Sharding, global_batch_size: int,
         starts.append(rows.start or 0)
         stops.append(global_batch_size if rows.stop is None else rows.stop)
     if not starts:
-        raise ValueError("sharding places no part of the batch on this process's devices; "
-                         "build the mesh from jax.devices() (all processes' devices)")
+        raise ValueError(
+            "sharding places no part of the batch on this process's devices; "
+            "build the mesh from jax.devices() (all processes' devices)"
+        )
     first, last = min(starts), max(stops)
     covered = set()
     for start, stop in zip(starts, stops):
@@ -175,7 +184,8 @@ def local_rows(sharding: jax.sharding.Sharding, global_batch_size: int,
     if covered != set(range(first, last)):
         raise ValueError(
             "this process's devices hold non-contiguous rows of the batch; order the mesh's "
-            "devices by process (jax.make_mesh or jax.devices() order do)")
+            "devices by process (jax.make_mesh or jax.devices() order do)"
+        )
     return slice(first, last)
 
 
@@ -194,13 +204,15 @@ def process_block(global_batch_size: int) -> slice:
         raise ValueError(
             f"batch_size={global_batch_size} does not divide over {count} processes; each "
             f"process feeds an equal share of every global batch, so use a multiple of "
-            f"{count}")
+            f"{count}"
+        )
     share = global_batch_size // count
     return slice(jax.process_index() * share, (jax.process_index() + 1) * share)
 
 
-def local_indices(global_indices: np.ndarray, batch_size: int,
-                  sharding: jax.sharding.Sharding | None = None) -> np.ndarray:
+def local_indices(
+    global_indices: np.ndarray, batch_size: int, sharding: jax.sharding.Sharding | None = None
+) -> np.ndarray:
     """This process's part of the example indices of one global batch.
 
     `fl.data.arrays` given the full arrays calls this for each batch, so every process
@@ -217,7 +229,8 @@ def local_indices(global_indices: np.ndarray, batch_size: int,
         raise ValueError(
             f"a last batch of {len(global_indices)} examples cannot be split across "
             f"{jax.process_count()} processes like batch_size={batch_size}; pass "
-            f"drop_remainder=True")
+            f"drop_remainder=True"
+        )
     rows = process_block(batch_size) if sharding is None else local_rows(sharding, batch_size)
     return global_indices[rows]
 
@@ -247,7 +260,8 @@ def _assemble_leaf(leaf: Any, sharding: jax.sharding.Sharding) -> jax.Array:
             raise ValueError(
                 f"a global array with sharding {leaf.sharding} was given where the mesh's "
                 f"batch sharding {sharding} is expected; yield process-local numpy arrays "
-                f"(fuseloop assembles them) or arrays with this sharding")
+                f"(fuseloop assembles them) or arrays with this sharding"
+            )
         return leaf
     return jax.make_array_from_process_local_data(sharding, np.asarray(leaf))
 
@@ -267,8 +281,11 @@ def config_fingerprint(config: dict[str, Any]) -> dict[str, str]:
     for key, value in sorted(config.items()):
         # Memory addresses in reprs differ between processes running the same code.
         text = _ADDRESS.sub("0x", json.dumps(value, sort_keys=True, default=repr))
-        out[str(key)] = text if len(text) <= 80 else \
-            f"{text[:60]}... sha256:{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+        out[str(key)] = (
+            text
+            if len(text) <= 80
+            else f"{text[:60]}... sha256:{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+        )
     return out
 
 
@@ -284,8 +301,9 @@ def describe(tree: Any, values: bool = False) -> str:
         "PyTreeDef({'w': *}) [((2, 3), 'float32')]"
     """
     leaves, treedef = jax.tree.flatten(tree)
-    shapes = [(tuple(np.shape(leaf)), str(getattr(leaf, "dtype", type(leaf).__name__)))
-              for leaf in leaves]
+    shapes = [
+        (tuple(np.shape(leaf)), str(getattr(leaf, "dtype", type(leaf).__name__))) for leaf in leaves
+    ]
     text = f"{treedef} {shapes}"
     if values:
         digest = hashlib.sha256()
@@ -302,10 +320,9 @@ def _gather_text(text: str) -> list[str]:
     data = np.frombuffer(text.encode(), dtype=np.uint8)
     lengths = multihost_utils.process_allgather(np.array([len(data)], np.int32))
     padded = np.zeros(int(np.max(lengths)), np.uint8)
-    padded[:len(data)] = data
-    every = np.asarray(multihost_utils.process_allgather(padded)).reshape(
-        jax.process_count(), -1)
-    return [bytes(row[:int(n)]).decode() for row, n in zip(every, np.ravel(lengths))]
+    padded[: len(data)] = data
+    every = np.asarray(multihost_utils.process_allgather(padded)).reshape(jax.process_count(), -1)
+    return [bytes(row[: int(n)]).decode() for row, n in zip(every, np.ravel(lengths))]
 
 
 def check_same_config(config: dict[str, Any], what: str = "run") -> None:
@@ -331,7 +348,8 @@ def check_same_config(config: dict[str, Any], what: str = "run") -> None:
         raise ValueError(
             f"the processes of this {what} were given different configurations: "
             f"{'; '.join(differences)}. Every process must run the same script with the same "
-            f"arguments (only its share of the data differs)")
+            f"arguments (only its share of the data differs)"
+        )
 
 
 # ----------------------------------------------------------------- side effects
@@ -351,6 +369,7 @@ def all_processes(handler: Callable) -> Callable:
         setattr(handler, _ALL, True)
         return handler
     except AttributeError:  # e.g. a bound method: wrap it
+
         @functools.wraps(handler)
         def marked(*args: Any, **kwargs: Any) -> Any:
             return handler(*args, **kwargs)

@@ -7,8 +7,9 @@ decide which iterations need a State without building one for every iteration.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 __all__ = ["Event", "Filter", "Registration", "normalize_event", "make_filter", "parse_result"]
 
@@ -128,8 +129,7 @@ def make_filter(spec: Any, argument: str = "filter") -> Filter:
         for key, value in spec.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(
-                    f"{argument}[{key!r}]={value!r} must be a positive int "
-                    f"(counts start at 1)"
+                    f"{argument}[{key!r}]={value!r} must be a positive int (counts start at 1)"
                 )
         return Filter(**{k: int(v) for k, v in spec.items()})
     raise ValueError(

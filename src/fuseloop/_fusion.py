@@ -14,7 +14,8 @@ value, so the program does not grow with K and the padded last chunk reuses it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -107,8 +108,9 @@ def _check_structure(batch: Any, treedef: Any, index: int) -> None:
         )
 
 
-def _raise_mismatch(index: int, leaf: int, expected: tuple[Any, Any], actual: tuple[Any, Any]
-                    ) -> None:
+def _raise_mismatch(
+    index: int, leaf: int, expected: tuple[Any, Any], actual: tuple[Any, Any]
+) -> None:
     raise FusionError(
         f"batch {index} (iteration {index} of the epoch), leaf {leaf}: expected shape "
         f"{expected[0]} dtype {expected[1]}, got shape {actual[0]} dtype {actual[1]}; fused "

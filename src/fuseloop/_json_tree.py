@@ -45,7 +45,8 @@ def _lookup(name: Any, where: str) -> Any:
         raise ValueError(
             f"{where}: the save refers to {name!r}, but module {module_name!r} is not "
             f"imported; fuseloop never imports a module named by a save. Import it before "
-            f"load_state")
+            f"load_state"
+        )
     for part in qualname.split("."):
         if part.startswith("__") or not hasattr(obj, part):
             raise ValueError(f"{where}: {name!r} does not name an object")
@@ -72,17 +73,23 @@ def encode(value: Any, arrays: list[Any], where: str = "value") -> Any:
     if type(value) is tuple:
         return {"tuple": [encode(v, arrays, f"{where}[{i}]") for i, v in enumerate(value)]}
     if type(value) is dict:
-        return {"dict": [[_key(k, where), encode(v, arrays, f"{where}[{k!r}]")]
-                         for k, v in value.items()]}
+        return {
+            "dict": [
+                [_key(k, where), encode(v, arrays, f"{where}[{k!r}]")] for k, v in value.items()
+            ]
+        }
     array = _encode_array(value, arrays)
     if array is not None:
         return array
-    if dataclasses.is_dataclass(value) and not isinstance(value, type) \
-            and _is_node(value):
-        return {"dataclass": _name_of(type(value)),
-                "fields": [[f.name, encode(getattr(value, f.name), arrays,
-                                           f"{where}.{f.name}")]
-                           for f in dataclasses.fields(value) if hasattr(value, f.name)]}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and _is_node(value):
+        return {
+            "dataclass": _name_of(type(value)),
+            "fields": [
+                [f.name, encode(getattr(value, f.name), arrays, f"{where}.{f.name}")]
+                for f in dataclasses.fields(value)
+                if hasattr(value, f.name)
+            ],
+        }
     if _is_node(value):
         return _encode_node(value, arrays, where)
     if callable(value) and _is_named(value):
@@ -91,14 +98,16 @@ def encode(value: Any, arrays: list[Any], where: str = "value") -> Any:
         f"{where}={type(value).__name__} cannot be saved without pickle: a save holds "
         f"numbers, strings, bools, None, lists, tuples, dicts with str/int keys, numpy/jax "
         f"arrays, pytree nodes (NamedTuples, dataclass pytrees) and module-level functions. "
-        f"Convert it (e.g. to a dict of those) before saving")
+        f"Convert it (e.g. to a dict of those) before saving"
+    )
 
 
 def _key(key: Any, where: str) -> Any:
     if type(key) in (str, int):
         return key
-    raise ValueError(f"{where} has the key {key!r} ({type(key).__name__}); a saved dict "
-                     f"takes str or int keys")
+    raise ValueError(
+        f"{where} has the key {key!r} ({type(key).__name__}); a saved dict takes str or int keys"
+    )
 
 
 def _encode_array(value: Any, arrays: list[Any]) -> dict[str, Any] | None:
@@ -139,10 +148,15 @@ def _encode_node(value: Any, arrays: list[Any], where: str) -> dict[str, Any]:
     try:
         data = encode(node_data, [], f"{where} (node data)")
     except ValueError as err:
-        raise ValueError(f"{where}={type(value).__name__}: its pytree node data cannot be "
-                         f"saved without pickle ({err})") from None
-    return {"node": _name_of(node_type), "data": data,
-            "children": [encode(c, arrays, f"{where}/{i}") for i, c in enumerate(children)]}
+        raise ValueError(
+            f"{where}={type(value).__name__}: its pytree node data cannot be "
+            f"saved without pickle ({err})"
+        ) from None
+    return {
+        "node": _name_of(node_type),
+        "data": data,
+        "children": [encode(c, arrays, f"{where}/{i}") for i, c in enumerate(children)],
+    }
 
 
 # ----------------------------------------------------------------- decode
@@ -183,8 +197,9 @@ def _decode_dict(encoded, arrays, where):
 
 
 def _decode_key(encoded, arrays, where):
-    return jax.random.wrap_key_data(np.asarray(_array(encoded, "key", arrays, where)),
-                                    impl=str(encoded["impl"]))
+    return jax.random.wrap_key_data(
+        np.asarray(_array(encoded, "key", arrays, where)), impl=str(encoded["impl"])
+    )
 
 
 def _decode_dataclass(encoded, arrays, where):
@@ -212,10 +227,12 @@ def _decode_node(encoded, arrays, where):
     leaf = jax.tree.structure(0)
     try:
         treedef = PyTreeDef.from_node_data_and_children(
-            default_registry, (node_type, data), [leaf] * len(children))
+            default_registry, (node_type, data), [leaf] * len(children)
+        )
     except (RuntimeError, TypeError, ValueError) as err:  # RuntimeError: unregistered
-        raise ValueError(f"{where}: {encoded['node']!r} is not a pytree node type jax "
-                         f"knows ({err})") from None
+        raise ValueError(
+            f"{where}: {encoded['node']!r} is not a pytree node type jax knows ({err})"
+        ) from None
     return treedef.unflatten(children)
 
 

@@ -47,8 +47,15 @@ def free_port() -> int:
 
 def _environment(index: int, count: int, address: str, failure_timeout: int) -> dict:
     env = dict(os.environ)
-    env.update({ENV_COORDINATOR: address, ENV_COUNT: str(count), ENV_ID: str(index),
-                ENV_TIMEOUT: str(failure_timeout), "PYTHONUNBUFFERED": "1"})
+    env.update(
+        {
+            ENV_COORDINATOR: address,
+            ENV_COUNT: str(count),
+            ENV_ID: str(index),
+            ENV_TIMEOUT: str(failure_timeout),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     # Local processes share one machine: CPU devices unless the caller chose a platform.
     env.setdefault("JAX_PLATFORMS", "cpu")
     return env
@@ -93,9 +100,16 @@ def _exit_code(code: int) -> int:
     return 128 + (-code) if code < 0 else code
 
 
-def launch(count: int, script: str, args: Sequence[str] = (), *, port: int | None = None,
-           failure_timeout: int = DEFAULT_FAILURE_TIMEOUT, grace: float = 5.0,
-           out: IO[str] | None = None) -> int:
+def launch(
+    count: int,
+    script: str,
+    args: Sequence[str] = (),
+    *,
+    port: int | None = None,
+    failure_timeout: int = DEFAULT_FAILURE_TIMEOUT,
+    grace: float = 5.0,
+    out: IO[str] | None = None,
+) -> int:
     """Runs `python script args...` in `count` local processes under `jax.distributed`.
 
     Args:
@@ -130,12 +144,17 @@ def launch(count: int, script: str, args: Sequence[str] = (), *, port: int | Non
     try:
         for index in range(count):
             process = subprocess.Popen(
-                [sys.executable, script, *args], stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                env=_environment(index, count, address, failure_timeout))
+                [sys.executable, script, *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=_environment(index, count, address, failure_timeout),
+            )
             processes.append(process)
-            reader = threading.Thread(target=_stream, args=(index, process.stdout, sink, lock),
-                                      daemon=True)
+            reader = threading.Thread(
+                target=_stream, args=(index, process.stdout, sink, lock), daemon=True
+            )
             reader.start()
             readers.append(reader)
         code = _watch(processes, sink, lock, grace)
@@ -147,8 +166,9 @@ def launch(count: int, script: str, args: Sequence[str] = (), *, port: int | Non
     return code
 
 
-def _watch(processes: list[subprocess.Popen], sink: IO[str], lock: threading.Lock,
-           grace: float) -> int:
+def _watch(
+    processes: list[subprocess.Popen], sink: IO[str], lock: threading.Lock, grace: float
+) -> int:
     """Waits for every process; on the first failure stops the rest and returns its code."""
     while True:
         codes = [p.poll() for p in processes]
@@ -156,8 +176,9 @@ def _watch(processes: list[subprocess.Popen], sink: IO[str], lock: threading.Loc
         if failed:
             index, code = failed[0]
             with lock:
-                sink.write(f"[launch] process {index} {_describe(code)}; stopping the other "
-                           f"processes\n")
+                sink.write(
+                    f"[launch] process {index} {_describe(code)}; stopping the other processes\n"
+                )
                 sink.flush()
             _stop(processes, grace)
             return _exit_code(code)

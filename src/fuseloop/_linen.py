@@ -60,8 +60,9 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
         >>> model = linen(Net(), train_arg="eval_mode", train_value=False)
     """
 
-    def __init__(self, module: nn.Module, train_arg: str | None = None,
-                 train_value: bool | None = None):
+    def __init__(
+        self, module: nn.Module, train_arg: str | None = None, train_value: bool | None = None
+    ):
         if not isinstance(module, nn.Module):
             raise ValueError(f"module={module!r} must be a flax.linen Module")
         if train_value is not None and not isinstance(train_value, bool):
@@ -74,8 +75,9 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
             self.flags = {name: value for name, value in TRAIN_FLAGS.items() if name in names}
             return
         if train_arg not in names and not any(
-                p.kind == inspect.Parameter.VAR_KEYWORD
-                for p in inspect.signature(type(module).__call__).parameters.values()):
+            p.kind == inspect.Parameter.VAR_KEYWORD
+            for p in inspect.signature(type(module).__call__).parameters.values()
+        ):
             raise ValueError(
                 f"train_arg={train_arg!r} is not an argument of {type(module).__name__}."
                 f"__call__ (its arguments: {', '.join(names[1:])})"
@@ -122,8 +124,9 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
             return self.apply(variables, x), None
         rngs = {"dropout": rng}
         if mutable:
-            y, updates = self.module.apply(variables, x, rngs=rngs, mutable=mutable,
-                                           **self.mode(True))
+            y, updates = self.module.apply(
+                variables, x, rngs=rngs, mutable=mutable, **self.mode(True)
+            )
             return y, dict(updates)
         return self.module.apply(variables, x, rngs=rngs, **self.mode(True)), None
 

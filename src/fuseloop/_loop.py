@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 from ._events import Event, Registration, make_filter, normalize_event
 from ._metrics import MetricSpec, resolve_metric
@@ -39,7 +40,7 @@ class Loop:
     guard_nonfinite: bool = False
     _programs: ProgramCache = field(default_factory=ProgramCache, compare=False, repr=False)
 
-    def _with(self, **changes: Any) -> "Loop":
+    def _with(self, **changes: Any) -> Loop:
         # Compiled programs depend on the step, the metrics and the guard, not on handlers:
         # a loop that only gains handlers shares its parent's program cache.
         shares_programs = set(changes) <= {"registrations"}
@@ -47,8 +48,9 @@ class Loop:
         return dataclasses.replace(self, _programs=programs, **changes)
 
     # ----------------------------------------------------------------- builders
-    def metric(self, metric: Any, name: str | None = None,
-               accumulate: str = "running_average") -> "Loop":
+    def metric(
+        self, metric: Any, name: str | None = None, accumulate: str = "running_average"
+    ) -> Loop:
         """Adds a metric, computed on the device each step and accumulated there.
 
         Args:
@@ -62,8 +64,10 @@ class Loop:
         Example:
             >>> loop = loop.metric("accuracy")  # doctest: +SKIP
         """
-        if self.program.kind == "custom" and isinstance(metric, str) and (
-            metric not in _known_metrics()
+        if (
+            self.program.kind == "custom"
+            and isinstance(metric, str)
+            and (metric not in _known_metrics())
         ):
             spec = MetricSpec(name or metric, None, _check_accumulate(accumulate), source=metric)
         else:
@@ -72,8 +76,9 @@ class Loop:
             raise ValueError(f"metric name {spec.name!r} is already used; pass name=...")
         return self._with(metrics=self.metrics + (spec,))
 
-    def handle_event(self, event: Any, handler: Callable[[State], Any],
-                     filter: Any = "always", name: str = "") -> "Loop":
+    def handle_event(
+        self, event: Any, handler: Callable[[State], Any], filter: Any = "always", name: str = ""
+    ) -> Loop:
         """Attaches `handler(state)` to `event`, fired when `filter` passes.
 
         Example:
@@ -85,8 +90,13 @@ class Loop:
         registration = Registration(event, handler, make_filter(filter), name)
         return self._with(registrations=self.registrations + (registration,))
 
-    def log(self, fn: Callable[[State], str], event: Any = "iteration_completed",
-            filter: Any = "always", stream: TextIO | None = None) -> "Loop":
+    def log(
+        self,
+        fn: Callable[[State], str],
+        event: Any = "iteration_completed",
+        filter: Any = "always",
+        stream: TextIO | None = None,
+    ) -> Loop:
         """Writes `fn(state)` to `stream` (stdout by default) when `event` fires.
 
         The text holds whatever `fn` returns; leave out timings and the output of a fused
@@ -103,8 +113,14 @@ class Loop:
             writer = main_process_only(writer)
         return self.handle_event(event, writer, filter, name="log")
 
-    def validate(self, model: Any, data: Any, event: Any = "epoch_completed",
-                 filter: Any = "always", fuse: Any = False) -> "Loop":
+    def validate(
+        self,
+        model: Any,
+        data: Any,
+        event: Any = "epoch_completed",
+        filter: Any = "always",
+        fuse: Any = False,
+    ) -> Loop:
         """Evaluates on `data` and adds `validation_<name>` for the loss and each metric.
 
         Attach it after `metric(...)` calls (it evaluates the metrics the loop has then) and
@@ -127,11 +143,16 @@ class Loop:
         specs = evaluable_metrics(self.metrics, loss is not None)
         check_validation(model, data, fuse, specs)
         evaluation = Loop(evaluator_program(model, loss), metrics=specs)
-        return self.handle_event(event, Validator(evaluation, data, fuse), filter,
-                                 name="validate")
+        return self.handle_event(event, Validator(evaluation, data, fuse), filter, name="validate")
 
-    def early_stop(self, monitor: str, patience: int = 3, mode: str = "min",
-                   min_delta: float = 0.0, restore_best: bool = False) -> "Loop":
+    def early_stop(
+        self,
+        monitor: str,
+        patience: int = 3,
+        mode: str = "min",
+        min_delta: float = 0.0,
+        restore_best: bool = False,
+    ) -> Loop:
         """Halts after `patience` consecutive epochs without improvement (as Keras does).
 
         A non-finite monitored value halts at once. The best value and the wait count live
@@ -145,17 +166,25 @@ class Loop:
         from .handlers.monitor import EarlyStopping
 
         key = self._metadata_key(f"early_stop:{monitor}")
-        stopper = EarlyStopping(monitor, patience, mode, min_delta, key=key,
-                                restore_best=restore_best)
+        stopper = EarlyStopping(
+            monitor, patience, mode, min_delta, key=key, restore_best=restore_best
+        )
         built = self.handle_event("epoch_completed", stopper, name="early_stop")
         if restore_best:  # however the run ends, it ends on the best epoch's step state
             built = built.handle_event("completed", stopper.on_end, name="early_stop:restore")
             built = built.handle_event("halted", stopper.on_end, name="early_stop:restore")
         return built
 
-    def reduce_lr_on_plateau(self, monitor: str, factor: float = 0.1, patience: int = 3,
-                             mode: str = "min", min_delta: float = 0.0,
-                             min_lr: float = 0.0, cooldown: int = 0) -> "Loop":
+    def reduce_lr_on_plateau(
+        self,
+        monitor: str,
+        factor: float = 0.1,
+        patience: int = 3,
+        mode: str = "min",
+        min_delta: float = 0.0,
+        min_lr: float = 0.0,
+        cooldown: int = 0,
+    ) -> Loop:
         """Multiplies the learning rate by `factor` after `patience` epochs on a plateau.
 
         Needs an optimizer built with `optax.inject_hyperparams` (the named optimizers
@@ -167,14 +196,22 @@ class Loop:
         from .handlers.monitor import ReduceLROnPlateau
 
         key = self._metadata_key(f"reduce_lr_on_plateau:{monitor}")
-        handler = ReduceLROnPlateau(monitor, factor, patience, mode, min_delta, min_lr,
-                                    cooldown, key=key)
+        handler = ReduceLROnPlateau(
+            monitor, factor, patience, mode, min_delta, min_lr, cooldown, key=key
+        )
         handler.check_optimizer(self.program)
         return self.handle_event("epoch_completed", handler, name="reduce_lr_on_plateau")
 
-    def checkpoint(self, path: str, event: Any = "epoch_completed", filter: Any = "always",
-                   criteria: str | None = None, mode: str = "min", keep: int | None = None,
-                   asynchronous: bool = False) -> "Loop":
+    def checkpoint(
+        self,
+        path: str,
+        event: Any = "epoch_completed",
+        filter: Any = "always",
+        criteria: str | None = None,
+        mode: str = "min",
+        keep: int | None = None,
+        asynchronous: bool = False,
+    ) -> Loop:
         """Saves the whole State under `path` (one atomic subdirectory per save).
 
         Attach it last, so each save holds what the other handlers did this epoch.
@@ -207,8 +244,7 @@ class Loop:
             loop = loop.handle_event("halted", saver.finish, name="checkpoint:finish")
         return loop
 
-    def csv_log(self, path: str, event: Any = "epoch_completed",
-                filter: Any = "always") -> "Loop":
+    def csv_log(self, path: str, event: Any = "epoch_completed", filter: Any = "always") -> Loop:
         """Writes the metrics to a CSV file, one row (epoch, iteration, step, metrics...)
         per firing.
 
@@ -219,8 +255,13 @@ class Loop:
 
         return attach_writer(self, CSVWriter(path, event), event, filter, "csv_log")
 
-    def tensorboard(self, logdir: str, event: Any = "epoch_completed", filter: Any = "always",
-                    prefix: str | None = None) -> "Loop":
+    def tensorboard(
+        self,
+        logdir: str,
+        event: Any = "epoch_completed",
+        filter: Any = "always",
+        prefix: str | None = None,
+    ) -> Loop:
         """Writes the metrics as TensorBoard scalars (needs tensorboardX).
 
         Example:
@@ -229,20 +270,22 @@ class Loop:
         """
         from .handlers.writers import TensorBoardWriter, attach_writer
 
-        return attach_writer(self, TensorBoardWriter(logdir, event, prefix), event, filter,
-                             "tensorboard")
+        return attach_writer(
+            self, TensorBoardWriter(logdir, event, prefix), event, filter, "tensorboard"
+        )
 
     def _metadata_key(self, base: str) -> str:
         """A `handler_metadata` key no attached handler uses yet (stable across runs)."""
-        used = {getattr(getattr(r.handler, "monitor", None), "key", None)
-                for r in self.registrations}
+        used = {
+            getattr(getattr(r.handler, "monitor", None), "key", None) for r in self.registrations
+        }
         key, n = base, 1
         while key in used:
             n += 1
             key = f"{base}#{n}"
         return key
 
-    def terminate_on_nan(self) -> "Loop":
+    def terminate_on_nan(self) -> Loop:
         """Halts at the first non-finite loss, checked on the device (even inside a chunk).
 
         The bad step is not applied: params are exactly those from before it.
@@ -254,10 +297,20 @@ class Loop:
         return self._with(guard_nonfinite=True)
 
     # ----------------------------------------------------------------- running
-    def run(self, data: Any, init_state: Any = None, *, epochs: int = 1,
-            iterations: int | None = None, fuse: Any = False, jit: bool = True,
-            progress: bool = False, mesh: Any = None, max_in_flight: int = 64,
-            prefetch: int = 2) -> State:
+    def run(
+        self,
+        data: Any,
+        init_state: Any = None,
+        *,
+        epochs: int = 1,
+        iterations: int | None = None,
+        fuse: Any = False,
+        jit: bool = True,
+        progress: bool = False,
+        mesh: Any = None,
+        max_in_flight: int = 64,
+        prefetch: int = 2,
+    ) -> State:
         """Runs the loop.
 
         Args:
@@ -289,9 +342,19 @@ class Loop:
 
             # Side effects happen once: the bar is drawn by process 0 only.
             observer = ProgressBar.for_data(data, iterations) if is_main_process() else None
-        return run_loop(self, data, init_state, epochs=epochs, iterations=iterations,
-                        fuse=fuse, jit=jit, observer=observer, mesh=mesh,
-                        max_in_flight=max_in_flight, prefetch=prefetch)
+        return run_loop(
+            self,
+            data,
+            init_state,
+            epochs=epochs,
+            iterations=iterations,
+            fuse=fuse,
+            jit=jit,
+            observer=observer,
+            mesh=mesh,
+            max_in_flight=max_in_flight,
+            prefetch=prefetch,
+        )
 
 
 def _known_metrics() -> tuple[str, ...]:
@@ -311,8 +374,15 @@ def _check_accumulate(accumulate: str) -> str:
     return accumulate
 
 
-def trainer(model: Any, loss: Any, optimizer: Any, *, log: int = 0, seed: int = 0,
-            log_stream: TextIO | None = None) -> Loop:
+def trainer(
+    model: Any,
+    loss: Any,
+    optimizer: Any,
+    *,
+    log: int = 0,
+    seed: int = 0,
+    log_stream: TextIO | None = None,
+) -> Loop:
     """A supervised training loop that tracks "loss".
 
     Args:
@@ -357,8 +427,9 @@ def evaluator(model: Any, loss: Any = None) -> Loop:
     return Loop(program, metrics=default_metrics(program))
 
 
-def loop(step_fn: Callable[[Any, Any], Any], init_fn: Callable[[Any, Any], Any] | None = None
-         ) -> Loop:
+def loop(
+    step_fn: Callable[[Any, Any], Any], init_fn: Callable[[Any, Any], Any] | None = None
+) -> Loop:
     """A custom loop around `step_fn(batch, step_state) -> step_state` (pure, jit-able).
 
     Args:
@@ -374,4 +445,3 @@ def loop(step_fn: Callable[[Any, Any], Any], init_fn: Callable[[Any, Any], Any] 
     if init_fn is not None and not callable(init_fn):
         raise ValueError(f"init_fn={init_fn!r} must be callable(first_batch, init_state)")
     return Loop(custom_program(step_fn, init_fn))
-

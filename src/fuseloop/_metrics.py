@@ -8,16 +8,26 @@ contract, so fused and unfused accumulators agree to the bit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-__all__ = ["LOSSES", "PER_ELEMENT_LOSSES", "METRICS", "Mean", "resolve_loss", "resolve_metric",
-           "MetricSpec", "ACCUMULATORS", "batch_size"]
+__all__ = [
+    "LOSSES",
+    "PER_ELEMENT_LOSSES",
+    "METRICS",
+    "Mean",
+    "resolve_loss",
+    "resolve_metric",
+    "MetricSpec",
+    "ACCUMULATORS",
+    "batch_size",
+]
 
 Array = Any
 

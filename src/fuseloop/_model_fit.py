@@ -86,8 +86,9 @@ class ModelFit:
             return
         self.first_x = (x, jax.tree.map(abstract, x))
         try:
-            variables = jax.eval_shape(model.init, jax.ShapeDtypeStruct((2,), jnp.uint32),
-                                       self.first_x[1])
+            variables = jax.eval_shape(
+                model.init, jax.ShapeDtypeStruct((2,), jnp.uint32), self.first_x[1]
+            )
         except ModelModeError:
             raise
         except Exception as error:  # noqa: BLE001 - re-raised with context below
@@ -107,8 +108,11 @@ class ModelFit:
     def _check_loss(self, y: Any, y_pred: Any, ys: Any) -> None:
         name, loss_fn = resolve_loss(self.program.loss)
         shape = getattr(y_pred, "shape", None)
-        output = (f"the model's output of shape {shape}" if shape is not None
-                  else f"the model's output ({_describe(y_pred, 'output')})")
+        output = (
+            f"the model's output of shape {shape}"
+            if shape is not None
+            else f"the model's output ({_describe(y_pred, 'output')})"
+        )
         if isinstance(ys, jax.ShapeDtypeStruct) and isinstance(y_pred, jax.ShapeDtypeStruct):
             self._check_named_loss(name, ys, y_pred, output)
         try:
@@ -158,11 +162,11 @@ class ModelFit:
             )
 
 
-
 def _state_leaf(leaf: Any) -> Any:
     """The abstract value of a step-state leaf as the device loop carries it."""
-    return jax.ShapeDtypeStruct(np.shape(leaf), jax.dtypes.canonicalize_dtype(
-        jnp.result_type(leaf)))
+    return jax.ShapeDtypeStruct(
+        np.shape(leaf), jax.dtypes.canonicalize_dtype(jnp.result_type(leaf))
+    )
 
 
 def check_step_keeps_state(step: Any, step_state: Any, batch: Any) -> None:

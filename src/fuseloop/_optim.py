@@ -8,16 +8,24 @@ bfloat16, adam's b2=0.999 rounds to 1.0 and the loss turns NaN from the second s
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-__all__ = ["OPTIMIZERS", "resolve_optimizer", "find_learning_rates", "learning_rate_of",
-           "exposes_learning_rate", "rate_is_scheduled", "set_learning_rate",
-           "has_schedule"]
+__all__ = [
+    "OPTIMIZERS",
+    "resolve_optimizer",
+    "find_learning_rates",
+    "learning_rate_of",
+    "exposes_learning_rate",
+    "rate_is_scheduled",
+    "set_learning_rate",
+    "has_schedule",
+]
 
 OPTIMIZERS: dict[str, tuple[Callable[..., optax.GradientTransformation], float]] = {
     "sgd": (optax.sgd, 1e-2),
@@ -26,8 +34,11 @@ OPTIMIZERS: dict[str, tuple[Callable[..., optax.GradientTransformation], float]]
 }
 
 _INJECT_STATES = tuple(
-    cls for cls in (getattr(optax, "InjectHyperparamsState", None),
-                    getattr(optax, "InjectStatefulHyperparamsState", None))
+    cls
+    for cls in (
+        getattr(optax, "InjectHyperparamsState", None),
+        getattr(optax, "InjectStatefulHyperparamsState", None),
+    )
     if cls is not None
 )
 
@@ -143,8 +154,11 @@ def _find_schedule(update: Any, state: Any, path: tuple[int, ...] = ()) -> _Sche
     if isinstance(state, optax.ScaleByScheduleState) and callable(cells.get("step_size_fn")):
         return _Schedule(cells["step_size_fn"], path)
     chained = cells.get("update_fns")
-    if isinstance(chained, (tuple, list)) and isinstance(state, tuple) and len(chained) == len(
-            state):
+    if (
+        isinstance(chained, (tuple, list))
+        and isinstance(state, tuple)
+        and len(chained) == len(state)
+    ):
         for i, (inner, inner_state) in enumerate(zip(chained, state)):
             found = _find_schedule(inner, inner_state, path + (i,))
             if found is not None:

@@ -44,13 +44,15 @@ def _chunk_program(model: Any) -> Any:
 
 
 def _is_array(value: Any) -> bool:
-    return isinstance(value, (np.ndarray, jax.Array)) or hasattr(value, "__array__") and (
-        hasattr(value, "shape"))
+    return (
+        isinstance(value, (np.ndarray, jax.Array))
+        or hasattr(value, "__array__")
+        and (hasattr(value, "shape"))
+    )
 
 
 def _is_array_tree(x: Any) -> bool:
-    if isinstance(x, (list, collections.abc.Iterator)) or callable(x) or hasattr(
-            x, "iter_epoch"):
+    if isinstance(x, (list, collections.abc.Iterator)) or callable(x) or hasattr(x, "iter_epoch"):
         return False
     leaves = jax.tree.leaves(x)
     return bool(leaves) and all(_is_array(leaf) and np.ndim(leaf) >= 1 for leaf in leaves)
@@ -66,8 +68,9 @@ def _inputs_of_source(source: Any) -> tuple[Any, int]:
     inputs = []
     try:
         for batch in iterator:
-            inputs.append(batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 2
-                          else batch)
+            inputs.append(
+                batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else batch
+            )
     finally:
         wrapped.close()
     if not inputs:
@@ -79,16 +82,17 @@ def _inputs_of_source(source: Any) -> tuple[Any, int]:
             "x: the batch source's batches have no batch axis; yield arrays (or (x, y) "
             "pairs) with the examples on axis 0"
         )
-    joined = jax.tree.map(lambda *parts: np.concatenate([np.asarray(p) for p in parts]),
-                          *inputs)
+    joined = jax.tree.map(lambda *parts: np.concatenate([np.asarray(p) for p in parts]), *inputs)
     return joined, size
 
 
 def _example_count(x: Any) -> int:
     sizes = {int(np.shape(leaf)[0]) for leaf in jax.tree.leaves(x)}
     if len(sizes) != 1:
-        raise ValueError(f"x: its arrays hold different numbers of examples {sorted(sizes)}; "
-                         f"every leaf needs the same size along axis 0")
+        raise ValueError(
+            f"x: its arrays hold different numbers of examples {sorted(sizes)}; "
+            f"every leaf needs the same size along axis 0"
+        )
     return sizes.pop()
 
 
@@ -124,8 +128,9 @@ def _padded_chunks(x: Any, n: int, batch_size: int, per_chunk: int):
         yield jax.tree.map(cut, x), stop - start
 
 
-def predict(model: Any, variables_or_state: Any, x: Any, *, batch_size: int = 256,
-            fuse: Any = True) -> Any:
+def predict(
+    model: Any, variables_or_state: Any, x: Any, *, batch_size: int = 256, fuse: Any = True
+) -> Any:
     """The model's evaluation-mode outputs for every example of `x`, in order.
 
     Args:
@@ -154,8 +159,11 @@ def predict(model: Any, variables_or_state: Any, x: Any, *, batch_size: int = 25
         raise ValueError("variables_or_state: the State holds no params")
     per_chunk = _chunk_size(fuse)
     if _is_array_tree(x):
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or (
-                batch_size < 1):
+        if (
+            isinstance(batch_size, bool)
+            or not isinstance(batch_size, (int, np.integer))
+            or (batch_size < 1)
+        ):
             raise ValueError(f"batch_size={batch_size!r} must be a positive int")
         inputs, size = x, int(batch_size)
     else:
@@ -171,6 +179,7 @@ def predict(model: Any, variables_or_state: Any, x: Any, *, batch_size: int = 25
         result = program(variables, chunk)
         # Host sync: the chunk's outputs come back to the host (one read per chunk).
         host = jax.device_get(result)
-        outputs.append(jax.tree.map(
-            lambda a, live=live: a.reshape((-1,) + a.shape[2:])[:live], host))
+        outputs.append(
+            jax.tree.map(lambda a, live=live: a.reshape((-1,) + a.shape[2:])[:live], host)
+        )
     return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)

@@ -62,7 +62,7 @@ class State:
     times: dict[int, float] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=new_stats)
 
-    def replace(self, **changes: Any) -> "State":
+    def replace(self, **changes: Any) -> State:
         """Returns a copy with `changes` applied.
 
         Example:

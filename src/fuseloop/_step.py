@@ -8,8 +8,9 @@ optional non-finite guard; that wrapped function is the one thing both loops exe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +20,16 @@ from ._metrics import Mean, MetricSpec, loss_mean, resolve_loss
 from ._optim import OPTIMIZERS, exposes_learning_rate, learning_rate_of, resolve_optimizer
 from .models import as_model
 
-__all__ = ["Program", "trainer_program", "evaluator_program", "custom_program", "make_carry_step",
-           "default_metrics", "OPTIMIZERS", "resolve_optimizer"]
+__all__ = [
+    "Program",
+    "trainer_program",
+    "evaluator_program",
+    "custom_program",
+    "make_carry_step",
+    "default_metrics",
+    "OPTIMIZERS",
+    "resolve_optimizer",
+]
 
 
 def require_pair(batch: Any, where: str = "a batch") -> None:
@@ -33,8 +42,10 @@ def require_pair(batch: Any, where: str = "a batch") -> None:
     hint = ""
     if shape is not None and len(shape) >= 1:
         size = f" of shape {tuple(shape)}"
-        hint = (" If you passed whole arrays as run((x, y)), iterating over them yields x "
-                "and then y: batch them with fl.data.arrays(x, y, batch_size=...) instead.")
+        hint = (
+            " If you passed whole arrays as run((x, y)), iterating over them yields x "
+            "and then y: batch them with fl.data.arrays(x, y, batch_size=...) instead."
+        )
     raise ValueError(
         f"data: {where} is a {kind}{size}, but a trainer or evaluator batch must be a "
         f"pair (x, y).{hint} Yield (inputs, targets) tuples, or use fl.loop(step_fn) for "
@@ -118,8 +129,9 @@ def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program
             value, mean = loss_fn(y, y_pred)
             return value, (y_pred, new_rest, mean)
 
-        (loss_value, (y_pred, new_rest, mean)), grads = jax.value_and_grad(
-            objective, has_aux=True)(params)
+        (loss_value, (y_pred, new_rest, mean)), grads = jax.value_and_grad(objective, has_aux=True)(
+            params
+        )
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, updates)
         aux = {"loss": loss_value, "y_pred": y_pred, "y_true": y, "means": {"loss": mean}}
@@ -170,8 +182,7 @@ def default_metrics(program: Program) -> tuple[MetricSpec, ...]:
     if program.loss_name is not None:
         specs.append(MetricSpec("loss", None, source="loss"))
     if program.exposes_lr:
-        specs.append(MetricSpec("learning_rate", None, accumulate="last",
-                                source="learning_rate"))
+        specs.append(MetricSpec("learning_rate", None, accumulate="last", source="learning_rate"))
     return tuple(specs)
 
 

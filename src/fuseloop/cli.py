@@ -27,26 +27,40 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="train an MLP on scikit-learn's digits")
     demo.add_argument("--epochs", type=int, default=20)
     demo.add_argument("--fuse", default="32", help="chunk size, 'auto', or 'false'")
-    demo.add_argument("--plot", default=None, metavar="PATH",
-                      help="PNG of the metric curves (default: <temp dir>/fuseloop-demo/"
-                           "history.png; the path is printed)")
+    demo.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="PNG of the metric curves (default: <temp dir>/fuseloop-demo/"
+        "history.png; the path is printed)",
+    )
     demo.add_argument("--no-plot", action="store_true", help="write no plot")
     demo.add_argument("--no-progress", action="store_true")
     commands.add_parser("bench", help="benchmark fused vs unfused vs peers", add_help=False)
     launch = commands.add_parser(
-        "launch", help="run a script in N local processes under jax.distributed",
+        "launch",
+        help="run a script in N local processes under jax.distributed",
         description="Starts N local processes of `python script.py [args]` with the "
-                    "coordinator address, process ids and CPU collectives set; "
-                    "`import fuseloop` initialises jax.distributed in each.")
-    launch.add_argument("-n", "--nprocs", type=int, required=True,
-                        help="the number of processes")
-    launch.add_argument("--port", type=int, default=None,
-                        help="coordinator port on 127.0.0.1 (default: a free one)")
-    launch.add_argument("--failure-timeout", type=int, default=None,
-                        help="seconds after which jax reports an unresponsive process")
-    launch.add_argument("--grace", type=float, default=5.0,
-                        help="seconds between SIGTERM and SIGKILL when stopping the other "
-                             "processes after one failed")
+        "coordinator address, process ids and CPU collectives set; "
+        "`import fuseloop` initialises jax.distributed in each.",
+    )
+    launch.add_argument("-n", "--nprocs", type=int, required=True, help="the number of processes")
+    launch.add_argument(
+        "--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)"
+    )
+    launch.add_argument(
+        "--failure-timeout",
+        type=int,
+        default=None,
+        help="seconds after which jax reports an unresponsive process",
+    )
+    launch.add_argument(
+        "--grace",
+        type=float,
+        default=5.0,
+        help="seconds between SIGTERM and SIGKILL when stopping the other "
+        "processes after one failed",
+    )
     launch.add_argument("script", help="the Python script to run")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     return parser
@@ -71,8 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ._demo import demo as run_demo
 
     plot = False if args.no_plot else (args.plot or True)
-    return run_demo(epochs=args.epochs, fuse=args.fuse, plot=plot,
-                    progress=not args.no_progress)
+    return run_demo(epochs=args.epochs, fuse=args.fuse, plot=plot, progress=not args.no_progress)
 
 
 def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -80,8 +93,9 @@ def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     options = {} if args.failure_timeout is None else {"failure_timeout": args.failure_timeout}
     try:
-        return launch(args.nprocs, args.script, args.args, port=args.port, grace=args.grace,
-                      **options)
+        return launch(
+            args.nprocs, args.script, args.args, port=args.port, grace=args.grace, **options
+        )
     except ValueError as err:
         parser.error(str(err))
         return 2  # pragma: no cover - parser.error exits

@@ -14,7 +14,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -92,8 +93,17 @@ class ArraySource:
         transfers_done: How many times the dataset was moved to the device (0 or 1).
     """
 
-    def __init__(self, x: Any, y: Any, batch_size: int, *, shuffle: bool, seed: int,
-                 drop_remainder: bool, device: bool):
+    def __init__(
+        self,
+        x: Any,
+        y: Any,
+        batch_size: int,
+        *,
+        shuffle: bool,
+        seed: int,
+        drop_remainder: bool,
+        device: bool,
+    ):
         self.shuffle = _check_bool(shuffle, "shuffle")
         self.drop_remainder = _check_bool(drop_remainder, "drop_remainder")
         self.resident = _check_bool(device, "device")
@@ -119,9 +129,11 @@ class ArraySource:
         return self.num_batches
 
     def __repr__(self) -> str:
-        return (f"ArraySource(n={self.n}, batch_size={self.batch_size}, "
-                f"num_batches={self.num_batches}, shuffle={self.shuffle}, seed={self.seed}, "
-                f"drop_remainder={self.drop_remainder}, device={self.resident})")
+        return (
+            f"ArraySource(n={self.n}, batch_size={self.batch_size}, "
+            f"num_batches={self.num_batches}, shuffle={self.shuffle}, seed={self.seed}, "
+            f"drop_remainder={self.drop_remainder}, device={self.resident})"
+        )
 
     # ----------------------------------------------------------------- order
     @property
@@ -187,7 +199,7 @@ class ArraySource:
         """
         order = self.order(epoch)
         for b in range(self.num_batches):
-            index = order[b * self.batch_size:(b + 1) * self.batch_size]
+            index = order[b * self.batch_size : (b + 1) * self.batch_size]
             # Under jax.distributed each process takes its share of every global batch.
             yield self._take(local_indices(index, self.batch_size))
 
@@ -231,8 +243,15 @@ class ArraySource:
         return jax.tree.map(take, x), jax.tree.map(take, y)
 
 
-def arrays(x: Any, y: Any, batch_size: int, shuffle: bool = True, seed: int = 0,
-           drop_remainder: bool = True, device: bool = False) -> ArraySource:
+def arrays(
+    x: Any,
+    y: Any,
+    batch_size: int,
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_remainder: bool = True,
+    device: bool = False,
+) -> ArraySource:
     """A batch source over in-memory arrays, shuffled per epoch from `(seed, epoch)`.
 
     Args:
@@ -266,5 +285,6 @@ def arrays(x: Any, y: Any, batch_size: int, shuffle: bool = True, seed: int = 0,
         >>> xb, yb = next(iter(source)); xb["image"].shape, yb.shape
         ((16, 4, 4), (16,))
     """
-    return ArraySource(x, y, batch_size, shuffle=shuffle, seed=seed,
-                       drop_remainder=drop_remainder, device=device)
+    return ArraySource(
+        x, y, batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder, device=device
+    )

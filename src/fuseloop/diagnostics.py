@@ -37,8 +37,17 @@ from .engine.auto_chunk import (
 )
 from .engine.programs import Programs
 
-__all__ = ["Report", "ChunkDecision", "report", "choose_chunk_size", "decide_chunk_size",
-           "count_fusions", "DEFAULT_BUDGET_BYTES", "DEFAULT_MAX_CHUNK", "DEFAULT_TOLERANCE"]
+__all__ = [
+    "Report",
+    "ChunkDecision",
+    "report",
+    "choose_chunk_size",
+    "decide_chunk_size",
+    "count_fusions",
+    "DEFAULT_BUDGET_BYTES",
+    "DEFAULT_MAX_CHUNK",
+    "DEFAULT_TOLERANCE",
+]
 
 # An HLO instruction whose opcode is `fusion`: `%name = <type> fusion(<operands>), ...`.
 _FUSION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\sfusion\(", re.MULTILINE)
@@ -57,10 +66,17 @@ def count_fusions(hlo_text: str) -> int:
 
 
 # --------------------------------------------------------------------------- fuse="auto"
-def decide_chunk_size(loop: Any, step_state: Any, first_batch: Any, *, placement: Any = None,
-                      budget_bytes: int = DEFAULT_BUDGET_BYTES,
-                      max_chunk: int = DEFAULT_MAX_CHUNK, tolerance: float = DEFAULT_TOLERANCE,
-                      epoch_length: int | None = None) -> ChunkDecision:
+def decide_chunk_size(
+    loop: Any,
+    step_state: Any,
+    first_batch: Any,
+    *,
+    placement: Any = None,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    max_chunk: int = DEFAULT_MAX_CHUNK,
+    tolerance: float = DEFAULT_TOLERANCE,
+    epoch_length: int | None = None,
+) -> ChunkDecision:
     """What `run(fuse="auto")` would choose for `loop`, and why: a `ChunkDecision`.
 
     The step and dispatch times are measured once per loop, batch shape and mesh (kept in
@@ -86,23 +102,43 @@ def decide_chunk_size(loop: Any, step_state: Any, first_batch: Any, *, placement
         (64, 'tolerance')
     """
     return auto_chunk.decide_chunk_size(
-        Programs(loop), step_state, first_batch, placement=placement,
-        budget_bytes=budget_bytes, max_chunk=max_chunk, tolerance=tolerance,
-        epoch_length=epoch_length)
+        Programs(loop),
+        step_state,
+        first_batch,
+        placement=placement,
+        budget_bytes=budget_bytes,
+        max_chunk=max_chunk,
+        tolerance=tolerance,
+        epoch_length=epoch_length,
+    )
 
 
-def choose_chunk_size(loop: Any, step_state: Any, first_batch: Any, *, placement: Any = None,
-                      budget_bytes: int = DEFAULT_BUDGET_BYTES,
-                      max_chunk: int = DEFAULT_MAX_CHUNK, tolerance: float = DEFAULT_TOLERANCE,
-                      epoch_length: int | None = None) -> int:
+def choose_chunk_size(
+    loop: Any,
+    step_state: Any,
+    first_batch: Any,
+    *,
+    placement: Any = None,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    max_chunk: int = DEFAULT_MAX_CHUNK,
+    tolerance: float = DEFAULT_TOLERANCE,
+    epoch_length: int | None = None,
+) -> int:
     """The chunk size K `run(fuse="auto")` uses (see `decide_chunk_size`).
 
     Example:
         >>> k = choose_chunk_size(loop, step_state, batch)  # doctest: +SKIP
     """
-    return decide_chunk_size(loop, step_state, first_batch, placement=placement,
-                             budget_bytes=budget_bytes, max_chunk=max_chunk,
-                             tolerance=tolerance, epoch_length=epoch_length).chunk_size
+    return decide_chunk_size(
+        loop,
+        step_state,
+        first_batch,
+        placement=placement,
+        budget_bytes=budget_bytes,
+        max_chunk=max_chunk,
+        tolerance=tolerance,
+        epoch_length=epoch_length,
+    ).chunk_size
 
 
 # --------------------------------------------------------------------------- report
@@ -168,9 +204,13 @@ def _kib(nbytes: float) -> str:
 
 def _counters(state: Any, transfer_bytes: int) -> dict[str, float]:
     stats = state.stats
-    return {"dispatches": stats["dispatches"], "host_syncs": stats["host_syncs"],
-            "h2d_transfers": stats["h2d_transfers"],
-            "h2d_bytes": stats["h2d_transfers"] * transfer_bytes, "compiles": stats["compiles"]}
+    return {
+        "dispatches": stats["dispatches"],
+        "host_syncs": stats["host_syncs"],
+        "h2d_transfers": stats["h2d_transfers"],
+        "h2d_bytes": stats["h2d_transfers"] * transfer_bytes,
+        "compiles": stats["compiles"],
+    }
 
 
 def _len(data: Any) -> int | None:
@@ -180,8 +220,9 @@ def _len(data: Any) -> int | None:
         return None
 
 
-def _program_fusions(loop: Any, step_state: Any, batch: Any, chunk_size: int
-                     ) -> tuple[int, int, Any]:
+def _program_fusions(
+    loop: Any, step_state: Any, batch: Any, chunk_size: int
+) -> tuple[int, int, Any]:
     """XLA fusions of the run's unfused-step and chunk programs, and the chunk program.
 
     They are the loop's cached programs, already compiled by the runs the report made, so
@@ -191,15 +232,23 @@ def _program_fusions(loop: Any, step_state: Any, batch: Any, chunk_size: int
     tail = init_tail(loop.metrics, loop.guard_nonfinite)
     one = np.int32(1)
     step_text = programs.unfused().lower(step_state, tail, batch, one).compile().as_text()
-    chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((chunk_size,) + np.shape(a),
-                                                        np.asarray(a).dtype), batch)
+    chunk = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct((chunk_size,) + np.shape(a), np.asarray(a).dtype), batch
+    )
     chunk_program = programs.chunk()
     chunk_text = chunk_program.lower(step_state, tail, chunk, one).compile().as_text()
     return count_fusions(step_text), count_fusions(chunk_text), chunk_program
 
 
-def report(loop: Any, data: Any, fuse: Any = 32, *, init_state: Any = None, reps: int = 3,
-           iterations: int | None = None) -> Report:
+def report(
+    loop: Any,
+    data: Any,
+    fuse: Any = 32,
+    *,
+    init_state: Any = None,
+    reps: int = 3,
+    iterations: int | None = None,
+) -> Report:
     """Runs one epoch of `loop` fused and unfused (plus `reps` timed epochs of each) and
     reports dispatches, host syncs, transfers, compiles, XLA fusions and dispatch overhead.
 
@@ -222,11 +271,15 @@ def report(loop: Any, data: Any, fuse: Any = 32, *, init_state: Any = None, reps
     """
     auto_chunk.check_positive(reps, "reps")
     if fuse is False or fuse is None:
-        raise ValueError("fuse=False: report compares a fused run with the unfused one; pass "
-                         "fuse=<chunk size>, True or 'auto'")
+        raise ValueError(
+            "fuse=False: report compares a fused run with the unfused one; pass "
+            "fuse=<chunk size>, True or 'auto'"
+        )
     if iter(data) is data:
-        raise ValueError("data: report runs several epochs, so it needs re-iterable data "
-                         "(a list of batches or fl.data.arrays(...)), not a one-shot iterator")
+        raise ValueError(
+            "data: report runs several epochs, so it needs re-iterable data "
+            "(a list of batches or fl.data.arrays(...)), not a one-shot iterator"
+        )
     run = lambda k: loop.run(data, init_state, fuse=k, iterations=iterations)  # noqa: E731
     first_fused, first_unfused = run(fuse), run(False)
     n_iter = max(first_unfused.stats["dispatches"], 1)  # one dispatch per step unfused
@@ -248,12 +301,17 @@ def report(loop: Any, data: Any, fuse: Any = 32, *, init_state: Any = None, reps
     step_fusions, chunk_fusions, chunk = _program_fusions(loop, step_state, batch, k)
     # The probe reuses the run's chunk program (K slots), so it compiles nothing new.
     programs = Programs(loop)
-    step_s, overhead_s = (auto_chunk.probe(programs, step_state, batch, None, k, chunk)
-                          if k > 1 else
-                          auto_chunk.probe(programs, step_state, batch, None,
-                                           auto_chunk.PROBE_COPIES))
+    step_s, overhead_s = (
+        auto_chunk.probe(programs, step_state, batch, None, k, chunk)
+        if k > 1
+        else auto_chunk.probe(programs, step_state, batch, None, auto_chunk.PROBE_COPIES)
+    )
     known = [n for n in (iterations, _len(data)) if n]
-    auto = (decide_chunk_size(loop, step_state, batch, epoch_length=min(known) if known else None)
-            if fuse == "auto" else None)
-    return Report(k, n_iter, fused, unfused, step_fusions, chunk_fusions, step_s * 1e6,
-                  overhead_s * 1e6, auto)
+    auto = (
+        decide_chunk_size(loop, step_state, batch, epoch_length=min(known) if known else None)
+        if fuse == "auto"
+        else None
+    )
+    return Report(
+        k, n_iter, fused, unfused, step_fusions, chunk_fusions, step_s * 1e6, overhead_s * 1e6, auto
+    )

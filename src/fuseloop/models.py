@@ -15,15 +15,26 @@ Example:
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
 
 from ._linen import TRAIN_FLAGS, ModelModeError, linen
 
-__all__ = ["mlp", "MLP", "as_model", "linen", "trained", "from_functions", "from_nnx",
-           "from_equinox", "TRAIN_FLAGS", "ModelModeError"]
+__all__ = [
+    "mlp",
+    "MLP",
+    "as_model",
+    "linen",
+    "trained",
+    "from_functions",
+    "from_nnx",
+    "from_equinox",
+    "TRAIN_FLAGS",
+    "ModelModeError",
+]
 
 _ACTIVATIONS: dict[str, Callable[[Any], Any]] = {
     "relu": nn.relu,
@@ -167,9 +178,10 @@ class from_nnx:  # noqa: N801
 
 
 def _set_nnx_mode(module: Any, train: bool) -> None:
-    """nnx's own switch (`.train()`/`.eval()`: Dropout's `deterministic`, BatchNorm's
+    """Nnx's own switch (`.train()`/`.eval()`: Dropout's `deterministic`, BatchNorm's
     `use_running_average`), then any of the recognised flag attributes a user's module
-    keeps as a plain bool (e.g. `self.training`)."""
+    keeps as a plain bool (e.g. `self.training`).
+    """
     from flax import nnx
 
     if hasattr(module, "train") and hasattr(module, "eval"):
@@ -189,7 +201,8 @@ def _equinox_stateful_layers(module: Any) -> list[str]:
     stateful = (eqx.nn.StateIndex,)
     found = []
     leaves = jax.tree_util.tree_flatten_with_path(
-        module, is_leaf=lambda node: isinstance(node, stateful + (eqx.nn.BatchNorm,)))[0]
+        module, is_leaf=lambda node: isinstance(node, stateful + (eqx.nn.BatchNorm,))
+    )[0]
     for path, leaf in leaves:
         if isinstance(leaf, eqx.nn.BatchNorm):
             found.append(f"eqx.nn.BatchNorm at model{jax.tree_util.keystr(path)}")
@@ -227,9 +240,13 @@ class from_equinox:  # noqa: N801
         self.params, self.static = eqx.partition(module, eqx.is_inexact_array)
         self.batched = batched
         self.takes_key = _takes(type(module).__call__, "key")
-        dropouts = [path for path, leaf in jax.tree_util.tree_flatten_with_path(
-            module, is_leaf=lambda node: isinstance(node, eqx.nn.Dropout))[0]
-            if isinstance(leaf, eqx.nn.Dropout)]
+        dropouts = [
+            path
+            for path, leaf in jax.tree_util.tree_flatten_with_path(
+                module, is_leaf=lambda node: isinstance(node, eqx.nn.Dropout)
+            )[0]
+            if isinstance(leaf, eqx.nn.Dropout)
+        ]
         if dropouts and not self.takes_key:
             raise ValueError(
                 f"model: {type(module).__name__} has eqx.nn.Dropout (at model"
@@ -246,7 +263,8 @@ class from_equinox:  # noqa: N801
 
     def forward(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
         module = self._eqx.nn.inference_mode(
-            self._eqx.combine(variables["params"], self.static), value=not train)
+            self._eqx.combine(variables["params"], self.static), value=not train
+        )
         if self.batched:
             return module(x), None
         if train and self.takes_key and rng is not None:
@@ -299,8 +317,10 @@ class _EvalFlag(nn.Module):
 def _flag_defaults_evaluate(adapter: linen) -> bool:
     """Whether calling the module without its flags already evaluates."""
     parameters = inspect.signature(type(adapter.module).__call__).parameters
-    return all(name in parameters and parameters[name].default is (not value)
-               for name, value in adapter.flags.items())
+    return all(
+        name in parameters and parameters[name].default is (not value)
+        for name, value in adapter.flags.items()
+    )
 
 
 def _trained_linen(adapter: linen, variables: Any) -> Any:

@@ -18,8 +18,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from datetime import datetime, timezone
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime, timezone
+from typing import Any
 
 from ._harness import RATIOS, compile_vs_k, cross_check, measure, ratios, targets
 from ._output import machine_info, markdown, write_json, write_plot
@@ -34,8 +35,9 @@ COMPILE_KS = (8, 256)
 MAIN_FUSE = 32
 
 
-def _plan(w: Workload | ZooWorkload, sweep_ks: Sequence[int], peers: bool
-          ) -> list[tuple[str, str, Callable]]:
+def _plan(
+    w: Workload | ZooWorkload, sweep_ks: Sequence[int], peers: bool
+) -> list[tuple[str, str, Callable]]:
     """(key, label, factory) for every system to time on workload `w`, in table order."""
     from ._peers import KerasFit, TorchEager
     from ._systems import Floor, Fuseloop, HostCallback, PlainLoop
@@ -44,32 +46,46 @@ def _plan(w: Workload | ZooWorkload, sweep_ks: Sequence[int], peers: bool
         return zoo_plan(w, peers, MAIN_FUSE)
 
     plan: list[tuple[str, str, Callable]] = [
-        ("floor", "floor: jit(lax.scan) over the epoch, data on device",
-         lambda: Floor(w, transfer=False)),
-        ("floor_transfer", "floor incl. the epoch's one stack + device_put",
-         lambda: Floor(w, transfer=True)),
+        (
+            "floor",
+            "floor: jit(lax.scan) over the epoch, data on device",
+            lambda: Floor(w, transfer=False),
+        ),
+        (
+            "floor_transfer",
+            "floor incl. the epoch's one stack + device_put",
+            lambda: Floor(w, transfer=True),
+        ),
         (f"fl_fuse{MAIN_FUSE}", f"fuseloop fuse={MAIN_FUSE}", lambda: Fuseloop(w, MAIN_FUSE)),
-        (f"fl_fuse{MAIN_FUSE}_resident", f"fuseloop fuse={MAIN_FUSE}, device-resident data",
-         lambda: Fuseloop(w, MAIN_FUSE, resident=True)),
+        (
+            f"fl_fuse{MAIN_FUSE}_resident",
+            f"fuseloop fuse={MAIN_FUSE}, device-resident data",
+            lambda: Fuseloop(w, MAIN_FUSE, resident=True),
+        ),
         ("fl_fuseauto", "fuseloop fuse='auto'", lambda: Fuseloop(w, "auto")),
         ("fl_unfused", "fuseloop fuse=False", lambda: Fuseloop(w, False)),
-        ("plain", "plain per-batch jax.jit + optax, float(loss) each step",
-         lambda: PlainLoop(w)),
+        ("plain", "plain per-batch jax.jit + optax, float(loss) each step", lambda: PlainLoop(w)),
     ]
     if peers:
         plan += [
             ("keras_spe1", "Keras 3 fit (JAX), steps_per_execution=1", lambda: KerasFit(w, 1)),
-            ("keras_spe32", "Keras 3 fit (JAX), steps_per_execution=32",
-             lambda: KerasFit(w, 32)),
-            ("torch", "PyTorch eager, loss.item() each step (faster of default/1 thread)",
-             lambda: TorchEager(w)),
+            ("keras_spe32", "Keras 3 fit (JAX), steps_per_execution=32", lambda: KerasFit(w, 32)),
+            (
+                "torch",
+                "PyTorch eager, loss.item() each step (faster of default/1 thread)",
+                lambda: TorchEager(w),
+            ),
         ]
-    plan.append(("io_callback", "rejected design: device loop, io_callback per batch",
-                 lambda: HostCallback(w)))
+    plan.append(
+        (
+            "io_callback",
+            "rejected design: device loop, io_callback per batch",
+            lambda: HostCallback(w),
+        )
+    )
     for k in sweep_ks:
         if k != MAIN_FUSE:
-            plan.append((f"fl_fuse{k}", f"fuseloop fuse={k}",
-                         lambda k=k: Fuseloop(w, k)))
+            plan.append((f"fl_fuse{k}", f"fuseloop fuse={k}", lambda k=k: Fuseloop(w, k)))
     return plan
 
 
@@ -79,12 +95,21 @@ def _sweep(model: str, results: dict[str, Any], ks: Sequence[int]) -> dict[str, 
     for k in ks:
         result = results.get(f"fl_fuse{k}")
         median = result.median_us if result is not None else None
-        rows.append({"K": k, "median_us": median,
-                     "min_us": result.min_us if result is not None else None,
-                     "status": result.status if result is not None else "missing",
-                     "speedup": unfused / median if unfused and median else None})
-    return {"model": model, "unfused_us": unfused, "rows": rows,
-            "floor_transfer_us": results["floor_transfer"].median_us}
+        rows.append(
+            {
+                "K": k,
+                "median_us": median,
+                "min_us": result.min_us if result is not None else None,
+                "status": result.status if result is not None else "missing",
+                "speedup": unfused / median if unfused and median else None,
+            }
+        )
+    return {
+        "model": model,
+        "unfused_us": unfused,
+        "rows": rows,
+        "floor_transfer_us": results["floor_transfer"].median_us,
+    }
 
 
 def _epochs_per_sample(w: Workload | ZooWorkload, target_s: float, least: int) -> int:
@@ -115,8 +140,10 @@ def _resolve(models: Sequence[str | Spec]) -> list[Spec]:
         elif model in MODELS or model in ZOO:
             specs.append(MODELS.get(model) or ZOO[model])
         else:
-            raise ValueError(f"models: {model!r} is not a benchmark model; accepted values: "
-                             f"{', '.join([*MODELS, *ZOO])}")
+            raise ValueError(
+                f"models: {model!r} is not a benchmark model; accepted values: "
+                f"{', '.join([*MODELS, *ZOO])}"
+            )
     return specs
 
 
@@ -126,13 +153,21 @@ def _workload(spec: Spec, batch_size: int, n_batches: int) -> Workload | ZooWork
     return Workload(spec, batch_size=batch_size, n_batches=n_batches)
 
 
-def run_benchmark(models: Sequence[str | Spec] = tuple(MODELS), *, reps: int = 10,
-                  quick: bool = False, batch_size: int = 32, n_batches: int = 100,
-                  peers: bool = True, sweep_model: str | None = "mlp-small",
-                  sweep_ks: Sequence[int] = SWEEP_KS, compile_ks: Sequence[int] = COMPILE_KS,
-                  overlap_model: str | None = "mlp-large", target_s: float = 0.02,
-                  log: Callable[[str], None] = lambda _: None
-                  ) -> dict[str, Any]:
+def run_benchmark(
+    models: Sequence[str | Spec] = tuple(MODELS),
+    *,
+    reps: int = 10,
+    quick: bool = False,
+    batch_size: int = 32,
+    n_batches: int = 100,
+    peers: bool = True,
+    sweep_model: str | None = "mlp-small",
+    sweep_ks: Sequence[int] = SWEEP_KS,
+    compile_ks: Sequence[int] = COMPILE_KS,
+    overlap_model: str | None = "mlp-large",
+    target_s: float = 0.02,
+    log: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
     """Runs the benchmark and returns every figure as a JSON-ready dict.
 
     Args:
@@ -158,16 +193,27 @@ def run_benchmark(models: Sequence[str | Spec] = tuple(MODELS), *, reps: int = 1
         raise ValueError(f"reps={reps!r} must be a positive int")
     specs = _resolve(models)
     began = time.perf_counter()
-    out: dict[str, Any] = {"meta": {
-        "reps": reps, "quick": quick, "batch_size": batch_size,
-        "batches_per_epoch": n_batches, "machine": machine_info(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "timing": "per-iteration microseconds = one epoch's wall time / batches; every "
-                  "epoch of every sample is a data point; fuseloop and Keras time epochs "
-                  "1..n of an (n+1)-epoch run (state.stats['epoch_time'], on_epoch_begin/"
-                  "end), the others start each epoch from the initial parameters",
-    }, "models": {}, "ratio_definitions": [list(r) for r in RATIOS], "targets": [],
-        "sweep": None, "compile_vs_k": None, "compile_model": None, "overlap": None}
+    out: dict[str, Any] = {
+        "meta": {
+            "reps": reps,
+            "quick": quick,
+            "batch_size": batch_size,
+            "batches_per_epoch": n_batches,
+            "machine": machine_info(),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "timing": "per-iteration microseconds = one epoch's wall time / batches; every "
+            "epoch of every sample is a data point; fuseloop and Keras time epochs "
+            "1..n of an (n+1)-epoch run (state.stats['epoch_time'], on_epoch_begin/"
+            "end), the others start each epoch from the initial parameters",
+        },
+        "models": {},
+        "ratio_definitions": [list(r) for r in RATIOS],
+        "targets": [],
+        "sweep": None,
+        "compile_vs_k": None,
+        "compile_model": None,
+        "overlap": None,
+    }
     per_model_ratios = {}
     for spec in specs:
         w = _workload(spec, batch_size, n_batches)
@@ -178,20 +224,24 @@ def run_benchmark(models: Sequence[str | Spec] = tuple(MODELS), *, reps: int = 1
         results, params, references = measure(_plan(w, ks, peers), reps, n_batches, epochs, log)
         cross_check(results, params, references)
         per_model_ratios[spec.name] = ratios(results)
-        main_keys = [key for key in results if not key.startswith("fl_fuse")
-                     or key in (f"fl_fuse{MAIN_FUSE}", f"fl_fuse{MAIN_FUSE}_resident",
-                                "fl_fuseauto")]
+        main_keys = [
+            key
+            for key in results
+            if not key.startswith("fl_fuse")
+            or key in (f"fl_fuse{MAIN_FUSE}", f"fl_fuse{MAIN_FUSE}_resident", "fl_fuseauto")
+        ]
         out["models"][spec.name] = {
-            **w.describe(), "epochs_per_sample": epochs,
+            **w.describe(),
+            "epochs_per_sample": epochs,
             "systems": {key: results[key].to_json() for key in main_keys},
             "ratios": per_model_ratios[spec.name],
-            "ratios_of_minima": ratios(results, "min_us")}
+            "ratios_of_minima": ratios(results, "min_us"),
+        }
         if isinstance(w, ZooWorkload):
             out["models"][spec.name]["zoo"] = zoo_summary(results, MAIN_FUSE)
         if ks:
             out["sweep"] = _sweep(spec.name, results, ks)
-            out["sweep"]["systems"] = {f"fl_fuse{k}": results[f"fl_fuse{k}"].to_json()
-                                       for k in ks}
+            out["sweep"]["systems"] = {f"fl_fuse{k}": results[f"fl_fuse{k}"].to_json() for k in ks}
             log(f"  compile time against K {tuple(compile_ks)}")
             out["compile_vs_k"] = compile_vs_k(w, tuple(compile_ks))
             out["compile_model"] = spec.name
@@ -203,8 +253,7 @@ def run_benchmark(models: Sequence[str | Spec] = tuple(MODELS), *, reps: int = 1
     return out
 
 
-def _diagnostics(specs: list[Spec], fuse: Any, batch_size: int, n_batches: int
-                 ) -> dict[str, Any]:
+def _diagnostics(specs: list[Spec], fuse: Any, batch_size: int, n_batches: int) -> dict[str, Any]:
     from .. import diagnostics, trainer
 
     reports = {}
@@ -233,19 +282,31 @@ def select_models(models: str | None, zoo: bool) -> list[str]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fuseloop bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="3 repetitions instead of 10 (under 2 minutes on 2 cores)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="3 repetitions instead of 10 (under 2 minutes on 2 cores)",
+    )
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per system")
-    parser.add_argument("--models", default=None,
-                        help=f"comma-separated models among {', '.join([*MODELS, *ZOO])} "
-                             f"(default: the MLPs, or none with --zoo)")
-    parser.add_argument("--zoo", action="store_true",
-                        help=f"add the model zoo ({', '.join(ZOO)}): the floor, fuseloop, "
-                             f"the plain loop and Keras per model")
+    parser.add_argument(
+        "--models",
+        default=None,
+        help=f"comma-separated models among {', '.join([*MODELS, *ZOO])} "
+        f"(default: the MLPs, or none with --zoo)",
+    )
+    parser.add_argument(
+        "--zoo",
+        action="store_true",
+        help=f"add the model zoo ({', '.join(ZOO)}): the floor, fuseloop, "
+        f"the plain loop and Keras per model",
+    )
     parser.add_argument("--json", metavar="PATH", help="write every figure to PATH")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG to PATH")
-    parser.add_argument("--report", action="store_true",
-                        help="print fl.diagnostics.report(fuse=32) per model, no benchmark")
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="print fl.diagnostics.report(fuse=32) per model, no benchmark",
+    )
     parser.add_argument("--no-peers", action="store_true", help="leave out Keras and PyTorch")
     return parser
 
@@ -277,11 +338,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, report in reports.items():
             print(f"## {name}\n\n```\n{report}\n```\n")
         if args.json:
-            write_json({name: {"text": str(r), **r.__dict__} for name, r in reports.items()},
-                       args.json)
+            write_json(
+                {name: {"text": str(r), **r.__dict__} for name, r in reports.items()}, args.json
+            )
         return 0
-    report = run_benchmark(specs, reps=reps, quick=args.quick, peers=not args.no_peers,
-                           log=log)
+    report = run_benchmark(specs, reps=reps, quick=args.quick, peers=not args.no_peers, log=log)
     report["meta"]["command"] = "fuseloop bench " + " ".join(argv or sys.argv[1:])
     print(markdown(report))
     if args.json:

@@ -13,8 +13,16 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["Refused", "Skipped", "devices_of", "check_devices", "check_finite",
-           "check_bitwise", "check_close", "max_abs_diff"]
+__all__ = [
+    "Refused",
+    "Skipped",
+    "devices_of",
+    "check_devices",
+    "check_finite",
+    "check_bitwise",
+    "check_close",
+    "max_abs_diff",
+]
 
 
 class Refused(Exception):
@@ -73,8 +81,9 @@ def check_bitwise(a: Any, b: Any, what: str) -> None:
     for x, y in _pairs(a, b, what):
         if x.tobytes() != y.tobytes():
             diff = float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64))))
-            raise Refused(f"{what}: parameters differ (max abs diff {diff:.3g}), "
-                          f"expected bitwise equality")
+            raise Refused(
+                f"{what}: parameters differ (max abs diff {diff:.3g}), expected bitwise equality"
+            )
 
 
 def check_close(a: Any, b: Any, what: str, atol: float = 1e-4) -> float:
@@ -86,6 +95,8 @@ def check_close(a: Any, b: Any, what: str, atol: float = 1e-4) -> float:
     _pairs(a, b, what)
     diff = max_abs_diff(a, b)
     if not diff <= atol:
-        raise Refused(f"{what}: parameters differ from fuseloop's by {diff:.3g} "
-                      f"(> {atol}): not the same training")
+        raise Refused(
+            f"{what}: parameters differ from fuseloop's by {diff:.3g} "
+            f"(> {atol}): not the same training"
+        )
     return diff

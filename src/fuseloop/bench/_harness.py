@@ -5,8 +5,9 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import jax
 
@@ -17,28 +18,64 @@ __all__ = ["Result", "measure", "cross_check", "ratios", "targets", "RATIOS", "T
 
 # (name, numerator key, denominator key, what it means)
 RATIOS: tuple[tuple[str, str, str, str], ...] = (
-    ("fused_vs_floor_transfer", "fl_fuse32", "floor_transfer",
-     "fuseloop fuse=32 time / floor incl. the epoch's transfer (1.0 = the floor)"),
+    (
+        "fused_vs_floor_transfer",
+        "fl_fuse32",
+        "floor_transfer",
+        "fuseloop fuse=32 time / floor incl. the epoch's transfer (1.0 = the floor)",
+    ),
     ("fused_vs_floor", "fl_fuse32", "floor", "fuseloop fuse=32 time / floor, data on device"),
-    ("auto_vs_floor_transfer", "fl_fuseauto", "floor_transfer",
-     "fuseloop fuse='auto' time / floor incl. the epoch's transfer"),
-    ("resident_vs_floor", "fl_fuse32_resident", "floor",
-     "fuseloop fuse=32 on device-resident data / floor"),
+    (
+        "auto_vs_floor_transfer",
+        "fl_fuseauto",
+        "floor_transfer",
+        "fuseloop fuse='auto' time / floor incl. the epoch's transfer",
+    ),
+    (
+        "resident_vs_floor",
+        "fl_fuse32_resident",
+        "floor",
+        "fuseloop fuse=32 on device-resident data / floor",
+    ),
     ("unfused_over_fused", "fl_unfused", "fl_fuse32", "speedup of fuse=32 over fuse=False"),
     ("plain_over_fused", "plain", "fl_fuse32", "speedup of fuse=32 over the plain loop"),
-    ("keras_spe1_over_fused", "keras_spe1", "fl_fuse32",
-     "speedup of fuse=32 over Keras steps_per_execution=1"),
-    ("keras_spe32_over_fused", "keras_spe32", "fl_fuse32",
-     "speedup of fuse=32 over Keras steps_per_execution=32"),
+    (
+        "keras_spe1_over_fused",
+        "keras_spe1",
+        "fl_fuse32",
+        "speedup of fuse=32 over Keras steps_per_execution=1",
+    ),
+    (
+        "keras_spe32_over_fused",
+        "keras_spe32",
+        "fl_fuse32",
+        "speedup of fuse=32 over Keras steps_per_execution=32",
+    ),
     ("torch_over_fused", "torch", "fl_fuse32", "speedup of fuse=32 over PyTorch eager"),
-    ("plain_over_floor_transfer", "plain", "floor_transfer",
-     "ceiling of plain_over_fused for host-fed data: the floor's speedup over plain"),
-    ("keras_spe32_over_floor_transfer", "keras_spe32", "floor_transfer",
-     "ceiling of keras_spe32_over_fused for host-fed data"),
-    ("plain_over_resident", "plain", "fl_fuse32_resident",
-     "speedup of fuse=32 on device-resident data over the plain loop"),
-    ("io_callback_over_fused", "io_callback", "fl_fuse32",
-     "speedup of fuse=32 over the host-callback design"),
+    (
+        "plain_over_floor_transfer",
+        "plain",
+        "floor_transfer",
+        "ceiling of plain_over_fused for host-fed data: the floor's speedup over plain",
+    ),
+    (
+        "keras_spe32_over_floor_transfer",
+        "keras_spe32",
+        "floor_transfer",
+        "ceiling of keras_spe32_over_fused for host-fed data",
+    ),
+    (
+        "plain_over_resident",
+        "plain",
+        "fl_fuse32_resident",
+        "speedup of fuse=32 on device-resident data over the plain loop",
+    ),
+    (
+        "io_callback_over_fused",
+        "io_callback",
+        "fl_fuse32",
+        "speedup of fuse=32 over the host-callback design",
+    ),
 )
 
 # (model, ratio, comparison, bound): the issue's targets, reported, never asserted.
@@ -49,8 +86,11 @@ TARGETS: tuple[tuple[str, str, str, float], ...] = (
     ("mlp-small", "fused_vs_floor_transfer", "<=", 1.10),
     ("mlp-large", "fused_vs_floor_transfer", "<=", 1.10),
     ("mlp-tiny", "resident_vs_floor", "<=", 1.25),
-    *((model, ratio, "<=", 1.10) for model in ("cnn", "transformer", "gru")
-      for ratio in ("fused_vs_floor_transfer", "fused_vs_floor", "resident_vs_floor")),
+    *(
+        (model, ratio, "<=", 1.10)
+        for model in ("cnn", "transformer", "gru")
+        for ratio in ("fused_vs_floor_transfer", "fused_vs_floor", "resident_vs_floor")
+    ),
 )
 
 # Loops that run fuseloop's step compiled another way: same training, rounding may differ.
@@ -84,10 +124,16 @@ class Result:
         self.status, self.reason, self.samples_us = "refused", reason, []
 
     def to_json(self) -> dict[str, Any]:
-        return {"label": self.label, "status": self.status, "reason": self.reason,
-                "median_us": self.median_us, "min_us": self.min_us,
-                "samples_us": list(self.samples_us), "reps": len(self.samples_us),
-                "info": self.info}
+        return {
+            "label": self.label,
+            "status": self.status,
+            "reason": self.reason,
+            "median_us": self.median_us,
+            "min_us": self.min_us,
+            "samples_us": list(self.samples_us),
+            "reps": len(self.samples_us),
+            "info": self.info,
+        }
 
 
 def _guard(system: System, sample: Sample) -> None:
@@ -107,9 +153,13 @@ def _timed(system: System, epochs: int) -> Sample:
         gc.enable()
 
 
-def measure(builders: list[tuple[str, str, Callable[[], System]]], reps: int,
-            iterations: int, epochs: int = 1, log: Callable[[str], None] = lambda _: None
-            ) -> tuple[dict[str, Result], dict[str, Any], dict[str, Any]]:
+def measure(
+    builders: list[tuple[str, str, Callable[[], System]]],
+    reps: int,
+    iterations: int,
+    epochs: int = 1,
+    log: Callable[[str], None] = lambda _: None,
+) -> tuple[dict[str, Result], dict[str, Any], dict[str, Any]]:
     """Sets up every system, then times `reps` interleaved rounds of `epochs` epochs each.
 
     Each round runs every system once, in an order rotated by one each round, so drifting
@@ -145,13 +195,20 @@ def measure(builders: list[tuple[str, str, Callable[[], System]]], reps: int,
         _rounds(systems, results, params, reps, iterations, epochs)
     finally:
         gc.unfreeze()
-    references = {key: s.reference_params for key, s in systems.items()
-                  if s.reference_params is not None}
+    references = {
+        key: s.reference_params for key, s in systems.items() if s.reference_params is not None
+    }
     return results, params, references
 
 
-def _rounds(systems: dict[str, System], results: dict[str, Result], params: dict[str, Any],
-            reps: int, iterations: int, epochs: int) -> None:
+def _rounds(
+    systems: dict[str, System],
+    results: dict[str, Result],
+    params: dict[str, Any],
+    reps: int,
+    iterations: int,
+    epochs: int,
+) -> None:
     """Times the rounds into `results`; keeps each system's last verified params."""
     order = list(systems)
     for rep in range(reps):
@@ -172,8 +229,12 @@ def _rounds(systems: dict[str, System], results: dict[str, Result], params: dict
                 result.info.setdefault(name, []).append(value)
 
 
-def cross_check(results: dict[str, Result], params: dict[str, Any],
-                references: dict[str, Any], atol: float = 1e-4) -> None:
+def cross_check(
+    results: dict[str, Result],
+    params: dict[str, Any],
+    references: dict[str, Any],
+    atol: float = 1e-4,
+) -> None:
     """Refuses fused results that are not bitwise the unfused ones, and reference loops
     that do not train what fuseloop trains in one epoch."""
     unfused_ok = results.get("fl_unfused", Result("", "")).ok
@@ -198,8 +259,7 @@ def cross_check(results: dict[str, Result], params: dict[str, Any],
             result.refuse(str(why))
 
 
-def ratios(results: dict[str, Result], statistic: str = "median_us"
-           ) -> dict[str, float | None]:
+def ratios(results: dict[str, Result], statistic: str = "median_us") -> dict[str, float | None]:
     """The RATIOS of per-iteration times (medians by default; None where a side is
     missing)."""
     out: dict[str, float | None] = {}
@@ -218,8 +278,9 @@ def targets(per_model: dict[str, dict[str, float | None]]) -> list[dict[str, Any
             continue
         value = per_model[model].get(name)
         met = None if value is None else (value >= bound if op == ">=" else value <= bound)
-        out.append({"model": model, "ratio": name, "target": f"{op} {bound}",
-                    "value": value, "met": met})
+        out.append(
+            {"model": model, "ratio": name, "target": f"{op} {bound}", "value": value, "met": met}
+        )
     return out
 
 
@@ -240,8 +301,9 @@ def compile_vs_k(workload: Any, ks: tuple[int, ...]) -> list[dict[str, Any]]:
     tail = init_tail(loop.metrics, False)
     rows = []
     for k in ks:
-        chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((k,) + a.shape, a.dtype),
-                             workload.batches[0])
+        chunk = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((k,) + a.shape, a.dtype), workload.batches[0]
+        )
         program = jax.jit(make_chunk_fn(carry_step, True, False))  # as the run builds it
         began = time.perf_counter()
         lowered = program.lower(state, tail, chunk, jax.ShapeDtypeStruct((), "int32"))
@@ -249,6 +311,13 @@ def compile_vs_k(workload: Any, ks: tuple[int, ...]) -> list[dict[str, Any]]:
         compiled = lowered.compile()
         done = time.perf_counter()
         text = compiled.as_text()
-        rows.append({"K": k, "trace_lower_s": lowered_at - began, "compile_s": done - lowered_at,
-                     "fusions": count_fusions(text), "hlo_chars": len(text)})
+        rows.append(
+            {
+                "K": k,
+                "trace_lower_s": lowered_at - began,
+                "compile_s": done - lowered_at,
+                "fusions": count_fusions(text),
+                "hlo_chars": len(text),
+            }
+        )
     return rows

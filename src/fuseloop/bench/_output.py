@@ -29,10 +29,15 @@ def machine_info() -> dict[str, Any]:
     except AttributeError:  # not on Linux
         usable = os.cpu_count()
     return {
-        "platform": platform.platform(), "machine": platform.machine(),
-        "processor": platform.processor(), "cpu_count": os.cpu_count(), "cpus_usable": usable,
-        "python": sys.version.split()[0], "jax_backend": jax.default_backend(),
-        "jax_devices": [str(d) for d in jax.devices()], "versions": versions,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable,
+        "python": sys.version.split()[0],
+        "jax_backend": jax.default_backend(),
+        "jax_devices": [str(d) for d in jax.devices()],
+        "versions": versions,
     }
 
 
@@ -56,25 +61,33 @@ def markdown(report: dict[str, Any]) -> str:
     names = list(models)
     meta = report["meta"]
     epochs = ", ".join(f"{models[n].get('epochs_per_sample', 1)} ({n})" for n in names)
-    out = [f"Per-iteration time in microseconds, median (min) over {meta['reps']} interleaved "
-           f"rounds of {epochs} epochs per system; batch {meta['batch_size']}, "
-           f"{meta['batches_per_epoch']} batches "
-           f"an epoch, steady state (compilation excluded); {meta['machine']['cpus_usable']} "
-           f"CPU cores, JAX on {meta['machine']['jax_backend']}."
-           + (" Quick run: few repetitions, expect noise." if meta["quick"] else ""), ""]
+    out = [
+        f"Per-iteration time in microseconds, median (min) over {meta['reps']} interleaved "
+        f"rounds of {epochs} epochs per system; batch {meta['batch_size']}, "
+        f"{meta['batches_per_epoch']} batches "
+        f"an epoch, steady state (compilation excluded); {meta['machine']['cpus_usable']} "
+        f"CPU cores, JAX on {meta['machine']['jax_backend']}."
+        + (" Quick run: few repetitions, expect noise." if meta["quick"] else ""),
+        "",
+    ]
     header = ["system"] + [f"{n} ({models[n]['params']:,} params)" for n in names]
     out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     keys: list[str] = []
     for n in names:
         keys += [k for k in models[n]["systems"] if k not in keys]
     for key in keys:
-        label = next(models[n]["systems"][key]["label"] for n in names
-                     if key in models[n]["systems"])
-        cells = [_cell(models[n]["systems"][key]) if key in models[n]["systems"] else "-"
-                 for n in names]
+        label = next(
+            models[n]["systems"][key]["label"] for n in names if key in models[n]["systems"]
+        )
+        cells = [
+            _cell(models[n]["systems"][key]) if key in models[n]["systems"] else "-" for n in names
+        ]
         out.append(f"| {label} | " + " | ".join(cells) + " |")
-    out += ["", "| ratio (median times) | " + " | ".join(names) + " |",
-            "|" + "---|" * (len(names) + 1)]
+    out += [
+        "",
+        "| ratio (median times) | " + " | ".join(names) + " |",
+        "|" + "---|" * (len(names) + 1),
+    ]
     for name, _, _, meaning in report["ratio_definitions"]:
         values = [models[n]["ratios"].get(name) for n in names]
         if all(value is None for value in values):
@@ -85,10 +98,12 @@ def markdown(report: dict[str, Any]) -> str:
         out += ["", "| target | value | met |", "|---|---|---|"]
         for t in report["targets"]:
             met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
-            out.append(f"| {t['model']} {t['ratio']} {t['target']} | {_ratio(t['value'])} "
-                       f"| {met} |")
-    out += (_zoo_lines(report) + _sweep_lines(report) + _compile_lines(report)
-            + _overlap_lines(report))
+            out.append(
+                f"| {t['model']} {t['ratio']} {t['target']} | {_ratio(t['value'])} | {met} |"
+            )
+    out += (
+        _zoo_lines(report) + _sweep_lines(report) + _compile_lines(report) + _overlap_lines(report)
+    )
     return "\n".join(out) + "\n"
 
 
@@ -96,14 +111,27 @@ def _zoo_lines(report: dict[str, Any]) -> list[str]:
     zoo = {name: m["zoo"] for name, m in report["models"].items() if m.get("zoo")}
     if not zoo:
         return []
-    lines = ["", "Model zoo: where fusion helps, median (min). Launch overhead = fuse=False "
-             "minus the floor per iteration; plain / floor = a standalone jitted step against "
-             "the same step in the floor's loop. The verdict reads the minima.", "",
-             "| model | data | floor us/step | fuse=False us | overhead us | overhead / step "
-             "| plain / floor | fused / floor | fused / floor incl. transfer | resident / floor "
-             "| verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    keys = ("floor_us", "unfused_us", "overhead_us", "overhead_over_step", "plain_over_floor",
-            "fused_vs_floor", "fused_vs_floor_transfer", "resident_vs_floor")
+    lines = [
+        "",
+        "Model zoo: where fusion helps, median (min). Launch overhead = fuse=False "
+        "minus the floor per iteration; plain / floor = a standalone jitted step against "
+        "the same step in the floor's loop. The verdict reads the minima.",
+        "",
+        "| model | data | floor us/step | fuse=False us | overhead us | overhead / step "
+        "| plain / floor | fused / floor | fused / floor incl. transfer | resident / floor "
+        "| verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    keys = (
+        "floor_us",
+        "unfused_us",
+        "overhead_us",
+        "overhead_over_step",
+        "plain_over_floor",
+        "fused_vs_floor",
+        "fused_vs_floor_transfer",
+        "resident_vs_floor",
+    )
     for name, z in zoo.items():
         data = report["models"][name].get("data", "")
         cells = [_pair(z.get("median"), z.get("min"), key) for key in keys]
@@ -121,12 +149,16 @@ def _sweep_lines(report: dict[str, Any]) -> list[str]:
     sweep = report.get("sweep")
     if not sweep:
         return []
-    lines = ["", f"Chunk-size sweep, {sweep['model']}: us/iteration (speedup over fuse=False "
-             f"{_ratio(sweep['unfused_us'], 1)} us)", "", "| K | us/iter | speedup |",
-             "|---|---|---|"]
+    lines = [
+        "",
+        f"Chunk-size sweep, {sweep['model']}: us/iteration (speedup over fuse=False "
+        f"{_ratio(sweep['unfused_us'], 1)} us)",
+        "",
+        "| K | us/iter | speedup |",
+        "|---|---|---|",
+    ]
     for row in sweep["rows"]:
-        lines.append(f"| {row['K']} | {_ratio(row['median_us'], 1)} | "
-                     f"{_ratio(row['speedup'])}x |")
+        lines.append(f"| {row['K']} | {_ratio(row['median_us'], 1)} | {_ratio(row['speedup'])}x |")
     return lines
 
 
@@ -134,12 +166,19 @@ def _compile_lines(report: dict[str, Any]) -> list[str]:
     rows = report.get("compile_vs_k")
     if not rows:
         return []
-    lines = ["", f"Compile time of the fused chunk program against K "
-             f"({report['compile_model']}; a while_loop, so it should not grow with K)", "",
-             "| K | trace+lower s | compile s | XLA fusions | HLO chars |", "|---|---|---|---|---|"]
+    lines = [
+        "",
+        f"Compile time of the fused chunk program against K "
+        f"({report['compile_model']}; a while_loop, so it should not grow with K)",
+        "",
+        "| K | trace+lower s | compile s | XLA fusions | HLO chars |",
+        "|---|---|---|---|---|",
+    ]
     for row in rows:
-        lines.append(f"| {row['K']} | {row['trace_lower_s']:.3f} | {row['compile_s']:.3f} | "
-                     f"{row['fusions']} | {row['hlo_chars']} |")
+        lines.append(
+            f"| {row['K']} | {row['trace_lower_s']:.3f} | {row['compile_s']:.3f} | "
+            f"{row['fusions']} | {row['hlo_chars']} |"
+        )
     return lines
 
 
@@ -147,14 +186,19 @@ def _overlap_lines(report: dict[str, Any]) -> list[str]:
     o = report.get("overlap")
     if not o:
         return []
-    head = (f"Slow source ({o['model']}, fuse={o['fuse']}): each batch takes "
-            f"{o['delay_us']:.0f} us to produce (sleep), as long as a fused step")
+    head = (
+        f"Slow source ({o['model']}, fuse={o['fuse']}): each batch takes "
+        f"{o['delay_us']:.0f} us to produce (sleep), as long as a fused step"
+    )
     if o["status"] != "ok":
         return ["", f"{head}: {o['status']}: {o['reason']}"]
-    return ["", f"{head}. Per epoch: data alone {o['data_s'] * 1e3:.1f} ms, compute alone "
-            f"{o['compute_s'] * 1e3:.1f} ms, fused over the slow source "
-            f"{o['fused_s'] * 1e3:.1f} ms = {o['fused_over_max']:.2f}x max(data, compute), "
-            f"{o['fused_over_sum']:.2f}x their sum."]
+    return [
+        "",
+        f"{head}. Per epoch: data alone {o['data_s'] * 1e3:.1f} ms, compute alone "
+        f"{o['compute_s'] * 1e3:.1f} ms, fused over the slow source "
+        f"{o['fused_s'] * 1e3:.1f} ms = {o['fused_over_max']:.2f}x max(data, compute), "
+        f"{o['fused_over_sum']:.2f}x their sum.",
+    ]
 
 
 def write_json(report: dict[str, Any], path: str) -> None:
@@ -176,10 +220,13 @@ def write_plot(report: dict[str, Any], path: str) -> str | None:
     sweep = report.get("sweep")
     if sweep:
         rows = [r for r in sweep["rows"] if r["median_us"] is not None]
-        left.plot([r["K"] for r in rows], [r["median_us"] for r in rows], "o-",
-                  label="fuseloop fuse=K")
-        for key, style, name in (("unfused_us", "--", "fuse=False"),
-                                 ("floor_transfer_us", ":", "floor incl. transfer")):
+        left.plot(
+            [r["K"] for r in rows], [r["median_us"] for r in rows], "o-", label="fuseloop fuse=K"
+        )
+        for key, style, name in (
+            ("unfused_us", "--", "fuse=False"),
+            ("floor_transfer_us", ":", "floor incl. transfer"),
+        ):
             if sweep.get(key):
                 left.axhline(sweep[key], linestyle=style, color="gray", label=name)
         left.set_xscale("log", base=2)
@@ -188,14 +235,22 @@ def write_plot(report: dict[str, Any], path: str) -> str | None:
         left.set_title(f"{sweep['model']}: time per iteration vs chunk size")
         left.legend()
     models = report["models"]
-    keys = [k for k in models[next(iter(models))]["systems"] if not k.startswith("fl_fuse")
-            or k in ("fl_fuse32", "fl_fuse32_resident", "fl_fuseauto")]
+    keys = [
+        k
+        for k in models[next(iter(models))]["systems"]
+        if not k.startswith("fl_fuse") or k in ("fl_fuse32", "fl_fuse32_resident", "fl_fuseauto")
+    ]
     width = 0.8 / max(len(keys), 1)
     for j, key in enumerate(keys):
         values = [models[n]["systems"].get(key, {}).get("median_us") or 0.0 for n in models]
         label = models[next(iter(models))]["systems"][key]["label"]
-        right.bar([i + j * width for i in range(len(models))], values, width, label=label,
-                  color=plt.get_cmap("tab20")(j % 20))
+        right.bar(
+            [i + j * width for i in range(len(models))],
+            values,
+            width,
+            label=label,
+            color=plt.get_cmap("tab20")(j % 20),
+        )
     right.set_xticks([i + 0.4 - width / 2 for i in range(len(models))], list(models))
     right.set_yscale("log")
     right.set_ylabel("us / iteration (median, log scale)")

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from ._guards import Refused, check_bitwise
 from ._workload import Workload
@@ -51,14 +52,25 @@ def overlap(workload: Workload, reps: int, fuse: int = 32) -> dict[str, Any]:
         compute_s.append(run(workload.batches).stats["epoch_time"][0])
         state = run(slow)
         fused_s.append(state.stats["epoch_time"][0])
-    out: dict[str, Any] = {"model": workload.spec.name, "fuse": fuse, "delay_us": delay * 1e6,
-                           "reps": reps, "status": "ok", "reason": ""}
+    out: dict[str, Any] = {
+        "model": workload.spec.name,
+        "fuse": fuse,
+        "delay_us": delay * 1e6,
+        "reps": reps,
+        "status": "ok",
+        "reason": "",
+    }
     try:
         check_bitwise(state.params, reference.params, "slow source vs in-memory run")
     except Refused as why:
         out.update(status="refused", reason=str(why))
         return out
     data, compute, fused = (statistics.median(v) for v in (data_s, compute_s, fused_s))
-    out.update(data_s=data, compute_s=compute, fused_s=fused,
-               fused_over_max=fused / max(data, compute), fused_over_sum=fused / (data + compute))
+    out.update(
+        data_s=data,
+        compute_s=compute,
+        fused_s=fused,
+        fused_over_max=fused / max(data, compute),
+        fused_over_sum=fused / (data + compute),
+    )
     return out

@@ -54,7 +54,8 @@ class KerasFit(System):
         self.model.compile(
             optimizer=keras.optimizers.Adam(1e-3),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            steps_per_execution=self.spe, jit_compile=True,
+            steps_per_execution=self.spe,
+            jit_compile=True,
         )
         self.timer = self._timer(keras)
         self.sample(1)
@@ -75,15 +76,24 @@ class KerasFit(System):
 
     def sample(self, epochs: int) -> Sample:
         began = time.perf_counter()
-        history = self.model.fit(self.w.x, self.w.y, batch_size=self.w.batch_size,
-                                 epochs=epochs + 1, shuffle=False, verbose=0,
-                                 callbacks=[self.timer])
+        history = self.model.fit(
+            self.w.x,
+            self.w.y,
+            batch_size=self.w.batch_size,
+            epochs=epochs + 1,
+            shuffle=False,
+            verbose=0,
+            callbacks=[self.timer],
+        )
         wall = time.perf_counter() - began
         weights = [v.value for v in self.model.trainable_variables]
         jax.block_until_ready(weights)
-        return Sample(self.timer.seconds[1:], devices_of(weights),
-                      outputs=np.array(history.history["loss"]),
-                      info={"fit_wall_s": wall, "first_epoch_s": self.timer.seconds[0]})
+        return Sample(
+            self.timer.seconds[1:],
+            devices_of(weights),
+            outputs=np.array(history.history["loss"]),
+            info={"fit_wall_s": wall, "first_epoch_s": self.timer.seconds[0]},
+        )
 
 
 class TorchEager(System):
@@ -134,8 +144,12 @@ class TorchEager(System):
             seconds.append(self._epoch())
         found = {f"torch:{p.device.type}" for p in self.model.parameters()}
         found |= {f"torch:{x.device.type}" for x in self._last_inputs}
-        return Sample(seconds, found, outputs=np.array(self._losses),
-                      info={"torch_threads": self.torch.get_num_threads()})
+        return Sample(
+            seconds,
+            found,
+            outputs=np.array(self._losses),
+            info={"torch_threads": self.torch.get_num_threads()},
+        )
 
     def _epoch(self) -> float:
         torch, device = self.torch, self.device

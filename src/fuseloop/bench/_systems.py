@@ -80,8 +80,12 @@ class _FreshEpochs(System):
         for _ in range(epochs):
             elapsed, params, losses, arrays = self.epoch()
             seconds.append(elapsed)
-        return Sample(seconds, devices_of(arrays), outputs=jax.device_get(losses),
-                      params=jax.device_get(params))
+        return Sample(
+            seconds,
+            devices_of(arrays),
+            outputs=jax.device_get(losses),
+            params=jax.device_get(params),
+        )
 
 
 def _block(tree: Any) -> Any:
@@ -195,8 +199,9 @@ class Fuseloop(System):
                 raise Skipped("fl.data.arrays(device=True) is not available in this fuseloop")
             from .. import data
 
-            self.data = data.arrays(workload.x, workload.y, workload.batch_size,
-                                    shuffle=False, device=True)
+            self.data = data.arrays(
+                workload.x, workload.y, workload.batch_size, shuffle=False, device=True
+            )
 
     def setup(self) -> None:
         # The warm-up run compiles; timed runs must then compile nothing.
@@ -216,8 +221,10 @@ class Fuseloop(System):
         if expected is not None and stats["dispatches"] != expected:
             raise Refused(f"{stats['dispatches']} dispatches, expected {expected}")
         if self.resident and stats["h2d_transfers"]:
-            raise Refused(f"{stats['h2d_transfers']} host-to-device transfers: the data was "
-                          f"not device-resident")
+            raise Refused(
+                f"{stats['h2d_transfers']} host-to-device transfers: the data was "
+                f"not device-resident"
+            )
 
     def sample(self, epochs: int) -> Sample:
         began = time.perf_counter()
@@ -227,12 +234,19 @@ class Fuseloop(System):
         stats = state.stats
         self._verify(stats, epochs + 1)
         times = [float(stats["epoch_time"][e]) for e in sorted(stats["epoch_time"])]
-        info = {"run_wall_s": wall, "first_epoch_s": times[0],
-                "dispatches_per_epoch": stats["dispatches"] / (epochs + 1),
-                "host_syncs_per_epoch": stats["host_syncs"] / (epochs + 1),
-                "h2d_transfers_per_epoch": stats["h2d_transfers"] / (epochs + 1),
-                "chunk_size": stats["chunk_size"]}
+        info = {
+            "run_wall_s": wall,
+            "first_epoch_s": times[0],
+            "dispatches_per_epoch": stats["dispatches"] / (epochs + 1),
+            "host_syncs_per_epoch": stats["host_syncs"] / (epochs + 1),
+            "h2d_transfers_per_epoch": stats["h2d_transfers"] / (epochs + 1),
+            "chunk_size": stats["chunk_size"],
+        }
         losses = [h["loss"] for h in state.history.values()]
-        return Sample(times[1:], devices_of(state.step_state), outputs=np.array(losses),
-                      params=jax.device_get(self.w.compared(state.step_state["params"])),
-                      info=info)
+        return Sample(
+            times[1:],
+            devices_of(state.step_state),
+            outputs=np.array(losses),
+            params=jax.device_get(self.w.compared(state.step_state["params"])),
+            info=info,
+        )

@@ -85,8 +85,10 @@ class Workload:
         projection = rng.standard_normal((self.spec.inputs, self.spec.features[-1]))
         self.y = np.argmax(self.x @ projection, axis=1).astype(np.int32)
         self.batches = [
-            (self.x[i * self.batch_size:(i + 1) * self.batch_size],
-             self.y[i * self.batch_size:(i + 1) * self.batch_size])
+            (
+                self.x[i * self.batch_size : (i + 1) * self.batch_size],
+                self.y[i * self.batch_size : (i + 1) * self.batch_size],
+            )
             for i in range(self.n_batches)
         ]
         self.module = models.mlp(list(self.spec.features))
@@ -105,8 +107,11 @@ class Workload:
 
     def describe(self) -> dict[str, Any]:
         """The model's figures for the report."""
-        return {"params": self.spec.params, "inputs": self.spec.inputs,
-                "features": list(self.spec.features)}
+        return {
+            "params": self.spec.params,
+            "inputs": self.spec.inputs,
+            "features": list(self.spec.features),
+        }
 
     def compared(self, variables: Any) -> Any:
         """What the agreement guards compare of fuseloop's variables: the trainable

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -32,8 +33,12 @@ __all__ = ["ZooSpec", "ZOO", "ZooWorkload", "char_corpus", "zoo_plan", "zoo_summ
 
 SEQUENCE = 64
 # (distribution, file name) pairs searched for the character corpus, in order.
-_CORPUS_FILES = (("jax", "LICENSE"), ("flax", "LICENSE"), ("optax", "LICENSE"),
-                 ("numpy", "LICENSE.txt"))
+_CORPUS_FILES = (
+    ("jax", "LICENSE"),
+    ("flax", "LICENSE"),
+    ("optax", "LICENSE"),
+    ("numpy", "LICENSE.txt"),
+)
 
 
 @dataclass(frozen=True)
@@ -45,12 +50,18 @@ class ZooSpec:
     summary: str
 
 
-ZOO: dict[str, ZooSpec] = {spec.name: spec for spec in (
-    ZooSpec("cnn", "cnn", "Conv16+BN, Conv32+BN, avgpool, Dense10 on 8x8x1 digits"),
-    ZooSpec("transformer", "transformer",
-            "causal transformer: 2 layers, d=64, 4 heads, sequence 64, characters"),
-    ZooSpec("gru", "gru", "Embed32, GRU64 (nn.RNN = lax.scan), Dense; sequence 64, characters"),
-)}
+ZOO: dict[str, ZooSpec] = {
+    spec.name: spec
+    for spec in (
+        ZooSpec("cnn", "cnn", "Conv16+BN, Conv32+BN, avgpool, Dense10 on 8x8x1 digits"),
+        ZooSpec(
+            "transformer",
+            "transformer",
+            "causal transformer: 2 layers, d=64, 4 heads, sequence 64, characters",
+        ),
+        ZooSpec("gru", "gru", "Embed32, GRU64 (nn.RNN = lax.scan), Dense; sequence 64, characters"),
+    )
+}
 
 
 def char_corpus(log: Callable[[str], None] | None = None) -> tuple[str, str]:
@@ -73,7 +84,8 @@ def char_corpus(log: Callable[[str], None] | None = None) -> tuple[str, str]:
                 if len(text) > 4 * SEQUENCE:
                     return text, f"{dist}'s {path.name}"
     (log or (lambda m: print(m, file=sys.stderr)))(
-        "note: no license text found in jax/flax/optax/numpy; using synthetic characters")
+        "note: no license text found in jax/flax/optax/numpy; using synthetic characters"
+    )
     return "", "synthetic"
 
 
@@ -81,13 +93,14 @@ def _digits(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, s
     try:
         from sklearn.datasets import load_digits
     except ImportError as error:
-        raise ImportError("the zoo's cnn trains on scikit-learn's digits: pip install "
-                          "scikit-learn (or leave cnn out of --models)") from error
+        raise ImportError(
+            "the zoo's cnn trains on scikit-learn's digits: pip install "
+            "scikit-learn (or leave cnn out of --models)"
+        ) from error
 
     digits = load_digits()
     images = (digits.images / 16.0).astype(np.float32)[..., None]
-    order = np.concatenate([rng.permutation(len(images))
-                            for _ in range(-(-n // len(images)))])[:n]
+    order = np.concatenate([rng.permutation(len(images)) for _ in range(-(-n // len(images)))])[:n]
     return images[order], digits.target.astype(np.int32)[order], "sklearn digits"
 
 
@@ -98,7 +111,7 @@ def _sequences(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray
     vocab = sorted(set(text))
     ids = np.array([vocab.index(c) for c in text], dtype=np.int32)
     starts = rng.integers(0, len(ids) - SEQUENCE - 1, size=n)
-    windows = np.stack([ids[s:s + SEQUENCE + 1] for s in starts])
+    windows = np.stack([ids[s : s + SEQUENCE + 1] for s in starts])
     described = f"{source} ({len(text):,} chars, {len(vocab)} distinct)"
     return windows[:, :-1], windows[:, 1:], described, len(vocab)
 
@@ -138,11 +151,16 @@ class ZooWorkload:
             self.vocab, self.module = 10, DigitsCNN()
         else:
             self.x, self.y, self.data_source, self.vocab = _sequences(n, rng)
-            self.module = (CharTransformer(self.vocab, SEQUENCE) if self.spec.kind == "transformer"
-                           else CharGRU(self.vocab))
+            self.module = (
+                CharTransformer(self.vocab, SEQUENCE)
+                if self.spec.kind == "transformer"
+                else CharGRU(self.vocab)
+            )
         bs = self.batch_size
-        self.batches = [(self.x[i * bs:(i + 1) * bs], self.y[i * bs:(i + 1) * bs])
-                        for i in range(self.n_batches)]
+        self.batches = [
+            (self.x[i * bs : (i + 1) * bs], self.y[i * bs : (i + 1) * bs])
+            for i in range(self.n_batches)
+        ]
         self.tx = optax.adam(1e-3)
         variables = self.module.init(jax.random.PRNGKey(self.seed), self.batches[0][0])
         self.host_variables = jax.tree.map(np.asarray, dict(variables))
@@ -169,8 +187,7 @@ class ZooWorkload:
         variables = jax.device_put(self.host_variables)
         return variables, self.tx.init(variables["params"])
 
-    def train_step(self, variables: Any, opt_state: Any, x: Any, y: Any
-                   ) -> tuple[Any, Any, Any]:
+    def train_step(self, variables: Any, opt_state: Any, x: Any, y: Any) -> tuple[Any, Any, Any]:
         """fuseloop's trainer step: forward with `train=True` (BatchNorm statistics
         updated), the loss, its gradient over `params`, the Adam update."""
         params = variables["params"]
@@ -179,8 +196,9 @@ class ZooWorkload:
         def objective(p: Any) -> tuple[Any, Any]:
             if not rest:
                 return _sparse_ce(self.module.apply({"params": p}, x), y), {}
-            logits, updates = self.module.apply({"params": p, **rest}, x, train=True,
-                                                mutable=list(rest))
+            logits, updates = self.module.apply(
+                {"params": p, **rest}, x, train=True, mutable=list(rest)
+            )
             return _sparse_ce(logits, y), dict(updates)
 
         (loss, updates), grads = jax.value_and_grad(objective, has_aux=True)(params)
@@ -203,22 +221,29 @@ def zoo_plan(w: ZooWorkload, peers: bool, fuse: int) -> list[tuple[str, str, Cal
     from ._systems import Floor, Fuseloop, PlainLoop
 
     plan: list[tuple[str, str, Callable]] = [
-        ("floor", "floor: jit(lax.scan) over the epoch, data on device",
-         lambda: Floor(w, transfer=False)),
-        ("floor_transfer", "floor incl. the epoch's one stack + device_put",
-         lambda: Floor(w, transfer=True)),
+        (
+            "floor",
+            "floor: jit(lax.scan) over the epoch, data on device",
+            lambda: Floor(w, transfer=False),
+        ),
+        (
+            "floor_transfer",
+            "floor incl. the epoch's one stack + device_put",
+            lambda: Floor(w, transfer=True),
+        ),
         (f"fl_fuse{fuse}", f"fuseloop fuse={fuse}", lambda: Fuseloop(w, fuse)),
-        (f"fl_fuse{fuse}_resident", f"fuseloop fuse={fuse}, device-resident data",
-         lambda: Fuseloop(w, fuse, resident=True)),
+        (
+            f"fl_fuse{fuse}_resident",
+            f"fuseloop fuse={fuse}, device-resident data",
+            lambda: Fuseloop(w, fuse, resident=True),
+        ),
         ("fl_unfused", "fuseloop fuse=False", lambda: Fuseloop(w, False)),
-        ("plain", "plain per-batch jax.jit + optax, float(loss) each step",
-         lambda: PlainLoop(w)),
+        ("plain", "plain per-batch jax.jit + optax, float(loss) each step", lambda: PlainLoop(w)),
     ]
     if peers:
         plan += [
             ("keras_spe1", "Keras 3 fit (JAX), steps_per_execution=1", lambda: KerasFit(w, 1)),
-            ("keras_spe32", "Keras 3 fit (JAX), steps_per_execution=32",
-             lambda: KerasFit(w, 32)),
+            ("keras_spe32", "Keras 3 fit (JAX), steps_per_execution=32", lambda: KerasFit(w, 32)),
         ]
     return plan
 
@@ -252,12 +277,19 @@ def _figures(results: dict[str, Any], fuse: int, statistic: str) -> dict[str, An
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a is not None and b else None
 
-    return {"floor_us": floor, "unfused_us": unfused, "fused_us": fused, "plain_us": plain,
-            "overhead_us": unfused - floor, "overhead_over_step": (unfused - floor) / floor,
-            "plain_over_floor": ratio(plain, floor), "fused_vs_floor": ratio(fused, floor),
-            "fused_vs_floor_transfer": ratio(fused, floor_transfer),
-            "resident_vs_floor": ratio(resident, floor),
-            "unfused_over_fused": ratio(unfused, fused)}
+    return {
+        "floor_us": floor,
+        "unfused_us": unfused,
+        "fused_us": fused,
+        "plain_us": plain,
+        "overhead_us": unfused - floor,
+        "overhead_over_step": (unfused - floor) / floor,
+        "plain_over_floor": ratio(plain, floor),
+        "fused_vs_floor": ratio(fused, floor),
+        "fused_vs_floor_transfer": ratio(fused, floor_transfer),
+        "resident_vs_floor": ratio(resident, floor),
+        "unfused_over_fused": ratio(unfused, fused),
+    }
 
 
 LOOP_EFFECT = 1.5  # plain / floor beyond this (or below its inverse): the step, not the launch
@@ -266,22 +298,32 @@ LOOP_EFFECT = 1.5  # plain / floor beyond this (or below its inverse): the step,
 def _verdict(z: dict[str, Any]) -> str:
     share, plain_ratio = z["overhead_over_step"], z["plain_over_floor"]
     if plain_ratio is not None and plain_ratio < 1 / LOOP_EFFECT:
-        return (f"loop-penalized: the step alone (plain jit) takes {plain_ratio:.2f}x the "
-                f"floor's step: it runs slower inside a compiled loop on this backend, so "
-                f"no fused loop (the floor included) can beat a per-step loop")
+        return (
+            f"loop-penalized: the step alone (plain jit) takes {plain_ratio:.2f}x the "
+            f"floor's step: it runs slower inside a compiled loop on this backend, so "
+            f"no fused loop (the floor included) can beat a per-step loop"
+        )
     if plain_ratio is not None and plain_ratio > LOOP_EFFECT:
-        return (f"loop-favoured: the step alone (plain jit) takes {plain_ratio:.2f}x the "
-                f"floor's step, far more than a launch costs: the compiled step is faster "
-                f"inside a loop; fusion gains that ({_x(z['unfused_over_fused'])} over "
-                f"fuse=False)")
+        return (
+            f"loop-favoured: the step alone (plain jit) takes {plain_ratio:.2f}x the "
+            f"floor's step, far more than a launch costs: the compiled step is faster "
+            f"inside a loop; fusion gains that ({_x(z['unfused_over_fused'])} over "
+            f"fuse=False)"
+        )
     if share <= 0:
-        return ("compute-bound: fuse=False was no slower than the floor's step (the launch "
-                "overhead is lost in the step's own time and the noise); fusion cannot help")
+        return (
+            "compute-bound: fuse=False was no slower than the floor's step (the launch "
+            "overhead is lost in the step's own time and the noise); fusion cannot help"
+        )
     if share < 0.10:
-        return (f"compute-bound: fuse=False costs {share:.0%} more than the floor's step; "
-                f"fusion can save at most that")
-    return (f"overhead-bound: launch overhead is {share:.0%} of the step; fusion removes "
-            f"it ({_x(z['unfused_over_fused'])} over fuse=False)")
+        return (
+            f"compute-bound: fuse=False costs {share:.0%} more than the floor's step; "
+            f"fusion can save at most that"
+        )
+    return (
+        f"overhead-bound: launch overhead is {share:.0%} of the step; fusion removes "
+        f"it ({_x(z['unfused_over_fused'])} over fuse=False)"
+    )
 
 
 def _x(value: float | None) -> str:

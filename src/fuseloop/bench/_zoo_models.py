@@ -17,8 +17,7 @@ from typing import Any
 
 import flax.linen as nn
 
-__all__ = ["DigitsCNN", "CharTransformer", "CharGRU", "keras_cnn", "keras_transformer",
-           "keras_gru"]
+__all__ = ["DigitsCNN", "CharTransformer", "CharGRU", "keras_cnn", "keras_transformer", "keras_gru"]
 
 CNN_WIDTHS = (16, 32)
 
@@ -52,8 +51,7 @@ class CharTransformer(nn.Module):
     @nn.compact
     def __call__(self, tokens: Any) -> Any:
         x = nn.Embed(self.vocab, self.width)(tokens)
-        positions = self.param("positions", nn.initializers.normal(0.02),
-                               (self.length, self.width))
+        positions = self.param("positions", nn.initializers.normal(0.02), (self.length, self.width))
         x = x + positions[: tokens.shape[1]]
         mask = nn.make_causal_mask(tokens)
         for _ in range(self.layers):
@@ -82,28 +80,41 @@ def keras_cnn(keras: Any, classes: int = 10) -> Any:
     """`DigitsCNN` in Keras 3."""
     layers: list[Any] = [keras.Input((8, 8, 1))]
     for width in CNN_WIDTHS:
-        layers += [keras.layers.Conv2D(width, 3, padding="same", use_bias=False),
-                   keras.layers.BatchNormalization(momentum=0.9), keras.layers.ReLU()]
-    layers += [keras.layers.AveragePooling2D(2), keras.layers.Flatten(),
-               keras.layers.Dense(classes)]
+        layers += [
+            keras.layers.Conv2D(width, 3, padding="same", use_bias=False),
+            keras.layers.BatchNormalization(momentum=0.9),
+            keras.layers.ReLU(),
+        ]
+    layers += [
+        keras.layers.AveragePooling2D(2),
+        keras.layers.Flatten(),
+        keras.layers.Dense(classes),
+    ]
     return keras.Sequential(layers)
 
 
 def keras_gru(keras: Any, vocab: int, length: int, width: int = 64, embed: int = 32) -> Any:
     """`CharGRU` in Keras 3 (its GRU layer, which runs a `lax.scan` on the JAX backend)."""
-    return keras.Sequential([
-        keras.Input((length,), dtype="int32"), keras.layers.Embedding(vocab, embed),
-        keras.layers.GRU(width, return_sequences=True), keras.layers.Dense(vocab)])
+    return keras.Sequential(
+        [
+            keras.Input((length,), dtype="int32"),
+            keras.layers.Embedding(vocab, embed),
+            keras.layers.GRU(width, return_sequences=True),
+            keras.layers.Dense(vocab),
+        ]
+    )
 
 
-def keras_transformer(keras: Any, vocab: int, length: int, width: int = 64, heads: int = 4,
-                      layers: int = 2) -> Any:
+def keras_transformer(
+    keras: Any, vocab: int, length: int, width: int = 64, heads: int = 4, layers: int = 2
+) -> Any:
     """`CharTransformer` in Keras 3 (functional API; learned positions in a small layer)."""
 
     class AddPositions(keras.layers.Layer):
         def build(self, shape: Any) -> None:
-            self.positions = self.add_weight(shape=(shape[1], shape[2]),
-                                             initializer=keras.initializers.RandomNormal(0.0, 0.02))
+            self.positions = self.add_weight(
+                shape=(shape[1], shape[2]), initializer=keras.initializers.RandomNormal(0.0, 0.02)
+            )
 
         def call(self, x: Any) -> Any:
             return x + self.positions
@@ -119,4 +130,3 @@ def keras_transformer(keras: Any, vocab: int, length: int, width: int = 64, head
         x = x + keras.layers.Dense(width)(h)
     logits = keras.layers.Dense(vocab)(keras.layers.LayerNormalization()(x))
     return keras.Model(tokens, logits)
-

@@ -34,8 +34,16 @@ from .._placement import device_signature
 from .._step import init_tail
 from .programs import Programs
 
-__all__ = ["ChunkDecision", "decide_chunk_size", "choose_chunk_size", "probe",
-           "DEFAULT_BUDGET_BYTES", "DEFAULT_MAX_CHUNK", "DEFAULT_TOLERANCE", "PROBE_COPIES"]
+__all__ = [
+    "ChunkDecision",
+    "decide_chunk_size",
+    "choose_chunk_size",
+    "probe",
+    "DEFAULT_BUDGET_BYTES",
+    "DEFAULT_MAX_CHUNK",
+    "DEFAULT_TOLERANCE",
+    "PROBE_COPIES",
+]
 
 DEFAULT_BUDGET_BYTES = 64 * 2**20
 DEFAULT_MAX_CHUNK = 1024
@@ -62,8 +70,14 @@ def _shardings(placement: Any) -> tuple[Any, Any]:
     return getattr(placement, "_state", None), getattr(placement, "_chunk", None)
 
 
-def probe(programs: Programs, step_state: Any, batch: Any, placement: Any, copies: int,
-          program: Any = None) -> tuple[float, float]:
+def probe(
+    programs: Programs,
+    step_state: Any,
+    batch: Any,
+    placement: Any,
+    copies: int,
+    program: Any = None,
+) -> tuple[float, float]:
     """`(step_seconds, overhead_seconds)` from a chunk of `copies` copies of `batch`, run
     with 1 and with up to `PROBE_COPIES` valid steps.
 
@@ -88,9 +102,11 @@ def probe(programs: Programs, step_state: Any, batch: Any, placement: Any, copie
 
     def seconds(n_valid: int) -> float:
         # Private copies (untimed): a donating program consumes them, the real state stays.
-        carry = jax.block_until_ready(jax.device_put(
-            jax.tree.map(lambda a: jnp.array(a, copy=True), (step_state, tail)),
-            state_sharding))
+        carry = jax.block_until_ready(
+            jax.device_put(
+                jax.tree.map(lambda a: jnp.array(a, copy=True), (step_state, tail)), state_sharding
+            )
+        )
         began = time.perf_counter()
         jax.block_until_ready(program(*carry, chunk, counts[n_valid]))
         return time.perf_counter() - began
@@ -143,20 +159,31 @@ def _balance(k: int, epoch_length: int | None) -> int:
     return math.ceil(epoch_length / chunks)
 
 
-def decide_chunk_size(programs: Programs, step_state: Any, first_batch: Any, *,
-                      placement: Any = None, budget_bytes: int = DEFAULT_BUDGET_BYTES,
-                      max_chunk: int = DEFAULT_MAX_CHUNK, tolerance: float = DEFAULT_TOLERANCE,
-                      epoch_length: int | None = None) -> ChunkDecision:
+def decide_chunk_size(
+    programs: Programs,
+    step_state: Any,
+    first_batch: Any,
+    *,
+    placement: Any = None,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    max_chunk: int = DEFAULT_MAX_CHUNK,
+    tolerance: float = DEFAULT_TOLERANCE,
+    epoch_length: int | None = None,
+) -> ChunkDecision:
     """Chooses K with the cost model in this module's docstring; see
-    `fuseloop.diagnostics.decide_chunk_size` for the arguments."""
+    `fuseloop.diagnostics.decide_chunk_size` for the arguments.
+    """
     check_positive(budget_bytes, "budget_bytes")
     check_positive(max_chunk, "max_chunk")
     check_positive(tolerance, "tolerance", float)
     if epoch_length is not None:
         check_positive(epoch_length, "epoch_length")
     memory_cap = max(1, budget_bytes // max(nbytes(first_batch), 1))
-    caps = {"memory budget": memory_cap, "max_chunk": max_chunk,
-            "epoch length": epoch_length or max_chunk}
+    caps = {
+        "memory budget": memory_cap,
+        "max_chunk": max_chunk,
+        "epoch length": epoch_length or max_chunk,
+    }
     cap_name = min(caps, key=lambda name: caps[name])
     cap = caps[cap_name]
     if cap == 1:
@@ -171,14 +198,14 @@ def decide_chunk_size(programs: Programs, step_state: Any, first_batch: Any, *,
     return ChunkDecision(k, step * 1e6, overhead * 1e6, wanted, memory_cap, bound)
 
 
-def choose_chunk_size(programs: Programs, step_state: Any, first_batch: Any, **options: Any
-                      ) -> int:
+def choose_chunk_size(programs: Programs, step_state: Any, first_batch: Any, **options: Any) -> int:
     """The K of `decide_chunk_size` (what `run(fuse="auto")` uses)."""
     return decide_chunk_size(programs, step_state, first_batch, **options).chunk_size
 
 
-def _timings(programs: Programs, step_state: Any, batch: Any, placement: Any,
-             memory_cap: int) -> tuple[float, float]:
+def _timings(
+    programs: Programs, step_state: Any, batch: Any, placement: Any, memory_cap: int
+) -> tuple[float, float]:
     """`(step_s, overhead_s)`, measured once per loop, batch signature and mesh."""
     key = (device_signature(batch), id(getattr(placement, "mesh", None)))
     if key not in programs.cache.probe:

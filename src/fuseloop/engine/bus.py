@@ -9,7 +9,8 @@ is what makes their event streams identical.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from .._events import (
     CONTINUE,
@@ -29,7 +30,8 @@ class EventBus:
     def __init__(self, registrations: Iterable[Registration], observer: Any = None):
         """`observer` (e.g. the progress bar) is told about every run and epoch event
         (`on_event(event, state)`), about steps as they are accounted for (`advance(n,
-        metrics or None)`), and closed at the end (`close()`); it never changes the run."""
+        metrics or None)`), and closed at the end (`close()`); it never changes the run.
+        """
         self.by_event: dict[Event, list[Registration]] = defaultdict(list)
         for registration in registrations:
             self.by_event[registration.event].append(registration)
@@ -71,7 +73,8 @@ class EventBus:
     def firing_offsets(self, n: int) -> list[int]:
         """The offsets `j` in `[0, n)` of the next `n` iterations at which some iteration
         handler's counter filter passes, judged from the counters alone (every offset when
-        a callable filter, which needs the State, is registered)."""
+        a callable filter, which needs the State, is registered).
+        """
         offsets: set[int] = set()
         for event in ITERATION_EVENTS:
             first = self.total[event] + 1
@@ -89,8 +92,13 @@ class EventBus:
             self.in_epoch[event] += n
 
     # ----------------------------------------------------------------- firing
-    def _call(self, event: Event, registrations: list[Registration], state: State,
-              mirror_history: bool = False) -> tuple[str, State]:
+    def _call(
+        self,
+        event: Event,
+        registrations: list[Registration],
+        state: State,
+        mirror_history: bool = False,
+    ) -> tuple[str, State]:
         status = CONTINUE
         for registration in registrations:
             if registration.filter.predicate is not None and not registration.filter.predicate(
@@ -164,8 +172,9 @@ class EventBus:
             return CONTINUE, state
         merged = dict(state.metrics)
         merged.update(metrics())
-        state = state.replace(iteration=iteration, metrics=merged, step_state=step_state,
-                              event_counts=self.counts())
+        state = state.replace(
+            iteration=iteration, metrics=merged, step_state=step_state, event_counts=self.counts()
+        )
         return self._call(event, firing, state)
 
     # ----------------------------------------------------------------- observer

@@ -36,13 +36,15 @@ class Carry:
 
     def adopt(self, step_state: Any) -> None:
         """Takes a step state a handler returned; it is copied, since the next step donates
-        it and the handler may still hold its arrays."""
+        it and the handler may still hold its arrays.
+        """
         if step_state is not None and step_state is not self.step_state:
             self.step_state = self.placement.put_state(private_copy(step_state))
 
     def advance(self, program: Any, *args: Any) -> tuple[Any, ...]:
         """Runs `program(step_state, tail, *args)`, keeps the new carry, and returns the
-        program's other outputs (records, steps run, ...). One dispatch."""
+        program's other outputs (records, steps run, ...). One dispatch.
+        """
         out = program(self.step_state, self.tail, *args)
         self.step_state, self.tail = out[0], out[1]
         self._metrics = None
@@ -52,19 +54,22 @@ class Carry:
 
     def throttle(self, max_queued: int) -> None:
         """Waits for the queued dispatches once `max_queued` have been launched since the
-        last wait, so the host stays at most that far ahead (no value is read)."""
+        last wait, so the host stays at most that far ahead (no value is read).
+        """
         if self._queued >= max_queued:
             jax.block_until_ready(self.tail)
             self._queued = 0
 
     def snapshot(self) -> Any:
         """A packed device copy of the carry, taken before a launch that a halt may have to
-        undo."""
+        undo.
+        """
         return self.programs.pack((self.step_state, self.tail))
 
     def restore(self, snapshot: Any) -> None:
         """Rolls back to `snapshot`: the dispatch launched after it is dropped (and does not
-        count)."""
+        count).
+        """
         carry = self.programs.unpack(snapshot, (self.step_state, self.tail))
         self.step_state, self.tail = self.placement.put_state(carry)
         self._metrics = None

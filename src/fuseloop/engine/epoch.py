@@ -22,8 +22,7 @@ __all__ = ["EpochLoop"]
 class EpochLoop:
     """Runs the epochs of one run over one feed and one carry."""
 
-    def __init__(self, feed: Any, carry: Any, handoff: Any, reads: Any, guard: bool,
-                 signals: Any):
+    def __init__(self, feed: Any, carry: Any, handoff: Any, reads: Any, guard: bool, signals: Any):
         self.feed, self.carry, self.handoff = feed, carry, handoff
         self.reads, self.guard, self.signals = reads, guard, signals
         # Launching ahead needs the guard off: the guard's flag is read from the chunk's
@@ -47,10 +46,12 @@ class EpochLoop:
         self.latest = None  # the epoch is over: the run holds its State again
         return status, state.replace(iteration=last)
 
-    def _start(self, state: Any, prepared: Any, last: int
-               ) -> tuple[str, Any, int, ChunkResult | None]:
+    def _start(
+        self, state: Any, prepared: Any, last: int
+    ) -> tuple[str, Any, int, ChunkResult | None]:
         """Launches `prepared` (None: the epoch is over); a live step's
-        `iteration_started` fires first, and may halt before the launch."""
+        `iteration_started` fires first, and may halt before the launch.
+        """
         if prepared is None:
             return CONTINUE, state, last, None
         if self.feed.live:
@@ -60,8 +61,9 @@ class EpochLoop:
                 return status, state, last, None
         return CONTINUE, state, last, self.feed.launch(self.carry, prepared)
 
-    def _step(self, state: Any, current: ChunkResult, last: int
-              ) -> tuple[str, Any, int, ChunkResult | None]:
+    def _step(
+        self, state: Any, current: ChunkResult, last: int
+    ) -> tuple[str, Any, int, ChunkResult | None]:
         """Replays `current` and launches the next chunk: `(status, state, last, next)`."""
         feed = self.feed
         nxt, failed = None, None

@@ -9,8 +9,9 @@ the live step state — the unfused loop is that mode, not another loop.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -36,11 +37,22 @@ class Prepared:
 
 class HostFeed:
     """Batches pulled from a host source: stacked and transferred per chunk, or one live
-    step per batch (`size=None`)."""
+    step per batch (`size=None`).
+    """
 
-    def __init__(self, source: Any, first_batch: Any, *, size: int | None, jit: bool,
-                 placement: Any, checker: Any, programs: Any, prefetch: int,
-                 max_in_flight: int):
+    def __init__(
+        self,
+        source: Any,
+        first_batch: Any,
+        *,
+        size: int | None,
+        jit: bool,
+        placement: Any,
+        checker: Any,
+        programs: Any,
+        prefetch: int,
+        max_in_flight: int,
+    ):
         self.source, self.placement, self.checker = source, placement, checker
         self.size, self.live = size, size is None
         self.prefetch, self.max_in_flight = prefetch, max_in_flight
@@ -54,10 +66,12 @@ class HostFeed:
         self._producer: ChunkProducer | None = None
 
     # ----------------------------------------------------------------- epoch
-    def begin(self, epoch: int, iterator: Iterator[Any], bound: int | None,
-              replay_reads: bool) -> None:
+    def begin(
+        self, epoch: int, iterator: Iterator[Any], bound: int | None, replay_reads: bool
+    ) -> None:
         """Starts an epoch. `replay_reads`: some handler or the guard will read a chunk's
-        results on the host (a halt may then stop the epoch mid-way)."""
+        results on the host (a halt may then stop the epoch mid-way).
+        """
         self.epoch, self.iterator, self.bound = epoch, iterator, bound
         # Pulling ahead is harmless for re-iterable sources; for a one-shot iterator only
         # when nothing can halt mid-chunk (exact consumption wins).
@@ -118,8 +132,14 @@ class HostFeed:
             return self._launch_step(carry, prepared)
         with self.placement.chunk_transfer():  # the chunk's one explicit transfer
             records, n_run = carry.advance(self.program, *prepared.payload)
-        return ChunkResult(prepared.first, prepared.n, records, n_run, prepared.exhausted,
-                           carry.tail.get("nonfinite"))
+        return ChunkResult(
+            prepared.first,
+            prepared.n,
+            records,
+            n_run,
+            prepared.exhausted,
+            carry.tail.get("nonfinite"),
+        )
 
     def _launch_step(self, carry: Any, prepared: Prepared) -> ChunkResult:
         batch, i = prepared.payload, prepared.first
@@ -135,10 +155,19 @@ class HostFeed:
 class ResidentFeed:
     """A device-resident `fl.data.arrays(..., device=True)` dataset: chunks are gathered on
     the device from the epoch's order, which is computed there too; nothing moves from the
-    host per epoch. With `drop_remainder=False` the short last batch is its own launch."""
+    host per epoch. With `drop_remainder=False` the short last batch is its own launch.
+    """
 
-    def __init__(self, source: Any, data: Any, *, size: int | None, placement: Any,
-                 programs: Any, start_epoch: Any):
+    def __init__(
+        self,
+        source: Any,
+        data: Any,
+        *,
+        size: int | None,
+        placement: Any,
+        programs: Any,
+        start_epoch: Any,
+    ):
         self.source, self.programs = source, programs
         self.size, self.live = (1 if size is None else size), size is None
         self.ahead = not self.live
@@ -147,8 +176,9 @@ class ResidentFeed:
         self.sharding = placement.chunk_sharding(source.batch_size)
         self.whole = source.n // source.batch_size
         self.short = None if self.whole == source.num_batches else source.n % source.batch_size
-        self.short_sharding = (placement.chunk_sharding(self.short)
-                               if self.short is not None else None)
+        self.short_sharding = (
+            placement.chunk_sharding(self.short) if self.short is not None else None
+        )
         self.data = data
         # The epoch counter lives on the device (`start_epoch` is a device int32 scalar),
         # so advancing it moves nothing.
@@ -157,8 +187,9 @@ class ResidentFeed:
 
     def begin(self, epoch: int, iterator: Any, bound: int | None, replay_reads: bool) -> None:
         self.order, self.epoch_counter, self.cursor = self.next_order(self.epoch_counter)
-        self.limit = self.source.num_batches if bound is None else min(
-            bound, self.source.num_batches)
+        self.limit = (
+            self.source.num_batches if bound is None else min(bound, self.source.num_batches)
+        )
         self.full_limit = min(self.limit, self.whole)
         self._before = self.cursor
 
@@ -172,19 +203,25 @@ class ResidentFeed:
             program = self.programs.resident(MIN_SLOTS, 1, self.short, self.short_sharding)
             return Prepared(first, 1, True, (program, self.limit))
         n = min(self.size, self.full_limit - first)
-        program = self.programs.resident(max(self.size, MIN_SLOTS), self.size, None,
-                                         self.sharding)
+        program = self.programs.resident(max(self.size, MIN_SLOTS), self.size, None, self.sharding)
         return Prepared(first, n, first + n >= self.limit, (program, self.full_limit))
 
     def launch(self, carry: Any, prepared: Prepared) -> ChunkResult:
         program, limit = prepared.payload
         self._before = self.cursor
-        records, n_run, self.cursor = carry.advance(program, self.data, self.order,
-                                                    self.cursor, limit)
+        records, n_run, self.cursor = carry.advance(
+            program, self.data, self.order, self.cursor, limit
+        )
         if self.live:
             return ChunkResult(prepared.first, 1, None, None, prepared.exhausted)
-        return ChunkResult(prepared.first, prepared.n, records, n_run, prepared.exhausted,
-                           carry.tail.get("nonfinite"))
+        return ChunkResult(
+            prepared.first,
+            prepared.n,
+            records,
+            n_run,
+            prepared.exhausted,
+            carry.tail.get("nonfinite"),
+        )
 
     def unlaunch(self) -> None:
         """The last launch was dropped: its place in the epoch is given back."""
@@ -193,17 +230,18 @@ class ResidentFeed:
 
 def place_dataset(source: Any, placement: Any, stats: dict[str, Any]) -> Any:
     """A resident source's arrays on the device (replicated over a mesh); the one move is
-    counted as a transfer, and later runs of the same source reuse it."""
+    counted as a transfer, and later runs of the same source reuse it.
+    """
     before = source.transfers_done
     data = source.put(placement.replicated)
     stats["h2d_transfers"] += source.transfers_done - before
     return data
 
 
-def first_resident_batch(programs: Any, source: Any, data: Any, epoch: Any, reads: Any
-                         ) -> Any:
+def first_resident_batch(programs: Any, source: Any, data: Any, epoch: Any, reads: Any) -> Any:
     """The first batch of `epoch` (a device int32 scalar), gathered on the device (the same
     rows the host source serves first) and read back: it shapes the initialization and the
-    checks."""
+    checks.
+    """
     # Host read: the run's first batch, once per run.
     return reads.get(programs.first_batch(source)(data, epoch))

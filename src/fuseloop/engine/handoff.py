@@ -1,5 +1,6 @@
 """`Handoff`: handlers see the carry through their State and hand changes back; this is
-the one place those changes reach the carry (docs/design.md §2, one owner of the carry)."""
+the one place those changes reach the carry (docs/design.md §2, one owner of the carry).
+"""
 
 from __future__ import annotations
 
@@ -25,11 +26,13 @@ class Handoff:
         self.carry.adopt(state.step_state)
         return status, state
 
-    def fire_iteration(self, event: Event, state: Any, iteration: int, metrics: Any,
-                       live: bool) -> tuple[str, Any]:
+    def fire_iteration(
+        self, event: Event, state: Any, iteration: int, metrics: Any, live: bool
+    ) -> tuple[str, Any]:
         """An iteration event. Live (unfused): the handlers see the step state and may
         replace it. Replayed (fused): `step_state` is None and a returned one is ignored
-        (the steps after it already ran)."""
+        (the steps after it already ran).
+        """
         step_state = self.carry.step_state if live else None
         status, fired = self.bus.fire_iteration(event, state, iteration, metrics, step_state)
         if live and fired is not state:

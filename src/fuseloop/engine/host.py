@@ -35,6 +35,7 @@ class HostReads:
 
     def record_metrics(self, records: Any, j: int) -> dict[str, float]:
         """The metrics of slot `j` of a chunk's records already on the host."""
-        acc = {name: {key: column[j] for key, column in rec.items()}
-               for name, rec in records.items()}
+        acc = {
+            name: {key: column[j] for key, column in rec.items()} for name, rec in records.items()
+        }
         return self.metrics_of(acc)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["ChunkProducer"]
 
@@ -38,8 +39,7 @@ class ChunkProducer:
         self._slots = threading.Semaphore(depth)
         self._handed_out = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._produce, name="fuseloop-prefetch",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._produce, name="fuseloop-prefetch", daemon=True)
         self._thread.start()
 
     def _acquire(self) -> bool:

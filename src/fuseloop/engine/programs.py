@@ -9,8 +9,9 @@ and unfused runs bitwise equal is in docs/design.md §2 ("one loop body for ever
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +88,8 @@ class Programs:
 
     def _device_loop(self) -> Callable[..., Any]:
         """The one device loop every program runs (records always on: the body must not
-        change with what the host needs)."""
+        change with what the host needs).
+        """
         carry_step = make_carry_step(self.loop.program, self.loop.metrics, self.guard)
         return make_chunk_fn(carry_step, True, self.guard)
 
@@ -113,7 +115,8 @@ class Programs:
 
             def program(state: Any, tail: Any, batch: Any, n_valid: Any) -> tuple[Any, Any]:
                 chunk = jax.tree.map(
-                    lambda a: jnp.broadcast_to(a[None], (MIN_SLOTS,) + a.shape), batch)
+                    lambda a: jnp.broadcast_to(a[None], (MIN_SLOTS,) + a.shape), batch
+                )
                 state, tail, _, _ = body(state, tail, chunk, n_valid)
                 return state, tail
 
@@ -134,13 +137,15 @@ class Programs:
         if key not in self.cache.resident:
             self.cache.resident[key] = self._jit(
                 _resident_program(self._device_loop(), slots, live, rows, sharding),
-                static_argnums=(5,))
+                static_argnums=(5,),
+            )
         return self.cache.resident[key]
 
     def epoch_order(self, source: Any) -> Any:
         """`epoch -> (order, epoch + 1, cursor 0)` for a resident source, on the device."""
         key = _source_key(source)
         if key not in self.cache.epoch_order:
+
             def next_epoch(epoch: Any) -> tuple[Any, Any, Any]:
                 return (_epoch_order(source, epoch), epoch + 1, jnp.zeros((), jnp.int32))
 
@@ -151,10 +156,11 @@ class Programs:
         """`(data, epoch) -> batch`: the first batch of an epoch of a resident source."""
         key = _source_key(source)
         if key not in self.cache.first_batch:
+
             def first(data: Any, epoch: Any) -> Any:
                 rows = _epoch_order(source, epoch)[0]
                 if source.n < source.batch_size:  # the only batch is short
-                    rows = rows[:source.n]
+                    rows = rows[: source.n]
                 return jax.tree.map(lambda leaf: leaf[rows], data)
 
             self.cache.first_batch[key] = jax.jit(first)
@@ -162,7 +168,8 @@ class Programs:
 
     def pack(self, carry: Any) -> Any:
         """A device copy of `carry` packed into one buffer per dtype (on a CPU, a copy of
-        many small arrays costs a dispatch per array; a pack costs one)."""
+        many small arrays costs a dispatch per array; a pack costs one).
+        """
         if self.cache.pack is None:
             self.cache.pack = jax.jit(_pack)
         return self.cache.pack(carry)
@@ -190,21 +197,24 @@ def _source_key(source: Any) -> tuple[Any, ...]:
 
 def _epoch_order(source: Any, epoch: Any) -> Any:
     """The epoch's example order as `int32[batches, batch_size]`, the short last batch (if
-    kept) as a row padded with its own first index; pure jax, so it runs on the device."""
+    kept) as a row padded with its own first index; pure jax, so it runs on the device.
+    """
     whole = source.epoch_indices(source.seed, epoch)
     remainder = source.n - whole.size
     if source.drop_remainder or remainder == 0:
         return whole
     # The host path serves the permutation's tail as the last batch, in order.
-    tail = source._permutation(jax.random.PRNGKey(source.seed), epoch)[whole.size:]
+    tail = source._permutation(jax.random.PRNGKey(source.seed), epoch)[whole.size :]
     padded = jnp.concatenate([tail, jnp.full(source.batch_size - remainder, tail[0])])
     return jnp.concatenate([whole, padded[None]], axis=0)
 
 
-def _resident_program(body: Any, slots: int, live: int, rows: int | None, sharding: Any
-                      ) -> Callable[..., Any]:
-    def program(state: Any, tail: Any, data: Any, order: Any, cursor: Any, limit: Any
-                ) -> tuple[Any, ...]:
+def _resident_program(
+    body: Any, slots: int, live: int, rows: int | None, sharding: Any
+) -> Callable[..., Any]:
+    def program(
+        state: Any, tail: Any, data: Any, order: Any, cursor: Any, limit: Any
+    ) -> tuple[Any, ...]:
         # Slots past the epoch's end gather clamped (valid) rows; they are never stepped.
         batches = order[jnp.minimum(cursor + jnp.arange(slots), order.shape[0] - 1)]
         if rows is not None:

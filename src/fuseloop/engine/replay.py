@@ -9,8 +9,9 @@ advance the counters in bulk. A live step (the unfused loop) is a chunk of one w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .._events import CONTINUE, HALT_LOOP, Event
 
@@ -83,14 +84,16 @@ class EpochReplay:
 
     def _firing(self, n: int) -> list[int]:
         """The offsets of the next `n` iterations at which a handler fires (from counters;
-        remembered until the counters move)."""
+        remembered until the counters move).
+        """
         key = (self.bus.total[_STARTED], self.bus.total[_COMPLETED], n)
         if key != self._firing_key:
             self._firing_key, self._firing_offsets = key, self.bus.firing_offsets(n)
         return self._firing_offsets
 
-    def _fire(self, event: Event, state: Any, i: int, metrics: Metrics, live: bool,
-              stamp: int) -> tuple[str, Any]:
+    def _fire(
+        self, event: Event, state: Any, i: int, metrics: Metrics, live: bool, stamp: int
+    ) -> tuple[str, Any]:
         status, fired = self.handoff.fire_iteration(event, state, i, metrics, live)
         if fired is not state:
             self.merged_through = stamp
@@ -106,8 +109,7 @@ class EpochReplay:
         if self.guard and self.carry.nonfinite():
             return HALT_LOOP, mark_nonfinite(state, i), i
         self.steps += 1
-        status, state = self._fire(_COMPLETED, state, i, self.carry.metrics, True,
-                                   self.steps - 1)
+        status, state = self._fire(_COMPLETED, state, i, self.carry.metrics, True, self.steps - 1)
         self.bus.advance(1, self.carry.metrics_if_read)
         return status, state, i
 
@@ -133,19 +135,22 @@ class EpochReplay:
         good = int(host["n_run"]) - 1 if self.guard and bool(host["nonfinite"]) else n
         return self._fire_chunk(state, first, n, good, firing, host["records"])
 
-    def _fire_chunk(self, state: Any, first: int, n: int, good: int, firing: list[int],
-                    records: Any) -> tuple[str, Any, int]:
+    def _fire_chunk(
+        self, state: Any, first: int, n: int, good: int, firing: list[int], records: Any
+    ) -> tuple[str, Any, int]:
         at = (lambda j: self._lazy(records, j)) if self.record else (lambda j: _no_metrics)
         done = 0  # offsets whose events have been accounted for
         for j in (j for j in firing if j < good):
             self.bus.skip_iterations(j - done)
             before = self.previous if j == 0 else at(j - 1)
             self.previous, done = at(j), j + 1
-            status, state = self._fire(_STARTED, state, first + j, before, False,
-                                       self.steps + j - 1)
+            status, state = self._fire(
+                _STARTED, state, first + j, before, False, self.steps + j - 1
+            )
             if status == CONTINUE:
-                status, state = self._fire(_COMPLETED, state, first + j, self.previous,
-                                           False, self.steps + j)
+                status, state = self._fire(
+                    _COMPLETED, state, first + j, self.previous, False, self.steps + j
+                )
             if status != CONTINUE:
                 self.steps += good  # the device ran the whole chunk
                 return status, state, first + j
@@ -154,15 +159,17 @@ class EpochReplay:
         if good:
             self.previous = at(good - 1)
         if good < n:  # the non-finite step: its iteration started, then the loop halts
-            _, state = self._fire(_STARTED, state, first + good, self.previous, False,
-                                  self.steps - 1)
+            _, state = self._fire(
+                _STARTED, state, first + good, self.previous, False, self.steps - 1
+            )
             return HALT_LOOP, mark_nonfinite(state, first + good), first + good
         self.bus.advance(n, self.previous() if self.record else None)
         return CONTINUE, state, first + n - 1
 
     def _lazy(self, records: Any, j: int, on_device: bool = False) -> Metrics:
         """Metrics of slot `j` of a chunk's records, built (and, for records still on the
-        device, read) only when first asked for."""
+        device, read) only when first asked for.
+        """
         cache: dict[str, Any] = {}
 
         def metrics() -> dict[str, float]:
@@ -179,5 +186,6 @@ class EpochReplay:
 def mark_nonfinite(state: Any, iteration: int) -> Any:
     """Notes in the State where the loss went non-finite (the run warns and halts)."""
     where = {"epoch": state.epoch, "iteration": iteration}
-    return state.replace(iteration=iteration,
-                         handler_metadata={**state.handler_metadata, "_nonfinite_at": where})
+    return state.replace(
+        iteration=iteration, handler_metadata={**state.handler_metadata, "_nonfinite_at": where}
+    )

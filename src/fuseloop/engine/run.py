@@ -38,16 +38,20 @@ __all__ = ["Run", "check_run_options"]
 _RAN_OUT = "ran_out"  # an epoch found no data left: the run ends, completed
 
 
-def check_run_options(epochs: Any, iterations: Any, jit: Any, progress: Any,
-                      max_in_flight: Any, prefetch: Any) -> None:
+def check_run_options(
+    epochs: Any, iterations: Any, jit: Any, progress: Any, max_in_flight: Any, prefetch: Any
+) -> None:
     """Raises a ValueError naming the first bad `run(...)` argument (`Loop.run` calls it
-    before anything else; `fuse` and `mesh` are checked by the run)."""
+    before anything else; `fuse` and `mesh` are checked by the run).
+    """
     _check_count(epochs, "epochs", allow_none=False)
     _check_count(iterations, "iterations", allow_none=True)
     _check_count(max_in_flight, "max_in_flight", allow_none=False)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch={prefetch!r} must be an int >= 0 (chunks pulled ahead "
-                         f"in a background thread; 0 pulls the next chunk in the caller)")
+        raise ValueError(
+            f"prefetch={prefetch!r} must be an int >= 0 (chunks pulled ahead "
+            f"in a background thread; 0 pulls the next chunk in the caller)"
+        )
     if not isinstance(jit, bool):
         raise ValueError(f"jit={jit!r} must be True or False")
     if not isinstance(progress, bool):
@@ -69,9 +73,21 @@ class Run:
     see `bus.EventBus`), or None.
     """
 
-    def __init__(self, loop: Any, data: Any, init_state: Any, *, epochs: int,
-                 iterations: int | None, fuse: Any, jit: bool, observer: Any, mesh: Any,
-                 max_in_flight: int, prefetch: int):
+    def __init__(
+        self,
+        loop: Any,
+        data: Any,
+        init_state: Any,
+        *,
+        epochs: int,
+        iterations: int | None,
+        fuse: Any,
+        jit: bool,
+        observer: Any,
+        mesh: Any,
+        max_in_flight: int,
+        prefetch: int,
+    ):
         self.loop, self.epochs, self.iterations = loop, int(epochs), iterations
         self.jit, self.max_in_flight, self.prefetch = jit, max_in_flight, prefetch
         self.init_state = init_state
@@ -94,15 +110,17 @@ class Run:
         try:
             self._resume()
             first = self._first_batch()
-            step_state = initial_step_state(self.programs, self.user_state, first,
-                                            resuming=isinstance(self.init_state, State))
+            step_state = initial_step_state(
+                self.programs, self.user_state, first, resuming=isinstance(self.init_state, State)
+            )
             self.checker.variables(step_state)
             self._agree_across_processes(first, step_state)
             self.carry.start(step_state)
             feed = self._feed(step_state, first)
             with SignalGuard() as signals:
-                self.epoch_loop = EpochLoop(feed, self.carry, self.handoff, self.reads,
-                                            self.loop.guard_nonfinite, signals)
+                self.epoch_loop = EpochLoop(
+                    feed, self.carry, self.handoff, self.reads, self.loop.guard_nonfinite, signals
+                )
                 state = self._epochs(signals)
         except BaseException as error:
             _attach_state(error, self._reached())
@@ -115,21 +133,29 @@ class Run:
     def _agree_across_processes(self, first: Any, step_state: Any) -> None:
         """Under jax.distributed every process must run the same configuration; a
         difference is an error naming it, before anything trains (a collective: every
-        process calls it at the same point)."""
+        process calls it at the same point).
+        """
         if process_count() > 1:
-            check_same_config({
-                "epochs": self.epochs, "iterations": self.iterations,
-                "fuse": str(self.fuse), "first_batch": describe(first),
-                "step_state": describe(step_state, True),
-                "handlers": [(str(r.event), r.name) for r in self.loop.registrations]})
+            check_same_config(
+                {
+                    "epochs": self.epochs,
+                    "iterations": self.iterations,
+                    "fuse": str(self.fuse),
+                    "first_batch": describe(first),
+                    "step_state": describe(step_state, True),
+                    "handlers": [(str(r.event), r.name) for r in self.loop.registrations],
+                }
+            )
 
     def _final(self, state: State) -> State:
-        return state.replace(step_state=self.carry.step_state, stats=self.stats,
-                             event_counts=self.bus.counts())
+        return state.replace(
+            step_state=self.carry.step_state, stats=self.stats, event_counts=self.bus.counts()
+        )
 
     def _reached(self) -> State:
         """The State reached so far: the last completed step's step state, the counters,
-        the history (an exception is leaving the run)."""
+        the history (an exception is leaving the run).
+        """
         latest = self.state
         if self.epoch_loop is not None and self.epoch_loop.latest is not None:
             latest = self.epoch_loop.latest  # an epoch was under way
@@ -150,17 +176,23 @@ class Run:
         self.start_epoch = max(given.history) + 1 if given.history else 0
         self.bus.restore_counts(given.event_counts)
         self.user_state = given.step_state
-        self.state = state.replace(history={k: dict(v) for k, v in given.history.items()},
-                                   handler_metadata=dict(given.handler_metadata),
-                                   times=dict(given.times), epoch=self.start_epoch)
+        self.state = state.replace(
+            history={k: dict(v) for k, v in given.history.items()},
+            handler_metadata=dict(given.handler_metadata),
+            times=dict(given.times),
+            epoch=self.start_epoch,
+        )
 
     def _first_batch(self) -> Any:
         self.first_iterator = self.source.epoch_iterator(self.start_epoch)
         if self.resident:
             self.dataset = place_dataset(self.source.data, self.placement, self.stats)
             self.device_epoch = jax.device_put(np.int32(self.start_epoch))
-            first = [first_resident_batch(self.programs, self.source.data, self.dataset,
-                                          self.device_epoch, self.reads)]
+            first = [
+                first_resident_batch(
+                    self.programs, self.source.data, self.dataset, self.device_epoch, self.reads
+                )
+            ]
         else:
             first = self.source.pull(self.first_iterator, 1)
         if not first:
@@ -174,19 +206,34 @@ class Run:
 
     def _feed(self, step_state: Any, first: Any) -> Any:
         if self.fuse == "auto":
-            self.fuse = choose_chunk_size(self.programs, step_state, first,
-                                          placement=self.placement,
-                                          epoch_length=_epoch_length(self.source,
-                                                                     self.iterations))
+            self.fuse = choose_chunk_size(
+                self.programs,
+                step_state,
+                first,
+                placement=self.placement,
+                epoch_length=_epoch_length(self.source, self.iterations),
+            )
         self.stats["chunk_size"] = self.fuse or 1
         if self.resident:
-            return ResidentFeed(self.source.data, self.dataset, size=self.fuse,
-                                placement=self.placement, programs=self.programs,
-                                start_epoch=self.device_epoch)
-        return HostFeed(self.source, first, size=self.fuse, jit=self.jit,
-                        placement=self.placement, checker=self.checker,
-                        programs=self.programs, prefetch=self.prefetch,
-                        max_in_flight=self.max_in_flight)
+            return ResidentFeed(
+                self.source.data,
+                self.dataset,
+                size=self.fuse,
+                placement=self.placement,
+                programs=self.programs,
+                start_epoch=self.device_epoch,
+            )
+        return HostFeed(
+            self.source,
+            first,
+            size=self.fuse,
+            jit=self.jit,
+            placement=self.placement,
+            checker=self.checker,
+            programs=self.programs,
+            prefetch=self.prefetch,
+            max_in_flight=self.max_in_flight,
+        )
 
     # ----------------------------------------------------------------- epochs
     def _epochs(self, signals: SignalGuard) -> State:
@@ -217,8 +264,11 @@ class Run:
         status, state = self.handoff.fire(Event.EPOCH_STARTED, state)
         self.state, stepped = state, status == CONTINUE
         if stepped:
-            iterator = (self.first_iterator if epoch == self.start_epoch
-                        else self.source.epoch_iterator(epoch))
+            iterator = (
+                self.first_iterator
+                if epoch == self.start_epoch
+                else self.source.epoch_iterator(epoch)
+            )
             status, state = self.epoch_loop.run(state, iterator, self.iterations)
             if status == CONTINUE and self._ran_out(epoch):
                 return state, _RAN_OUT
@@ -237,15 +287,16 @@ class Run:
         status, state = self.handoff.fire(event, state, mirror_history=True)
         return state, status
 
-    def _epoch_metrics(self, state: State, epoch: int, began: float, stepped: bool
-                       ) -> State:
+    def _epoch_metrics(self, state: State, epoch: int, began: float, stepped: bool) -> State:
         """The epoch's metrics: the accumulators' final values (one host read), unless a
-        handler wrote after the loop last computed them (last writer wins)."""
+        handler wrote after the loop last computed them (last writer wins).
+        """
         metrics = dict(state.metrics)
         final = self.carry.metrics()  # Host read (in Carry.metrics): the epoch's end
         replay = self.epoch_loop.replay
-        handler_wrote_last = (stepped and replay.steps > 0
-                              and replay.merged_through == replay.steps - 1)
+        handler_wrote_last = (
+            stepped and replay.steps > 0 and replay.merged_through == replay.steps - 1
+        )
         if not handler_wrote_last:
             metrics.update(final)
         seconds = time.perf_counter() - began  # the epoch's wall time, its last step done
@@ -254,7 +305,8 @@ class Run:
 
     def _ran_out(self, epoch: int) -> bool:
         """A one-shot iterator that had nothing left for this epoch ends the run (as Keras
-        does when its input runs out), with a warning naming the epoch."""
+        does when its input runs out), with a warning naming the epoch.
+        """
         if self.resident or self.source.epoch_pulled > 0:
             return False
         warnings.warn(
@@ -280,7 +332,8 @@ def _warn_nonfinite(state: State) -> None:
 
 def _attach_state(error: BaseException, state: State) -> None:
     """`error.fuseloop_state`: the State reached (an outer run overwrites an inner one's,
-    so a validation run's error reports the training run's State)."""
+    so a validation run's error reports the training run's State).
+    """
     try:
         error.fuseloop_state = state  # type: ignore[attr-defined]
     except AttributeError:  # an exception type without attributes: nothing to attach to

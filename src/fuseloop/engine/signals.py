@@ -10,7 +10,7 @@ from typing import Any
 __all__ = ["SignalGuard"]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_outermost: "SignalGuard | None" = None
+_outermost: SignalGuard | None = None
 
 
 class SignalGuard:
@@ -34,7 +34,7 @@ class SignalGuard:
         self.requested = True
         self.signal_name = signal.Signals(signum).name
 
-    def __enter__(self) -> "SignalGuard":
+    def __enter__(self) -> SignalGuard:
         global _outermost
         if _outermost is not None:
             # A run inside a run (validation): the outer run's guard owns the signals and

@@ -31,7 +31,8 @@ def _is_array(value: Any) -> bool:
 
 def private_copy(tree: Any) -> Any:
     """A device copy of every array leaf (other leaves are kept as they are), made by one
-    cached program; launched asynchronously like any other."""
+    cached program; launched asynchronously like any other.
+    """
     leaves, treedef = jax.tree.flatten(tree)
     arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
     to_copy = [leaves[i] for i in arrays]
@@ -68,8 +69,7 @@ def _trainer_init(programs: Programs, first: Any) -> Any:
     return cache[(treedef, spec)]
 
 
-def initial_step_state(programs: Programs, user_state: Any, first: Any, resuming: bool
-                       ) -> Any:
+def initial_step_state(programs: Programs, user_state: Any, first: Any, resuming: bool) -> Any:
     """The step state the run starts from (never aliasing the caller's arrays)."""
     program = programs.loop.program
     if program.kind == "evaluator":  # not donated: the caller's params are only read

@@ -60,21 +60,25 @@ class Checkpointer:
         >>> loop = loop.checkpoint("ckpts", criteria="validation_loss", keep=2)  # doctest: +SKIP
     """
 
-    def __init__(self, path: str | os.PathLike[str], criteria: str | None = None,
-                 mode: str = "min", keep: int | None = None, key: str = "",
-                 asynchronous: bool = False):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        criteria: str | None = None,
+        mode: str = "min",
+        keep: int | None = None,
+        key: str = "",
+        asynchronous: bool = False,
+    ):
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise ValueError(f"path={path!r} must be a directory path")
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)
-                                 or keep < 1):
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep={keep!r} must be None (keep all) or a positive int")
         if not isinstance(asynchronous, bool):
             raise ValueError(f"asynchronous={asynchronous!r} must be True or False")
         self.path, self.keep, self.asynchronous = Path(path).absolute(), keep, asynchronous
         self.monitor = None
         if criteria is not None:
-            self.monitor = Monitor(criteria, mode, patience=0,
-                                   key=key or f"checkpoint:{criteria}")
+            self.monitor = Monitor(criteria, mode, patience=0, key=key or f"checkpoint:{criteria}")
         elif mode not in ("min", "max"):
             raise ValueError(f"mode={mode!r} is not a mode; accepted values: min, max")
         self._manager: Any = None
@@ -91,8 +95,7 @@ class Checkpointer:
         changed = None
         if self.monitor is not None:
             value = self.monitor.value(state)
-            record, improved = self.monitor.update(self.monitor.record(state), value,
-                                                   state.epoch)
+            record, improved = self.monitor.update(self.monitor.record(state), value, state.epoch)
             changed = self.monitor.store(state, record)
             if not improved:
                 return "continue", changed
@@ -104,7 +107,8 @@ class Checkpointer:
 
     def on_halted(self, state: State) -> None:
         """Saves the final State of a halted run (early stopping, a signal, a NaN), unless
-        the last save already holds it. Checkpoint-on-best does not save here."""
+        the last save already holds it. Checkpoint-on-best does not save here.
+        """
         if self.monitor is not None or state.step_state is None:
             self.finish(state)
             return
@@ -132,15 +136,21 @@ class Checkpointer:
 
     def _open(self) -> Any:
         """The CheckpointManager (created on the first save: it cleans up the temporary
-        directories of writers that died mid-save)."""
+        directories of writers that died mid-save).
+        """
         if self._manager is None:
             import orbax.checkpoint as ocp
 
             options = ocp.CheckpointManagerOptions(
-                max_to_keep=self.keep, step_name_format=self._names, create=True,
-                cleanup_tmp_directories=True, todelete_subdir=TRASH,
-                enable_async_checkpointing=self.asynchronous, save_root_metadata=False,
-                temporary_path_class=HiddenTemporaryPath)
+                max_to_keep=self.keep,
+                step_name_format=self._names,
+                create=True,
+                cleanup_tmp_directories=True,
+                todelete_subdir=TRASH,
+                enable_async_checkpointing=self.asynchronous,
+                save_root_metadata=False,
+                temporary_path_class=HiddenTemporaryPath,
+            )
             self._manager = ocp.CheckpointManager(self.path, options=options)
             self._empty_trash()
         return self._manager

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Callable, Mapping, TextIO
+from collections.abc import Callable, Mapping
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -31,15 +32,18 @@ class Writer:
         if not callable(fn):
             raise ValueError(f"fn={fn!r} must be callable(state) -> str")
         if stream is not None and not callable(getattr(stream, "write", None)):
-            raise ValueError(f"stream={stream!r} must be a writable text stream (with .write) "
-                             f"or None for stdout")
+            raise ValueError(
+                f"stream={stream!r} must be a writable text stream (with .write) or None for stdout"
+            )
         self.fn, self.stream = fn, stream
 
     def __call__(self, state: State) -> None:
         text = self.fn(state)
         if not isinstance(text, str):
-            raise ValueError(f"log: fn returned {type(text).__name__}; it must return a str "
-                             f"(add the newline yourself)")
+            raise ValueError(
+                f"log: fn returned {type(text).__name__}; it must return a str "
+                f"(add the newline yourself)"
+            )
         write_above_bars(text, self.stream if self.stream is not None else sys.stdout)
 
 
@@ -91,10 +95,14 @@ def _line(*fields: str) -> str:
 
 def iteration_line(state: State) -> str:
     """`Epoch 1/3 - iteration 6 - loss: ... - accuracy: ...` (1-based; `/N` under an
-    `iterations` bound)."""
+    `iterations` bound).
+    """
     bound = f"/{state.max_iteration}" if state.max_iteration else ""
-    return _line(epoch_label(state.epoch, state.max_epoch),
-                 f"iteration {state.iteration + 1}{bound}", format_metrics(state.metrics))
+    return _line(
+        epoch_label(state.epoch, state.max_epoch),
+        f"iteration {state.iteration + 1}{bound}",
+        format_metrics(state.metrics),
+    )
 
 
 class EpochSummary:
@@ -127,18 +135,23 @@ class EpochSummary:
 def attach_trainer_log(loop: Any, every: int, stream: TextIO | None) -> Any:
     """The `trainer(log=N)` lines: one every N iterations and one per finished epoch."""
     summary = EpochSummary(stream)
-    loop = _observe(loop, "iteration_completed", Writer(iteration_line, stream),
-                    {"every": every})
-    for event, action in (("started", summary.started), ("epoch_started", summary.flush),
-                          ("epoch_completed", summary.ended), ("epoch_halted", summary.ended),
-                          ("completed", summary.flush), ("halted", summary.flush)):
+    loop = _observe(loop, "iteration_completed", Writer(iteration_line, stream), {"every": every})
+    for event, action in (
+        ("started", summary.started),
+        ("epoch_started", summary.flush),
+        ("epoch_completed", summary.ended),
+        ("epoch_halted", summary.ended),
+        ("completed", summary.flush),
+        ("halted", summary.flush),
+    ):
         loop = _observe(loop, event, action)
     return loop
 
 
 def _observe(loop: Any, event: str, fn: Callable[[State], None], filter: Any = "always") -> Any:
     """Attaches a handler that only observes; `Loop.observe` (where the loop has it) never
-    splits a multi-epoch dispatch, which a plain handler may."""
+    splits a multi-epoch dispatch, which a plain handler may.
+    """
     fn = main_process_only(fn)  # log lines are written once, by process 0
     observe = getattr(loop, "observe", None)
     if observe is not None:

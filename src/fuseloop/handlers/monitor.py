@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._optim import (find_learning_rates, has_schedule, rate_is_scheduled,
-                      set_learning_rate)
+from .._optim import find_learning_rates, has_schedule, rate_is_scheduled, set_learning_rate
 from .._state import State
 
 __all__ = ["Monitor", "EarlyStopping", "ReduceLROnPlateau", "find_learning_rates"]
@@ -31,8 +30,14 @@ def _check_int(value: Any, argument: str, minimum: int) -> int:
     return int(value)
 
 
-def _check_float(value: Any, argument: str, minimum: float, maximum: float = math.inf,
-                 open_low: bool = False, open_high: bool = False) -> float:
+def _check_float(
+    value: Any,
+    argument: str,
+    minimum: float,
+    maximum: float = math.inf,
+    open_low: bool = False,
+    open_high: bool = False,
+) -> float:
     low_ok = (lambda v: v > minimum) if open_low else (lambda v: v >= minimum)
     high_ok = (lambda v: v < maximum) if open_high else (lambda v: v <= maximum)
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
@@ -71,11 +76,14 @@ class Monitor:
 
     def __post_init__(self) -> None:
         if not isinstance(self.monitor, str) or not self.monitor:
-            raise ValueError(f"monitor={self.monitor!r} must be a metric name such as "
-                             f"'loss' or 'validation_loss'")
+            raise ValueError(
+                f"monitor={self.monitor!r} must be a metric name such as "
+                f"'loss' or 'validation_loss'"
+            )
         if self.mode not in MODES:
-            raise ValueError(f"mode={self.mode!r} is not a mode; accepted values: "
-                             f"{', '.join(MODES)}")
+            raise ValueError(
+                f"mode={self.mode!r} is not a mode; accepted values: {', '.join(MODES)}"
+            )
         object.__setattr__(self, "patience", _check_int(self.patience, "patience", 0))
         object.__setattr__(self, "min_delta", _check_float(self.min_delta, "min_delta", 0.0))
         if not self.key:
@@ -115,8 +123,9 @@ class Monitor:
             return value < best - self.min_delta
         return value > best + self.min_delta
 
-    def update(self, record: dict[str, Any], value: float, epoch: int | None = None
-               ) -> tuple[dict[str, Any], bool]:
+    def update(
+        self, record: dict[str, Any], value: float, epoch: int | None = None
+    ) -> tuple[dict[str, Any], bool]:
         """The record after seeing `value`, and whether it improved."""
         record = dict(record)
         if self.improves(value, record["best"]):
@@ -146,12 +155,18 @@ class EarlyStopping:
         >>> stop = EarlyStopping("validation_loss", patience=2, restore_best=True)
     """
 
-    def __init__(self, monitor: str, patience: int = 3, mode: str = "min",
-                 min_delta: float = 0.0, key: str = "", restore_best: bool = False):
+    def __init__(
+        self,
+        monitor: str,
+        patience: int = 3,
+        mode: str = "min",
+        min_delta: float = 0.0,
+        key: str = "",
+        restore_best: bool = False,
+    ):
         if not isinstance(restore_best, bool):
             raise ValueError(f"restore_best={restore_best!r} must be True or False")
-        self.monitor = Monitor(monitor, mode, patience, min_delta,
-                               key or f"early_stop:{monitor}")
+        self.monitor = Monitor(monitor, mode, patience, min_delta, key or f"early_stop:{monitor}")
         self.restore_best = restore_best
         self._best: tuple[Any, Any] | None = None  # ((epoch, value), device copy)
 
@@ -165,7 +180,8 @@ class EarlyStopping:
             # A device copy (no host sync): the live arrays are donated by the next step.
             self._best = ((state.epoch, value), jax.tree.map(jnp.copy, state.step_state))
         stop = not math.isfinite(value) or (
-            record["wait"] > 0 and record["wait"] >= self.monitor.patience)
+            record["wait"] > 0 and record["wait"] >= self.monitor.patience
+        )
         if stop:
             record["stopped_epoch"] = state.epoch
         state = self.monitor.store(state, record)
@@ -207,11 +223,20 @@ class ReduceLROnPlateau:
         >>> plateau = ReduceLROnPlateau("validation_loss", factor=0.5, patience=2)
     """
 
-    def __init__(self, monitor: str, factor: float = 0.1, patience: int = 3,
-                 mode: str = "min", min_delta: float = 0.0, min_lr: float = 0.0,
-                 cooldown: int = 0, key: str = ""):
-        self.monitor = Monitor(monitor, mode, patience, min_delta,
-                               key or f"reduce_lr_on_plateau:{monitor}")
+    def __init__(
+        self,
+        monitor: str,
+        factor: float = 0.1,
+        patience: int = 3,
+        mode: str = "min",
+        min_delta: float = 0.0,
+        min_lr: float = 0.0,
+        cooldown: int = 0,
+        key: str = "",
+    ):
+        self.monitor = Monitor(
+            monitor, mode, patience, min_delta, key or f"reduce_lr_on_plateau:{monitor}"
+        )
         self.factor = _check_float(factor, "factor", 0.0, 1.0, open_low=True, open_high=True)
         self.min_lr = _check_float(min_lr, "min_lr", 0.0)
         self.cooldown = _check_int(cooldown, "cooldown", 0)

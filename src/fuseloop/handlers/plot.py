@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from .._distributed import is_main_process
 from .._state import State
@@ -22,12 +23,13 @@ __all__ = ["plot_history"]
 
 def _series(history: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[str, list[tuple]]]:
     """{base metric: {"training"|"validation": [(epoch, value), ...]}}, epochs ascending and
-    numbered from 1 as people count them (`state.history` keys are 0-based)."""
+    numbered from 1 as people count them (`state.history` keys are 0-based).
+    """
     panels: dict[str, dict[str, list[tuple]]] = {}
     for epoch in sorted(history, key=int):
         for name, value in scalar_metrics(dict(history[epoch])).items():
             split = "validation" if name.startswith(PREFIX) else "training"
-            base = name[len(PREFIX):] if split == "validation" else name
+            base = name[len(PREFIX) :] if split == "validation" else name
             panels.setdefault(base, {}).setdefault(split, []).append((int(epoch) + 1, value))
     return panels
 
@@ -37,15 +39,16 @@ def _figure_class() -> tuple[Any, Any]:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise ImportError(
-            "plot_history needs matplotlib: pip install fuseloop[plot]"
-        ) from None
+        raise ImportError("plot_history needs matplotlib: pip install fuseloop[plot]") from None
     return Figure, FigureCanvasAgg
 
 
-def plot_history(history: Mapping[int, Mapping[str, Any]] | State,
-                 path: str | os.PathLike[str], metrics: list[str] | None = None,
-                 title: str | None = None) -> Path:
+def plot_history(
+    history: Mapping[int, Mapping[str, Any]] | State,
+    path: str | os.PathLike[str],
+    metrics: list[str] | None = None,
+    title: str | None = None,
+) -> Path:
     """Writes a PNG with one panel per metric: training and `validation_<name>` on shared axes.
 
     Args:
@@ -65,14 +68,18 @@ def plot_history(history: Mapping[int, Mapping[str, Any]] | State,
     if isinstance(history, State):
         history = history.history
     if not isinstance(history, Mapping) or not history:
-        raise ValueError("history must be a non-empty mapping epoch -> metrics "
-                         "(state.history after at least one epoch), or a State")
+        raise ValueError(
+            "history must be a non-empty mapping epoch -> metrics "
+            "(state.history after at least one epoch), or a State"
+        )
     panels = _series(history)
     if metrics is not None:
         unknown = [m for m in metrics if m not in panels]
         if unknown:
-            raise ValueError(f"metrics={unknown!r} are not in the history; accepted values: "
-                             f"{', '.join(sorted(panels))}")
+            raise ValueError(
+                f"metrics={unknown!r} are not in the history; accepted values: "
+                f"{', '.join(sorted(panels))}"
+            )
         panels = {m: panels[m] for m in metrics}
     if not panels:
         raise ValueError("history holds no scalar metric to plot")

@@ -59,9 +59,7 @@ def epoch_length_of(data: Any, iterations: int | None = None) -> int | None:
         True
     """
     length = None
-    if isinstance(data, collections.abc.Sized) and not isinstance(
-        data, collections.abc.Iterator
-    ):
+    if isinstance(data, collections.abc.Sized) and not isinstance(data, collections.abc.Iterator):
         length = len(data)
     if iterations is not None:
         return iterations if length is None else min(length, iterations)
@@ -100,8 +98,9 @@ class ProgressBar:
         self.plain: dict[str, Any] | None = None  # the epoch a plain line will report
 
     @classmethod
-    def for_data(cls, data: Any, iterations: int | None = None,
-                 stream: TextIO | None = None) -> "ProgressBar":
+    def for_data(
+        cls, data: Any, iterations: int | None = None, stream: TextIO | None = None
+    ) -> ProgressBar:
         """A display whose bar knows the epoch's length when `data` knows it."""
         return cls(epoch_length_of(data, iterations), stream)
 
@@ -130,11 +129,16 @@ class ProgressBar:
         if _interactive(stream):
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, desc=label, leave=True, dynamic_ncols=True,
-                            file=stream)
+            self.bar = tqdm(total=total, desc=label, leave=True, dynamic_ncols=True, file=stream)
         else:
-            self.plain = {"label": label, "total": total, "done": 0, "stream": stream,
-                          "began": time.perf_counter(), "metrics": {}}
+            self.plain = {
+                "label": label,
+                "total": total,
+                "done": 0,
+                "stream": stream,
+                "began": time.perf_counter(),
+                "metrics": {},
+            }
 
     def advance(self, n: int, metrics: dict[str, Any] | None) -> None:
         """Moves the display by `n` iterations; shows `metrics` if the loop already read them."""
@@ -161,14 +165,19 @@ class ProgressBar:
 
         plain, self.plain = self.plain, None
         done, total = plain["done"], plain["total"]
-        fields = [plain["label"], f"{done}/{total}" if total else f"{done} iterations",
-                  f"{time.perf_counter() - plain['began']:.1f}s", note,
-                  format_metrics(metrics)]
+        fields = [
+            plain["label"],
+            f"{done}/{total}" if total else f"{done} iterations",
+            f"{time.perf_counter() - plain['began']:.1f}s",
+            note,
+            format_metrics(metrics),
+        ]
         write_above_bars(SEPARATOR.join(f for f in fields if f) + "\n", plain["stream"])
 
     def close(self) -> None:
         """Closes the current bar (it stays on screen); an epoch that never ended (a halt
-        mid-epoch, an error) still gets its plain line, marked "stopped"."""
+        mid-epoch, an error) still gets its plain line, marked "stopped".
+        """
         if self.bar is not None:
             self.bar.close()
             self.bar = None

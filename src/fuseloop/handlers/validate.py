@@ -21,10 +21,10 @@ __all__ = ["Validator", "check_validation", "evaluable_metrics"]
 PREFIX = "validation_"
 
 
-def evaluable_metrics(metrics: tuple[MetricSpec, ...], has_loss: bool
-                      ) -> tuple[MetricSpec, ...]:
+def evaluable_metrics(metrics: tuple[MetricSpec, ...], has_loss: bool) -> tuple[MetricSpec, ...]:
     """The trainer's metrics an evaluator can compute: functions of (y_true, y_pred), and
-    the loss when the evaluator is given one (it is produced in the step's aux["loss"])."""
+    the loss when the evaluator is given one (it is produced in the step's aux["loss"]).
+    """
     kept = []
     for spec in metrics:
         if spec.fn is not None or (spec.source == "loss" and has_loss):
@@ -32,10 +32,10 @@ def evaluable_metrics(metrics: tuple[MetricSpec, ...], has_loss: bool
     return tuple(kept)
 
 
-def check_validation(model: Any, data: Any, fuse: Any,
-                     specs: tuple[MetricSpec, ...]) -> None:
+def check_validation(model: Any, data: Any, fuse: Any, specs: tuple[MetricSpec, ...]) -> None:
     """Raises a ValueError naming what `Loop.validate` cannot use: no model, one-shot data,
-    a `fuse` a validation run does not take, or no metric an evaluator can compute."""
+    a `fuse` a validation run does not take, or no metric an evaluator can compute.
+    """
     if model is None:
         raise ValueError("model=None: validate needs the model to evaluate")
     if as_source(data).one_shot:
@@ -45,8 +45,10 @@ def check_validation(model: Any, data: Any, fuse: Any,
             "generator would be exhausted after the first validation"
         )
     if fuse == "auto":
-        raise ValueError("fuse='auto' is not supported for validation; accepted values: "
-                         "False, True, or a positive int chunk size")
+        raise ValueError(
+            "fuse='auto' is not supported for validation; accepted values: "
+            "False, True, or a positive int chunk size"
+        )
     resolve_fuse(fuse, True)  # validates the value now, not at the first epoch's end
     if not specs:
         raise ValueError(

@@ -40,7 +40,8 @@ def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
 
 def _step(state: State, event: Event) -> int:
     """The x-axis value: the epoch for epoch events, the event's total count (1-based,
-    across epochs and resumed runs) for iteration events."""
+    across epochs and resumed runs) for iteration events.
+    """
     if event in ITERATION_EVENTS:
         return int(state.event_counts[event.value]["total"])
     return int(state.epoch)
@@ -87,8 +88,11 @@ class CSVWriter:
                 writer.writerows(rows)
 
     def __call__(self, state: State) -> None:
-        row = {"epoch": str(state.epoch), "iteration": str(state.iteration),
-               "step": str(_step(state, self.event))}
+        row = {
+            "epoch": str(state.epoch),
+            "iteration": str(state.iteration),
+            "step": str(_step(state, self.event)),
+        }
         # repr is the shortest text that reads back as the same float.
         row.update({k: repr(v) for k, v in scalar_metrics(state.metrics).items()})
         new = [name for name in row if name not in self.columns]
@@ -115,8 +119,12 @@ class TensorBoardWriter:
         >>> loop = loop.tensorboard("runs/exp1", event="epoch_completed")  # doctest: +SKIP
     """
 
-    def __init__(self, logdir: str | os.PathLike[str], event: Any = "epoch_completed",
-                 prefix: str | None = None):
+    def __init__(
+        self,
+        logdir: str | os.PathLike[str],
+        event: Any = "epoch_completed",
+        prefix: str | None = None,
+    ):
         if not isinstance(logdir, (str, os.PathLike)) or not str(logdir):
             raise ValueError(f"logdir={logdir!r} must be a directory path")
         self.logdir, self.event = Path(logdir), normalize_event(event)
@@ -159,7 +167,8 @@ class TensorBoardWriter:
 def attach_writer(loop: Any, writer: Any, event: Any, filter: Any, name: str) -> Any:
     """Registers `writer` on `event`, plus its start (run start) and close (run end).
 
-    Under jax.distributed only process 0 writes (the others see the same metrics)."""
+    Under jax.distributed only process 0 writes (the others see the same metrics).
+    """
     start, close = main_process_only(writer.start), main_process_only(writer.close)
     loop = loop.handle_event("started", start, name=f"{name}:start")
     loop = loop.handle_event(event, main_process_only(writer), filter, name=name)
