@@ -177,5 +177,5 @@ def test_metric_names_must_be_unique():
 
 def test_trainer_always_tracks_loss():
     state = fl.trainer(tiny_mlp(), "sparse_categorical_cross_entropy", "sgd").run(DATA)
-    assert set(state.metrics) == {"loss"}
+    assert set(state.metrics) == {"loss", "learning_rate"}  # "sgd" exposes its rate
     assert np.isfinite(state.metrics["loss"])

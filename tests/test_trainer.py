@@ -288,8 +288,14 @@ def test_jit_false_matches_jit_true(model):
 
 
 # --------------------------------------------------------------------------- logging
-LINE = re.compile(r"^Epoch (\d+)/2 - iteration (\d+) - loss: (\d+\.\d{7}) - accuracy: (\d\.\d{7})$")
-SUMMARY = re.compile(r"^Epoch (\d+)/2 - loss: (\d+\.\d{7}) - accuracy: (\d\.\d{7})$")
+# "adam" exposes its rate, so learning_rate follows the loss.
+LINE = re.compile(
+    r"^Epoch (\d+)/2 - iteration (\d+) - loss: (\d+\.\d{7}) - learning_rate: \d\.\d{7} - "
+    r"accuracy: (\d\.\d{7})$"
+)
+SUMMARY = re.compile(
+    r"^Epoch (\d+)/2 - loss: (\d+\.\d{7}) - learning_rate: \d\.\d{7} - accuracy: (\d\.\d{7})$"
+)
 
 
 def test_log_lines_every_n_iterations_and_one_per_epoch():

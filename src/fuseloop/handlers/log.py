@@ -18,7 +18,7 @@ import numpy as np
 
 from .._distributed import main_process_only
 from .._state import State
-from .progress import write_above_bars
+from ._terminal import write_above_bars
 
 __all__ = ["Writer", "attach_trainer_log", "epoch_label", "format_metrics", "format_value"]
 
