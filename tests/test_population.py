@@ -169,6 +169,8 @@ def test_population_argument_errors():
     with pytest.raises(ValueError, match="whole-run fusion"):
         loop.run(data, fuse="run", population=2)
     with pytest.raises(ValueError, match="trainer"):
+        fl.loop(lambda batch, s: s).run(data, {"n": 0}, population=2)
+    with pytest.raises(ValueError, match="leading axes"):
         fl.evaluator(fl.models.mlp([2])).run(data, {"params": {}}, population=2)
     solo = loop.run(data, epochs=1)
     with pytest.raises(ValueError, match="solo run's State"):
@@ -184,3 +186,22 @@ def test_second_population_run_does_not_recompile():
     assert again.stats["compiles"] == 0
     solo = loop.run(data, epochs=1, fuse=4)  # a solo run has its own programs
     assert jax.tree.leaves(solo.params)[0].ndim == 1
+
+
+def test_evaluator_population_evaluates_each_member():
+    x, y = _tiny()
+    data = fl.data.arrays(x, y, batch_size=8)
+    model = fl.models.mlp([16, 2])
+    trainer = fl.trainer(model, "sparse_categorical_cross_entropy", "sgd").metric("accuracy")
+    pop = trainer.run(data, epochs=1, fuse=True, population=3)
+    evaluator = fl.evaluator(model, "sparse_categorical_cross_entropy").metric("accuracy")
+    fused = evaluator.run(data, pop.params, fuse=4, population=3)
+    plain = evaluator.run(data, pop, population=3)
+    assert fused.metrics["loss"].shape == (3,)
+    for name in ("loss", "accuracy"):
+        assert np.array_equal(fused.metrics[name], plain.metrics[name])
+    for i in range(3):
+        alone = evaluator.run(data, pop.member(i).params, fuse=4)
+        np.testing.assert_allclose(fused.metrics["loss"][i], alone.metrics["loss"], rtol=1e-5)
+    with pytest.raises(ValueError, match="leading member axis of size 2"):
+        evaluator.run(data, pop.params, population=2)

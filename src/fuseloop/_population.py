@@ -47,7 +47,7 @@ def _pick(value: Any, i: int, size: int) -> Any:
     """Member i's entry of a per-member value (an array or list of length `size`)."""
     if isinstance(value, list) and len(value) == size:
         return value[i]
-    shape = np.shape(value) if hasattr(value, "shape") else ()
+    shape: tuple[int, ...] = tuple(np.shape(value)) if hasattr(value, "shape") else ()
     if len(shape) >= 1 and shape[0] == size:
         picked = np.asarray(value)[i]
         return float(picked) if picked.ndim == 0 else picked
@@ -154,8 +154,12 @@ def early_stop_members(monitor: Any, state: State, restore_best: bool) -> tuple[
             f"population needs one per member ({size})"
         )
     saved = state.handler_metadata.get(monitor.key)
-    fresh = {"best": [None] * size, "best_epoch": [None] * size, "wait": [0] * size}
-    lists = {k: list(v) for k, v in (saved or fresh).items()}
+    fresh: dict[str, list[Any]] = {
+        "best": [None] * size,
+        "best_epoch": [None] * size,
+        "wait": [0] * size,
+    }
+    lists: dict[str, list[Any]] = {k: list(v) for k, v in (saved or fresh).items()}
     lists.setdefault("stopped_epoch", [None] * size)
     stop = np.zeros(size, bool)
     for i in np.flatnonzero(~np.asarray(record["halted"], bool)):

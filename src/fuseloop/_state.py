@@ -104,7 +104,8 @@ class State:
             >>> s.member(1).metrics
             {'loss': 0.25}
         """
-        return member_state(self, i)
+        member: State = member_state(self, i)
+        return member
 
     def stop_members(self, stopped: Any) -> State:
         """A population State with the members where `stopped` (N bools) is True halted
@@ -117,7 +118,8 @@ class State:
             >>> s.stop_members([False, True]).handler_metadata["_population"]["last_epoch"]
             [None, 2]
         """
-        return stop_members(self, stopped)
+        stopped_state: State = stop_members(self, stopped)
+        return stopped_state
 
     @property
     def params(self) -> Any:

@@ -27,7 +27,7 @@ class HostReads:
         self.stats["host_syncs"] += 1
         return jax.device_get(tree)
 
-    def metrics_of(self, acc_host: dict[str, Any]) -> dict[str, float]:
+    def metrics_of(self, acc_host: dict[str, Any]) -> dict[str, Any]:
         """Host floats from accumulators already on the host (no read here); a
         population's are float64 arrays of shape (N,).
         """
@@ -39,7 +39,7 @@ class HostReads:
             if float(acc_host[m.name]["count"]) > 0
         }
 
-    def record_metrics(self, records: Any, j: int) -> dict[str, float]:
+    def record_metrics(self, records: Any, j: int) -> dict[str, Any]:
         """The metrics of slot `j` of a chunk's records already on the host."""
         acc = {
             name: {key: column[j] for key, column in rec.items()} for name, rec in records.items()

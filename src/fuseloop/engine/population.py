@@ -26,6 +26,8 @@ __all__ = [
     "RECORD_KEY",
     "resolve_population",
     "member_carry_step",
+    "member_chunk",
+    "masked_step",
     "population_tail",
     "population_init",
     "first_member",
@@ -88,6 +90,8 @@ def resolve_population(
     record = _record_of(init_state)
     if population is None and record is None:
         return None
+    if program.kind == "evaluator" and population is not None:
+        return _evaluated(population, init_state)
     if program.kind != "trainer":
         raise ValueError(
             f"population={population!r} needs a trainer loop (fl.trainer(...)): a population "
@@ -108,7 +112,7 @@ def resolve_population(
             f"population={population!r}: init_state is a solo run's State; resume it without "
             f"population, or resume a population's State (its member(i) is a solo State)"
         )
-    if population is None:
+    if population is None and record is not None:
         return Population.from_record(record)
     resolved = _from_argument(population, program)
     if record is not None and not resolved.same_members(record):
@@ -118,6 +122,27 @@ def resolve_population(
             f"{record['hyperparams']}); leave population out to continue it"
         )
     return resolved
+
+
+def _evaluated(population: Any, variables: Any) -> Population:
+    """An evaluator's population: `population` members whose variables (or a population
+    State's params) carry a leading member axis of that size.
+    """
+    if isinstance(population, bool) or not isinstance(population, (int, np.integer)):
+        raise ValueError(
+            f"population={population!r}: an evaluator takes the member count (an int), "
+            f"the size of the variables' leading member axis"
+        )
+    params = getattr(variables, "params", variables)
+    sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(params)}
+    if sizes != {int(population)}:
+        raise ValueError(
+            f"population={population!r}: the variables' leading axes are "
+            f"{sorted(map(str, sizes))}; "
+            f"every leaf needs a leading member axis of size {population} (a population "
+            f"State's params)"
+        )
+    return Population(int(population), tuple(range(int(population))))
 
 
 def _is_state(value: Any) -> bool:
@@ -241,23 +266,60 @@ def _set_hyperparams(opt_state: Any, values: dict[str, Any]) -> Any:
 
 # ----------------------------------------------------------------- device programs
 def member_carry_step(carry_step: Any) -> Any:
-    """`carry_step` vmapped over the member axis of the step state and the tail (the batch
-    is shared). An inactive member's step is computed and discarded; a member whose guard
-    trips becomes inactive (its state is the one from before the bad step).
+    """`carry_step` vmapped over the member axis of the step state and the tail (the
+    batch is shared). The tail's `active` mask passes through untouched: frozen members are
+    restored once per chunk (`member_chunk`), not at every step.
     """
 
     def one(state: Any, tail: dict[str, Any], batch: Any) -> tuple[Any, dict[str, Any]]:
-        active = tail["active"]
         inner = {k: v for k, v in tail.items() if k != "active"}
         new_state, new_inner = carry_step(state, inner, batch)
-        keep = lambda old, new: jax.lax.select(active, new, old)  # noqa: E731
-        new_state = jax.tree.map(keep, state, new_state)
-        new_inner = jax.tree.map(keep, inner, new_inner)
-        if "nonfinite" in new_inner:
-            active = active & ~new_inner["nonfinite"]
-        return new_state, {**new_inner, "active": active}
+        return new_state, {**new_inner, "active": tail["active"]}
 
     return jax.vmap(one, in_axes=(0, 0, None))
+
+
+def masked_step(carry_step: Any) -> Any:
+    """A vmapped `carry_step` whose inactive members keep their carry (the `jit=False`
+    path steps one batch at a time, so it restores them at every step)."""
+    stepped = member_carry_step(carry_step)
+
+    def step(state: Any, tail: dict[str, Any], batch: Any) -> tuple[Any, dict[str, Any]]:
+        new_state, new_tail = stepped(state, tail, batch)
+        return _restore_inactive(state, tail, new_state, new_tail)
+
+    return step
+
+
+def member_chunk(chunk_fn: Any) -> Any:
+    """The device loop over a chunk for a population: every member steps every slot (the
+    loop does not stop at one member's non-finite step), then the members that were
+    inactive get their carry from before the chunk back, and a member whose guard tripped
+    becomes inactive. One select per chunk: a member only stops at a host boundary, and
+    its guard already holds its state from before the bad step.
+    """
+
+    def program(state: Any, tail: Any, chunk: Any, n_valid: Any) -> tuple[Any, ...]:
+        new_state, new_tail, records, n_run = chunk_fn(state, tail, chunk, n_valid)
+        new_state, new_tail = _restore_inactive(state, tail, new_state, new_tail)
+        return new_state, new_tail, records, n_run
+
+    return program
+
+
+def _restore_inactive(state: Any, tail: Any, new_state: Any, new_tail: Any) -> tuple[Any, Any]:
+    active = tail["active"]
+
+    def keep(old: Any, new: Any) -> Any:
+        return jnp.where(active.reshape(active.shape + (1,) * (new.ndim - 1)), new, old)
+
+    inner = {k: v for k, v in tail.items() if k != "active"}
+    new_inner = {k: v for k, v in new_tail.items() if k != "active"}
+    new_state = jax.tree.map(keep, state, new_state)
+    new_inner = jax.tree.map(keep, inner, new_inner)
+    if "nonfinite" in new_inner:
+        active = active & ~new_inner["nonfinite"]
+    return new_state, {**new_inner, "active": active}
 
 
 def population_tail(metrics: Any, guard: bool, size: int) -> Any:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from .._fusion import make_chunk_fn
 from .._step import init_tail, make_carry_step
-from .population import member_carry_step, population_tail
+from .population import masked_step, member_carry_step, member_chunk, population_tail
 
 __all__ = ["ProgramCache", "Programs", "MIN_SLOTS"]
 
@@ -96,16 +96,17 @@ class Programs:
         """The one device loop every program runs (records always on: the body must not
         change with what the host needs).
         """
+        carry_step = make_carry_step(self.loop.program, self.loop.metrics, self.guard)
+        if self.population is None:
+            return make_chunk_fn(carry_step, True, self.guard)
         # A population's guard acts per member (it freezes the member), so the loop
         # itself does not stop at a non-finite step.
-        return make_chunk_fn(self.eager_step(), True, self.guard and self.population is None)
+        return member_chunk(make_chunk_fn(member_carry_step(carry_step), True, False))
 
     def eager_step(self) -> Any:
         """`jit=False`: one step, op by op, for debugging."""
         carry_step = make_carry_step(self.loop.program, self.loop.metrics, self.guard)
-        if self.population is not None:
-            return member_carry_step(carry_step)
-        return carry_step
+        return carry_step if self.population is None else masked_step(carry_step)
 
     def chunk(self) -> Any:
         """`(state, tail, stacked_chunk, n_valid) -> (state, tail, records, n_run)`."""
