@@ -166,6 +166,8 @@ def test_population_argument_errors():
     loop = _trainer()
     with pytest.raises(ValueError, match="population=0"):
         loop.run(data, population=0)
+    with pytest.raises(ValueError, match="fuse='auto'"):
+        loop.run(data, fuse="auto", population=2)
     with pytest.raises(ValueError, match="whole-run fusion"):
         loop.run(data, fuse="run", population=2)
     with pytest.raises(ValueError, match="trainer"):

@@ -97,10 +97,15 @@ def resolve_population(
             f"population={population!r} needs a trainer loop (fl.trainer(...)): a population "
             f"trains N members of one trainer"
         )
-    if fuse == "run":
+    if isinstance(fuse, str) and fuse == "run":
         raise ValueError(
             "population with fuse='run' (whole-run fusion) is not supported yet; use "
             "fuse=True or a chunk size with a population"
+        )
+    if isinstance(fuse, str) and fuse == "auto":
+        raise ValueError(
+            "population with fuse='auto' is not supported yet (the chunk-size probe steps a "
+            "solo carry); pass fuse=True or a chunk size with a population"
         )
     if mesh is not None:
         raise ValueError(
