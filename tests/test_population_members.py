@@ -206,3 +206,21 @@ def test_resume_keeps_halted_members_frozen(tmp_path):
     resumed = loop.run(data, fl.load_state(tmp_path / "p"), epochs=6, fuse=4)
     assert _bitwise(resumed.step_state, whole.step_state)
     assert resumed.handler_metadata["_population"] == whole.handler_metadata["_population"]
+
+
+def test_checkpoint_handler_saves_the_population(tmp_path):
+    data = _data()
+    loop = _trainer().checkpoint(str(tmp_path / "ckpt"))
+    pop = loop.run(data, epochs=2, fuse=4, population=2)
+    loaded = fl.load_state(tmp_path / "ckpt")
+    assert loaded.population == 2
+    assert _bitwise(loaded.step_state, pop.step_state)
+    assert np.array_equal(loaded.history[1]["loss"], pop.history[1]["loss"])
+
+
+def test_single_value_monitors_refuse_a_population():
+    data = _data()
+    with pytest.raises(ValueError, match="restore_best"):
+        _trainer().early_stop("loss", restore_best=True).run(data, population=2)
+    with pytest.raises(ValueError, match="not a scalar"):
+        _trainer().reduce_lr_on_plateau("loss").run(data, population=2)
