@@ -310,6 +310,7 @@ class Loop:
         mesh: Any = None,
         max_in_flight: int = 64,
         prefetch: int = 2,
+        population: Any = None,
     ) -> State:
         """Runs the loop.
 
@@ -327,6 +328,12 @@ class Loop:
             max_in_flight: Unfused steps the host may queue before waiting for the device.
             prefetch: Fused chunks a background thread may prepare ahead (0: the next chunk
                 is prepared in the caller's thread while the device runs the current one).
+            population: Train N members in one fused program (a trainer only): an int N
+                (seeds seed, seed+1, ...) or a dict of per-member lists, e.g.
+                `{"learning_rate": [1e-3, 1e-2], "seed": [0, 1]}` (any hyperparameter the
+                optimizer injects, plus "seed"). Params gain a leading member axis, metrics
+                and history hold arrays of shape (N,); `state.member(i)` is member i alone.
+                Resuming a population's State continues it (leave population out).
 
         Returns:
             The final State (never donated).
@@ -354,6 +361,7 @@ class Loop:
             mesh=mesh,
             max_in_flight=max_in_flight,
             prefetch=prefetch,
+            population=population,
         )
 
 

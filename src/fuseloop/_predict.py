@@ -18,14 +18,17 @@ from .models import as_model
 
 __all__ = ["predict"]
 
-_PROGRAMS: dict[int, tuple[Any, Any]] = {}  # id(model) -> (model, jitted chunk program)
+# (id(model), vmapped over members) -> (model, jitted chunk program)
+_PROGRAMS: dict[tuple[int, bool], tuple[Any, Any]] = {}
 _MAX_PROGRAMS = 16
 _DEFAULT_CHUNK = 32
 
 
-def _chunk_program(model: Any) -> Any:
-    """One jitted program per model (kept alive with it), so a second call reuses it."""
-    cached = _PROGRAMS.get(id(model))
+def _chunk_program(model: Any, members: bool = False) -> Any:
+    """One jitted program per model (kept alive with it), so a second call reuses it;
+    `members`: vmapped over a population's leading member axis.
+    """
+    cached = _PROGRAMS.get((id(model), members))
     if cached is not None and cached[0] is model:
         return cached[1]
     adapter = as_model(model)
@@ -36,10 +39,10 @@ def _chunk_program(model: Any) -> Any:
 
         return jax.lax.map(one, chunk)
 
-    program = jax.jit(run_chunk)
+    program = jax.jit(jax.vmap(run_chunk, in_axes=(0, None)) if members else run_chunk)
     if len(_PROGRAMS) >= _MAX_PROGRAMS:
         _PROGRAMS.pop(next(iter(_PROGRAMS)))
-    _PROGRAMS[id(model)] = (model, program)
+    _PROGRAMS[(id(model), members)] = (model, program)
     return program
 
 
@@ -145,7 +148,8 @@ def predict(
 
     Returns:
         A numpy array of outputs (or the model's output pytree of numpy arrays), one row per
-        example.
+        example. For a population's State (`run(..., population=N)`), each output has a
+        leading member axis of size N: the ensemble's predictions.
 
     Example:
         >>> import fuseloop as fl, jax, numpy as np
@@ -173,13 +177,20 @@ def predict(
     if n == 0:
         raise ValueError("x holds no examples; there is nothing to predict")
     size = min(size, n)
-    program = _chunk_program(model)
+    members = getattr(variables_or_state, "population", None) is not None
+    program = _chunk_program(model, members)
+    lead = 1 if members else 0  # a population's outputs keep the member axis first
     outputs = []
     for chunk, live in _padded_chunks(inputs, n, size, per_chunk):
         result = program(variables, chunk)
         # Host sync: the chunk's outputs come back to the host (one read per chunk).
         host = jax.device_get(result)
-        outputs.append(
-            jax.tree.map(lambda a, live=live: a.reshape((-1,) + a.shape[2:])[:live], host)
-        )
-    return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)
+        outputs.append(jax.tree.map(lambda a, live=live: _rows(a, lead, live), host))
+    return jax.tree.map(lambda *parts: np.concatenate(parts, axis=lead), *outputs)
+
+
+def _rows(a: np.ndarray, lead: int, live: int) -> np.ndarray:
+    """A chunk's outputs `(members?, chunks, batch, rest...)` as `(members?, examples,
+    rest...)`, the padding dropped."""
+    flat = a.reshape(a.shape[:lead] + (-1,) + a.shape[lead + 2 :])
+    return flat[(slice(None),) * lead + (slice(0, live),)]

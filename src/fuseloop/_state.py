@@ -9,7 +9,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["State", "new_stats"]
+from ._population import POPULATION_KEY, member_state, stop_members
+
+__all__ = ["State", "new_stats", "POPULATION_KEY"]
 
 
 def new_stats() -> dict[str, Any]:
@@ -83,6 +85,41 @@ class State:
         copy.__dict__.update(self.__dict__)
         copy.__dict__.update(changes)
         return copy
+
+    @property
+    def population(self) -> int | None:
+        """The number of members of a population run's State (None for a solo run's)."""
+        record = self.handler_metadata.get(POPULATION_KEY)
+        return None if record is None else int(record["size"])
+
+    def member(self, i: int) -> State:
+        """Member `i` of a population as a plain solo State: its step state, metrics,
+        history (up to its own halting epoch), status and monitor records.
+
+        Example:
+            >>> import numpy as np
+            >>> s = State(metrics={"loss": np.array([0.5, 0.25])},
+            ...           handler_metadata={"_population": {"size": 2, "seeds": [0, 1],
+            ...               "last_epoch": [None, None], "halted": [False, False]}})
+            >>> s.member(1).metrics
+            {'loss': 0.25}
+        """
+        member: State = member_state(self, i)
+        return member
+
+    def stop_members(self, stopped: Any) -> State:
+        """A population State with the members where `stopped` (N bools) is True halted
+        at this epoch (their history ends here; the run freezes them). Used by per-member
+        monitors such as `early_stop`.
+
+        Example:
+            >>> s = State(epoch=2, handler_metadata={"_population": {"size": 2,
+            ...     "seeds": [0, 1], "last_epoch": [None, None], "halted": [False, False]}})
+            >>> s.stop_members([False, True]).handler_metadata["_population"]["last_epoch"]
+            [None, 2]
+        """
+        stopped_state: State = stop_members(self, stopped)
+        return stopped_state
 
     @property
     def params(self) -> Any:

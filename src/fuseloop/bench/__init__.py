@@ -308,6 +308,15 @@ def _parser() -> argparse.ArgumentParser:
         help="print fl.diagnostics.report(fuse=32) per model, no benchmark",
     )
     parser.add_argument("--no-peers", action="store_true", help="leave out Keras and PyTorch")
+    parser.add_argument(
+        "--population",
+        action="store_true",
+        help="instead: N members of mlp-tiny in one run (population=N) against N sequential "
+        "runs and a jit(vmap(scan)) floor, 3 epochs",
+    )
+    parser.add_argument(
+        "--members", type=int, default=32, help="population members (with --population)"
+    )
     return parser
 
 
@@ -333,6 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
 
+    if args.population:
+        return _population_main(args, reps, log)
     if args.report:
         reports = _diagnostics(specs, MAIN_FUSE, 32, 100)
         for name, report in reports.items():
@@ -352,4 +363,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = write_plot(report, args.plot)
         log(f"plot not written: {problem}" if problem else f"wrote {args.plot}")
     log(f"done in {report['meta']['total_s']}s")
+    return 0
+
+
+def _population_main(args: argparse.Namespace, reps: int, log: Callable[[str], None]) -> int:
+    """`fuseloop bench --population [--members N] [--reps R] [--json PATH]`."""
+    from ._population import population_benchmark, population_markdown
+
+    if args.members < 1:
+        raise SystemExit(f"--members={args.members} must be a positive int")
+    report = population_benchmark(members=args.members, rounds=reps, log=log)
+    report["meta"]["command"] = "fuseloop bench " + " ".join(sys.argv[1:])
+    print(population_markdown(report))
+    if args.json:
+        write_json(report, args.json)
+        log(f"wrote {args.json}")
     return 0

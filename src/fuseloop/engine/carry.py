@@ -31,8 +31,17 @@ class Carry:
         self.step_state = self.placement.put_state(step_state)
 
     def reset_metrics(self) -> None:
-        self.tail = self.placement.put_state(self.programs.fresh_tail())
+        tail = self.programs.fresh_tail()
+        if self.tail is not None and "active" in self.tail:
+            tail = {**tail, "active": self.tail["active"]}  # a population's stopped members
+        self.tail = self.placement.put_state(tail)
         self._metrics = {}
+
+    def stop_members(self, stopped: Any) -> None:
+        """Freezes the population members where `stopped` (bool[N], host) is True."""
+        from .population import deactivate
+
+        self.tail = deactivate(self.tail, stopped)
 
     def adopt(self, step_state: Any) -> None:
         """Takes a step state a handler returned; it is copied, since the next step donates

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from .._fusion import make_chunk_fn
 from .._step import init_tail, make_carry_step
+from .population import masked_step, member_carry_step, member_chunk, population_tail
 
 __all__ = ["ProgramCache", "Programs", "MIN_SLOTS"]
 
@@ -45,6 +46,7 @@ class ProgramCache:
         probe: `fuse="auto"` probe timings `(step_s, overhead_s)` by batch signature and mesh.
         pack: Packs a carry into one buffer per dtype (the snapshot before a launch ahead).
         unpack: Unpacks such a snapshot, by the carry's structure, shapes and dtypes.
+        populations: The programs of population runs (a member axis), one cache per size.
     """
 
     traces: int = 0
@@ -59,14 +61,18 @@ class ProgramCache:
     probe: dict[Any, Any] = field(default_factory=dict)
     pack: Any = None
     unpack: dict[Any, Any] = field(default_factory=dict)
+    populations: dict[int, Any] = field(default_factory=dict)  # member count -> its cache
 
 
 class Programs:
     """Builds a Loop's programs on first use, into the Loop's `ProgramCache`."""
 
-    def __init__(self, loop: Any):
+    def __init__(self, loop: Any, population: Any = None):
         self.loop, self.cache = loop, loop._programs
         self.guard = loop.guard_nonfinite
+        self.population = population  # a population run: programs vmapped over members
+        if population is not None:
+            self.cache = self.cache.populations.setdefault(population.size, ProgramCache())
 
     @property
     def traces(self) -> int:
@@ -91,11 +97,16 @@ class Programs:
         change with what the host needs).
         """
         carry_step = make_carry_step(self.loop.program, self.loop.metrics, self.guard)
-        return make_chunk_fn(carry_step, True, self.guard)
+        if self.population is None:
+            return make_chunk_fn(carry_step, True, self.guard)
+        # A population's guard acts per member (it freezes the member), so the loop
+        # itself does not stop at a non-finite step.
+        return member_chunk(make_chunk_fn(member_carry_step(carry_step), True, False))
 
     def eager_step(self) -> Any:
         """`jit=False`: one step, op by op, for debugging."""
-        return make_carry_step(self.loop.program, self.loop.metrics, self.guard)
+        carry_step = make_carry_step(self.loop.program, self.loop.metrics, self.guard)
+        return carry_step if self.population is None else masked_step(carry_step)
 
     def chunk(self) -> Any:
         """`(state, tail, stacked_chunk, n_valid) -> (state, tail, records, n_run)`."""
@@ -186,7 +197,11 @@ class Programs:
         """Zeroed metric accumulators (and guard flag), made by one cached program."""
         if self.cache.fresh_tail is None:
             metrics, guard = self.loop.metrics, self.guard
-            self.cache.fresh_tail = jax.jit(lambda: init_tail(metrics, guard))
+            if self.population is not None:
+                size = self.population.size
+                self.cache.fresh_tail = jax.jit(lambda: population_tail(metrics, guard, size))
+            else:
+                self.cache.fresh_tail = jax.jit(lambda: init_tail(metrics, guard))
         return self.cache.fresh_tail()
 
 

@@ -29,6 +29,8 @@ from .epoch import EpochLoop
 from .feeds import HostFeed, ResidentFeed, first_resident_batch, place_dataset
 from .handoff import Handoff
 from .host import HostReads
+from .population import first_member, resolve_population
+from .population_run import PopulationHost
 from .programs import Programs
 from .signals import SignalGuard
 from .start import initial_step_state
@@ -87,7 +89,11 @@ class Run:
         mesh: Any,
         max_in_flight: int,
         prefetch: int,
+        population: Any = None,
     ):
+        self.population = resolve_population(
+            population, loop.program, init_state, fuse=fuse, mesh=mesh
+        )
         self.loop, self.epochs, self.iterations = loop, int(epochs), iterations
         self.jit, self.max_in_flight, self.prefetch = jit, max_in_flight, prefetch
         self.init_state = init_state
@@ -95,13 +101,19 @@ class Run:
         self.source = as_source(data)
         self.fuse = resolve_fuse(fuse, jit)
         self.resident = bool(getattr(self.source.data, "resident", False))
-        self.programs = Programs(loop)
-        self.reads = HostReads(self.stats, loop.metrics)
+        self.programs = Programs(loop, self.population)
+        members = self.population.size if self.population is not None else 0
+        self.reads = HostReads(self.stats, loop.metrics, members)
         self.placement = Placement(mesh, self.stats)
         self.checker = Checker(loop.program, self.programs.cache.verdicts)
         self.carry = Carry(self.placement, self.programs, self.reads, self.stats)
         self.bus = EventBus(loop.registrations, observer)
         self.handoff = Handoff(self.bus, self.carry)
+        self.members = (
+            None
+            if self.population is None
+            else PopulationHost(self.population, self.carry, self.reads, loop.guard_nonfinite)
+        )
         self.epoch_loop: EpochLoop | None = None
         self.state = State(max_epoch=self.epochs, max_iteration=iterations, stats=self.stats)
 
@@ -113,13 +125,17 @@ class Run:
             step_state = initial_step_state(
                 self.programs, self.user_state, first, resuming=isinstance(self.init_state, State)
             )
-            self.checker.variables(step_state)
+            self.checker.variables(step_state if self.members is None else first_member(step_state))
             self._agree_across_processes(first, step_state)
             self.carry.start(step_state)
+            if self.members is not None:
+                self.state = self.members.start(self.state)
             feed = self._feed(step_state, first)
+            # A population's guard acts per member on the device (population_run.py).
+            guard = self.loop.guard_nonfinite and self.members is None
             with SignalGuard() as signals:
                 self.epoch_loop = EpochLoop(
-                    feed, self.carry, self.handoff, self.reads, self.loop.guard_nonfinite, signals
+                    feed, self.carry, self.handoff, self.reads, guard, signals
                 )
                 state = self._epochs(signals)
         except BaseException as error:
@@ -277,6 +293,10 @@ class Run:
         if signals.requested:
             status = HALT_LOOP
         state = self._epoch_metrics(state, epoch, began, stepped)
+        if self.members is not None:
+            state, every_member_halted = self.members.epoch_end(state, epoch)
+            if every_member_halted:
+                status = HALT_LOOP  # every member's guard tripped: the epoch is not complete
         if status == HALT_LOOP:
             # Halted mid-epoch (a handler, a non-finite loss, a signal): the epoch is not
             # complete, so history does not record it and a resumed run redoes it.
@@ -285,6 +305,8 @@ class Run:
         self.state = state
         event = Event.EPOCH_HALTED if status == HALT_EPOCH else Event.EPOCH_COMPLETED
         status, state = self.handoff.fire(event, state, mirror_history=True)
+        if self.members is not None and self.members.after_handlers(state):
+            status = HALT_LOOP  # every member has halted (e.g. a per-member early_stop)
         return state, status
 
     def _epoch_metrics(self, state: State, epoch: int, began: float, stepped: bool) -> State:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._placement import device_signature
+from .population import population_init
 from .programs import Programs
 
 __all__ = ["initial_step_state", "private_copy"]
@@ -76,6 +77,8 @@ def initial_step_state(programs: Programs, user_state: Any, first: Any, resuming
         return program.init(first, user_state)
     if resuming:
         return private_copy(user_state)
+    if programs.population is not None:  # every member from the same variables, or its own
+        return population_init(programs, programs.population, first, user_state)
     if program.kind == "trainer":
         return _trainer_init(programs, first)(_on_device(user_state))
     return private_copy(program.init(first, user_state))

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._optim import find_learning_rates, has_schedule, rate_is_scheduled, set_learning_rate
+from .._population import early_stop_members
 from .._state import State
 
 __all__ = ["Monitor", "EarlyStopping", "ReduceLROnPlateau", "find_learning_rates"]
@@ -171,6 +172,8 @@ class EarlyStopping:
         self._best: tuple[Any, Any] | None = None  # ((epoch, value), device copy)
 
     def __call__(self, state: State) -> tuple[str, State]:
+        if state.population is not None:  # one decision per member
+            return early_stop_members(self.monitor, state, self.restore_best)
         value = self.monitor.value(state)
         previous = self.monitor.record(state)
         if previous["best"] is None:  # a fresh run: nothing kept from an earlier one

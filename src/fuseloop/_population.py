@@ -1,0 +1,177 @@
+"""A population State's bookkeeping: its record, one member as a solo State, and halting
+members (docs/design.md §8).
+
+A population State keeps a record in `handler_metadata["_population"]` (so checkpoints
+save it): the size, the seeds, the per-member hyperparameters, which members have halted
+and the last epoch each halted member's history holds, and which handler records hold one
+entry per member.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+POPULATION_KEY = "_population"  # a population State's record in handler_metadata
+State = Any  # a fuseloop State (this module sits below _state, which imports it)
+
+__all__ = [
+    "POPULATION_KEY",
+    "member_state",
+    "stop_members",
+    "halt_members",
+    "population_record",
+    "per_member",
+]
+
+
+def population_record(state: State) -> dict[str, Any]:
+    """The State's population record, or a ValueError saying it is a solo State."""
+    record = state.handler_metadata.get(POPULATION_KEY)
+    if record is None:
+        raise ValueError(
+            "this State is not a population's: member(i) needs a State from run(..., population=N)"
+        )
+    return record
+
+
+@jax.jit
+def _take(tree: Any, i: Any) -> Any:
+    return jax.tree.map(lambda a: a[i], tree)
+
+
+def _pick(value: Any, i: int, size: int) -> Any:
+    """Member i's entry of a per-member value (an array or list of length `size`)."""
+    if isinstance(value, list) and len(value) == size:
+        return value[i]
+    shape: tuple[int, ...] = tuple(np.shape(value)) if hasattr(value, "shape") else ()
+    if len(shape) >= 1 and shape[0] == size:
+        picked = np.asarray(value)[i]
+        return float(picked) if picked.ndim == 0 else picked
+    return value
+
+
+def member_state(state: State, i: int) -> State:
+    """Member `i` of a population State as a solo State (see `State.member`)."""
+    record = population_record(state)
+    size = int(record["size"])
+    if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < size:
+        raise ValueError(f"member({i!r}): a member index must be an int in [0, {size})")
+    i = int(i)
+    halted = bool(record["halted"][i])
+    last = record["last_epoch"][i]
+    history = {
+        e: {k: _pick(v, i, size) for k, v in metrics.items()}
+        for e, metrics in state.history.items()
+        if not halted or last is None or e <= last
+    }
+    metrics = {k: _pick(v, i, size) for k, v in state.metrics.items()}
+    if halted and last is not None and last in history:
+        metrics = dict(history[last])  # its own last epoch's
+    per = set(record.get("per_member", []))
+    metadata = {
+        key: _member_record(value, i, size) if key in per else value
+        for key, value in state.handler_metadata.items()
+        if key != POPULATION_KEY
+    }
+    step_state = state.step_state
+    if step_state is not None:
+        step_state = _take(step_state, np.int32(i))
+    changes: dict[str, Any] = {
+        "step_state": step_state,
+        "metrics": metrics,
+        "history": history,
+        "handler_metadata": metadata,
+    }
+    if halted:
+        changes["status"] = "halted"
+        if last is not None:
+            changes["epoch"] = max(int(last), 0)
+    return state.replace(**changes)
+
+
+def _member_record(value: Any, i: int, size: int) -> Any:
+    if isinstance(value, dict):
+        return {k: _pick(v, i, size) for k, v in value.items()}
+    return _pick(value, i, size)
+
+
+def halt_members(state: State, stopped: Any, last_epoch: int) -> State:
+    """`state` with the members where `stopped` is True (and not halted yet) halted, their
+    history ending at `last_epoch`.
+    """
+    record = dict(population_record(state))
+    mask = np.asarray(stopped, bool).reshape(-1)
+    if mask.shape != (int(record["size"]),):
+        raise ValueError(
+            f"stop_members: expected {record['size']} flags (one per member), got {mask.shape}"
+        )
+    halted, last = list(record["halted"]), list(record["last_epoch"])
+    for i in np.flatnonzero(mask):
+        if not halted[i]:
+            halted[i], last[i] = True, int(last_epoch)
+    record.update(halted=halted, last_epoch=last)
+    return state.replace(handler_metadata={**state.handler_metadata, POPULATION_KEY: record})
+
+
+def stop_members(state: State, stopped: Any) -> State:
+    """See `State.stop_members`: halted at this epoch (its history ends here)."""
+    return halt_members(state, stopped, state.epoch)
+
+
+def per_member(state: State, key: str) -> State:
+    """Marks `handler_metadata[key]` as holding one entry per member (member(i) picks its
+    own)."""
+    record = dict(population_record(state))
+    keys = list(record.get("per_member", []))
+    if key in keys:
+        return state
+    record["per_member"] = keys + [key]
+    return state.replace(handler_metadata={**state.handler_metadata, POPULATION_KEY: record})
+
+
+def early_stop_members(monitor: Any, state: State, restore_best: bool) -> tuple[str, State]:
+    """`early_stop` on a population: each running member's decision, as its solo run
+    makes it (a `handlers.monitor.Monitor`), on its entry of the (N,) metric. A member that
+    stops halts at this epoch; the loop halts when every member has.
+    """
+    if restore_best:
+        raise ValueError(
+            "early_stop(restore_best=True) is not supported with a population yet; use "
+            "restore_best=False, or checkpoint(criteria=...) each member"
+        )
+    record = population_record(state)
+    size = int(record["size"])
+    if monitor.monitor not in state.metrics:
+        monitor.value(state)  # raises the ValueError naming the metrics there are
+    values = np.asarray(state.metrics[monitor.monitor], np.float64).reshape(-1)
+    if values.shape != (size,):
+        raise ValueError(
+            f"early_stop: monitor={monitor.monitor!r} holds {values.shape} values; a "
+            f"population needs one per member ({size})"
+        )
+    saved = state.handler_metadata.get(monitor.key)
+    fresh: dict[str, list[Any]] = {
+        "best": [None] * size,
+        "best_epoch": [None] * size,
+        "wait": [0] * size,
+    }
+    lists: dict[str, list[Any]] = {k: list(v) for k, v in (saved or fresh).items()}
+    lists.setdefault("stopped_epoch", [None] * size)
+    stop = np.zeros(size, bool)
+    for i in np.flatnonzero(~np.asarray(record["halted"], bool)):
+        mine = {"best": lists["best"][i], "best_epoch": lists["best_epoch"][i]}
+        mine["wait"] = lists["wait"][i]
+        mine, _ = monitor.update(mine, float(values[i]), state.epoch)
+        for key in ("best", "best_epoch", "wait"):
+            lists[key][i] = mine[key]
+        stop[i] = not math.isfinite(values[i]) or 0 < mine["wait"] >= monitor.patience
+        if stop[i]:
+            lists["stopped_epoch"][i] = state.epoch
+    state = state.replace(handler_metadata={**state.handler_metadata, monitor.key: lists})
+    state = halt_members(per_member(state, monitor.key), stop, state.epoch)
+    every = all(population_record(state)["halted"])
+    return ("halt_loop" if every else "continue"), state

@@ -1,0 +1,23 @@
+"""`fuseloop bench --population` runs and reports (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+
+from fuseloop.bench import main
+from fuseloop.bench._population import population_benchmark, population_markdown
+
+
+def test_population_benchmark_reports_every_system():
+    report = population_benchmark(members=3, epochs=1, rounds=1)
+    assert set(report["median_s"]) == {"population", "sequential", "floor"}
+    assert report["meta"]["params_agreement"] < 1e-4
+    text = population_markdown(report)
+    assert "sequential / population" in text and "population / floor" in text
+
+
+def test_cli_population_flag_writes_json(tmp_path, capsys):
+    path = tmp_path / "pop.json"
+    assert main(["--population", "--members", "2", "--reps", "1", "--json", str(path)]) == 0
+    assert "Populations" in capsys.readouterr().out
+    assert json.loads(path.read_text())["meta"]["members"] == 2
