@@ -114,6 +114,13 @@ class EventBus:
                     f"'{event.value}' (epoch {state.epoch}, iteration {state.iteration})"
                 )
                 raise
+            if registration.observes and result is not None:
+                raise ValueError(
+                    f"handler {registration.label} was attached with Loop.observe, so it "
+                    f"only observes and must return None; it returned "
+                    f"{type(result).__name__}. Attach it with Loop.handle_event to halt or "
+                    f"change the State"
+                )
             status, new_state = parse_result(result, registration.label)
             if new_state is not None:
                 if not isinstance(new_state, State):

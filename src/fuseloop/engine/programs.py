@@ -45,6 +45,7 @@ class ProgramCache:
         probe: `fuse="auto"` probe timings `(step_s, overhead_s)` by batch signature and mesh.
         pack: Packs a carry into one buffer per dtype (the snapshot before a launch ahead).
         unpack: Unpacks such a snapshot, by the carry's structure, shapes and dtypes.
+        whole_run: Multi-epoch resident programs (`whole_run.py`), by their static shape.
     """
 
     traces: int = 0
@@ -59,6 +60,7 @@ class ProgramCache:
     probe: dict[Any, Any] = field(default_factory=dict)
     pack: Any = None
     unpack: dict[Any, Any] = field(default_factory=dict)
+    whole_run: dict[Any, Any] = field(default_factory=dict)
 
 
 class Programs:

@@ -19,7 +19,7 @@ from .._checks import Checker
 from .._data import as_source
 from .._distributed import check_same_config, describe, process_count
 from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, Event
-from .._fusion import resolve_fuse
+from .._fusion import DEFAULT_CHUNK, resolve_fuse
 from .._placement import Placement
 from .._state import State, new_stats
 from .auto_chunk import choose_chunk_size
@@ -32,6 +32,7 @@ from .host import HostReads
 from .programs import Programs
 from .signals import SignalGuard
 from .start import initial_step_state
+from .whole_run import WholeRun, whole_run_refusal
 
 __all__ = ["Run", "check_run_options"]
 
@@ -103,6 +104,7 @@ class Run:
         self.bus = EventBus(loop.registrations, observer)
         self.handoff = Handoff(self.bus, self.carry)
         self.epoch_loop: EpochLoop | None = None
+        self.whole: WholeRun | None = None  # many epochs per dispatch (whole_run.py)
         self.state = State(max_epoch=self.epochs, max_iteration=iterations, stats=self.stats)
 
     # ----------------------------------------------------------------- the run
@@ -205,6 +207,13 @@ class Run:
         return first[0]
 
     def _feed(self, step_state: Any, first: Any) -> Any:
+        chunked = self.resident and isinstance(self.fuse, int)
+        if chunked and self.fuse > _epoch_length(self.source, self.iterations):
+            self._whole_run(self.fuse)
+        if self.fuse == "run":
+            self._whole_run(None)
+        if self.whole is not None:
+            return None
         if self.fuse == "auto":
             self.fuse = choose_chunk_size(
                 self.programs,
@@ -235,12 +244,32 @@ class Run:
             max_in_flight=self.max_in_flight,
         )
 
+    def _whole_run(self, size: int | None) -> None:
+        """Many epochs per dispatch where the data allows (docs/design.md §8); otherwise
+        `fuse="run"` is one chunk per epoch, and `stats["whole_run"]` says why.
+        """
+        length = _epoch_length(self.source, self.iterations) or DEFAULT_CHUNK
+        refusal = (
+            "the data is host-fed: chunks stay within an epoch"
+            if not self.resident
+            else whole_run_refusal(self.source.data, self.iterations)
+        )
+        self.stats["whole_run"] = refusal or "many epochs per dispatch"
+        if refusal is not None:
+            self.fuse = length if size is None else size
+            return
+        self.whole = WholeRun(self, size, _warn_nonfinite)
+        self.stats["chunk_size"] = size or length * self.epochs
+
     # ----------------------------------------------------------------- epochs
     def _epochs(self, signals: SignalGuard) -> State:
         compiles_before = self.programs.traces
         status, state = self.handoff.fire(Event.STARTED, self.state)
         halted = status == HALT_LOOP
         epoch = self.start_epoch
+        if self.whole is not None and not halted:
+            state, halted = self.whole.epochs(state, signals)
+            epoch = self.epochs  # the epoch loop below has nothing left to do
         while not halted and epoch < self.epochs:
             state, status = self._epoch(state, epoch, signals)
             self.state = state
