@@ -94,7 +94,9 @@ def test_log_bytes_and_csv_files_match_and_do_not_split(tmp_path):
         loop = (
             _trainer(log=4, log_stream=stream)
             .csv_log(str(path))
-            .log(lambda s: f"e{s.epoch} {s.metrics['loss']:.9f}\n", "epoch_completed", stream=stream)
+            .log(
+                lambda s: f"e{s.epoch} {s.metrics['loss']:.9f}\n", "epoch_completed", stream=stream
+            )
         )
         state = loop.run(_data(), epochs=EPOCHS, fuse=fuse)
         outputs[fuse] = (stream.getvalue(), path.read_text(), state)
@@ -153,8 +155,10 @@ def test_epoch_started_handler_splits_before_its_epoch():
     def mark(state):
         return "continue", state.replace(handler_metadata={"at": state.epoch})
 
-    plain = _trainer().handle_event("epoch_started", mark, filter={"once": 3}).run(
-        _data(), epochs=EPOCHS
+    plain = (
+        _trainer()
+        .handle_event("epoch_started", mark, filter={"once": 3})
+        .run(_data(), epochs=EPOCHS)
     )
     fused = (
         _trainer()
@@ -229,3 +233,58 @@ def test_short_last_batch_and_host_data_keep_epoch_bounded_dispatches():
     assert _same_tree(host.step_state, _trainer().run(batches, epochs=3).step_state)
     assert host.stats["dispatches"] == 3
     assert "host-fed" in host.stats["whole_run"]
+
+
+# --------------------------------------------------------------------- device monitors
+def _validated(patience: int = 2, restore: bool = True, min_delta: float = 0.0, **val_kw):
+    vx, vy = _xy(seed=5, n=48)
+    model = fl.models.mlp([8, 3])
+    val = fl.data.arrays(vx, vy, batch_size=16, device=True, **val_kw)
+    return (
+        fl.trainer(model, "sparse_categorical_cross_entropy", optax.sgd(0.05))
+        .metric("accuracy")
+        .validate(model, val)
+        .early_stop("validation_loss", patience=patience, restore_best=restore, min_delta=min_delta)
+    )
+
+
+@pytest.mark.parametrize("fuse", ["run", 4, BATCHES + 1, 2 * BATCHES + 3])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"restore": False}, {"patience": 0}, {"patience": 1, "min_delta": 0.002}],
+)
+def test_validation_and_early_stop_on_the_device_match_the_host(fuse, options):
+    plain = _validated(**options).run(_data(), epochs=25, fuse=False)
+    fused = _validated(**options).run(_data(), epochs=25, fuse=fuse)
+    _assert_same_run(fused, plain)
+    assert "validation_loss" in fused.history[0]
+    if fuse == 4:  # within the epoch: the per-epoch engine, validation on the host
+        return
+    assert fused.stats["dispatch_splits"] == {}
+    if fuse == "run":
+        assert fused.stats["dispatches"] == 1
+
+
+def test_early_stop_halts_late_and_restores_the_best_epoch():
+    plain = _validated(patience=3).run(_data(), epochs=60, fuse=False)
+    fused = _validated(patience=3).run(_data(), epochs=60, fuse="run")
+    _assert_same_run(fused, plain)
+    record = next(v for k, v in fused.handler_metadata.items() if k.startswith("early_stop"))
+    assert fused.status == "halted" and record["stopped_epoch"] >= 3
+    assert record["best_epoch"] < record["stopped_epoch"]
+    assert fused.stats["dispatches"] == 1
+
+
+def test_host_fed_validation_splits_the_dispatch_at_each_epoch():
+    vx, vy = _xy(seed=5, n=48)
+    model = fl.models.mlp([8, 3])
+    loop = (
+        fl.trainer(model, "sparse_categorical_cross_entropy", optax.sgd(0.05))
+        .validate(model, [(vx[:24], vy[:24]), (vx[24:], vy[24:])])
+        .early_stop("validation_loss", patience=2)
+    )
+    plain = loop.run(_data(), epochs=4)
+    fused = loop.run(_data(), epochs=4, fuse="run")
+    _assert_same_run(fused, plain)
+    assert fused.stats["dispatches"] == len(fused.history)
+    assert "validate" in fused.stats["dispatch_splits"][0]

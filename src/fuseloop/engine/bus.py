@@ -138,11 +138,21 @@ class EventBus:
                 break
         return status, state
 
-    def fire(self, event: Event, state: State, mirror_history: bool = False) -> tuple[str, State]:
-        """Fires an epoch- or run-level event with a complete State."""
+    def fire(
+        self,
+        event: Event,
+        state: State,
+        mirror_history: bool = False,
+        substitute: dict[Registration, Registration] | None = None,
+    ) -> tuple[str, State]:
+        """Fires an epoch- or run-level event with a complete State. `substitute` replaces
+        some registrations for this firing (a device-run handler's replay, whole_run.py).
+        """
         self.total[event] += 1
         registrations = [
-            r for r in self.by_event.get(event, ()) if r.filter.by_count(self.total[event])
+            (substitute or {}).get(r, r)
+            for r in self.by_event.get(event, ())
+            if r.filter.by_count(self.total[event])
         ]
         ends_epoch = event in (Event.EPOCH_COMPLETED, Event.EPOCH_HALTED)
         if self.observer is not None and not ends_epoch:

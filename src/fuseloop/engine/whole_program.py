@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._step import init_tail
+from .device_monitors import epoch_end_fn
 from .programs import MIN_SLOTS, _epoch_order, _source_key
 
 __all__ = ["whole_run_program", "segments_for"]
@@ -46,19 +47,27 @@ def segments_for(cursor: int, steps: int, limit: int) -> list[tuple[int, int]]:
     return out
 
 
-def whole_run_program(programs: Any, source: Any, segments: int, limit: int, sharding: Any) -> Any:
-    """The cached multi-epoch program for `segments` epoch pieces of at most `limit` steps.
+def whole_run_program(
+    programs: Any, source: Any, segments: int, limit: int, sharding: Any, work: Any
+) -> Any:
+    """The cached multi-epoch program for `segments` epoch pieces of at most `limit` steps,
+    with the device's epoch-end `work` (`device_monitors.DeviceWork`).
 
-    `(state, tail, data, order, epoch, cursor, steps) -> (state, tail, out, order, epoch,
-    cursor)`, where `out` holds per segment: `records` [segments, slots], `final` (the
-    accumulators at the segment's end), `n_run` and `nonfinite`. `epoch` is the device
-    epoch counter (the next epoch whose order is computed), as in the resident feed.
+    `(state, tail, data, order, epoch, cursor, steps, monitor, validation) -> (state, tail,
+    out, order, epoch, cursor)`, where `out` holds per segment: `records` [segments, slots],
+    `final` (the accumulators at the segment's end), `n_run`, `nonfinite`, and at epoch
+    ends `validation` (the evaluator's accumulators) and `stop` (early stopping's
+    verdict); `out["extra"]` is the monitor's record and the best step state. `epoch` is
+    the device epoch counter (the next epoch whose order is computed), as in the resident
+    feed.
     """
-    key = (_source_key(source), segments, limit, sharding)
+    key = (_source_key(source), segments, limit, sharding, work.key)
     cache = programs.cache.whole_run
     if key not in cache:
         body = programs._device_loop()
-        fn = _build(body, programs.loop.metrics, programs.guard, source, segments, limit, sharding)
+        fn = _build(
+            body, programs.loop.metrics, programs.guard, source, segments, limit, sharding, work
+        )
         cache[key] = programs._jit(fn)
     return cache[key]
 
@@ -71,8 +80,10 @@ def _build(
     segments: int,
     limit: int,
     sharding: Any,
+    work: Any,
 ) -> Callable[..., Any]:
     slots = max(limit, MIN_SLOTS)
+    start_work, end_work = epoch_end_fn(work)
 
     def gather(data: Any, order: Any, cursor: Any) -> Any:
         # Slots past the epoch's end gather clamped (valid) rows; they are never stepped.
@@ -92,9 +103,24 @@ def _build(
         return tail, order, epoch, cursor
 
     def program(
-        state: Any, tail: Any, data: Any, order: Any, epoch: Any, cursor: Any, steps: Any
+        state: Any,
+        tail: Any,
+        data: Any,
+        order: Any,
+        epoch: Any,
+        cursor: Any,
+        steps: Any,
+        monitor: Any,
+        inputs: Any,
     ) -> tuple[Any, ...]:
+        extra = start_work(state, monitor)
+        ended_shapes = jax.eval_shape(end_work, state, tail["acc"], extra, 0, inputs)
+        per_epoch = jax.tree.map(
+            lambda a: jnp.zeros((segments,) + a.shape, a.dtype), ended_shapes[1:]
+        )
         out = {
+            "stop": per_epoch[0],
+            "validation": per_epoch[1],
             "records": jax.tree.map(
                 lambda a: jnp.zeros((segments, slots) + a.shape, a.dtype), tail["acc"]
             ),
@@ -104,32 +130,46 @@ def _build(
         }
 
         def cond(carry: tuple[Any, ...]) -> Any:
-            s, remaining, _, tail, *_ = carry
-            going = (s < segments) & (remaining > 0)
+            s, remaining, _, tail, *_, stopped = carry
+            going = (s < segments) & (remaining > 0) & ~stopped
             if guard:
                 going = going & ~tail["nonfinite"]
             return going
 
+        def ended(state: Any, acc: Any, extra: Any, s: Any) -> tuple[Any, ...]:
+            return end_work(state, acc, extra, s, inputs)
+
+        def running(state: Any, acc: Any, extra: Any, s: Any) -> tuple[Any, ...]:
+            blank = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), ended_shapes[1:])
+            return (extra, *blank)
+
         def step(carry: tuple[Any, ...]) -> tuple[Any, ...]:
-            s, remaining, state, tail, order, epoch, cursor, out = carry
+            s, remaining, state, tail, order, epoch, cursor, out, extra, _ = carry
             tail, order, epoch, cursor = lax.cond(
                 cursor >= limit, boundary, keep, tail, order, epoch, cursor
             )
             n = jnp.minimum(remaining, limit - cursor)
             state, tail, records, n_run = body(state, tail, gather(data, order, cursor), n)
             flag = tail["nonfinite"] if guard else jnp.zeros((), jnp.bool_)
+            at_end = (cursor + n_run == limit) & ~flag
+            extra, stop, validation = lax.cond(at_end, ended, running, state, tail["acc"], extra, s)
             out = {
+                "stop": out["stop"].at[s].set(stop),
+                "validation": _put(out["validation"], validation, s),
                 "records": _put(out["records"], records, s),
                 "final": _put(out["final"], tail["acc"], s),
                 "n_run": out["n_run"].at[s].set(n_run),
                 "nonfinite": out["nonfinite"].at[s].set(flag),
             }
-            return s + 1, remaining - n_run, state, tail, order, epoch, cursor + n_run, out
+            cursor = cursor + n_run
+            return s + 1, remaining - n_run, state, tail, order, epoch, cursor, out, extra, stop
 
         zero = jnp.zeros((), jnp.int32)
-        carry = (zero, steps, state, tail, order, epoch, cursor, out)
-        _, _, state, tail, order, epoch, cursor, out = lax.while_loop(cond, step, carry)
-        return state, tail, out, order, epoch, cursor
+        stopped = jnp.zeros((), jnp.bool_)
+        carry = (zero, steps, state, tail, order, epoch, cursor, out, extra, stopped)
+        carry = lax.while_loop(cond, step, carry)
+        _, _, state, tail, order, epoch, cursor, out, extra, _ = carry
+        return state, tail, {**out, "extra": extra}, order, epoch, cursor
 
     return program
 

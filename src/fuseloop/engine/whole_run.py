@@ -20,6 +20,13 @@ from typing import Any
 import numpy as np
 
 from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, ITERATION_EVENTS, Event
+from .device_monitors import (
+    hand_best,
+    monitor_start,
+    plan_device_work,
+    replayed_handlers,
+    validation_inputs,
+)
 from .replay import ChunkResult, EpochReplay
 from .whole_program import segments_for, whole_run_program
 
@@ -57,6 +64,10 @@ class WholeRun:
         self.guard = run.loop.guard_nonfinite
         self.splits: dict[int, str] = {}
         run.stats["dispatch_splits"] = self.splits
+        # validate and early_stop run on the device where they can (device_monitors.py)
+        self.work = plan_device_work(run.bus, run.loop.metrics)
+        self.on_device = self.work.registrations
+        self.inputs = validation_inputs(self.work, run.programs, run.placement)
 
     # ----------------------------------------------------------------- planning
     def _split_reason(self, epoch: int, current: int) -> str | None:
@@ -70,6 +81,8 @@ class WholeRun:
                     return f"{r.label} on {event.value} may halt: dispatches end every epoch"
         count = bus.total[Event.EPOCH_COMPLETED] + (epoch - current) + 1
         for r in bus.by_event.get(Event.EPOCH_COMPLETED, ()):
+            if r in self.on_device:
+                continue
             if not r.observes and (r.filter.needs_state or r.filter.by_count(count)):
                 return f"{r.label} on epoch_completed sees the live State"
         count = bus.total[Event.EPOCH_STARTED] + (epoch + 1 - current)
@@ -126,30 +139,42 @@ class WholeRun:
         run.state = state
         return status, state
 
-    def _launch(self, epoch: int, cursor: int) -> tuple[list[tuple[int, int]], Any]:
+    def _launch(self, state: Any, epoch: int, cursor: int) -> tuple[list[tuple[int, int]], Any]:
         run = self.run
         steps = self._steps(epoch, cursor)
         segments = segments_for(cursor, steps, self.limit)
         program = whole_run_program(
-            run.programs, self.source, len(segments), self.limit, self.sharding
+            run.programs, self.source, len(segments), self.limit, self.sharding, self.work
         )
         out, self.order, self.counter, _ = run.carry.advance(
-            program, run.dataset, self.order, self.counter, np.int32(cursor), np.int32(steps)
+            program,
+            run.dataset,
+            self.order,
+            self.counter,
+            np.int32(cursor),
+            np.int32(steps),
+            monitor_start(self.work, state),
+            self.inputs,
         )
-        wanted = {k: out[k] for k in ("final", "n_run", "nonfinite")}
+        self.best_state = out["extra"].get("best_state")
+        wanted = {k: out[k] for k in ("final", "n_run", "nonfinite", "stop", "validation")}
+        wanted["best_s"] = out["extra"]["best_s"]
         if self.replay.record:
             wanted["records"] = out["records"]
         # Host read: once per dispatch, every epoch's final accumulators, the steps run,
-        # the guard's flags, and the records when an iteration handler is attached.
+        # the guard's flags, the device's validation and early-stopping results, and the
+        # records when an iteration handler is attached.
         return segments, run.reads.get(wanted)
 
     def _dispatch(
         self, state: Any, epoch: int, cursor: int, signals: Any
     ) -> tuple[Any, int, int, bool]:
         """One dispatch and its replay: `(state, epoch, cursor, halted)`."""
-        segments, host = self._launch(epoch, cursor)
-        for s, (first, n) in enumerate(segments):
-            last_one = s == len(segments) - 1
+        segments, host = self._launch(state, epoch, cursor)
+        executed = int(np.count_nonzero(host["n_run"]))
+        self.host, self.first_epoch = host, epoch
+        for s, (first, n) in enumerate(segments[:executed]):
+            last_one = s == executed - 1
             if s > 0:
                 self.began = time.perf_counter()
                 _, state = self._begin(state, epoch, live=False)
@@ -169,12 +194,14 @@ class WholeRun:
             ended = first + n == self.limit
             if status != CONTINUE or ended:
                 final = self.run.reads.metrics_of(_slot(host["final"], s))
-                state, status = self._finish(state, epoch, status, final, True, last_one)
+                state, status = self._finish(state, epoch, status, final, True, last_one, s)
                 if status == HALT_LOOP:
                     return state, epoch, 0, True
                 epoch, cursor = epoch + 1, 0
             else:
                 cursor = first + n
+        if self.on_device:  # a later dispatch's end may restore this one's best epoch
+            self._hand_best(state, epoch)
         return state, epoch, cursor, False
 
     def _finish(
@@ -185,6 +212,7 @@ class WholeRun:
         final: dict[str, float],
         stepped: bool,
         live: bool,
+        segment: int | None = None,
     ) -> tuple[Any, str]:
         """The epoch's end, as the per-epoch run ends it (engine/run.py `_epoch`)."""
         run = self.run
@@ -203,12 +231,30 @@ class WholeRun:
         state = state.replace(history={**state.history, epoch: dict(state.metrics)})
         run.state = state
         event = Event.EPOCH_HALTED if status == HALT_EPOCH else Event.EPOCH_COMPLETED
+        substitute = None
+        if segment is not None and self.on_device:
+            substitute = replayed_handlers(self.work, self.host, segment, live)
+            if live:
+                self._hand_best(state, epoch)
         if live:
-            status, state = run.handoff.fire(event, state, mirror_history=True)
+            status, state = run.handoff.fire(event, state, True, substitute)
         else:
-            status, state = run.bus.fire(event, state.replace(step_state=None), True)
+            replayed = state.replace(step_state=None)
+            status, state = run.bus.fire(event, replayed, True, substitute)
         run.state = state
         return state, status
+
+    def _hand_best(self, state: Any, epoch: int) -> None:
+        """Before the dispatch's last epoch fires live: `early_stop(restore_best=True)`
+        gets the best step state the device kept, if its best epoch ran in this dispatch.
+        """
+        stopper = self.work.stopper
+        if stopper is None or self.best_state is None:
+            return
+        record = stopper.handler.monitor.record(state)
+        best_s = int(self.host["best_s"])
+        if best_s >= 0 and self.first_epoch + best_s == record["best_epoch"]:
+            hand_best(self.work, self.best_state, record["best_epoch"], record["best"])
 
 
 def _slot(tree: Any, s: int) -> Any:

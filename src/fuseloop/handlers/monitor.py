@@ -155,6 +155,10 @@ class EarlyStopping:
         >>> stop = EarlyStopping("validation_loss", patience=2, restore_best=True)
     """
 
+    # The engine runs a twin of this handler on the device inside a multi-epoch dispatch
+    # (engine/device_monitors.py) and checks it against this one, the reference.
+    on_device = "early_stop"
+
     def __init__(
         self,
         monitor: str,
