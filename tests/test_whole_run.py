@@ -38,7 +38,7 @@ def _trainer(**kw: object) -> fl.Loop:
 
 def _same_tree(a: object, b: object) -> bool:
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(la) == len(lb) and all(np.array_equal(x, y) for x, y in zip(la, lb))
+    return len(la) == len(lb) and all(np.array_equal(x, y) for x, y in zip(la, lb, strict=True))
 
 
 def _assert_same_run(fused: fl.State, plain: fl.State) -> None:
@@ -146,7 +146,7 @@ def test_counter_filtered_handler_splits_only_where_it_fires():
         .run(_data(), epochs=EPOCHS, fuse="run")
     )
     assert [e for e, _ in seen] == [0, 2, 4]
-    assert all(np.array_equal(a[1], b[1]) for a, b in zip(seen, plain_seen))
+    assert all(np.array_equal(a[1], b[1]) for a, b in zip(seen, plain_seen, strict=True))
     assert sorted(fused.stats["dispatch_splits"]) == [0, 2]
     assert fused.stats["dispatches"] == 3
 

@@ -308,6 +308,12 @@ def _parser() -> argparse.ArgumentParser:
         help="print fl.diagnostics.report(fuse=32) per model, no benchmark",
     )
     parser.add_argument("--no-peers", action="store_true", help="leave out Keras and PyTorch")
+    parser.add_argument(
+        "--whole-run",
+        action="store_true",
+        help="only the whole-run workload (digits, 20 epochs, validation and early "
+        "stopping): fuse='run' against its one-jit floor and the per-epoch dispatch",
+    )
     return parser
 
 
@@ -333,6 +339,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
 
+    if args.whole_run:
+        from ._whole_run import whole_run_benchmark, whole_run_markdown
+
+        result = whole_run_benchmark(reps, log=log)
+        print(whole_run_markdown(result))
+        if args.json:
+            write_json(result, args.json)
+        return 0
     if args.report:
         reports = _diagnostics(specs, MAIN_FUSE, 32, 100)
         for name, report in reports.items():

@@ -29,7 +29,6 @@ from .._events import ALWAYS, CONTINUE, Event, Registration
 from .._fusion import FusionError, make_chunk_fn
 from .._metrics import read_metric
 from .._step import init_tail, make_carry_step
-from .programs import _epoch_order
 
 __all__ = ["DeviceWork", "plan_device_work"]
 
@@ -208,7 +207,8 @@ def validation_inputs(work: DeviceWork, programs: Any, placement: Any) -> tuple[
     if v is None:
         return ()
     data = v.source.put(placement.replicated)
-    return data, jax.jit(lambda: _epoch_order(v.source, jnp.int32(0)))()
+    order, _, _ = programs.epoch_order(v.source)(np.int32(0))  # cached by the source
+    return data, order
 
 
 # --------------------------------------------------------------------- host side
