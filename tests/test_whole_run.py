@@ -288,3 +288,44 @@ def test_host_fed_validation_splits_the_dispatch_at_each_epoch():
     _assert_same_run(fused, plain)
     assert fused.stats["dispatches"] == len(fused.history)
     assert "validate" in fused.stats["dispatch_splits"][0]
+
+
+def _plateau(order: str = "plateau_first", **kw):
+    vx, vy = _xy(seed=5, n=48)
+    model = fl.models.mlp([8, 3])
+    val = fl.data.arrays(vx, vy, batch_size=16, device=True)
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.3)
+    loop = fl.trainer(model, "sparse_categorical_cross_entropy", tx).validate(model, val)
+    plateau = dict(factor=0.5, patience=1, cooldown=1, min_lr=0.02, **kw)
+    if order == "plateau_first":
+        loop = loop.reduce_lr_on_plateau("validation_loss", **plateau)
+        return loop.early_stop("validation_loss", patience=6, restore_best=True)
+    loop = loop.early_stop("validation_loss", patience=6, restore_best=True)
+    return loop.reduce_lr_on_plateau("validation_loss", **plateau)
+
+
+@pytest.mark.parametrize("fuse", ["run", BATCHES + 1, 3 * BATCHES + 1])
+@pytest.mark.parametrize("order", ["plateau_first", "stop_first"])
+def test_reduce_lr_on_plateau_on_the_device_gives_the_same_rates(fuse, order):
+    plain = _plateau(order).run(_data(), epochs=30, fuse=False)
+    fused = _plateau(order).run(_data(), epochs=30, fuse=fuse)
+    _assert_same_run(fused, plain)
+    rates = [h["learning_rate"] for h in plain.history.values()]
+    assert len(set(rates)) >= 3  # the rate was reduced, more than once
+    assert fused.stats["dispatch_splits"] == {}
+    if fuse == "run":
+        assert fused.stats["dispatches"] == 1
+
+
+def test_reduce_lr_on_plateau_with_checkpoints_and_resume(tmp_path):
+    def loop():
+        return _plateau("plateau_first").checkpoint(str(tmp_path / "c"), filter={"every": 4})
+
+    plain = _plateau("plateau_first").run(_data(), epochs=12)
+    first = loop().run(_data(), epochs=6, fuse="run")
+    saved = fl.load_state(str(tmp_path / "c"))
+    assert saved.epoch == 4 and first.epoch == 5  # saved at epochs 0 and 4
+    resumed = _plateau("plateau_first").run(_data(), saved, epochs=12, fuse="run")
+    whole = _plateau("plateau_first").run(_data(), saved, epochs=12)
+    _assert_same_run(resumed, whole)
+    assert resumed.history[3] == plain.history[3]

@@ -116,11 +116,12 @@ def _build(
         extra = start_work(state, monitor)
         ended_shapes = jax.eval_shape(end_work, state, tail["acc"], extra, 0, inputs)
         per_epoch = jax.tree.map(
-            lambda a: jnp.zeros((segments,) + a.shape, a.dtype), ended_shapes[1:]
+            lambda a: jnp.zeros((segments,) + a.shape, a.dtype), ended_shapes[2:]
         )
         out = {
             "stop": per_epoch[0],
             "validation": per_epoch[1],
+            "reduced": jnp.zeros((segments,), jnp.bool_),
             "records": jax.tree.map(
                 lambda a: jnp.zeros((segments, slots) + a.shape, a.dtype), tail["acc"]
             ),
@@ -140,8 +141,8 @@ def _build(
             return end_work(state, acc, extra, s, inputs)
 
         def running(state: Any, acc: Any, extra: Any, s: Any) -> tuple[Any, ...]:
-            blank = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), ended_shapes[1:])
-            return (extra, *blank)
+            blank = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), ended_shapes[2:])
+            return (state, extra, *blank)
 
         def step(carry: tuple[Any, ...]) -> tuple[Any, ...]:
             s, remaining, state, tail, order, epoch, cursor, out, extra, _ = carry
@@ -152,9 +153,14 @@ def _build(
             state, tail, records, n_run = body(state, tail, gather(data, order, cursor), n)
             flag = tail["nonfinite"] if guard else jnp.zeros((), jnp.bool_)
             at_end = (cursor + n_run == limit) & ~flag
-            extra, stop, validation = lax.cond(at_end, ended, running, state, tail["acc"], extra, s)
+            state, extra, stop, validation = lax.cond(
+                at_end, ended, running, state, tail["acc"], extra, s
+            )
+            plateau = extra["monitors"].get("reduce_lr_on_plateau")
+            reduced = at_end & plateau["reduced"] if plateau else jnp.zeros((), jnp.bool_)
             out = {
                 "stop": out["stop"].at[s].set(stop),
+                "reduced": out["reduced"].at[s].set(reduced),
                 "validation": _put(out["validation"], validation, s),
                 "records": _put(out["records"], records, s),
                 "final": _put(out["final"], tail["acc"], s),

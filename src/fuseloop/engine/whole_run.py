@@ -24,6 +24,7 @@ from .device_monitors import (
     hand_best,
     monitor_start,
     plan_device_work,
+    rate_table,
     replayed_handlers,
     validation_inputs,
 )
@@ -65,9 +66,9 @@ class WholeRun:
         self.splits: dict[int, str] = {}
         run.stats["dispatch_splits"] = self.splits
         # validate and early_stop run on the device where they can (device_monitors.py)
-        self.work = plan_device_work(run.bus, run.loop.metrics)
-        self.on_device = self.work.registrations
-        self.inputs = validation_inputs(self.work, run.programs, run.placement)
+        self.work = plan_device_work(run.bus, run.loop.metrics, run.carry.step_state)
+        self.on_device = set(self.work.registrations)
+        self.validation = validation_inputs(self.work, run.programs, run.placement)
 
     # ----------------------------------------------------------------- planning
     def _split_reason(self, epoch: int, current: int) -> str | None:
@@ -143,6 +144,8 @@ class WholeRun:
         run = self.run
         steps = self._steps(epoch, cursor)
         segments = segments_for(cursor, steps, self.limit)
+        self.rates = rate_table(self.work, run.carry.step_state, len(segments))
+        self.reductions = 0  # the device's rate reductions replayed so far
         program = whole_run_program(
             run.programs, self.source, len(segments), self.limit, self.sharding, self.work
         )
@@ -154,10 +157,11 @@ class WholeRun:
             np.int32(cursor),
             np.int32(steps),
             monitor_start(self.work, state),
-            self.inputs,
+            {"validation": self.validation, "rates": self.rates},
         )
         self.best_state = out["extra"].get("best_state")
-        wanted = {k: out[k] for k in ("final", "n_run", "nonfinite", "stop", "validation")}
+        kept = ("final", "n_run", "nonfinite", "stop", "validation", "reduced")
+        wanted = {k: out[k] for k in kept}
         wanted["best_s"] = out["extra"]["best_s"]
         if self.replay.record:
             wanted["records"] = out["records"]
@@ -233,7 +237,9 @@ class WholeRun:
         event = Event.EPOCH_HALTED if status == HALT_EPOCH else Event.EPOCH_COMPLETED
         substitute = None
         if segment is not None and self.on_device:
-            substitute = replayed_handlers(self.work, self.host, segment, live)
+            rate = self.rates[0][self.reductions]
+            substitute = replayed_handlers(self.work, self.host, segment, live, rate)
+            self.reductions += int(self.host["reduced"][segment])
             if live:
                 self._hand_best(state, epoch)
         if live:
