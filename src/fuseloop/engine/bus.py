@@ -23,6 +23,10 @@ from .._state import State
 
 __all__ = ["EventBus"]
 
+# Every event, its name, and whether it is also counted per epoch (counts() runs at every
+# firing that has a handler: a multi-epoch replay fires many).
+_COUNTED = tuple((event, event.value, event in ITERATION_EVENTS) for event in Event)
+
 
 class EventBus:
     """Fires events to registered handlers and keeps the run's event counts."""
@@ -51,13 +55,11 @@ class EventBus:
             self.total[event] = int(value["total"] if isinstance(value, dict) else value)
 
     def counts(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for event in Event:
-            if event in ITERATION_EVENTS:
-                out[event.value] = {"total": self.total[event], "epoch": self.in_epoch[event]}
-            else:
-                out[event.value] = self.total[event]
-        return out
+        total, in_epoch = self.total, self.in_epoch
+        return {
+            name: {"total": total[event], "epoch": in_epoch[event]} if per_epoch else total[event]
+            for event, name, per_epoch in _COUNTED
+        }
 
     def new_epoch(self) -> None:
         for event in ITERATION_EVENTS:
