@@ -291,7 +291,7 @@ class Loop:
         from .handlers.writers import CSVWriter, attach_writer
 
         before = len(self.registrations)
-        built = attach_writer(self, CSVWriter(path, event), event, filter, "csv_log")
+        built: Loop = attach_writer(self, CSVWriter(path, event), event, filter, "csv_log")
         return built._as_observers(before)
 
     def tensorboard(
@@ -310,7 +310,7 @@ class Loop:
         from .handlers.writers import TensorBoardWriter, attach_writer
 
         before = len(self.registrations)
-        built = attach_writer(
+        built: Loop = attach_writer(
             self, TensorBoardWriter(logdir, event, prefix), event, filter, "tensorboard"
         )
         return built._as_observers(before)

@@ -71,7 +71,7 @@ def _floor() -> Callable[[], Any]:
     vy = vy[: val_steps * VAL_BATCH].reshape(val_steps, VAL_BATCH)
 
     def metrics(p: Any, xb: Any, yb: Any) -> tuple[Any, Any]:
-        logits = model.apply(p, xb)
+        logits: Any = model.apply(p, xb)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
         return loss, (jnp.argmax(logits, -1) == yb).mean()
 

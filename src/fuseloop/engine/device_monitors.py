@@ -86,8 +86,8 @@ class DeviceWork:
 
 
 def _resident_validation(r: Registration) -> Validation | None:
-    handler = r.handler
-    source = getattr(handler, "data", None)
+    handler: Any = r.handler
+    source: Any = getattr(handler, "data", None)
     if getattr(handler, "on_device", None) != "validate" or r.filter != ALWAYS:
         return None
     if not getattr(source, "resident", False) or source.n % source.batch_size:
@@ -96,7 +96,7 @@ def _resident_validation(r: Registration) -> Validation | None:
 
 
 def _watcher(r: Registration, metrics: Any, validation: Validation | None) -> Watcher | None:
-    handler = r.handler
+    handler: Any = r.handler
     kind = getattr(handler, "on_device", None)
     if kind not in ("early_stop", "reduce_lr_on_plateau") or r.filter != ALWAYS:
         return None
@@ -117,7 +117,8 @@ def plan_device_work(bus: Any, metrics: Any, step_state: Any) -> DeviceWork:
     first, then `early_stop` and `reduce_lr_on_plateau` on metrics the device computes
     (each firing every epoch; one of each; a plateau needs one injected learning rate).
     """
-    validation, watchers = None, []
+    validation: Validation | None = None
+    watchers: list[Watcher] = []
     for r in bus.by_event.get(Event.EPOCH_COMPLETED, ()):
         if r.observes:
             continue
@@ -162,6 +163,7 @@ def epoch_end_fn(work: DeviceWork) -> tuple[Callable[..., Any], Callable[..., An
         slots = max(v.batches, 2)
 
     def validate(state: Any, vdata: Any, vorder: Any) -> Any:
+        assert v is not None  # only called with a validation
         rows = vorder[jnp.minimum(jnp.arange(slots), vorder.shape[0] - 1)]
         chunk = jax.tree.map(lambda leaf: leaf[rows], vdata)
         tail = init_tail(v.loop.metrics, False)
@@ -180,7 +182,7 @@ def epoch_end_fn(work: DeviceWork) -> tuple[Callable[..., Any], Callable[..., An
         stop = jnp.zeros((), jnp.bool_)
         extra = {**extra, "monitors": dict(extra["monitors"])}
         for w in work.watchers:
-            pool = val_acc if w.validation else acc
+            pool: Any = val_acc if w.validation else acc
             value = device_value(w.spec, pool[w.spec.name])
             record = extra["monitors"][w.kind]
             if w.kind == "early_stop":
@@ -299,7 +301,7 @@ def rate_table(work: DeviceWork, step_state: Any, epochs: int) -> tuple[Any, Any
     return np.stack(rates), np.asarray(floor, np.bool_)
 
 
-def validation_inputs(work: DeviceWork, programs: Any, placement: Any) -> tuple[Any, ...]:
+def validation_inputs(work: DeviceWork, programs: Any, placement: Any) -> tuple[Any, ...] | None:
     """The validation data on the device and its order (the evaluator's epoch 0)."""
     v = work.validation
     if v is None:

@@ -207,9 +207,10 @@ class Run:
         return first[0]
 
     def _feed(self, step_state: Any, first: Any) -> Any:
-        chunked = self.resident and isinstance(self.fuse, int)
-        if chunked and self.fuse > _epoch_length(self.source, self.iterations):
-            self._whole_run(self.fuse)
+        length = _epoch_length(self.source, self.iterations)
+        fuse = self.fuse
+        if self.resident and isinstance(fuse, int) and length is not None and fuse > length:
+            self._whole_run(fuse)
         if self.fuse == "run":
             self._whole_run(None)
         if self.whole is not None:
