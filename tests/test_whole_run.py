@@ -329,3 +329,10 @@ def test_reduce_lr_on_plateau_with_checkpoints_and_resume(tmp_path):
     whole = _plateau("plateau_first").run(_data(), saved, epochs=12)
     _assert_same_run(resumed, whole)
     assert resumed.history[3] == plain.history[3]
+
+
+def test_chunks_beyond_the_epoch_reuse_their_program_across_run_lengths():
+    loop = _trainer()
+    loop.run(_data(), epochs=2, fuse=2 * BATCHES + 3)
+    again = loop.run(_data(), epochs=5, fuse=2 * BATCHES + 3)
+    assert again.stats["compiles"] == 0

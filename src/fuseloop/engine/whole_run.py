@@ -147,7 +147,7 @@ class WholeRun:
         self.rates = rate_table(self.work, run.carry.step_state, len(segments))
         self.reductions = 0  # the device's rate reductions replayed so far
         program = whole_run_program(
-            run.programs, self.source, len(segments), self.limit, self.sharding, self.work
+            run.programs, self.source, self._slots(segments), self.limit, self.sharding, self.work
         )
         out, self.order, self.counter, _ = run.carry.advance(
             program,
@@ -169,6 +169,15 @@ class WholeRun:
         # the guard's flags, the device's validation and early-stopping results, and the
         # records when an iteration handler is attached.
         return segments, run.reads.get(wanted)
+
+    def _slots(self, segments: list[tuple[int, int]]) -> int:
+        """The program's segment slots: with `fuse=K` the most K steps can span from any
+        place in an epoch, so a short last dispatch (or a run with other epochs) reuses the
+        program; with "run" the dispatch's own count (one program per plan).
+        """
+        if self.size is None:
+            return len(segments)
+        return -(-self.size // self.limit) + 1
 
     def _dispatch(
         self, state: Any, epoch: int, cursor: int, signals: Any
