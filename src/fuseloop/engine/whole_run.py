@@ -111,7 +111,7 @@ class WholeRun:
         epoch, cursor = run.start_epoch, 0
         while epoch < run.epochs:
             if cursor == 0:
-                self.began = time.perf_counter()
+                self.spent = 0.0  # the epoch's share of wall time so far
                 status, state = self._begin(state, epoch, live=True)
                 if status != CONTINUE:  # epoch_started halted: the epoch does not step
                     state, status = self._finish(state, epoch, status, {}, False, True)
@@ -183,13 +183,17 @@ class WholeRun:
         self, state: Any, epoch: int, cursor: int, signals: Any
     ) -> tuple[Any, int, int, bool]:
         """One dispatch and its replay: `(state, epoch, cursor, halted)`."""
+        began = time.perf_counter()
         segments, host = self._launch(state, epoch, cursor)
+        wall = time.perf_counter() - began  # the dispatch, shared by its epochs' steps
+        steps = sum(n for _, n in segments)
         executed = int(np.count_nonzero(host["n_run"]))
         self.host, self.first_epoch = host, epoch
         for s, (first, n) in enumerate(segments[:executed]):
             last_one = s == executed - 1
+            began = time.perf_counter()
             if s > 0:
-                self.began = time.perf_counter()
+                self.spent = 0.0
                 _, state = self._begin(state, epoch, live=False)
             result = ChunkResult(
                 first,
@@ -205,6 +209,7 @@ class WholeRun:
             if last_one and signals.requested:
                 status = HALT_LOOP
             ended = first + n == self.limit
+            self.spent += wall * n / steps + time.perf_counter() - began
             if status != CONTINUE or ended:
                 final = self.run.reads.metrics_of(_slot(host["final"], s))
                 state, status = self._finish(state, epoch, status, final, True, last_one, s)
@@ -236,7 +241,7 @@ class WholeRun:
         wrote_last = stepped and replay.steps > 0 and replay.merged_through == replay.steps - 1
         if not wrote_last:  # last writer wins (docs/design.md §2)
             metrics.update(final)
-        seconds = time.perf_counter() - self.began
+        seconds = self.spent  # the epoch's wall time: its share of dispatches, its replay
         run.stats["epoch_time"][epoch] = seconds
         state = state.replace(metrics=metrics, times={**state.times, epoch: seconds})
         if status == HALT_LOOP:  # halted mid-epoch: not in history
