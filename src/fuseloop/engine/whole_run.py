@@ -21,6 +21,7 @@ import numpy as np
 
 from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, ITERATION_EVENTS, Event
 from .device_monitors import (
+    DeviceWork,
     hand_best,
     monitor_start,
     plan_device_work,
@@ -67,6 +68,10 @@ class WholeRun:
         run.stats["dispatch_splits"] = self.splits
         # validate and early_stop run on the device where they can (device_monitors.py)
         self.work = plan_device_work(run.bus, run.loop.metrics, run.carry.step_state)
+        if run.placement.mesh is not None:
+            # Over a mesh the host validation runs unsharded; the device twin would not be
+            # the same program, so validation and monitors stay on the host (they split).
+            self.work = DeviceWork(None)
         self.on_device = set(self.work.registrations)
         self.validation = validation_inputs(self.work, run.programs, run.placement)
 
