@@ -140,12 +140,15 @@ def make_filter(spec: Any, argument: str = "filter") -> Filter:
 
 @dataclass(frozen=True)
 class Registration:
-    """One handler attached to one event."""
+    """One handler attached to one event. An `observes` handler (`Loop.observe`) only
+    looks: it must return None, so a multi-epoch dispatch never has to end for it.
+    """
 
     event: Event
     handler: Callable[[Any], Any]
     filter: Filter = ALWAYS
     name: str = ""
+    observes: bool = False
 
     @property
     def label(self) -> str:

@@ -37,7 +37,9 @@ class FusionError(ValueError):
 
 
 def resolve_fuse(fuse: Any, jit: bool) -> int | str | None:
-    """Validates `run(fuse=...)`: None (unfused), a chunk size, or "auto"."""
+    """Validates `run(fuse=...)`: None (unfused), a chunk size, "auto", or "run" (as many
+    epochs per dispatch as the handlers allow, on device-resident data; docs/design.md §9).
+    """
     if fuse is False or fuse is None:
         return None
     if not jit:
@@ -49,11 +51,13 @@ def resolve_fuse(fuse: Any, jit: bool) -> int | str | None:
         return DEFAULT_CHUNK
     if fuse == "auto":
         return "auto"
+    if fuse == "run":
+        return "run"
     if isinstance(fuse, (int, np.integer)) and not isinstance(fuse, bool) and fuse >= 1:
         return int(fuse)
     raise ValueError(
         f"fuse={fuse!r} is not accepted; accepted values: False, True (chunks of "
-        f"{DEFAULT_CHUNK}), a positive int chunk size, or 'auto'"
+        f"{DEFAULT_CHUNK}), a positive int chunk size, 'auto', or 'run'"
     )
 
 

@@ -90,6 +90,43 @@ class Loop:
         registration = Registration(event, handler, make_filter(filter), name)
         return self._with(registrations=self.registrations + (registration,))
 
+    def observe(
+        self, event: Any, fn: Callable[[State], None], filter: Any = "always", name: str = ""
+    ) -> Loop:
+        """Attaches `fn(state)` to `event` as a handler that only observes.
+
+        `fn` must return None (anything else raises a ValueError): it cannot halt or change
+        the State, so it never ends a multi-epoch dispatch (`run(fuse="run")`); its events
+        are replayed after the dispatch, in the unfused order, with each epoch's own
+        metrics. Inside a replayed epoch `state.step_state` is None, as in the iteration
+        events of a fused loop (docs/design.md §9).
+
+        Example:
+            >>> import fuseloop as fl, numpy as np, optax
+            >>> seen = []
+            >>> loop = fl.trainer(fl.models.mlp([4, 2]), "sparse_categorical_cross_entropy",
+            ...                   optax.sgd(0.1)).observe("epoch_completed",
+            ...                                           lambda s: seen.append(s.epoch))
+            >>> data = fl.data.arrays(np.ones((8, 3), np.float32), np.zeros(8, np.int32),
+            ...                       batch_size=4, device=True)
+            >>> loop.run(data, epochs=3, fuse="run").stats["dispatches"], seen
+            (1, [0, 1, 2])
+        """
+        event = normalize_event(event)
+        if not callable(fn):
+            raise ValueError(f"fn={fn!r} must be callable(state) -> None")
+        registration = Registration(event, fn, make_filter(filter), name, observes=True)
+        return self._with(registrations=self.registrations + (registration,))
+
+    def _as_observers(self, before: int) -> Loop:
+        """This loop with the registrations after the first `before` marked as observers
+        (the writers attached by csv_log and tensorboard only look).
+        """
+        marked = self.registrations[:before] + tuple(
+            dataclasses.replace(r, observes=True) for r in self.registrations[before:]
+        )
+        return self._with(registrations=marked)
+
     def log(
         self,
         fn: Callable[[State], str],
@@ -111,7 +148,7 @@ class Loop:
         writer = Writer(fn, stream)
         if not runs_on_all_processes(fn):  # process 0 writes, unless fn asks for all
             writer = main_process_only(writer)
-        return self.handle_event(event, writer, filter, name="log")
+        return self.observe(event, writer, filter, name="log")
 
     def validate(
         self,
@@ -253,7 +290,9 @@ class Loop:
         """
         from .handlers.writers import CSVWriter, attach_writer
 
-        return attach_writer(self, CSVWriter(path, event), event, filter, "csv_log")
+        before = len(self.registrations)
+        built: Loop = attach_writer(self, CSVWriter(path, event), event, filter, "csv_log")
+        return built._as_observers(before)
 
     def tensorboard(
         self,
@@ -270,9 +309,11 @@ class Loop:
         """
         from .handlers.writers import TensorBoardWriter, attach_writer
 
-        return attach_writer(
+        before = len(self.registrations)
+        built: Loop = attach_writer(
             self, TensorBoardWriter(logdir, event, prefix), event, filter, "tensorboard"
         )
+        return built._as_observers(before)
 
     def _metadata_key(self, base: str) -> str:
         """A `handler_metadata` key no attached handler uses yet (stable across runs)."""
@@ -321,7 +362,12 @@ class Loop:
                 State to resume from.
             epochs: Total number of epochs (a resumed run continues up to this many).
             iterations: Bound on iterations per epoch.
-            fuse: False; True (chunks of 32); a positive int chunk size; or "auto".
+            fuse: False; True (chunks of 32); a positive int chunk size; "auto"; or "run".
+                On device-resident data (`fl.data.arrays(..., device=True)`), "run" and a
+                chunk size larger than the epoch run many epochs per dispatch, ending a
+                dispatch only where a handler that may halt or change the State fires
+                (`state.stats["dispatch_splits"]` says where and why); on host-fed data
+                chunks stay within an epoch ("run" is one chunk per epoch).
             jit: False runs op by op for debugging (unfused only).
             progress: Show a tqdm bar per epoch.
             mesh: A `jax.sharding.Mesh` with a "data" axis for data parallelism.

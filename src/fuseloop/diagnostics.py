@@ -38,6 +38,7 @@ from .engine.auto_chunk import (
 from .engine.programs import Programs
 
 __all__ = [
+    "explain_dispatches",
     "Report",
     "ChunkDecision",
     "report",
@@ -315,3 +316,35 @@ def report(
     return Report(
         k, n_iter, fused, unfused, step_fusions, chunk_fusions, step_s * 1e6, overhead_s * 1e6, auto
     )
+
+
+def explain_dispatches(state: Any) -> str:
+    """Says how a run was dispatched, and where and why a dispatch ended early.
+
+    How many dispatches, whether they crossed epochs (`run(fuse="run")` or a chunk larger
+    than the epoch on device-resident data), and at which epochs a dispatch ended before
+    it had to and why (docs/design.md §9).
+
+    Args:
+        state: The State a run returned.
+
+    Returns:
+        A few lines of text.
+
+    Example:
+        >>> import fuseloop as fl, numpy as np, optax
+        >>> data = fl.data.arrays(np.ones((8, 3), np.float32), np.zeros(8, np.int32),
+        ...                       batch_size=4, device=True)
+        >>> loop = fl.trainer(fl.models.mlp([4, 2]), "sparse_categorical_cross_entropy",
+        ...                   optax.sgd(0.1))
+        >>> state = loop.handle_event("epoch_completed", lambda s: None, filter={"once": 2})
+        >>> print(explain_dispatches(state.run(data, epochs=3, fuse="run")))
+        2 dispatches; many epochs per dispatch
+          a dispatch ended after epoch 1: <lambda> on epoch_completed sees the live State
+    """
+    stats = state.stats
+    crossing = stats.get("whole_run", "one epoch or less per dispatch")
+    lines = [f"{stats['dispatches']} dispatches; {crossing}"]
+    for epoch, reason in sorted(stats.get("dispatch_splits", {}).items()):
+        lines.append(f"  a dispatch ended after epoch {epoch}: {reason}")
+    return "\n".join(lines)

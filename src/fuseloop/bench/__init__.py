@@ -317,6 +317,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--members", type=int, default=32, help="population members (with --population)"
     )
+    parser.add_argument(
+        "--whole-run",
+        action="store_true",
+        help="only the whole-run workload (digits, 20 epochs, validation and early "
+        "stopping): fuse='run' against its one-jit floor and the per-epoch dispatch",
+    )
     return parser
 
 
@@ -344,6 +350,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.population:
         return _population_main(args, reps, log)
+    if args.whole_run:
+        from ._whole_run import whole_run_benchmark, whole_run_markdown
+
+        result = whole_run_benchmark(reps, log=log)
+        print(whole_run_markdown(result))
+        if args.json:
+            write_json(result, args.json)
+        return 0
     if args.report:
         reports = _diagnostics(specs, MAIN_FUSE, 32, 100)
         for name, report in reports.items():

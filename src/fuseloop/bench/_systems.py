@@ -212,6 +212,8 @@ class Fuseloop(System):
         n = self.w.n_batches
         if self.fuse is False:
             return n * epochs
+        if self.resident and self.fuse != "auto" and self.fuse > n:
+            return math.ceil(n * epochs / self.fuse)  # chunks cross epochs (resident data)
         return None if self.fuse == "auto" else math.ceil(n / self.fuse) * epochs
 
     def _verify(self, stats: dict[str, Any], epochs: int) -> None:

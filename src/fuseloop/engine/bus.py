@@ -23,6 +23,10 @@ from .._state import State
 
 __all__ = ["EventBus"]
 
+# Every event, its name, and whether it is also counted per epoch (counts() runs at every
+# firing that has a handler: a multi-epoch replay fires many).
+_COUNTED = tuple((event, event.value, event in ITERATION_EVENTS) for event in Event)
+
 
 class EventBus:
     """Fires events to registered handlers and keeps the run's event counts."""
@@ -51,13 +55,11 @@ class EventBus:
             self.total[event] = int(value["total"] if isinstance(value, dict) else value)
 
     def counts(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for event in Event:
-            if event in ITERATION_EVENTS:
-                out[event.value] = {"total": self.total[event], "epoch": self.in_epoch[event]}
-            else:
-                out[event.value] = self.total[event]
-        return out
+        total, in_epoch = self.total, self.in_epoch
+        return {
+            name: {"total": total[event], "epoch": in_epoch[event]} if per_epoch else total[event]
+            for event, name, per_epoch in _COUNTED
+        }
 
     def new_epoch(self) -> None:
         for event in ITERATION_EVENTS:
@@ -114,6 +116,13 @@ class EventBus:
                     f"'{event.value}' (epoch {state.epoch}, iteration {state.iteration})"
                 )
                 raise
+            if registration.observes and result is not None:
+                raise ValueError(
+                    f"handler {registration.label} was attached with Loop.observe, so it "
+                    f"only observes and must return None; it returned "
+                    f"{type(result).__name__}. Attach it with Loop.handle_event to halt or "
+                    f"change the State"
+                )
             status, new_state = parse_result(result, registration.label)
             if new_state is not None:
                 if not isinstance(new_state, State):
@@ -131,11 +140,21 @@ class EventBus:
                 break
         return status, state
 
-    def fire(self, event: Event, state: State, mirror_history: bool = False) -> tuple[str, State]:
-        """Fires an epoch- or run-level event with a complete State."""
+    def fire(
+        self,
+        event: Event,
+        state: State,
+        mirror_history: bool = False,
+        substitute: dict[Registration, Registration] | None = None,
+    ) -> tuple[str, State]:
+        """Fires an epoch- or run-level event with a complete State. `substitute` replaces
+        some registrations for this firing (a device-run handler's replay, whole_run.py).
+        """
         self.total[event] += 1
         registrations = [
-            r for r in self.by_event.get(event, ()) if r.filter.by_count(self.total[event])
+            (substitute or {}).get(r, r)
+            for r in self.by_event.get(event, ())
+            if r.filter.by_count(self.total[event])
         ]
         ends_epoch = event in (Event.EPOCH_COMPLETED, Event.EPOCH_HALTED)
         if self.observer is not None and not ends_epoch:

@@ -17,12 +17,14 @@ class Handoff:
     def __init__(self, bus: Any, carry: Any):
         self.bus, self.carry = bus, carry
 
-    def fire(self, event: Event, state: Any, mirror_history: bool = False) -> tuple[str, Any]:
+    def fire(
+        self, event: Event, state: Any, mirror_history: bool = False, substitute: Any = None
+    ) -> tuple[str, Any]:
         """A run or epoch event: handlers see (and may replace) the live step state."""
         if not self.bus.has(event):  # counted and observed; no handler can change a thing
             return self.bus.fire(event, state, mirror_history)
         state = state.replace(step_state=self.carry.step_state)
-        status, state = self.bus.fire(event, state, mirror_history)
+        status, state = self.bus.fire(event, state, mirror_history, substitute)
         self.carry.adopt(state.step_state)
         return status, state
 

@@ -47,6 +47,7 @@ class ProgramCache:
         pack: Packs a carry into one buffer per dtype (the snapshot before a launch ahead).
         unpack: Unpacks such a snapshot, by the carry's structure, shapes and dtypes.
         populations: The programs of population runs (a member axis), one cache per size.
+        whole_run: Multi-epoch resident programs (`whole_run.py`), by their static shape.
     """
 
     traces: int = 0
@@ -62,6 +63,7 @@ class ProgramCache:
     pack: Any = None
     unpack: dict[Any, Any] = field(default_factory=dict)
     populations: dict[int, Any] = field(default_factory=dict)  # member count -> its cache
+    whole_run: dict[Any, Any] = field(default_factory=dict)
 
 
 class Programs:

@@ -19,7 +19,7 @@ from .._checks import Checker
 from .._data import as_source
 from .._distributed import check_same_config, describe, process_count
 from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, Event
-from .._fusion import resolve_fuse
+from .._fusion import DEFAULT_CHUNK, resolve_fuse
 from .._placement import Placement
 from .._state import State, new_stats
 from .auto_chunk import choose_chunk_size
@@ -34,6 +34,7 @@ from .population_run import PopulationHost
 from .programs import Programs
 from .signals import SignalGuard
 from .start import initial_step_state
+from .whole_run import WholeRun, whole_run_refusal
 
 __all__ = ["Run", "check_run_options"]
 
@@ -115,6 +116,7 @@ class Run:
             else PopulationHost(self.population, self.carry, self.reads, loop.guard_nonfinite)
         )
         self.epoch_loop: EpochLoop | None = None
+        self.whole: WholeRun | None = None  # many epochs per dispatch (whole_run.py)
         self.state = State(max_epoch=self.epochs, max_iteration=iterations, stats=self.stats)
 
     # ----------------------------------------------------------------- the run
@@ -221,6 +223,14 @@ class Run:
         return first[0]
 
     def _feed(self, step_state: Any, first: Any) -> Any:
+        length = _epoch_length(self.source, self.iterations)
+        fuse = self.fuse
+        if self.resident and isinstance(fuse, int) and length is not None and fuse > length:
+            self._whole_run(fuse)
+        if self.fuse == "run":
+            self._whole_run(None)
+        if self.whole is not None:
+            return None
         if self.fuse == "auto":
             self.fuse = choose_chunk_size(
                 self.programs,
@@ -251,12 +261,35 @@ class Run:
             max_in_flight=self.max_in_flight,
         )
 
+    def _whole_run(self, size: int | None) -> None:
+        """Many epochs per dispatch where the data allows (docs/design.md §9); otherwise
+        `fuse="run"` is one chunk per epoch, and `stats["whole_run"]` says why.
+        """
+        length = _epoch_length(self.source, self.iterations) or DEFAULT_CHUNK
+        if not self.resident:
+            refusal: str | None = "the data is host-fed: chunks stay within an epoch"
+        elif self.population is not None:
+            # The multi-epoch program is not vmapped over members (yet): a population keeps
+            # epoch-bounded chunks, which are exact.
+            refusal = "a population: chunks stay within an epoch"
+        else:
+            refusal = whole_run_refusal(self.source.data, self.iterations)
+        self.stats["whole_run"] = refusal or "many epochs per dispatch"
+        if refusal is not None:
+            self.fuse = length if size is None else size
+            return
+        self.whole = WholeRun(self, size, _warn_nonfinite)
+        self.stats["chunk_size"] = size or length * self.epochs
+
     # ----------------------------------------------------------------- epochs
     def _epochs(self, signals: SignalGuard) -> State:
         compiles_before = self.programs.traces
         status, state = self.handoff.fire(Event.STARTED, self.state)
         halted = status == HALT_LOOP
         epoch = self.start_epoch
+        if self.whole is not None and not halted:
+            state, halted = self.whole.epochs(state, signals)
+            epoch = self.epochs  # the epoch loop below has nothing left to do
         while not halted and epoch < self.epochs:
             state, status = self._epoch(state, epoch, signals)
             self.state = state

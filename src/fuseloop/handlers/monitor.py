@@ -156,6 +156,10 @@ class EarlyStopping:
         >>> stop = EarlyStopping("validation_loss", patience=2, restore_best=True)
     """
 
+    # The engine runs a twin of this handler on the device inside a multi-epoch dispatch
+    # (engine/device_monitors.py) and checks it against this one, the reference.
+    on_device = "early_stop"
+
     def __init__(
         self,
         monitor: str,
@@ -268,20 +272,53 @@ class ReduceLROnPlateau:
         if not find_learning_rates(shapes):
             raise _fixed_lr_error()
 
-    def __call__(self, state: State) -> tuple[str, State]:
-        value = self.monitor.value(state)
-        record = self.monitor.record(state)
+    # The engine runs a twin of this handler on the device inside a multi-epoch dispatch
+    # (engine/device_monitors.py); `decide` is the arithmetic both share.
+    on_device = "reduce_lr_on_plateau"
+
+    def decide(
+        self, record: dict[str, Any], value: float, epoch: int, rate: Any
+    ) -> tuple[dict[str, Any], bool]:
+        """The record after this epoch and whether to reduce the rate now; `rate()` gives
+        the current learning rate (asked for only when a reduction is due).
+        """
+        record = dict(record)
         record.setdefault("cooldown", 0)
         if record["cooldown"] > 0:
             record["cooldown"] -= 1
             record["wait"] = 0
-        record, improved = self.monitor.update(record, value, state.epoch)
+        record, improved = self.monitor.update(record, value, epoch)
         if improved or record["cooldown"] > 0:
             if not improved:
                 record["wait"] = 0
-            return "continue", self.monitor.store(state, record)
+            return record, False
         if record["wait"] < self.monitor.patience:
+            return record, False
+        current = rate()
+        record["wait"] = 0
+        if current <= self.min_lr:
+            return record, False
+        record["cooldown"] = self.cooldown
+        record["reductions"] = record.get("reductions", 0) + 1
+        return record, True
+
+    def next_rate(self, rate: Any) -> Any:
+        """The rate after one reduction, as `set_learning_rate` computes it."""
+        return np.asarray(max(float(np.asarray(rate)) * self.factor, self.min_lr), rate.dtype)
+
+    def __call__(self, state: State) -> tuple[str, State]:
+        value = self.monitor.value(state)
+        record, reduce = self.decide(
+            self.monitor.record(state), value, state.epoch, lambda: self._rate(state)
+        )
+        if not reduce:
             return "continue", self.monitor.store(state, record)
+        step_state = state.step_state
+        opt_state = set_learning_rate(step_state["opt_state"], self.factor, self.min_lr)
+        state = state.replace(step_state={**step_state, "opt_state": opt_state})
+        return "continue", self.monitor.store(state, record)
+
+    def _rate(self, state: State) -> float:
         step_state = state.step_state
         if not isinstance(step_state, dict) or "opt_state" not in step_state:
             raise ValueError(
@@ -291,14 +328,7 @@ class ReduceLROnPlateau:
         rates = find_learning_rates(step_state["opt_state"])
         if not rates:
             raise _fixed_lr_error()
-        record["wait"] = 0
-        if float(np.asarray(rates[0])) <= self.min_lr:
-            return "continue", self.monitor.store(state, record)
-        opt_state = set_learning_rate(step_state["opt_state"], self.factor, self.min_lr)
-        record["cooldown"] = self.cooldown
-        record["reductions"] = record.get("reductions", 0) + 1
-        state = state.replace(step_state={**step_state, "opt_state": opt_state})
-        return "continue", self.monitor.store(state, record)
+        return float(np.asarray(rates[0]))
 
 
 def _injected_rate(tx: Any) -> bool:

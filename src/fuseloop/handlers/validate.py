@@ -75,6 +75,10 @@ class Validator:
         >>> state.metrics["validation_accuracy"]  # doctest: +SKIP
     """
 
+    # On device-resident data the engine runs this handler inside a multi-epoch dispatch
+    # (engine/device_monitors.py), with the same arithmetic.
+    on_device = "validate"
+
     def __init__(self, loop: Any, data: Any, fuse: Any = False):
         self.loop, self.data, self.fuse = loop, data, fuse
 

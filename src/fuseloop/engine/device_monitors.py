@@ -1,0 +1,390 @@
+"""Epoch-end work done on the device inside a multi-epoch dispatch (docs/design.md §9).
+
+Two handlers have device twins: `validate` on device-resident validation data (the
+evaluator's own device loop over the validation set, accumulating sums and counts) and
+`early_stop` (the monitor's best, wait and stop, in float32). The host handlers stay the
+reference: after the dispatch the host replays `early_stop` itself on each epoch's metrics
+and checks that it decides what the device decided (a disagreement raises a FusionError,
+never a silent difference), and `validate` is replayed by merging the device's validation
+accumulators, read the way an evaluator run reads them.
+
+A handler is recognised by its `on_device` attribute ("validate" or "early_stop"); the
+engine imports no handler module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .._events import ALWAYS, CONTINUE, Event, Registration
+from .._fusion import FusionError, make_chunk_fn
+from .._metrics import read_metric
+from .._optim import _is_inject_state, find_learning_rates
+from .._step import init_tail, make_carry_step
+
+__all__ = ["DeviceWork", "plan_device_work"]
+
+_PREFIX = "validation_"
+
+
+@dataclass(frozen=True)
+class Validation:
+    registration: Registration
+    loop: Any  # the evaluator Loop
+    source: Any  # its resident ArraySource
+
+    @property
+    def batches(self) -> int:
+        return self.source.n // self.source.batch_size
+
+
+@dataclass(frozen=True)
+class Watcher:
+    """A device twin of `early_stop` (`kind` "early_stop") or `reduce_lr_on_plateau`."""
+
+    kind: str
+    registration: Registration
+    handler: Any  # the host handler, the reference
+    spec: Any  # the MetricSpec it monitors
+    validation: bool  # the metric is `validation_<spec.name>`
+
+
+@dataclass(frozen=True)
+class DeviceWork:
+    """The epoch-end work of a run's dispatches, in registration order; `key` identifies
+    its programs.
+    """
+
+    validation: Validation | None
+    watchers: tuple[Watcher, ...] = ()
+
+    @property
+    def key(self) -> tuple[Registration, ...]:
+        return self.registrations
+
+    @property
+    def registrations(self) -> tuple[Registration, ...]:
+        head = (self.validation.registration,) if self.validation else ()
+        return head + tuple(w.registration for w in self.watchers)
+
+    @property
+    def stopper(self) -> Watcher | None:
+        return next((w for w in self.watchers if w.kind == "early_stop"), None)
+
+    @property
+    def plateau(self) -> Watcher | None:
+        return next((w for w in self.watchers if w.kind == "reduce_lr_on_plateau"), None)
+
+
+def _resident_validation(r: Registration) -> Validation | None:
+    handler: Any = r.handler
+    source: Any = getattr(handler, "data", None)
+    if getattr(handler, "on_device", None) != "validate" or r.filter != ALWAYS:
+        return None
+    if not getattr(source, "resident", False) or source.n % source.batch_size:
+        return None  # host-fed or with a short last batch: validated on the host
+    return Validation(r, handler.loop, source)
+
+
+def _watcher(r: Registration, metrics: Any, validation: Validation | None) -> Watcher | None:
+    handler: Any = r.handler
+    kind = getattr(handler, "on_device", None)
+    if kind not in ("early_stop", "reduce_lr_on_plateau") or r.filter != ALWAYS:
+        return None
+    name = handler.monitor.monitor
+    if validation is not None and name.startswith(_PREFIX):
+        wanted = name[len(_PREFIX) :]
+        for spec in validation.loop.metrics:
+            if spec.name == wanted:
+                return Watcher(kind, r, handler, spec, True)
+    for spec in metrics:
+        if spec.name == name:
+            return Watcher(kind, r, handler, spec, False)
+    return None
+
+
+def plan_device_work(bus: Any, metrics: Any, step_state: Any) -> DeviceWork:
+    """The `epoch_completed` handlers the device can run, in order: a resident `validate`
+    first, then `early_stop` and `reduce_lr_on_plateau` on metrics the device computes
+    (each firing every epoch; one of each; a plateau needs one injected learning rate).
+    """
+    validation: Validation | None = None
+    watchers: list[Watcher] = []
+    for r in bus.by_event.get(Event.EPOCH_COMPLETED, ()):
+        if r.observes:
+            continue
+        if validation is None and not watchers:
+            validation = _resident_validation(r)
+            if validation is not None:
+                continue
+        watcher = _watcher(r, metrics, validation)
+        if watcher is None or any(w.kind == watcher.kind for w in watchers):
+            break  # a handler the device cannot run: later ones see what it wrote
+        if watcher.kind == "reduce_lr_on_plateau" and len(_rates(step_state)) != 1:
+            break
+        watchers.append(watcher)
+    return DeviceWork(validation, tuple(watchers))
+
+
+def _rates(step_state: Any) -> list[Any]:
+    if not isinstance(step_state, dict) or "opt_state" not in step_state:
+        return []
+    return find_learning_rates(step_state["opt_state"])
+
+
+# --------------------------------------------------------------------- device side
+def device_value(spec: Any, acc: dict[str, Any]) -> Any:
+    """`_metrics.read_metric` in float32 on the device."""
+    total = acc["sum"].astype(jnp.float32)
+    if spec.accumulate in ("running_sum", "last"):
+        return total
+    count = acc["count"].astype(jnp.float32)
+    mean = total / jnp.where(count > 0, count, jnp.float32(1))
+    return jnp.where(count <= 0, jnp.nan, jnp.where(count < 1, jnp.float32(0), mean))
+
+
+def epoch_end_fn(work: DeviceWork) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """`init(state, monitors) -> extra` and `end(state, acc, extra, s, inputs) -> (state,
+    extra, stop, validation accumulators)`: the epoch-end work, in registration order.
+    """
+    v = work.validation
+    if v is not None:
+        program = v.loop.program
+        body = make_chunk_fn(make_carry_step(program, v.loop.metrics, False), True, False)
+        slots = max(v.batches, 2)
+
+    def validate(state: Any, vdata: Any, vorder: Any) -> Any:
+        assert v is not None  # only called with a validation
+        rows = vorder[jnp.minimum(jnp.arange(slots), vorder.shape[0] - 1)]
+        chunk = jax.tree.map(lambda leaf: leaf[rows], vdata)
+        tail = init_tail(v.loop.metrics, False)
+        _, tail, _, _ = body({"params": state["params"]}, tail, chunk, jnp.int32(v.batches))
+        return tail["acc"]
+
+    def init(state: Any, monitors: Any) -> dict[str, Any]:
+        extra: dict[str, Any] = {"monitors": monitors, "best_s": jnp.int32(-1)}
+        stopper = work.stopper
+        if stopper is not None and stopper.handler.restore_best:
+            extra["best_state"] = jax.tree.map(jnp.copy, state)
+        return extra
+
+    def end(state: Any, acc: Any, extra: Any, s: Any, inputs: Any) -> tuple[Any, ...]:
+        val_acc = validate(state, *inputs["validation"]) if v is not None else None
+        stop = jnp.zeros((), jnp.bool_)
+        extra = {**extra, "monitors": dict(extra["monitors"])}
+        for w in work.watchers:
+            pool: Any = val_acc if w.validation else acc
+            value = device_value(w.spec, pool[w.spec.name])
+            record = extra["monitors"][w.kind]
+            if w.kind == "early_stop":
+                record, improved, stop = _stop_update(w.handler.monitor, record, value)
+                extra["best_s"] = jnp.where(improved, s, extra["best_s"])
+                if "best_state" in extra:
+                    extra["best_state"] = lax.cond(
+                        improved,
+                        lambda kept=state: jax.tree.map(jnp.copy, kept),
+                        lambda kept=extra["best_state"]: kept,
+                    )
+            else:
+                record, state = _plateau_update(w.handler, record, value, state, inputs["rates"])
+            extra["monitors"][w.kind] = record
+        return state, extra, stop, val_acc
+
+    return init, end
+
+
+def _beats(monitor: Any, value: Any, record: Any) -> Any:
+    delta = jnp.float32(monitor.min_delta)
+    beats = (
+        value < record["best"] - delta if monitor.mode == "min" else value > record["best"] + delta
+    )
+    return jnp.isfinite(value) & (~record["has_best"] | beats)
+
+
+def _stop_update(monitor: Any, record: Any, value: Any) -> tuple[Any, Any, Any]:
+    """`Monitor.update` and the early-stop rule, in float32 (verified on the host)."""
+    improved = _beats(monitor, value, record)
+    wait = jnp.where(improved, 0, record["wait"] + 1)
+    stop = ~jnp.isfinite(value) | ((wait > 0) & (wait >= monitor.patience))
+    best = jnp.where(improved, value, record["best"])
+    return (
+        {**record, "best": best, "has_best": record["has_best"] | improved, "wait": wait},
+        improved,
+        stop,
+    )
+
+
+def _plateau_update(
+    handler: Any, record: Any, value: Any, state: Any, rates: Any
+) -> tuple[Any, Any]:
+    """`ReduceLROnPlateau.decide` in float32 (verified on the host); a reduction sets the
+    next rate of the host's table (`rates[k]`, computed as `set_learning_rate` does).
+    """
+    rate_table, at_floor = rates
+    cooling = record["cooldown"] > 0
+    cooldown = jnp.where(cooling, record["cooldown"] - 1, record["cooldown"])
+    wait = jnp.where(cooling, 0, record["wait"])
+    improved = _beats(handler.monitor, value, record)
+    wait = jnp.where(improved, 0, wait + 1)
+    quiet = improved | (cooldown > 0)
+    wait = jnp.where(quiet & ~improved, 0, wait)
+    due = ~quiet & (wait >= handler.monitor.patience)
+    wait = jnp.where(due, 0, wait)
+    k = record["k"]
+    reduce = due & ~at_floor[k]
+    k = jnp.where(reduce, k + 1, k)
+    cooldown = jnp.where(reduce, handler.cooldown, cooldown)
+    state = lax.cond(reduce, lambda: _with_rate(state, rate_table[k]), lambda: state)
+    record = {
+        "best": jnp.where(improved, value, record["best"]),
+        "has_best": record["has_best"] | improved,
+        "wait": wait,
+        "cooldown": cooldown,
+        "k": k,
+        "reduced": reduce,
+    }
+    return record, state
+
+
+def _with_rate(state: Any, rate: Any) -> Any:
+    def change(node: Any) -> Any:
+        if not (_is_inject_state(node) and "learning_rate" in node.hyperparams):
+            return node
+        old = node.hyperparams["learning_rate"]
+        hyperparams = {**node.hyperparams, "learning_rate": rate.astype(old.dtype)}
+        return node._replace(hyperparams=hyperparams)
+
+    opt_state = jax.tree.map(change, state["opt_state"], is_leaf=_is_inject_state)
+    return {**state, "opt_state": opt_state}
+
+
+def monitor_start(work: DeviceWork, state: Any) -> dict[str, Any]:
+    """The device monitors' records at a dispatch's start, from the host records."""
+    out = {}
+    for w in work.watchers:
+        record = w.handler.monitor.record(state)
+        best = record["best"]
+        out[w.kind] = {
+            "best": np.float32(0.0 if best is None else best),
+            "has_best": np.bool_(best is not None),
+            "wait": np.int32(record["wait"]),
+        }
+        if w.kind == "reduce_lr_on_plateau":
+            out[w.kind].update(
+                cooldown=np.int32(record.get("cooldown", 0)), k=np.int32(0), reduced=np.bool_(False)
+            )
+    return out
+
+
+def rate_table(work: DeviceWork, step_state: Any, epochs: int) -> tuple[Any, Any]:
+    """The learning rates after 0, 1, ... `epochs` reductions, each computed from the last
+    on the host exactly as the host handler computes it, and whether each is at `min_lr`.
+    """
+    w = work.plateau
+    if w is None:
+        return np.zeros(1, np.float32), np.zeros(1, np.bool_)
+    # Host read: the current learning rate, once per dispatch (a scalar).
+    rate = np.asarray(jax.device_get(_rates(step_state)[0]))
+    rates = [rate]
+    for _ in range(epochs):
+        rates.append(w.handler.next_rate(rates[-1]))
+    floor = [float(r) <= w.handler.min_lr for r in rates]
+    return np.stack(rates), np.asarray(floor, np.bool_)
+
+
+def validation_inputs(work: DeviceWork, programs: Any, placement: Any) -> tuple[Any, ...] | None:
+    """The validation data on the device and its order (the evaluator's epoch 0)."""
+    v = work.validation
+    if v is None:
+        return None
+    data = v.source.put(placement.replicated)
+    order, _, _ = programs.epoch_order(v.source)(np.int32(0))  # cached by the source
+    return data, order
+
+
+# --------------------------------------------------------------------- host side
+def replayed_handlers(
+    work: DeviceWork, host: dict[str, Any], segment: int, live: bool, rate: Any
+) -> dict[Registration, Registration]:
+    """Substitutes for the device-run registrations when an epoch's `epoch_completed` is
+    replayed from dispatch output `host` (segment `segment`); `rate` is the learning rate
+    the epoch ended with.
+    """
+    out: dict[Registration, Registration] = {}
+    v = work.validation
+    if v is not None:
+        acc = {k: _slot(a, segment) for k, a in host["validation"].items()}
+        metrics = {
+            _PREFIX + m.name: read_metric(m, acc[m.name])
+            for m in v.loop.metrics
+            if float(acc[m.name]["count"]) > 0
+        }
+
+        def merge(state: Any) -> tuple[str, Any]:
+            return CONTINUE, state.replace(metrics={**state.metrics, **metrics})
+
+        out[v.registration] = dataclasses.replace(v.registration, handler=merge)
+    for w in work.watchers:
+        if w.kind == "early_stop":
+            handler = _verified_stop(w.handler, bool(host["stop"][segment]), live)
+        else:
+            reduced = bool(host["reduced"][segment])
+            handler = _verified_plateau(w.handler, reduced, live, rate)
+        out[w.registration] = dataclasses.replace(w.registration, handler=handler)
+    return out
+
+
+def _disagree(name: str, monitor: Any, epoch: int) -> FusionError:
+    return FusionError(
+        f"{name}({monitor.monitor!r}): the device monitor and the host monitor disagree at "
+        f"epoch {epoch} (min_delta={monitor.min_delta} compared in float32 on the device); "
+        f"run with fuse=K at most the epoch's length to monitor on the host"
+    )
+
+
+def _verified_stop(handler: Any, device_stopped: bool, live: bool) -> Callable[[Any], Any]:
+    def verified(state: Any) -> Any:
+        status, state = handler(state if live else state.replace(step_state=None))
+        if (status != CONTINUE) != device_stopped:
+            raise _disagree("early_stop", handler.monitor, state.epoch)
+        return status, state
+
+    return verified
+
+
+def _verified_plateau(
+    handler: Any, device_reduced: bool, live: bool, rate: Any
+) -> Callable[[Any], Any]:
+    """The host arithmetic on the epoch's metrics; the rate change itself was made on the
+    device (its step state is the carry's when live).
+    """
+
+    def verified(state: Any) -> Any:
+        value = handler.monitor.value(state)
+        record = handler.monitor.record(state)
+        record, reduce = handler.decide(record, value, state.epoch, lambda: float(rate))
+        if reduce != device_reduced:
+            raise _disagree("reduce_lr_on_plateau", handler.monitor, state.epoch)
+        return CONTINUE, handler.monitor.store(state, record)
+
+    return verified
+
+
+def hand_best(work: DeviceWork, best_state: Any, best_epoch: int, value: float) -> None:
+    """Gives `early_stop(restore_best=True)` the best step state the device kept."""
+    handler = work.stopper.handler if work.stopper is not None else None
+    if handler is not None and handler.restore_best and math.isfinite(value):
+        handler._best = ((best_epoch, value), best_state)
+
+
+def _slot(tree: Any, s: int) -> Any:
+    return {k: v[s] for k, v in tree.items()} if isinstance(tree, dict) else tree[s]

@@ -1,0 +1,184 @@
+"""The multi-epoch device loop: one dispatch that crosses epoch boundaries on
+device-resident data (docs/design.md §9).
+
+    while steps remain:                          # one trip per epoch piece ("segment")
+        if the epoch is over:                    # the epoch boundary, on the device
+            zero the accumulators; order <- epoch_order(seed, epoch); cursor <- 0
+        gather the rest of the epoch from `order`; run the one device loop over it
+        keep the segment's records, its final accumulators, its steps run, its flag
+
+The inner loop is the same `make_chunk_fn` loop every other program runs (docs/design.md
+§2, "one loop body for every K"), so each step is bitwise the step of a per-epoch run. The
+boundary work happens only between segments, and only when the dispatch continues past
+the epoch's end: a dispatch that ends at an epoch's end leaves the carry exactly where a
+per-epoch run leaves it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._step import init_tail
+from .device_monitors import epoch_end_fn
+from .programs import MIN_SLOTS, _epoch_order, _source_key
+
+__all__ = ["whole_run_program", "segments_for"]
+
+
+def segments_for(cursor: int, steps: int, limit: int) -> list[tuple[int, int]]:
+    """The `(first iteration, steps)` epoch pieces of a dispatch of `steps` steps that
+    starts at iteration `cursor` of an epoch of `limit` steps (what the device loop runs).
+
+    Example:
+        >>> segments_for(3, 9, 5)
+        [(3, 2), (0, 5), (0, 2)]
+    """
+    out = []
+    while steps > 0:
+        n = min(steps, limit - cursor)
+        out.append((cursor, n))
+        steps -= n
+        cursor = 0
+    return out
+
+
+def whole_run_program(
+    programs: Any, source: Any, segments: int, limit: int, sharding: Any, work: Any
+) -> Any:
+    """The cached multi-epoch program for `segments` epoch pieces of at most `limit` steps,
+    with the device's epoch-end `work` (`device_monitors.DeviceWork`).
+
+    `(state, tail, data, order, epoch, cursor, steps, monitor, validation) -> (state, tail,
+    out, order, epoch, cursor)`, where `out` holds per segment: `records` [segments, slots],
+    `final` (the accumulators at the segment's end), `n_run`, `nonfinite`, and at epoch
+    ends `validation` (the evaluator's accumulators) and `stop` (early stopping's
+    verdict); `out["extra"]` is the monitor's record and the best step state. `epoch` is
+    the device epoch counter (the next epoch whose order is computed), as in the resident
+    feed.
+    """
+    key = (_source_key(source), segments, limit, sharding, work.key)
+    cache = programs.cache.whole_run
+    if key not in cache:
+        body = programs._device_loop()
+        fn = _build(
+            body, programs.loop.metrics, programs.guard, source, segments, limit, sharding, work
+        )
+        cache[key] = programs._jit(fn)
+    return cache[key]
+
+
+def _build(
+    body: Any,
+    metrics: Any,
+    guard: bool,
+    source: Any,
+    segments: int,
+    limit: int,
+    sharding: Any,
+    work: Any,
+) -> Callable[..., Any]:
+    slots = max(limit, MIN_SLOTS)
+    start_work, end_work = epoch_end_fn(work)
+
+    def gather(data: Any, order: Any, cursor: Any) -> Any:
+        # Slots past the epoch's end gather clamped (valid) rows; they are never stepped.
+        rows = order[jnp.minimum(cursor + jnp.arange(slots), order.shape[0] - 1)]
+        chunk = jax.tree.map(lambda leaf: leaf[rows], data)
+        if sharding is not None:
+            chunk = lax.with_sharding_constraint(chunk, sharding)
+        return chunk
+
+    def boundary(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
+        """The epoch's end inside the dispatch: fresh accumulators, the next order."""
+        fresh = init_tail(metrics, guard)
+        next_order = _epoch_order(source, epoch)
+        return fresh, next_order, epoch + 1, jnp.zeros((), jnp.int32)
+
+    def keep(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
+        return tail, order, epoch, cursor
+
+    def program(
+        state: Any,
+        tail: Any,
+        data: Any,
+        order: Any,
+        epoch: Any,
+        cursor: Any,
+        steps: Any,
+        monitor: Any,
+        inputs: Any,
+    ) -> tuple[Any, ...]:
+        extra = start_work(state, monitor)
+        ended_shapes = jax.eval_shape(end_work, state, tail["acc"], extra, 0, inputs)
+        per_epoch = jax.tree.map(
+            lambda a: jnp.zeros((segments,) + a.shape, a.dtype), ended_shapes[2:]
+        )
+        out = {
+            "stop": per_epoch[0],
+            "validation": per_epoch[1],
+            "reduced": jnp.zeros((segments,), jnp.bool_),
+            "records": jax.tree.map(
+                lambda a: jnp.zeros((segments, slots) + a.shape, a.dtype), tail["acc"]
+            ),
+            "final": jax.tree.map(lambda a: jnp.zeros((segments,) + a.shape, a.dtype), tail["acc"]),
+            "n_run": jnp.zeros((segments,), jnp.int32),
+            "nonfinite": jnp.zeros((segments,), jnp.bool_),
+        }
+
+        def cond(carry: tuple[Any, ...]) -> Any:
+            s, remaining, _, tail, *_, stopped = carry
+            going = (s < segments) & (remaining > 0) & ~stopped
+            if guard:
+                going = going & ~tail["nonfinite"]
+            return going
+
+        def ended(state: Any, acc: Any, extra: Any, s: Any) -> tuple[Any, ...]:
+            return end_work(state, acc, extra, s, inputs)
+
+        def running(state: Any, acc: Any, extra: Any, s: Any) -> tuple[Any, ...]:
+            blank = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), ended_shapes[2:])
+            return (state, extra, *blank)
+
+        def step(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+            s, remaining, state, tail, order, epoch, cursor, out, extra, _ = carry
+            tail, order, epoch, cursor = lax.cond(
+                cursor >= limit, boundary, keep, tail, order, epoch, cursor
+            )
+            n = jnp.minimum(remaining, limit - cursor)
+            state, tail, records, n_run = body(state, tail, gather(data, order, cursor), n)
+            flag = tail["nonfinite"] if guard else jnp.zeros((), jnp.bool_)
+            at_end = (cursor + n_run == limit) & ~flag
+            state, extra, stop, validation = lax.cond(
+                at_end, ended, running, state, tail["acc"], extra, s
+            )
+            plateau = extra["monitors"].get("reduce_lr_on_plateau")
+            reduced = at_end & plateau["reduced"] if plateau else jnp.zeros((), jnp.bool_)
+            out = {
+                "stop": out["stop"].at[s].set(stop),
+                "reduced": out["reduced"].at[s].set(reduced),
+                "validation": _put(out["validation"], validation, s),
+                "records": _put(out["records"], records, s),
+                "final": _put(out["final"], tail["acc"], s),
+                "n_run": out["n_run"].at[s].set(n_run),
+                "nonfinite": out["nonfinite"].at[s].set(flag),
+            }
+            cursor = cursor + n_run
+            return s + 1, remaining - n_run, state, tail, order, epoch, cursor, out, extra, stop
+
+        zero = jnp.zeros((), jnp.int32)
+        stopped = jnp.zeros((), jnp.bool_)
+        carry = (zero, steps, state, tail, order, epoch, cursor, out, extra, stopped)
+        carry = lax.while_loop(cond, step, carry)
+        _, _, state, tail, order, epoch, cursor, out, extra, _ = carry
+        return state, tail, {**out, "extra": extra}, order, epoch, cursor
+
+    return program
+
+
+def _put(buffer: Any, value: Any, s: Any) -> Any:
+    return jax.tree.map(lambda b, v: lax.dynamic_update_index_in_dim(b, v, s, 0), buffer, value)

@@ -1,0 +1,291 @@
+"""Whole-run fusion: many epochs per dispatch on device-resident data (docs/design.md §9).
+
+    plan ──► dispatch (whole_program: epochs on the device) ──► one host read ──► replay
+
+The run's epoch loop becomes a loop over dispatches. A dispatch starts where the host is
+(an epoch just started, or mid-epoch after a `fuse=K` chunk) and runs up to the next
+*split point*: the end of an epoch at which a handler that may halt or change the State
+fires (known from the counters ahead of time; a callable filter fires everywhere), or the
+run's end, or K steps. Handlers that only observe (`Loop.observe`, the log, CSV,
+TensorBoard, the progress bar) never split: after the dispatch their events are replayed
+in the unfused order, each epoch with its own metrics and history entry, and with
+`state.step_state` None for epochs that ended inside the dispatch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, ITERATION_EVENTS, Event
+from .device_monitors import (
+    DeviceWork,
+    hand_best,
+    monitor_start,
+    plan_device_work,
+    rate_table,
+    replayed_handlers,
+    validation_inputs,
+)
+from .replay import ChunkResult, EpochReplay
+from .whole_program import segments_for, whole_run_program
+
+__all__ = ["WholeRun", "whole_run_refusal"]
+
+
+def whole_run_refusal(source: Any, iterations: int | None) -> str | None:
+    """Why a resident source cannot run many epochs per dispatch (None: it can)."""
+    limit = source.num_batches if iterations is None else min(iterations, source.num_batches)
+    if limit > source.n // source.batch_size:
+        return (
+            "the epoch ends with a short batch (drop_remainder=False), whose shape differs; "
+            "dispatches end at every epoch (pass drop_remainder=True to cross epochs)"
+        )
+    return None
+
+
+class WholeRun:
+    """The epochs of one run over a resident source, many per dispatch.
+
+    `run` is the `engine.run.Run` (its bus, carry, handoff, reads, programs, stats);
+    `size` is the dispatch's step bound (None: "run", as many epochs as allowed).
+    """
+
+    def __init__(self, run: Any, size: int | None, warn_nonfinite: Any):
+        source = run.source.data
+        self.run, self.size, self.warn_nonfinite = run, size, warn_nonfinite
+        self.source = source
+        bound = run.iterations
+        self.limit = source.num_batches if bound is None else min(bound, source.num_batches)
+        self.order_fn = run.programs.epoch_order(source)
+        self.counter = run.device_epoch
+        self.order: Any = None
+        self.sharding = run.placement.chunk_sharding(source.batch_size)
+        self.guard = run.loop.guard_nonfinite
+        self.splits: dict[int, str] = {}
+        run.stats["dispatch_splits"] = self.splits
+        # validate and early_stop run on the device where they can (device_monitors.py)
+        self.work = plan_device_work(run.bus, run.loop.metrics, run.carry.step_state)
+        if run.placement.mesh is not None:
+            # Over a mesh the host validation runs unsharded; the device twin would not be
+            # the same program, so validation and monitors stay on the host (they split).
+            self.work = DeviceWork(None)
+        self.on_device = set(self.work.registrations)
+        self.validation = validation_inputs(self.work, run.programs, run.placement)
+
+    # ----------------------------------------------------------------- planning
+    def _split_reason(self, epoch: int, current: int) -> str | None:
+        """Why a dispatch must end at the end of `epoch` (planned at `current`, whose
+        `epoch_started` has fired), or None.
+        """
+        bus = self.run.bus
+        for event in ITERATION_EVENTS:
+            for r in bus.by_event.get(event, ()):
+                if not r.observes:
+                    return f"{r.label} on {event.value} may halt: dispatches end every epoch"
+        count = bus.total[Event.EPOCH_COMPLETED] + (epoch - current) + 1
+        for r in bus.by_event.get(Event.EPOCH_COMPLETED, ()):
+            if r in self.on_device:
+                continue
+            if not r.observes and (r.filter.needs_state or r.filter.by_count(count)):
+                return f"{r.label} on epoch_completed sees the live State"
+        count = bus.total[Event.EPOCH_STARTED] + (epoch + 1 - current)
+        for r in bus.by_event.get(Event.EPOCH_STARTED, ()):
+            if not r.observes and (r.filter.needs_state or r.filter.by_count(count)):
+                return f"{r.label} on epoch_started of epoch {epoch + 1} sees the live State"
+        return None
+
+    def _steps(self, epoch: int, cursor: int) -> int:
+        """Steps of the next dispatch, from iteration `cursor` of `epoch`."""
+        last = epoch
+        while last < self.run.epochs - 1:
+            reason = self._split_reason(last, epoch)
+            if reason is not None:
+                self.splits[last] = reason
+                break
+            last += 1
+        steps = (last - epoch + 1) * self.limit - cursor
+        return steps if self.size is None else min(steps, self.size)
+
+    # ----------------------------------------------------------------- epochs
+    def epochs(self, state: Any, signals: Any) -> tuple[Any, bool]:
+        """Runs the epochs: `(state, halted)`."""
+        run = self.run
+        epoch, cursor = run.start_epoch, 0
+        while epoch < run.epochs:
+            if cursor == 0:
+                self.spent = 0.0  # the epoch's share of wall time so far
+                status, state = self._begin(state, epoch, live=True)
+                if status != CONTINUE:  # epoch_started halted: the epoch does not step
+                    state, status = self._finish(state, epoch, status, {}, False, True)
+                    if status == HALT_LOOP or signals.requested:
+                        return state, True
+                    epoch += 1
+                    continue
+            state, epoch, cursor, halted = self._dispatch(state, epoch, cursor, signals)
+            run.state = state
+            if halted:
+                return state, True
+        return state, False
+
+    def _begin(self, state: Any, epoch: int, live: bool) -> tuple[str, Any]:
+        run = self.run
+        run.bus.new_epoch()
+        state = state.replace(epoch=epoch, iteration=0, metrics={}, status="running")
+        if live:  # the host starts the epoch: fresh accumulators, the epoch's order
+            run.carry.reset_metrics()
+            self.order, self.counter, _ = self.order_fn(self.counter)
+            run.state = state
+            status, state = run.handoff.fire(Event.EPOCH_STARTED, state)
+        else:  # started inside the dispatch: only observers are attached here
+            status, state = run.bus.fire(Event.EPOCH_STARTED, state.replace(step_state=None))
+        self.replay = EpochReplay(run.handoff, run.carry, run.reads, self.guard)
+        run.state = state
+        return status, state
+
+    def _launch(self, state: Any, epoch: int, cursor: int) -> tuple[list[tuple[int, int]], Any]:
+        run = self.run
+        steps = self._steps(epoch, cursor)
+        segments = segments_for(cursor, steps, self.limit)
+        self.rates = rate_table(self.work, run.carry.step_state, len(segments))
+        self.reductions = 0  # the device's rate reductions replayed so far
+        program = whole_run_program(
+            run.programs, self.source, self._slots(segments), self.limit, self.sharding, self.work
+        )
+        out, self.order, self.counter, _ = run.carry.advance(
+            program,
+            run.dataset,
+            self.order,
+            self.counter,
+            np.int32(cursor),
+            np.int32(steps),
+            monitor_start(self.work, state),
+            {"validation": self.validation, "rates": self.rates},
+        )
+        self.best_state = out["extra"].get("best_state")
+        kept = ("final", "n_run", "nonfinite", "stop", "validation", "reduced")
+        wanted = {k: out[k] for k in kept}
+        wanted["best_s"] = out["extra"]["best_s"]
+        if self.replay.record:
+            wanted["records"] = out["records"]
+        # Host read: once per dispatch, every epoch's final accumulators, the steps run,
+        # the guard's flags, the device's validation and early-stopping results, and the
+        # records when an iteration handler is attached.
+        return segments, run.reads.get(wanted)
+
+    def _slots(self, segments: list[tuple[int, int]]) -> int:
+        """The program's segment slots: with `fuse=K` the most K steps can span from any
+        place in an epoch, so a short last dispatch (or a run with other epochs) reuses the
+        program; with "run" the dispatch's own count (one program per plan).
+        """
+        if self.size is None:
+            return len(segments)
+        return -(-self.size // self.limit) + 1
+
+    def _dispatch(
+        self, state: Any, epoch: int, cursor: int, signals: Any
+    ) -> tuple[Any, int, int, bool]:
+        """One dispatch and its replay: `(state, epoch, cursor, halted)`."""
+        began = time.perf_counter()
+        segments, host = self._launch(state, epoch, cursor)
+        wall = time.perf_counter() - began  # the dispatch, shared by its epochs' steps
+        steps = sum(n for _, n in segments)
+        executed = int(np.count_nonzero(host["n_run"]))
+        self.host, self.first_epoch = host, epoch
+        for s, (first, n) in enumerate(segments[:executed]):
+            last_one = s == executed - 1
+            began = time.perf_counter()
+            if s > 0:
+                self.spent = 0.0
+                _, state = self._begin(state, epoch, live=False)
+            result = ChunkResult(
+                first,
+                n,
+                _slot(host.get("records", ()), s),
+                host["n_run"][s],
+                first + n == self.limit,
+                host["nonfinite"][s],
+            )
+            status, state, fired = self.replay.chunk(state, result)
+            state = state.replace(iteration=fired)
+            self.run.state = state
+            if last_one and signals.requested:
+                status = HALT_LOOP
+            ended = first + n == self.limit
+            self.spent += wall * n / steps + time.perf_counter() - began
+            if status != CONTINUE or ended:
+                final = self.run.reads.metrics_of(_slot(host["final"], s))
+                state, status = self._finish(state, epoch, status, final, True, last_one, s)
+                if status == HALT_LOOP:
+                    return state, epoch, 0, True
+                epoch, cursor = epoch + 1, 0
+            else:
+                cursor = first + n
+        if self.on_device:  # a later dispatch's end may restore this one's best epoch
+            self._hand_best(state, epoch)
+        return state, epoch, cursor, False
+
+    def _finish(
+        self,
+        state: Any,
+        epoch: int,
+        status: str,
+        final: dict[str, float],
+        stepped: bool,
+        live: bool,
+        segment: int | None = None,
+    ) -> tuple[Any, str]:
+        """The epoch's end, as the per-epoch run ends it (engine/run.py `_epoch`)."""
+        run = self.run
+        if status == HALT_LOOP and state.handler_metadata.get("_nonfinite_at") is not None:
+            self.warn_nonfinite(state)
+        replay = self.replay
+        metrics = dict(state.metrics)
+        wrote_last = stepped and replay.steps > 0 and replay.merged_through == replay.steps - 1
+        if not wrote_last:  # last writer wins (docs/design.md §2)
+            metrics.update(final)
+        seconds = self.spent  # the epoch's wall time: its share of dispatches, its replay
+        run.stats["epoch_time"][epoch] = seconds
+        state = state.replace(metrics=metrics, times={**state.times, epoch: seconds})
+        if status == HALT_LOOP:  # halted mid-epoch: not in history
+            return state, status
+        state = state.replace(history={**state.history, epoch: dict(state.metrics)})
+        run.state = state
+        event = Event.EPOCH_HALTED if status == HALT_EPOCH else Event.EPOCH_COMPLETED
+        substitute = None
+        if segment is not None and self.on_device:
+            rate = self.rates[0][self.reductions]
+            substitute = replayed_handlers(self.work, self.host, segment, live, rate)
+            self.reductions += int(self.host["reduced"][segment])
+            if live:
+                self._hand_best(state, epoch)
+        if live:
+            status, state = run.handoff.fire(event, state, True, substitute)
+        else:
+            replayed = state.replace(step_state=None)
+            status, state = run.bus.fire(event, replayed, True, substitute)
+        run.state = state
+        return state, status
+
+    def _hand_best(self, state: Any, epoch: int) -> None:
+        """Before the dispatch's last epoch fires live: `early_stop(restore_best=True)`
+        gets the best step state the device kept, if its best epoch ran in this dispatch.
+        """
+        stopper = self.work.stopper
+        if stopper is None or self.best_state is None:
+            return
+        record = stopper.handler.monitor.record(state)
+        best_s = int(self.host["best_s"])
+        if best_s >= 0 and self.first_epoch + best_s == record["best_epoch"]:
+            hand_best(self.work, self.best_state, record["best_epoch"], record["best"])
+
+
+def _slot(tree: Any, s: int) -> Any:
+    """Segment `s` of a host-side per-segment buffer."""
+    if isinstance(tree, tuple) and not tree:
+        return tree
+    if isinstance(tree, dict):
+        return {k: _slot(v, s) for k, v in tree.items()}
+    return tree[s]

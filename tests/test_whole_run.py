@@ -1,0 +1,338 @@
+"""Whole-run fusion (docs/design.md §8): many epochs per dispatch on device-resident data,
+bitwise equal to the unfused run, with handlers that observe replayed in unfused order and
+handlers that may halt ending the dispatch at their epoch.
+"""
+
+from __future__ import annotations
+
+import io
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import fuseloop as fl
+
+EPOCHS = 5
+BATCHES = 6  # 96 examples, batch 16
+
+
+def _xy(seed: int = 0, n: int = 96) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 5)).astype(np.float32)
+    return x, rng.integers(0, 3, n).astype(np.int32)
+
+
+def _data(**kw: object) -> object:
+    x, y = _xy()
+    return fl.data.arrays(x, y, batch_size=16, device=True, seed=1, **kw)
+
+
+def _trainer(**kw: object) -> fl.Loop:
+    model = fl.models.mlp([8, 3])
+    return fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-2), **kw).metric(
+        "accuracy"
+    )
+
+
+def _same_tree(a: object, b: object) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(x, y) for x, y in zip(la, lb, strict=True))
+
+
+def _assert_same_run(fused: fl.State, plain: fl.State) -> None:
+    assert _same_tree(fused.step_state, plain.step_state)
+    assert fused.history == plain.history
+    assert fused.metrics == plain.metrics
+    assert fused.event_counts == plain.event_counts
+    assert fused.handler_metadata == plain.handler_metadata
+    assert (fused.epoch, fused.iteration, fused.status) == (
+        plain.epoch,
+        plain.iteration,
+        plain.status,
+    )
+
+
+def _recorder(events: list) -> fl.Loop:
+    loop = _trainer()
+    for event in ("epoch_started", "epoch_completed", "completed"):
+        loop = loop.observe(
+            event, lambda s, e=event: events.append((e, s.epoch, s.iteration, dict(s.metrics)))
+        )
+    return loop.observe(
+        "iteration_completed",
+        lambda s: events.append(("it", s.epoch, s.iteration, dict(s.metrics))),
+        filter={"every": 4},
+    )
+
+
+@pytest.mark.parametrize("fuse", ["run", 4, BATCHES, BATCHES + 1, 2 * BATCHES + 3])
+def test_fused_epochs_are_bitwise_the_unfused_run_with_observers_replayed(fuse):
+    plain_events, fused_events = [], []
+    plain = _recorder(plain_events).run(_data(), epochs=EPOCHS, fuse=False)
+    fused = _recorder(fused_events).run(_data(), epochs=EPOCHS, fuse=fuse)
+    _assert_same_run(fused, plain)
+    assert fused_events == plain_events
+    if fuse == "run":
+        assert fused.stats["dispatches"] == 1
+        assert fused.stats["dispatch_splits"] == {}
+
+
+def test_dispatch_count_follows_k_across_epochs():
+    steps = EPOCHS * BATCHES
+    for k in (BATCHES + 1, 2 * BATCHES + 3):
+        state = _trainer().run(_data(), epochs=EPOCHS, fuse=k)
+        assert state.stats["dispatches"] == -(-steps // k)
+
+
+def test_log_bytes_and_csv_files_match_and_do_not_split(tmp_path):
+    outputs = {}
+    for fuse in (False, "run"):
+        stream = io.StringIO()
+        path = tmp_path / f"m_{fuse}.csv"
+        loop = (
+            _trainer(log=4, log_stream=stream)
+            .csv_log(str(path))
+            .log(
+                lambda s: f"e{s.epoch} {s.metrics['loss']:.9f}\n", "epoch_completed", stream=stream
+            )
+        )
+        state = loop.run(_data(), epochs=EPOCHS, fuse=fuse)
+        outputs[fuse] = (stream.getvalue(), path.read_text(), state)
+    assert outputs[False][0] == outputs["run"][0]
+    assert outputs[False][1] == outputs["run"][1]
+    assert outputs["run"][2].stats["dispatches"] == 1
+
+
+def test_observer_must_return_none():
+    loop = _trainer().observe("epoch_completed", lambda s: "halt_loop")
+    with pytest.raises(ValueError, match="observe"):
+        loop.run(_data(), epochs=2, fuse="run")
+
+
+def test_a_halting_user_handler_halts_at_its_exact_epoch():
+    def stop_at_two(state):
+        return "halt_loop" if state.epoch == 2 else None
+
+    plain = _trainer().handle_event("epoch_completed", stop_at_two).run(_data(), epochs=EPOCHS)
+    fused = (
+        _trainer()
+        .handle_event("epoch_completed", stop_at_two)
+        .run(_data(), epochs=EPOCHS, fuse="run")
+    )
+    _assert_same_run(fused, plain)
+    assert sorted(fused.history) == [0, 1, 2]
+    assert fused.stats["dispatches"] == 3  # the handler sees the live State every epoch
+    assert "on epoch_completed" in fused.stats["dispatch_splits"][0]
+
+
+def test_counter_filtered_handler_splits_only_where_it_fires():
+    seen = []
+
+    def params_at(state):
+        seen.append((state.epoch, np.asarray(jax.tree.leaves(state.params)[0]).copy()))
+
+    filt = {"every": 2}
+    plain_seen = []
+    _trainer().handle_event(
+        "epoch_completed",
+        lambda s: plain_seen.append((s.epoch, np.asarray(jax.tree.leaves(s.params)[0]).copy())),
+        filter=filt,
+    ).run(_data(), epochs=EPOCHS)
+    fused = (
+        _trainer()
+        .handle_event("epoch_completed", params_at, filter=filt)
+        .run(_data(), epochs=EPOCHS, fuse="run")
+    )
+    assert [e for e, _ in seen] == [0, 2, 4]
+    assert all(np.array_equal(a[1], b[1]) for a, b in zip(seen, plain_seen, strict=True))
+    assert sorted(fused.stats["dispatch_splits"]) == [0, 2]
+    assert fused.stats["dispatches"] == 3
+
+
+def test_epoch_started_handler_splits_before_its_epoch():
+    def mark(state):
+        return "continue", state.replace(handler_metadata={"at": state.epoch})
+
+    plain = (
+        _trainer()
+        .handle_event("epoch_started", mark, filter={"once": 3})
+        .run(_data(), epochs=EPOCHS)
+    )
+    fused = (
+        _trainer()
+        .handle_event("epoch_started", mark, filter={"once": 3})
+        .run(_data(), epochs=EPOCHS, fuse="run")
+    )
+    _assert_same_run(fused, plain)
+    assert fused.stats["dispatches"] == 2
+    assert list(fused.stats["dispatch_splits"]) == [1]
+
+
+def test_early_stop_and_checkpoints_every_n_epochs_and_resume(tmp_path):
+    def build(path):
+        return (
+            _trainer()
+            .early_stop("loss", patience=1, min_delta=0.5)
+            .checkpoint(str(path), filter={"every": 2})
+        )
+
+    plain = build(tmp_path / "a").run(_data(), epochs=EPOCHS)
+    fused = build(tmp_path / "b").run(_data(), epochs=EPOCHS, fuse="run")
+    _assert_same_run(fused, plain)
+    assert fused.status == "halted"
+    saved_a = fl.load_state(str(tmp_path / "a"))
+    saved_b = fl.load_state(str(tmp_path / "b"))
+    assert saved_a.epoch == saved_b.epoch
+    assert _same_tree(saved_a.step_state, saved_b.step_state)
+
+
+def test_resumed_from_a_checkpoint_mid_run(tmp_path):
+    first = _trainer().checkpoint(str(tmp_path / "c")).run(_data(), epochs=2, fuse="run")
+    saved = fl.load_state(str(tmp_path / "c"))
+    assert saved.epoch == first.epoch
+    plain = _trainer().run(_data(), saved, epochs=EPOCHS)
+    fused = _trainer().run(_data(), saved, epochs=EPOCHS, fuse="run")
+    _assert_same_run(fused, plain)
+    assert sorted(fused.history) == list(range(EPOCHS))
+    whole = _trainer().run(_data(), epochs=EPOCHS)
+    assert _same_tree(fused.step_state, whole.step_state)
+
+
+def test_terminate_on_nan_halts_at_the_same_step():
+    x, y = _xy()
+    x[70] = np.nan  # batch order is shuffled per epoch: the first epoch meets it
+    data = lambda: fl.data.arrays(x, y, batch_size=16, device=True, seed=1)  # noqa: E731
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        plain = _trainer().terminate_on_nan().run(data(), epochs=EPOCHS)
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        fused = _trainer().terminate_on_nan().run(data(), epochs=EPOCHS, fuse="run")
+    _assert_same_run(fused, plain)
+    assert fused.status == "halted"
+
+
+def test_iterations_bound_and_second_run_does_not_recompile():
+    loop = _trainer()
+    plain = loop.run(_data(), epochs=3, iterations=4)
+    fused = loop.run(_data(), epochs=3, iterations=4, fuse="run")
+    _assert_same_run(fused, plain)
+    again = loop.run(_data(), epochs=3, iterations=4, fuse="run")
+    assert again.stats["compiles"] == 0
+
+
+def test_short_last_batch_and_host_data_keep_epoch_bounded_dispatches():
+    x, y = _xy(n=90)  # 5 full batches and a short one
+    short = fl.data.arrays(x, y, batch_size=16, device=True, seed=1, drop_remainder=False)
+    plain = _trainer().run(short, epochs=3)
+    fused = _trainer().run(short, epochs=3, fuse="run")
+    _assert_same_run(fused, plain)
+    assert "short batch" in fused.stats["whole_run"]
+    batches = [(x[i : i + 18], y[i : i + 18]) for i in range(0, 90, 18)]
+    host = _trainer().run(batches, epochs=3, fuse="run")
+    assert _same_tree(host.step_state, _trainer().run(batches, epochs=3).step_state)
+    assert host.stats["dispatches"] == 3
+    assert "host-fed" in host.stats["whole_run"]
+
+
+# --------------------------------------------------------------------- device monitors
+def _validated(patience: int = 2, restore: bool = True, min_delta: float = 0.0, **val_kw):
+    vx, vy = _xy(seed=5, n=48)
+    model = fl.models.mlp([8, 3])
+    val = fl.data.arrays(vx, vy, batch_size=16, device=True, **val_kw)
+    return (
+        fl.trainer(model, "sparse_categorical_cross_entropy", optax.sgd(0.05))
+        .metric("accuracy")
+        .validate(model, val)
+        .early_stop("validation_loss", patience=patience, restore_best=restore, min_delta=min_delta)
+    )
+
+
+@pytest.mark.parametrize("fuse", ["run", 4, BATCHES + 1, 2 * BATCHES + 3])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"restore": False}, {"patience": 0}, {"patience": 1, "min_delta": 0.002}],
+)
+def test_validation_and_early_stop_on_the_device_match_the_host(fuse, options):
+    plain = _validated(**options).run(_data(), epochs=25, fuse=False)
+    fused = _validated(**options).run(_data(), epochs=25, fuse=fuse)
+    _assert_same_run(fused, plain)
+    assert "validation_loss" in fused.history[0]
+    if fuse == 4:  # within the epoch: the per-epoch engine, validation on the host
+        return
+    assert fused.stats["dispatch_splits"] == {}
+    if fuse == "run":
+        assert fused.stats["dispatches"] == 1
+
+
+def test_early_stop_halts_late_and_restores_the_best_epoch():
+    plain = _validated(patience=3).run(_data(), epochs=60, fuse=False)
+    fused = _validated(patience=3).run(_data(), epochs=60, fuse="run")
+    _assert_same_run(fused, plain)
+    record = next(v for k, v in fused.handler_metadata.items() if k.startswith("early_stop"))
+    assert fused.status == "halted" and record["stopped_epoch"] >= 3
+    assert record["best_epoch"] < record["stopped_epoch"]
+    assert fused.stats["dispatches"] == 1
+
+
+def test_host_fed_validation_splits_the_dispatch_at_each_epoch():
+    vx, vy = _xy(seed=5, n=48)
+    model = fl.models.mlp([8, 3])
+    loop = (
+        fl.trainer(model, "sparse_categorical_cross_entropy", optax.sgd(0.05))
+        .validate(model, [(vx[:24], vy[:24]), (vx[24:], vy[24:])])
+        .early_stop("validation_loss", patience=2)
+    )
+    plain = loop.run(_data(), epochs=4)
+    fused = loop.run(_data(), epochs=4, fuse="run")
+    _assert_same_run(fused, plain)
+    assert fused.stats["dispatches"] == len(fused.history)
+    assert "validate" in fused.stats["dispatch_splits"][0]
+
+
+def _plateau(order: str = "plateau_first", **kw):
+    vx, vy = _xy(seed=5, n=48)
+    model = fl.models.mlp([8, 3])
+    val = fl.data.arrays(vx, vy, batch_size=16, device=True)
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.3)
+    loop = fl.trainer(model, "sparse_categorical_cross_entropy", tx).validate(model, val)
+    plateau = dict(factor=0.5, patience=1, cooldown=1, min_lr=0.02, **kw)
+    if order == "plateau_first":
+        loop = loop.reduce_lr_on_plateau("validation_loss", **plateau)
+        return loop.early_stop("validation_loss", patience=6, restore_best=True)
+    loop = loop.early_stop("validation_loss", patience=6, restore_best=True)
+    return loop.reduce_lr_on_plateau("validation_loss", **plateau)
+
+
+@pytest.mark.parametrize("fuse", ["run", BATCHES + 1, 3 * BATCHES + 1])
+@pytest.mark.parametrize("order", ["plateau_first", "stop_first"])
+def test_reduce_lr_on_plateau_on_the_device_gives_the_same_rates(fuse, order):
+    plain = _plateau(order).run(_data(), epochs=30, fuse=False)
+    fused = _plateau(order).run(_data(), epochs=30, fuse=fuse)
+    _assert_same_run(fused, plain)
+    rates = [h["learning_rate"] for h in plain.history.values()]
+    assert len(set(rates)) >= 3  # the rate was reduced, more than once
+    assert fused.stats["dispatch_splits"] == {}
+    if fuse == "run":
+        assert fused.stats["dispatches"] == 1
+
+
+def test_reduce_lr_on_plateau_with_checkpoints_and_resume(tmp_path):
+    def loop():
+        return _plateau("plateau_first").checkpoint(str(tmp_path / "c"), filter={"every": 4})
+
+    plain = _plateau("plateau_first").run(_data(), epochs=12)
+    first = loop().run(_data(), epochs=6, fuse="run")
+    saved = fl.load_state(str(tmp_path / "c"))
+    assert saved.epoch == 4 and first.epoch == 5  # saved at epochs 0 and 4
+    resumed = _plateau("plateau_first").run(_data(), saved, epochs=12, fuse="run")
+    whole = _plateau("plateau_first").run(_data(), saved, epochs=12)
+    _assert_same_run(resumed, whole)
+    assert resumed.history[3] == plain.history[3]
+
+
+def test_chunks_beyond_the_epoch_reuse_their_program_across_run_lengths():
+    loop = _trainer()
+    loop.run(_data(), epochs=2, fuse=2 * BATCHES + 3)
+    again = loop.run(_data(), epochs=5, fuse=2 * BATCHES + 3)
+    assert again.stats["compiles"] == 0
