@@ -82,11 +82,13 @@ class Validator:
     def __init__(self, loop: Any, data: Any, fuse: Any = False):
         self.loop, self.data, self.fuse = loop, data, fuse
 
-    def evaluate(self, params: Any) -> dict[str, float]:
-        """The evaluator's metrics on `params` (unprefixed)."""
+    def evaluate(self, params: Any, population: int | None = None) -> dict[str, Any]:
+        """The evaluator's metrics on `params` (unprefixed); with `population`, params carry
+        a leading member axis and each metric is an array of one value per member."""
         # A signal arriving meanwhile is caught by the training run's guard (nested runs
         # defer to the outermost one), which halts at its next host boundary.
-        result = self.loop.run(self.data, params, fuse=self.fuse)
+        members = {} if population is None else {"population": population}
+        result = self.loop.run(self.data, params, fuse=self.fuse, **members)
         return dict(result.metrics)
 
     def __call__(self, state: State) -> tuple[str, State]:
@@ -97,7 +99,7 @@ class Validator:
                 "loop, step_state is None); validate on an epoch event (the default), or use "
                 "fuse=False"
             )
-        measured = self.evaluate(params)
+        measured = self.evaluate(params, state.population)
         metrics = dict(state.metrics)
         metrics.update({PREFIX + name: value for name, value in measured.items()})
         return "continue", state.replace(metrics=metrics)
