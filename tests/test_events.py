@@ -157,10 +157,10 @@ def test_continue_returns_change_nothing(returned):
     data = make_batches(4)
     loop = counter_loop()
     reference = loop.run(data, counter_init(), epochs=2)
-    if isinstance(returned, tuple):
-        handler = lambda s: ("continue", s)  # noqa: E731
-    else:
-        handler = lambda s: returned  # noqa: E731
+
+    def handler(state):
+        return ("continue", state) if isinstance(returned, tuple) else returned
+
     state = (
         loop.handle_event("iteration_completed", handler)
         .handle_event("epoch_completed", handler)

@@ -162,7 +162,7 @@ def test_progress_bar_shows_epochs_and_metrics_without_extra_syncs(capsys):
     lines = err.splitlines()
     assert "\r" not in err and len(lines) == 2, err
     assert lines[0].startswith("Epoch 1/2 - ") and lines[1].startswith("Epoch 2/2 - 5/5 - ")
-    for line, epoch in zip(lines, (0, 1)):
+    for line, epoch in zip(lines, (0, 1), strict=True):
         assert f"validation_accuracy: {shown.history[epoch]['validation_accuracy']:.7f}" in line
     assert shown.stats["host_syncs"] == quiet.stats["host_syncs"]
     assert shown.history == quiet.history

@@ -179,7 +179,7 @@ def local_rows(
         )
     first, last = min(starts), max(stops)
     covered = set()
-    for start, stop in zip(starts, stops):
+    for start, stop in zip(starts, stops, strict=True):
         covered.update(range(start, stop))
     if covered != set(range(first, last)):
         raise ValueError(
@@ -322,7 +322,7 @@ def _gather_text(text: str) -> list[str]:
     padded = np.zeros(int(np.max(lengths)), np.uint8)
     padded[: len(data)] = data
     every = np.asarray(multihost_utils.process_allgather(padded)).reshape(jax.process_count(), -1)
-    return [bytes(row[: int(n)]).decode() for row, n in zip(every, np.ravel(lengths))]
+    return [bytes(row[: int(n)]).decode() for row, n in zip(every, np.ravel(lengths), strict=True)]
 
 
 def check_same_config(config: dict[str, Any], what: str = "run") -> None:

@@ -14,7 +14,7 @@ from typing import Any
 __all__ = ["Event", "Filter", "Registration", "normalize_event", "make_filter", "parse_result"]
 
 
-class Event(str, enum.Enum):
+class Event(str, enum.Enum):  # noqa: UP042 - StrEnum would change str(event)
     """The events a loop fires, in the order a plain run fires them.
 
     Example:
@@ -80,9 +80,7 @@ class Filter:
             return False
         if self.after is not None and not count > self.after:
             return False
-        if self.once is not None and count != self.once:
-            return False
-        return True
+        return self.once is None or count == self.once
 
     def offsets(self, first: int, n: int) -> range:
         """The offsets `j` in `[0, n)` whose count `first + j` the counter keys pass (the

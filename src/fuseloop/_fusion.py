@@ -87,7 +87,7 @@ def stack_chunk(batches: Sequence[Any], size: int, first_index: int) -> Any:
             columns[j].append(leaf)
     n = len(batches)
     out = []
-    for column, (shape, dtype) in zip(columns, expected):
+    for column, (shape, dtype) in zip(columns, expected, strict=True):
         buffer = np.empty((size,) + shape, dtype)
         np.stack(column, out=buffer[:n])
         buffer[n:] = 0  # padded slots are never stepped; zeros keep them harmless

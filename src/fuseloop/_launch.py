@@ -10,6 +10,7 @@ in a collective. See docs/distributed.md.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -76,10 +77,8 @@ def _stop(processes: list[subprocess.Popen], grace: float) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for process in processes:
             if process.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):  # exited meanwhile
                     os.killpg(process.pid, sig)
-                except ProcessLookupError:  # pragma: no cover - exited meanwhile
-                    pass
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(p.poll() is None for p in processes):
             time.sleep(_POLL_SECONDS)

@@ -190,7 +190,7 @@ def check_step_keeps_state(step: Any, step_state: Any, batch: Any) -> None:
             f"one step returns {new_def}. A step must return a state with the same "
             f"structure, dtypes and shapes it was given"
         )
-    for (path, a), (_, b) in zip(old, new):
+    for (path, a), (_, b) in zip(old, new, strict=True):
         if (a.shape, a.dtype) != (b.shape, jax.dtypes.canonicalize_dtype(b.dtype)):
             raise ValueError(
                 f"the step changes step_state{jax.tree_util.keystr(path)} from dtype "

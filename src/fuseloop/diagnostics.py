@@ -249,8 +249,10 @@ def report(
     reps: int = 3,
     iterations: int | None = None,
 ) -> Report:
-    """Runs one epoch of `loop` fused and unfused (plus `reps` timed epochs of each) and
-    reports dispatches, host syncs, transfers, compiles, XLA fusions and dispatch overhead.
+    """Runs one epoch of `loop` fused and unfused and reports what each costs.
+
+    Beside `reps` timed epochs of each, it reports dispatches, host syncs, transfers,
+    compiles, XLA fusions and dispatch overhead.
 
     The loop runs as built, handlers included. `data` must be re-iterable (a list, an
     `fl.data.arrays` source): each run starts a fresh pass.

@@ -19,7 +19,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from ._harness import RATIOS, compile_vs_k, cross_check, measure, ratios, targets

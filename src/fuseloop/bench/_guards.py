@@ -63,7 +63,7 @@ def _pairs(a: Any, b: Any, what: str) -> list[tuple[np.ndarray, np.ndarray]]:
     leaves_b, tree_b = jax.tree.flatten(b)
     if tree_a != tree_b:
         raise Refused(f"{what}: different parameter structures")
-    pairs = [(np.asarray(x), np.asarray(y)) for x, y in zip(leaves_a, leaves_b)]
+    pairs = [(np.asarray(x), np.asarray(y)) for x, y in zip(leaves_a, leaves_b, strict=True)]
     for x, y in pairs:
         if x.shape != y.shape or x.dtype != y.dtype:
             raise Refused(f"{what}: leaf {x.shape}/{x.dtype} vs {y.shape}/{y.dtype}")

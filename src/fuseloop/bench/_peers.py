@@ -7,6 +7,7 @@ rows say "skipped" with the reason instead of disappearing.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import sys
 import time
@@ -115,7 +116,7 @@ class TorchEager(System):
         spec = self.w.spec
         widths = (spec.inputs,) + spec.features
         layers: list[Any] = []
-        for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        for i, (a, b) in enumerate(itertools.pairwise(widths)):
             layers.append(torch.nn.Linear(a, b))
             if i < len(widths) - 2:
                 layers.append(torch.nn.ReLU())

@@ -8,6 +8,7 @@ frameworks.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,7 @@ class ModelSpec:
     def params(self) -> int:
         """Trainable parameters (weights and biases)."""
         widths = (self.inputs,) + self.features
-        return sum(a * b + b for a, b in zip(widths[:-1], widths[1:]))
+        return sum(a * b + b for a, b in itertools.pairwise(widths))
 
 
 MODELS: dict[str, ModelSpec] = {

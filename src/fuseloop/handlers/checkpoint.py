@@ -86,6 +86,7 @@ class Checkpointer:
         self._last_saved: tuple[int, int] | None = None
 
     def __call__(self, state: State) -> tuple[str, State] | None:
+        """Saves `state` when it is due (every `every` epochs, or on a new best)."""
         if state.step_state is None:
             raise ValueError(
                 "checkpoint: the State has no step state here (inside iteration events of a "
@@ -106,8 +107,10 @@ class Checkpointer:
         return None if changed is None else ("continue", changed)
 
     def on_halted(self, state: State) -> None:
-        """Saves the final State of a halted run (early stopping, a signal, a NaN), unless
-        the last save already holds it. Checkpoint-on-best does not save here.
+        """Saves the final State of a halted run (early stopping, a signal, a NaN).
+
+        Nothing is saved when the last save already holds it; checkpoint-on-best does not
+        save here.
         """
         if self.monitor is not None or state.step_state is None:
             self.finish(state)
@@ -135,8 +138,9 @@ class Checkpointer:
         return self.path / self._names.build_name(step)
 
     def _open(self) -> Any:
-        """The CheckpointManager (created on the first save: it cleans up the temporary
-        directories of writers that died mid-save).
+        """The CheckpointManager, created on the first save.
+
+        Creating it cleans up the temporary directories of writers that died mid-save.
         """
         if self._manager is None:
             import orbax.checkpoint as ocp

@@ -38,6 +38,7 @@ class Writer:
         self.fn, self.stream = fn, stream
 
     def __call__(self, state: State) -> None:
+        """Writes `fn(state)` to the stream and flushes it."""
         text = self.fn(state)
         if not isinstance(text, str):
             raise ValueError(
@@ -48,8 +49,10 @@ class Writer:
 
 
 def format_value(value: Any) -> str:
-    """One metric value on one line: 7 decimals, scientific notation for tiny magnitudes,
-    arrays (a population's metrics) as `[a, b, ...]`.
+    """One metric value as text for a log line.
+
+    7 decimals, scientific notation for tiny magnitudes, arrays (a population's metrics) as
+    `[a, b, ...]`.
 
     Example:
         >>> format_value(0.5), format_value(3e-9), format_value([1, 2])
@@ -94,8 +97,10 @@ def _line(*fields: str) -> str:
 
 
 def iteration_line(state: State) -> str:
-    """`Epoch 1/3 - iteration 6 - loss: ... - accuracy: ...` (1-based; `/N` under an
-    `iterations` bound).
+    """The iteration line: `Epoch 1/3 - iteration 6 - loss: ... - accuracy: ...`.
+
+    Epochs and iterations count from 1; the iteration shows `/N` under an `iterations`
+    bound.
     """
     bound = f"/{state.max_iteration}" if state.max_iteration else ""
     return _line(
@@ -149,8 +154,10 @@ def attach_trainer_log(loop: Any, every: int, stream: TextIO | None) -> Any:
 
 
 def _observe(loop: Any, event: str, fn: Callable[[State], None], filter: Any = "always") -> Any:
-    """Attaches a handler that only observes; `Loop.observe` (where the loop has it) never
-    splits a multi-epoch dispatch, which a plain handler may.
+    """Attaches a handler that only observes the State.
+
+    `Loop.observe` (where the loop has it) never splits a multi-epoch dispatch, which a
+    plain handler may.
     """
     fn = main_process_only(fn)  # log lines are written once, by process 0
     observe = getattr(loop, "observe", None)

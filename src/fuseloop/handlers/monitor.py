@@ -135,6 +135,7 @@ class Monitor:
         return record, False
 
     def store(self, state: State, record: dict[str, Any]) -> State:
+        """`state` with `record` kept in its handler metadata under this monitor's key."""
         return state.replace(handler_metadata={**state.handler_metadata, self.key: record})
 
 
@@ -171,6 +172,7 @@ class EarlyStopping:
         self._best: tuple[Any, Any] | None = None  # ((epoch, value), device copy)
 
     def __call__(self, state: State) -> tuple[str, State]:
+        """Records the monitored value; halts the run once it stopped improving."""
         value = self.monitor.value(state)
         previous = self.monitor.record(state)
         if previous["best"] is None:  # a fresh run: nothing kept from an earlier one
@@ -266,6 +268,7 @@ class ReduceLROnPlateau:
             raise _fixed_lr_error()
 
     def __call__(self, state: State) -> tuple[str, State]:
+        """Records the monitored value; lowers the learning rate once it stopped improving."""
         value = self.monitor.value(state)
         record = self.monitor.record(state)
         record.setdefault("cooldown", 0)

@@ -22,8 +22,9 @@ __all__ = ["plot_history"]
 
 
 def _series(history: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[str, list[tuple]]]:
-    """{base metric: {"training"|"validation": [(epoch, value), ...]}}, epochs ascending and
-    numbered from 1 as people count them (`state.history` keys are 0-based).
+    """{base metric: {"training"|"validation": [(epoch, value), ...]}}, epochs ascending.
+
+    Epochs are numbered from 1 as people count them (`state.history` keys are 0-based).
     """
     panels: dict[str, dict[str, list[tuple]]] = {}
     for epoch in sorted(history, key=int):
@@ -94,7 +95,7 @@ def plot_history(
         axes = figure.add_subplot(rows, columns, index + 1)
         for split, style in (("training", "o-"), ("validation", "s--")):
             if split in splits:
-                epochs, values = zip(*splits[split])
+                epochs, values = zip(*splits[split], strict=True)
                 axes.plot(epochs, values, style, markersize=3, label=split)
         axes.set_title(name)
         axes.set_xlabel("epoch")

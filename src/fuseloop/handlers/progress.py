@@ -21,14 +21,14 @@ __all__ = ["ProgressBar", "epoch_length_of", "write_above_bars"]
 
 
 def write_above_bars(text: str, stream: TextIO) -> None:
-    """Writes `text` to `stream` above any tqdm bar drawn on the same terminal.
+    r"""Writes `text` to `stream` above any tqdm bar drawn on the same terminal.
 
     Example:
         >>> import io
         >>> out = io.StringIO()
-        >>> write_above_bars("Epoch 1/2 - loss: 0.5000000\\n", out)
+        >>> write_above_bars("Epoch 1/2 - loss: 0.5000000\n", out)
         >>> out.getvalue()
-        'Epoch 1/2 - loss: 0.5000000\\n'
+        'Epoch 1/2 - loss: 0.5000000\n'
     """
     if "tqdm" not in sys.modules:  # no bar can be on screen; do not import tqdm for nothing
         _write(text, stream)
@@ -49,8 +49,10 @@ def _write(text: str, stream: TextIO) -> None:
 
 
 def epoch_length_of(data: Any, iterations: int | None = None) -> int | None:
-    """Iterations per epoch when the data source knows its length (`len(data)`, capped by
-    `iterations`); None for one-shot iterators and callables.
+    """Iterations per epoch when the data source knows its length, else None.
+
+    The length is `len(data)`, capped by `iterations`; one-shot iterators and callables
+    have none.
 
     Example:
         >>> epoch_length_of([(0, 0)] * 5), epoch_length_of([(0, 0)] * 5, iterations=3)
@@ -79,8 +81,9 @@ def _interactive(stream: TextIO) -> bool:
 
 
 class ProgressBar:
-    """The epoch display of `run(progress=True)`; the loop drives it with `on_event`,
-    `advance` and `close`.
+    """The epoch display of `run(progress=True)`.
+
+    The loop drives it with `on_event`, `advance` and `close`.
 
     Args:
         epoch_length: Iterations per epoch when the data source knows it (see
@@ -105,6 +108,7 @@ class ProgressBar:
         return cls(epoch_length_of(data, iterations), stream)
 
     def on_event(self, event: Event, state: Any) -> None:
+        """Opens a bar when an epoch starts and closes it when the epoch ends."""
         if event == Event.EPOCH_STARTED:
             self.close()
             self._open(state)
@@ -175,8 +179,10 @@ class ProgressBar:
         write_above_bars(SEPARATOR.join(f for f in fields if f) + "\n", plain["stream"])
 
     def close(self) -> None:
-        """Closes the current bar (it stays on screen); an epoch that never ended (a halt
-        mid-epoch, an error) still gets its plain line, marked "stopped".
+        """Closes the current bar; it stays on screen.
+
+        An epoch that never ended (a halt mid-epoch, an error) still gets its plain line,
+        marked "stopped".
         """
         if self.bar is not None:
             self.bar.close()

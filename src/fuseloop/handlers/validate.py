@@ -22,8 +22,10 @@ PREFIX = "validation_"
 
 
 def evaluable_metrics(metrics: tuple[MetricSpec, ...], has_loss: bool) -> tuple[MetricSpec, ...]:
-    """The trainer's metrics an evaluator can compute: functions of (y_true, y_pred), and
-    the loss when the evaluator is given one (it is produced in the step's aux["loss"]).
+    """The trainer's metrics an evaluator can compute.
+
+    Those are the functions of (y_true, y_pred), and the loss when the evaluator is given
+    one (it is produced in the step's aux["loss"]).
     """
     kept = []
     for spec in metrics:
@@ -33,8 +35,10 @@ def evaluable_metrics(metrics: tuple[MetricSpec, ...], has_loss: bool) -> tuple[
 
 
 def check_validation(model: Any, data: Any, fuse: Any, specs: tuple[MetricSpec, ...]) -> None:
-    """Raises a ValueError naming what `Loop.validate` cannot use: no model, one-shot data,
-    a `fuse` a validation run does not take, or no metric an evaluator can compute.
+    """Raises a ValueError naming what `Loop.validate` cannot use.
+
+    That is: no model, one-shot data, a `fuse` a validation run does not take, or no metric
+    an evaluator can compute.
     """
     if model is None:
         raise ValueError("model=None: validate needs the model to evaluate")
@@ -86,6 +90,7 @@ class Validator:
         return dict(result.metrics)
 
     def __call__(self, state: State) -> tuple[str, State]:
+        """Evaluates the State's params and adds the validation metrics to its history."""
         params = state.params
         if params is None:
             raise ValueError(

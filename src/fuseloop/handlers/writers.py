@@ -39,8 +39,10 @@ def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def _step(state: State, event: Event) -> int:
-    """The x-axis value: the epoch for epoch events, the event's total count (1-based,
-    across epochs and resumed runs) for iteration events.
+    """The x-axis value of a row or a scalar.
+
+    It is the epoch for epoch events, and the event's total count (1-based, across epochs
+    and resumed runs) for iteration events.
     """
     if event in ITERATION_EVENTS:
         return int(state.event_counts[event.value]["total"])
@@ -65,6 +67,7 @@ class CSVWriter:
         self.columns: list[str] = []
 
     def start(self, state: State) -> None:
+        """Opens the file at run start: a fresh one, or the resumed run's rows kept."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         rows: list[dict[str, str]] = []
         if state.history and self.path.exists():
@@ -88,6 +91,7 @@ class CSVWriter:
                 writer.writerows(rows)
 
     def __call__(self, state: State) -> None:
+        """Appends one row: epoch, iteration, step and the State's scalar metrics."""
         row = {
             "epoch": str(state.epoch),
             "iteration": str(state.iteration),
@@ -147,11 +151,13 @@ class TensorBoardWriter:
         return SummaryWriter
 
     def start(self, state: State) -> None:
+        """Opens a new event file in `logdir` at run start."""
         self.close(state)
         suffix = f".{os.getpid()}.{next(_writer_ids)}"  # two runs in one second: two files
         self.writer = self._summary_writer()(str(self.logdir), filename_suffix=suffix)
 
     def __call__(self, state: State) -> None:
+        """Writes the State's scalar metrics at this event's step."""
         if self.writer is None:
             self.start(state)
         step = _step(state, self.event)
@@ -159,6 +165,7 @@ class TensorBoardWriter:
             self.writer.add_scalar(self.prefix + name, value, global_step=step)
 
     def close(self, state: State) -> None:
+        """Closes the event file (at run end); a later event opens a new one."""
         if self.writer is not None:
             self.writer.close()
             self.writer = None
