@@ -62,7 +62,9 @@ class Loop:
                 "running_sum".
 
         Example:
-            >>> loop = loop.metric("accuracy")  # doctest: +SKIP
+            >>> state = loop.metric("accuracy").run(batches, epochs=1)
+            >>> sorted(state.metrics)
+            ['accuracy', 'loss']
         """
         if (
             self.program.kind == "custom"
@@ -82,7 +84,10 @@ class Loop:
         """Attaches `handler(state)` to `event`, fired when `filter` passes.
 
         Example:
-            >>> loop = loop.handle_event("epoch_completed", lambda s: print(s.epoch))  # doctest: +SKIP
+            >>> state = loop.handle_event("epoch_completed", lambda s: print(s.epoch)).run(
+            ...     batches, epochs=2)
+            0
+            1
         """
         event = normalize_event(event)
         if not callable(handler):
@@ -103,7 +108,10 @@ class Loop:
         and an unfused run is byte for byte the same.
 
         Example:
-            >>> loop = loop.log(lambda s: f"epoch {s.epoch}\\n", event="epoch_completed")  # doctest: +SKIP
+            >>> state = loop.log(lambda s: f"epoch {s.epoch}\\n", event="epoch_completed").run(
+            ...     batches, epochs=2)
+            epoch 0
+            epoch 1
         """
         from ._distributed import main_process_only, runs_on_all_processes
         from .handlers.log import Writer
@@ -135,7 +143,9 @@ class Loop:
             fuse: The validation run's `fuse`: False, True or a chunk size.
 
         Example:
-            >>> loop = loop.metric("accuracy").validate(model, val_batches)  # doctest: +SKIP
+            >>> state = loop.metric("accuracy").validate(model, val_batches).run(batches)
+            >>> sorted(state.metrics)
+            ['accuracy', 'loss', 'validation_accuracy', 'validation_loss']
         """
         from .handlers.validate import Validator, check_validation, evaluable_metrics
 
@@ -161,7 +171,10 @@ class Loop:
         of the best epoch, bitwise, however it ends.
 
         Example:
-            >>> loop = loop.early_stop("validation_loss", patience=3)  # doctest: +SKIP
+            >>> stopping = loop.early_stop("loss", patience=1, min_delta=100.0)
+            >>> state = stopping.run(batches, epochs=10)  # no epoch improves by 100
+            >>> state.status, state.epoch
+            ('halted', 1)
         """
         from .handlers.monitor import EarlyStopping
 
@@ -191,7 +204,12 @@ class Loop:
         are); any other raises a ValueError here. The new rate applies from the next step.
 
         Example:
-            >>> loop = loop.reduce_lr_on_plateau("validation_loss", factor=0.5)  # doctest: +SKIP
+            >>> plain = fl.trainer(model, "sparse_categorical_cross_entropy", "sgd")
+            >>> reducing = plain.reduce_lr_on_plateau("loss", factor=0.5, patience=1,
+            ...                                       min_delta=100.0)
+            >>> state = reducing.run(batches, epochs=3)
+            >>> [round(float(h["learning_rate"]), 4) for h in state.history.values()]
+            [0.01, 0.01, 0.005]
         """
         from .handlers.monitor import ReduceLROnPlateau
 
@@ -229,7 +247,11 @@ class Loop:
                 the run waits for the last write before it returns.
 
         Example:
-            >>> loop = loop.checkpoint("ckpts", keep=3)  # doctest: +SKIP
+            >>> import os, tempfile
+            >>> directory = tempfile.mkdtemp()
+            >>> state = loop.checkpoint(directory, keep=2).run(batches, epochs=3)
+            >>> len(fl.handlers.checkpoint.list_checkpoints(directory))
+            2
         """
         from .handlers.checkpoint import Checkpointer
 
@@ -249,7 +271,11 @@ class Loop:
         per firing.
 
         Example:
-            >>> loop = loop.csv_log("metrics.csv")  # doctest: +SKIP
+            >>> import os, tempfile
+            >>> path = os.path.join(tempfile.mkdtemp(), "metrics.csv")
+            >>> state = loop.csv_log(path).run(batches, epochs=2)
+            >>> open(path).readline().strip()
+            'epoch,iteration,step,loss'
         """
         from .handlers.writers import CSVWriter, attach_writer
 
@@ -265,8 +291,12 @@ class Loop:
         """Writes the metrics as TensorBoard scalars (needs tensorboardX).
 
         Example:
-            >>> loop = loop.tensorboard("runs/exp1", event="iteration_completed",
-            ...                         filter={"every": 10})  # doctest: +SKIP
+            >>> import os, tempfile
+            >>> logdir = tempfile.mkdtemp()
+            >>> state = loop.tensorboard(logdir, event="iteration_completed",
+            ...                          filter={"every": 2}).run(batches, epochs=1)
+            >>> [name.startswith("events.out.tfevents") for name in os.listdir(logdir)]
+            [True]
         """
         from .handlers.writers import TensorBoardWriter, attach_writer
 
@@ -291,8 +321,14 @@ class Loop:
         The bad step is not applied: params are exactly those from before it.
 
         Example:
-            >>> state = loop.terminate_on_nan().run(batches, fuse=32)  # doctest: +SKIP
-            >>> state.status  # "halted" if a loss went non-finite  # doctest: +SKIP
+            >>> bad = batches[:2] + [(batches[2][0] * np.nan, batches[2][1])] + batches[3:]
+            >>> import warnings
+            >>> with warnings.catch_warnings(record=True) as caught:
+            ...     state = loop.terminate_on_nan().run(bad, fuse=4)
+            >>> print(caught[0].message)
+            terminate_on_nan: the loss became non-finite at epoch 0, iteration 2; ...
+            >>> state.status, state.iteration  # halted at the third batch
+            ('halted', 2)
         """
         return self._with(guard_nonfinite=True)
 
@@ -332,7 +368,9 @@ class Loop:
             The final State (never donated).
 
         Example:
-            >>> state = loop.run(batches, epochs=3, fuse=True)  # doctest: +SKIP
+            >>> state = loop.run(batches, epochs=3, fuse=True)
+            >>> state.status, state.epoch, sorted(state.metrics)
+            ('completed', 2, ['loss'])
         """
         check_run_options(epochs, iterations, jit, progress, max_in_flight, prefetch)
         observer = None
@@ -421,7 +459,10 @@ def evaluator(model: Any, loss: Any = None) -> Loop:
             "loss", a mean over the examples.
 
     Example:
-        >>> loop = evaluator(model, "mean_squared_error").metric("accuracy")  # doctest: +SKIP
+        >>> variables = model.init(jax.random.PRNGKey(0), batches[0][0])
+        >>> scores = evaluator(model, "sparse_categorical_cross_entropy").metric("accuracy")
+        >>> sorted(scores.run(val_batches, variables).metrics)
+        ['accuracy', 'loss']
     """
     program = evaluator_program(model, loss)
     return Loop(program, metrics=default_metrics(program))
@@ -437,8 +478,9 @@ def loop(
         init_fn: `init_fn(first_batch, init_state) -> step_state` (default: `init_state`).
 
     Example:
-        >>> count = loop(lambda batch, s: {"n": s["n"] + 1})
-        >>> count.run([(0, 0)] * 3, {"n": 0}).step_state["n"]  # doctest: +SKIP
+        >>> count = fl.loop(lambda batch, s: {"n": s["n"] + 1})
+        >>> int(count.run([(0, 0)] * 3, {"n": 0}).step_state["n"])
+        3
     """
     if not callable(step_fn):
         raise ValueError(f"step_fn={step_fn!r} must be callable(batch, step_state)")
