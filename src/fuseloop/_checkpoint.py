@@ -192,6 +192,7 @@ def read_legacy_arrays(path: str | os.PathLike[str]) -> tuple[list[np.ndarray], 
     keys as their key data).
 
     Example:
+        >>> # Skipped: it needs a save in the first format, which no fuseloop writes now.
         >>> arrays, info = read_legacy_arrays("old_save")  # doctest: +SKIP
     """
     folder = Path(path)

@@ -95,7 +95,11 @@ def demo(
         The exit status: 0 when the validation accuracy reaches 0.9.
 
     Example:
-        >>> demo(epochs=1, plot=False, progress=False)  # doctest: +SKIP
+        >>> demo(epochs=1, plot=False, progress=False)  # 1 epoch does not reach 0.9
+        fuseloop demo: digits, 1437 train / 360 held-out examples, MLP 64-128-10, 1 epochs, fuse=32
+        Epoch 1/1 - loss: ...
+        final validation accuracy: ...
+        1
     """
     import fuseloop as fl
 

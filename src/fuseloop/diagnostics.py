@@ -14,7 +14,10 @@ Example:
     >>> loop = fl.trainer(fl.models.mlp([8, 2]), "sparse_categorical_cross_entropy",
     ...                   optax.sgd(0.1))
     >>> data = [(np.ones((4, 3), np.float32), np.zeros(4, np.int32))] * 8
-    >>> print(fl.diagnostics.report(loop, data, fuse=4))  # doctest: +SKIP
+    >>> print(fl.diagnostics.report(loop, data, fuse=4, reps=1))
+    fuseloop diagnostics: 8 iterations/epoch, fuse=4 vs fuse=False
+      dispatches/epoch   2 (unfused 8);  host syncs/epoch 1 (unfused 1)
+    ...
 """
 
 from __future__ import annotations
@@ -97,9 +100,10 @@ def decide_chunk_size(
         `bound` decided.
 
     Example:
-        >>> decision = decide_chunk_size(loop, step_state, batch)  # doctest: +SKIP
-        >>> decision.chunk_size, decision.bound  # doctest: +SKIP
-        (64, 'tolerance')
+        >>> step_state = loop.run(batches).step_state
+        >>> decision = decide_chunk_size(loop, step_state, batches[0], epoch_length=4)
+        >>> decision.chunk_size, decision.bound  # a 4-batch epoch caps K (timings vary)
+        (4, 'epoch length')
     """
     return auto_chunk.decide_chunk_size(
         Programs(loop),
@@ -127,7 +131,9 @@ def choose_chunk_size(
     """The chunk size K `run(fuse="auto")` uses (see `decide_chunk_size`).
 
     Example:
-        >>> k = choose_chunk_size(loop, step_state, batch)  # doctest: +SKIP
+        >>> step_state = loop.run(batches).step_state
+        >>> choose_chunk_size(loop, step_state, batches[0], max_chunk=2)
+        2
     """
     return decide_chunk_size(
         loop,
@@ -157,6 +163,11 @@ class Report:
         step_us: Measured device time of one step.
         dispatch_overhead_us: Measured fixed cost of one dispatch.
         auto: The `fuse="auto"` decision, when `fuse="auto"` was reported.
+
+    Example:
+        >>> found = fl.diagnostics.report(loop, batches, fuse=4, reps=1)
+        >>> found.unfused["dispatches"], found.fused["dispatches"], found.auto is None
+        (4, 1, True)
     """
 
     chunk_size: int
@@ -269,7 +280,9 @@ def report(
         A `Report`; `print(report)` shows it in a few lines.
 
     Example:
-        >>> print(fl.diagnostics.report(loop, batches, fuse=32))  # doctest: +SKIP
+        >>> found = fl.diagnostics.report(loop, batches, fuse=2, reps=1)
+        >>> found.chunk_size, found.iterations, found.fused["dispatches"]
+        (2, 4, 2)
     """
     auto_chunk.check_positive(reps, "reps")
     if fuse is False or fuse is None:

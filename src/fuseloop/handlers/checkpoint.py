@@ -30,7 +30,12 @@ def list_checkpoints(path: str | os.PathLike[str]) -> list[Path]:
     """The complete checkpoints in a `Loop.checkpoint` directory, oldest first.
 
     Example:
-        >>> first = fl.load_state(list_checkpoints("ckpts")[0])  # doctest: +SKIP
+        >>> import tempfile
+        >>> directory = tempfile.mkdtemp()
+        >>> state = loop.checkpoint(directory).run(batches, epochs=2)
+        >>> first = fl.load_state(list_checkpoints(directory)[0])
+        >>> first.epoch, len(list_checkpoints(directory))
+        (0, 2)
     """
     path = Path(path)
     if not path.is_dir():
@@ -57,7 +62,13 @@ class Checkpointer:
             "completed" and "halted" events so the last write ends before `run` returns.
 
     Example:
-        >>> loop = loop.checkpoint("ckpts", criteria="validation_loss", keep=2)  # doctest: +SKIP
+        >>> import tempfile
+        >>> directory = tempfile.mkdtemp()
+        >>> saving = loop.validate(model, val_batches).checkpoint(
+        ...     directory, criteria="validation_loss", keep=2)
+        >>> state = saving.run(batches, epochs=3)
+        >>> 1 <= len(fl.handlers.checkpoint.list_checkpoints(directory)) <= 2
+        True
     """
 
     def __init__(

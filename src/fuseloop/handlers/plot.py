@@ -64,7 +64,11 @@ def plot_history(
         holds the same history); the others return the path without writing.
 
     Example:
-        >>> fl.plot_history(state.history, "history.png")  # doctest: +SKIP
+        >>> import os, tempfile
+        >>> state = loop.run(batches, epochs=3)
+        >>> path = fl.plot_history(state.history, os.path.join(tempfile.mkdtemp(), "h.png"))
+        >>> os.path.getsize(path) > 0
+        True
     """
     if isinstance(history, State):
         history = history.history

@@ -91,7 +91,16 @@ class ProgressBar:
         stream: Where to draw (default: `sys.stderr` when the first epoch starts).
 
     Example:
-        >>> state = loop.run(data, epochs=3, progress=True)  # doctest: +SKIP
+        >>> import io
+        >>> out = io.StringIO()
+        >>> bar = ProgressBar(epoch_length=4, stream=out)
+        >>> state = loop.run(batches)
+        >>> bar.on_event(Event.EPOCH_STARTED, state)
+        >>> bar.advance(4, dict(state.metrics))
+        >>> bar.on_event(Event.EPOCH_COMPLETED, state)
+        >>> bar.close()
+        >>> "4/4" in out.getvalue()
+        True
     """
 
     def __init__(self, epoch_length: int | None = None, stream: TextIO | None = None) -> None:

@@ -75,8 +75,11 @@ class Validator:
         fuse: The validation run's `fuse` (False, True, or a chunk size).
 
     Example:
-        >>> loop = loop.metric("accuracy").validate(model, val_batches)  # doctest: +SKIP
-        >>> state.metrics["validation_accuracy"]  # doctest: +SKIP
+        >>> scores = fl.evaluator(model, "sparse_categorical_cross_entropy")
+        >>> validator = Validator(scores, val_batches)
+        >>> state = loop.run(batches)
+        >>> sorted(validator.evaluate(state.params))
+        ['loss']
     """
 
     def __init__(self, loop: Any, data: Any, fuse: Any = False):

@@ -57,7 +57,11 @@ class CSVWriter:
     validation on some epochs only) adds a column and the file is rewritten with it.
 
     Example:
-        >>> loop = loop.csv_log("metrics.csv", event="epoch_completed")  # doctest: +SKIP
+        >>> import csv, os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "metrics.csv")
+        >>> state = loop.csv_log(path, event="epoch_completed").run(batches, epochs=2)
+        >>> [row["epoch"] for row in csv.DictReader(open(path))]
+        ['0', '1']
     """
 
     def __init__(self, path: str | os.PathLike[str], event: Any = "epoch_completed"):
@@ -120,7 +124,11 @@ class TensorBoardWriter:
     iteration event's total count. One event file per run.
 
     Example:
-        >>> loop = loop.tensorboard("runs/exp1", event="epoch_completed")  # doctest: +SKIP
+        >>> import os, tempfile
+        >>> logdir = tempfile.mkdtemp()
+        >>> state = loop.tensorboard(logdir, event="epoch_completed").run(batches, epochs=2)
+        >>> len(os.listdir(logdir))  # one event file per run
+        1
     """
 
     def __init__(
