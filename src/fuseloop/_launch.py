@@ -126,8 +126,16 @@ def launch(
         (128 + signal number for a process killed by a signal).
 
     Example:
-        >>> launch(2, "train.py", ["--epochs", "3"])  # doctest: +SKIP
+        >>> import io, os, tempfile
+        >>> script = os.path.join(tempfile.mkdtemp(), "hello.py")
+        >>> _ = open(script, "w").write(
+        ...     "import sys, fuseloop, jax\\n"
+        ...     "print(jax.process_index(), 'of', jax.process_count(), sys.argv[1:])\\n")
+        >>> out = io.StringIO()
+        >>> launch(2, script, ["--epochs", "3"], out=out)
         0
+        >>> sorted(out.getvalue().splitlines())
+        ["[0] 0 of 2 ['--epochs', '3']", "[1] 1 of 2 ['--epochs', '3']"]
     """
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"count={count!r} must be a positive int (the number of processes)")

@@ -7,10 +7,8 @@ load is shared, compilation and a warm-up epoch excluded. A timing is only repor
 its guards pass (see `_guards`): right device, no NaN, fused == unfused bitwise, reference
 loops training what fuseloop trains. Peers that cannot run are listed as skipped.
 
-Example:
-    >>> from fuseloop.bench import main
-    >>> main(["--quick", "--models", "mlp-tiny"])  # doctest: +SKIP
-    >>> main(["--quick", "--zoo"])  # doctest: +SKIP
+From a shell: `fuseloop bench --quick --models mlp-tiny` (a minute), `fuseloop bench
+--quick --zoo` (the zoo as well; several minutes). See `main` for a Python example.
 """
 
 from __future__ import annotations
@@ -187,7 +185,11 @@ def run_benchmark(
         log: Progress messages.
 
     Example:
-        >>> report = run_benchmark(["mlp-tiny"], reps=3, quick=True)  # doctest: +SKIP
+        >>> report = run_benchmark(["mlp-tiny"], reps=1, quick=True, n_batches=8, peers=False,
+        ...                        sweep_model=None, overlap_model=None)
+        >>> systems = report["models"]["mlp-tiny"]["systems"]
+        >>> systems["floor"]["status"], report["meta"]["batches_per_epoch"]
+        ('ok', 8)
     """
     if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
         raise ValueError(f"reps={reps!r} must be a positive int")
@@ -317,7 +319,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     status.
 
     Example:
-        >>> main(["--quick", "--json", "bench.json"])  # doctest: +SKIP
+        >>> import contextlib, io, json, os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "bench.json")
+        >>> with contextlib.redirect_stdout(io.StringIO()) as markdown:
+        ...     status = main(["--quick", "--models", "mlp-tiny", "--no-peers", "--reps", "1",
+        ...                    "--json", path])
+        >>> status, "| fuseloop fuse=32 |" in markdown.getvalue(), "models" in json.load(open(path))
+        (0, True, True)
     """
     parser = _parser()
     args = parser.parse_args(list(argv) if argv is not None else None)

@@ -23,7 +23,13 @@ __all__ = ["ModelSpec", "MODELS", "Workload", "count_params"]
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A benchmark MLP: `inputs` features in, Dense layers of `features` widths out."""
+    """A benchmark MLP: `inputs` features in, Dense layers of `features` widths out.
+
+    Example:
+        >>> spec = ModelSpec("mlp-3", inputs=4, features=(8, 3))
+        >>> spec.params  # 4*8 + 8 + 8*3 + 3
+        67
+    """
 
     name: str
     inputs: int
@@ -31,7 +37,12 @@ class ModelSpec:
 
     @property
     def params(self) -> int:
-        """Trainable parameters (weights and biases)."""
+        """Trainable parameters (weights and biases).
+
+        Example:
+            >>> ModelSpec("linear", inputs=2, features=(1,)).params
+            3
+        """
         widths = (self.inputs,) + self.features
         return sum(a * b + b for a, b in itertools.pairwise(widths))
 
