@@ -25,7 +25,12 @@ TRAIN_FLAGS: dict[str, bool] = {
 
 
 class ModelModeError(ValueError):
-    """A model whose train/eval mode fuseloop cannot set (raised at the first batch)."""
+    """A model whose train/eval mode fuseloop cannot set (raised at the first batch).
+
+    Example:
+        >>> issubclass(ModelModeError, ValueError)
+        True
+    """
 
 
 def _call_parameters(module: Any) -> tuple[str, ...]:

@@ -43,7 +43,12 @@ _CORPUS_FILES = (
 
 @dataclass(frozen=True)
 class ZooSpec:
-    """A zoo model: its name, kind (`cnn`, `transformer`, `gru`) and a one-line summary."""
+    """A zoo model: its name, kind (`cnn`, `transformer`, `gru`) and a one-line summary.
+
+    Example:
+        >>> ZOO["gru"].kind
+        'gru'
+    """
 
     name: str
     kind: str

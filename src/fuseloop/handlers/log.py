@@ -26,7 +26,12 @@ SEPARATOR = " - "
 
 
 class Writer:
-    """Writes `fn(state)` to a stream (resolved at write time, so it follows sys.stdout)."""
+    r"""Writes `fn(state)` to a stream (resolved at write time, so it follows sys.stdout).
+
+    Example:
+        >>> Writer(lambda s: f"epoch {s.epoch}\n")(fl.State(epoch=3))
+        epoch 3
+    """
 
     def __init__(self, fn: Callable[[State], str], stream: TextIO | None = None):
         if not callable(fn):
@@ -138,7 +143,15 @@ class EpochSummary:
 
 
 def attach_trainer_log(loop: Any, every: int, stream: TextIO | None) -> Any:
-    """The `trainer(log=N)` lines: one every N iterations and one per finished epoch."""
+    """The `trainer(log=N)` lines: one every N iterations and one per finished epoch.
+
+    Example:
+        >>> import io
+        >>> out = io.StringIO()
+        >>> state = attach_trainer_log(loop, 2, out).run(batches, epochs=1)
+        >>> [line.split(" - ")[:2] for line in out.getvalue().splitlines()]
+        [['Epoch 1/1', 'iteration 1'], ['Epoch 1/1', 'iteration 3'], ['Epoch 1/1', 'loss: ...']]
+    """
     summary = EpochSummary(stream)
     loop = _observe(loop, "iteration_completed", Writer(iteration_line, stream), {"every": every})
     for event, action in (

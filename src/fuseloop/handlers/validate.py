@@ -26,6 +26,11 @@ def evaluable_metrics(metrics: tuple[MetricSpec, ...], has_loss: bool) -> tuple[
 
     Those are the functions of (y_true, y_pred), and the loss when the evaluator is given
     one (it is produced in the step's aux["loss"]).
+
+    Example:
+        >>> specs = loop.metric("accuracy").metrics
+        >>> [s.name for s in evaluable_metrics(specs, True)]
+        ['loss', 'accuracy']
     """
     kept = []
     for spec in metrics:
@@ -39,6 +44,12 @@ def check_validation(model: Any, data: Any, fuse: Any, specs: tuple[MetricSpec, 
 
     That is: no model, one-shot data, a `fuse` a validation run does not take, or no metric
     an evaluator can compute.
+
+    Example:
+        >>> check_validation(model, iter(val_batches), False, loop.metrics)
+        Traceback (most recent call last):
+        ...
+        ValueError: data: validation data must be re-iterable ...
     """
     if model is None:
         raise ValueError("model=None: validate needs the model to evaluate")

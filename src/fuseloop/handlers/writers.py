@@ -26,7 +26,12 @@ _writer_ids = itertools.count()
 
 
 def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    """The metrics that are scalars, as Python floats (arrays of other sizes are skipped)."""
+    """The metrics that are scalars, as Python floats (arrays of other sizes are skipped).
+
+    Example:
+        >>> scalar_metrics({"loss": np.float32(0.5), "per_class": np.zeros(3), "name": "x"})
+        {'loss': 0.5}
+    """
     out = {}
     for name, value in metrics.items():
         try:
@@ -183,6 +188,13 @@ def attach_writer(loop: Any, writer: Any, event: Any, filter: Any, name: str) ->
     """Registers `writer` on `event`, plus its start (run start) and close (run end).
 
     Under jax.distributed only process 0 writes (the others see the same metrics).
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "m.csv")
+        >>> writing = attach_writer(loop, CSVWriter(path), "epoch_completed", "always", "csv")
+        >>> [r.name for r in writing.registrations]
+        ['csv:start', 'csv', 'csv:close', 'csv:close']
     """
     start, close = main_process_only(writer.start), main_process_only(writer.close)
     loop = loop.handle_event("started", start, name=f"{name}:start")
