@@ -124,7 +124,8 @@ def test_epoch_handlers_see_complete_state_with_params():
     trainer().metric("accuracy").handle_event("epoch_completed", handler).run(
         make_batches(3), epochs=2
     )
-    assert seen == [(0, {"loss", "accuracy"}, True, 3), (1, {"loss", "accuracy"}, True, 6)]
+    tracked = {"loss", "learning_rate", "accuracy"}  # a named optimizer's rate is tracked
+    assert seen == [(0, tracked, True, 3), (1, tracked, True, 6)]
 
 
 def test_every_event_but_fused_iterations_sees_the_step_state():
@@ -282,8 +283,8 @@ def test_builders_return_new_loops_and_leave_the_old_unchanged():
     with_handler.run(make_batches(2), counter_init(), epochs=2)
     assert log == [1, 1]
     with_metric = trainer().metric("accuracy")
-    assert [m.name for m in trainer().metrics] == ["loss"]
-    assert [m.name for m in with_metric.metrics] == ["loss", "accuracy"]
+    assert [m.name for m in trainer().metrics] == ["loss", "learning_rate"]
+    assert [m.name for m in with_metric.metrics] == ["loss", "learning_rate", "accuracy"]
 
 
 def test_handler_exceptions_propagate_with_a_note():

@@ -288,8 +288,12 @@ def test_jit_false_matches_jit_true(model):
 
 
 # --------------------------------------------------------------------------- logging
-LINE = re.compile(r"^Epoch (\d+)/2 - iteration (\d+) - loss: (\d+\.\d{7}) - accuracy: (\d\.\d{7})$")
-SUMMARY = re.compile(r"^Epoch (\d+)/2 - loss: (\d+\.\d{7}) - accuracy: (\d\.\d{7})$")
+# "adam" is a named optimizer, so its learning rate is tracked and logged too.
+RATE = r" - learning_rate: (\d\.\d{7})"
+LINE = re.compile(
+    rf"^Epoch (\d+)/2 - iteration (\d+) - loss: (\d+\.\d{{7}}){RATE} - accuracy: (\d\.\d{{7}})$"
+)
+SUMMARY = re.compile(rf"^Epoch (\d+)/2 - loss: (\d+\.\d{{7}}){RATE} - accuracy: (\d\.\d{{7}})$")
 
 
 def test_log_lines_every_n_iterations_and_one_per_epoch():

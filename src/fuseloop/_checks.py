@@ -296,7 +296,7 @@ class Checker:
         return "batch" + jax.tree_util.keystr(path)
 
     def _warn_float64(self, leaves: list[Any]) -> None:
-        if self.warned_float64 or jax.config.jax_enable_x64:
+        if self.warned_float64 or jax.config.read("jax_enable_x64"):
             return
         for name, leaf in zip(self.names, leaves, strict=True):
             if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype == np.float64:

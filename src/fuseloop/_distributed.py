@@ -166,6 +166,7 @@ def local_rows(
     shape = [1] * (batch_axis + 1)
     shape[batch_axis] = global_batch_size
     starts, stops = [], []
+    device: jax.Device  # (this jaxlib has no stub for the devices the map holds)
     for device, index in sharding.devices_indices_map(tuple(shape)).items():
         if device.process_index != jax.process_index():
             continue
@@ -178,7 +179,7 @@ def local_rows(
             "build the mesh from jax.devices() (all processes' devices)"
         )
     first, last = min(starts), max(stops)
-    covered = set()
+    covered: set[int] = set()
     for start, stop in zip(starts, stops, strict=True):
         covered.update(range(start, stop))
     if covered != set(range(first, last)):

@@ -132,7 +132,7 @@ class ArraySource:
             )
         self.num_batches = full if self.drop_remainder else full + (remainder > 0)
         self.transfers_done = 0
-        self._device_arrays: Any = None
+        self._device_arrays: tuple[Any, tuple[Any, Any]] | None = None  # (sharding, arrays)
 
     def __len__(self) -> int:
         return self.num_batches
@@ -274,7 +274,7 @@ class ArraySource:
                 "device=True) to keep the dataset on the device"
             )
         if self._device_arrays is None or self._device_arrays[0] != sharding:
-            placed = jax.device_put((self.x, self.y), sharding)
+            placed: tuple[Any, Any] = jax.device_put((self.x, self.y), sharding)
             self._device_arrays = (sharding, placed)
             self.transfers_done += 1
         return self._device_arrays[1]

@@ -227,7 +227,8 @@ class from_nnx:  # noqa: N801
         from flax import nnx
 
         self._nnx = nnx
-        self.graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+        self.graphdef, params, *others = nnx.split(module, nnx.Param, ...)
+        (rest,) = others  # the two filters, Param and `...`, split the module in two
         self._templates = (params, rest)
         self._initial = {"params": nnx.to_pure_dict(params), "state": nnx.to_pure_dict(rest)}
 

@@ -61,7 +61,8 @@ def check_finite(tree: Any, what: str) -> None:
 def _pairs(a: Any, b: Any, what: str) -> list[tuple[np.ndarray, np.ndarray]]:
     leaves_a, tree_a = jax.tree.flatten(a)
     leaves_b, tree_b = jax.tree.flatten(b)
-    if tree_a != tree_b:
+    expected: object = tree_a  # this jaxlib has no stub for PyTreeDef: compare as objects
+    if expected != tree_b:
         raise Refused(f"{what}: different parameter structures")
     pairs = [(np.asarray(x), np.asarray(y)) for x, y in zip(leaves_a, leaves_b, strict=True)]
     for x, y in pairs:

@@ -314,6 +314,8 @@ def compile_vs_k(workload: Any, ks: tuple[int, ...]) -> list[dict[str, Any]]:
         compiled = lowered.compile()
         done = time.perf_counter()
         text = compiled.as_text()
+        if text is None:
+            raise RuntimeError(f"K={k}: the compiled chunk program has no HLO text")
         rows.append(
             {
                 "K": k,

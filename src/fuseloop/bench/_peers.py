@@ -18,7 +18,7 @@ import numpy as np
 
 from ._guards import Skipped, devices_of
 from ._systems import Sample, System
-from ._workload import Workload
+from ._workload import BenchWorkload
 
 __all__ = ["KerasFit", "TorchEager", "import_keras"]
 
@@ -45,7 +45,7 @@ class KerasFit(System):
     backend; epochs 1..n are timed from `on_epoch_begin` to `on_epoch_end` (steady state,
     like fuseloop's)."""
 
-    def __init__(self, workload: Workload, steps_per_execution: int):
+    def __init__(self, workload: BenchWorkload, steps_per_execution: int):
         super().__init__(workload)
         self.spe = steps_per_execution
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -151,6 +152,7 @@ class ZooWorkload:
 
         rng = np.random.default_rng(self.seed)
         n = self.batch_size * self.n_batches
+        self.module: nn.Module
         if self.spec.kind == "cnn":
             self.x, self.y, self.data_source = _digits(n, rng)
             self.vocab, self.module = 10, DigitsCNN()
@@ -263,7 +265,9 @@ def zoo_summary(results: dict[str, Any], fuse: int) -> dict[str, Any]:
     difference is the compiled step itself, not the launch. The verdict reads the minima,
     which other processes' load inflates least.
     """
-    out = {stat: _figures(results, fuse, f"{stat}_us") for stat in ("median", "min")}
+    out: dict[str, Any] = {
+        stat: _figures(results, fuse, f"{stat}_us") for stat in ("median", "min")
+    }
     out["verdict"] = _verdict(out["min"]) if out["min"] else "n/a: floor or fuse=False missing"
     return out
 

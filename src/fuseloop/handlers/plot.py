@@ -21,12 +21,14 @@ from .writers import scalar_metrics
 __all__ = ["plot_history"]
 
 
-def _series(history: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[str, list[tuple]]]:
+def _series(
+    history: Mapping[int, Mapping[str, Any]],
+) -> dict[str, dict[str, list[tuple[int, float]]]]:
     """{base metric: {"training"|"validation": [(epoch, value), ...]}}, epochs ascending.
 
     Epochs are numbered from 1 as people count them (`state.history` keys are 0-based).
     """
-    panels: dict[str, dict[str, list[tuple]]] = {}
+    panels: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for epoch in sorted(history, key=int):
         for name, value in scalar_metrics(dict(history[epoch])).items():
             split = "validation" if name.startswith(PREFIX) else "training"

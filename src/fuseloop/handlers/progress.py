@@ -177,6 +177,8 @@ class ProgressBar:
         from .log import SEPARATOR, format_metrics
 
         plain, self.plain = self.plain, None
+        if plain is None:  # no epoch is being counted
+            return
         done, total = plain["done"], plain["total"]
         fields = [
             plain["label"],
