@@ -129,7 +129,8 @@ def make_filter(spec: Any, argument: str = "filter") -> Filter:
                 raise ValueError(
                     f"{argument}[{key!r}]={value!r} must be a positive int (counts start at 1)"
                 )
-        return Filter(**{k: int(v) for k, v in spec.items()})
+        counts: dict[str, Any] = {str(k): int(v) for k, v in spec.items()}
+        return Filter(**counts)
     raise ValueError(
         f"{argument}={spec!r} is not a filter; accepted values: 'always', 'first', "
         f"a dict with keys {', '.join(_FILTER_KEYS)}, or a callable(state) -> bool"

@@ -116,7 +116,7 @@ class Loop:
         from ._distributed import main_process_only, runs_on_all_processes
         from .handlers.log import Writer
 
-        writer = Writer(fn, stream)
+        writer: Callable[[State], Any] = Writer(fn, stream)
         if not runs_on_all_processes(fn):  # process 0 writes, unless fn asks for all
             writer = main_process_only(writer)
         return self.handle_event(event, writer, filter, name="log")

@@ -295,7 +295,10 @@ def report(
             "data: report runs several epochs, so it needs re-iterable data "
             "(a list of batches or fl.data.arrays(...)), not a one-shot iterator"
         )
-    run = lambda k: loop.run(data, init_state, fuse=k, iterations=iterations)  # noqa: E731
+
+    def run(k: Any) -> Any:
+        return loop.run(data, init_state, fuse=k, iterations=iterations)
+
     first_fused, first_unfused = run(fuse), run(False)
     n_iter = max(first_unfused.stats["dispatches"], 1)  # one dispatch per step unfused
     times: dict[str, list[float]] = {"fused": [], "unfused": []}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,16 +39,20 @@ def _check_float(
     open_low: bool = False,
     open_high: bool = False,
 ) -> float:
-    low_ok = (lambda v: v > minimum) if open_low else (lambda v: v >= minimum)
-    high_ok = (lambda v: v < maximum) if open_high else (lambda v: v <= maximum)
+    low_ok: Callable[[float], bool] = (
+        (lambda v: v > minimum) if open_low else (lambda v: v >= minimum)
+    )
+    high_ok: Callable[[float], bool] = (
+        (lambda v: v < maximum) if open_high else (lambda v: v <= maximum)
+    )
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ValueError(f"{argument}={value!r} must be a number")
-    value = float(value)
-    if not (math.isfinite(value) and low_ok(value) and high_ok(value)):
+    number = float(value)
+    if not (math.isfinite(number) and low_ok(number) and high_ok(number)):
         low = "(" if open_low else "["
         high = ")" if open_high else "]"
-        raise ValueError(f"{argument}={value!r} must be in {low}{minimum}, {maximum}{high}")
-    return value
+        raise ValueError(f"{argument}={number!r} must be in {low}{minimum}, {maximum}{high}")
+    return number
 
 
 @dataclass(frozen=True)

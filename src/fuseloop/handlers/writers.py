@@ -11,13 +11,16 @@ import csv
 import itertools
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._distributed import main_process_only
 from .._events import ITERATION_EVENTS, Event, normalize_event
 from .._state import State
+
+if TYPE_CHECKING:
+    from .._loop import Loop
 
 __all__ = ["CSVWriter", "TensorBoardWriter", "attach_writer", "scalar_metrics"]
 
@@ -184,7 +187,9 @@ class TensorBoardWriter:
             self.writer = None
 
 
-def attach_writer(loop: Any, writer: Any, event: Any, filter: Any, name: str) -> Any:
+def attach_writer(
+    loop: Loop, writer: CSVWriter | TensorBoardWriter, event: Any, filter: Any, name: str
+) -> Loop:
     """Registers `writer` on `event`, plus its start (run start) and close (run end).
 
     Under jax.distributed only process 0 writes (the others see the same metrics).
