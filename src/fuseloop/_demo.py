@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import optax
 
+from ._types import Fuse
+
 __all__ = ["default_plot_path", "demo", "digits_split"]
 
 
@@ -28,7 +30,7 @@ def digits_split(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.
     return x[:cut], y[:cut], x[cut:], y[cut:]
 
 
-def _parse_fuse(fuse: str) -> bool | int | str:
+def _parse_fuse(fuse: str) -> Fuse:
     if fuse.lower() in ("false", "0", "no", "off"):
         return False
     if fuse == "auto":

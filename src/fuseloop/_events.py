@@ -9,12 +9,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 __all__ = ["Event", "Filter", "Registration", "normalize_event", "make_filter", "parse_result"]
 
 
-class Event(str, enum.Enum):  # noqa: UP042 - StrEnum would change str(event)
+class Event(enum.StrEnum):
     """The events a loop fires, in the order a plain run fires them.
 
     Example:
@@ -31,17 +31,13 @@ class Event(str, enum.Enum):  # noqa: UP042 - StrEnum would change str(event)
     HALTED = "halted"
     COMPLETED = "completed"
 
-    # Allow `fl.Event.X` spelled like the event name too.
-    def __str__(self) -> str:  # pragma: no cover - trivial
-        return self.value
-
 
 ITERATION_EVENTS = (Event.ITERATION_STARTED, Event.ITERATION_COMPLETED)
 EVENT_NAMES = tuple(e.value for e in Event)
 
-CONTINUE = "continue"
-HALT_EPOCH = "halt_epoch"
-HALT_LOOP = "halt_loop"
+CONTINUE: Final = "continue"
+HALT_EPOCH: Final = "halt_epoch"
+HALT_LOOP: Final = "halt_loop"
 STATUSES = (CONTINUE, HALT_EPOCH, HALT_LOOP)
 
 _FILTER_KEYS = ("every", "before", "after", "once")

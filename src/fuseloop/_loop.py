@@ -17,6 +17,7 @@ from ._step import (
     evaluator_program,
     trainer_program,
 )
+from ._types import Accumulate, EventLike, FilterLike, Fuse, Handler, Mode
 from .engine import run_loop
 from .engine.programs import ProgramCache
 from .engine.run import check_run_options
@@ -49,7 +50,7 @@ class Loop:
 
     # ----------------------------------------------------------------- builders
     def metric(
-        self, metric: Any, name: str | None = None, accumulate: str = "running_average"
+        self, metric: Any, name: str | None = None, accumulate: Accumulate = "running_average"
     ) -> Loop:
         """Adds a metric, computed on the device each step and accumulated there.
 
@@ -79,7 +80,7 @@ class Loop:
         return self._with(metrics=self.metrics + (spec,))
 
     def handle_event(
-        self, event: Any, handler: Callable[[State], Any], filter: Any = "always", name: str = ""
+        self, event: EventLike, handler: Handler, filter: FilterLike = "always", name: str = ""
     ) -> Loop:
         """Attaches `handler(state)` to `event`, fired when `filter` passes.
 
@@ -98,8 +99,8 @@ class Loop:
     def log(
         self,
         fn: Callable[[State], str],
-        event: Any = "iteration_completed",
-        filter: Any = "always",
+        event: EventLike = "iteration_completed",
+        filter: FilterLike = "always",
         stream: TextIO | None = None,
     ) -> Loop:
         """Writes `fn(state)` to `stream` (stdout by default) when `event` fires.
@@ -125,9 +126,9 @@ class Loop:
         self,
         model: Any,
         data: Any,
-        event: Any = "epoch_completed",
-        filter: Any = "always",
-        fuse: Any = False,
+        event: EventLike = "epoch_completed",
+        filter: FilterLike = "always",
+        fuse: Fuse = False,
     ) -> Loop:
         """Evaluates on `data` and adds `validation_<name>` for the loss and each metric.
 
@@ -159,7 +160,7 @@ class Loop:
         self,
         monitor: str,
         patience: int = 3,
-        mode: str = "min",
+        mode: Mode = "min",
         min_delta: float = 0.0,
         restore_best: bool = False,
     ) -> Loop:
@@ -193,7 +194,7 @@ class Loop:
         monitor: str,
         factor: float = 0.1,
         patience: int = 3,
-        mode: str = "min",
+        mode: Mode = "min",
         min_delta: float = 0.0,
         min_lr: float = 0.0,
         cooldown: int = 0,
@@ -223,10 +224,10 @@ class Loop:
     def checkpoint(
         self,
         path: str,
-        event: Any = "epoch_completed",
-        filter: Any = "always",
+        event: EventLike = "epoch_completed",
+        filter: FilterLike = "always",
         criteria: str | None = None,
-        mode: str = "min",
+        mode: Mode = "min",
         keep: int | None = None,
         asynchronous: bool = False,
     ) -> Loop:
@@ -266,7 +267,9 @@ class Loop:
             loop = loop.handle_event("halted", saver.finish, name="checkpoint:finish")
         return loop
 
-    def csv_log(self, path: str, event: Any = "epoch_completed", filter: Any = "always") -> Loop:
+    def csv_log(
+        self, path: str, event: EventLike = "epoch_completed", filter: FilterLike = "always"
+    ) -> Loop:
         """Writes the metrics to a CSV file, one row (epoch, iteration, step, metrics...)
         per firing.
 
@@ -284,8 +287,8 @@ class Loop:
     def tensorboard(
         self,
         logdir: str,
-        event: Any = "epoch_completed",
-        filter: Any = "always",
+        event: EventLike = "epoch_completed",
+        filter: FilterLike = "always",
         prefix: str | None = None,
     ) -> Loop:
         """Writes the metrics as TensorBoard scalars (needs tensorboardX).
@@ -340,7 +343,7 @@ class Loop:
         *,
         epochs: int = 1,
         iterations: int | None = None,
-        fuse: Any = False,
+        fuse: Fuse = False,
         jit: bool = True,
         progress: bool = False,
         mesh: Any = None,

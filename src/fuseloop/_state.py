@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._types import RunStatus
 
 __all__ = ["State", "new_stats"]
 
@@ -58,7 +61,7 @@ class State:
     step_state: Any = None
     handler_metadata: dict[str, Any] = field(default_factory=dict)
     event_counts: dict[str, Any] = field(default_factory=dict)
-    status: str = "running"
+    status: RunStatus = "running"
     times: dict[int, float] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=new_stats)
 

@@ -21,6 +21,7 @@ from typing import Any
 from .._checkpoint import save_args
 from .._checkpoint_paths import TRASH, EpochNames, HiddenTemporaryPath, checkpoint_dirs
 from .._state import State
+from .._types import Status
 from .monitor import Monitor
 
 __all__ = ["Checkpointer", "list_checkpoints"]
@@ -96,7 +97,7 @@ class Checkpointer:
         self._names = EpochNames()
         self._last_saved: tuple[int, int] | None = None
 
-    def __call__(self, state: State) -> tuple[str, State] | None:
+    def __call__(self, state: State) -> tuple[Status, State] | None:
         """Saves `state` when it is due (every `every` epochs, or on a new best)."""
         if state.step_state is None:
             raise ValueError(

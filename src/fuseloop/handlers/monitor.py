@@ -19,6 +19,7 @@ import numpy as np
 
 from .._optim import find_learning_rates, has_schedule, rate_is_scheduled, set_learning_rate
 from .._state import State
+from .._types import Status
 
 __all__ = ["Monitor", "EarlyStopping", "ReduceLROnPlateau", "find_learning_rates"]
 
@@ -176,7 +177,7 @@ class EarlyStopping:
         self.restore_best = restore_best
         self._best: tuple[Any, Any] | None = None  # ((epoch, value), device copy)
 
-    def __call__(self, state: State) -> tuple[str, State]:
+    def __call__(self, state: State) -> tuple[Status, State]:
         """Records the monitored value; halts the run once it stopped improving."""
         value = self.monitor.value(state)
         previous = self.monitor.record(state)
@@ -196,7 +197,7 @@ class EarlyStopping:
             state = self._restored(state)
         return ("halt_loop" if stop else "continue"), state
 
-    def on_end(self, state: State) -> tuple[str, State]:
+    def on_end(self, state: State) -> tuple[Status, State]:
         """For the "completed" and "halted" events: the best epoch's step state."""
         return "continue", self._restored(state)
 
@@ -272,7 +273,7 @@ class ReduceLROnPlateau:
         if not find_learning_rates(shapes):
             raise _fixed_lr_error()
 
-    def __call__(self, state: State) -> tuple[str, State]:
+    def __call__(self, state: State) -> tuple[Status, State]:
         """Records the monitored value; lowers the learning rate once it stopped improving."""
         value = self.monitor.value(state)
         record = self.monitor.record(state)

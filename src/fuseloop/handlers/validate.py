@@ -15,6 +15,7 @@ from .._data import as_source
 from .._fusion import resolve_fuse
 from .._metrics import MetricSpec
 from .._state import State
+from .._types import Status
 
 __all__ = ["Validator", "check_validation", "evaluable_metrics"]
 
@@ -103,7 +104,7 @@ class Validator:
         result = self.loop.run(self.data, params, fuse=self.fuse)
         return dict(result.metrics)
 
-    def __call__(self, state: State) -> tuple[str, State]:
+    def __call__(self, state: State) -> tuple[Status, State]:
         """Evaluates the State's params and adds the validation metrics to its history."""
         params = state.params
         if params is None:
