@@ -2,13 +2,14 @@
 
 Each example may use `fl`, `np`, `jnp`, `jax`, `optax`, and a tiny classification task:
 `model` (an MLP), `batches` and `val_batches` (lists of (x, y) pairs: 8 examples of 4
-features, 3 classes), and `loop` (a trainer for them). This file sits outside the package, so
-it is not part of the wheel.
+features, 3 classes), and `loop` (a trainer for them).
+
+This file sits at the repository root, outside the package (so not in the wheel), and is
+loaded before tests/conftest.py, whose helpers the tests import as `conftest`: the
+conftest imported last is the one `import conftest` finds.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +29,11 @@ def _batches(seed: int, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 @pytest.fixture(autouse=True)
-def _example_names(doctest_namespace: dict[str, Any]) -> None:
+def _example_names(request: pytest.FixtureRequest) -> None:
+    if type(request.node).__name__ != "DoctestItem":  # the tests build their own data
+        return
     model = fl.models.mlp([8, 3])
-    doctest_namespace.update(
+    request.getfixturevalue("doctest_namespace").update(
         fl=fl,
         np=np,
         jnp=jnp,
