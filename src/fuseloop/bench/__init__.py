@@ -14,6 +14,7 @@ From a shell: `fuseloop bench --quick --models mlp-tiny` (a minute), `fuseloop b
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -35,7 +36,7 @@ MAIN_FUSE = 32
 
 def _plan(
     w: Workload | ZooWorkload, sweep_ks: Sequence[int], peers: bool
-) -> list[tuple[str, str, Callable]]:
+) -> list[tuple[str, str, Callable[[], Any]]]:
     """(key, label, factory) for every system to time on workload `w`, in table order."""
     from ._peers import KerasFit, TorchEager
     from ._systems import Floor, Fuseloop, HostCallback, PlainLoop
@@ -43,7 +44,7 @@ def _plan(
     if isinstance(w, ZooWorkload):
         return zoo_plan(w, peers, MAIN_FUSE)
 
-    plan: list[tuple[str, str, Callable]] = [
+    plan: list[tuple[str, str, Callable[[], Any]]] = [
         (
             "floor",
             "floor: jit(lax.scan) over the epoch, data on device",
@@ -83,7 +84,7 @@ def _plan(
     )
     for k in sweep_ks:
         if k != MAIN_FUSE:
-            plan.append((f"fl_fuse{k}", f"fuseloop fuse={k}", lambda k=k: Fuseloop(w, k)))
+            plan.append((f"fl_fuse{k}", f"fuseloop fuse={k}", functools.partial(Fuseloop, w, k)))
     return plan
 
 

@@ -170,7 +170,7 @@ class ZooWorkload:
         ]
         self.tx = optax.adam(1e-3)
         variables = self.module.init(jax.random.PRNGKey(self.seed), self.batches[0][0])
-        self.host_variables = jax.tree.map(np.asarray, dict(variables))
+        self.host_variables: dict[str, Any] = jax.tree.map(np.asarray, dict(variables))
         self.n_params = count_params(self.host_variables["params"])
 
     @property
@@ -222,12 +222,12 @@ class ZooWorkload:
         return build(keras, self.vocab, SEQUENCE)
 
 
-def zoo_plan(w: ZooWorkload, peers: bool, fuse: int) -> list[tuple[str, str, Callable]]:
+def zoo_plan(w: ZooWorkload, peers: bool, fuse: int) -> list[tuple[str, str, Callable[[], Any]]]:
     """(key, label, factory) for every system timed on a zoo model, in table order."""
     from ._peers import KerasFit
     from ._systems import Floor, Fuseloop, PlainLoop
 
-    plan: list[tuple[str, str, Callable]] = [
+    plan: list[tuple[str, str, Callable[[], Any]]] = [
         (
             "floor",
             "floor: jit(lax.scan) over the epoch, data on device",
