@@ -11,7 +11,7 @@ import csv
 import itertools
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, Self, TypeVar
 
 import numpy as np
 
@@ -19,8 +19,16 @@ from .._distributed import main_process_only
 from .._events import ITERATION_EVENTS, Event, normalize_event
 from .._state import State
 
-if TYPE_CHECKING:
-    from .._loop import Loop
+
+class _Registers(Protocol):
+    """What `attach_writer` needs of a loop (handlers do not import the Loop builder)."""
+
+    def handle_event(self, event: Any, handler: Any, filter: Any = ..., name: str = ...) -> Self:
+        """A copy of the loop with `handler` attached to `event`."""
+        ...
+
+
+_LoopT = TypeVar("_LoopT", bound=_Registers)
 
 __all__ = ["CSVWriter", "TensorBoardWriter", "attach_writer", "scalar_metrics"]
 
@@ -188,8 +196,8 @@ class TensorBoardWriter:
 
 
 def attach_writer(
-    loop: Loop, writer: CSVWriter | TensorBoardWriter, event: Any, filter: Any, name: str
-) -> Loop:
+    loop: _LoopT, writer: CSVWriter | TensorBoardWriter, event: Any, filter: Any, name: str
+) -> _LoopT:
     """Registers `writer` on `event`, plus its start (run start) and close (run end).
 
     Under jax.distributed only process 0 writes (the others see the same metrics).
