@@ -303,7 +303,7 @@ def load_state(path: str | os.PathLike[str]) -> State:
     if is_save(path):
         return read_save(path)
     if path.is_dir():
-        saves = checkpoint_dirs(path)
+        saves = checkpoint_dirs(path, is_save)
         if saves:
             return read_save(saves[-1])
         raise ValueError(

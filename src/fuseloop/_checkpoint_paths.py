@@ -10,7 +10,7 @@ deleted.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from etils import epath
@@ -92,10 +92,12 @@ class EpochNames(step_lib.NameFormat):
         raise ValueError(f"no checkpoint for step {step} in {base_path}")
 
 
-def checkpoint_dirs(directory: Path) -> list[Path]:
-    """The complete saves in a `Loop.checkpoint` directory, oldest first."""
-    from ._checkpoint import is_save
+def checkpoint_dirs(directory: Path, is_save: Callable[[Path], bool]) -> list[Path]:
+    """The complete saves (`is_save(path)`) in a `Loop.checkpoint` directory, oldest first.
 
+    The caller passes `_checkpoint.is_save`, so this module does not import `_checkpoint`
+    (which imports it).
+    """
     found = []
     for child in Path(directory).iterdir():
         match = CHECKPOINT_NAME.match(child.name)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal, TypeAlias
 
-if TYPE_CHECKING:
-    from ._types import RunStatus
+__all__ = ["RunStatus", "State", "new_stats"]
 
-__all__ = ["State", "new_stats"]
+RunStatus: TypeAlias = Literal["running", "completed", "halted"]
+"""`State.status`: a run in progress, one that ran all its epochs, or one that halted."""
 
 
 def new_stats() -> dict[str, Any]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias
 
+from ._state import RunStatus  # defined beside State; re-exported here
+
 if TYPE_CHECKING:
     from ._events import Event, Filter
     from ._state import State
@@ -46,8 +48,6 @@ EventLike: TypeAlias = "Event | EventName"
 Status: TypeAlias = Literal["continue", "halt_epoch", "halt_loop"]
 """What a handler asks of the loop: go on, end the epoch, or end the run."""
 
-RunStatus: TypeAlias = Literal["running", "completed", "halted"]
-"""`State.status`: a run in progress, one that ran all its epochs, or one that halted."""
 
 Accumulate: TypeAlias = Literal["running_average", "running_sum"]
 """How `Loop.metric` accumulates a metric over an epoch."""

@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .._checkpoint import save_args
+from .._checkpoint import is_save, save_args
 from .._checkpoint_paths import TRASH, EpochNames, HiddenTemporaryPath, checkpoint_dirs
 from .._state import State
 from .._types import Status
@@ -41,7 +41,7 @@ def list_checkpoints(path: str | os.PathLike[str]) -> list[Path]:
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"path={str(path)!r} is not a directory")
-    return checkpoint_dirs(path)
+    return checkpoint_dirs(path, is_save)
 
 
 def _position(state: State) -> tuple[int, int]:

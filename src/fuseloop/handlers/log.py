@@ -18,11 +18,45 @@ import numpy as np
 
 from .._distributed import main_process_only
 from .._state import State
-from .progress import write_above_bars
 
-__all__ = ["Writer", "attach_trainer_log", "epoch_label", "format_metrics", "format_value"]
+__all__ = [
+    "Writer",
+    "attach_trainer_log",
+    "epoch_label",
+    "format_metrics",
+    "format_value",
+    "write_above_bars",
+]
 
 SEPARATOR = " - "
+
+
+def write_above_bars(text: str, stream: TextIO) -> None:
+    r"""Writes `text` to `stream` above any tqdm bar drawn on the same terminal.
+
+    Example:
+        >>> import io
+        >>> out = io.StringIO()
+        >>> write_above_bars("Epoch 1/2 - loss: 0.5000000\n", out)
+        >>> out.getvalue()
+        'Epoch 1/2 - loss: 0.5000000\n'
+    """
+    if "tqdm" not in sys.modules:  # no bar can be on screen; do not import tqdm for nothing
+        _write(text, stream)
+        return
+    from tqdm.std import tqdm
+
+    # Clears every open bar that shares this stream (or the terminal, for stdout/stderr)
+    # and redraws it after the write; a no-op when no bar is open.
+    with tqdm.external_write_mode(file=stream):
+        _write(text, stream)
+
+
+def _write(text: str, stream: TextIO) -> None:
+    stream.write(text)
+    flush = getattr(stream, "flush", None)
+    if flush is not None:
+        flush()
 
 
 class Writer:

@@ -16,36 +16,9 @@ import time
 from typing import Any, TextIO
 
 from .._events import Event
+from .log import write_above_bars  # re-exported: the display and the log share it
 
 __all__ = ["ProgressBar", "epoch_length_of", "write_above_bars"]
-
-
-def write_above_bars(text: str, stream: TextIO) -> None:
-    r"""Writes `text` to `stream` above any tqdm bar drawn on the same terminal.
-
-    Example:
-        >>> import io
-        >>> out = io.StringIO()
-        >>> write_above_bars("Epoch 1/2 - loss: 0.5000000\n", out)
-        >>> out.getvalue()
-        'Epoch 1/2 - loss: 0.5000000\n'
-    """
-    if "tqdm" not in sys.modules:  # no bar can be on screen; do not import tqdm for nothing
-        _write(text, stream)
-        return
-    from tqdm.std import tqdm
-
-    # Clears every open bar that shares this stream (or the terminal, for stdout/stderr)
-    # and redraws it after the write; a no-op when no bar is open.
-    with tqdm.external_write_mode(file=stream):
-        _write(text, stream)
-
-
-def _write(text: str, stream: TextIO) -> None:
-    stream.write(text)
-    flush = getattr(stream, "flush", None)
-    if flush is not None:
-        flush()
 
 
 def epoch_length_of(data: Any, iterations: int | None = None) -> int | None:
