@@ -28,7 +28,7 @@ for K in [32, 100]:
 for f in cfg.values():
     f()
 res = {k: [] for k in cfg}
-for r in range(10):
+for _ in range(10):
     for k, f in cfg.items():
         s = f()
         t = [s.times[e] for e in range(1, 11)]

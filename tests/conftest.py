@@ -165,7 +165,7 @@ def tree_equal(a: Any, b: Any) -> bool:
     leaves_b, def_b = jax.tree.flatten(b)
     if def_a != def_b:
         return False
-    for x, y in zip(leaves_a, leaves_b):
+    for x, y in zip(leaves_a, leaves_b, strict=True):
         x, y = host(x), host(y)
         if x.dtype != y.dtype or x.shape != y.shape or not np.array_equal(x, y):
             return False
@@ -184,7 +184,7 @@ def assert_tree_equal(a: Any, b: Any, what: str = "tree") -> None:
     leaves_b, def_b = jax.tree.flatten(b)
     assert def_a == def_b, f"{what}: structures differ:\n{def_a}\n{def_b}"
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(a)[0]]
-    for path, x, y in zip(paths, leaves_a, leaves_b):
+    for path, x, y in zip(paths, leaves_a, leaves_b, strict=True):
         x, y = host(x), host(y)
         assert x.dtype == y.dtype and x.shape == y.shape, (
             f"{what}{path}: {x.dtype}{x.shape} vs {y.dtype}{y.shape}"
@@ -200,7 +200,7 @@ def assert_tree_close(
     leaves_a, def_a = jax.tree.flatten(a)
     leaves_b, def_b = jax.tree.flatten(b)
     assert def_a == def_b, f"{what}: structures differ"
-    for x, y in zip(leaves_a, leaves_b):
+    for x, y in zip(leaves_a, leaves_b, strict=True):
         np.testing.assert_allclose(host(x), host(y), rtol=rtol, atol=atol, err_msg=what)
 
 

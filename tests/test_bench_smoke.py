@@ -337,7 +337,7 @@ def test_zoo_keras_models_have_the_same_shapes(char_workloads: dict) -> None:
             continue
         w = char_workloads.get(name) or ZooWorkload(ZOO[name], batch_size=4, n_batches=1)
         model = w.keras_model(keras)
-        out = jax.eval_shape(lambda v, x: w.module.apply(v, x), w.variables, w.batches[0][0])
+        out = jax.eval_shape(w.module.apply, w.variables, w.batches[0][0])
         assert tuple(model.output_shape[1:]) == out.shape[1:], name
         if name != "cnn":  # Keras' GRU gate layout differs; the CNN has BN's moving stats
             continue

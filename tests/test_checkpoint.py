@@ -49,7 +49,7 @@ TRAINER = (
 
 def _assert_trees_identical(a, b):
     assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         assert np.asarray(x).dtype == np.asarray(y).dtype
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 

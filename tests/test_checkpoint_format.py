@@ -197,7 +197,9 @@ def test_asynchronous_checkpoints_resume_bitwise(tmp_path):
     ]
     middle = fl.load_state(list_checkpoints(tmp_path / "ck")[0])
     resumed = trainer.run(data, middle, epochs=3, fuse=2)
-    for a, b in zip(jax.tree.leaves(full.step_state), jax.tree.leaves(resumed.step_state)):
+    for a, b in zip(
+        jax.tree.leaves(full.step_state), jax.tree.leaves(resumed.step_state), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert resumed.history == full.history
     saver.close()

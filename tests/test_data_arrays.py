@@ -205,7 +205,7 @@ def test_host_source_refuses_device_placement():
     source = fl.data.arrays(x, y, batch_size=8)
     assert not source.resident
     with pytest.raises(ValueError, match="device=True"):
-        source.device_arrays
+        _ = source.device_arrays
 
 
 # --------------------------------------------------------------------- in a run
@@ -237,7 +237,9 @@ def test_a_resumed_run_sees_the_same_order_as_an_uninterrupted_one(fuse):
     _assert_same_run(whole, resumed)
     # and the shuffle matters: another seed trains differently
     other = LOOP.run(fl.data.arrays(x, y, batch_size=8, seed=7), epochs=3, fuse=fuse)
-    assert any(not np.array_equal(u, v) for u, v in zip(_leaves(whole), _leaves(other)))
+    assert any(
+        not np.array_equal(u, v) for u, v in zip(_leaves(whole), _leaves(other), strict=True)
+    )
 
 
 def test_reusing_a_source_in_another_run_repeats_its_orders():

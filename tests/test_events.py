@@ -124,9 +124,8 @@ def test_epoch_handlers_see_complete_state_with_params():
     trainer().metric("accuracy").handle_event("epoch_completed", handler).run(
         make_batches(3), epochs=2
     )
-    # "adam" exposes its rate, so the trainer also reports learning_rate.
-    names = {"loss", "learning_rate", "accuracy"}
-    assert seen == [(0, names, True, 3), (1, names, True, 6)]
+    tracked = {"loss", "learning_rate", "accuracy"}  # a named optimizer's rate is tracked
+    assert seen == [(0, tracked, True, 3), (1, tracked, True, 6)]
 
 
 def test_every_event_but_fused_iterations_sees_the_step_state():
@@ -159,10 +158,10 @@ def test_continue_returns_change_nothing(returned):
     data = make_batches(4)
     loop = counter_loop()
     reference = loop.run(data, counter_init(), epochs=2)
-    if isinstance(returned, tuple):
-        handler = lambda s: ("continue", s)  # noqa: E731
-    else:
-        handler = lambda s: returned  # noqa: E731
+
+    def handler(state):
+        return ("continue", state) if isinstance(returned, tuple) else returned
+
     state = (
         loop.handle_event("iteration_completed", handler)
         .handle_event("epoch_completed", handler)
@@ -284,7 +283,6 @@ def test_builders_return_new_loops_and_leave_the_old_unchanged():
     with_handler.run(make_batches(2), counter_init(), epochs=2)
     assert log == [1, 1]
     with_metric = trainer().metric("accuracy")
-    # "adam" exposes its rate: the trainer tracks it next to the loss.
     assert [m.name for m in trainer().metrics] == ["loss", "learning_rate"]
     assert [m.name for m in with_metric.metrics] == ["loss", "learning_rate", "accuracy"]
 

@@ -84,7 +84,7 @@ def test_iteration_events_fire_once_each_in_order_with_their_own_metrics(unfused
     assert stream(log) == stream(reference_log)
     iteration_items = [item for item in log if item[0].startswith("iteration")]
     assert len(set(stream(iteration_items))) == len(iteration_items) == 48
-    for item, expected in zip(log, reference_log):
+    for item, expected in zip(log, reference_log, strict=True):
         event, epoch, iteration, (no_step_state, metrics, counts) = item
         # Counters and the metrics as of this iteration equal the unfused loop's.
         assert metrics == expected[3][1], (event, epoch, iteration)
@@ -190,6 +190,7 @@ def test_iteration_started_sees_metrics_of_the_previous_iteration_across_chunks(
     assert seen[5] == seen[False]
     assert [i for i, _ in seen[5]] == [0, 5, 10, 5]
     assert seen[5][0][1] == {}  # nothing has run yet in the epoch
+    # (the trainer's named optimizer makes learning_rate a default metric)
     assert set(seen[5][1][1]) == {"loss", "learning_rate", "accuracy"}
 
 

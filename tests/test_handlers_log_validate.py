@@ -105,7 +105,7 @@ def test_validation_metrics_match_a_direct_evaluation():
     state = VALIDATED.run(DATA, epochs=2)
     assert set(state.metrics) == {
         "loss",
-        "learning_rate",
+        "learning_rate",  # the named optimizer's rate; not a validation metric
         "accuracy",
         "validation_loss",
         "validation_accuracy",
@@ -168,7 +168,7 @@ def test_progress_bar_shows_epochs_and_metrics_without_extra_syncs(capsys):
     lines = err.splitlines()
     assert "\r" not in err and len(lines) == 2, err
     assert lines[0].startswith("Epoch 1/2 - ") and lines[1].startswith("Epoch 2/2 - 5/5 - ")
-    for line, epoch in zip(lines, (0, 1)):
+    for line, epoch in zip(lines, (0, 1), strict=True):
         assert f"validation_accuracy: {shown.history[epoch]['validation_accuracy']:.7f}" in line
     assert shown.stats["host_syncs"] == quiet.stats["host_syncs"]
     assert shown.history == quiet.history

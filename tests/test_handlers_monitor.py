@@ -233,7 +233,7 @@ def test_reduce_lr_on_plateau_is_effective_from_the_next_epoch(plateau_runs, fus
     # The same trajectory by hand: train, change the rate in the optimizer state, resume.
     manual = _set_lr(plain.run(data, epochs=2, fuse=fuse), lr0 * np.float32(0.5))
     manual = plain.run(data, manual, epochs=3, fuse=fuse)
-    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(manual.params)):
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(manual.params), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -242,7 +242,7 @@ def test_manual_reference_differs_without_the_change(plateau_runs):
     data, plain, reducing = plateau_runs
     reduced = reducing.run(data, epochs=3)
     unchanged = plain.run(data, epochs=3)
-    leaves = zip(jax.tree.leaves(reduced.params), jax.tree.leaves(unchanged.params))
+    leaves = zip(jax.tree.leaves(reduced.params), jax.tree.leaves(unchanged.params), strict=True)
     assert any(not np.array_equal(a, b) for a, b in leaves)
 
 

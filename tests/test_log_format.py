@@ -74,7 +74,8 @@ def test_log_lines_are_whole_lines_numbered_from_1_and_fused_equals_unfused(iter
     assert all(bool(m[3]) == bool(iterations) for m in iteration_lines)
     # One summary per epoch, after its last iteration line, with the validation metrics.
     assert [int(m[1]) for m in summaries] == [1, 2, 3]
-    for epoch, line in zip(range(3), (l for l in lines if " - iteration " not in l)):
+    epoch_lines = [line for line in lines if " - iteration " not in line]
+    for epoch, line in zip(range(3), epoch_lines, strict=True):
         assert f"validation_loss: {state.history[epoch]['validation_loss']:.7f}" in line
 
 
@@ -83,7 +84,7 @@ def test_an_early_stopped_run_summarises_every_finished_epoch():
     loop = _loop(out).early_stop("validation_accuracy", patience=1, mode="max")
     state = loop.run(TRAIN, epochs=30)
     assert state.status == "halted"
-    summaries = [l for l in out.getvalue().splitlines() if " - iteration " not in l]
+    summaries = [line for line in out.getvalue().splitlines() if " - iteration " not in line]
     assert [s.split(" - ")[0] for s in summaries] == [
         f"Epoch {e + 1}/30" for e in sorted(state.history)
     ]
@@ -96,7 +97,9 @@ def test_a_resumed_run_numbers_on_and_does_not_repeat_the_last_summary():
     out.seek(0)
     out.truncate()
     loop.run(TRAIN, first, epochs=3)
-    summaries = [l.split(" - ")[0] for l in out.getvalue().splitlines() if " - iteration " not in l]
+    summaries = [
+        line.split(" - ")[0] for line in out.getvalue().splitlines() if " - iteration " not in line
+    ]
     assert summaries == ["Epoch 2/3", "Epoch 3/3"]
 
 

@@ -176,6 +176,9 @@ def test_metric_names_must_be_unique():
 
 
 def test_trainer_always_tracks_loss():
-    state = fl.trainer(tiny_mlp(), "sparse_categorical_cross_entropy", "sgd").run(DATA)
-    assert set(state.metrics) == {"loss", "learning_rate"}  # "sgd" exposes its rate
+    state = fl.trainer(tiny_mlp(), "sparse_categorical_cross_entropy", optax.sgd(0.1)).run(DATA)
+    assert set(state.metrics) == {"loss"}
     assert np.isfinite(state.metrics["loss"])
+    # A named optimizer's learning rate can be read, so it is tracked too.
+    named = fl.trainer(tiny_mlp(), "sparse_categorical_cross_entropy", "sgd").run(DATA)
+    assert set(named.metrics) == {"loss", "learning_rate"}

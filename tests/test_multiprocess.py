@@ -229,7 +229,7 @@ def test_two_processes_train_like_one(two_processes, reference, name):
     assert first["resumed"] == first["params"]  # load_state + resume, bitwise
     assert sorted(int(e) for e in first["history"]) == sorted(reference.history)
     # One device sums the batch's gradients in another order than two: within rounding.
-    for mine, theirs in zip(first["params"], jax.tree.leaves(reference.params)):
+    for mine, theirs in zip(first["params"], jax.tree.leaves(reference.params), strict=True):
         np.testing.assert_allclose(np.asarray(mine), np.asarray(theirs), rtol=1e-5, atol=1e-6)
     for epoch, metrics in reference.history.items():
         for key, value in metrics.items():

@@ -203,7 +203,7 @@ def test_float64_input_warns_once_and_trains_as_float32(loop):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*float64.*")
         state32 = loop.run(data32, epochs=2)
-    for a, b in zip(jax.tree.leaves(state64.params), jax.tree.leaves(state32.params)):
+    for a, b in zip(jax.tree.leaves(state64.params), jax.tree.leaves(state32.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

@@ -87,7 +87,7 @@ def _loss_case(name):
     else:
         ys = [rng.integers(0, 3, size=(4,)).astype(np.int32) for _ in x]
         out = 3
-    return list(zip(x, ys)), out
+    return list(zip(x, ys, strict=True)), out
 
 
 def _hand_loss(name, y, logits):
@@ -146,7 +146,7 @@ def test_user_arrays_are_never_invalidated_by_donation():
     data = [(jnp.asarray(x), jnp.asarray(y)) for x, y in DATA[:4]]
     state = MLP_LOOP.run(data, variables, epochs=2)
     assert_tree_equal(variables, before)  # raises if a buffer was deleted
-    for (x, y), (x0, y0) in zip(data, DATA[:4]):
+    for (x, y), (x0, y0) in zip(data, DATA[:4], strict=True):
         assert np.array_equal(x, x0) and np.array_equal(y, y0)
     # The returned State is not donated either: a later run does not invalidate it.
     kept = jax.tree.map(np.array, state.params)
@@ -288,14 +288,12 @@ def test_jit_false_matches_jit_true(model):
 
 
 # --------------------------------------------------------------------------- logging
-# "adam" exposes its rate, so learning_rate follows the loss.
+# "adam" is a named optimizer, so its learning rate is tracked and logged too.
+RATE = r" - learning_rate: (\d\.\d{7})"
 LINE = re.compile(
-    r"^Epoch (\d+)/2 - iteration (\d+) - loss: (\d+\.\d{7}) - learning_rate: \d\.\d{7} - "
-    r"accuracy: (\d\.\d{7})$"
+    rf"^Epoch (\d+)/2 - iteration (\d+) - loss: (\d+\.\d{{7}}){RATE} - accuracy: (\d\.\d{{7}})$"
 )
-SUMMARY = re.compile(
-    r"^Epoch (\d+)/2 - loss: (\d+\.\d{7}) - learning_rate: \d\.\d{7} - accuracy: (\d\.\d{7})$"
-)
+SUMMARY = re.compile(rf"^Epoch (\d+)/2 - loss: (\d+\.\d{{7}}){RATE} - accuracy: (\d\.\d{{7}})$")
 
 
 def test_log_lines_every_n_iterations_and_one_per_epoch():
@@ -314,7 +312,7 @@ def test_log_lines_every_n_iterations_and_one_per_epoch():
     summaries = [SUMMARY.match(line) for line in lines if " - iteration " not in line]
     assert all(summaries), lines
     assert [int(m[1]) for m in summaries] == [1, 2]
-    for m, epoch in zip(summaries, (0, 1)):
+    for m, epoch in zip(summaries, (0, 1), strict=True):
         assert m[2] == f"{state.history[epoch]['loss']:.7f}"
     assert state.history[1]["loss"] > 0
 

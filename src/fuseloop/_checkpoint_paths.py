@@ -93,8 +93,11 @@ class EpochNames(step_lib.NameFormat):
 
 
 def checkpoint_dirs(directory: Path, is_save: Callable[[Path], bool]) -> list[Path]:
-    """The complete saves (those `is_save` accepts) in a `Loop.checkpoint` directory, oldest
-    first. The predicate is passed in: this module sits below the format's reader."""
+    """The complete saves (`is_save(path)`) in a `Loop.checkpoint` directory, oldest first.
+
+    The caller passes `_checkpoint.is_save`, so this module does not import `_checkpoint`
+    (which imports it).
+    """
     found = []
     for child in Path(directory).iterdir():
         match = CHECKPOINT_NAME.match(child.name)

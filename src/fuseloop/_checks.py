@@ -53,7 +53,7 @@ def _is_scalar_list(value: Any) -> bool:
 
 def _check_python_lists(batch: Any, where: str) -> None:
     """x or y given as (nested) Python lists of numbers: one error, not one per number."""
-    for name, part in zip(("x", "y"), batch):
+    for name, part in zip(("x", "y"), batch, strict=True):
         if _is_scalar_list(part):
             count = len(jax.tree.leaves(part))
             raise ValueError(
@@ -202,7 +202,7 @@ class Checker:
                 f"containers, keys and number of arrays)"
             )
         ragged_sizes = set()
-        for name, expected, actual in zip(self.names, self.expected, signature):
+        for name, expected, actual in zip(self.names, self.expected, signature, strict=True):
             if self._same(expected, actual, fused):
                 continue
             if fused or not self._differs_on_batch_axis(expected, actual):
@@ -296,9 +296,9 @@ class Checker:
         return "batch" + jax.tree_util.keystr(path)
 
     def _warn_float64(self, leaves: list[Any]) -> None:
-        if self.warned_float64 or jax.config.jax_enable_x64:
+        if self.warned_float64 or jax.config.read("jax_enable_x64"):
             return
-        for name, leaf in zip(self.names, leaves):
+        for name, leaf in zip(self.names, leaves, strict=True):
             if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype == np.float64:
                 self.warned_float64 = True
                 warnings.warn(

@@ -166,6 +166,7 @@ def local_rows(
     shape = [1] * (batch_axis + 1)
     shape[batch_axis] = global_batch_size
     starts, stops = [], []
+    device: jax.Device  # (this jaxlib has no stub for the devices the map holds)
     for device, index in sharding.devices_indices_map(tuple(shape)).items():
         if device.process_index != jax.process_index():
             continue
@@ -178,8 +179,8 @@ def local_rows(
             "build the mesh from jax.devices() (all processes' devices)"
         )
     first, last = min(starts), max(stops)
-    covered = set()
-    for start, stop in zip(starts, stops):
+    covered: set[int] = set()
+    for start, stop in zip(starts, stops, strict=True):
         covered.update(range(start, stop))
     if covered != set(range(first, last)):
         raise ValueError(
@@ -322,7 +323,7 @@ def _gather_text(text: str) -> list[str]:
     padded = np.zeros(int(np.max(lengths)), np.uint8)
     padded[: len(data)] = data
     every = np.asarray(multihost_utils.process_allgather(padded)).reshape(jax.process_count(), -1)
-    return [bytes(row[: int(n)]).decode() for row, n in zip(every, np.ravel(lengths))]
+    return [bytes(row[: int(n)]).decode() for row, n in zip(every, np.ravel(lengths), strict=True)]
 
 
 def check_same_config(config: dict[str, Any], what: str = "run") -> None:

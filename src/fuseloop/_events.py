@@ -9,12 +9,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 __all__ = ["Event", "Filter", "Registration", "normalize_event", "make_filter", "parse_result"]
 
 
-class Event(str, enum.Enum):
+class Event(enum.StrEnum):
     """The events a loop fires, in the order a plain run fires them.
 
     Example:
@@ -31,17 +31,13 @@ class Event(str, enum.Enum):
     HALTED = "halted"
     COMPLETED = "completed"
 
-    # Allow `fl.Event.X` spelled like the event name too.
-    def __str__(self) -> str:  # pragma: no cover - trivial
-        return self.value
-
 
 ITERATION_EVENTS = (Event.ITERATION_STARTED, Event.ITERATION_COMPLETED)
 EVENT_NAMES = tuple(e.value for e in Event)
 
-CONTINUE = "continue"
-HALT_EPOCH = "halt_epoch"
-HALT_LOOP = "halt_loop"
+CONTINUE: Final = "continue"
+HALT_EPOCH: Final = "halt_epoch"
+HALT_LOOP: Final = "halt_loop"
 STATUSES = (CONTINUE, HALT_EPOCH, HALT_LOOP)
 
 _FILTER_KEYS = ("every", "before", "after", "once")
@@ -80,9 +76,7 @@ class Filter:
             return False
         if self.after is not None and not count > self.after:
             return False
-        if self.once is not None and count != self.once:
-            return False
-        return True
+        return self.once is None or count == self.once
 
     def offsets(self, first: int, n: int) -> range:
         """The offsets `j` in `[0, n)` whose count `first + j` the counter keys pass (the
@@ -131,7 +125,8 @@ def make_filter(spec: Any, argument: str = "filter") -> Filter:
                 raise ValueError(
                     f"{argument}[{key!r}]={value!r} must be a positive int (counts start at 1)"
                 )
-        return Filter(**{k: int(v) for k, v in spec.items()})
+        counts: dict[str, Any] = {str(k): int(v) for k, v in spec.items()}
+        return Filter(**counts)
     raise ValueError(
         f"{argument}={spec!r} is not a filter; accepted values: 'always', 'first', "
         f"a dict with keys {', '.join(_FILTER_KEYS)}, or a callable(state) -> bool"

@@ -73,6 +73,7 @@ def stack_chunk(batches: Sequence[Any], size: int, first_index: int) -> Any:
         FusionError: a batch differs in structure, shape or dtype from the chunk's first,
             naming the batch (its iteration in the epoch), the leaf, expected and actual.
     """
+    treedef: Any  # this jaxlib has no stub for PyTreeDef
     leaves0, treedef = jax.tree.flatten(batches[0])
     expected = [_signature(leaf) for leaf in leaves0]
     columns: list[list[Any]] = [[] for _ in expected]
@@ -91,7 +92,7 @@ def stack_chunk(batches: Sequence[Any], size: int, first_index: int) -> Any:
             columns[j].append(leaf)
     n = len(batches)
     out = []
-    for column, (shape, dtype) in zip(columns, expected):
+    for column, (shape, dtype) in zip(columns, expected, strict=True):
         buffer = np.empty((size,) + shape, dtype)
         np.stack(column, out=buffer[:n])
         buffer[n:] = 0  # padded slots are never stepped; zeros keep them harmless

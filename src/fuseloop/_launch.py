@@ -10,6 +10,7 @@ in a collective. See docs/distributed.md.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -76,10 +77,8 @@ def _stop(processes: list[subprocess.Popen], grace: float) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for process in processes:
             if process.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):  # exited meanwhile
                     os.killpg(process.pid, sig)
-                except ProcessLookupError:  # pragma: no cover - exited meanwhile
-                    pass
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(p.poll() is None for p in processes):
             time.sleep(_POLL_SECONDS)
@@ -127,8 +126,16 @@ def launch(
         (128 + signal number for a process killed by a signal).
 
     Example:
-        >>> launch(2, "train.py", ["--epochs", "3"])  # doctest: +SKIP
+        >>> import io, os, tempfile
+        >>> script = os.path.join(tempfile.mkdtemp(), "hello.py")
+        >>> _ = open(script, "w").write(
+        ...     "import sys, fuseloop, jax\\n"
+        ...     "print(jax.process_index(), 'of', jax.process_count(), sys.argv[1:])\\n")
+        >>> out = io.StringIO()
+        >>> launch(2, script, ["--epochs", "3"], out=out)
         0
+        >>> sorted(out.getvalue().splitlines())
+        ["[0] 0 of 2 ['--epochs', '3']", "[1] 1 of 2 ['--epochs', '3']"]
     """
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"count={count!r} must be a positive int (the number of processes)")

@@ -25,7 +25,12 @@ TRAIN_FLAGS: dict[str, bool] = {
 
 
 class ModelModeError(ValueError):
-    """A model whose train/eval mode fuseloop cannot set (raised at the first batch)."""
+    """A model whose train/eval mode fuseloop cannot set (raised at the first batch).
+
+    Example:
+        >>> issubclass(ModelModeError, ValueError)
+        True
+    """
 
 
 def _call_parameters(module: Any) -> tuple[str, ...]:
@@ -102,7 +107,8 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
 
     def init(self, rng: Any, x: Any) -> Any:
         try:
-            return dict(self.module.init(rng, x, **self.mode(False)))
+            flags: dict[str, Any] = self.mode(False)  # keyword flags, not init's options
+            return dict(self.module.init(rng, x, **flags))
         except flax.errors.InvalidRngError as error:
             raise self._no_flag("needs a 'dropout' rng") from error
 
@@ -123,12 +129,11 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
         if not train:
             return self.apply(variables, x), None
         rngs = {"dropout": rng}
+        flags: dict[str, Any] = self.mode(True)  # keyword flags, not apply's options
         if mutable:
-            y, updates = self.module.apply(
-                variables, x, rngs=rngs, mutable=mutable, **self.mode(True)
-            )
+            y, updates = self.module.apply(variables, x, rngs=rngs, mutable=mutable, **flags)
             return y, dict(updates)
-        return self.module.apply(variables, x, rngs=rngs, **self.mode(True)), None
+        return self.module.apply(variables, x, rngs=rngs, **flags), None
 
     def _no_flag(self, need: str) -> ModelModeError:
         name = type(self.module).__name__

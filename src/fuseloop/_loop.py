@@ -17,6 +17,7 @@ from ._step import (
     evaluator_program,
     trainer_program,
 )
+from ._types import Accumulate, EventLike, FilterLike, Fuse, Handler, Mode
 from .engine import run_loop
 from .engine.programs import ProgramCache
 from .engine.run import check_run_options
@@ -49,7 +50,7 @@ class Loop:
 
     # ----------------------------------------------------------------- builders
     def metric(
-        self, metric: Any, name: str | None = None, accumulate: str = "running_average"
+        self, metric: Any, name: str | None = None, accumulate: Accumulate = "running_average"
     ) -> Loop:
         """Adds a metric, computed on the device each step and accumulated there.
 
@@ -62,7 +63,9 @@ class Loop:
                 "running_sum".
 
         Example:
-            >>> loop = loop.metric("accuracy")  # doctest: +SKIP
+            >>> state = loop.metric("accuracy").run(batches, epochs=1)
+            >>> sorted(state.metrics)
+            ['accuracy', 'loss']
         """
         if (
             self.program.kind == "custom"
@@ -77,12 +80,15 @@ class Loop:
         return self._with(metrics=self.metrics + (spec,))
 
     def handle_event(
-        self, event: Any, handler: Callable[[State], Any], filter: Any = "always", name: str = ""
+        self, event: EventLike, handler: Handler, filter: FilterLike = "always", name: str = ""
     ) -> Loop:
         """Attaches `handler(state)` to `event`, fired when `filter` passes.
 
         Example:
-            >>> loop = loop.handle_event("epoch_completed", lambda s: print(s.epoch))  # doctest: +SKIP
+            >>> state = loop.handle_event("epoch_completed", lambda s: print(s.epoch)).run(
+            ...     batches, epochs=2)
+            0
+            1
         """
         event = normalize_event(event)
         if not callable(handler):
@@ -130,8 +136,8 @@ class Loop:
     def log(
         self,
         fn: Callable[[State], str],
-        event: Any = "iteration_completed",
-        filter: Any = "always",
+        event: EventLike = "iteration_completed",
+        filter: FilterLike = "always",
         stream: TextIO | None = None,
     ) -> Loop:
         """Writes `fn(state)` to `stream` (stdout by default) when `event` fires.
@@ -140,12 +146,15 @@ class Loop:
         and an unfused run is byte for byte the same.
 
         Example:
-            >>> loop = loop.log(lambda s: f"epoch {s.epoch}\\n", event="epoch_completed")  # doctest: +SKIP
+            >>> state = loop.log(lambda s: f"epoch {s.epoch}\\n", event="epoch_completed").run(
+            ...     batches, epochs=2)
+            epoch 0
+            epoch 1
         """
         from ._distributed import main_process_only, runs_on_all_processes
         from .handlers.log import Writer
 
-        writer = Writer(fn, stream)
+        writer: Callable[[State], Any] = Writer(fn, stream)
         if not runs_on_all_processes(fn):  # process 0 writes, unless fn asks for all
             writer = main_process_only(writer)
         return self.observe(event, writer, filter, name="log")
@@ -154,9 +163,9 @@ class Loop:
         self,
         model: Any,
         data: Any,
-        event: Any = "epoch_completed",
-        filter: Any = "always",
-        fuse: Any = False,
+        event: EventLike = "epoch_completed",
+        filter: FilterLike = "always",
+        fuse: Fuse = False,
     ) -> Loop:
         """Evaluates on `data` and adds `validation_<name>` for the loss and each metric.
 
@@ -172,7 +181,9 @@ class Loop:
             fuse: The validation run's `fuse`: False, True or a chunk size.
 
         Example:
-            >>> loop = loop.metric("accuracy").validate(model, val_batches)  # doctest: +SKIP
+            >>> state = loop.metric("accuracy").validate(model, val_batches).run(batches)
+            >>> sorted(state.metrics)
+            ['accuracy', 'loss', 'validation_accuracy', 'validation_loss']
         """
         from .handlers.validate import Validator, check_validation, evaluable_metrics
 
@@ -186,7 +197,7 @@ class Loop:
         self,
         monitor: str,
         patience: int = 3,
-        mode: str = "min",
+        mode: Mode = "min",
         min_delta: float = 0.0,
         restore_best: bool = False,
     ) -> Loop:
@@ -198,7 +209,10 @@ class Loop:
         of the best epoch, bitwise, however it ends.
 
         Example:
-            >>> loop = loop.early_stop("validation_loss", patience=3)  # doctest: +SKIP
+            >>> stopping = loop.early_stop("loss", patience=1, min_delta=100.0)
+            >>> state = stopping.run(batches, epochs=10)  # no epoch improves by 100
+            >>> state.status, state.epoch
+            ('halted', 1)
         """
         from .handlers.monitor import EarlyStopping
 
@@ -217,7 +231,7 @@ class Loop:
         monitor: str,
         factor: float = 0.1,
         patience: int = 3,
-        mode: str = "min",
+        mode: Mode = "min",
         min_delta: float = 0.0,
         min_lr: float = 0.0,
         cooldown: int = 0,
@@ -228,7 +242,12 @@ class Loop:
         are); any other raises a ValueError here. The new rate applies from the next step.
 
         Example:
-            >>> loop = loop.reduce_lr_on_plateau("validation_loss", factor=0.5)  # doctest: +SKIP
+            >>> plain = fl.trainer(model, "sparse_categorical_cross_entropy", "sgd")
+            >>> reducing = plain.reduce_lr_on_plateau("loss", factor=0.5, patience=1,
+            ...                                       min_delta=100.0)
+            >>> state = reducing.run(batches, epochs=3)
+            >>> [round(float(h["learning_rate"]), 4) for h in state.history.values()]
+            [0.01, 0.01, 0.005]
         """
         from .handlers.monitor import ReduceLROnPlateau
 
@@ -242,10 +261,10 @@ class Loop:
     def checkpoint(
         self,
         path: str,
-        event: Any = "epoch_completed",
-        filter: Any = "always",
+        event: EventLike = "epoch_completed",
+        filter: FilterLike = "always",
         criteria: str | None = None,
-        mode: str = "min",
+        mode: Mode = "min",
         keep: int | None = None,
         asynchronous: bool = False,
     ) -> Loop:
@@ -266,7 +285,11 @@ class Loop:
                 the run waits for the last write before it returns.
 
         Example:
-            >>> loop = loop.checkpoint("ckpts", keep=3)  # doctest: +SKIP
+            >>> import os, tempfile
+            >>> directory = tempfile.mkdtemp()
+            >>> state = loop.checkpoint(directory, keep=2).run(batches, epochs=3)
+            >>> len(fl.handlers.checkpoint.list_checkpoints(directory))
+            2
         """
         from .handlers.checkpoint import Checkpointer
 
@@ -281,12 +304,18 @@ class Loop:
             loop = loop.handle_event("halted", saver.finish, name="checkpoint:finish")
         return loop
 
-    def csv_log(self, path: str, event: Any = "epoch_completed", filter: Any = "always") -> Loop:
+    def csv_log(
+        self, path: str, event: EventLike = "epoch_completed", filter: FilterLike = "always"
+    ) -> Loop:
         """Writes the metrics to a CSV file, one row (epoch, iteration, step, metrics...)
         per firing.
 
         Example:
-            >>> loop = loop.csv_log("metrics.csv")  # doctest: +SKIP
+            >>> import os, tempfile
+            >>> path = os.path.join(tempfile.mkdtemp(), "metrics.csv")
+            >>> state = loop.csv_log(path).run(batches, epochs=2)
+            >>> open(path).readline().strip()
+            'epoch,iteration,step,loss'
         """
         from .handlers.writers import CSVWriter, attach_writer
 
@@ -297,15 +326,19 @@ class Loop:
     def tensorboard(
         self,
         logdir: str,
-        event: Any = "epoch_completed",
-        filter: Any = "always",
+        event: EventLike = "epoch_completed",
+        filter: FilterLike = "always",
         prefix: str | None = None,
     ) -> Loop:
         """Writes the metrics as TensorBoard scalars (needs tensorboardX).
 
         Example:
-            >>> loop = loop.tensorboard("runs/exp1", event="iteration_completed",
-            ...                         filter={"every": 10})  # doctest: +SKIP
+            >>> import os, tempfile
+            >>> logdir = tempfile.mkdtemp()
+            >>> state = loop.tensorboard(logdir, event="iteration_completed",
+            ...                          filter={"every": 2}).run(batches, epochs=1)
+            >>> [name.startswith("events.out.tfevents") for name in os.listdir(logdir)]
+            [True]
         """
         from .handlers.writers import TensorBoardWriter, attach_writer
 
@@ -332,8 +365,14 @@ class Loop:
         The bad step is not applied: params are exactly those from before it.
 
         Example:
-            >>> state = loop.terminate_on_nan().run(batches, fuse=32)  # doctest: +SKIP
-            >>> state.status  # "halted" if a loss went non-finite  # doctest: +SKIP
+            >>> bad = batches[:2] + [(batches[2][0] * np.nan, batches[2][1])] + batches[3:]
+            >>> import warnings
+            >>> with warnings.catch_warnings(record=True) as caught:
+            ...     state = loop.terminate_on_nan().run(bad, fuse=4)
+            >>> print(caught[0].message)
+            terminate_on_nan: the loss became non-finite at epoch 0, iteration 2; ...
+            >>> state.status, state.iteration  # halted at the third batch
+            ('halted', 2)
         """
         return self._with(guard_nonfinite=True)
 
@@ -345,7 +384,7 @@ class Loop:
         *,
         epochs: int = 1,
         iterations: int | None = None,
-        fuse: Any = False,
+        fuse: Fuse = False,
         jit: bool = True,
         progress: bool = False,
         mesh: Any = None,
@@ -385,7 +424,9 @@ class Loop:
             The final State (never donated).
 
         Example:
-            >>> state = loop.run(batches, epochs=3, fuse=True)  # doctest: +SKIP
+            >>> state = loop.run(batches, epochs=3, fuse=True)
+            >>> state.status, state.epoch, sorted(state.metrics)
+            ('completed', 2, ['loss'])
         """
         check_run_options(epochs, iterations, jit, progress, max_in_flight, prefetch)
         observer = None
@@ -475,7 +516,10 @@ def evaluator(model: Any, loss: Any = None) -> Loop:
             "loss", a mean over the examples.
 
     Example:
-        >>> loop = evaluator(model, "mean_squared_error").metric("accuracy")  # doctest: +SKIP
+        >>> variables = model.init(jax.random.PRNGKey(0), batches[0][0])
+        >>> scores = evaluator(model, "sparse_categorical_cross_entropy").metric("accuracy")
+        >>> sorted(scores.run(val_batches, variables).metrics)
+        ['accuracy', 'loss']
     """
     program = evaluator_program(model, loss)
     return Loop(program, metrics=default_metrics(program))
@@ -491,8 +535,9 @@ def loop(
         init_fn: `init_fn(first_batch, init_state) -> step_state` (default: `init_state`).
 
     Example:
-        >>> count = loop(lambda batch, s: {"n": s["n"] + 1})
-        >>> count.run([(0, 0)] * 3, {"n": 0}).step_state["n"]  # doctest: +SKIP
+        >>> count = fl.loop(lambda batch, s: {"n": s["n"] + 1})
+        >>> int(count.run([(0, 0)] * 3, {"n": 0}).step_state["n"])
+        3
     """
     if not callable(step_fn):
         raise ValueError(f"step_fn={step_fn!r} must be callable(batch, step_state)")

@@ -213,7 +213,7 @@ class MetricSpec:
 def batch_size(tree: Any) -> int:
     """The leading-axis size of the first array leaf of `tree` (1 for scalars)."""
     for leaf in jax.tree.leaves(tree):
-        shape = getattr(leaf, "shape", ())
+        shape: tuple[int, ...] = getattr(leaf, "shape", ())
         return int(shape[0]) if len(shape) >= 1 else 1
     return 1
 
@@ -229,16 +229,20 @@ def loss_mean(loss: Any) -> Callable[[Array, Array], tuple[Array, Mean]]:
     name, fn = resolve_loss(loss)
     each = PER_ELEMENT_LOSSES.get(name) if isinstance(loss, str) else None
 
-    def named(y_true: Array, y_pred: Array) -> tuple[Array, Mean]:
-        values = each(y_true, y_pred)
-        return values.mean(), _mean_of(values)
-
     def weighted(y_true: Array, y_pred: Array) -> tuple[Array, Mean]:
         value = fn(y_true, y_pred)
         n = jnp.asarray(batch_size(y_true), jnp.float32)
         return value, Mean(jnp.asarray(value, jnp.float32) * n, n)
 
-    return named if each is not None else weighted
+    if each is None:
+        return weighted
+    per_element = each
+
+    def named(y_true: Array, y_pred: Array) -> tuple[Array, Mean]:
+        values = per_element(y_true, y_pred)
+        return values.mean(), _mean_of(values)
+
+    return named
 
 
 def resolve_metric(metric: Any, name: str | None, accumulate: str) -> MetricSpec:
@@ -256,7 +260,8 @@ def resolve_metric(metric: Any, name: str | None, accumulate: str) -> MetricSpec
             )
         return MetricSpec(name or metric, METRICS[metric], accumulate)
     if callable(metric):
-        return MetricSpec(name or getattr(metric, "__name__", "metric"), metric, accumulate)
+        label = name or str(getattr(metric, "__name__", "metric"))
+        return MetricSpec(label, metric, accumulate)
     raise ValueError(
         f"metric={metric!r} must be a name ({', '.join(METRICS)}) or a callable(y_true, y_pred)"
     )

@@ -61,6 +61,8 @@ class ModelFit:
     def check_variables(self, variables: Any, whose: str) -> Any:
         """The model's abstract output on the first batch's x with `variables` (abstract
         too); a failure is a ValueError naming x's shapes and `whose` variables they were."""
+        if self.first_x is None:
+            raise RuntimeError("check_variables: no batch has been seen yet (internal error)")
         model, (x, xs) = self.program.model, self.first_x
         train = self.program.kind == "trainer"
         key = jax.ShapeDtypeStruct((2,), jnp.uint32)
@@ -184,13 +186,14 @@ def check_step_keeps_state(step: Any, step_state: Any, batch: Any) -> None:
         return
     old, old_def = jax.tree_util.tree_flatten_with_path(before)
     new, new_def = jax.tree_util.tree_flatten_with_path(after)
-    if old_def != new_def:
+    expected: object = old_def  # this jaxlib has no stub for PyTreeDef: compare as objects
+    if expected != new_def:
         raise ValueError(
             f"the step changes the structure of the step state: it starts as {old_def} and "
             f"one step returns {new_def}. A step must return a state with the same "
             f"structure, dtypes and shapes it was given"
         )
-    for (path, a), (_, b) in zip(old, new):
+    for (path, a), (_, b) in zip(old, new, strict=True):
         if (a.shape, a.dtype) != (b.shape, jax.dtypes.canonicalize_dtype(b.dtype)):
             raise ValueError(
                 f"the step changes step_state{jax.tree_util.keystr(path)} from dtype "

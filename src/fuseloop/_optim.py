@@ -135,7 +135,7 @@ def _closure(fn: Any) -> dict[str, Any]:
     cells = getattr(fn, "__closure__", None) or ()
     names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
     found = {}
-    for name, cell in zip(names, cells):
+    for name, cell in zip(names, cells, strict=True):
         try:
             found[name] = cell.cell_contents
         except ValueError:  # an empty cell
@@ -159,7 +159,7 @@ def _find_schedule(update: Any, state: Any, path: tuple[int, ...] = ()) -> _Sche
         and isinstance(state, tuple)
         and len(chained) == len(state)
     ):
-        for i, (inner, inner_state) in enumerate(zip(chained, state)):
+        for i, (inner, inner_state) in enumerate(zip(chained, state, strict=True)):
             found = _find_schedule(inner, inner_state, path + (i,))
             if found is not None:
                 return found

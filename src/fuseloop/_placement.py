@@ -113,7 +113,7 @@ class Placement:
         separate `device_put`'s time, and the transfer stays explicit and counted.
         """
         self.stats["h2d_transfers"] += 1
-        if self._chunk is None:
+        if self._chunk is None or self._state is None:  # no mesh: both are None
             return chunk_and_count
         stacked, n_valid = chunk_and_count
         self._check_divisible(stacked, 1, "a fused chunk")

@@ -111,7 +111,7 @@ def _chunk_size(fuse: Any) -> int:
 
 def _as_device_dtype(leaf: Any) -> np.ndarray:
     array = np.asarray(leaf)
-    if array.dtype == np.float64 and not jax.config.jax_enable_x64:
+    if array.dtype == np.float64 and not jax.config.read("jax_enable_x64"):
         return array.astype(np.float32)
     return array
 

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 from ._population import POPULATION_KEY, member_state, stop_members
 
-__all__ = ["State", "new_stats", "POPULATION_KEY"]
+__all__ = ["POPULATION_KEY", "RunStatus", "State", "new_stats"]
+
+RunStatus: TypeAlias = Literal["running", "completed", "halted"]
+"""`State.status`: a run in progress, one that ran all its epochs, or one that halted."""
 
 
 def new_stats() -> dict[str, Any]:
@@ -60,7 +63,7 @@ class State:
     step_state: Any = None
     handler_metadata: dict[str, Any] = field(default_factory=dict)
     event_counts: dict[str, Any] = field(default_factory=dict)
-    status: str = "running"
+    status: RunStatus = "running"
     times: dict[int, float] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=new_stats)
 

@@ -222,6 +222,8 @@ def _metric_value(spec: MetricSpec, aux: dict[str, Any]) -> Any:
             f"metric {spec.name!r} reads {spec.source!r}, which the step does not produce; "
             f"return a dict step state holding a scalar {spec.source!r}"
         )
+    if spec.fn is None:  # MetricSpec holds a function or a source
+        raise ValueError(f"metric {spec.name!r} has neither a function nor a source")
     if "y_pred" not in aux or "y_true" not in aux:
         raise ValueError(
             f"metric {spec.name!r} needs y_true and y_pred: a custom loop's step must return "

@@ -91,6 +91,15 @@ class ArraySource:
         resident: True for `device=True`: the executor may keep the dataset on the device
             and gather each chunk there (see `device_arrays` and `epoch_indices`).
         transfers_done: How many times the dataset was moved to the device (0 or 1).
+
+    Example:
+        >>> import numpy as np
+        >>> source = arrays(np.zeros((10, 3)), np.arange(10), batch_size=4)
+        >>> source
+        ArraySource(n=10, batch_size=4, num_batches=2, shuffle=True, seed=0,
+                    drop_remainder=True, device=False)
+        >>> len(source), [y.shape for _, y in source]
+        (2, [(4,), (4,)])
     """
 
     def __init__(
@@ -123,7 +132,7 @@ class ArraySource:
             )
         self.num_batches = full if self.drop_remainder else full + (remainder > 0)
         self.transfers_done = 0
-        self._device_arrays: Any = None
+        self._device_arrays: tuple[Any, tuple[Any, Any]] | None = None  # (sharding, arrays)
 
     def __len__(self) -> int:
         return self.num_batches
@@ -138,7 +147,13 @@ class ArraySource:
     # ----------------------------------------------------------------- order
     @property
     def key_data(self) -> np.ndarray:
-        """`uint32[2]`: the raw `jax.random.PRNGKey(seed)`, for `epoch_indices`."""
+        """`uint32[2]`: the raw `jax.random.PRNGKey(seed)`, for `epoch_indices`.
+
+        Example:
+            >>> import numpy as np
+            >>> arrays(np.zeros(4), np.zeros(4), batch_size=2, seed=7).key_data.tolist()
+            [0, 7]
+        """
         return np.asarray(jax.random.PRNGKey(self.seed))
 
     def _permutation(self, key: Any, epoch: Any) -> jax.Array:
@@ -178,7 +193,15 @@ class ArraySource:
         return order[:whole].reshape(self.n // self.batch_size, self.batch_size)
 
     def order(self, epoch: int) -> np.ndarray:
-        """The host copy of epoch `epoch`'s permutation of the `n` examples."""
+        """The host copy of epoch `epoch`'s permutation of the `n` examples.
+
+        Example:
+            >>> import numpy as np
+            >>> source = arrays(np.zeros(5), np.zeros(5), batch_size=5, seed=2)
+            >>> sorted(source.order(3).tolist()), arrays(
+            ...     np.zeros(3), np.zeros(3), batch_size=1, shuffle=False).order(3).tolist()
+            ([0, 1, 2, 3, 4], [0, 1, 2])
+        """
         epoch = _check_int(epoch, "epoch", 0)
         # Host read: the permutation is computed with jax so it matches the device path.
         return np.asarray(self._permutation(jax.random.PRNGKey(self.seed), epoch))
@@ -207,7 +230,13 @@ class ArraySource:
         return self.iter_epoch(0)
 
     def host_labels(self) -> Any:
-        """All targets, as the host holds them (for checks that must not read the device)."""
+        """All targets, as the host holds them (for checks that must not read the device).
+
+        Example:
+            >>> import numpy as np
+            >>> arrays(np.zeros(3), np.array([2, 0, 1]), batch_size=1).host_labels().tolist()
+            [2, 0, 1]
+        """
         return self.y
 
     # ----------------------------------------------------------------- device
@@ -216,6 +245,13 @@ class ArraySource:
         """The `(x, y)` pytree on the default device, moved there once (one transfer).
 
         Only for `device=True`; use `put(sharding)` to choose where it goes.
+
+        Example:
+            >>> import numpy as np
+            >>> source = arrays(np.ones((4, 2)), np.arange(4), batch_size=2, device=True)
+            >>> x, y = source.device_arrays
+            >>> x.shape, source.transfers_done
+            ((4, 2), 1)
         """
         return self.put()
 
@@ -224,6 +260,13 @@ class ArraySource:
 
         Each actual move adds one to `transfers_done`; calling again with the same
         `sharding` moves nothing.
+
+        Example:
+            >>> import numpy as np
+            >>> source = arrays(np.ones((4, 2)), np.arange(4), batch_size=2, device=True)
+            >>> _ = source.put(); _ = source.put()
+            >>> source.transfers_done
+            1
         """
         if not self.resident:
             raise ValueError(
@@ -231,13 +274,21 @@ class ArraySource:
                 "device=True) to keep the dataset on the device"
             )
         if self._device_arrays is None or self._device_arrays[0] != sharding:
-            placed = jax.device_put((self.x, self.y), sharding)
+            placed: tuple[Any, Any] = jax.device_put((self.x, self.y), sharding)
             self._device_arrays = (sharding, placed)
             self.transfers_done += 1
         return self._device_arrays[1]
 
     def gather(self, arrays_on_device: tuple[Any, Any], index: Any) -> tuple[Any, Any]:
-        """The batch `index` (int32[batch_size]) of the device dataset; jittable."""
+        """The batch `index` (int32[batch_size]) of the device dataset; jittable.
+
+        Example:
+            >>> import jax, numpy as np
+            >>> source = arrays(np.arange(8.0), np.arange(8), batch_size=4, device=True)
+            >>> x, y = jax.jit(source.gather)(source.put(), np.array([6, 1], np.int32))
+            >>> y.tolist()
+            [6, 1]
+        """
         take = lambda a: jnp.take(a, index, axis=0)  # noqa: E731
         x, y = arrays_on_device
         return jax.tree.map(take, x), jax.tree.map(take, y)

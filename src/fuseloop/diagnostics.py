@@ -14,7 +14,10 @@ Example:
     >>> loop = fl.trainer(fl.models.mlp([8, 2]), "sparse_categorical_cross_entropy",
     ...                   optax.sgd(0.1))
     >>> data = [(np.ones((4, 3), np.float32), np.zeros(4, np.int32))] * 8
-    >>> print(fl.diagnostics.report(loop, data, fuse=4))  # doctest: +SKIP
+    >>> print(fl.diagnostics.report(loop, data, fuse=4, reps=1))
+    fuseloop diagnostics: 8 iterations/epoch, fuse=4 vs fuse=False
+      dispatches/epoch   2 (unfused 8);  host syncs/epoch 1 (unfused 1)
+    ...
 """
 
 from __future__ import annotations
@@ -98,9 +101,10 @@ def decide_chunk_size(
         `bound` decided.
 
     Example:
-        >>> decision = decide_chunk_size(loop, step_state, batch)  # doctest: +SKIP
-        >>> decision.chunk_size, decision.bound  # doctest: +SKIP
-        (64, 'tolerance')
+        >>> step_state = loop.run(batches).step_state
+        >>> decision = decide_chunk_size(loop, step_state, batches[0], epoch_length=4)
+        >>> decision.chunk_size, decision.bound  # a 4-batch epoch caps K (timings vary)
+        (4, 'epoch length')
     """
     return auto_chunk.decide_chunk_size(
         Programs(loop),
@@ -128,7 +132,9 @@ def choose_chunk_size(
     """The chunk size K `run(fuse="auto")` uses (see `decide_chunk_size`).
 
     Example:
-        >>> k = choose_chunk_size(loop, step_state, batch)  # doctest: +SKIP
+        >>> step_state = loop.run(batches).step_state
+        >>> choose_chunk_size(loop, step_state, batches[0], max_chunk=2)
+        2
     """
     return decide_chunk_size(
         loop,
@@ -158,6 +164,11 @@ class Report:
         step_us: Measured device time of one step.
         dispatch_overhead_us: Measured fixed cost of one dispatch.
         auto: The `fuse="auto"` decision, when `fuse="auto"` was reported.
+
+    Example:
+        >>> found = fl.diagnostics.report(loop, batches, fuse=4, reps=1)
+        >>> found.unfused["dispatches"], found.fused["dispatches"], found.auto is None
+        (4, 1, True)
     """
 
     chunk_size: int
@@ -250,8 +261,10 @@ def report(
     reps: int = 3,
     iterations: int | None = None,
 ) -> Report:
-    """Runs one epoch of `loop` fused and unfused (plus `reps` timed epochs of each) and
-    reports dispatches, host syncs, transfers, compiles, XLA fusions and dispatch overhead.
+    """Runs one epoch of `loop` fused and unfused and reports what each costs.
+
+    Beside `reps` timed epochs of each, it reports dispatches, host syncs, transfers,
+    compiles, XLA fusions and dispatch overhead.
 
     The loop runs as built, handlers included. `data` must be re-iterable (a list, an
     `fl.data.arrays` source): each run starts a fresh pass.
@@ -268,7 +281,9 @@ def report(
         A `Report`; `print(report)` shows it in a few lines.
 
     Example:
-        >>> print(fl.diagnostics.report(loop, batches, fuse=32))  # doctest: +SKIP
+        >>> found = fl.diagnostics.report(loop, batches, fuse=2, reps=1)
+        >>> found.chunk_size, found.iterations, found.fused["dispatches"]
+        (2, 4, 2)
     """
     auto_chunk.check_positive(reps, "reps")
     if fuse is False or fuse is None:
@@ -281,7 +296,10 @@ def report(
             "data: report runs several epochs, so it needs re-iterable data "
             "(a list of batches or fl.data.arrays(...)), not a one-shot iterator"
         )
-    run = lambda k: loop.run(data, init_state, fuse=k, iterations=iterations)  # noqa: E731
+
+    def run(k: Any) -> Any:
+        return loop.run(data, init_state, fuse=k, iterations=iterations)
+
     first_fused, first_unfused = run(fuse), run(False)
     n_iter = max(first_unfused.stats["dispatches"], 1)  # one dispatch per step unfused
     times: dict[str, list[float]] = {"fused": [], "unfused": []}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import flax.linen as nn
 import jax
@@ -24,6 +24,8 @@ import jax
 from ._linen import TRAIN_FLAGS, ModelModeError, linen
 
 __all__ = [
+    "ModelAdapter",
+    "Activation",
     "mlp",
     "MLP",
     "as_model",
@@ -35,6 +37,42 @@ __all__ = [
     "TRAIN_FLAGS",
     "ModelModeError",
 ]
+
+Activation = Literal["relu", "gelu", "tanh", "sigmoid", "silu"]
+"""The activations `mlp` accepts by name."""
+
+
+@runtime_checkable
+class ModelAdapter(Protocol):
+    """What the step needs of a model; `as_model` returns one for every model it accepts.
+
+    Variables are any pytree of arrays (`{"params": ...}` for flax). `forward` returns the
+    output and, in training, the updated model state (batch statistics, RNG streams) or
+    None when the model keeps none.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> adapter = as_model(mlp([2]))
+        >>> isinstance(adapter, ModelAdapter)
+        True
+        >>> variables = adapter.init(jax.random.PRNGKey(0), jnp.ones((1, 3)))
+        >>> y, new_state = adapter.forward(variables, jnp.ones((1, 3)), train=True, rng=None)
+        >>> y.shape, new_state
+        ((1, 2), None)
+    """
+
+    def init(self, rng: Any, x: Any) -> Any:
+        """The model's initial variables, for an input batch like `x`."""
+        ...
+
+    def apply(self, variables: Any, x: Any) -> Any:
+        """The output for a batch `x` in evaluation mode."""
+        ...
+
+    def forward(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
+        """The output and the updated model state (None when nothing changed)."""
+        ...
+
 
 _ACTIVATIONS: dict[str, Callable[[Any], Any]] = {
     "relu": nn.relu,
@@ -49,6 +87,13 @@ class MLP(nn.Module):
     """A multilayer perceptron: Dense layers with an activation between them.
 
     Inputs with more than two axes are flattened after the batch axis.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> module = MLP((8, 3), activation="tanh")
+        >>> variables = module.init(jax.random.PRNGKey(0), jnp.ones((2, 2, 2)))
+        >>> module.apply(variables, jnp.ones((2, 2, 2))).shape
+        (2, 3)
     """
 
     features: Sequence[int]
@@ -56,6 +101,7 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x: Any) -> Any:
+        """The output for a batch `x` (batch axis first)."""
         x = x.reshape((x.shape[0], -1))
         act = _ACTIVATIONS[self.activation]
         for i, width in enumerate(self.features):
@@ -65,7 +111,7 @@ class MLP(nn.Module):
         return x
 
 
-def mlp(features: Sequence[int], activation: str = "relu") -> MLP:
+def mlp(features: Sequence[int], activation: Activation = "relu") -> MLP:
     """Builds an MLP (a flax.linen module) with the given layer widths.
 
     Args:
@@ -77,6 +123,8 @@ def mlp(features: Sequence[int], activation: str = "relu") -> MLP:
 
     Example:
         >>> model = mlp([128, 10])
+        >>> model.features, model.activation
+        ((128, 10), 'relu')
     """
     if not features or any(not isinstance(f, int) or f < 1 for f in features):
         raise ValueError(f"features={features!r} must be a non-empty list of positive ints")
@@ -105,8 +153,11 @@ class from_functions:  # noqa: N801 - reads as a constructor
 
     Example:
         >>> import jax.numpy as jnp
-        >>> model = from_functions(lambda rng, x: {"w": jnp.zeros((x.shape[1], 2))},
+        >>> model = from_functions(lambda rng, x: {"w": jnp.ones((x.shape[1], 2))},
         ...                        lambda p, x: x @ p["w"])
+        >>> variables = model.init(None, jnp.ones((1, 3)))
+        >>> model.apply(variables, jnp.ones((1, 3))).tolist()
+        [[3.0, 3.0]]
     """
 
     def __init__(self, init_fn: Callable[..., Any], apply_fn: Callable[..., Any]):
@@ -115,12 +166,37 @@ class from_functions:  # noqa: N801 - reads as a constructor
         self.takes_rng = _takes(apply_fn, "rng")
 
     def init(self, rng: Any, x: Any) -> Any:
+        """`init_fn(rng, x)`: the initial params.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> model = from_functions(lambda rng, x: {"b": jnp.zeros(2)}, lambda p, x: x + p["b"])
+            >>> model.init(None, jnp.ones((1, 2)))["b"].shape
+            (2,)
+        """
         return self.init_fn(rng, x)
 
     def apply(self, variables: Any, x: Any) -> Any:
+        """`apply_fn(variables, x)` in evaluation mode (`train=False` where it is taken).
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> model = from_functions(lambda rng, x: 2.0, lambda p, x, train: x * p + train)
+            >>> model.apply(2.0, jnp.ones(2)).tolist()
+            [2.0, 2.0]
+        """
         return self.forward(variables, x, train=False, rng=None)[0]
 
     def forward(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
+        """`(apply_fn(variables, x, ...), None)`, passing `train` and `rng` where taken.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> model = from_functions(lambda rng, x: 2.0, lambda p, x, train: x * p + train)
+            >>> y, state = model.forward(2.0, jnp.ones(2), train=True, rng=None)
+            >>> y.tolist(), state
+            ([3.0, 3.0], None)
+        """
         kwargs: dict[str, Any] = {}
         if self.takes_train:
             kwargs["train"] = train
@@ -130,8 +206,10 @@ class from_functions:  # noqa: N801 - reads as a constructor
 
 
 class from_nnx:  # noqa: N801
-    """Adapts a flax.nnx module: variables are `{"params": ..., "state": ...}` pure dicts
-    (the Param variables, and everything else: batch statistics, RNG streams).
+    """Adapts a flax.nnx module.
+
+    Variables are `{"params": ..., "state": ...}` pure dicts (the Param variables, and
+    everything else: batch statistics, RNG streams).
 
     Dropout and BatchNorm switch with `module.train()`/`module.eval()`; the module's own
     RNG streams are part of `"state"`, so they advance with each step and checkpoint.
@@ -141,17 +219,28 @@ class from_nnx:  # noqa: N801
     Example:
         >>> from flax import nnx
         >>> model = from_nnx(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+        >>> sorted(model.init(None, None)["params"])
+        ['bias', 'kernel']
     """
 
     def __init__(self, module: Any):
         from flax import nnx
 
         self._nnx = nnx
-        self.graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+        self.graphdef, params, *others = nnx.split(module, nnx.Param, ...)
+        (rest,) = others  # the two filters, Param and `...`, split the module in two
         self._templates = (params, rest)
         self._initial = {"params": nnx.to_pure_dict(params), "state": nnx.to_pure_dict(rest)}
 
     def init(self, rng: Any, x: Any) -> Any:
+        """A copy of the module's own variables (nnx initialises at construction).
+
+        Example:
+            >>> from flax import nnx
+            >>> model = from_nnx(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+            >>> model.init(None, None)["params"]["kernel"].shape
+            (4, 2)
+        """
         return jax.tree.map(lambda a: a, self._initial)
 
     def _rebuild(self, template: Any, pure: Any) -> Any:
@@ -170,15 +259,37 @@ class from_nnx:  # noqa: N801
         return y, nnx.to_pure_dict(rest)
 
     def apply(self, variables: Any, x: Any) -> Any:
+        """The module's output on `x` in `.eval()` mode.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> from flax import nnx
+            >>> model = from_nnx(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+            >>> model.apply(model.init(None, None), jnp.ones((3, 4))).shape
+            (3, 2)
+        """
         return self._run(variables, x, train=False)[0]
 
     def forward(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
+        """The output and, in training, the module's updated non-Param state.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> from flax import nnx
+            >>> model = from_nnx(nnx.BatchNorm(2, rngs=nnx.Rngs(0)))
+            >>> variables = model.init(None, None)
+            >>> y, new = model.forward(variables, jnp.ones((3, 2)), train=True, rng=None)
+            >>> new["state"]["mean"].shape
+            (2,)
+        """
         y, rest = self._run(variables, x, train)
         return y, ({"state": rest} if train else None)
 
 
 def _set_nnx_mode(module: Any, train: bool) -> None:
-    """Nnx's own switch (`.train()`/`.eval()`: Dropout's `deterministic`, BatchNorm's
+    """Sets an nnx module to training or evaluation mode.
+
+    First nnx's own switch (`.train()`/`.eval()`: Dropout's `deterministic`, BatchNorm's
     `use_running_average`), then any of the recognised flag attributes a user's module
     keeps as a plain bool (e.g. `self.training`).
     """
@@ -223,6 +334,8 @@ class from_equinox:  # noqa: N801
     Example:
         >>> import equinox as eqx, jax
         >>> model = from_equinox(eqx.nn.Linear(4, 2, key=jax.random.PRNGKey(0)))
+        >>> model.apply(model.init(None, None), jax.numpy.ones((3, 4))).shape
+        (3, 2)
     """
 
     def __init__(self, module: Any, batched: bool = False):
@@ -256,12 +369,38 @@ class from_equinox:  # noqa: N801
             )
 
     def init(self, rng: Any, x: Any) -> Any:
+        """`{"params": a copy of the module's inexact arrays}`.
+
+        Example:
+            >>> import equinox as eqx, jax
+            >>> model = from_equinox(eqx.nn.Linear(4, 2, key=jax.random.PRNGKey(0)))
+            >>> model.init(None, None)["params"].weight.shape
+            (2, 4)
+        """
         return {"params": jax.tree.map(lambda a: a, self.params)}
 
     def apply(self, variables: Any, x: Any) -> Any:
+        """The module's output on the batch `x`, in inference mode.
+
+        Example:
+            >>> import equinox as eqx, jax
+            >>> model = from_equinox(eqx.nn.Linear(4, 2, key=jax.random.PRNGKey(0)))
+            >>> model.apply(model.init(None, None), jax.numpy.ones((5, 4))).shape
+            (5, 2)
+        """
         return self.forward(variables, x, train=False, rng=None)[0]
 
     def forward(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
+        """`(output, None)`; in training a module taking `key` gets one per example.
+
+        Example:
+            >>> import equinox as eqx, jax
+            >>> model = from_equinox(eqx.nn.Linear(4, 2, key=jax.random.PRNGKey(0)))
+            >>> x = jax.numpy.ones((5, 4))
+            >>> y, state = model.forward(model.init(None, None), x, train=True, rng=None)
+            >>> y.shape, state
+            ((5, 2), None)
+        """
         module = self._eqx.nn.inference_mode(
             self._eqx.combine(variables["params"], self.static), value=not train
         )
@@ -273,8 +412,20 @@ class from_equinox:  # noqa: N801
         return jax.vmap(module)(x), None
 
 
-def as_model(model: Any) -> Any:
-    """Returns the adapter for `model`, or raises a ValueError saying what is accepted."""
+def as_model(model: Any) -> ModelAdapter:
+    """Returns the adapter for `model`, or raises a ValueError saying what is accepted.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> type(as_model(mlp([2]))).__name__
+        'linen'
+        >>> type(as_model((lambda rng, x: 1.0, lambda p, x: x * p))).__name__
+        'from_functions'
+        >>> as_model(3)
+        Traceback (most recent call last):
+        ...
+        ValueError: model=3 is not a model: pass a flax.linen module, ...
+    """
     if isinstance(model, (_Linen, from_functions, from_nnx, from_equinox)):
         return model
     if isinstance(model, nn.Module):

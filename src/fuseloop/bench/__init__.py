@@ -7,19 +7,18 @@ load is shared, compilation and a warm-up epoch excluded. A timing is only repor
 its guards pass (see `_guards`): right device, no NaN, fused == unfused bitwise, reference
 loops training what fuseloop trains. Peers that cannot run are listed as skipped.
 
-Example:
-    >>> from fuseloop.bench import main
-    >>> main(["--quick", "--models", "mlp-tiny"])  # doctest: +SKIP
-    >>> main(["--quick", "--zoo"])  # doctest: +SKIP
+From a shell: `fuseloop bench --quick --models mlp-tiny` (a minute), `fuseloop bench
+--quick --zoo` (the zoo as well; several minutes). See `main` for a Python example.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from ._harness import RATIOS, compile_vs_k, cross_check, measure, ratios, targets
@@ -37,7 +36,7 @@ MAIN_FUSE = 32
 
 def _plan(
     w: Workload | ZooWorkload, sweep_ks: Sequence[int], peers: bool
-) -> list[tuple[str, str, Callable]]:
+) -> list[tuple[str, str, Callable[[], Any]]]:
     """(key, label, factory) for every system to time on workload `w`, in table order."""
     from ._peers import KerasFit, TorchEager
     from ._systems import Floor, Fuseloop, HostCallback, PlainLoop
@@ -45,7 +44,7 @@ def _plan(
     if isinstance(w, ZooWorkload):
         return zoo_plan(w, peers, MAIN_FUSE)
 
-    plan: list[tuple[str, str, Callable]] = [
+    plan: list[tuple[str, str, Callable[[], Any]]] = [
         (
             "floor",
             "floor: jit(lax.scan) over the epoch, data on device",
@@ -85,7 +84,7 @@ def _plan(
     )
     for k in sweep_ks:
         if k != MAIN_FUSE:
-            plan.append((f"fl_fuse{k}", f"fuseloop fuse={k}", lambda k=k: Fuseloop(w, k)))
+            plan.append((f"fl_fuse{k}", f"fuseloop fuse={k}", functools.partial(Fuseloop, w, k)))
     return plan
 
 
@@ -187,7 +186,11 @@ def run_benchmark(
         log: Progress messages.
 
     Example:
-        >>> report = run_benchmark(["mlp-tiny"], reps=3, quick=True)  # doctest: +SKIP
+        >>> report = run_benchmark(["mlp-tiny"], reps=1, quick=True, n_batches=8, peers=False,
+        ...                        sweep_model=None, overlap_model=None)
+        >>> systems = report["models"]["mlp-tiny"]["systems"]
+        >>> systems["floor"]["status"], report["meta"]["batches_per_epoch"]
+        ('ok', 8)
     """
     if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
         raise ValueError(f"reps={reps!r} must be a positive int")
@@ -332,7 +335,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     status.
 
     Example:
-        >>> main(["--quick", "--json", "bench.json"])  # doctest: +SKIP
+        >>> import contextlib, io, json, os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "bench.json")
+        >>> with contextlib.redirect_stdout(io.StringIO()) as markdown:
+        ...     status = main(["--quick", "--models", "mlp-tiny", "--no-peers", "--reps", "1",
+        ...                    "--json", path])
+        >>> status, "| fuseloop fuse=32 |" in markdown.getvalue(), "models" in json.load(open(path))
+        (0, True, True)
     """
     parser = _parser()
     args = parser.parse_args(list(argv) if argv is not None else None)

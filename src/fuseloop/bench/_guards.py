@@ -61,9 +61,10 @@ def check_finite(tree: Any, what: str) -> None:
 def _pairs(a: Any, b: Any, what: str) -> list[tuple[np.ndarray, np.ndarray]]:
     leaves_a, tree_a = jax.tree.flatten(a)
     leaves_b, tree_b = jax.tree.flatten(b)
-    if tree_a != tree_b:
+    expected: object = tree_a  # this jaxlib has no stub for PyTreeDef: compare as objects
+    if expected != tree_b:
         raise Refused(f"{what}: different parameter structures")
-    pairs = [(np.asarray(x), np.asarray(y)) for x, y in zip(leaves_a, leaves_b)]
+    pairs = [(np.asarray(x), np.asarray(y)) for x, y in zip(leaves_a, leaves_b, strict=True)]
     for x, y in pairs:
         if x.shape != y.shape or x.dtype != y.dtype:
             raise Refused(f"{what}: leaf {x.shape}/{x.dtype} vs {y.shape}/{y.dtype}")

@@ -284,6 +284,11 @@ def targets(per_model: dict[str, dict[str, float | None]]) -> list[dict[str, Any
     return out
 
 
+def _abstract_chunk(batch: Any, k: int) -> Any:
+    """The shapes and dtypes of a chunk of `k` batches like `batch` (nothing allocated)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((k, *a.shape), a.dtype), batch)
+
+
 def compile_vs_k(workload: Any, ks: tuple[int, ...]) -> list[dict[str, Any]]:
     """Trace, lower and compile time of fuseloop's chunk program for each chunk size K.
 
@@ -301,9 +306,7 @@ def compile_vs_k(workload: Any, ks: tuple[int, ...]) -> list[dict[str, Any]]:
     tail = init_tail(loop.metrics, False)
     rows = []
     for k in ks:
-        chunk = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct((k,) + a.shape, a.dtype), workload.batches[0]
-        )
+        chunk = _abstract_chunk(workload.batches[0], k)
         program = jax.jit(make_chunk_fn(carry_step, True, False))  # as the run builds it
         began = time.perf_counter()
         lowered = program.lower(state, tail, chunk, jax.ShapeDtypeStruct((), "int32"))
@@ -311,6 +314,8 @@ def compile_vs_k(workload: Any, ks: tuple[int, ...]) -> list[dict[str, Any]]:
         compiled = lowered.compile()
         done = time.perf_counter()
         text = compiled.as_text()
+        if text is None:
+            raise RuntimeError(f"K={k}: the compiled chunk program has no HLO text")
         rows.append(
             {
                 "K": k,

@@ -18,12 +18,13 @@ def machine_info() -> dict[str, Any]:
     """The machine, the JAX devices and the library versions the figures came from."""
     import jax
 
-    versions = {}
+    versions: dict[str, str | None] = {}
     for name in _PACKAGES:
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
+    usable: int | None
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ._guards import Refused, check_bitwise
-from ._workload import Workload
+from ._workload import BenchWorkload
 
 __all__ = ["SlowSource", "overlap"]
 
@@ -27,7 +27,7 @@ class SlowSource:
             yield batch
 
 
-def overlap(workload: Workload, reps: int, fuse: int = 32) -> dict[str, Any]:
+def overlap(workload: BenchWorkload, reps: int, fuse: int = 32) -> dict[str, Any]:
     """Times data alone, compute alone and the fused epoch over a slow source whose every
     batch takes as long as a fused step (measured first): the case where overlapping data
     and compute matters most.

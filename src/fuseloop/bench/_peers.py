@@ -7,6 +7,7 @@ rows say "skipped" with the reason instead of disappearing.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import sys
 import time
@@ -17,7 +18,7 @@ import numpy as np
 
 from ._guards import Skipped, devices_of
 from ._systems import Sample, System
-from ._workload import Workload
+from ._workload import BenchWorkload
 
 __all__ = ["KerasFit", "TorchEager", "import_keras"]
 
@@ -44,7 +45,7 @@ class KerasFit(System):
     backend; epochs 1..n are timed from `on_epoch_begin` to `on_epoch_end` (steady state,
     like fuseloop's)."""
 
-    def __init__(self, workload: Workload, steps_per_execution: int):
+    def __init__(self, workload: BenchWorkload, steps_per_execution: int):
         super().__init__(workload)
         self.spe = steps_per_execution
 
@@ -115,7 +116,7 @@ class TorchEager(System):
         spec = self.w.spec
         widths = (spec.inputs,) + spec.features
         layers: list[Any] = []
-        for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        for i, (a, b) in enumerate(itertools.pairwise(widths)):
             layers.append(torch.nn.Linear(a, b))
             if i < len(widths) - 2:
                 layers.append(torch.nn.ReLU())

@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import io_callback
 
 from ._guards import Refused, Skipped, devices_of
-from ._workload import Workload
+from ._workload import BenchWorkload
 
 __all__ = ["Sample", "System", "Floor", "PlainLoop", "HostCallback", "Fuseloop"]
 
@@ -56,7 +56,7 @@ class System:
 
     reference_params: Any = None
 
-    def __init__(self, workload: Workload):
+    def __init__(self, workload: BenchWorkload):
         self.w = workload
         self.intended = str(jax.devices()[0])
 
@@ -99,7 +99,7 @@ class Floor(_FreshEpochs):
     moving them to the device in one `device_put`.
     """
 
-    def __init__(self, workload: Workload, transfer: bool):
+    def __init__(self, workload: BenchWorkload, transfer: bool):
         super().__init__(workload)
         self.transfer = transfer
         step = workload.train_step
@@ -127,7 +127,7 @@ class Floor(_FreshEpochs):
 class PlainLoop(_FreshEpochs):
     """What most JAX users write: a jitted step per batch, reading the loss every step."""
 
-    def __init__(self, workload: Workload):
+    def __init__(self, workload: BenchWorkload):
         super().__init__(workload)
         self.fn = jax.jit(workload.train_step, donate_argnums=(0, 1))
 
@@ -147,7 +147,7 @@ class HostCallback(_FreshEpochs):
     """The rejected design: a device loop that pulls each batch from the host through
     `jax.experimental.io_callback`."""
 
-    def __init__(self, workload: Workload):
+    def __init__(self, workload: BenchWorkload):
         super().__init__(workload)
         batches, step, n = workload.batches, workload.train_step, workload.n_batches
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batches[0])
@@ -187,7 +187,7 @@ class Fuseloop(System):
     `state.stats["epoch_time"]`: steady-state epochs inside a run. The run's first epoch and
     its one-off start-up are reported separately (`first_epoch_s`, `run_wall_s`)."""
 
-    def __init__(self, workload: Workload, fuse: Any, resident: bool = False):
+    def __init__(self, workload: BenchWorkload, fuse: Any, resident: bool = False):
         super().__init__(workload)
         from .. import trainer
 

@@ -8,8 +8,9 @@ frameworks.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -17,12 +18,18 @@ import optax
 
 from .. import models
 
-__all__ = ["ModelSpec", "MODELS", "Workload", "count_params"]
+__all__ = ["BenchWorkload", "ModelSpec", "MODELS", "Workload", "count_params"]
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A benchmark MLP: `inputs` features in, Dense layers of `features` widths out."""
+    """A benchmark MLP: `inputs` features in, Dense layers of `features` widths out.
+
+    Example:
+        >>> spec = ModelSpec("mlp-3", inputs=4, features=(8, 3))
+        >>> spec.params  # 4*8 + 8 + 8*3 + 3
+        67
+    """
 
     name: str
     inputs: int
@@ -30,9 +37,14 @@ class ModelSpec:
 
     @property
     def params(self) -> int:
-        """Trainable parameters (weights and biases)."""
+        """Trainable parameters (weights and biases).
+
+        Example:
+            >>> ModelSpec("linear", inputs=2, features=(1,)).params
+            3
+        """
         widths = (self.inputs,) + self.features
-        return sum(a * b + b for a, b in zip(widths[:-1], widths[1:]))
+        return sum(a * b + b for a, b in itertools.pairwise(widths))
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -52,6 +64,68 @@ def count_params(tree: Any) -> int:
 
 def _sparse_ce(logits: Any, labels: Any) -> Any:
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+class BenchWorkload(Protocol):
+    """What the benchmarked systems read of a workload (`Workload` and the zoo's)."""
+
+    @property
+    def spec(self) -> Any:
+        """The model's spec (it has a `name`)."""
+
+    @property
+    def batch_size(self) -> int:
+        """Examples per batch."""
+
+    @property
+    def n_batches(self) -> int:
+        """Batches per epoch."""
+
+    @property
+    def x(self) -> np.ndarray:
+        """The epoch's inputs (host numpy)."""
+
+    @property
+    def y(self) -> np.ndarray:
+        """The epoch's targets (host numpy)."""
+
+    @property
+    def batches(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The epoch as `(x, y)` numpy batches."""
+
+    @property
+    def module(self) -> Any:
+        """The flax module."""
+
+    @property
+    def tx(self) -> Any:
+        """The optax optimizer."""
+
+    @property
+    def variables(self) -> dict[str, Any]:
+        """The initial variables as fuseloop's trainer takes them."""
+
+    @property
+    def n_params(self) -> int:
+        """Trainable parameters."""
+
+    def describe(self) -> dict[str, Any]:
+        """The model's figures for the report."""
+
+    def compared(self, variables: Any, /) -> Any:
+        """What the agreement guards compare of fuseloop's variables."""
+
+    def stacked(self) -> tuple[np.ndarray, np.ndarray]:
+        """The epoch stacked as `(n_batches, batch_size, ...)` arrays."""
+
+    def fresh_state(self) -> tuple[Any, Any]:
+        """Fresh device copies of the initial variables and optimizer state."""
+
+    def train_step(self, variables: Any, opt_state: Any, x: Any, y: Any, /) -> tuple[Any, Any, Any]:
+        """One step of the shared update: new variables, optimizer state and loss."""
+
+    def keras_model(self, keras: Any, /) -> Any:
+        """The same model in Keras 3."""
 
 
 @dataclass

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -43,7 +44,12 @@ _CORPUS_FILES = (
 
 @dataclass(frozen=True)
 class ZooSpec:
-    """A zoo model: its name, kind (`cnn`, `transformer`, `gru`) and a one-line summary."""
+    """A zoo model: its name, kind (`cnn`, `transformer`, `gru`) and a one-line summary.
+
+    Example:
+        >>> ZOO["gru"].kind
+        'gru'
+    """
 
     name: str
     kind: str
@@ -146,6 +152,7 @@ class ZooWorkload:
 
         rng = np.random.default_rng(self.seed)
         n = self.batch_size * self.n_batches
+        self.module: nn.Module
         if self.spec.kind == "cnn":
             self.x, self.y, self.data_source = _digits(n, rng)
             self.vocab, self.module = 10, DigitsCNN()
@@ -163,7 +170,7 @@ class ZooWorkload:
         ]
         self.tx = optax.adam(1e-3)
         variables = self.module.init(jax.random.PRNGKey(self.seed), self.batches[0][0])
-        self.host_variables = jax.tree.map(np.asarray, dict(variables))
+        self.host_variables: dict[str, Any] = jax.tree.map(np.asarray, dict(variables))
         self.n_params = count_params(self.host_variables["params"])
 
     @property
@@ -215,12 +222,12 @@ class ZooWorkload:
         return build(keras, self.vocab, SEQUENCE)
 
 
-def zoo_plan(w: ZooWorkload, peers: bool, fuse: int) -> list[tuple[str, str, Callable]]:
+def zoo_plan(w: ZooWorkload, peers: bool, fuse: int) -> list[tuple[str, str, Callable[[], Any]]]:
     """(key, label, factory) for every system timed on a zoo model, in table order."""
     from ._peers import KerasFit
     from ._systems import Floor, Fuseloop, PlainLoop
 
-    plan: list[tuple[str, str, Callable]] = [
+    plan: list[tuple[str, str, Callable[[], Any]]] = [
         (
             "floor",
             "floor: jit(lax.scan) over the epoch, data on device",
@@ -258,7 +265,9 @@ def zoo_summary(results: dict[str, Any], fuse: int) -> dict[str, Any]:
     difference is the compiled step itself, not the launch. The verdict reads the minima,
     which other processes' load inflates least.
     """
-    out = {stat: _figures(results, fuse, f"{stat}_us") for stat in ("median", "min")}
+    out: dict[str, Any] = {
+        stat: _figures(results, fuse, f"{stat}_us") for stat in ("median", "min")
+    }
     out["verdict"] = _verdict(out["min"]) if out["min"] else "n/a: floor or fuse=False missing"
     return out
 

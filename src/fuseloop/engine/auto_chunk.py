@@ -141,6 +141,12 @@ class ChunkDecision:
         wanted: The K that meets the tolerance before any cap.
         memory_cap: The largest K whose stacked chunk fits the budget.
         bound: What decided K: "tolerance", "memory budget", "max_chunk" or "epoch length".
+
+    Example:
+        >>> step_state = loop.run(batches).step_state
+        >>> decision = fl.diagnostics.decide_chunk_size(loop, step_state, batches[0], max_chunk=3)
+        >>> decision.chunk_size, decision.bound, decision.memory_cap > 3
+        (3, 'max_chunk', True)
     """
 
     chunk_size: int

@@ -8,6 +8,7 @@ as `err.fuseloop_state` (docs/design.md §2).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from typing import Any
@@ -389,18 +390,15 @@ def _attach_state(error: BaseException, state: State) -> None:
     """`error.fuseloop_state`: the State reached (an outer run overwrites an inner one's,
     so a validation run's error reports the training run's State).
     """
-    try:
+    # An exception type without attributes: nothing to attach to.
+    with contextlib.suppress(AttributeError):
         error.fuseloop_state = state  # type: ignore[attr-defined]
-    except AttributeError:  # an exception type without attributes: nothing to attach to
-        pass
 
 
 def _epoch_length(source: Any, iterations: int | None) -> int | None:
     """Batches per epoch where known (a sized re-iterable source, or `iterations`)."""
     known = [] if iterations is None else [iterations]
     if not source.one_shot:
-        try:
+        with contextlib.suppress(TypeError):  # an unsized source
             known.append(len(source.data))
-        except TypeError:
-            pass
     return min(known) if known else None

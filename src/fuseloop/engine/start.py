@@ -41,7 +41,7 @@ def private_copy(tree: Any) -> Any:
         # Explicit transfer of host arrays (an initial state: not counted as data transfer).
         to_copy = jax.device_put(to_copy)
     copied = _copy_arrays(to_copy)
-    for i, leaf in zip(arrays, copied):
+    for i, leaf in zip(arrays, copied, strict=True):
         leaves[i] = leaf
     return jax.tree.unflatten(treedef, leaves)
 

@@ -21,6 +21,7 @@ from typing import Any
 from .._checkpoint import is_save, save_args
 from .._checkpoint_paths import TRASH, EpochNames, HiddenTemporaryPath, checkpoint_dirs
 from .._state import State
+from .._types import Status
 from .monitor import Monitor
 
 __all__ = ["Checkpointer", "list_checkpoints"]
@@ -30,7 +31,12 @@ def list_checkpoints(path: str | os.PathLike[str]) -> list[Path]:
     """The complete checkpoints in a `Loop.checkpoint` directory, oldest first.
 
     Example:
-        >>> first = fl.load_state(list_checkpoints("ckpts")[0])  # doctest: +SKIP
+        >>> import tempfile
+        >>> directory = tempfile.mkdtemp()
+        >>> state = loop.checkpoint(directory).run(batches, epochs=2)
+        >>> first = fl.load_state(list_checkpoints(directory)[0])
+        >>> first.epoch, len(list_checkpoints(directory))
+        (0, 2)
     """
     path = Path(path)
     if not path.is_dir():
@@ -57,7 +63,13 @@ class Checkpointer:
             "completed" and "halted" events so the last write ends before `run` returns.
 
     Example:
-        >>> loop = loop.checkpoint("ckpts", criteria="validation_loss", keep=2)  # doctest: +SKIP
+        >>> import tempfile
+        >>> directory = tempfile.mkdtemp()
+        >>> saving = loop.validate(model, val_batches).checkpoint(
+        ...     directory, criteria="validation_loss", keep=2)
+        >>> state = saving.run(batches, epochs=3)
+        >>> 1 <= len(fl.handlers.checkpoint.list_checkpoints(directory)) <= 2
+        True
     """
 
     def __init__(
@@ -85,7 +97,8 @@ class Checkpointer:
         self._names = EpochNames()
         self._last_saved: tuple[int, int] | None = None
 
-    def __call__(self, state: State) -> tuple[str, State] | None:
+    def __call__(self, state: State) -> tuple[Status, State] | None:
+        """Saves `state` when it is due (every `every` epochs, or on a new best)."""
         if state.step_state is None:
             raise ValueError(
                 "checkpoint: the State has no step state here (inside iteration events of a "
@@ -106,8 +119,10 @@ class Checkpointer:
         return None if changed is None else ("continue", changed)
 
     def on_halted(self, state: State) -> None:
-        """Saves the final State of a halted run (early stopping, a signal, a NaN), unless
-        the last save already holds it. Checkpoint-on-best does not save here.
+        """Saves the final State of a halted run (early stopping, a signal, a NaN).
+
+        Nothing is saved when the last save already holds it; checkpoint-on-best does not
+        save here.
         """
         if self.monitor is not None or state.step_state is None:
             self.finish(state)
@@ -135,8 +150,9 @@ class Checkpointer:
         return self.path / self._names.build_name(step)
 
     def _open(self) -> Any:
-        """The CheckpointManager (created on the first save: it cleans up the temporary
-        directories of writers that died mid-save).
+        """The CheckpointManager, created on the first save.
+
+        Creating it cleans up the temporary directories of writers that died mid-save.
         """
         if self._manager is None:
             import orbax.checkpoint as ocp

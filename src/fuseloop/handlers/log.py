@@ -18,15 +18,54 @@ import numpy as np
 
 from .._distributed import main_process_only
 from .._state import State
-from ._terminal import write_above_bars
 
-__all__ = ["Writer", "attach_trainer_log", "epoch_label", "format_metrics", "format_value"]
+__all__ = [
+    "Writer",
+    "attach_trainer_log",
+    "epoch_label",
+    "format_metrics",
+    "format_value",
+    "write_above_bars",
+]
 
 SEPARATOR = " - "
 
 
+def write_above_bars(text: str, stream: TextIO) -> None:
+    r"""Writes `text` to `stream` above any tqdm bar drawn on the same terminal.
+
+    Example:
+        >>> import io
+        >>> out = io.StringIO()
+        >>> write_above_bars("Epoch 1/2 - loss: 0.5000000\n", out)
+        >>> out.getvalue()
+        'Epoch 1/2 - loss: 0.5000000\n'
+    """
+    if "tqdm" not in sys.modules:  # no bar can be on screen; do not import tqdm for nothing
+        _write(text, stream)
+        return
+    from tqdm.std import tqdm
+
+    # Clears every open bar that shares this stream (or the terminal, for stdout/stderr)
+    # and redraws it after the write; a no-op when no bar is open.
+    with tqdm.external_write_mode(file=stream):
+        _write(text, stream)
+
+
+def _write(text: str, stream: TextIO) -> None:
+    stream.write(text)
+    flush = getattr(stream, "flush", None)
+    if flush is not None:
+        flush()
+
+
 class Writer:
-    """Writes `fn(state)` to a stream (resolved at write time, so it follows sys.stdout)."""
+    r"""Writes `fn(state)` to a stream (resolved at write time, so it follows sys.stdout).
+
+    Example:
+        >>> Writer(lambda s: f"epoch {s.epoch}\n")(fl.State(epoch=3))
+        epoch 3
+    """
 
     def __init__(self, fn: Callable[[State], str], stream: TextIO | None = None):
         if not callable(fn):
@@ -38,6 +77,7 @@ class Writer:
         self.fn, self.stream = fn, stream
 
     def __call__(self, state: State) -> None:
+        """Writes `fn(state)` to the stream and flushes it."""
         text = self.fn(state)
         if not isinstance(text, str):
             raise ValueError(
@@ -48,8 +88,10 @@ class Writer:
 
 
 def format_value(value: Any) -> str:
-    """One metric value on one line: 7 decimals, scientific notation for tiny magnitudes,
-    arrays (a population's metrics) as `[a, b, ...]`.
+    """One metric value as text for a log line.
+
+    7 decimals, scientific notation for tiny magnitudes, arrays (a population's metrics) as
+    `[a, b, ...]`.
 
     Example:
         >>> format_value(0.5), format_value(3e-9), format_value([1, 2])
@@ -94,8 +136,10 @@ def _line(*fields: str) -> str:
 
 
 def iteration_line(state: State) -> str:
-    """`Epoch 1/3 - iteration 6 - loss: ... - accuracy: ...` (1-based; `/N` under an
-    `iterations` bound).
+    """The iteration line: `Epoch 1/3 - iteration 6 - loss: ... - accuracy: ...`.
+
+    Epochs and iterations count from 1; the iteration shows `/N` under an `iterations`
+    bound.
     """
     bound = f"/{state.max_iteration}" if state.max_iteration else ""
     return _line(
@@ -133,7 +177,15 @@ class EpochSummary:
 
 
 def attach_trainer_log(loop: Any, every: int, stream: TextIO | None) -> Any:
-    """The `trainer(log=N)` lines: one every N iterations and one per finished epoch."""
+    """The `trainer(log=N)` lines: one every N iterations and one per finished epoch.
+
+    Example:
+        >>> import io
+        >>> out = io.StringIO()
+        >>> state = attach_trainer_log(loop, 2, out).run(batches, epochs=1)
+        >>> [line.split(" - ")[:2] for line in out.getvalue().splitlines()]
+        [['Epoch 1/1', 'iteration 1'], ['Epoch 1/1', 'iteration 3'], ['Epoch 1/1', 'loss: ...']]
+    """
     summary = EpochSummary(stream)
     loop = _observe(loop, "iteration_completed", Writer(iteration_line, stream), {"every": every})
     for event, action in (
@@ -149,8 +201,10 @@ def attach_trainer_log(loop: Any, every: int, stream: TextIO | None) -> Any:
 
 
 def _observe(loop: Any, event: str, fn: Callable[[State], None], filter: Any = "always") -> Any:
-    """Attaches a handler that only observes; `Loop.observe` (where the loop has it) never
-    splits a multi-epoch dispatch, which a plain handler may.
+    """Attaches a handler that only observes the State.
+
+    `Loop.observe` (where the loop has it) never splits a multi-epoch dispatch, which a
+    plain handler may.
     """
     fn = main_process_only(fn)  # log lines are written once, by process 0
     observe = getattr(loop, "observe", None)

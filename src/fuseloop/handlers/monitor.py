@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ import numpy as np
 from .._optim import find_learning_rates, has_schedule, rate_is_scheduled, set_learning_rate
 from .._population import early_stop_members
 from .._state import State
+from .._types import Status
 
 __all__ = ["Monitor", "EarlyStopping", "ReduceLROnPlateau", "find_learning_rates"]
 
@@ -39,16 +41,20 @@ def _check_float(
     open_low: bool = False,
     open_high: bool = False,
 ) -> float:
-    low_ok = (lambda v: v > minimum) if open_low else (lambda v: v >= minimum)
-    high_ok = (lambda v: v < maximum) if open_high else (lambda v: v <= maximum)
+    low_ok: Callable[[float], bool] = (
+        (lambda v: v > minimum) if open_low else (lambda v: v >= minimum)
+    )
+    high_ok: Callable[[float], bool] = (
+        (lambda v: v < maximum) if open_high else (lambda v: v <= maximum)
+    )
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ValueError(f"{argument}={value!r} must be a number")
-    value = float(value)
-    if not (math.isfinite(value) and low_ok(value) and high_ok(value)):
+    number = float(value)
+    if not (math.isfinite(number) and low_ok(number) and high_ok(number)):
         low = "(" if open_low else "["
         high = ")" if open_high else "]"
-        raise ValueError(f"{argument}={value!r} must be in {low}{minimum}, {maximum}{high}")
-    return value
+        raise ValueError(f"{argument}={number!r} must be in {low}{minimum}, {maximum}{high}")
+    return number
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,7 @@ class Monitor:
         return record, False
 
     def store(self, state: State, record: dict[str, Any]) -> State:
+        """`state` with `record` kept in its handler metadata under this monitor's key."""
         return state.replace(handler_metadata={**state.handler_metadata, self.key: record})
 
 
@@ -175,7 +182,8 @@ class EarlyStopping:
         self.restore_best = restore_best
         self._best: tuple[Any, Any] | None = None  # ((epoch, value), device copy)
 
-    def __call__(self, state: State) -> tuple[str, State]:
+    def __call__(self, state: State) -> tuple[Status, State]:
+        """Records the monitored value; halts the run once it stopped improving."""
         if state.population is not None:  # one decision per member
             return early_stop_members(self.monitor, state, self.restore_best)
         value = self.monitor.value(state)
@@ -196,7 +204,7 @@ class EarlyStopping:
             state = self._restored(state)
         return ("halt_loop" if stop else "continue"), state
 
-    def on_end(self, state: State) -> tuple[str, State]:
+    def on_end(self, state: State) -> tuple[Status, State]:
         """For the "completed" and "halted" events: the best epoch's step state."""
         return "continue", self._restored(state)
 
@@ -306,7 +314,8 @@ class ReduceLROnPlateau:
         """The rate after one reduction, as `set_learning_rate` computes it."""
         return np.asarray(max(float(np.asarray(rate)) * self.factor, self.min_lr), rate.dtype)
 
-    def __call__(self, state: State) -> tuple[str, State]:
+    def __call__(self, state: State) -> tuple[Status, State]:
+        """Records the monitored value; lowers the learning rate once it stopped improving."""
         value = self.monitor.value(state)
         record, reduce = self.decide(
             self.monitor.record(state), value, state.epoch, lambda: self._rate(state)

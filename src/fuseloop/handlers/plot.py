@@ -21,11 +21,14 @@ from .writers import scalar_metrics
 __all__ = ["plot_history"]
 
 
-def _series(history: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[str, list[tuple]]]:
-    """{base metric: {"training"|"validation": [(epoch, value), ...]}}, epochs ascending and
-    numbered from 1 as people count them (`state.history` keys are 0-based).
+def _series(
+    history: Mapping[int, Mapping[str, Any]],
+) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """{base metric: {"training"|"validation": [(epoch, value), ...]}}, epochs ascending.
+
+    Epochs are numbered from 1 as people count them (`state.history` keys are 0-based).
     """
-    panels: dict[str, dict[str, list[tuple]]] = {}
+    panels: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for epoch in sorted(history, key=int):
         for name, value in scalar_metrics(dict(history[epoch])).items():
             split = "validation" if name.startswith(PREFIX) else "training"
@@ -63,7 +66,11 @@ def plot_history(
         holds the same history); the others return the path without writing.
 
     Example:
-        >>> fl.plot_history(state.history, "history.png")  # doctest: +SKIP
+        >>> import os, tempfile
+        >>> state = loop.run(batches, epochs=3)
+        >>> path = fl.plot_history(state.history, os.path.join(tempfile.mkdtemp(), "h.png"))
+        >>> os.path.getsize(path) > 0
+        True
     """
     if isinstance(history, State):
         history = history.history
@@ -94,7 +101,7 @@ def plot_history(
         axes = figure.add_subplot(rows, columns, index + 1)
         for split, style in (("training", "o-"), ("validation", "s--")):
             if split in splits:
-                epochs, values = zip(*splits[split])
+                epochs, values = zip(*splits[split], strict=True)
                 axes.plot(epochs, values, style, markersize=3, label=split)
         axes.set_title(name)
         axes.set_xlabel("epoch")

@@ -16,14 +16,16 @@ import time
 from typing import Any, TextIO
 
 from .._events import Event
-from ._terminal import write_above_bars
+from .log import write_above_bars  # re-exported: the display and the log share it
 
 __all__ = ["ProgressBar", "epoch_length_of", "write_above_bars"]
 
 
 def epoch_length_of(data: Any, iterations: int | None = None) -> int | None:
-    """Iterations per epoch when the data source knows its length (`len(data)`, capped by
-    `iterations`); None for one-shot iterators and callables.
+    """Iterations per epoch when the data source knows its length, else None.
+
+    The length is `len(data)`, capped by `iterations`; one-shot iterators and callables
+    have none.
 
     Example:
         >>> epoch_length_of([(0, 0)] * 5), epoch_length_of([(0, 0)] * 5, iterations=3)
@@ -52,8 +54,9 @@ def _interactive(stream: TextIO) -> bool:
 
 
 class ProgressBar:
-    """The epoch display of `run(progress=True)`; the loop drives it with `on_event`,
-    `advance` and `close`.
+    """The epoch display of `run(progress=True)`.
+
+    The loop drives it with `on_event`, `advance` and `close`.
 
     Args:
         epoch_length: Iterations per epoch when the data source knows it (see
@@ -61,7 +64,16 @@ class ProgressBar:
         stream: Where to draw (default: `sys.stderr` when the first epoch starts).
 
     Example:
-        >>> state = loop.run(data, epochs=3, progress=True)  # doctest: +SKIP
+        >>> import io
+        >>> out = io.StringIO()
+        >>> bar = ProgressBar(epoch_length=4, stream=out)
+        >>> state = loop.run(batches)
+        >>> bar.on_event(Event.EPOCH_STARTED, state)
+        >>> bar.advance(4, dict(state.metrics))
+        >>> bar.on_event(Event.EPOCH_COMPLETED, state)
+        >>> bar.close()
+        >>> "4/4" in out.getvalue()
+        True
     """
 
     def __init__(self, epoch_length: int | None = None, stream: TextIO | None = None) -> None:
@@ -78,6 +90,7 @@ class ProgressBar:
         return cls(epoch_length_of(data, iterations), stream)
 
     def on_event(self, event: Event, state: Any) -> None:
+        """Opens a bar when an epoch starts and closes it when the epoch ends."""
         if event == Event.EPOCH_STARTED:
             self.close()
             self._open(state)
@@ -137,6 +150,8 @@ class ProgressBar:
         from .log import SEPARATOR, format_metrics
 
         plain, self.plain = self.plain, None
+        if plain is None:  # no epoch is being counted
+            return
         done, total = plain["done"], plain["total"]
         fields = [
             plain["label"],
@@ -148,8 +163,10 @@ class ProgressBar:
         write_above_bars(SEPARATOR.join(f for f in fields if f) + "\n", plain["stream"])
 
     def close(self) -> None:
-        """Closes the current bar (it stays on screen); an epoch that never ended (a halt
-        mid-epoch, an error) still gets its plain line, marked "stopped".
+        """Closes the current bar; it stays on screen.
+
+        An epoch that never ended (a halt mid-epoch, an error) still gets its plain line,
+        marked "stopped".
         """
         if self.bar is not None:
             self.bar.close()

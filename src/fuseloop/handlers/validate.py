@@ -15,6 +15,7 @@ from .._data import as_source
 from .._fusion import resolve_fuse
 from .._metrics import MetricSpec
 from .._state import State
+from .._types import Status
 
 __all__ = ["Validator", "check_validation", "evaluable_metrics"]
 
@@ -22,8 +23,15 @@ PREFIX = "validation_"
 
 
 def evaluable_metrics(metrics: tuple[MetricSpec, ...], has_loss: bool) -> tuple[MetricSpec, ...]:
-    """The trainer's metrics an evaluator can compute: functions of (y_true, y_pred), and
-    the loss when the evaluator is given one (it is produced in the step's aux["loss"]).
+    """The trainer's metrics an evaluator can compute.
+
+    Those are the functions of (y_true, y_pred), and the loss when the evaluator is given
+    one (it is produced in the step's aux["loss"]).
+
+    Example:
+        >>> specs = loop.metric("accuracy").metrics
+        >>> [s.name for s in evaluable_metrics(specs, True)]
+        ['loss', 'accuracy']
     """
     kept = []
     for spec in metrics:
@@ -33,8 +41,16 @@ def evaluable_metrics(metrics: tuple[MetricSpec, ...], has_loss: bool) -> tuple[
 
 
 def check_validation(model: Any, data: Any, fuse: Any, specs: tuple[MetricSpec, ...]) -> None:
-    """Raises a ValueError naming what `Loop.validate` cannot use: no model, one-shot data,
-    a `fuse` a validation run does not take, or no metric an evaluator can compute.
+    """Raises a ValueError naming what `Loop.validate` cannot use.
+
+    That is: no model, one-shot data, a `fuse` a validation run does not take, or no metric
+    an evaluator can compute.
+
+    Example:
+        >>> check_validation(model, iter(val_batches), False, loop.metrics)
+        Traceback (most recent call last):
+        ...
+        ValueError: data: validation data must be re-iterable ...
     """
     if model is None:
         raise ValueError("model=None: validate needs the model to evaluate")
@@ -71,8 +87,11 @@ class Validator:
         fuse: The validation run's `fuse` (False, True, or a chunk size).
 
     Example:
-        >>> loop = loop.metric("accuracy").validate(model, val_batches)  # doctest: +SKIP
-        >>> state.metrics["validation_accuracy"]  # doctest: +SKIP
+        >>> scores = fl.evaluator(model, "sparse_categorical_cross_entropy")
+        >>> validator = Validator(scores, val_batches)
+        >>> state = loop.run(batches)
+        >>> sorted(validator.evaluate(state.params))
+        ['loss']
     """
 
     # On device-resident data the engine runs this handler inside a multi-epoch dispatch
@@ -91,7 +110,8 @@ class Validator:
         result = self.loop.run(self.data, params, fuse=self.fuse, **members)
         return dict(result.metrics)
 
-    def __call__(self, state: State) -> tuple[str, State]:
+    def __call__(self, state: State) -> tuple[Status, State]:
+        """Evaluates the State's params and adds the validation metrics to its history."""
         params = state.params
         if params is None:
             raise ValueError(

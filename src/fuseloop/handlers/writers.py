@@ -11,13 +11,24 @@ import csv
 import itertools
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, Self, TypeVar
 
 import numpy as np
 
 from .._distributed import main_process_only
 from .._events import ITERATION_EVENTS, Event, normalize_event
 from .._state import State
+
+
+class _Registers(Protocol):
+    """What `attach_writer` needs of a loop (handlers do not import the Loop builder)."""
+
+    def handle_event(self, event: Any, handler: Any, filter: Any = ..., name: str = ...) -> Self:
+        """A copy of the loop with `handler` attached to `event`."""
+        ...
+
+
+_LoopT = TypeVar("_LoopT", bound=_Registers)
 
 __all__ = ["CSVWriter", "TensorBoardWriter", "attach_writer", "scalar_metrics"]
 
@@ -26,7 +37,12 @@ _writer_ids = itertools.count()
 
 
 def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    """The metrics that are scalars, as Python floats (arrays of other sizes are skipped)."""
+    """The metrics that are scalars, as Python floats (arrays of other sizes are skipped).
+
+    Example:
+        >>> scalar_metrics({"loss": np.float32(0.5), "per_class": np.zeros(3), "name": "x"})
+        {'loss': 0.5}
+    """
     out = {}
     for name, value in metrics.items():
         try:
@@ -39,8 +55,10 @@ def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def _step(state: State, event: Event) -> int:
-    """The x-axis value: the epoch for epoch events, the event's total count (1-based,
-    across epochs and resumed runs) for iteration events.
+    """The x-axis value of a row or a scalar.
+
+    It is the epoch for epoch events, and the event's total count (1-based, across epochs
+    and resumed runs) for iteration events.
     """
     if event in ITERATION_EVENTS:
         return int(state.event_counts[event.value]["total"])
@@ -55,7 +73,11 @@ class CSVWriter:
     validation on some epochs only) adds a column and the file is rewritten with it.
 
     Example:
-        >>> loop = loop.csv_log("metrics.csv", event="epoch_completed")  # doctest: +SKIP
+        >>> import csv, os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "metrics.csv")
+        >>> state = loop.csv_log(path, event="epoch_completed").run(batches, epochs=2)
+        >>> [row["epoch"] for row in csv.DictReader(open(path))]
+        ['0', '1']
     """
 
     def __init__(self, path: str | os.PathLike[str], event: Any = "epoch_completed"):
@@ -65,6 +87,7 @@ class CSVWriter:
         self.columns: list[str] = []
 
     def start(self, state: State) -> None:
+        """Opens the file at run start: a fresh one, or the resumed run's rows kept."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         rows: list[dict[str, str]] = []
         if state.history and self.path.exists():
@@ -88,6 +111,7 @@ class CSVWriter:
                 writer.writerows(rows)
 
     def __call__(self, state: State) -> None:
+        """Appends one row: epoch, iteration, step and the State's scalar metrics."""
         row = {
             "epoch": str(state.epoch),
             "iteration": str(state.iteration),
@@ -116,7 +140,11 @@ class TensorBoardWriter:
     iteration event's total count. One event file per run.
 
     Example:
-        >>> loop = loop.tensorboard("runs/exp1", event="epoch_completed")  # doctest: +SKIP
+        >>> import os, tempfile
+        >>> logdir = tempfile.mkdtemp()
+        >>> state = loop.tensorboard(logdir, event="epoch_completed").run(batches, epochs=2)
+        >>> len(os.listdir(logdir))  # one event file per run
+        1
     """
 
     def __init__(
@@ -147,11 +175,13 @@ class TensorBoardWriter:
         return SummaryWriter
 
     def start(self, state: State) -> None:
+        """Opens a new event file in `logdir` at run start."""
         self.close(state)
         suffix = f".{os.getpid()}.{next(_writer_ids)}"  # two runs in one second: two files
         self.writer = self._summary_writer()(str(self.logdir), filename_suffix=suffix)
 
     def __call__(self, state: State) -> None:
+        """Writes the State's scalar metrics at this event's step."""
         if self.writer is None:
             self.start(state)
         step = _step(state, self.event)
@@ -159,15 +189,25 @@ class TensorBoardWriter:
             self.writer.add_scalar(self.prefix + name, value, global_step=step)
 
     def close(self, state: State) -> None:
+        """Closes the event file (at run end); a later event opens a new one."""
         if self.writer is not None:
             self.writer.close()
             self.writer = None
 
 
-def attach_writer(loop: Any, writer: Any, event: Any, filter: Any, name: str) -> Any:
+def attach_writer(
+    loop: _LoopT, writer: CSVWriter | TensorBoardWriter, event: Any, filter: Any, name: str
+) -> _LoopT:
     """Registers `writer` on `event`, plus its start (run start) and close (run end).
 
     Under jax.distributed only process 0 writes (the others see the same metrics).
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "m.csv")
+        >>> writing = attach_writer(loop, CSVWriter(path), "epoch_completed", "always", "csv")
+        >>> [r.name for r in writing.registrations]
+        ['csv:start', 'csv', 'csv:close', 'csv:close']
     """
     start, close = main_process_only(writer.start), main_process_only(writer.close)
     loop = loop.handle_event("started", start, name=f"{name}:start")

@@ -1,0 +1,46 @@
+"""The names the docstring examples under src/fuseloop share (pytest --doctest-modules).
+
+Each example may use `fl`, `np`, `jnp`, `jax`, `optax`, and a tiny classification task:
+`model` (an MLP), `batches` and `val_batches` (lists of (x, y) pairs: 8 examples of 4
+features, 3 classes), and `loop` (a trainer for them).
+
+This file sits at the repository root, outside the package (so not in the wheel), and is
+loaded before tests/conftest.py, whose helpers the tests import as `conftest`: the
+conftest imported last is the one `import conftest` finds.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fuseloop as fl
+
+
+def _batches(seed: int, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [
+        (rng.normal(size=(8, 4)).astype(np.float32), rng.integers(0, 3, size=8).astype(np.int32))
+        for _ in range(count)
+    ]
+
+
+@pytest.fixture(autouse=True)
+def _example_names(request: pytest.FixtureRequest) -> None:
+    if type(request.node).__name__ != "DoctestItem":  # the tests build their own data
+        return
+    model = fl.models.mlp([8, 3])
+    request.getfixturevalue("doctest_namespace").update(
+        fl=fl,
+        np=np,
+        jnp=jnp,
+        jax=jax,
+        optax=optax,
+        model=model,
+        batches=_batches(0, 4),
+        val_batches=_batches(1, 2),
+        loop=fl.trainer(model, "sparse_categorical_cross_entropy", optax.sgd(0.1)),
+    )

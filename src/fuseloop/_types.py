@@ -1,0 +1,99 @@
+"""The types of fuseloop's public arguments: the string options, handlers and filters.
+
+String options are `Literal`s, so a type checker catches `mode="mn"` or an event name with
+a typo before a run does; handlers and filters are `Protocol`s, as optax types its
+transformations' `init` and `update` functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias
+
+from ._state import RunStatus  # defined beside State; re-exported here
+
+if TYPE_CHECKING:
+    from ._events import Event, Filter
+    from ._state import State
+
+__all__ = [
+    "Accumulate",
+    "EventLike",
+    "EventName",
+    "FilterLike",
+    "FilterPredicate",
+    "Fuse",
+    "Handler",
+    "HandlerResult",
+    "Mode",
+    "RunStatus",
+    "Status",
+]
+
+EventName: TypeAlias = Literal[
+    "started",
+    "epoch_started",
+    "iteration_started",
+    "iteration_completed",
+    "epoch_completed",
+    "epoch_halted",
+    "halted",
+    "completed",
+]
+"""The events a loop fires, by name (`fl.Event` holds the same values)."""
+
+EventLike: TypeAlias = "Event | EventName"
+"""An event argument: an `fl.Event` or its name."""
+
+Status: TypeAlias = Literal["continue", "halt_epoch", "halt_loop"]
+"""What a handler asks of the loop: go on, end the epoch, or end the run."""
+
+
+Accumulate: TypeAlias = Literal["running_average", "running_sum"]
+"""How `Loop.metric` accumulates a metric over an epoch."""
+
+Mode: TypeAlias = Literal["min", "max"]
+"""Whether a monitored metric improves downwards (a loss) or upwards (an accuracy)."""
+
+Fuse: TypeAlias = "bool | int | Literal['auto'] | None"
+"""`Loop.run(fuse=...)`: False (one dispatch per step), True (32), a chunk size, "auto"."""
+
+HandlerResult: TypeAlias = "None | Status | tuple[Status, State]"
+"""A handler's return: None (continue), a status, or a status and a replacement State."""
+
+
+class Handler(Protocol):
+    """An event handler: called with the State when its event fires (and its filter passes).
+
+    Example:
+        >>> def stop_after_two_epochs(state: fl.State) -> Status:
+        ...     return "halt_loop" if state.epoch >= 1 else "continue"
+        >>> handler: Handler = stop_after_two_epochs
+        >>> loop.handle_event("epoch_completed", handler).run(batches, epochs=5).epoch
+        1
+    """
+
+    def __call__(self, state: State, /) -> HandlerResult:
+        """Looks at (or replaces) the State; returns what the loop should do next."""
+        ...
+
+
+class FilterPredicate(Protocol):
+    """A callable filter: whether a handler fires on this State.
+
+    Example:
+        >>> late: FilterPredicate = lambda state: state.epoch >= 1
+        >>> seen = []
+        >>> state = loop.handle_event("epoch_completed", lambda s: seen.append(s.epoch),
+        ...                           filter=late).run(batches, epochs=3)
+        >>> seen
+        [1, 2]
+    """
+
+    def __call__(self, state: State, /) -> bool:
+        """True when the handler should run."""
+        ...
+
+
+FilterLike: TypeAlias = "Literal['always', 'first'] | Mapping[str, int] | FilterPredicate | Filter"
+"""A `filter` argument: "always", "first", counts such as `{"every": 5}`, or a predicate."""

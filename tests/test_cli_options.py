@@ -1,0 +1,43 @@
+"""The command line's option parsing, without training anything."""
+
+from __future__ import annotations
+
+import pytest
+
+from fuseloop import cli
+from fuseloop._demo import _parse_fuse, _plot_target, default_plot_path
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("false", False), ("OFF", False), ("auto", "auto"), ("True", True), ("16", 16)],
+)
+def test_fuse_option_values(text, expected):
+    assert _parse_fuse(text) == expected
+
+
+def test_a_bad_fuse_option_names_the_accepted_values():
+    with pytest.raises(ValueError, match="--fuse='sometimes'.*'auto'"):
+        _parse_fuse("sometimes")
+
+
+def test_plot_targets(tmp_path):
+    assert _plot_target(False) is None and _plot_target(None) is None
+    assert _plot_target(True) == default_plot_path()
+    assert _plot_target(tmp_path / "h.png") == (tmp_path / "h.png").resolve()
+    with pytest.raises(ValueError, match="plot=3 must be a file path"):
+        _plot_target(3)
+
+
+def test_unknown_arguments_are_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--epochs", "1", "--colour"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --colour" in capsys.readouterr().err
+
+
+def test_bench_arguments_go_to_the_bench_parser(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--reps", "0"])
+    assert exit_info.value.code == 2
+    assert "--reps=0 must be a positive int" in capsys.readouterr().err
