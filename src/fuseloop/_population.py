@@ -133,7 +133,9 @@ def per_member(state: State, key: str) -> State:
     return state.replace(handler_metadata={**state.handler_metadata, POPULATION_KEY: record})
 
 
-def early_stop_members(monitor: Any, state: State, restore_best: bool) -> tuple[str, State]:
+def early_stop_members(
+    monitor: Any, state: State, restore_best: bool
+) -> tuple[Any, State]:  # (a handler status, the State)
     """`early_stop` on a population: each running member's decision, as its solo run
     makes it (a `handlers.monitor.Monitor`), on its entry of the (N,) metric. A member that
     stops halts at this epoch; the loop halts when every member has.

@@ -31,6 +31,13 @@ class EpochLoop:
         self.latest: Any = None  # the State reached within an epoch (for an error's report)
         self.replay: EpochReplay | None = None
 
+    @property
+    def _replay(self) -> EpochReplay:
+        """The epoch's replay (set by `run` before anything is launched)."""
+        if self.replay is None:
+            raise RuntimeError("EpochLoop: no epoch is running")
+        return self.replay
+
     def run(self, state: Any, iterator: Any, bound: int | None) -> tuple[str, Any]:
         """Steps one epoch: `(status, state)`, `state.iteration` the last one fired."""
         self.replay = replay = EpochReplay(self.handoff, self.carry, self.reads, self.guard)
@@ -56,7 +63,7 @@ class EpochLoop:
             return CONTINUE, state, last, None
         if self.feed.live:
             last = prepared.first
-            status, state = self.replay.started_live(state, prepared.first)
+            status, state = self._replay.started_live(state, prepared.first)
             if status != CONTINUE:
                 return status, state, last, None
         return CONTINUE, state, last, self.feed.launch(self.carry, prepared)
@@ -75,14 +82,14 @@ class EpochLoop:
                 # and the error surfaces only where the unfused loop would reach that batch.
                 failed = error
         rollback = speculative = None
-        if nxt is not None and self.speculate and self.replay.waits_for(current):
+        if nxt is not None and self.speculate and self._replay.waits_for(current):
             # The replay is about to wait for this chunk's records: launch the next chunk
             # first, so the device keeps working. Replayed handlers can only halt (or
             # raise), and then the carry goes back to this copy of it.
             rollback = self.carry.snapshot()
             speculative = feed.launch(self.carry, nxt)
         try:
-            status, state, last = self.replay.chunk(state, current)
+            status, state, last = self._replay.chunk(state, current)
         except BaseException:
             if rollback is not None:
                 self._drop(rollback)

@@ -101,7 +101,7 @@ class HostFeed:
         return batches
 
     def _prepare(self, first: int) -> Prepared | None:
-        requested = 1 if self.live else self.size
+        requested = 1 if self.size is None else self.size
         if self.bound is not None:
             requested = min(requested, self.bound - first)
         if requested <= 0:
@@ -119,7 +119,7 @@ class HostFeed:
         """Checks and stacks a chunk into `max(K, MIN_SLOTS)` slots; one transfer."""
         self.checker.chunk(batches, self.epoch, first)
         try:
-            stacked = stack_chunk(batches, max(self.size, MIN_SLOTS), first)
+            stacked = stack_chunk(batches, max(self.size or 1, MIN_SLOTS), first)
         except FusionError:
             self.checker.explain_chunk(batches, self.epoch, first)
             raise

@@ -241,11 +241,12 @@ class Run:
                 epoch_length=_epoch_length(self.source, self.iterations),
             )
         self.stats["chunk_size"] = self.fuse or 1
+        size = self.fuse if isinstance(self.fuse, int) else None  # "auto" is resolved above
         if self.resident:
             return ResidentFeed(
                 self.source.data,
                 self.dataset,
-                size=self.fuse,
+                size=size,
                 placement=self.placement,
                 programs=self.programs,
                 start_epoch=self.device_epoch,
@@ -253,7 +254,7 @@ class Run:
         return HostFeed(
             self.source,
             first,
-            size=self.fuse,
+            size=size,
             jit=self.jit,
             placement=self.placement,
             checker=self.checker,
@@ -319,7 +320,7 @@ class Run:
                 if epoch == self.start_epoch
                 else self.source.epoch_iterator(epoch)
             )
-            status, state = self.epoch_loop.run(state, iterator, self.iterations)
+            status, state = self._epoch_loop.run(state, iterator, self.iterations)
             if status == CONTINUE and self._ran_out(epoch):
                 return state, _RAN_OUT
         if status == HALT_LOOP and state.handler_metadata.get("_nonfinite_at") is not None:
@@ -343,13 +344,19 @@ class Run:
             status = HALT_LOOP  # every member has halted (e.g. a per-member early_stop)
         return state, status
 
+    @property
+    def _epoch_loop(self) -> EpochLoop:
+        if self.epoch_loop is None:
+            raise RuntimeError("Run: the epoch loop is built when the run starts")
+        return self.epoch_loop
+
     def _epoch_metrics(self, state: State, epoch: int, began: float, stepped: bool) -> State:
         """The epoch's metrics: the accumulators' final values (one host read), unless a
         handler wrote after the loop last computed them (last writer wins).
         """
         metrics = dict(state.metrics)
         final = self.carry.metrics()  # Host read (in Carry.metrics): the epoch's end
-        replay = self.epoch_loop.replay
+        replay = self._epoch_loop._replay
         handler_wrote_last = (
             stepped and replay.steps > 0 and replay.merged_through == replay.steps - 1
         )

@@ -287,8 +287,9 @@ class ReduceLROnPlateau:
     def decide(
         self, record: dict[str, Any], value: float, epoch: int, rate: Any
     ) -> tuple[dict[str, Any], bool]:
-        """The record after this epoch and whether to reduce the rate now; `rate()` gives
-        the current learning rate (asked for only when a reduction is due).
+        """The record after this epoch, and whether to reduce the rate now.
+
+        `rate()` gives the current learning rate (asked for only when a reduction is due).
         """
         record = dict(record)
         record.setdefault("cooldown", 0)

@@ -102,8 +102,11 @@ class Validator:
         self.loop, self.data, self.fuse = loop, data, fuse
 
     def evaluate(self, params: Any, population: int | None = None) -> dict[str, Any]:
-        """The evaluator's metrics on `params` (unprefixed); with `population`, params carry
-        a leading member axis and each metric is an array of one value per member."""
+        """The evaluator's metrics on `params` (unprefixed).
+
+        With `population`, params carry a leading member axis and each metric is an array
+        of one value per member.
+        """
         # A signal arriving meanwhile is caught by the training run's guard (nested runs
         # defer to the outermost one), which halts at its next host boundary.
         members = {} if population is None else {"population": population}
