@@ -13,7 +13,7 @@ Example:
 from . import _distributed
 
 _distributed.initialize_from_environment()  # first: before any module touches a jax backend
-from . import data, diagnostics, handlers, models
+from . import data, diagnostics, handlers, models, types
 from ._checkpoint import load_state, save_state
 from ._distributed import all_processes, is_main_process, main_process_only
 from ._events import Event
@@ -44,4 +44,5 @@ __all__ = [
     "predict",
     "save_state",
     "trainer",
+    "types",
 ]

@@ -37,11 +37,14 @@ _writer_ids = itertools.count()
 
 
 def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    """The metrics that are scalars, as Python floats (arrays of other sizes are skipped).
+    """The metrics as Python floats, ready for a CSV row or TensorBoard scalars.
+
+    Scalars keep their name; a one-dimensional array (a population's metric, one value per
+    member) becomes `name[i]`; anything else is skipped.
 
     Example:
-        >>> scalar_metrics({"loss": np.float32(0.5), "per_class": np.zeros(3), "name": "x"})
-        {'loss': 0.5}
+        >>> scalar_metrics({"loss": np.float32(0.5), "acc": np.array([1.0, 0.5]), "name": "x"})
+        {'loss': 0.5, 'acc[0]': 1.0, 'acc[1]': 0.5}
     """
     out = {}
     for name, value in metrics.items():
@@ -49,8 +52,12 @@ def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
             array = np.asarray(value)
         except Exception:  # noqa: BLE001 - not array-like: not a scalar metric
             continue
-        if array.size == 1 and np.issubdtype(array.dtype, np.number):
+        if not np.issubdtype(array.dtype, np.number):
+            continue
+        if array.size == 1:
             out[name] = float(array.reshape(()))
+        elif array.ndim == 1:  # one value per member: a column (or a tag) each
+            out.update({f"{name}[{i}]": float(v) for i, v in enumerate(array)})
     return out
 
 
