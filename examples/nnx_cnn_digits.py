@@ -10,12 +10,9 @@ streams, batch statistics), trains them as plain arrays, and switches the module
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
-import optax
+from _digits import digits_splits, parse, report, train
 from flax import nnx
-from sklearn.datasets import load_digits
 
 import fuseloop as fl
 
@@ -37,17 +34,6 @@ class CNN(nnx.Module):
         return self.head(x)  # logits
 
 
-def digits_splits(seed: int = 0):
-    """Images (n, 8, 8, 1) in [0, 1] and labels, split 60/20/20 into train/val/test."""
-    digits = load_digits()
-    x = (digits.images / 16.0).astype(np.float32)[..., None]
-    y = digits.target.astype(np.int32)
-    order = np.random.default_rng(seed).permutation(len(x))
-    x, y = x[order], y[order]
-    a, b = int(0.6 * len(x)), int(0.8 * len(x))
-    return (x[:a], y[:a]), (x[a:b], y[a:b]), (x[b:], y[b:])
-
-
 def trained_module(model, state):
     """The nnx module holding the trained weights, in eval mode."""
     if hasattr(fl.models, "trained"):
@@ -61,41 +47,15 @@ def trained_module(model, state):
     return module
 
 
-def parse(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=40)
-    parser.add_argument("--quick", action="store_true", help="2 epochs of 4 iterations")
-    parser.add_argument("--fuse", type=int, default=16, help="chunk size (0: unfused)")
-    parser.add_argument("--log", type=int, default=0, help="a log line every N iterations")
-    parser.add_argument("--progress", action="store_true")
-    return parser.parse_args(argv)
-
-
 def main(argv=None) -> dict:
-    args = parse(argv)
-    (x_train, y_train), (x_val, y_val), (x_test, y_test) = digits_splits()
-    train = fl.data.arrays(x_train, y_train, batch_size=32, shuffle=True, seed=0)
-    val = fl.data.arrays(x_val, y_val, batch_size=120, shuffle=False)
+    args = parse(__doc__, argv)
+    train_split, val_split, (x_test, y_test) = digits_splits()
     model = CNN(nnx.Rngs(params=0, dropout=1))
-    loop = (
-        fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(2e-3), log=args.log)
-        .metric("accuracy")
-        .validate(model, val)
-        .early_stop("validation_loss", patience=5)
-    )
-    epochs, iterations = (2, 4) if args.quick else (args.epochs, None)
-    state = loop.run(
-        train, epochs=epochs, iterations=iterations, fuse=args.fuse or False, progress=args.progress
-    )
+    state = train(model, args, train_split, val_split)
     module = trained_module(model, state)
     predicted = np.asarray(module(x_test)).argmax(axis=-1)
-    test_accuracy = float(np.mean(predicted == y_test))
-    print(
-        f"{state.status} after {len(state.history)} epochs; last validation accuracy "
-        f"{state.metrics['validation_accuracy']:.4f}"
-    )
-    print(f"test accuracy: {test_accuracy:.4f} on {len(y_test)} unseen digits")
-    return {"state": state, "test_accuracy": test_accuracy, "predicted": predicted}
+    summary = f"last validation accuracy {state.metrics['validation_accuracy']:.4f}"
+    return report(state, predicted, y_test, summary)
 
 
 if __name__ == "__main__":

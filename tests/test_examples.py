@@ -17,6 +17,13 @@ import fuseloop as fl
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
+@pytest.fixture(autouse=True)
+def _examples_on_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Python puts a script's folder first on sys.path when it runs it; runpy does not, and
+    # the digits examples import their shared `_digits` module from there.
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+
+
 def _quick(name: str, *flags: str) -> dict:
     namespace = runpy.run_path(str(EXAMPLES / f"{name}.py"), run_name="example")
     return namespace["main"](["--quick", *flags])
@@ -38,7 +45,8 @@ def test_every_example_has_a_test():
         "char_transformer",
         "regression",
     }
-    assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
+    shared = {"_digits"}  # what the digits examples share; not an example of its own
+    assert {p.stem for p in EXAMPLES.glob("*.py")} == tested | shared
 
 
 @pytest.mark.parametrize("name", ["linen_cnn_digits", "nnx_cnn_digits", "equinox_cnn_digits"])
@@ -78,16 +86,29 @@ def test_char_transformer_reads_an_installed_text_and_samples():
     assert len(result["sample"]) == 20
 
 
-def test_regression_from_the_command_line():
-    # Run as a user would, in a fresh process, to check the script itself (its imports and
-    # its __main__ block), not only its main().
+def _run_script(name: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python examples/<name>.py --quick` in a fresh process, as a user would run it."""
     env = {**os.environ, "PYTHONPATH": str(Path(fl.__file__).resolve().parent.parent)}
-    done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "regression.py"), "--quick"],
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / f"{name}.py"), "--quick"],
         capture_output=True,
         text=True,
         env=env,
-        timeout=120,
+        cwd=cwd,
+        timeout=300,
     )
+
+
+def test_a_digits_example_runs_from_another_folder(tmp_path):
+    # The script finds its shared `_digits` module beside it, wherever it is started from.
+    done = _run_script("equinox_cnn_digits", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "test accuracy" in done.stdout
+
+
+def test_regression_from_the_command_line():
+    # Run as a user would, in a fresh process, to check the script itself (its imports and
+    # its __main__ block), not only its main().
+    done = _run_script("regression")
     assert done.returncode == 0, done.stderr
     assert "test R^2: MLP" in done.stdout and "least squares 0.3" in done.stdout

@@ -116,14 +116,7 @@ def demo(
     )
     if target is not None:
         print(f"the plot of the metric curves will be written to {target}")
-    loop = (
-        fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-3))
-        .metric("accuracy")
-        .validate(model, val)
-        .early_stop("validation_loss", patience=5)
-    )
-    if not progress:  # the progress display already shows each epoch's metrics
-        loop = loop.handle_event("epoch_completed", _log_epoch, name="demo_log")
+    loop = _demo_loop(model, val, progress)
     began = time.perf_counter()
     state = loop.run(train, epochs=epochs, fuse=_parse_fuse(fuse), progress=progress)
     wall = time.perf_counter() - began
@@ -134,9 +127,31 @@ def demo(
         f"{state.stats['dispatches']} dispatches, chunk size {state.stats['chunk_size']})"
     )
     if target is not None:
-        try:
-            fl.plot_history(state.history, target)
-            print(f"metric curves written to {target}")
-        except ImportError as error:
-            print(f"no plot: {error}")
+        _write_plot(state, target)
     return 0 if accuracy >= 0.9 else 1
+
+
+def _demo_loop(model: Any, val: Any, progress: bool) -> Any:
+    """The demo's trainer: accuracy, validation, early stopping; a line per epoch unless
+    the progress display shows them."""
+    import fuseloop as fl
+
+    loop = (
+        fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-3))
+        .metric("accuracy")
+        .validate(model, val)
+        .early_stop("validation_loss", patience=5)
+    )
+    if not progress:  # the progress display already shows each epoch's metrics
+        loop = loop.handle_event("epoch_completed", _log_epoch, name="demo_log")
+    return loop
+
+
+def _write_plot(state: Any, target: Any) -> None:
+    import fuseloop as fl
+
+    try:
+        fl.plot_history(state.history, target)
+        print(f"metric curves written to {target}")
+    except ImportError as error:
+        print(f"no plot: {error}")

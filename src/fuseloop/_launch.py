@@ -137,12 +137,7 @@ def launch(
         >>> sorted(out.getvalue().splitlines())
         ["[0] 0 of 2 ['--epochs', '3']", "[1] 1 of 2 ['--epochs', '3']"]
     """
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"count={count!r} must be a positive int (the number of processes)")
-    if not grace >= 0:
-        raise ValueError(f"grace={grace!r} must be a number of seconds >= 0")
-    if not os.path.isfile(script):
-        raise ValueError(f"script={script!r} is not a file")
+    _check_launch_arguments(count, script, grace)
     sink = out or sys.stdout
     address = f"127.0.0.1:{port or free_port()}"
     lock = threading.Lock()
@@ -150,20 +145,9 @@ def launch(
     readers: list[threading.Thread] = []
     try:
         for index in range(count):
-            process = subprocess.Popen(
-                [sys.executable, script, *args],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                env=_environment(index, count, address, failure_timeout),
-            )
+            process = _spawn(script, args, _environment(index, count, address, failure_timeout))
             processes.append(process)
-            reader = threading.Thread(
-                target=_stream, args=(index, process.stdout, sink, lock), daemon=True
-            )
-            reader.start()
-            readers.append(reader)
+            readers.append(_start_reader(index, process, sink, lock))
         code = _watch(processes, sink, lock, grace)
     except BaseException:
         _stop(processes, grace)
@@ -171,6 +155,37 @@ def launch(
     for reader in readers:
         reader.join()
     return code
+
+
+def _check_launch_arguments(count: int, script: str, grace: float) -> None:
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count={count!r} must be a positive int (the number of processes)")
+    if not grace >= 0:
+        raise ValueError(f"grace={grace!r} must be a number of seconds >= 0")
+    if not os.path.isfile(script):
+        raise ValueError(f"script={script!r} is not a file")
+
+
+def _spawn(script: str, args: Sequence[str], env: dict) -> subprocess.Popen:
+    """`python script args...`, its output piped, in a session of its own (so that `_stop`
+    signals its whole process group)."""
+    return subprocess.Popen(
+        [sys.executable, script, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        env=env,
+    )
+
+
+def _start_reader(
+    index: int, process: subprocess.Popen, sink: IO[str], lock: threading.Lock
+) -> threading.Thread:
+    """A started thread that copies the process's output to `sink`, line by line."""
+    reader = threading.Thread(target=_stream, args=(index, process.stdout, sink, lock), daemon=True)
+    reader.start()
+    return reader
 
 
 def _watch(

@@ -1,4 +1,8 @@
-"""`Loop`: the immutable builder, and the `trainer`/`evaluator`/`loop` factories."""
+"""`Loop`: the immutable builder and `Loop.run`, and the `trainer`/`evaluator`/`loop` factories.
+
+The builders that attach fuseloop's own handlers (log, early stopping, checkpoints, writers)
+live in `_loop_handlers`; the checks of the builders' arguments in `_loop_args`.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from ._events import Event, Registration, make_filter, normalize_event
+from ._events import Registration, make_filter, normalize_event
+from ._loop_args import check_accumulate, check_step_functions, check_trainer_options, known_metrics
+from ._loop_handlers import HandlerBuilders
 from ._metrics import MetricSpec, resolve_metric
 from ._state import State
 from ._step import (
@@ -17,7 +23,7 @@ from ._step import (
     evaluator_program,
     trainer_program,
 )
-from ._types import Accumulate, EventLike, FilterLike, Fuse, Handler, Mode
+from ._types import Accumulate, EventLike, FilterLike, Fuse, Handler
 from .engine import run_loop
 from .engine.programs import ProgramCache
 from .engine.run import check_run_options
@@ -26,7 +32,7 @@ __all__ = ["Loop", "trainer", "evaluator", "loop"]
 
 
 @dataclass(frozen=True)
-class Loop:
+class Loop(HandlerBuilders):
     """A training, evaluation or custom loop. Every builder returns a new Loop.
 
     Example:
@@ -70,9 +76,9 @@ class Loop:
         if (
             self.program.kind == "custom"
             and isinstance(metric, str)
-            and (metric not in _known_metrics())
+            and (metric not in known_metrics())
         ):
-            spec = MetricSpec(name or metric, None, _check_accumulate(accumulate), source=metric)
+            spec = MetricSpec(name or metric, None, check_accumulate(accumulate), source=metric)
         else:
             spec = resolve_metric(metric, name, accumulate)
         if any(m.name == spec.name for m in self.metrics):
@@ -133,32 +139,6 @@ class Loop:
         )
         return self._with(registrations=marked)
 
-    def log(
-        self,
-        fn: Callable[[State], str],
-        event: EventLike = "iteration_completed",
-        filter: FilterLike = "always",
-        stream: TextIO | None = None,
-    ) -> Loop:
-        """Writes `fn(state)` to `stream` (stdout by default) when `event` fires.
-
-        The text holds whatever `fn` returns; leave out timings and the output of a fused
-        and an unfused run is byte for byte the same.
-
-        Example:
-            >>> state = loop.log(lambda s: f"epoch {s.epoch}\\n", event="epoch_completed").run(
-            ...     batches, epochs=2)
-            epoch 0
-            epoch 1
-        """
-        from ._distributed import main_process_only, runs_on_all_processes
-        from .handlers.log import Writer
-
-        writer: Callable[[State], Any] = Writer(fn, stream)
-        if not runs_on_all_processes(fn):  # process 0 writes, unless fn asks for all
-            writer = main_process_only(writer)
-        return self.observe(event, writer, filter, name="log")
-
     def validate(
         self,
         model: Any,
@@ -193,172 +173,6 @@ class Loop:
         evaluation = Loop(evaluator_program(model, loss), metrics=specs)
         return self.handle_event(event, Validator(evaluation, data, fuse), filter, name="validate")
 
-    def early_stop(
-        self,
-        monitor: str,
-        patience: int = 3,
-        mode: Mode = "min",
-        min_delta: float = 0.0,
-        restore_best: bool = False,
-    ) -> Loop:
-        """Halts after `patience` consecutive epochs without improvement (as Keras does).
-
-        A non-finite monitored value halts at once. The best value and the wait count live
-        in `state.handler_metadata`, so they survive a checkpoint and resume. With
-        `restore_best=True` (Keras's `restore_best_weights`) the run ends with the step state
-        of the best epoch, bitwise, however it ends.
-
-        Example:
-            >>> stopping = loop.early_stop("loss", patience=1, min_delta=100.0)
-            >>> state = stopping.run(batches, epochs=10)  # no epoch improves by 100
-            >>> state.status, state.epoch
-            ('halted', 1)
-        """
-        from .handlers.monitor import EarlyStopping
-
-        key = self._metadata_key(f"early_stop:{monitor}")
-        stopper = EarlyStopping(
-            monitor, patience, mode, min_delta, key=key, restore_best=restore_best
-        )
-        built = self.handle_event("epoch_completed", stopper, name="early_stop")
-        if restore_best:  # however the run ends, it ends on the best epoch's step state
-            built = built.handle_event("completed", stopper.on_end, name="early_stop:restore")
-            built = built.handle_event("halted", stopper.on_end, name="early_stop:restore")
-        return built
-
-    def reduce_lr_on_plateau(
-        self,
-        monitor: str,
-        factor: float = 0.1,
-        patience: int = 3,
-        mode: Mode = "min",
-        min_delta: float = 0.0,
-        min_lr: float = 0.0,
-        cooldown: int = 0,
-    ) -> Loop:
-        """Multiplies the learning rate by `factor` after `patience` epochs on a plateau.
-
-        Needs an optimizer built with `optax.inject_hyperparams` (the named optimizers
-        are); any other raises a ValueError here. The new rate applies from the next step.
-
-        Example:
-            >>> plain = fl.trainer(model, "sparse_categorical_cross_entropy", "sgd")
-            >>> reducing = plain.reduce_lr_on_plateau("loss", factor=0.5, patience=1,
-            ...                                       min_delta=100.0)
-            >>> state = reducing.run(batches, epochs=3)
-            >>> [round(float(h["learning_rate"]), 4) for h in state.history.values()]
-            [0.01, 0.01, 0.005]
-        """
-        from .handlers.monitor import ReduceLROnPlateau
-
-        key = self._metadata_key(f"reduce_lr_on_plateau:{monitor}")
-        handler = ReduceLROnPlateau(
-            monitor, factor, patience, mode, min_delta, min_lr, cooldown, key=key
-        )
-        handler.check_optimizer(self.program)
-        return self.handle_event("epoch_completed", handler, name="reduce_lr_on_plateau")
-
-    def checkpoint(
-        self,
-        path: str,
-        event: EventLike = "epoch_completed",
-        filter: FilterLike = "always",
-        criteria: str | None = None,
-        mode: Mode = "min",
-        keep: int | None = None,
-        asynchronous: bool = False,
-    ) -> Loop:
-        """Saves the whole State under `path` (one atomic subdirectory per save).
-
-        Attach it last, so each save holds what the other handlers did this epoch.
-        `fl.load_state(path)` loads the latest complete one. Without `criteria`, a run
-        that halts (early stopping, SIGINT/SIGTERM) also saves its final State.
-
-        Args:
-            path: The checkpoint directory.
-            event: When to save (default: at the end of each epoch).
-            filter: Which firings save, e.g. `{"every": 5}`.
-            criteria: Save only when this metric improves (checkpoint-on-best).
-            mode: "min" or "max" for `criteria`.
-            keep: Keep only the newest `keep` checkpoints (None: all).
-            asynchronous: Write in the background so training does not wait on the disk;
-                the run waits for the last write before it returns.
-
-        Example:
-            >>> import os, tempfile
-            >>> directory = tempfile.mkdtemp()
-            >>> state = loop.checkpoint(directory, keep=2).run(batches, epochs=3)
-            >>> len(fl.handlers.checkpoint.list_checkpoints(directory))
-            2
-        """
-        from .handlers.checkpoint import Checkpointer
-
-        key = self._metadata_key(f"checkpoint:{criteria}") if criteria is not None else ""
-        saver = Checkpointer(path, criteria, mode, keep, key=key, asynchronous=asynchronous)
-        loop = self.handle_event(event, saver, filter, name="checkpoint")
-        if criteria is None and normalize_event(event) != Event.HALTED:
-            # A halted run (early stop, a signal) also saves its final State.
-            loop = loop.handle_event("halted", saver.on_halted, name="checkpoint")
-        if asynchronous:  # the run returns only when every write is complete
-            loop = loop.handle_event("completed", saver.finish, name="checkpoint:finish")
-            loop = loop.handle_event("halted", saver.finish, name="checkpoint:finish")
-        return loop
-
-    def csv_log(
-        self, path: str, event: EventLike = "epoch_completed", filter: FilterLike = "always"
-    ) -> Loop:
-        """Writes the metrics to a CSV file, one row (epoch, iteration, step, metrics...)
-        per firing.
-
-        Example:
-            >>> import os, tempfile
-            >>> path = os.path.join(tempfile.mkdtemp(), "metrics.csv")
-            >>> state = loop.csv_log(path).run(batches, epochs=2)
-            >>> open(path).readline().strip()
-            'epoch,iteration,step,loss'
-        """
-        from .handlers.writers import CSVWriter, attach_writer
-
-        before = len(self.registrations)
-        built: Loop = attach_writer(self, CSVWriter(path, event), event, filter, "csv_log")
-        return built._as_observers(before)
-
-    def tensorboard(
-        self,
-        logdir: str,
-        event: EventLike = "epoch_completed",
-        filter: FilterLike = "always",
-        prefix: str | None = None,
-    ) -> Loop:
-        """Writes the metrics as TensorBoard scalars (needs tensorboardX).
-
-        Example:
-            >>> import os, tempfile
-            >>> logdir = tempfile.mkdtemp()
-            >>> state = loop.tensorboard(logdir, event="iteration_completed",
-            ...                          filter={"every": 2}).run(batches, epochs=1)
-            >>> [name.startswith("events.out.tfevents") for name in os.listdir(logdir)]
-            [True]
-        """
-        from .handlers.writers import TensorBoardWriter, attach_writer
-
-        before = len(self.registrations)
-        built: Loop = attach_writer(
-            self, TensorBoardWriter(logdir, event, prefix), event, filter, "tensorboard"
-        )
-        return built._as_observers(before)
-
-    def _metadata_key(self, base: str) -> str:
-        """A `handler_metadata` key no attached handler uses yet (stable across runs)."""
-        used = {
-            getattr(getattr(r.handler, "monitor", None), "key", None) for r in self.registrations
-        }
-        key, n = base, 1
-        while key in used:
-            n += 1
-            key = f"{base}#{n}"
-        return key
-
     def terminate_on_nan(self) -> Loop:
         """Halts at the first non-finite loss, checked on the device (even inside a chunk).
 
@@ -392,13 +206,12 @@ class Loop:
         prefetch: int = 2,
         population: Any = None,
     ) -> State:
-        """Runs the loop.
+        """Runs the loop and returns the final State (never donated).
 
         Args:
             data: A list of `(x, y)` batches, a re-iterable, a callable returning an
                 iterator, a one-shot iterator, or `fl.data.arrays(...)`.
-            init_state: None (initialize from the first batch), initial variables, or a
-                State to resume from.
+            init_state: None (initialize from the first batch), variables, or a State to resume.
             epochs: Total number of epochs (a resumed run continues up to this many).
             iterations: Bound on iterations per epoch.
             fuse: False; True (chunks of 32); a positive int chunk size; "auto"; or "run".
@@ -411,17 +224,13 @@ class Loop:
             progress: Show a tqdm bar per epoch.
             mesh: A `jax.sharding.Mesh` with a "data" axis for data parallelism.
             max_in_flight: Unfused steps the host may queue before waiting for the device.
-            prefetch: Fused chunks a background thread may prepare ahead (0: the next chunk
-                is prepared in the caller's thread while the device runs the current one).
+            prefetch: Fused chunks a background thread may prepare ahead (0: the caller's
+                thread prepares the next chunk while the device runs the current one).
             population: Train N members in one fused program (a trainer only): an int N
-                (seeds seed, seed+1, ...) or a dict of per-member lists, e.g.
-                `{"learning_rate": [1e-3, 1e-2], "seed": [0, 1]}` (any hyperparameter the
-                optimizer injects, plus "seed"). Params gain a leading member axis, metrics
-                and history hold arrays of shape (N,); `state.member(i)` is member i alone.
-                Resuming a population's State continues it (leave population out).
-
-        Returns:
-            The final State (never donated).
+                (seeds seed, seed+1, ...) or a dict of per-member lists (any hyperparameter
+                the optimizer injects, and "seed"), e.g. `{"learning_rate": [1e-3, 1e-2]}`.
+                Params gain a leading member axis, metrics and history hold arrays of shape
+                (N,); `state.member(i)` is member i alone. A population's State resumes as one.
 
         Example:
             >>> state = loop.run(batches, epochs=3, fuse=True)
@@ -429,13 +238,6 @@ class Loop:
             ('completed', 2, ['loss'])
         """
         check_run_options(epochs, iterations, jit, progress, max_in_flight, prefetch)
-        observer = None
-        if progress:
-            from ._distributed import is_main_process
-            from .handlers.progress import ProgressBar
-
-            # Side effects happen once: the bar is drawn by process 0 only.
-            observer = ProgressBar.for_data(data, iterations) if is_main_process() else None
         return run_loop(
             self,
             data,
@@ -444,29 +246,12 @@ class Loop:
             iterations=iterations,
             fuse=fuse,
             jit=jit,
-            observer=observer,
+            observer=_progress_bar(data, iterations) if progress else None,
             mesh=mesh,
             max_in_flight=max_in_flight,
             prefetch=prefetch,
             population=population,
         )
-
-
-def _known_metrics() -> tuple[str, ...]:
-    from ._metrics import METRICS
-
-    return tuple(METRICS)
-
-
-def _check_accumulate(accumulate: str) -> str:
-    from ._metrics import ACCUMULATORS
-
-    if accumulate not in ACCUMULATORS:
-        raise ValueError(
-            f"accumulate={accumulate!r} is not an accumulator; accepted values: "
-            f"{', '.join(ACCUMULATORS)}"
-        )
-    return accumulate
 
 
 def trainer(
@@ -494,10 +279,7 @@ def trainer(
         >>> loop = fl.trainer(fl.models.mlp([32, 10]), "sparse_categorical_cross_entropy",
         ...                   optax.adam(1e-3), log=50)
     """
-    if isinstance(log, bool) or not isinstance(log, int) or log < 0:
-        raise ValueError(f"log={log!r} must be a non-negative int (0 disables logging)")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed={seed!r} must be an int")
+    check_trainer_options(log, seed)
     program = trainer_program(model, loss, optimizer, seed)
     built = Loop(program, metrics=default_metrics(program))
     if log:
@@ -539,8 +321,14 @@ def loop(
         >>> int(count.run([(0, 0)] * 3, {"n": 0}).step_state["n"])
         3
     """
-    if not callable(step_fn):
-        raise ValueError(f"step_fn={step_fn!r} must be callable(batch, step_state)")
-    if init_fn is not None and not callable(init_fn):
-        raise ValueError(f"init_fn={init_fn!r} must be callable(first_batch, init_state)")
+    check_step_functions(step_fn, init_fn)
     return Loop(custom_program(step_fn, init_fn))
+
+
+def _progress_bar(data: Any, iterations: int | None) -> Any:
+    """The observer that draws `run(progress=True)`'s bar: on process 0 only, so the side
+    effect happens once; None on the other processes."""
+    from ._distributed import is_main_process
+    from .handlers.progress import ProgressBar
+
+    return ProgressBar.for_data(data, iterations) if is_main_process() else None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -285,6 +286,29 @@ def report(
         >>> found.chunk_size, found.iterations, found.fused["dispatches"]
         (2, 4, 2)
     """
+    _check_report_arguments(data, fuse, reps)
+
+    def run(k: Any) -> Any:
+        return loop.run(data, init_state, fuse=k, iterations=iterations)
+
+    first_fused, first_unfused = run(fuse), run(False)
+    n_iter = max(first_unfused.stats["dispatches"], 1)  # one dispatch per step unfused
+    seconds = _interleaved_epochs(run, fuse, reps)
+    batch = next(iter(data))
+    k = int(first_fused.stats["chunk_size"])
+    fused, unfused = _epoch_counters(first_fused, first_unfused, data, batch, k)
+    fused["us_per_iteration"] = statistics.median(seconds["fused"]) / n_iter * 1e6
+    unfused["us_per_iteration"] = statistics.median(seconds["unfused"]) / n_iter * 1e6
+    step_state = first_fused.step_state
+    step_fusions, chunk_fusions, chunk = _program_fusions(loop, step_state, batch, k)
+    step_s, overhead_s = _probe(loop, step_state, batch, k, chunk)
+    auto = _auto_decision(loop, step_state, batch, data, iterations) if fuse == "auto" else None
+    return Report(
+        k, n_iter, fused, unfused, step_fusions, chunk_fusions, step_s * 1e6, overhead_s * 1e6, auto
+    )
+
+
+def _check_report_arguments(data: Any, fuse: Any, reps: Any) -> None:
     auto_chunk.check_positive(reps, "reps")
     if fuse is False or fuse is None:
         raise ValueError(
@@ -297,43 +321,44 @@ def report(
             "(a list of batches or fl.data.arrays(...)), not a one-shot iterator"
         )
 
-    def run(k: Any) -> Any:
-        return loop.run(data, init_state, fuse=k, iterations=iterations)
 
-    first_fused, first_unfused = run(fuse), run(False)
-    n_iter = max(first_unfused.stats["dispatches"], 1)  # one dispatch per step unfused
+def _interleaved_epochs(run: Callable[[Any], Any], fuse: Any, reps: int) -> dict[str, list[float]]:
+    """Epoch times of `reps` unfused and fused runs, in turn (both see the same load)."""
     times: dict[str, list[float]] = {"fused": [], "unfused": []}
-    for _ in range(reps):  # interleaved, so both see the same machine load
+    for _ in range(reps):
         times["unfused"].append(_epoch_seconds(run(False)))
         times["fused"].append(_epoch_seconds(run(fuse)))
-    batch = next(iter(data))
+    return times
+
+
+def _epoch_counters(
+    fused_state: Any, unfused_state: Any, data: Any, batch: Any, k: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The fused and the unfused run's counters per epoch, with the bytes they moved."""
     batch_bytes = auto_chunk.nbytes(batch)
-    k = int(first_fused.stats["chunk_size"])
-    fused = _counters(first_fused, k * batch_bytes + 4)  # + the chunk's int32 count
-    unfused = _counters(first_unfused, batch_bytes)
+    fused = _counters(fused_state, k * batch_bytes + 4)  # + the chunk's int32 count
+    unfused = _counters(unfused_state, batch_bytes)
     if getattr(data, "resident", False):  # a device-resident source moves the dataset once
         whole = auto_chunk.nbytes((data.x, data.y))
         fused["h2d_bytes"] = fused["h2d_transfers"] * whole
-    fused["us_per_iteration"] = statistics.median(times["fused"]) / n_iter * 1e6
-    unfused["us_per_iteration"] = statistics.median(times["unfused"]) / n_iter * 1e6
-    step_state = first_fused.step_state
-    step_fusions, chunk_fusions, chunk = _program_fusions(loop, step_state, batch, k)
+    return fused, unfused
+
+
+def _probe(loop: Any, step_state: Any, batch: Any, k: int, chunk: Any) -> tuple[float, float]:
+    """Seconds per step and per dispatch, measured as `fuse="auto"` measures them."""
     # The probe reuses the run's chunk program (K slots), so it compiles nothing new.
     programs = Programs(loop)
-    step_s, overhead_s = (
-        auto_chunk.probe(programs, step_state, batch, None, k, chunk)
-        if k > 1
-        else auto_chunk.probe(programs, step_state, batch, None, auto_chunk.PROBE_COPIES)
-    )
+    if k > 1:
+        return auto_chunk.probe(programs, step_state, batch, None, k, chunk)
+    return auto_chunk.probe(programs, step_state, batch, None, auto_chunk.PROBE_COPIES)
+
+
+def _auto_decision(
+    loop: Any, step_state: Any, batch: Any, data: Any, iterations: int | None
+) -> ChunkDecision:
+    """What `fuse="auto"` decides for this loop, the epoch length capped as a run caps it."""
     known = [n for n in (iterations, _len(data)) if n]
-    auto = (
-        decide_chunk_size(loop, step_state, batch, epoch_length=min(known) if known else None)
-        if fuse == "auto"
-        else None
-    )
-    return Report(
-        k, n_iter, fused, unfused, step_fusions, chunk_fusions, step_s * 1e6, overhead_s * 1e6, auto
-    )
+    return decide_chunk_size(loop, step_state, batch, epoch_length=min(known) if known else None)
 
 
 def explain_dispatches(state: Any) -> str:

@@ -4,6 +4,9 @@ Every adapter has `init(rng, x) -> variables` and `apply(variables, x) -> y`, so
 `model.apply(state.params, x)` works on what a trainer returns, plus the
 `forward(variables, x, *, train, rng) -> (y, updated_model_state | None)` the step uses.
 
+Each adapter lives in a private module of its own (`_linen`, `_nnx`, `_equinox`,
+`_functions`); this module gathers them with the MLP, `as_model` and `trained`.
+
 Example:
     >>> import fuseloop as fl, jax, jax.numpy as jnp
     >>> model = fl.models.mlp([16, 3])
@@ -19,9 +22,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import flax.linen as nn
-import jax
 
+from ._equinox import from_equinox
+from ._functions import from_functions
 from ._linen import TRAIN_FLAGS, ModelModeError, linen
+from ._nnx import from_nnx, set_nnx_mode
 
 __all__ = [
     "ModelAdapter",
@@ -135,281 +140,7 @@ def mlp(features: Sequence[int], activation: Activation = "relu") -> MLP:
     return MLP(tuple(features), activation)
 
 
-def _takes(fn: Callable[..., Any], name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 _Linen = linen  # the adapter every flax.linen module gets
-
-
-class from_functions:  # noqa: N801 - reads as a constructor
-    """Adapts a plain `(init_fn, apply_fn)` pair.
-
-    `init_fn(rng, x) -> params`; `apply_fn(params, x) -> y`. An `apply_fn` with a `train`
-    or `rng` keyword receives them.
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> model = from_functions(lambda rng, x: {"w": jnp.ones((x.shape[1], 2))},
-        ...                        lambda p, x: x @ p["w"])
-        >>> variables = model.init(None, jnp.ones((1, 3)))
-        >>> model.apply(variables, jnp.ones((1, 3))).tolist()
-        [[3.0, 3.0]]
-    """
-
-    def __init__(self, init_fn: Callable[..., Any], apply_fn: Callable[..., Any]):
-        self.init_fn, self.apply_fn = init_fn, apply_fn
-        self.takes_train = _takes(apply_fn, "train")
-        self.takes_rng = _takes(apply_fn, "rng")
-
-    def init(self, rng: Any, x: Any) -> Any:
-        """`init_fn(rng, x)`: the initial params.
-
-        Example:
-            >>> import jax.numpy as jnp
-            >>> model = from_functions(lambda rng, x: {"b": jnp.zeros(2)}, lambda p, x: x + p["b"])
-            >>> model.init(None, jnp.ones((1, 2)))["b"].shape
-            (2,)
-        """
-        return self.init_fn(rng, x)
-
-    def apply(self, variables: Any, x: Any) -> Any:
-        """`apply_fn(variables, x)` in evaluation mode (`train=False` where it is taken).
-
-        Example:
-            >>> import jax.numpy as jnp
-            >>> model = from_functions(lambda rng, x: 2.0, lambda p, x, train: x * p + train)
-            >>> model.apply(2.0, jnp.ones(2)).tolist()
-            [2.0, 2.0]
-        """
-        return self.forward(variables, x, train=False, rng=None)[0]
-
-    def forward(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
-        """`(apply_fn(variables, x, ...), None)`, passing `train` and `rng` where taken.
-
-        Example:
-            >>> import jax.numpy as jnp
-            >>> model = from_functions(lambda rng, x: 2.0, lambda p, x, train: x * p + train)
-            >>> y, state = model.forward(2.0, jnp.ones(2), train=True, rng=None)
-            >>> y.tolist(), state
-            ([3.0, 3.0], None)
-        """
-        kwargs: dict[str, Any] = {}
-        if self.takes_train:
-            kwargs["train"] = train
-        if self.takes_rng:
-            kwargs["rng"] = rng
-        return self.apply_fn(variables, x, **kwargs), None
-
-
-class from_nnx:  # noqa: N801
-    """Adapts a flax.nnx module.
-
-    Variables are `{"params": ..., "state": ...}` pure dicts (the Param variables, and
-    everything else: batch statistics, RNG streams).
-
-    Dropout and BatchNorm switch with `module.train()`/`module.eval()`; the module's own
-    RNG streams are part of `"state"`, so they advance with each step and checkpoint.
-    Variables are rebuilt from plain arrays inside each traced call, so nnx never sees a
-    Variable created at another trace level (inside `grad` or the fused loop).
-
-    Example:
-        >>> from flax import nnx
-        >>> model = from_nnx(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
-        >>> sorted(model.init(None, None)["params"])
-        ['bias', 'kernel']
-    """
-
-    def __init__(self, module: Any):
-        from flax import nnx
-
-        self._nnx = nnx
-        self.graphdef, params, *others = nnx.split(module, nnx.Param, ...)
-        (rest,) = others  # the two filters, Param and `...`, split the module in two
-        self._templates = (params, rest)
-        self._initial = {"params": nnx.to_pure_dict(params), "state": nnx.to_pure_dict(rest)}
-
-    def init(self, rng: Any, x: Any) -> Any:
-        """A copy of the module's own variables (nnx initialises at construction).
-
-        Example:
-            >>> from flax import nnx
-            >>> model = from_nnx(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
-            >>> model.init(None, None)["params"]["kernel"].shape
-            (4, 2)
-        """
-        return jax.tree.map(lambda a: a, self._initial)
-
-    def _rebuild(self, template: Any, pure: Any) -> Any:
-        fresh = jax.tree.map(lambda a: a, template)  # new Variables at this trace level
-        self._nnx.replace_by_pure_dict(fresh, pure)
-        return fresh
-
-    def _run(self, variables: Any, x: Any, train: bool) -> tuple[Any, Any]:
-        nnx = self._nnx
-        params = self._rebuild(self._templates[0], variables["params"])
-        rest = self._rebuild(self._templates[1], variables["state"])
-        module = nnx.merge(self.graphdef, params, rest)
-        _set_nnx_mode(module, train)
-        y = module(x)
-        _, _, rest = nnx.split(module, nnx.Param, ...)
-        return y, nnx.to_pure_dict(rest)
-
-    def apply(self, variables: Any, x: Any) -> Any:
-        """The module's output on `x` in `.eval()` mode.
-
-        Example:
-            >>> import jax.numpy as jnp
-            >>> from flax import nnx
-            >>> model = from_nnx(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
-            >>> model.apply(model.init(None, None), jnp.ones((3, 4))).shape
-            (3, 2)
-        """
-        return self._run(variables, x, train=False)[0]
-
-    def forward(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
-        """The output and, in training, the module's updated non-Param state.
-
-        Example:
-            >>> import jax.numpy as jnp
-            >>> from flax import nnx
-            >>> model = from_nnx(nnx.BatchNorm(2, rngs=nnx.Rngs(0)))
-            >>> variables = model.init(None, None)
-            >>> y, new = model.forward(variables, jnp.ones((3, 2)), train=True, rng=None)
-            >>> new["state"]["mean"].shape
-            (2,)
-        """
-        y, rest = self._run(variables, x, train)
-        return y, ({"state": rest} if train else None)
-
-
-def _set_nnx_mode(module: Any, train: bool) -> None:
-    """Sets an nnx module to training or evaluation mode.
-
-    First nnx's own switch (`.train()`/`.eval()`: Dropout's `deterministic`, BatchNorm's
-    `use_running_average`), then any of the recognised flag attributes a user's module
-    keeps as a plain bool (e.g. `self.training`).
-    """
-    from flax import nnx
-
-    if hasattr(module, "train") and hasattr(module, "eval"):
-        module.train() if train else module.eval()
-    for _, sub in nnx.iter_graph(module):
-        if not isinstance(sub, nnx.Module):
-            continue
-        for name, train_value in TRAIN_FLAGS.items():
-            if isinstance(getattr(sub, name, None), bool):
-                setattr(sub, name, train_value if train else not train_value)
-
-
-def _equinox_stateful_layers(module: Any) -> list[str]:
-    """Paths of equinox layers that keep state in an `eqx.nn.State` (BatchNorm, ...)."""
-    import equinox as eqx
-
-    stateful = (eqx.nn.StateIndex,)
-    found = []
-    leaves = jax.tree_util.tree_flatten_with_path(
-        module, is_leaf=lambda node: isinstance(node, stateful + (eqx.nn.BatchNorm,))
-    )[0]
-    for path, leaf in leaves:
-        if isinstance(leaf, eqx.nn.BatchNorm):
-            found.append(f"eqx.nn.BatchNorm at model{jax.tree_util.keystr(path)}")
-        elif isinstance(leaf, stateful):
-            found.append(f"eqx.nn.StateIndex at model{jax.tree_util.keystr(path)}")
-    return found
-
-
-class from_equinox:  # noqa: N801
-    """Adapts an equinox module applied per example (vmapped over the batch axis).
-
-    Variables are `{"params": the module's inexact arrays}`; a module whose `__call__`
-    takes `key` gets a per-example key in training. Training runs the module with
-    `eqx.nn.inference_mode(module, False)` and evaluation with `True`, so Dropout is on only
-    while training. Layers with `eqx.nn.State` (BatchNorm) are refused with an error that
-    names them.
-
-    Example:
-        >>> import equinox as eqx, jax
-        >>> model = from_equinox(eqx.nn.Linear(4, 2, key=jax.random.PRNGKey(0)))
-        >>> model.apply(model.init(None, None), jax.numpy.ones((3, 4))).shape
-        (3, 2)
-    """
-
-    def __init__(self, module: Any, batched: bool = False):
-        import equinox as eqx
-
-        self._eqx = eqx
-        stateful = _equinox_stateful_layers(module)
-        if stateful:
-            raise ValueError(
-                f"model: equinox layers that keep state in an eqx.nn.State are not supported "
-                f"({'; '.join(stateful)}): their state would have to be threaded through "
-                f"every call. Use a stateless normalization (eqx.nn.LayerNorm, "
-                f"eqx.nn.GroupNorm), or write the step yourself with fl.loop(step_fn)"
-            )
-        self.params, self.static = eqx.partition(module, eqx.is_inexact_array)
-        self.batched = batched
-        self.takes_key = _takes(type(module).__call__, "key")
-        dropouts = [
-            path
-            for path, leaf in jax.tree_util.tree_flatten_with_path(
-                module, is_leaf=lambda node: isinstance(node, eqx.nn.Dropout)
-            )[0]
-            if isinstance(leaf, eqx.nn.Dropout)
-        ]
-        if dropouts and not self.takes_key:
-            raise ValueError(
-                f"model: {type(module).__name__} has eqx.nn.Dropout (at model"
-                f"{jax.tree_util.keystr(dropouts[0])}) but its __call__ takes no `key`, so "
-                f"Dropout cannot draw a mask while training. Add `key=None` to __call__ and "
-                f"pass it on to the Dropout layers"
-            )
-
-    def init(self, rng: Any, x: Any) -> Any:
-        """`{"params": a copy of the module's inexact arrays}`.
-
-        Example:
-            >>> import equinox as eqx, jax
-            >>> model = from_equinox(eqx.nn.Linear(4, 2, key=jax.random.PRNGKey(0)))
-            >>> model.init(None, None)["params"].weight.shape
-            (2, 4)
-        """
-        return {"params": jax.tree.map(lambda a: a, self.params)}
-
-    def apply(self, variables: Any, x: Any) -> Any:
-        """The module's output on the batch `x`, in inference mode.
-
-        Example:
-            >>> import equinox as eqx, jax
-            >>> model = from_equinox(eqx.nn.Linear(4, 2, key=jax.random.PRNGKey(0)))
-            >>> model.apply(model.init(None, None), jax.numpy.ones((5, 4))).shape
-            (5, 2)
-        """
-        return self.forward(variables, x, train=False, rng=None)[0]
-
-    def forward(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
-        """`(output, None)`; in training a module taking `key` gets one per example.
-
-        Example:
-            >>> import equinox as eqx, jax
-            >>> model = from_equinox(eqx.nn.Linear(4, 2, key=jax.random.PRNGKey(0)))
-            >>> x = jax.numpy.ones((5, 4))
-            >>> y, state = model.forward(model.init(None, None), x, train=True, rng=None)
-            >>> y.shape, state
-            ((5, 2), None)
-        """
-        module = self._eqx.nn.inference_mode(
-            self._eqx.combine(variables["params"], self.static), value=not train
-        )
-        if self.batched:
-            return module(x), None
-        if train and self.takes_key and rng is not None:
-            keys = jax.random.split(rng, x.shape[0])
-            return jax.vmap(lambda xi, k: module(xi, key=k))(x, keys), None
-        return jax.vmap(module)(x), None
 
 
 def as_model(model: Any) -> ModelAdapter:
@@ -515,7 +246,7 @@ def trained(model: Any, state_or_variables: Any) -> Any:
         params = adapter._rebuild(adapter._templates[0], variables["params"])
         rest = adapter._rebuild(adapter._templates[1], variables["state"])
         module = nnx.merge(adapter.graphdef, params, rest)
-        _set_nnx_mode(module, False)
+        set_nnx_mode(module, False)
         return module
     if isinstance(adapter, from_equinox):
         eqx = adapter._eqx

@@ -14,7 +14,6 @@ From a shell: `fuseloop bench --quick --models mlp-tiny` (a minute), `fuseloop b
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -24,8 +23,9 @@ from typing import Any
 from ._harness import RATIOS, compile_vs_k, cross_check, measure, ratios, targets
 from ._output import machine_info, markdown, write_json, write_plot
 from ._overlap import overlap
+from ._plan import Plan, mlp_plan, zoo_plan
 from ._workload import MODELS, ModelSpec, Workload
-from ._zoo import ZOO, ZooSpec, ZooWorkload, zoo_plan, zoo_summary
+from ._zoo import ZOO, ZooSpec, ZooWorkload, zoo_summary
 
 __all__ = ["main", "run_benchmark", "select_models", "MODELS", "ModelSpec", "ZOO", "ZooSpec"]
 
@@ -34,58 +34,11 @@ COMPILE_KS = (8, 256)
 MAIN_FUSE = 32
 
 
-def _plan(
-    w: Workload | ZooWorkload, sweep_ks: Sequence[int], peers: bool
-) -> list[tuple[str, str, Callable[[], Any]]]:
+def _plan(w: Workload | ZooWorkload, sweep_ks: Sequence[int], peers: bool) -> Plan:
     """(key, label, factory) for every system to time on workload `w`, in table order."""
-    from ._peers import KerasFit, TorchEager
-    from ._systems import Floor, Fuseloop, HostCallback, PlainLoop
-
     if isinstance(w, ZooWorkload):
         return zoo_plan(w, peers, MAIN_FUSE)
-
-    plan: list[tuple[str, str, Callable[[], Any]]] = [
-        (
-            "floor",
-            "floor: jit(lax.scan) over the epoch, data on device",
-            lambda: Floor(w, transfer=False),
-        ),
-        (
-            "floor_transfer",
-            "floor incl. the epoch's one stack + device_put",
-            lambda: Floor(w, transfer=True),
-        ),
-        (f"fl_fuse{MAIN_FUSE}", f"fuseloop fuse={MAIN_FUSE}", lambda: Fuseloop(w, MAIN_FUSE)),
-        (
-            f"fl_fuse{MAIN_FUSE}_resident",
-            f"fuseloop fuse={MAIN_FUSE}, device-resident data",
-            lambda: Fuseloop(w, MAIN_FUSE, resident=True),
-        ),
-        ("fl_fuseauto", "fuseloop fuse='auto'", lambda: Fuseloop(w, "auto")),
-        ("fl_unfused", "fuseloop fuse=False", lambda: Fuseloop(w, False)),
-        ("plain", "plain per-batch jax.jit + optax, float(loss) each step", lambda: PlainLoop(w)),
-    ]
-    if peers:
-        plan += [
-            ("keras_spe1", "Keras 3 fit (JAX), steps_per_execution=1", lambda: KerasFit(w, 1)),
-            ("keras_spe32", "Keras 3 fit (JAX), steps_per_execution=32", lambda: KerasFit(w, 32)),
-            (
-                "torch",
-                "PyTorch eager, loss.item() each step (faster of default/1 thread)",
-                lambda: TorchEager(w),
-            ),
-        ]
-    plan.append(
-        (
-            "io_callback",
-            "rejected design: device loop, io_callback per batch",
-            lambda: HostCallback(w),
-        )
-    )
-    for k in sweep_ks:
-        if k != MAIN_FUSE:
-            plan.append((f"fl_fuse{k}", f"fuseloop fuse={k}", functools.partial(Fuseloop, w, k)))
-    return plan
+    return mlp_plan(w, sweep_ks, peers, MAIN_FUSE)
 
 
 def _sweep(model: str, results: dict[str, Any], ks: Sequence[int]) -> dict[str, Any]:
@@ -196,7 +149,43 @@ def run_benchmark(
         raise ValueError(f"reps={reps!r} must be a positive int")
     specs = _resolve(models)
     began = time.perf_counter()
-    out: dict[str, Any] = {
+    out = _report_frame(reps, quick, batch_size, n_batches)
+    for spec in specs:
+        w = _workload(spec, batch_size, n_batches)
+        log(f"{spec.name} ({w.n_params:,} params)")
+        ks = sweep_ks if spec.name == sweep_model else ()
+        results, epochs = _measure(w, _plan(w, ks, peers), reps, 1 if quick else 2, target_s, log)
+        out["models"][spec.name] = _model_entry(w, results, epochs)
+        if ks:
+            _add_sweep(out, spec.name, w, results, ks, compile_ks, log)
+        if spec.name == overlap_model:
+            log("  slow source: data time vs compute time")
+            out["overlap"] = overlap(w, min(reps, 3), MAIN_FUSE)
+    out["targets"] = targets({name: entry["ratios"] for name, entry in out["models"].items()})
+    out["meta"]["total_s"] = round(time.perf_counter() - began, 1)
+    return out
+
+
+def _measure(
+    w: Workload | ZooWorkload,
+    plan: Plan,
+    reps: int,
+    least: int,
+    target_s: float,
+    log: Callable[[str], None],
+) -> tuple[dict[str, Any], int]:
+    """Times every system of `plan` on `w` and checks they trained alike: the results, and
+    the epochs per sample (at least `least`)."""
+    epochs = _epochs_per_sample(w, target_s, least)
+    log(f"  {epochs} epoch(s) per sample")
+    results, params, references = measure(plan, reps, w.n_batches, epochs, log)
+    cross_check(results, params, references)
+    return results, epochs
+
+
+def _report_frame(reps: int, quick: bool, batch_size: int, n_batches: int) -> dict[str, Any]:
+    """The report's settings and machine, with an empty place for every figure."""
+    return {
         "meta": {
             "reps": reps,
             "quick": quick,
@@ -217,43 +206,43 @@ def run_benchmark(
         "compile_model": None,
         "overlap": None,
     }
-    per_model_ratios = {}
-    for spec in specs:
-        w = _workload(spec, batch_size, n_batches)
-        log(f"{spec.name} ({w.n_params:,} params)")
-        ks = sweep_ks if spec.name == sweep_model else ()
-        epochs = _epochs_per_sample(w, target_s, least=1 if quick else 2)
-        log(f"  {epochs} epoch(s) per sample")
-        results, params, references = measure(_plan(w, ks, peers), reps, n_batches, epochs, log)
-        cross_check(results, params, references)
-        per_model_ratios[spec.name] = ratios(results)
-        main_keys = [
-            key
-            for key in results
-            if not key.startswith("fl_fuse")
-            or key in (f"fl_fuse{MAIN_FUSE}", f"fl_fuse{MAIN_FUSE}_resident", "fl_fuseauto")
-        ]
-        out["models"][spec.name] = {
-            **w.describe(),
-            "epochs_per_sample": epochs,
-            "systems": {key: results[key].to_json() for key in main_keys},
-            "ratios": per_model_ratios[spec.name],
-            "ratios_of_minima": ratios(results, "min_us"),
-        }
-        if isinstance(w, ZooWorkload):
-            out["models"][spec.name]["zoo"] = zoo_summary(results, MAIN_FUSE)
-        if ks:
-            out["sweep"] = _sweep(spec.name, results, ks)
-            out["sweep"]["systems"] = {f"fl_fuse{k}": results[f"fl_fuse{k}"].to_json() for k in ks}
-            log(f"  compile time against K {tuple(compile_ks)}")
-            out["compile_vs_k"] = compile_vs_k(w, tuple(compile_ks))
-            out["compile_model"] = spec.name
-        if spec.name == overlap_model:
-            log("  slow source: data time vs compute time")
-            out["overlap"] = overlap(w, min(reps, 3), MAIN_FUSE)
-    out["targets"] = targets(per_model_ratios)
-    out["meta"]["total_s"] = round(time.perf_counter() - began, 1)
-    return out
+
+
+def _model_entry(w: Workload | ZooWorkload, results: dict[str, Any], epochs: int) -> dict[str, Any]:
+    """One model's figures: the main systems (not the sweep's chunk sizes) and the ratios."""
+    main_keys = [
+        key
+        for key in results
+        if not key.startswith("fl_fuse")
+        or key in (f"fl_fuse{MAIN_FUSE}", f"fl_fuse{MAIN_FUSE}_resident", "fl_fuseauto")
+    ]
+    entry = {
+        **w.describe(),
+        "epochs_per_sample": epochs,
+        "systems": {key: results[key].to_json() for key in main_keys},
+        "ratios": ratios(results),
+        "ratios_of_minima": ratios(results, "min_us"),
+    }
+    if isinstance(w, ZooWorkload):
+        entry["zoo"] = zoo_summary(results, MAIN_FUSE)
+    return entry
+
+
+def _add_sweep(
+    out: dict[str, Any],
+    model: str,
+    w: Workload | ZooWorkload,
+    results: dict[str, Any],
+    ks: Sequence[int],
+    compile_ks: Sequence[int],
+    log: Callable[[str], None],
+) -> None:
+    """The chunk-size sweep's figures on `model`, and its compile time against K."""
+    out["sweep"] = _sweep(model, results, ks)
+    out["sweep"]["systems"] = {f"fl_fuse{k}": results[f"fl_fuse{k}"].to_json() for k in ks}
+    log(f"  compile time against K {tuple(compile_ks)}")
+    out["compile_vs_k"] = compile_vs_k(w, tuple(compile_ks))
+    out["compile_model"] = model
 
 
 def _diagnostics(specs: list[Spec], fuse: Any, batch_size: int, n_batches: int) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import optax
 
 from ._workload import count_params
 
-__all__ = ["ZooSpec", "ZOO", "ZooWorkload", "char_corpus", "zoo_plan", "zoo_summary"]
+__all__ = ["ZooSpec", "ZOO", "ZooWorkload", "char_corpus", "zoo_summary"]
 
 SEQUENCE = 64
 # (distribution, file name) pairs searched for the character corpus, in order.
@@ -220,39 +220,6 @@ class ZooWorkload:
             return keras_cnn(keras)
         build = keras_transformer if self.spec.kind == "transformer" else keras_gru
         return build(keras, self.vocab, SEQUENCE)
-
-
-def zoo_plan(w: ZooWorkload, peers: bool, fuse: int) -> list[tuple[str, str, Callable[[], Any]]]:
-    """(key, label, factory) for every system timed on a zoo model, in table order."""
-    from ._peers import KerasFit
-    from ._systems import Floor, Fuseloop, PlainLoop
-
-    plan: list[tuple[str, str, Callable[[], Any]]] = [
-        (
-            "floor",
-            "floor: jit(lax.scan) over the epoch, data on device",
-            lambda: Floor(w, transfer=False),
-        ),
-        (
-            "floor_transfer",
-            "floor incl. the epoch's one stack + device_put",
-            lambda: Floor(w, transfer=True),
-        ),
-        (f"fl_fuse{fuse}", f"fuseloop fuse={fuse}", lambda: Fuseloop(w, fuse)),
-        (
-            f"fl_fuse{fuse}_resident",
-            f"fuseloop fuse={fuse}, device-resident data",
-            lambda: Fuseloop(w, fuse, resident=True),
-        ),
-        ("fl_unfused", "fuseloop fuse=False", lambda: Fuseloop(w, False)),
-        ("plain", "plain per-batch jax.jit + optax, float(loss) each step", lambda: PlainLoop(w)),
-    ]
-    if peers:
-        plan += [
-            ("keras_spe1", "Keras 3 fit (JAX), steps_per_execution=1", lambda: KerasFit(w, 1)),
-            ("keras_spe32", "Keras 3 fit (JAX), steps_per_execution=32", lambda: KerasFit(w, 32)),
-        ]
-    return plan
 
 
 def zoo_summary(results: dict[str, Any], fuse: int) -> dict[str, Any]:

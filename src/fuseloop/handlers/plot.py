@@ -72,8 +72,22 @@ def plot_history(
         >>> os.path.getsize(path) > 0
         True
     """
-    if isinstance(history, State):
-        history = history.history
+    panels = _panels(history.history if isinstance(history, State) else history, metrics)
+    if not is_main_process():  # side effects happen once, on process 0
+        return Path(path)
+    figure = _figure(panels)
+    if title:
+        figure.suptitle(title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png", dpi=100)
+    return path
+
+
+def _panels(
+    history: Any, metrics: list[str] | None
+) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """The series to plot, one panel per metric; a ValueError says what is wrong."""
     if not isinstance(history, Mapping) or not history:
         raise ValueError(
             "history must be a non-empty mapping epoch -> metrics "
@@ -90,8 +104,11 @@ def plot_history(
         panels = {m: panels[m] for m in metrics}
     if not panels:
         raise ValueError("history holds no scalar metric to plot")
-    if not is_main_process():  # side effects happen once, on process 0
-        return Path(path)
+    return panels
+
+
+def _figure(panels: dict[str, dict[str, list[tuple[int, float]]]]) -> Any:
+    """A matplotlib Figure (on an Agg canvas) with a grid of up to 3 panels a row."""
     figure_cls, canvas_cls = _figure_class()
     columns = min(3, len(panels))
     rows = math.ceil(len(panels) / columns)
@@ -108,9 +125,4 @@ def plot_history(
         axes.grid(True, alpha=0.3)
         axes.xaxis.get_major_locator().set_params(integer=True)
         axes.legend(fontsize="small")
-    if title:
-        figure.suptitle(title)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, format="png", dpi=100)
-    return path
+    return figure

@@ -1,0 +1,121 @@
+"""The equinox adapter: a module applied per example, its inexact arrays as the params.
+
+Re-exported from `fuseloop.models` (as `fl.models.from_equinox`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from ._functions import takes_keyword
+
+__all__ = ["from_equinox"]
+
+
+def _equinox_stateful_layers(module: Any) -> list[str]:
+    """Paths of equinox layers that keep state in an `eqx.nn.State` (BatchNorm, ...)."""
+    import equinox as eqx
+
+    stateful = (eqx.nn.StateIndex,)
+    found = []
+    leaves = jax.tree_util.tree_flatten_with_path(
+        module, is_leaf=lambda node: isinstance(node, stateful + (eqx.nn.BatchNorm,))
+    )[0]
+    for path, leaf in leaves:
+        if isinstance(leaf, eqx.nn.BatchNorm):
+            found.append(f"eqx.nn.BatchNorm at model{jax.tree_util.keystr(path)}")
+        elif isinstance(leaf, stateful):
+            found.append(f"eqx.nn.StateIndex at model{jax.tree_util.keystr(path)}")
+    return found
+
+
+class from_equinox:  # noqa: N801
+    """Adapts an equinox module applied per example (vmapped over the batch axis).
+
+    Variables are `{"params": the module's inexact arrays}`; a module whose `__call__`
+    takes `key` gets a per-example key in training. Training runs the module with
+    `eqx.nn.inference_mode(module, False)` and evaluation with `True`, so Dropout is on only
+    while training. Layers with `eqx.nn.State` (BatchNorm) are refused with an error that
+    names them.
+
+    Example:
+        >>> import equinox as eqx, jax
+        >>> model = from_equinox(eqx.nn.Linear(4, 2, key=jax.random.PRNGKey(0)))
+        >>> model.apply(model.init(None, None), jax.numpy.ones((3, 4))).shape
+        (3, 2)
+    """
+
+    def __init__(self, module: Any, batched: bool = False):
+        import equinox as eqx
+
+        self._eqx = eqx
+        stateful = _equinox_stateful_layers(module)
+        if stateful:
+            raise ValueError(
+                f"model: equinox layers that keep state in an eqx.nn.State are not supported "
+                f"({'; '.join(stateful)}): their state would have to be threaded through "
+                f"every call. Use a stateless normalization (eqx.nn.LayerNorm, "
+                f"eqx.nn.GroupNorm), or write the step yourself with fl.loop(step_fn)"
+            )
+        self.params, self.static = eqx.partition(module, eqx.is_inexact_array)
+        self.batched = batched
+        self.takes_key = takes_keyword(type(module).__call__, "key")
+        dropouts = [
+            path
+            for path, leaf in jax.tree_util.tree_flatten_with_path(
+                module, is_leaf=lambda node: isinstance(node, eqx.nn.Dropout)
+            )[0]
+            if isinstance(leaf, eqx.nn.Dropout)
+        ]
+        if dropouts and not self.takes_key:
+            raise ValueError(
+                f"model: {type(module).__name__} has eqx.nn.Dropout (at model"
+                f"{jax.tree_util.keystr(dropouts[0])}) but its __call__ takes no `key`, so "
+                f"Dropout cannot draw a mask while training. Add `key=None` to __call__ and "
+                f"pass it on to the Dropout layers"
+            )
+
+    def init(self, rng: Any, x: Any) -> Any:
+        """`{"params": a copy of the module's inexact arrays}`.
+
+        Example:
+            >>> import equinox as eqx, jax
+            >>> model = from_equinox(eqx.nn.Linear(4, 2, key=jax.random.PRNGKey(0)))
+            >>> model.init(None, None)["params"].weight.shape
+            (2, 4)
+        """
+        return {"params": jax.tree.map(lambda a: a, self.params)}
+
+    def apply(self, variables: Any, x: Any) -> Any:
+        """The module's output on the batch `x`, in inference mode.
+
+        Example:
+            >>> import equinox as eqx, jax
+            >>> model = from_equinox(eqx.nn.Linear(4, 2, key=jax.random.PRNGKey(0)))
+            >>> model.apply(model.init(None, None), jax.numpy.ones((5, 4))).shape
+            (5, 2)
+        """
+        return self.forward(variables, x, train=False, rng=None)[0]
+
+    def forward(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
+        """`(output, None)`; in training a module taking `key` gets one per example.
+
+        Example:
+            >>> import equinox as eqx, jax
+            >>> model = from_equinox(eqx.nn.Linear(4, 2, key=jax.random.PRNGKey(0)))
+            >>> x = jax.numpy.ones((5, 4))
+            >>> y, state = model.forward(model.init(None, None), x, train=True, rng=None)
+            >>> y.shape, state
+            ((5, 2), None)
+        """
+        module = self._eqx.nn.inference_mode(
+            self._eqx.combine(variables["params"], self.static), value=not train
+        )
+        if self.batched:
+            return module(x), None
+        if train and self.takes_key and rng is not None:
+            keys = jax.random.split(rng, x.shape[0])
+            return jax.vmap(lambda xi, k: module(xi, key=k))(x, keys), None
+        return jax.vmap(module)(x), None

@@ -1,0 +1,80 @@
+"""The adapter for a plain `(init_fn, apply_fn)` pair (or any `.init`/`.apply` object).
+
+Re-exported from `fuseloop.models` (as `fl.models.from_functions`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["from_functions", "takes_keyword"]
+
+
+def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
+    """Whether `fn`'s signature has a parameter called `name` (False when it has none)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class from_functions:  # noqa: N801 - reads as a constructor
+    """Adapts a plain `(init_fn, apply_fn)` pair.
+
+    `init_fn(rng, x) -> params`; `apply_fn(params, x) -> y`. An `apply_fn` with a `train`
+    or `rng` keyword receives them.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> model = from_functions(lambda rng, x: {"w": jnp.ones((x.shape[1], 2))},
+        ...                        lambda p, x: x @ p["w"])
+        >>> variables = model.init(None, jnp.ones((1, 3)))
+        >>> model.apply(variables, jnp.ones((1, 3))).tolist()
+        [[3.0, 3.0]]
+    """
+
+    def __init__(self, init_fn: Callable[..., Any], apply_fn: Callable[..., Any]):
+        self.init_fn, self.apply_fn = init_fn, apply_fn
+        self.takes_train = takes_keyword(apply_fn, "train")
+        self.takes_rng = takes_keyword(apply_fn, "rng")
+
+    def init(self, rng: Any, x: Any) -> Any:
+        """`init_fn(rng, x)`: the initial params.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> model = from_functions(lambda rng, x: {"b": jnp.zeros(2)}, lambda p, x: x + p["b"])
+            >>> model.init(None, jnp.ones((1, 2)))["b"].shape
+            (2,)
+        """
+        return self.init_fn(rng, x)
+
+    def apply(self, variables: Any, x: Any) -> Any:
+        """`apply_fn(variables, x)` in evaluation mode (`train=False` where it is taken).
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> model = from_functions(lambda rng, x: 2.0, lambda p, x, train: x * p + train)
+            >>> model.apply(2.0, jnp.ones(2)).tolist()
+            [2.0, 2.0]
+        """
+        return self.forward(variables, x, train=False, rng=None)[0]
+
+    def forward(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
+        """`(apply_fn(variables, x, ...), None)`, passing `train` and `rng` where taken.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> model = from_functions(lambda rng, x: 2.0, lambda p, x, train: x * p + train)
+            >>> y, state = model.forward(2.0, jnp.ones(2), train=True, rng=None)
+            >>> y.tolist(), state
+            ([3.0, 3.0], None)
+        """
+        kwargs: dict[str, Any] = {}
+        if self.takes_train:
+            kwargs["train"] = train
+        if self.takes_rng:
+            kwargs["rng"] = rng
+        return self.apply_fn(variables, x, **kwargs), None

@@ -1,0 +1,42 @@
+"""Checks of the arguments of the Loop builders and factories: each raises a ValueError
+that names the argument and what it accepts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ._metrics import ACCUMULATORS, METRICS
+
+__all__ = ["known_metrics", "check_accumulate", "check_trainer_options", "check_step_functions"]
+
+
+def known_metrics() -> tuple[str, ...]:
+    """The names of the built-in metrics."""
+    return tuple(METRICS)
+
+
+def check_accumulate(accumulate: str) -> str:
+    """`accumulate` itself, when it names an accumulator."""
+    if accumulate not in ACCUMULATORS:
+        raise ValueError(
+            f"accumulate={accumulate!r} is not an accumulator; accepted values: "
+            f"{', '.join(ACCUMULATORS)}"
+        )
+    return accumulate
+
+
+def check_trainer_options(log: Any, seed: Any) -> None:
+    """`trainer(log=..., seed=...)`: a non-negative int and an int."""
+    if isinstance(log, bool) or not isinstance(log, int) or log < 0:
+        raise ValueError(f"log={log!r} must be a non-negative int (0 disables logging)")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed={seed!r} must be an int")
+
+
+def check_step_functions(step_fn: Any, init_fn: Callable[..., Any] | None) -> None:
+    """`loop(step_fn, init_fn)`: a callable and None or a callable."""
+    if not callable(step_fn):
+        raise ValueError(f"step_fn={step_fn!r} must be callable(batch, step_state)")
+    if init_fn is not None and not callable(init_fn):
+        raise ValueError(f"init_fn={init_fn!r} must be callable(first_batch, init_state)")

@@ -1,0 +1,114 @@
+"""The flax.nnx adapter: the module split into its params and the rest of its state.
+
+Re-exported from `fuseloop.models` (as `fl.models.from_nnx`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from ._linen import TRAIN_FLAGS
+
+__all__ = ["from_nnx", "set_nnx_mode"]
+
+
+class from_nnx:  # noqa: N801
+    """Adapts a flax.nnx module.
+
+    Variables are `{"params": ..., "state": ...}` pure dicts (the Param variables, and
+    everything else: batch statistics, RNG streams).
+
+    Dropout and BatchNorm switch with `module.train()`/`module.eval()`; the module's own
+    RNG streams are part of `"state"`, so they advance with each step and checkpoint.
+    Variables are rebuilt from plain arrays inside each traced call, so nnx never sees a
+    Variable created at another trace level (inside `grad` or the fused loop).
+
+    Example:
+        >>> from flax import nnx
+        >>> model = from_nnx(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+        >>> sorted(model.init(None, None)["params"])
+        ['bias', 'kernel']
+    """
+
+    def __init__(self, module: Any):
+        from flax import nnx
+
+        self._nnx = nnx
+        self.graphdef, params, *others = nnx.split(module, nnx.Param, ...)
+        (rest,) = others  # the two filters, Param and `...`, split the module in two
+        self._templates = (params, rest)
+        self._initial = {"params": nnx.to_pure_dict(params), "state": nnx.to_pure_dict(rest)}
+
+    def init(self, rng: Any, x: Any) -> Any:
+        """A copy of the module's own variables (nnx initialises at construction).
+
+        Example:
+            >>> from flax import nnx
+            >>> model = from_nnx(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+            >>> model.init(None, None)["params"]["kernel"].shape
+            (4, 2)
+        """
+        return jax.tree.map(lambda a: a, self._initial)
+
+    def _rebuild(self, template: Any, pure: Any) -> Any:
+        fresh = jax.tree.map(lambda a: a, template)  # new Variables at this trace level
+        self._nnx.replace_by_pure_dict(fresh, pure)
+        return fresh
+
+    def _run(self, variables: Any, x: Any, train: bool) -> tuple[Any, Any]:
+        nnx = self._nnx
+        params = self._rebuild(self._templates[0], variables["params"])
+        rest = self._rebuild(self._templates[1], variables["state"])
+        module = nnx.merge(self.graphdef, params, rest)
+        set_nnx_mode(module, train)
+        y = module(x)
+        _, _, rest = nnx.split(module, nnx.Param, ...)
+        return y, nnx.to_pure_dict(rest)
+
+    def apply(self, variables: Any, x: Any) -> Any:
+        """The module's output on `x` in `.eval()` mode.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> from flax import nnx
+            >>> model = from_nnx(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+            >>> model.apply(model.init(None, None), jnp.ones((3, 4))).shape
+            (3, 2)
+        """
+        return self._run(variables, x, train=False)[0]
+
+    def forward(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
+        """The output and, in training, the module's updated non-Param state.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> from flax import nnx
+            >>> model = from_nnx(nnx.BatchNorm(2, rngs=nnx.Rngs(0)))
+            >>> variables = model.init(None, None)
+            >>> y, new = model.forward(variables, jnp.ones((3, 2)), train=True, rng=None)
+            >>> new["state"]["mean"].shape
+            (2,)
+        """
+        y, rest = self._run(variables, x, train)
+        return y, ({"state": rest} if train else None)
+
+
+def set_nnx_mode(module: Any, train: bool) -> None:
+    """Sets an nnx module to training or evaluation mode.
+
+    First nnx's own switch (`.train()`/`.eval()`: Dropout's `deterministic`, BatchNorm's
+    `use_running_average`), then any of the recognised flag attributes a user's module
+    keeps as a plain bool (e.g. `self.training`).
+    """
+    from flax import nnx
+
+    if hasattr(module, "train") and hasattr(module, "eval"):
+        module.train() if train else module.eval()
+    for _, sub in nnx.iter_graph(module):
+        if not isinstance(sub, nnx.Module):
+            continue
+        for name, train_value in TRAIN_FLAGS.items():
+            if isinstance(getattr(sub, name, None), bool):
+                setattr(sub, name, train_value if train else not train_value)
