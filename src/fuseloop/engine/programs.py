@@ -39,7 +39,8 @@ class ProgramCache:
         resident: Resident chunk programs by `(slots, live, sharding, data signature)`.
         epoch_order: Resident epoch-order programs by the source's seed, size, batch size,
             shuffle and drop_remainder.
-        first_batch: Resident first-batch programs, keyed as `epoch_order`.
+        first_batch: Resident first-batch programs, keyed as `epoch_order` and by the
+            batch's sharding.
         fresh_tail: Builds zeroed metric accumulators.
         init: The trainer's jitted initialization by first-batch signature.
         verdicts: Model-fit checks already passed, by the shapes checked (`_checks.Checker`).
@@ -165,9 +166,13 @@ class Programs:
             self.cache.epoch_order[key] = jax.jit(next_epoch)
         return self.cache.epoch_order[key]
 
-    def first_batch(self, source: Any) -> Any:
-        """`(data, epoch) -> batch`: the first batch of an epoch of a resident source."""
-        key = _source_key(source)
+    def first_batch(self, source: Any, replicated: Any = None) -> Any:
+        """`(data, epoch) -> batch`: the first batch of an epoch of a resident source.
+
+        `replicated` (over a mesh, where the dataset is split over the devices) is the
+        batch's sharding: whole on every device, so every process can read it.
+        """
+        key = (_source_key(source), replicated)
         if key not in self.cache.first_batch:
 
             def first(data: Any, epoch: Any) -> Any:
@@ -176,7 +181,8 @@ class Programs:
                     rows = rows[: source.n]
                 return jax.tree.map(lambda leaf: leaf[rows], data)
 
-            self.cache.first_batch[key] = jax.jit(first)
+            placed = {} if replicated is None else {"out_shardings": replicated}
+            self.cache.first_batch[key] = jax.jit(first, **placed)
         return self.cache.first_batch[key]
 
     def pack(self, carry: Any) -> Any:
