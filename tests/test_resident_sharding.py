@@ -21,7 +21,7 @@ import pytest
 SCRIPT = textwrap.dedent(
     """
     import json
-    import jax, numpy as np
+    import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import fuseloop as fl
     import fuseloop._placement as placement
@@ -87,6 +87,14 @@ SCRIPT = textwrap.dedent(
                     NamedSharding(mesh, P())))] + [replicated.transfers_done]
         finally:
             placement.Placement.dataset = sharded
+    # Gathering from rows split over devices sums zeros from the devices that do not hold
+    # a row; the gather keeps every bit anyway (-0.0 stays -0.0).
+    signed = np.where(np.arange(64)[:, None] % 3 == 0, -0.0, 1.0).astype(np.float32) * np.ones(3)
+    counter = fl.loop(lambda batch, state: {"neg": state["neg"] + jnp.signbit(batch[0]).sum()})
+    for fuse in (4, False):
+        signs = fl.data.arrays(signed, y[:64], 8, seed=2, device=True)
+        counted = counter.run(signs, {"neg": np.int32(0)}, fuse=fuse, mesh=mesh)
+        out[f"signs-{fuse}"] = [int(counted.step_state["neg"]), int(np.signbit(signed).sum())]
     print("RESULT " + json.dumps(out))
     """
 )
@@ -149,3 +157,9 @@ def test_whole_run_fusion_on_the_sharded_dataset_is_bitwise(findings):
 def test_a_second_run_reuses_the_placed_dataset_and_its_programs(findings, key):
     again = findings[key]
     assert again["compiles"] == 0 and again["h2d"] == 0
+
+
+@pytest.mark.parametrize("fuse", [4, False])
+def test_the_gather_keeps_the_sign_of_zero(findings, fuse):
+    counted, expected = findings[f"signs-{fuse}"]
+    assert counted == expected > 0

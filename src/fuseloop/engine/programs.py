@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .._fusion import make_chunk_fn
+from .._shards import take_rows
 from .._step import init_tail, make_carry_step
 from .population import masked_step, member_carry_step, member_chunk, population_tail
 
@@ -179,7 +180,9 @@ class Programs:
                 rows = _epoch_order(source, epoch)[0]
                 if source.n < source.batch_size:  # the only batch is short
                     rows = rows[: source.n]
-                return jax.tree.map(lambda leaf: leaf[rows], data)
+                if replicated is None:
+                    return jax.tree.map(lambda leaf: leaf[rows], data)
+                return jax.tree.map(lambda leaf: take_rows(leaf, rows), data)
 
             placed = {} if replicated is None else {"out_shardings": replicated}
             self.cache.first_batch[key] = jax.jit(first, **placed)
@@ -242,8 +245,10 @@ def _resident_program(
         batches = order[jnp.minimum(cursor + jnp.arange(slots), order.shape[0] - 1)]
         if rows is not None:
             batches = batches[:, :rows]
-        chunk = jax.tree.map(lambda leaf: leaf[batches], data)
-        if sharding is not None:
+        if sharding is None:
+            chunk = jax.tree.map(lambda leaf: leaf[batches], data)
+        else:  # the dataset's rows are split over the mesh: a bit-exact gather
+            chunk = jax.tree.map(lambda leaf: take_rows(leaf, batches), data)
             chunk = jax.lax.with_sharding_constraint(chunk, sharding)
         n_valid = jnp.minimum(live, limit - cursor)
         state, tail, records, n_run = body(state, tail, chunk, n_valid)
