@@ -133,7 +133,8 @@ def test_mesh_run_matches_a_single_device_run(findings, kind, fuse):
 
 @pytest.mark.parametrize("fuse", [False, 4])
 def test_device_resident_data_on_a_mesh_matches_a_single_device_run(findings, fuse):
-    """The dataset is replicated and each gathered chunk sharded along its batch axis."""
+    """The dataset is split over the devices and each gathered chunk sharded along its batch
+    axis (tests/test_resident_sharding.py checks the storage)."""
     result = findings[f"resident-{fuse}"]
     assert "error" not in result, result.get("error")
     _assert_matches(result)

@@ -61,6 +61,22 @@ _COMMON = textwrap.dedent("""
                         and hasattr(fuseloop.data, "local_indices"))
 
 
+    # Device-resident data: each process stores only its devices' rows and the gather runs
+    # inside the program (docs/distributed.md); 62 rows end with a short batch of 14, 61
+    # rows pad to 62 (31 a process). Validation data is resident too.
+    val_resident = fl.data.arrays(x[64:], y[64:], 16, shuffle=False, device=True)
+    resident_trainer = (
+        fl.trainer(model, "sparse_categorical_cross_entropy", "adam").metric("accuracy")
+        .validate(model, val_resident).early_stop("validation_loss", patience=1, min_delta=0.05))
+    RESIDENT_CASES = {"resident_short": (62, False, 2), "resident_padded": (61, True, False),
+                      "resident_whole_run": (61, True, "run")}
+
+
+    def resident_source(n, drop_remainder):
+        return fl.data.arrays(x[:n], y[:n], 16, shuffle=True, seed=5,
+                              drop_remainder=drop_remainder, device=True)
+
+
     def params(state):
         return [np.asarray(leaf).tolist() for leaf in jax.tree.leaves(state.params)]
 """)
@@ -119,6 +135,19 @@ _UNITS = textwrap.dedent("""
         result[name] = {"params": params(trained), "resumed": params(resumed),
                         "history": {str(k): v for k, v in trained.history.items()},
                         "status": trained.status, "epoch": trained.epoch}
+    for name, (n, drop_remainder, fuse) in RESIDENT_CASES.items():
+        data = resident_source(n, drop_remainder)
+        trained = resident_trainer.run(data, epochs=3, fuse=fuse, mesh=mesh)
+        held = {}
+        for what, source in [("train", data), ("validation", val_resident)]:
+            leaf = jax.tree.leaves(source.put(batch))[0]  # placed by the run: no new move
+            held[what] = {"shape": list(leaf.shape), "sharded": leaf.sharding == batch,
+                          "transfers": source.transfers_done,
+                          "rows": sorted([s.index[0].start, s.index[0].stop]
+                                         for s in leaf.addressable_shards)}
+        result[name] = {"params": params(trained), "status": trained.status,
+                        "history": {str(k): v for k, v in trained.history.items()},
+                        "held": held}
     if ENGINE_ASSEMBLES:  # no mesh given: the processes still form one global mesh
         result["auto_mesh"] = params(trainer.run(train, epochs=3, fuse=2))
     with open(os.path.join(out, f"result_{dist.process_index()}.json"), "w") as handle:
@@ -217,6 +246,47 @@ def reference(tmp_path_factory):
     """The same training in this single process, on one device."""
     common = _common(tmp_path_factory.mktemp("reference"))
     return common["trainer"].run(common["train"], epochs=3, fuse=2)
+
+
+@pytest.fixture(scope="module")
+def resident_reference(tmp_path_factory):
+    """The device-resident runs in this single process, on one device."""
+    common = _common(tmp_path_factory.mktemp("resident"))
+    out = {}
+    for name, (n, drop_remainder, fuse) in common["RESIDENT_CASES"].items():
+        data = common["resident_source"](n, drop_remainder)
+        out[name] = common["resident_trainer"].run(data, epochs=3, fuse=fuse)
+    return out
+
+
+@pytest.mark.parametrize("name", ["resident_short", "resident_padded", "resident_whole_run"])
+def test_each_process_holds_only_its_rows_of_resident_data(two_processes, name):
+    _, seen = two_processes
+    train_rows = {"resident_short": 62, "resident_padded": 62, "resident_whole_run": 62}[name]
+    for index, s in enumerate(seen):
+        held = s[name]["held"]
+        assert held["train"]["sharded"] and held["validation"]["sharded"]
+        assert held["train"]["shape"] == [train_rows, 4]  # 61 rows are padded to 62
+        half = train_rows // 2
+        assert held["train"]["rows"] == [[index * half, (index + 1) * half]]
+        assert held["validation"]["rows"] == [[index * 16, (index + 1) * 16]]
+        assert held["train"]["transfers"] == 1
+
+
+@pytest.mark.parametrize("name", ["resident_short", "resident_padded", "resident_whole_run"])
+def test_two_processes_on_resident_data_train_like_one(two_processes, resident_reference, name):
+    _, seen = two_processes
+    first, second = (s[name] for s in seen)
+    reference = resident_reference[name]
+    assert first["params"] == second["params"] and first["history"] == second["history"]
+    assert first["status"] == second["status"] == reference.status
+    assert sorted(int(e) for e in first["history"]) == sorted(reference.history)
+    # One device sums the batch's gradients in another order than two: within rounding.
+    for mine, theirs in zip(first["params"], jax.tree.leaves(reference.params), strict=True):
+        np.testing.assert_allclose(np.asarray(mine), np.asarray(theirs), rtol=1e-5, atol=1e-6)
+    for epoch, metrics in reference.history.items():
+        for key, value in metrics.items():
+            assert first["history"][str(epoch)][key] == pytest.approx(value, rel=1e-5)
 
 
 @pytest.mark.parametrize("name", ["fused", "local_share", "resident"])

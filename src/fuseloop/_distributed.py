@@ -5,11 +5,11 @@
 `initialize_from_environment()`, so the script needs no set-up of its own and runs unchanged
 as `python script.py` (one process, where every function here is a cheap no-op).
 
-Each process feeds only its share of every global batch (`local_rows`), and
-`assemble_global` builds the global batch (or chunk of batches) from the shares with the
-mesh's batch sharding. Computation on global arrays is SPMD: every process sees the same
-loss and metrics. Side effects run on process 0 (`main_process_only`) unless a handler asks
-for all processes (`all_processes`). See docs/distributed.md.
+Each process feeds only its share of every global batch; which rows those are, and how the
+global arrays are built from the shares, is `_shards.py` (re-exported here). Computation
+on global arrays is SPMD: every process sees the same loss and metrics. Side effects run
+on process 0 (`main_process_only`) unless a handler asks for all processes
+(`all_processes`). See docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._shards import assemble_global, local_indices, local_rows, place_rows, process_block
+
 __all__ = [
     "ENV_COORDINATOR",
     "ENV_COUNT",
@@ -39,6 +41,7 @@ __all__ = [
     "local_indices",
     "local_rows",
     "main_process_only",
+    "place_rows",
     "process_block",
     "process_count",
     "process_index",
@@ -146,125 +149,6 @@ def sync(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
-
-
-# ----------------------------------------------------------------- per-process input
-def local_rows(
-    sharding: jax.sharding.Sharding, global_batch_size: int, batch_axis: int = 0
-) -> slice:
-    """The rows of every global batch this process feeds, under `sharding`.
-
-    They are the rows the sharding places on this process's devices; they must be
-    contiguous (a mesh built from `jax.devices()` in order gives that).
-
-    Example:
-        >>> mesh = jax.make_mesh((1,), ("data",))
-        >>> sharding = jax.NamedSharding(mesh, jax.P("data"))
-        >>> local_rows(sharding, 8)
-        slice(0, 8, None)
-    """
-    shape = [1] * (batch_axis + 1)
-    shape[batch_axis] = global_batch_size
-    starts, stops = [], []
-    device: jax.Device  # (this jaxlib has no stub for the devices the map holds)
-    for device, index in sharding.devices_indices_map(tuple(shape)).items():
-        if device.process_index != jax.process_index():
-            continue
-        rows = index[batch_axis]
-        starts.append(rows.start or 0)
-        stops.append(global_batch_size if rows.stop is None else rows.stop)
-    if not starts:
-        raise ValueError(
-            "sharding places no part of the batch on this process's devices; "
-            "build the mesh from jax.devices() (all processes' devices)"
-        )
-    first, last = min(starts), max(stops)
-    covered: set[int] = set()
-    for start, stop in zip(starts, stops, strict=True):
-        covered.update(range(start, stop))
-    if covered != set(range(first, last)):
-        raise ValueError(
-            "this process's devices hold non-contiguous rows of the batch; order the mesh's "
-            "devices by process (jax.make_mesh or jax.devices() order do)"
-        )
-    return slice(first, last)
-
-
-def process_block(global_batch_size: int) -> slice:
-    """This process's contiguous share of a global batch: rows [p*B/P, (p+1)*B/P).
-
-    It is what `local_rows` gives for a "data" mesh built from `jax.devices()` (devices
-    are ordered by process), and what a data source uses when it does not know the mesh.
-
-    Example:
-        >>> process_block(8)
-        slice(0, 8, None)
-    """
-    count = jax.process_count()
-    if global_batch_size % count:
-        raise ValueError(
-            f"batch_size={global_batch_size} does not divide over {count} processes; each "
-            f"process feeds an equal share of every global batch, so use a multiple of "
-            f"{count}"
-        )
-    share = global_batch_size // count
-    return slice(jax.process_index() * share, (jax.process_index() + 1) * share)
-
-
-def local_indices(
-    global_indices: np.ndarray, batch_size: int, sharding: jax.sharding.Sharding | None = None
-) -> np.ndarray:
-    """This process's part of the example indices of one global batch.
-
-    `fl.data.arrays` given the full arrays calls this for each batch, so every process
-    keeps the global order a single process would use and feeds only its own rows (those
-    `sharding` places on its devices, or `process_block` without a sharding).
-
-    Example:
-        >>> local_indices(np.arange(8), 8)
-        array([0, 1, 2, 3, 4, 5, 6, 7])
-    """
-    if jax.process_count() == 1:
-        return global_indices
-    if len(global_indices) != batch_size:
-        raise ValueError(
-            f"a last batch of {len(global_indices)} examples cannot be split across "
-            f"{jax.process_count()} processes like batch_size={batch_size}; pass "
-            f"drop_remainder=True"
-        )
-    rows = process_block(batch_size) if sharding is None else local_rows(sharding, batch_size)
-    return global_indices[rows]
-
-
-def assemble_global(local_tree: Any, sharding: jax.sharding.Sharding) -> Any:
-    """The global arrays whose rows on this process are `local_tree`'s leaves.
-
-    `sharding` is the mesh's batch sharding (a `NamedSharding` over the batch axis; for a
-    chunk of K batches, over axis 1). Every process calls it with its own rows, in the same
-    order. With one process it is `jax.device_put(local_tree, sharding)`.
-
-    Example:
-        >>> mesh = jax.make_mesh((1,), ("data",))
-        >>> sharding = jax.NamedSharding(mesh, jax.P("data"))
-        >>> assemble_global({"x": np.ones((4, 2))}, sharding)["x"].shape
-        (4, 2)
-    """
-    if jax.process_count() == 1:
-        return jax.device_put(local_tree, sharding)
-    return jax.tree.map(lambda leaf: _assemble_leaf(leaf, sharding), local_tree)
-
-
-def _assemble_leaf(leaf: Any, sharding: jax.sharding.Sharding) -> jax.Array:
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-        # Already global (a source that assembled its own batches): used as it is.
-        if leaf.sharding != sharding:
-            raise ValueError(
-                f"a global array with sharding {leaf.sharding} was given where the mesh's "
-                f"batch sharding {sharding} is expected; yield process-local numpy arrays "
-                f"(fuseloop assembles them) or arrays with this sharding"
-            )
-        return leaf
-    return jax.make_array_from_process_local_data(sharding, np.asarray(leaf))
 
 
 # ----------------------------------------------------------------- agreement

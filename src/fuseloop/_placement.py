@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ._distributed import assemble_global
+from ._shards import assemble_global
 
 __all__ = ["Placement", "device_dtype", "device_signature"]
 
@@ -65,6 +65,14 @@ class Placement:
     def replicated(self) -> Any:
         """The sharding of data every device holds whole (None on one device)."""
         return self._state
+
+    @property
+    def dataset(self) -> Any:
+        """Where a device-resident dataset lives: over a mesh, split along its example axis
+        like a batch (each device holds its block of rows, each process only its devices'
+        rows; `_shards.place_rows`); None on one device.
+        """
+        return self._batch
 
     def chunk_sharding(self, batch_size: int) -> Any:
         """The sharding of a stacked chunk over the mesh (None on one device), after

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._distributed import local_indices
+from ._shards import local_indices, place_rows
 
 __all__ = ["arrays", "ArraySource"]
 
@@ -259,7 +259,10 @@ class ArraySource:
         """Moves the dataset to the device (or `sharding`) the first time; then reuses it.
 
         Each actual move adds one to `transfers_done`; calling again with the same
-        `sharding` moves nothing.
+        `sharding` moves nothing. A `sharding` that splits the example axis over several
+        devices stores each device's block of rows only (padded with zero rows to a
+        multiple of the shard count; see `_shards.place_rows`), each process moving only
+        its own devices' rows.
 
         Example:
             >>> import numpy as np
@@ -274,7 +277,7 @@ class ArraySource:
                 "device=True) to keep the dataset on the device"
             )
         if self._device_arrays is None or self._device_arrays[0] != sharding:
-            placed: tuple[Any, Any] = jax.device_put((self.x, self.y), sharding)
+            placed: tuple[Any, Any] = place_rows((self.x, self.y), sharding)
             self._device_arrays = (sharding, placed)
             self.transfers_done += 1
         return self._device_arrays[1]

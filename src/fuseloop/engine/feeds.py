@@ -13,7 +13,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from .._fusion import FusionError, stack_chunk
 from .prefetch import ChunkProducer
@@ -171,8 +173,9 @@ class ResidentFeed:
         self.source, self.programs = source, programs
         self.size, self.live = (1 if size is None else size), size is None
         self.ahead = not self.live
-        # Over a mesh the dataset is replicated and each gathered chunk is sharded along
-        # its batch axis, as a host-fed chunk would be.
+        # Over a mesh the dataset is split along its example axis and each gathered chunk
+        # is sharded along its batch axis, as a host-fed chunk would be; the gather inside
+        # the program fetches rows held by other devices (XLA adds the collectives).
         self.sharding = placement.chunk_sharding(source.batch_size)
         self.whole = source.n // source.batch_size
         self.short = None if self.whole == source.num_batches else source.n % source.batch_size
@@ -229,11 +232,12 @@ class ResidentFeed:
 
 
 def place_dataset(source: Any, placement: Any, stats: dict[str, Any]) -> Any:
-    """A resident source's arrays on the device (replicated over a mesh); the one move is
-    counted as a transfer, and later runs of the same source reuse it.
+    """A resident source's arrays on the device (over a mesh, each device holds its block of
+    the examples: `Placement.dataset`); the one move is counted as a transfer, and later
+    runs of the same source reuse it.
     """
     before = source.transfers_done
-    data = source.put(placement.replicated)
+    data = source.put(placement.dataset)
     stats["h2d_transfers"] += source.transfers_done - before
     return data
 
@@ -243,5 +247,9 @@ def first_resident_batch(programs: Any, source: Any, data: Any, epoch: Any, read
     rows the host source serves first) and read back: it shapes the initialization and the
     checks.
     """
+    sharding = jax.tree.leaves(data)[0].sharding
+    replicated = None
+    if isinstance(sharding, NamedSharding):  # over a mesh: read it whole on every process
+        replicated = NamedSharding(sharding.mesh, PartitionSpec())
     # Host read: the run's first batch, once per run.
-    return reads.get(programs.first_batch(source)(data, epoch))
+    return reads.get(programs.first_batch(source, replicated)(data, epoch))

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .._fusion import make_chunk_fn
+from .._shards import take_rows
 from .._step import init_tail, make_carry_step
 from .population import masked_step, member_carry_step, member_chunk, population_tail
 
@@ -39,7 +40,8 @@ class ProgramCache:
         resident: Resident chunk programs by `(slots, live, sharding, data signature)`.
         epoch_order: Resident epoch-order programs by the source's seed, size, batch size,
             shuffle and drop_remainder.
-        first_batch: Resident first-batch programs, keyed as `epoch_order`.
+        first_batch: Resident first-batch programs, keyed as `epoch_order` and by the
+            batch's sharding.
         fresh_tail: Builds zeroed metric accumulators.
         init: The trainer's jitted initialization by first-batch signature.
         verdicts: Model-fit checks already passed, by the shapes checked (`_checks.Checker`).
@@ -165,18 +167,25 @@ class Programs:
             self.cache.epoch_order[key] = jax.jit(next_epoch)
         return self.cache.epoch_order[key]
 
-    def first_batch(self, source: Any) -> Any:
-        """`(data, epoch) -> batch`: the first batch of an epoch of a resident source."""
-        key = _source_key(source)
+    def first_batch(self, source: Any, replicated: Any = None) -> Any:
+        """`(data, epoch) -> batch`: the first batch of an epoch of a resident source.
+
+        `replicated` (over a mesh, where the dataset is split over the devices) is the
+        batch's sharding: whole on every device, so every process can read it.
+        """
+        key = (_source_key(source), replicated)
         if key not in self.cache.first_batch:
 
             def first(data: Any, epoch: Any) -> Any:
                 rows = _epoch_order(source, epoch)[0]
                 if source.n < source.batch_size:  # the only batch is short
                     rows = rows[: source.n]
-                return jax.tree.map(lambda leaf: leaf[rows], data)
+                if replicated is None:
+                    return jax.tree.map(lambda leaf: leaf[rows], data)
+                return jax.tree.map(lambda leaf: take_rows(leaf, rows), data)
 
-            self.cache.first_batch[key] = jax.jit(first)
+            placed = {} if replicated is None else {"out_shardings": replicated}
+            self.cache.first_batch[key] = jax.jit(first, **placed)
         return self.cache.first_batch[key]
 
     def pack(self, carry: Any) -> Any:
@@ -236,8 +245,10 @@ def _resident_program(
         batches = order[jnp.minimum(cursor + jnp.arange(slots), order.shape[0] - 1)]
         if rows is not None:
             batches = batches[:, :rows]
-        chunk = jax.tree.map(lambda leaf: leaf[batches], data)
-        if sharding is not None:
+        if sharding is None:
+            chunk = jax.tree.map(lambda leaf: leaf[batches], data)
+        else:  # the dataset's rows are split over the mesh: a bit-exact gather
+            chunk = jax.tree.map(lambda leaf: take_rows(leaf, batches), data)
             chunk = jax.lax.with_sharding_constraint(chunk, sharding)
         n_valid = jnp.minimum(live, limit - cursor)
         state, tail, records, n_run = body(state, tail, chunk, n_valid)
