@@ -18,6 +18,7 @@ import numpy as np
 from .._metrics import read_metric
 from .._placement import device_signature
 from .._step import init_tail, trainer_program
+from .population_acc import PackedAcc, pack, packed_like
 from .population_args import RECORD_KEY, Population, resolve_population
 
 __all__ = [
@@ -58,7 +59,11 @@ def member_carry_step(carry_step: Any) -> Any:
 
     def one(state: Any, tail: dict[str, Any], batch: Any) -> tuple[Any, dict[str, Any]]:
         inner = {k: v for k, v in tail.items() if k != "active"}
+        packed = inner["acc"]
+        if isinstance(packed, PackedAcc):  # the metrics see their own accumulators
+            inner["acc"] = packed.unpack()
         new_state, new_inner = carry_step(state, inner, batch)
+        new_inner["acc"] = packed_like(new_inner["acc"], packed)
         return new_state, {**new_inner, "active": tail["active"]}
 
     return jax.vmap(one, in_axes=(0, 0, None))
@@ -108,8 +113,10 @@ def _restore_inactive(state: Any, tail: Any, new_state: Any, new_tail: Any) -> t
 
 
 def population_tail(metrics: Any, guard: bool, size: int) -> Any:
-    """Zeroed accumulators for every member, all members active."""
+    """Zeroed accumulators for every member (packed: population_acc.py), all members
+    active."""
     tail = init_tail(metrics, guard)
+    tail["acc"] = pack(tail["acc"])
     tail = jax.tree.map(lambda a: jnp.broadcast_to(a, (size,) + a.shape), tail)
     return {**tail, "active": jnp.ones((size,), jnp.bool_)}
 
