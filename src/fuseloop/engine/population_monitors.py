@@ -131,7 +131,8 @@ def early_stop_members(stopper: Any, state: Any) -> tuple[Status, Any]:
 
 def _keep_best(stopper: Any, state: Any, improved: np.ndarray, lists: dict[str, list]) -> Any:
     size = improved.shape[0]
-    if stopper._members is None:  # resumed: the best epochs so far ran in an earlier run
+    if stopper._members is None or len(stopper._members.keys) != size:
+        # Resumed (the best epochs so far ran in an earlier run), or another population.
         stopper._members = MemberBest([None] * size)
     if improved.any() and state.step_state is not None:
         keys = [(lists["best_epoch"][i], lists["best"][i]) for i in range(size)]
@@ -156,7 +157,7 @@ def _restore(stopper: Any, state: Any, members: np.ndarray) -> Any:
     ran in an earlier run).
     """
     best: MemberBest | None = stopper._members
-    if best is None or not members.any() or state.step_state is None:
+    if best is None or len(best.keys) != members.shape[0] or state.step_state is None:
         return state
     record = state.handler_metadata.get(stopper.monitor.key) or {}
     take = np.zeros(members.shape, bool)
