@@ -157,3 +157,19 @@ def test_checkpoint_on_best_asynchronous(tmp_path):
     for i in range(2):
         assert len(list_checkpoints(tmp_path / f"member_{i}")) == 1
         assert fl.load_state(tmp_path / f"member_{i}").epoch == 1
+
+
+def test_reduce_lr_cooldown_and_floor_per_member():
+    def reducing(loop):
+        return loop.reduce_lr_on_plateau(
+            "loss", factor=0.5, patience=1, min_delta=0.05, cooldown=1, min_lr=0.2
+        )
+
+    rates = [0.3, 1.0]  # measured: member 0 is at the floor 0.2 from epoch 2, member 1 halves
+    pop = reducing(_trainer()).run(_data(), epochs=6, fuse=4, population={"learning_rate": rates})
+    for i, rate in enumerate(rates):
+        solo = _solo(rate, i, reducing, epochs=6, fuse=4)
+        assert [h["learning_rate"] for h in pop.member(i).history.values()] == [
+            h["learning_rate"] for h in solo.history.values()
+        ]
+    assert min(pop.history[5]["learning_rate"]) >= np.float32(0.2)
