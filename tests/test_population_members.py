@@ -218,9 +218,14 @@ def test_checkpoint_handler_saves_the_population(tmp_path):
     assert np.array_equal(loaded.history[1]["loss"], pop.history[1]["loss"])
 
 
-def test_single_value_monitors_refuse_a_population():
+def test_monitors_need_one_value_per_member():
     data = _data()
-    with pytest.raises(ValueError, match="restore_best"):
-        _trainer().early_stop("loss", restore_best=True).run(data, population=2)
-    with pytest.raises(ValueError, match="not a scalar"):
-        _trainer().reduce_lr_on_plateau("loss").run(data, population=2)
+
+    def scalar(state):
+        return "continue", state.replace(metrics={**state.metrics, "total": 1.0})
+
+    loop = _trainer().handle_event("epoch_completed", scalar).early_stop("total")
+    with pytest.raises(ValueError, match=r"'total' holds \(1,\) values; a population"):
+        loop.run(data, population=2)
+    with pytest.raises(ValueError, match="is not among this epoch's metrics"):
+        _trainer().reduce_lr_on_plateau("nope").run(data, population=2)

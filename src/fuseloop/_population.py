@@ -9,7 +9,6 @@ entry per member.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -131,49 +130,3 @@ def per_member(state: State, key: str) -> State:
         return state
     record["per_member"] = keys + [key]
     return state.replace(handler_metadata={**state.handler_metadata, POPULATION_KEY: record})
-
-
-def early_stop_members(
-    monitor: Any, state: State, restore_best: bool
-) -> tuple[Any, State]:  # (a handler status, the State)
-    """`early_stop` on a population: each running member's decision, as its solo run
-    makes it (a `handlers.monitor.Monitor`), on its entry of the (N,) metric. A member that
-    stops halts at this epoch; the loop halts when every member has.
-    """
-    if restore_best:
-        raise ValueError(
-            "early_stop(restore_best=True) is not supported with a population yet; use "
-            "restore_best=False, or checkpoint(criteria=...) each member"
-        )
-    record = population_record(state)
-    size = int(record["size"])
-    if monitor.monitor not in state.metrics:
-        monitor.value(state)  # raises the ValueError naming the metrics there are
-    values = np.asarray(state.metrics[monitor.monitor], np.float64).reshape(-1)
-    if values.shape != (size,):
-        raise ValueError(
-            f"early_stop: monitor={monitor.monitor!r} holds {values.shape} values; a "
-            f"population needs one per member ({size})"
-        )
-    saved = state.handler_metadata.get(monitor.key)
-    fresh: dict[str, list[Any]] = {
-        "best": [None] * size,
-        "best_epoch": [None] * size,
-        "wait": [0] * size,
-    }
-    lists: dict[str, list[Any]] = {k: list(v) for k, v in (saved or fresh).items()}
-    lists.setdefault("stopped_epoch", [None] * size)
-    stop = np.zeros(size, bool)
-    for i in np.flatnonzero(~np.asarray(record["halted"], bool)):
-        mine = {"best": lists["best"][i], "best_epoch": lists["best_epoch"][i]}
-        mine["wait"] = lists["wait"][i]
-        mine, _ = monitor.update(mine, float(values[i]), state.epoch)
-        for key in ("best", "best_epoch", "wait"):
-            lists[key][i] = mine[key]
-        stop[i] = not math.isfinite(values[i]) or 0 < mine["wait"] >= monitor.patience
-        if stop[i]:
-            lists["stopped_epoch"][i] = state.epoch
-    state = state.replace(handler_metadata={**state.handler_metadata, monitor.key: lists})
-    state = halt_members(per_member(state, monitor.key), stop, state.epoch)
-    every = all(population_record(state)["halted"])
-    return ("halt_loop" if every else "continue"), state

@@ -22,6 +22,7 @@ from .._checkpoint import is_save, save_args
 from .._checkpoint_paths import TRASH, EpochNames, HiddenTemporaryPath, checkpoint_dirs
 from .._state import State
 from .._types import Status
+from ..engine.population_monitors import checkpoint_members
 from .monitor import Monitor
 
 __all__ = ["Checkpointer", "list_checkpoints"]
@@ -56,6 +57,8 @@ class Checkpointer:
     Args:
         path: The directory that holds the checkpoints (created if needed).
         criteria: None (save at every firing) or a metric name: save only when it improves.
+            On a population, each member that improves is saved alone (`state.member(i)`)
+            under `<path>/member_<i>/`, as its solo run would save it under `<path>`.
         mode: "min" or "max" for `criteria`.
         keep: None (keep all) or the number of newest checkpoints to keep.
         asynchronous: Write in the background, so training does not wait on the disk (the
@@ -96,6 +99,7 @@ class Checkpointer:
         self._manager: Any = None
         self._names = EpochNames()
         self._last_saved: tuple[int, int] | None = None
+        self.members: dict[int, Checkpointer] = {}  # a population's per-member best saves
 
     def __call__(self, state: State) -> tuple[Status, State] | None:
         """Saves `state` when it is due (every `every` epochs, or on a new best)."""
@@ -106,6 +110,8 @@ class Checkpointer:
                 "or run with fuse=False"
             )
         changed = None
+        if self.monitor is not None and state.population is not None:
+            return checkpoint_members(self, state)  # each member's own best, saved alone
         if self.monitor is not None:
             value = self.monitor.value(state)
             record, improved = self.monitor.update(self.monitor.record(state), value, state.epoch)
@@ -133,6 +139,8 @@ class Checkpointer:
 
     def finish(self, state: State | None = None) -> None:
         """Waits for an asynchronous write in flight (a handler for "completed"/"halted")."""
+        for member in self.members.values():
+            member.finish()
         if self._manager is not None:
             self._manager.wait_until_finished()
             self._empty_trash()

@@ -18,9 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._optim import find_learning_rates, has_schedule, rate_is_scheduled, set_learning_rate
-from .._population import early_stop_members
 from .._state import State
 from .._types import Status
+from ..engine.population_monitors import (
+    early_stop_members,
+    reduce_lr_members,
+    restore_members,
+)
 
 __all__ = ["Monitor", "EarlyStopping", "ReduceLROnPlateau", "find_learning_rates"]
 
@@ -181,11 +185,12 @@ class EarlyStopping:
         self.monitor = Monitor(monitor, mode, patience, min_delta, key or f"early_stop:{monitor}")
         self.restore_best = restore_best
         self._best: tuple[Any, Any] | None = None  # ((epoch, value), device copy)
+        self._members: Any = None  # a population's best copies (engine/population_monitors)
 
     def __call__(self, state: State) -> tuple[Status, State]:
         """Records the monitored value; halts the run once it stopped improving."""
         if state.population is not None:  # one decision per member
-            return early_stop_members(self.monitor, state, self.restore_best)
+            return early_stop_members(self, state)
         value = self.monitor.value(state)
         previous = self.monitor.record(state)
         if previous["best"] is None:  # a fresh run: nothing kept from an earlier one
@@ -206,6 +211,8 @@ class EarlyStopping:
 
     def on_end(self, state: State) -> tuple[Status, State]:
         """For the "completed" and "halted" events: the best epoch's step state."""
+        if state.population is not None:  # each member's own best epoch
+            return "continue", restore_members(self, state)
         return "continue", self._restored(state)
 
     def _restored(self, state: State) -> State:
@@ -317,6 +324,8 @@ class ReduceLROnPlateau:
 
     def __call__(self, state: State) -> tuple[Status, State]:
         """Records the monitored value; lowers the learning rate once it stopped improving."""
+        if state.population is not None:  # one plateau and one rate per member
+            return reduce_lr_members(self, state)
         value = self.monitor.value(state)
         record, reduce = self.decide(
             self.monitor.record(state), value, state.epoch, lambda: self._rate(state)

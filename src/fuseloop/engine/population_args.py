@@ -1,0 +1,238 @@
+"""Resolving `run(population=...)`: the members a population run trains (docs/design.md §8).
+
+`resolve_population` turns the argument (a member count or a dict of per-member seeds and
+optimizer hyperparameters) and a resumed State's record into a `Population`, or raises a
+ValueError naming what is wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._optim import rate_is_scheduled
+
+__all__ = ["Population", "RECORD_KEY", "resolve_population", "hyperparameter_names"]
+
+RECORD_KEY = "_population"  # where a population State keeps its record (handler_metadata)
+
+
+@dataclass(frozen=True)
+class Population:
+    """The members of a population run.
+
+    Attributes:
+        size: How many members.
+        seeds: Member i's trainer seed.
+        hyperparams: `(name, per-member values)` pairs set in the optimizer's injected
+            hyperparameters after init.
+    """
+
+    size: int
+    seeds: tuple[int, ...]
+    hyperparams: tuple[tuple[str, tuple[float, ...]], ...] = ()
+
+    def record(self) -> dict[str, Any]:
+        """The JSON-able record a population State keeps (and a checkpoint saves)."""
+        return {
+            "size": self.size,
+            "seeds": list(self.seeds),
+            "hyperparams": {name: list(values) for name, values in self.hyperparams},
+            "last_epoch": [None] * self.size,
+            "halted": [False] * self.size,
+            "per_member": [],
+        }
+
+    def same_members(self, record: dict[str, Any]) -> bool:
+        return (
+            record.get("size") == self.size
+            and list(record.get("seeds", [])) == list(self.seeds)
+            and dict(record.get("hyperparams", {}))
+            == {name: list(values) for name, values in self.hyperparams}
+        )
+
+    @staticmethod
+    def from_record(record: dict[str, Any]) -> Population:
+        hyper = tuple(
+            (name, tuple(float(v) for v in values))
+            for name, values in dict(record.get("hyperparams", {})).items()
+        )
+        return Population(int(record["size"]), tuple(int(s) for s in record["seeds"]), hyper)
+
+
+# ----------------------------------------------------------------- resolving run(population=)
+def resolve_population(
+    population: Any, program: Any, init_state: Any, *, fuse: Any, mesh: Any
+) -> Population | None:
+    """The population a run trains, from `run(population=...)` and a resumed State's
+    record; None for a solo run. Raises a ValueError naming what is wrong.
+    """
+    record = _record_of(init_state)
+    if population is None and record is None:
+        return None
+    if program.kind == "evaluator" and population is not None:
+        return _evaluated(population, init_state)
+    if program.kind != "trainer":
+        raise ValueError(
+            f"population={population!r} needs a trainer loop (fl.trainer(...)): a population "
+            f"trains N members of one trainer"
+        )
+    if isinstance(fuse, str) and fuse == "run":
+        raise ValueError(
+            "population with fuse='run' (whole-run fusion) is not supported yet; use "
+            "fuse=True or a chunk size with a population"
+        )
+    if isinstance(fuse, str) and fuse == "auto":
+        raise ValueError(
+            "population with fuse='auto' is not supported yet (the chunk-size probe steps a "
+            "solo carry); pass fuse=True or a chunk size with a population"
+        )
+    if mesh is not None:
+        raise ValueError(
+            "population with mesh=... is not supported yet; run a population on one device "
+            "(mesh=None)"
+        )
+    if _is_state(init_state) and record is None:
+        raise ValueError(
+            f"population={population!r}: init_state is a solo run's State; resume it without "
+            f"population, or resume a population's State (its member(i) is a solo State)"
+        )
+    if population is None and record is not None:
+        return Population.from_record(record)
+    resolved = _from_argument(population, program)
+    if record is not None and not resolved.same_members(record):
+        raise ValueError(
+            f"population={population!r} differs from the population init_state holds "
+            f"(size {record['size']}, seeds {record['seeds']}, hyperparams "
+            f"{record['hyperparams']}); leave population out to continue it"
+        )
+    return resolved
+
+
+def _evaluated(population: Any, variables: Any) -> Population:
+    """An evaluator's population: `population` members whose variables (or a population
+    State's params) carry a leading member axis of that size.
+    """
+    if isinstance(population, bool) or not isinstance(population, (int, np.integer)):
+        raise ValueError(
+            f"population={population!r}: an evaluator takes the member count (an int), "
+            f"the size of the variables' leading member axis"
+        )
+    params = getattr(variables, "params", variables)
+    sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(params)}
+    if sizes != {int(population)}:
+        raise ValueError(
+            f"population={population!r}: the variables' leading axes are "
+            f"{sorted(map(str, sizes))}; "
+            f"every leaf needs a leading member axis of size {population} (a population "
+            f"State's params)"
+        )
+    return Population(int(population), tuple(range(int(population))))
+
+
+def _is_state(value: Any) -> bool:
+    return hasattr(value, "handler_metadata") and hasattr(value, "step_state")
+
+
+def _record_of(init_state: Any) -> dict[str, Any] | None:
+    if not _is_state(init_state):
+        return None
+    return init_state.handler_metadata.get(RECORD_KEY)
+
+
+def _from_argument(population: Any, program: Any) -> Population:
+    base = program_seed(program)
+    if isinstance(population, (int, np.integer)) and not isinstance(population, bool):
+        if population < 1:
+            raise ValueError(f"population={population!r} must be >= 1 members")
+        n = int(population)
+        return Population(n, tuple(base + i for i in range(n)))
+    if not isinstance(population, dict) or not population:
+        raise ValueError(
+            f"population={population!r} must be a member count (an int >= 1) or a dict of "
+            f"per-member lists, e.g. {{'learning_rate': [1e-3, 1e-2], 'seed': [0, 1]}}"
+        )
+    lengths = {}
+    for key, values in population.items():
+        if not isinstance(values, (list, tuple, np.ndarray)) or len(values) == 0:
+            raise ValueError(f"population[{key!r}]={values!r} must be a non-empty list")
+        lengths[key] = len(values)
+    if len(set(lengths.values())) != 1:
+        described = ", ".join(f"{k}: {n}" for k, n in lengths.items())
+        raise ValueError(
+            f"population: the per-member lists have different lengths ({described}); give "
+            f"every key one entry per member"
+        )
+    n = next(iter(lengths.values()))
+    seeds = tuple(_seed(s) for s in population.get("seed", [base + i for i in range(n)]))
+    accepted = hyperparameter_names(program.optimizer)
+    hyper = []
+    for key, values in population.items():
+        if key == "seed":
+            continue
+        if key not in accepted:
+            names = ", ".join(["seed", *accepted])
+            raise ValueError(
+                f"population: {key!r} is not a hyperparameter the optimizer exposes; accepted: "
+                f"{names} (optimizers built with optax.inject_hyperparams, as the named "
+                f"'sgd', 'adam' and 'adamw' are, expose theirs)"
+            )
+        hyper.append((key, tuple(_number(key, v) for v in values)))
+    return Population(n, seeds, tuple(hyper))
+
+
+def _seed(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"population['seed']: {value!r} must be an int")
+    return int(value)
+
+
+def _number(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"population[{key!r}]: {value!r} must be a number")
+    return float(value)
+
+
+def program_seed(program: Any) -> int:
+    """The trainer's seed (`fl.trainer(..., seed=)`), kept by its init."""
+    seed = getattr(program, "seed", None)
+    if seed is None:
+        cells = dict(
+            zip(program.init.__code__.co_freevars, program.init.__closure__ or (), strict=False)
+        )
+        if "seed" in cells:
+            seed = cells["seed"].cell_contents
+    if seed is None:
+        raise ValueError("population: the trainer's seed could not be found")
+    return int(seed)
+
+
+def _inject_states(opt_state: Any) -> list[Any]:
+    from .._optim import _is_inject_state
+
+    return [
+        node
+        for node in jax.tree.leaves(opt_state, is_leaf=_is_inject_state)
+        if _is_inject_state(node)
+    ]
+
+
+def hyperparameter_names(tx: Any) -> list[str]:
+    """The numeric hyperparameters `tx` keeps in its state (optax.inject_hyperparams), in
+    order; a learning rate a schedule recomputes at each step is left out.
+    """
+    probe = {"w": jax.ShapeDtypeStruct((1,), jnp.float32)}
+    try:
+        state = jax.eval_shape(tx.init, probe)
+    except Exception:  # noqa: BLE001 - a structure-dependent optimizer exposes none
+        return []
+    names: list[str] = []
+    for node in _inject_states(state):
+        names += [n for n in node.hyperparams if n not in names]
+    if "learning_rate" in names and rate_is_scheduled(tx):
+        names.remove("learning_rate")
+    return names

@@ -1,0 +1,271 @@
+"""The monitors of a population run, one decision per member (docs/design.md §8).
+
+`early_stop` (with `restore_best`), `reduce_lr_on_plateau` and `checkpoint(criteria=...)`
+each watch one metric. On a population that metric holds one value per member, and each
+running member is decided exactly as its solo run decides: the handler's own arithmetic
+(`Monitor.update`, `ReduceLROnPlateau.decide`) on the member's entry, with the member's own
+record. The records hold one list entry per member and are marked per-member, so
+`state.member(i)` sees the record its solo run would keep.
+
+* `early_stop`: a member that stops halts at this epoch (the run freezes it). With
+  `restore_best`, the step state of each member's best epoch is kept on the device (one
+  select per epoch over the member axis), and a member gets it back when it stops, at the
+  run's last epoch, or when the run ends otherwise - when its solo run would.
+* `reduce_lr_on_plateau`: a member whose plateau is due gets its own learning rate lowered
+  (the injected hyperparameter has a member axis), computed as the solo handler computes it.
+* `checkpoint(criteria=...)`: each member keeps its own best. When member i improves,
+  `state.member(i)` (a solo State) is saved under `<path>/member_<i>/`, the checkpoints its
+  solo run would write under `<path>`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._optim import _is_inject_state, find_learning_rates
+from .._population import halt_members, per_member, population_record
+from .._types import Status
+
+__all__ = ["early_stop_members", "restore_members", "reduce_lr_members", "checkpoint_members"]
+
+_MONITOR_FIELDS = {"best": None, "best_epoch": None, "wait": 0}
+
+
+# ----------------------------------------------------------------- shared
+def member_values(monitor: Any, state: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The monitored metric (float64, one value per member) and which members still run."""
+    record = population_record(state)
+    size = int(record["size"])
+    if monitor.monitor not in state.metrics:
+        monitor.value(state)  # raises the ValueError naming the metrics there are
+    values = np.asarray(state.metrics[monitor.monitor], np.float64).reshape(-1)
+    if values.shape != (size,):
+        raise ValueError(
+            f"monitor={monitor.monitor!r} holds {values.shape} values; a population "
+            f"needs one per member ({size})"
+        )
+    return values, ~np.asarray(record["halted"], bool)
+
+
+def _member_lists(state: Any, key: str, fields: dict[str, Any], size: int) -> dict[str, list]:
+    saved = state.handler_metadata.get(key) or {}
+    lists = {name: list(values) for name, values in saved.items()}
+    for name, default in fields.items():
+        lists.setdefault(name, [default] * size)
+    return lists
+
+
+def _mine(lists: dict[str, list], i: Any, names: Any) -> dict[str, Any]:
+    return {name: lists[name][i] for name in names}
+
+
+def _store(state: Any, key: str, lists: dict[str, list]) -> Any:
+    state = state.replace(handler_metadata={**state.handler_metadata, key: lists})
+    return per_member(state, key)
+
+
+@jax.jit
+def _select(mask: Any, new: Any, old: Any) -> Any:
+    """Member-wise `new` where `mask`, else `old` (fresh buffers: the carry is donated)."""
+
+    def pick(a: Any, b: Any) -> Any:
+        return jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b)
+
+    return jax.tree.map(pick, new, old)
+
+
+# ----------------------------------------------------------------- early_stop
+@dataclass
+class MemberBest:
+    """Each member's best epoch's step state (one device tree with the member axis)."""
+
+    keys: list[Any]  # member i's copy: (best_epoch, best), or None
+    tree: Any = None
+
+    def keep(self, step_state: Any, improved: np.ndarray, keys: list[Any]) -> None:
+        if self.tree is None:
+            self.tree = jax.tree.map(jnp.copy, step_state)
+        else:
+            self.tree = _select(jnp.asarray(improved), step_state, self.tree)
+        for i in np.flatnonzero(improved):
+            self.keys[i] = keys[i]
+
+
+def early_stop_members(stopper: Any, state: Any) -> tuple[Status, Any]:
+    """`early_stop` on a population (see the module's docstring). Returns the handler's
+    status: "halt_loop" once every member has halted.
+    """
+    monitor = stopper.monitor
+    values, running = member_values(monitor, state)
+    size = values.shape[0]
+    if state.handler_metadata.get(monitor.key) is None:  # a fresh run: no earlier copies
+        stopper._members = MemberBest([None] * size)
+    fields = {**_MONITOR_FIELDS, "stopped_epoch": None}
+    lists = _member_lists(state, monitor.key, fields, size)
+    stop, improved = np.zeros(size, bool), np.zeros(size, bool)
+    for i in np.flatnonzero(running):
+        mine, improved[i] = monitor.update(
+            _mine(lists, i, _MONITOR_FIELDS), float(values[i]), state.epoch
+        )
+        for name, value in mine.items():
+            lists[name][i] = value
+        stop[i] = not math.isfinite(values[i]) or 0 < mine["wait"] >= monitor.patience
+        if stop[i]:
+            lists["stopped_epoch"][i] = state.epoch
+    state = _store(state, monitor.key, lists)
+    if stopper.restore_best:
+        state = _keep_best(stopper, state, improved, lists)
+        last = state.epoch + 1 >= state.max_epoch
+        state = _restore(stopper, state, stop | (running & last))
+    state = halt_members(state, stop, state.epoch)
+    every = all(population_record(state)["halted"])
+    return ("halt_loop" if every else "continue"), state
+
+
+def _keep_best(stopper: Any, state: Any, improved: np.ndarray, lists: dict[str, list]) -> Any:
+    size = improved.shape[0]
+    if stopper._members is None or len(stopper._members.keys) != size:
+        # Resumed (the best epochs so far ran in an earlier run), or another population.
+        stopper._members = MemberBest([None] * size)
+    if improved.any() and state.step_state is not None:
+        keys = [(lists["best_epoch"][i], lists["best"][i]) for i in range(size)]
+        # A device copy (no host sync): the live arrays are donated by the next step.
+        stopper._members.keep(state.step_state, improved, keys)
+    return state
+
+
+def restore_members(stopper: Any, state: Any) -> Any:
+    """For the "completed" and "halted" events: every member gets its best epoch's step
+    state, as each solo run does at its end (again for one restored when it stopped: it
+    has been frozen since, so that is the same copy)."""
+    if not stopper.restore_best or stopper._members is None:
+        return state
+    size = len(stopper._members.keys)
+    return _restore(stopper, state, np.ones(size, bool))
+
+
+def _restore(stopper: Any, state: Any, members: np.ndarray) -> Any:
+    """`state` with the step state of `members` replaced by their best epoch's copy, as
+    `EarlyStopping._restored` does for a solo run (with its warning for a best epoch that
+    ran in an earlier run).
+    """
+    best: MemberBest | None = stopper._members
+    if best is None or len(best.keys) != members.shape[0] or state.step_state is None:
+        return state
+    record = state.handler_metadata.get(stopper.monitor.key) or {}
+    take = np.zeros(members.shape, bool)
+    for i in np.flatnonzero(members):
+        key = (record["best_epoch"][i], record["best"][i]) if record else None
+        if best.tree is not None and key is not None and best.keys[i] == key:
+            take[i] = True
+        elif key is not None and key[0] is not None and key[0] != state.epoch:
+            warnings.warn(
+                f"early_stop(restore_best=True): member {i}'s best epoch ({key[0]}) ran in "
+                f"an earlier run, whose step state this one does not hold; the member keeps "
+                f"its last epoch's",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+    if not take.any():
+        return state
+    step_state = _select(jnp.asarray(take), best.tree, state.step_state)
+    return state.replace(step_state=step_state)
+
+
+# ----------------------------------------------------------------- reduce_lr_on_plateau
+def reduce_lr_members(handler: Any, state: Any) -> tuple[Status, Any]:
+    """`reduce_lr_on_plateau` on a population: each running member's plateau and learning
+    rate, as its solo run's (see the module's docstring)."""
+    monitor = handler.monitor
+    values, running = member_values(monitor, state)
+    size = values.shape[0]
+    fields = {**_MONITOR_FIELDS, "cooldown": 0, "reductions": 0}
+    lists = _member_lists(state, monitor.key, fields, size)
+    rates = _LazyRates(state)
+    reduce = np.zeros(size, bool)
+    for i in np.flatnonzero(running):
+        mine = _mine(lists, i, fields)
+        mine, reduce[i] = handler.decide(mine, float(values[i]), state.epoch, lambda i=i: rates(i))
+        for name, value in mine.items():
+            lists[name][i] = value
+    state = _store(state, monitor.key, lists)
+    if reduce.any():
+        step_state = state.step_state
+        opt_state = _set_member_rates(step_state["opt_state"], reduce, handler)
+        state = state.replace(step_state={**step_state, "opt_state": opt_state})
+    return "continue", state
+
+
+class _LazyRates:
+    """The members' learning rates, read from the device only when a reduction is due."""
+
+    def __init__(self, state: Any):
+        self.state = state
+        self.values: np.ndarray | None = None
+
+    def __call__(self, i: int) -> float:
+        if self.values is None:
+            step_state = self.state.step_state
+            if not isinstance(step_state, dict) or "opt_state" not in step_state:
+                raise ValueError(
+                    "reduce_lr_on_plateau: the State has no optimizer state (it runs on "
+                    "epoch events of a trainer loop)"
+                )
+            found = find_learning_rates(step_state["opt_state"])
+            # Host read: the members' learning rates, only in an epoch with a reduction due.
+            self.values = np.asarray(found[0]).reshape(-1)
+        return float(self.values[i])
+
+
+def _set_member_rates(opt_state: Any, reduce: np.ndarray, handler: Any) -> Any:
+    """`opt_state` with the learning rate of the members in `reduce` lowered once, each as
+    `set_learning_rate` lowers a solo run's (on the host in float64, cast once)."""
+
+    def change(node: Any) -> Any:
+        if not (_is_inject_state(node) and "learning_rate" in node.hyperparams):
+            return node
+        old = node.hyperparams["learning_rate"]
+        # Host read: the rates being lowered (an epoch with a reduction due).
+        host = np.asarray(old)
+        lowered = np.maximum(host.astype(np.float64) * handler.factor, handler.min_lr)
+        new = np.where(reduce, lowered.astype(host.dtype), host)
+        hyperparams = {**node.hyperparams, "learning_rate": jnp.asarray(new, old.dtype)}
+        return node._replace(hyperparams=hyperparams)
+
+    return jax.tree.map(change, opt_state, is_leaf=_is_inject_state)
+
+
+# ----------------------------------------------------------------- checkpoint(criteria=)
+def checkpoint_members(saver: Any, state: Any) -> tuple[Status, Any]:
+    """`checkpoint(criteria=...)` on a population: each running member whose metric
+    improves is saved alone (`state.member(i)`) under `<path>/member_<i>/` by a saver of
+    the same kind and options (see the module's docstring)."""
+    monitor = saver.monitor
+    values, running = member_values(monitor, state)
+    size = values.shape[0]
+    lists = _member_lists(state, monitor.key, _MONITOR_FIELDS, size)
+    improved = np.zeros(size, bool)
+    for i in np.flatnonzero(running):
+        mine, improved[i] = monitor.update(
+            _mine(lists, i, _MONITOR_FIELDS), float(values[i]), state.epoch
+        )
+        for name, value in mine.items():
+            lists[name][i] = value
+    # Each saved member holds its updated record, as a solo checkpoint-on-best does.
+    state = _store(state, monitor.key, lists)
+    for i in np.flatnonzero(improved):
+        member_saver = saver.members.get(int(i))
+        if member_saver is None:
+            member_saver = type(saver)(
+                saver.path / f"member_{i}", keep=saver.keep, asynchronous=saver.asynchronous
+            )
+            saver.members[int(i)] = member_saver
+        member_saver.save(state.member(int(i)))
+    return "continue", state

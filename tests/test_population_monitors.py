@@ -1,0 +1,175 @@
+"""Populations: early_stop(restore_best), reduce_lr_on_plateau and checkpoint(criteria=)
+decide per member, each member as its solo run (engine/population_monitors.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fuseloop as fl
+from fuseloop.handlers.checkpoint import list_checkpoints
+from test_population_members import _bitwise, _data, _leaves, _named_sgd, _trainer
+
+RATES = [0.0, 0.05, 1.0]  # measured: different best epochs, stops and plateaus per member
+
+
+def _close(a, b):
+    for x, y in zip(_leaves(a), _leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def _solo(rate, seed, build, **run):
+    return build(_trainer(_named_sgd(rate), seed=seed)).run(_data(), **run)
+
+
+# ----------------------------------------------------------------- early_stop(restore_best)
+def _restoring(loop):
+    return loop.early_stop("loss", patience=2, restore_best=True)
+
+
+def test_restore_best_restores_each_members_best_epoch():
+    data = _data()
+    loop = _restoring(_trainer())
+    pop = loop.run(data, epochs=10, fuse=4, population={"learning_rate": RATES})
+    plain = loop.run(data, epochs=10, fuse=False, population={"learning_rate": RATES})
+    assert _bitwise(pop.step_state, plain.step_state)
+    best_epochs = []
+    for i, rate in enumerate(RATES):
+        solo = _solo(rate, i, _restoring, epochs=10, fuse=4)
+        member = pop.member(i)
+        _close(member.params, solo.params)
+        assert int(member.step_state["step"]) == int(solo.step_state["step"])
+        record = solo.handler_metadata["early_stop:loss"]
+        assert member.handler_metadata["early_stop:loss"]["best_epoch"] == record["best_epoch"]
+        best_epochs.append(record["best_epoch"])
+        assert sorted(member.history) == sorted(solo.history)
+    # Measured: member 2 stops two epochs after its best, member 1 runs to the end.
+    assert len(set(best_epochs)) == 3
+    assert any(b < max(pop.member(i).history) for i, b in enumerate(best_epochs))
+
+
+def test_restore_best_when_another_handler_halts_the_run():
+    data = _data()
+
+    def halt_at_3(loop):
+        stop = loop.handle_event("epoch_completed", lambda s: "halt_loop" if s.epoch == 3 else None)
+        return _restoring(stop)
+
+    pop = halt_at_3(_trainer()).run(data, epochs=10, fuse=4, population={"learning_rate": RATES})
+    plain = halt_at_3(_trainer()).run(
+        data, epochs=10, fuse=False, population={"learning_rate": RATES}
+    )
+    assert _bitwise(pop.step_state, plain.step_state)
+    for i, rate in enumerate(RATES):
+        solo = _solo(rate, i, halt_at_3, epochs=10, fuse=4)
+        _close(pop.member(i).params, solo.params)
+        assert int(pop.member(i).step_state["step"]) == int(solo.step_state["step"])
+
+
+def test_restore_best_on_resume_warns_for_a_best_epoch_it_does_not_hold(tmp_path):
+    data = _data()
+    population = {"learning_rate": [0.0, 0.05]}
+    half = _restoring(_trainer()).run(data, epochs=2, fuse=4, population=population)
+    fl.save_state(half, tmp_path / "p")
+    fresh = _restoring(_trainer())  # a new handler: it holds no copy from the first run
+    with pytest.warns(RuntimeWarning, match=r"member 0's best epoch \(0\)"):
+        resumed = fresh.run(data, fl.load_state(tmp_path / "p"), epochs=4, fuse=4)
+    assert resumed.member(0).handler_metadata["early_stop:loss"]["best_epoch"] == 0
+
+
+# ----------------------------------------------------------------- reduce_lr_on_plateau
+def _reducing(loop):
+    return loop.reduce_lr_on_plateau("loss", factor=0.5, patience=1, min_delta=0.002)
+
+
+def test_reduce_lr_per_member_matches_solo_schedules():
+    data = _data()
+    rates = [0.01, 0.3, 1.0]  # measured: 0, 1 and 2 reductions in 8 epochs
+    loop = _reducing(_trainer())
+    pop = loop.run(data, epochs=8, fuse=4, population={"learning_rate": rates})
+    plain = loop.run(data, epochs=8, fuse=False, population={"learning_rate": rates})
+    assert _bitwise(pop.step_state, plain.step_state)
+    reductions = []
+    for i, rate in enumerate(rates):
+        solo = _solo(rate, i, _reducing, epochs=8, fuse=4)
+        member = pop.member(i)
+        assert [h["learning_rate"] for h in member.history.values()] == [
+            h["learning_rate"] for h in solo.history.values()
+        ]
+        _close(member.params, solo.params)
+        key = "reduce_lr_on_plateau:loss"
+        reductions.append(member.handler_metadata[key]["reductions"])
+        assert reductions[-1] == solo.handler_metadata[key].get("reductions", 0)
+    assert reductions == [0, 1, 2]
+
+
+def test_reduce_lr_skips_halted_members():
+    data = _data()
+    loop = _reducing(_trainer().early_stop("loss", patience=1))
+    pop = loop.run(data, epochs=8, fuse=4, population={"learning_rate": [0.0, 1.0]})
+    member = pop.member(0)  # lr 0: stops at epoch 1, never reduced
+    assert set(h["learning_rate"] for h in member.history.values()) == {0.0}
+    solo = _solo(1.0, 1, lambda lp: _reducing(lp.early_stop("loss", patience=1)), epochs=8, fuse=4)
+    assert [h["learning_rate"] for h in pop.member(1).history.values()] == [
+        h["learning_rate"] for h in solo.history.values()
+    ]
+
+
+# ----------------------------------------------------------------- checkpoint(criteria=)
+def test_checkpoint_on_best_saves_each_members_best(tmp_path):
+    data = _data()
+    rates = [0.01, 0.3, 1.0]  # measured: member 1 and 2 skip epochs without improvement
+
+    def saving(path):
+        return lambda loop: loop.checkpoint(str(path), criteria="loss")
+
+    pop = saving(tmp_path / "pop")(_trainer()).run(
+        data, epochs=6, fuse=4, population={"learning_rate": rates}
+    )
+    saving(tmp_path / "plain")(_trainer()).run(
+        data, epochs=6, fuse=False, population={"learning_rate": rates}
+    )
+    assert not list((tmp_path / "pop").glob("checkpoint_*"))  # only per-member saves
+    skipped = 0
+    for i, rate in enumerate(rates):
+        _solo(rate, i, saving(tmp_path / f"solo{i}"), epochs=6, fuse=4)
+        mine = list_checkpoints(tmp_path / "pop" / f"member_{i}")
+        theirs = list_checkpoints(tmp_path / f"solo{i}")
+        assert [p.name for p in mine] == [p.name for p in theirs]
+        skipped += 6 - len(mine)
+        fused = fl.load_state(tmp_path / "pop" / f"member_{i}")
+        plain = fl.load_state(tmp_path / "plain" / f"member_{i}")
+        solo = fl.load_state(tmp_path / f"solo{i}")
+        assert fused.population is None and fused.epoch == solo.epoch
+        assert _bitwise(fused.step_state, plain.step_state)
+        _close(fused.params, solo.params)
+        assert sorted(fused.history) == sorted(solo.history)
+        best = fused.handler_metadata["checkpoint:loss"]
+        assert best["best_epoch"] == solo.handler_metadata["checkpoint:loss"]["best_epoch"]
+    assert skipped > 0
+    record = pop.handler_metadata["checkpoint:loss"]
+    assert len(record["best"]) == 3  # the population keeps one entry per member
+
+
+def test_checkpoint_on_best_asynchronous(tmp_path):
+    loop = _trainer().checkpoint(str(tmp_path), criteria="loss", asynchronous=True, keep=1)
+    loop.run(_data(), epochs=2, fuse=4, population=2)
+    for i in range(2):
+        assert len(list_checkpoints(tmp_path / f"member_{i}")) == 1
+        assert fl.load_state(tmp_path / f"member_{i}").epoch == 1
+
+
+def test_reduce_lr_cooldown_and_floor_per_member():
+    def reducing(loop):
+        return loop.reduce_lr_on_plateau(
+            "loss", factor=0.5, patience=1, min_delta=0.05, cooldown=1, min_lr=0.2
+        )
+
+    rates = [0.3, 1.0]  # measured: member 0 is at the floor 0.2 from epoch 2, member 1 halves
+    pop = reducing(_trainer()).run(_data(), epochs=6, fuse=4, population={"learning_rate": rates})
+    for i, rate in enumerate(rates):
+        solo = _solo(rate, i, reducing, epochs=6, fuse=4)
+        assert [h["learning_rate"] for h in pop.member(i).history.values()] == [
+            h["learning_rate"] for h in solo.history.values()
+        ]
+    assert min(pop.history[5]["learning_rate"]) >= np.float32(0.2)
