@@ -1,15 +1,17 @@
 """Epoch-end work done on the device inside a multi-epoch dispatch (docs/design.md §9).
 
-Two handlers have device twins: `validate` on device-resident validation data (the
-evaluator's own device loop over the validation set, accumulating sums and counts) and
-`early_stop` (the monitor's best, wait and stop, in float32). The host handlers stay the
-reference: after the dispatch the host replays `early_stop` itself on each epoch's metrics
-and checks that it decides what the device decided (a disagreement raises a FusionError,
-never a silent difference), and `validate` is replayed by merging the device's validation
-accumulators, read the way an evaluator run reads them.
+Four handlers have device twins: `validate` on device-resident validation data (the
+evaluator's own device loop over the validation set, accumulating sums and counts, its
+short last batch as a step of its own shape), `early_stop` and `reduce_lr_on_plateau` (the
+monitor's best, wait and decision, in float32) and `checkpoint(criteria=...)` (the best
+step states kept on the device, written at the dispatch's end: `device_checkpoint.py`).
+The host handlers stay the reference: after the dispatch the host replays each monitor on
+each epoch's metrics and checks that it decides what the device decided (a disagreement
+raises a FusionError, never a silent difference), and `validate` is replayed by merging the
+device's validation accumulators, read the way an evaluator run reads them.
 
-A handler is recognised by its `on_device` attribute ("validate" or "early_stop"); the
-engine imports no handler module.
+A handler is recognised by its `on_device` attribute ("validate", "early_stop",
+"reduce_lr_on_plateau" or "checkpoint"); the engine imports no handler module.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ from .._fusion import FusionError, make_chunk_fn
 from .._metrics import read_metric
 from .._optim import _is_inject_state, find_learning_rates
 from .._step import init_tail, make_carry_step
+from .device_checkpoint import BestSaves, keep_best, kept_start
 
 __all__ = ["DeviceWork", "plan_device_work"]
 
 _PREFIX = "validation_"
+_WATCHED = ("early_stop", "reduce_lr_on_plateau", "checkpoint")
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,9 @@ class Validation:
 
 @dataclass(frozen=True)
 class Watcher:
-    """A device twin of `early_stop` (`kind` "early_stop") or `reduce_lr_on_plateau`."""
+    """A device twin of `early_stop`, `reduce_lr_on_plateau` or `checkpoint(criteria=)`
+    (`kind`, the handler's `on_device`).
+    """
 
     kind: str
     registration: Registration
@@ -84,6 +90,10 @@ class DeviceWork:
     def plateau(self) -> Watcher | None:
         return next((w for w in self.watchers if w.kind == "reduce_lr_on_plateau"), None)
 
+    @property
+    def saver(self) -> Watcher | None:
+        return next((w for w in self.watchers if w.kind == "checkpoint"), None)
+
 
 def _resident_validation(r: Registration) -> Validation | None:
     handler: Any = r.handler
@@ -98,7 +108,7 @@ def _resident_validation(r: Registration) -> Validation | None:
 def _watcher(r: Registration, metrics: Any, validation: Validation | None) -> Watcher | None:
     handler: Any = r.handler
     kind = getattr(handler, "on_device", None)
-    if kind not in ("early_stop", "reduce_lr_on_plateau") or r.filter != ALWAYS:
+    if kind not in _WATCHED or r.filter != ALWAYS:
         return None
     name = handler.monitor.monitor
     if validation is not None and name.startswith(_PREFIX):
@@ -114,8 +124,9 @@ def _watcher(r: Registration, metrics: Any, validation: Validation | None) -> Wa
 
 def plan_device_work(bus: Any, metrics: Any, step_state: Any) -> DeviceWork:
     """The `epoch_completed` handlers the device can run, in order: a resident `validate`
-    first, then `early_stop` and `reduce_lr_on_plateau` on metrics the device computes
-    (each firing every epoch; one of each; a plateau needs one injected learning rate).
+    first, then `early_stop`, `reduce_lr_on_plateau` and `checkpoint(criteria=)` on
+    metrics the device computes (each firing every epoch; one of each; a plateau needs one
+    injected learning rate).
     """
     validation: Validation | None = None
     watchers: list[Watcher] = []
@@ -152,54 +163,89 @@ def device_value(spec: Any, acc: dict[str, Any]) -> Any:
     return jnp.where(count <= 0, jnp.nan, jnp.where(count < 1, jnp.float32(0), mean))
 
 
-def epoch_end_fn(work: DeviceWork) -> tuple[Callable[..., Any], Callable[..., Any]]:
+def epoch_end_fn(work: DeviceWork, segments: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """`init(state, monitors) -> extra` and `end(state, acc, extra, s, inputs) -> (state,
-    extra, stop, validation accumulators)`: the epoch-end work, in registration order.
+    extra, per-epoch outputs)`: the epoch-end work, in registration order, for a dispatch
+    of `segments` epoch pieces. The per-epoch outputs are `stop` (early stopping's
+    verdict), `validation` (the evaluator's accumulators), `reduced` (a plateau reduced the
+    rate) and `saved` (checkpoint-on-best improved); `extra["flush"]`, when present, ends
+    the dispatch after this epoch (the kept best states are full).
     """
-    v = work.validation
-    if v is not None:
-        program = v.loop.program
-        body = make_chunk_fn(make_carry_step(program, v.loop.metrics, False), True, False)
-        slots = max(v.batches, 2)
-
-    def validate(state: Any, vdata: Any, vorder: Any) -> Any:
-        assert v is not None  # only called with a validation
-        rows = vorder[jnp.minimum(jnp.arange(slots), vorder.shape[0] - 1)]
-        chunk = jax.tree.map(lambda leaf: leaf[rows], vdata)
-        tail = init_tail(v.loop.metrics, False)
-        _, tail, _, _ = body({"params": state["params"]}, tail, chunk, jnp.int32(v.batches))
-        return tail["acc"]
+    validate = _validation_fn(work.validation)
 
     def init(state: Any, monitors: Any) -> dict[str, Any]:
         extra: dict[str, Any] = {"monitors": monitors, "best_s": jnp.int32(-1)}
         stopper = work.stopper
         if stopper is not None and stopper.handler.restore_best:
             extra["best_state"] = jax.tree.map(jnp.copy, state)
+        if work.saver is not None:
+            extra.update(kept_start(work.saver.handler.keep, segments, state))
         return extra
 
     def end(state: Any, acc: Any, extra: Any, s: Any, inputs: Any) -> tuple[Any, ...]:
-        val_acc = validate(state, *inputs["validation"]) if v is not None else None
-        stop = jnp.zeros((), jnp.bool_)
+        val_acc = validate(state, inputs["validation"])
+        no = jnp.zeros((), jnp.bool_)
+        flags = {"stop": no, "reduced": no, "saved": no}
         extra = {**extra, "monitors": dict(extra["monitors"])}
         for w in work.watchers:
             pool: Any = val_acc if w.validation else acc
             value = device_value(w.spec, pool[w.spec.name])
-            record = extra["monitors"][w.kind]
-            if w.kind == "early_stop":
-                record, improved, stop = _stop_update(w.handler.monitor, record, value)
-                extra["best_s"] = jnp.where(improved, s, extra["best_s"])
-                if "best_state" in extra:
-                    extra["best_state"] = lax.cond(
-                        improved,
-                        lambda kept=state: jax.tree.map(jnp.copy, kept),
-                        lambda kept=extra["best_state"]: kept,
-                    )
-            else:
-                record, state = _plateau_update(w.handler, record, value, state, inputs["rates"])
-            extra["monitors"][w.kind] = record
-        return state, extra, stop, val_acc
+            # A halt by an earlier handler ends the bus's firing: later ones do not run.
+            runs = ~flags["stop"]
+            state, extra, flags = _watch(w, value, state, extra, flags, runs, s, inputs)
+        return state, extra, {**flags, "validation": val_acc}
 
     return init, end
+
+
+def _validation_fn(v: Validation | None) -> Callable[[Any, Any], Any]:
+    """`(state, (data, order)) -> the evaluator's accumulators` (None without one)."""
+    if v is None:
+        return lambda state, inputs: None
+    program = v.loop.program
+    body = make_chunk_fn(make_carry_step(program, v.loop.metrics, False), True, False)
+    slots = max(v.batches, 2)
+
+    def validate(state: Any, inputs: Any) -> Any:
+        vdata, vorder = inputs
+        rows = vorder[jnp.minimum(jnp.arange(slots), vorder.shape[0] - 1)]
+        chunk = jax.tree.map(lambda leaf: leaf[rows], vdata)
+        tail = init_tail(v.loop.metrics, False)
+        _, tail, _, _ = body({"params": state["params"]}, tail, chunk, jnp.int32(v.batches))
+        return tail["acc"]
+
+    return validate
+
+
+def _watch(
+    w: Watcher, value: Any, state: Any, extra: Any, flags: Any, runs: Any, s: Any, inputs: Any
+) -> tuple[Any, Any, Any]:
+    """One watcher's epoch end (`runs`: it fires at all this epoch)."""
+    record = extra["monitors"][w.kind]
+    if w.kind == "early_stop":
+        record, improved, stop = _stop_update(w.handler.monitor, record, value)
+        flags = {**flags, "stop": stop}
+        extra["best_s"] = jnp.where(improved, s, extra["best_s"])
+        if "best_state" in extra:
+            extra["best_state"] = lax.cond(
+                improved,
+                lambda kept=state: jax.tree.map(jnp.copy, kept),
+                lambda kept=extra["best_state"]: kept,
+            )
+    elif w.kind == "checkpoint":
+        record, improved, _ = _stop_update(w.handler.monitor, record, value)
+        improved = improved & runs
+        extra = keep_best(extra, state, improved)
+        flags = {**flags, "saved": improved}
+    else:
+        record, state = _plateau_update(w.handler, record, value, state, inputs["rates"], runs)
+        flags = {**flags, "reduced": record["reduced"]}
+    extra["monitors"][w.kind] = (
+        jax.tree.map(lambda new, old: jnp.where(runs, new, old), record, extra["monitors"][w.kind])
+        if w.kind != "early_stop"
+        else record
+    )
+    return state, extra, flags
 
 
 def _beats(monitor: Any, value: Any, record: Any) -> Any:
@@ -224,7 +270,7 @@ def _stop_update(monitor: Any, record: Any, value: Any) -> tuple[Any, Any, Any]:
 
 
 def _plateau_update(
-    handler: Any, record: Any, value: Any, state: Any, rates: Any
+    handler: Any, record: Any, value: Any, state: Any, rates: Any, runs: Any
 ) -> tuple[Any, Any]:
     """`ReduceLROnPlateau.decide` in float32 (verified on the host); a reduction sets the
     next rate of the host's table (`rates[k]`, computed as `set_learning_rate` does).
@@ -240,7 +286,7 @@ def _plateau_update(
     due = ~quiet & (wait >= handler.monitor.patience)
     wait = jnp.where(due, 0, wait)
     k = record["k"]
-    reduce = due & ~at_floor[k]
+    reduce = due & ~at_floor[k] & runs
     k = jnp.where(reduce, k + 1, k)
     cooldown = jnp.where(reduce, handler.cooldown, cooldown)
     state = lax.cond(reduce, lambda: _with_rate(state, rate_table[k]), lambda: state)
@@ -313,11 +359,16 @@ def validation_inputs(work: DeviceWork, programs: Any, placement: Any) -> tuple[
 
 # --------------------------------------------------------------------- host side
 def replayed_handlers(
-    work: DeviceWork, host: dict[str, Any], segment: int, live: bool, rate: Any
+    work: DeviceWork,
+    host: dict[str, Any],
+    segment: int,
+    live: bool,
+    rate: Any,
+    saves: BestSaves | None = None,
 ) -> dict[Registration, Registration]:
     """Substitutes for the device-run registrations when an epoch's `epoch_completed` is
     replayed from dispatch output `host` (segment `segment`); `rate` is the learning rate
-    the epoch ended with.
+    the epoch ended with; `saves` writes the dispatch's kept best states.
     """
     out: dict[Registration, Registration] = {}
     v = work.validation
@@ -336,6 +387,9 @@ def replayed_handlers(
     for w in work.watchers:
         if w.kind == "early_stop":
             handler = _verified_stop(w.handler, bool(host["stop"][segment]), live)
+        elif w.kind == "checkpoint":
+            assert saves is not None  # made by the dispatch when a saver runs on the device
+            handler = saves.replayed(bool(host["saved"][segment]), live)
         else:
             reduced = bool(host["reduced"][segment])
             handler = _verified_plateau(w.handler, reduced, live, rate)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, ITERATION_EVENTS, Event
+from .device_checkpoint import BestSaves
 from .device_monitors import (
     DeviceWork,
     hand_best,
@@ -164,16 +165,26 @@ class WholeRun:
             monitor_start(self.work, state),
             {"validation": self.validation, "rates": self.rates},
         )
-        self.best_state = out["extra"].get("best_state")
-        kept = ("final", "n_run", "nonfinite", "stop", "validation", "reduced")
+        extra = out["extra"]
+        self.best_state = extra.get("best_state")
+        kept = ("final", "n_run", "nonfinite", "stop", "validation", "reduced", "saved")
         wanted = {k: out[k] for k in kept}
-        wanted["best_s"] = out["extra"]["best_s"]
+        wanted["best_s"] = extra["best_s"]
+        if "kept_n" in extra:
+            wanted["kept_n"] = extra["kept_n"]
         if self.replay.record:
             wanted["records"] = out["records"]
         # Host read: once per dispatch, every epoch's final accumulators, the steps run,
-        # the guard's flags, the device's validation and early-stopping results, and the
-        # records when an iteration handler is attached.
-        return segments, run.reads.get(wanted)
+        # the guard's flags, the device's validation, monitor and checkpoint verdicts, and
+        # the records when an iteration handler is attached.
+        host = run.reads.get(wanted)
+        saver = self.work.saver
+        self.saves = (
+            None
+            if saver is None
+            else BestSaves(saver.handler, extra["kept_ring"], int(host["kept_n"]))
+        )
+        return segments, host
 
     def _slots(self, segments: list[tuple[int, int]]) -> int:
         """The program's segment slots: with `fuse=K` the most K steps can span from any
@@ -257,7 +268,7 @@ class WholeRun:
         substitute = None
         if segment is not None and self.on_device:
             rate = self.rates[0][self.reductions]
-            substitute = replayed_handlers(self.work, self.host, segment, live, rate)
+            substitute = replayed_handlers(self.work, self.host, segment, live, rate, self.saves)
             self.reductions += int(self.host["reduced"][segment])
             if live:
                 self._hand_best(state, epoch)
