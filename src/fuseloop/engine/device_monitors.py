@@ -33,6 +33,7 @@ from .._metrics import read_metric
 from .._optim import _is_inject_state, find_learning_rates
 from .._step import init_tail, make_carry_step
 from .device_checkpoint import BestSaves, keep_best, kept_start
+from .programs import MIN_SLOTS
 
 __all__ = ["DeviceWork", "plan_device_work"]
 
@@ -100,8 +101,8 @@ def _resident_validation(r: Registration) -> Validation | None:
     source: Any = getattr(handler, "data", None)
     if getattr(handler, "on_device", None) != "validate" or r.filter != ALWAYS:
         return None
-    if not getattr(source, "resident", False) or source.n % source.batch_size:
-        return None  # host-fed or with a short last batch: validated on the host
+    if not getattr(source, "resident", False):
+        return None  # host-fed: validated on the host
     return Validation(r, handler.loop, source)
 
 
@@ -204,14 +205,23 @@ def _validation_fn(v: Validation | None) -> Callable[[Any, Any], Any]:
         return lambda state, inputs: None
     program = v.loop.program
     body = make_chunk_fn(make_carry_step(program, v.loop.metrics, False), True, False)
-    slots = max(v.batches, 2)
+    whole, short = v.batches, v.source.n % v.source.batch_size
+
+    def run(params: Any, tail: Any, vdata: Any, rows: Any, n: int) -> Any:
+        chunk = jax.tree.map(lambda leaf: leaf[rows], vdata)
+        return body(params, tail, chunk, jnp.int32(n))[1]
 
     def validate(state: Any, inputs: Any) -> Any:
         vdata, vorder = inputs
-        rows = vorder[jnp.minimum(jnp.arange(slots), vorder.shape[0] - 1)]
-        chunk = jax.tree.map(lambda leaf: leaf[rows], vdata)
+        last = vorder.shape[0] - 1
+        params = {"params": state["params"]}
         tail = init_tail(v.loop.metrics, False)
-        _, tail, _, _ = body({"params": state["params"]}, tail, chunk, jnp.int32(v.batches))
+        if whole:  # the whole batches, as one chunk of the evaluator's device loop
+            rows = vorder[jnp.minimum(jnp.arange(max(whole, MIN_SLOTS)), last)]
+            tail = run(params, tail, vdata, rows, whole)
+        if short:  # the short last batch: a step of its own shape, as the evaluator runs it
+            rows = vorder[jnp.minimum(whole + jnp.arange(MIN_SLOTS), last)][:, :short]
+            tail = run(params, tail, vdata, rows, 1)
         return tail["acc"]
 
     return validate
