@@ -8,7 +8,8 @@ step states kept on the device, written at the dispatch's end: `device_checkpoin
 The host handlers stay the reference: after the dispatch the host replays each monitor on
 each epoch's metrics and checks that it decides what the device decided (a disagreement
 raises a FusionError, never a silent difference), and `validate` is replayed by merging the
-device's validation accumulators, read the way an evaluator run reads them.
+device's validation accumulators, read the way an evaluator run reads them (the host
+side: `device_replay.py`).
 
 A handler is recognised by its `on_device` attribute ("validate", "early_stop",
 "reduce_lr_on_plateau" or "checkpoint"); the engine imports no handler module.
@@ -16,8 +17,6 @@ A handler is recognised by its `on_device` attribute ("validate", "early_stop",
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,12 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._events import ALWAYS, CONTINUE, Event, Registration
-from .._fusion import FusionError, make_chunk_fn
-from .._metrics import read_metric
+from .._events import ALWAYS, Event, Registration
+from .._fusion import make_chunk_fn
 from .._optim import _is_inject_state, find_learning_rates
 from .._step import init_tail, make_carry_step
-from .device_checkpoint import BestSaves, keep_best, kept_start
+from .device_checkpoint import keep_best, kept_start
 from .programs import MIN_SLOTS
 
 __all__ = ["DeviceWork", "plan_device_work"]
@@ -365,90 +363,3 @@ def validation_inputs(work: DeviceWork, programs: Any, placement: Any) -> tuple[
     data = v.source.put(placement.replicated)
     order, _, _ = programs.epoch_order(v.source)(np.int32(0))  # cached by the source
     return data, order
-
-
-# --------------------------------------------------------------------- host side
-def replayed_handlers(
-    work: DeviceWork,
-    host: dict[str, Any],
-    segment: int,
-    live: bool,
-    rate: Any,
-    saves: BestSaves | None = None,
-) -> dict[Registration, Registration]:
-    """Substitutes for the device-run registrations when an epoch's `epoch_completed` is
-    replayed from dispatch output `host` (segment `segment`); `rate` is the learning rate
-    the epoch ended with; `saves` writes the dispatch's kept best states.
-    """
-    out: dict[Registration, Registration] = {}
-    v = work.validation
-    if v is not None:
-        acc = {k: _slot(a, segment) for k, a in host["validation"].items()}
-        metrics = {
-            _PREFIX + m.name: read_metric(m, acc[m.name])
-            for m in v.loop.metrics
-            if float(acc[m.name]["count"]) > 0
-        }
-
-        def merge(state: Any) -> tuple[str, Any]:
-            return CONTINUE, state.replace(metrics={**state.metrics, **metrics})
-
-        out[v.registration] = dataclasses.replace(v.registration, handler=merge)
-    for w in work.watchers:
-        if w.kind == "early_stop":
-            handler = _verified_stop(w.handler, bool(host["stop"][segment]), live)
-        elif w.kind == "checkpoint":
-            assert saves is not None  # made by the dispatch when a saver runs on the device
-            handler = saves.replayed(bool(host["saved"][segment]), live)
-        else:
-            reduced = bool(host["reduced"][segment])
-            handler = _verified_plateau(w.handler, reduced, live, rate)
-        out[w.registration] = dataclasses.replace(w.registration, handler=handler)
-    return out
-
-
-def _disagree(name: str, monitor: Any, epoch: int) -> FusionError:
-    return FusionError(
-        f"{name}({monitor.monitor!r}): the device monitor and the host monitor disagree at "
-        f"epoch {epoch} (min_delta={monitor.min_delta} compared in float32 on the device); "
-        f"run with fuse=K at most the epoch's length to monitor on the host"
-    )
-
-
-def _verified_stop(handler: Any, device_stopped: bool, live: bool) -> Callable[[Any], Any]:
-    def verified(state: Any) -> Any:
-        status, state = handler(state if live else state.replace(step_state=None))
-        if (status != CONTINUE) != device_stopped:
-            raise _disagree("early_stop", handler.monitor, state.epoch)
-        return status, state
-
-    return verified
-
-
-def _verified_plateau(
-    handler: Any, device_reduced: bool, live: bool, rate: Any
-) -> Callable[[Any], Any]:
-    """The host arithmetic on the epoch's metrics; the rate change itself was made on the
-    device (its step state is the carry's when live).
-    """
-
-    def verified(state: Any) -> Any:
-        value = handler.monitor.value(state)
-        record = handler.monitor.record(state)
-        record, reduce = handler.decide(record, value, state.epoch, lambda: float(rate))
-        if reduce != device_reduced:
-            raise _disagree("reduce_lr_on_plateau", handler.monitor, state.epoch)
-        return CONTINUE, handler.monitor.store(state, record)
-
-    return verified
-
-
-def hand_best(work: DeviceWork, best_state: Any, best_epoch: int, value: float) -> None:
-    """Gives `early_stop(restore_best=True)` the best step state the device kept."""
-    handler = work.stopper.handler if work.stopper is not None else None
-    if handler is not None and handler.restore_best and math.isfinite(value):
-        handler._best = ((best_epoch, value), best_state)
-
-
-def _slot(tree: Any, s: int) -> Any:
-    return {k: v[s] for k, v in tree.items()} if isinstance(tree, dict) else tree[s]

@@ -23,13 +23,12 @@ from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, ITERATION_EVENTS, Event
 from .device_checkpoint import BestSaves
 from .device_monitors import (
     DeviceWork,
-    hand_best,
     monitor_start,
     plan_device_work,
     rate_table,
-    replayed_handlers,
     validation_inputs,
 )
+from .device_replay import hand_best, replayed_handlers
 from .replay import ChunkResult, EpochReplay
 from .whole_program import segments_for, whole_run_program
 
