@@ -17,6 +17,7 @@ A handler is recognised by its `on_device` attribute ("validate", "early_stop",
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +32,13 @@ from .._fusion import make_chunk_fn
 from .._optim import _is_inject_state, find_learning_rates
 from .._step import init_tail, make_carry_step
 from .device_checkpoint import keep_best, kept_start
-from .programs import MIN_SLOTS
+from .programs import MIN_SLOTS, _source_key
 
 __all__ = ["DeviceWork", "plan_device_work"]
 
 _PREFIX = "validation_"
+# A validation source's epoch-0 order on the device, by source (dropped with it).
+_VALIDATION_ORDERS: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 _WATCHED = ("early_stop", "reduce_lr_on_plateau", "checkpoint")
 
 
@@ -356,10 +359,18 @@ def rate_table(work: DeviceWork, step_state: Any, epochs: int) -> tuple[Any, Any
 
 
 def validation_inputs(work: DeviceWork, programs: Any, placement: Any) -> tuple[Any, ...] | None:
-    """The validation data on the device and its order (the evaluator's epoch 0)."""
+    """The validation data on the device and its order (the evaluator's epoch 0).
+
+    The order is computed on the device once per source and placement and kept beside the
+    source (the dispatch only reads it), so a later run launches no program for it.
+    """
     v = work.validation
     if v is None:
         return None
-    data = v.source.put(placement.replicated)
-    order, _, _ = programs.epoch_order(v.source)(np.int32(0))  # cached by the source
-    return data, order
+    data = v.source.put(placement.replicated)  # moved once, kept by the source
+    key = (_source_key(v.source), placement.replicated)
+    kept = _VALIDATION_ORDERS.get(v.source)
+    if kept is None or kept[0] != key:
+        order, _, _ = programs.epoch_order(v.source)(np.int32(0))
+        kept = _VALIDATION_ORDERS[v.source] = (key, order)
+    return data, kept[1]
