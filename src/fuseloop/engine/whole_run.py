@@ -15,6 +15,7 @@ in the unfused order, each epoch with its own metrics and history entry, and wit
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -29,10 +30,16 @@ from .device_monitors import (
     validation_inputs,
 )
 from .device_replay import hand_best, replayed_handlers
+from .programs import _source_key
 from .replay import ChunkResult, EpochReplay
 from .whole_program import segments_for, whole_run_program
 
 __all__ = ["WholeRun", "whole_run_refusal"]
+
+# A resident source's epoch orders on the device, by source (dropped with it); the
+# dispatch only reads an order, so a later run of the same source reuses it.
+_ORDERS: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+_KEPT_ORDERS = 4
 
 
 def whole_run_refusal(source: Any, iterations: int | None) -> str | None:
@@ -136,7 +143,7 @@ class WholeRun:
         state = state.replace(epoch=epoch, iteration=0, metrics={}, status="running")
         if live:  # the host starts the epoch: fresh accumulators, the epoch's order
             run.carry.reset_metrics()
-            self.order, self.counter, _ = self.order_fn(self.counter)
+            self.order, self.counter = self._epoch_order(epoch)
             run.state = state
             status, state = run.handoff.fire(Event.EPOCH_STARTED, state)
         else:  # started inside the dispatch: only observers are attached here
@@ -144,6 +151,22 @@ class WholeRun:
         self.replay = EpochReplay(run.handoff, run.carry, run.reads, self.guard)
         run.state = state
         return status, state
+
+    def _epoch_order(self, epoch: int) -> tuple[Any, Any]:
+        """`(the epoch's order on the device, the device epoch counter after it)`.
+
+        The device counter equals the host's epoch at an epoch's start (each dispatch
+        computes the orders of the epochs it enters), so the order is kept beside the
+        source for later runs, which then launch no program for it.
+        """
+        kept = _ORDERS.setdefault(self.source, {})
+        key = (_source_key(self.source), epoch)
+        if key not in kept:
+            order, _, _ = self.order_fn(np.int32(epoch))
+            if len(kept) >= _KEPT_ORDERS:
+                kept.pop(next(iter(kept)))
+            kept[key] = order
+        return kept[key], np.int32(epoch + 1)
 
     def _launch(self, state: Any, epoch: int, cursor: int) -> tuple[list[tuple[int, int]], Any]:
         run = self.run
