@@ -25,6 +25,25 @@ __all__ = ["replayed_handlers", "hand_best"]
 _PREFIX = "validation_"
 
 
+class _Substitutes(dict[Any, Any]):
+    """Substitutes looked up by the registration's identity: the bus asks for every
+    registration of every replayed epoch, and hashing a Registration (a frozen dataclass
+    with a handler and a filter inside) costs more than the rest of the lookup.
+    """
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(id(key), value)
+
+    def __getitem__(self, key: Any) -> Any:
+        return super().__getitem__(id(key))
+
+    def __contains__(self, key: Any) -> bool:
+        return super().__contains__(id(key))
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return super().get(id(key), default)
+
+
 def replayed_handlers(
     work: DeviceWork,
     host: dict[str, Any],
@@ -37,7 +56,7 @@ def replayed_handlers(
     replayed from dispatch output `host` (segment `segment`); `rate` is the learning rate
     the epoch ended with; `saves` writes the dispatch's kept best states.
     """
-    out: dict[Registration, Registration] = {}
+    out: dict[Registration, Registration] = _Substitutes()
     v = work.validation
     if v is not None:
         acc = {k: _slot(a, segment) for k, a in host["validation"].items()}
