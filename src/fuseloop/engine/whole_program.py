@@ -101,29 +101,8 @@ def _build(
         extra = start_work(state, monitor)
         shapes = jax.eval_shape(end_work, state, tail["acc"], extra, 0, inputs)[2]
         out = _buffers(segments, slots, tail["acc"], shapes)
-
-        def ended(state: Any, acc: Any, extra: Any, s: Any) -> tuple[Any, ...]:
-            return end_work(state, acc, extra, s, inputs)
-
-        def running(state: Any, acc: Any, extra: Any, s: Any) -> tuple[Any, ...]:
-            return state, extra, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-
-        def step(carry: tuple[Any, ...]) -> tuple[Any, ...]:
-            s, remaining, state, tail, order, epoch, cursor, out, extra, _ = carry
-            tail, order, epoch, cursor = lax.cond(
-                cursor >= limit, boundary, _keep, tail, order, epoch, cursor
-            )
-            n = jnp.minimum(remaining, limit - cursor)
-            state, tail, records, n_run = body(state, tail, gather(data, order, cursor), n)
-            flag = tail["nonfinite"] if guard else jnp.zeros((), jnp.bool_)
-            at_end = (cursor + n_run == limit) & ~flag
-            state, extra, epoch_out = lax.cond(at_end, ended, running, state, tail["acc"], extra, s)
-            segment = {"records": records, "final": tail["acc"], "n_run": n_run, "nonfinite": flag}
-            out = _put(out, {**epoch_out, **segment}, s)
-            # The dispatch ends after an early stop, or when the kept best states are full.
-            stopped = epoch_out["stop"] | extra.get("flush", False)
-            cursor = cursor + n_run
-            return s + 1, remaining - n_run, state, tail, order, epoch, cursor, out, extra, stopped
+        epoch_end = _epoch_end(end_work, inputs, shapes)
+        step = _segment_step(body, gather, boundary, epoch_end, data, limit, guard)
 
         zero = jnp.zeros((), jnp.int32)
         stopped = jnp.zeros((), jnp.bool_)
@@ -133,6 +112,50 @@ def _build(
         return state, tail, {**out, "extra": extra}, order, epoch, cursor
 
     return program
+
+
+def _epoch_end(end_work: Any, inputs: Any, shapes: Any) -> Callable[..., tuple[Any, ...]]:
+    """`(at_end, state, acc, extra, s) -> (state, extra, per-epoch outputs)`: the device's
+    epoch-end work where a segment ends its epoch, zeros elsewhere.
+    """
+
+    def ended(state: Any, acc: Any, extra: Any, s: Any) -> tuple[Any, ...]:
+        return end_work(state, acc, extra, s, inputs)
+
+    def running(state: Any, acc: Any, extra: Any, s: Any) -> tuple[Any, ...]:
+        return state, extra, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+    def epoch_end(at_end: Any, state: Any, acc: Any, extra: Any, s: Any) -> tuple[Any, ...]:
+        return lax.cond(at_end, ended, running, state, acc, extra, s)
+
+    return epoch_end
+
+
+def _segment_step(
+    body: Any, gather: Any, boundary: Any, epoch_end: Any, data: Any, limit: int, guard: bool
+) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    """One trip of the dispatch's loop: an epoch piece and, at its epoch's end, the
+    device's epoch-end work.
+    """
+
+    def step(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        s, remaining, state, tail, order, epoch, cursor, out, extra, _ = carry
+        tail, order, epoch, cursor = lax.cond(
+            cursor >= limit, boundary, _keep, tail, order, epoch, cursor
+        )
+        n = jnp.minimum(remaining, limit - cursor)
+        state, tail, records, n_run = body(state, tail, gather(data, order, cursor), n)
+        flag = tail["nonfinite"] if guard else jnp.zeros((), jnp.bool_)
+        at_end = (cursor + n_run == limit) & ~flag
+        state, extra, epoch_out = epoch_end(at_end, state, tail["acc"], extra, s)
+        segment = {"records": records, "final": tail["acc"], "n_run": n_run, "nonfinite": flag}
+        out = _put(out, {**epoch_out, **segment}, s)
+        # The dispatch ends after an early stop, or when the kept best states are full.
+        stopped = epoch_out["stop"] | extra.get("flush", False)
+        cursor = cursor + n_run
+        return s + 1, remaining - n_run, state, tail, order, epoch, cursor, out, extra, stopped
+
+    return step
 
 
 def _gatherer(slots: int, sharding: Any) -> Callable[..., Any]:
