@@ -1,4 +1,4 @@
-"""Whole-run fusion (docs/design.md §8): many epochs per dispatch on device-resident data,
+"""Whole-run fusion (docs/design.md §9): many epochs per dispatch on device-resident data,
 bitwise equal to the unfused run, with handlers that observe replayed in unfused order and
 handlers that may halt ending the dispatch at their epoch.
 """

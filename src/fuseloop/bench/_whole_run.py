@@ -8,7 +8,7 @@ timed in interleaved rounds (compilation and a warm-up run excluded), medians re
 * the floor: one `jax.jit` running all 20 epochs (a `fori_loop` over epochs: on-device
   permutation, `scan` over the training batches, `scan` over the validation batches, the
   epoch's metrics into a history buffer, read once at the end);
-* fuseloop `fuse="run"`: the whole run in one dispatch (docs/design.md §8);
+* fuseloop `fuse="run"`: the whole run in one dispatch (docs/design.md §9);
 * fuseloop's per-epoch dispatch: `fuse=44` (one chunk per epoch), validation on the host
   with `validate(..., fuse=True)` after each epoch.
 """

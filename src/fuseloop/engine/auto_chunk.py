@@ -17,6 +17,9 @@ loop's trip count is a runtime value, so one compiled program gives both), and
 `step = (t_full - t_one) / (copies - 1)`, `overhead = t_one - step` plus the latency of one
 `device_put`. Nothing is consumed from the data, and the real step state is only read (the
 probe runs on private copies of it). The timings are kept in the loop's program cache.
+
+On a run that may cross epochs (device-resident data, docs/design.md §9), the same K decides
+how many whole epochs one dispatch covers (`epochs_per_dispatch`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ __all__ = [
     "ChunkDecision",
     "decide_chunk_size",
     "choose_chunk_size",
+    "epochs_per_dispatch",
     "probe",
     "DEFAULT_BUDGET_BYTES",
     "DEFAULT_MAX_CHUNK",
@@ -207,6 +211,34 @@ def decide_chunk_size(
 def choose_chunk_size(programs: Programs, step_state: Any, first_batch: Any, **options: Any) -> int:
     """The K of `decide_chunk_size` (what `run(fuse="auto")` uses)."""
     return decide_chunk_size(programs, step_state, first_batch, **options).chunk_size
+
+
+def epochs_per_dispatch(
+    programs: Programs,
+    step_state: Any,
+    first_batch: Any,
+    *,
+    epoch_length: int,
+    placement: Any = None,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    max_chunk: int = DEFAULT_MAX_CHUNK,
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> int:
+    """Whole epochs per dispatch for `run(fuse="auto")` on a run that may cross epochs
+    (device-resident data; docs/design.md §9). 1 keeps chunks within the epoch.
+
+    The cost model above, applied across epochs: when the K that meets the tolerance
+    exceeds the epoch, a dispatch covers `ceil(K / epoch_length)` whole epochs. A dispatch
+    gathers one epoch's batches at a time, so crossing needs the epoch itself within the
+    memory budget and `max_chunk`.
+    """
+    check_positive(epoch_length, "epoch_length")
+    memory_cap = max(1, budget_bytes // max(nbytes(first_batch), 1))
+    if epoch_length > min(memory_cap, max_chunk):
+        return 1
+    step, overhead = _timings(programs, step_state, first_batch, placement, memory_cap)
+    wanted = max(1, math.ceil(overhead / (tolerance * step)))
+    return 1 if wanted <= epoch_length else math.ceil(wanted / epoch_length)
 
 
 def _timings(

@@ -1,21 +1,23 @@
 """Epoch-end work done on the device inside a multi-epoch dispatch (docs/design.md §9).
 
-Two handlers have device twins: `validate` on device-resident validation data (the
-evaluator's own device loop over the validation set, accumulating sums and counts) and
-`early_stop` (the monitor's best, wait and stop, in float32). The host handlers stay the
-reference: after the dispatch the host replays `early_stop` itself on each epoch's metrics
-and checks that it decides what the device decided (a disagreement raises a FusionError,
-never a silent difference), and `validate` is replayed by merging the device's validation
-accumulators, read the way an evaluator run reads them.
+Four handlers have device twins: `validate` on device-resident validation data (the
+evaluator's own device loop over the validation set, accumulating sums and counts, its
+short last batch as a step of its own shape), `early_stop` and `reduce_lr_on_plateau` (the
+monitor's best, wait and decision, in float32) and `checkpoint(criteria=...)` (the best
+step states kept on the device, written at the dispatch's end: `device_checkpoint.py`).
+The host handlers stay the reference: after the dispatch the host replays each monitor on
+each epoch's metrics and checks that it decides what the device decided (a disagreement
+raises a FusionError, never a silent difference), and `validate` is replayed by merging the
+device's validation accumulators, read the way an evaluator run reads them (the host
+side: `device_replay.py`).
 
-A handler is recognised by its `on_device` attribute ("validate" or "early_stop"); the
-engine imports no handler module.
+A handler is recognised by its `on_device` attribute ("validate", "early_stop",
+"reduce_lr_on_plateau" or "checkpoint"); the engine imports no handler module.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,15 +27,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._events import ALWAYS, CONTINUE, Event, Registration
-from .._fusion import FusionError, make_chunk_fn
-from .._metrics import read_metric
+from .._events import ALWAYS, Event, Registration
+from .._fusion import make_chunk_fn
 from .._optim import _is_inject_state, find_learning_rates
 from .._step import init_tail, make_carry_step
+from .device_checkpoint import keep_best, kept_start
+from .programs import MIN_SLOTS, _source_key
 
 __all__ = ["DeviceWork", "plan_device_work"]
 
 _PREFIX = "validation_"
+# A validation source's epoch-0 order on the device, by source (dropped with it).
+_VALIDATION_ORDERS: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+_WATCHED = ("early_stop", "reduce_lr_on_plateau", "checkpoint")
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,9 @@ class Validation:
 
 @dataclass(frozen=True)
 class Watcher:
-    """A device twin of `early_stop` (`kind` "early_stop") or `reduce_lr_on_plateau`."""
+    """A device twin of `early_stop`, `reduce_lr_on_plateau` or `checkpoint(criteria=)`
+    (`kind`, the handler's `on_device`).
+    """
 
     kind: str
     registration: Registration
@@ -84,21 +92,25 @@ class DeviceWork:
     def plateau(self) -> Watcher | None:
         return next((w for w in self.watchers if w.kind == "reduce_lr_on_plateau"), None)
 
+    @property
+    def saver(self) -> Watcher | None:
+        return next((w for w in self.watchers if w.kind == "checkpoint"), None)
+
 
 def _resident_validation(r: Registration) -> Validation | None:
     handler: Any = r.handler
     source: Any = getattr(handler, "data", None)
     if getattr(handler, "on_device", None) != "validate" or r.filter != ALWAYS:
         return None
-    if not getattr(source, "resident", False) or source.n % source.batch_size:
-        return None  # host-fed or with a short last batch: validated on the host
+    if not getattr(source, "resident", False):
+        return None  # host-fed: validated on the host
     return Validation(r, handler.loop, source)
 
 
 def _watcher(r: Registration, metrics: Any, validation: Validation | None) -> Watcher | None:
     handler: Any = r.handler
     kind = getattr(handler, "on_device", None)
-    if kind not in ("early_stop", "reduce_lr_on_plateau") or r.filter != ALWAYS:
+    if kind not in _WATCHED or r.filter != ALWAYS:
         return None
     name = handler.monitor.monitor
     if validation is not None and name.startswith(_PREFIX):
@@ -114,8 +126,9 @@ def _watcher(r: Registration, metrics: Any, validation: Validation | None) -> Wa
 
 def plan_device_work(bus: Any, metrics: Any, step_state: Any) -> DeviceWork:
     """The `epoch_completed` handlers the device can run, in order: a resident `validate`
-    first, then `early_stop` and `reduce_lr_on_plateau` on metrics the device computes
-    (each firing every epoch; one of each; a plateau needs one injected learning rate).
+    first, then `early_stop`, `reduce_lr_on_plateau` and `checkpoint(criteria=)` on
+    metrics the device computes (each firing every epoch; one of each; a plateau needs one
+    injected learning rate).
     """
     validation: Validation | None = None
     watchers: list[Watcher] = []
@@ -152,54 +165,98 @@ def device_value(spec: Any, acc: dict[str, Any]) -> Any:
     return jnp.where(count <= 0, jnp.nan, jnp.where(count < 1, jnp.float32(0), mean))
 
 
-def epoch_end_fn(work: DeviceWork) -> tuple[Callable[..., Any], Callable[..., Any]]:
+def epoch_end_fn(work: DeviceWork, segments: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """`init(state, monitors) -> extra` and `end(state, acc, extra, s, inputs) -> (state,
-    extra, stop, validation accumulators)`: the epoch-end work, in registration order.
+    extra, per-epoch outputs)`: the epoch-end work, in registration order, for a dispatch
+    of `segments` epoch pieces. The per-epoch outputs are `stop` (early stopping's
+    verdict), `validation` (the evaluator's accumulators), `reduced` (a plateau reduced the
+    rate) and `saved` (checkpoint-on-best improved); `extra["flush"]`, when present, ends
+    the dispatch after this epoch (the kept best states are full).
     """
-    v = work.validation
-    if v is not None:
-        program = v.loop.program
-        body = make_chunk_fn(make_carry_step(program, v.loop.metrics, False), True, False)
-        slots = max(v.batches, 2)
-
-    def validate(state: Any, vdata: Any, vorder: Any) -> Any:
-        assert v is not None  # only called with a validation
-        rows = vorder[jnp.minimum(jnp.arange(slots), vorder.shape[0] - 1)]
-        chunk = jax.tree.map(lambda leaf: leaf[rows], vdata)
-        tail = init_tail(v.loop.metrics, False)
-        _, tail, _, _ = body({"params": state["params"]}, tail, chunk, jnp.int32(v.batches))
-        return tail["acc"]
+    validate = _validation_fn(work.validation)
 
     def init(state: Any, monitors: Any) -> dict[str, Any]:
         extra: dict[str, Any] = {"monitors": monitors, "best_s": jnp.int32(-1)}
         stopper = work.stopper
         if stopper is not None and stopper.handler.restore_best:
             extra["best_state"] = jax.tree.map(jnp.copy, state)
+        if work.saver is not None:
+            extra.update(kept_start(work.saver.handler.keep, segments, state))
         return extra
 
     def end(state: Any, acc: Any, extra: Any, s: Any, inputs: Any) -> tuple[Any, ...]:
-        val_acc = validate(state, *inputs["validation"]) if v is not None else None
-        stop = jnp.zeros((), jnp.bool_)
+        val_acc = validate(state, inputs["validation"])
+        no = jnp.zeros((), jnp.bool_)
+        flags = {"stop": no, "reduced": no, "saved": no}
         extra = {**extra, "monitors": dict(extra["monitors"])}
         for w in work.watchers:
             pool: Any = val_acc if w.validation else acc
             value = device_value(w.spec, pool[w.spec.name])
-            record = extra["monitors"][w.kind]
-            if w.kind == "early_stop":
-                record, improved, stop = _stop_update(w.handler.monitor, record, value)
-                extra["best_s"] = jnp.where(improved, s, extra["best_s"])
-                if "best_state" in extra:
-                    extra["best_state"] = lax.cond(
-                        improved,
-                        lambda kept=state: jax.tree.map(jnp.copy, kept),
-                        lambda kept=extra["best_state"]: kept,
-                    )
-            else:
-                record, state = _plateau_update(w.handler, record, value, state, inputs["rates"])
-            extra["monitors"][w.kind] = record
-        return state, extra, stop, val_acc
+            # A halt by an earlier handler ends the bus's firing: later ones do not run.
+            runs = ~flags["stop"]
+            state, extra, flags = _watch(w, value, state, extra, flags, runs, s, inputs)
+        return state, extra, {**flags, "validation": val_acc}
 
     return init, end
+
+
+def _validation_fn(v: Validation | None) -> Callable[[Any, Any], Any]:
+    """`(state, (data, order)) -> the evaluator's accumulators` (None without one)."""
+    if v is None:
+        return lambda state, inputs: None
+    program = v.loop.program
+    body = make_chunk_fn(make_carry_step(program, v.loop.metrics, False), True, False)
+    whole, short = v.batches, v.source.n % v.source.batch_size
+
+    def run(params: Any, tail: Any, vdata: Any, rows: Any, n: int) -> Any:
+        chunk = jax.tree.map(lambda leaf: leaf[rows], vdata)
+        return body(params, tail, chunk, jnp.int32(n))[1]
+
+    def validate(state: Any, inputs: Any) -> Any:
+        vdata, vorder = inputs
+        last = vorder.shape[0] - 1
+        params = {"params": state["params"]}
+        tail = init_tail(v.loop.metrics, False)
+        if whole:  # the whole batches, as one chunk of the evaluator's device loop
+            rows = vorder[jnp.minimum(jnp.arange(max(whole, MIN_SLOTS)), last)]
+            tail = run(params, tail, vdata, rows, whole)
+        if short:  # the short last batch: a step of its own shape, as the evaluator runs it
+            rows = vorder[jnp.minimum(whole + jnp.arange(MIN_SLOTS), last)][:, :short]
+            tail = run(params, tail, vdata, rows, 1)
+        return tail["acc"]
+
+    return validate
+
+
+def _watch(
+    w: Watcher, value: Any, state: Any, extra: Any, flags: Any, runs: Any, s: Any, inputs: Any
+) -> tuple[Any, Any, Any]:
+    """One watcher's epoch end (`runs`: it fires at all this epoch)."""
+    record = extra["monitors"][w.kind]
+    if w.kind == "early_stop":
+        record, improved, stop = _stop_update(w.handler.monitor, record, value)
+        flags = {**flags, "stop": stop}
+        extra["best_s"] = jnp.where(improved, s, extra["best_s"])
+        if "best_state" in extra:
+            extra["best_state"] = lax.cond(
+                improved,
+                lambda kept=state: jax.tree.map(jnp.copy, kept),
+                lambda kept=extra["best_state"]: kept,
+            )
+    elif w.kind == "checkpoint":
+        record, improved, _ = _stop_update(w.handler.monitor, record, value)
+        improved = improved & runs
+        extra = keep_best(extra, state, improved)
+        flags = {**flags, "saved": improved}
+    else:
+        record, state = _plateau_update(w.handler, record, value, state, inputs["rates"], runs)
+        flags = {**flags, "reduced": record["reduced"]}
+    extra["monitors"][w.kind] = (
+        jax.tree.map(lambda new, old: jnp.where(runs, new, old), record, extra["monitors"][w.kind])
+        if w.kind != "early_stop"
+        else record
+    )
+    return state, extra, flags
 
 
 def _beats(monitor: Any, value: Any, record: Any) -> Any:
@@ -224,7 +281,7 @@ def _stop_update(monitor: Any, record: Any, value: Any) -> tuple[Any, Any, Any]:
 
 
 def _plateau_update(
-    handler: Any, record: Any, value: Any, state: Any, rates: Any
+    handler: Any, record: Any, value: Any, state: Any, rates: Any, runs: Any
 ) -> tuple[Any, Any]:
     """`ReduceLROnPlateau.decide` in float32 (verified on the host); a reduction sets the
     next rate of the host's table (`rates[k]`, computed as `set_learning_rate` does).
@@ -240,7 +297,7 @@ def _plateau_update(
     due = ~quiet & (wait >= handler.monitor.patience)
     wait = jnp.where(due, 0, wait)
     k = record["k"]
-    reduce = due & ~at_floor[k]
+    reduce = due & ~at_floor[k] & runs
     k = jnp.where(reduce, k + 1, k)
     cooldown = jnp.where(reduce, handler.cooldown, cooldown)
     state = lax.cond(reduce, lambda: _with_rate(state, rate_table[k]), lambda: state)
@@ -302,89 +359,18 @@ def rate_table(work: DeviceWork, step_state: Any, epochs: int) -> tuple[Any, Any
 
 
 def validation_inputs(work: DeviceWork, programs: Any, placement: Any) -> tuple[Any, ...] | None:
-    """The validation data on the device and its order (the evaluator's epoch 0)."""
+    """The validation data on the device and its order (the evaluator's epoch 0).
+
+    The order is computed on the device once per source and placement and kept beside the
+    source (the dispatch only reads it), so a later run launches no program for it.
+    """
     v = work.validation
     if v is None:
         return None
-    data = v.source.put(placement.replicated)
-    order, _, _ = programs.epoch_order(v.source)(np.int32(0))  # cached by the source
-    return data, order
-
-
-# --------------------------------------------------------------------- host side
-def replayed_handlers(
-    work: DeviceWork, host: dict[str, Any], segment: int, live: bool, rate: Any
-) -> dict[Registration, Registration]:
-    """Substitutes for the device-run registrations when an epoch's `epoch_completed` is
-    replayed from dispatch output `host` (segment `segment`); `rate` is the learning rate
-    the epoch ended with.
-    """
-    out: dict[Registration, Registration] = {}
-    v = work.validation
-    if v is not None:
-        acc = {k: _slot(a, segment) for k, a in host["validation"].items()}
-        metrics = {
-            _PREFIX + m.name: read_metric(m, acc[m.name])
-            for m in v.loop.metrics
-            if float(acc[m.name]["count"]) > 0
-        }
-
-        def merge(state: Any) -> tuple[str, Any]:
-            return CONTINUE, state.replace(metrics={**state.metrics, **metrics})
-
-        out[v.registration] = dataclasses.replace(v.registration, handler=merge)
-    for w in work.watchers:
-        if w.kind == "early_stop":
-            handler = _verified_stop(w.handler, bool(host["stop"][segment]), live)
-        else:
-            reduced = bool(host["reduced"][segment])
-            handler = _verified_plateau(w.handler, reduced, live, rate)
-        out[w.registration] = dataclasses.replace(w.registration, handler=handler)
-    return out
-
-
-def _disagree(name: str, monitor: Any, epoch: int) -> FusionError:
-    return FusionError(
-        f"{name}({monitor.monitor!r}): the device monitor and the host monitor disagree at "
-        f"epoch {epoch} (min_delta={monitor.min_delta} compared in float32 on the device); "
-        f"run with fuse=K at most the epoch's length to monitor on the host"
-    )
-
-
-def _verified_stop(handler: Any, device_stopped: bool, live: bool) -> Callable[[Any], Any]:
-    def verified(state: Any) -> Any:
-        status, state = handler(state if live else state.replace(step_state=None))
-        if (status != CONTINUE) != device_stopped:
-            raise _disagree("early_stop", handler.monitor, state.epoch)
-        return status, state
-
-    return verified
-
-
-def _verified_plateau(
-    handler: Any, device_reduced: bool, live: bool, rate: Any
-) -> Callable[[Any], Any]:
-    """The host arithmetic on the epoch's metrics; the rate change itself was made on the
-    device (its step state is the carry's when live).
-    """
-
-    def verified(state: Any) -> Any:
-        value = handler.monitor.value(state)
-        record = handler.monitor.record(state)
-        record, reduce = handler.decide(record, value, state.epoch, lambda: float(rate))
-        if reduce != device_reduced:
-            raise _disagree("reduce_lr_on_plateau", handler.monitor, state.epoch)
-        return CONTINUE, handler.monitor.store(state, record)
-
-    return verified
-
-
-def hand_best(work: DeviceWork, best_state: Any, best_epoch: int, value: float) -> None:
-    """Gives `early_stop(restore_best=True)` the best step state the device kept."""
-    handler = work.stopper.handler if work.stopper is not None else None
-    if handler is not None and handler.restore_best and math.isfinite(value):
-        handler._best = ((best_epoch, value), best_state)
-
-
-def _slot(tree: Any, s: int) -> Any:
-    return {k: v[s] for k, v in tree.items()} if isinstance(tree, dict) else tree[s]
+    data = v.source.put(placement.replicated)  # moved once, kept by the source
+    key = (_source_key(v.source), placement.replicated)
+    kept = _VALIDATION_ORDERS.get(v.source)
+    if kept is None or kept[0] != key:
+        order, _, _ = programs.epoch_order(v.source)(np.int32(0))
+        kept = _VALIDATION_ORDERS[v.source] = (key, order)
+    return data, kept[1]

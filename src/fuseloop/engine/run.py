@@ -23,7 +23,7 @@ from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, Event
 from .._fusion import DEFAULT_CHUNK, resolve_fuse
 from .._placement import Placement
 from .._state import State, new_stats
-from .auto_chunk import choose_chunk_size
+from .auto_chunk import choose_chunk_size, epochs_per_dispatch
 from .bus import EventBus
 from .carry import Carry
 from .epoch import EpochLoop
@@ -230,6 +230,8 @@ class Run:
             self._whole_run(fuse)
         if self.fuse == "run":
             self._whole_run(None)
+        if self.fuse == "auto" and self._whole_run_refusal() is None:
+            self._auto_whole_run(step_state, first, length)
         if self.whole is not None:
             return None
         if self.fuse == "auto":
@@ -268,20 +270,37 @@ class Run:
         `fuse="run"` is one chunk per epoch, and `stats["whole_run"]` says why.
         """
         length = _epoch_length(self.source, self.iterations) or DEFAULT_CHUNK
-        if not self.resident:
-            refusal: str | None = "the data is host-fed: chunks stay within an epoch"
-        elif self.population is not None:
-            # The multi-epoch program is not vmapped over members (yet): a population keeps
-            # epoch-bounded chunks, which are exact.
-            refusal = "a population: chunks stay within an epoch"
-        else:
-            refusal = whole_run_refusal(self.source.data, self.iterations)
+        refusal = self._whole_run_refusal()
         self.stats["whole_run"] = refusal or "many epochs per dispatch"
         if refusal is not None:
             self.fuse = length if size is None else size
             return
         self.whole = WholeRun(self, size, _warn_nonfinite)
         self.stats["chunk_size"] = size or length * self.epochs
+
+    def _whole_run_refusal(self) -> str | None:
+        """Why this run cannot cross epochs in one dispatch (None: it can)."""
+        if not self.resident:
+            return "the data is host-fed: chunks stay within an epoch"
+        if self.population is not None:
+            # The multi-epoch program is not vmapped over members (yet): a population keeps
+            # epoch-bounded chunks, which are exact.
+            return "a population: chunks stay within an epoch"
+        return whole_run_refusal(self.source.data, self.iterations)
+
+    def _auto_whole_run(self, step_state: Any, first: Any, length: int | None) -> None:
+        """`fuse="auto"` where epochs may be crossed: the cost model's K in whole epochs
+        (auto_chunk.epochs_per_dispatch); one epoch or less keeps the per-epoch engine.
+        """
+        if length is None:
+            return
+        per = epochs_per_dispatch(
+            self.programs, step_state, first, placement=self.placement, epoch_length=length
+        )
+        if per > 1:
+            self._whole_run(None if per >= self.epochs - self.start_epoch else per * length)
+        else:
+            self.stats["whole_run"] = "fuse='auto': one epoch or less per dispatch (cost model)"
 
     # ----------------------------------------------------------------- epochs
     def _epochs(self, signals: SignalGuard) -> State:

@@ -83,24 +83,9 @@ def _build(
     work: Any,
 ) -> Callable[..., Any]:
     slots = max(limit, MIN_SLOTS)
-    start_work, end_work = epoch_end_fn(work)
-
-    def gather(data: Any, order: Any, cursor: Any) -> Any:
-        # Slots past the epoch's end gather clamped (valid) rows; they are never stepped.
-        rows = order[jnp.minimum(cursor + jnp.arange(slots), order.shape[0] - 1)]
-        chunk = jax.tree.map(lambda leaf: leaf[rows], data)
-        if sharding is not None:
-            chunk = lax.with_sharding_constraint(chunk, sharding)
-        return chunk
-
-    def boundary(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
-        """The epoch's end inside the dispatch: fresh accumulators, the next order."""
-        fresh = init_tail(metrics, guard)
-        next_order = _epoch_order(source, epoch)
-        return fresh, next_order, epoch + 1, jnp.zeros((), jnp.int32)
-
-    def keep(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
-        return tail, order, epoch, cursor
+    start_work, end_work = epoch_end_fn(work, segments)
+    gather = _gatherer(slots, sharding)
+    boundary = _boundary(metrics, guard, source)
 
     def program(
         state: Any,
@@ -114,70 +99,115 @@ def _build(
         inputs: Any,
     ) -> tuple[Any, ...]:
         extra = start_work(state, monitor)
-        ended_shapes = jax.eval_shape(end_work, state, tail["acc"], extra, 0, inputs)
-        per_epoch = jax.tree.map(
-            lambda a: jnp.zeros((segments,) + a.shape, a.dtype), ended_shapes[2:]
-        )
-        out = {
-            "stop": per_epoch[0],
-            "validation": per_epoch[1],
-            "reduced": jnp.zeros((segments,), jnp.bool_),
-            "records": jax.tree.map(
-                lambda a: jnp.zeros((segments, slots) + a.shape, a.dtype), tail["acc"]
-            ),
-            "final": jax.tree.map(lambda a: jnp.zeros((segments,) + a.shape, a.dtype), tail["acc"]),
-            "n_run": jnp.zeros((segments,), jnp.int32),
-            "nonfinite": jnp.zeros((segments,), jnp.bool_),
-        }
-
-        def cond(carry: tuple[Any, ...]) -> Any:
-            s, remaining, _, tail, *_, stopped = carry
-            going = (s < segments) & (remaining > 0) & ~stopped
-            if guard:
-                going = going & ~tail["nonfinite"]
-            return going
-
-        def ended(state: Any, acc: Any, extra: Any, s: Any) -> tuple[Any, ...]:
-            return end_work(state, acc, extra, s, inputs)
-
-        def running(state: Any, acc: Any, extra: Any, s: Any) -> tuple[Any, ...]:
-            blank = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), ended_shapes[2:])
-            return (state, extra, *blank)
-
-        def step(carry: tuple[Any, ...]) -> tuple[Any, ...]:
-            s, remaining, state, tail, order, epoch, cursor, out, extra, _ = carry
-            tail, order, epoch, cursor = lax.cond(
-                cursor >= limit, boundary, keep, tail, order, epoch, cursor
-            )
-            n = jnp.minimum(remaining, limit - cursor)
-            state, tail, records, n_run = body(state, tail, gather(data, order, cursor), n)
-            flag = tail["nonfinite"] if guard else jnp.zeros((), jnp.bool_)
-            at_end = (cursor + n_run == limit) & ~flag
-            state, extra, stop, validation = lax.cond(
-                at_end, ended, running, state, tail["acc"], extra, s
-            )
-            plateau = extra["monitors"].get("reduce_lr_on_plateau")
-            reduced = at_end & plateau["reduced"] if plateau else jnp.zeros((), jnp.bool_)
-            out = {
-                "stop": out["stop"].at[s].set(stop),
-                "reduced": out["reduced"].at[s].set(reduced),
-                "validation": _put(out["validation"], validation, s),
-                "records": _put(out["records"], records, s),
-                "final": _put(out["final"], tail["acc"], s),
-                "n_run": out["n_run"].at[s].set(n_run),
-                "nonfinite": out["nonfinite"].at[s].set(flag),
-            }
-            cursor = cursor + n_run
-            return s + 1, remaining - n_run, state, tail, order, epoch, cursor, out, extra, stop
+        shapes = jax.eval_shape(end_work, state, tail["acc"], extra, 0, inputs)[2]
+        out = _buffers(segments, slots, tail["acc"], shapes)
+        epoch_end = _epoch_end(end_work, inputs, shapes)
+        step = _segment_step(body, gather, boundary, epoch_end, data, limit, guard)
 
         zero = jnp.zeros((), jnp.int32)
         stopped = jnp.zeros((), jnp.bool_)
         carry = (zero, steps, state, tail, order, epoch, cursor, out, extra, stopped)
-        carry = lax.while_loop(cond, step, carry)
+        carry = lax.while_loop(_going(segments, guard), step, carry)
         _, _, state, tail, order, epoch, cursor, out, extra, _ = carry
         return state, tail, {**out, "extra": extra}, order, epoch, cursor
 
     return program
+
+
+def _epoch_end(end_work: Any, inputs: Any, shapes: Any) -> Callable[..., tuple[Any, ...]]:
+    """`(at_end, state, acc, extra, s) -> (state, extra, per-epoch outputs)`: the device's
+    epoch-end work where a segment ends its epoch, zeros elsewhere.
+    """
+
+    def ended(state: Any, acc: Any, extra: Any, s: Any) -> tuple[Any, ...]:
+        return end_work(state, acc, extra, s, inputs)
+
+    def running(state: Any, acc: Any, extra: Any, s: Any) -> tuple[Any, ...]:
+        return state, extra, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+    def epoch_end(at_end: Any, state: Any, acc: Any, extra: Any, s: Any) -> tuple[Any, ...]:
+        return lax.cond(at_end, ended, running, state, acc, extra, s)
+
+    return epoch_end
+
+
+def _segment_step(
+    body: Any, gather: Any, boundary: Any, epoch_end: Any, data: Any, limit: int, guard: bool
+) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    """One trip of the dispatch's loop: an epoch piece and, at its epoch's end, the
+    device's epoch-end work.
+    """
+
+    def step(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        s, remaining, state, tail, order, epoch, cursor, out, extra, _ = carry
+        tail, order, epoch, cursor = lax.cond(
+            cursor >= limit, boundary, _keep, tail, order, epoch, cursor
+        )
+        n = jnp.minimum(remaining, limit - cursor)
+        state, tail, records, n_run = body(state, tail, gather(data, order, cursor), n)
+        flag = tail["nonfinite"] if guard else jnp.zeros((), jnp.bool_)
+        at_end = (cursor + n_run == limit) & ~flag
+        state, extra, epoch_out = epoch_end(at_end, state, tail["acc"], extra, s)
+        segment = {"records": records, "final": tail["acc"], "n_run": n_run, "nonfinite": flag}
+        out = _put(out, {**epoch_out, **segment}, s)
+        # The dispatch ends after an early stop, or when the kept best states are full.
+        stopped = epoch_out["stop"] | extra.get("flush", False)
+        cursor = cursor + n_run
+        return s + 1, remaining - n_run, state, tail, order, epoch, cursor, out, extra, stopped
+
+    return step
+
+
+def _gatherer(slots: int, sharding: Any) -> Callable[..., Any]:
+    def gather(data: Any, order: Any, cursor: Any) -> Any:
+        # Slots past the epoch's end gather clamped (valid) rows; they are never stepped.
+        rows = order[jnp.minimum(cursor + jnp.arange(slots), order.shape[0] - 1)]
+        chunk = jax.tree.map(lambda leaf: leaf[rows], data)
+        if sharding is not None:
+            chunk = lax.with_sharding_constraint(chunk, sharding)
+        return chunk
+
+    return gather
+
+
+def _boundary(metrics: Any, guard: bool, source: Any) -> Callable[..., tuple[Any, ...]]:
+    def boundary(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
+        """The epoch's end inside the dispatch: fresh accumulators, the next order."""
+        fresh = init_tail(metrics, guard)
+        next_order = _epoch_order(source, epoch)
+        return fresh, next_order, epoch + 1, jnp.zeros((), jnp.int32)
+
+    return boundary
+
+
+def _keep(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
+    return tail, order, epoch, cursor
+
+
+def _buffers(segments: int, slots: int, acc: Any, epoch_shapes: Any) -> dict[str, Any]:
+    """The dispatch's per-segment output buffers, zeroed."""
+
+    def per_segment(a: Any, inner: tuple[int, ...] = ()) -> Any:
+        return jnp.zeros((segments,) + inner + a.shape, a.dtype)
+
+    return {
+        **jax.tree.map(per_segment, epoch_shapes),
+        "records": jax.tree.map(lambda a: per_segment(a, (slots,)), acc),
+        "final": jax.tree.map(per_segment, acc),
+        "n_run": jnp.zeros((segments,), jnp.int32),
+        "nonfinite": jnp.zeros((segments,), jnp.bool_),
+    }
+
+
+def _going(segments: int, guard: bool) -> Callable[[tuple[Any, ...]], Any]:
+    def cond(carry: tuple[Any, ...]) -> Any:
+        s, remaining, _, tail, *_, stopped = carry
+        going = (s < segments) & (remaining > 0) & ~stopped
+        if guard:
+            going = going & ~tail["nonfinite"]
+        return going
+
+    return cond
 
 
 def _put(buffer: Any, value: Any, s: Any) -> Any:

@@ -15,24 +15,31 @@ in the unfused order, each epoch with its own metrics and history entry, and wit
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import numpy as np
 
 from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, ITERATION_EVENTS, Event
+from .device_checkpoint import BestSaves
 from .device_monitors import (
     DeviceWork,
-    hand_best,
     monitor_start,
     plan_device_work,
     rate_table,
-    replayed_handlers,
     validation_inputs,
 )
+from .device_replay import hand_best, replayed_handlers
+from .programs import _source_key
 from .replay import ChunkResult, EpochReplay
 from .whole_program import segments_for, whole_run_program
 
 __all__ = ["WholeRun", "whole_run_refusal"]
+
+# A resident source's epoch orders on the device, by source (dropped with it); the
+# dispatch only reads an order, so a later run of the same source reuses it.
+_ORDERS: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+_KEPT_ORDERS = 4
 
 
 def whole_run_refusal(source: Any, iterations: int | None) -> str | None:
@@ -136,7 +143,7 @@ class WholeRun:
         state = state.replace(epoch=epoch, iteration=0, metrics={}, status="running")
         if live:  # the host starts the epoch: fresh accumulators, the epoch's order
             run.carry.reset_metrics()
-            self.order, self.counter, _ = self.order_fn(self.counter)
+            self.order, self.counter = self._epoch_order(epoch)
             run.state = state
             status, state = run.handoff.fire(Event.EPOCH_STARTED, state)
         else:  # started inside the dispatch: only observers are attached here
@@ -144,6 +151,22 @@ class WholeRun:
         self.replay = EpochReplay(run.handoff, run.carry, run.reads, self.guard)
         run.state = state
         return status, state
+
+    def _epoch_order(self, epoch: int) -> tuple[Any, Any]:
+        """`(the epoch's order on the device, the device epoch counter after it)`.
+
+        The device counter equals the host's epoch at an epoch's start (each dispatch
+        computes the orders of the epochs it enters), so the order is kept beside the
+        source for later runs, which then launch no program for it.
+        """
+        kept = _ORDERS.setdefault(self.source, {})
+        key = (_source_key(self.source), epoch)
+        if key not in kept:
+            order, _, _ = self.order_fn(np.int32(epoch))
+            if len(kept) >= _KEPT_ORDERS:
+                kept.pop(next(iter(kept)))
+            kept[key] = order
+        return kept[key], np.int32(epoch + 1)
 
     def _launch(self, state: Any, epoch: int, cursor: int) -> tuple[list[tuple[int, int]], Any]:
         run = self.run
@@ -164,16 +187,26 @@ class WholeRun:
             monitor_start(self.work, state),
             {"validation": self.validation, "rates": self.rates},
         )
-        self.best_state = out["extra"].get("best_state")
-        kept = ("final", "n_run", "nonfinite", "stop", "validation", "reduced")
+        extra = out["extra"]
+        self.best_state = extra.get("best_state")
+        kept = ("final", "n_run", "nonfinite", "stop", "validation", "reduced", "saved")
         wanted = {k: out[k] for k in kept}
-        wanted["best_s"] = out["extra"]["best_s"]
+        wanted["best_s"] = extra["best_s"]
+        if "kept_n" in extra:
+            wanted["kept_n"] = extra["kept_n"]
         if self.replay.record:
             wanted["records"] = out["records"]
         # Host read: once per dispatch, every epoch's final accumulators, the steps run,
-        # the guard's flags, the device's validation and early-stopping results, and the
-        # records when an iteration handler is attached.
-        return segments, run.reads.get(wanted)
+        # the guard's flags, the device's validation, monitor and checkpoint verdicts, and
+        # the records when an iteration handler is attached.
+        host = run.reads.get(wanted)
+        saver = self.work.saver
+        self.saves = (
+            None
+            if saver is None
+            else BestSaves(saver.handler, extra["kept_ring"], int(host["kept_n"]))
+        )
+        return segments, host
 
     def _slots(self, segments: list[tuple[int, int]]) -> int:
         """The program's segment slots: with `fuse=K` the most K steps can span from any
@@ -257,7 +290,7 @@ class WholeRun:
         substitute = None
         if segment is not None and self.on_device:
             rate = self.rates[0][self.reductions]
-            substitute = replayed_handlers(self.work, self.host, segment, live, rate)
+            substitute = replayed_handlers(self.work, self.host, segment, live, rate, self.saves)
             self.reductions += int(self.host["reduced"][segment])
             if live:
                 self._hand_best(state, epoch)

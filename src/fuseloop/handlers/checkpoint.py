@@ -100,6 +100,16 @@ class Checkpointer:
         self._names = EpochNames()
         self._last_saved: tuple[int, int] | None = None
         self.members: dict[int, Checkpointer] = {}  # a population's per-member best saves
+        self._numbered = 0  # the last number skipped since the last written save
+
+    @property
+    def on_device(self) -> str | None:
+        """The device twin's name with `criteria` ("checkpoint"), else None.
+
+        Inside a multi-epoch dispatch the best step states are kept on the device and this
+        handler writes them at the dispatch's end (engine/device_checkpoint.py).
+        """
+        return "checkpoint" if self.monitor is not None else None
 
     def __call__(self, state: State) -> tuple[Status, State] | None:
         """Saves `state` when it is due (every `every` epochs, or on a new best)."""
@@ -109,20 +119,35 @@ class Checkpointer:
                 "fused loop step_state is None); checkpoint on an epoch event (the default) "
                 "or run with fuse=False"
             )
-        changed = None
-        if self.monitor is not None and state.population is not None:
+        if self.monitor is None:
+            self.save(state)
+            return None
+        if state.population is not None:
             return checkpoint_members(self, state)  # each member's own best, saved alone
-        if self.monitor is not None:
-            value = self.monitor.value(state)
-            record, improved = self.monitor.update(self.monitor.record(state), value, state.epoch)
-            changed = self.monitor.store(state, record)
-            if not improved:
-                return "continue", changed
-            # The saved State holds the updated record, so a resumed run compares against
-            # the best value this very checkpoint has.
-            state = changed
-        self.save(state)
-        return None if changed is None else ("continue", changed)
+        changed, improved = self.judge(state)
+        if improved:
+            self.save(changed)
+        return "continue", changed
+
+    def judge(self, state: State) -> tuple[State, bool]:
+        """With `criteria`: the State with the record updated, and whether it improved.
+
+        On an improvement that State is the one to save: a resumed run compares against
+        the best value this very checkpoint holds.
+        """
+        if self.monitor is None:
+            raise ValueError("checkpoint: judge needs criteria")
+        value = self.monitor.value(state)
+        record, improved = self.monitor.update(self.monitor.record(state), value, state.epoch)
+        return self.monitor.store(state, record), improved
+
+    def skip(self) -> None:
+        """Numbers a save without writing it.
+
+        For a multi-epoch dispatch's improvement that a later save of the same dispatch
+        prunes (`keep`): the names on disk stay those of a run that wrote it.
+        """
+        self._numbered = self._next_number(self._open())
 
     def on_halted(self, state: State) -> None:
         """Saves the final State of a halted run (early stopping, a signal, a NaN).
@@ -148,7 +173,8 @@ class Checkpointer:
     def save(self, state: State) -> Path:
         """Writes one checkpoint; orbax prunes old ones only after it is complete."""
         manager = self._open()
-        step = max(manager.all_steps(), default=0) + 1
+        step = self._next_number(manager)
+        self._numbered = 0  # skipped numbers only matter until the next written save
         self._names.next_epoch(step, state.epoch)
         manager.save(step, args=save_args(state), force=True)
         if not self.asynchronous:
@@ -156,6 +182,9 @@ class Checkpointer:
         self._last_saved = _position(state)
         self._empty_trash()
         return self.path / self._names.build_name(step)
+
+    def _next_number(self, manager: Any) -> int:
+        return max(max(manager.all_steps(), default=0), self._numbered) + 1
 
     def _open(self) -> Any:
         """The CheckpointManager, created on the first save.

@@ -1,0 +1,131 @@
+"""Whole-run fusion with `checkpoint(criteria=...)` (docs/design.md §9): the best states are
+kept on the device and written at the dispatch's end, so the dispatch does not split, and
+every save on disk holds what the unfused run's save holds.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import fuseloop as fl
+from fuseloop.engine import device_checkpoint
+from test_whole_run import _assert_same_run, _data, _same_tree, _trainer, _validated
+
+EPOCHS = 8
+
+
+def _saves(path: Path) -> list[str]:
+    return sorted(name for name in os.listdir(path) if name.startswith("checkpoint_"))
+
+
+def _assert_same_saves(fused_dir: Path, plain_dir: Path) -> None:
+    names = _saves(plain_dir)
+    assert names and _saves(fused_dir) == names
+    for name in names:
+        a, b = fl.load_state(str(fused_dir / name)), fl.load_state(str(plain_dir / name))
+        assert _same_tree(a.step_state, b.step_state), name
+        assert (a.epoch, a.iteration, a.status) == (b.epoch, b.iteration, b.status)
+        assert a.history == b.history and a.metrics == b.metrics
+        assert a.handler_metadata == b.handler_metadata
+        assert a.event_counts == b.event_counts
+
+
+def _on_loss(path: Path, keep: int | None = None) -> fl.Loop:
+    return _trainer().checkpoint(str(path), criteria="loss", keep=keep)
+
+
+@pytest.mark.parametrize("keep", [None, 1, 3])
+def test_best_checkpoint_does_not_split_and_writes_the_same_saves(tmp_path, keep):
+    plain = _on_loss(tmp_path / "a", keep).run(_data(), epochs=EPOCHS)
+    loop = _on_loss(tmp_path / "b", keep)
+    fused = loop.run(_data(), epochs=EPOCHS, fuse="run")
+    _assert_same_run(fused, plain)
+    _assert_same_saves(tmp_path / "b", tmp_path / "a")
+    assert len(_saves(tmp_path / "a")) == (keep or EPOCHS)  # the loss improved every epoch
+    assert fused.stats["dispatches"] == 1
+    assert fused.stats["dispatch_splits"] == {}
+    again = loop.run(_data(), epochs=EPOCHS, fuse="run")
+    assert again.stats["compiles"] == 0
+
+
+def test_best_checkpoint_with_validation_early_stop_and_k_beyond_the_epoch(tmp_path):
+    def loop(path: Path) -> fl.Loop:
+        return _validated(patience=3).checkpoint(str(path), criteria="validation_loss", keep=2)
+
+    plain = loop(tmp_path / "a").run(_data(), epochs=40)
+    fused = loop(tmp_path / "b").run(_data(), epochs=40, fuse=2 * 6 + 3)
+    _assert_same_run(fused, plain)
+    _assert_same_saves(tmp_path / "b", tmp_path / "a")
+    assert fused.status == "halted"
+    assert fused.stats["dispatch_splits"] == {}
+
+
+def test_a_full_ring_ends_the_dispatch_and_loses_no_save(tmp_path, monkeypatch):
+    plain = _on_loss(tmp_path / "a").run(_data(), epochs=EPOCHS)
+    # A ring of one state (as for a model too large to keep more): each improvement ends
+    # the dispatch after its epoch, and is written from the live state.
+    monkeypatch.setattr(device_checkpoint, "RING_BUDGET_BYTES", 1)
+    fused = _on_loss(tmp_path / "b").run(_data(), epochs=EPOCHS, fuse="run")
+    _assert_same_run(fused, plain)
+    _assert_same_saves(tmp_path / "b", tmp_path / "a")
+    assert fused.stats["dispatches"] == EPOCHS
+    assert fused.stats["dispatch_splits"] == {}
+
+
+def test_periodic_checkpoint_still_splits_where_it_fires(tmp_path):
+    def loop(path: Path) -> fl.Loop:
+        return (
+            _trainer()
+            .checkpoint(str(path / "best"), criteria="loss", keep=1)
+            .checkpoint(str(path / "every"), filter={"every": 3})
+        )
+
+    plain = loop(tmp_path / "a").run(_data(), epochs=EPOCHS)
+    fused = loop(tmp_path / "b").run(_data(), epochs=EPOCHS, fuse="run")
+    _assert_same_run(fused, plain)
+    for kind in ("best", "every"):
+        _assert_same_saves(tmp_path / "b" / kind, tmp_path / "a" / kind)
+    assert sorted(fused.stats["dispatch_splits"]) == [0, 3, 6]
+    assert all("checkpoint" in why for why in fused.stats["dispatch_splits"].values())
+
+
+def test_resumed_from_a_best_checkpoint(tmp_path):
+    first = _on_loss(tmp_path / "c").run(_data(), epochs=3, fuse="run")
+    saved = fl.load_state(str(tmp_path / "c"))
+    assert saved.epoch == first.epoch == 2
+    plain = _on_loss(tmp_path / "a").run(_data(), saved, epochs=EPOCHS)
+    fused = _on_loss(tmp_path / "b").run(_data(), saved, epochs=EPOCHS, fuse="run")
+    _assert_same_run(fused, plain)
+    _assert_same_saves(tmp_path / "b", tmp_path / "a")
+    whole = _trainer().run(_data(), epochs=EPOCHS)
+    assert _same_tree(fused.step_state, whole.step_state)
+
+
+def test_plateau_before_the_best_checkpoint_is_in_its_saves(tmp_path):
+    vx = np.random.default_rng(5).normal(size=(48, 5)).astype(np.float32)
+    vy = np.random.default_rng(6).integers(0, 3, 48).astype(np.int32)
+    model = fl.models.mlp([8, 3])
+    val = fl.data.arrays(vx, vy, batch_size=16, device=True)
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.3)
+
+    def loop(path: Path) -> fl.Loop:
+        return (
+            fl.trainer(model, "sparse_categorical_cross_entropy", tx)
+            .validate(model, val)
+            .reduce_lr_on_plateau("validation_loss", factor=0.5, patience=1, min_lr=0.02)
+            .checkpoint(str(path), criteria="loss", keep=2)
+        )
+
+    plain = loop(tmp_path / "a").run(_data(), epochs=20)
+    fused = loop(tmp_path / "b").run(_data(), epochs=20, fuse="run")
+    _assert_same_run(fused, plain)
+    _assert_same_saves(tmp_path / "b", tmp_path / "a")
+    assert len({h["learning_rate"] for h in plain.history.values()}) >= 2
+    assert fused.stats["dispatches"] == 1
+    assert jax.tree.leaves(fused.step_state)  # the carry is whole after the saves
