@@ -99,7 +99,7 @@ def test_reduce_lr_per_member_matches_solo_schedules():
         _close(member.params, solo.params)
         key = "reduce_lr_on_plateau:loss"
         reductions.append(member.handler_metadata[key]["reductions"])
-        assert reductions[-1] == solo.handler_metadata[key].get("reductions", 0)
+        assert reductions[-1] == solo.handler_metadata[key]["reductions"]
     assert reductions == [0, 1, 2]
 
 

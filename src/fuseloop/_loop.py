@@ -219,7 +219,9 @@ class Loop(HandlerBuilders):
                 chunk size larger than the epoch run many epochs per dispatch, ending a
                 dispatch only where a handler that may halt or change the State fires
                 (`state.stats["dispatch_splits"]` says where and why); on host-fed data
-                chunks stay within an epoch ("run" is one chunk per epoch).
+                chunks stay within an epoch ("run" is one chunk per epoch). "auto"
+                picks the cost model's chunk size, and on resident data whole epochs per
+                dispatch when that chunk is longer than an epoch.
             jit: False runs op by op for debugging (unfused only).
             progress: Show a tqdm bar per epoch.
             mesh: A `jax.sharding.Mesh` with a "data" axis for data parallelism.

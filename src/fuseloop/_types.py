@@ -55,8 +55,10 @@ Accumulate: TypeAlias = Literal["running_average", "running_sum"]
 Mode: TypeAlias = Literal["min", "max"]
 """Whether a monitored metric improves downwards (a loss) or upwards (an accuracy)."""
 
-Fuse: TypeAlias = "bool | int | Literal['auto'] | None"
-"""`Loop.run(fuse=...)`: False (one dispatch per step), True (32), a chunk size, "auto"."""
+Fuse: TypeAlias = "bool | int | Literal['auto', 'run'] | None"
+"""`Loop.run(fuse=...)`: False (one dispatch per step), True (32), a chunk size, "auto"
+(the cost model's chunk size; whole epochs per dispatch on resident data when that chunk is
+longer than an epoch), or "run" (as many epochs per dispatch as the handlers allow)."""
 
 HandlerResult: TypeAlias = "None | Status | tuple[Status, State]"
 """A handler's return: None (continue), a status, or a status and a replacement State."""

@@ -354,7 +354,7 @@ def rate_table(work: DeviceWork, step_state: Any, epochs: int) -> tuple[Any, Any
     rates = [rate]
     for _ in range(epochs):
         rates.append(w.handler.next_rate(rates[-1]))
-    floor = [float(r) <= w.handler.min_lr for r in rates]
+    floor = [w.handler.at_floor(r) for r in rates]
     return np.stack(rates), np.asarray(floor, np.bool_)
 
 

@@ -111,7 +111,7 @@ def _verified_plateau(
     def verified(state: Any) -> Any:
         value = handler.monitor.value(state)
         record = handler.monitor.record(state)
-        record, reduce = handler.decide(record, value, state.epoch, lambda: float(rate))
+        record, reduce = handler.decide(record, value, state.epoch, lambda: rate)
         if reduce != device_reduced:
             raise _disagree("reduce_lr_on_plateau", handler.monitor, state.epoch)
         return CONTINUE, handler.monitor.store(state, record)

@@ -210,7 +210,7 @@ class _LazyRates:
         self.state = state
         self.values: np.ndarray | None = None
 
-    def __call__(self, i: int) -> float:
+    def __call__(self, i: int) -> Any:
         if self.values is None:
             step_state = self.state.step_state
             if not isinstance(step_state, dict) or "opt_state" not in step_state:
@@ -221,7 +221,7 @@ class _LazyRates:
             found = find_learning_rates(step_state["opt_state"])
             # Host read: the members' learning rates, only in an epoch with a reduction due.
             self.values = np.asarray(found[0]).reshape(-1)
-        return float(self.values[i])
+        return self.values[i]  # a numpy scalar of the rate's dtype (see `at_floor`)
 
 
 def _set_member_rates(opt_state: Any, reduce: np.ndarray, handler: Any) -> Any:

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .._shards import take_rows
 from .._step import init_tail
 from .device_monitors import epoch_end_fn
 from .programs import MIN_SLOTS, _epoch_order, _source_key
@@ -162,7 +163,10 @@ def _gatherer(slots: int, sharding: Any) -> Callable[..., Any]:
     def gather(data: Any, order: Any, cursor: Any) -> Any:
         # Slots past the epoch's end gather clamped (valid) rows; they are never stepped.
         rows = order[jnp.minimum(cursor + jnp.arange(slots), order.shape[0] - 1)]
-        chunk = jax.tree.map(lambda leaf: leaf[rows], data)
+        if sharding is None:
+            chunk = jax.tree.map(lambda leaf: leaf[rows], data)
+        else:  # rows split over devices: a gather that keeps -0.0 (see _shards.take_rows)
+            chunk = jax.tree.map(lambda leaf: take_rows(leaf, rows), data)
         if sharding is not None:
             chunk = lax.with_sharding_constraint(chunk, sharding)
         return chunk

@@ -300,6 +300,7 @@ class ReduceLROnPlateau:
         """
         record = dict(record)
         record.setdefault("cooldown", 0)
+        record.setdefault("reductions", 0)
         if record["cooldown"] > 0:
             record["cooldown"] -= 1
             record["wait"] = 0
@@ -312,11 +313,19 @@ class ReduceLROnPlateau:
             return record, False
         current = rate()
         record["wait"] = 0
-        if current <= self.min_lr:
+        if self.at_floor(current):
             return record, False
         record["cooldown"] = self.cooldown
-        record["reductions"] = record.get("reductions", 0) + 1
+        record["reductions"] += 1
         return record, True
+
+    def at_floor(self, rate: Any) -> bool:
+        """Whether a reduction would leave `rate` where it is.
+
+        `rate` is an array or numpy scalar of the rate's dtype: at the floor means at
+        `min_lr` as that dtype holds it (float32 0.2 is above the Python 0.2), or below it.
+        """
+        return bool(float(self.next_rate(rate)) >= float(np.asarray(rate)))
 
     def next_rate(self, rate: Any) -> Any:
         """The rate after one reduction, as `set_learning_rate` computes it."""
@@ -337,7 +346,7 @@ class ReduceLROnPlateau:
         state = state.replace(step_state={**step_state, "opt_state": opt_state})
         return "continue", self.monitor.store(state, record)
 
-    def _rate(self, state: State) -> float:
+    def _rate(self, state: State) -> Any:
         step_state = state.step_state
         if not isinstance(step_state, dict) or "opt_state" not in step_state:
             raise ValueError(
@@ -347,7 +356,7 @@ class ReduceLROnPlateau:
         rates = find_learning_rates(step_state["opt_state"])
         if not rates:
             raise _fixed_lr_error()
-        return float(np.asarray(rates[0]))
+        return np.asarray(rates[0])  # its own dtype: `at_floor` compares in it
 
 
 def _injected_rate(tx: Any) -> bool:
