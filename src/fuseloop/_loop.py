@@ -214,14 +214,12 @@ class Loop(HandlerBuilders):
             init_state: None (initialize from the first batch), variables, or a State to resume.
             epochs: Total number of epochs (a resumed run continues up to this many).
             iterations: Bound on iterations per epoch.
-            fuse: False; True (chunks of 32); a positive int chunk size; "auto"; or "run".
-                On device-resident data (`fl.data.arrays(..., device=True)`), "run" and a
-                chunk size larger than the epoch run many epochs per dispatch, ending a
-                dispatch only where a handler that may halt or change the State fires
-                (`state.stats["dispatch_splits"]` says where and why); on host-fed data
-                chunks stay within an epoch ("run" is one chunk per epoch). "auto"
-                picks the cost model's chunk size, and on resident data whole epochs per
-                dispatch when that chunk is longer than an epoch.
+            fuse: False; True (chunks of 32); a chunk size; "auto" (the cost model's
+                size); or "run". On resident data (`fl.data.arrays(..., device=True)`),
+                "run", a size beyond the epoch, and "auto" when its size is, run many
+                epochs per dispatch, split only where a handler that may halt or change
+                the State fires (`state.stats["dispatch_splits"]`); host-fed chunks stay
+                within an epoch.
             jit: False runs op by op for debugging (unfused only).
             progress: Show a tqdm bar per epoch.
             mesh: A `jax.sharding.Mesh` with a "data" axis for data parallelism.

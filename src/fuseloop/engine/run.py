@@ -20,12 +20,12 @@ from .._checks import Checker
 from .._data import as_source
 from .._distributed import check_same_config, describe, process_count
 from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, Event
-from .._fusion import DEFAULT_CHUNK, resolve_fuse
+from .._fusion import resolve_fuse
 from .._placement import Placement
 from .._state import State, new_stats
-from .auto_chunk import choose_chunk_size, epochs_per_dispatch
 from .bus import EventBus
 from .carry import Carry
+from .dispatch_plan import plan_dispatches
 from .epoch import EpochLoop
 from .feeds import HostFeed, ResidentFeed, first_resident_batch, place_dataset
 from .handoff import Handoff
@@ -35,7 +35,7 @@ from .population_run import PopulationHost
 from .programs import Programs
 from .signals import SignalGuard
 from .start import initial_step_state
-from .whole_run import WholeRun, whole_run_refusal
+from .whole_run import WholeRun
 
 __all__ = ["Run", "check_run_options"]
 
@@ -224,26 +224,10 @@ class Run:
         return first[0]
 
     def _feed(self, step_state: Any, first: Any) -> Any:
-        length = _epoch_length(self.source, self.iterations)
-        fuse = self.fuse
-        if self.resident and isinstance(fuse, int) and length is not None and fuse > length:
-            self._whole_run(fuse)
-        if self.fuse == "run":
-            self._whole_run(None)
-        if self.fuse == "auto" and self._whole_run_refusal() is None:
-            self._auto_whole_run(step_state, first, length)
+        plan_dispatches(self, step_state, first, _warn_nonfinite)
         if self.whole is not None:
             return None
-        if self.fuse == "auto":
-            self.fuse = choose_chunk_size(
-                self.programs,
-                step_state,
-                first,
-                placement=self.placement,
-                epoch_length=_epoch_length(self.source, self.iterations),
-            )
-        self.stats["chunk_size"] = self.fuse or 1
-        size = self.fuse if isinstance(self.fuse, int) else None  # "auto" is resolved above
+        size = self.fuse if isinstance(self.fuse, int) else None  # "auto" is resolved
         if self.resident:
             return ResidentFeed(
                 self.source.data,
@@ -264,43 +248,6 @@ class Run:
             prefetch=self.prefetch,
             max_in_flight=self.max_in_flight,
         )
-
-    def _whole_run(self, size: int | None) -> None:
-        """Many epochs per dispatch where the data allows (docs/design.md §9); otherwise
-        `fuse="run"` is one chunk per epoch, and `stats["whole_run"]` says why.
-        """
-        length = _epoch_length(self.source, self.iterations) or DEFAULT_CHUNK
-        refusal = self._whole_run_refusal()
-        self.stats["whole_run"] = refusal or "many epochs per dispatch"
-        if refusal is not None:
-            self.fuse = length if size is None else size
-            return
-        self.whole = WholeRun(self, size, _warn_nonfinite)
-        self.stats["chunk_size"] = size or length * self.epochs
-
-    def _whole_run_refusal(self) -> str | None:
-        """Why this run cannot cross epochs in one dispatch (None: it can)."""
-        if not self.resident:
-            return "the data is host-fed: chunks stay within an epoch"
-        if self.population is not None:
-            # The multi-epoch program is not vmapped over members (yet): a population keeps
-            # epoch-bounded chunks, which are exact.
-            return "a population: chunks stay within an epoch"
-        return whole_run_refusal(self.source.data, self.iterations)
-
-    def _auto_whole_run(self, step_state: Any, first: Any, length: int | None) -> None:
-        """`fuse="auto"` where epochs may be crossed: the cost model's K in whole epochs
-        (auto_chunk.epochs_per_dispatch); one epoch or less keeps the per-epoch engine.
-        """
-        if length is None:
-            return
-        per = epochs_per_dispatch(
-            self.programs, step_state, first, placement=self.placement, epoch_length=length
-        )
-        if per > 1:
-            self._whole_run(None if per >= self.epochs - self.start_epoch else per * length)
-        else:
-            self.stats["whole_run"] = "fuse='auto': one epoch or less per dispatch (cost model)"
 
     # ----------------------------------------------------------------- epochs
     def _epochs(self, signals: SignalGuard) -> State:
@@ -419,12 +366,3 @@ def _attach_state(error: BaseException, state: State) -> None:
     # An exception type without attributes: nothing to attach to.
     with contextlib.suppress(AttributeError):
         error.fuseloop_state = state  # type: ignore[attr-defined]
-
-
-def _epoch_length(source: Any, iterations: int | None) -> int | None:
-    """Batches per epoch where known (a sized re-iterable source, or `iterations`)."""
-    known = [] if iterations is None else [iterations]
-    if not source.one_shot:
-        with contextlib.suppress(TypeError):  # an unsized source
-            known.append(len(source.data))
-    return min(known) if known else None

@@ -1,0 +1,98 @@
+"""How a run's dispatches are shaped, decided once before the first epoch.
+
+Per-epoch chunks of K steps (host feed or resident feed), or many epochs per dispatch on
+device-resident data (docs/design.md §9): `fuse=K` beyond the epoch, `fuse="run"`, and
+`fuse="auto"` when the cost model's K is longer than an epoch. Where epochs cannot be
+crossed, `stats["whole_run"]` says why and the run keeps epoch-bounded chunks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from .._fusion import DEFAULT_CHUNK
+from .auto_chunk import choose_chunk_size, epochs_per_dispatch
+from .whole_run import WholeRun, whole_run_refusal
+
+__all__ = ["plan_dispatches", "epoch_length"]
+
+
+def plan_dispatches(
+    run: Any, step_state: Any, first: Any, warn_nonfinite: Callable[[Any], None]
+) -> None:
+    """Sets `run.whole` (a `WholeRun`) or resolves `run.fuse` to a chunk size, and records
+    `stats["chunk_size"]` (and `stats["whole_run"]` where epochs could be crossed).
+    """
+    length = epoch_length(run.source, run.iterations)
+    fuse = run.fuse
+    if run.resident and isinstance(fuse, int) and length is not None and fuse > length:
+        _whole_run(run, fuse, warn_nonfinite)
+    if run.fuse == "run":
+        _whole_run(run, None, warn_nonfinite)
+    if run.fuse == "auto" and _refusal(run) is None:
+        _auto_whole_run(run, step_state, first, length, warn_nonfinite)
+    if run.whole is not None:
+        return
+    if run.fuse == "auto":
+        run.fuse = choose_chunk_size(
+            run.programs, step_state, first, placement=run.placement, epoch_length=length
+        )
+    run.stats["chunk_size"] = run.fuse or 1
+
+
+def _whole_run(run: Any, size: int | None, warn_nonfinite: Callable[[Any], None]) -> None:
+    """Many epochs per dispatch where the data allows; otherwise `fuse="run"` is one chunk
+    per epoch, and `stats["whole_run"]` says why.
+    """
+    length = epoch_length(run.source, run.iterations) or DEFAULT_CHUNK
+    refusal = _refusal(run)
+    run.stats["whole_run"] = refusal or "many epochs per dispatch"
+    if refusal is not None:
+        run.fuse = length if size is None else size
+        return
+    run.whole = WholeRun(run, size, warn_nonfinite)
+    run.stats["chunk_size"] = size or length * run.epochs
+
+
+def _refusal(run: Any) -> str | None:
+    """Why this run cannot cross epochs in one dispatch (None: it can)."""
+    if not run.resident:
+        return "the data is host-fed: chunks stay within an epoch"
+    if run.population is not None:
+        # The multi-epoch program is not vmapped over members (yet): a population keeps
+        # epoch-bounded chunks, which are exact.
+        return "a population: chunks stay within an epoch"
+    return whole_run_refusal(run.source.data, run.iterations)
+
+
+def _auto_whole_run(
+    run: Any,
+    step_state: Any,
+    first: Any,
+    length: int | None,
+    warn_nonfinite: Callable[[Any], None],
+) -> None:
+    """`fuse="auto"` where epochs may be crossed: the cost model's K in whole epochs
+    (auto_chunk.epochs_per_dispatch); one epoch or less keeps the per-epoch engine.
+    """
+    if length is None:
+        return
+    per = epochs_per_dispatch(
+        run.programs, step_state, first, placement=run.placement, epoch_length=length
+    )
+    if per > 1:
+        whole = None if per >= run.epochs - run.start_epoch else per * length
+        _whole_run(run, whole, warn_nonfinite)
+    else:
+        run.stats["whole_run"] = "fuse='auto': one epoch or less per dispatch (cost model)"
+
+
+def epoch_length(source: Any, iterations: int | None) -> int | None:
+    """Batches per epoch where known (a sized re-iterable source, or `iterations`)."""
+    known = [] if iterations is None else [iterations]
+    if not source.one_shot:
+        with contextlib.suppress(TypeError):  # an unsized source
+            known.append(len(source.data))
+    return min(known) if known else None
