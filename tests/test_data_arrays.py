@@ -289,3 +289,19 @@ def test_device_resident_source_resumes_with_the_same_order():
     whole = LOOP.run(make(), epochs=3, fuse=4)
     first = LOOP.run(make(), epochs=1, fuse=4)
     _assert_same_run(whole, LOOP.run(make(), first, epochs=3, fuse=4))
+
+
+def test_a_resident_sources_first_batch_is_read_once_and_reused_by_later_runs():
+    x, y = _xy()
+    source = fl.data.arrays(x, y, batch_size=8, seed=4, device=True)
+    first = LOOP.run(source, epochs=2, fuse=4)
+    again = LOOP.run(source, epochs=2, fuse=4)
+    _assert_same_run(first, again)
+    # The second run reads nothing for its first batch: one host sync fewer.
+    assert again.stats["host_syncs"] == first.stats["host_syncs"] - 1
+    (batch,) = source.first_batches.values()
+    np.testing.assert_array_equal(batch[0], next(iter(source.iter_epoch(0)))[0])
+    assert not batch[0].flags.writeable
+    # A run resumed at epoch 2 reads (and keeps) that epoch's first batch.
+    resumed = LOOP.run(source, first, epochs=3, fuse=4)
+    assert sorted(source.first_batches) == [0, 2] and resumed.epoch == 2

@@ -133,6 +133,8 @@ class ArraySource:
         self.num_batches = full if self.drop_remainder else full + (remainder > 0)
         self.transfers_done = 0
         self._device_arrays: tuple[Any, tuple[Any, Any]] | None = None  # (sharding, arrays)
+        # An epoch's first batch as the host read it (engine/feeds.first_resident_batch).
+        self.first_batches: dict[int, Any] = {}
 
     def __len__(self) -> int:
         return self.num_batches

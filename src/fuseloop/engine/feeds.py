@@ -242,14 +242,28 @@ def place_dataset(source: Any, placement: Any, stats: dict[str, Any]) -> Any:
     return data
 
 
-def first_resident_batch(programs: Any, source: Any, data: Any, epoch: Any, reads: Any) -> Any:
-    """The first batch of `epoch` (a device int32 scalar), gathered on the device (the same
-    rows the host source serves first) and read back: it shapes the initialization and the
-    checks.
+def first_resident_batch(
+    programs: Any, source: Any, data: Any, epoch: Any, reads: Any, start_epoch: int
+) -> Any:
+    """The first batch of `epoch` (a device int32 scalar; `start_epoch` on the host),
+    gathered on the device (the same rows the host source serves first) and read back: it
+    shapes the initialization and the checks.
+
+    Its values are a function of the source alone (its arrays, seed and order), so the
+    host copy is kept beside the source, as the device copy is: a later run of the same
+    source from the same epoch reads nothing.
     """
+    kept = source.first_batches.get(start_epoch)
+    if kept is not None:
+        return kept
     sharding = jax.tree.leaves(data)[0].sharding
     replicated = None
     if isinstance(sharding, NamedSharding):  # over a mesh: read it whole on every process
         replicated = NamedSharding(sharding.mesh, PartitionSpec())
-    # Host read: the run's first batch, once per run.
-    return reads.get(programs.first_batch(source, replicated)(data, epoch))
+    # Host read: the first batch, once per source and epoch.
+    batch = reads.get(programs.first_batch(source, replicated)(data, epoch))
+    for leaf in jax.tree.leaves(batch):
+        if isinstance(leaf, np.ndarray):
+            leaf.flags.writeable = False  # shared by later runs: nobody may edit it
+    source.first_batches[start_epoch] = batch
+    return batch

@@ -209,7 +209,12 @@ class Run:
             self.device_epoch = jax.device_put(np.int32(self.start_epoch))
             first = [
                 first_resident_batch(
-                    self.programs, self.source.data, self.dataset, self.device_epoch, self.reads
+                    self.programs,
+                    self.source.data,
+                    self.dataset,
+                    self.device_epoch,
+                    self.reads,
+                    self.start_epoch,
                 )
             ]
         else:
