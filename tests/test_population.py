@@ -87,6 +87,24 @@ def test_population_fused_equals_unfused_bitwise(resident):
             assert np.array_equal(value, plain.history[epoch][name]), (epoch, name)
 
 
+@pytest.mark.parametrize("resident", [False, True])
+def test_population_with_fuse_auto_chooses_a_chunk_and_stays_exact(resident):
+    x, y = _tiny(60)
+    data = fl.data.arrays(x, y, batch_size=8, device=resident)
+    loop = _trainer()
+    auto = loop.run(data, epochs=2, fuse="auto", population=3)
+    chosen = auto.stats["chunk_size"]
+    assert isinstance(chosen, int) and chosen >= 1
+    plain = loop.run(data, epochs=2, fuse=False, population=3)
+    assert _bitwise(auto.step_state, plain.step_state)
+    assert auto.step_state["params"]["params"]["Dense_0"]["kernel"].shape[0] == 3
+    if resident:  # a population keeps epoch-bounded chunks, and says why
+        assert "population" in auto.stats["whole_run"]
+    again = loop.run(data, epochs=2, fuse="auto", population=3)
+    assert again.stats["chunk_size"] == chosen  # the probe ran once per loop and batch shape
+    assert again.stats["compiles"] == 0
+
+
 def test_member_matches_solo_run_with_its_seed(digits):
     """Member i vs a solo run with seed+i: rtol 1e-5 after 3 epochs of the digits MLP.
 
@@ -166,8 +184,6 @@ def test_population_argument_errors():
     loop = _trainer()
     with pytest.raises(ValueError, match="population=0"):
         loop.run(data, population=0)
-    with pytest.raises(ValueError, match="fuse='auto'"):
-        loop.run(data, fuse="auto", population=2)
     with pytest.raises(ValueError, match="whole-run fusion"):
         loop.run(data, fuse="run", population=2)
     with pytest.raises(ValueError, match="trainer"):

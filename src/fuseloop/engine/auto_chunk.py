@@ -100,7 +100,10 @@ def probe(
     except ValueError:  # a batch the mesh cannot split: the run reports that itself
         state_sharding = chunk_sharding = None
         chunk = jax.device_put(stacked)
-    tail = init_tail(loop.metrics, guard)
+    # The run's own accumulators (a population's have a member axis and its active flags).
+    tail = (
+        programs.fresh_tail() if programs.population is not None else init_tail(loop.metrics, guard)
+    )
     steps = min(copies, PROBE_COPIES)
     counts = {n: jax.device_put(np.int32(n), state_sharding) for n in (1, steps)}
 

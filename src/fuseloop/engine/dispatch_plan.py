@@ -31,8 +31,12 @@ def plan_dispatches(
         _whole_run(run, fuse, warn_nonfinite)
     if run.fuse == "run":
         _whole_run(run, None, warn_nonfinite)
-    if run.fuse == "auto" and _refusal(run) is None:
-        _auto_whole_run(run, step_state, first, length, warn_nonfinite)
+    if run.fuse == "auto":
+        refusal = _refusal(run)
+        if refusal is None:
+            _auto_whole_run(run, step_state, first, length, warn_nonfinite)
+        else:
+            run.stats["whole_run"] = f"fuse='auto': {refusal}"
     if run.whole is not None:
         return
     if run.fuse == "auto":

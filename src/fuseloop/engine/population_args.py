@@ -86,11 +86,6 @@ def resolve_population(
             "population with fuse='run' (whole-run fusion) is not supported yet; use "
             "fuse=True or a chunk size with a population"
         )
-    if isinstance(fuse, str) and fuse == "auto":
-        raise ValueError(
-            "population with fuse='auto' is not supported yet (the chunk-size probe steps a "
-            "solo carry); pass fuse=True or a chunk size with a population"
-        )
     if mesh is not None:
         raise ValueError(
             "population with mesh=... is not supported yet; run a population on one device "
