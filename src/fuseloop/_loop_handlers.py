@@ -149,7 +149,8 @@ class HandlerBuilders:
             path: The checkpoint directory.
             event: When to save (default: at the end of each epoch).
             filter: Which firings save, e.g. `{"every": 5}`.
-            criteria: Save only when this metric improves (checkpoint-on-best).
+            criteria: Save only when this metric improves (checkpoint-on-best). A
+                population saves each member's own best alone under `path/member_<i>/`.
             mode: "min" or "max" for `criteria`.
             keep: Keep only the newest `keep` checkpoints (None: all).
             asynchronous: Write in the background so training does not wait on the disk;
