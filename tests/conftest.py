@@ -8,6 +8,10 @@ so test modules may `from conftest import ...` them for use in parametrization.
 from __future__ import annotations
 
 import io
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -247,3 +251,19 @@ def batches() -> list[tuple[np.ndarray, np.ndarray]]:
 @pytest.fixture
 def stream() -> io.StringIO:
     return io.StringIO()
+
+
+def run_on_four_devices(script: str) -> dict:
+    """Runs `script` in a subprocess with 4 virtual CPU devices (the device count is fixed
+    when jax starts) and returns the JSON of its last `RESULT ` line."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])

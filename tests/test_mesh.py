@@ -7,13 +7,11 @@ when jax starts. The script prints one JSON line of findings that the tests asse
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from conftest import run_on_four_devices
 
 SCRIPT = textwrap.dedent(
     """
@@ -110,17 +108,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def findings() -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    return run_on_four_devices(SCRIPT)
 
 
 @pytest.mark.parametrize("kind", ["list", "arrays"])

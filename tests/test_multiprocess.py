@@ -273,6 +273,16 @@ def test_each_process_holds_only_its_rows_of_resident_data(two_processes, name):
         assert held["train"]["transfers"] == 1
 
 
+def _assert_within_rounding(seen: dict, reference) -> None:
+    """A process's params and history against a 1-device run of the same global batches:
+    one device sums the batch's gradients in another order than two, so within rounding."""
+    for mine, theirs in zip(seen["params"], jax.tree.leaves(reference.params), strict=True):
+        np.testing.assert_allclose(np.asarray(mine), np.asarray(theirs), rtol=1e-5, atol=1e-6)
+    for epoch, metrics in reference.history.items():
+        for key, value in metrics.items():
+            assert seen["history"][str(epoch)][key] == pytest.approx(value, rel=1e-5)
+
+
 @pytest.mark.parametrize("name", ["resident_short", "resident_padded", "resident_whole_run"])
 def test_two_processes_on_resident_data_train_like_one(two_processes, resident_reference, name):
     _, seen = two_processes
@@ -281,12 +291,7 @@ def test_two_processes_on_resident_data_train_like_one(two_processes, resident_r
     assert first["params"] == second["params"] and first["history"] == second["history"]
     assert first["status"] == second["status"] == reference.status
     assert sorted(int(e) for e in first["history"]) == sorted(reference.history)
-    # One device sums the batch's gradients in another order than two: within rounding.
-    for mine, theirs in zip(first["params"], jax.tree.leaves(reference.params), strict=True):
-        np.testing.assert_allclose(np.asarray(mine), np.asarray(theirs), rtol=1e-5, atol=1e-6)
-    for epoch, metrics in reference.history.items():
-        for key, value in metrics.items():
-            assert first["history"][str(epoch)][key] == pytest.approx(value, rel=1e-5)
+    _assert_within_rounding(first, reference)
 
 
 @pytest.mark.parametrize("name", ["fused", "local_share", "resident"])
@@ -298,12 +303,7 @@ def test_two_processes_train_like_one(two_processes, reference, name):
     assert (first["status"], first["epoch"]) == (second["status"], second["epoch"])
     assert first["resumed"] == first["params"]  # load_state + resume, bitwise
     assert sorted(int(e) for e in first["history"]) == sorted(reference.history)
-    # One device sums the batch's gradients in another order than two: within rounding.
-    for mine, theirs in zip(first["params"], jax.tree.leaves(reference.params), strict=True):
-        np.testing.assert_allclose(np.asarray(mine), np.asarray(theirs), rtol=1e-5, atol=1e-6)
-    for epoch, metrics in reference.history.items():
-        for key, value in metrics.items():
-            assert first["history"][str(epoch)][key] == pytest.approx(value, rel=1e-5)
+    _assert_within_rounding(first, reference)
 
 
 def test_fused_per_process_input_and_device_resident_agree_bitwise(two_processes):

@@ -8,19 +8,12 @@ import pytest
 from flax import linen as nn
 
 import fuseloop as fl
+from conftest import tree_equal
 from fuseloop._demo import digits_split
 
 
 def _leaves(tree):
     return [np.asarray(leaf) for leaf in jax.tree.leaves(tree)]
-
-
-def _bitwise(a, b):
-    la, lb = _leaves(a), _leaves(b)
-    return len(la) == len(lb) and all(
-        x.shape == y.shape and x.dtype == y.dtype and np.array_equal(x, y)
-        for x, y in zip(la, lb, strict=True)
-    )
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +68,13 @@ def test_population_shapes_and_metrics():
 
 
 @pytest.mark.parametrize("resident", [False, True])
-def test_population_fused_equals_unfused_bitwise(resident):
+def test_population_fused_equals_unfusedtree_equal(resident):
     x, y = _tiny(60)
     data = fl.data.arrays(x, y, batch_size=8, device=resident)
     loop = _trainer(dropout=0.2)
     fused = loop.run(data, epochs=2, fuse=3, population=4)
     plain = loop.run(data, epochs=2, fuse=False, population=4)
-    assert _bitwise(fused.step_state, plain.step_state)
+    assert tree_equal(fused.step_state, plain.step_state)
     for epoch in fused.history:
         for name, value in fused.history[epoch].items():
             assert np.array_equal(value, plain.history[epoch][name]), (epoch, name)
@@ -96,7 +89,7 @@ def test_population_with_fuse_auto_chooses_a_chunk_and_stays_exact(resident):
     chosen = auto.stats["chunk_size"]
     assert isinstance(chosen, int) and chosen >= 1
     plain = loop.run(data, epochs=2, fuse=False, population=3)
-    assert _bitwise(auto.step_state, plain.step_state)
+    assert tree_equal(auto.step_state, plain.step_state)
     assert auto.step_state["params"]["params"]["Dense_0"]["kernel"].shape[0] == 3
     if resident:  # a population keeps epoch-bounded chunks, and says why
         assert "population" in auto.stats["whole_run"]
@@ -137,7 +130,7 @@ def test_population_init_is_bitwise_the_solo_init():
     pop = population_init(Programs(_trainer(4), members), members, (x, y), None)
     for i in range(3):
         solo = initial_step_state(Programs(_trainer(4 + i)), None, (x, y), False)
-        assert _bitwise(jax.tree.map(lambda a, i=i: a[i], pop), solo)
+        assert tree_equal(jax.tree.map(lambda a, i=i: a[i], pop), solo)
 
 
 def test_member_is_a_plain_state(tmp_path):
@@ -161,7 +154,7 @@ def test_member_is_a_plain_state(tmp_path):
     # save, load and resume the member as a solo run
     fl.save_state(member, tmp_path / "m")
     loaded = fl.load_state(tmp_path / "m")
-    assert _bitwise(loaded.step_state, member.step_state)
+    assert tree_equal(loaded.step_state, member.step_state)
     resumed = loop.run(data, loaded, epochs=3, fuse=True)
     assert sorted(resumed.history) == [0, 1, 2]
     assert resumed.population is None

@@ -9,19 +9,12 @@ import optax
 import pytest
 
 import fuseloop as fl
+from conftest import tree_equal
 from fuseloop._optim import in_float32
 
 
 def _leaves(tree):
     return [np.asarray(leaf) for leaf in jax.tree.leaves(tree)]
-
-
-def _bitwise(a, b):
-    la, lb = _leaves(a), _leaves(b)
-    return len(la) == len(lb) and all(
-        x.shape == y.shape and x.dtype == y.dtype and np.array_equal(x, y)
-        for x, y in zip(la, lb, strict=True)
-    )
 
 
 def _data(n=64, seed=0):
@@ -100,7 +93,7 @@ def test_each_member_stops_at_its_solo_epoch():
     loop = _stopping(**kwargs)
     pop = loop.run(data, epochs=10, fuse=4, population={"learning_rate": rates})
     plain = loop.run(data, epochs=10, fuse=False, population={"learning_rate": rates})
-    assert _bitwise(pop.step_state, plain.step_state)
+    assert tree_equal(pop.step_state, plain.step_state)
     record = pop.handler_metadata["_population"]
     lasts = []
     for i, rate in enumerate(rates):
@@ -139,7 +132,7 @@ def test_terminate_on_nan_per_member():
         pop = loop.run(data, epochs=3, fuse=4, population={"learning_rate": rates})
     with pytest.warns(RuntimeWarning):
         plain = loop.run(data, epochs=3, fuse=False, population={"learning_rate": rates})
-    assert _bitwise(pop.step_state, plain.step_state)
+    assert tree_equal(pop.step_state, plain.step_state)
     assert pop.status == "completed"
     for i, rate in enumerate(rates):
         with pytest.warns() if rate > 1 else _nothing():
@@ -187,7 +180,7 @@ def test_checkpoint_and_resume_a_population(tmp_path):
     loaded = fl.load_state(tmp_path / "pop")
     assert loaded.population == 3
     resumed = loop.run(data, loaded, epochs=4, fuse=4)
-    assert _bitwise(resumed.step_state, whole.step_state)
+    assert tree_equal(resumed.step_state, whole.step_state)
     for epoch in whole.history:
         assert np.array_equal(resumed.history[epoch]["loss"], whole.history[epoch]["loss"])
     again = loop.run(data, loaded, epochs=3, fuse=4, population=3)  # the same members: fine
@@ -204,7 +197,7 @@ def test_resume_keeps_halted_members_frozen(tmp_path):
     half = loop.run(data, epochs=3, fuse=4, population=population)
     fl.save_state(half, tmp_path / "p")
     resumed = loop.run(data, fl.load_state(tmp_path / "p"), epochs=6, fuse=4)
-    assert _bitwise(resumed.step_state, whole.step_state)
+    assert tree_equal(resumed.step_state, whole.step_state)
     assert resumed.handler_metadata["_population"] == whole.handler_metadata["_population"]
 
 
@@ -214,7 +207,7 @@ def test_checkpoint_handler_saves_the_population(tmp_path):
     pop = loop.run(data, epochs=2, fuse=4, population=2)
     loaded = fl.load_state(tmp_path / "ckpt")
     assert loaded.population == 2
-    assert _bitwise(loaded.step_state, pop.step_state)
+    assert tree_equal(loaded.step_state, pop.step_state)
     assert np.array_equal(loaded.history[1]["loss"], pop.history[1]["loss"])
 
 

@@ -10,13 +10,11 @@ is fixed when jax starts); it prints one JSON line of findings.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from conftest import run_on_four_devices
 
 SCRIPT = textwrap.dedent(
     """
@@ -102,17 +100,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def findings() -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    return run_on_four_devices(SCRIPT)
 
 
 @pytest.mark.parametrize("fuse", [4, False, "run"])
