@@ -34,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._placement import device_signature
-from .._step import init_tail
 from .programs import Programs
 
 __all__ = [
@@ -89,8 +88,6 @@ def probe(
     loop). Either way it may donate, as the run's does: each call gets a fresh private copy
     of the state, so the caller's step state is only read.
     """
-    loop = programs.loop
-    guard = loop.guard_nonfinite
     if program is None:
         program = programs.chunk()
     stacked = jax.tree.map(lambda a: np.repeat(np.asarray(a)[None], copies, axis=0), batch)
@@ -101,9 +98,7 @@ def probe(
         state_sharding = chunk_sharding = None
         chunk = jax.device_put(stacked)
     # The run's own accumulators (a population's have a member axis and its active flags).
-    tail = (
-        programs.fresh_tail() if programs.population is not None else init_tail(loop.metrics, guard)
-    )
+    tail = programs.fresh_tail()
     steps = min(copies, PROBE_COPIES)
     counts = {n: jax.device_put(np.int32(n), state_sharding) for n in (1, steps)}
 

@@ -28,9 +28,9 @@ def plan_dispatches(
     length = epoch_length(run.source, run.iterations)
     fuse = run.fuse
     if run.resident and isinstance(fuse, int) and length is not None and fuse > length:
-        _whole_run(run, fuse, warn_nonfinite)
+        _whole_run(run, fuse, length, warn_nonfinite)
     if run.fuse == "run":
-        _whole_run(run, None, warn_nonfinite)
+        _whole_run(run, None, length, warn_nonfinite)
     if run.fuse == "auto":
         refusal = _refusal(run)
         if refusal is None:
@@ -46,11 +46,14 @@ def plan_dispatches(
     run.stats["chunk_size"] = run.fuse or 1
 
 
-def _whole_run(run: Any, size: int | None, warn_nonfinite: Callable[[Any], None]) -> None:
+def _whole_run(
+    run: Any, size: int | None, length: int | None, warn_nonfinite: Callable[[Any], None]
+) -> None:
     """Many epochs per dispatch where the data allows; otherwise `fuse="run"` is one chunk
-    per epoch, and `stats["whole_run"]` says why.
+    per epoch (of `length` batches, or DEFAULT_CHUNK when unknown), and
+    `stats["whole_run"]` says why.
     """
-    length = epoch_length(run.source, run.iterations) or DEFAULT_CHUNK
+    length = length or DEFAULT_CHUNK
     refusal = _refusal(run)
     run.stats["whole_run"] = refusal or "many epochs per dispatch"
     if refusal is not None:
@@ -88,7 +91,7 @@ def _auto_whole_run(
     )
     if per > 1:
         whole = None if per >= run.epochs - run.start_epoch else per * length
-        _whole_run(run, whole, warn_nonfinite)
+        _whole_run(run, whole, length, warn_nonfinite)
     else:
         run.stats["whole_run"] = "fuse='auto': one epoch or less per dispatch (cost model)"
 
