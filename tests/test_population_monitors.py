@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import fuseloop as fl
+from conftest import tree_equal
 from fuseloop.handlers.checkpoint import list_checkpoints
-from test_population_members import _bitwise, _data, _leaves, _named_sgd, _trainer
+from test_population_members import _data, _leaves, _named_sgd, _trainer
 
 RATES = [0.0, 0.05, 1.0]  # measured: different best epochs, stops and plateaus per member
 
@@ -32,7 +33,7 @@ def test_restore_best_restores_each_members_best_epoch():
     loop = _restoring(_trainer())
     pop = loop.run(data, epochs=10, fuse=4, population={"learning_rate": RATES})
     plain = loop.run(data, epochs=10, fuse=False, population={"learning_rate": RATES})
-    assert _bitwise(pop.step_state, plain.step_state)
+    assert tree_equal(pop.step_state, plain.step_state)
     best_epochs = []
     for i, rate in enumerate(RATES):
         solo = _solo(rate, i, _restoring, epochs=10, fuse=4)
@@ -59,7 +60,7 @@ def test_restore_best_when_another_handler_halts_the_run():
     plain = halt_at_3(_trainer()).run(
         data, epochs=10, fuse=False, population={"learning_rate": RATES}
     )
-    assert _bitwise(pop.step_state, plain.step_state)
+    assert tree_equal(pop.step_state, plain.step_state)
     for i, rate in enumerate(RATES):
         solo = _solo(rate, i, halt_at_3, epochs=10, fuse=4)
         _close(pop.member(i).params, solo.params)
@@ -88,7 +89,7 @@ def test_reduce_lr_per_member_matches_solo_schedules():
     loop = _reducing(_trainer())
     pop = loop.run(data, epochs=8, fuse=4, population={"learning_rate": rates})
     plain = loop.run(data, epochs=8, fuse=False, population={"learning_rate": rates})
-    assert _bitwise(pop.step_state, plain.step_state)
+    assert tree_equal(pop.step_state, plain.step_state)
     reductions = []
     for i, rate in enumerate(rates):
         solo = _solo(rate, i, _reducing, epochs=8, fuse=4)
@@ -141,7 +142,7 @@ def test_checkpoint_on_best_saves_each_members_best(tmp_path):
         plain = fl.load_state(tmp_path / "plain" / f"member_{i}")
         solo = fl.load_state(tmp_path / f"solo{i}")
         assert fused.population is None and fused.epoch == solo.epoch
-        assert _bitwise(fused.step_state, plain.step_state)
+        assert tree_equal(fused.step_state, plain.step_state)
         _close(fused.params, solo.params)
         assert sorted(fused.history) == sorted(solo.history)
         best = fused.handler_metadata["checkpoint:loss"]
