@@ -176,13 +176,6 @@ def tree_equal(a: Any, b: Any) -> bool:
     return True
 
 
-def _host(leaf: Any) -> np.ndarray:
-    """A numpy view of a leaf; typed PRNG keys (nnx RNG streams) by their key data."""
-    if hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-        leaf = jax.random.key_data(leaf)
-    return np.asarray(leaf)
-
-
 def assert_tree_equal(a: Any, b: Any, what: str = "tree") -> None:
     leaves_a, def_a = jax.tree.flatten(a)
     leaves_b, def_b = jax.tree.flatten(b)
