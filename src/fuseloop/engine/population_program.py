@@ -1,0 +1,204 @@
+"""The multi-epoch device loop of a population (docs/design.md §8 and §9).
+
+The same loop as `whole_program.py` (segments of epochs, each running the one device loop,
+the epoch boundary on the device), with the member axis:
+
+* the segment's device loop is the population's (`population.member_chunk`: every member
+  steps, inactive members get their carry back, a member whose guard tripped becomes
+  inactive at the segment's end), so each step is the step of a per-epoch population run;
+* the epoch-end work (`device_monitors.epoch_end_fn`) runs vmapped over the members, each
+  member with its own monitor records, learning-rate table and best step state; a member
+  that was inactive when its epoch ended keeps everything as it was (the host monitors
+  skip halted members), and a member that early stopping stops becomes inactive (with
+  `restore_best`, its best epoch's step state first, as the host handler restores it);
+* the epoch boundary keeps the `active` mask, and the dispatch ends once no member is
+  active (or at its steps, as any whole-run dispatch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .device_monitors import DeviceWork, epoch_end_fn
+from .population import population_tail
+from .programs import MIN_SLOTS, _epoch_order, _source_key
+from .whole_program import _gatherer, _put
+
+__all__ = ["population_whole_program"]
+
+
+def population_whole_program(
+    programs: Any, source: Any, segments: int, limit: int, work: DeviceWork
+) -> Any:
+    """The cached multi-epoch program of a population (`programs` is the population's).
+
+    `(state, tail, data, order, epoch, cursor, steps, monitor, inputs) -> (state, tail,
+    out, order, epoch, cursor)`, as `whole_program.whole_run_program`, where every value
+    has the member axis and `out` also holds `active` (the members active at each
+    segment's end, after the guard and before the epoch's monitors). `monitor` holds the
+    device monitors' per-member records, `best_start` (each member's best step state so
+    far, with `restore_best`) and `holds` (whether that copy is the member's best);
+    `inputs["rates"]` is each member's rate table.
+    """
+    key = ("population", _source_key(source), segments, limit, work.key)
+    cache = programs.cache.whole_run
+    if key not in cache:
+        size = programs.population.size
+        fn = _build(programs, source, segments, limit, work, size)
+        cache[key] = programs._jit(fn)
+    return cache[key]
+
+
+def _build(
+    programs: Any, source: Any, segments: int, limit: int, work: DeviceWork, size: int
+) -> Callable[..., Any]:
+    body = programs._device_loop()
+    slots = max(limit, MIN_SLOTS)
+    gather = _gatherer(slots, None)
+    metrics, guard = programs.loop.metrics, programs.guard
+    epoch_end = _member_epoch_end(work, segments)
+
+    def boundary(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
+        """The epoch's end inside the dispatch: fresh accumulators (stopped members stay
+        stopped), the next order."""
+        fresh = {**population_tail(metrics, guard, size), "active": tail["active"]}
+        return fresh, _epoch_order(source, epoch), epoch + 1, jnp.zeros((), jnp.int32)
+
+    def keep(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
+        return tail, order, epoch, cursor
+
+    def program(
+        state: Any,
+        tail: Any,
+        data: Any,
+        order: Any,
+        epoch: Any,
+        cursor: Any,
+        steps: Any,
+        monitor: Any,
+        inputs: Any,
+    ) -> tuple[Any, ...]:
+        extra = epoch_end.start(state, monitor)
+        shapes = jax.eval_shape(
+            epoch_end.ended, state, tail["acc"], extra, tail["active"], 0, inputs
+        )
+        out = _buffers(segments, slots, tail, shapes[2])
+
+        def step(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+            s, remaining, state, tail, order, epoch, cursor, out, extra = carry
+            tail, order, epoch, cursor = lax.cond(
+                cursor >= limit, boundary, keep, tail, order, epoch, cursor
+            )
+            n = jnp.minimum(remaining, limit - cursor)
+            state, tail, records, n_run = body(state, tail, gather(data, order, cursor), n)
+            active = tail["active"]  # after the guard, before the epoch's monitors
+            state, extra, epoch_out, still = lax.cond(
+                cursor + n_run == limit,
+                epoch_end.ended,
+                epoch_end.running(shapes[2]),
+                state,
+                tail["acc"],
+                extra,
+                active,
+                s,
+                inputs,
+            )
+            segment = {
+                "records": records,
+                "final": tail["acc"],
+                "n_run": n_run,
+                "nonfinite": tail.get("nonfinite", jnp.zeros((size,), jnp.bool_)),
+                "active": active,
+            }
+            out = _put(out, {**epoch_out, **segment}, s)
+            tail = {**tail, "active": still}
+            return s + 1, remaining - n_run, state, tail, order, epoch, cursor + n_run, out, extra
+
+        def going(carry: tuple[Any, ...]) -> Any:
+            s, remaining, _, tail, *_ = carry
+            return (s < segments) & (remaining > 0) & jnp.any(tail["active"])
+
+        zero = jnp.zeros((), jnp.int32)
+        carry = (zero, steps, state, tail, order, epoch, cursor, out, extra)
+        _, _, state, tail, order, epoch, cursor, out, extra = lax.while_loop(going, step, carry)
+        return state, tail, {**out, "extra": extra}, order, epoch, cursor
+
+    return program
+
+
+class _MemberEpochEnd:
+    """The device's epoch-end work, one member at a time (vmapped)."""
+
+    def __init__(self, work: DeviceWork, segments: int):
+        init, end = epoch_end_fn(work, segments)
+        self.restore = work.stopper is not None and work.stopper.handler.restore_best
+        self._init = jax.vmap(init)
+        self._end = jax.vmap(end, in_axes=(0, 0, 0, None, {"validation": None, "rates": 0}))
+
+    def start(self, state: Any, monitor: Any) -> dict[str, Any]:
+        records = {k: v for k, v in monitor.items() if k not in ("best_start", "holds")}
+        extra = self._init(state, records)
+        if self.restore:  # each member's best so far (a copy made by the host)
+            extra["best_state"] = monitor["best_start"]
+            extra["holds"] = monitor["holds"]
+        return extra
+
+    def ended(
+        self, state: Any, acc: Any, extra: Any, active: Any, s: Any, inputs: Any
+    ) -> tuple[Any, ...]:
+        """`(state, extra, per-epoch outputs, members still active)` at an epoch's end."""
+        inner = {k: v for k, v in extra.items() if k != "holds"}
+        new_state, new_inner, flags = self._end(state, acc, inner, s, inputs)
+        state = _where(active, new_state, state)
+        inner = _where(active, new_inner, inner)
+        flags = {k: (v & active if k != "validation" else v) for k, v in flags.items()}
+        extra = {**extra, **inner}
+        stop = flags["stop"]
+        if self.restore:
+            extra["holds"] = extra["holds"] | (active & (extra["best_s"] == s))
+            state = _where(stop & extra["holds"], extra["best_state"], state)
+        return state, extra, flags, active & ~stop
+
+    def running(self, shapes: Any) -> Callable[..., tuple[Any, ...]]:
+        def running(
+            state: Any, acc: Any, extra: Any, active: Any, s: Any, inputs: Any
+        ) -> tuple[Any, ...]:
+            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+            return state, extra, zeros, active
+
+        return running
+
+
+def _member_epoch_end(work: DeviceWork, segments: int) -> _MemberEpochEnd:
+    return _MemberEpochEnd(work, segments)
+
+
+def _where(mask: Any, new: Any, old: Any) -> Any:
+    """Member-wise `new` where `mask`, else `old`."""
+
+    def pick(a: Any, b: Any) -> Any:
+        return jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b)
+
+    return jax.tree.map(pick, new, old)
+
+
+def _buffers(segments: int, slots: int, tail: Any, epoch_shapes: Any) -> dict[str, Any]:
+    """The dispatch's per-segment output buffers, zeroed."""
+
+    def per_segment(a: Any, inner: tuple[int, ...] = ()) -> Any:
+        return jnp.zeros((segments,) + inner + a.shape, a.dtype)
+
+    size = tail["active"].shape
+    return {
+        **jax.tree.map(per_segment, epoch_shapes),
+        "records": jax.tree.map(lambda a: per_segment(a, (slots,)), tail["acc"]),
+        "final": jax.tree.map(per_segment, tail["acc"]),
+        "n_run": jnp.zeros((segments,), jnp.int32),
+        "nonfinite": jnp.zeros((segments,) + size, jnp.bool_),
+        "active": jnp.zeros((segments,) + size, jnp.bool_),
+    }
