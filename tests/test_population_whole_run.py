@@ -1,0 +1,185 @@
+"""A population with whole-run fusion (docs/design.md §8 and §9): every member in one
+multi-epoch dispatch, bitwise equal to the same population unfused, with per-member early
+stopping, plateaus and guards on the device, and host handlers that split where they fire.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import fuseloop as fl
+from conftest import tree_equal
+
+BATCHES = 4  # 64 examples, batch 16
+RATES = [0.0, 0.3, 1.0, 3.0, 10.0]  # measured: members stop at epochs 2, 3 and 11, or run on
+EPOCHS = 12
+
+
+def _data() -> Any:
+    rng = np.random.RandomState(0)
+    x = rng.rand(64, 6).astype(np.float32)
+    y = (x.sum(axis=1) > 3).astype(np.int32)
+    return fl.data.arrays(x, y, batch_size=16, device=True, seed=1)
+
+
+def _trainer(**kw: Any) -> fl.Loop:
+    return fl.trainer(
+        fl.models.mlp([8, 2]), "sparse_categorical_cross_entropy", "sgd", seed=0, **kw
+    )
+
+
+def _monitored(loop: fl.Loop, restore_best: bool = True) -> fl.Loop:
+    return loop.reduce_lr_on_plateau("loss", factor=0.5, patience=1, min_delta=0.002).early_stop(
+        "loss", patience=2, min_delta=0.005, restore_best=restore_best
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values, arrays compared bitwise (NaN where the other has NaN)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, (np.ndarray, np.generic, float)):
+        return np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+    return a == b
+
+
+def _assert_same_run(fused: fl.State, plain: fl.State) -> None:
+    assert tree_equal(fused.step_state, plain.step_state)
+    assert _same(fused.history, plain.history)
+    assert _same(fused.metrics, plain.metrics)
+    assert _same(fused.handler_metadata, plain.handler_metadata)
+    assert fused.event_counts == plain.event_counts
+    assert (fused.epoch, fused.status) == (plain.epoch, plain.status)
+    for i in range(fused.population):
+        a, b = fused.member(i), plain.member(i)
+        assert tree_equal(a.step_state, b.step_state)
+        assert _same(a.history, b.history) and _same(a.metrics, b.metrics)
+        assert _same(a.handler_metadata, b.handler_metadata)
+        assert (a.epoch, a.status) == (b.epoch, b.status)
+
+
+def _stopped(state: fl.State) -> list[Any]:
+    return state.handler_metadata["early_stop:loss"]["stopped_epoch"]
+
+
+# ----------------------------------------------------------------- monitors per member
+def test_monitors_per_member_in_one_dispatch(tmp_path):
+    runs = {}
+    for fuse in (False, "run"):
+        stream = io.StringIO()
+        loop = _monitored(_trainer(log=3, log_stream=stream)).csv_log(str(tmp_path / f"{fuse}"))
+        state = loop.run(_data(), epochs=EPOCHS, fuse=fuse, population={"learning_rate": RATES})
+        runs[fuse] = (state, stream.getvalue(), (tmp_path / f"{fuse}").read_text(), loop)
+    fused, plain = runs["run"][0], runs[False][0]
+    _assert_same_run(fused, plain)
+    assert runs["run"][1] == runs[False][1] and runs["run"][2] == runs[False][2]
+    assert fused.stats["dispatches"] == 1 and fused.stats["dispatch_splits"] == {}
+    # The members halt at different epochs (each history ends at its own), and their
+    # plateaus lower their own rates a different number of times.
+    assert _stopped(fused) == [2, None, None, 3, 11]
+    record = fused.handler_metadata["_population"]
+    assert record["halted"] == [True, False, False, True, True]
+    assert [max(fused.member(i).history) for i in range(5)] == [2, 11, 11, 3, 11]
+    assert fused.handler_metadata["reduce_lr_on_plateau:loss"]["reductions"] == [0, 1, 2, 1, 4]
+    # restore_best: member 3 stopped at epoch 3 and holds its best epoch's step state.
+    best = fused.handler_metadata["early_stop:loss"]["best_epoch"][3]
+    assert best < 3 and int(fused.member(3).step_state["step"]) == (best + 1) * BATCHES
+    again = runs["run"][3].run(
+        _data(), epochs=EPOCHS, fuse="run", population={"learning_rate": RATES}
+    )
+    assert again.stats["compiles"] == 0
+    _assert_same_run(again, fused)
+
+
+def test_fuse_k_beyond_the_epoch_and_resume(tmp_path):
+    population = {"learning_rate": RATES}
+    loop = _monitored(_trainer(), restore_best=False)
+    whole = loop.run(_data(), epochs=8, fuse="run", population=population)
+    half = loop.run(_data(), epochs=3, fuse="run", population=population)
+    fl.save_state(half, tmp_path / "half")
+    loaded = fl.load_state(tmp_path / "half")
+    plain = loop.run(_data(), loaded, epochs=8, fuse=False)
+    fused = loop.run(_data(), loaded, epochs=8, fuse=2 * BATCHES + 1)
+    _assert_same_run(fused, plain)
+    assert tree_equal(fused.step_state, whole.step_state)
+    assert _same(fused.history, whole.history)
+    assert fused.stats["dispatches"] == -(-(8 - 3) * BATCHES // (2 * BATCHES + 1))
+    assert _stopped(fused) == [2, None, None, 3, None]  # member 0 stopped before the resume
+
+
+# ----------------------------------------------------------------- halts
+def test_terminate_on_nan_freezes_one_member():
+    loop = _trainer().terminate_on_nan()
+    population = {"learning_rate": [0.3, 1e30]}
+    states = {}
+    for fuse in (False, "run"):
+        with pytest.warns(RuntimeWarning, match=r"members \[1\]"):
+            states[fuse] = loop.run(_data(), epochs=4, fuse=fuse, population=population)
+    fused = states["run"]
+    _assert_same_run(fused, states[False])
+    assert fused.handler_metadata["_population"]["halted"] == [False, True]
+    assert fused.status == "completed" and sorted(fused.member(0).history) == [0, 1, 2, 3]
+    assert fused.member(1).history == {} and fused.stats["dispatches"] == 1
+    every = {}
+    for fuse in (False, "run"):  # every member trips: the run halts in its first epoch
+        with pytest.warns(RuntimeWarning):
+            every[fuse] = loop.run(
+                _data(),
+                epochs=4,
+                fuse=fuse,
+                population={"seed": [0, 1]} | {"learning_rate": [1e30, 1e30]},
+            )
+    _assert_same_run(every["run"], every[False])
+    assert every["run"].status == "halted" and every["run"].history == {}
+
+
+def test_a_host_halt_stops_every_member_at_its_epoch():
+    def halt_at_4(state):
+        return "halt_loop" if state.epoch == 4 else None
+
+    def loop() -> fl.Loop:
+        monitored = _trainer().early_stop("loss", patience=1, restore_best=True)
+        return monitored.handle_event("epoch_completed", halt_at_4, filter={"every": 2})
+
+    population = {"learning_rate": RATES}
+    plain = loop().run(_data(), epochs=EPOCHS, fuse=False, population=population)
+    fused = loop().run(_data(), epochs=EPOCHS, fuse="run", population=population)
+    _assert_same_run(fused, plain)
+    # The handler fires at epochs 0, 2 and 4 (each ends a dispatch) and halts at 4; the
+    # members early stopping halted inside a dispatch (1, 2, 3) stay halted at their epochs.
+    assert sorted(fused.history) == [0, 1, 2, 3, 4] and fused.status == "halted"
+    assert sorted(fused.stats["dispatch_splits"]) == [0, 2, 4]
+    assert fused.stats["dispatches"] == 3
+    assert fused.handler_metadata["_population"]["last_epoch"] == [1, None, 3, 2, 2]
+    assert all(fused.member(i).status == "halted" for i in range(5))
+
+
+# ----------------------------------------------------------------- checkpoints
+def _saves(path: Path) -> list[str]:
+    return sorted(n for n in os.listdir(path) if n.startswith("checkpoint_"))
+
+
+def test_checkpoint_on_best_per_member_writes_the_same_files(tmp_path):
+    population = {"learning_rate": [0.3, 3.0]}
+    states = {}
+    for fuse in (False, "run"):
+        loop = _trainer().checkpoint(str(tmp_path / f"{fuse}"), criteria="loss", keep=2)
+        states[fuse] = loop.run(_data(), epochs=5, fuse=fuse, population=population)
+    _assert_same_run(states["run"], states[False])
+    for i in range(2):
+        a, b = tmp_path / "run" / f"member_{i}", tmp_path / "False" / f"member_{i}"
+        assert _saves(a) and _saves(a) == _saves(b)
+        for name in _saves(a):
+            x, y = fl.load_state(str(a / name)), fl.load_state(str(b / name))
+            assert tree_equal(x.step_state, y.step_state)
+            assert _same(x.history, y.history) and _same(x.handler_metadata, y.handler_metadata)
+    # A population's checkpoint-on-best is a host handler: it ends each dispatch.
+    assert all("checkpoint" in why for why in states["run"].stats["dispatch_splits"].values())
