@@ -177,8 +177,6 @@ def test_population_argument_errors():
     loop = _trainer()
     with pytest.raises(ValueError, match="population=0"):
         loop.run(data, population=0)
-    with pytest.raises(ValueError, match="whole-run fusion"):
-        loop.run(data, fuse="run", population=2)
     with pytest.raises(ValueError, match="trainer"):
         fl.loop(lambda batch, s: s).run(data, {"n": 0}, population=2)
     with pytest.raises(ValueError, match="leading axes"):

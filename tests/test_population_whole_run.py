@@ -183,3 +183,45 @@ def test_checkpoint_on_best_per_member_writes_the_same_files(tmp_path):
             assert _same(x.history, y.history) and _same(x.handler_metadata, y.handler_metadata)
     # A population's checkpoint-on-best is a host handler: it ends each dispatch.
     assert all("checkpoint" in why for why in states["run"].stats["dispatch_splits"].values())
+
+
+# ----------------------------------------------------------------- validation
+def _validation(drop_remainder: bool) -> Any:
+    rng = np.random.RandomState(3)
+    vx = rng.rand(40, 6).astype(np.float32)  # 2 whole batches and a short one of 8
+    y = (vx.sum(axis=1) > 3).astype(np.int32)
+    return fl.data.arrays(vx, y, batch_size=16, device=True, drop_remainder=drop_remainder)
+
+
+def test_validation_and_early_stop_on_it_run_on_the_device():
+    val = _validation(drop_remainder=False)  # the short batch: a step of its own shape
+
+    def loop() -> fl.Loop:
+        model = fl.models.mlp([8, 2])
+        return (
+            fl.trainer(model, "sparse_categorical_cross_entropy", "sgd", seed=0)
+            .metric("accuracy")
+            .validate(model, val)
+            .early_stop("validation_loss", patience=2, restore_best=True)
+        )
+
+    population = {"learning_rate": RATES}
+    plain = loop().run(_data(), epochs=EPOCHS, fuse=False, population=population)
+    fused = loop().run(_data(), epochs=EPOCHS, fuse="run", population=population)
+    _assert_same_run(fused, plain)
+    assert fused.stats["dispatches"] == 1 and fused.stats["dispatch_splits"] == {}
+    assert fused.metrics["validation_loss"].shape == (5,)
+    stopped = [e for e in fused.handler_metadata["early_stop:validation_loss"]["stopped_epoch"]]
+    assert len({e for e in stopped if e is not None}) >= 2  # members stop at different epochs
+
+
+def test_device_validation_drops_the_short_batch_the_evaluator_drops():
+    # A solo run: the device's validation runs the batches the evaluator runs.
+    model = fl.models.mlp([8, 2])
+    loop = fl.trainer(model, "sparse_categorical_cross_entropy", "sgd", seed=0).validate(
+        model, _validation(drop_remainder=True)
+    )
+    plain = loop.run(_data(), epochs=2, fuse=False)
+    fused = loop.run(_data(), epochs=2, fuse="run")
+    assert tree_equal(fused.step_state, plain.step_state)
+    assert fused.history == plain.history and fused.stats["dispatches"] == 1

@@ -24,8 +24,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .device_monitors import DeviceWork, epoch_end_fn
-from .population import population_tail
+from .._fusion import make_chunk_fn
+from .._step import make_carry_step
+from .device_monitors import DeviceWork, Validation, epoch_end_fn
+from .population import member_carry_step, member_chunk, population_tail
 from .programs import MIN_SLOTS, _epoch_order, _source_key
 from .whole_program import _gatherer, _put
 
@@ -61,7 +63,7 @@ def _build(
     slots = max(limit, MIN_SLOTS)
     gather = _gatherer(slots, None)
     metrics, guard = programs.loop.metrics, programs.guard
-    epoch_end = _member_epoch_end(work, segments)
+    epoch_end = _MemberEpochEnd(work, segments, size)
 
     def boundary(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
         """The epoch's end inside the dispatch: fresh accumulators (stopped members stay
@@ -132,13 +134,16 @@ def _build(
 
 
 class _MemberEpochEnd:
-    """The device's epoch-end work, one member at a time (vmapped)."""
+    """The device's epoch-end work: the members' validation at once (the evaluator's
+    population loop), then the monitors one member at a time (vmapped).
+    """
 
-    def __init__(self, work: DeviceWork, segments: int):
+    def __init__(self, work: DeviceWork, segments: int, size: int):
         init, end = epoch_end_fn(work, segments)
         self.restore = work.stopper is not None and work.stopper.handler.restore_best
+        self.validate = _population_validation(work.validation, size)
         self._init = jax.vmap(init)
-        self._end = jax.vmap(end, in_axes=(0, 0, 0, None, {"validation": None, "rates": 0}))
+        self._end = jax.vmap(end, in_axes=(0, 0, 0, None, {"val_acc": 0, "rates": 0}))
 
     def start(self, state: Any, monitor: Any) -> dict[str, Any]:
         records = {k: v for k, v in monitor.items() if k not in ("best_start", "holds")}
@@ -153,7 +158,9 @@ class _MemberEpochEnd:
     ) -> tuple[Any, ...]:
         """`(state, extra, per-epoch outputs, members still active)` at an epoch's end."""
         inner = {k: v for k, v in extra.items() if k != "holds"}
-        new_state, new_inner, flags = self._end(state, acc, inner, s, inputs)
+        val_acc = self.validate(state, inputs["validation"])
+        members = {"val_acc": val_acc, "rates": inputs["rates"]}
+        new_state, new_inner, flags = self._end(state, acc, inner, s, members)
         state = _where(active, new_state, state)
         inner = _where(active, new_inner, inner)
         flags = {k: (v & active if k != "validation" else v) for k, v in flags.items()}
@@ -174,8 +181,36 @@ class _MemberEpochEnd:
         return running
 
 
-def _member_epoch_end(work: DeviceWork, segments: int) -> _MemberEpochEnd:
-    return _MemberEpochEnd(work, segments)
+def _population_validation(v: Validation | None, size: int) -> Callable[[Any, Any], Any]:
+    """`(state, (data, order)) -> every member's validation accumulators` (None without
+    one): the evaluator's population device loop (`population.member_chunk`, as a
+    population evaluator run builds it) over the validation set, whole batches as one
+    chunk, a short last batch as a step of its own shape.
+    """
+    if v is None:
+        return lambda state, inputs: None
+    carry_step = make_carry_step(v.loop.program, v.loop.metrics, False)
+    body = member_chunk(make_chunk_fn(member_carry_step(carry_step), True, False))
+    whole, short = v.batches, v.short
+
+    def run(params: Any, tail: Any, vdata: Any, rows: Any, n: int) -> Any:
+        chunk = jax.tree.map(lambda leaf: leaf[rows], vdata)
+        return body(params, tail, chunk, jnp.int32(n))[1]
+
+    def validate(state: Any, inputs: Any) -> Any:
+        vdata, vorder = inputs
+        last = vorder.shape[0] - 1
+        params = {"params": state["params"]}
+        tail = population_tail(v.loop.metrics, False, size)
+        if whole:
+            rows = vorder[jnp.minimum(jnp.arange(max(whole, MIN_SLOTS)), last)]
+            tail = run(params, tail, vdata, rows, whole)
+        if short:
+            rows = vorder[jnp.minimum(whole + jnp.arange(MIN_SLOTS), last)][:, :short]
+            tail = run(params, tail, vdata, rows, 1)
+        return tail["acc"]
+
+    return validate
 
 
 def _where(mask: Any, new: Any, old: Any) -> Any:

@@ -17,8 +17,10 @@ With `restore_best`, each member's best step state lives on the device across th
 dispatches: the handler's `MemberBest` tree goes in at a dispatch's start and comes back,
 updated, before the dispatch's last epoch fires live.
 
-`validate` and `checkpoint(criteria=...)` stay host handlers for a population: they end
-the dispatch at each epoch where they fire (and so do monitors registered after them).
+`validate` on resident data runs on the device too (every member's params through the
+evaluator's population loop) and is replayed by merging its per-member metrics.
+`checkpoint(criteria=...)` stays a host handler for a population: it ends the dispatch at
+each epoch where it fires (and so does every monitor registered after it).
 """
 
 from __future__ import annotations
@@ -34,12 +36,15 @@ from .._events import CONTINUE, HALT_LOOP, Registration
 from .._population import population_record
 from .device_monitors import DeviceWork, Watcher, _rates
 from .device_replay import _disagree, _Substitutes
+from .population import member_metrics
 from .population_monitors import MemberBest, plateau_decisions
 from .population_program import population_whole_program
 from .whole_program import segments_for
-from .whole_run import WholeRun
+from .whole_run import WholeRun, _slot
 
 __all__ = ["PopulationWholeRun", "population_device_work"]
+
+_PREFIX = "validation_"
 
 
 def population_device_work(work: DeviceWork) -> DeviceWork:
@@ -48,14 +53,12 @@ def population_device_work(work: DeviceWork) -> DeviceWork:
     `checkpoint(criteria=...)` stays on the host (it splits), and so does every handler
     after it (it sees what that one wrote).
     """
-    if work.validation is not None:
-        return DeviceWork(None)
     kept: list[Watcher] = []
     for w in work.watchers:
         if w.kind == "checkpoint":
             break
         kept.append(w)
-    return DeviceWork(None, tuple(kept))
+    return DeviceWork(work.validation, tuple(kept))
 
 
 class PopulationWholeRun(WholeRun):
@@ -68,7 +71,6 @@ class PopulationWholeRun(WholeRun):
         self.guard = False  # a member's guard freezes it; the dispatch goes on
         self.work = population_device_work(self.work)
         self.on_device = set(self.work.registrations)
-        self.validation = None
 
     # ----------------------------------------------------------------- the dispatch
     def _launch(self, state: Any, epoch: int, cursor: int) -> tuple[list[tuple[int, int]], Any]:
@@ -88,11 +90,11 @@ class PopulationWholeRun(WholeRun):
             np.int32(cursor),
             np.int32(steps),
             self._monitor_start(state),
-            {"validation": None, "rates": self.rates},
+            {"validation": self.validation, "rates": self.rates},
         )
         extra = out["extra"]
         self.best_state = extra.get("best_state")
-        kept = ("final", "n_run", "nonfinite", "stop", "reduced", "active")
+        kept = ("final", "n_run", "nonfinite", "stop", "reduced", "active", "validation")
         wanted = {k: out[k] for k in kept}
         wanted["best_s"] = extra["best_s"]
         if self.replay.record:
@@ -166,6 +168,11 @@ class PopulationWholeRun(WholeRun):
     def _substitutes(self, state: Any, epoch: int, segment: int, live: bool) -> Any:
         host = self.host
         out: dict[Registration, Registration] = _Substitutes()
+        v = self.work.validation
+        if v is not None:
+            acc = _slot(host["validation"], segment)
+            measured = member_metrics(v.loop.metrics, acc, self.population.size)
+            out[v.registration] = dataclasses.replace(v.registration, handler=_merged(measured))
         for w in self.work.watchers:
             if w.kind == "early_stop":
                 handler = _verified_stop(w.handler, np.asarray(host["stop"][segment]), live)
@@ -217,6 +224,16 @@ class PopulationWholeRun(WholeRun):
         if self.members.after_handlers(state):
             return HALT_LOOP  # every member has halted (e.g. a per-member early_stop)
         return status
+
+
+def _merged(measured: dict[str, Any]) -> Any:
+    """`validate`'s replay: the device's per-member validation metrics, merged."""
+    metrics = {_PREFIX + name: value for name, value in measured.items()}
+
+    def merge(state: Any) -> Any:
+        return CONTINUE, state.replace(metrics={**state.metrics, **metrics})
+
+    return merge
 
 
 def _verified_stop(handler: Any, device_stop: np.ndarray, live: bool) -> Any:
