@@ -75,13 +75,21 @@ def test_monitors_per_member_in_one_dispatch(tmp_path):
     runs = {}
     for fuse in (False, "run"):
         stream = io.StringIO()
-        loop = _monitored(_trainer(log=3, log_stream=stream)).csv_log(str(tmp_path / f"{fuse}"))
+        loop = (
+            _monitored(_trainer(log=3, log_stream=stream))
+            .csv_log(str(tmp_path / f"{fuse}.csv"))
+            .checkpoint(str(tmp_path / f"{fuse}"), criteria="loss", keep=2)
+        )
         state = loop.run(_data(), epochs=EPOCHS, fuse=fuse, population={"learning_rate": RATES})
-        runs[fuse] = (state, stream.getvalue(), (tmp_path / f"{fuse}").read_text(), loop)
+        runs[fuse] = (state, stream.getvalue(), (tmp_path / f"{fuse}.csv").read_text(), loop)
     fused, plain = runs["run"][0], runs[False][0]
     _assert_same_run(fused, plain)
     assert runs["run"][1] == runs[False][1] and runs["run"][2] == runs[False][2]
     assert fused.stats["dispatches"] == 1 and fused.stats["dispatch_splits"] == {}
+    # Each member's best states are kept on the device and written after the dispatch
+    # (with keep=2, improvements that later ones prune are numbered, not written).
+    _assert_same_saves(tmp_path / "run", tmp_path / "False", len(RATES))
+    assert len(_saves(tmp_path / "run" / "member_1")) == 2
     # The members halt at different epochs (each history ends at its own), and their
     # plateaus lower their own rates a different number of times.
     assert _stopped(fused) == [2, None, None, 3, 11]
@@ -167,22 +175,15 @@ def _saves(path: Path) -> list[str]:
     return sorted(n for n in os.listdir(path) if n.startswith("checkpoint_"))
 
 
-def test_checkpoint_on_best_per_member_writes_the_same_files(tmp_path):
-    population = {"learning_rate": [0.3, 3.0]}
-    states = {}
-    for fuse in (False, "run"):
-        loop = _trainer().checkpoint(str(tmp_path / f"{fuse}"), criteria="loss", keep=2)
-        states[fuse] = loop.run(_data(), epochs=5, fuse=fuse, population=population)
-    _assert_same_run(states["run"], states[False])
-    for i in range(2):
-        a, b = tmp_path / "run" / f"member_{i}", tmp_path / "False" / f"member_{i}"
+def _assert_same_saves(fused: Path, plain: Path, members: int) -> None:
+    for i in range(members):
+        a, b = fused / f"member_{i}", plain / f"member_{i}"
         assert _saves(a) and _saves(a) == _saves(b)
         for name in _saves(a):
             x, y = fl.load_state(str(a / name)), fl.load_state(str(b / name))
             assert tree_equal(x.step_state, y.step_state)
             assert _same(x.history, y.history) and _same(x.handler_metadata, y.handler_metadata)
-    # A population's checkpoint-on-best is a host handler: it ends each dispatch.
-    assert all("checkpoint" in why for why in states["run"].stats["dispatch_splits"].values())
+            assert (x.epoch, x.status) == (y.epoch, y.status)
 
 
 # ----------------------------------------------------------------- validation

@@ -39,6 +39,8 @@ __all__ = [
     "reduce_lr_members",
     "checkpoint_members",
     "plateau_decisions",
+    "member_improvements",
+    "member_saver",
     "MemberBest",
 ]
 
@@ -261,6 +263,16 @@ def checkpoint_members(saver: Any, state: Any) -> tuple[Status, Any]:
     """`checkpoint(criteria=...)` on a population: each running member whose metric
     improves is saved alone (`state.member(i)`) under `<path>/member_<i>/` by a saver of
     the same kind and options (see the module's docstring)."""
+    state, improved = member_improvements(saver, state)
+    for i in np.flatnonzero(improved):
+        member_saver(saver, int(i)).save(state.member(int(i)))
+    return "continue", state
+
+
+def member_improvements(saver: Any, state: Any) -> tuple[Any, np.ndarray]:
+    """The checkpoint monitor on each running member: the State with the records updated
+    (each saved member holds its updated record, as a solo checkpoint-on-best does), and
+    which members improved."""
     monitor = saver.monitor
     values, running = member_values(monitor, state)
     size = values.shape[0]
@@ -272,14 +284,15 @@ def checkpoint_members(saver: Any, state: Any) -> tuple[Status, Any]:
         )
         for name, value in mine.items():
             lists[name][i] = value
-    # Each saved member holds its updated record, as a solo checkpoint-on-best does.
-    state = _store(state, monitor.key, lists)
-    for i in np.flatnonzero(improved):
-        member_saver = saver.members.get(int(i))
-        if member_saver is None:
-            member_saver = type(saver)(
-                saver.path / f"member_{i}", keep=saver.keep, asynchronous=saver.asynchronous
-            )
-            saver.members[int(i)] = member_saver
-        member_saver.save(state.member(int(i)))
-    return "continue", state
+    return _store(state, monitor.key, lists), improved
+
+
+def member_saver(saver: Any, i: int) -> Any:
+    """Member i's own saver: the same kind and options, under `<path>/member_<i>/`."""
+    found = saver.members.get(i)
+    if found is None:
+        found = type(saver)(
+            saver.path / f"member_{i}", keep=saver.keep, asynchronous=saver.asynchronous
+        )
+        saver.members[i] = found
+    return found

@@ -122,8 +122,11 @@ def _build(
             return s + 1, remaining - n_run, state, tail, order, epoch, cursor + n_run, out, extra
 
         def going(carry: tuple[Any, ...]) -> Any:
-            s, remaining, _, tail, *_ = carry
-            return (s < segments) & (remaining > 0) & jnp.any(tail["active"])
+            s, remaining, _, tail, *_, extra = carry
+            going = (s < segments) & (remaining > 0) & jnp.any(tail["active"])
+            if "flush" in extra:  # a member's ring of kept best states is full
+                going = going & ~jnp.any(extra["flush"])
+            return going
 
         zero = jnp.zeros((), jnp.int32)
         carry = (zero, steps, state, tail, order, epoch, cursor, out, extra)

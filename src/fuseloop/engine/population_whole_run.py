@@ -18,9 +18,9 @@ dispatches: the handler's `MemberBest` tree goes in at a dispatch's start and co
 updated, before the dispatch's last epoch fires live.
 
 `validate` on resident data runs on the device too (every member's params through the
-evaluator's population loop) and is replayed by merging its per-member metrics.
-`checkpoint(criteria=...)` stays a host handler for a population: it ends the dispatch at
-each epoch where it fires (and so does every monitor registered after it).
+evaluator's population loop) and is replayed by merging its per-member metrics;
+`checkpoint(criteria=...)` keeps each member's best states on the device and writes them
+after the dispatch (`population_saves.py`).
 """
 
 from __future__ import annotations
@@ -34,31 +34,18 @@ import numpy as np
 
 from .._events import CONTINUE, HALT_LOOP, Registration
 from .._population import population_record
-from .device_monitors import DeviceWork, Watcher, _rates
+from .device_monitors import _rates
 from .device_replay import _disagree, _Substitutes
 from .population import member_metrics
 from .population_monitors import MemberBest, plateau_decisions
 from .population_program import population_whole_program
+from .population_saves import MemberSaves
 from .whole_program import segments_for
 from .whole_run import WholeRun, _slot
 
-__all__ = ["PopulationWholeRun", "population_device_work"]
+__all__ = ["PopulationWholeRun"]
 
 _PREFIX = "validation_"
-
-
-def population_device_work(work: DeviceWork) -> DeviceWork:
-    """The part of a run's device work a population runs on the device: `early_stop` and
-    `reduce_lr_on_plateau` on training metrics, in registration order. A `validate` or
-    `checkpoint(criteria=...)` stays on the host (it splits), and so does every handler
-    after it (it sees what that one wrote).
-    """
-    kept: list[Watcher] = []
-    for w in work.watchers:
-        if w.kind == "checkpoint":
-            break
-        kept.append(w)
-    return DeviceWork(work.validation, tuple(kept))
 
 
 class PopulationWholeRun(WholeRun):
@@ -69,8 +56,6 @@ class PopulationWholeRun(WholeRun):
         self.members = run.members  # population_run.PopulationHost
         self.population = run.population
         self.guard = False  # a member's guard freezes it; the dispatch goes on
-        self.work = population_device_work(self.work)
-        self.on_device = set(self.work.registrations)
 
     # ----------------------------------------------------------------- the dispatch
     def _launch(self, state: Any, epoch: int, cursor: int) -> tuple[list[tuple[int, int]], Any]:
@@ -94,16 +79,23 @@ class PopulationWholeRun(WholeRun):
         )
         extra = out["extra"]
         self.best_state = extra.get("best_state")
-        kept = ("final", "n_run", "nonfinite", "stop", "reduced", "active", "validation")
+        kept = ("final", "n_run", "nonfinite", "stop", "reduced", "saved", "active", "validation")
         wanted = {k: out[k] for k in kept}
         wanted["best_s"] = extra["best_s"]
+        if "kept_n" in extra:
+            wanted["kept_n"] = extra["kept_n"]
         if self.replay.record:
             wanted["records"] = out["records"]
         # Host read: once per dispatch, every epoch's final accumulators, the steps run,
         # the members active at each epoch's end, the device monitors' per-member
         # verdicts, and the records when an iteration handler is attached.
         host = run.reads.get(wanted)
-        self.saves = None
+        saver = self.work.saver
+        self.saves = (
+            None
+            if saver is None
+            else MemberSaves(saver.handler, extra["kept_ring"], host["kept_n"])
+        )
         return segments, host
 
     def _monitor_start(self, state: Any) -> dict[str, Any]:
@@ -176,6 +168,9 @@ class PopulationWholeRun(WholeRun):
         for w in self.work.watchers:
             if w.kind == "early_stop":
                 handler = _verified_stop(w.handler, np.asarray(host["stop"][segment]), live)
+            elif w.kind == "checkpoint":
+                assert self.saves is not None  # made by the dispatch when a saver runs on it
+                handler = self.saves.replayed(np.asarray(host["saved"][segment], bool), live)
             else:
                 table = self.rates[0]
                 now = [table[i][self.reductions[i]] for i in range(table.shape[0])]
