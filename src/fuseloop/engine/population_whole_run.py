@@ -63,7 +63,7 @@ class PopulationWholeRun(WholeRun):
         steps = self._steps(epoch, cursor)
         segments = segments_for(cursor, steps, self.limit)
         self.rates = self._rate_tables(len(segments))
-        self.reductions = np.zeros(self.population.size, np.int64)
+        self.member_reductions = np.zeros(self.population.size, np.int64)
         program = population_whole_program(
             run.programs, self.source, self._slots(segments), self.limit, self.work
         )
@@ -91,7 +91,7 @@ class PopulationWholeRun(WholeRun):
         # verdicts, and the records when an iteration handler is attached.
         host = run.reads.get(wanted)
         saver = self.work.saver
-        self.saves = (
+        self.member_saves = (
             None
             if saver is None
             else MemberSaves(saver.handler, extra["kept_ring"], host["kept_n"])
@@ -169,14 +169,14 @@ class PopulationWholeRun(WholeRun):
             if w.kind == "early_stop":
                 handler = _verified_stop(w.handler, np.asarray(host["stop"][segment]), live)
             elif w.kind == "checkpoint":
-                assert self.saves is not None  # made by the dispatch when a saver runs on it
-                handler = self.saves.replayed(np.asarray(host["saved"][segment], bool), live)
+                assert self.member_saves is not None  # made by the dispatch with a saver
+                handler = self.member_saves.replayed(np.asarray(host["saved"][segment], bool), live)
             else:
                 table = self.rates[0]
-                now = [table[i][self.reductions[i]] for i in range(table.shape[0])]
+                now = [table[i][self.member_reductions[i]] for i in range(table.shape[0])]
                 reduced = np.asarray(host["reduced"][segment], bool)
                 handler = _verified_plateau(w.handler, reduced, now)
-                self.reductions += reduced
+                self.member_reductions += reduced
             out[w.registration] = dataclasses.replace(w.registration, handler=handler)
         if live:
             self._hand_best(state, epoch)
