@@ -15,6 +15,7 @@ import pytest
 
 import fuseloop as fl
 from conftest import tree_equal
+from fuseloop.engine import auto_chunk
 
 BATCHES = 4  # 64 examples, batch 16
 RATES = [0.0, 0.3, 1.0, 3.0, 10.0]  # measured: members stop at epochs 2, 3 and 11, or run on
@@ -226,3 +227,15 @@ def test_device_validation_drops_the_short_batch_the_evaluator_drops():
     fused = loop.run(_data(), epochs=2, fuse="run")
     assert tree_equal(fused.step_state, plain.step_state)
     assert fused.history == plain.history and fused.stats["dispatches"] == 1
+
+
+def test_auto_crosses_epochs_for_a_population(monkeypatch):
+    # The probe measures a dispatch overhead worth 1000 steps: the whole run in one.
+    overhead = 1000 * auto_chunk.DEFAULT_TOLERANCE * 1e-4
+    monkeypatch.setattr(auto_chunk, "_timings", lambda *args: (1e-4, overhead))
+    loop = _trainer()
+    plain = loop.run(_data(), epochs=3, fuse=False, population=2)
+    fused = loop.run(_data(), epochs=3, fuse="auto", population=2)
+    _assert_same_run(fused, plain)
+    assert fused.stats["whole_run"] == "many epochs per dispatch"
+    assert fused.stats["dispatches"] == 1

@@ -34,10 +34,6 @@ def plan_dispatches(
         _whole_run(run, None, length, warn_nonfinite)
     if run.fuse == "auto":
         refusal = _refusal(run)
-        if refusal is None and run.population is not None:
-            # The cost model's probe times one epoch-bounded chunk of the members; a
-            # population under "auto" keeps epoch-bounded chunks (fuse="run" crosses).
-            refusal = "a population: chunks stay within an epoch"
         if refusal is None:
             _auto_whole_run(run, step_state, first, length, warn_nonfinite)
         else:
