@@ -59,20 +59,10 @@ def population_whole_program(
 def _build(
     programs: Any, source: Any, segments: int, limit: int, work: DeviceWork, size: int
 ) -> Callable[..., Any]:
-    body = programs._device_loop()
     slots = max(limit, MIN_SLOTS)
-    gather = _gatherer(slots, None)
-    metrics, guard = programs.loop.metrics, programs.guard
     epoch_end = _MemberEpochEnd(work, segments, size)
-
-    def boundary(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
-        """The epoch's end inside the dispatch: fresh accumulators (stopped members stay
-        stopped), the next order."""
-        fresh = {**population_tail(metrics, guard, size), "active": tail["active"]}
-        return fresh, _epoch_order(source, epoch), epoch + 1, jnp.zeros((), jnp.int32)
-
-    def keep(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
-        return tail, order, epoch, cursor
+    boundary = _boundary(programs.loop.metrics, programs.guard, source, size)
+    parts = (programs._device_loop(), _gatherer(slots, None), boundary, epoch_end)
 
     def program(
         state: Any,
@@ -88,52 +78,75 @@ def _build(
         extra = epoch_end.start(state, monitor)
         shapes = jax.eval_shape(
             epoch_end.ended, state, tail["acc"], extra, tail["active"], 0, inputs
-        )
-        out = _buffers(segments, slots, tail, shapes[2])
-
-        def step(carry: tuple[Any, ...]) -> tuple[Any, ...]:
-            s, remaining, state, tail, order, epoch, cursor, out, extra = carry
-            tail, order, epoch, cursor = lax.cond(
-                cursor >= limit, boundary, keep, tail, order, epoch, cursor
-            )
-            n = jnp.minimum(remaining, limit - cursor)
-            state, tail, records, n_run = body(state, tail, gather(data, order, cursor), n)
-            active = tail["active"]  # after the guard, before the epoch's monitors
-            state, extra, epoch_out, still = lax.cond(
-                cursor + n_run == limit,
-                epoch_end.ended,
-                epoch_end.running(shapes[2]),
-                state,
-                tail["acc"],
-                extra,
-                active,
-                s,
-                inputs,
-            )
-            segment = {
-                "records": records,
-                "final": tail["acc"],
-                "n_run": n_run,
-                "nonfinite": tail.get("nonfinite", jnp.zeros((size,), jnp.bool_)),
-                "active": active,
-            }
-            out = _put(out, {**epoch_out, **segment}, s)
-            tail = {**tail, "active": still}
-            return s + 1, remaining - n_run, state, tail, order, epoch, cursor + n_run, out, extra
-
-        def going(carry: tuple[Any, ...]) -> Any:
-            s, remaining, _, tail, *_, extra = carry
-            going = (s < segments) & (remaining > 0) & jnp.any(tail["active"])
-            if "flush" in extra:  # a member's ring of kept best states is full
-                going = going & ~jnp.any(extra["flush"])
-            return going
-
+        )[2]
+        out = _buffers(segments, slots, tail, shapes)
+        step = _segment_step(parts, data, inputs, shapes, limit, size)
         zero = jnp.zeros((), jnp.int32)
         carry = (zero, steps, state, tail, order, epoch, cursor, out, extra)
-        _, _, state, tail, order, epoch, cursor, out, extra = lax.while_loop(going, step, carry)
+        carry = lax.while_loop(_going(segments), step, carry)
+        _, _, state, tail, order, epoch, cursor, out, extra = carry
         return state, tail, {**out, "extra": extra}, order, epoch, cursor
 
     return program
+
+
+def _boundary(metrics: Any, guard: bool, source: Any, size: int) -> Callable[..., Any]:
+    def boundary(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
+        """The epoch's end inside the dispatch: fresh accumulators (stopped members stay
+        stopped), the next order."""
+        fresh = {**population_tail(metrics, guard, size), "active": tail["active"]}
+        return fresh, _epoch_order(source, epoch), epoch + 1, jnp.zeros((), jnp.int32)
+
+    return boundary
+
+
+def _keep(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
+    return tail, order, epoch, cursor
+
+
+def _segment_step(
+    parts: tuple[Any, ...], data: Any, inputs: Any, shapes: Any, limit: int, size: int
+) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    """One trip of the dispatch's loop: an epoch piece for every member and, at its
+    epoch's end, the members' epoch-end work."""
+    body, gather, boundary, epoch_end = parts
+    running = epoch_end.running(shapes)
+
+    def step(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        s, remaining, state, tail, order, epoch, cursor, out, extra = carry
+        tail, order, epoch, cursor = lax.cond(
+            cursor >= limit, boundary, _keep, tail, order, epoch, cursor
+        )
+        n = jnp.minimum(remaining, limit - cursor)
+        state, tail, records, n_run = body(state, tail, gather(data, order, cursor), n)
+        active = tail["active"]  # after the guard, before the epoch's monitors
+        at_end = cursor + n_run == limit
+        state, extra, epoch_out, still = lax.cond(
+            at_end, epoch_end.ended, running, state, tail["acc"], extra, active, s, inputs
+        )
+        segment = {
+            "records": records,
+            "final": tail["acc"],
+            "n_run": n_run,
+            "nonfinite": tail.get("nonfinite", jnp.zeros((size,), jnp.bool_)),
+            "active": active,
+        }
+        out = _put(out, {**epoch_out, **segment}, s)
+        tail = {**tail, "active": still}
+        return s + 1, remaining - n_run, state, tail, order, epoch, cursor + n_run, out, extra
+
+    return step
+
+
+def _going(segments: int) -> Callable[[tuple[Any, ...]], Any]:
+    def going(carry: tuple[Any, ...]) -> Any:
+        s, remaining, _, tail, *_, extra = carry
+        going = (s < segments) & (remaining > 0) & jnp.any(tail["active"])
+        if "flush" in extra:  # a member's ring of kept best states is full
+            going = going & ~jnp.any(extra["flush"])
+        return going
+
+    return going
 
 
 class _MemberEpochEnd:
