@@ -91,8 +91,9 @@ def test_population_with_fuse_auto_chooses_a_chunk_and_stays_exact(resident):
     plain = loop.run(data, epochs=2, fuse=False, population=3)
     assert tree_equal(auto.step_state, plain.step_state)
     assert auto.step_state["params"]["params"]["Dense_0"]["kernel"].shape[0] == 3
-    if resident:  # a population keeps epoch-bounded chunks, and says why
-        assert "population" in auto.stats["whole_run"]
+    if resident:  # crosses epochs where the cost model asks for it, and says which
+        why = auto.stats["whole_run"]
+        assert why == "many epochs per dispatch" or "cost model" in why
     again = loop.run(data, epochs=2, fuse="auto", population=3)
     assert again.stats["chunk_size"] == chosen  # the probe ran once per loop and batch shape
     assert again.stats["compiles"] == 0
@@ -177,8 +178,6 @@ def test_population_argument_errors():
     loop = _trainer()
     with pytest.raises(ValueError, match="population=0"):
         loop.run(data, population=0)
-    with pytest.raises(ValueError, match="whole-run fusion"):
-        loop.run(data, fuse="run", population=2)
     with pytest.raises(ValueError, match="trainer"):
         fl.loop(lambda batch, s: s).run(data, {"n": 0}, population=2)
     with pytest.raises(ValueError, match="leading axes"):

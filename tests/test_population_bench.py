@@ -10,13 +10,17 @@ from fuseloop.bench._population import population_benchmark, population_markdown
 
 def test_population_benchmark_reports_every_system():
     report = population_benchmark(members=3, epochs=1, rounds=1)
-    assert set(report["median_s"]) == {"population", "sequential", "floor"}
-    assert set(report["median_cpu_s"]) == {"population", "sequential", "floor"}
-    assert set(report["cpu_ratios"]) == {"sequential_over_population", "population_over_floor"}
+    systems = {"population", "population_run", "sequential", "floor"}
+    assert set(report["median_s"]) == systems and set(report["median_cpu_s"]) == systems
+    assert set(report["cpu_ratios"]) == {
+        "sequential_over_population",
+        "population_over_floor",
+        "population_run_over_floor",
+    }
     assert report["meta"]["params_agreement"] < 1e-4
     text = population_markdown(report)
     assert "sequential / population" in text and "population / floor" in text
-    assert "wall:" in text and "CPU:" in text
+    assert "wall:" in text and "CPU:" in text and "fuse='run'" in text
 
 
 def test_cli_population_flag_writes_json(tmp_path, capsys):

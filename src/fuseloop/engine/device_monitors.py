@@ -52,6 +52,11 @@ class Validation:
     def batches(self) -> int:
         return self.source.n // self.source.batch_size
 
+    @property
+    def short(self) -> int:
+        """The rows of the short last batch the evaluator runs (0: none, or dropped)."""
+        return 0 if self.source.drop_remainder else self.source.n % self.source.batch_size
+
 
 @dataclass(frozen=True)
 class Watcher:
@@ -185,7 +190,10 @@ def epoch_end_fn(work: DeviceWork, segments: int) -> tuple[Callable[..., Any], C
         return extra
 
     def end(state: Any, acc: Any, extra: Any, s: Any, inputs: Any) -> tuple[Any, ...]:
-        val_acc = validate(state, inputs["validation"])
+        # A population validates all its members at once and hands each its accumulators.
+        val_acc = (
+            inputs["val_acc"] if "val_acc" in inputs else validate(state, inputs["validation"])
+        )
         no = jnp.zeros((), jnp.bool_)
         flags = {"stop": no, "reduced": no, "saved": no}
         extra = {**extra, "monitors": dict(extra["monitors"])}
@@ -206,7 +214,7 @@ def _validation_fn(v: Validation | None) -> Callable[[Any, Any], Any]:
         return lambda state, inputs: None
     program = v.loop.program
     body = make_chunk_fn(make_carry_step(program, v.loop.metrics, False), True, False)
-    whole, short = v.batches, v.source.n % v.source.batch_size
+    whole, short = v.batches, v.short
 
     def run(params: Any, tail: Any, vdata: Any, rows: Any, n: int) -> Any:
         chunk = jax.tree.map(lambda leaf: leaf[rows], vdata)

@@ -14,6 +14,7 @@ from typing import Any
 
 from .._fusion import DEFAULT_CHUNK
 from .auto_chunk import choose_chunk_size, epochs_per_dispatch
+from .population_whole_run import PopulationWholeRun
 from .whole_run import WholeRun, whole_run_refusal
 
 __all__ = ["plan_dispatches", "epoch_length"]
@@ -59,7 +60,8 @@ def _whole_run(
     if refusal is not None:
         run.fuse = length if size is None else size
         return
-    run.whole = WholeRun(run, size, warn_nonfinite)
+    whole = WholeRun if run.population is None else PopulationWholeRun
+    run.whole = whole(run, size, warn_nonfinite)
     run.stats["chunk_size"] = size or length * run.epochs
 
 
@@ -67,10 +69,6 @@ def _refusal(run: Any) -> str | None:
     """Why this run cannot cross epochs in one dispatch (None: it can)."""
     if not run.resident:
         return "the data is host-fed: chunks stay within an epoch"
-    if run.population is not None:
-        # The multi-epoch program is not vmapped over members (yet): a population keeps
-        # epoch-bounded chunks, which are exact.
-        return "a population: chunks stay within an epoch"
     return whole_run_refusal(run.source.data, run.iterations)
 
 

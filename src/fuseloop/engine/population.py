@@ -92,9 +92,23 @@ def member_chunk(chunk_fn: Any) -> Any:
     def program(state: Any, tail: Any, chunk: Any, n_valid: Any) -> tuple[Any, ...]:
         new_state, new_tail, records, n_run = chunk_fn(state, tail, chunk, n_valid)
         new_state, new_tail = _restore_inactive(state, tail, new_state, new_tail)
-        return new_state, new_tail, records, n_run
+        return new_state, new_tail, _frozen_records(tail, records), n_run
 
     return program
+
+
+def _frozen_records(tail: Any, records: Any) -> Any:
+    """`records` (slots first, then members) with each member inactive at the chunk's
+    start showing its accumulators as they stay (the steps it computed are discarded), so
+    its per-iteration metrics read as an unfused run's do.
+    """
+    active = tail["active"]
+
+    def keep(record: Any, acc: Any) -> Any:
+        mask = active.reshape((1,) + active.shape + (1,) * (record.ndim - 2))
+        return jnp.where(mask, record, acc[None])
+
+    return jax.tree.map(keep, records, tail["acc"])
 
 
 def _restore_inactive(state: Any, tail: Any, new_state: Any, new_tail: Any) -> tuple[Any, Any]:

@@ -81,11 +81,6 @@ def resolve_population(
             f"population={population!r} needs a trainer loop (fl.trainer(...)): a population "
             f"trains N members of one trainer"
         )
-    if isinstance(fuse, str) and fuse == "run":
-        raise ValueError(
-            "population with fuse='run' (whole-run fusion) is not supported yet; use "
-            "fuse=True or a chunk size with a population"
-        )
     if mesh is not None:
         raise ValueError(
             "population with mesh=... is not supported yet; run a population on one device "

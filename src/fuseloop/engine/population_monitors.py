@@ -33,7 +33,16 @@ from .._optim import _is_inject_state, find_learning_rates
 from .._population import halt_members, per_member, population_record
 from .._types import Status
 
-__all__ = ["early_stop_members", "restore_members", "reduce_lr_members", "checkpoint_members"]
+__all__ = [
+    "early_stop_members",
+    "restore_members",
+    "reduce_lr_members",
+    "checkpoint_members",
+    "plateau_decisions",
+    "member_improvements",
+    "member_saver",
+    "MemberBest",
+]
 
 _MONITOR_FIELDS = {"best": None, "best_epoch": None, "wait": 0}
 
@@ -183,24 +192,31 @@ def _restore(stopper: Any, state: Any, members: np.ndarray) -> Any:
 def reduce_lr_members(handler: Any, state: Any) -> tuple[Status, Any]:
     """`reduce_lr_on_plateau` on a population: each running member's plateau and learning
     rate, as its solo run's (see the module's docstring)."""
-    monitor = handler.monitor
-    values, running = member_values(monitor, state)
-    size = values.shape[0]
-    fields = {**_MONITOR_FIELDS, "cooldown": 0, "reductions": 0}
-    lists = _member_lists(state, monitor.key, fields, size)
-    rates = _LazyRates(state)
-    reduce = np.zeros(size, bool)
-    for i in np.flatnonzero(running):
-        mine = _mine(lists, i, fields)
-        mine, reduce[i] = handler.decide(mine, float(values[i]), state.epoch, lambda i=i: rates(i))
-        for name, value in mine.items():
-            lists[name][i] = value
-    state = _store(state, monitor.key, lists)
+    state, reduce = plateau_decisions(handler, state, _LazyRates(state))
     if reduce.any():
         step_state = state.step_state
         opt_state = _set_member_rates(step_state["opt_state"], reduce, handler)
         state = state.replace(step_state={**step_state, "opt_state": opt_state})
     return "continue", state
+
+
+def plateau_decisions(handler: Any, state: Any, rate: Any) -> tuple[Any, np.ndarray]:
+    """Each running member's plateau decision (`rate(i)`: member i's learning rate, asked
+    for only when its reduction is due): the State with the records updated, and which
+    members reduce now. The rates themselves are left to the caller.
+    """
+    monitor = handler.monitor
+    values, running = member_values(monitor, state)
+    size = values.shape[0]
+    fields = {**_MONITOR_FIELDS, "cooldown": 0, "reductions": 0}
+    lists = _member_lists(state, monitor.key, fields, size)
+    reduce = np.zeros(size, bool)
+    for i in np.flatnonzero(running):
+        mine = _mine(lists, i, fields)
+        mine, reduce[i] = handler.decide(mine, float(values[i]), state.epoch, lambda i=i: rate(i))
+        for name, value in mine.items():
+            lists[name][i] = value
+    return _store(state, monitor.key, lists), reduce
 
 
 class _LazyRates:
@@ -247,6 +263,16 @@ def checkpoint_members(saver: Any, state: Any) -> tuple[Status, Any]:
     """`checkpoint(criteria=...)` on a population: each running member whose metric
     improves is saved alone (`state.member(i)`) under `<path>/member_<i>/` by a saver of
     the same kind and options (see the module's docstring)."""
+    state, improved = member_improvements(saver, state)
+    for i in np.flatnonzero(improved):
+        member_saver(saver, int(i)).save(state.member(int(i)))
+    return "continue", state
+
+
+def member_improvements(saver: Any, state: Any) -> tuple[Any, np.ndarray]:
+    """The checkpoint monitor on each running member: the State with the records updated
+    (each saved member holds its updated record, as a solo checkpoint-on-best does), and
+    which members improved."""
     monitor = saver.monitor
     values, running = member_values(monitor, state)
     size = values.shape[0]
@@ -258,14 +284,15 @@ def checkpoint_members(saver: Any, state: Any) -> tuple[Status, Any]:
         )
         for name, value in mine.items():
             lists[name][i] = value
-    # Each saved member holds its updated record, as a solo checkpoint-on-best does.
-    state = _store(state, monitor.key, lists)
-    for i in np.flatnonzero(improved):
-        member_saver = saver.members.get(int(i))
-        if member_saver is None:
-            member_saver = type(saver)(
-                saver.path / f"member_{i}", keep=saver.keep, asynchronous=saver.asynchronous
-            )
-            saver.members[int(i)] = member_saver
-        member_saver.save(state.member(int(i)))
-    return "continue", state
+    return _store(state, monitor.key, lists), improved
+
+
+def member_saver(saver: Any, i: int) -> Any:
+    """Member i's own saver: the same kind and options, under `<path>/member_<i>/`."""
+    found = saver.members.get(i)
+    if found is None:
+        found = type(saver)(
+            saver.path / f"member_{i}", keep=saver.keep, asynchronous=saver.asynchronous
+        )
+        saver.members[i] = found
+    return found

@@ -43,13 +43,19 @@ class PopulationHost:
     def halted(self, state: State) -> np.ndarray:
         return np.asarray(population_record(state)["halted"], bool)
 
-    def epoch_end(self, state: State, epoch: int) -> tuple[State, bool]:
+    def epoch_end(
+        self, state: State, epoch: int, active: np.ndarray | None = None
+    ) -> tuple[State, bool]:
         """Members whose guard tripped this epoch halt (their history ends at the epoch
         before); halted members' metrics read NaN. Returns `(state, all halted)`.
+
+        `active` (already on the host) is which members were active at the epoch's end,
+        before its handlers (a multi-epoch dispatch's record); by default the carry's.
         """
         if self.guard:
-            # Host read: which members are still active, once per epoch (guard on only).
-            active = np.asarray(self.reads.get(self.carry.tail["active"]), bool)
+            if active is None:
+                # Host read: which members are still active, once per epoch (guard on only).
+                active = np.asarray(self.reads.get(self.carry.tail["active"]), bool)
             tripped = ~active & ~self.halted(state)
             if tripped.any():
                 state = halt_members(state, tripped, epoch - 1)

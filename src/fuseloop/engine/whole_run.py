@@ -18,6 +18,7 @@ import time
 import weakref
 from typing import Any
 
+import jax
 import numpy as np
 
 from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, ITERATION_EVENTS, Event
@@ -282,6 +283,7 @@ class WholeRun:
         seconds = self.spent  # the epoch's wall time: its share of dispatches, its replay
         run.stats["epoch_time"][epoch] = seconds
         state = state.replace(metrics=metrics, times={**state.times, epoch: seconds})
+        state, status = self._members_end(state, epoch, status, segment)
         if status == HALT_LOOP:  # halted mid-epoch: not in history
             return state, status
         state = state.replace(history={**state.history, epoch: dict(state.metrics)})
@@ -289,18 +291,35 @@ class WholeRun:
         event = Event.EPOCH_HALTED if status == HALT_EPOCH else Event.EPOCH_COMPLETED
         substitute = None
         if segment is not None and self.on_device:
-            rate = self.rates[0][self.reductions]
-            substitute = replayed_handlers(self.work, self.host, segment, live, rate, self.saves)
-            self.reductions += int(self.host["reduced"][segment])
-            if live:
-                self._hand_best(state, epoch)
+            substitute = self._substitutes(state, epoch, segment, live)
         if live:
             status, state = run.handoff.fire(event, state, True, substitute)
         else:
             replayed = state.replace(step_state=None)
             status, state = run.bus.fire(event, replayed, True, substitute)
         run.state = state
+        return state, self._members_after(state, status)
+
+    def _substitutes(self, state: Any, epoch: int, segment: int, live: bool) -> Any:
+        """The device-run handlers' replays for the end of `epoch` (dispatch segment
+        `segment`; `live`: the dispatch's last epoch, fired with the live State).
+        """
+        rate = self.rates[0][self.reductions]
+        substitute = replayed_handlers(self.work, self.host, segment, live, rate, self.saves)
+        self.reductions += int(self.host["reduced"][segment])
+        if live:
+            self._hand_best(state, epoch)
+        return substitute
+
+    def _members_end(
+        self, state: Any, epoch: int, status: str, segment: int | None
+    ) -> tuple[Any, str]:
+        """A population's epoch end before history (population_whole_run.py); solo: as is."""
         return state, status
+
+    def _members_after(self, state: Any, status: str) -> str:
+        """A population's members halted by the epoch's handlers; solo: the status."""
+        return status
 
     def _hand_best(self, state: Any, epoch: int) -> None:
         """Before the dispatch's last epoch fires live: `early_stop(restore_best=True)`
@@ -321,4 +340,6 @@ def _slot(tree: Any, s: int) -> Any:
         return tree
     if isinstance(tree, dict):
         return {k: _slot(v, s) for k, v in tree.items()}
+    if hasattr(tree, "buffers"):  # a population's packed accumulators (population_acc.py)
+        return jax.tree.map(lambda a: a[s], tree)
     return tree[s]

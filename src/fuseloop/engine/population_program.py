@@ -1,0 +1,255 @@
+"""The multi-epoch device loop of a population (docs/design.md §8 and §9).
+
+The same loop as `whole_program.py` (segments of epochs, each running the one device loop,
+the epoch boundary on the device), with the member axis:
+
+* the segment's device loop is the population's (`population.member_chunk`: every member
+  steps, inactive members get their carry back, a member whose guard tripped becomes
+  inactive at the segment's end), so each step is the step of a per-epoch population run;
+* the epoch-end work (`device_monitors.epoch_end_fn`) runs vmapped over the members, each
+  member with its own monitor records, learning-rate table and best step state; a member
+  that was inactive when its epoch ended keeps everything as it was (the host monitors
+  skip halted members), and a member that early stopping stops becomes inactive (with
+  `restore_best`, its best epoch's step state first, as the host handler restores it);
+* the epoch boundary keeps the `active` mask, and the dispatch ends once no member is
+  active (or at its steps, as any whole-run dispatch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._fusion import make_chunk_fn
+from .._step import make_carry_step
+from .device_monitors import DeviceWork, Validation, epoch_end_fn
+from .population import member_carry_step, member_chunk, population_tail
+from .programs import MIN_SLOTS, _epoch_order, _source_key
+from .whole_program import _gatherer, _put
+
+__all__ = ["population_whole_program"]
+
+
+def population_whole_program(
+    programs: Any, source: Any, segments: int, limit: int, work: DeviceWork
+) -> Any:
+    """The cached multi-epoch program of a population (`programs` is the population's).
+
+    `(state, tail, data, order, epoch, cursor, steps, monitor, inputs) -> (state, tail,
+    out, order, epoch, cursor)`, as `whole_program.whole_run_program`, where every value
+    has the member axis and `out` also holds `active` (the members active at each
+    segment's end, after the guard and before the epoch's monitors). `monitor` holds the
+    device monitors' per-member records, `best_start` (each member's best step state so
+    far, with `restore_best`) and `holds` (whether that copy is the member's best);
+    `inputs["rates"]` is each member's rate table.
+    """
+    key = ("population", _source_key(source), segments, limit, work.key)
+    cache = programs.cache.whole_run
+    if key not in cache:
+        size = programs.population.size
+        fn = _build(programs, source, segments, limit, work, size)
+        cache[key] = programs._jit(fn)
+    return cache[key]
+
+
+def _build(
+    programs: Any, source: Any, segments: int, limit: int, work: DeviceWork, size: int
+) -> Callable[..., Any]:
+    slots = max(limit, MIN_SLOTS)
+    epoch_end = _MemberEpochEnd(work, segments, size)
+    boundary = _boundary(programs.loop.metrics, programs.guard, source, size)
+    parts = (programs._device_loop(), _gatherer(slots, None), boundary, epoch_end)
+
+    def program(
+        state: Any,
+        tail: Any,
+        data: Any,
+        order: Any,
+        epoch: Any,
+        cursor: Any,
+        steps: Any,
+        monitor: Any,
+        inputs: Any,
+    ) -> tuple[Any, ...]:
+        extra = epoch_end.start(state, monitor)
+        shapes = jax.eval_shape(
+            epoch_end.ended, state, tail["acc"], extra, tail["active"], 0, inputs
+        )[2]
+        out = _buffers(segments, slots, tail, shapes)
+        step = _segment_step(parts, data, inputs, shapes, limit, size)
+        zero = jnp.zeros((), jnp.int32)
+        carry = (zero, steps, state, tail, order, epoch, cursor, out, extra)
+        carry = lax.while_loop(_going(segments), step, carry)
+        _, _, state, tail, order, epoch, cursor, out, extra = carry
+        return state, tail, {**out, "extra": extra}, order, epoch, cursor
+
+    return program
+
+
+def _boundary(metrics: Any, guard: bool, source: Any, size: int) -> Callable[..., Any]:
+    def boundary(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
+        """The epoch's end inside the dispatch: fresh accumulators (stopped members stay
+        stopped), the next order."""
+        fresh = {**population_tail(metrics, guard, size), "active": tail["active"]}
+        return fresh, _epoch_order(source, epoch), epoch + 1, jnp.zeros((), jnp.int32)
+
+    return boundary
+
+
+def _keep(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
+    return tail, order, epoch, cursor
+
+
+def _segment_step(
+    parts: tuple[Any, ...], data: Any, inputs: Any, shapes: Any, limit: int, size: int
+) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    """One trip of the dispatch's loop: an epoch piece for every member and, at its
+    epoch's end, the members' epoch-end work."""
+    body, gather, boundary, epoch_end = parts
+    running = epoch_end.running(shapes)
+
+    def step(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        s, remaining, state, tail, order, epoch, cursor, out, extra = carry
+        tail, order, epoch, cursor = lax.cond(
+            cursor >= limit, boundary, _keep, tail, order, epoch, cursor
+        )
+        n = jnp.minimum(remaining, limit - cursor)
+        state, tail, records, n_run = body(state, tail, gather(data, order, cursor), n)
+        active = tail["active"]  # after the guard, before the epoch's monitors
+        at_end = cursor + n_run == limit
+        state, extra, epoch_out, still = lax.cond(
+            at_end, epoch_end.ended, running, state, tail["acc"], extra, active, s, inputs
+        )
+        segment = {
+            "records": records,
+            "final": tail["acc"],
+            "n_run": n_run,
+            "nonfinite": tail.get("nonfinite", jnp.zeros((size,), jnp.bool_)),
+            "active": active,
+        }
+        out = _put(out, {**epoch_out, **segment}, s)
+        tail = {**tail, "active": still}
+        return s + 1, remaining - n_run, state, tail, order, epoch, cursor + n_run, out, extra
+
+    return step
+
+
+def _going(segments: int) -> Callable[[tuple[Any, ...]], Any]:
+    def going(carry: tuple[Any, ...]) -> Any:
+        s, remaining, _, tail, *_, extra = carry
+        going = (s < segments) & (remaining > 0) & jnp.any(tail["active"])
+        if "flush" in extra:  # a member's ring of kept best states is full
+            going = going & ~jnp.any(extra["flush"])
+        return going
+
+    return going
+
+
+class _MemberEpochEnd:
+    """The device's epoch-end work: the members' validation at once (the evaluator's
+    population loop), then the monitors one member at a time (vmapped).
+    """
+
+    def __init__(self, work: DeviceWork, segments: int, size: int):
+        init, end = epoch_end_fn(work, segments)
+        self.restore = work.stopper is not None and work.stopper.handler.restore_best
+        self.validate = _population_validation(work.validation, size)
+        self._init = jax.vmap(init)
+        self._end = jax.vmap(end, in_axes=(0, 0, 0, None, {"val_acc": 0, "rates": 0}))
+
+    def start(self, state: Any, monitor: Any) -> dict[str, Any]:
+        records = {k: v for k, v in monitor.items() if k not in ("best_start", "holds")}
+        extra = self._init(state, records)
+        if self.restore:  # each member's best so far (a copy made by the host)
+            extra["best_state"] = monitor["best_start"]
+            extra["holds"] = monitor["holds"]
+        return extra
+
+    def ended(
+        self, state: Any, acc: Any, extra: Any, active: Any, s: Any, inputs: Any
+    ) -> tuple[Any, ...]:
+        """`(state, extra, per-epoch outputs, members still active)` at an epoch's end."""
+        inner = {k: v for k, v in extra.items() if k != "holds"}
+        val_acc = self.validate(state, inputs["validation"])
+        members = {"val_acc": val_acc, "rates": inputs["rates"]}
+        new_state, new_inner, flags = self._end(state, acc, inner, s, members)
+        state = _where(active, new_state, state)
+        inner = _where(active, new_inner, inner)
+        flags = {k: (v & active if k != "validation" else v) for k, v in flags.items()}
+        extra = {**extra, **inner}
+        stop = flags["stop"]
+        if self.restore:
+            extra["holds"] = extra["holds"] | (active & (extra["best_s"] == s))
+            state = _where(stop & extra["holds"], extra["best_state"], state)
+        return state, extra, flags, active & ~stop
+
+    def running(self, shapes: Any) -> Callable[..., tuple[Any, ...]]:
+        def running(
+            state: Any, acc: Any, extra: Any, active: Any, s: Any, inputs: Any
+        ) -> tuple[Any, ...]:
+            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+            return state, extra, zeros, active
+
+        return running
+
+
+def _population_validation(v: Validation | None, size: int) -> Callable[[Any, Any], Any]:
+    """`(state, (data, order)) -> every member's validation accumulators` (None without
+    one): the evaluator's population device loop (`population.member_chunk`, as a
+    population evaluator run builds it) over the validation set, whole batches as one
+    chunk, a short last batch as a step of its own shape.
+    """
+    if v is None:
+        return lambda state, inputs: None
+    carry_step = make_carry_step(v.loop.program, v.loop.metrics, False)
+    body = member_chunk(make_chunk_fn(member_carry_step(carry_step), True, False))
+    whole, short = v.batches, v.short
+
+    def run(params: Any, tail: Any, vdata: Any, rows: Any, n: int) -> Any:
+        chunk = jax.tree.map(lambda leaf: leaf[rows], vdata)
+        return body(params, tail, chunk, jnp.int32(n))[1]
+
+    def validate(state: Any, inputs: Any) -> Any:
+        vdata, vorder = inputs
+        last = vorder.shape[0] - 1
+        params = {"params": state["params"]}
+        tail = population_tail(v.loop.metrics, False, size)
+        if whole:
+            rows = vorder[jnp.minimum(jnp.arange(max(whole, MIN_SLOTS)), last)]
+            tail = run(params, tail, vdata, rows, whole)
+        if short:
+            rows = vorder[jnp.minimum(whole + jnp.arange(MIN_SLOTS), last)][:, :short]
+            tail = run(params, tail, vdata, rows, 1)
+        return tail["acc"]
+
+    return validate
+
+
+def _where(mask: Any, new: Any, old: Any) -> Any:
+    """Member-wise `new` where `mask`, else `old`."""
+
+    def pick(a: Any, b: Any) -> Any:
+        return jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b)
+
+    return jax.tree.map(pick, new, old)
+
+
+def _buffers(segments: int, slots: int, tail: Any, epoch_shapes: Any) -> dict[str, Any]:
+    """The dispatch's per-segment output buffers, zeroed."""
+
+    def per_segment(a: Any, inner: tuple[int, ...] = ()) -> Any:
+        return jnp.zeros((segments,) + inner + a.shape, a.dtype)
+
+    size = tail["active"].shape
+    return {
+        **jax.tree.map(per_segment, epoch_shapes),
+        "records": jax.tree.map(lambda a: per_segment(a, (slots,)), tail["acc"]),
+        "final": jax.tree.map(per_segment, tail["acc"]),
+        "n_run": jnp.zeros((segments,), jnp.int32),
+        "nonfinite": jnp.zeros((segments,) + size, jnp.bool_),
+        "active": jnp.zeros((segments,) + size, jnp.bool_),
+    }
