@@ -21,7 +21,7 @@ from .._shards import take_rows
 from .._step import init_tail, make_carry_step
 from .population import masked_step, member_carry_step, member_chunk, population_tail
 
-__all__ = ["ProgramCache", "Programs", "MIN_SLOTS"]
+__all__ = ["ProgramCache", "Programs", "MIN_SLOTS", "pack_leaves", "unpack_on_host"]
 
 MIN_SLOTS = 2
 
@@ -102,7 +102,7 @@ class Programs:
 
         `fetch` (None: the chunk holds the batches) maps each slot of the chunk to its
         batch inside the loop: a resident program hands the loop row indices and each step
-        gathers its own batch (docs/design.md §6: no gathered copy of the chunk).
+        gathers its own batch (no gathered copy of the chunk).
         """
         carry_step = make_carry_step(self.loop.program, self.loop.metrics, self.guard)
         if self.population is not None:
@@ -288,6 +288,42 @@ def _fetching(carry_step: Any, fetch: Callable[[Any], Any]) -> Callable[..., Any
         return carry_step(state, tail, fetch(item))
 
     return step
+
+
+def pack_leaves(tree: Any) -> tuple[list[Any], list[Any]]:
+    """`tree`'s leaves packed into one flat buffer per dtype (inside a program), so the host
+    reads a few buffers instead of many small arrays (each read costs about as much as a
+    small one's copy); `unpack_on_host` undoes it.
+    """
+    return _pack(tree)
+
+
+def unpack_on_host(packed: tuple[list[Any], list[Any]], like: Any) -> Any:
+    """The host arrays of `pack_leaves(tree)` read to the host (`packed`), as the tree
+    `like` (arrays or shape-dtype structs shaped as `tree`) holds them; numpy views, no copy.
+
+    Example:
+        >>> import numpy as np, jax.numpy as jnp
+        >>> tree = {"a": jnp.arange(3.0), "b": jnp.int32(7), "c": jnp.ones((2, 2))}
+        >>> host = unpack_on_host(jax.device_get(jax.jit(pack_leaves)(tree)), tree)
+        >>> host["a"].tolist(), int(host["b"]), host["c"].shape
+        ([0.0, 1.0, 2.0], 7, (2, 2))
+    """
+    buffers, whole = packed
+    leaves, treedef = jax.tree.flatten(like)
+    order = list(dict.fromkeys(leaf.dtype for leaf in leaves if _packable(leaf.dtype)))
+    offsets = dict.fromkeys(order, 0)
+    whole_iter = iter(whole)
+    out = []
+    for leaf in leaves:
+        if not _packable(leaf.dtype):
+            out.append(next(whole_iter))
+            continue
+        start, size = offsets[leaf.dtype], math.prod(leaf.shape)
+        flat = buffers[order.index(leaf.dtype)]
+        out.append(flat[start : start + size].reshape(leaf.shape))
+        offsets[leaf.dtype] = start + size
+    return jax.tree.unflatten(treedef, out)
 
 
 def _packable(dtype: Any) -> bool:
