@@ -21,7 +21,7 @@ from .._shards import take_rows
 from .._step import init_tail, make_carry_step
 from .population import masked_step, member_carry_step, member_chunk, population_tail
 
-__all__ = ["ProgramCache", "Programs", "MIN_SLOTS"]
+__all__ = ["ProgramCache", "Programs", "MIN_SLOTS", "pack_leaves", "unpack_on_host"]
 
 MIN_SLOTS = 2
 
@@ -96,16 +96,45 @@ class Programs:
         donate = (0, 1) if self.loop.program.donate_state else (1,)
         return jax.jit(self.counted(fn), donate_argnums=donate, **kwargs)
 
-    def _device_loop(self) -> Callable[..., Any]:
+    def _device_loop(self, fetch: Callable[[Any], Any] | None = None) -> Callable[..., Any]:
         """The one device loop every program runs (records always on: the body must not
         change with what the host needs).
+
+        `fetch` (None: the chunk holds the batches) maps each slot of the chunk to its
+        batch inside the loop: a resident program hands the loop row indices and each step
+        gathers its own batch (no gathered copy of the chunk).
         """
         carry_step = make_carry_step(self.loop.program, self.loop.metrics, self.guard)
+        if self.population is not None:
+            carry_step = member_carry_step(carry_step)
+        if fetch is not None:
+            carry_step = _fetching(carry_step, fetch)
         if self.population is None:
             return make_chunk_fn(carry_step, True, self.guard)
         # A population's guard acts per member (it freezes the member), so the loop
         # itself does not stop at a non-finite step.
-        return member_chunk(make_chunk_fn(member_carry_step(carry_step), True, False))
+        return member_chunk(make_chunk_fn(carry_step, True, False))
+
+    def resident_loop(self, data: Any, sharding: Any = None) -> Callable[..., Any]:
+        """The device loop over a device-resident dataset, built inside a program's trace:
+        `(state, tail, rows, n_valid) -> (state, tail, records, n_run)`, where `rows`
+        (int32[slots, batch]) are the examples of each slot.
+
+        Without a mesh each step gathers its own batch (gathering the whole chunk first
+        costs a copy of it); with `sharding` (the rows split over the mesh) the chunk is
+        gathered at once, bit-exactly (`_shards.take_rows`), and placed by `sharding`, so
+        the collectives run once per chunk, not once per step.
+        """
+        if sharding is None:
+            return self._device_loop(lambda rows: jax.tree.map(lambda leaf: leaf[rows], data))
+        body = self._device_loop()
+
+        def gathered(state: Any, tail: Any, rows: Any, n_valid: Any) -> tuple[Any, ...]:
+            chunk = jax.tree.map(lambda leaf: take_rows(leaf, rows), data)
+            chunk = jax.lax.with_sharding_constraint(chunk, sharding)
+            return body(state, tail, chunk, n_valid)
+
+        return gathered
 
     def eager_step(self) -> Any:
         """`jit=False`: one step, op by op, for debugging."""
@@ -151,8 +180,7 @@ class Programs:
         key = (slots, live, rows, sharding)
         if key not in self.cache.resident:
             self.cache.resident[key] = self._jit(
-                _resident_program(self._device_loop(), slots, live, rows, sharding),
-                static_argnums=(5,),
+                _resident_program(self, slots, live, rows, sharding), static_argnums=(5,)
             )
         return self.cache.resident[key]
 
@@ -236,25 +264,66 @@ def _epoch_order(source: Any, epoch: Any) -> Any:
 
 
 def _resident_program(
-    body: Any, slots: int, live: int, rows: int | None, sharding: Any
+    programs: Programs, slots: int, live: int, rows: int | None, sharding: Any
 ) -> Callable[..., Any]:
     def program(
         state: Any, tail: Any, data: Any, order: Any, cursor: Any, limit: Any
     ) -> tuple[Any, ...]:
-        # Slots past the epoch's end gather clamped (valid) rows; they are never stepped.
+        # Slots past the epoch's end take clamped (valid) rows; they are never stepped.
         batches = order[jnp.minimum(cursor + jnp.arange(slots), order.shape[0] - 1)]
         if rows is not None:
             batches = batches[:, :rows]
-        if sharding is None:
-            chunk = jax.tree.map(lambda leaf: leaf[batches], data)
-        else:  # the dataset's rows are split over the mesh: a bit-exact gather
-            chunk = jax.tree.map(lambda leaf: take_rows(leaf, batches), data)
-            chunk = jax.lax.with_sharding_constraint(chunk, sharding)
         n_valid = jnp.minimum(live, limit - cursor)
-        state, tail, records, n_run = body(state, tail, chunk, n_valid)
+        body = programs.resident_loop(data, sharding)
+        state, tail, records, n_run = body(state, tail, batches, n_valid)
         return state, tail, records, n_run, cursor + n_run
 
     return program
+
+
+def _fetching(carry_step: Any, fetch: Callable[[Any], Any]) -> Callable[..., Any]:
+    """`carry_step` on the batch `fetch` makes of each slot's item (its rows)."""
+
+    def step(state: Any, tail: Any, item: Any) -> tuple[Any, Any]:
+        return carry_step(state, tail, fetch(item))
+
+    return step
+
+
+def pack_leaves(tree: Any) -> tuple[list[Any], list[Any]]:
+    """`tree`'s leaves packed into one flat buffer per dtype (inside a program), so the host
+    reads a few buffers instead of many small arrays (each read costs about as much as a
+    small one's copy); `unpack_on_host` undoes it.
+    """
+    return _pack(tree)
+
+
+def unpack_on_host(packed: tuple[list[Any], list[Any]], like: Any) -> Any:
+    """The host arrays of `pack_leaves(tree)` read to the host (`packed`), as the tree
+    `like` (arrays or shape-dtype structs shaped as `tree`) holds them; numpy views, no copy.
+
+    Example:
+        >>> import numpy as np, jax.numpy as jnp
+        >>> tree = {"a": jnp.arange(3.0), "b": jnp.int32(7), "c": jnp.ones((2, 2))}
+        >>> host = unpack_on_host(jax.device_get(jax.jit(pack_leaves)(tree)), tree)
+        >>> host["a"].tolist(), int(host["b"]), host["c"].shape
+        ([0.0, 1.0, 2.0], 7, (2, 2))
+    """
+    buffers, whole = packed
+    leaves, treedef = jax.tree.flatten(like)
+    order = list(dict.fromkeys(leaf.dtype for leaf in leaves if _packable(leaf.dtype)))
+    offsets = dict.fromkeys(order, 0)
+    whole_iter = iter(whole)
+    out = []
+    for leaf in leaves:
+        if not _packable(leaf.dtype):
+            out.append(next(whole_iter))
+            continue
+        start, size = offsets[leaf.dtype], math.prod(leaf.shape)
+        flat = buffers[order.index(leaf.dtype)]
+        out.append(flat[start : start + size].reshape(leaf.shape))
+        offsets[leaf.dtype] = start + size
+    return jax.tree.unflatten(treedef, out)
 
 
 def _packable(dtype: Any) -> bool:

@@ -206,7 +206,9 @@ class Run:
         self.first_iterator = self.source.epoch_iterator(self.start_epoch)
         if self.resident:
             self.dataset = place_dataset(self.source.data, self.placement, self.stats)
-            self.device_epoch = jax.device_put(np.int32(self.start_epoch))
+            # The device epoch counter starts as a host scalar: a program takes it as an
+            # argument (the resident feed moves it once); no transfer of its own per run.
+            self.device_epoch = np.int32(self.start_epoch)
             first = [
                 first_resident_batch(
                     self.programs,
@@ -240,7 +242,7 @@ class Run:
                 size=size,
                 placement=self.placement,
                 programs=self.programs,
-                start_epoch=self.device_epoch,
+                start_epoch=jax.device_put(self.device_epoch),
             )
         return HostFeed(
             self.source,
