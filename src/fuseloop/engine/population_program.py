@@ -29,7 +29,7 @@ from .._step import make_carry_step
 from .device_monitors import DeviceWork, Validation, epoch_end_fn
 from .population import member_carry_step, member_chunk, population_tail
 from .programs import MIN_SLOTS, _epoch_order, _source_key
-from .whole_program import _gatherer, _put
+from .whole_program import _put, _rows
 
 __all__ = ["population_whole_program"]
 
@@ -62,7 +62,6 @@ def _build(
     slots = max(limit, MIN_SLOTS)
     epoch_end = _MemberEpochEnd(work, segments, size)
     boundary = _boundary(programs.loop.metrics, programs.guard, source, size)
-    parts = (programs._device_loop(), _gatherer(slots, None), boundary, epoch_end)
 
     def program(
         state: Any,
@@ -80,7 +79,9 @@ def _build(
             epoch_end.ended, state, tail["acc"], extra, tail["active"], 0, inputs
         )[2]
         out = _buffers(segments, slots, tail, shapes)
-        step = _segment_step(parts, data, inputs, shapes, limit, size)
+        body = programs.resident_loop(data)  # each step gathers its batch
+        parts = (body, _rows(slots), boundary, epoch_end)
+        step = _segment_step(parts, inputs, shapes, limit, size)
         zero = jnp.zeros((), jnp.int32)
         carry = (zero, steps, state, tail, order, epoch, cursor, out, extra)
         carry = lax.while_loop(_going(segments), step, carry)
@@ -105,11 +106,11 @@ def _keep(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
 
 
 def _segment_step(
-    parts: tuple[Any, ...], data: Any, inputs: Any, shapes: Any, limit: int, size: int
+    parts: tuple[Any, ...], inputs: Any, shapes: Any, limit: int, size: int
 ) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
     """One trip of the dispatch's loop: an epoch piece for every member and, at its
     epoch's end, the members' epoch-end work."""
-    body, gather, boundary, epoch_end = parts
+    body, rows, boundary, epoch_end = parts
     running = epoch_end.running(shapes)
 
     def step(carry: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -118,7 +119,7 @@ def _segment_step(
             cursor >= limit, boundary, _keep, tail, order, epoch, cursor
         )
         n = jnp.minimum(remaining, limit - cursor)
-        state, tail, records, n_run = body(state, tail, gather(data, order, cursor), n)
+        state, tail, records, n_run = body(state, tail, rows(order, cursor), n)
         active = tail["active"]  # after the guard, before the epoch's monitors
         at_end = cursor + n_run == limit
         state, extra, epoch_out, still = lax.cond(

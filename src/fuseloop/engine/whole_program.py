@@ -23,12 +23,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._shards import take_rows
 from .._step import init_tail
 from .device_monitors import epoch_end_fn
-from .programs import MIN_SLOTS, _epoch_order, _source_key
+from .programs import MIN_SLOTS, _epoch_order, _source_key, pack_leaves
 
-__all__ = ["whole_run_program", "segments_for"]
+__all__ = ["whole_run_program", "segments_for", "host_outputs"]
 
 
 def segments_for(cursor: int, steps: int, limit: int) -> list[tuple[int, int]]:
@@ -49,10 +48,18 @@ def segments_for(cursor: int, steps: int, limit: int) -> list[tuple[int, int]]:
 
 
 def whole_run_program(
-    programs: Any, source: Any, segments: int, limit: int, sharding: Any, work: Any
+    programs: Any,
+    source: Any,
+    segments: int,
+    limit: int,
+    sharding: Any,
+    work: Any,
+    record: bool = True,
 ) -> Any:
     """The cached multi-epoch program for `segments` epoch pieces of at most `limit` steps,
-    with the device's epoch-end `work` (`device_monitors.DeviceWork`).
+    with the device's epoch-end `work` (`device_monitors.DeviceWork`); `record=False` (no
+    iteration handler replays the records) leaves `records` out of `out`, so XLA drops
+    their writes from the loop (the loop body itself is unchanged).
 
     `(state, tail, data, order, epoch, cursor, steps, monitor, validation) -> (state, tail,
     out, order, epoch, cursor)`, where `out` holds per segment: `records` [segments, slots],
@@ -62,31 +69,26 @@ def whole_run_program(
     the device epoch counter (the next epoch whose order is computed), as in the resident
     feed.
     """
-    key = (_source_key(source), segments, limit, sharding, work.key)
+    key = (_source_key(source), segments, limit, sharding, work.key, record)
     cache = programs.cache.whole_run
     if key not in cache:
-        body = programs._device_loop()
-        fn = _build(
-            body, programs.loop.metrics, programs.guard, source, segments, limit, sharding, work
-        )
+        fn = _build(programs, source, segments, limit, sharding, work, record)
         cache[key] = programs._jit(fn)
     return cache[key]
 
 
 def _build(
-    body: Any,
-    metrics: Any,
-    guard: bool,
+    programs: Any,
     source: Any,
     segments: int,
     limit: int,
     sharding: Any,
     work: Any,
+    record: bool,
 ) -> Callable[..., Any]:
-    slots = max(limit, MIN_SLOTS)
+    slots, guard = max(limit, MIN_SLOTS), programs.guard
     start_work, end_work = epoch_end_fn(work, segments)
-    gather = _gatherer(slots, sharding)
-    boundary = _boundary(metrics, guard, source)
+    boundary = _boundary(programs.loop.metrics, guard, source)
 
     def program(
         state: Any,
@@ -101,18 +103,32 @@ def _build(
     ) -> tuple[Any, ...]:
         extra = start_work(state, monitor)
         shapes = jax.eval_shape(end_work, state, tail["acc"], extra, 0, inputs)[2]
-        out = _buffers(segments, slots, tail["acc"], shapes)
+        out = _buffers(segments, slots, tail["acc"], shapes, record)
         epoch_end = _epoch_end(end_work, inputs, shapes)
-        step = _segment_step(body, gather, boundary, epoch_end, data, limit, guard)
+        body = programs.resident_loop(data, sharding)  # each step gathers its batch
+        step = _segment_step(body, _rows(slots), boundary, epoch_end, limit, guard, record)
 
         zero = jnp.zeros((), jnp.int32)
         stopped = jnp.zeros((), jnp.bool_)
         carry = (zero, steps, state, tail, order, epoch, cursor, out, extra, stopped)
         carry = lax.while_loop(_going(segments, guard), step, carry)
         _, _, state, tail, order, epoch, cursor, out, extra, _ = carry
-        return state, tail, {**out, "extra": extra}, order, epoch, cursor
+        packed = pack_leaves(host_outputs(out, extra))  # read as a few buffers
+        return state, tail, {**out, "extra": extra, "packed": packed}, order, epoch, cursor
 
     return program
+
+
+def host_outputs(out: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """What the host reads of a dispatch's output: the per-segment buffers (the records
+    only where recorded) and the monitor's and the ring's counters. The program packs it
+    (`out["packed"]`); the host unpacks it by this tree's shapes.
+    """
+    read = {k: v for k, v in out.items() if k not in ("extra", "packed")}
+    read["best_s"] = extra["best_s"]
+    if "kept_n" in extra:
+        read["kept_n"] = extra["kept_n"]
+    return read
 
 
 def _epoch_end(end_work: Any, inputs: Any, shapes: Any) -> Callable[..., tuple[Any, ...]]:
@@ -133,7 +149,7 @@ def _epoch_end(end_work: Any, inputs: Any, shapes: Any) -> Callable[..., tuple[A
 
 
 def _segment_step(
-    body: Any, gather: Any, boundary: Any, epoch_end: Any, data: Any, limit: int, guard: bool
+    body: Any, rows: Any, boundary: Any, epoch_end: Any, limit: int, guard: bool, record: bool
 ) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
     """One trip of the dispatch's loop: an epoch piece and, at its epoch's end, the
     device's epoch-end work.
@@ -145,11 +161,13 @@ def _segment_step(
             cursor >= limit, boundary, _keep, tail, order, epoch, cursor
         )
         n = jnp.minimum(remaining, limit - cursor)
-        state, tail, records, n_run = body(state, tail, gather(data, order, cursor), n)
+        state, tail, records, n_run = body(state, tail, rows(order, cursor), n)
         flag = tail["nonfinite"] if guard else jnp.zeros((), jnp.bool_)
         at_end = (cursor + n_run == limit) & ~flag
         state, extra, epoch_out = epoch_end(at_end, state, tail["acc"], extra, s)
-        segment = {"records": records, "final": tail["acc"], "n_run": n_run, "nonfinite": flag}
+        segment = {"final": tail["acc"], "n_run": n_run, "nonfinite": flag}
+        if record:
+            segment["records"] = records
         out = _put(out, {**epoch_out, **segment}, s)
         # The dispatch ends after an early stop, or when the kept best states are full.
         stopped = epoch_out["stop"] | extra.get("flush", False)
@@ -159,19 +177,12 @@ def _segment_step(
     return step
 
 
-def _gatherer(slots: int, sharding: Any) -> Callable[..., Any]:
-    def gather(data: Any, order: Any, cursor: Any) -> Any:
-        # Slots past the epoch's end gather clamped (valid) rows; they are never stepped.
-        rows = order[jnp.minimum(cursor + jnp.arange(slots), order.shape[0] - 1)]
-        if sharding is None:
-            chunk = jax.tree.map(lambda leaf: leaf[rows], data)
-        else:  # rows split over devices: a gather that keeps -0.0 (see _shards.take_rows)
-            chunk = jax.tree.map(lambda leaf: take_rows(leaf, rows), data)
-        if sharding is not None:
-            chunk = lax.with_sharding_constraint(chunk, sharding)
-        return chunk
+def _rows(slots: int) -> Callable[..., Any]:
+    def rows(order: Any, cursor: Any) -> Any:
+        # Slots past the epoch's end take clamped (valid) rows; they are never stepped.
+        return order[jnp.minimum(cursor + jnp.arange(slots), order.shape[0] - 1)]
 
-    return gather
+    return rows
 
 
 def _boundary(metrics: Any, guard: bool, source: Any) -> Callable[..., tuple[Any, ...]]:
@@ -188,19 +199,23 @@ def _keep(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
     return tail, order, epoch, cursor
 
 
-def _buffers(segments: int, slots: int, acc: Any, epoch_shapes: Any) -> dict[str, Any]:
+def _buffers(
+    segments: int, slots: int, acc: Any, epoch_shapes: Any, record: bool
+) -> dict[str, Any]:
     """The dispatch's per-segment output buffers, zeroed."""
 
     def per_segment(a: Any, inner: tuple[int, ...] = ()) -> Any:
         return jnp.zeros((segments,) + inner + a.shape, a.dtype)
 
-    return {
+    out = {
         **jax.tree.map(per_segment, epoch_shapes),
-        "records": jax.tree.map(lambda a: per_segment(a, (slots,)), acc),
         "final": jax.tree.map(per_segment, acc),
         "n_run": jnp.zeros((segments,), jnp.int32),
         "nonfinite": jnp.zeros((segments,), jnp.bool_),
     }
+    if record:
+        out["records"] = jax.tree.map(lambda a: per_segment(a, (slots,)), acc)
+    return out
 
 
 def _going(segments: int, guard: bool) -> Callable[[tuple[Any, ...]], Any]:

@@ -31,9 +31,9 @@ from .device_monitors import (
     validation_inputs,
 )
 from .device_replay import hand_best, replayed_handlers
-from .programs import _source_key
+from .programs import _source_key, unpack_on_host
 from .replay import ChunkResult, EpochReplay
-from .whole_program import segments_for, whole_run_program
+from .whole_program import host_outputs, segments_for, whole_run_program
 
 __all__ = ["WholeRun", "whole_run_refusal"]
 
@@ -176,7 +176,13 @@ class WholeRun:
         self.rates = rate_table(self.work, run.carry.step_state, len(segments))
         self.reductions = 0  # the device's rate reductions replayed so far
         program = whole_run_program(
-            run.programs, self.source, self._slots(segments), self.limit, self.sharding, self.work
+            run.programs,
+            self.source,
+            self._slots(segments),
+            self.limit,
+            self.sharding,
+            self.work,
+            self.replay.record,  # the records only where an iteration handler replays them
         )
         out, self.order, self.counter, _ = run.carry.advance(
             program,
@@ -190,17 +196,10 @@ class WholeRun:
         )
         extra = out["extra"]
         self.best_state = extra.get("best_state")
-        kept = ("final", "n_run", "nonfinite", "stop", "validation", "reduced", "saved")
-        wanted = {k: out[k] for k in kept}
-        wanted["best_s"] = extra["best_s"]
-        if "kept_n" in extra:
-            wanted["kept_n"] = extra["kept_n"]
-        if self.replay.record:
-            wanted["records"] = out["records"]
         # Host read: once per dispatch, every epoch's final accumulators, the steps run,
         # the guard's flags, the device's validation, monitor and checkpoint verdicts, and
-        # the records when an iteration handler is attached.
-        host = run.reads.get(wanted)
+        # the records when an iteration handler is attached: packed, a buffer per dtype.
+        host = unpack_on_host(run.reads.get(out["packed"]), host_outputs(out, extra))
         saver = self.work.saver
         self.saves = (
             None
