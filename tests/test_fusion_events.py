@@ -259,3 +259,31 @@ def test_launching_ahead_or_not_gives_the_same_run(launch_ahead):
     assert [i[3][1] for i in log] == [i[3][1] for i in reference_log]
     assert_runs_identical(reference, state)
     assert (len(snapshots) > 0) == (mode == "always")
+
+
+@pytest.mark.parametrize("resident", [False, True])
+def test_a_halt_in_a_deferred_chunk_drops_every_chunk_launched_after_it(launch_ahead, resident):
+    """Chunks where nothing fires queue behind the one where a handler fires; a halt there
+    drops them all, and the run is the one that stopped at that chunk's end."""
+    mode, snapshots = launch_ahead
+    data = make_batches(24)
+    x = np.concatenate([b[0] for b in data])
+    y = np.concatenate([b[1] for b in data])
+    source = fl.data.arrays(x, y, batch_size=len(data[0][0]), device=True) if resident else data
+    seen: list = []
+
+    def halt_at_10(state: fl.State):
+        seen.append((state.iteration, state.metrics["loss"]))
+        return "halt_loop" if state.iteration == 10 else None
+
+    loop = PLAIN.handle_event("iteration_completed", halt_at_10, {"every": 10})
+    unfused = loop.run(source, epochs=2)
+    unfused_seen, seen[:] = list(seen), []
+    fused = loop.run(source, epochs=2, fuse=3)  # chunks of 3: the halt is in [9, 10, 11]
+    assert seen == unfused_seen == [(0, seen[0][1]), (10, seen[1][1])]
+    assert fused.event_counts == unfused.event_counts
+    assert fused.status == "halted" and int(fused.step_state["step"]) == 12
+    assert fused.stats["dispatches"] == 4
+    stepped = PLAIN.run(source, epochs=1, iterations=12, fuse=3)
+    assert_tree_equal(fused.step_state, stepped.step_state)
+    assert (len(snapshots) > 0) == (mode == "always")

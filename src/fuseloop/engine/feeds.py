@@ -92,8 +92,12 @@ class HostFeed:
             return self._producer.get()
         return self._prepare(first)
 
-    def unlaunch(self) -> None:
-        """The last launch was dropped; its batches count as pulled ahead."""
+    def mark(self) -> Any:
+        """Where the feed is (for `rewind`)."""
+        return None
+
+    def rewind(self, mark: Any) -> None:
+        """The launches after `mark` were dropped; their batches count as pulled ahead."""
 
     # ----------------------------------------------------------------- preparing
     def _pull(self, count: int) -> list[Any]:
@@ -194,7 +198,6 @@ class ResidentFeed:
             self.source.num_batches if bound is None else min(bound, self.source.num_batches)
         )
         self.full_limit = min(self.limit, self.whole)
-        self._before = self.cursor
 
     def end(self) -> None:
         pass
@@ -211,7 +214,6 @@ class ResidentFeed:
 
     def launch(self, carry: Any, prepared: Prepared) -> ChunkResult:
         program, limit = prepared.payload
-        self._before = self.cursor
         records, n_run, self.cursor = carry.advance(
             program, self.data, self.order, self.cursor, limit
         )
@@ -226,9 +228,13 @@ class ResidentFeed:
             carry.tail.get("nonfinite"),
         )
 
-    def unlaunch(self) -> None:
-        """The last launch was dropped: its place in the epoch is given back."""
-        self.cursor = self._before
+    def mark(self) -> Any:
+        """Where the feed is in the epoch (for `rewind`)."""
+        return self.cursor
+
+    def rewind(self, mark: Any) -> None:
+        """The launches after `mark` were dropped: their place in the epoch is given back."""
+        self.cursor = mark
 
 
 def place_dataset(source: Any, placement: Any, stats: dict[str, Any]) -> Any:

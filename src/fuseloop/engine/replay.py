@@ -80,21 +80,31 @@ class EpochReplay:
         self.previous: Metrics = _no_metrics
         self.steps = 0
         self.merged_through = -1
-        self._firing_key: tuple[int, int, int] | None = None
+        self._firing_key: tuple[int, int, int, int] | None = None
         self._firing_offsets: list[int] = []
 
-    def waits_for(self, result: ChunkResult) -> bool:
-        """Whether replaying `result` reads its records (some handler fires in it)."""
-        return self.record and not result.live and bool(self._firing(result.n))
-
-    def _firing(self, n: int) -> list[int]:
-        """The offsets of the next `n` iterations at which a handler fires (from counters;
-        remembered until the counters move).
+    def waits_for(self, result: ChunkResult, lag: int = 0) -> bool:
+        """Whether replaying `result` reads its records (some handler fires in it), once
+        the `lag` steps launched before it are replayed.
         """
-        key = (self.bus.total[_STARTED], self.bus.total[_COMPLETED], n)
+        return self.record and not result.live and bool(self._firing(result.n, lag))
+
+    def _firing(self, n: int, lag: int = 0) -> list[int]:
+        """The offsets of `n` iterations, `lag` after the next one, at which a handler
+        fires (from counters; remembered until the counters move).
+        """
+        key = (self.bus.total[_STARTED], self.bus.total[_COMPLETED], n, lag)
         if key != self._firing_key:
-            self._firing_key, self._firing_offsets = key, self.bus.firing_offsets(n)
+            self._firing_key, self._firing_offsets = key, self.bus.firing_offsets(n, lag)
         return self._firing_offsets
+
+    def read(self, results: list[ChunkResult], carry_acc: Any = None) -> tuple[list[Any], Any]:
+        """The records of `results` (and `carry_acc`, the accumulators after the last of
+        them) in one host read.
+        """
+        # Host read: the records of the chunks replayed together (docs/design.md §6).
+        host = self.reads.get(([r.records for r in results], carry_acc))
+        return host[0], host[1]
 
     def _fire(
         self, event: Event, state: Any, i: int, metrics: Metrics, live: bool, stamp: int
@@ -119,8 +129,10 @@ class EpochReplay:
         return status, state, i
 
     # ----------------------------------------------------------------- chunks
-    def chunk(self, state: Any, result: ChunkResult) -> tuple[str, Any, int]:
-        """Fires `result`'s iteration events: `(status, state, last iteration fired)`."""
+    def chunk(self, state: Any, result: ChunkResult, records: Any = None) -> tuple[str, Any, int]:
+        """Fires `result`'s iteration events: `(status, state, last iteration fired)`.
+        `records`: its records already read (`read`), without the guard.
+        """
         if result.live:
             return self._live(state, result)
         first, n = result.first, result.n
@@ -130,8 +142,13 @@ class EpochReplay:
             self.bus.advance(n, None)
             self.steps += n
             if self.record:
-                self.previous = self._lazy(result.records, n - 1, on_device=True)
+                on_device = records is None
+                self.previous = self._lazy(
+                    result.records if on_device else records, n - 1, on_device=on_device
+                )
             return CONTINUE, state, first + n - 1
+        if records is not None and not self.guard:
+            return self._fire_chunk(state, first, n, n, firing, records)
         # Host read: once per chunk, the records (with the guard, also the steps run and
         # its flag; without it every live step ran). Each leaf read costs the host a few
         # microseconds, so nothing else is read.
