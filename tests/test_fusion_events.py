@@ -287,3 +287,17 @@ def test_a_halt_in_a_deferred_chunk_drops_every_chunk_launched_after_it(launch_a
     stepped = PLAIN.run(source, epochs=1, iterations=12, fuse=3)
     assert_tree_equal(fused.step_state, stepped.step_state)
     assert (len(snapshots) > 0) == (mode == "always")
+
+
+def test_an_error_in_a_deferred_chunk_reports_the_carry_at_its_end(launch_ahead):
+    def fail_at_10(state: fl.State):
+        if state.iteration == 10:
+            raise RuntimeError("handler failed")
+
+    loop = PLAIN.handle_event("iteration_completed", fail_at_10, {"every": 10})
+    with pytest.raises(RuntimeError, match="handler failed") as caught:
+        loop.run(make_batches(24), epochs=2, fuse=3)
+    reached = caught.value.fuseloop_state  # type: ignore[attr-defined]
+    assert reached.iteration == 10 and reached.epoch == 0
+    assert int(reached.step_state["step"]) == 12  # the chunk [9, 10, 11] ran, no later one
+    assert reached.stats["dispatches"] == 4
