@@ -89,3 +89,26 @@ def test_host_reads_give_what_device_get_gives() -> None:
         else:
             assert a == b
     assert not got["records"]["loss"]["sum"].flags.writeable  # read-only, as device_get's
+
+
+def test_the_shared_epoch_counter_is_never_consumed() -> None:
+    """Resident runs start their device epoch counter from one shared array per epoch;
+    no program may donate it, so it still holds its epoch after runs (and a resume)."""
+    import numpy as np
+
+    import fuseloop as fl
+    from conftest import trainer
+    from fuseloop.engine.feeds import epoch_counter
+
+    start = epoch_counter(0)
+    assert epoch_counter(0) is start and int(epoch_counter(2)) == 2
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 3)).astype(np.float32)
+    y = rng.integers(0, 2, 32).astype(np.int32)
+    data = fl.data.arrays(x, y, batch_size=4, device=True)
+    loop = trainer()
+    first = loop.run(data, epochs=2, fuse=3)
+    again = loop.run(data, epochs=2, fuse=3)
+    resumed = loop.run(data, first, epochs=3, fuse=3)
+    assert int(start) == 0 and int(epoch_counter(2)) == 2 and not start.is_deleted()
+    assert first.history == again.history and sorted(resumed.history) == [0, 1, 2]

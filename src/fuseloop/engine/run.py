@@ -13,7 +13,6 @@ import time
 import warnings
 from typing import Any
 
-import jax
 import numpy as np
 
 from .._checks import Checker
@@ -27,7 +26,7 @@ from .bus import EventBus
 from .carry import Carry
 from .dispatch_plan import plan_dispatches
 from .epoch import EpochLoop
-from .feeds import HostFeed, ResidentFeed, first_resident_batch, place_dataset
+from .feeds import HostFeed, ResidentFeed, epoch_counter, first_resident_batch, place_dataset
 from .handoff import Handoff
 from .host import HostReads
 from .population import first_member, resolve_population
@@ -206,7 +205,7 @@ class Run:
         self.first_iterator = self.source.epoch_iterator(self.start_epoch)
         if self.resident:
             self.dataset = place_dataset(self.source.data, self.placement, self.stats)
-            self.device_epoch = jax.device_put(np.int32(self.start_epoch))
+            self.device_epoch = epoch_counter(self.start_epoch)
             first = [
                 first_resident_batch(
                     self.programs,
