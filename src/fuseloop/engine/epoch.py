@@ -140,11 +140,11 @@ class EpochLoop:
                     self._drop()
                 raise
             self.latest = state
-            if self.rollback is not None:  # only the first chunk can halt
-                if status != CONTINUE:
+            if status != CONTINUE:  # the first chunk, or the last (nothing fires between)
+                if self.rollback is not None:
                     self._drop()
-                    return status, state, last
-                self.rollback = None
+                return status, state, last
+            self.rollback = None  # the chunk it was for went through
         return status, state, last
 
     def _stop(self, state: Any, last: int, status: str) -> tuple[str, Any, int, None]:
