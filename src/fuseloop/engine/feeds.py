@@ -253,7 +253,7 @@ def epoch_counter(epoch: int) -> Any:
     (a transfer at a run's start costs the host about 0.1-0.2 ms on a CPU, measured in
     docs/design.md §6).
     """
-    key = (epoch, jax.config.jax_default_device)
+    key = (epoch, getattr(jax.config, "jax_default_device", None))  # where device_put puts
     if key not in _COUNTERS:
         _COUNTERS[key] = jax.device_put(np.int32(epoch))
     return _COUNTERS[key]
