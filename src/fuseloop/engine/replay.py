@@ -80,8 +80,7 @@ class EpochReplay:
         self.previous: Metrics = _no_metrics
         self.steps = 0
         self.merged_through = -1
-        self._firing_key: tuple[int, int, int, int] | None = None
-        self._firing_offsets: list[int] = []
+        self._firings: dict[tuple[int, int, int], list[int]] = {}
 
     def waits_for(self, result: ChunkResult, lag: int = 0) -> bool:
         """Whether replaying `result` reads its records (some handler fires in it), once
@@ -91,12 +90,17 @@ class EpochReplay:
 
     def _firing(self, n: int, lag: int = 0) -> list[int]:
         """The offsets of `n` iterations, `lag` after the next one, at which a handler
-        fires (from counters; remembered until the counters move).
+        fires (from counters; remembered for the few chunks around the current one).
         """
-        key = (self.bus.total[_STARTED], self.bus.total[_COMPLETED], n, lag)
-        if key != self._firing_key:
-            self._firing_key, self._firing_offsets = key, self.bus.firing_offsets(n, lag)
-        return self._firing_offsets
+        # Keyed by the counts the `n` iterations start from: the same chunk asked about
+        # before the chunks queued ahead of it are replayed, and after, is one question.
+        key = (self.bus.total[_STARTED] + lag, self.bus.total[_COMPLETED] + lag, n)
+        offsets = self._firings.get(key)
+        if offsets is None:
+            if len(self._firings) > 8:  # only the chunks around the current one are asked
+                self._firings.clear()
+            offsets = self._firings[key] = self.bus.firing_offsets(n, lag)
+        return offsets
 
     def read(self, results: list[ChunkResult], carry_acc: Any = None) -> tuple[list[Any], Any]:
         """The records of `results` (and `carry_acc`, the accumulators after the last of
