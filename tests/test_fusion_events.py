@@ -262,9 +262,9 @@ def test_launching_ahead_or_not_gives_the_same_run(launch_ahead):
 
 
 @pytest.mark.parametrize("resident", [False, True])
-def test_a_halt_in_a_deferred_chunk_drops_every_chunk_launched_after_it(launch_ahead, resident):
-    """Chunks where nothing fires queue behind the one where a handler fires; a halt there
-    drops them all, and the run is the one that stopped at that chunk's end."""
+def test_a_halt_among_sparse_firings_stops_at_the_end_of_its_chunk(launch_ahead, resident):
+    """A handler firing every 10 iterations halts in the chunk [9, 10, 11]: the chunk
+    launched ahead of its replay is dropped, and the run is the one that stopped there."""
     mode, snapshots = launch_ahead
     data = make_batches(24)
     x = np.concatenate([b[0] for b in data])
@@ -289,7 +289,7 @@ def test_a_halt_in_a_deferred_chunk_drops_every_chunk_launched_after_it(launch_a
     assert (len(snapshots) > 0) == (mode == "always")
 
 
-def test_an_error_in_a_deferred_chunk_reports_the_carry_at_its_end(launch_ahead):
+def test_an_error_in_a_replayed_chunk_reports_the_carry_at_its_end(launch_ahead):
     def fail_at_10(state: fl.State):
         if state.iteration == 10:
             raise RuntimeError("handler failed")

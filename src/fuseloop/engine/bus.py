@@ -72,14 +72,14 @@ class EventBus:
     def has_iteration_handlers(self) -> bool:
         return self.iteration_handlers
 
-    def firing_offsets(self, n: int, skip: int = 0) -> list[int]:
-        """The offsets `j` in `[0, n)` of the `n` iterations after the next `skip` at which
-        some iteration handler's counter filter passes, judged from the counters alone
-        (every offset when a callable filter, which needs the State, is registered).
+    def firing_offsets(self, n: int) -> list[int]:
+        """The offsets `j` in `[0, n)` of the next `n` iterations at which some iteration
+        handler's counter filter passes, judged from the counters alone (every offset when
+        a callable filter, which needs the State, is registered).
         """
         offsets: set[int] = set()
         for event in ITERATION_EVENTS:
-            first = self.total[event] + 1 + skip
+            first = self.total[event] + 1
             for registration in self.by_event.get(event, ()):
                 spec = registration.filter
                 if spec.predicate is not None:

@@ -75,20 +75,14 @@ class Carry:
         """
         return self.programs.pack((self.step_state, self.tail))
 
-    def restore(self, snapshot: Any, dropped: int) -> None:
-        """Rolls back to `snapshot`: the `dropped` dispatches launched after it are dropped
-        (and do not count).
+    def restore(self, snapshot: Any) -> None:
+        """Rolls back to `snapshot`: the dispatch launched after it is dropped (and does not
+        count).
         """
         carry = self.programs.unpack(snapshot, (self.step_state, self.tail))
         self.step_state, self.tail = self.placement.put_state(carry)
         self._metrics = None
-        self.stats["dispatches"] -= dropped
-
-    def preset_metrics(self, acc_host: Any) -> None:
-        """The accumulators as of now, already read to the host with the records of the
-        epoch's last chunks (so the epoch's end reads nothing more).
-        """
-        self._metrics = self.reads.metrics_of(acc_host)
+        self.stats["dispatches"] -= 1
 
     def metrics(self) -> dict[str, float]:
         """The accumulated metrics now (read once per dispatch, when first asked for)."""

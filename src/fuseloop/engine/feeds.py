@@ -99,12 +99,8 @@ class HostFeed:
             return self._producer.get()
         return self._prepare(first)
 
-    def mark(self) -> Any:
-        """Where the feed is (for `rewind`)."""
-        return None
-
-    def rewind(self, mark: Any) -> None:
-        """The launches after `mark` were dropped; their batches count as pulled ahead."""
+    def unlaunch(self) -> None:
+        """The last launch was dropped; its batches count as pulled ahead."""
 
     # ----------------------------------------------------------------- preparing
     def _pull(self, count: int) -> list[Any]:
@@ -205,6 +201,7 @@ class ResidentFeed:
             self.source.num_batches if bound is None else min(bound, self.source.num_batches)
         )
         self.full_limit = min(self.limit, self.whole)
+        self._before = self.cursor
 
     def end(self) -> None:
         pass
@@ -221,6 +218,7 @@ class ResidentFeed:
 
     def launch(self, carry: Any, prepared: Prepared) -> ChunkResult:
         program, limit = prepared.payload
+        self._before = self.cursor
         records, n_run, self.cursor = carry.advance(
             program, self.data, self.order, self.cursor, limit
         )
@@ -235,13 +233,9 @@ class ResidentFeed:
             carry.tail.get("nonfinite"),
         )
 
-    def mark(self) -> Any:
-        """Where the feed is in the epoch (for `rewind`)."""
-        return self.cursor
-
-    def rewind(self, mark: Any) -> None:
-        """The launches after `mark` were dropped: their place in the epoch is given back."""
-        self.cursor = mark
+    def unlaunch(self) -> None:
+        """The last launch was dropped: its place in the epoch is given back."""
+        self.cursor = self._before
 
 
 _COUNTERS: dict[tuple[int, Any], Any] = {}

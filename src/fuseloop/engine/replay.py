@@ -80,35 +80,21 @@ class EpochReplay:
         self.previous: Metrics = _no_metrics
         self.steps = 0
         self.merged_through = -1
-        self._firings: dict[tuple[int, int, int], list[int]] = {}
+        self._firing_key: tuple[int, int, int] | None = None
+        self._firing_offsets: list[int] = []
 
-    def waits_for(self, result: ChunkResult, lag: int = 0) -> bool:
-        """Whether replaying `result` reads its records (some handler fires in it), once
-        the `lag` steps launched before it are replayed.
-        """
-        return self.record and not result.live and bool(self._firing(result.n, lag))
+    def waits_for(self, result: ChunkResult) -> bool:
+        """Whether replaying `result` reads its records (some handler fires in it)."""
+        return self.record and not result.live and bool(self._firing(result.n))
 
-    def _firing(self, n: int, lag: int = 0) -> list[int]:
-        """The offsets of `n` iterations, `lag` after the next one, at which a handler
-        fires (from counters; remembered for the few chunks around the current one).
+    def _firing(self, n: int) -> list[int]:
+        """The offsets of the next `n` iterations at which a handler fires (from counters;
+        remembered until the counters move).
         """
-        # Keyed by the counts the `n` iterations start from: the same chunk asked about
-        # before the chunks queued ahead of it are replayed, and after, is one question.
-        key = (self.bus.total[_STARTED] + lag, self.bus.total[_COMPLETED] + lag, n)
-        offsets = self._firings.get(key)
-        if offsets is None:
-            if len(self._firings) > 8:  # only the chunks around the current one are asked
-                self._firings.clear()
-            offsets = self._firings[key] = self.bus.firing_offsets(n, lag)
-        return offsets
-
-    def read(self, results: list[ChunkResult], carry_acc: Any = None) -> tuple[list[Any], Any]:
-        """The records of `results` (and `carry_acc`, the accumulators after the last of
-        them) in one host read.
-        """
-        # Host read: the records of the chunks replayed together (docs/design.md §6).
-        host = self.reads.get(([r.records for r in results], carry_acc))
-        return host[0], host[1]
+        key = (self.bus.total[_STARTED], self.bus.total[_COMPLETED], n)
+        if key != self._firing_key:
+            self._firing_key, self._firing_offsets = key, self.bus.firing_offsets(n)
+        return self._firing_offsets
 
     def _fire(
         self, event: Event, state: Any, i: int, metrics: Metrics, live: bool, stamp: int
@@ -133,10 +119,8 @@ class EpochReplay:
         return status, state, i
 
     # ----------------------------------------------------------------- chunks
-    def chunk(self, state: Any, result: ChunkResult, records: Any = None) -> tuple[str, Any, int]:
-        """Fires `result`'s iteration events: `(status, state, last iteration fired)`.
-        `records`: its records already read (`read`), without the guard.
-        """
+    def chunk(self, state: Any, result: ChunkResult) -> tuple[str, Any, int]:
+        """Fires `result`'s iteration events: `(status, state, last iteration fired)`."""
         if result.live:
             return self._live(state, result)
         first, n = result.first, result.n
@@ -146,13 +130,8 @@ class EpochReplay:
             self.bus.advance(n, None)
             self.steps += n
             if self.record:
-                on_device = records is None
-                self.previous = self._lazy(
-                    result.records if on_device else records, n - 1, on_device=on_device
-                )
+                self.previous = self._lazy(result.records, n - 1, on_device=True)
             return CONTINUE, state, first + n - 1
-        if records is not None and not self.guard:
-            return self._fire_chunk(state, first, n, n, firing, records)
         # Host read: once per chunk, the records (with the guard, also the steps run and
         # its flag; without it every live step ran). Each leaf read costs the host a few
         # microseconds, so nothing else is read.
