@@ -9,12 +9,17 @@ configuration runs once per round, in turn):
     batches already on the device), steady epoch and a whole 3-epoch run;
   * host-fed fused against the floor including the epoch's stacking and transfer.
 
+Each whole-run figure is also measured in CPU time (`time.process_time`, every thread of
+the process): on a shared machine other processes stretch wall time, while the CPU a run
+spends is what a change to the engine moves.
+
 Run: PYTHONPATH=src python bench/engine_costs.py [--rounds 15]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -39,8 +44,8 @@ def _data() -> tuple[np.ndarray, np.ndarray]:
 
 def _floor(
     model: Any, variables: Any, x: np.ndarray, y: np.ndarray
-) -> tuple[Callable[[], float], Callable[[], float]]:
-    """`(on_device_epoch, with_transfer_epoch)`: seconds of one floor epoch each."""
+) -> tuple[Callable[[], tuple[float, float]], Callable[[], tuple[float, float]]]:
+    """`(on_device_epoch, with_transfer_epoch)`: wall and CPU seconds of one floor epoch."""
     tx = optax.adam(1e-3)
 
     def step(carry: Any, batch: Any) -> Any:
@@ -64,9 +69,9 @@ def _floor(
             jax.tree.map(lambda a: jax.numpy.array(a, copy=True), (variables, tx.init(variables)))
         )
 
-    def timed(transfer: bool) -> float:
+    def timed(transfer: bool) -> tuple[float, float]:
         carry = fresh()
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.process_time()
         if transfer:
             batches = [
                 (x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH])
@@ -78,20 +83,22 @@ def _floor(
         else:
             data = on_device
         jax.block_until_ready(epoch(carry, *data))
-        return time.perf_counter() - began
+        return time.perf_counter() - began, time.process_time() - cpu
 
     return (lambda: timed(False)), (lambda: timed(True))
 
 
-def _wall(fn: Callable[[], Any]) -> float:
-    began = time.perf_counter()
+def _wall(fn: Callable[[], Any]) -> tuple[float, float]:
+    """Wall and CPU seconds of one run."""
+    began, cpu = time.perf_counter(), time.process_time()
     state = fn()
     jax.block_until_ready(state.step_state)
-    return time.perf_counter() - began
+    return time.perf_counter() - began, time.process_time() - cpu
 
 
-def _steady(state: Any) -> float:
-    return statistics.median(state.times[e] for e in sorted(state.times)[1:])
+def _steady(state: Any) -> tuple[float, float]:
+    """A steady epoch's wall seconds (its CPU time is not measured per epoch)."""
+    return statistics.median(state.times[e] for e in sorted(state.times)[1:]), float("nan")
 
 
 def main() -> None:
@@ -111,7 +118,7 @@ def main() -> None:
         "iteration_completed", lambda s: seen.append(s.metrics["loss"]), {"every": 50}
     )
     floor, floor_transfer = _floor(model, variables, x, y)
-    walls: dict[str, Callable[[], float]] = {
+    walls: dict[str, Callable[[], tuple[float, float]]] = {
         "run1 fuse=32": lambda: _wall(lambda: base.run(batches, variables, fuse=32)),
         "run3 fuse=32": lambda: _wall(lambda: base.run(batches, variables, fuse=32, epochs=3)),
         "run3 fuse=32 +handler/50": lambda: _wall(
@@ -154,20 +161,30 @@ def main() -> None:
     for name in timed:
         timed[name]()  # compile and warm up
     got: dict[str, list[float]] = {k: [] for k in timed}
+    cpu: dict[str, list[float]] = {k: [] for k in timed}
     for _ in range(rounds):
-        this: dict[str, list[float]] = {k: [] for k in timed}
+        this: dict[str, list[tuple[float, float]]] = {k: [] for k in timed}
         for name in order:
             this[name].append(timed[name]())
         for name, values in this.items():
-            got[name].append(min(values))
-    med = {k: statistics.median(v) for k, v in got.items()}
-    low = {k: min(v) for k, v in got.items()}
-    for name in got:
-        print(f"{name:28s} median {med[name] * 1e3:8.3f} ms   min {low[name] * 1e3:8.3f} ms")
-    print("\nPaired within each round (median over rounds; in brackets: from the minima)")
-    for label, (fn, target) in _derived().items():
-        per_round = [fn({k: v[r] for k, v in got.items()}) for r in range(rounds)]
-        print(f"{label:48s} {statistics.median(per_round):7.3f}  [{fn(low):7.3f}]  target {target}")
+            got[name].append(min(v[0] for v in values))
+            cpu[name].append(min(v[1] for v in values))
+    for label, times in (("wall", got), ("cpu", cpu)):
+        med = {k: statistics.median(v) for k, v in times.items()}
+        low = {k: min(v) for k, v in times.items()}
+        print(f"\n{label} time")
+        for name in times:
+            print(f"{name:28s} median {med[name] * 1e3:8.3f} ms   min {low[name] * 1e3:8.3f} ms")
+        print(f"\nPaired within each round, {label} time (median over rounds; [from the minima])")
+        for key, (fn, target) in _derived().items():
+            per_round = [fn({k: v[r] for k, v in times.items()}) for r in range(rounds)]
+            if any(math.isnan(x) for x in per_round) or (label == "cpu" and "floor" in key):
+                # A steady epoch has no CPU time of its own; the floor's program runs on
+                # XLA's threads while the host idles, so its CPU time is no floor.
+                continue
+            print(
+                f"{key:48s} {statistics.median(per_round):7.3f}  [{fn(low):7.3f}]  target {target}"
+            )
 
 
 def _derived() -> dict[str, tuple[Callable[[dict[str, float]], float], str]]:

@@ -50,3 +50,65 @@ def test_a_packed_snapshot_unpacks_to_the_same_carry() -> None:
     del back[0]["key"], expected[0]["key"]
     assert_tree_equal(back, expected)
     assert np.asarray(back[0]["w"]).tobytes() == np.arange(6.0, dtype=np.float32).tobytes()
+
+
+def test_host_reads_give_what_device_get_gives() -> None:
+    """`HostReads.get` reads leaves as views on a CPU; the values, dtypes, shapes and
+    types are device_get's, bf16 and integer records and typed keys included."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from fuseloop.engine.host import HostReads
+
+    tree = {
+        "records": {
+            "loss": {"sum": jnp.arange(4, dtype=jnp.bfloat16) / 3, "count": jnp.ones(4)},
+            "hits": {"sum": jnp.arange(4, dtype=jnp.int32), "count": jnp.arange(4.0)},
+        },
+        "n_run": jnp.int32(3),
+        "flag": jnp.bool_(True),
+        "key": jax.random.key(1),
+        "host": np.arange(3),
+        "scalar": np.float32(2.5),
+        "plain": 7,
+        "none": None,
+    }
+    stats = {"host_syncs": 0}
+    got = HostReads(stats, ()).get(tree)
+    expected = jax.device_get(tree)
+    assert stats["host_syncs"] == 1
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    got_key, expected_key = got.pop("key"), expected.pop("key")
+    assert np.array_equal(jax.random.key_data(got_key), jax.random.key_data(expected_key))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        assert type(a) is type(b)
+        if isinstance(b, np.ndarray):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert a.tobytes() == b.tobytes()
+        else:
+            assert a == b
+    assert not got["records"]["loss"]["sum"].flags.writeable  # read-only, as device_get's
+
+
+def test_the_shared_epoch_counter_is_never_consumed() -> None:
+    """Resident runs start their device epoch counter from one shared array per epoch;
+    no program may donate it, so it still holds its epoch after runs (and a resume)."""
+    import numpy as np
+
+    import fuseloop as fl
+    from conftest import trainer
+    from fuseloop.engine.feeds import epoch_counter
+
+    start = epoch_counter(0)
+    assert epoch_counter(0) is start and int(epoch_counter(2)) == 2
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 3)).astype(np.float32)
+    y = rng.integers(0, 2, 32).astype(np.int32)
+    data = fl.data.arrays(x, y, batch_size=4, device=True)
+    loop = trainer()
+    first = loop.run(data, epochs=2, fuse=3)
+    again = loop.run(data, epochs=2, fuse=3)
+    resumed = loop.run(data, first, epochs=3, fuse=3)
+    assert int(start) == 0 and int(epoch_counter(2)) == 2 and not start.is_deleted()
+    assert first.history == again.history and sorted(resumed.history) == [0, 1, 2]

@@ -207,3 +207,97 @@ def test_epoch_handlers_see_the_same_counts_without_iteration_handlers(fuse):
     )
     assert a == b
     assert a[-1][1]["iteration_completed"] == {"total": 36, "epoch": 12}
+
+
+# --------------------------------------------------------------------------- launch ahead
+# Whether the epoch loop launches the next chunk before a replay that reads records depends
+# on whether the device has finished the chunk (`ChunkResult.done`), which is timing. Both
+# ways must give the same run; these tests pin each way.
+@pytest.fixture(params=["always", "never"])
+def launch_ahead(request, monkeypatch):
+    from fuseloop.engine import carry, replay
+
+    snapshots: list = []
+    original = carry.Carry.snapshot
+
+    def counted(self):
+        snapshots.append(1)
+        return original(self)
+
+    monkeypatch.setattr(carry.Carry, "snapshot", counted)
+    finished = request.param == "never"  # a finished chunk is never launched ahead of
+    monkeypatch.setattr(replay.ChunkResult, "done", lambda self: finished)
+    return request.param, snapshots
+
+
+@pytest.mark.parametrize("status", ["halt_loop", "halt_epoch"])
+@pytest.mark.parametrize("resident", [False, True])
+def test_launching_ahead_or_not_gives_the_same_halted_run(launch_ahead, status, resident):
+    mode, snapshots = launch_ahead
+    x = np.concatenate([b[0] for b in DATA])
+    y = np.concatenate([b[1] for b in DATA])
+    data = fl.data.arrays(x, y, batch_size=len(DATA[0][0]), device=True) if resident else DATA
+    control = {"iteration_completed": ((0, 6), status)}
+    a, log_a = run(False, control, data=data)
+    b, log_b = run(5, control, data=data)  # chunks [0..4] [5..9] [10, 11]
+    assert b.event_counts == a.event_counts
+    assert stream(log_b) == stream(log_a)
+    assert b.status == a.status
+    # The halt takes effect at the end of the chunk it came from: 10 steps in epoch 0.
+    steps = 10 if status == "halt_loop" else 22
+    assert int(b.step_state["step"]) == steps
+    # A chunk launched ahead and dropped does not count as a dispatch.
+    assert b.stats["dispatches"] == (2 if status == "halt_loop" else 5)
+    assert (len(snapshots) > 0) == (mode == "always")
+
+
+def test_launching_ahead_or_not_gives_the_same_run(launch_ahead):
+    mode, snapshots = launch_ahead
+    reference, reference_log = run(False)
+    state, log = run(5)
+    assert stream(log) == stream(reference_log)
+    assert [i[3][1] for i in log] == [i[3][1] for i in reference_log]
+    assert_runs_identical(reference, state)
+    assert (len(snapshots) > 0) == (mode == "always")
+
+
+@pytest.mark.parametrize("resident", [False, True])
+def test_a_halt_among_sparse_firings_stops_at_the_end_of_its_chunk(launch_ahead, resident):
+    """A handler firing every 10 iterations halts in the chunk [9, 10, 11]: the chunk
+    launched ahead of its replay is dropped, and the run is the one that stopped there."""
+    mode, snapshots = launch_ahead
+    data = make_batches(24)
+    x = np.concatenate([b[0] for b in data])
+    y = np.concatenate([b[1] for b in data])
+    source = fl.data.arrays(x, y, batch_size=len(data[0][0]), device=True) if resident else data
+    seen: list = []
+
+    def halt_at_10(state: fl.State):
+        seen.append((state.iteration, state.metrics["loss"]))
+        return "halt_loop" if state.iteration == 10 else None
+
+    loop = PLAIN.handle_event("iteration_completed", halt_at_10, {"every": 10})
+    unfused = loop.run(source, epochs=2)
+    unfused_seen, seen[:] = list(seen), []
+    fused = loop.run(source, epochs=2, fuse=3)  # chunks of 3: the halt is in [9, 10, 11]
+    assert seen == unfused_seen == [(0, seen[0][1]), (10, seen[1][1])]
+    assert fused.event_counts == unfused.event_counts
+    assert fused.status == "halted" and int(fused.step_state["step"]) == 12
+    assert fused.stats["dispatches"] == 4
+    stepped = PLAIN.run(source, epochs=1, iterations=12, fuse=3)
+    assert_tree_equal(fused.step_state, stepped.step_state)
+    assert (len(snapshots) > 0) == (mode == "always")
+
+
+def test_an_error_in_a_replayed_chunk_reports_the_carry_at_its_end(launch_ahead):
+    def fail_at_10(state: fl.State):
+        if state.iteration == 10:
+            raise RuntimeError("handler failed")
+
+    loop = PLAIN.handle_event("iteration_completed", fail_at_10, {"every": 10})
+    with pytest.raises(RuntimeError, match="handler failed") as caught:
+        loop.run(make_batches(24), epochs=2, fuse=3)
+    reached = caught.value.fuseloop_state  # type: ignore[attr-defined]
+    assert reached.iteration == 10 and reached.epoch == 0
+    assert int(reached.step_state["step"]) == 12  # the chunk [9, 10, 11] ran, no later one
+    assert reached.stats["dispatches"] == 4

@@ -197,6 +197,11 @@ class EventBus:
         return self._call(event, firing, state)
 
     # ----------------------------------------------------------------- observer
+    @property
+    def observed(self) -> bool:
+        """Whether an observer (the progress bar) is told about steps."""
+        return self.observer is not None
+
     def advance(self, n: int, metrics: dict[str, Any] | None) -> None:
         if self.observer is not None:
             self.observer.advance(n, metrics)

@@ -82,10 +82,18 @@ class EpochLoop:
                 # and the error surfaces only where the unfused loop would reach that batch.
                 failed = error
         rollback = speculative = None
-        if nxt is not None and self.speculate and self._replay.waits_for(current):
+        if (
+            nxt is not None
+            and self.speculate
+            and self._replay.waits_for(current)
+            and not current.done()
+        ):
             # The replay is about to wait for this chunk's records: launch the next chunk
             # first, so the device keeps working. Replayed handlers can only halt (or
-            # raise), and then the carry goes back to this copy of it.
+            # raise), and then the carry goes back to this copy of it. A chunk already done
+            # makes nobody wait (the device is idle, and on a CPU the launch would run the
+            # chunk on this thread before the replay), so it is replayed first and needs
+            # no copy.
             rollback = self.carry.snapshot()
             speculative = feed.launch(self.carry, nxt)
         try:

@@ -22,7 +22,14 @@ from .prefetch import ChunkProducer
 from .programs import MIN_SLOTS
 from .replay import ChunkResult
 
-__all__ = ["Prepared", "HostFeed", "ResidentFeed", "place_dataset", "first_resident_batch"]
+__all__ = [
+    "Prepared",
+    "HostFeed",
+    "ResidentFeed",
+    "place_dataset",
+    "first_resident_batch",
+    "epoch_counter",
+]
 
 _ONE = np.int32(1)  # an unfused dispatch's live slots, passed at run time (see programs)
 
@@ -229,6 +236,21 @@ class ResidentFeed:
     def unlaunch(self) -> None:
         """The last launch was dropped: its place in the epoch is given back."""
         self.cursor = self._before
+
+
+_COUNTERS: dict[tuple[int, Any], Any] = {}
+
+
+def epoch_counter(epoch: int) -> Any:
+    """A device int32 scalar holding `epoch`: where a resident run's device epoch counter
+    starts. No program donates it, so one array serves every run that starts at `epoch`
+    (a transfer at a run's start costs the host about 0.1-0.2 ms on a CPU, measured in
+    docs/design.md §6).
+    """
+    key = (epoch, getattr(jax.config, "jax_default_device", None))  # where device_put puts
+    if key not in _COUNTERS:
+        _COUNTERS[key] = jax.device_put(np.int32(epoch))
+    return _COUNTERS[key]
 
 
 def place_dataset(source: Any, placement: Any, stats: dict[str, Any]) -> Any:

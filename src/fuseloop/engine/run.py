@@ -13,7 +13,6 @@ import time
 import warnings
 from typing import Any
 
-import jax
 import numpy as np
 
 from .._checks import Checker
@@ -27,7 +26,7 @@ from .bus import EventBus
 from .carry import Carry
 from .dispatch_plan import plan_dispatches
 from .epoch import EpochLoop
-from .feeds import HostFeed, ResidentFeed, first_resident_batch, place_dataset
+from .feeds import HostFeed, ResidentFeed, epoch_counter, first_resident_batch, place_dataset
 from .handoff import Handoff
 from .host import HostReads
 from .population import first_member, resolve_population
@@ -206,9 +205,9 @@ class Run:
         self.first_iterator = self.source.epoch_iterator(self.start_epoch)
         if self.resident:
             self.dataset = place_dataset(self.source.data, self.placement, self.stats)
-            # The device epoch counter starts as a host scalar: a program takes it as an
-            # argument (the resident feed moves it once); no transfer of its own per run.
-            self.device_epoch = np.int32(self.start_epoch)
+            # One shared device scalar per starting epoch (feeds.epoch_counter): no
+            # transfer of its own per run.
+            self.device_epoch = epoch_counter(self.start_epoch)
             first = [
                 first_resident_batch(
                     self.programs,
@@ -242,7 +241,7 @@ class Run:
                 size=size,
                 placement=self.placement,
                 programs=self.programs,
-                start_epoch=jax.device_put(self.device_epoch),
+                start_epoch=self.device_epoch,
             )
         return HostFeed(
             self.source,
