@@ -11,6 +11,10 @@ conftest imported last is the one `import conftest` finds.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +22,23 @@ import optax
 import pytest
 
 import fuseloop as fl
+
+# Every test builds its loops afresh, so the suite compiles the same small programs over and
+# over (about half its time). A persistent XLA cache shared by the test processes (the
+# pytest-xdist workers inherit the variable from the controller, which made the directory)
+# turns each repeat into a read of the same executable; results are bit for bit the same.
+_XLA_CACHE_VAR = "FUSELOOP_TEST_XLA_CACHE"
+_OWN_CACHE = _XLA_CACHE_VAR not in os.environ
+os.environ.setdefault(_XLA_CACHE_VAR, tempfile.mkdtemp(prefix="fuseloop-xla-"))
+jax.config.update("jax_compilation_cache_dir", os.environ[_XLA_CACHE_VAR])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The process that made the cache directory removes it when the session ends."""
+    if _OWN_CACHE and not hasattr(session.config, "workerinput"):
+        shutil.rmtree(os.environ[_XLA_CACHE_VAR], ignore_errors=True)
 
 
 def _batches(seed: int, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
