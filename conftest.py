@@ -29,7 +29,8 @@ import fuseloop as fl
 # turns each repeat into a read of the same executable; results are bit for bit the same.
 _XLA_CACHE_VAR = "FUSELOOP_TEST_XLA_CACHE"
 _OWN_CACHE = _XLA_CACHE_VAR not in os.environ
-os.environ.setdefault(_XLA_CACHE_VAR, tempfile.mkdtemp(prefix="fuseloop-xla-"))
+if _OWN_CACHE:
+    os.environ[_XLA_CACHE_VAR] = tempfile.mkdtemp(prefix="fuseloop-xla-")
 jax.config.update("jax_compilation_cache_dir", os.environ[_XLA_CACHE_VAR])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
