@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from fuseloop.bench import main
 from fuseloop.bench._population import population_benchmark, population_markdown
 
@@ -25,6 +27,13 @@ def test_population_benchmark_reports_every_system():
 
 def test_cli_population_flag_writes_json(tmp_path, capsys):
     path = tmp_path / "pop.json"
-    assert main(["--population", "--members", "2", "--reps", "1", "--json", str(path)]) == 0
-    assert "Populations" in capsys.readouterr().out
-    assert json.loads(path.read_text())["meta"]["members"] == 2
+    args = ["--population", "--members", "2", "--reps", "1", "--models", "mlp-demo"]
+    assert main([*args, "--json", str(path)]) == 0
+    assert "Populations: 2 members of mlp-demo" in capsys.readouterr().out
+    meta = json.loads(path.read_text())["meta"]
+    assert meta["members"] == 2 and meta["model"] == "mlp-demo"
+
+
+def test_cli_population_names_the_models_it_knows():
+    with pytest.raises(SystemExit, match="mlp-tiny,mlp-demo"):
+        main(["--population", "--models", "mlp-large"])

@@ -303,8 +303,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--population",
         action="store_true",
-        help="instead: N members of mlp-tiny in one run (population=N) against N sequential "
-        "runs and a jit(vmap(scan)) floor, 3 epochs",
+        help="instead: N members in one run (population=N) against N sequential runs and a "
+        "jit(vmap(scan)) floor, 3 epochs; --models mlp-tiny (default), mlp-demo or both",
     )
     parser.add_argument(
         "--members", type=int, default=32, help="population members (with --population)"
@@ -337,17 +337,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     reps = args.reps if args.reps is not None else (3 if args.quick else 10)
     if reps < 1:
         parser.error(f"--reps={reps} must be a positive int")
-    try:
-        specs = _resolve(select_models(args.models, args.zoo))
-    except ValueError as error:
-        parser.error(str(error))
     started = time.perf_counter()
 
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
 
-    if args.population:
-        return _population_main(args, reps, log)
+    if args.population:  # its own models (POPULATION_MODELS)
+        from ._population import population_main
+
+        return population_main(args.members, args.models, reps, args.json, log)
+    try:
+        specs = _resolve(select_models(args.models, args.zoo))
+    except ValueError as error:
+        parser.error(str(error))
     if args.whole_run:
         from ._whole_run import whole_run_benchmark, whole_run_markdown
 
@@ -375,19 +377,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = write_plot(report, args.plot)
         log(f"plot not written: {problem}" if problem else f"wrote {args.plot}")
     log(f"done in {report['meta']['total_s']}s")
-    return 0
-
-
-def _population_main(args: argparse.Namespace, reps: int, log: Callable[[str], None]) -> int:
-    """`fuseloop bench --population [--members N] [--reps R] [--json PATH]`."""
-    from ._population import population_benchmark, population_markdown
-
-    if args.members < 1:
-        raise SystemExit(f"--members={args.members} must be a positive int")
-    report = population_benchmark(members=args.members, rounds=reps, log=log)
-    report["meta"]["command"] = "fuseloop bench " + " ".join(sys.argv[1:])
-    print(population_markdown(report))
-    if args.json:
-        write_json(report, args.json)
-        log(f"wrote {args.json}")
     return 0

@@ -1,8 +1,9 @@
 """`fuseloop bench --population`: N members in one run, against N sequential runs and
 against a hand-written `jit(vmap(scan))` floor.
 
-Every system trains the same N members of mlp-tiny (seeds 0..N-1, the named "adam", batch
-32, 100 batches an epoch, unshuffled device-resident data) for the same epochs, from the
+Every system trains the same N members of one model (mlp-tiny, or `mlp-demo`: the demo's
+MLP, 64 -> 128 -> 10 as on digits; seeds 0..N-1, the named "adam", batch 32, 100 batches an
+epoch, unshuffled device-resident data) for the same epochs, from the
 same initial parameters. One round times each system once, in rotated order, so drifting
 machine load is shared; compilation and a warm-up round are excluded. Medians are
 reported, with the median of the per-round paired ratios.
@@ -15,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,9 +30,22 @@ from jax import lax
 from .._loop import trainer
 from .._optim import resolve_optimizer
 from ..data import arrays
-from ._workload import MODELS, Workload
+from ._output import write_json
+from ._workload import MODELS, ModelSpec, Workload
 
-__all__ = ["population_benchmark", "population_markdown"]
+__all__ = [
+    "POPULATION_MODELS",
+    "population_benchmark",
+    "population_main",
+    "population_markdown",
+]
+
+# The models a population is timed on: the tiny MLP, and the demo's MLP ([128, 10] on the
+# 64 pixels of a digits image).
+POPULATION_MODELS: dict[str, ModelSpec] = {
+    "mlp-tiny": MODELS["mlp-tiny"],
+    "mlp-demo": ModelSpec("mlp-demo", 64, (128, 10)),
+}
 
 _LOSS = "sparse_categorical_cross_entropy"
 
@@ -115,14 +130,19 @@ def population_benchmark(
     rounds: int = 5,
     fuse: int = 32,
     log: Callable[[str], None] = lambda message: None,
+    model: str = "mlp-tiny",
 ) -> dict[str, Any]:
     """Times the population, the sequential runs and the floor in interleaved rounds.
+
+    `model` is a name in `POPULATION_MODELS`.
 
     Returns:
         `{"meta", "seconds": {system: [per round]}, "median_s", "ratios"}`; ratios are
         medians of per-round paired ratios.
     """
-    w = Workload(MODELS["mlp-tiny"])
+    if model not in POPULATION_MODELS:
+        raise ValueError(f"model={model!r}: the population bench knows {list(POPULATION_MODELS)}")
+    w = Workload(POPULATION_MODELS[model])
     data = arrays(w.x, w.y, batch_size=w.batch_size, shuffle=False, device=True)
     systems = {
         "population": _population(w, data, members, epochs, fuse),
@@ -141,7 +161,7 @@ def population_benchmark(
     seconds, cpu = _rounds(systems, rounds, log)
     return {
         "meta": {
-            "model": "mlp-tiny",
+            "model": model,
             "members": members,
             "epochs": epochs,
             "rounds": rounds,
@@ -221,3 +241,31 @@ def population_markdown(report: dict[str, Any]) -> str:
                 f"fuse='run' / floor {ratios['population_run_over_floor']:.2f}x"
             )
     return "\n".join(lines)
+
+
+def population_main(
+    members: int, models: str | None, reps: int, json_path: str | None, log: Callable[[str], None]
+) -> int:
+    """`fuseloop bench --population [--members N] [--models M,...] [--reps R] [--json PATH]`."""
+    if members < 1:
+        raise SystemExit(f"--members={members} must be a positive int")
+    names = [m.strip() for m in (models or "mlp-tiny").split(",") if m.strip()]
+    unknown = [m for m in names if m not in POPULATION_MODELS]
+    if unknown:
+        raise SystemExit(
+            f"--models {','.join(unknown)}: with --population, pick from "
+            f"{','.join(POPULATION_MODELS)}"
+        )
+    reports = [
+        population_benchmark(members=members, rounds=reps, log=log, model=name) for name in names
+    ]
+    for report in reports:
+        report["meta"]["command"] = "fuseloop bench " + " ".join(sys.argv[1:])
+        print(population_markdown(report))
+    if json_path:  # one model: its report; several: {"models": {name: report}}
+        data = (
+            reports[0] if len(reports) == 1 else {"models": dict(zip(names, reports, strict=True))}
+        )
+        write_json(data, json_path)
+        log(f"wrote {json_path}")
+    return 0
