@@ -124,6 +124,22 @@ def test_fuse_k_beyond_the_epoch_and_resume(tmp_path):
     assert _stopped(fused) == [2, None, None, 3, None]  # member 0 stopped before the resume
 
 
+def test_an_iteration_observer_sees_each_members_metrics_as_unfused():
+    """The records of every step are kept (and read) only where an iteration handler
+    replays them; the observer sees the same per-member metrics as unfused, in one dispatch.
+    """
+    seen: dict[Any, list[Any]] = {False: [], "run": []}
+    for fuse in seen:
+        loop = _monitored(_trainer(), restore_best=False).observe(
+            "iteration_completed",
+            lambda state, fuse=fuse: seen[fuse].append((state.iteration, state.metrics["loss"])),
+        )
+        state = loop.run(_data(), epochs=5, fuse=fuse, population={"learning_rate": RATES})
+    assert len(seen["run"]) == 5 * BATCHES
+    assert _same(seen["run"], seen[False])
+    assert state.stats["dispatches"] == 1
+
+
 # ----------------------------------------------------------------- halts
 def test_terminate_on_nan_freezes_one_member():
     loop = _trainer().terminate_on_nan()

@@ -212,8 +212,18 @@ def _validation_fn(v: Validation | None) -> Callable[[Any, Any], Any]:
     """`(state, (data, order)) -> the evaluator's accumulators` (None without one)."""
     if v is None:
         return lambda state, inputs: None
-    program = v.loop.program
-    body = make_chunk_fn(make_carry_step(program, v.loop.metrics, False), True, False)
+    body = make_chunk_fn(make_carry_step(v.loop.program, v.loop.metrics, False), True, False)
+    return validation_loop(v, body, lambda: init_tail(v.loop.metrics, False))
+
+
+def validation_loop(
+    v: Validation, body: Callable[..., Any], fresh_tail: Callable[[], Any]
+) -> Callable[[Any, Any], Any]:
+    """`(state, (data, order)) -> accumulators`: the evaluator's device loop `body` over
+    the validation set from `fresh_tail()` (a solo run's or a population's), the whole
+    batches as one chunk and a short last batch as a step of its own shape, as the
+    evaluator runs them.
+    """
     whole, short = v.batches, v.short
 
     def run(params: Any, tail: Any, vdata: Any, rows: Any, n: int) -> Any:
@@ -224,11 +234,11 @@ def _validation_fn(v: Validation | None) -> Callable[[Any, Any], Any]:
         vdata, vorder = inputs
         last = vorder.shape[0] - 1
         params = {"params": state["params"]}
-        tail = init_tail(v.loop.metrics, False)
-        if whole:  # the whole batches, as one chunk of the evaluator's device loop
+        tail = fresh_tail()
+        if whole:
             rows = vorder[jnp.minimum(jnp.arange(max(whole, MIN_SLOTS)), last)]
             tail = run(params, tail, vdata, rows, whole)
-        if short:  # the short last batch: a step of its own shape, as the evaluator runs it
+        if short:
             rows = vorder[jnp.minimum(whole + jnp.arange(MIN_SLOTS), last)][:, :short]
             tail = run(params, tail, vdata, rows, 1)
         return tail["acc"]

@@ -26,16 +26,16 @@ from jax import lax
 
 from .._fusion import make_chunk_fn
 from .._step import make_carry_step
-from .device_monitors import DeviceWork, Validation, epoch_end_fn
+from .device_monitors import DeviceWork, Validation, epoch_end_fn, validation_loop
 from .population import member_carry_step, member_chunk, population_tail
-from .programs import MIN_SLOTS, _epoch_order, _source_key
-from .whole_program import _put, _rows
+from .programs import MIN_SLOTS, _epoch_order, _source_key, pack_leaves
+from .whole_program import _put, _rows, host_outputs
 
 __all__ = ["population_whole_program"]
 
 
 def population_whole_program(
-    programs: Any, source: Any, segments: int, limit: int, work: DeviceWork
+    programs: Any, source: Any, segments: int, limit: int, work: DeviceWork, record: bool = True
 ) -> Any:
     """The cached multi-epoch program of a population (`programs` is the population's).
 
@@ -45,19 +45,26 @@ def population_whole_program(
     segment's end, after the guard and before the epoch's monitors). `monitor` holds the
     device monitors' per-member records, `best_start` (each member's best step state so
     far, with `restore_best`) and `holds` (whether that copy is the member's best);
-    `inputs["rates"]` is each member's rate table.
+    `inputs["rates"]` is each member's rate table. `record=False` leaves the per-step
+    records out, and the host's read is packed (`out["packed"]`), as in the solo program.
     """
-    key = ("population", _source_key(source), segments, limit, work.key)
+    key = ("population", _source_key(source), segments, limit, work.key, record)
     cache = programs.cache.whole_run
     if key not in cache:
         size = programs.population.size
-        fn = _build(programs, source, segments, limit, work, size)
+        fn = _build(programs, source, segments, limit, work, size, record)
         cache[key] = programs._jit(fn)
     return cache[key]
 
 
 def _build(
-    programs: Any, source: Any, segments: int, limit: int, work: DeviceWork, size: int
+    programs: Any,
+    source: Any,
+    segments: int,
+    limit: int,
+    work: DeviceWork,
+    size: int,
+    record: bool,
 ) -> Callable[..., Any]:
     slots = max(limit, MIN_SLOTS)
     epoch_end = _MemberEpochEnd(work, segments, size)
@@ -78,15 +85,16 @@ def _build(
         shapes = jax.eval_shape(
             epoch_end.ended, state, tail["acc"], extra, tail["active"], 0, inputs
         )[2]
-        out = _buffers(segments, slots, tail, shapes)
+        out = _buffers(segments, slots, tail, shapes, record)
         body = programs.resident_loop(data)  # each step gathers its batch
         parts = (body, _rows(slots), boundary, epoch_end)
-        step = _segment_step(parts, inputs, shapes, limit, size)
+        step = _segment_step(parts, inputs, shapes, limit, size, record)
         zero = jnp.zeros((), jnp.int32)
         carry = (zero, steps, state, tail, order, epoch, cursor, out, extra)
         carry = lax.while_loop(_going(segments), step, carry)
         _, _, state, tail, order, epoch, cursor, out, extra = carry
-        return state, tail, {**out, "extra": extra}, order, epoch, cursor
+        packed = pack_leaves(host_outputs(out, extra))  # read as a few buffers
+        return state, tail, {**out, "extra": extra, "packed": packed}, order, epoch, cursor
 
     return program
 
@@ -106,7 +114,7 @@ def _keep(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
 
 
 def _segment_step(
-    parts: tuple[Any, ...], inputs: Any, shapes: Any, limit: int, size: int
+    parts: tuple[Any, ...], inputs: Any, shapes: Any, limit: int, size: int, record: bool
 ) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
     """One trip of the dispatch's loop: an epoch piece for every member and, at its
     epoch's end, the members' epoch-end work."""
@@ -126,12 +134,13 @@ def _segment_step(
             at_end, epoch_end.ended, running, state, tail["acc"], extra, active, s, inputs
         )
         segment = {
-            "records": records,
             "final": tail["acc"],
             "n_run": n_run,
             "nonfinite": tail.get("nonfinite", jnp.zeros((size,), jnp.bool_)),
             "active": active,
         }
+        if record:
+            segment["records"] = records
         out = _put(out, {**epoch_out, **segment}, s)
         tail = {**tail, "active": still}
         return s + 1, remaining - n_run, state, tail, order, epoch, cursor + n_run, out, extra
@@ -201,33 +210,13 @@ class _MemberEpochEnd:
 def _population_validation(v: Validation | None, size: int) -> Callable[[Any, Any], Any]:
     """`(state, (data, order)) -> every member's validation accumulators` (None without
     one): the evaluator's population device loop (`population.member_chunk`, as a
-    population evaluator run builds it) over the validation set, whole batches as one
-    chunk, a short last batch as a step of its own shape.
+    population evaluator run builds it) in `device_monitors.validation_loop`.
     """
     if v is None:
         return lambda state, inputs: None
     carry_step = make_carry_step(v.loop.program, v.loop.metrics, False)
     body = member_chunk(make_chunk_fn(member_carry_step(carry_step), True, False))
-    whole, short = v.batches, v.short
-
-    def run(params: Any, tail: Any, vdata: Any, rows: Any, n: int) -> Any:
-        chunk = jax.tree.map(lambda leaf: leaf[rows], vdata)
-        return body(params, tail, chunk, jnp.int32(n))[1]
-
-    def validate(state: Any, inputs: Any) -> Any:
-        vdata, vorder = inputs
-        last = vorder.shape[0] - 1
-        params = {"params": state["params"]}
-        tail = population_tail(v.loop.metrics, False, size)
-        if whole:
-            rows = vorder[jnp.minimum(jnp.arange(max(whole, MIN_SLOTS)), last)]
-            tail = run(params, tail, vdata, rows, whole)
-        if short:
-            rows = vorder[jnp.minimum(whole + jnp.arange(MIN_SLOTS), last)][:, :short]
-            tail = run(params, tail, vdata, rows, 1)
-        return tail["acc"]
-
-    return validate
+    return validation_loop(v, body, lambda: population_tail(v.loop.metrics, False, size))
 
 
 def _where(mask: Any, new: Any, old: Any) -> Any:
@@ -239,18 +228,22 @@ def _where(mask: Any, new: Any, old: Any) -> Any:
     return jax.tree.map(pick, new, old)
 
 
-def _buffers(segments: int, slots: int, tail: Any, epoch_shapes: Any) -> dict[str, Any]:
+def _buffers(
+    segments: int, slots: int, tail: Any, epoch_shapes: Any, record: bool
+) -> dict[str, Any]:
     """The dispatch's per-segment output buffers, zeroed."""
 
     def per_segment(a: Any, inner: tuple[int, ...] = ()) -> Any:
         return jnp.zeros((segments,) + inner + a.shape, a.dtype)
 
     size = tail["active"].shape
-    return {
+    out = {
         **jax.tree.map(per_segment, epoch_shapes),
-        "records": jax.tree.map(lambda a: per_segment(a, (slots,)), tail["acc"]),
         "final": jax.tree.map(per_segment, tail["acc"]),
         "n_run": jnp.zeros((segments,), jnp.int32),
         "nonfinite": jnp.zeros((segments,) + size, jnp.bool_),
         "active": jnp.zeros((segments,) + size, jnp.bool_),
     }
+    if record:
+        out["records"] = jax.tree.map(lambda a: per_segment(a, (slots,)), tail["acc"])
+    return out

@@ -65,31 +65,16 @@ class PopulationWholeRun(WholeRun):
         self.rates = self._rate_tables(len(segments))
         self.member_reductions = np.zeros(self.population.size, np.int64)
         program = population_whole_program(
-            run.programs, self.source, self._slots(segments), self.limit, self.work
+            run.programs,
+            self.source,
+            self._slots(segments),
+            self.limit,
+            self.work,
+            self.replay.record,  # the records only where an iteration handler replays them
         )
-        out, self.order, self.counter, _ = run.carry.advance(
-            program,
-            run.dataset,
-            self.order,
-            self.counter,
-            np.int32(cursor),
-            np.int32(steps),
-            self._monitor_start(state),
-            {"validation": self.validation, "rates": self.rates},
-        )
-        extra = out["extra"]
-        self.best_state = extra.get("best_state")
-        kept = ("final", "n_run", "nonfinite", "stop", "reduced", "saved", "active", "validation")
-        wanted = {k: out[k] for k in kept}
-        wanted["best_s"] = extra["best_s"]
-        if "kept_n" in extra:
-            wanted["kept_n"] = extra["kept_n"]
-        if self.replay.record:
-            wanted["records"] = out["records"]
-        # Host read: once per dispatch, every epoch's final accumulators, the steps run,
-        # the members active at each epoch's end, the device monitors' per-member
-        # verdicts, and the records when an iteration handler is attached.
-        host = run.reads.get(wanted)
+        # The host read (WholeRun._advance) also holds the members active at each epoch's
+        # end.
+        extra, host = self._advance(program, cursor, steps, self._monitor_start(state))
         saver = self.work.saver
         self.member_saves = (
             None

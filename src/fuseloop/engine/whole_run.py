@@ -184,6 +184,20 @@ class WholeRun:
             self.work,
             self.replay.record,  # the records only where an iteration handler replays them
         )
+        extra, host = self._advance(program, cursor, steps, monitor_start(self.work, state))
+        saver = self.work.saver
+        self.saves = (
+            None
+            if saver is None
+            else BestSaves(saver.handler, extra["kept_ring"], int(host["kept_n"]))
+        )
+        return segments, host
+
+    def _advance(self, program: Any, cursor: int, steps: int, monitor: Any) -> tuple[Any, Any]:
+        """Runs the dispatch's `program` from the carry and reads its results:
+        `(the program's extra, the host's copy of host_outputs)`.
+        """
+        run = self.run
         out, self.order, self.counter, _ = run.carry.advance(
             program,
             run.dataset,
@@ -191,7 +205,7 @@ class WholeRun:
             self.counter,
             np.int32(cursor),
             np.int32(steps),
-            monitor_start(self.work, state),
+            monitor,
             {"validation": self.validation, "rates": self.rates},
         )
         extra = out["extra"]
@@ -200,13 +214,7 @@ class WholeRun:
         # the guard's flags, the device's validation, monitor and checkpoint verdicts, and
         # the records when an iteration handler is attached: packed, a buffer per dtype.
         host = unpack_on_host(run.reads.get(out["packed"]), host_outputs(out, extra))
-        saver = self.work.saver
-        self.saves = (
-            None
-            if saver is None
-            else BestSaves(saver.handler, extra["kept_ring"], int(host["kept_n"]))
-        )
-        return segments, host
+        return extra, host
 
     def _slots(self, segments: list[tuple[int, int]]) -> int:
         """The program's segment slots: with `fuse=K` the most K steps can span from any
