@@ -106,7 +106,9 @@ def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program
 
     def init(first_batch: Any, variables: Any) -> dict[str, Any]:
         x, _ = split_batch(first_batch)
-        init_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
+        with jax.ensure_compile_time_eval():
+            # Constants of the program: XLA:CPU would derive them at every run in a loop.
+            init_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
         if variables is None:
             variables = adapter.init(init_key, x)
         params, _ = _trainable(variables)

@@ -18,7 +18,7 @@ from .._placement import device_signature
 from .population import population_init
 from .programs import Programs
 
-__all__ = ["initial_step_state", "private_copy"]
+__all__ = ["InlineInit", "initial_step_state", "private_copy"]
 
 
 @jax.jit
@@ -66,8 +66,58 @@ def _trainer_init(programs: Programs, first: Any) -> Any:
             zeros = jax.tree.unflatten(treedef, [jnp.zeros(s, d) for s, d in spec])
             return jax.tree.map(jnp.copy, program.init(zeros, variables))
 
-        cache[(treedef, spec)] = jax.jit(programs.counted(init))
+        counted = programs.counted(init)
+        on_cpu = jax.default_backend() == "cpu"
+        cache[(treedef, spec)] = InlineInit(counted) if on_cpu else jax.jit(counted)
     return cache[(treedef, spec)]
+
+
+class InlineInit:
+    """The trainer init as a few programs of at most `GROUP` outputs each (on a CPU).
+
+    XLA:CPU runs a program of more than 8 independent operations on buffers over 512 bytes
+    on its thread pool, and the calling thread waits for the pool's workers; an init of a
+    small model's ~15 leaves (params, the optimizer's moments, the step, the key) cost the
+    host about 65 us that way, against about 23 us as two programs that each run inline on
+    the calling thread (docs/design.md §6). Each program computes the whole init and keeps
+    its own leaves (XLA drops the rest), so every leaf is computed as in one program. A
+    step state of more than `MAX_GROUPS * GROUP` leaves (a model large enough that its init
+    costs far more than the wait) is one program.
+    """
+
+    GROUP, MAX_GROUPS = 8, 4
+
+    def __init__(self, init: Any):
+        self.init = init
+        self.plans: dict[Any, tuple[Any, list[tuple[list[int], Any]]]] = {}
+
+    def __call__(self, variables: Any) -> Any:
+        key = device_signature(variables)
+        if key not in self.plans:
+            self.plans[key] = self._plan(variables)
+        treedef, programs = self.plans[key]
+        leaves: list[Any] = [None] * treedef.num_leaves
+        for indices, program in programs:
+            for i, leaf in zip(indices, program(variables), strict=True):
+                leaves[i] = leaf
+        return jax.tree.unflatten(treedef, leaves)
+
+    def _plan(self, variables: Any) -> tuple[Any, list[tuple[list[int], Any]]]:
+        treedef = jax.tree.structure(jax.eval_shape(self.init, variables))
+        n = treedef.num_leaves
+        groups = -(-n // self.GROUP)
+        if groups <= 1 or groups > self.MAX_GROUPS:
+            return treedef, [(list(range(n)), jax.jit(lambda v: jax.tree.leaves(self.init(v))))]
+        size = -(-n // groups)
+        return treedef, [
+            (indices, jax.jit(lambda v, keep=tuple(indices): _select(self.init(v), keep)))
+            for indices in (list(range(i, min(i + size, n))) for i in range(0, n, size))
+        ]
+
+
+def _select(tree: Any, keep: tuple[int, ...]) -> list[Any]:
+    leaves = jax.tree.leaves(tree)
+    return [leaves[i] for i in keep]
 
 
 def initial_step_state(programs: Programs, user_state: Any, first: Any, resuming: bool) -> Any:
