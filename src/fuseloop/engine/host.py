@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import jax
@@ -11,10 +10,7 @@ import numpy as np
 from .._metrics import read_metric
 from .population import member_metrics
 
-__all__ = ["HostReads", "await_ready"]
-
-# How long a host read on a CPU polls for its values before it blocks (docs/design.md §6).
-SPIN_SECONDS = 300e-6
+__all__ = ["HostReads"]
 
 
 class HostReads:
@@ -38,7 +34,6 @@ class HostReads:
         self.stats["host_syncs"] += 1
         if not self.views:
             return jax.device_get(tree)
-        await_ready(jax.tree.leaves(tree))
         with jax.transfer_guard_device_to_host("allow"):  # an explicit read, as device_get's
             return jax.tree.map(_host_value, tree)
 
@@ -70,26 +65,3 @@ def _host_value(leaf: Any) -> Any:
         return jax.device_get(leaf)
     to_array = getattr(leaf, "__array__", None)
     return leaf if to_array is None else to_array()
-
-
-def await_ready(leaves: list[Any], seconds: float = SPIN_SECONDS) -> bool:
-    """Polls `leaves` until every device array among them is ready, for at most `seconds`;
-    True if they all are. The caller then reads (or blocks) as usual.
-
-    On a CPU the device's work runs on XLA's threads, on the same cores as the host. A host
-    thread that blocks on an unfinished value sleeps, and waking it when the value is ready
-    costs 50-150 us on a small machine, about the time a small chunk takes to run; a replay
-    that waited for a chunk every few chunks made a run 10-20% slower than one that never
-    waited. Polling for a bounded time keeps the thread awake for the short waits and costs
-    at most `seconds` of one core for a long one (docs/design.md §6).
-    """
-    # Typed PRNG keys have no `is_ready`; their read simply blocks.
-    ready = [getattr(leaf, "is_ready", None) for leaf in leaves if isinstance(leaf, jax.Array)]
-    polls = [is_ready for is_ready in ready if is_ready is not None]
-    if all(is_ready() for is_ready in polls):
-        return True
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        if all(is_ready() for is_ready in polls):
-            return True
-    return False
