@@ -25,8 +25,8 @@ from ._step import (
 )
 from ._types import Accumulate, EventLike, FilterLike, Fuse, Handler
 from .engine import run_loop
+from .engine.options import check_run_options
 from .engine.programs import ProgramCache
-from .engine.run import check_run_options
 
 __all__ = ["Loop", "trainer", "evaluator", "loop"]
 

@@ -8,12 +8,14 @@ optional non-finite guard; that wrapped function is the one thing both loops exe
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from ._metrics import Mean, MetricSpec, loss_mean, resolve_loss
@@ -96,6 +98,17 @@ def _merge(params: Any, rest: Any) -> Any:
     return {"params": params, **rest}
 
 
+@functools.lru_cache(maxsize=64)
+def _seed_keys(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """`jax.random.split(jax.random.PRNGKey(seed))` as host arrays, computed once per seed:
+    constants of the init program (derived inside it, XLA:CPU ran threefry's loop at
+    every run). The transfer of the seed is the library's own, allowed under any guard.
+    """
+    with jax.transfer_guard("allow"), jax.ensure_compile_time_eval():
+        keys = np.asarray(jax.random.split(jax.random.PRNGKey(seed)))
+    return keys[0], keys[1]
+
+
 def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program:
     """The supervised training step: forward, loss, gradient and optimizer update."""
     adapter = as_model(model)
@@ -106,8 +119,9 @@ def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program
 
     def init(first_batch: Any, variables: Any) -> dict[str, Any]:
         x, _ = split_batch(first_batch)
-        with jax.ensure_compile_time_eval():
-            # Constants of the program: XLA:CPU would derive them at every run in a loop.
+        if isinstance(seed, (int, np.integer)):
+            init_key, dropout_key = _seed_keys(int(seed))
+        else:  # a population's member seeds, traced
             init_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
         if variables is None:
             variables = adapter.init(init_key, x)

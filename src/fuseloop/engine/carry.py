@@ -26,6 +26,7 @@ class Carry:
         self.tail: Any = None
         self._metrics: dict[str, float] | None = None
         self._queued = 0
+        self.ended: Any = None  # the ending epoch's accumulators, once the next one opened
 
     def start(self, step_state: Any) -> None:
         self.step_state = self.placement.put_state(step_state)
@@ -36,6 +37,21 @@ class Carry:
             tail = {**tail, "active": self.tail["active"]}  # a population's stopped members
         self.tail = self.placement.put_state(tail)
         self._metrics = {}
+
+    def open_epoch(self) -> None:
+        """The next epoch starts before the ending one's metrics are read: its accumulators
+        are kept for `epoch_metrics`, and the next epoch steps on fresh ones.
+        """
+        self.ended = self.tail
+        self.reset_metrics()
+
+    def epoch_metrics(self) -> dict[str, float]:
+        """The ending epoch's metrics: the live ones, or those kept by `open_epoch`."""
+        if self.ended is None:
+            return self.metrics()
+        ended, self.ended = self.ended, None
+        # Host read: the ended epoch's accumulators (the next epoch already runs).
+        return self.reads.metrics_of(self.reads.get(ended["acc"]))
 
     def stop_members(self, stopped: Any) -> None:
         """Freezes the population members where `stopped` (bool[N], host) is True."""

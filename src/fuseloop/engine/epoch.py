@@ -7,6 +7,11 @@ will wait for its records (a handler fires in it), chunk n+1 is launched first, 
 device keeps working while the host replays; a halt (or an error) in chunk n then rolls the
 carry back to a packed copy taken before that launch, so the halt still takes effect at
 the end of chunk n (docs/design.md §6).
+
+Where nothing can act at an epoch's end (no epoch handler, no guard, no population), the
+run opens the next epoch before it reads the ending one's metrics (`open_next`): the
+device goes on from one epoch's last chunk to the next epoch's first without waiting for
+the host (docs/design.md §6).
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ class EpochLoop:
         self.speculate = not guard
         self.latest: Any = None  # the State reached within an epoch (for an error's report)
         self.replay: EpochReplay | None = None
+        # The next epoch, opened early (`open_next`): its number and its first chunk as
+        # launched (a ChunkResult), None (the epoch has no batch) or the error preparing it.
+        self.opened: tuple[int, Any] | None = None
 
     @property
     def _replay(self) -> EpochReplay:
@@ -39,19 +47,66 @@ class EpochLoop:
         return self.replay
 
     def run(self, state: Any, iterator: Any, bound: int | None) -> tuple[str, Any]:
-        """Steps one epoch: `(status, state)`, `state.iteration` the last one fired."""
+        """Steps one epoch: `(status, state)`, `state.iteration` the last one fired
+        (`iterator` is not used when `open_next` opened the epoch).
+        """
         self.replay = replay = EpochReplay(self.handoff, self.carry, self.reads, self.guard)
-        feed = self.feed
-        feed.begin(state.epoch, iterator, bound, replay.record or self.guard)
+        feed, opened = self.feed, self.opened
+        self.opened = None
+        if opened is None:
+            feed.begin(state.epoch, iterator, bound, replay.record or self.guard)
         self.latest = state
         try:
-            status, state, last, current = self._start(state, feed.next(0), 0)
+            if opened is None:
+                status, state, last, current = self._start(state, feed.next(0), 0)
+            elif isinstance(opened[1], BaseException):
+                # Preparing the epoch's first chunk failed: raised where the unfused loop
+                # meets that batch, after the epoch before it ended.
+                raise opened[1]
+            else:
+                status, last, current = CONTINUE, 0, opened[1]
             while current is not None:
                 status, state, last, current = self._step(state, current, last)
         finally:
             feed.end()
         self.latest = None  # the epoch is over: the run holds its State again
         return status, state.replace(iteration=last)
+
+    def opens(self, epoch: int) -> bool:
+        """Whether `epoch` was opened with its first chunk launched (its accumulators are
+        already fresh)."""
+        return self.opened is not None and self.opened[0] == epoch and _launched(self.opened)
+
+    def opened_for(self, epoch: int) -> bool:
+        """Whether `open_next` opened `epoch` (launched or not)."""
+        return self.opened is not None and self.opened[0] == epoch
+
+    def open_next(self, epoch: int, iterator: Any, bound: int | None) -> None:
+        """Opens `epoch` before the epoch now ending is read: its first chunk is prepared
+        and launched on fresh accumulators (the ending epoch's are kept for its metrics,
+        `Carry.open_epoch`), so the device does not wait for the host in between. Only
+        when no handler can act between the two epochs (the run checks); the chunk is
+        replayed by `run` for `epoch`, in order.
+        """
+        feed = self.feed
+        record = self.handoff.bus.has_iteration_handlers
+        feed.begin(epoch, iterator, bound, record or self.guard)
+        try:
+            prepared = feed.next(0)
+        except Exception as error:  # noqa: BLE001 - raised by `run`, in the unfused order
+            self.opened = (epoch, error)
+            return
+        if prepared is None:
+            self.opened = (epoch, None)
+            return
+        self.carry.open_epoch()
+        self.opened = (epoch, feed.launch(self.carry, prepared))
+
+    def close(self) -> None:
+        """Ends an epoch opened early that will not run (the run is leaving)."""
+        if self.opened is not None:
+            self.opened = None
+            self.feed.end()
 
     def _start(
         self, state: Any, prepared: Any, last: int
@@ -119,3 +174,7 @@ class EpochLoop:
         """Drops the chunk launched ahead: the carry and the feed go back to before it."""
         self.carry.restore(rollback)
         self.feed.unlaunch()
+
+
+def _launched(opened: tuple[int, Any]) -> bool:
+    return isinstance(opened[1], ChunkResult)

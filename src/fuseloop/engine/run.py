@@ -13,8 +13,6 @@ import time
 import warnings
 from typing import Any
 
-import numpy as np
-
 from .._checks import Checker
 from .._data import as_source
 from .._distributed import check_same_config, describe, process_count
@@ -36,36 +34,10 @@ from .signals import SignalGuard
 from .start import initial_step_state
 from .whole_run import WholeRun
 
-__all__ = ["Run", "check_run_options"]
+__all__ = ["Run"]
 
 _RAN_OUT = "ran_out"  # an epoch found no data left: the run ends, completed
-
-
-def check_run_options(
-    epochs: Any, iterations: Any, jit: Any, progress: Any, max_in_flight: Any, prefetch: Any
-) -> None:
-    """Raises a ValueError naming the first bad `run(...)` argument (`Loop.run` calls it
-    before anything else; `fuse` and `mesh` are checked by the run).
-    """
-    _check_count(epochs, "epochs", allow_none=False)
-    _check_count(iterations, "iterations", allow_none=True)
-    _check_count(max_in_flight, "max_in_flight", allow_none=False)
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(
-            f"prefetch={prefetch!r} must be an int >= 0 (chunks pulled ahead "
-            f"in a background thread; 0 pulls the next chunk in the caller)"
-        )
-    if not isinstance(jit, bool):
-        raise ValueError(f"jit={jit!r} must be True or False")
-    if not isinstance(progress, bool):
-        raise ValueError(f"progress={progress!r} must be True or False")
-
-
-def _check_count(value: Any, argument: str, allow_none: bool) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{argument}={value!r} must be a positive int")
+_EPOCH_EVENTS = (Event.EPOCH_STARTED, Event.EPOCH_COMPLETED, Event.EPOCH_HALTED)
 
 
 class Run:
@@ -144,6 +116,8 @@ class Run:
             _attach_state(error, self._reached())
             raise
         finally:
+            if self.epoch_loop is not None:
+                self.epoch_loop.close()
             self.source.close()
             self.bus.close()
         return self._final(state)
@@ -269,8 +243,10 @@ class Run:
             self.state = state
             if status == _RAN_OUT:
                 break
-            halted = status == HALT_LOOP or signals.requested
             epoch += 1
+            # A signal after the next epoch opened reaches it at its first boundary.
+            opened = self.epoch_loop is not None and self.epoch_loop.opened_for(epoch)
+            halted = status == HALT_LOOP or (signals.requested and not opened)
         self.stats["compiles"] = self.programs.traces - compiles_before
         ended = "halted" if halted else "completed"
         state = state.replace(status=ended)
@@ -281,23 +257,25 @@ class Run:
     def _epoch(self, state: State, epoch: int, signals: SignalGuard) -> tuple[State, str]:
         began = time.perf_counter()
         self.bus.new_epoch()
-        self.carry.reset_metrics()
+        loop = self._epoch_loop
+        if not loop.opens(epoch):  # an epoch opened early already steps on fresh ones
+            self.carry.reset_metrics()
         state = state.replace(epoch=epoch, iteration=0, metrics={}, status="running")
         self.state = state
         status, state = self.handoff.fire(Event.EPOCH_STARTED, state)
         self.state, stepped = state, status == CONTINUE
+        opened_next = False
         if stepped:
-            iterator = (
-                self.first_iterator
-                if epoch == self.start_epoch
-                else self.source.epoch_iterator(epoch)
-            )
-            status, state = self._epoch_loop.run(state, iterator, self.iterations)
+            status, state = loop.run(state, self._iterator(epoch), self.iterations)
             if status == CONTINUE and self._ran_out(epoch):
                 return state, _RAN_OUT
+            if status == CONTINUE and not signals.requested and self._may_open(epoch + 1):
+                # A signal from here on reaches the next epoch, at its first boundary.
+                loop.open_next(epoch + 1, self.source.epoch_iterator(epoch + 1), self.iterations)
+                opened_next = True
         if status == HALT_LOOP and state.handler_metadata.get("_nonfinite_at") is not None:
             _warn_nonfinite(state)
-        if signals.requested:
+        if signals.requested and not opened_next:
             status = HALT_LOOP
         state = self._epoch_metrics(state, epoch, began, stepped)
         if self.members is not None:
@@ -316,6 +294,27 @@ class Run:
             status = HALT_LOOP  # every member has halted (e.g. a per-member early_stop)
         return state, status
 
+    def _iterator(self, epoch: int) -> Any:
+        if self._epoch_loop.opened_for(epoch):
+            return None  # opened early, with its own iterator
+        return (
+            self.first_iterator if epoch == self.start_epoch else self.source.epoch_iterator(epoch)
+        )
+
+    def _may_open(self, epoch: int) -> bool:
+        """Whether `epoch` may open before the ending one is read (`EpochLoop.open_next`):
+        it will run, and nothing can act in between - no epoch handler (which may halt or
+        change the State), no guard (whose flag the ending epoch's last read decides), no
+        population, and chunks rather than live steps (whose handlers see the step state).
+        """
+        return (
+            epoch < self.epochs
+            and self.members is None
+            and not self.loop.guard_nonfinite
+            and not self._epoch_loop.feed.live
+            and not any(self.bus.has(event) for event in _EPOCH_EVENTS)
+        )
+
     @property
     def _epoch_loop(self) -> EpochLoop:
         if self.epoch_loop is None:
@@ -327,7 +326,7 @@ class Run:
         handler wrote after the loop last computed them (last writer wins).
         """
         metrics = dict(state.metrics)
-        final = self.carry.metrics()  # Host read (in Carry.metrics): the epoch's end
+        final = self.carry.epoch_metrics()  # Host read (in Carry): the epoch's end
         replay = self._epoch_loop._replay
         handler_wrote_last = (
             stepped and replay.steps > 0 and replay.merged_through == replay.steps - 1

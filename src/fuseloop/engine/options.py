@@ -1,0 +1,36 @@
+"""The plain arguments of `Loop.run`, checked before a run is built."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["check_run_options"]
+
+
+def check_run_options(
+    epochs: Any, iterations: Any, jit: Any, progress: Any, max_in_flight: Any, prefetch: Any
+) -> None:
+    """Raises a ValueError naming the first bad `run(...)` argument (`Loop.run` calls it
+    before anything else; `fuse` and `mesh` are checked by the run).
+    """
+    _check_count(epochs, "epochs", allow_none=False)
+    _check_count(iterations, "iterations", allow_none=True)
+    _check_count(max_in_flight, "max_in_flight", allow_none=False)
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(
+            f"prefetch={prefetch!r} must be an int >= 0 (chunks pulled ahead "
+            f"in a background thread; 0 pulls the next chunk in the caller)"
+        )
+    if not isinstance(jit, bool):
+        raise ValueError(f"jit={jit!r} must be True or False")
+    if not isinstance(progress, bool):
+        raise ValueError(f"progress={progress!r} must be True or False")
+
+
+def _check_count(value: Any, argument: str, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{argument}={value!r} must be a positive int")
