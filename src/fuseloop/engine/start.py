@@ -89,30 +89,35 @@ class InlineInit:
 
     def __init__(self, init: Any):
         self.init = init
-        self.plans: dict[Any, tuple[Any, list[tuple[list[int], Any]]]] = {}
+        self.plans: dict[Any, tuple[Any, int, list[tuple[list[int], Any]]]] = {}
 
     def __call__(self, variables: Any) -> Any:
         key = device_signature(variables)
         if key not in self.plans:
             self.plans[key] = self._plan(variables)
-        treedef, programs = self.plans[key]
-        leaves: list[Any] = [None] * treedef.num_leaves
+        treedef, n, programs = self.plans[key]
+        leaves: list[Any] = [None] * n
         for indices, program in programs:
             for i, leaf in zip(indices, program(variables), strict=True):
                 leaves[i] = leaf
         return jax.tree.unflatten(treedef, leaves)
 
-    def _plan(self, variables: Any) -> tuple[Any, list[tuple[list[int], Any]]]:
-        treedef = jax.tree.structure(jax.eval_shape(self.init, variables))
-        n = treedef.num_leaves
+    def _plan(self, variables: Any) -> tuple[Any, int, list[tuple[list[int], Any]]]:
+        shapes, treedef = jax.tree.flatten(jax.eval_shape(self.init, variables))
+        n = len(shapes)
         groups = -(-n // self.GROUP)
         if groups <= 1 or groups > self.MAX_GROUPS:
-            return treedef, [(list(range(n)), jax.jit(lambda v: jax.tree.leaves(self.init(v))))]
+            whole = jax.jit(lambda v: jax.tree.leaves(self.init(v)))
+            return treedef, n, [(list(range(n)), whole)]
         size = -(-n // groups)
-        return treedef, [
-            (indices, jax.jit(lambda v, keep=tuple(indices): _select(self.init(v), keep)))
-            for indices in (list(range(i, min(i + size, n))) for i in range(0, n, size))
-        ]
+        return (
+            treedef,
+            n,
+            [
+                (indices, jax.jit(lambda v, keep=tuple(indices): _select(self.init(v), keep)))
+                for indices in (list(range(i, min(i + size, n))) for i in range(0, n, size))
+            ],
+        )
 
 
 def _select(tree: Any, keep: tuple[int, ...]) -> list[Any]:
