@@ -112,3 +112,62 @@ def test_the_shared_epoch_counter_is_never_consumed() -> None:
     resumed = loop.run(data, first, epochs=3, fuse=3)
     assert int(start) == 0 and int(epoch_counter(2)) == 2 and not start.is_deleted()
     assert first.history == again.history and sorted(resumed.history) == [0, 1, 2]
+
+
+def test_the_trainer_init_in_small_programs_is_the_one_program_init() -> None:
+    """On a CPU the trainer init runs as programs of at most 8 outputs (engine/start.py);
+    every leaf is the one-program init's, bit for bit, for given and for fresh variables,
+    and a plan is made once per variables' signature."""
+    import jax
+
+    from conftest import assert_tree_equal, make_batches, tiny_mlp, trainer
+    from fuseloop.engine.programs import Programs
+    from fuseloop.engine.start import InlineInit, _trainer_init
+
+    loop = trainer()
+    first = make_batches(1)[0]
+    init = _trainer_init(Programs(loop), first)
+    assert isinstance(init, InlineInit)  # the suite runs on a CPU
+    variables = tiny_mlp().init(jax.random.PRNGKey(5), first[0])
+    for given in (variables, None):
+        grouped = init(given)
+        whole = jax.jit(init.init)(given)
+        assert_tree_equal(grouped, whole, "initial step state")
+        _, n, programs = init.plans[
+            next(k for k in init.plans if k[0] == jax.tree.structure(given))
+        ]
+        assert n > InlineInit.GROUP and len(programs) == -(-n // InlineInit.GROUP)
+        assert all(len(indices) <= InlineInit.GROUP for indices, _ in programs)
+    plans = len(init.plans)
+    init(variables)
+    assert len(init.plans) == plans
+
+
+def test_a_step_state_of_many_leaves_is_initialized_by_one_program() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from fuseloop.engine.start import InlineInit
+
+    def init(variables):
+        return {f"w{i}": jnp.full((40,), i, jnp.float32) + variables for i in range(40)}
+
+    inline = InlineInit(init)
+    out = inline(jnp.float32(1.0))
+    ((_, n, programs),) = inline.plans.values()
+    assert n == 40 and len(programs) == 1
+    assert [float(out[f"w{i}"][0]) for i in range(40)] == [i + 1.0 for i in range(40)]
+    assert jax.tree.structure(out) == jax.tree.structure(init(jnp.float32(1.0)))
+
+
+def test_seed_keys_are_the_split_of_the_seed() -> None:
+    import jax
+    import numpy as np
+
+    from fuseloop._step import _seed_keys
+
+    for seed in (0, 7, 2**31 - 1):
+        expected = np.asarray(jax.random.split(jax.random.PRNGKey(seed)))
+        init_key, dropout_key = _seed_keys(seed)
+        assert init_key.tobytes() == expected[0].tobytes()
+        assert dropout_key.tobytes() == expected[1].tobytes()

@@ -1,0 +1,190 @@
+"""The next epoch opens before the ending one is read (EpochLoop.open_next): only where no
+handler can act between the two epochs, and with everything a user sees unchanged -
+params, history, events, errors, signals, one-shot consumption and threads."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+
+import fuseloop as fl
+from conftest import assert_tree_equal, make_batches, recorder, trainer
+from fuseloop.engine import carry as carry_module
+from fuseloop.engine import epoch as epoch_module
+from fuseloop.engine import run as run_module
+
+K = 5
+BATCHES = make_batches(12)  # chunks of 5, 5, 2 an epoch
+
+
+@pytest.fixture
+def opened(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The epochs opened early, as `open_next` is called."""
+    calls: list[int] = []
+    original = epoch_module.EpochLoop.open_next
+
+    def spy(self: Any, epoch: int, iterator: Any, bound: Any) -> None:
+        calls.append(epoch)
+        original(self, epoch, iterator, bound)
+
+    monkeypatch.setattr(epoch_module.EpochLoop, "open_next", spy)
+    return calls
+
+
+def _never_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run_module.Run, "_may_open", lambda self, epoch: False)
+
+
+def _data(kind: str) -> Any:
+    if kind == "resident":
+        x = np.concatenate([b[0] for b in BATCHES])
+        y = np.concatenate([b[1] for b in BATCHES])
+        return fl.data.arrays(x, y, batch_size=4, shuffle=True, seed=3, device=True)
+    return BATCHES
+
+
+@pytest.mark.parametrize("kind", ["host", "resident"])
+def test_the_next_epoch_opens_early_and_the_run_is_unchanged(kind, opened, monkeypatch):
+    loop = trainer().metric("accuracy")
+    state = loop.run(_data(kind), epochs=4, fuse=K)
+    assert opened == [1, 2, 3]  # every epoch but the first opened before the last was read
+    unfused = loop.run(_data(kind), epochs=4, fuse=False)
+    _never_open(monkeypatch)
+    closed = loop.run(_data(kind), epochs=4, fuse=K)
+    assert opened == [1, 2, 3]
+    for reference in (unfused, closed):
+        assert_tree_equal(state.step_state, reference.step_state, "step state")
+        assert state.history == reference.history
+    assert state.stats["dispatches"] == closed.stats["dispatches"]
+    assert state.stats["host_syncs"] == closed.stats["host_syncs"]
+    assert sorted(state.times) == [0, 1, 2, 3]
+
+
+def test_an_epoch_handler_keeps_every_epoch_end_synchronous(opened):
+    for event in ("epoch_started", "epoch_completed", "epoch_halted"):
+        trainer().handle_event(event, lambda s: None).run(BATCHES, epochs=3, fuse=K)
+    assert opened == []
+
+
+def test_the_guard_and_live_steps_do_not_open(opened):
+    trainer().terminate_on_nan().run(BATCHES, epochs=3, fuse=K)
+    trainer().run(BATCHES, epochs=3, fuse=False)
+    assert opened == []
+
+
+def test_iteration_handlers_see_the_opened_epochs_chunks_in_unfused_order(opened):
+    log: list[Any] = []
+
+    def loss(state: fl.State) -> float | None:
+        return state.metrics.get("loss")
+
+    def build() -> fl.Loop:
+        loop = trainer()
+        for event in ("iteration_started", "iteration_completed"):
+            loop = loop.handle_event(event, recorder(log, event, loss), {"every": 4})
+        return loop
+
+    fused = build().run(BATCHES, epochs=3, fuse=K)
+    fused_log, log[:] = list(log), []
+    unfused = build().run(BATCHES, epochs=3, fuse=False)
+    assert opened == [1, 2]
+    assert fused_log == log
+    assert_tree_equal(fused.step_state, unfused.step_state, "step state")
+
+
+class _FailsAtEpoch:
+    """A re-iterable whose iterator for epoch `bad` raises at its first batch."""
+
+    def __init__(self, batches: list[Any], bad: int):
+        self.batches, self.bad, self.passes = batches, bad, 0
+
+    def __iter__(self) -> Any:
+        number, self.passes = self.passes, self.passes + 1
+        if number == self.bad:
+            raise_at_first = True
+            yield from ()
+            if raise_at_first:
+                raise RuntimeError(f"pass {number} is broken")
+        yield from self.batches
+
+
+def test_an_error_preparing_the_opened_epoch_is_raised_after_the_epoch_before_it(opened):
+    loop = trainer()
+    states = {}
+    for fuse in (K, False):
+        with pytest.raises(RuntimeError, match="pass 2 is broken") as info:
+            loop.run(_FailsAtEpoch(BATCHES, bad=2), epochs=4, fuse=fuse)
+        states[fuse] = info.value.fuseloop_state
+    assert opened == [1, 2]
+    fused, unfused = states[K], states[False]
+    assert sorted(fused.history) == sorted(unfused.history) == [0, 1]
+    assert fused.history == unfused.history
+    assert_tree_equal(fused.step_state, unfused.step_state, "step state")
+
+
+@pytest.mark.parametrize("where", ["open_epoch", "epoch_metrics"])
+def test_a_signal_after_the_next_epoch_opened_halts_it_at_its_first_boundary(
+    where, opened, monkeypatch
+):
+    """A signal that arrives once the next epoch is opening (or while the ending epoch is
+    read) reaches the opened epoch: the ending epoch completes, the next halts after its
+    first chunk, as if the signal had come during that chunk."""
+    original = getattr(carry_module.Carry, where)
+    sent: list[bool] = []
+
+    def signalled(self: Any) -> Any:
+        if not sent and (where == "open_epoch" or self.ended is not None):
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(self)
+
+    monkeypatch.setattr(carry_module.Carry, where, signalled)
+    state = trainer().run(BATCHES, epochs=3, fuse=K)
+    assert sent and opened == [1]
+    assert state.status == "halted" and sorted(state.history) == [0] and state.epoch == 1
+    monkeypatch.setattr(carry_module.Carry, where, original)
+
+    def halt_after_first_chunk(s: fl.State) -> Any:
+        return "halt_loop" if (s.epoch, s.iteration) == (1, K - 1) else None
+
+    reference = (
+        trainer()
+        .handle_event("iteration_completed", halt_after_first_chunk)
+        .run(BATCHES, epochs=3, fuse=K)
+    )
+    assert reference.status == "halted" and sorted(reference.history) == [0]
+    assert_tree_equal(state.step_state, reference.step_state, "step state")
+    assert state.history == reference.history
+
+
+def test_a_one_shot_iterator_is_consumed_exactly_and_runs_out_as_unfused(opened):
+    results = {}
+    for fuse in (K, False):
+        source = iter(BATCHES * 2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = trainer().run(source, epochs=3, fuse=fuse)
+        assert any("data ran out at the start of epoch 1" in str(w.message) for w in caught)
+        assert next(source, None) is None
+        results[fuse] = state
+    assert opened == [1]  # epoch 0 took every batch: the opened epoch 1 finds none
+    assert results[K].history == results[False].history
+    assert_tree_equal(results[K].step_state, results[False].step_state, "step state")
+
+
+def test_no_prefetch_thread_outlives_a_run_that_leaves_with_an_epoch_opened(opened, monkeypatch):
+    def fail(self: Any) -> Any:
+        raise RuntimeError("reading the epoch failed")
+
+    monkeypatch.setattr(carry_module.Carry, "epoch_metrics", fail)
+    before = {t for t in threading.enumerate() if t.is_alive()}
+    with pytest.raises(RuntimeError, match="reading the epoch failed"):
+        trainer().run(lambda: iter(BATCHES), epochs=3, fuse=K, prefetch=2)
+    assert opened == [1]
+    assert {t for t in threading.enumerate() if t.is_alive()} <= before
