@@ -17,6 +17,7 @@ import fuseloop as fl
 from conftest import assert_tree_equal, make_batches, recorder, trainer
 from fuseloop.engine import carry as carry_module
 from fuseloop.engine import epoch as epoch_module
+from fuseloop.engine import replay as replay_module
 from fuseloop.engine import run as run_module
 
 K = 5
@@ -188,3 +189,88 @@ def test_no_prefetch_thread_outlives_a_run_that_leaves_with_an_epoch_opened(open
         trainer().run(lambda: iter(BATCHES), epochs=3, fuse=K, prefetch=2)
     assert opened == [1]
     assert {t for t in threading.enumerate() if t.is_alive()} <= before
+
+
+# ------------------------------------------------------------- opened ahead of the replay
+@pytest.fixture
+def unfinished(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every chunk reads as not yet finished by the device, so a replay that reads its
+    records always launches ahead first (which is timing otherwise)."""
+    monkeypatch.setattr(replay_module.ChunkResult, "done", lambda self: False)
+
+
+def _firing_in_last_chunk(action: Any = None) -> fl.Loop:
+    """A trainer whose handler fires in every epoch's last chunk (iterations 10 and 11 of
+    12, chunks of 5): its replay waits, so the next epoch opens ahead of it."""
+
+    def handler(state: fl.State) -> Any:
+        return action(state) if action is not None else None
+
+    return trainer().handle_event("iteration_completed", handler, lambda s: s.iteration >= 10)
+
+
+@pytest.mark.parametrize("kind", ["host", "resident"])
+def test_the_next_epoch_opens_ahead_of_a_waiting_last_replay(kind, opened, unfinished):
+    seen: list[Any] = []
+
+    def record(state: fl.State) -> None:
+        seen.append((state.epoch, state.iteration, state.metrics["loss"]))
+
+    loop = _firing_in_last_chunk(record)
+    state = loop.run(_data(kind), epochs=3, fuse=K)
+    fused_seen, seen[:] = list(seen), []
+    assert opened == [1, 2] and len(fused_seen) == 6
+    reference = loop.run(_data(kind), epochs=3, fuse=False)
+    assert fused_seen == seen
+    assert_tree_equal(state.step_state, reference.step_state, "step state")
+    assert state.history == reference.history
+
+
+@pytest.mark.parametrize("status", ["halt_loop", "halt_epoch"])
+def test_a_halt_in_the_last_replay_undoes_or_keeps_the_epoch_opened_ahead(
+    status, opened, unfinished, monkeypatch
+):
+    def halt_in_epoch_1(state: fl.State) -> Any:
+        return status if state.epoch == 1 else None
+
+    loop = _firing_in_last_chunk(halt_in_epoch_1)
+    state = loop.run(BATCHES, epochs=3, fuse=K)
+    # Opened ahead of each last replay: epoch 2 ahead of epoch 1's, which halted; a
+    # halt_epoch keeps it (the epoch ended at that chunk anyway), a halt_loop undoes it.
+    assert opened == [1, 2]
+    # A fused halt takes effect at the end of its chunk: the reference is the same fused
+    # run with no epoch ever opened early.
+    _never_open(monkeypatch)
+    reference = loop.run(BATCHES, epochs=3, fuse=K)
+    assert state.status == reference.status
+    assert state.epoch == reference.epoch and sorted(state.history) == sorted(reference.history)
+    assert state.history == reference.history
+    assert_tree_equal(state.step_state, reference.step_state, "step state")
+
+
+def test_a_handler_error_in_the_last_replay_undoes_the_epoch_opened_ahead(
+    opened, unfinished, monkeypatch
+):
+    def fail_in_epoch_1(state: fl.State) -> None:
+        if state.epoch == 1:
+            raise RuntimeError("handler failed")
+
+    states = []
+    for never_open in (False, True):
+        if never_open:
+            _never_open(monkeypatch)
+        with pytest.raises(RuntimeError, match="handler failed") as info:
+            _firing_in_last_chunk(fail_in_epoch_1).run(BATCHES, epochs=3, fuse=K)
+        states.append(info.value.fuseloop_state)
+    assert opened == [1, 2]  # opened ahead of epoch 1's last replay, then undone
+    assert sorted(states[0].history) == sorted(states[1].history) == [0]
+    assert_tree_equal(states[0].step_state, states[1].step_state, "step state")
+    assert states[0].stats["dispatches"] == states[1].stats["dispatches"]
+
+
+def test_a_one_shot_source_opens_only_after_the_replay(opened, unfinished):
+    seen: list[Any] = []
+    loop = _firing_in_last_chunk(lambda s: seen.append((s.epoch, s.iteration)))
+    state = loop.run(iter(BATCHES), epochs=2, fuse=K)
+    assert state.history and seen == [(0, 10), (0, 11)]
+    assert opened == [1]  # after the replay: nothing pulled for an epoch that may not run

@@ -16,9 +16,10 @@ the host (docs/design.md §6).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from .._events import CONTINUE
+from .._events import CONTINUE, HALT_EPOCH
 from .replay import ChunkResult, EpochReplay
 
 __all__ = ["EpochLoop"]
@@ -38,6 +39,9 @@ class EpochLoop:
         # The next epoch, opened early (`open_next`): its number and its first chunk as
         # launched (a ChunkResult), None (the epoch has no batch) or the error preparing it.
         self.opened: tuple[int, Any] | None = None
+        # The next epoch the run allows to open ahead of the last chunk's replay:
+        # `(epoch, iterator factory, bound)`, or None (`run`'s `ahead`).
+        self.ahead: tuple[int, Callable[[], Any], int | None] | None = None
 
     @property
     def _replay(self) -> EpochReplay:
@@ -46,13 +50,21 @@ class EpochLoop:
             raise RuntimeError("EpochLoop: no epoch is running")
         return self.replay
 
-    def run(self, state: Any, iterator: Any, bound: int | None) -> tuple[str, Any]:
+    def run(
+        self,
+        state: Any,
+        iterator: Any,
+        bound: int | None,
+        ahead: tuple[int, Callable[[], Any], int | None] | None = None,
+    ) -> tuple[str, Any]:
         """Steps one epoch: `(status, state)`, `state.iteration` the last one fired
-        (`iterator` is not used when `open_next` opened the epoch).
+        (`iterator` is not used when `open_next` opened the epoch). `ahead`: the next
+        epoch may open before the replay of this one's last chunk waits for it (its
+        number, a factory of its iterator, its bound).
         """
         self.replay = replay = EpochReplay(self.handoff, self.carry, self.reads, self.guard)
         feed, opened = self.feed, self.opened
-        self.opened = None
+        self.opened, self.ahead = None, ahead
         if opened is None:
             feed.begin(state.epoch, iterator, bound, replay.record or self.guard)
         self.latest = state
@@ -68,7 +80,9 @@ class EpochLoop:
             while current is not None:
                 status, state, last, current = self._step(state, current, last)
         finally:
-            feed.end()
+            self.ahead = None
+            if self.opened is None:  # an epoch opened ahead owns the feed now
+                feed.end()
         self.latest = None  # the epoch is over: the run holds its State again
         return status, state.replace(iteration=last)
 
@@ -89,6 +103,7 @@ class EpochLoop:
         replayed by `run` for `epoch`, in order.
         """
         feed = self.feed
+        feed.end()  # the ending epoch has prepared its last chunk
         record = self.handoff.bus.has_iteration_handlers
         feed.begin(epoch, iterator, bound, record or self.guard)
         try:
@@ -137,12 +152,13 @@ class EpochLoop:
                 # and the error surfaces only where the unfused loop would reach that batch.
                 failed = error
         rollback = speculative = None
-        if (
-            nxt is not None
-            and self.speculate
-            and self._replay.waits_for(current)
-            and not current.done()
-        ):
+        opened_ahead = False
+        waits = self.speculate and self._replay.waits_for(current) and not current.done()
+        if waits and nxt is None and current.exhausted and self.ahead is not None:
+            # The epoch's last chunk: what to launch ahead of its replay is the next
+            # epoch's first chunk, undone as below if the replay halts the run.
+            rollback, opened_ahead = self._open_ahead(), True
+        elif waits and nxt is not None:
             # The replay is about to wait for this chunk's records: launch the next chunk
             # first, so the device keeps working. Replayed handlers can only halt (or
             # raise), and then the carry goes back to this copy of it. A chunk already done
@@ -154,13 +170,13 @@ class EpochLoop:
         try:
             status, state, last = self._replay.chunk(state, current)
         except BaseException:
-            if rollback is not None:
-                self._drop(rollback)
+            self._undo(rollback, opened_ahead)
             raise
         self.latest = state
         if status != CONTINUE or self.signals.requested:
-            if rollback is not None:
-                self._drop(rollback)
+            # An epoch halted at its end lets the next epoch open ahead as it did.
+            if not (opened_ahead and status == HALT_EPOCH and not self.signals.requested):
+                self._undo(rollback, opened_ahead)
             return status, state, last, None
         if failed is not None:
             raise failed
@@ -170,10 +186,28 @@ class EpochLoop:
             nxt = feed.next(current.end)
         return self._start(state, nxt, last)
 
-    def _drop(self, rollback: Any) -> None:
-        """Drops the chunk launched ahead: the carry and the feed go back to before it."""
-        self.carry.restore(rollback)
-        self.feed.unlaunch()
+    def _open_ahead(self) -> Any:
+        """Opens the next epoch ahead of the last chunk's replay: the carry's copy to roll
+        back to, or None when nothing was launched (no batch, or an error to raise later).
+        """
+        assert self.ahead is not None
+        epoch, iterator, bound = self.ahead
+        rollback = self.carry.snapshot()
+        self.open_next(epoch, iterator(), bound)
+        return rollback if self.opened is not None and _launched(self.opened) else None
+
+    def _undo(self, rollback: Any, opened_ahead: bool) -> None:
+        """Undoes what was launched ahead of a replay that halted or raised: the carry
+        goes back to `rollback` (None: nothing was launched); a chunk of this epoch gives
+        its place back to the feed, an epoch opened ahead is closed (the run is ending).
+        """
+        if rollback is not None:
+            self.carry.restore(rollback)
+        if opened_ahead:
+            self.carry.ended = None
+            self.close()
+        elif rollback is not None:
+            self.feed.unlaunch()
 
 
 def _launched(opened: tuple[int, Any]) -> bool:

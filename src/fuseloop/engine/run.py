@@ -89,6 +89,7 @@ class Run:
         )
         self.epoch_loop: EpochLoop | None = None
         self.whole: WholeRun | None = None  # many epochs per dispatch (whole_run.py)
+        self.pulled_before_open: tuple[int, int] | None = None  # (epoch, its batches pulled)
         self.state = State(max_epoch=self.epochs, max_iteration=iterations, stats=self.stats)
 
     # ----------------------------------------------------------------- the run
@@ -264,15 +265,16 @@ class Run:
         self.state = state
         status, state = self.handoff.fire(Event.EPOCH_STARTED, state)
         self.state, stepped = state, status == CONTINUE
-        opened_next = False
         if stepped:
-            status, state = loop.run(state, self._iterator(epoch), self.iterations)
+            iterator, ahead = self._iterator(epoch), self._ahead(epoch + 1)
+            status, state = loop.run(state, iterator, self.iterations, ahead)
             if status == CONTINUE and self._ran_out(epoch):
                 return state, _RAN_OUT
-            if status == CONTINUE and not signals.requested and self._may_open(epoch + 1):
-                # A signal from here on reaches the next epoch, at its first boundary.
+            may_open = status == CONTINUE and not loop.opened_for(epoch + 1)
+            if may_open and not signals.requested and self._may_open(epoch + 1):
                 loop.open_next(epoch + 1, self.source.epoch_iterator(epoch + 1), self.iterations)
-                opened_next = True
+        # A signal after the next epoch opened reaches it, at its first boundary.
+        opened_next = loop.opened_for(epoch + 1)
         if status == HALT_LOOP and state.handler_metadata.get("_nonfinite_at") is not None:
             _warn_nonfinite(state)
         if signals.requested and not opened_next:
@@ -300,6 +302,20 @@ class Run:
         return (
             self.first_iterator if epoch == self.start_epoch else self.source.epoch_iterator(epoch)
         )
+
+    def _ahead(self, epoch: int) -> tuple[int, Any, int | None] | None:
+        """What `EpochLoop.run` needs to open `epoch` ahead of the ending epoch's last
+        replay, or None: as `_may_open`, and only where batches pulled for an epoch that
+        then does not run are harmless (the replay may still halt the run).
+        """
+        if not (self.resident or self.source.prefetch_safe) or not self._may_open(epoch):
+            return None
+
+        def iterator() -> Any:
+            self.pulled_before_open = (epoch - 1, self.source.epoch_pulled)
+            return self.source.epoch_iterator(epoch)
+
+        return epoch, iterator, self.iterations
 
     def _may_open(self, epoch: int) -> bool:
         """Whether `epoch` may open before the ending one is read (`EpochLoop.open_next`):
@@ -341,7 +357,10 @@ class Run:
         """A one-shot iterator that had nothing left for this epoch ends the run (as Keras
         does when its input runs out), with a warning naming the epoch.
         """
-        if self.resident or self.source.epoch_pulled > 0:
+        pulled = self.source.epoch_pulled
+        if self.pulled_before_open is not None and self.pulled_before_open[0] == epoch:
+            pulled = self.pulled_before_open[1]  # the next epoch opened ahead, on its own
+        if self.resident or pulled > 0:
             return False
         warnings.warn(
             f"data ran out at the start of epoch {epoch}: the run ends after {epoch} epochs "
