@@ -210,16 +210,27 @@ def _firing_in_last_chunk(action: Any = None) -> fl.Loop:
 
 
 @pytest.mark.parametrize("kind", ["host", "resident"])
-def test_the_next_epoch_opens_ahead_of_a_waiting_last_replay(kind, opened, unfinished):
+@pytest.mark.parametrize("fuse", [K, 6, 12])  # a short last chunk, or one that ends even
+def test_the_next_epoch_opens_ahead_of_a_waiting_last_replay(
+    kind, fuse, opened, unfinished, monkeypatch
+):
+    ahead: list[int] = []
+    original = epoch_module.EpochLoop._open_ahead
+
+    def spy(self: Any) -> Any:
+        ahead.append(self.ahead[0])
+        return original(self)
+
+    monkeypatch.setattr(epoch_module.EpochLoop, "_open_ahead", spy)
     seen: list[Any] = []
 
     def record(state: fl.State) -> None:
         seen.append((state.epoch, state.iteration, state.metrics["loss"]))
 
     loop = _firing_in_last_chunk(record)
-    state = loop.run(_data(kind), epochs=3, fuse=K)
+    state = loop.run(_data(kind), epochs=3, fuse=fuse)
     fused_seen, seen[:] = list(seen), []
-    assert opened == [1, 2] and len(fused_seen) == 6
+    assert opened == [1, 2] and ahead == [1, 2] and len(fused_seen) == 6
     reference = loop.run(_data(kind), epochs=3, fuse=False)
     assert fused_seen == seen
     assert_tree_equal(state.step_state, reference.step_state, "step state")

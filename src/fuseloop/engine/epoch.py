@@ -154,7 +154,10 @@ class EpochLoop:
         rollback = speculative = None
         opened_ahead = False
         waits = self.speculate and self._replay.waits_for(current) and not current.done()
-        if waits and nxt is None and current.exhausted and self.ahead is not None:
+        # The feed knows the epoch is over when the chunk came short, or when it was
+        # asked for the next one and had none.
+        over = current.exhausted or (feed.ahead and nxt is None and failed is None)
+        if waits and over and self.ahead is not None:
             # The epoch's last chunk: what to launch ahead of its replay is the next
             # epoch's first chunk, undone as below if the replay halts the run.
             rollback, opened_ahead = self._open_ahead(), True
