@@ -50,8 +50,7 @@ class Carry:
         if self.ended is None:
             return self.metrics()
         ended, self.ended = self.ended, None
-        # Host read: the ended epoch's accumulators (the next epoch already runs).
-        return self.reads.metrics_of(self.reads.get(ended["acc"]))
+        return self._read(ended)  # the next epoch already runs
 
     def stop_members(self, stopped: Any) -> None:
         """Freezes the population members where `stopped` (bool[N], host) is True."""
@@ -98,14 +97,20 @@ class Carry:
         carry = self.programs.unpack(snapshot, (self.step_state, self.tail))
         self.step_state, self.tail = self.placement.put_state(carry)
         self._metrics = None
+        # A snapshot is taken before any opening of the next epoch (`open_epoch`), so the
+        # restored tail is the ending epoch's own: nothing is set aside any more.
+        self.ended = None
         self.stats["dispatches"] -= 1
 
     def metrics(self) -> dict[str, float]:
         """The accumulated metrics now (read once per dispatch, when first asked for)."""
         if self._metrics is None:
-            # Host read: a handler, or the end of the epoch, needs the live metrics.
-            self._metrics = self.reads.metrics_of(self.reads.get(self.tail["acc"]))
+            self._metrics = self._read(self.tail)  # a handler, or the epoch's end
         return self._metrics
+
+    def _read(self, tail: Any) -> dict[str, float]:
+        # Host read: the metrics of `tail`'s accumulators.
+        return self.reads.metrics_of(self.reads.get(tail["acc"]))
 
     @property
     def metrics_if_read(self) -> dict[str, float] | None:

@@ -207,7 +207,6 @@ class EpochLoop:
         if rollback is not None:
             self.carry.restore(rollback)
         if opened_ahead:
-            self.carry.ended = None
             self.close()
         elif rollback is not None:
             self.feed.unlaunch()

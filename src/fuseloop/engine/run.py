@@ -89,7 +89,6 @@ class Run:
         )
         self.epoch_loop: EpochLoop | None = None
         self.whole: WholeRun | None = None  # many epochs per dispatch (whole_run.py)
-        self.pulled_before_open: tuple[int, int] | None = None  # (epoch, its batches pulled)
         self.state = State(max_epoch=self.epochs, max_iteration=iterations, stats=self.stats)
 
     # ----------------------------------------------------------------- the run
@@ -310,12 +309,7 @@ class Run:
         """
         if not (self.resident or self.source.prefetch_safe) or not self._may_open(epoch):
             return None
-
-        def iterator() -> Any:
-            self.pulled_before_open = (epoch - 1, self.source.epoch_pulled)
-            return self.source.epoch_iterator(epoch)
-
-        return epoch, iterator, self.iterations
+        return epoch, lambda: self.source.epoch_iterator(epoch), self.iterations
 
     def _may_open(self, epoch: int) -> bool:
         """Whether `epoch` may open before the ending one is read (`EpochLoop.open_next`):
@@ -357,10 +351,10 @@ class Run:
         """A one-shot iterator that had nothing left for this epoch ends the run (as Keras
         does when its input runs out), with a warning naming the epoch.
         """
-        pulled = self.source.epoch_pulled
-        if self.pulled_before_open is not None and self.pulled_before_open[0] == epoch:
-            pulled = self.pulled_before_open[1]  # the next epoch opened ahead, on its own
-        if self.resident or pulled > 0:
+        # An epoch opens the next ahead of its last chunk's replay only if it stepped (the
+        # opening's iterator restarted the count of batches pulled).
+        opened_ahead = self._epoch_loop.opened_for(epoch + 1)
+        if self.resident or opened_ahead or self.source.epoch_pulled > 0:
             return False
         warnings.warn(
             f"data ran out at the start of epoch {epoch}: the run ends after {epoch} epochs "
