@@ -9,7 +9,12 @@ from typing import Any
 
 __all__ = ["SignalGuard"]
 
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_SIGNALS = (int(signal.SIGINT), int(signal.SIGTERM))
+# `signal.signal` converts its arguments and its result to and from enums, and converting
+# a Python handler back raises and catches an error inside: about 2.5 us a call, four calls
+# a run. `signal.signal` is a wrapper of the interpreter's own `_signal.signal`, which takes
+# and returns plain ints and handlers (the same installation, without the conversion).
+_install: Any = getattr(signal, "_signal", signal).signal
 _outermost: SignalGuard | None = None
 
 
@@ -43,12 +48,12 @@ class SignalGuard:
         _outermost = self
         if threading.current_thread() is threading.main_thread():
             for signum in _SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
+                self._previous[signum] = _install(signum, self._handle)
         return self
 
     def _restore(self) -> None:
         for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
+            _install(signum, previous)
         self._previous.clear()
 
     def __exit__(self, *exc: Any) -> None:
