@@ -114,10 +114,10 @@ def test_the_shared_epoch_counter_is_never_consumed() -> None:
     assert first.history == again.history and sorted(resumed.history) == [0, 1, 2]
 
 
-def test_the_trainer_init_in_small_programs_is_the_one_program_init() -> None:
-    """On a CPU the trainer init runs as programs of at most 8 outputs (engine/start.py);
-    every leaf is the one-program init's, bit for bit, for given and for fresh variables,
-    and a plan is made once per variables' signature."""
+def test_the_looped_trainer_init_is_the_plain_program_init() -> None:
+    """On a CPU a small trainer init runs as one program with its work in a loop of one
+    trip (engine/start.py); every leaf is the plain program's, bit for bit, for given and
+    for fresh variables, and the program is made once per variables' signature."""
     import jax
 
     from conftest import assert_tree_equal, make_batches, tiny_mlp, trainer
@@ -130,21 +130,19 @@ def test_the_trainer_init_in_small_programs_is_the_one_program_init() -> None:
     assert isinstance(init, InlineInit)  # the suite runs on a CPU
     variables = tiny_mlp().init(jax.random.PRNGKey(5), first[0])
     for given in (variables, None):
-        grouped = init(given)
-        whole = jax.jit(init.init)(given)
-        assert_tree_equal(grouped, whole, "initial step state")
-        _, n, programs = init.plans[
-            next(k for k in init.plans if k[0] == jax.tree.structure(given))
-        ]
-        assert n > InlineInit.GROUP and len(programs) == -(-n // InlineInit.GROUP)
-        assert all(len(indices) <= InlineInit.GROUP for indices, _ in programs)
-    plans = len(init.plans)
+        looped = init(given)
+        plain = jax.jit(init.init)(given)
+        assert_tree_equal(looped, plain, "initial step state")
+        (program,) = [p for k, (_, p) in init.programs.items() if k[0] == jax.tree.structure(given)]
+        assert "while" in program.lower(given, 1).as_text()
+    programs = len(init.programs)
     init(variables)
-    assert len(init.plans) == plans
+    assert len(init.programs) == programs
 
 
-def test_a_step_state_of_many_leaves_is_initialized_by_one_program() -> None:
-    import jax
+def test_a_large_step_state_is_initialized_by_the_plain_program(monkeypatch) -> None:
+    """Over `LOOP_BYTES` the init is the plain program (no loop): its copies may then use
+    XLA's threads."""
     import jax.numpy as jnp
 
     from fuseloop.engine.start import InlineInit
@@ -152,12 +150,13 @@ def test_a_step_state_of_many_leaves_is_initialized_by_one_program() -> None:
     def init(variables):
         return {f"w{i}": jnp.full((40,), i, jnp.float32) + variables for i in range(40)}
 
-    inline = InlineInit(init)
-    out = inline(jnp.float32(1.0))
-    ((_, n, programs),) = inline.plans.values()
-    assert n == 40 and len(programs) == 1
-    assert [float(out[f"w{i}"][0]) for i in range(40)] == [i + 1.0 for i in range(40)]
-    assert jax.tree.structure(out) == jax.tree.structure(init(jnp.float32(1.0)))
+    for limit, looped in ((40 * 40 * 4, True), (40 * 40 * 4 - 1, False)):
+        monkeypatch.setattr(InlineInit, "LOOP_BYTES", limit)
+        inline = InlineInit(init)
+        out = inline(jnp.float32(1.0))
+        ((_, program),) = inline.programs.values()
+        assert ("while" in program.lower(jnp.float32(1.0), 1).as_text()) is looped
+        assert [float(out[f"w{i}"][0]) for i in range(40)] == [i + 1.0 for i in range(40)]
 
 
 def test_seed_keys_are_the_split_of_the_seed() -> None:
@@ -171,3 +170,55 @@ def test_seed_keys_are_the_split_of_the_seed() -> None:
         init_key, dropout_key = _seed_keys(seed)
         assert init_key.tobytes() == expected[0].tobytes()
         assert dropout_key.tobytes() == expected[1].tobytes()
+
+
+def test_stack_chunk_lays_each_batch_in_its_slot() -> None:
+    """`stack_chunk` writes batches end to end (engine/feeds' one copy per leaf): the slots
+    are `np.stack`'s for strided views, scalar leaves and list leaves, zero-padded."""
+    import jax
+    import numpy as np
+
+    from fuseloop._fusion import stack_chunk
+
+    rng = np.random.default_rng(0)
+    strided = [(rng.normal(size=(6, 4)).astype(np.float32).T, np.int32(i)) for i in range(3)]
+    listed = [([1.0, 2.0], {"w": rng.normal(size=(2, 2))}) for _ in range(3)]
+    for batches in (strided, listed):
+        stacked = stack_chunk(batches, 5, 0)
+        for got, leaves in zip(
+            jax.tree.leaves(stacked), zip(*map(jax.tree.leaves, batches)), strict=True
+        ):
+            assert got.shape[0] == 5
+            np.testing.assert_array_equal(got[:3], np.stack([np.asarray(a) for a in leaves]))
+            assert not got[3:].any()
+
+
+def test_the_first_epoch_steps_on_the_accumulators_the_init_made() -> None:
+    """`Carry.start` takes the init's zeroed accumulators: the first epoch needs no
+    dispatch of its own for them; any advance, rollback or opening makes fresh ones."""
+    import numpy as np
+
+    from fuseloop.engine.carry import Carry
+
+    class Programs:
+        made = 0
+
+        def fresh_tail(self):
+            Programs.made += 1
+            return {"acc": np.zeros(())}
+
+    class Placement:
+        def put_state(self, tree):
+            return tree
+
+    carry = Carry(Placement(), Programs(), None, {"dispatches": 0})
+    zeros = {"acc": np.zeros(())}
+    carry.start({"w": np.ones(())}, zeros)
+    carry.reset_metrics()
+    assert carry.tail is zeros and Programs.made == 0 and carry.metrics_if_read == {}
+    carry.advance(lambda state, tail: (state, {"acc": tail["acc"] + 1}))
+    carry.reset_metrics()
+    assert Programs.made == 1 and carry.tail is not zeros
+    ended = carry.tail
+    carry.open_epoch()  # zeroed, yet the opened epoch gets its own
+    assert carry.ended is ended and carry.tail is not ended and Programs.made == 2

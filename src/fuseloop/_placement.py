@@ -14,7 +14,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._shards import assemble_global
 
-__all__ = ["Placement", "device_dtype", "device_signature"]
+__all__ = ["Placement", "device_dtype", "device_int", "device_signature"]
+
+_DEVICE_INTS: dict[tuple[int, Any], Any] = {}
 
 
 def device_dtype(leaf: Any) -> Any:
@@ -28,6 +30,18 @@ def device_signature(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], Any],
     """`(treedef, ((shape, device dtype), ...))`: what a compiled program specializes on."""
     leaves, treedef = jax.tree.flatten(tree)
     return treedef, tuple((np.shape(leaf), device_dtype(leaf)) for leaf in leaves)
+
+
+def device_int(value: int) -> Any:
+    """A device int32 scalar holding `value`, made once and shared: no program donates it,
+    and a transfer per run costs the host about 0.1-0.2 ms on a CPU (docs/design.md §6).
+    Allowed under any transfer guard (the library's own constant, not the caller's data).
+    """
+    key = (value, getattr(jax.config, "jax_default_device", None))  # where device_put puts
+    if key not in _DEVICE_INTS:
+        with jax.transfer_guard("allow"):
+            _DEVICE_INTS[key] = jax.device_put(np.int32(value))
+    return _DEVICE_INTS[key]
 
 
 class Placement:

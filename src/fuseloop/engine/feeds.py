@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._fusion import FusionError, stack_chunk
+from .._placement import device_int
 from .prefetch import ChunkProducer
 from .programs import MIN_SLOTS
 from .replay import ChunkResult
@@ -238,19 +239,11 @@ class ResidentFeed:
         self.cursor = self._before
 
 
-_COUNTERS: dict[tuple[int, Any], Any] = {}
-
-
 def epoch_counter(epoch: int) -> Any:
     """A device int32 scalar holding `epoch`: where a resident run's device epoch counter
-    starts. No program donates it, so one array serves every run that starts at `epoch`
-    (a transfer at a run's start costs the host about 0.1-0.2 ms on a CPU, measured in
-    docs/design.md §6).
+    starts. No program donates it, so one array serves every run that starts at `epoch`.
     """
-    key = (epoch, getattr(jax.config, "jax_default_device", None))  # where device_put puts
-    if key not in _COUNTERS:
-        _COUNTERS[key] = jax.device_put(np.int32(epoch))
-    return _COUNTERS[key]
+    return device_int(epoch)
 
 
 def place_dataset(source: Any, placement: Any, stats: dict[str, Any]) -> Any:

@@ -13,12 +13,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from .._placement import device_signature
+from .._placement import device_int, device_signature
+from .._step import init_tail
 from .population import population_init
 from .programs import Programs
 
-__all__ = ["InlineInit", "initial_step_state", "private_copy"]
+__all__ = ["InlineInit", "initial_carry", "private_copy"]
 
 
 @jax.jit
@@ -54,17 +56,19 @@ def _on_device(tree: Any) -> Any:
 
 
 def _trainer_init(programs: Programs, first: Any) -> Any:
-    """The cached jitted trainer init for batches shaped like `first`."""
+    """The cached jitted trainer init for batches shaped like `first`: `variables ->
+    (step state, the first epoch's zeroed accumulators)`, one dispatch for both."""
     treedef, spec = device_signature(first)
     cache = programs.cache.init
     if (treedef, spec) not in cache:
-        program = programs.loop.program
+        program, metrics, guard = programs.loop.program, programs.loop.metrics, programs.guard
 
         def init(variables: Any) -> Any:
             # Initialization depends on the batch's shapes, not its values; building zeros
             # inside the program avoids moving the first batch to the device twice.
             zeros = jax.tree.unflatten(treedef, [jnp.zeros(s, d) for s, d in spec])
-            return jax.tree.map(jnp.copy, program.init(zeros, variables))
+            step_state = jax.tree.map(jnp.copy, program.init(zeros, variables))
+            return step_state, init_tail(metrics, guard)
 
         counted = programs.counted(init)
         on_cpu = jax.default_backend() == "cpu"
@@ -73,67 +77,59 @@ def _trainer_init(programs: Programs, first: Any) -> Any:
 
 
 class InlineInit:
-    """The trainer init as a few programs of at most `GROUP` outputs each (on a CPU).
+    """The trainer init of a small step state as one program whose work sits in a loop of
+    one trip (on a CPU).
 
-    XLA:CPU runs a program of more than 8 independent operations on buffers over 512 bytes
-    on its thread pool, and the calling thread waits for the pool's workers; an init of a
-    small model's ~15 leaves (params, the optimizer's moments, the step, the key) cost the
-    host about 65 us that way, against about 23 us as two programs that each run inline on
-    the calling thread (docs/design.md §6). Each program computes the whole init and keeps
-    its own leaves (XLA drops the rest), so every leaf is computed as in one program. A
-    step state of more than `MAX_GROUPS * GROUP` leaves (a model large enough that its init
-    costs far more than the wait) is one program.
+    XLA:CPU runs a program with few flops on the calling thread, and one of more than 8
+    independent operations on buffers over 512 bytes is spread over its thread pool, the
+    caller waiting for the pool's workers: a small model's init (params, the optimizer's
+    moments, step, key: ~15 outputs) cost the host about 45-65 us that way. Inside a loop
+    the same operations run one after another on the calling thread, in one dispatch:
+    about 23 us (docs/design.md §6). The loop's trip count is a device scalar, so XLA
+    cannot see one trip and unroll it; its body is the whole init, so every value is the
+    plain program's. A step state over `LOOP_BYTES` (where copying on several threads
+    pays for the wait) is the plain program.
     """
 
-    GROUP, MAX_GROUPS = 8, 4
+    LOOP_BYTES = 512 * 1024
 
     def __init__(self, init: Any):
         self.init = init
-        self.plans: dict[Any, tuple[Any, int, list[tuple[list[int], Any]]]] = {}
+        self.programs: dict[Any, tuple[Any, Any]] = {}
 
     def __call__(self, variables: Any) -> Any:
         key = device_signature(variables)
-        if key not in self.plans:
-            self.plans[key] = self._plan(variables)
-        treedef, n, programs = self.plans[key]
-        leaves: list[Any] = [None] * n
-        for indices, program in programs:
-            for i, leaf in zip(indices, program(variables), strict=True):
-                leaves[i] = leaf
-        return jax.tree.unflatten(treedef, leaves)
+        if key not in self.programs:
+            self.programs[key] = self._program(variables)
+        treedef, program = self.programs[key]
+        return jax.tree.unflatten(treedef, program(variables, device_int(1)))
 
-    def _plan(self, variables: Any) -> tuple[Any, int, list[tuple[list[int], Any]]]:
+    def _program(self, variables: Any) -> tuple[Any, Any]:
         shapes, treedef = jax.tree.flatten(jax.eval_shape(self.init, variables))
-        n = len(shapes)
-        groups = -(-n // self.GROUP)
-        if groups <= 1 or groups > self.MAX_GROUPS:
-            whole = jax.jit(lambda v: jax.tree.leaves(self.init(v)))
-            return treedef, n, [(list(range(n)), whole)]
-        size = -(-n // groups)
-        return (
-            treedef,
-            n,
-            [
-                (indices, jax.jit(lambda v, keep=tuple(indices): _select(self.init(v), keep)))
-                for indices in (list(range(i, min(i + size, n))) for i in range(0, n, size))
-            ],
-        )
+        if sum(s.size * s.dtype.itemsize for s in shapes) > self.LOOP_BYTES:
+            return treedef, jax.jit(lambda v, _: jax.tree.leaves(self.init(v)))
+
+        def looped(v: Any, trips: Any) -> list[Any]:
+            empty = [jnp.zeros(s.shape, s.dtype) for s in shapes]
+            return lax.fori_loop(0, trips, lambda _, __: jax.tree.leaves(self.init(v)), empty)
+
+        return treedef, jax.jit(looped)
 
 
-def _select(tree: Any, keep: tuple[int, ...]) -> list[Any]:
-    leaves = jax.tree.leaves(tree)
-    return [leaves[i] for i in keep]
-
-
-def initial_step_state(programs: Programs, user_state: Any, first: Any, resuming: bool) -> Any:
-    """The step state the run starts from (never aliasing the caller's arrays)."""
+def initial_carry(
+    programs: Programs, user_state: Any, first: Any, resuming: bool
+) -> tuple[Any, Any]:
+    """`(step state, accumulators)` the run starts from (the step state never aliases the
+    caller's arrays). The accumulators are None unless the trainer's init made them.
+    """
     program = programs.loop.program
     if program.kind == "evaluator":  # not donated: the caller's params are only read
-        return program.init(first, user_state)
+        return program.init(first, user_state), None
     if resuming:
-        return private_copy(user_state)
+        return private_copy(user_state), None
     if programs.population is not None:  # every member from the same variables, or its own
-        return population_init(programs, programs.population, first, user_state)
+        return population_init(programs, programs.population, first, user_state), None
     if program.kind == "trainer":
-        return _trainer_init(programs, first)(_on_device(user_state))
-    return private_copy(program.init(first, user_state))
+        step_state, tail = _trainer_init(programs, first)(_on_device(user_state))
+        return step_state, tail
+    return private_copy(program.init(first, user_state)), None
