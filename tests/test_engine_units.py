@@ -192,33 +192,3 @@ def test_stack_chunk_lays_each_batch_in_its_slot() -> None:
             np.testing.assert_array_equal(got[:3], np.stack([np.asarray(a) for a in leaves]))
             assert not got[3:].any()
 
-
-def test_the_first_epoch_steps_on_the_accumulators_the_init_made() -> None:
-    """`Carry.start` takes the init's zeroed accumulators: the first epoch needs no
-    dispatch of its own for them; any advance, rollback or opening makes fresh ones."""
-    import numpy as np
-
-    from fuseloop.engine.carry import Carry
-
-    class Programs:
-        made = 0
-
-        def fresh_tail(self):
-            Programs.made += 1
-            return {"acc": np.zeros(())}
-
-    class Placement:
-        def put_state(self, tree):
-            return tree
-
-    carry = Carry(Placement(), Programs(), None, {"dispatches": 0})
-    zeros = {"acc": np.zeros(())}
-    carry.start({"w": np.ones(())}, zeros)
-    carry.reset_metrics()
-    assert carry.tail is zeros and Programs.made == 0 and carry.metrics_if_read == {}
-    carry.advance(lambda state, tail: (state, {"acc": tail["acc"] + 1}))
-    carry.reset_metrics()
-    assert Programs.made == 1 and carry.tail is not zeros
-    ended = carry.tail
-    carry.open_epoch()  # zeroed, yet the opened epoch gets its own
-    assert carry.ended is ended and carry.tail is not ended and Programs.made == 2

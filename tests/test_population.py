@@ -124,13 +124,13 @@ def test_member_matches_solo_run_with_its_seed(digits):
 def test_population_init_is_bitwise_the_solo_init():
     from fuseloop.engine.population import Population, population_init
     from fuseloop.engine.programs import Programs
-    from fuseloop.engine.start import initial_carry
+    from fuseloop.engine.start import initial_step_state
 
     x, y = _tiny(8)
     members = Population(3, (4, 5, 6))
     pop = population_init(Programs(_trainer(4), members), members, (x, y), None)
     for i in range(3):
-        solo, _ = initial_carry(Programs(_trainer(4 + i)), None, (x, y), False)
+        solo = initial_step_state(Programs(_trainer(4 + i)), None, (x, y), False)
         assert tree_equal(jax.tree.map(lambda a, i=i: a[i], pop), solo)
 
 

@@ -27,35 +27,22 @@ class Carry:
         self._metrics: dict[str, float] | None = None
         self._queued = 0
         self.ended: Any = None  # the ending epoch's accumulators, once the next one opened
-        self._zeroed = False  # the accumulators are zero: nothing advanced since they were made
 
-    def start(self, step_state: Any, tail: Any = None) -> None:
-        """Takes the initial step state, and the first epoch's zeroed accumulators if the
-        init made them in the same dispatch (else `reset_metrics` makes them)."""
+    def start(self, step_state: Any) -> None:
         self.step_state = self.placement.put_state(step_state)
-        if tail is not None:
-            self._set_zeroed(tail)
 
     def reset_metrics(self) -> None:
-        """Zeroed accumulators for the next epoch (a population keeps its stopped members)."""
-        if self._zeroed:
-            return  # still the zeroed ones: no dispatch
         tail = self.programs.fresh_tail()
         if self.tail is not None and "active" in self.tail:
             tail = {**tail, "active": self.tail["active"]}  # a population's stopped members
-        self._set_zeroed(tail)
-
-    def _set_zeroed(self, tail: Any) -> None:
         self.tail = self.placement.put_state(tail)
         self._metrics = {}
-        self._zeroed = True
 
     def open_epoch(self) -> None:
         """The next epoch starts before the ending one's metrics are read: its accumulators
         are kept for `epoch_metrics`, and the next epoch steps on fresh ones.
         """
         self.ended = self.tail
-        self._zeroed = False  # the ended ones are kept: the next epoch needs its own
         self.reset_metrics()
 
     def epoch_metrics(self) -> dict[str, float]:
@@ -70,7 +57,6 @@ class Carry:
         from .population import deactivate
 
         self.tail = deactivate(self.tail, stopped)
-        self._zeroed = False
 
     def adopt(self, step_state: Any) -> None:
         """Takes a step state a handler returned; it is copied, since the next step donates
@@ -86,7 +72,6 @@ class Carry:
         out = program(self.step_state, self.tail, *args)
         self.step_state, self.tail = out[0], out[1]
         self._metrics = None
-        self._zeroed = False
         self._queued += 1
         self.stats["dispatches"] += 1
         return out[2:]
@@ -112,7 +97,6 @@ class Carry:
         carry = self.programs.unpack(snapshot, (self.step_state, self.tail))
         self.step_state, self.tail = self.placement.put_state(carry)
         self._metrics = None
-        self._zeroed = False
         # A snapshot is taken before any opening of the next epoch (`open_epoch`), so the
         # restored tail is the ending epoch's own: nothing is set aside any more.
         self.ended = None

@@ -31,7 +31,7 @@ from .population import first_member, resolve_population
 from .population_run import PopulationHost
 from .programs import Programs
 from .signals import SignalGuard
-from .start import initial_carry
+from .start import initial_step_state
 from .whole_run import WholeRun
 
 __all__ = ["Run"]
@@ -96,12 +96,12 @@ class Run:
         try:
             self._resume()
             first = self._first_batch()
-            step_state, tail = initial_carry(
+            step_state = initial_step_state(
                 self.programs, self.user_state, first, resuming=isinstance(self.init_state, State)
             )
             self.checker.variables(step_state if self.members is None else first_member(step_state))
             self._agree_across_processes(first, step_state)
-            self.carry.start(step_state, tail)
+            self.carry.start(step_state)
             if self.members is not None:
                 self.state = self.members.start(self.state)
             feed = self._feed(step_state, first)

@@ -16,11 +16,10 @@ import numpy as np
 from jax import lax
 
 from .._placement import device_int, device_signature
-from .._step import init_tail
 from .population import population_init
 from .programs import Programs
 
-__all__ = ["InlineInit", "initial_carry", "private_copy"]
+__all__ = ["InlineInit", "initial_step_state", "private_copy"]
 
 
 @jax.jit
@@ -56,19 +55,17 @@ def _on_device(tree: Any) -> Any:
 
 
 def _trainer_init(programs: Programs, first: Any) -> Any:
-    """The cached jitted trainer init for batches shaped like `first`: `variables ->
-    (step state, the first epoch's zeroed accumulators)`, one dispatch for both."""
+    """The cached jitted trainer init for batches shaped like `first`."""
     treedef, spec = device_signature(first)
     cache = programs.cache.init
     if (treedef, spec) not in cache:
-        program, metrics, guard = programs.loop.program, programs.loop.metrics, programs.guard
+        program = programs.loop.program
 
         def init(variables: Any) -> Any:
             # Initialization depends on the batch's shapes, not its values; building zeros
             # inside the program avoids moving the first batch to the device twice.
             zeros = jax.tree.unflatten(treedef, [jnp.zeros(s, d) for s, d in spec])
-            step_state = jax.tree.map(jnp.copy, program.init(zeros, variables))
-            return step_state, init_tail(metrics, guard)
+            return jax.tree.map(jnp.copy, program.init(zeros, variables))
 
         counted = programs.counted(init)
         on_cpu = jax.default_backend() == "cpu"
@@ -91,7 +88,7 @@ class InlineInit:
     pays for the wait) is the plain program.
     """
 
-    LOOP_BYTES = 512 * 1024
+    LOOP_BYTES = 256 * 1024
 
     def __init__(self, init: Any):
         self.init = init
@@ -116,20 +113,15 @@ class InlineInit:
         return treedef, jax.jit(looped)
 
 
-def initial_carry(
-    programs: Programs, user_state: Any, first: Any, resuming: bool
-) -> tuple[Any, Any]:
-    """`(step state, accumulators)` the run starts from (the step state never aliases the
-    caller's arrays). The accumulators are None unless the trainer's init made them.
-    """
+def initial_step_state(programs: Programs, user_state: Any, first: Any, resuming: bool) -> Any:
+    """The step state the run starts from (never aliasing the caller's arrays)."""
     program = programs.loop.program
     if program.kind == "evaluator":  # not donated: the caller's params are only read
-        return program.init(first, user_state), None
+        return program.init(first, user_state)
     if resuming:
-        return private_copy(user_state), None
+        return private_copy(user_state)
     if programs.population is not None:  # every member from the same variables, or its own
-        return population_init(programs, programs.population, first, user_state), None
+        return population_init(programs, programs.population, first, user_state)
     if program.kind == "trainer":
-        step_state, tail = _trainer_init(programs, first)(_on_device(user_state))
-        return step_state, tail
-    return private_copy(program.init(first, user_state)), None
+        return _trainer_init(programs, first)(_on_device(user_state))
+    return private_copy(program.init(first, user_state))
