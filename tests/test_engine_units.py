@@ -186,9 +186,8 @@ def test_stack_chunk_lays_each_batch_in_its_slot() -> None:
     for batches in (strided, listed):
         stacked = stack_chunk(batches, 5, 0)
         for got, leaves in zip(
-            jax.tree.leaves(stacked), zip(*map(jax.tree.leaves, batches)), strict=True
+            jax.tree.leaves(stacked), zip(*map(jax.tree.leaves, batches), strict=True), strict=True
         ):
             assert got.shape[0] == 5
             np.testing.assert_array_equal(got[:3], np.stack([np.asarray(a) for a in leaves]))
             assert not got[3:].any()
-
