@@ -191,3 +191,20 @@ def test_stack_chunk_lays_each_batch_in_its_slot() -> None:
             assert got.shape[0] == 5
             np.testing.assert_array_equal(got[:3], np.stack([np.asarray(a) for a in leaves]))
             assert not got[3:].any()
+
+
+def test_labels_below_reads_signed_labels_as_unsigned() -> None:
+    """One reduction decides the range check (a negative label, read as unsigned, is above
+    any class count) for every integer width, strided labels and floats alike."""
+    import numpy as np
+
+    from fuseloop._batch_checks import labels_below
+
+    for dtype in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint32, np.float32):
+        labels = (np.arange(40, dtype=dtype).reshape(4, 10) % 7)[:, ::2]
+        top = int(labels.max())
+        assert labels_below(labels, top + 1) and not labels_below(labels, top)
+        if np.dtype(dtype).kind != "u":
+            negative = labels.copy()
+            negative[1, 1] = -1
+            assert not labels_below(negative, 100)

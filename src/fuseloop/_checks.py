@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._batch_checks import check_pair_sizes, check_python_lists, labels_below
 from ._fusion import FusionError
 from ._model_fit import SPARSE, ModelFit, abstract, check_step_keeps_state
 from ._step import require_pair
@@ -39,46 +40,6 @@ def _leaf_signature(leaf: Any) -> tuple[Any, Any]:
     if shape is not None and hasattr(leaf, "dtype"):
         return tuple(shape), leaf.dtype
     return (), type(leaf).__name__
-
-
-def _is_scalar_list(value: Any) -> bool:
-    leaves = jax.tree.leaves(value)
-    # The source turns Python numbers into 0-d arrays; neither has a batch axis.
-    return (
-        isinstance(value, (list, tuple))
-        and bool(leaves)
-        and all(np.ndim(leaf) == 0 for leaf in leaves)
-    )
-
-
-def _check_python_lists(batch: Any, where: str) -> None:
-    """x or y given as (nested) Python lists of numbers: one error, not one per number."""
-    for name, part in zip(("x", "y"), batch, strict=True):
-        if _is_scalar_list(part):
-            count = len(jax.tree.leaves(part))
-            raise ValueError(
-                f"data: {where}: {name} is a Python {type(part).__name__} of {count} numbers, "
-                f"but x and y must be arrays with the examples on axis 0. Convert them, e.g. "
-                f"np.asarray({name}, np.float32) (integer labels: np.int32), or pass "
-                f"fl.data.arrays(x, y, batch_size=...)"
-            )
-
-
-def _leading_sizes(tree: Any) -> list[int]:
-    return [int(np.shape(leaf)[0]) for leaf in jax.tree.leaves(tree) if np.ndim(leaf) >= 1]
-
-
-def _check_pair_sizes(batch: Any, where: str) -> None:
-    """x and y of one batch hold the same number of examples."""
-    x_sizes, y_sizes = _leading_sizes(batch[0]), _leading_sizes(batch[1])
-    if not x_sizes or not y_sizes:
-        return
-    bad = [size for size in y_sizes if size != x_sizes[0]]
-    if bad:
-        raise ValueError(
-            f"data: {where}: x holds {x_sizes[0]} examples but y holds {bad[0]}; x and y of a "
-            f"batch must have the same size along axis 0 (one target per example)"
-        )
 
 
 class Checker:
@@ -110,19 +71,21 @@ class Checker:
         expected = tuple(_leaf_signature(leaf) for leaf in leaves)
         # What depends on the batch's structure, shapes and types alone is checked once per
         # signature (a later run of the same data pays a lookup); labels are values.
-        names = self.cache.get(("first_batch", treedef, expected))
-        if names is None:
+        known = self.cache.get(("first_batch", treedef, expected))
+        if known is None:
             if self.pairs:
                 require_pair(batch, "the run's first batch")
-                _check_python_lists(batch, "the run's first batch")
-                _check_pair_sizes(batch, "the run's first batch")
+                check_python_lists(batch, "the run's first batch")
+                check_pair_sizes(batch, "the run's first batch")
             paths = jax.tree_util.tree_flatten_with_path(batch)[0]
             names = tuple(self._leaf_name(path) for path, _ in paths)
-            self.cache[("first_batch", treedef, expected)] = names
-        self.first_batch, self.treedef, self.names = batch, treedef, names
+            any_float64 = any(dtype == np.float64 for _, dtype in expected)
+            self.cache[("first_batch", treedef, expected)] = known = (names, any_float64)
+        self.first_batch, self.treedef, (self.names, any_float64) = batch, treedef, known
         self.expected = expected
         self.accepted = {self.expected}
-        self._warn_float64(leaves)
+        if any_float64:  # only then are the leaves looked at
+            self._warn_float64(leaves)
         if self.pairs:
             key = ("checked_model", self.treedef, self.expected)
             if key in self.cache:
@@ -165,7 +128,7 @@ class Checker:
         if not isinstance(labels, np.ndarray) or labels.size == 0:
             return
         live = labels[:n]
-        if live.min() >= 0 and live.max() < self.fit.classes:
+        if labels_below(live, self.fit.classes):
             return
         bad = ((live < 0) | (live >= self.fit.classes)).reshape(n, -1).any(axis=1)
         slot = int(np.argmax(bad))
@@ -200,8 +163,8 @@ class Checker:
         if self.pairs:  # the same errors fused and unfused: checked before any fusion error
             at = f"the batch at epoch {epoch}, iteration {iteration}"
             require_pair(batch, at)
-            _check_python_lists(batch, at)
-            _check_pair_sizes(batch, at)
+            check_python_lists(batch, at)
+            check_pair_sizes(batch, at)
         if treedef != self.treedef:
             raise error(
                 f"{where} has structure {treedef}, but the run's first batch has "
@@ -383,9 +346,9 @@ class Checker:
         labels = batch[1]
         if not isinstance(labels, np.ndarray) or labels.size == 0:
             return
-        low, high = labels.min(), labels.max()
-        if low >= 0 and high < self.fit.classes:
+        if labels_below(labels, self.fit.classes):
             return
+        low, high = labels.min(), labels.max()
         bad = low if low < 0 else high
         raise ValueError(
             f"data: {where}: y holds the label {bad}, out of range for {SPARSE} with a model "

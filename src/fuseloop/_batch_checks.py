@@ -1,0 +1,59 @@
+"""Checks of one batch's form: Python lists where arrays belong, x and y of different
+sizes, and sparse labels out of range (used by `_checks.Checker`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["check_pair_sizes", "check_python_lists", "labels_below"]
+
+
+def _is_scalar_list(value: Any) -> bool:
+    leaves = jax.tree.leaves(value)
+    # The source turns Python numbers into 0-d arrays; neither has a batch axis.
+    return (
+        isinstance(value, (list, tuple))
+        and bool(leaves)
+        and all(np.ndim(leaf) == 0 for leaf in leaves)
+    )
+
+
+def check_python_lists(batch: Any, where: str) -> None:
+    """x or y given as (nested) Python lists of numbers: one error, not one per number."""
+    for name, part in zip(("x", "y"), batch, strict=True):
+        if _is_scalar_list(part):
+            count = len(jax.tree.leaves(part))
+            raise ValueError(
+                f"data: {where}: {name} is a Python {type(part).__name__} of {count} numbers, "
+                f"but x and y must be arrays with the examples on axis 0. Convert them, e.g. "
+                f"np.asarray({name}, np.float32) (integer labels: np.int32), or pass "
+                f"fl.data.arrays(x, y, batch_size=...)"
+            )
+
+
+def _leading_sizes(tree: Any) -> list[int]:
+    return [int(np.shape(leaf)[0]) for leaf in jax.tree.leaves(tree) if np.ndim(leaf) >= 1]
+
+
+def check_pair_sizes(batch: Any, where: str) -> None:
+    """x and y of one batch hold the same number of examples."""
+    x_sizes, y_sizes = _leading_sizes(batch[0]), _leading_sizes(batch[1])
+    if not x_sizes or not y_sizes:
+        return
+    bad = [size for size in y_sizes if size != x_sizes[0]]
+    if bad:
+        raise ValueError(
+            f"data: {where}: x holds {x_sizes[0]} examples but y holds {bad[0]}; x and y of a "
+            f"batch must have the same size along axis 0 (one target per example)"
+        )
+
+
+def labels_below(labels: np.ndarray, classes: int) -> bool:
+    """Whether every label is in [0, classes). Signed integers are read as unsigned, where
+    a negative one is above any class count: one reduction instead of a min and a max."""
+    if labels.dtype.kind == "i":
+        return bool(labels.view(labels.dtype.str.replace("i", "u")).max() < classes)
+    return bool(labels.min() >= 0 and labels.max() < classes)
