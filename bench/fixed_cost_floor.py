@@ -1,0 +1,88 @@
+"""How much of a one-epoch run's fixed cost is the engine's (mlp-tiny, host-fed, fuse=32).
+
+Times, interleaved in one process, medians over rounds:
+
+  * `run(epochs=1)` through the public API;
+  * the least such a run must do, with fuseloop's own compiled programs and no engine
+    around them: the trainer's init, zeroed accumulators, then for each chunk of 32
+    batches the stacking and the launch, and the final read of the accumulators;
+  * a steady epoch (the median epoch of a 6-epoch run, its first excluded).
+
+`run1 - steady` is the fixed cost `bench/engine_costs.py` reports; `least - steady` is
+what remains of it without the engine's bookkeeping (checks, events, replay, State):
+starting the device on a run's first chunk and waiting for its last one.
+This script reaches into private modules on purpose (it measures the engine against
+its own parts); `bench/engine_costs.py` uses the public API only.
+
+Run: python bench/fixed_cost_floor.py [--rounds 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+import fuseloop as fl
+from fuseloop._fusion import stack_chunk
+from fuseloop.engine.programs import Programs
+
+INPUTS, WIDTHS, BATCH, N_BATCHES, K = 24, (32, 10), 32, 100, 32
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=300)
+    rounds = parser.parse_args().rounds
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N_BATCHES * BATCH, INPUTS)).astype(np.float32)
+    y = rng.integers(0, WIDTHS[-1], N_BATCHES * BATCH).astype(np.int32)
+    rows = [slice(i * BATCH, (i + 1) * BATCH) for i in range(N_BATCHES)]
+    batches = [(x[r], y[r]) for r in rows]
+    model = fl.models.mlp(list(WIDTHS))
+    variables = model.init(jax.random.PRNGKey(0), x[:BATCH])
+    loop = fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-3))
+    loop.run(batches, variables, fuse=K)  # compiles every program the two sides use
+    programs = Programs(loop)
+    (init,) = programs.cache.init.values()
+    chunk = programs.chunk()
+
+    def least() -> Any:
+        state, tail = init(variables), programs.fresh_tail()
+        for first in range(0, N_BATCHES, K):
+            part = batches[first : first + K]
+            stacked = stack_chunk(part, K, first)
+            state, tail, _, _ = chunk(state, tail, stacked, np.int32(len(part)))
+        np.asarray(tail["acc"]["loss"]["sum"])  # the final read
+        return state
+
+    def wall(fn: Callable[[], Any]) -> float:
+        began = time.perf_counter()
+        jax.block_until_ready(fn())
+        return time.perf_counter() - began
+
+    def steady() -> float:
+        times = loop.run(batches, variables, fuse=K, epochs=6).times
+        return statistics.median(times[e] for e in range(1, 6))
+
+    got: dict[str, list[float]] = {"run1": [], "least": [], "steady": []}
+    for _ in range(rounds):
+        got["run1"].append(wall(lambda: loop.run(batches, variables, fuse=K).step_state))
+        got["least"].append(wall(least))
+        got["steady"].append(steady())
+    median = {name: statistics.median(values) * 1e3 for name, values in got.items()}
+    for name, value in median.items():
+        print(f"{name:8s} {value:7.3f} ms")
+    for name in ("run1", "least"):
+        paired = [a - b for a, b in zip(got[name], got["steady"], strict=True)]
+        print(f"{name} - steady: {statistics.median(paired):.3f} ms (paired per round)")
+
+
+if __name__ == "__main__":
+    main()
