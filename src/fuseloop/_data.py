@@ -11,6 +11,7 @@ Kinds of data:
 from __future__ import annotations
 
 import collections.abc
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -82,6 +83,21 @@ class Source:
         Leaves that are neither numpy nor jax arrays (torch tensors from a DataLoader's
         default collate, Python lists) are converted with `np.asarray`.
         """
+        if type(iterator) in _PLAIN_ITERATORS:
+            # Over a list or a tuple nothing can raise: one slice, not a call per batch
+            # (the host's time per batch counts at every chunk).
+            batches = list(itertools.islice(iterator, count))
+            self.pulled += len(batches)
+            self.epoch_pulled += len(batches)
+        else:
+            batches = self._pull_each(iterator, count)
+        if batches and self._convert is None:
+            self._convert = not all(map(_is_array, jax.tree.leaves(batches[0])))
+        if self._convert:
+            return [jax.tree.map(_as_array, batch) for batch in batches]
+        return batches
+
+    def _pull_each(self, iterator: Iterator[Any], count: int) -> list[Any]:
         batches = []
         for _ in range(count):
             try:
@@ -94,9 +110,7 @@ class Source:
                     f"{self.epoch}, iteration {self.epoch_pulled}"
                 )
                 raise
-            if self._convert is None:
-                self._convert = not all(map(_is_array, jax.tree.leaves(batch)))
-            batches.append(jax.tree.map(_as_array, batch) if self._convert else batch)
+            batches.append(batch)
             self.pulled += 1
             self.epoch_pulled += 1
         return batches
@@ -109,6 +123,9 @@ class Source:
             if close is not None:
                 close()
         self._open.clear()
+
+
+_PLAIN_ITERATORS = (type(iter([])), type(iter(())))
 
 
 def _is_array(leaf: Any) -> bool:
