@@ -125,7 +125,7 @@ class Source:
         self._open.clear()
 
 
-_PLAIN_ITERATORS = (type(iter([])), type(iter(())))
+_PLAIN_ITERATORS: tuple[type, ...] = (type(iter([])), type(iter(())))
 
 
 def _is_array(leaf: Any) -> bool:
