@@ -351,3 +351,18 @@ def test_chunks_beyond_the_epoch_reuse_their_program_across_run_lengths():
     loop.run(_data(), epochs=2, fuse=2 * BATCHES + 3)
     again = loop.run(_data(), epochs=5, fuse=2 * BATCHES + 3)
     assert again.stats["compiles"] == 0
+
+
+def test_the_plateaus_rate_read_is_a_counted_host_read():
+    """The learning rate a plateau starts each dispatch from is read through the run's
+    `HostReads` (one counted read per dispatch), like every other host read."""
+    vx, vy = _xy(seed=5, n=48)
+    model = fl.models.mlp([8, 3])
+    val = fl.data.arrays(vx, vy, batch_size=16, device=True)
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.3)
+    base = fl.trainer(model, "sparse_categorical_cross_entropy", tx).validate(model, val)
+    plain = base.run(_data(), epochs=6, fuse="run")
+    plateau = base.reduce_lr_on_plateau("validation_loss", factor=0.5, patience=1)
+    with_rate = plateau.run(_data(), epochs=6, fuse="run")
+    assert plain.stats["dispatches"] == with_rate.stats["dispatches"] == 1
+    assert with_rate.stats["host_syncs"] == plain.stats["host_syncs"] + 1

@@ -360,15 +360,16 @@ def monitor_start(work: DeviceWork, state: Any) -> dict[str, Any]:
     return out
 
 
-def rate_table(work: DeviceWork, step_state: Any, epochs: int) -> tuple[Any, Any]:
+def rate_table(work: DeviceWork, step_state: Any, epochs: int, reads: Any) -> tuple[Any, Any]:
     """The learning rates after 0, 1, ... `epochs` reductions, each computed from the last
-    on the host exactly as the host handler computes it, and whether each is at `min_lr`.
+    on the host exactly as the host handler computes it, and whether each is at `min_lr`
+    (`reads`: the run's `HostReads`).
     """
     w = work.plateau
     if w is None:
         return np.zeros(1, np.float32), np.zeros(1, np.bool_)
     # Host read: the current learning rate, once per dispatch (a scalar).
-    rate = np.asarray(jax.device_get(_rates(step_state)[0]))
+    rate = np.asarray(reads.get(_rates(step_state)[0]))
     rates = [rate]
     for _ in range(epochs):
         rates.append(w.handler.next_rate(rates[-1]))

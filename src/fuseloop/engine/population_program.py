@@ -29,7 +29,7 @@ from .._step import make_carry_step
 from .device_monitors import DeviceWork, Validation, epoch_end_fn, validation_loop
 from .population import member_carry_step, member_chunk, population_tail
 from .programs import MIN_SLOTS, _epoch_order, _source_key, pack_leaves
-from .whole_program import _put, _rows, host_outputs
+from .whole_program import host_outputs, put_at, slot_rows
 
 __all__ = ["population_whole_program"]
 
@@ -87,7 +87,7 @@ def _build(
         )[2]
         out = _buffers(segments, slots, tail, shapes, record)
         body = programs.resident_loop(data)  # each step gathers its batch
-        parts = (body, _rows(slots), boundary, epoch_end)
+        parts = (body, slot_rows(slots), boundary, epoch_end)
         step = _segment_step(parts, inputs, shapes, limit, size, record)
         zero = jnp.zeros((), jnp.int32)
         carry = (zero, steps, state, tail, order, epoch, cursor, out, extra)
@@ -141,7 +141,7 @@ def _segment_step(
         }
         if record:
             segment["records"] = records
-        out = _put(out, {**epoch_out, **segment}, s)
+        out = put_at(out, {**epoch_out, **segment}, s)
         tail = {**tail, "active": still}
         return s + 1, remaining - n_run, state, tail, order, epoch, cursor + n_run, out, extra
 

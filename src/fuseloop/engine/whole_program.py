@@ -27,7 +27,7 @@ from .._step import init_tail
 from .device_monitors import epoch_end_fn
 from .programs import MIN_SLOTS, _epoch_order, _source_key, pack_leaves
 
-__all__ = ["whole_run_program", "segments_for", "host_outputs"]
+__all__ = ["whole_run_program", "segments_for", "host_outputs", "slot_rows", "put_at"]
 
 
 def segments_for(cursor: int, steps: int, limit: int) -> list[tuple[int, int]]:
@@ -106,7 +106,7 @@ def _build(
         out = _buffers(segments, slots, tail["acc"], shapes, record)
         epoch_end = _epoch_end(end_work, inputs, shapes)
         body = programs.resident_loop(data, sharding)  # each step gathers its batch
-        step = _segment_step(body, _rows(slots), boundary, epoch_end, limit, guard, record)
+        step = _segment_step(body, slot_rows(slots), boundary, epoch_end, limit, guard, record)
 
         zero = jnp.zeros((), jnp.int32)
         stopped = jnp.zeros((), jnp.bool_)
@@ -168,7 +168,7 @@ def _segment_step(
         segment = {"final": tail["acc"], "n_run": n_run, "nonfinite": flag}
         if record:
             segment["records"] = records
-        out = _put(out, {**epoch_out, **segment}, s)
+        out = put_at(out, {**epoch_out, **segment}, s)
         # The dispatch ends after an early stop, or when the kept best states are full.
         stopped = epoch_out["stop"] | extra.get("flush", False)
         cursor = cursor + n_run
@@ -177,7 +177,9 @@ def _segment_step(
     return step
 
 
-def _rows(slots: int) -> Callable[..., Any]:
+def slot_rows(slots: int) -> Callable[..., Any]:
+    """`(order, cursor) -> rows`: the dataset rows of the `slots` batches from `cursor`."""
+
     def rows(order: Any, cursor: Any) -> Any:
         # Slots past the epoch's end take clamped (valid) rows; they are never stepped.
         return order[jnp.minimum(cursor + jnp.arange(slots), order.shape[0] - 1)]
@@ -229,5 +231,6 @@ def _going(segments: int, guard: bool) -> Callable[[tuple[Any, ...]], Any]:
     return cond
 
 
-def _put(buffer: Any, value: Any, s: Any) -> Any:
+def put_at(buffer: Any, value: Any, s: Any) -> Any:
+    """`buffer` (a tree of arrays with a leading axis) with `value` written at index `s`."""
     return jax.tree.map(lambda b, v: lax.dynamic_update_index_in_dim(b, v, s, 0), buffer, value)

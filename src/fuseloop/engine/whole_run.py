@@ -173,7 +173,7 @@ class WholeRun:
         run = self.run
         steps = self._steps(epoch, cursor)
         segments = segments_for(cursor, steps, self.limit)
-        self.rates = rate_table(self.work, run.carry.step_state, len(segments))
+        self.rates = rate_table(self.work, run.carry.step_state, len(segments), run.reads)
         self.reductions = 0  # the device's rate reductions replayed so far
         program = whole_run_program(
             run.programs,
