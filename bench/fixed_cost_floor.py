@@ -54,7 +54,7 @@ def main() -> None:
     chunk = programs.chunk()
 
     def least() -> Any:
-        state, tail = init(variables), programs.fresh_tail()
+        (state, _), tail = init(variables), programs.fresh_tail()
         for first in range(0, N_BATCHES, K):
             part = batches[first : first + K]
             stacked = stack_chunk(part, K, first)

@@ -130,10 +130,13 @@ def test_the_looped_trainer_init_is_the_plain_program_init() -> None:
     assert isinstance(init, InlineInit)  # the suite runs on a CPU
     variables = tiny_mlp().init(jax.random.PRNGKey(5), first[0])
     for given in (variables, None):
-        looped = init(given)
+        looped, signature = init(given)
         plain = jax.jit(init.init)(given)
+        leaves, treedef = jax.tree.flatten(looped)
+        assert signature == (treedef, tuple((a.shape, a.dtype) for a in leaves))
         assert_tree_equal(looped, plain, "initial step state")
-        (program,) = [p for k, (_, p) in init.programs.items() if k[0] == jax.tree.structure(given)]
+        structure = jax.tree.structure(given)
+        (program,) = [p for k, (_, _, p) in init.programs.items() if k[0] == structure]
         assert "while" in program.lower(given, 1).as_text()
     programs = len(init.programs)
     init(variables)
@@ -153,8 +156,8 @@ def test_a_large_step_state_is_initialized_by_the_plain_program(monkeypatch) -> 
     for limit, looped in ((40 * 40 * 4, True), (40 * 40 * 4 - 1, False)):
         monkeypatch.setattr(InlineInit, "LOOP_BYTES", limit)
         inline = InlineInit(init)
-        out = inline(jnp.float32(1.0))
-        ((_, program),) = inline.programs.values()
+        out, _ = inline(jnp.float32(1.0))
+        ((_, _, program),) = inline.programs.values()
         assert ("while" in program.lower(jnp.float32(1.0), 1).as_text()) is looped
         assert [float(out[f"w{i}"][0]) for i in range(40)] == [i + 1.0 for i in range(40)]
 

@@ -291,25 +291,25 @@ class Checker:
         self._check_labels((None, labels()), "the dataset (fl.data.arrays)")
 
     # ----------------------------------------------------------------- model fit
-    def variables(self, step_state: Any) -> None:
+    def variables(self, step_state: Any, signature: Any = None) -> None:
         """Called once with the initial step state, before anything compiles.
 
         `first` checks x against a freshly initialized model; an evaluator, or a trainer
         given trained variables, runs with the caller's variables instead, so x is checked
         against those here. Then one step is evaluated abstractly: it must return a step
         state of the same structure, dtypes and shapes (fused and unfused alike).
+        `signature`: the step state's `(treedef, ((shape, dtype), ...))` where the program
+        that made it knows it (the trainer's init), so the state is not walked again.
         """
-        leaves, treedef = jax.tree.flatten(step_state)
-        try:
-            key = (
-                "checked_step",
-                self.treedef,
-                self.expected,
-                treedef,
-                tuple(_shape_and_dtype(leaf) for leaf in leaves),
-            )
-        except TypeError:  # a non-array leaf: the run itself reports what is wrong
-            key = None
+        if signature is None:
+            leaves, treedef = jax.tree.flatten(step_state)
+            try:
+                signature = treedef, tuple(_shape_and_dtype(leaf) for leaf in leaves)
+            except TypeError:  # a non-array leaf: the run itself reports what is wrong
+                signature = None
+        key = (
+            None if signature is None else ("checked_step", self.treedef, self.expected, *signature)
+        )
         if key is not None and key in self.cache:
             return  # both checks passed for this batch and step state signature
         self._check_variables(step_state)

@@ -17,19 +17,38 @@ from ._shards import assemble_global
 __all__ = ["Placement", "device_dtype", "device_int", "device_signature"]
 
 _DEVICE_INTS: dict[tuple[int, Any], Any] = {}
+_CANONICAL: dict[tuple[Any, bool], Any] = {}
 
 
 def device_dtype(leaf: Any) -> Any:
     """The dtype a host leaf has on the device: canonical, so float64 becomes float32 while
     64-bit mode is off; typed PRNG keys (nnx RNG streams) stay as they are."""
     dtype = leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf)
-    return jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)
+    return _canonical(dtype)
+
+
+def _canonical(dtype: Any) -> Any:
+    """`canonicalize_dtype`, remembered per dtype and 64-bit mode (a run asks for every leaf
+    of its first batch and its variables; the lookup costs a tenth of the call)."""
+    key = (dtype, jax.config.read("jax_enable_x64"))
+    canonical = _CANONICAL.get(key)
+    if canonical is None:
+        canonical = jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)
+        _CANONICAL[key] = canonical
+    return canonical
 
 
 def device_signature(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], Any], ...]]:
     """`(treedef, ((shape, device dtype), ...))`: what a compiled program specializes on."""
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((np.shape(leaf), device_dtype(leaf)) for leaf in leaves)
+    return treedef, tuple(_leaf_spec(leaf) for leaf in leaves)
+
+
+def _leaf_spec(leaf: Any) -> tuple[tuple[int, ...], Any]:
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and type(shape := getattr(leaf, "shape", None)) is tuple:
+        return shape, _canonical(dtype)  # an array's attributes: np.shape costs more
+    return np.shape(leaf), device_dtype(leaf)
 
 
 def device_int(value: int) -> Any:
@@ -67,10 +86,12 @@ class Placement:
         self._batch = NamedSharding(mesh, PartitionSpec("data"))
         self._chunk = NamedSharding(mesh, PartitionSpec(None, "data"))
 
-    def put_state(self, tree: Any) -> Any:
-        """The step state (or metric tail) on the device; replicated over a mesh."""
+    def put_state(self, tree: Any, made_here: bool = False) -> Any:
+        """The step state (or metric tail) on the device; replicated over a mesh.
+        `made_here`: a compiled program's output (on the device already, so on one device
+        nothing is looked at)."""
         if self._state is None:
-            if all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(tree)):
+            if made_here or all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(tree)):
                 return tree  # already on the device: skip a Python-side device_put
             return jax.device_put(tree)
         return jax.device_put(tree, self._state)

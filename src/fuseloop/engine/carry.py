@@ -28,14 +28,15 @@ class Carry:
         self._queued = 0
         self.ended: Any = None  # the ending epoch's accumulators, once the next one opened
 
-    def start(self, step_state: Any) -> None:
-        self.step_state = self.placement.put_state(step_state)
+    def start(self, step_state: Any, made_here: bool = False) -> None:
+        """Takes the run's initial step state (`made_here`: a compiled program's output)."""
+        self.step_state = self.placement.put_state(step_state, made_here)
 
     def reset_metrics(self) -> None:
         tail = self.programs.fresh_tail()
         if self.tail is not None and "active" in self.tail:
             tail = {**tail, "active": self.tail["active"]}  # a population's stopped members
-        self.tail = self.placement.put_state(tail)
+        self.tail = self.placement.put_state(tail, made_here=True)
         self._metrics = {}
 
     def open_epoch(self) -> None:

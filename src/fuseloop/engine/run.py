@@ -96,12 +96,15 @@ class Run:
         try:
             self._resume()
             first = self._first_batch()
-            step_state = initial_step_state(
+            step_state, signature = initial_step_state(
                 self.programs, self.user_state, first, resuming=isinstance(self.init_state, State)
             )
-            self.checker.variables(step_state if self.members is None else first_member(step_state))
+            if self.members is None:
+                self.checker.variables(step_state, signature)
+            else:
+                self.checker.variables(first_member(step_state))
             self._agree_across_processes(first, step_state)
-            self.carry.start(step_state)
+            self.carry.start(step_state, made_here=signature is not None)
             if self.members is not None:
                 self.state = self.members.start(self.state)
             feed = self._feed(step_state, first)

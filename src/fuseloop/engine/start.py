@@ -68,14 +68,14 @@ def _trainer_init(programs: Programs, first: Any) -> Any:
             return jax.tree.map(jnp.copy, program.init(zeros, variables))
 
         counted = programs.counted(init)
-        on_cpu = jax.default_backend() == "cpu"
-        cache[(treedef, spec)] = InlineInit(counted) if on_cpu else jax.jit(counted)
+        cache[(treedef, spec)] = InlineInit(counted, looped=jax.default_backend() == "cpu")
     return cache[(treedef, spec)]
 
 
 class InlineInit:
-    """The trainer init of a small step state as one program whose work sits in a loop of
-    one trip (on a CPU).
+    """The trainer init, one cached program per signature of the variables it is given;
+    on a CPU, a small step state's init is one program whose work sits in a loop of one
+    trip.
 
     XLA:CPU runs a program with few flops on the calling thread, and one of more than 8
     independent operations on buffers over 512 bytes is spread over its thread pool, the
@@ -85,43 +85,53 @@ class InlineInit:
     about 23 us (docs/design.md §6). The loop's trip count is a device scalar, so XLA
     cannot see one trip and unroll it; its body is the whole init, so every value is the
     plain program's. A step state over `LOOP_BYTES` (where copying on several threads
-    pays for the wait) is the plain program.
+    pays for the wait), or any off a CPU (`looped=False`), is the plain program.
+
+    Calling it returns the step state and its signature, `(treedef, ((shape, dtype),
+    ...))`, known when the program was built: the run's step-state check is keyed by it
+    without walking the new state (`Checker.variables`).
     """
 
     LOOP_BYTES = 256 * 1024
 
-    def __init__(self, init: Any):
-        self.init = init
-        self.programs: dict[Any, tuple[Any, Any]] = {}
+    def __init__(self, init: Any, looped: bool = True):
+        self.init, self.looped = init, looped
+        self.programs: dict[Any, tuple[Any, Any, Any]] = {}
 
-    def __call__(self, variables: Any) -> Any:
+    def __call__(self, variables: Any) -> tuple[Any, Any]:
         key = device_signature(variables)
         if key not in self.programs:
             self.programs[key] = self._program(variables)
-        treedef, program = self.programs[key]
-        return jax.tree.unflatten(treedef, program(variables, device_int(1)))
+        treedef, signature, program = self.programs[key]
+        return jax.tree.unflatten(treedef, program(variables, device_int(1))), signature
 
-    def _program(self, variables: Any) -> tuple[Any, Any]:
+    def _program(self, variables: Any) -> tuple[Any, Any, Any]:
         shapes, treedef = jax.tree.flatten(jax.eval_shape(self.init, variables))
-        if sum(s.size * s.dtype.itemsize for s in shapes) > self.LOOP_BYTES:
-            return treedef, jax.jit(lambda v, _: jax.tree.leaves(self.init(v)))
+        signature = treedef, tuple((tuple(s.shape), s.dtype) for s in shapes)
+        if not self.looped or sum(s.size * s.dtype.itemsize for s in shapes) > self.LOOP_BYTES:
+            return treedef, signature, jax.jit(lambda v, _: jax.tree.leaves(self.init(v)))
 
         def looped(v: Any, trips: Any) -> list[Any]:
             empty = [jnp.zeros(s.shape, s.dtype) for s in shapes]
             return lax.fori_loop(0, trips, lambda _, __: jax.tree.leaves(self.init(v)), empty)
 
-        return treedef, jax.jit(looped)
+        return treedef, signature, jax.jit(looped)
 
 
-def initial_step_state(programs: Programs, user_state: Any, first: Any, resuming: bool) -> Any:
-    """The step state the run starts from (never aliasing the caller's arrays)."""
+def initial_step_state(
+    programs: Programs, user_state: Any, first: Any, resuming: bool
+) -> tuple[Any, Any]:
+    """The step state the run starts from (never aliasing the caller's arrays), and its
+    signature where the program that made it knows it (`InlineInit`), else None.
+    """
     program = programs.loop.program
     if program.kind == "evaluator":  # not donated: the caller's params are only read
-        return program.init(first, user_state)
+        return program.init(first, user_state), None
     if resuming:
-        return private_copy(user_state)
+        return private_copy(user_state), None
     if programs.population is not None:  # every member from the same variables, or its own
-        return population_init(programs, programs.population, first, user_state)
+        return population_init(programs, programs.population, first, user_state), None
     if program.kind == "trainer":
-        return _trainer_init(programs, first)(_on_device(user_state))
-    return private_copy(program.init(first, user_state))
+        init: InlineInit = _trainer_init(programs, first)
+        return init(_on_device(user_state))
+    return private_copy(program.init(first, user_state)), None
