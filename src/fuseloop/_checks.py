@@ -70,30 +70,36 @@ class Checker:
         leaves, treedef = jax.tree.flatten(batch)
         expected = tuple(_leaf_signature(leaf) for leaf in leaves)
         # What depends on the batch's structure, shapes and types alone is checked once per
-        # signature (a later run of the same data pays a lookup); labels are values.
-        known = self.cache.get(("first_batch", treedef, expected))
+        # signature (a later run of the same data pays one lookup); labels are values.
+        key = ("first_batch", treedef, expected)
+        known = self.cache.get(key)
+        self.first_batch, self.treedef, self.expected = batch, treedef, expected
+        self.accepted = {expected}
         if known is None:
-            if self.pairs:
-                require_pair(batch, "the run's first batch")
-                check_python_lists(batch, "the run's first batch")
-                check_pair_sizes(batch, "the run's first batch")
-            paths = jax.tree_util.tree_flatten_with_path(batch)[0]
-            names = tuple(self._leaf_name(path) for path, _ in paths)
-            any_float64 = any(dtype == np.float64 for _, dtype in expected)
-            self.cache[("first_batch", treedef, expected)] = known = (names, any_float64)
-        self.first_batch, self.treedef, (self.names, any_float64) = batch, treedef, known
-        self.expected = expected
-        self.accepted = {self.expected}
-        if any_float64:  # only then are the leaves looked at
+            known = self._first_of_its_kind(batch, leaves)
+            self.cache[key] = known
+        else:
+            self.names, any_float64, (self.fit.first_x, self.fit.classes) = known
+            if any_float64:  # only then are the leaves looked at
+                self._warn_float64(leaves)
+        if self.pairs:
+            self._check_labels(batch, "the run's first batch")
+
+    def _first_of_its_kind(self, batch: Any, leaves: list[Any]) -> tuple[Any, ...]:
+        """The checks of a first batch whose signature no run of this loop has seen (the
+        model checks trace the model); what a later run needs of them, to keep."""
+        if self.pairs:
+            require_pair(batch, "the run's first batch")
+            check_python_lists(batch, "the run's first batch")
+            check_pair_sizes(batch, "the run's first batch")
+        paths = jax.tree_util.tree_flatten_with_path(batch)[0]
+        self.names = tuple(self._leaf_name(path) for path, _ in paths)
+        any_float64 = any(dtype == np.float64 for _, dtype in self.expected)
+        if any_float64:
             self._warn_float64(leaves)
         if self.pairs:
-            key = ("checked_model", self.treedef, self.expected)
-            if key in self.cache:
-                self.fit.first_x, self.fit.classes = self.cache[key]
-            else:
-                self.fit.check_first(batch)
-                self.cache[key] = (self.fit.first_x, self.fit.classes)
-            self._check_labels(batch, "the run's first batch")
+            self.fit.check_first(batch)
+        return self.names, any_float64, (self.fit.first_x, self.fit.classes)
 
     def batch(self, batch: Any, epoch: int, iteration: int) -> None:
         """Called for each unfused batch before it is moved to the device."""
@@ -104,15 +110,11 @@ class Checker:
 
         Only the chunk's first batch is compared with the run's first (a mismatch there
         would compile the fused program again); stacking compares every other batch with
-        it, and `stacked` checks the labels of the whole chunk at once.
+        it (one that is not a pair fails to stack, and `explain_chunk` names it), and
+        `stacked` checks the labels of the whole chunk at once.
         """
-        self._check(batches[0], epoch, first_iteration, fused=True, labels=False)
-        if self.pairs:
-            for offset, batch in enumerate(batches[1:], start=1):
-                if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-                    require_pair(
-                        batch, f"the batch at epoch {epoch}, iteration {first_iteration + offset}"
-                    )
+        if batches[0] is not self.first_batch:  # the run's first batch: checked already
+            self._check(batches[0], epoch, first_iteration, fused=True, labels=False)
 
     def explain_chunk(self, batches: list[Any], epoch: int, first_iteration: int) -> None:
         """Checks every batch of a chunk that failed to stack, to raise the error that names
