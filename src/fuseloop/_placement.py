@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._shards import assemble_global
 
-__all__ = ["Placement", "device_dtype", "device_int", "device_signature"]
+__all__ = ["Placement", "device_dtype", "device_int", "device_signature", "signature_of"]
 
 _DEVICE_INTS: dict[tuple[int, Any], Any] = {}
 _CANONICAL: dict[tuple[Any, bool], Any] = {}
@@ -41,6 +41,11 @@ def _canonical(dtype: Any) -> Any:
 def device_signature(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], Any], ...]]:
     """`(treedef, ((shape, device dtype), ...))`: what a compiled program specializes on."""
     leaves, treedef = jax.tree.flatten(tree)
+    return signature_of(leaves, treedef)
+
+
+def signature_of(leaves: list[Any], treedef: Any) -> tuple[Any, tuple[Any, ...]]:
+    """`device_signature` of a tree already flattened into `leaves` and `treedef`."""
     return treedef, tuple(_leaf_spec(leaf) for leaf in leaves)
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._placement import device_int, device_signature
+from .._placement import device_int, device_signature, signature_of
 from .population import population_init
 from .programs import Programs
 
@@ -45,13 +45,6 @@ def private_copy(tree: Any) -> Any:
     for i, leaf in zip(arrays, copied, strict=True):
         leaves[i] = leaf
     return jax.tree.unflatten(treedef, leaves)
-
-
-def _on_device(tree: Any) -> Any:
-    """`tree` on the device (None stays None); arrays already there are not moved again."""
-    if tree is None or all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(tree)):
-        return tree
-    return jax.device_put(tree)
 
 
 def _trainer_init(programs: Programs, first: Any) -> Any:
@@ -99,7 +92,13 @@ class InlineInit:
         self.programs: dict[Any, tuple[Any, Any, Any]] = {}
 
     def __call__(self, variables: Any) -> tuple[Any, Any]:
-        key = device_signature(variables)
+        """The step state made from `variables` (None: fresh), and its signature. Host
+        arrays among the variables move to the device first (arrays there stay put)."""
+        leaves, structure = jax.tree.flatten(variables)
+        if not all(isinstance(leaf, jax.Array) for leaf in leaves):
+            variables = jax.device_put(variables)  # the initial state: not counted as data
+            leaves = jax.tree.leaves(variables)
+        key = signature_of(leaves, structure)
         if key not in self.programs:
             self.programs[key] = self._program(variables)
         treedef, signature, program = self.programs[key]
@@ -133,5 +132,5 @@ def initial_step_state(
         return population_init(programs, programs.population, first, user_state), None
     if program.kind == "trainer":
         init: InlineInit = _trainer_init(programs, first)
-        return init(_on_device(user_state))
+        return init(user_state)
     return private_copy(program.init(first, user_state)), None
