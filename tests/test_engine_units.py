@@ -211,3 +211,43 @@ def test_labels_below_reads_signed_labels_as_unsigned() -> None:
             negative = labels.copy()
             negative[1, 1] = -1
             assert not labels_below(negative, 100)
+
+
+def test_device_signature_follows_the_64_bit_mode() -> None:
+    """Canonical dtypes are remembered per 64-bit mode: float64 host leaves are float32 on
+    the device while the mode is off, float64 while it is on."""
+    import jax
+    import numpy as np
+
+    from fuseloop._placement import device_signature
+
+    tree = {"x": np.ones((2, 3)), "n": 3, "k": jax.random.key(0)}
+    _, off = device_signature(tree)
+    with jax.enable_x64(True):
+        _, on = device_signature(tree)
+    _, off_again = device_signature(tree)
+    assert off == off_again
+    # Leaves in key order: k (a typed key, kept as it is), n, x.
+    assert [dtype for _, dtype in off][1:] == [np.dtype("int32"), np.dtype("float32")]
+    assert [dtype for _, dtype in on][1:] == [np.dtype("int64"), np.dtype("float64")]
+    assert off[0][1] == on[0][1] == jax.random.key(0).dtype
+    assert [shape for shape, _ in on] == [(), (), (2, 3)]
+
+
+def test_a_chunk_launch_enters_the_transfer_guard_context_only_under_a_guard() -> None:
+    """Without a host-to-device guard nothing needs allowing; under one, the chunk's own
+    transfer is allowed (and a fused run under `disallow` still trains)."""
+    import contextlib
+
+    import jax
+
+    from conftest import make_batches, trainer
+    from fuseloop._placement import Placement
+    from fuseloop._state import new_stats
+
+    placement = Placement(None, new_stats())
+    assert isinstance(placement.chunk_transfer(), contextlib.nullcontext)
+    with jax.transfer_guard_host_to_device("disallow"):
+        assert not isinstance(placement.chunk_transfer(), contextlib.nullcontext)
+        state = trainer().run(make_batches(4), fuse=2)
+    assert state.stats["h2d_transfers"] == 2

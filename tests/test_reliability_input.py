@@ -67,7 +67,7 @@ def test_first_batch_not_a_pair(loop, kind, bad):
             fl.evaluator(tiny_mlp()).run(data, params)
 
 
-@pytest.mark.parametrize("fuse", [False, 2])
+@pytest.mark.parametrize("fuse", [False, 2, 4])  # 4: in the chunk of the run's first batch
 def test_later_batch_not_a_pair_names_epoch_and_iteration(loop, fuse):
     data = make_batches(4)
     data[3] = (data[3][0], data[3][1], data[3][1])
