@@ -161,7 +161,7 @@ class Placement:
         self._check_divisible(batch, 0, f"the batch at iteration {iteration}")
         return assemble_global(batch, self._batch)
 
-    def put_chunk(self, chunk_and_count: Any) -> Any:
+    def put_chunk(self, stacked: Any, n_valid: int) -> Any:
         """`(stacked_chunk, n_valid)` ready for the fused program: one transfer.
 
         On one device the host arrays are handed to the compiled call itself, inside
@@ -170,7 +170,14 @@ class Placement:
         """
         self.stats["h2d_transfers"] += 1
         if self._chunk is None or self._state is None:  # no mesh: both are None
-            return chunk_and_count
-        stacked, n_valid = chunk_and_count
+            return stacked, self.count(n_valid)
         self._check_divisible(stacked, 1, "a fused chunk")
-        return assemble_global(stacked, self._chunk), assemble_global(n_valid, self._state)
+        return assemble_global(stacked, self._chunk), assemble_global(
+            self.count(n_valid), self._state
+        )
+
+    def count(self, n: int) -> Any:
+        """A dispatch's count of live slots: on one device the shared device scalar
+        (`device_int`: no transfer per launch; a host scalar cost each launch about 3 us),
+        over a mesh a host scalar, placed with the program's replicated inputs."""
+        return device_int(n) if self._state is None else np.int32(n)

@@ -32,8 +32,6 @@ __all__ = [
     "epoch_counter",
 ]
 
-_ONE = np.int32(1)  # an unfused dispatch's live slots, passed at run time (see programs)
-
 
 @dataclass(frozen=True)
 class Prepared:
@@ -70,6 +68,7 @@ class HostFeed:
         if self.live:
             self.program = programs.unfused() if jit else programs.eager_step()
             self.jit = jit
+            self.one = placement.count(1)  # every unfused dispatch has one live slot
         else:
             self.program = programs.chunk()
         self.ahead = False
@@ -134,7 +133,7 @@ class HostFeed:
             self.checker.explain_chunk(batches, self.epoch, first)
             raise
         self.checker.stacked(stacked, len(batches), self.epoch, first)
-        return self.placement.put_chunk((stacked, np.int32(len(batches))))
+        return self.placement.put_chunk(stacked, len(batches))
 
     # ----------------------------------------------------------------- launching
     def launch(self, carry: Any, prepared: Prepared) -> ChunkResult:
@@ -155,7 +154,7 @@ class HostFeed:
         batch, i = prepared.payload, prepared.first
         self.checker.batch(batch, self.epoch, i)
         if self.jit:
-            carry.advance(self.program, self.placement.put_batch(batch, i), _ONE)
+            carry.advance(self.program, self.placement.put_batch(batch, i), self.one)
         else:
             carry.advance(self.program, batch)
         carry.throttle(self.max_in_flight)
