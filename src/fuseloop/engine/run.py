@@ -94,20 +94,7 @@ class Run:
     # ----------------------------------------------------------------- the run
     def run(self) -> State:
         try:
-            self._resume()
-            first = self._first_batch()
-            step_state, signature = initial_step_state(
-                self.programs, self.user_state, first, resuming=isinstance(self.init_state, State)
-            )
-            if self.members is None:
-                self.checker.variables(step_state, signature)
-            else:
-                self.checker.variables(first_member(step_state))
-            self._agree_across_processes(first, step_state)
-            self.carry.start(step_state, made_here=signature is not None)
-            if self.members is not None:
-                self.state = self.members.start(self.state)
-            feed = self._feed(step_state, first)
+            feed = self._start()
             # A population's guard acts per member on the device (population_run.py).
             guard = self.loop.guard_nonfinite and self.members is None
             with SignalGuard() as signals:
@@ -124,6 +111,27 @@ class Run:
             self.source.close()
             self.bus.close()
         return self._final(state)
+
+    def _start(self) -> Any:
+        """The first batch, the initial step state and their checks; the carry takes the
+        state. Returns the feed (None for a whole run). Only the carry keeps the initial
+        state: the first launch donates it, and its arrays are let go right there, while
+        the device steps, rather than when the run returns.
+        """
+        self._resume()
+        first = self._first_batch()
+        step_state, signature = initial_step_state(
+            self.programs, self.user_state, first, resuming=isinstance(self.init_state, State)
+        )
+        if self.members is None:
+            self.checker.variables(step_state, signature)
+        else:
+            self.checker.variables(first_member(step_state))
+        self._agree_across_processes(first, step_state)
+        self.carry.start(step_state, made_here=signature is not None)
+        if self.members is not None:
+            self.state = self.members.start(self.state)
+        return self._feed(step_state, first)
 
     def _agree_across_processes(self, first: Any, step_state: Any) -> None:
         """Under jax.distributed every process must run the same configuration; a
