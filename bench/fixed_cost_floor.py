@@ -31,6 +31,7 @@ import optax
 
 import fuseloop as fl
 from fuseloop._fusion import stack_chunk
+from fuseloop._placement import device_int
 from fuseloop.engine.programs import Programs
 
 INPUTS, WIDTHS, BATCH, N_BATCHES, K = 24, (32, 10), 32, 100, 32
@@ -58,7 +59,8 @@ def main() -> None:
         for first in range(0, N_BATCHES, K):
             part = batches[first : first + K]
             stacked = stack_chunk(part, K, first)
-            state, tail, _, _ = chunk(state, tail, stacked, np.int32(len(part)))
+            # The count as the engine passes it on one device: a shared device scalar.
+            state, tail, _, _ = chunk(state, tail, stacked, device_int(len(part)))
         np.asarray(tail["acc"]["loss"]["sum"])  # the final read
         return state
 
