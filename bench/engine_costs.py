@@ -8,7 +8,9 @@ configuration runs once per round, in turn):
   * an iteration handler firing every 50 iterations, fuse=32, over a 3-epoch run;
   * device-resident data against the on-device floor (a jitted `lax.scan` over the epoch's
     batches already on the device), steady epoch and a whole 3-epoch run;
-  * host-fed fused against the floor including the epoch's stacking and transfer.
+  * host-fed fused against the floor including the epoch's stacking and transfer;
+  * the machine's charge for waking from idle (a tiny jitted call after 5 ms of sleep),
+    which a run's start pays and a steady epoch does not.
 
 Each whole-run figure is also measured in CPU time (`time.process_time`, every thread of
 the process): on a shared machine other processes stretch wall time, while the CPU a run
@@ -175,6 +177,7 @@ def main() -> None:
         for name, values in this.items():
             got[name].append(min(v[0] for v in values))
             cpu[name].append(min(v[1] for v in values))
+    print(_idle_wake_probe())
     for label, times in (("wall", got), ("cpu", cpu)):
         med = {k: statistics.median(v) for k, v in times.items()}
         low = {k: min(v) for k, v in times.items()}
@@ -191,6 +194,31 @@ def main() -> None:
             print(
                 f"{key:48s} {statistics.median(per_round):7.3f}  [{fn(low):7.3f}]  target {target}"
             )
+
+
+def _idle_wake_probe(samples: int = 30) -> str:
+    """One tiny jitted call, warm and after the host slept 5 ms: how much this machine
+    charges for waking from idle, which every run's start pays and a steady epoch does not
+    (docs/design.md §6). It moves the fixed cost by more than most engine changes do.
+    """
+    f = jax.jit(lambda a: a * 2.0 + 1.0)
+    a = jax.numpy.ones((64,))
+    f(a).block_until_ready()
+
+    def call() -> float:
+        began = time.perf_counter()
+        f(a).block_until_ready()
+        return time.perf_counter() - began
+
+    warm, woken = [], []
+    for _ in range(samples):
+        warm.append(call())
+        time.sleep(0.005)
+        woken.append(call())
+    return (
+        f"\nmachine: a tiny jitted call takes {statistics.median(warm) * 1e6:.1f} us warm, "
+        f"{statistics.median(woken) * 1e6:.1f} us after 5 ms idle"
+    )
 
 
 def _derived() -> dict[str, tuple[Callable[[dict[str, float]], float], str]]:
