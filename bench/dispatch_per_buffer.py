@@ -28,7 +28,9 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def _program(leaves: int) -> Any:
+def _program() -> Any:
+    """One jitted loop over a list of donated leaves (a new length traces it again)."""
+
     def body(state: list[Any], trips: Any) -> tuple[list[Any], Any]:
         def step(_: Any, carry: list[Any]) -> list[Any]:
             return [x * 1.0001 + 1.0 for x in carry]
@@ -40,7 +42,7 @@ def _program(leaves: int) -> Any:
 
 def _call_seconds(leaves: int, size: int, calls: int) -> float:
     """The median host time of one call (the device finishes before the next)."""
-    program = _program(leaves)
+    program = _program()
     trips = jnp.int32(2)
     state = [jnp.full((size,), float(i), jnp.float32) for i in range(leaves)]
     state, _ = program(state, trips)
