@@ -197,9 +197,10 @@ def main() -> None:
 
 
 def _idle_wake_probe(samples: int = 30) -> str:
-    """One tiny jitted call, warm and after the host slept 5 ms: how much this machine
-    charges for waking from idle, which every run's start pays and a steady epoch does not
-    (docs/design.md §6). It moves the fixed cost by more than most engine changes do.
+    """One tiny jitted call, warm, after the host slept 5 ms, and after the device worked
+    about a millisecond: what this machine charges for running cold, which every run's
+    start pays and a steady epoch does not (docs/design.md §6). It moves the fixed cost by
+    more than most engine changes do.
     """
     f = jax.jit(lambda a: a * 2.0 + 1.0)
     a = jax.numpy.ones((64,))
@@ -210,14 +211,22 @@ def _idle_wake_probe(samples: int = 30) -> str:
         f(a).block_until_ready()
         return time.perf_counter() - began
 
-    warm, woken = [], []
+    # About a millisecond of device work, as a run's epoch is: it leaves the caches to
+    # whatever runs next (docs/design.md §6).
+    work = jax.jit(lambda m: m @ m @ m)
+    m = jax.numpy.ones((384, 384))
+    work(m).block_until_ready()
+    warm, woken, after_work = [], [], []
     for _ in range(samples):
         warm.append(call())
         time.sleep(0.005)
         woken.append(call())
+        work(m).block_until_ready()
+        after_work.append(call())
     return (
         f"\nmachine: a tiny jitted call takes {statistics.median(warm) * 1e6:.1f} us warm, "
-        f"{statistics.median(woken) * 1e6:.1f} us after 5 ms idle"
+        f"{statistics.median(woken) * 1e6:.1f} us after 5 ms idle, "
+        f"{statistics.median(after_work) * 1e6:.1f} us after ~1 ms of device work"
     )
 
 
