@@ -177,7 +177,7 @@ def main() -> None:
         for name, values in this.items():
             got[name].append(min(v[0] for v in values))
             cpu[name].append(min(v[1] for v in values))
-    print(_idle_wake_probe())
+    print(_cold_probe())
     for label, times in (("wall", got), ("cpu", cpu)):
         med = {k: statistics.median(v) for k, v in times.items()}
         low = {k: min(v) for k, v in times.items()}
@@ -196,7 +196,7 @@ def main() -> None:
             )
 
 
-def _idle_wake_probe(samples: int = 30) -> str:
+def _cold_probe(samples: int = 30) -> str:
     """One tiny jitted call, warm, after the host slept 5 ms, and after the device worked
     about a millisecond: what this machine charges for running cold, which every run's
     start pays and a steady epoch does not (docs/design.md §6). It moves the fixed cost by
