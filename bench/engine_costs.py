@@ -9,8 +9,9 @@ configuration runs once per round, in turn):
   * device-resident data against the on-device floor (a jitted `lax.scan` over the epoch's
     batches already on the device), steady epoch and a whole 3-epoch run;
   * host-fed fused against the floor including the epoch's stacking and transfer;
-  * the machine's charge for waking from idle (a tiny jitted call after 5 ms of sleep),
-    which a run's start pays and a steady epoch does not.
+  * the machine's charge for running cold (a tiny jitted call warm, after 5 ms of sleep,
+    and after about a millisecond of device work), which a run's start pays and a steady
+    epoch does not.
 
 Each whole-run figure is also measured in CPU time (`time.process_time`, every thread of
 the process): on a shared machine other processes stretch wall time, while the CPU a run
