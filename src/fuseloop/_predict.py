@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .engine.conv_layout import named
 from .models import as_model
 
 __all__ = ["predict"]
@@ -39,7 +40,11 @@ def _chunk_program(model: Any, members: bool = False) -> Any:
 
         return jax.lax.map(one, chunk)
 
-    program = jax.jit(jax.vmap(run_chunk, in_axes=(0, None)) if members else run_chunk)
+    program = jax.jit(
+        named(jax.vmap(run_chunk, in_axes=(0, None)), "predict_members")
+        if members
+        else named(run_chunk, "predict")
+    )
     if len(_PROGRAMS) >= _MAX_PROGRAMS:
         _PROGRAMS.pop(next(iter(_PROGRAMS)))
     _PROGRAMS[(id(model), members)] = (model, program)

@@ -299,6 +299,7 @@ def compile_vs_k(workload: Any, ks: tuple[int, ...]) -> list[dict[str, Any]]:
     from .._fusion import make_chunk_fn
     from .._step import init_tail, make_carry_step
     from ..diagnostics import count_fusions
+    from ..engine import conv_layout
 
     loop = trainer(workload.module, "sparse_categorical_cross_entropy", workload.tx)
     carry_step = make_carry_step(loop.program, loop.metrics, False)
@@ -307,7 +308,8 @@ def compile_vs_k(workload: Any, ks: tuple[int, ...]) -> list[dict[str, Any]]:
     rows = []
     for k in ks:
         chunk = _abstract_chunk(workload.batches[0], k)
-        program = jax.jit(make_chunk_fn(carry_step, True, False))  # as the run builds it
+        # As the run builds it (named as fuseloop's: conv_layout.py).
+        program = jax.jit(conv_layout.named(make_chunk_fn(carry_step, True, False), "chunk"))
         began = time.perf_counter()
         lowered = program.lower(state, tail, chunk, jax.ShapeDtypeStruct((), "int32"))
         lowered_at = time.perf_counter()

@@ -20,6 +20,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import io_callback
 
+from ..engine import conv_layout
 from ._guards import Refused, Skipped, devices_of
 from ._workload import BenchWorkload
 
@@ -96,7 +97,10 @@ class Floor(_FreshEpochs):
     """`jax.jit(lax.scan(step))` over the whole epoch: what the hardware can do.
 
     With `transfer=True` the timing includes stacking the epoch's batches on the host and
-    moving them to the device in one `device_put`.
+    moving them to the device in one `device_put`. Its convolutions are lowered
+    channel-last as fuseloop's are (docs/design.md §10): under XLA:CPU's own layout a
+    convolution's gradient runs 10-25x slower inside a loop, which would measure that, not
+    the hardware (`bench/conv_layout.py`).
     """
 
     def __init__(self, workload: BenchWorkload, transfer: bool):
@@ -111,7 +115,7 @@ class Floor(_FreshEpochs):
 
             return lax.scan(body, (params, opt_state), (xs, ys))
 
-        self.fn = jax.jit(epoch, donate_argnums=(0, 1))
+        self.fn = jax.jit(conv_layout.named(epoch, "floor_epoch"), donate_argnums=(0, 1))
         self.resident = jax.device_put(workload.stacked())
 
     def epoch(self) -> tuple[float, Any, Any, Any]:

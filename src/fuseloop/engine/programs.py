@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from .._fusion import make_chunk_fn
 from .._shards import take_rows
 from .._step import init_tail, make_carry_step
+from . import conv_layout
 from .population import masked_step, member_carry_step, member_chunk, population_tail
 
 __all__ = ["ProgramCache", "Programs", "MIN_SLOTS", "pack_leaves", "unpack_on_host"]
@@ -90,7 +91,8 @@ class Programs:
             cache.traces += 1  # runs at trace time only
             return fn(*args)
 
-        return traced
+        # Named as fuseloop's: its convolutions lower channel-last on CPU (conv_layout.py).
+        return conv_layout.named(traced, getattr(fn, "__name__", "program").strip("_<>"))
 
     def _jit(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
         donate = (0, 1) if self.loop.program.donate_state else (1,)

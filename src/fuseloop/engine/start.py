@@ -16,6 +16,7 @@ import numpy as np
 from jax import lax
 
 from .._placement import device_int, device_signature, signature_of
+from .conv_layout import named
 from .population import population_init
 from .programs import Programs
 
@@ -108,13 +109,14 @@ class InlineInit:
         shapes, treedef = jax.tree.flatten(jax.eval_shape(self.init, variables))
         signature = treedef, tuple((tuple(s.shape), s.dtype) for s in shapes)
         if not self.looped or sum(s.size * s.dtype.itemsize for s in shapes) > self.LOOP_BYTES:
-            return treedef, signature, jax.jit(lambda v, _: jax.tree.leaves(self.init(v)))
+            plain = named(lambda v, _: jax.tree.leaves(self.init(v)), "init")
+            return treedef, signature, jax.jit(plain)
 
         def looped(v: Any, trips: Any) -> list[Any]:
             empty = [jnp.zeros(s.shape, s.dtype) for s in shapes]
             return lax.fori_loop(0, trips, lambda _, __: jax.tree.leaves(self.init(v)), empty)
 
-        return treedef, signature, jax.jit(looped)
+        return treedef, signature, jax.jit(named(looped, "init_looped"))
 
 
 def initial_step_state(
