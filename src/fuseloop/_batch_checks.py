@@ -39,8 +39,15 @@ def _leading_sizes(tree: Any) -> list[int]:
 
 
 def check_pair_sizes(batch: Any, where: str) -> None:
-    """x and y of one batch hold the same number of examples."""
+    """x and y of one batch hold the same number of examples, and at least one."""
     x_sizes, y_sizes = _leading_sizes(batch[0]), _leading_sizes(batch[1])
+    if 0 in x_sizes[:1] + y_sizes[:1]:
+        raise ValueError(
+            f"data: {where} holds no examples (x and y have 0 rows on axis 0). A step on an "
+            f"empty batch would still move the optimizer, and its mean loss is NaN. Leave "
+            f"empty batches out of the data (a loop slicing one batch past the end, such as "
+            f"range(0, n + batch_size, batch_size), makes one)"
+        )
     if not x_sizes or not y_sizes:
         return
     bad = [size for size in y_sizes if size != x_sizes[0]]

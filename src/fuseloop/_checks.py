@@ -244,13 +244,19 @@ class Checker:
     def _mismatch(
         where: str, name: str, expected: tuple[Any, Any], actual: tuple[Any, Any], fused: bool
     ) -> str:
-        fix = (
-            "fused chunks compile once for one batch shape: use fuse=False, "
-            "drop_remainder=True, or pad your batches"
-            if fused
-            else "every batch must have the shapes and dtypes of the run's first batch (only "
-            "the batch axis of a ragged last batch may differ); reshape or cast the data"
-        )
+        if expected[0] == actual[0]:  # the dtype alone differs
+            fix = f"cast it to {expected[1]} where the batches are made (.astype('{expected[1]}'))"
+            fix += "; fused chunks stack one dtype per leaf (fuse=False converts)" if fused else ""
+        elif fused:
+            fix = (
+                "fused chunks compile once for one batch shape: use fuse=False, "
+                "drop_remainder=True, or pad your batches"
+            )
+        else:
+            fix = (
+                "every batch must have the shapes and dtypes of the run's first batch (only "
+                "the batch axis of a ragged last batch may differ); reshape the data"
+            )
         return (
             f"{where}: leaf {name} has shape {actual[0]} dtype {actual[1]}, expected "
             f"shape {expected[0]} dtype {expected[1]} like the run's first batch; {fix}"

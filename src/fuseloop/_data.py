@@ -60,6 +60,10 @@ class Source:
         next chunk in its own thread while the device runs the current one."""
         return isinstance(self.data, (list, tuple)) or getattr(self.data, "in_memory", False)
 
+    def why_empty(self) -> str:
+        """What to do about an epoch that found no batches, for this kind of source."""
+        return _WHY_EMPTY[self.kind]
+
     def epoch_iterator(self, epoch: int) -> Iterator[Any]:
         """The iterator for `epoch`; the previous epoch's is closed if it was not finished."""
         self.epoch, self.epoch_pulled = epoch, 0
@@ -68,12 +72,19 @@ class Source:
                 self._open.append(self.data)
             return self.data
         self.close()
-        if self.kind == "epoch_aware":
-            iterator = iter(self.data.iter_epoch(epoch))
-        elif self.kind == "reiterable":
-            iterator = iter(self.data)
-        else:
-            iterator = iter(self.data())
+        try:
+            if self.kind == "epoch_aware":
+                iterator = iter(self.data.iter_epoch(epoch))
+            elif self.kind == "reiterable":
+                iterator = iter(self.data)
+            else:
+                iterator = iter(self.data())
+        except Exception as error:
+            error.add_note(
+                f"fuseloop: raised while opening the data for epoch {epoch} "
+                f"({_OPENING[self.kind]}, which must give an iterator of batches)"
+            )
+            raise
         self._open.append(iterator)
         return iterator
 
@@ -125,6 +136,20 @@ class Source:
         self._open.clear()
 
 
+_WHY_EMPTY = {  # by the kind of source (`Source.kind`)
+    "one_shot": "A one-shot iterator is consumed across epochs; pass a re-iterable or a "
+    "callable returning a fresh iterator, or lower epochs",
+    "callable": "The data callable returned an empty iterator for it; it is called once per "
+    "epoch and must return a fresh iterator over the whole epoch each time",
+    "reiterable": "Iterating the data again gave no batches (an iterable that empties "
+    "itself, like an open file); pass a list, or a callable returning a fresh iterator",
+    "epoch_aware": "The source's iter_epoch gave no batches for it",
+}
+_OPENING = {
+    "epoch_aware": "data.iter_epoch(epoch)",
+    "reiterable": "iter(data)",
+    "callable": "calling data()",
+}
 _PLAIN_ITERATORS: tuple[type, ...] = (type(iter([])), type(iter(())))
 
 

@@ -36,6 +36,14 @@ def _named_leaves(tree: Any, name: str) -> list[tuple[str, np.ndarray]]:
 
 def _leading_size(x: Any, y: Any) -> int:
     """The shared leading-axis length of every leaf of `x` and `y`, or a ValueError."""
+    for name, part in (("x", x), ("y", y)):
+        numbers = jax.tree.leaves(part) if isinstance(part, (list, tuple)) else []
+        if numbers and all(np.ndim(leaf) == 0 for leaf in numbers):
+            raise ValueError(
+                f"{name} is a Python {type(part).__name__} of numbers; pass an array with "
+                f"the examples on axis 0, e.g. np.asarray({name}, np.float32) (integer "
+                f"labels: np.int32)"
+            )
     x_leaves = _named_leaves(x, "x")
     if not x_leaves:
         raise ValueError("x has no arrays; pass an array or a pytree (e.g. a dict) of arrays")

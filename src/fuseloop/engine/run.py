@@ -279,7 +279,8 @@ class Run:
             iterator, ahead = self._iterator(epoch), self._ahead(epoch + 1)
             status, state = loop.run(state, iterator, self.iterations, ahead)
             if status == CONTINUE and self._ran_out(epoch):
-                return state, _RAN_OUT
+                # The State's metrics stay the last epoch's, as after any completed run.
+                return state.replace(metrics=dict(state.history.get(epoch - 1, {}))), _RAN_OUT
             may_open = status == CONTINUE and not loop.opened_for(epoch + 1)
             if may_open and not signals.requested and self._may_open(epoch + 1):
                 loop.open_next(epoch + 1, self.source.epoch_iterator(epoch + 1), self.iterations)
@@ -369,8 +370,7 @@ class Run:
             return False
         warnings.warn(
             f"data ran out at the start of epoch {epoch}: the run ends after {epoch} epochs "
-            f"instead of {self.epochs}. A one-shot iterator is consumed across epochs; pass "
-            f"a re-iterable or a callable returning a fresh iterator, or lower epochs",
+            f"instead of {self.epochs}. {self.source.why_empty()}",
             RuntimeWarning,
             stacklevel=7,
         )

@@ -9,6 +9,7 @@ so validation cannot change the training trajectory.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from .._data import as_source
@@ -71,6 +72,26 @@ def check_validation(model: Any, data: Any, fuse: Any, specs: tuple[MetricSpec, 
             "validate: the loop has no metric an evaluator can compute (a loss, or a "
             "metric of (y_true, y_pred)); add one with Loop.metric(...) before "
             "Loop.validate(...)"
+        )
+    _warn_dropped_examples(data)
+
+
+def _warn_dropped_examples(data: Any) -> None:
+    """Warns where `data` drops examples from every validation.
+
+    `fl.data.arrays` drops a short last batch by default, which in validation data leaves
+    examples out of every validation metric without a word.
+    """
+    if not getattr(data, "drop_remainder", False):
+        return
+    left_out = getattr(data, "n", 0) % getattr(data, "batch_size", 1)
+    if left_out:
+        warnings.warn(
+            f"validate: data drops its short last batch (drop_remainder=True), so "
+            f"{left_out} of its {data.n} examples are left out of every validation metric; "
+            f"pass fl.data.arrays(..., drop_remainder=False, shuffle=False)",
+            UserWarning,
+            stacklevel=3,
         )
 
 

@@ -1,0 +1,95 @@
+"""Data a user gets slightly wrong: each is refused or warned about in words that name the
+fix, and nothing trains on it silently."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import fuseloop as fl
+from conftest import make_batches, trainer
+
+
+@pytest.mark.parametrize("where", ["last", "first", "middle"])
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_an_empty_batch_is_refused_before_it_steps(where, fuse):
+    data = make_batches(6)
+    x, y = data[0]
+    empty = (x[:0], y[:0])  # what range(0, n + batch_size, batch_size) slicing ends with
+    position = {"last": len(data), "first": 0, "middle": 3}[where]
+    data.insert(position, empty)
+    with pytest.raises(ValueError, match=r"holds no examples .*Leave empty batches out"):
+        trainer().run(data, fuse=fuse)
+
+
+def test_a_fused_dtype_mismatch_says_to_cast_the_leaf():
+    data = make_batches(4)
+    data[2] = (data[2][0], data[2][1].astype(np.int64))
+    with pytest.raises(fl.FusionError, match=r"iteration 2: leaf y .*cast it to int32"):
+        trainer().run(data, fuse=4)
+
+
+def _runs_dry_after_one_epoch() -> object:
+    calls = {"n": 0}
+    batches = make_batches(3)
+
+    def data():
+        calls["n"] += 1
+        return iter(batches if calls["n"] == 1 else [])
+
+    return data
+
+
+def test_a_callable_that_runs_dry_is_named_and_the_state_keeps_the_last_metrics():
+    with pytest.warns(RuntimeWarning, match=r"epoch 1.*data callable returned an empty"):
+        state = trainer().run(_runs_dry_after_one_epoch(), epochs=3)
+    assert state.status == "completed"
+    assert state.metrics and state.metrics == state.history[0]
+
+
+def test_a_one_shot_iterator_that_runs_dry_keeps_its_advice():
+    with pytest.warns(RuntimeWarning, match=r"one-shot iterator is consumed across epochs"):
+        state = trainer().run(iter(make_batches(3)), epochs=2)
+    assert state.metrics == state.history[0]
+
+
+def test_an_error_opening_the_data_names_the_epoch_and_the_call():
+    calls = {"n": 0}
+
+    def data():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("the shard list is gone")
+        return iter(make_batches(2))
+
+    with pytest.raises(OSError, match="shard list") as caught:
+        trainer().run(data, epochs=2)
+    notes = " ".join(getattr(caught.value, "__notes__", []))
+    assert "opening the data for epoch 1" in notes and "calling data()" in notes
+    with pytest.raises(TypeError) as caught:
+        trainer().run(lambda: 5)
+    assert "must give an iterator of batches" in " ".join(caught.value.__notes__)
+
+
+@pytest.mark.parametrize("which", ["x", "y"])
+def test_arrays_given_python_lists_say_to_convert_them(which):
+    x, y = make_batches(1)[0]
+    given = {"x": x, "y": y}
+    given[which] = given[which].tolist()
+    with pytest.raises(ValueError, match=rf"{which} is a Python list of numbers.*np.asarray"):
+        fl.data.arrays(given["x"], given["y"], batch_size=2)
+
+
+def test_validation_arrays_that_drop_examples_warn():
+    x = np.concatenate([b[0] for b in make_batches(3)])
+    y = np.concatenate([b[1] for b in make_batches(3)])
+    loop = trainer()
+    with pytest.warns(UserWarning, match=r"2 of its 12 examples are left out"):
+        loop.validate(loop.program.model, fl.data.arrays(x, y, batch_size=5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kept = fl.data.arrays(x, y, batch_size=5, drop_remainder=False, shuffle=False)
+        loop.validate(loop.program.model, kept)
+        loop.validate(loop.program.model, fl.data.arrays(x, y, batch_size=4))  # 12 = 3 x 4
