@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,6 +138,32 @@ def test_finite_runs_are_unchanged_by_the_guard(nan_loop, plain_loop, fuse):
     assert state.status == "completed" and "_nonfinite_at" not in state.handler_metadata
     assert_tree_equal(state.step_state, plain.step_state)
     assert state.history == plain.history
+
+
+class DenseBatchNorm(nn.Module):
+    """A BatchNorm model: XLA fuses its step otherwise if the guard touches the step's
+    graph (a select per step did), so it checks that the guard leaves the step alone."""
+
+    @nn.compact
+    def __call__(self, x: Any, train: bool = False) -> Any:
+        x = nn.relu(nn.BatchNorm(use_running_average=not train)(nn.Dense(16)(x)))
+        return nn.Dense(3)(x)
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_the_guard_leaves_a_batchnorm_run_bitwise_alone(fuse):
+    plain = fl.trainer(DenseBatchNorm(), SPARSE, "adam")
+    data = make_batches(12)
+    reference = plain.run(data, epochs=2, fuse=fuse)
+    guarded = plain.terminate_on_nan().run(data, epochs=2, fuse=fuse)
+    assert_tree_equal(guarded.step_state, reference.step_state, "step_state")
+    assert guarded.history == reference.history
+    # A non-finite step is undone to the step state the unguarded run had before it.
+    halt_at_9 = lambda s: "halt_loop" if s.iteration == 9 else None  # noqa: E731
+    before = plain.handle_event("iteration_started", halt_at_9).run(data)  # unfused: exact
+    with pytest.warns(RuntimeWarning, match="iteration 9"):
+        halted = plain.terminate_on_nan().run(poisoned(data, 9), fuse=fuse)
+    assert_tree_equal(halted.step_state, before.step_state, "step_state")
 
 
 # --------------------------------------------------------------------------- raising handlers

@@ -159,7 +159,9 @@ def make_chunk_fn(
     Args:
         carry_step: One step plus metric accumulation (see `_step.make_carry_step`).
         record: Write each iteration's accumulators into a `[K]` buffer for host replay.
-        guard_nonfinite: Stop the loop at the first non-finite step (which is not committed).
+        guard_nonfinite: Stop the loop at the first non-finite step, which is not committed:
+            `carry_step` commits it (built with `keep_old=False`) and the chunk's carry
+            before it is computed again from the chunk's start.
     """
 
     def chunk_fn(state: Any, tail: Any, chunk: Any, n_valid: Any) -> tuple[Any, Any, Any, Any]:
@@ -188,9 +190,35 @@ def make_chunk_fn(
                 )
             return i + 1, state, tail, records
 
-        n_run, state, tail, records = lax.while_loop(
-            cond, body, (jnp.zeros((), jnp.int32), state, tail, records)
-        )
+        start = (jnp.zeros((), jnp.int32), state, tail, records)
+        n_run, state, tail, records = lax.while_loop(cond, body, start)
+        if guard_nonfinite:
+            state, tail, records = lax.cond(
+                tail["nonfinite"],
+                lambda: _undo_last_step(cond, body, start, n_run, record),
+                lambda: (state, tail, records),
+            )
         return state, tail, records, n_run
 
     return chunk_fn
+
+
+def _undo_last_step(
+    cond: Callable[..., Any], body: Callable[..., Any], start: Any, n_run: Any, record: bool
+) -> tuple[Any, Any, Any]:
+    """The chunk's carry before its last step, which was not finite: the same loop body
+    run again from the chunk's start for the steps before it (a deterministic program gives
+    the same bits), then the flag set and the bad iteration's record made the accumulators
+    before it. Runs only in a chunk that met a non-finite step (docs/design.md §2).
+    """
+    good = n_run - 1
+    _, state, tail, records = lax.while_loop(
+        lambda carry: cond(carry) & (carry[0] < good), body, start
+    )
+    if record:
+        records = jax.tree.map(
+            lambda buf, value: lax.dynamic_update_index_in_dim(buf, value, good, 0),
+            records,
+            tail["acc"],
+        )
+    return state, {**tail, "nonfinite": jnp.ones((), jnp.bool_)}, records

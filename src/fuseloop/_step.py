@@ -258,12 +258,20 @@ def init_tail(metrics: tuple[MetricSpec, ...], guard_nonfinite: bool) -> dict[st
 
 
 def make_carry_step(
-    program: Program, metrics: tuple[MetricSpec, ...], guard_nonfinite: bool
+    program: Program,
+    metrics: tuple[MetricSpec, ...],
+    guard_nonfinite: bool,
+    *,
+    keep_old: bool = True,
 ) -> Callable[[Any, dict[str, Any], Any], tuple[Any, dict[str, Any]]]:
     """`(step_state, tail, batch) -> (step_state, tail)`: one step plus metric accumulation.
 
-    With the guard on, a step whose loss is not finite is not committed: the step state and
-    the accumulators stay as they were and `tail["nonfinite"]` becomes (and stays) True.
+    With the guard on, a step whose loss is not finite sets `tail["nonfinite"]` (which
+    stays True). With `keep_old` that step is not committed: the step state and the
+    accumulators stay as they were. Without it the step is committed and whoever runs the
+    step undoes it (`_fusion.make_chunk_fn`): a select at every step keeps the old state
+    alive beside the new one, which costs a copy of the step state per step and lets XLA
+    fuse, and so round, the step otherwise than an unguarded one (docs/design.md §2).
     """
 
     def carry_step(state: Any, tail: dict[str, Any], batch: Any) -> tuple[Any, dict[str, Any]]:
@@ -277,6 +285,8 @@ def make_carry_step(
                 "state with a scalar 'loss' from a custom loop"
             )
         bad = tail["nonfinite"] | ~jnp.all(jnp.isfinite(aux["loss"]))
+        if not keep_old:
+            return new_state, {"acc": acc, "nonfinite": bad}
         keep = lambda old, new: jax.lax.select(bad, old, new)  # noqa: E731
         new_state = jax.tree.map(keep, state, new_state)
         acc = jax.tree.map(keep, tail["acc"], acc)

@@ -106,8 +106,13 @@ class Programs:
         batch inside the loop: a resident program hands the loop row indices and each step
         gathers its own batch (no gathered copy of the chunk).
         """
-        carry_step = make_carry_step(self.loop.program, self.loop.metrics, self.guard)
-        if self.population is not None:
+        # A solo loop undoes a non-finite step once, at the chunk's end (_fusion.py); a
+        # population's guard freezes each member at its own bad step.
+        solo = self.population is None
+        carry_step = make_carry_step(
+            self.loop.program, self.loop.metrics, self.guard, keep_old=not solo
+        )
+        if not solo:
             carry_step = member_carry_step(carry_step)
         if fetch is not None:
             carry_step = _fetching(carry_step, fetch)
