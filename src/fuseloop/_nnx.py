@@ -5,6 +5,7 @@ Re-exported from `fuseloop.models` (as `fl.models.from_nnx`).
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import jax
@@ -35,14 +36,40 @@ class from_nnx:  # noqa: N801
     def __init__(self, module: Any):
         from flax import nnx
 
-        self._nnx = nnx
+        self._nnx, self.module = nnx, module
         self.graphdef, params, *others = nnx.split(module, nnx.Param, ...)
         (rest,) = others  # the two filters, Param and `...`, split the module in two
         self._templates = (params, rest)
-        self._initial = {"params": nnx.to_pure_dict(params), "state": nnx.to_pure_dict(rest)}
+        # The module's Variables, to see cheaply whether any value changed since the last
+        # read (splitting the module costs ~150 us; comparing ~10 values ~1 us).
+        self._variables = [v for _, v in nnx.iter_graph(module) if isinstance(v, nnx.Variable)]
+        self._read: tuple[list[Any], Any] | None = None  # (the values read, their dicts)
+
+    def current_variables(self) -> Any:
+        """The module's variables as they are now, as pure dicts of its arrays (not
+        copies). A run without initial variables starts from them, so weights loaded into
+        the module after `fl.trainer(...)` are the ones trained.
+
+        Example:
+            >>> from flax import nnx
+            >>> layer = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+            >>> model = from_nnx(layer)
+            >>> layer.bias.value = layer.bias.value + 1.0
+            >>> model.current_variables()["params"]["bias"].tolist()
+            [1.0, 1.0]
+        """
+        values = [_raw_value(v) for v in self._variables]
+        if self._read is not None and all(map(operator.is_, values, self._read[0])):
+            return self._read[1]
+        _, params, *others = self._nnx.split(self.module, self._nnx.Param, ...)
+        (rest,) = others  # as in __init__: Param, and the rest
+        pure = {"params": self._nnx.to_pure_dict(params), "state": self._nnx.to_pure_dict(rest)}
+        self._read = (values, pure)
+        return pure
 
     def init(self, rng: Any, x: Any) -> Any:
-        """A copy of the module's own variables (nnx initialises at construction).
+        """A copy of the module's own variables as they are now (nnx initialises at
+        construction, so `rng` is not used).
 
         Example:
             >>> from flax import nnx
@@ -50,7 +77,7 @@ class from_nnx:  # noqa: N801
             >>> model.init(None, None)["params"]["kernel"].shape
             (4, 2)
         """
-        return jax.tree.map(lambda a: a, self._initial)
+        return jax.tree.map(lambda a: a, self.current_variables())
 
     def _rebuild(self, template: Any, pure: Any) -> Any:
         fresh = jax.tree.map(lambda a: a, template)  # new Variables at this trace level
@@ -93,6 +120,12 @@ class from_nnx:  # noqa: N801
         """
         y, rest = self._run(variables, x, train)
         return y, ({"state": rest} if train else None)
+
+
+def _raw_value(variable: Any) -> Any:
+    """What a Variable holds, without the checks of `.value` (older flax: `raw_value`)."""
+    get = getattr(variable, "get_raw_value", None)
+    return get() if get is not None else variable.raw_value
 
 
 def set_nnx_mode(module: Any, train: bool) -> None:

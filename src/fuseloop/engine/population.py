@@ -135,6 +135,24 @@ def population_tail(metrics: Any, guard: bool, size: int) -> Any:
     return {**tail, "active": jnp.ones((size,), jnp.bool_)}
 
 
+def require_distinct_members(model: Any, population: Population) -> None:
+    """Raises where every member would start from the same weights and differ in nothing
+    else: a model built initialised (nnx, equinox), whose init the member seeds cannot
+    reach, and no hyperparameter that varies."""
+    if population.hyperparams or len(set(population.seeds)) < 2:
+        return
+    kind = {"from_nnx": "an nnx", "from_equinox": "an equinox"}.get(type(model).__name__)
+    if kind is None:
+        return
+    raise ValueError(
+        f"population={population.size}: {kind} model is initialised when built, so "
+        f"the member seeds {list(population.seeds)} cannot give the members different "
+        f"weights: they would all start from the module's, and differ at most in dropout "
+        f"masks. Vary a hyperparameter (e.g. population={{'learning_rate': [...]}}), or "
+        f"train a flax.linen model, whose init takes the member's seed"
+    )
+
+
 def population_init(programs: Any, population: Population, first: Any, variables: Any) -> Any:
     """The members' initial step state (leading member axis), by one cached program: member
     i is the trainer's init run with seed `seeds[i]`, then its hyperparameters set.

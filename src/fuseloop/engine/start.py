@@ -17,7 +17,7 @@ from jax import lax
 
 from .._placement import device_int, device_signature, signature_of
 from .conv_layout import named
-from .population import population_init
+from .population import population_init, require_distinct_members
 from .programs import Programs
 
 __all__ = ["InlineInit", "initial_step_state", "private_copy"]
@@ -130,9 +130,21 @@ def initial_step_state(
         return program.init(first, user_state), None
     if resuming:
         return private_copy(user_state), None
+    if program.kind == "trainer" and user_state is None:
+        if programs.population is not None:
+            require_distinct_members(program.model, programs.population)
+        user_state = _built_variables(program.model)
     if programs.population is not None:  # every member from the same variables, or its own
         return population_init(programs, programs.population, first, user_state), None
     if program.kind == "trainer":
         init: InlineInit = _trainer_init(programs, first)
         return init(user_state)
     return private_copy(program.init(first, user_state)), None
+
+
+def _built_variables(model: Any) -> Any:
+    """The variables of a model that initialises when it is built and can change after
+    (an nnx module: weights loaded into it later count), read now; None for any other
+    model, whose init the trainer runs."""
+    current = getattr(model, "current_variables", None)
+    return current() if current is not None else None

@@ -1,0 +1,74 @@
+"""Models that initialise when they are built (flax.nnx, equinox): a run starts from the
+module's weights as they are when it starts, and a population cannot pretend its seeds
+re-initialise them."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import fuseloop as fl
+from conftest import FEATURES, make_batches
+
+SPARSE = "sparse_categorical_cross_entropy"
+
+
+def _nnx_model() -> nnx.Module:
+    rngs = nnx.Rngs(0)
+    return nnx.Sequential(nnx.Linear(FEATURES, 8, rngs=rngs), nnx.relu, nnx.Linear(8, 3, rngs=rngs))
+
+
+def _first_kernel(state: fl.State) -> np.ndarray:
+    return np.asarray(state.params["params"]["layers"][0]["kernel"])
+
+
+def test_an_nnx_run_starts_from_weights_loaded_after_the_trainer_was_built():
+    module = _nnx_model()
+    loop = fl.trainer(module, SPARSE, optax.sgd(0.0))  # a rate of 0: params stay as started
+    data = make_batches(4)
+    first = loop.run(data)
+    np.testing.assert_array_equal(_first_kernel(first), module.layers[0].kernel[...])
+    loaded = np.full((FEATURES, 8), 0.5, np.float32)
+    module.layers[0].kernel[...] = loaded  # e.g. pretrained weights, loaded in place
+    second = loop.run(data)
+    np.testing.assert_array_equal(_first_kernel(second), loaded)
+    assert second.stats["compiles"] == 0  # new values, same program
+    # The run did not change the module.
+    np.testing.assert_array_equal(module.layers[0].kernel[...], loaded)
+
+
+def test_a_population_of_an_nnx_model_that_varies_only_seeds_is_refused():
+    loop = fl.trainer(_nnx_model(), SPARSE, "adam")
+    with pytest.raises(
+        ValueError, match=r"nnx model is initialised when built.*learning_rate"
+    ):
+        loop.run(make_batches(4), population=2)
+    with pytest.raises(ValueError, match="initialised when built"):
+        loop.run(make_batches(4), population={"seed": [3, 4]})
+
+
+def test_a_population_of_an_nnx_model_varying_a_rate_starts_every_member_from_the_module():
+    module = _nnx_model()
+    loop = fl.trainer(module, SPARSE, "adam")
+    state = loop.run(make_batches(4), population={"learning_rate": [0.0, 1e-2]})
+    frozen, moved = state.member(0), state.member(1)
+    np.testing.assert_array_equal(_first_kernel(frozen), module.layers[0].kernel[...])
+    assert not np.array_equal(_first_kernel(moved), _first_kernel(frozen))
+
+
+def test_a_population_of_an_equinox_model_that_varies_only_seeds_is_refused():
+    eqx = pytest.importorskip("equinox")
+    model = eqx.nn.MLP(FEATURES, 3, 8, 1, key=jax.random.PRNGKey(0))
+    loop = fl.trainer(model, SPARSE, "adam")
+    with pytest.raises(ValueError, match="equinox model is initialised when built"):
+        loop.run(make_batches(4), population=3)
+
+
+def test_a_linen_population_still_draws_each_member_from_its_seed():
+    state = fl.trainer(fl.models.mlp([8, 3]), SPARSE, "adam").run(make_batches(4), population=2)
+    assert not np.array_equal(
+        jax.tree.leaves(state.member(0).params)[0], jax.tree.leaves(state.member(1).params)[0]
+    )
