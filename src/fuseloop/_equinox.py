@@ -5,6 +5,7 @@ Re-exported from `fuseloop.models` (as `fl.models.from_equinox`).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import jax
@@ -31,18 +32,61 @@ def _equinox_stateful_layers(module: Any) -> list[str]:
     return found
 
 
+# The key an evaluation passes to a module whose `__call__` requires `key`: fixed, and the
+# same for every example, so an example's output depends on the example alone (not on its
+# batch, its position in it, or the call), and no key has to be drawn per evaluation.
+_INFERENCE_KEY_SEED = 0
+
+
+def _requires_keyword(fn: Any, name: str) -> bool:
+    """Whether `fn`'s signature has a parameter `name` without a default (False when its
+    signature cannot be read)."""
+    try:
+        parameter = inspect.signature(fn).parameters.get(name)
+    except (TypeError, ValueError):
+        return False
+    return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
 class from_equinox:  # noqa: N801
     """Adapts an equinox module applied per example (vmapped over the batch axis).
 
-    Variables are `{"params": the module's inexact arrays}`; a module whose `__call__`
-    takes `key` gets a per-example key in training. Training runs the module with
+    Variables are `{"params": the module's inexact arrays}`. Training runs the module with
     `eqx.nn.inference_mode(module, False)` and evaluation with `True`, so Dropout is on only
     while training. Layers with `eqx.nn.State` (BatchNorm) are refused with an error that
     names them.
 
+    Keys, for a module whose `__call__` takes `key`:
+
+    - Training: the step's key (`rng`, drawn from the trainer's seed and the global step, so
+      fused and unfused runs agree) is split into one key per example; a `batched=True`
+      module gets the step's key itself, one for the batch.
+    - Evaluation (`apply`, `fl.predict`, evaluators, validation): a `__call__` with a default
+      for `key` (`key=None`) is called without it. One that requires `key` (`*, key`) gets
+      `jax.random.PRNGKey(0)`, the same key for every example and batch. In inference mode
+      equinox's Dropout ignores its key, so this key cannot change those layers' outputs; a
+      module that draws from `key` by itself sees this fixed key, so its evaluation is
+      deterministic and an example's output does not depend on its batch.
+
+    Args:
+        module: The equinox module, applied to one example (or, `batched=True`, to a batch).
+        batched: Whether `module` takes the whole batch at once instead of one example.
+
     Example:
         >>> import equinox as eqx, jax
         >>> model = from_equinox(eqx.nn.Linear(4, 2, key=jax.random.PRNGKey(0)))
+        >>> model.apply(model.init(None, None), jax.numpy.ones((3, 4))).shape
+        (3, 2)
+
+        A `__call__` that requires `key` (common equinox style) evaluates too:
+
+        >>> class Net(eqx.Module):
+        ...     linear: eqx.nn.Linear
+        ...     dropout: eqx.nn.Dropout
+        ...     def __call__(self, x, *, key):
+        ...         return self.dropout(self.linear(x), key=key)
+        >>> model = from_equinox(Net(eqx.nn.Linear(4, 2, key=jax.random.PRNGKey(0)),
+        ...                          eqx.nn.Dropout(0.5)))
         >>> model.apply(model.init(None, None), jax.numpy.ones((3, 4))).shape
         (3, 2)
     """
@@ -62,6 +106,7 @@ class from_equinox:  # noqa: N801
         self.params, self.static = eqx.partition(module, eqx.is_inexact_array)
         self.batched = batched
         self.takes_key = takes_keyword(type(module).__call__, "key")
+        self.requires_key = self.takes_key and _requires_keyword(type(module).__call__, "key")
         dropouts = [
             path
             for path, leaf in jax.tree_util.tree_flatten_with_path(
@@ -100,7 +145,12 @@ class from_equinox:  # noqa: N801
         return self.forward(variables, x, train=False, rng=None)[0]
 
     def forward(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
-        """`(output, None)`; in training a module taking `key` gets one per example.
+        """`(output, None)`; a module taking `key` gets keys as the class describes.
+
+        In training a module taking `key` gets one key per example split from `rng` (a
+        `batched` module gets `rng` itself); in evaluation (`train=False`) a module that
+        requires `key` gets the fixed `jax.random.PRNGKey(0)`, and one with a default for it
+        none.
 
         Example:
             >>> import equinox as eqx, jax
@@ -113,9 +163,27 @@ class from_equinox:  # noqa: N801
         module = self._eqx.nn.inference_mode(
             self._eqx.combine(variables["params"], self.static), value=not train
         )
+        key = self._key(train, rng)
         if self.batched:
-            return module(x), None
-        if train and self.takes_key and rng is not None:
-            keys = jax.random.split(rng, x.shape[0])
+            return (module(x) if key is None else module(x, key=key)), None
+        if key is None:
+            return jax.vmap(module)(x), None
+        if train:
+            keys = jax.random.split(key, x.shape[0])
             return jax.vmap(lambda xi, k: module(xi, key=k))(x, keys), None
-        return jax.vmap(module)(x), None
+        return jax.vmap(lambda xi: module(xi, key=key))(x), None
+
+    def _key(self, train: bool, rng: Any) -> Any:
+        """The key for this call (None: call the module without `key`)."""
+        if not self.takes_key:
+            return None
+        if train:
+            if rng is None and self.requires_key:
+                raise ValueError(
+                    "rng: the module's __call__ requires `key`, so training needs a key "
+                    "(forward(..., train=True, rng=key))"
+                )
+            return rng
+        if self.requires_key:
+            return jax.random.PRNGKey(_INFERENCE_KEY_SEED)
+        return None

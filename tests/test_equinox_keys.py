@@ -1,0 +1,178 @@
+"""Keys for equinox modules (`fl.models.from_equinox`): a required `key` in evaluation, and
+the one key per step a `batched=True` module gets in training."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import fuseloop as fl
+
+eqx = pytest.importorskip("equinox")
+
+SPARSE = "sparse_categorical_cross_entropy"
+FEATURES, CLASSES = 3, 3
+_RNG = np.random.default_rng(0)
+X = _RNG.normal(size=(32, FEATURES)).astype(np.float32)
+Y = _RNG.integers(0, CLASSES, 32).astype(np.int32)
+DATA = [(X[i : i + 4], Y[i : i + 4]) for i in range(0, 32, 4)]  # 8 batches of 4
+
+
+class KeywordOnlyKeyNet(eqx.Module):
+    """Per example, `__call__(self, x, *, key)`: the key is required (common equinox style)."""
+
+    dense: eqx.nn.Linear
+    drop: eqx.nn.Dropout
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.dense = eqx.nn.Linear(FEATURES, 8, key=k1)
+        self.drop = eqx.nn.Dropout(0.5)
+        self.out = eqx.nn.Linear(8, CLASSES, key=k2)
+
+    def __call__(self, x, *, key):
+        return self.out(self.drop(jax.nn.relu(self.dense(x)), key=key))
+
+
+class DefaultKeyMarksNet(eqx.Module):
+    """Per example, `key=None`; adds 1 to its output whenever it is given a key."""
+
+    dense: eqx.nn.Linear
+
+    def __init__(self):
+        self.dense = eqx.nn.Linear(FEATURES, CLASSES, key=jax.random.PRNGKey(0))
+
+    def __call__(self, x, key=None):
+        return self.dense(x) + (0.0 if key is None else 1.0)
+
+
+class BatchedDropoutNet(eqx.Module):
+    """The whole batch at once, `key=None` passed on to its Dropout."""
+
+    w: jax.Array
+    drop: eqx.nn.Dropout
+
+    def __init__(self, key):
+        self.w = jax.random.normal(key, (FEATURES, CLASSES)) * 0.1
+        self.drop = eqx.nn.Dropout(0.5)
+
+    def __call__(self, xb, key=None):
+        return self.drop(xb, key=key) @ self.w
+
+
+class BatchedRequiredKeyNet(BatchedDropoutNet):
+    """The whole batch at once, `*, key` required."""
+
+    def __call__(self, xb, *, key):
+        return self.drop(xb, key=key) @ self.w
+
+
+def _leaves_equal(a, b):
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(leaves_a) == len(leaves_b) > 0
+    for left, right in zip(leaves_a, leaves_b, strict=True):
+        assert np.array_equal(np.asarray(left), np.asarray(right))
+
+
+@pytest.fixture(scope="module")
+def keyword_only():
+    module = KeywordOnlyKeyNet(jax.random.PRNGKey(0))
+    return module, fl.trainer(module, SPARSE, "adam").run(DATA, epochs=2)
+
+
+def test_required_keyword_only_key_module_evaluates_with_predict_evaluator_and_validate(
+    keyword_only,
+):
+    module, state = keyword_only
+    assert fl.predict(module, state, X).shape == (32, CLASSES)
+    evaluated = fl.evaluator(module, SPARSE).run(DATA, state)
+    assert np.isfinite(evaluated.metrics["loss"])
+    validated = fl.trainer(module, SPARSE, "adam").validate(module, DATA).run(DATA, epochs=1)
+    assert np.isfinite(validated.metrics["validation_loss"])
+
+
+def test_required_keyword_only_key_module_trains_fused_bitwise_equal_to_unfused():
+    module = KeywordOnlyKeyNet(jax.random.PRNGKey(1))
+    fused = fl.trainer(module, SPARSE, "adam").run(DATA, epochs=2, fuse=4)
+    unfused = fl.trainer(module, SPARSE, "adam").run(DATA, epochs=2)
+    _leaves_equal(fused.step_state, unfused.step_state)
+    assert fused.history == unfused.history
+
+
+def test_required_key_predict_equals_the_trained_module_vmapped_in_inference_mode(
+    keyword_only,
+):
+    module, state = keyword_only
+    trained = fl.models.trained(module, state)
+    assert trained.drop.inference is True
+    expected = jax.vmap(lambda xi: trained(xi, key=jax.random.PRNGKey(0)))(X)
+    # Equal up to float rounding: predict runs jitted, batch by batch.
+    np.testing.assert_allclose(
+        np.asarray(fl.predict(module, state, X)), expected, rtol=1e-5, atol=1e-6
+    )
+    # In inference mode the key cannot change the output: Dropout ignores it.
+    other_key = jax.vmap(lambda xi: trained(xi, key=jax.random.PRNGKey(7)))(X)
+    assert np.array_equal(np.asarray(expected), np.asarray(other_key))
+
+
+def test_a_default_key_module_is_still_evaluated_without_a_key():
+    module = DefaultKeyMarksNet()
+    adapter = fl.models.from_equinox(module)
+    variables = adapter.init(None, None)
+    without_key = np.asarray(jax.vmap(module)(X))  # key=None: no mark
+    np.testing.assert_allclose(np.asarray(adapter.apply(variables, X)), without_key, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(fl.predict(module, variables, X)), without_key, rtol=1e-6)
+
+
+def test_unbatched_training_splits_the_step_key_into_one_key_per_example():
+    module = KeywordOnlyKeyNet(jax.random.PRNGKey(0))
+    adapter = fl.models.from_equinox(module)
+    rng = jax.random.PRNGKey(3)
+    y, _ = adapter.forward(adapter.init(None, None), X[:4], train=True, rng=rng)
+    keys = jax.random.split(rng, 4)
+    in_training = eqx.nn.inference_mode(module, False)
+    expected = jax.vmap(lambda xi, k: in_training(xi, key=k))(X[:4], keys)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(expected))
+
+
+def test_batched_module_with_dropout_trains_and_gets_the_step_key_for_the_batch():
+    module = BatchedDropoutNet(jax.random.PRNGKey(0))
+    model = fl.models.from_equinox(module, batched=True)
+    fused = fl.trainer(model, SPARSE, "adam").run(DATA, epochs=2, fuse=4)
+    unfused = fl.trainer(model, SPARSE, "adam").run(DATA, epochs=2)
+    _leaves_equal(fused.step_state, unfused.step_state)
+    assert np.isfinite(unfused.metrics["loss"])
+    # One key for the whole batch: the step's key itself.
+    rng = jax.random.PRNGKey(5)
+    y, _ = model.forward(model.init(None, None), X[:4], train=True, rng=rng)
+    expected = eqx.nn.inference_mode(module, False)(X[:4], key=rng)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(expected))
+    # Dropout is on: a different step key draws a different mask.
+    other, _ = model.forward(model.init(None, None), X[:4], train=True, rng=jax.random.PRNGKey(6))
+    assert not np.array_equal(np.asarray(y), np.asarray(other))
+
+
+def test_batched_default_key_module_is_evaluated_without_a_key():
+    module = BatchedDropoutNet(jax.random.PRNGKey(0))
+    model = fl.models.from_equinox(module, batched=True)
+    state = fl.trainer(model, SPARSE, "adam").run(DATA)
+    trained = fl.models.trained(model, state)
+    np.testing.assert_allclose(np.asarray(fl.predict(model, state, X)), trained(X), rtol=1e-6)
+
+
+def test_batched_module_requiring_a_key_trains_and_evaluates():
+    module = BatchedRequiredKeyNet(jax.random.PRNGKey(0))
+    model = fl.models.from_equinox(module, batched=True)
+    state = fl.trainer(model, SPARSE, "adam").validate(model, DATA).run(DATA, epochs=2)
+    assert np.isfinite(state.metrics["validation_loss"])
+    trained = fl.models.trained(model, state)
+    expected = trained(X, key=jax.random.PRNGKey(0))
+    np.testing.assert_allclose(np.asarray(fl.predict(model, state, X)), expected, rtol=1e-6)
+
+
+def test_training_forward_without_a_key_for_a_required_key_is_refused_by_name():
+    adapter = fl.models.from_equinox(KeywordOnlyKeyNet(jax.random.PRNGKey(0)))
+    with pytest.raises(ValueError, match=r"requires `key`"):
+        adapter.forward(adapter.init(None, None), X[:4], train=True, rng=None)
