@@ -42,9 +42,7 @@ def test_an_nnx_run_starts_from_weights_loaded_after_the_trainer_was_built():
 
 def test_a_population_of_an_nnx_model_that_varies_only_seeds_is_refused():
     loop = fl.trainer(_nnx_model(), SPARSE, "adam")
-    with pytest.raises(
-        ValueError, match=r"nnx model is initialised when built.*learning_rate"
-    ):
+    with pytest.raises(ValueError, match=r"nnx model is initialised when built.*learning_rate"):
         loop.run(make_batches(4), population=2)
     with pytest.raises(ValueError, match="initialised when built"):
         loop.run(make_batches(4), population={"seed": [3, 4]})

@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import fuseloop as fl
@@ -318,3 +319,40 @@ def test_arrays_a_handler_returns_are_not_the_ones_donated():
     result = loop.handle_event("epoch_completed", reset, {"once": 1}).run(make_batches(3), epochs=2)
     assert_tree_equal(readable(fresh), kept, "arrays a handler handed to the loop")
     readable(result.step_state)
+
+
+# The guard with no iteration handler reads its flag once per epoch, not once per chunk:
+# the bad step can be anywhere in a chunk, or the epoch's last.
+@pytest.mark.parametrize("bad_at", [0, 5, 7, 8, 11])
+@pytest.mark.parametrize("fuse", [4, 32])
+def test_a_guard_read_at_the_epochs_end_halts_where_the_unfused_loop_does(bad_at, fuse):
+    plain = fl.trainer(tiny_mlp(), SPARSE, "adam")
+    guarded = plain.terminate_on_nan()
+    data = poisoned(make_batches(12), bad_at)
+    with pytest.warns(RuntimeWarning, match=rf"epoch 0, iteration {bad_at}"):
+        reference = guarded.run(data, epochs=2)
+    with pytest.warns(RuntimeWarning, match=rf"epoch 0, iteration {bad_at}"):
+        state = guarded.run(data, epochs=2, fuse=fuse)
+    assert state.status == reference.status == "halted"
+    assert (state.epoch, state.iteration) == (reference.epoch, reference.iteration)
+    assert state.handler_metadata["_nonfinite_at"] == {"epoch": 0, "iteration": bad_at}
+    assert_tree_equal(state.step_state, reference.step_state, "step_state")
+    assert state.event_counts == reference.event_counts
+    assert state.metrics == reference.metrics and state.history == reference.history
+
+
+@pytest.mark.parametrize("fuse", [4, "run"])
+def test_a_deferred_guard_on_device_data_halts_in_a_later_epoch(fuse):
+    x = np.concatenate([b[0] for b in make_batches(6)])
+    y = np.concatenate([b[1] for b in make_batches(6)])
+    # A learning rate this large diverges within a few epochs.
+    loop = fl.trainer(tiny_mlp(), SPARSE, optax.sgd(1e4)).terminate_on_nan()
+    data = fl.data.arrays(x, y, batch_size=4, shuffle=False, device=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        reference = loop.run(data, epochs=30)
+        state = loop.run(data, epochs=30, fuse=fuse)
+    assert reference.status == "halted", "the reference run must meet a non-finite loss"
+    assert state.handler_metadata["_nonfinite_at"] == reference.handler_metadata["_nonfinite_at"]
+    assert_tree_equal(state.step_state, reference.step_state, "step_state")
+    assert state.event_counts == reference.event_counts and state.history == reference.history

@@ -31,8 +31,10 @@ class EpochLoop:
     def __init__(self, feed: Any, carry: Any, handoff: Any, reads: Any, guard: bool, signals: Any):
         self.feed, self.carry, self.handoff = feed, carry, handoff
         self.reads, self.guard, self.signals = reads, guard, signals
-        # Launching ahead needs the guard off: the guard's flag is read from the chunk's
-        # own carry, which the launch ahead would donate.
+        # Launching ahead of a replay needs the guard off: a replay that reads the guard's
+        # flag after every chunk (an iteration handler fires) reads it from the chunk's own
+        # carry, which the launch ahead would donate. Without one, the flag is read once,
+        # at the epoch's end (`EpochReplay.settle`).
         self.speculate = not guard
         self.latest: Any = None  # the State reached within an epoch (for an error's report)
         self.replay: EpochReplay | None = None
@@ -62,11 +64,14 @@ class EpochLoop:
         epoch may open before the replay of this one's last chunk waits for it (its
         number, a factory of its iterator, its bound).
         """
-        self.replay = replay = EpochReplay(self.handoff, self.carry, self.reads, self.guard)
         feed, opened = self.feed, self.opened
         self.opened, self.ahead = None, ahead
+        record = self.handoff.bus.has_iteration_handlers
         if opened is None:
-            feed.begin(state.epoch, iterator, bound, replay.record or self.guard)
+            feed.begin(state.epoch, iterator, bound, record or self.guard)
+        self.replay = replay = EpochReplay(
+            self.handoff, self.carry, self.reads, self.guard, ahead=feed.ahead
+        )
         self.latest = state
         try:
             if opened is None:
@@ -79,6 +84,8 @@ class EpochLoop:
                 status, last, current = CONTINUE, 0, opened[1]
             while current is not None:
                 status, state, last, current = self._step(state, current, last)
+            if status == CONTINUE:
+                status, state, last = replay.settle(state, last)
         finally:
             self.ahead = None
             if self.opened is None:  # an epoch opened ahead owns the feed now

@@ -73,10 +73,16 @@ class EpochReplay:
             last computed them (last writer wins).
     """
 
-    def __init__(self, handoff: Any, carry: Any, reads: Any, guard: bool):
+    def __init__(self, handoff: Any, carry: Any, reads: Any, guard: bool, ahead: bool = False):
         self.handoff, self.bus, self.carry, self.reads = handoff, handoff.bus, carry, reads
         self.guard = guard
         self.record = self.bus.has_iteration_handlers
+        # The guard's flags are read once, at the epoch's end (`settle`), where no
+        # iteration handler fires and the feed may pull past a halt (`ahead`): a chunk
+        # after a non-finite step runs no step (the flag stays set in the carry), so the
+        # host need not wait for each chunk before it launches the next.
+        self.defer_guard = guard and ahead and not self.record
+        self.pending: list[ChunkResult] = []
         self.previous: Metrics = _no_metrics
         self.steps = 0
         self.merged_through = -1
@@ -125,7 +131,9 @@ class EpochReplay:
             return self._live(state, result)
         first, n = result.first, result.n
         firing = self._firing(n) if self.record else []
-        if not self.guard and not firing:
+        if (not self.guard or self.defer_guard) and not firing:
+            if self.defer_guard:
+                self.pending.append(result)
             self.bus.skip_iterations(n)
             self.bus.advance(n, None)
             self.steps += n
@@ -141,6 +149,28 @@ class EpochReplay:
         host = self.reads.get(wanted)
         good = int(host["n_run"]) - 1 if self.guard and bool(host["nonfinite"]) else n
         return self._fire_chunk(state, first, n, good, firing, host["records"])
+
+    def settle(self, state: Any, last: int) -> tuple[str, Any, int]:
+        """The guard's verdict on the chunks replayed without reading it: one host read
+        of the flag (sticky in the carry) and of their steps run; where one met a non-finite
+        step, the counters go back to that step (its iteration started, never completed)
+        and the loop halts."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return CONTINUE, state, last
+        # Host read: once per epoch, the guard's flag and every deferred chunk's steps run.
+        host = self.reads.get(
+            {"nonfinite": self.carry.tail["nonfinite"], "n_run": [r.n_run for r in pending]}
+        )
+        if not bool(host["nonfinite"]):
+            return CONTINUE, state, last
+        bad, good = _first_nonfinite([r.n for r in pending], [int(k) for k in host["n_run"]])
+        counted = sum(r.n for r in pending[bad:])  # as if they had run whole
+        self.bus.skip_iterations(good - counted)
+        self.steps += good - counted
+        at = pending[bad].first + good
+        _, state = self._fire(_STARTED, state, at, self.previous, False, self.steps - 1)
+        return HALT_LOOP, mark_nonfinite(state, at), at
 
     def _fire_chunk(
         self, state: Any, first: int, n: int, good: int, firing: list[int], records: Any
@@ -189,6 +219,17 @@ class EpochReplay:
             return cache["value"]
 
         return metrics
+
+
+def _first_nonfinite(live: list[int], ran: list[int]) -> tuple[int, int]:
+    """`(chunk, steps before it)` of the non-finite step among chunks of `live` steps that
+    ran `ran` steps each. The loop counts the bad step in `n_run` and stops there; a
+    chunk launched after it runs none (the flag is already set when it starts).
+    """
+    for k, (n, r) in enumerate(zip(live, ran, strict=True)):
+        if r < n:
+            return (k, r - 1) if r > 0 or k == 0 else (k - 1, live[k - 1] - 1)
+    return len(live) - 1, live[-1] - 1
 
 
 def mark_nonfinite(state: Any, iteration: int) -> Any:
