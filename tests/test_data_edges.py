@@ -93,3 +93,11 @@ def test_validation_arrays_that_drop_examples_warn():
         kept = fl.data.arrays(x, y, batch_size=5, drop_remainder=False, shuffle=False)
         loop.validate(loop.program.model, kept)
         loop.validate(loop.program.model, fl.data.arrays(x, y, batch_size=4))  # 12 = 3 x 4
+
+
+@pytest.mark.parametrize("fuse", [False, True, "run"])
+def test_float64_device_resident_data_warns_as_host_data_does(fuse):
+    x = np.concatenate([b[0] for b in make_batches(3)]).astype(np.float64)
+    y = np.concatenate([b[1] for b in make_batches(3)])
+    with pytest.warns(UserWarning, match=r"leaf x is float64.*cast to float32"):
+        trainer().run(fl.data.arrays(x, y, batch_size=4, device=True), fuse=fuse)

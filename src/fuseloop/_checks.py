@@ -62,6 +62,7 @@ class Checker:
         self.ragged_size: int | None = None
         self.fit = ModelFit(program)  # x and y against the model and loss, abstractly
         self.first_batch: Any = None
+        self.host_labels: Any = None  # the labels of an in-memory dataset (`dataset`)
         self.warned_float64 = False
 
     # ----------------------------------------------------------------- entry points
@@ -79,7 +80,8 @@ class Checker:
             known = self._first_of_its_kind(batch, leaves)
             self.cache[key] = known
         else:
-            self.names, any_float64, (self.fit.first_x, self.fit.classes) = known
+            self.names, any_float64, fit = known
+            self.fit.restore(fit)
             if any_float64:  # only then are the leaves looked at
                 self._warn_float64(leaves)
         if self.pairs:
@@ -99,7 +101,7 @@ class Checker:
             self._warn_float64(leaves)
         if self.pairs:
             self.fit.check_first(batch)
-        return self.names, any_float64, (self.fit.first_x, self.fit.classes)
+        return self.names, any_float64, self.fit.verdict()
 
     def batch(self, batch: Any, epoch: int, iteration: int) -> None:
         """Called for each unfused batch before it is moved to the device."""
@@ -293,7 +295,10 @@ class Checker:
         dataset (`fl.data.arrays`, device-resident or not) are range-checked here on the
         host, so a fused and an unfused run over device-resident data (whose batches the
         host never sees) reject a bad label alike."""
+        if getattr(data, "resident", False):  # the host never sees its batches' dtypes
+            self._warn_float64(jax.tree.leaves((data.x, data.y)))
         labels = getattr(data, "host_labels", None)
+        self.host_labels = labels  # checked in `variables` if the classes are known only then
         if labels is None or self.fit.classes is None:
             return
         self._check_labels((None, labels()), "the dataset (fl.data.arrays)")
@@ -304,8 +309,10 @@ class Checker:
 
         `first` checks x against a freshly initialized model; an evaluator, or a trainer
         given trained variables, runs with the caller's variables instead, so x is checked
-        against those here. Then one step is evaluated abstractly: it must return a step
-        state of the same structure, dtypes and shapes (fused and unfused alike).
+        against those here (and y and the loss too where the fresh variables did not fit:
+        the variables the run starts from decide). Then one step is evaluated abstractly: it
+        must return a step state of the same structure, dtypes and shapes (fused and
+        unfused alike).
         `signature`: the step state's `(treedef, ((shape, dtype), ...))` where the program
         that made it knows it (the trainer's init), so the state is not walked again.
         """
@@ -319,12 +326,13 @@ class Checker:
             None if signature is None else ("checked_step", self.treedef, self.expected, *signature)
         )
         if key is not None and key in self.cache:
+            self._found_classes(self.cache[key])
             return  # both checks passed for this batch and step state signature
         self._check_variables(step_state)
         if key is None or self.first_batch is None or self.program.kind == "evaluator":
             return
         check_step_keeps_state(self.program.step, step_state, self.first_batch)
-        self.cache[key] = True
+        self.cache[key] = (self.fit.classes,)
 
     def _check_variables(self, step_state: Any) -> None:
         if (
@@ -343,9 +351,23 @@ class Checker:
             tuple(_shape_and_dtype(leaf) for leaf in leaves),
         )
         if key not in self.cache:
-            variables = jax.tree.map(abstract, step_state["params"])
-            self.fit.check_variables(variables, "the given variables")
-            self.cache[key] = True
+            classes = self.fit.classes
+            self.fit.check_run_variables(jax.tree.map(abstract, step_state["params"]))
+            self.cache[key] = (self.fit.classes,)
+            self.fit.classes = classes
+        self._found_classes(self.cache[key])
+
+    def _found_classes(self, verdict: tuple[int | None]) -> None:
+        """Where the model's output width was found only with the run's variables (its
+        fresh ones did not fit, or an evaluator's init could not be evaluated), the labels
+        `first` and `dataset` could not check yet are checked now."""
+        if self.fit.classes is not None or verdict[0] is None:
+            return
+        self.fit.classes = verdict[0]
+        if self.first_batch is not None:
+            self._check_labels(self.first_batch, "the run's first batch")
+        if self.host_labels is not None:
+            self._check_labels((None, self.host_labels()), "the dataset (fl.data.arrays)")
 
     def _check_labels(self, batch: Any, where: str) -> None:
         """Sparse labels in [0, classes), for numpy labels (device labels are not read)."""

@@ -8,7 +8,7 @@ contract, so fused and unfused accumulators agree to the bit.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -27,6 +27,8 @@ __all__ = [
     "MetricSpec",
     "ACCUMULATORS",
     "batch_size",
+    "describe_outputs",
+    "require_one_prediction",
 ]
 
 Array = Any
@@ -39,6 +41,74 @@ class Mean(NamedTuple):
 
     total: Array  # float32 scalar: sum over the batch's examples (elements)
     count: Array  # float32 scalar: number of examples (elements) summed
+
+
+def describe_outputs(y_pred: Any) -> str | None:
+    """How a model's output that is not one array reads in an error ("a tuple of 2 outputs
+    (output[0] of shape (4, 3), output[1] of shape (4, 8))"), or None for one array (or a
+    Python scalar: not a container of outputs).
+
+    Example:
+        >>> import numpy as np
+        >>> describe_outputs((np.zeros((4, 3)), np.zeros((4, 8))))
+        'a tuple of 2 outputs (output[0] of shape (4, 3), output[1] of shape (4, 8))'
+        >>> describe_outputs({"logits": np.zeros((4, 3))})
+        "a dict of 1 output (output['logits'] of shape (4, 3))"
+        >>> describe_outputs(np.zeros((4, 3))) is None
+        True
+    """
+    if hasattr(y_pred, "shape") and hasattr(y_pred, "ndim"):
+        return None
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(y_pred)
+    if leaves and jax.tree_util.treedef_is_leaf(treedef):  # a scalar, not a container
+        return None
+    kind = "dict" if isinstance(y_pred, Mapping) else type(y_pred).__name__
+    if not leaves:
+        return "None" if y_pred is None else f"an empty {kind} (no arrays)"
+    count = len(y_pred) if isinstance(y_pred, (tuple, list, Mapping)) else len(leaves)
+    shapes = ", ".join(
+        f"output{jax.tree_util.keystr(path)} of shape {tuple(np.shape(leaf))}"
+        for path, leaf in leaves
+    )
+    return f"a {kind} of {count} output{'s' if count != 1 else ''} ({shapes})"
+
+
+def _first_output(y_pred: Any) -> str:
+    """How to pick the first of several outputs: `y_pred[0]` or `y_pred['key']`."""
+    if isinstance(y_pred, Mapping) and y_pred:
+        return f"y_pred[{'logits' if 'logits' in y_pred else next(iter(y_pred))!r}]"
+    return "y_pred[0]"
+
+
+def require_one_prediction(y_pred: Any, kind: str, name: str) -> None:
+    """Raises a ValueError if `y_pred`, which the built-in `kind` ("loss" or "metric")
+    `name` reads, is a tuple or dict of outputs rather than one array of predictions.
+
+    Example:
+        >>> import numpy as np
+        >>> require_one_prediction((np.zeros((4, 3)), np.zeros((4, 8))), "metric", "accuracy")
+        Traceback (most recent call last):
+        ...
+        ValueError: metric 'accuracy' takes one array of predictions, but the model returns ...
+    """
+    outputs = describe_outputs(y_pred)
+    if outputs is None:
+        return
+    pick = _first_output(y_pred)
+    if kind == "metric":
+        fix = (
+            f"Pass a metric function that picks the output, e.g. .metric(lambda y_true, "
+            f"y_pred: ..., name={name!r}) reading {pick}"
+        )
+    else:
+        fix = (
+            f"Pass a custom loss, loss(y_true, y_pred), that picks the output to train on "
+            f"(e.g. {pick})"
+        )
+    raise ValueError(
+        f"{kind} {name!r} takes one array of predictions, but the model returns {outputs}. "
+        f"{fix}, or make the model return one array"
+    )
 
 
 def _mean_of(values: Array) -> Mean:
@@ -85,8 +155,11 @@ PER_ELEMENT_LOSSES: dict[str, Callable[[Array, Array], Array]] = {
 }
 
 
-def _batch_mean(each: Callable[[Array, Array], Array]) -> Callable[[Array, Array], Array]:
+def _batch_mean(
+    name: str, each: Callable[[Array, Array], Array]
+) -> Callable[[Array, Array], Array]:
     def loss(y_true: Array, y_pred: Array) -> Array:
+        require_one_prediction(y_pred, "loss", name)
         return each(y_true, y_pred).mean()
 
     loss.__name__ = each.__name__.removesuffix("_each").lstrip("_")
@@ -94,12 +167,14 @@ def _batch_mean(each: Callable[[Array, Array], Array]) -> Callable[[Array, Array
 
 
 LOSSES: dict[str, Callable[[Array, Array], Array]] = {
-    name: _batch_mean(each) for name, each in PER_ELEMENT_LOSSES.items()
+    name: _batch_mean(name, each) for name, each in PER_ELEMENT_LOSSES.items()
 }
 
 
-def _predicted_and_true_classes(y_true: Array, y_pred: Array) -> tuple[Array, Array]:
-    """Class predictions for the three label layouts: sparse, one-hot and binary logits."""
+def _predicted_and_true_classes(y_true: Array, y_pred: Array, metric: str) -> tuple[Array, Array]:
+    """Class predictions for the three label layouts: sparse, one-hot and binary logits
+    (`metric`: the built-in metric asking, named if y_pred is not one array)."""
+    require_one_prediction(y_pred, "metric", metric)
     if y_pred.ndim >= 1 and y_pred.shape[-1] > 1:
         predicted = jnp.argmax(y_pred, axis=-1)
         if y_true.shape == y_pred.shape:  # one-hot or probabilities
@@ -111,12 +186,12 @@ def _predicted_and_true_classes(y_true: Array, y_pred: Array) -> tuple[Array, Ar
 
 
 def _accuracy(y_true: Array, y_pred: Array) -> Mean:
-    true, predicted = _predicted_and_true_classes(y_true, y_pred)
+    true, predicted = _predicted_and_true_classes(y_true, y_pred, "accuracy")
     return _mean_of(true == predicted)
 
 
-def _binary_counts(y_true: Array, y_pred: Array) -> tuple[Array, Array, Array]:
-    true, predicted = _predicted_and_true_classes(y_true, y_pred)
+def _binary_counts(y_true: Array, y_pred: Array, metric: str) -> tuple[Array, Array, Array]:
+    true, predicted = _predicted_and_true_classes(y_true, y_pred, metric)
     if y_pred.ndim >= 1 and y_pred.shape[-1] > 1:  # multi-class: class 1 is "positive"
         true, predicted = true == 1, predicted == 1
     true_pos = jnp.sum((true & predicted).astype(jnp.float32))
@@ -131,20 +206,22 @@ _PRESENT = 2.0**-100
 
 
 def _precision(y_true: Array, y_pred: Array) -> Mean:
-    true_pos, predicted_pos, _ = _binary_counts(y_true, y_pred)
+    true_pos, predicted_pos, _ = _binary_counts(y_true, y_pred, "precision")
     return Mean(true_pos, predicted_pos + _PRESENT)
 
 
 def _recall(y_true: Array, y_pred: Array) -> Mean:
-    true_pos, _, actual_pos = _binary_counts(y_true, y_pred)
+    true_pos, _, actual_pos = _binary_counts(y_true, y_pred, "recall")
     return Mean(true_pos, actual_pos + _PRESENT)
 
 
 def _mae(y_true: Array, y_pred: Array) -> Mean:
+    require_one_prediction(y_pred, "metric", "mean_absolute_error")
     return _mean_of(_mae_each(y_true, y_pred))
 
 
 def _mse(y_true: Array, y_pred: Array) -> Mean:
+    require_one_prediction(y_pred, "metric", "mean_squared_error")
     return _mean_of(_mse_each(y_true, y_pred))
 
 
@@ -239,6 +316,7 @@ def loss_mean(loss: Any) -> Callable[[Array, Array], tuple[Array, Mean]]:
     per_element = each
 
     def named(y_true: Array, y_pred: Array) -> tuple[Array, Mean]:
+        require_one_prediction(y_pred, "loss", name)
         values = per_element(y_true, y_pred)
         return values.mean(), _mean_of(values)
 

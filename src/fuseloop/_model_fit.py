@@ -7,17 +7,19 @@ message from inside flax or jax.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+import flax.errors
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._metrics import resolve_loss
+from ._metrics import require_one_prediction, resolve_loss
 from ._placement import device_dtype
-from .models import ModelModeError
+from .models import ModelModeError, from_nnx, linen
 
-__all__ = ["ModelFit", "SPARSE", "abstract", "check_step_keeps_state"]
+__all__ = ["ModelFit", "SPARSE", "abstract", "check_step_keeps_state", "needs_rng"]
 
 SPARSE = "sparse_categorical_cross_entropy"
 _SAME_SHAPE_LOSSES = ("categorical_cross_entropy",)
@@ -46,47 +48,204 @@ def abstract(leaf: Any) -> Any:
     return jax.ShapeDtypeStruct(np.shape(leaf), device_dtype(leaf))
 
 
+FRESH = "freshly initialized variables"
+_UNKNOWN: Any = object()  # model.init could not be evaluated abstractly (or was not tried)
+
+# What a model that asks for randomness fuseloop does not supply raises: flax.linen's
+# InvalidRngError ('... needs PRNG for "noise"'), nnx's "no `rngs` argument was provided to
+# Dropout" or "No RngStream named 'noise'", a module that "requires a key".
+_RNG_WORDS = re.compile(
+    r"\b(p?rngs?|rng_\w+|make_rng|rngstream|prngkey)\b"
+    r"|\b(requires|needs) an? (random |prng )?key\b",
+    re.IGNORECASE,
+)
+
+
+def _errors(error: BaseException) -> list[BaseException]:
+    """`error` and the errors it was raised from or while handling."""
+    chain: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def needs_rng(error: BaseException) -> bool:
+    """Whether `error` is a model's complaint about a random key or rng stream it lacks.
+
+    Example:
+        >>> needs_rng(ValueError("no `rngs` argument was provided to Dropout"))
+        True
+        >>> needs_rng(TypeError("dot_general requires contracting dimensions to match"))
+        False
+    """
+    return any(
+        isinstance(e, flax.errors.InvalidRngError) or _RNG_WORDS.search(str(e))
+        for e in _errors(error)
+    )
+
+
+def _same_signature(a: Any, b: Any) -> bool:
+    """Whether two (abstract) variable trees have the same structure, shapes and dtypes."""
+    leaves_a, treedef_a = jax.tree.flatten(a)
+    leaves_b, treedef_b = jax.tree.flatten(b)
+    expected: object = treedef_a  # this jaxlib has no stub for PyTreeDef: compare as objects
+    return expected == treedef_b and all(
+        (np.shape(x), getattr(x, "dtype", type(x))) == (np.shape(y), getattr(y, "dtype", type(y)))
+        for x, y in zip(leaves_a, leaves_b, strict=True)
+    )
+
+
+def _held(variables: Any) -> str:
+    text = repr(variables)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 class ModelFit:
     """The abstract checks of one run's program against its first batch.
 
-    After `check_first`, `first_x` is `(x, its abstract value)` and `classes` the model's
-    output width when the loss is a sparse cross-entropy (for the host's label checks).
+    After `check_first`, `first_x` is `(x, its abstract value)`, `first_y` y's abstract
+    value and `classes` the model's output width when the loss is a sparse cross-entropy
+    (for the host's label checks). `fresh` holds the abstract variables `model.init` makes
+    for that batch, and `checked` whether x, y and the loss passed with them; when they
+    did not (an evaluator's init, which the run never calls, may return anything; fresh
+    variables that the model rejects may be replaced by given ones), `check_run_variables`
+    checks x, y and the loss with the variables the run starts from, which decide.
     """
 
     def __init__(self, program: Any):
         self.program = program
         self.first_x: tuple[Any, Any] | None = None
+        self.first_y: Any = None
         self.classes: int | None = None
+        self.fresh: Any = _UNKNOWN
+        self.checked = False
 
-    def check_variables(self, variables: Any, whose: str) -> Any:
-        """The model's abstract output on the first batch's x with `variables` (abstract
-        too); a failure is a ValueError naming x's shapes and `whose` variables they were."""
+    def verdict(self) -> tuple[Any, ...]:
+        """What `check_first` found, for `restore` on a later batch of the same signature."""
+        return self.first_x, self.first_y, self.classes, self.fresh, self.checked
+
+    def restore(self, verdict: tuple[Any, ...]) -> None:
+        self.first_x, self.first_y, self.classes, self.fresh, self.checked = verdict
+
+    def _forward(self, variables: Any) -> Any:
+        """The model's abstract output on the first batch's x with abstract `variables`."""
         if self.first_x is None:
             raise RuntimeError("check_variables: no batch has been seen yet (internal error)")
-        model, (x, xs) = self.program.model, self.first_x
+        model, xs = self.program.model, self.first_x[1]
         train = self.program.kind == "trainer"
         key = jax.ShapeDtypeStruct((2,), jnp.uint32)
 
         def forward(variables: Any, x: Any, key: Any) -> Any:
             return model.forward(variables, x, train=train, rng=key if train else None)[0]
 
+        return jax.eval_shape(forward, variables, xs, key)
+
+    def check_variables(self, variables: Any, whose: str) -> Any:
+        """The model's abstract output on the first batch's x with `variables` (abstract
+        too); a failure is a ValueError naming x's shapes and `whose` variables they were
+        (or, where the model asked for randomness or the variables hold no arrays, that)."""
         try:
-            return jax.eval_shape(forward, variables, xs, key)
+            return self._forward(variables)
         except ModelModeError:
             raise
         except Exception as error:  # noqa: BLE001 - re-raised with context
-            raise ValueError(
-                f"data: x does not fit the model: applying it with {whose} to the first "
-                f"batch's x ({_describe(x, 'x')}) fails with {_first_line(error)}. Give x the "
-                f"shape the model expects (the batch axis first), or pass matching variables"
-            ) from error
+            raise self._misfit(error, variables, whose) from error
+
+    def check_run_variables(self, variables: Any) -> None:
+        """x - and, unless `check_first` checked them with fresh variables, y and the loss -
+        against the (abstract) variables the run starts from: the caller's, or the trainer's
+        own init. Fresh variables of the same signature as those `check_first` passed are
+        not traced again."""
+        fresh = self.fresh is not _UNKNOWN and _same_signature(variables, self.fresh)
+        if self.checked:
+            if not fresh:
+                self.check_variables(variables, "the given variables")
+            return
+        if self.program.kind == "evaluator":  # it never initializes: the caller's
+            whose = "the given variables"
+        elif fresh:
+            whose = FRESH
+        elif self.fresh is not _UNKNOWN:
+            whose = "the given variables"
+        else:
+            whose = "the variables the run starts from"
+        y_pred = self.check_variables(variables, whose)
+        if self.program.loss is not None and self.first_y is not None:
+            self._check_loss(self.first_y, y_pred, self.first_y)
+
+    def _misfit(self, error: BaseException, variables: Any, whose: str) -> ValueError:
+        """The ValueError for a model that fails on the first batch's x with `variables`."""
+        x = self.first_x[0] if self.first_x is not None else None
+        applying = f"applying the model to the first batch's x ({_describe(x, 'x')})"
+        if needs_rng(error):
+            return self._rng_error(error, applying)
+        if not jax.tree.leaves(variables):
+            if whose == FRESH:
+                return ValueError(
+                    f"model: its init returned {_held(variables)}, no variables, so {applying} "
+                    f"fails with {_first_line(error)}; x is not the problem. Make init return "
+                    f"the variables the model's apply reads, or pass trained variables to run: "
+                    f"fl.evaluator(model).run(data, params), or trainer.run(data, variables)"
+                )
+            return ValueError(
+                f"init_state: {whose} hold no arrays ({_held(variables)}), so {applying} fails "
+                f"with {_first_line(error)}. Pass the variables the model reads (e.g. a "
+                f"trained State's params)"
+            )
+        return ValueError(
+            f"data: x does not fit the model: applying it with {whose} to the first "
+            f"batch's x ({_describe(x, 'x')}) fails with {_first_line(error)}. Give x the "
+            f"shape the model expects (the batch axis first), or pass matching variables"
+        )
+
+    def _rng_error(self, error: BaseException, applying: str) -> ValueError:
+        """The ValueError for a model that asks for randomness fuseloop does not supply."""
+        model = self.program.model
+        name = type(getattr(model, "module", model)).__name__
+        failure = f"{applying} fails with {_first_line(error)}. x is not the problem"
+        if isinstance(model, linen):
+            found = re.search(r'PRNG for "([^"]+)"', str(error))
+            stream = f"the rng stream {found.group(1)!r}" if found else "an rng stream"
+            if self.program.kind == "trainer":
+                return ValueError(
+                    f"model: {name} asks for {stream}, but fuseloop's trainer passes only "
+                    f"the 'dropout' stream: {failure}; draw that randomness from the "
+                    f"'dropout' stream (self.make_rng('dropout')), or write the step "
+                    f"yourself with fl.loop to pass other streams"
+                )
+            return ValueError(
+                f"model: {name} asks for {stream} in evaluation, but fuseloop passes no rng "
+                f"when it evaluates (the model's train flag off): {failure}; make the model "
+                f"deterministic when the flag is off (e.g. nn.Dropout(rate, "
+                f"deterministic=not train)), or evaluate with fl.loop"
+            )
+        if isinstance(model, from_nnx):
+            return ValueError(
+                f"model: {name} needs an rng it was not given: {failure}; fuseloop passes no "
+                f"rng to an nnx module, whose layers draw from the nnx.Rngs they were built "
+                f"with, so give the layer rngs= when you build it (e.g. nnx.Dropout(0.3, "
+                f"rngs=rngs))"
+            )
+        return ValueError(
+            f"model: {name} needs a random key that fuseloop does not supply: {failure}; "
+            f"fuseloop passes a key only while training (an apply_fn with an `rng` keyword "
+            f"receives it), so draw the randomness from that key, or write the step with "
+            f"fl.loop"
+        )
 
     def check_first(self, batch: Any) -> None:
-        """x fits the model and y fits its output and the loss (abstractly, nothing runs)."""
+        """x fits the model and y fits its output and the loss (abstractly, nothing runs).
+
+        Checked with the variables `model.init` makes; where those cannot be made, or the
+        model rejects them, `check_run_variables` checks with the run's variables instead
+        (a model that asks for randomness fuseloop does not supply fails here)."""
         model, x, y = self.program.model, batch[0], batch[1]
         if model is None:
             return
         self.first_x = (x, jax.tree.map(abstract, x))
+        self.first_y = jax.tree.map(abstract, y)
         try:
             variables = jax.eval_shape(
                 model.init, jax.ShapeDtypeStruct((2,), jnp.uint32), self.first_x[1]
@@ -98,17 +257,32 @@ class ModelFit:
                 # An evaluator never initializes (its variables come from the caller), and
                 # an init that needs concrete values cannot be checked abstractly.
                 return
+            if needs_rng(error):
+                raise self._rng_error(
+                    error, f"initializing the model on the first batch's x ({_describe(x, 'x')})"
+                ) from error
             raise ValueError(
                 f"data: x does not fit the model: initializing it on the first batch's x "
                 f"({_describe(x, 'x')}) fails with {_first_line(error)}. Give x the shape the "
                 f"model expects (the batch axis first)"
             ) from error
-        y_pred = self.check_variables(variables, "freshly initialized variables")
+        self.fresh = variables
+        try:
+            y_pred = self._forward(variables)
+        except ModelModeError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a missing rng is the model's alone
+            if needs_rng(error):
+                raise self._misfit(error, variables, FRESH) from error
+            return  # the run's variables decide (check_run_variables)
         if self.program.loss is not None:
-            self._check_loss(y, y_pred, jax.tree.map(abstract, y))
+            self._check_loss(y, y_pred, self.first_y)
+        self.checked = True
 
     def _check_loss(self, y: Any, y_pred: Any, ys: Any) -> None:
         name, loss_fn = resolve_loss(self.program.loss)
+        if isinstance(self.program.loss, str):  # a built-in loss reads one array
+            require_one_prediction(y_pred, "loss", name)
         shape = getattr(y_pred, "shape", None)
         output = (
             f"the model's output of shape {shape}"

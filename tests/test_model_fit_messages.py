@@ -1,0 +1,201 @@
+"""The first-batch model checks blame what is wrong, not x (docs/reliability.md §1).
+
+x is checked against the variables the run uses (an evaluator's params, a trainer's given
+variables, `validate`'s trained params), not against what `model.init` would make; a model
+returning several outputs is told that a built-in loss or metric reads one array; a model
+asking for randomness fuseloop does not supply is told so, with the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import fuseloop as fl
+
+SPARSE = "sparse_categorical_cross_entropy"
+BATCH, FEATURES, CLASSES = 4, 3, 3
+
+_rng = np.random.default_rng(0)
+X = _rng.normal(size=(4 * BATCH, FEATURES)).astype(np.float32)
+Y_REGRESSION = (X @ np.array([[1.0], [2.0], [3.0]], np.float32)).astype(np.float32)
+Y_CLASSES = np.arange(4 * BATCH, dtype=np.int32) % CLASSES
+REGRESSION = [(X[i : i + BATCH], Y_REGRESSION[i : i + BATCH]) for i in range(0, len(X), BATCH)]
+CLASSIFICATION = [(X[i : i + BATCH], Y_CLASSES[i : i + BATCH]) for i in range(0, len(X), BATCH)]
+
+PARAMS = {"w": np.full((FEATURES, 1), 0.5, np.float32), "b": np.ones((1,), np.float32)}
+
+
+def apply(params: Any, x: Any) -> Any:
+    return x @ params["w"] + params["b"]
+
+
+def good_init(rng: Any, x: Any) -> Any:
+    return {"w": jnp.zeros((x.shape[-1], 1)), "b": jnp.zeros((1,))}
+
+
+def hand_mae(params: Any) -> float:
+    """The mean absolute error over all examples of REGRESSION, on the host."""
+    w, b = np.asarray(params["w"], np.float32), np.asarray(params["b"], np.float32)
+    return float(np.mean(np.abs(X @ w + b - Y_REGRESSION)))
+
+
+NO_VARIABLES = [lambda rng, x: None, lambda rng, x: {}]
+
+
+# --------------------------------------------------------------------------- given variables
+@pytest.mark.parametrize("init", NO_VARIABLES, ids=["None", "empty"])
+def test_evaluator_checks_x_with_the_given_params(init):
+    state = fl.evaluator((init, apply)).metric("mean_absolute_error").run(REGRESSION, PARAMS)
+    assert state.status == "completed"
+    assert state.metrics["mean_absolute_error"] == pytest.approx(hand_mae(PARAMS), rel=1e-6)
+
+
+def test_validate_checks_x_with_the_trained_params():
+    loop = fl.trainer((good_init, apply), "mean_squared_error", optax.sgd(0.01))
+    loop = loop.metric("mean_absolute_error").validate((lambda rng, x: {}, apply), REGRESSION)
+    state = loop.run(REGRESSION, epochs=2)
+    assert state.metrics["validation_mean_absolute_error"] == pytest.approx(
+        hand_mae(state.params), rel=1e-5
+    )
+
+
+def test_a_trainer_started_from_given_variables_checks_x_with_them():
+    loop = fl.trainer((lambda rng, x: {}, apply), "mean_squared_error", optax.sgd(0.0))
+    state = loop.metric("mean_absolute_error").run(REGRESSION, PARAMS)
+    assert state.status == "completed"
+    assert state.metrics["mean_absolute_error"] == pytest.approx(hand_mae(PARAMS), rel=1e-6)
+
+
+@pytest.mark.parametrize("init", NO_VARIABLES, ids=["None", "empty"])
+def test_a_trainer_whose_init_returns_no_variables_blames_init(init):
+    loop = fl.trainer((init, apply), "mean_squared_error", "sgd")
+    with pytest.raises(ValueError, match=r"init returned (None|\{\}), no variables") as info:
+        loop.run(REGRESSION)
+    message = str(info.value)
+    assert "x is not the problem" in message and "pass trained variables to run" in message
+
+
+def test_an_evaluator_given_no_variables_names_them():
+    with pytest.raises(ValueError, match=r"init_state: the given variables hold no arrays"):
+        fl.evaluator((good_init, apply)).run(REGRESSION, {})
+
+
+def test_labels_are_checked_when_only_the_given_params_know_the_classes():
+    params = {"w": np.ones((FEATURES, CLASSES), np.float32)}
+    data = list(CLASSIFICATION)
+    data[0] = (data[0][0], np.array([0, 1, CLASSES + 2, 1], np.int32))
+    loop = fl.evaluator((lambda rng, x: {}, lambda p, x: x @ p["w"]), SPARSE)
+    with pytest.raises(ValueError, match=rf"y holds the label {CLASSES + 2}.*{CLASSES} classes"):
+        loop.run(data, params)
+
+
+# --------------------------------------------------------------------------- several outputs
+class TupleOut(nn.Module):
+    @nn.compact
+    def __call__(self, x: Any) -> Any:
+        h = nn.Dense(4)(x)
+        return nn.Dense(CLASSES)(h), h
+
+
+class DictOut(nn.Module):
+    @nn.compact
+    def __call__(self, x: Any) -> Any:
+        h = nn.Dense(4)(x)
+        return {"logits": nn.Dense(CLASSES)(h), "features": h}
+
+
+@pytest.mark.parametrize(
+    "model, kind", [(TupleOut(), "tuple"), (DictOut(), "dict")], ids=["tuple", "dict"]
+)
+def test_a_builtin_loss_on_several_outputs_says_so(model, kind):
+    with pytest.raises(
+        ValueError,
+        match=rf"loss '{SPARSE}' takes one array of predictions, but the model returns a "
+        rf"{kind} of 2 outputs.*custom loss, loss\(y_true, y_pred\), that picks the output"
+        r".*or make the model return one array",
+    ):
+        fl.trainer(model, SPARSE, "sgd").run(CLASSIFICATION)
+
+
+@pytest.mark.parametrize("metric", ["accuracy", "precision", "mean_squared_error"])
+def test_a_builtin_metric_on_several_outputs_says_so(metric):
+    def loss(y: Any, out: Any) -> Any:
+        return optax.softmax_cross_entropy_with_integer_labels(out[0], y).mean()
+
+    loop = fl.trainer(TupleOut(), loss, "sgd").metric(metric)
+    with pytest.raises(
+        ValueError,
+        match=rf"metric '{metric}' takes one array of predictions, but the model returns a "
+        r"tuple of 2 outputs.*metric function that picks the output.*y_pred\[0\]",
+    ):
+        loop.run(CLASSIFICATION)
+
+
+# --------------------------------------------------------------------------- rng streams
+class NoiseRng(nn.Module):
+    """Draws from a 'noise' stream while training: fuseloop passes only 'dropout'."""
+
+    @nn.compact
+    def __call__(self, x: Any, train: bool = False) -> Any:
+        h = nn.Dense(4)(x)
+        if train:
+            h = h + 0.1 * jax.random.normal(self.make_rng("noise"), h.shape)
+        return nn.Dense(CLASSES)(h)
+
+
+class AlwaysDropout(nn.Module):
+    """Draws dropout masks in evaluation too: fuseloop evaluates without an rng."""
+
+    @nn.compact
+    def __call__(self, x: Any, train: bool = False) -> Any:
+        return nn.Dropout(0.5, deterministic=False)(nn.Dense(CLASSES)(x))
+
+
+class DropNoRngs(nnx.Module):
+    """An nnx Dropout built without rngs."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(FEATURES, CLASSES, rngs=rngs)
+        self.dropout = nnx.Dropout(0.3)
+
+    def __call__(self, x: Any) -> Any:
+        return self.dropout(self.linear(x))
+
+
+def test_a_linen_model_asking_for_another_rng_stream_is_told_so():
+    with pytest.raises(
+        ValueError,
+        match=r"NoiseRng asks for the rng stream 'noise', but fuseloop's trainer passes only "
+        r"the 'dropout' stream.*x is not the problem.*make_rng\('dropout'\).*fl\.loop",
+    ) as info:
+        fl.trainer(NoiseRng(), SPARSE, "sgd").run(CLASSIFICATION)
+    assert "x does not fit" not in str(info.value)
+
+
+def test_a_linen_model_drawing_randomness_in_evaluation_is_told_so():
+    model = AlwaysDropout()
+    params = model.init(jax.random.PRNGKey(0), X[:BATCH])
+    with pytest.raises(
+        ValueError,
+        match=r"AlwaysDropout asks for the rng stream 'dropout' in evaluation, but fuseloop "
+        r"passes no rng when it evaluates.*deterministic=not train",
+    ):
+        fl.evaluator(model, SPARSE).run(CLASSIFICATION, params)
+
+
+def test_an_nnx_dropout_without_rngs_is_told_so():
+    with pytest.raises(
+        ValueError,
+        match=r"DropNoRngs needs an rng it was not given.*x is not the problem.*give the layer "
+        r"rngs=.*nnx\.Dropout\(0\.3, rngs=rngs\)",
+    ) as info:
+        fl.trainer(DropNoRngs(nnx.Rngs(0)), SPARSE, "sgd").run(CLASSIFICATION)
+    assert "x does not fit" not in str(info.value)
