@@ -73,10 +73,38 @@ def test_an_epoch_handler_keeps_every_epoch_end_synchronous(opened):
     assert opened == []
 
 
-def test_the_guard_and_live_steps_do_not_open(opened):
-    trainer().terminate_on_nan().run(BATCHES, epochs=3, fuse=K)
+def test_live_steps_do_not_open(opened):
     trainer().run(BATCHES, epochs=3, fuse=False)
     assert opened == []
+
+
+@pytest.mark.parametrize("bad_at", [None, 11, 10, 4])  # none, the epoch's last, a short chunk's
+def test_a_guarded_run_opens_and_a_halt_at_the_epochs_end_rolls_the_opening_back(opened, bad_at):
+    """The guard's flag is read once, at the epoch's end, after the next epoch opened:
+    a non-finite step in the ending epoch undoes the opening (its first chunk ran)."""
+    passes = iter(range(10))
+
+    def data() -> Any:
+        epoch = next(passes)
+        if bad_at is None or epoch != 1:
+            return iter(BATCHES)
+        poisoned = list(BATCHES)
+        poisoned[bad_at] = (np.full_like(BATCHES[bad_at][0], np.nan), BATCHES[bad_at][1])
+        return iter(poisoned)
+
+    loop = trainer().terminate_on_nan()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        state = loop.run(data, epochs=3, fuse=K)
+        passes = iter(range(10))
+        reference = loop.run(data, epochs=3)
+    assert opened == [1, 2]  # the ending epoch opens the next, halted or not
+    assert state.status == reference.status
+    assert_tree_equal(state.step_state, reference.step_state, "step state")
+    assert state.event_counts == reference.event_counts and state.history == reference.history
+    assert state.handler_metadata.get("_nonfinite_at") == reference.handler_metadata.get(
+        "_nonfinite_at"
+    )
 
 
 def test_iteration_handlers_see_the_opened_epochs_chunks_in_unfused_order(opened):

@@ -46,6 +46,10 @@ class Carry:
         self.ended = self.tail
         self.reset_metrics()
 
+    def ending_tail(self) -> Any:
+        """The ending epoch's tail: set aside by `open_epoch`, or the live one."""
+        return self.tail if self.ended is None else self.ended
+
     def epoch_metrics(self) -> dict[str, float]:
         """The ending epoch's metrics: the live ones, or those kept by `open_epoch`."""
         if self.ended is None:

@@ -8,10 +8,11 @@ device keeps working while the host replays; a halt (or an error) in chunk n the
 carry back to a packed copy taken before that launch, so the halt still takes effect at
 the end of chunk n (docs/design.md §6).
 
-Where nothing can act at an epoch's end (no epoch handler, no guard, no population), the
-run opens the next epoch before it reads the ending one's metrics (`open_next`): the
-device goes on from one epoch's last chunk to the next epoch's first without waiting for
-the host (docs/design.md §6).
+Where nothing can act at an epoch's end (no epoch handler, no population), the run opens
+the next epoch before it reads the ending one's metrics (`open_next`): the device goes on
+from one epoch's last chunk to the next epoch's first without waiting for the host
+(docs/design.md §6). The guard's flag is then read from the ending epoch's own tail, and a
+halt it decides rolls the opening back.
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ class EpochLoop:
                 status, last, current = CONTINUE, 0, opened[1]
             while current is not None:
                 status, state, last, current = self._step(state, current, last)
-            if status == CONTINUE:
-                status, state, last = replay.settle(state, last)
+            if status == CONTINUE and replay.pending:
+                status, state, last = self._settle(state, last)
         finally:
             self.ahead = None
             if self.opened is None:  # an epoch opened ahead owns the feed now
@@ -195,6 +196,23 @@ class EpochLoop:
         if not feed.ahead and not current.exhausted:
             nxt = feed.next(current.end)
         return self._start(state, nxt, last)
+
+    def _settle(self, state: Any, last: int) -> tuple[str, Any, int]:
+        """The guard's verdict on the epoch's deferred chunks (`EpochReplay.settle`). Where
+        the next epoch may open, it opens first, so the device goes on while the host reads
+        the ending epoch's flag; a non-finite step rolls that opening back.
+        """
+        rollback, opened_ahead = None, False
+        if self.ahead is not None:
+            rollback, opened_ahead = self._open_ahead(), True
+        try:
+            status, state, last = self._replay.settle(state, last, self.carry.ending_tail())
+        except BaseException:
+            self._undo(rollback, opened_ahead)
+            raise
+        if status != CONTINUE:
+            self._undo(rollback, opened_ahead)
+        return status, state, last
 
     def _open_ahead(self) -> Any:
         """Opens the next epoch ahead of the last chunk's replay: the carry's copy to roll

@@ -150,18 +150,17 @@ class EpochReplay:
         good = int(host["n_run"]) - 1 if self.guard and bool(host["nonfinite"]) else n
         return self._fire_chunk(state, first, n, good, firing, host["records"])
 
-    def settle(self, state: Any, last: int) -> tuple[str, Any, int]:
+    def settle(self, state: Any, last: int, tail: Any) -> tuple[str, Any, int]:
         """The guard's verdict on the chunks replayed without reading it: one host read
-        of the flag (sticky in the carry) and of their steps run; where one met a non-finite
-        step, the counters go back to that step (its iteration started, never completed)
-        and the loop halts."""
+        of the flag (sticky in the epoch's `tail`) and of their steps run; where one met a
+        non-finite step, the counters go back to that step (its iteration started, never
+        completed) and the loop halts."""
         pending, self.pending = self.pending, []
         if not pending:
             return CONTINUE, state, last
-        # Host read: once per epoch, the guard's flag and every deferred chunk's steps run.
-        host = self.reads.get(
-            {"nonfinite": self.carry.tail["nonfinite"], "n_run": [r.n_run for r in pending]}
-        )
+        # Host read: once per epoch, the guard's flag (in the epoch's own `tail`) and every
+        # deferred chunk's steps run.
+        host = self.reads.get({"nonfinite": tail["nonfinite"], "n_run": [r.n_run for r in pending]})
         if not bool(host["nonfinite"]):
             return CONTINUE, state, last
         bad, good = _first_nonfinite([r.n for r in pending], [int(k) for k in host["n_run"]])

@@ -326,13 +326,13 @@ class Run:
     def _may_open(self, epoch: int) -> bool:
         """Whether `epoch` may open before the ending one is read (`EpochLoop.open_next`):
         it will run, and nothing can act in between - no epoch handler (which may halt or
-        change the State), no guard (whose flag the ending epoch's last read decides), no
-        population, and chunks rather than live steps (whose handlers see the step state).
+        change the State), no population, and chunks rather than live steps (whose handlers
+        see the step state). The guard's flag is the ending epoch's own (`Carry.ended`): a
+        halt it decides rolls the opening back (`EpochLoop`).
         """
         return (
             epoch < self.epochs
             and self.members is None
-            and not self.loop.guard_nonfinite
             and not self._epoch_loop.feed.live
             and not any(self.bus.has(event) for event in _EPOCH_EVENTS)
         )
