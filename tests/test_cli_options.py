@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fuseloop import cli
-from fuseloop._demo import _parse_fuse, _plot_target, default_plot_path
+from fuseloop._demo import _plot_target, default_plot_path, parse_fuse
 
 
 @pytest.mark.parametrize(
@@ -13,12 +13,12 @@ from fuseloop._demo import _parse_fuse, _plot_target, default_plot_path
     [("false", False), ("OFF", False), ("auto", "auto"), ("True", True), ("16", 16)],
 )
 def test_fuse_option_values(text, expected):
-    assert _parse_fuse(text) == expected
+    assert parse_fuse(text) == expected
 
 
 def test_a_bad_fuse_option_names_the_accepted_values():
     with pytest.raises(ValueError, match="--fuse='sometimes'.*'auto'"):
-        _parse_fuse("sometimes")
+        parse_fuse("sometimes")
 
 
 def test_plot_targets(tmp_path):
@@ -41,3 +41,20 @@ def test_bench_arguments_go_to_the_bench_parser(capsys):
         cli.main(["bench", "--reps", "0"])
     assert exit_info.value.code == 2
     assert "--reps=0 must be a positive int" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--fuse", "-3"], ["--fuse", "0"], ["--epochs", "0"]])
+def test_bad_demo_options_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["demo", *argv, "--no-plot"])
+    assert exited.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_a_bench_output_path_is_checked_before_anything_runs(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bench", "--json", str(blocker / "out.json"), "--models", "mlp-tiny"])
+    assert exited.value.code == 2
+    assert "--json" in capsys.readouterr().err

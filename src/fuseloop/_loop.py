@@ -229,6 +229,8 @@ class Loop(HandlerBuilders):
             population: Train N members in one fused program (a trainer only): an int N
                 (seeds seed, seed+1, ...) or a dict of per-member lists (any hyperparameter
                 the optimizer injects, and "seed"), e.g. `{"learning_rate": [1e-3, 1e-2]}`.
+                A dict without "seed" seeds member i with seed+i too; give `"seed": [0, 0]`
+                to start every member from the same initial weights (a clean rate sweep).
                 Params gain a leading member axis, metrics and history hold arrays of shape
                 (N,); `state.member(i)` is member i alone. A population's State resumes as one.
 

@@ -20,13 +20,31 @@ def _version() -> str:
         return __version__
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an int >= 1 (a usage error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fuseloop", description=__doc__)
     parser.add_argument("--version", action="version", version=f"fuseloop {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train an MLP on scikit-learn's digits")
-    demo.add_argument("--epochs", type=int, default=20)
-    demo.add_argument("--fuse", default="32", help="chunk size, 'auto', or 'false'")
+    demo.add_argument(
+        "--epochs", type=_positive_int, default=20, help="epochs to train (default: 20)"
+    )
+    demo.add_argument(
+        "--fuse",
+        default="32",
+        help="a positive chunk size, 'auto', 'true' (chunks of 32) or 'false' (unfused); "
+        "default: 32",
+    )
     demo.add_argument(
         "--plot",
         default=None,
@@ -35,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
         "history.png; the path is printed)",
     )
     demo.add_argument("--no-plot", action="store_true", help="write no plot")
-    demo.add_argument("--no-progress", action="store_true")
+    demo.add_argument("--no-progress", action="store_true", help="show no progress bar")
     commands.add_parser("bench", help="benchmark fused vs unfused vs peers", add_help=False)
     launch = commands.add_parser(
         "launch",
@@ -71,9 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Example:
         >>> main(["demo", "--epochs", "1", "--no-plot", "--no-progress"])
-        fuseloop demo: digits, 1437 train / 360 held-out examples, MLP 64-128-10, 1 epochs, fuse=32
+        fuseloop demo: digits, 1437 train / 360 held-out examples, MLP 64-128-10, 1 epoch, fuse=32
         Epoch 1/1 - loss: ...
         final validation accuracy: ...
+        exit status 1: the validation accuracy is below the demo's bar of 0.9
         1
     """
     parser = _parser()
@@ -87,7 +106,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "launch":
         return _launch(parser, args)
     from ._demo import demo as run_demo
+    from ._demo import parse_fuse
 
+    try:
+        parse_fuse(args.fuse)
+    except ValueError as error:
+        parser.error(str(error))
     plot = False if args.no_plot else (args.plot or True)
     return run_demo(epochs=args.epochs, fuse=args.fuse, plot=plot, progress=not args.no_progress)
 
