@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import fuseloop as fl
-from conftest import make_batches, trainer
+from conftest import assert_tree_equal, make_batches, trainer
 
 
 @pytest.mark.parametrize("where", ["last", "first", "middle"])
@@ -101,3 +101,18 @@ def test_float64_device_resident_data_warns_as_host_data_does(fuse):
     y = np.concatenate([b[1] for b in make_batches(3)])
     with pytest.warns(UserWarning, match=r"leaf x is float64.*cast to float32"):
         trainer().run(fl.data.arrays(x, y, batch_size=4, device=True), fuse=fuse)
+
+
+@pytest.mark.parametrize("fuse", [False, 4, "run"])
+def test_a_skipped_epoch_does_not_shift_a_device_datasets_order(fuse):
+    x = np.concatenate([b[0] for b in make_batches(6)])
+    y = np.concatenate([b[1] for b in make_batches(6)])
+
+    def skip_epoch_1(state: fl.State) -> str | None:
+        return "halt_epoch" if state.epoch == 1 else None
+
+    loop = trainer().handle_event("epoch_started", skip_epoch_1)
+    host = loop.run(fl.data.arrays(x, y, batch_size=4, seed=3), epochs=3)
+    device = loop.run(fl.data.arrays(x, y, batch_size=4, seed=3, device=True), epochs=3, fuse=fuse)
+    assert device.history[2] == host.history[2]
+    assert_tree_equal(device.step_state, host.step_state, "step_state")

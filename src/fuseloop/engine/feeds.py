@@ -193,10 +193,15 @@ class ResidentFeed:
         # The epoch counter lives on the device (`start_epoch` is a device int32 scalar),
         # so advancing it moves nothing.
         self.epoch_counter = start_epoch
+        self.counted_epoch: int | None = None  # the epoch the counter holds, once known
         self.next_order = programs.epoch_order(source)
 
     def begin(self, epoch: int, iterator: Any, bound: int | None, replay_reads: bool) -> None:
+        if self.counted_epoch is not None and self.counted_epoch != epoch:
+            # An epoch was skipped (halted at epoch_started): its order is not this one's.
+            self.epoch_counter = epoch_counter(epoch)
         self.order, self.epoch_counter, self.cursor = self.next_order(self.epoch_counter)
+        self.counted_epoch = epoch + 1
         self.limit = (
             self.source.num_batches if bound is None else min(bound, self.source.num_batches)
         )
