@@ -116,3 +116,20 @@ def test_a_skipped_epoch_does_not_shift_a_device_datasets_order(fuse):
     device = loop.run(fl.data.arrays(x, y, batch_size=4, seed=3, device=True), epochs=3, fuse=fuse)
     assert device.history[2] == host.history[2]
     assert_tree_equal(device.step_state, host.step_state, "step_state")
+
+
+def test_resuming_from_inside_an_epoch_or_with_nothing_left_warns(tmp_path):
+    halt_mid = lambda s: "halt_loop" if (s.epoch, s.iteration) == (1, 2) else None  # noqa: E731
+    loop = trainer()
+    halted = loop.handle_event("iteration_completed", halt_mid).run(make_batches(6), epochs=3)
+    with pytest.warns(RuntimeWarning, match=r"inside epoch 1 after 3 of its steps"):
+        loop.run(make_batches(6), halted, epochs=3)
+    done = loop.run(make_batches(6), epochs=2)
+    with pytest.warns(RuntimeWarning, match=r"already ran 2 epochs and epochs=2: nothing"):
+        loop.run(make_batches(6), done, epochs=2)
+    with pytest.raises(ValueError, match=r"is a path, not a State.*fl.load_state"):
+        loop.run(make_batches(6), str(tmp_path), epochs=2)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=r"is a file, so no checkpoint directory"):
+        loop.checkpoint(blocker / "ckpt")

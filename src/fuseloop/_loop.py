@@ -12,7 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ._events import Registration, make_filter, normalize_event
-from ._loop_args import check_accumulate, check_step_functions, check_trainer_options, known_metrics
+from ._loop_args import (
+    check_accumulate,
+    check_init_state,
+    check_step_functions,
+    check_trainer_options,
+    known_metrics,
+)
 from ._loop_handlers import HandlerBuilders
 from ._metrics import MetricSpec, resolve_metric
 from ._state import State
@@ -240,6 +246,7 @@ class Loop(HandlerBuilders):
             ('completed', 2, ['loss'])
         """
         check_run_options(epochs, iterations, jit, progress, max_in_flight, prefetch)
+        check_init_state(init_state)
         return run_loop(
             self,
             data,

@@ -3,12 +3,19 @@ that names the argument and what it accepts."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 from ._metrics import ACCUMULATORS, METRICS
 
-__all__ = ["known_metrics", "check_accumulate", "check_trainer_options", "check_step_functions"]
+__all__ = [
+    "known_metrics",
+    "check_accumulate",
+    "check_trainer_options",
+    "check_step_functions",
+    "check_init_state",
+]
 
 
 def known_metrics() -> tuple[str, ...]:
@@ -40,3 +47,19 @@ def check_step_functions(step_fn: Any, init_fn: Callable[..., Any] | None) -> No
         raise ValueError(f"step_fn={step_fn!r} must be callable(batch, step_state)")
     if init_fn is not None and not callable(init_fn):
         raise ValueError(f"init_fn={init_fn!r} must be callable(first_batch, init_state)")
+
+
+def check_init_state(init_state: Any) -> None:
+    """`run`'s init_state: a path is refused with the call that loads it.
+
+    Example:
+        >>> check_init_state("ckpt/run1")
+        Traceback (most recent call last):
+        ...
+        ValueError: init_state='ckpt/run1' is a path, not a State: load it first ...
+    """
+    if isinstance(init_state, (str, bytes, os.PathLike)):
+        raise ValueError(
+            f"init_state={init_state!r} is a path, not a State: load it first, "
+            f"loop.run(data, fl.load_state(path), epochs=...)"
+        )

@@ -31,7 +31,7 @@ from .population import first_member, resolve_population
 from .population_run import PopulationHost
 from .programs import Programs
 from .signals import SignalGuard
-from .start import initial_step_state
+from .start import initial_step_state, warn_on_resume
 from .whole_run import WholeRun
 
 __all__ = ["Run"]
@@ -177,6 +177,7 @@ class Run:
             self.user_state = given.params
             return
         self.start_epoch = max(given.history) + 1 if given.history else 0
+        warn_on_resume(given, self.start_epoch, self.epochs)
         self.bus.restore_counts(given.event_counts)
         self.user_state = given.step_state
         self.state = state.replace(

@@ -8,6 +8,7 @@ run neither recompiles nor pays for hundreds of eager dispatches.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -20,7 +21,7 @@ from .conv_layout import named
 from .population import population_init, require_distinct_members
 from .programs import Programs
 
-__all__ = ["InlineInit", "initial_step_state", "private_copy"]
+__all__ = ["InlineInit", "initial_step_state", "private_copy", "warn_on_resume"]
 
 
 @jax.jit
@@ -148,3 +149,29 @@ def _built_variables(model: Any) -> Any:
     model, whose init the trainer runs."""
     current = getattr(model, "current_variables", None)
     return current() if current is not None else None
+
+
+def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:
+    """Warns where resuming from the State `given` cannot continue as one uninterrupted
+    run: it stopped inside an epoch after stepping some of it (the run repeats that epoch
+    from its first batch, on parameters that already took those steps), or it already ran
+    the `epochs` asked for (nothing is trained)."""
+    done = given.event_counts.get("iteration_completed", {})
+    stepped = done.get("epoch", 0) if isinstance(done, dict) else 0
+    if given.status == "halted" and given.epoch == start_epoch and stepped > 0:
+        warnings.warn(
+            f"init_state stopped inside epoch {start_epoch} after {stepped} of its steps; "
+            f"the resumed run starts epoch {start_epoch} again from its first batch, so "
+            f"those batches train twice. For a run equal to an uninterrupted one, resume "
+            f"from an epoch's end (e.g. a Loop.checkpoint save)",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+    if start_epoch >= epochs:
+        warnings.warn(
+            f"init_state already ran {start_epoch} epochs and epochs={epochs}: nothing is "
+            f"trained. epochs counts from the first epoch (as Keras's fit with "
+            f"initial_epoch), so pass epochs > {start_epoch} to train more",
+            RuntimeWarning,
+            stacklevel=5,
+        )

@@ -86,6 +86,12 @@ class Checkpointer:
     ):
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise ValueError(f"path={path!r} must be a directory path")
+        taken = next((p for p in (Path(path), *Path(path).parents) if p.exists()), None)
+        if taken is not None and not taken.is_dir():
+            raise ValueError(
+                f"path={str(path)!r}: {str(taken)!r} is a file, so no checkpoint directory "
+                f"can be made there; give a directory path"
+            )
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep={keep!r} must be None (keep all) or a positive int")
         if not isinstance(asynchronous, bool):

@@ -107,7 +107,9 @@ class Monitor:
             raise ValueError(
                 f"monitor={self.monitor!r} is not among this epoch's metrics ({available}). "
                 f"Add it with Loop.metric(...), or, for 'validation_*', attach Loop.validate(...) "
-                f"before the handler that monitors it"
+                f"before the handler that monitors it, validating at every epoch the handler "
+                f"runs (a validate filter such as {{'every': 2}} leaves the other epochs "
+                f"without validation metrics: give the monitoring handler the same filter)"
             )
         try:
             return float(np.asarray(state.metrics[self.monitor]).item())
