@@ -8,10 +8,11 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["check_pair_sizes", "check_python_lists", "labels_below"]
+__all__ = ["check_pair_sizes", "check_python_lists", "is_number_list", "labels_below"]
 
 
-def _is_scalar_list(value: Any) -> bool:
+def is_number_list(value: Any) -> bool:
+    """A list or tuple of Python numbers (or 0-d arrays): no batch axis anywhere."""
     leaves = jax.tree.leaves(value)
     # The source turns Python numbers into 0-d arrays; neither has a batch axis.
     return (
@@ -24,7 +25,7 @@ def _is_scalar_list(value: Any) -> bool:
 def check_python_lists(batch: Any, where: str) -> None:
     """x or y given as (nested) Python lists of numbers: one error, not one per number."""
     for name, part in zip(("x", "y"), batch, strict=True):
-        if _is_scalar_list(part):
+        if is_number_list(part):
             count = len(jax.tree.leaves(part))
             raise ValueError(
                 f"data: {where}: {name} is a Python {type(part).__name__} of {count} numbers, "

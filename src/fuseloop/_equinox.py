@@ -91,6 +91,9 @@ class from_equinox:  # noqa: N801
         (3, 2)
     """
 
+    # Initialised when built: its seed cannot reach the weights (engine/population.py).
+    initialised_when_built = "an equinox"
+
     def __init__(self, module: Any, batched: bool = False):
         import equinox as eqx
 

@@ -33,6 +33,9 @@ class from_nnx:  # noqa: N801
         ['bias', 'kernel']
     """
 
+    # Initialised when built: its seed cannot reach the weights (engine/population.py).
+    initialised_when_built = "an nnx"
+
     def __init__(self, module: Any):
         from flax import nnx
 

@@ -31,6 +31,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _fuse_option(text: str) -> str:
+    """An argparse type: a `--fuse` value `parse_fuse` accepts, kept as written."""
+    from ._demo import parse_fuse
+
+    try:
+        parse_fuse(text)
+    except ValueError as error:
+        # argparse names the option itself: "argument --fuse: '-3': use ..."
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--fuse=")) from None
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fuseloop", description=__doc__)
     parser.add_argument("--version", action="version", version=f"fuseloop {_version()}")
@@ -41,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--fuse",
+        type=_fuse_option,
         default="32",
         help="a positive chunk size, 'auto', 'true' (chunks of 32) or 'false' (unfused); "
         "default: 32",
@@ -106,12 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "launch":
         return _launch(parser, args)
     from ._demo import demo as run_demo
-    from ._demo import parse_fuse
 
-    try:
-        parse_fuse(args.fuse)
-    except ValueError as error:
-        parser.error(str(error))
     plot = False if args.no_plot else (args.plot or True)
     return run_demo(epochs=args.epochs, fuse=args.fuse, plot=plot, progress=not args.no_progress)
 

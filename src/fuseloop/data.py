@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._batch_checks import is_number_list
 from ._shards import local_indices, place_rows
 
 __all__ = ["arrays", "ArraySource"]
@@ -37,8 +38,7 @@ def _named_leaves(tree: Any, name: str) -> list[tuple[str, np.ndarray]]:
 def _leading_size(x: Any, y: Any) -> int:
     """The shared leading-axis length of every leaf of `x` and `y`, or a ValueError."""
     for name, part in (("x", x), ("y", y)):
-        numbers = jax.tree.leaves(part) if isinstance(part, (list, tuple)) else []
-        if numbers and all(np.ndim(leaf) == 0 for leaf in numbers):
+        if is_number_list(part):
             raise ValueError(
                 f"{name} is a Python {type(part).__name__} of numbers; pass an array with "
                 f"the examples on axis 0, e.g. np.asarray({name}, np.float32) (integer "

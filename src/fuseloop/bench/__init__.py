@@ -14,16 +14,14 @@ From a shell: `fuseloop bench --quick --models mlp-tiny` (a minute), `fuseloop b
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from ._harness import RATIOS, compile_vs_k, cross_check, measure, ratios, targets
-from ._output import machine_info, markdown, write_json, write_plot
+from ._output import machine_info, markdown, unwritable, write_json, write_plot
 from ._overlap import overlap
 from ._plan import Plan, mlp_plan, zoo_plan
 from ._workload import MODELS, ModelSpec, Workload
@@ -320,23 +318,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _writable(path: str | None) -> str | None:
-    """Why a result could not be written to `path` (its folder is made if missing), or
-    None."""
-    if path is None:
-        return None
-    target = Path(path)
-    if target.is_dir():
-        return "is a folder; give a file name"
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        return f"its folder cannot be made ({error.strerror or error})"
-    if not os.access(target.parent, os.W_OK):
-        return "its folder is not writable"
-    return None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """`fuseloop bench [--quick] [--json PATH] [--plot PATH] [--report] [--models ...]
     [--zoo] [--reps N]`; prints markdown to stdout, progress to stderr. Returns the exit
@@ -358,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--reps={reps} must be a positive int")
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         # Checked before minutes of timing, not after: the folder is made, as demo's is.
-        problem = _writable(path)
+        problem = unwritable(path)
         if problem:
             parser.error(f"{option} {path}: {problem}")
     started = time.perf_counter()

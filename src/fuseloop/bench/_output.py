@@ -7,9 +7,10 @@ import json
 import os
 import platform
 import sys
+from pathlib import Path
 from typing import Any
 
-__all__ = ["machine_info", "markdown", "write_json", "write_plot"]
+__all__ = ["machine_info", "markdown", "unwritable", "write_json", "write_plot"]
 
 _PACKAGES = ("fuseloop", "jax", "jaxlib", "optax", "flax", "numpy", "keras", "torch")
 
@@ -200,6 +201,23 @@ def _overlap_lines(report: dict[str, Any]) -> list[str]:
         f"{o['fused_s'] * 1e3:.1f} ms = {o['fused_over_max']:.2f}x max(data, compute), "
         f"{o['fused_over_sum']:.2f}x their sum.",
     ]
+
+
+def unwritable(path: str | None) -> str | None:
+    """Why a result could not be written to `path` (its folder is made if missing), or
+    None."""
+    if path is None:
+        return None
+    target = Path(path)
+    if target.is_dir():
+        return "is a folder; give a file name"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return f"its folder cannot be made ({error.strerror or error})"
+    if not os.access(target.parent, os.W_OK):
+        return "its folder is not writable"
+    return None
 
 
 def write_json(report: dict[str, Any], path: str) -> None:

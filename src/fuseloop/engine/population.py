@@ -141,7 +141,7 @@ def require_distinct_members(model: Any, population: Population) -> None:
     reach, and no hyperparameter that varies."""
     if population.hyperparams or len(set(population.seeds)) < 2:
         return
-    kind = {"from_nnx": "an nnx", "from_equinox": "an equinox"}.get(type(model).__name__)
+    kind = getattr(model, "initialised_when_built", None)  # e.g. "an nnx" (model)
     if kind is None:
         return
     raise ValueError(
