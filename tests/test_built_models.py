@@ -40,6 +40,31 @@ def test_an_nnx_run_starts_from_weights_loaded_after_the_trainer_was_built():
     np.testing.assert_array_equal(module.layers[0].kernel[...], loaded)
 
 
+def test_an_nnx_run_takes_variables_and_layers_assigned_anew_after_the_trainer_was_built():
+    module = _nnx_model()
+    loop = fl.trainer(module, SPARSE, optax.sgd(0.0))
+    data = make_batches(4)
+    loop.run(data)
+    loaded = np.full((FEATURES, 8), 0.25, np.float32)
+    module.layers[0].kernel = nnx.Param(jax.numpy.asarray(loaded))  # a new Variable object
+    np.testing.assert_array_equal(_first_kernel(loop.run(data)), loaded)
+    module.layers[0] = nnx.Linear(FEATURES, 8, rngs=nnx.Rngs(7))  # a new layer, same shape
+    state = loop.run(data)
+    np.testing.assert_array_equal(_first_kernel(state), module.layers[0].kernel[...])
+    assert state.stats["compiles"] == 0
+    module.eval()  # a mode switch is the adapter's to set in every traced call
+    np.testing.assert_array_equal(_first_kernel(loop.run(data)), module.layers[0].kernel[...])
+
+
+def test_an_nnx_module_changed_in_structure_after_the_trainer_was_built_is_refused():
+    module = _nnx_model()
+    loop = fl.trainer(module, SPARSE, "adam")
+    loop.run(make_batches(4))
+    module.layers[2] = nnx.Linear(8, 5, rngs=nnx.Rngs(1))  # a new head of another shape
+    with pytest.raises(ValueError, match=r"changed structure.*layers\.2\.kernel.*fl\.trainer"):
+        loop.run(make_batches(4))
+
+
 def test_a_population_of_an_nnx_model_that_varies_only_seeds_is_refused():
     loop = fl.trainer(_nnx_model(), SPARSE, "adam")
     with pytest.raises(ValueError, match=r"nnx model is initialised when built.*learning_rate"):

@@ -43,9 +43,10 @@ class from_nnx:  # noqa: N801
         self.graphdef, params, *others = nnx.split(module, nnx.Param, ...)
         (rest,) = others  # the two filters, Param and `...`, split the module in two
         self._templates = (params, rest)
-        # The module's Variables, to see cheaply whether any value changed since the last
-        # read (splitting the module costs ~150 us; comparing ~10 values ~1 us).
-        self._variables = [v for _, v in nnx.iter_graph(module) if isinstance(v, nnx.Variable)]
+        # The module's graph as traced into the programs, and its Variables: whether a
+        # value changed since the last read is a cheap comparison (splitting the module
+        # costs ~150 us; comparing ~10 values ~1 us).
+        self._graph = _Graph(module)
         self._read: tuple[list[Any], Any] | None = None  # (the values read, their dicts)
 
     def current_variables(self) -> Any:
@@ -61,7 +62,9 @@ class from_nnx:  # noqa: N801
             >>> model.current_variables()["params"]["bias"].tolist()
             [1.0, 1.0]
         """
-        values = [_raw_value(v) for v in self._variables]
+        if not self._graph.unchanged():
+            self._graph = self._graph.rebuilt()  # a Variable or submodule was replaced
+        values = [_raw_value(v) for v in self._graph.variables]
         if self._read is not None and all(map(operator.is_, values, self._read[0])):
             return self._read[1]
         _, params, *others = self._nnx.split(self.module, self._nnx.Param, ...)
@@ -123,6 +126,100 @@ class from_nnx:  # noqa: N801
         """
         y, rest = self._run(variables, x, train)
         return y, ({"state": rest} if train else None)
+
+
+class _Graph:
+    """The module's graph as the adapter traced it: every attribute edge (parent, key,
+    child), so that a Variable or submodule assigned anew after the trainer took the
+    module (`model.head = nnx.Linear(...)`, `layer.kernel = nnx.Param(w)`) is seen at a
+    run's start, at one attribute read per edge.
+
+    A replacement of the same structure (weights loaded by assigning Variables) is taken:
+    its values are read like any other. A different structure (a new shape, another
+    layer, a changed static attribute) cannot be trained by programs compiled for the old
+    one, so it is an error naming what changed, never the old module trained in silence.
+    """
+
+    def __init__(self, module: Any):
+        from flax import nnx
+
+        self.module = module
+        nodes = dict(nnx.iter_graph(module))
+        self.edges = [(nodes[path[:-1]], path, node) for path, node in nodes.items() if path]
+        self.variables = [node for node in nodes.values() if isinstance(node, nnx.Variable)]
+        self.layout = _layout(nodes, nnx.Variable)
+
+    def unchanged(self) -> bool:
+        """Whether every edge still leads to the object it led to when built."""
+        return all(_child(parent, path[-1]) is node for parent, path, node in self.edges)
+
+    def rebuilt(self) -> _Graph:
+        """The module's graph now; a ValueError if its structure is not the one traced."""
+        fresh = _Graph(self.module)
+        if fresh.layout != self.layout:
+            raise ValueError(_changed_structure(self.layout, fresh.layout))
+        return fresh
+
+
+def _child(parent: Any, key: Any) -> Any:
+    return parent[key] if key.__class__ is int else getattr(parent, key)
+
+
+# Attributes that `.train()`/`.eval()` and `set_nnx_mode` switch: the adapter sets them
+# in every traced call, so a user switching the module's mode changes nothing traced.
+_MODE_ATTRIBUTES = frozenset(TRAIN_FLAGS)
+
+
+def _layout(nodes: dict[Any, Any], variable_type: type) -> dict[Any, Any]:
+    """What the traced programs depend on, per path: a Variable's type, shape and dtype,
+    a graph node's type, a static attribute's value (mode switches excepted)."""
+    layout: dict[Any, Any] = {}
+    for path, node in nodes.items():
+        if path and (path[-1] in _MODE_ATTRIBUTES or _internal(path)):
+            continue
+        if isinstance(node, variable_type):
+            value = _raw_value(node)
+            shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+            layout[path] = (type(node), shape, dtype)
+        elif _is_static(node):
+            layout[path] = ("static", _comparable(node))
+        else:
+            layout[path] = type(node)
+    return layout
+
+
+def _internal(path: tuple[Any, ...]) -> bool:
+    """nnx's own bookkeeping inside a node (`_pytree__...`), not the user's structure."""
+    return any(isinstance(key, str) and key.startswith("_pytree__") for key in path)
+
+
+def _is_static(node: Any) -> bool:
+    from flax import nnx
+
+    return not (isinstance(node, nnx.Variable) or nnx.graph.is_graph_node(node))
+
+
+def _comparable(value: Any) -> Any:
+    """A static attribute as compared: its value where it compares as one, else itself."""
+    try:
+        return value if isinstance(value == value, bool) else id(value)
+    except Exception:  # noqa: BLE001 - an attribute whose == raises is compared by identity
+        return id(value)
+
+
+def _changed_structure(old: dict[Any, Any], new: dict[Any, Any]) -> str:
+    changed = sorted(
+        (path for path in old.keys() | new.keys() if old.get(path) != new.get(path)), key=str
+    )
+    where = ", ".join(".".join(map(str, path)) for path in changed[:3])
+    more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+    return (
+        f"the nnx module changed structure after fl.trainer(...) took it: {where}{more} "
+        f"differ from the module the trainer compiled (a replaced layer of another shape or "
+        f"kind, or a changed static attribute). Build the trainer again from the changed "
+        f"module, fl.trainer(model, ...); to load weights into the same structure, assign "
+        f"values (nnx.update(model, state) or variable.value = ...)"
+    )
 
 
 def _raw_value(variable: Any) -> Any:
