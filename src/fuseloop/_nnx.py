@@ -151,7 +151,10 @@ class _Graph:
 
     def unchanged(self) -> bool:
         """Whether every edge still leads to the object it led to when built."""
-        return all(_child(parent, path[-1]) is node for parent, path, node in self.edges)
+        try:
+            return all(_child(parent, path[-1]) is node for parent, path, node in self.edges)
+        except (AttributeError, IndexError, KeyError):  # an attribute or item was removed
+            return False
 
     def rebuilt(self) -> _Graph:
         """The module's graph now; a ValueError if its structure is not the one traced."""
