@@ -158,15 +158,46 @@ def test_off_a_terminal_progress_is_one_plain_line_per_epoch(capsys):
     assert lines[2].endswith(format_metrics(state.history[2]))
 
 
-def test_off_a_terminal_an_epoch_halted_midway_still_gets_its_line(capsys):
+@pytest.mark.parametrize("fuse", [False, 4, True])
+def test_off_a_terminal_an_epoch_halted_midway_still_gets_its_line(capsys, fuse):
     def stop(state):
         return "halt_loop" if state.epoch == 1 and state.iteration == 2 else None
 
     loop = fl.trainer(MODEL, LOSS, "adam").handle_event("iteration_completed", stop)
-    state = loop.run(TRAIN, epochs=3, progress=True)
+    state = loop.run(TRAIN, epochs=3, progress=True, fuse=fuse)
     lines = capsys.readouterr().err.splitlines()
     assert state.status == "halted" and len(lines) == 2
+    # A fused halt counts, as the unfused loop does, the iterations whose events fired,
+    # and shows the metrics the handler saw.
     assert lines[1].startswith("Epoch 2/3 - 3/6 - ") and " - stopped - loss: " in lines[1]
+    if fuse is False:
+        capsys.readouterr()
+        return
+    unfused = loop.run(TRAIN, epochs=3, progress=True)
+    assert _without_time(capsys.readouterr().err) == _without_time("\n".join(lines) + "\n")
+    assert unfused.event_counts == state.event_counts
+
+
+@pytest.mark.parametrize("handled", [False, True])
+def test_off_a_terminal_a_non_finite_loss_stops_the_line_where_the_unfused_loop_does(
+    capsys, handled
+):
+    batches = [(X[i : i + 10].copy(), Y[i : i + 10]) for i in range(0, 60, 10)]
+    batches[3][0][0, 0] = np.nan  # the 4th step's loss is non-finite
+    loop = fl.trainer(MODEL, LOSS, "adam").terminate_on_nan()
+    if handled:  # an iteration handler: the guard's flag is read per chunk, not per epoch
+        loop = loop.handle_event("iteration_completed", lambda s: None, {"every": 5})
+    counts = []
+    for fuse in (False, 4, True):
+        with pytest.warns(RuntimeWarning, match="non-finite"):
+            counts.append(loop.run(batches, progress=True, fuse=fuse).event_counts)
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("Epoch 1/1 - 3/6 - ") and " - stopped" in line, (fuse, line)
+    assert counts[0] == counts[1] == counts[2]
+
+
+def _without_time(text: str) -> str:
+    return re.sub(r" - \d+\.\ds - ", " - ", text)
 
 
 def _fake_state(epoch: int, max_iteration: int | None = None) -> State:

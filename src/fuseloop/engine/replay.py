@@ -166,6 +166,7 @@ class EpochReplay:
         bad, good = _first_nonfinite([r.n for r in pending], [int(k) for k in host["n_run"]])
         counted = sum(r.n for r in pending[bad:])  # as if they had run whole
         self.bus.skip_iterations(good - counted)
+        self.bus.advance(good - counted, None)  # the progress bar counted them too
         self.steps += good - counted
         at = pending[bad].first + good
         _, state = self._fire(_STARTED, state, at, self.previous, False, self.steps - 1)
@@ -183,25 +184,34 @@ class EpochReplay:
             status, state = self._fire(
                 _STARTED, state, first + j, before, False, self.steps + j - 1
             )
+            shown = (j, before)  # a halt here: iteration j never completed
             if status == CONTINUE:
                 status, state = self._fire(
                     _COMPLETED, state, first + j, self.previous, False, self.steps + j
                 )
+                shown = (j + 1, self.previous)
             if status != CONTINUE:
                 self.steps += good  # the device ran the whole chunk
+                self._observe(*shown)
                 return status, state, first + j
         self.bus.skip_iterations(good - done)
         self.steps += good
         if good:
             self.previous = at(good - 1)
+        # The progress bar counts the steps that completed, as the unfused loop does.
+        self._observe(good, self.previous)
         if good < n:  # the non-finite step: its iteration started, then the loop halts
             _, state = self._fire(
                 _STARTED, state, first + good, self.previous, False, self.steps - 1
             )
             return HALT_LOOP, mark_nonfinite(state, first + good), first + good
-        if self.bus.observed:  # the progress bar shows the chunk's last metrics
-            self.bus.advance(n, self.previous() if self.record else None)
         return CONTINUE, state, first + n - 1
+
+    def _observe(self, completed: int, metrics: Metrics) -> None:
+        """Tells the progress bar that `completed` more iterations completed, with the
+        metrics after the last of them (read only where a bar is shown)."""
+        if self.bus.observed:
+            self.bus.advance(completed, metrics() if self.record and completed else None)
 
     def _lazy(self, records: Any, j: int, on_device: bool = False) -> Metrics:
         """Metrics of slot `j` of a chunk's records, built (and, for records still on the
