@@ -223,7 +223,8 @@ class Checker:
             warnings.warn(
                 f"{where} has batch size {size} instead of {full} (a ragged last batch?); "
                 f"the step compiles once more for it. Metrics are means over examples, so "
-                f"the short batch counts by its size: keep it in evaluation data. In "
+                f"the short batch counts by its size (a metric function's one scalar per "
+                f"batch counts as one batch): keep it in evaluation data. In "
                 f"training data, drop_remainder=True avoids the extra compile",
                 UserWarning,
                 stacklevel=2,

@@ -68,11 +68,17 @@ class Loop(HandlerBuilders):
 
         Args:
             metric: A name ("accuracy", "precision", "recall", "mean_absolute_error",
-                "mean_squared_error") or `callable(y_true, y_pred) -> scalar`.
+                "mean_squared_error") or `callable(y_true, y_pred)` returning per-example
+                values (as Keras metric functions do) or one scalar for the batch.
+                "accuracy", "precision" and "recall" read one output per example as a
+                binary logit, and so every output under "binary_cross_entropy" (one
+                binary label each: multi-label); several outputs otherwise as classes
+                (precision and recall then micro-averaged over the classes, which for
+                one label per example equals accuracy).
             name: The key in `state.metrics` (default: the metric's name).
-            accumulate: "running_average" (for built-in metrics and the loss, the mean over
-                the epoch's examples; for a callable, the mean of its per-batch values) or
-                "running_sum".
+            accumulate: "running_average" (the mean over the epoch's examples for built-in
+                metrics, the loss and a callable's per-example values; for a callable's
+                scalar, the mean of its per-batch values) or "running_sum".
 
         Example:
             >>> state = loop.metric("accuracy").run(batches, epochs=1)
@@ -89,7 +95,19 @@ class Loop(HandlerBuilders):
             spec = resolve_metric(metric, name, accumulate)
         if any(m.name == spec.name for m in self.metrics):
             raise ValueError(f"metric name {spec.name!r} is already used; pass name=...")
+        _refuse_validation_names({spec.name}, self._validated_names())
         return self._with(metrics=self.metrics + (spec,))
+
+    def _validated_names(self) -> set[str]:
+        """The `validation_*` metrics the attached `validate` handlers add."""
+        from .handlers.validate import PREFIX, Validator
+
+        return {
+            PREFIX + m.name
+            for r in self.registrations
+            if isinstance(r.handler, Validator)
+            for m in r.handler.loop.metrics
+        }
 
     def handle_event(
         self, event: EventLike, handler: Handler, filter: FilterLike = "always", name: str = ""
@@ -171,12 +189,14 @@ class Loop(HandlerBuilders):
             >>> sorted(state.metrics)
             ['accuracy', 'loss', 'validation_accuracy', 'validation_loss']
         """
-        from .handlers.validate import Validator, check_validation, evaluable_metrics
+        from .handlers.validate import PREFIX, Validator, check_validation, evaluable_metrics
 
         loss = self.program.loss
         specs = evaluable_metrics(self.metrics, loss is not None)
         check_validation(model, data, fuse, specs)
         evaluation = Loop(evaluator_program(model, loss), metrics=specs)
+        validated = {PREFIX + m.name for m in evaluation.metrics}
+        _refuse_validation_names({m.name for m in self.metrics}, validated)
         return self.handle_event(event, Validator(evaluation, data, fuse), filter, name="validate")
 
     def terminate_on_nan(self) -> Loop:
@@ -341,3 +361,15 @@ def _progress_bar(data: Any, iterations: int | None) -> Any:
     from .handlers.progress import ProgressBar
 
     return ProgressBar.for_data(data, iterations) if is_main_process() else None
+
+
+def _refuse_validation_names(names: set[str], validated: set[str]) -> None:
+    """A training metric named like one that `validate` adds would be overwritten by it at
+    every validation, without a word: refused, naming both."""
+    clash = sorted(names & validated)
+    if clash:
+        raise ValueError(
+            f"metric name {clash[0]!r} is also the name validate() gives the validation "
+            f"value of {clash[0].removeprefix('validation_')!r}, which would overwrite it; "
+            f"name the training metric otherwise: .metric(..., name=...)"
+        )

@@ -171,29 +171,38 @@ LOSSES: dict[str, Callable[[Array, Array], Array]] = {
 }
 
 
-def _predicted_and_true_classes(y_true: Array, y_pred: Array, metric: str) -> tuple[Array, Array]:
-    """Class predictions for the three label layouts: sparse, one-hot and binary logits
+def _predicted_and_true_classes(
+    y_true: Array, y_pred: Array, metric: str, binary: bool
+) -> tuple[Array, Array]:
+    """Class predictions for the label layouts: binary logits (one per example, or one per
+    label under binary cross-entropy: `binary`), sparse labels and one-hot labels
     (`metric`: the built-in metric asking, named if y_pred is not one array)."""
     require_one_prediction(y_pred, "metric", metric)
-    if y_pred.ndim >= 1 and y_pred.shape[-1] > 1:
-        predicted = jnp.argmax(y_pred, axis=-1)
-        if y_true.shape == y_pred.shape:  # one-hot or probabilities
-            return jnp.argmax(y_true, axis=-1), predicted
-        labels = y_true[..., 0] if y_true.ndim == y_pred.ndim else y_true
-        return labels.astype(jnp.int32), predicted
-    # Binary: a single logit per example, thresholded at 0 (probability 0.5).
-    return jnp.reshape(y_true, y_pred.shape) > 0.5, y_pred > 0
+    if binary or y_pred.ndim < 2 or y_pred.shape[-1] == 1:
+        # Each output a logit, thresholded at 0 (probability 0.5), against a 0/1 label.
+        return jnp.reshape(y_true, y_pred.shape) > 0.5, y_pred > 0
+    predicted = jnp.argmax(y_pred, axis=-1)
+    if y_true.shape == y_pred.shape:  # one-hot or probabilities
+        return jnp.argmax(y_true, axis=-1), predicted
+    labels = y_true[..., 0] if y_true.ndim == y_pred.ndim else y_true
+    return labels.astype(jnp.int32), predicted
 
 
-def _accuracy(y_true: Array, y_pred: Array) -> Mean:
-    true, predicted = _predicted_and_true_classes(y_true, y_pred, "accuracy")
+def _accuracy(y_true: Array, y_pred: Array, binary: bool = False) -> Mean:
+    true, predicted = _predicted_and_true_classes(y_true, y_pred, "accuracy", binary)
     return _mean_of(true == predicted)
 
 
-def _binary_counts(y_true: Array, y_pred: Array, metric: str) -> tuple[Array, Array, Array]:
-    true, predicted = _predicted_and_true_classes(y_true, y_pred, metric)
-    if y_pred.ndim >= 1 and y_pred.shape[-1] > 1:  # multi-class: class 1 is "positive"
-        true, predicted = true == 1, predicted == 1
+def _binary_counts(
+    y_true: Array, y_pred: Array, metric: str, binary: bool
+) -> tuple[Array, Array, Array]:
+    """True positives, predicted positives and actual positives. For one class among
+    several (multi-class), micro-averaged over the classes: every example is one predicted
+    and one actual positive, and a true positive where the two agree."""
+    true, predicted = _predicted_and_true_classes(y_true, y_pred, metric, binary)
+    if true.dtype != jnp.bool_:  # class indices: multi-class
+        examples = jnp.asarray(true.size, jnp.float32)
+        return jnp.sum((true == predicted).astype(jnp.float32)), examples, examples
     true_pos = jnp.sum((true & predicted).astype(jnp.float32))
     return true_pos, jnp.sum(predicted.astype(jnp.float32)), jnp.sum(true.astype(jnp.float32))
 
@@ -205,13 +214,13 @@ def _binary_counts(y_true: Array, y_pred: Array, metric: str) -> tuple[Array, Ar
 _PRESENT = 2.0**-100
 
 
-def _precision(y_true: Array, y_pred: Array) -> Mean:
-    true_pos, predicted_pos, _ = _binary_counts(y_true, y_pred, "precision")
+def _precision(y_true: Array, y_pred: Array, binary: bool = False) -> Mean:
+    true_pos, predicted_pos, _ = _binary_counts(y_true, y_pred, "precision", binary)
     return Mean(true_pos, predicted_pos + _PRESENT)
 
 
-def _recall(y_true: Array, y_pred: Array) -> Mean:
-    true_pos, _, actual_pos = _binary_counts(y_true, y_pred, "recall")
+def _recall(y_true: Array, y_pred: Array, binary: bool = False) -> Mean:
+    true_pos, _, actual_pos = _binary_counts(y_true, y_pred, "recall", binary)
     return Mean(true_pos, actual_pos + _PRESENT)
 
 
@@ -234,6 +243,11 @@ METRICS: dict[str, Callable[[Array, Array], Mean]] = {
     "mean_absolute_error": _mae,
     "mean_squared_error": _mse,
 }
+
+# The built-in metrics that read classes: under binary cross-entropy every output is a
+# binary label of its own (one per example, or several: multi-label), as Keras's
+# "accuracy" becomes binary accuracy there.
+CLASSIFYING = frozenset({_accuracy, _precision, _recall})
 
 ACCUMULATORS = ("running_average", "running_sum")
 
@@ -259,9 +273,11 @@ class MetricSpec:
     """A metric attached to a loop: its name, function and accumulator.
 
     `fn(y_true, y_pred)` returns a `Mean` (built-in metrics: the epoch value is a mean over
-    examples) or a scalar (a user's callable: the epoch value is the mean of the per-batch
-    scalars, each batch weighing the same). `source` names a scalar in the step state to
-    read instead (how a custom loop exposes its loss).
+    examples), an array of per-example values (a user's callable, as Keras metric
+    functions return: the epoch value is their mean over the epoch's examples) or a scalar
+    (a user's callable: the epoch value is the mean of the per-batch scalars, each batch
+    weighing the same). `source` names a scalar in the step state to read instead (how a
+    custom loop exposes its loss).
     """
 
     name: str
@@ -273,11 +289,14 @@ class MetricSpec:
         return {"sum": jnp.zeros((), jnp.float32), "count": jnp.zeros((), jnp.float32)}
 
     def update(self, acc: dict[str, Array], value: Any) -> dict[str, Array]:
-        """`acc` plus one batch: a `Mean` adds its sum and example count, a scalar adds
-        itself and a count of one (a running sum counts batches, so it reads as present)."""
+        """`acc` plus one batch: a `Mean` adds its sum and example count, per-example
+        values their sum and number, a scalar itself and a count of one (a running sum
+        counts batches, so it reads as present)."""
         if isinstance(value, Mean):
             total = jnp.asarray(value.total, jnp.float32)
             count = jnp.asarray(value.count, jnp.float32)
+        elif jnp.ndim(value) > 0:  # per-example values: a mean over examples
+            total, count = _mean_of(value)
         else:
             total, count = jnp.asarray(value, jnp.float32), jnp.ones((), jnp.float32)
         if self.accumulate == "running_sum":
@@ -334,7 +353,8 @@ def resolve_metric(metric: Any, name: str | None, accumulate: str) -> MetricSpec
         if metric not in METRICS:
             raise ValueError(
                 f"metric={metric!r} is not a known metric; accepted values: "
-                f"{', '.join(METRICS)} or a callable(y_true, y_pred) -> scalar"
+                f"{', '.join(METRICS)} or a callable(y_true, y_pred) returning per-example "
+                f"values or a scalar"
             )
         return MetricSpec(name or metric, METRICS[metric], accumulate)
     if callable(metric):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._metrics import Mean, MetricSpec, loss_mean, resolve_loss
+from ._metrics import CLASSIFYING, Mean, MetricSpec, loss_mean, resolve_loss
 from ._optim import OPTIMIZERS, exposes_learning_rate, learning_rate_of, resolve_optimizer
 from .models import as_model
 
@@ -114,6 +114,7 @@ def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program
     adapter = as_model(model)
     loss_name, _ = resolve_loss(loss)
     loss_fn = loss_mean(loss)
+    binary_labels = loss_name == "binary_cross_entropy"  # CLASSIFYING metrics read so
     tx = resolve_optimizer(optimizer)
     exposes_lr = exposes_learning_rate(tx)
 
@@ -151,6 +152,7 @@ def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, updates)
         aux = {"loss": loss_value, "y_pred": y_pred, "y_true": y, "means": {"loss": mean}}
+        aux["binary_labels"] = binary_labels
         if exposes_lr:
             aux["learning_rate"] = learning_rate_of(tx, opt_state)
         new_state = {
@@ -169,6 +171,7 @@ def evaluator_program(model: Any, loss: Any = None) -> Program:
     adapter = as_model(model)
     loss_name = resolve_loss(loss)[0] if loss is not None else None
     loss_fn = loss_mean(loss) if loss is not None else None
+    binary_labels = loss_name == "binary_cross_entropy"
 
     def init(first_batch: Any, variables: Any) -> dict[str, Any]:
         if variables is None:
@@ -181,7 +184,7 @@ def evaluator_program(model: Any, loss: Any = None) -> Program:
     def step(state: dict[str, Any], batch: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         x, y = split_batch(batch)
         y_pred, _ = adapter.forward(state["params"], x, train=False, rng=None)
-        aux = {"y_pred": y_pred, "y_true": y}
+        aux = {"y_pred": y_pred, "y_true": y, "binary_labels": binary_labels}
         if loss_fn is not None:
             aux["loss"], mean = loss_fn(y, y_pred)
             aux["means"] = {"loss": mean}
@@ -246,6 +249,8 @@ def _metric_value(spec: MetricSpec, aux: dict[str, Any]) -> Any:
             f"a dict step state with a 'y_pred' entry and take (x, y) batches, or name a "
             f"scalar of its step state with Loop.metric(name, ...)"
         )
+    if aux.get("binary_labels") and spec.fn in CLASSIFYING:
+        return spec.fn(aux["y_true"], aux["y_pred"], binary=True)
     return spec.fn(aux["y_true"], aux["y_pred"])
 
 

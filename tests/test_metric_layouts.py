@@ -1,0 +1,112 @@
+"""Built-in classification metrics on every output layout (one logit per example as (B,) or
+(B, 1), multi-label under binary cross-entropy, multi-class), metric functions returning
+per-example values, and metric names that validation would overwrite."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fuseloop as fl
+
+RNG = np.random.default_rng(3)
+X = RNG.normal(size=(40, 3)).astype(np.float32)
+W = RNG.normal(size=(3, 4)).astype(np.float32)
+
+
+def _linear(squeeze: bool = False) -> fl.models.from_functions:
+    def apply(v, x):
+        out = x @ v["w"]
+        return out[:, 0] if squeeze else out
+
+    return fl.models.from_functions(lambda rng, x: {"w": jnp.asarray(W)}, apply)
+
+
+def _evaluate(model, loss, y, metrics, data=None):
+    loop = fl.evaluator(model, loss)
+    for metric in metrics:
+        loop = loop.metric(metric)
+    batches = data or [(X[:16], y[:16]), (X[16:32], y[16:32]), (X[32:], y[32:])]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the short last batch
+        return loop.run(batches, {"w": jnp.asarray(W)}).metrics
+
+
+def _binary_expected(logits, labels):
+    predicted, true = logits > 0, labels > 0.5
+    tp = np.sum(predicted & true)
+    return {
+        "accuracy": np.mean(predicted == true),
+        "precision": tp / predicted.sum(),
+        "recall": tp / true.sum(),
+    }
+
+
+def test_one_logit_per_example_of_shape_b_is_binary():
+    labels = (X @ W[:, 0] + 0.3 * RNG.normal(size=40) > 0).astype(np.float32)
+    got = _evaluate(
+        _linear(squeeze=True), "binary_cross_entropy", labels, ["accuracy", "precision", "recall"]
+    )
+    expected = _binary_expected(X @ W[:, 0], labels)
+    for name, value in expected.items():
+        assert got[name] == pytest.approx(value, abs=1e-6), name
+    assert 0.5 < got["accuracy"] < 1.0  # neither all right nor read across the batch axis
+
+
+def test_under_binary_cross_entropy_every_output_is_a_label_of_its_own():
+    labels = (X @ W + RNG.normal(size=(40, 4)) > 0).astype(np.float32)  # multi-label
+    got = _evaluate(_linear(), "binary_cross_entropy", labels, ["accuracy", "precision", "recall"])
+    expected = _binary_expected(X @ W, labels)  # over every (example, label) element
+    for name, value in expected.items():
+        assert got[name] == pytest.approx(value, abs=1e-6), name
+
+
+def test_multi_class_precision_and_recall_are_micro_averaged():
+    labels = RNG.integers(0, 4, size=40).astype(np.int32)
+    got = _evaluate(
+        _linear(), "sparse_categorical_cross_entropy", labels, ["accuracy", "precision", "recall"]
+    )
+    accuracy = np.mean(np.argmax(X @ W, -1) == labels)
+    assert got["accuracy"] == pytest.approx(accuracy, abs=1e-6)
+    # One label per example: every example is one predicted and one actual positive.
+    assert got["precision"] == got["recall"] == got["accuracy"]
+
+
+@pytest.mark.parametrize("fuse", [False, True, "run"])
+def test_a_metric_function_of_per_example_values_is_a_mean_over_examples(fuse):
+    y = (X @ W[:, :1]).astype(np.float32) + 1.0
+    data = fl.data.arrays(X, y, batch_size=16, shuffle=False, drop_remainder=False, device=True)
+
+    def abs_error(y_true, y_pred):
+        return jnp.abs(y_true - y_pred)[:, 0]  # one value per example
+
+    def batch_abs_error(y_true, y_pred):
+        return jnp.mean(jnp.abs(y_true - y_pred))  # one scalar per batch
+
+    model = fl.models.from_functions(
+        lambda rng, x: {"w": jnp.asarray(W[:, :1])}, lambda v, x: x @ v["w"]
+    )
+    loop = fl.evaluator(model, "mean_absolute_error").metric(abs_error)
+    loop = loop.metric(batch_abs_error)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = loop.run(data, {"w": jnp.asarray(W[:, :1])}, fuse=fuse).metrics
+    assert got["abs_error"] == pytest.approx(1.0, abs=1e-6)  # every example is off by 1
+    assert got["abs_error"] == got["loss"]
+    assert got["batch_abs_error"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_a_training_metric_named_like_a_validation_metric_is_refused_in_either_order():
+    model = fl.models.mlp([3])
+    val = [(X[:8], RNG.integers(0, 3, 8).astype(np.int32))]
+    score = lambda y_true, y_pred: jnp.float32(5.0)  # noqa: E731
+    loop = fl.trainer(model, "sparse_categorical_cross_entropy", "adam")
+    with pytest.raises(ValueError, match=r"'validation_loss'.*validate\(\).*name="):
+        loop.validate(model, val).metric(score, name="validation_loss")
+    with pytest.raises(ValueError, match=r"'validation_loss'.*validate\(\).*name="):
+        loop.metric(score, name="validation_loss").validate(model, val)
+    # A name validation does not produce stays allowed.
+    loop.metric(score, name="validation_score").validate(model, val)
