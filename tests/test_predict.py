@@ -66,6 +66,17 @@ def test_pytree_inputs_and_outputs():
     np.testing.assert_allclose(out["b"], X[:, :2].sum(-1), rtol=1e-6)
 
 
+def test_a_list_of_a_two_input_models_inputs_is_refused_not_read_as_batches():
+    init = lambda rng, x: {"w": np.ones((5, 2), np.float32)}  # noqa: E731
+    apply = lambda p, x: (x[0] * x[1]) @ p["w"]  # noqa: E731
+    params = {"w": np.ones((5, 2), np.float32)}
+    assert predict((init, apply), params, (X, X), batch_size=7).shape == (len(X), 2)
+    # Keras's habit, predict([a, b]): a list is a list of batches, each batch one array,
+    # and the model's output then has no row per example.
+    with pytest.raises(ValueError, match=r"not one row per example.*tuple \(a, b\)"):
+        predict((init, apply), params, [X, X])
+
+
 def test_bad_arguments(state):
     with pytest.raises(ValueError, match="fuse=0"):
         predict(Net(), state, X, fuse=0)

@@ -36,7 +36,9 @@ def _chunk_program(model: Any, members: bool = False) -> Any:
 
     def run_chunk(variables: Any, chunk: Any) -> Any:
         def one(x: Any) -> Any:
-            return adapter.forward(variables, x, train=False, rng=None)[0]
+            out = adapter.forward(variables, x, train=False, rng=None)[0]
+            _require_rows(out, jax.tree.leaves(x)[0].shape[0])
+            return out
 
         return jax.lax.map(one, chunk)
 
@@ -49,6 +51,20 @@ def _chunk_program(model: Any, members: bool = False) -> Any:
         _PROGRAMS.pop(next(iter(_PROGRAMS)))
     _PROGRAMS[(id(model), members)] = (model, program)
     return program
+
+
+def _require_rows(out: Any, examples: int) -> None:
+    """Raises a ValueError unless every output leaf has one row per example of its batch
+    (checked when the program is traced)."""
+    for leaf in jax.tree.leaves(out):
+        shape = tuple(np.shape(leaf))
+        if not shape or shape[0] != examples:
+            raise ValueError(
+                f"x: the model's output for a batch of {examples} examples has shape "
+                f"{shape}, not one row per example, so predict cannot return one per "
+                f"example. A list passed as x is read as a list of batches: for a model of "
+                f"several inputs pass them as a tuple (a, b) or a dict of arrays"
+            )
 
 
 def _is_array(value: Any) -> bool:
