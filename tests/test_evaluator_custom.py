@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,6 +152,26 @@ def test_custom_loop_over_non_pair_batches():
     # Running average of the running "sum" scalar after each step.
     partial = [2.0 * sum(range(i + 1)) for i in range(5)]
     assert state.metrics["sum"] == pytest.approx(np.mean(partial))
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_step_state_leaf_that_changes_shape_is_named_with_the_fix(fuse):
+    def step(batch, s):
+        x, y = batch
+        return {"y_pred": x, "n": s["n"] + 1}
+
+    x = np.concatenate([b[0] for b in DATA])[:14]
+    y = np.concatenate([b[1] for b in DATA])[:14]
+    ragged = fl.data.arrays(x, y, batch_size=4, shuffle=False, drop_remainder=False, device=True)
+    init = {"y_pred": jnp.zeros((4, x.shape[1]), x.dtype), "n": jnp.int32(0)}
+    loop = fl.loop(step).metric("accuracy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the ragged batch's own warning
+        with pytest.raises(ValueError, match=r"\['y_pred'\]: float32\[4, 3\] -> float32\[2, 3\]"):
+            loop.run(ragged, init, fuse=fuse)
+    with pytest.raises(ValueError, match="drop_remainder=True"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loop.run(ragged, init, fuse=fuse)
 
 
 def test_custom_metric_of_a_missing_scalar_is_a_clear_error():

@@ -191,7 +191,13 @@ def make_chunk_fn(
             return i + 1, state, tail, records
 
         start = (jnp.zeros((), jnp.int32), state, tail, records)
-        n_run, state, tail, records = lax.while_loop(cond, body, start)
+        try:
+            n_run, state, tail, records = lax.while_loop(cond, body, start)
+        except TypeError as error:  # the carry changed type: say which leaf, and why
+            changed = _changed_leaves(carry_step, state, tail, _index(chunk, 0))
+            if not changed:
+                raise
+            raise ValueError(_carry_message(changed, _size_of_batch(_index(chunk, 0)))) from error
         if guard_nonfinite:
             state, tail, records = lax.cond(
                 tail["nonfinite"],
@@ -201,6 +207,43 @@ def make_chunk_fn(
         return state, tail, records, n_run
 
     return chunk_fn
+
+
+def _size_of_batch(batch: Any) -> int | None:
+    """The leading-axis size of a batch's first array (None for none)."""
+    for leaf in jax.tree.leaves(batch):
+        if jnp.ndim(leaf) >= 1:
+            return int(jnp.shape(leaf)[0])
+    return None
+
+
+def _changed_leaves(carry_step: Any, state: Any, tail: Any, batch: Any) -> list[str]:
+    """The step state's leaves whose shape or dtype one step changes, as 'path: in -> out'."""
+    out_state, _ = jax.eval_shape(carry_step, state, tail, batch)
+    before = jax.tree_util.tree_flatten_with_path(state)[0]
+    after = jax.tree.leaves(out_state)
+    if len(before) != len(after):
+        return [f"the step state's structure ({len(before)} leaves in, {len(after)} out)"]
+    return [
+        f"{jax.tree_util.keystr(path)}: {_spec(old)} -> {_spec(new)}"
+        for (path, old), new in zip(before, after, strict=True)
+        if (jnp.shape(old), jnp.result_type(old)) != (new.shape, new.dtype)
+    ]
+
+
+def _spec(leaf: Any) -> str:
+    return f"{jnp.result_type(leaf).name}{list(jnp.shape(leaf))}"
+
+
+def _carry_message(changed: list[str], batch: int | None) -> str:
+    examples = f" (on a batch of {batch} examples)" if batch is not None else ""
+    return (
+        f"the step changed its step state's leaves{examples}: {'; '.join(changed[:3])}. "
+        f"Every leaf of the step state must keep its shape and dtype from step to step. A "
+        f"leaf sized by the batch (such as y_pred) needs batches of one size: pass "
+        f"drop_remainder=True (or uniform batches), or keep per-batch values out of the "
+        f"step state; a dtype change needs the step to cast back (e.g. .astype)"
+    )
 
 
 def _undo_last_step(
