@@ -86,6 +86,16 @@ def test_checker_rejects_a_bad_label_in_a_whole_dataset():
         checker.dataset(source)
 
 
+def test_a_negative_label_is_named_with_its_own_fix():
+    x = np.concatenate([x for x, _ in DATA])
+    y = np.concatenate([y for _, y in DATA])
+    y[3] = -1
+    loop = fl.trainer(fl.models.mlp([4, 3]), SPARSE, "sgd")
+    with pytest.raises(ValueError, match=r"label -1, out of range.*negative one") as caught:
+        loop.run(fl.data.arrays(x, y, batch_size=4))
+    assert "units" not in str(caught.value)  # no layer width fixes a negative label
+
+
 def test_labels_out_of_range_on_device_resident_data():
     kind, message = errors_in_both_modes(_resident_with_bad_label())
     assert kind is ValueError and "label 5, out of range" in message

@@ -380,12 +380,16 @@ class Checker:
         if labels_below(labels, self.fit.classes):
             return
         low, high = labels.min(), labels.max()
-        bad = low if low < 0 else high
+        fix = (
+            "Fix the labels (a negative one, such as -1 for 'unknown', has no class to "
+            "train towards: drop or remap those examples)"
+            if low < 0
+            else f"Fix the labels, or give the model's last layer at least {int(high) + 1} units"
+        )
         raise ValueError(
-            f"data: {where}: y holds the label {bad}, out of range for {SPARSE} with a model "
-            f"output of {self.fit.classes} classes (labels must be integers in [0, "
-            f"{self.fit.classes})). Fix the labels, or give the model's last layer at least "
-            f"{int(high) + 1} units"
+            f"data: {where}: y holds the label {low if low < 0 else high}, out of range for "
+            f"{SPARSE} with a model output of {self.fit.classes} classes (labels must be "
+            f"integers in [0, {self.fit.classes})). {fix}"
         )
 
 
