@@ -109,6 +109,21 @@ def test_halt_loop_from_started_runs_no_epoch():
     assert int(state.step_state["n"]) == 0
 
 
+@pytest.mark.parametrize("fuse", [False, 4])
+@pytest.mark.parametrize("status", ["halt_loop", "halt_epoch"])
+def test_a_halt_at_the_first_epoch_started_steps_nothing_of_that_epoch(status, fuse):
+    # The first batch was pulled to initialise: it belongs to the first epoch's pass, so
+    # the next epoch starts its own pass at its first batch, as a fresh run would.
+    loop = trainer().handle_event("epoch_started", halt_at(0, 0, status))
+    state = loop.run(DATA, epochs=2, fuse=fuse)
+    steps = state.event_counts["iteration_completed"]["total"]
+    if status == "halt_loop":
+        assert state.status == "halted" and steps == 0 and state.history == {}
+        return
+    assert state.status == "completed" and steps == len(DATA)
+    assert_tree_equal(state.params, trainer().run(DATA, epochs=1, fuse=fuse).params)
+
+
 def test_halt_loop_from_iteration_started_skips_that_step():
     loop = counter_loop().handle_event("iteration_started", halt_at(0, 2, "halt_loop"))
     state = loop.run(make_batches(6), counter_init())

@@ -52,6 +52,7 @@ class HostFeed:
         self,
         source: Any,
         first_batch: Any,
+        first_iterator: Any,
         *,
         size: int | None,
         jit: bool,
@@ -65,6 +66,7 @@ class HostFeed:
         self.size, self.live = size, size is None
         self.prefetch, self.max_in_flight = prefetch, max_in_flight
         self.pending = [first_batch]  # pulled to initialize: it is the first step's batch
+        self.pending_from = first_iterator  # ... of the epoch that pulls from this iterator
         if self.live:
             self.program = programs.unfused() if jit else programs.eager_step()
             self.jit = jit
@@ -82,6 +84,10 @@ class HostFeed:
         results on the host (a halt may then stop the epoch mid-way).
         """
         self.epoch, self.iterator, self.bound = epoch, iterator, bound
+        if iterator is not self.pending_from:
+            # The run's first epoch ended before its first step (a halt at epoch_started):
+            # its batch belongs to that epoch's pass; a one-shot iterator keeps it.
+            self.pending = []
         # Pulling ahead is harmless for re-iterable sources; for a one-shot iterator only
         # when nothing can halt mid-chunk (exact consumption wins).
         self.ahead = not self.live and (self.source.prefetch_safe or not replay_reads)

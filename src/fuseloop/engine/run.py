@@ -232,6 +232,7 @@ class Run:
         return HostFeed(
             self.source,
             first,
+            self.first_iterator,
             size=size,
             jit=self.jit,
             placement=self.placement,
@@ -350,9 +351,9 @@ class Run:
         """
         metrics = dict(state.metrics)
         final = self.carry.epoch_metrics()  # Host read (in Carry): the epoch's end
-        replay = self._epoch_loop._replay
+        replay = self._epoch_loop.replay if stepped else None  # None: halted at its start
         handler_wrote_last = (
-            stepped and replay.steps > 0 and replay.merged_through == replay.steps - 1
+            replay is not None and replay.steps > 0 and replay.merged_through == replay.steps - 1
         )
         if not handler_wrote_last:
             metrics.update(final)
