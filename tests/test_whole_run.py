@@ -214,6 +214,28 @@ def test_terminate_on_nan_halts_at_the_same_step():
     assert fused.status == "halted"
 
 
+def test_a_guard_halt_restores_the_best_epoch_as_the_unfused_run_does():
+    x, y = _xy()
+    x[37, 2] = np.nan  # one poisoned example: the epoch whose first 2 batches draw it halts
+    loop = _trainer().early_stop("loss", mode="max", patience=10, restore_best=True)
+    loop = loop.terminate_on_nan()
+
+    def run(fuse: Any) -> fl.State:
+        data = fl.data.arrays(x, y, batch_size=16, device=True, seed=10)
+        with pytest.warns(RuntimeWarning, match="non-finite") as caught:
+            state = loop.run(data, epochs=8, iterations=2, fuse=fuse)
+        assert not any("earlier run" in str(w.message) for w in caught)
+        return state
+
+    plain = run(False)
+    best = plain.handler_metadata["early_stop:loss"]["best_epoch"]
+    assert plain.status == "halted" and best < plain.epoch - 1  # best ran dispatches before
+    for fuse in (4, "run"):
+        fused = run(fuse)
+        _assert_same_run(fused, plain)
+        assert int(fused.step_state["step"]) == 2 * (best + 1)  # the best epoch's step state
+
+
 def test_iterations_bound_and_second_run_does_not_recompile():
     loop = _trainer()
     plain = loop.run(_data(), epochs=3, iterations=4)

@@ -260,6 +260,8 @@ class WholeRun:
                 final = self.run.reads.metrics_of(_slot(host["final"], s))
                 state, status = self._finish(state, epoch, status, final, True, last_one, s)
                 if status == HALT_LOOP:
+                    if self.on_device:  # a halt mid-epoch (the guard): the run's end restores
+                        self._hand_best(state, epoch)
                     return state, epoch, 0, True
                 epoch, cursor = epoch + 1, 0
             else:
