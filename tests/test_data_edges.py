@@ -129,6 +129,9 @@ def test_resuming_from_inside_an_epoch_or_with_nothing_left_warns(tmp_path):
         loop.run(make_batches(6), done, epochs=2)
     with pytest.raises(ValueError, match=r"is a path, not a State.*fl.load_state"):
         loop.run(make_batches(6), str(tmp_path), epochs=2)
+    # custom-loops.md passes a seed as init_state to fl.loop; a trainer's is its own.
+    with pytest.raises(ValueError, match=r"init_state=0 is an integer.*seed=\.\.\."):
+        loop.run(make_batches(6), 0)
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     with pytest.raises(ValueError, match=r"is a file, so no checkpoint directory"):

@@ -266,7 +266,7 @@ class Loop(HandlerBuilders):
             ('completed', 2, ['loss'])
         """
         check_run_options(epochs, iterations, jit, progress, max_in_flight, prefetch)
-        check_init_state(init_state)
+        check_init_state(init_state, self.program.kind)
         return run_loop(
             self,
             data,

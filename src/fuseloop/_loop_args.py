@@ -7,6 +7,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from ._metrics import ACCUMULATORS, METRICS
 
 __all__ = [
@@ -49,8 +51,10 @@ def check_step_functions(step_fn: Any, init_fn: Callable[..., Any] | None) -> No
         raise ValueError(f"init_fn={init_fn!r} must be callable(first_batch, init_state)")
 
 
-def check_init_state(init_state: Any) -> None:
-    """`run`'s init_state: a path is refused with the call that loads it.
+def check_init_state(init_state: Any, kind: str = "custom") -> None:
+    """`run`'s init_state: a path is refused with the call that loads it; an integer (a
+    seed, as a custom loop's init_fn may take) given to a trainer or evaluator, whose state
+    is variables, is refused naming the seed's place.
 
     Example:
         >>> check_init_state("ckpt/run1")
@@ -62,4 +66,12 @@ def check_init_state(init_state: Any) -> None:
         raise ValueError(
             f"init_state={init_state!r} is a path, not a State: load it first, "
             f"loop.run(data, fl.load_state(path), epochs=...)"
+        )
+    seed_like = isinstance(init_state, (int, np.integer)) and not isinstance(init_state, bool)
+    if seed_like and kind in ("trainer", "evaluator"):
+        where = "a trainer's seed is fl.trainer(..., seed=...)" if kind == "trainer" else ""
+        raise ValueError(
+            f"init_state={init_state!r} is an integer, but a{'n' if kind == 'evaluator' else ''} "
+            f"{kind} starts from the model's variables (model.init(...)) or a State"
+            + (f"; {where}" if where else "")
         )
