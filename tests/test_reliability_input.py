@@ -353,3 +353,18 @@ def test_handler_returning_garbage_is_named(loop):
         bad.run(make_batches(2))
     with pytest.raises(ValueError, match=r"handler answer returned status 'stop'.*halt_loop"):
         loop.handle_event("epoch_completed", lambda s: "stop", name="answer").run(make_batches(2))
+    swapped = loop.handle_event("epoch_completed", lambda s: (None, s), name="answer")
+    with pytest.raises(ValueError, match=r"a pair whose first item is None, not a status"):
+        swapped.run(make_batches(2))
+
+
+def test_a_checkpoint_path_under_the_home_directory_expands_as_in_a_shell(
+    loop, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    state = loop.checkpoint("~/runs").run(make_batches(2))
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["checkpoint_000001_epoch_0"]
+    assert not (tmp_path / "~").exists()
+    fl.save_state(state, "~/state")
+    assert fl.load_state("~/state").epoch == state.epoch

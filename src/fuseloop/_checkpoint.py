@@ -126,7 +126,7 @@ def _read_json(file: Path) -> Any:
 
 def save_version(path: Path) -> int | None:
     """VERSION for a complete save, LEGACY_VERSION for the first (pickle) format, else None."""
-    path = Path(path)
+    path = Path(path).expanduser()
     try:
         if _read_json(path / _STATE / _JSON_FILE).get("format") == FORMAT:
             return VERSION
@@ -195,7 +195,7 @@ def read_legacy_arrays(path: str | os.PathLike[str]) -> tuple[list[np.ndarray], 
         >>> # Skipped: it needs a save in the first format, which no fuseloop writes now.
         >>> arrays, info = read_legacy_arrays("old_save")  # doctest: +SKIP
     """
-    folder = Path(path)
+    folder = Path(path).expanduser()
     if save_version(folder) != LEGACY_VERSION:
         raise ValueError(f"path={str(folder)!r} is not a save in fuseloop's first format")
     info = _read_json(folder / _LEGACY_INFO)
@@ -254,7 +254,7 @@ def save_state(state: State, path: str | os.PathLike[str]) -> Path:
     """
     if not isinstance(state, State):
         raise ValueError(f"state={type(state).__name__} must be a fuseloop State")
-    path = Path(path)
+    path = Path(path).expanduser()
     if not path.exists():
         return write_save(state, path)
     if not is_save(path):
@@ -299,7 +299,7 @@ def load_state(path: str | os.PathLike[str]) -> State:
     """
     from ._checkpoint_paths import checkpoint_dirs
 
-    path = Path(path)
+    path = Path(path).expanduser()
     if is_save(path):
         return read_save(path)
     if path.is_dir():

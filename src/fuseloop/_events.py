@@ -172,6 +172,12 @@ def parse_result(result: Any, label: str) -> tuple[str, Any]:
                 f"{', '.join(STATUSES)}"
             )
         return status, new_state
+    if isinstance(result, tuple) and len(result) == 2:
+        raise ValueError(
+            f"handler {label} returned a pair whose first item is {result[0]!r}, not a "
+            f"status; a pair is (status, new_state), with status one of {', '.join(STATUSES)} "
+            f"(e.g. ('continue', state.replace(...)))"
+        )
     raise ValueError(
         f"handler {label} returned {type(result).__name__}; a handler returns None, a status "
         f"({', '.join(STATUSES)}) or (status, new_state)"

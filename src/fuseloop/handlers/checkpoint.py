@@ -39,7 +39,7 @@ def list_checkpoints(path: str | os.PathLike[str]) -> list[Path]:
         >>> first.epoch, len(list_checkpoints(directory))
         (0, 2)
     """
-    path = Path(path)
+    path = Path(path).expanduser()
     if not path.is_dir():
         raise ValueError(f"path={str(path)!r} is not a directory")
     return checkpoint_dirs(path, is_save)
@@ -86,7 +86,8 @@ class Checkpointer:
     ):
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise ValueError(f"path={path!r} must be a directory path")
-        taken = next((p for p in (Path(path), *Path(path).parents) if p.exists()), None)
+        where = Path(path).expanduser()  # "~/runs" is the home directory's, as in a shell
+        taken = next((p for p in (where, *where.parents) if p.exists()), None)
         if taken is not None and not taken.is_dir():
             raise ValueError(
                 f"path={str(path)!r}: {str(taken)!r} is a file, so no checkpoint directory "
@@ -96,7 +97,7 @@ class Checkpointer:
             raise ValueError(f"keep={keep!r} must be None (keep all) or a positive int")
         if not isinstance(asynchronous, bool):
             raise ValueError(f"asynchronous={asynchronous!r} must be True or False")
-        self.path, self.keep, self.asynchronous = Path(path).absolute(), keep, asynchronous
+        self.path, self.keep, self.asynchronous = where.absolute(), keep, asynchronous
         self.monitor = None
         if criteria is not None:
             self.monitor = Monitor(criteria, mode, patience=0, key=key or f"checkpoint:{criteria}")

@@ -109,7 +109,8 @@ class Monitor:
                 f"Add it with Loop.metric(...), or, for 'validation_*', attach Loop.validate(...) "
                 f"before the handler that monitors it, validating at every epoch the handler "
                 f"runs (a validate filter such as {{'every': 2}} leaves the other epochs "
-                f"without validation metrics: give the monitoring handler the same filter)"
+                f"without validation metrics: validate at every epoch, or monitor a "
+                f"training metric)"
             )
         try:
             return float(np.asarray(state.metrics[self.monitor]).item())
@@ -240,8 +241,9 @@ class ReduceLROnPlateau:
     Works with optimizers built by `optax.inject_hyperparams` (the named optimizers
     "sgd", "adam", "adamw" are). The new rate is written into the optimizer state, so it
     takes effect from the next step (the next chunk when fused). Keras semantics: after a
-    reduction, `cooldown` epochs pass before the wait count starts again; the rate never
-    goes below `min_lr`.
+    reduction the wait count restarts and `cooldown` counts down from the next epoch, the
+    epoch that brings it to 0 already counting (so `cooldown=N` leaves N - 1 epochs out);
+    the rate never goes below `min_lr`.
 
     Example:
         >>> plateau = ReduceLROnPlateau("validation_loss", factor=0.5, patience=2)
