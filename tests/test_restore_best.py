@@ -84,3 +84,30 @@ def test_default_keeps_the_last_epoch():
 def test_restore_best_is_validated():
     with pytest.raises(ValueError, match="restore_best"):
         EarlyStopping("loss", restore_best="yes")
+
+
+@pytest.mark.parametrize("fuse", [False, 3])
+@pytest.mark.parametrize(("values", "epochs"), [([5, 3, 1, 2, 4, 6, 7, 8], 6), ([5, 4, 3, 3.5, 4, 4, 4, 4], 4)])
+def test_a_checkpoint_after_it_holds_its_epochs_own_step_state(tmp_path, fuse, values, epochs):
+    # The stopping epoch (4) and a last epoch (3): the checkpoint attached after early_stop
+    # saves that epoch's step state under that epoch's name; only the State the run
+    # returns holds the best epoch's.
+    def factory():
+        return fl.trainer(fl.models.mlp([4, 3]), SPARSE, optax.adam(0.05)).handle_event(
+            "epoch_completed", scripted_metric(values)
+        )
+
+    kept = snapshots(factory, fuse)
+    loop = factory().early_stop("score", patience=2, restore_best=True).checkpoint(tmp_path)
+    state = loop.run(DATA, epochs=epochs, fuse=fuse)
+    last = max(state.history)
+    saved = fl.load_state(str(sorted(tmp_path.iterdir())[-1]))
+    assert saved.epoch == last
+    jax.tree.map(
+        np.testing.assert_array_equal, jax.tree.map(np.asarray, saved.step_state), kept[last]
+    )
+    best = state.handler_metadata["early_stop:score"]["best_epoch"]
+    assert best != last
+    jax.tree.map(
+        np.testing.assert_array_equal, jax.tree.map(np.asarray, state.step_state), kept[best]
+    )

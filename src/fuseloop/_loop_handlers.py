@@ -38,6 +38,8 @@ class HandlerBuilders:
 
         def _as_observers(self, before: int) -> Self: ...
 
+        def _with(self, **changes: Any) -> Self: ...
+
     def log(
         self,
         fn: Callable[[State], str],
@@ -169,8 +171,9 @@ class HandlerBuilders:
         saver = Checkpointer(path, criteria, mode, keep, key=key, asynchronous=asynchronous)
         loop = self.handle_event(event, saver, filter, name="checkpoint")
         if criteria is None and normalize_event(event) != Event.HALTED:
-            # A halted run (early stop, a signal) also saves its final State.
-            loop = loop.handle_event("halted", saver.on_halted, name="checkpoint")
+            # A halted run (early stop, a signal) also saves its final State: the epoch's
+            # own, before early_stop(restore_best=True) hands back the best one.
+            loop = _before_restores(loop.handle_event("halted", saver.on_halted, name="checkpoint"))
         if asynchronous:  # the run returns only when every write is complete
             loop = loop.handle_event("completed", saver.finish, name="checkpoint:finish")
             loop = loop.handle_event("halted", saver.finish, name="checkpoint:finish")
@@ -230,3 +233,21 @@ class HandlerBuilders:
             n += 1
             key = f"{base}#{n}"
         return key
+
+
+def _before_restores(loop: Any) -> Any:
+    """`loop` with its last registration moved before early_stop's restore on the same
+    event, so what it saves is the step state the run reached, not the best one the
+    restore hands back."""
+    registrations = list(loop.registrations)
+    last = registrations.pop()
+    at = next(
+        (
+            i
+            for i, r in enumerate(registrations)
+            if r.name == "early_stop:restore" and r.event == last.event
+        ),
+        len(registrations),
+    )
+    registrations.insert(at, last)
+    return loop._with(registrations=tuple(registrations))

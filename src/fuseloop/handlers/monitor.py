@@ -161,10 +161,11 @@ class EarlyStopping:
     the count reaches `patience`. A non-finite monitored value halts at once.
 
     With `restore_best=True` (Keras's `restore_best_weights`), the step state of each new
-    best epoch is copied on the device, and when the run ends - this handler halts it, or
-    its last epoch completes - the State's step state (params, optimizer state, counters)
-    is that copy, bitwise. `on_end` does the same for a run that another handler or a
-    signal ends.
+    best epoch is copied on the device, and when the run ends - this handler halts it, its
+    last epoch completes, another handler or a signal ends it - the State it returns holds
+    that copy (params, optimizer state, counters), bitwise: `on_end`, on the `completed`
+    and `halted` events. The epoch's own handlers (a checkpoint) still see the epoch's step
+    state, so a run resumed from its checkpoint is the run that went on.
 
     Example:
         >>> stop = EarlyStopping("validation_loss", patience=2, restore_best=True)
@@ -207,10 +208,10 @@ class EarlyStopping:
         )
         if stop:
             record["stopped_epoch"] = state.epoch
-        state = self.monitor.store(state, record)
-        if stop or state.epoch + 1 >= state.max_epoch:
-            state = self._restored(state)
-        return ("halt_loop" if stop else "continue"), state
+        # The best step state comes back when the run ends (`on_end`), not here: the
+        # handlers after this one (a checkpoint) see this epoch's own step state, so a run
+        # resumed from its checkpoint is the run that went on.
+        return ("halt_loop" if stop else "continue"), self.monitor.store(state, record)
 
     def on_end(self, state: State) -> tuple[Status, State]:
         """For the "completed" and "halted" events: the best epoch's step state."""
