@@ -87,7 +87,9 @@ def test_restore_best_is_validated():
 
 
 @pytest.mark.parametrize("fuse", [False, 3])
-@pytest.mark.parametrize(("values", "epochs"), [([5, 3, 1, 2, 4, 6, 7, 8], 6), ([5, 4, 3, 3.5, 4, 4, 4, 4], 4)])
+@pytest.mark.parametrize(
+    ("values", "epochs"), [([5, 3, 1, 2, 4, 6, 7, 8], 6), ([5, 4, 3, 3.5, 4, 4, 4, 4], 4)]
+)
 def test_a_checkpoint_after_it_holds_its_epochs_own_step_state(tmp_path, fuse, values, epochs):
     # The stopping epoch (4) and a last epoch (3): the checkpoint attached after early_stop
     # saves that epoch's step state under that epoch's name; only the State the run

@@ -5,6 +5,8 @@ validation metrics (per-example sums and counts) are bitwise the unfused run's.
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -50,3 +52,40 @@ def test_the_device_validation_equals_a_plain_evaluator_run():
     assert fused.metrics["validation_accuracy"] == measured["accuracy"]
     correct = np.argmax(np.asarray(fl.predict(fl.models.mlp([8, 3]), fused.params, vx)), -1)
     assert np.isclose(fused.metrics["validation_accuracy"], np.mean(correct == vy))
+
+
+def test_a_custom_loops_device_validation_is_bitwise_its_host_validation():
+    # XLA reduced the metric's per-batch sum in another order inside the dispatch than in
+    # the evaluator's own program; the sums are now added in one fixed order.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(270, 8)).astype(np.float32)
+    y = (x @ np.arange(8, dtype=np.float32)[:, None] / 8).astype(np.float32)
+    opt = optax.sgd(0.05)
+    model = fl.models.from_functions(
+        lambda r, x: {"w": jnp.zeros((8, 1)), "b": jnp.zeros((1,))},
+        lambda p, x: x @ p["w"] + p["b"],
+    )
+
+    def init_fn(batch, _):
+        p = {"w": jnp.full((8, 1), 0.05), "b": jnp.zeros((1,))}
+        return {"params": p, "opt_state": opt.init(p), "y_pred": jnp.zeros((32, 1))}
+
+    def step_fn(batch, s):
+        xb, yb = batch
+
+        def loss(p):
+            out = model.apply(p, xb)
+            return jnp.mean((out - yb) ** 2), out
+
+        (_, out), g = jax.value_and_grad(loss, has_aux=True)(s["params"])
+        u, o = opt.update(g, s["opt_state"], s["params"])
+        return {"params": optax.apply_updates(s["params"], u), "opt_state": o, "y_pred": out}
+
+    def history(fuse):
+        val = fl.data.arrays(x[200:], y[200:], batch_size=32, shuffle=False, device=True)
+        loop = fl.loop(step_fn, init_fn).metric("mean_absolute_error").validate(model, val)
+        train = fl.data.arrays(x[:200], y[:200], batch_size=32, seed=2, device=True)
+        return loop.run(train, 0, epochs=3, fuse=fuse).history
+
+    plain = history(False)
+    assert history("run") == plain and history(4) == plain
