@@ -101,6 +101,14 @@ SCRIPT = textwrap.dedent(
         out["no-data-axis"] = "no error"
     except ValueError as error:
         out["no-data-axis"] = str(error)
+    explicit = getattr(jax.sharding, "AxisType", None)
+    if explicit is not None:
+        try:
+            loop.run(batches, mesh=jax.make_mesh((4,), ("data",),
+                                                 axis_types=(explicit.Explicit,)))
+            out["explicit-axes"] = "no error"
+        except ValueError as error:
+            out["explicit-axes"] = str(error)
     print("RESULT " + json.dumps(out))
     """
 )
@@ -151,3 +159,10 @@ def test_batch_that_does_not_divide_over_the_mesh_is_a_clear_error(findings, fus
 def test_mesh_without_a_data_axis_is_rejected(findings):
     message = findings["no-data-axis"]
     assert message != "no error" and "data" in message and "mesh" in message
+
+
+def test_a_mesh_with_explicit_axes_is_refused_naming_the_auto_axes(findings):
+    if "explicit-axes" not in findings:
+        pytest.skip("this jax has no explicit mesh axes")
+    message = findings["explicit-axes"]
+    assert "Explicit axes" in message and "AxisType.Auto" in message, message

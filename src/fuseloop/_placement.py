@@ -89,6 +89,14 @@ class Placement:
                 f"mesh={mesh!r} must be a jax.sharding.Mesh with a 'data' axis, e.g. "
                 f"Mesh(jax.devices(), ('data',))"
             )
+        explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+        if explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ())):
+            raise ValueError(
+                f"mesh={mesh!r} has Explicit axes (jax.make_mesh's default in recent jax); "
+                f"fuseloop shards the batch with automatic axes: build the mesh with "
+                f"jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * "
+                f"len(names)) or Mesh(jax.devices(), ('data',))"
+            )
         self.n_shards = mesh.shape["data"]
         # The batch a process feeds is its share: it divides over its own devices.
         self.n_local = self.n_shards // jax.process_count()
