@@ -4,6 +4,7 @@ non-zero exit when a process fails, the others stopped in bounded time; `--versi
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 import textwrap
@@ -94,6 +95,42 @@ def test_the_command_line(tmp_path):
         cli.main(["launch", "-n", "0", script])
     with pytest.raises(SystemExit):
         cli.main(["launch", "-n", "2", str(tmp_path / "missing.py")])
+
+
+def test_bad_coordination_options_are_refused(tmp_path, capsys):
+    script = _script(tmp_path, _ECHO)
+    for option, value, named in (
+        ("--failure-timeout", "-1", "failure_timeout=-1"),
+        ("--port", "99999", "port=99999"),
+    ):
+        with pytest.raises(SystemExit):
+            cli.main(["launch", "-n", "2", option, value, script])
+        assert named in capsys.readouterr().err
+
+
+def test_sigterm_to_the_launcher_stops_its_processes(tmp_path):
+    pids = tmp_path / "pids"
+    script = _script(
+        tmp_path,
+        "import os, time\n"
+        f"open({str(pids)!r} + os.environ['FUSELOOP_PROCESS_ID'], 'w').write(str(os.getpid()))\n"
+        "time.sleep(600)\n",
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "fuseloop.cli", "launch", "-n", "2", "--grace", "1", script]
+    )
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"pids{i}").exists() for i in range(2)):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    children = [int((tmp_path / f"pids{i}").read_text()) for i in range(2)]
+    launcher.terminate()
+    assert launcher.wait(timeout=60) == 128 + 15
+    for pid in children:
+        with pytest.raises(ProcessLookupError):
+            for _ in range(100):  # the children may take a moment to be reaped
+                os.kill(pid, 0)
+                time.sleep(0.05)
 
 
 def test_version(capsys):

@@ -166,6 +166,16 @@ _DIES = textwrap.dedent("""
 """)
 
 
+_RAISES = textwrap.dedent("""
+    def fail(state):
+        if state.epoch == 1 and dist.process_index() == 1:
+            raise RuntimeError("process 1 raises now")
+
+    trainer.handle_event("epoch_completed", fail).run(train, epochs=50, fuse=2, mesh=mesh)
+    print("finished", flush=True)
+""")
+
+
 def _launch(tmp_path, body: str, *options: str) -> subprocess.CompletedProcess:
     script = tmp_path / "script.py"
     script.write_text(_COMMON + body)
@@ -326,6 +336,15 @@ def test_a_dead_process_fails_the_run_in_bounded_time_and_the_checkpoint_loads(t
     common = _common(tmp_path)
     resumed = common["trainer"].run(common["train"], latest, epochs=latest.epoch + 2, fuse=2)
     assert sorted(resumed.history) == list(range(latest.epoch + 2))
+
+
+def test_a_process_that_raises_fails_the_launch_with_its_own_code_and_name(tmp_path):
+    # Not jax's shutdown barrier, then a SIGABRT of whichever process aborted first.
+    result = _launch(tmp_path, _RAISES, "--grace", "1")
+    assert result.returncode == 1, result.stdout[-3000:]
+    assert "RuntimeError: process 1 raises now" in result.stdout
+    assert "[launch] process 1 exited with code 1; stopping the other processes" in result.stdout
+    assert "finished" not in result.stdout
 
 
 def test_without_a_mesh_the_processes_form_one(two_processes):

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -98,7 +99,24 @@ def initialize_from_environment() -> bool:
             f"jax.distributed: {err}. Import fuseloop before the script uses jax (before "
             f"jax.devices() or any computation)"
         ) from err
+    _exit_at_once_on_error()
     return True
+
+
+def _exit_at_once_on_error() -> None:
+    """An uncaught exception ends this launched process at once, with exit code 1 after
+    its traceback: otherwise jax's shutdown waits at a barrier for the other processes
+    (which never reach it), then aborts, and the launcher could only report a SIGABRT of
+    whichever process aborted first."""
+    previous = sys.excepthook
+
+    def hook(kind: Any, value: Any, traceback: Any) -> None:
+        previous(kind, value, traceback)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    sys.excepthook = hook
 
 
 def _initialized() -> bool:

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import IO
+from typing import IO, Any
 
 from ._distributed import (
     DEFAULT_FAILURE_TIMEOUT,
@@ -138,11 +138,13 @@ def launch(
         ["[0] 0 of 2 ['--epochs', '3']", "[1] 1 of 2 ['--epochs', '3']"]
     """
     _check_launch_arguments(count, script, grace)
+    _check_coordination(port, failure_timeout)
     sink = out or sys.stdout
     address = f"127.0.0.1:{port or free_port()}"
     lock = threading.Lock()
     processes: list[subprocess.Popen] = []
     readers: list[threading.Thread] = []
+    previous = _stop_on_sigterm()
     try:
         for index in range(count):
             process = _spawn(script, args, _environment(index, count, address, failure_timeout))
@@ -152,9 +154,36 @@ def launch(
     except BaseException:
         _stop(processes, grace)
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     for reader in readers:
         reader.join()
     return code
+
+
+def _stop_on_sigterm() -> Any:
+    """SIGTERM (what `timeout`, SLURM and `docker stop` send) ends the launch as Ctrl-C
+    does: the processes, in sessions of their own, are stopped rather than left running.
+    Returns the handler it replaced (None off the main thread, where none is installed)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, terminated)
+
+
+def _check_coordination(port: int | None, failure_timeout: int) -> None:
+    if port is not None and (isinstance(port, bool) or not 1 <= port <= 65535):
+        raise ValueError(f"port={port!r} must be a TCP port, 1 to 65535")
+    if isinstance(failure_timeout, bool) or not (
+        isinstance(failure_timeout, int) and failure_timeout >= 1
+    ):
+        raise ValueError(
+            f"failure_timeout={failure_timeout!r} must be a whole number of seconds >= 1"
+        )
 
 
 def _check_launch_arguments(count: int, script: str, grace: float) -> None:
