@@ -358,9 +358,7 @@ def test_handler_returning_garbage_is_named(loop):
         swapped.run(make_batches(2))
 
 
-def test_a_checkpoint_path_under_the_home_directory_expands_as_in_a_shell(
-    loop, tmp_path, monkeypatch
-):
+def test_home_and_relative_paths_save_and_load_as_in_a_shell(loop, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.chdir(tmp_path)
     state = loop.checkpoint("~/runs").run(make_batches(2))
@@ -368,3 +366,6 @@ def test_a_checkpoint_path_under_the_home_directory_expands_as_in_a_shell(
     assert not (tmp_path / "~").exists()
     fl.save_state(state, "~/state")
     assert fl.load_state("~/state").epoch == state.epoch
+    # Relative paths, from the working directory, as save_state and checkpoint take them.
+    fl.save_state(state, "relative_state")
+    assert fl.load_state("relative_state").epoch == fl.load_state("runs").epoch == state.epoch

@@ -254,7 +254,7 @@ def save_state(state: State, path: str | os.PathLike[str]) -> Path:
     """
     if not isinstance(state, State):
         raise ValueError(f"state={type(state).__name__} must be a fuseloop State")
-    path = Path(path).expanduser()
+    path = Path(path).expanduser().absolute()
     if not path.exists():
         return write_save(state, path)
     if not is_save(path):
@@ -299,7 +299,7 @@ def load_state(path: str | os.PathLike[str]) -> State:
     """
     from ._checkpoint_paths import checkpoint_dirs
 
-    path = Path(path).expanduser()
+    path = Path(path).expanduser().absolute()  # orbax reads absolute paths only
     if is_save(path):
         return read_save(path)
     if path.is_dir():
