@@ -176,6 +176,19 @@ _RAISES = textwrap.dedent("""
 """)
 
 
+_DIFFERS = textwrap.dedent("""
+    import optax
+    mine = dist.process_index() == 1
+    data = fl.data.arrays(x[:64], y[:64], 16, seed=1 if mine else 0)
+    fixed_rate = fl.trainer(model, "sparse_categorical_cross_entropy",
+                            optax.adam(1e-3 if mine else 1e-2))
+    try:
+        fixed_rate.run(data, epochs=2, fuse=2)
+    except ValueError as error:
+        print("refused:", error, flush=True)
+""")
+
+
 def _launch(tmp_path, body: str, *options: str) -> subprocess.CompletedProcess:
     script = tmp_path / "script.py"
     script.write_text(_COMMON + body)
@@ -345,6 +358,17 @@ def test_a_process_that_raises_fails_the_launch_with_its_own_code_and_name(tmp_p
     assert "RuntimeError: process 1 raises now" in result.stdout
     assert "[launch] process 1 exited with code 1; stopping the other processes" in result.stdout
     assert "finished" not in result.stdout
+
+
+def test_a_different_data_order_or_fixed_learning_rate_is_named_before_training(tmp_path):
+    # Neither shows in the step state's shapes or values: the data source's description
+    # and the traced step's digest are compared too.
+    result = _launch(tmp_path, _DIFFERS)
+    assert result.returncode == 0, result.stdout[-3000:]
+    for index in range(2):
+        (line,) = [s for s in result.stdout.splitlines() if s.startswith(f"[{index}] refused:")]
+        assert "data (process 0:" in line and "seed=0" in line and "seed=1" in line
+        assert "training step (e.g. the optimizer's constants" in line
 
 
 def test_without_a_mesh_the_processes_form_one(two_processes):

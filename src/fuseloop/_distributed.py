@@ -29,6 +29,9 @@ import numpy as np
 from ._shards import assemble_global, local_indices, local_rows, place_rows, process_block
 
 __all__ = [
+    "describe_source",
+    "describe_step",
+    "describe_values",
     "ENV_COORDINATOR",
     "ENV_COUNT",
     "ENV_ID",
@@ -214,6 +217,44 @@ def describe(tree: Any, values: bool = False) -> str:
             digest.update(np.ascontiguousarray(leaf).tobytes())
         text += f" values:{digest.hexdigest()[:16]}"
     return text
+
+
+def describe_values(tree: Any) -> str:
+    """A digest of a pytree's values alone (a host read of every leaf).
+
+    Example:
+        >>> describe_values({"w": np.zeros(2, np.float32)}) == describe_values([np.zeros(2)])
+        False
+    """
+    return describe(tree, values=True).rsplit(" values:", 1)[1]
+
+
+def describe_source(data: Any) -> str:
+    """What every process must agree on about a data source: for `fl.data.arrays` its
+    size, batch size, shuffling and seed (each process takes its share of one global
+    order); for a sized source its number of batches (each holds its own share).
+
+    Example:
+        >>> describe_source([(0, 0)] * 3)
+        '3 batches'
+    """
+    fields = ("n", "batch_size", "shuffle", "seed", "drop_remainder")
+    if all(hasattr(data, field) for field in fields):
+        return ", ".join(f"{field}={getattr(data, field)!r}" for field in fields)
+    try:
+        return f"{len(data)} batches"
+    except TypeError:  # an iterator or a callable: its length is not known here
+        return type(data).__name__
+
+
+def describe_step(program: Any, step_state: Any, batch: Any) -> str:
+    """A digest of the training step as traced (its jaxpr): constants outside the step
+    state, such as a fixed learning rate, show in it."""
+    try:
+        text = str(jax.make_jaxpr(program.step)(step_state, batch))
+    except Exception as error:  # noqa: BLE001 - a step that cannot be traced alone: not compared
+        return f"not traced ({type(error).__name__})"
+    return hashlib.sha256(_ADDRESS.sub("0x", text).encode()).hexdigest()[:16]
 
 
 def _gather_text(text: str) -> list[str]:

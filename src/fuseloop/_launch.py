@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -220,12 +221,25 @@ def _start_reader(
 def _watch(
     processes: list[subprocess.Popen], sink: IO[str], lock: threading.Lock, grace: float
 ) -> int:
-    """Waits for every process; on the first failure stops the rest and returns its code."""
-    while True:
-        codes = [p.poll() for p in processes]
-        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            index, code = failed[0]
+    """Waits for every process; on the first failure stops the rest and returns its code.
+
+    Each process is waited for by a thread of its own, so exits are seen in the order they
+    happened: when one process fails, the others soon fail too (their collectives lose a
+    peer), and the first is the one to name.
+    """
+    exits: queue.Queue[tuple[int, int]] = queue.Queue()
+    for index, process in enumerate(processes):
+        threading.Thread(
+            target=lambda i=index, p=process: exits.put((i, p.wait())), daemon=True
+        ).start()
+    for _ in processes:
+        while True:  # a timed wait, so that a signal to the launcher is handled at once
+            try:
+                index, code = exits.get(timeout=_POLL_SECONDS)
+                break
+            except queue.Empty:
+                continue
+        if code != 0:
             with lock:
                 sink.write(
                     f"[launch] process {index} {_describe(code)}; stopping the other processes\n"
@@ -233,6 +247,4 @@ def _watch(
                 sink.flush()
             _stop(processes, grace)
             return _exit_code(code)
-        if all(c == 0 for c in codes):
-            return 0
-        time.sleep(_POLL_SECONDS)
+    return 0

@@ -15,7 +15,14 @@ from typing import Any
 
 from .._checks import Checker
 from .._data import as_source
-from .._distributed import check_same_config, describe, process_count
+from .._distributed import (
+    check_same_config,
+    describe,
+    describe_source,
+    describe_step,
+    describe_values,
+    process_count,
+)
 from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, Event
 from .._fusion import resolve_fuse
 from .._placement import Placement
@@ -144,8 +151,13 @@ class Run:
                     "epochs": self.epochs,
                     "iterations": self.iterations,
                     "fuse": str(self.fuse),
-                    "first_batch": describe(first),
-                    "step_state": describe(step_state, True),
+                    "first_batch (shapes: the batch size)": describe(first),
+                    "data": describe_source(self.source.data),
+                    "step_state (structure and shapes: the model)": describe(step_state),
+                    "step_state values (the seed or initial weights)": describe_values(step_state),
+                    "training step (e.g. the optimizer's constants, the loss)": (
+                        describe_step(self.loop.program, step_state, first)
+                    ),
                     "handlers": [(str(r.event), r.name) for r in self.loop.registrations],
                 }
             )
