@@ -58,3 +58,15 @@ def test_a_bench_output_path_is_checked_before_anything_runs(tmp_path, capsys):
         cli.main(["bench", "--json", str(blocker / "out.json"), "--models", "mlp-tiny"])
     assert exited.value.code == 2
     assert "--json" in capsys.readouterr().err
+
+
+def test_a_demo_plot_path_is_checked_before_training(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for target, why in ((blocker / "h.png", "cannot be made"), (tmp_path, "is a folder")):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["demo", "--plot", str(target)])
+        assert exited.value.code == 2
+        err = capsys.readouterr()
+        assert f"--plot {target}: its folder {why}" in err.err or why in err.err
+        assert "fuseloop demo: digits" not in err.out  # nothing trained
