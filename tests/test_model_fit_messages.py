@@ -199,3 +199,16 @@ def test_an_nnx_dropout_without_rngs_is_told_so():
     ) as info:
         fl.trainer(DropNoRngs(nnx.Rngs(0)), SPARSE, "sgd").run(CLASSIFICATION)
     assert "x does not fit" not in str(info.value)
+
+
+def test_a_state_of_another_model_is_blamed_not_the_data():
+    x, y = np.ones((16, 4), np.float32), np.zeros(16, np.int32)
+    sparse = "sparse_categorical_cross_entropy"
+    narrow = fl.trainer(fl.models.mlp([8, 3]), sparse, "adam").run([(x, y)])
+    wide = fl.trainer(fl.models.mlp([16, 3]), sparse, "adam")
+    with pytest.raises(ValueError, match=r"^init_state: the given variables do not fit") as caught:
+        wide.run([(x, y)], narrow, epochs=2)
+    message = str(caught.value)
+    assert (
+        "x is not the problem" in message and "of shape (8,) where the model makes (16,)" in message
+    )

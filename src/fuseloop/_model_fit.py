@@ -194,6 +194,14 @@ class ModelFit:
                 f"with {_first_line(error)}. Pass the variables the model reads (e.g. a "
                 f"trained State's params)"
             )
+        if whose != FRESH and self.checked and self.fresh is not _UNKNOWN:
+            return ValueError(
+                f"init_state: {whose} do not fit the model: {applying} with them fails with "
+                f"{_first_line(error)}, while the model's own fresh variables fit x, so x is "
+                f"not the problem.{_first_difference(variables, self.fresh)} Was the State "
+                f"or the variables saved from another model? Pass variables of this model "
+                f"(a State that this model's trainer returned or saved)"
+            )
         return ValueError(
             f"data: x does not fit the model: applying it with {whose} to the first "
             f"batch's x ({_describe(x, 'x')}) fails with {_first_line(error)}. Give x the "
@@ -376,3 +384,24 @@ def check_step_keeps_state(step: Any, step_state: Any, batch: Any) -> None:
                 f"device loop). Cast the result back (e.g. .astype(old dtype)), or build the "
                 f"state (e.g. the optimizer state) in the dtype the step produces"
             )
+
+
+def _first_difference(given: Any, fresh: Any) -> str:
+    """' The given variables hold <path> of shape (a) where the model makes (b).', or ''."""
+    try:
+        mine = dict(jax.tree_util.tree_flatten_with_path(given)[0])
+        theirs = dict(jax.tree_util.tree_flatten_with_path(fresh)[0])
+    except Exception:  # noqa: BLE001 - a description only
+        return ""
+    for path in sorted(mine.keys() | theirs.keys(), key=str):
+        name = jax.tree_util.keystr(path)
+        if path not in theirs:
+            return f" The given variables hold {name}, which the model does not make."
+        if path not in mine:
+            return f" The given variables lack {name}, which the model makes."
+        if np.shape(mine[path]) != np.shape(theirs[path]):
+            return (
+                f" The given variables hold {name} of shape {tuple(np.shape(mine[path]))} "
+                f"where the model makes {tuple(np.shape(theirs[path]))}."
+            )
+    return ""
