@@ -7,7 +7,9 @@ import ast
 import json
 import pathlib
 import pickle
+import shutil
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -203,3 +205,21 @@ def test_asynchronous_checkpoints_resume_bitwise(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert resumed.history == full.history
     saver.close()
+
+
+def test_a_damaged_latest_checkpoint_is_named_with_the_one_before_it(tmp_path):
+    x, y = np.ones((16, 4), np.float32), np.zeros(16, np.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loop = fl.trainer(fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy", "adam")
+        loop.checkpoint(tmp_path / "ck").run([(x, y)], epochs=3)
+    saves = sorted((tmp_path / "ck").iterdir())
+    for item in (saves[-1] / "arrays").iterdir():  # the arrays' files, lost
+        if item.is_dir():
+            shutil.rmtree(item)
+        elif item.name != "_METADATA":
+            item.unlink()
+    with pytest.raises(ValueError, match=r"the save is damaged") as caught:
+        fl.load_state(tmp_path / "ck")
+    assert str(saves[-1]) in str(caught.value) and str(saves[-2]) in str(caught.value)
+    assert fl.load_state(saves[-2]).epoch == 1

@@ -160,6 +160,26 @@ def _load_arrays(folder: Path, count: int) -> list[np.ndarray]:
         ) from None
 
 
+def _read_or_explain(folder: Path, earlier: Path | None) -> State:
+    """`read_save(folder)`; a save whose arrays cannot be read (a file of `arrays/`
+    deleted or truncated) is a ValueError naming it and the complete one before it."""
+    try:
+        return read_save(folder)
+    except (OSError, ValueError) as error:
+        if isinstance(error, ValueError) and str(error).startswith("path="):
+            raise  # already says which save and what is wrong
+        fallback = (
+            f" The checkpoint before it, {str(earlier)!r}, can be loaded: "
+            f"fl.load_state({str(earlier)!r}) (or delete the damaged one)"
+            if earlier is not None
+            else ""
+        )
+        raise ValueError(
+            f"path={str(folder)!r}: the save is damaged, its arrays cannot be read "
+            f"({type(error).__name__}: {str(error).splitlines()[0][:200]}).{fallback}"
+        ) from error
+
+
 def read_save(folder: Path) -> State:
     """Loads one save directory (never unpickles)."""
     if save_version(folder) == LEGACY_VERSION:
@@ -301,11 +321,11 @@ def load_state(path: str | os.PathLike[str]) -> State:
 
     path = Path(path).expanduser().absolute()  # orbax reads absolute paths only
     if is_save(path):
-        return read_save(path)
+        return _read_or_explain(path, None)
     if path.is_dir():
         saves = checkpoint_dirs(path, is_save)
         if saves:
-            return read_save(saves[-1])
+            return _read_or_explain(saves[-1], saves[-2] if len(saves) > 1 else None)
         raise ValueError(
             f"path={str(path)!r} holds no complete save: expected a directory written by "
             f"fl.save_state or one written by Loop.checkpoint (checkpoint_* subdirectories)"
