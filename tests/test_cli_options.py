@@ -70,3 +70,20 @@ def test_a_demo_plot_path_is_checked_before_training(tmp_path, capsys):
         err = capsys.readouterr()
         assert f"--plot {target}: its folder {why}" in err.err or why in err.err
         assert "fuseloop demo: digits" not in err.out  # nothing trained
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--members", "4"], "--members applies only with --population"),
+        (["--zoo", "--population"], "--zoo does not apply"),
+        (["--report", "--whole-run"], "separate benchmarks"),
+        (["--models", ","], "names no model"),
+        (["--whole-run", "--models", "mlp-tiny"], "--models does not apply"),
+    ],
+)
+def test_bench_options_that_do_not_go_together_are_usage_errors(argv, named, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bench", *argv])
+    assert exited.value.code == 2
+    assert named in capsys.readouterr().err

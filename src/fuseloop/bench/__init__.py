@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ._harness import RATIOS, compile_vs_k, cross_check, measure, ratios, targets
+from ._options import check_modes
 from ._output import machine_info, markdown, unwritable, write_json, write_plot
 from ._overlap import overlap
 from ._plan import Plan, mlp_plan, zoo_plan
@@ -307,7 +308,7 @@ def _parser() -> argparse.ArgumentParser:
         "jit(vmap(scan)) floor, 3 epochs; --models mlp-tiny (default), mlp-demo or both",
     )
     parser.add_argument(
-        "--members", type=int, default=32, help="population members (with --population)"
+        "--members", type=int, default=None, help="population members (with --population; 32)"
     )
     parser.add_argument(
         "--whole-run",
@@ -334,6 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = _parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
+    check_modes(parser, args)
     reps = args.reps if args.reps is not None else (3 if args.quick else 10)
     if reps < 1:
         parser.error(f"--reps={reps} must be a positive int")
