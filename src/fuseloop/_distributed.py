@@ -20,6 +20,7 @@ import json
 import os
 import re
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -60,6 +61,9 @@ ENV_TIMEOUT = "FUSELOOP_FAILURE_TIMEOUT"
 # How long a process waits on a dead peer before jax reports it (seconds): the coordination
 # service's heartbeat; bounded so a crashed process never leaves the others hanging.
 DEFAULT_FAILURE_TIMEOUT = 10
+# The line a launched process writes when an uncaught exception ends it (`fuseloop launch`
+# reads it, does not print it, and names the first process that wrote it).
+FAILED_MARK = "[fuseloop launch: this process failed]"
 
 
 # ----------------------------------------------------------------- set-up
@@ -106,6 +110,16 @@ def initialize_from_environment() -> bool:
     return True
 
 
+_CONSEQUENCE_DELAY = 1.0  # seconds
+_LOST_PEER = ("connection reset by peer", "connection closed by peer", "gloo", "heartbeat")
+
+
+def _lost_a_peer(error: Any) -> bool:
+    """Whether `error` says a collective lost another process (not a failure of its own)."""
+    text = str(error).lower()
+    return any(sign in text for sign in _LOST_PEER)
+
+
 def _exit_at_once_on_error() -> None:
     """An uncaught exception ends this launched process at once, with exit code 1 after
     its traceback: otherwise jax's shutdown waits at a barrier for the other processes
@@ -116,6 +130,14 @@ def _exit_at_once_on_error() -> None:
     def hook(kind: Any, value: Any, traceback: Any) -> None:
         previous(kind, value, traceback)
         sys.stdout.flush()
+        if _lost_a_peer(value):
+            # A consequence of another process's end (killed, or failed first): that one
+            # is the one to name, so this one leaves its exit to be seen after it.
+            time.sleep(_CONSEQUENCE_DELAY)
+        else:
+            # Before this process's sockets close: the others fail once they do, and the
+            # launcher names the process that marked its failure first.
+            sys.stderr.write(FAILED_MARK + "\n")
         sys.stderr.flush()
         os._exit(1)
 

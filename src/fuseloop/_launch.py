@@ -28,11 +28,13 @@ from ._distributed import (
     ENV_COUNT,
     ENV_ID,
     ENV_TIMEOUT,
+    FAILED_MARK,
 )
 
 __all__ = ["free_port", "launch"]
 
 _POLL_SECONDS = 0.05
+_MARK_SECONDS = 0.5  # how long a failure waits for a failure mark still in a pipe
 
 
 def free_port() -> int:
@@ -63,10 +65,35 @@ def _environment(index: int, count: int, address: str, failure_timeout: int) -> 
     return env
 
 
-def _stream(index: int, source: IO[bytes], sink: IO[str], lock: threading.Lock) -> None:
+class _FirstFailure:
+    """The first process whose output marked an uncaught exception (`FAILED_MARK`)."""
+
+    def __init__(self) -> None:
+        self.index: int | None = None
+        self.lock = threading.Lock()
+
+    def mark(self, index: int) -> None:
+        with self.lock:
+            if self.index is None:
+                self.index = index
+
+    def wait(self, seconds: float) -> int | None:
+        """The marked process, waiting up to `seconds` for a mark still in a pipe."""
+        deadline = time.monotonic() + seconds
+        while self.index is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.index
+
+
+def _stream(
+    index: int, source: IO[bytes], sink: IO[str], lock: threading.Lock, failures: _FirstFailure
+) -> None:
     prefix = f"[{index}] "
     for raw in iter(source.readline, b""):
         line = raw.decode(errors="replace").rstrip("\n")
+        if line == FAILED_MARK:
+            failures.mark(index)
+            continue
         with lock:
             sink.write(prefix + line + "\n")
             sink.flush()
@@ -145,13 +172,14 @@ def launch(
     lock = threading.Lock()
     processes: list[subprocess.Popen] = []
     readers: list[threading.Thread] = []
+    failures = _FirstFailure()
     previous = _stop_on_sigterm()
     try:
         for index in range(count):
             process = _spawn(script, args, _environment(index, count, address, failure_timeout))
             processes.append(process)
-            readers.append(_start_reader(index, process, sink, lock))
-        code = _watch(processes, sink, lock, grace)
+            readers.append(_start_reader(index, process, sink, lock, failures))
+        code = _watch(processes, sink, lock, grace, failures)
     except BaseException:
         _stop(processes, grace)
         raise
@@ -210,22 +238,34 @@ def _spawn(script: str, args: Sequence[str], env: dict) -> subprocess.Popen:
 
 
 def _start_reader(
-    index: int, process: subprocess.Popen, sink: IO[str], lock: threading.Lock
+    index: int,
+    process: subprocess.Popen,
+    sink: IO[str],
+    lock: threading.Lock,
+    failures: _FirstFailure,
 ) -> threading.Thread:
     """A started thread that copies the process's output to `sink`, line by line."""
-    reader = threading.Thread(target=_stream, args=(index, process.stdout, sink, lock), daemon=True)
+    reader = threading.Thread(
+        target=_stream, args=(index, process.stdout, sink, lock, failures), daemon=True
+    )
     reader.start()
     return reader
 
 
 def _watch(
-    processes: list[subprocess.Popen], sink: IO[str], lock: threading.Lock, grace: float
+    processes: list[subprocess.Popen],
+    sink: IO[str],
+    lock: threading.Lock,
+    grace: float,
+    failures: _FirstFailure,
 ) -> int:
     """Waits for every process; on the first failure stops the rest and returns its code.
 
     Each process is waited for by a thread of its own, so exits are seen in the order they
-    happened: when one process fails, the others soon fail too (their collectives lose a
-    peer), and the first is the one to name.
+    happened. When one process fails, the others soon fail too (their collectives lose a
+    peer) and may even exit first, while the failed one is still tearing down: a process
+    whose uncaught exception ended it marks that in its output before exiting
+    (`FAILED_MARK`), and the first mark names the process.
     """
     exits: queue.Queue[tuple[int, int]] = queue.Queue()
     for index, process in enumerate(processes):
@@ -240,6 +280,9 @@ def _watch(
             except queue.Empty:
                 continue
         if code != 0:
+            marked = failures.wait(_MARK_SECONDS)  # the one whose exception came first
+            if marked is not None and marked != index:
+                index, code = marked, 1
             with lock:
                 sink.write(
                     f"[launch] process {index} {_describe(code)}; stopping the other processes\n"

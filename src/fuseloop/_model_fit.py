@@ -196,11 +196,12 @@ class ModelFit:
             )
         if whose != FRESH and self.checked and self.fresh is not _UNKNOWN:
             return ValueError(
-                f"init_state: {whose} do not fit the model: {applying} with them fails with "
-                f"{_first_line(error)}, while the model's own fresh variables fit x, so x is "
-                f"not the problem.{_first_difference(variables, self.fresh)} Was the State "
-                f"or the variables saved from another model? Pass variables of this model "
-                f"(a State that this model's trainer returned or saved)"
+                f"data: x does not fit the model with {whose} (init_state): {applying} with "
+                f"them fails with {_first_line(error)}, while the model's own fresh "
+                f"variables fit this x.{_first_difference(variables, self.fresh)} Either x "
+                f"is shaped unlike the data those variables were trained on, or they come "
+                f"from another model (a State saved from a different one?): pass x shaped "
+                f"as in training, or variables of this model"
             )
         return ValueError(
             f"data: x does not fit the model: applying it with {whose} to the first "
