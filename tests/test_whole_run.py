@@ -388,3 +388,14 @@ def test_the_plateaus_rate_read_is_a_counted_host_read():
     with_rate = plateau.run(_data(), epochs=6, fuse="run")
     assert plain.stats["dispatches"] == with_rate.stats["dispatches"] == 1
     assert with_rate.stats["host_syncs"] == plain.stats["host_syncs"] + 1
+
+
+def test_a_handler_failing_on_a_replayed_state_is_told_why_it_has_no_params():
+    def norm(state: fl.State) -> None:
+        state.params["params"]  # None in an epoch replayed from a dispatch
+
+    loop = _trainer().observe("epoch_completed", norm)
+    with pytest.raises(TypeError) as caught:
+        loop.run(_data(), epochs=3, fuse="run")
+    (note,) = caught.value.__notes__
+    assert "state.params are None" in note and "replayed" in note

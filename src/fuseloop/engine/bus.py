@@ -29,6 +29,17 @@ _COUNTED = tuple((event, event.value, event in ITERATION_EVENTS) for event in Ev
 _EVENTS = tuple(Event)  # iterating the enum itself costs the host ~1 us a run
 
 
+# Events whose State has no step state in any run (before the first step).
+_NO_STEP = (Event.STARTED,)
+_REPLAYED = (
+    "; the State it was given has no step state (state.step_state and state.params are "
+    "None): the event was replayed after its steps ran on the device (a fused chunk, or "
+    "epochs in one dispatch). Read params on an epoch event of a run with fuse=False or "
+    "fuse=K within an epoch, or attach with handle_event on an epoch event, which "
+    "splits the dispatch there (docs/design.md §9)"
+)
+
+
 class EventBus:
     """Fires events to registered handlers and keeps the run's event counts."""
 
@@ -115,6 +126,7 @@ class EventBus:
                 error.add_note(
                     f"fuseloop: raised by handler {registration.label} on event "
                     f"'{event.value}' (epoch {state.epoch}, iteration {state.iteration})"
+                    + (_REPLAYED if state.step_state is None and event not in _NO_STEP else "")
                 )
                 raise
             if registration.observes and result is not None:
