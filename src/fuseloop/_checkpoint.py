@@ -145,39 +145,44 @@ def is_save(path: Path) -> bool:
     return save_version(path) is not None
 
 
+class _DamagedSave(ValueError):
+    """A save whose arrays cannot be read (a file of its `arrays/` lost or truncated)."""
+
+
 def _load_arrays(folder: Path, count: int) -> list[np.ndarray]:
     if count == 0:
         return []
     import orbax.checkpoint as ocp
 
-    with ocp.PyTreeCheckpointer() as checkpointer:
-        tree = checkpointer.restore(folder)
+    try:
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            tree = checkpointer.restore(folder)
+    except (OSError, ValueError) as error:  # orbax's and tensorstore's own words
+        raise _DamagedSave(
+            f"path={str(folder.parent)!r}: the save is damaged, its arrays cannot be read "
+            f"({type(error).__name__}: {str(error).splitlines()[0][:200]})."
+        ) from error
     try:
         return [np.asarray(tree[f"leaf_{i:06d}"]) for i in range(count)]
     except KeyError as err:
-        raise ValueError(
+        raise _DamagedSave(
             f"path={str(folder)!r} lacks the array {err}; the save is damaged"
         ) from None
 
 
-def _read_or_explain(folder: Path, earlier: Path | None) -> State:
-    """`read_save(folder)`; a save whose arrays cannot be read (a file of `arrays/`
-    deleted or truncated) is a ValueError naming it and the complete one before it."""
+def _read_latest(saves: list[Path]) -> State:
+    """The newest of a checkpoint directory's complete saves; a damaged one is an error
+    naming the complete one before it."""
     try:
-        return read_save(folder)
-    except (OSError, ValueError) as error:
-        if isinstance(error, ValueError) and str(error).startswith("path="):
-            raise  # already says which save and what is wrong
-        fallback = (
-            f" The checkpoint before it, {str(earlier)!r}, can be loaded: "
-            f"fl.load_state({str(earlier)!r}) (or delete the damaged one)"
-            if earlier is not None
-            else ""
-        )
-        raise ValueError(
-            f"path={str(folder)!r}: the save is damaged, its arrays cannot be read "
-            f"({type(error).__name__}: {str(error).splitlines()[0][:200]}).{fallback}"
-        ) from error
+        return read_save(saves[-1])
+    except _DamagedSave as error:
+        if len(saves) < 2:
+            raise
+        earlier = str(saves[-2])
+        raise _DamagedSave(
+            f"{error} The checkpoint before it, {earlier!r}, can be loaded: "
+            f"fl.load_state({earlier!r}) (or delete the damaged one)"
+        ) from error.__cause__
 
 
 def read_save(folder: Path) -> State:
@@ -321,11 +326,11 @@ def load_state(path: str | os.PathLike[str]) -> State:
 
     path = Path(path).expanduser().absolute()  # orbax reads absolute paths only
     if is_save(path):
-        return _read_or_explain(path, None)
+        return read_save(path)
     if path.is_dir():
         saves = checkpoint_dirs(path, is_save)
         if saves:
-            return _read_or_explain(saves[-1], saves[-2] if len(saves) > 1 else None)
+            return _read_latest(saves)
         raise ValueError(
             f"path={str(path)!r} holds no complete save: expected a directory written by "
             f"fl.save_state or one written by Loop.checkpoint (checkpoint_* subdirectories)"
