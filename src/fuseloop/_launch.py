@@ -70,18 +70,17 @@ class _FirstFailure:
 
     def __init__(self) -> None:
         self.index: int | None = None
-        self.lock = threading.Lock()
+        self.lock, self.marked = threading.Lock(), threading.Event()
 
     def mark(self, index: int) -> None:
         with self.lock:
             if self.index is None:
                 self.index = index
+                self.marked.set()
 
     def wait(self, seconds: float) -> int | None:
         """The marked process, waiting up to `seconds` for a mark still in a pipe."""
-        deadline = time.monotonic() + seconds
-        while self.index is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        self.marked.wait(seconds)
         return self.index
 
 
