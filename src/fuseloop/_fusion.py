@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ._metrics import batch_size
+
 __all__ = ["FusionError", "stack_chunk", "make_chunk_fn", "DEFAULT_CHUNK", "resolve_fuse"]
 
 DEFAULT_CHUNK = 32
@@ -197,7 +199,7 @@ def make_chunk_fn(
             changed = _changed_leaves(carry_step, state, tail, _index(chunk, 0))
             if not changed:
                 raise
-            raise ValueError(_carry_message(changed, _size_of_batch(_index(chunk, 0)))) from error
+            raise ValueError(_carry_message(changed, batch_size(_index(chunk, 0)))) from error
         if guard_nonfinite:
             state, tail, records = lax.cond(
                 tail["nonfinite"],
@@ -207,14 +209,6 @@ def make_chunk_fn(
         return state, tail, records, n_run
 
     return chunk_fn
-
-
-def _size_of_batch(batch: Any) -> int | None:
-    """The leading-axis size of a batch's first array (None for none)."""
-    for leaf in jax.tree.leaves(batch):
-        if jnp.ndim(leaf) >= 1:
-            return int(jnp.shape(leaf)[0])
-    return None
 
 
 def _changed_leaves(carry_step: Any, state: Any, tail: Any, batch: Any) -> list[str]:
@@ -235,10 +229,10 @@ def _spec(leaf: Any) -> str:
     return f"{jnp.result_type(leaf).name}{list(jnp.shape(leaf))}"
 
 
-def _carry_message(changed: list[str], batch: int | None) -> str:
-    examples = f" (on a batch of {batch} examples)" if batch is not None else ""
+def _carry_message(changed: list[str], batch: int) -> str:
     return (
-        f"the step changed its step state's leaves{examples}: {'; '.join(changed[:3])}. "
+        f"the step changed its step state's leaves (on a batch of {batch} examples): "
+        f"{'; '.join(changed[:3])}. "
         f"Every leaf of the step state must keep its shape and dtype from step to step. A "
         f"leaf sized by the batch (such as y_pred) needs batches of one size: pass "
         f"drop_remainder=True (or uniform batches), or keep per-batch values out of the "

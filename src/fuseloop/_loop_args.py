@@ -68,10 +68,12 @@ def check_init_state(init_state: Any, kind: str = "custom") -> None:
             f"loop.run(data, fl.load_state(path), epochs=...)"
         )
     seed_like = isinstance(init_state, (int, np.integer)) and not isinstance(init_state, bool)
-    if seed_like and kind in ("trainer", "evaluator"):
-        where = "a trainer's seed is fl.trainer(..., seed=...)" if kind == "trainer" else ""
-        raise ValueError(
-            f"init_state={init_state!r} is an integer, but a{'n' if kind == 'evaluator' else ''} "
-            f"{kind} starts from the model's variables (model.init(...)) or a State"
-            + (f"; {where}" if where else "")
-        )
+    if seed_like and kind in _STARTS_FROM:
+        raise ValueError(f"init_state={init_state!r} is an integer, but {_STARTS_FROM[kind]}")
+
+
+_STARTS_FROM = {
+    "trainer": "a trainer starts from the model's variables (model.init(...)) or a State; "
+    "a trainer's seed is fl.trainer(..., seed=...)",
+    "evaluator": "an evaluator starts from the model's variables (model.init(...)) or a State",
+}
