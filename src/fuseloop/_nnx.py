@@ -147,7 +147,7 @@ class _Graph:
         nodes = dict(nnx.iter_graph(module))
         self.edges = [(nodes[path[:-1]], path, node) for path, node in nodes.items() if path]
         self.variables = [node for node in nodes.values() if isinstance(node, nnx.Variable)]
-        self.layout = _layout(nodes, nnx.Variable)
+        self.layout = _layout(nodes)
 
     def unchanged(self) -> bool:
         """Whether every edge still leads to the object it led to when built."""
@@ -173,33 +173,29 @@ def _child(parent: Any, key: Any) -> Any:
 _MODE_ATTRIBUTES = frozenset(TRAIN_FLAGS)
 
 
-def _layout(nodes: dict[Any, Any], variable_type: type) -> dict[Any, Any]:
+def _layout(nodes: dict[Any, Any]) -> dict[Any, Any]:
     """What the traced programs depend on, per path: a Variable's type, shape and dtype,
     a graph node's type, a static attribute's value (mode switches excepted)."""
+    from flax import nnx
+
     layout: dict[Any, Any] = {}
     for path, node in nodes.items():
         if path and (path[-1] in _MODE_ATTRIBUTES or _internal(path)):
             continue
-        if isinstance(node, variable_type):
+        if isinstance(node, nnx.Variable):
             value = _raw_value(node)
             shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
             layout[path] = (type(node), shape, dtype)
-        elif _is_static(node):
-            layout[path] = ("static", _comparable(node))
-        else:
+        elif nnx.graph.is_graph_node(node):
             layout[path] = type(node)
+        else:  # a static attribute
+            layout[path] = ("static", _comparable(node))
     return layout
 
 
 def _internal(path: tuple[Any, ...]) -> bool:
     """nnx's own bookkeeping inside a node (`_pytree__...`), not the user's structure."""
     return any(isinstance(key, str) and key.startswith("_pytree__") for key in path)
-
-
-def _is_static(node: Any) -> bool:
-    from flax import nnx
-
-    return not (isinstance(node, nnx.Variable) or nnx.graph.is_graph_node(node))
 
 
 def _comparable(value: Any) -> Any:

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._metrics import batch_size
 from .engine.conv_layout import named
 from .models import as_model
 
@@ -37,7 +38,7 @@ def _chunk_program(model: Any, members: bool = False) -> Any:
     def run_chunk(variables: Any, chunk: Any) -> Any:
         def one(x: Any) -> Any:
             out = adapter.forward(variables, x, train=False, rng=None)[0]
-            _require_rows(out, jax.tree.leaves(x)[0].shape[0])
+            _require_rows(out, batch_size(x))
             return out
 
         return jax.lax.map(one, chunk)
