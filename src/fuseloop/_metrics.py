@@ -8,7 +8,7 @@ contract, so fused and unfused accumulators agree to the bit.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from ._outputs import require_one_prediction
 
 __all__ = [
     "LOSSES",
@@ -27,8 +29,6 @@ __all__ = [
     "MetricSpec",
     "ACCUMULATORS",
     "batch_size",
-    "describe_outputs",
-    "require_one_prediction",
 ]
 
 Array = Any
@@ -41,74 +41,6 @@ class Mean(NamedTuple):
 
     total: Array  # float32 scalar: sum over the batch's examples (elements)
     count: Array  # float32 scalar: number of examples (elements) summed
-
-
-def describe_outputs(y_pred: Any) -> str | None:
-    """How a model's output that is not one array reads in an error ("a tuple of 2 outputs
-    (output[0] of shape (4, 3), output[1] of shape (4, 8))"), or None for one array (or a
-    Python scalar: not a container of outputs).
-
-    Example:
-        >>> import numpy as np
-        >>> describe_outputs((np.zeros((4, 3)), np.zeros((4, 8))))
-        'a tuple of 2 outputs (output[0] of shape (4, 3), output[1] of shape (4, 8))'
-        >>> describe_outputs({"logits": np.zeros((4, 3))})
-        "a dict of 1 output (output['logits'] of shape (4, 3))"
-        >>> describe_outputs(np.zeros((4, 3))) is None
-        True
-    """
-    if hasattr(y_pred, "shape") and hasattr(y_pred, "ndim"):
-        return None
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(y_pred)
-    if leaves and jax.tree_util.treedef_is_leaf(treedef):  # a scalar, not a container
-        return None
-    kind = "dict" if isinstance(y_pred, Mapping) else type(y_pred).__name__
-    if not leaves:
-        return "None" if y_pred is None else f"an empty {kind} (no arrays)"
-    count = len(y_pred) if isinstance(y_pred, (tuple, list, Mapping)) else len(leaves)
-    shapes = ", ".join(
-        f"output{jax.tree_util.keystr(path)} of shape {tuple(np.shape(leaf))}"
-        for path, leaf in leaves
-    )
-    return f"a {kind} of {count} output{'s' if count != 1 else ''} ({shapes})"
-
-
-def _first_output(y_pred: Any) -> str:
-    """How to pick the first of several outputs: `y_pred[0]` or `y_pred['key']`."""
-    if isinstance(y_pred, Mapping) and y_pred:
-        return f"y_pred[{'logits' if 'logits' in y_pred else next(iter(y_pred))!r}]"
-    return "y_pred[0]"
-
-
-def require_one_prediction(y_pred: Any, kind: str, name: str) -> None:
-    """Raises a ValueError if `y_pred`, which the built-in `kind` ("loss" or "metric")
-    `name` reads, is a tuple or dict of outputs rather than one array of predictions.
-
-    Example:
-        >>> import numpy as np
-        >>> require_one_prediction((np.zeros((4, 3)), np.zeros((4, 8))), "metric", "accuracy")
-        Traceback (most recent call last):
-        ...
-        ValueError: metric 'accuracy' takes one array of predictions, but the model returns ...
-    """
-    outputs = describe_outputs(y_pred)
-    if outputs is None:
-        return
-    pick = _first_output(y_pred)
-    if kind == "metric":
-        fix = (
-            f"Pass a metric function that picks the output, e.g. .metric(lambda y_true, "
-            f"y_pred: ..., name={name!r}) reading {pick}"
-        )
-    else:
-        fix = (
-            f"Pass a custom loss, loss(y_true, y_pred), that picks the output to train on "
-            f"(e.g. {pick})"
-        )
-    raise ValueError(
-        f"{kind} {name!r} takes one array of predictions, but the model returns {outputs}. "
-        f"{fix}, or make the model return one array"
-    )
 
 
 def _mean_of(values: Array) -> Mean:

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._metrics import require_one_prediction, resolve_loss
+from ._metrics import resolve_loss
+from ._outputs import require_one_prediction
 from ._placement import device_dtype
 from .models import ModelModeError, from_nnx, linen
 
