@@ -105,16 +105,23 @@ def _steady(state: Any) -> tuple[float, float]:
     return statistics.median(state.times[e] for e in sorted(state.times)[1:]), float("nan")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=15)
-    rounds = parser.parse_args().rounds
+def mlp_tiny() -> tuple[Any, Any, list[tuple[np.ndarray, np.ndarray]]]:
+    """`(model, variables, batches)`: mlp-tiny and its epoch of host batches."""
     x, y = _data()
     model = fl.models.mlp(list(WIDTHS))
     variables = model.init(jax.random.PRNGKey(0), x[:BATCH])
     batches = [
         (x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]) for i in range(N_BATCHES)
     ]
+    return model, variables, batches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=15)
+    rounds = parser.parse_args().rounds
+    x, y = _data()
+    model, variables, batches = mlp_tiny()
     resident = fl.data.arrays(x, y, batch_size=BATCH, shuffle=False, device=True)
     base = fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-3))
     seen: list[float] = []

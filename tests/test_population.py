@@ -130,7 +130,7 @@ def test_population_init_is_bitwise_the_solo_init():
     members = Population(3, (4, 5, 6))
     pop = population_init(Programs(_trainer(4), members), members, (x, y), None)
     for i in range(3):
-        solo, _ = initial_step_state(Programs(_trainer(4 + i)), None, (x, y), False)
+        solo = initial_step_state(Programs(_trainer(4 + i)), None, (x, y), False).step_state
         assert tree_equal(jax.tree.map(lambda a, i=i: a[i], pop), solo)
 
 

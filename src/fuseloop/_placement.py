@@ -15,7 +15,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._shards import assemble_global
 
-__all__ = ["Placement", "device_dtype", "device_int", "device_signature", "signature_of"]
+__all__ = [
+    "Placement",
+    "default_device_key",
+    "device_dtype",
+    "device_int",
+    "device_signature",
+    "signature_of",
+]
 
 _DEVICE_INTS: dict[tuple[int, Any], Any] = {}
 _CANONICAL: dict[tuple[Any, bool], Any] = {}
@@ -61,12 +68,18 @@ def _leaf_spec(leaf: Any) -> tuple[tuple[int, ...], Any]:
     return np.shape(leaf), device_dtype(leaf)
 
 
+def default_device_key() -> Any:
+    """Where `device_put` and a program without arguments put their output now (the
+    default device, None: jax's own choice)."""
+    return getattr(jax.config, "jax_default_device", None)
+
+
 def device_int(value: int) -> Any:
     """A device int32 scalar holding `value`, made once and shared: no program donates it,
     and a transfer per run costs the host about 0.1-0.2 ms on a CPU (docs/design.md §6).
     Allowed under any transfer guard (the library's own constant, not the caller's data).
     """
-    key = (value, getattr(jax.config, "jax_default_device", None))  # where device_put puts
+    key = (value, default_device_key())
     if key not in _DEVICE_INTS:
         with jax.transfer_guard("allow"):
             _DEVICE_INTS[key] = jax.device_put(np.int32(value))

@@ -8,6 +8,7 @@ value, which `Handoff` passes to `adopt` — nothing else assigns the carry.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -27,13 +28,26 @@ class Carry:
         self._metrics: dict[str, float] | None = None
         self._queued = 0
         self.ended: Any = None  # the ending epoch's accumulators, once the next one opened
+        # What to make for a later start once a program is launched, while the host
+        # waits for the device (spares: docs/design.md §6).
+        self._spare_makers: list[Callable[[], None]] = []
 
-    def start(self, step_state: Any, made_here: bool = False) -> None:
-        """Takes the run's initial step state (`made_here`: a compiled program's output)."""
+    def start(
+        self,
+        step_state: Any,
+        made_here: bool = False,
+        spare_maker: Callable[[], None] | None = None,
+    ) -> None:
+        """Takes the run's initial step state (`made_here`: a compiled program's output);
+        `spare_maker` makes the next run's, once a chunk is launched."""
         self.step_state = self.placement.put_state(step_state, made_here)
+        if spare_maker is not None:
+            self._spare_makers.append(spare_maker)
 
     def reset_metrics(self) -> None:
-        tail = self.programs.fresh_tail()
+        tail, spare_maker = self.programs.epoch_tail()
+        if spare_maker not in self._spare_makers:
+            self._spare_makers.append(spare_maker)
         if self.tail is not None and "active" in self.tail:
             tail = {**tail, "active": self.tail["active"]}  # a population's stopped members
         self.tail = self.placement.put_state(tail, made_here=True)
@@ -79,6 +93,9 @@ class Carry:
         self._metrics = None
         self._queued += 1
         self.stats["dispatches"] += 1
+        if self._spare_makers:  # made while the host waits for this launch (host.py)
+            self.reads.before_waiting(self._spare_makers)
+            self._spare_makers = []
         return out[2:]
 
     def throttle(self, max_queued: int) -> None:

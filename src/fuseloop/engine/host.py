@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -28,9 +29,19 @@ class HostReads:
         # 10 us a leaf (measured: 42 us against 5 us for a chunk's 3-leaf records,
         # docs/design.md §6). Elsewhere device_get's copies run in parallel.
         self.views = jax.default_backend() == "cpu"
+        self._before_waiting: list[Callable[[], None]] = []
+
+    def before_waiting(self, work: list[Callable[[], None]]) -> None:
+        """Work for the host to do before its next read, which waits for the device: done
+        then, it is off the run's critical path (spares, docs/design.md §6)."""
+        self._before_waiting.extend(work)
 
     def get(self, tree: Any) -> Any:
         """`tree` with its device arrays read to the host (numpy arrays, read-only)."""
+        if self._before_waiting:
+            work, self._before_waiting = self._before_waiting, []
+            for item in work:
+                item()
         self.stats["host_syncs"] += 1
         if not self.views:
             return jax.device_get(tree)

@@ -9,6 +9,7 @@ and unfused runs bitwise equal is in docs/design.md §2 ("one loop body for ever
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from .._fusion import make_chunk_fn
+from .._placement import default_device_key
 from .._shards import take_rows
 from .._step import init_tail, make_carry_step
 from . import conv_layout
@@ -25,6 +27,7 @@ from .population import masked_step, member_carry_step, member_chunk, population
 __all__ = ["ProgramCache", "Programs", "MIN_SLOTS", "pack_leaves", "unpack_on_host"]
 
 MIN_SLOTS = 2
+_SPARE_LOCK = threading.Lock()
 
 
 @dataclass(eq=False)
@@ -44,6 +47,8 @@ class ProgramCache:
         first_batch: Resident first-batch programs, keyed as `epoch_order` and by the
             batch's sharding.
         fresh_tail: Builds zeroed metric accumulators.
+        spare_tail: `(default device, accumulators)` made ahead for the next epoch start
+            (`Programs.epoch_tail`; a value, not a program: taken once).
         init: The trainer's jitted initialization by first-batch signature.
         verdicts: Model-fit checks already passed, by the shapes checked (`_checks.Checker`).
         probe: `fuse="auto"` probe timings `(step_s, overhead_s)` by batch signature and mesh.
@@ -60,6 +65,7 @@ class ProgramCache:
     epoch_order: dict[Any, Any] = field(default_factory=dict)
     first_batch: dict[Any, Any] = field(default_factory=dict)
     fresh_tail: Any = None
+    spare_tail: Any = None
     init: dict[Any, Any] = field(default_factory=dict)
     verdicts: dict[Any, Any] = field(default_factory=dict)
     probe: dict[Any, Any] = field(default_factory=dict)
@@ -249,6 +255,23 @@ class Programs:
             else:
                 self.cache.fresh_tail = jax.jit(lambda: init_tail(metrics, guard))
         return self.cache.fresh_tail()
+
+    def epoch_tail(self) -> tuple[Any, Callable[[], None]]:
+        """As `fresh_tail`, taking the spare made while the host last waited for the device
+        (then an epoch's start dispatches nothing), and what makes the next spare, for the
+        carry to call once a program is launched (docs/design.md §6).
+        """
+        with _SPARE_LOCK:  # runs of one Loop in two threads: a spare goes to one of them
+            spare, self.cache.spare_tail = self.cache.spare_tail, None
+        if spare is not None and spare[0] == default_device_key():
+            return spare[1], self._make_spare_tail
+        return self.fresh_tail(), self._make_spare_tail
+
+    def _make_spare_tail(self) -> None:
+        if self.cache.spare_tail is None:
+            made = (default_device_key(), self.fresh_tail())
+            with _SPARE_LOCK:
+                self.cache.spare_tail = made
 
 
 def _source_key(source: Any) -> tuple[Any, ...]:

@@ -127,7 +127,7 @@ class Run:
         """
         self._resume()
         first = self._first_batch()
-        step_state, signature = initial_step_state(
+        step_state, signature, spare_maker = initial_step_state(
             self.programs, self.user_state, first, resuming=isinstance(self.init_state, State)
         )
         if self.members is None:
@@ -135,7 +135,7 @@ class Run:
         else:
             self.checker.variables(first_member(step_state))
         self._agree_across_processes(first, step_state)
-        self.carry.start(step_state, made_here=signature is not None)
+        self.carry.start(step_state, made_here=signature is not None, spare_maker=spare_maker)
         if self.members is not None:
             self.state = self.members.start(self.state)
         return self._feed(step_state, first)

@@ -8,20 +8,22 @@ run neither recompiles nor pays for hundreds of eager dispatches.
 
 from __future__ import annotations
 
+import threading
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._placement import device_int, device_signature, signature_of
+from .._placement import default_device_key, device_int, device_signature, signature_of
 from .conv_layout import named
 from .population import population_init, require_distinct_members
 from .programs import Programs
 
-__all__ = ["InlineInit", "initial_step_state", "private_copy", "warn_on_resume"]
+__all__ = ["InlineInit", "Start", "initial_step_state", "private_copy", "warn_on_resume"]
 
 
 @jax.jit
@@ -92,24 +94,56 @@ class InlineInit:
     def __init__(self, init: Any, looped: bool = True):
         self.init, self.looped = init, looped
         self.programs: dict[Any, tuple[Any, Any, Any]] = {}
+        self.small: set[Any] = set()  # signatures whose step state is kept as a spare
+        # The spare: a step state made ahead, from the variables a run last started from,
+        # while that run waited for the device (`start`'s maker, docs/design.md §6).
+        self._spare: tuple[_Given, Any] | None = None
+        self._lock = threading.Lock()  # one run takes a spare: the next launch donates it
 
     def __call__(self, variables: Any) -> tuple[Any, Any]:
         """The step state made from `variables` (None: fresh), and its signature. Host
         arrays among the variables move to the device first (arrays there stay put)."""
+        return self.start(variables)[:2]
+
+    def start(self, variables: Any) -> tuple[Any, Any, Callable[[], None] | None]:
+        """As calling it, and what makes the next run's spare (None: no spare is kept): a
+        small step state made from device arrays, which no one can change, is made again,
+        once this run has launched and before it waits for the device (`Carry.start`); a
+        run from the same arrays takes it and starts without this program's dispatch.
+        """
         leaves, structure = jax.tree.flatten(variables)
-        if not all(isinstance(leaf, jax.Array) for leaf in leaves):
+        on_device = all(isinstance(leaf, jax.Array) for leaf in leaves)
+        if not on_device:
             variables = jax.device_put(variables)  # the initial state: not counted as data
             leaves = jax.tree.leaves(variables)
         key = signature_of(leaves, structure)
         if key not in self.programs:
-            self.programs[key] = self._program(variables)
+            self.programs[key] = self._program(variables, key)
         treedef, signature, program = self.programs[key]
-        return jax.tree.unflatten(treedef, program(variables, device_int(1))), signature
+        given = _Given(leaves, structure) if on_device and key in self.small else None
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None and given is not None and spare[0].same(given):
+            state = spare[1]
+        else:
+            state = jax.tree.unflatten(treedef, program(variables, device_int(1)))
+        if given is None:
+            return state, signature, None
 
-    def _program(self, variables: Any) -> tuple[Any, Any, Any]:
+        def spare_maker() -> None:
+            made = jax.tree.unflatten(treedef, program(variables, device_int(1)))
+            with self._lock:
+                self._spare = (given, made)
+
+        return state, signature, spare_maker
+
+    def _program(self, variables: Any, key: Any) -> tuple[Any, Any, Any]:
         shapes, treedef = jax.tree.flatten(jax.eval_shape(self.init, variables))
         signature = treedef, tuple((tuple(s.shape), s.dtype) for s in shapes)
-        if not self.looped or sum(s.size * s.dtype.itemsize for s in shapes) > self.LOOP_BYTES:
+        small = sum(s.size * s.dtype.itemsize for s in shapes) <= self.LOOP_BYTES
+        if small:
+            self.small.add(key)
+        if not self.looped or not small:
             plain = named(lambda v, _: jax.tree.leaves(self.init(v)), "init")
             return treedef, signature, jax.jit(plain)
 
@@ -120,27 +154,55 @@ class InlineInit:
         return treedef, signature, jax.jit(named(looped, "init_looped"))
 
 
-def initial_step_state(
-    programs: Programs, user_state: Any, first: Any, resuming: bool
-) -> tuple[Any, Any]:
-    """The step state the run starts from (never aliasing the caller's arrays), and its
-    signature where the program that made it knows it (`InlineInit`), else None.
+class _Given:
+    """The variables a spare was made from, by identity: device arrays cannot change, so
+    the same arrays (none deleted since), on the same default device, make the same state.
     """
+
+    __slots__ = ("leaves", "structure", "device")
+
+    def __init__(self, leaves: list[Any], structure: Any):
+        self.leaves, self.structure = tuple(leaves), structure
+        self.device = default_device_key()
+
+    def same(self, other: _Given) -> bool:
+        return (
+            self.structure == other.structure
+            and self.device == other.device
+            and len(self.leaves) == len(other.leaves)
+            and all(a is b for a, b in zip(self.leaves, other.leaves, strict=True))
+            and not any(leaf.is_deleted() for leaf in self.leaves)
+        )
+
+
+class Start(NamedTuple):
+    """What a run starts from: the step state (never aliasing the caller's arrays), its
+    signature where the program that made it knows it (`InlineInit`), and what makes a
+    spare of it for the next run, for the carry to call once a chunk is launched (or
+    None)."""
+
+    step_state: Any
+    signature: Any = None
+    spare_maker: Callable[[], None] | None = None
+
+
+def initial_step_state(programs: Programs, user_state: Any, first: Any, resuming: bool) -> Start:
+    """The step state the run starts from (see `Start`)."""
     program = programs.loop.program
     if program.kind == "evaluator":  # not donated: the caller's params are only read
-        return program.init(first, user_state), None
+        return Start(program.init(first, user_state))
     if resuming:
-        return private_copy(user_state), None
+        return Start(private_copy(user_state))
     if program.kind == "trainer" and user_state is None:
         if programs.population is not None:
             require_distinct_members(program.model, programs.population)
         user_state = _built_variables(program.model)
     if programs.population is not None:  # every member from the same variables, or its own
-        return population_init(programs, programs.population, first, user_state), None
+        return Start(population_init(programs, programs.population, first, user_state))
     if program.kind == "trainer":
         init: InlineInit = _trainer_init(programs, first)
-        return init(user_state)
-    return private_copy(program.init(first, user_state)), None
+        return Start(*init.start(user_state))
+    return Start(private_copy(program.init(first, user_state)))
 
 
 def _built_variables(model: Any) -> Any:
