@@ -102,3 +102,25 @@ def test_a_spare_is_made_on_the_device_that_takes_it() -> None:
         state = loop.run(batches, variables, fuse=2)
         assert init._spare[0].device == default_device_key()
     assert {leaf.devices().pop() for leaf in jax.tree.leaves(state.step_state)} == {device}
+
+
+def test_variables_deleted_during_the_run_leave_no_spare() -> None:
+    """The spare is made once the run has launched; variables deleted by then (here by
+    an `iteration_started` handler, which fires before the first unfused launch) are
+    skipped, and the run itself is unaffected."""
+    import fuseloop as fl
+
+    batches = make_batches(4)
+    variables = tiny_mlp().init(jax.random.PRNGKey(6), batches[0][0])
+    kept = jax.tree.map(lambda leaf: leaf + 0, variables)
+
+    def let_go(state):
+        for leaf in jax.tree.leaves(variables):
+            leaf.delete()
+
+    loop = trainer().handle_event(fl.Event.ITERATION_STARTED, let_go, {"once": 1})
+    state = loop.run(batches, variables)
+    (init,) = _inits(loop)
+    assert init._spare is None
+    expected = _fresh_result(kept, batches)
+    assert_tree_equal(state.step_state, expected.step_state, "step state")

@@ -131,6 +131,8 @@ class InlineInit:
             return state, signature, None
 
         def spare_maker() -> None:
+            if any(leaf.is_deleted() for leaf in given.leaves):
+                return  # the caller let its variables go during the run: nothing to reuse
             made = jax.tree.unflatten(treedef, program(variables, device_int(1)))
             with self._lock:
                 self._spare = (given, made)
