@@ -130,7 +130,7 @@ def test_the_looped_trainer_init_is_the_plain_program_init() -> None:
     assert isinstance(init, InlineInit)  # the suite runs on a CPU
     variables = tiny_mlp().init(jax.random.PRNGKey(5), first[0])
     for given in (variables, None):
-        looped, signature = init(given)
+        looped, signature, _ = init.start(given)
         plain = jax.jit(init.init)(given)
         leaves, treedef = jax.tree.flatten(looped)
         assert signature == (treedef, tuple((a.shape, a.dtype) for a in leaves))
@@ -139,7 +139,7 @@ def test_the_looped_trainer_init_is_the_plain_program_init() -> None:
         (program,) = [p for k, (_, _, p) in init.programs.items() if k[0] == structure]
         assert "while" in program.lower(given, 1).as_text()
     programs = len(init.programs)
-    init(variables)
+    init.start(variables)
     assert len(init.programs) == programs
 
 
@@ -156,7 +156,7 @@ def test_a_large_step_state_is_initialized_by_the_plain_program(monkeypatch) -> 
     for limit, looped in ((40 * 40 * 4, True), (40 * 40 * 4 - 1, False)):
         monkeypatch.setattr(InlineInit, "LOOP_BYTES", limit)
         inline = InlineInit(init)
-        out, _ = inline(jnp.float32(1.0))
+        out, _, _ = inline.start(jnp.float32(1.0))
         ((_, _, program),) = inline.programs.values()
         assert ("while" in program.lower(jnp.float32(1.0), 1).as_text()) is looped
         assert [float(out[f"w{i}"][0]) for i in range(40)] == [i + 1.0 for i in range(40)]

@@ -84,7 +84,7 @@ class InlineInit:
     plain program's. A step state over `LOOP_BYTES` (where copying on several threads
     pays for the wait), or any off a CPU (`looped=False`), is the plain program.
 
-    Calling it returns the step state and its signature, `(treedef, ((shape, dtype),
+    `start` returns the step state with its signature, `(treedef, ((shape, dtype),
     ...))`, known when the program was built: the run's step-state check is keyed by it
     without walking the new state (`Checker.variables`).
     """
@@ -100,16 +100,15 @@ class InlineInit:
         self._spare: tuple[_Given, Any] | None = None
         self._lock = threading.Lock()  # one run takes a spare: the next launch donates it
 
-    def __call__(self, variables: Any) -> tuple[Any, Any]:
-        """The step state made from `variables` (None: fresh), and its signature. Host
-        arrays among the variables move to the device first (arrays there stay put)."""
-        return self.start(variables)[:2]
-
     def start(self, variables: Any) -> tuple[Any, Any, Callable[[], None] | None]:
-        """As calling it, and what makes the next run's spare (None: no spare is kept): a
-        small step state made from device arrays, which no one can change, is made again,
-        once this run has launched and before it waits for the device (`Carry.start`); a
-        run from the same arrays takes it and starts without this program's dispatch.
+        """The step state made from `variables` (None: fresh), its signature, and what
+        makes the next run's spare (None: no spare is kept). Host arrays among the
+        variables move to the device first (arrays there stay put).
+
+        A small step state made from device arrays, which no one can change, is made
+        again once this run has launched and before it waits for the device
+        (`Carry.start`); a run from the same arrays takes it and starts without this
+        program's dispatch.
         """
         leaves, structure = jax.tree.flatten(variables)
         on_device = all(isinstance(leaf, jax.Array) for leaf in leaves)
