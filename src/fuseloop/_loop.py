@@ -100,14 +100,13 @@ class Loop(HandlerBuilders):
 
     def _validated_names(self) -> set[str]:
         """The `validation_*` metrics the attached `validate` handlers add."""
-        from .handlers.validate import PREFIX, Validator
+        from .handlers.validate import Validator, validation_names
 
-        return {
-            PREFIX + m.name
-            for r in self.registrations
-            if isinstance(r.handler, Validator)
-            for m in r.handler.loop.metrics
-        }
+        names: set[str] = set()
+        for r in self.registrations:
+            if isinstance(r.handler, Validator):
+                names |= validation_names(r.handler.loop)
+        return names
 
     def handle_event(
         self, event: EventLike, handler: Handler, filter: FilterLike = "always", name: str = ""
@@ -189,14 +188,18 @@ class Loop(HandlerBuilders):
             >>> sorted(state.metrics)
             ['accuracy', 'loss', 'validation_accuracy', 'validation_loss']
         """
-        from .handlers.validate import PREFIX, Validator, check_validation, evaluable_metrics
+        from .handlers.validate import (
+            Validator,
+            check_validation,
+            evaluable_metrics,
+            validation_names,
+        )
 
         loss = self.program.loss
         specs = evaluable_metrics(self.metrics, loss is not None)
         check_validation(model, data, fuse, specs)
         evaluation = Loop(evaluator_program(model, loss), metrics=specs)
-        validated = {PREFIX + m.name for m in evaluation.metrics}
-        _refuse_validation_names({m.name for m in self.metrics}, validated)
+        _refuse_validation_names({m.name for m in self.metrics}, validation_names(evaluation))
         return self.handle_event(event, Validator(evaluation, data, fuse), filter, name="validate")
 
     def terminate_on_nan(self) -> Loop:

@@ -29,6 +29,7 @@ __all__ = [
     "MetricSpec",
     "ACCUMULATORS",
     "batch_size",
+    "VALIDATION_PREFIX",
 ]
 
 Array = Any
@@ -208,6 +209,10 @@ METRICS: dict[str, Callable[[Array, Array], Mean]] = {
 CLASSIFYING = frozenset({_accuracy, _precision, _recall})
 
 ACCUMULATORS = ("running_average", "running_sum")
+
+# What validate() puts before a metric's name for its value on held-out data (the host's
+# Validator and the device-side validation of a whole-run dispatch alike).
+VALIDATION_PREFIX = "validation_"
 
 
 def resolve_loss(loss: Any) -> tuple[str, Callable[[Array, Array], Array]]:

@@ -29,6 +29,7 @@ from jax import lax
 
 from .._events import ALWAYS, Event, Registration
 from .._fusion import make_chunk_fn
+from .._metrics import VALIDATION_PREFIX
 from .._optim import _is_inject_state, find_learning_rates
 from .._step import init_tail, make_carry_step
 from .device_checkpoint import keep_best, kept_start
@@ -36,7 +37,6 @@ from .programs import MIN_SLOTS, _source_key
 
 __all__ = ["DeviceWork", "plan_device_work"]
 
-_PREFIX = "validation_"
 # A validation source's epoch-0 order on the device, by source (dropped with it).
 _VALIDATION_ORDERS: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 _WATCHED = ("early_stop", "reduce_lr_on_plateau", "checkpoint")
@@ -118,8 +118,8 @@ def _watcher(r: Registration, metrics: Any, validation: Validation | None) -> Wa
     if kind not in _WATCHED or r.filter != ALWAYS:
         return None
     name = handler.monitor.monitor
-    if validation is not None and name.startswith(_PREFIX):
-        wanted = name[len(_PREFIX) :]
+    if validation is not None and name.startswith(VALIDATION_PREFIX):
+        wanted = name.removeprefix(VALIDATION_PREFIX)
         for spec in validation.loop.metrics:
             if spec.name == wanted:
                 return Watcher(kind, r, handler, spec, True)

@@ -16,13 +16,11 @@ from typing import Any
 
 from .._events import CONTINUE, Registration
 from .._fusion import FusionError
-from .._metrics import read_metric
+from .._metrics import VALIDATION_PREFIX, read_metric
 from .device_checkpoint import BestSaves
 from .device_monitors import DeviceWork
 
 __all__ = ["replayed_handlers", "hand_best"]
-
-_PREFIX = "validation_"
 
 
 class _Substitutes(dict[Any, Any]):
@@ -61,7 +59,7 @@ def replayed_handlers(
     if v is not None:
         acc = {k: _slot(a, segment) for k, a in host["validation"].items()}
         metrics = {
-            _PREFIX + m.name: read_metric(m, acc[m.name])
+            VALIDATION_PREFIX + m.name: read_metric(m, acc[m.name])
             for m in v.loop.metrics
             if float(acc[m.name]["count"]) > 0
         }

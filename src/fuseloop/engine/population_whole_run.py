@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._events import CONTINUE, HALT_LOOP, Registration
+from .._metrics import VALIDATION_PREFIX
 from .._population import population_record
 from .device_monitors import _rates
 from .device_replay import _disagree, _Substitutes
@@ -44,8 +45,6 @@ from .whole_program import segments_for
 from .whole_run import WholeRun, _slot
 
 __all__ = ["PopulationWholeRun"]
-
-_PREFIX = "validation_"
 
 
 class PopulationWholeRun(WholeRun):
@@ -208,7 +207,7 @@ class PopulationWholeRun(WholeRun):
 
 def _merged(measured: dict[str, Any]) -> Any:
     """`validate`'s replay: the device's per-member validation metrics, merged."""
-    metrics = {_PREFIX + name: value for name, value in measured.items()}
+    metrics = {VALIDATION_PREFIX + name: value for name, value in measured.items()}
 
     def merge(state: Any) -> Any:
         return CONTINUE, state.replace(metrics={**state.metrics, **metrics})

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from .._distributed import is_main_process
+from .._metrics import VALIDATION_PREFIX
 from .._state import State
-from .validate import PREFIX
 from .writers import scalar_metrics
 
 __all__ = ["plot_history"]
@@ -31,8 +31,8 @@ def _series(
     panels: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for epoch in sorted(history, key=int):
         for name, value in scalar_metrics(dict(history[epoch])).items():
-            split = "validation" if name.startswith(PREFIX) else "training"
-            base = name[len(PREFIX) :] if split == "validation" else name
+            split = "validation" if name.startswith(VALIDATION_PREFIX) else "training"
+            base = name[len(VALIDATION_PREFIX) :] if split == "validation" else name
             panels.setdefault(base, {}).setdefault(split, []).append((int(epoch) + 1, value))
     return panels
 

@@ -14,13 +14,11 @@ from typing import Any
 
 from .._data import as_source
 from .._fusion import resolve_fuse
-from .._metrics import MetricSpec
+from .._metrics import VALIDATION_PREFIX, MetricSpec
 from .._state import State
 from .._types import Status
 
-__all__ = ["Validator", "check_validation", "evaluable_metrics"]
-
-PREFIX = "validation_"
+__all__ = ["Validator", "check_validation", "evaluable_metrics", "validation_names"]
 
 
 def evaluable_metrics(metrics: tuple[MetricSpec, ...], has_loss: bool) -> tuple[MetricSpec, ...]:
@@ -39,6 +37,17 @@ def evaluable_metrics(metrics: tuple[MetricSpec, ...], has_loss: bool) -> tuple[
         if spec.fn is not None or (spec.source == "loss" and has_loss):
             kept.append(spec)
     return tuple(kept)
+
+
+def validation_names(evaluation: Any) -> set[str]:
+    """The metric names a validation with the evaluator Loop `evaluation` adds.
+
+    Example:
+        >>> from types import SimpleNamespace as Spec
+        >>> sorted(validation_names(Spec(metrics=(Spec(name="loss"), Spec(name="accuracy")))))
+        ['validation_accuracy', 'validation_loss']
+    """
+    return {VALIDATION_PREFIX + m.name for m in evaluation.metrics}
 
 
 def check_validation(model: Any, data: Any, fuse: Any, specs: tuple[MetricSpec, ...]) -> None:
@@ -145,5 +154,5 @@ class Validator:
             )
         measured = self.evaluate(params, state.population)
         metrics = dict(state.metrics)
-        metrics.update({PREFIX + name: value for name, value in measured.items()})
+        metrics.update({VALIDATION_PREFIX + name: value for name, value in measured.items()})
         return "continue", state.replace(metrics=metrics)
