@@ -151,8 +151,13 @@ def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program
         )
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, updates)
-        aux = {"loss": loss_value, "y_pred": y_pred, "y_true": y, "means": {"loss": mean}}
-        aux["binary_labels"] = binary_labels
+        aux = {
+            "loss": loss_value,
+            "y_pred": y_pred,
+            "y_true": y,
+            "means": {"loss": mean},
+            "binary_labels": binary_labels,
+        }
         if exposes_lr:
             aux["learning_rate"] = learning_rate_of(tx, opt_state)
         new_state = {
