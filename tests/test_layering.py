@@ -104,6 +104,36 @@ def test_handlers_do_not_import_the_loop_builder() -> None:
             assert "fuseloop._loop" not in targets, module
 
 
+# Small modules with one job, and no long functions (docs/design.md §3).
+MODULE_LINES, FUNCTION_LINES = 400, 60
+
+
+def _code_lines(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """A function's lines, its docstring left out."""
+    first = function.body[0]
+    docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+    lines = (function.end_lineno or function.lineno) - function.lineno + 1
+    return lines - ((first.end_lineno or first.lineno) - first.lineno + 1 if docstring else 0)
+
+
+def test_modules_and_functions_stay_small() -> None:
+    long_modules, long_functions = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > MODULE_LINES:
+            long_modules.append((path.name, text.count("\n")))
+        functions = [
+            node
+            for node in ast.walk(ast.parse(text))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        ]
+        long_functions += [
+            (path.name, f.name, n) for f in functions if (n := _code_lines(f)) > FUNCTION_LINES
+        ]
+    assert not long_modules, f"modules over {MODULE_LINES} lines: {long_modules}"
+    assert not long_functions, f"functions over {FUNCTION_LINES} lines: {long_functions}"
+
+
 def test_the_cycle_finder_finds_a_circle() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None

@@ -8,7 +8,13 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["check_pair_sizes", "check_python_lists", "is_number_list", "labels_below"]
+__all__ = [
+    "check_label_range",
+    "check_pair_sizes",
+    "check_python_lists",
+    "is_number_list",
+    "labels_below",
+]
 
 
 def is_number_list(value: Any) -> bool:
@@ -65,3 +71,22 @@ def labels_below(labels: np.ndarray, classes: int) -> bool:
     if labels.dtype.kind == "i":
         return bool(labels.view(labels.dtype.str.replace("i", "u")).max() < classes)
     return bool(labels.min() >= 0 and labels.max() < classes)
+
+
+def check_label_range(labels: np.ndarray, classes: int, loss: str, where: str) -> None:
+    """Raises a ValueError naming the label, the loss and the fix unless every label of
+    `labels` (integers for the sparse loss `loss`) is in [0, classes)."""
+    if labels_below(labels, classes):
+        return
+    low, high = labels.min(), labels.max()
+    fix = (
+        "Fix the labels (a negative one, such as -1 for 'unknown', has no class to "
+        "train towards: drop or remap those examples)"
+        if low < 0
+        else f"Fix the labels, or give the model's last layer at least {int(high) + 1} units"
+    )
+    raise ValueError(
+        f"data: {where}: y holds the label {low if low < 0 else high}, out of range for "
+        f"{loss} with a model output of {classes} classes (labels must be "
+        f"integers in [0, {classes})). {fix}"
+    )

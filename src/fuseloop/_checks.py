@@ -26,10 +26,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._batch_checks import check_pair_sizes, check_python_lists, labels_below
+from ._batch_checks import (
+    check_label_range,
+    check_pair_sizes,
+    check_python_lists,
+    labels_below,
+)
 from ._fusion import FusionError
-from ._model_fit import SPARSE, ModelFit, abstract, check_step_keeps_state
+from ._model_fit import SPARSE, ModelFit, abstract
 from ._step import require_pair
+from ._step_state_check import check_step_keeps_state
 
 __all__ = ["Checker"]
 
@@ -375,22 +381,8 @@ class Checker:
         if self.fit.classes is None or not isinstance(batch, (tuple, list)) or len(batch) != 2:
             return
         labels = batch[1]
-        if not isinstance(labels, np.ndarray) or labels.size == 0:
-            return
-        if labels_below(labels, self.fit.classes):
-            return
-        low, high = labels.min(), labels.max()
-        fix = (
-            "Fix the labels (a negative one, such as -1 for 'unknown', has no class to "
-            "train towards: drop or remap those examples)"
-            if low < 0
-            else f"Fix the labels, or give the model's last layer at least {int(high) + 1} units"
-        )
-        raise ValueError(
-            f"data: {where}: y holds the label {low if low < 0 else high}, out of range for "
-            f"{SPARSE} with a model output of {self.fit.classes} classes (labels must be "
-            f"integers in [0, {self.fit.classes})). {fix}"
-        )
+        if isinstance(labels, np.ndarray) and labels.size:
+            check_label_range(labels, self.fit.classes, SPARSE, where)
 
 
 def _shape_and_dtype(leaf: Any) -> tuple[Any, Any]:

@@ -20,7 +20,7 @@ from ._outputs import require_one_prediction
 from ._placement import device_dtype
 from .models import ModelModeError, from_nnx, linen
 
-__all__ = ["ModelFit", "SPARSE", "abstract", "check_step_keeps_state", "needs_rng"]
+__all__ = ["ModelFit", "SPARSE", "abstract", "needs_rng"]
 
 SPARSE = "sparse_categorical_cross_entropy"
 _SAME_SHAPE_LOSSES = ("categorical_cross_entropy",)
@@ -345,46 +345,6 @@ class ModelFit:
                 f"data: y has shape {shape}, but {name} with {output} expects targets with "
                 f"one value per output, shape {y_pred.shape}; reshape y or change the "
                 f"model's last layer"
-            )
-
-
-def _state_leaf(leaf: Any) -> Any:
-    """The abstract value of a step-state leaf as the device loop carries it."""
-    return jax.ShapeDtypeStruct(
-        np.shape(leaf), jax.dtypes.canonicalize_dtype(jnp.result_type(leaf))
-    )
-
-
-def check_step_keeps_state(step: Any, step_state: Any, batch: Any) -> None:
-    """Raises a ValueError if one step changes the step state's structure, or a leaf's
-    dtype or shape (found abstractly with `jax.eval_shape`: nothing runs or compiles).
-
-    The fused and the unfused loop carry the step state through a device loop, which needs
-    it unchanged; an optimizer state that promotes bfloat16 to float32 would otherwise fail
-    deep inside JAX. A step that cannot be evaluated abstractly is left to the run itself.
-    """
-    try:
-        before = jax.tree.map(_state_leaf, step_state)
-        after = jax.eval_shape(lambda s, b: step(s, b)[0], before, jax.tree.map(abstract, batch))
-    except Exception:  # noqa: BLE001 - the run raises its own, more specific error
-        return
-    old, old_def = jax.tree_util.tree_flatten_with_path(before)
-    new, new_def = jax.tree_util.tree_flatten_with_path(after)
-    expected: object = old_def  # this jaxlib has no stub for PyTreeDef: compare as objects
-    if expected != new_def:
-        raise ValueError(
-            f"the step changes the structure of the step state: it starts as {old_def} and "
-            f"one step returns {new_def}. A step must return a state with the same "
-            f"structure, dtypes and shapes it was given"
-        )
-    for (path, a), (_, b) in zip(old, new, strict=True):
-        if (a.shape, a.dtype) != (b.shape, jax.dtypes.canonicalize_dtype(b.dtype)):
-            raise ValueError(
-                f"the step changes step_state{jax.tree_util.keystr(path)} from dtype "
-                f"{a.dtype} shape {a.shape} to dtype {b.dtype} shape {b.shape}; a step must "
-                f"keep every leaf's dtype and shape (the loop carries the state through a "
-                f"device loop). Cast the result back (e.g. .astype(old dtype)), or build the "
-                f"state (e.g. the optimizer state) in the dtype the step produces"
             )
 
 
