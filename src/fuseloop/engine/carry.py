@@ -31,6 +31,9 @@ class Carry:
         # What to make for a later start once a program is launched, while the host
         # waits for the device (spares: docs/design.md §6).
         self._spare_makers: list[Callable[[], None]] = []
+        # `(step state, tail, packed copy of them)` from the last launch of a program that
+        # copies its carry (`Programs.copies`): the snapshot while that carry is current.
+        self._copy: tuple[Any, Any, Any] | None = None
 
     def start(
         self,
@@ -84,12 +87,15 @@ class Carry:
         if step_state is not None and step_state is not self.step_state:
             self.step_state = self.placement.put_state(private_copy(step_state))
 
-    def advance(self, program: Any, *args: Any) -> tuple[Any, ...]:
+    def advance(self, program: Any, *args: Any, copies: bool = False) -> tuple[Any, ...]:
         """Runs `program(step_state, tail, *args)`, keeps the new carry, and returns the
-        program's other outputs (records, steps run, ...). One dispatch.
+        program's other outputs (records, steps run, ...). One dispatch. `copies`: the
+        program's last output is a packed copy of the new carry (`Programs.copies`).
         """
         out = program(self.step_state, self.tail, *args)
         self.step_state, self.tail = out[0], out[1]
+        if copies:
+            self._copy, out = (out[0], out[1], out[-1]), out[:-1]
         self._metrics = None
         self._queued += 1
         self.stats["dispatches"] += 1
@@ -108,8 +114,13 @@ class Carry:
 
     def snapshot(self) -> Any:
         """A packed device copy of the carry, taken before a launch that a halt may have to
-        undo.
+        undo: the copy the last launch made of it, while the carry is still that launch's
+        (no dispatch), else a pack.
         """
+        state, tail, packed = self._copy or (None, None, None)
+        # `packed` is None where the carry is too large to copy every chunk.
+        if packed is not None and state is self.step_state and tail is self.tail:
+            return packed
         return self.programs.pack((self.step_state, self.tail))
 
     def restore(self, snapshot: Any) -> None:

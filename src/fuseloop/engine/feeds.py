@@ -73,6 +73,7 @@ class HostFeed:
             self.one = placement.count(1)  # every unfused dispatch has one live slot
         else:
             self.program = programs.chunk()
+        self.copies = programs.copies and not self.live
         self.ahead = False
         self._producer: ChunkProducer | None = None
 
@@ -146,7 +147,7 @@ class HostFeed:
         if self.live:
             return self._launch_step(carry, prepared)
         with self.placement.chunk_transfer():  # the chunk's one explicit transfer
-            records, n_run = carry.advance(self.program, *prepared.payload)
+            records, n_run = carry.advance(self.program, *prepared.payload, copies=self.copies)
         return ChunkResult(
             prepared.first,
             prepared.n,
@@ -231,7 +232,7 @@ class ResidentFeed:
         program, limit = prepared.payload
         self._before = self.cursor
         records, n_run, self.cursor = carry.advance(
-            program, self.data, self.order, self.cursor, limit
+            program, self.data, self.order, self.cursor, limit, copies=self.programs.copies
         )
         if self.live:
             return ChunkResult(prepared.first, 1, None, None, prepared.exhausted)

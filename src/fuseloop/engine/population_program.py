@@ -27,8 +27,9 @@ from jax import lax
 from .._fusion import make_chunk_fn
 from .._step import make_carry_step
 from .device_monitors import DeviceWork, Validation, epoch_end_fn, validation_loop
+from .packing import pack_leaves
 from .population import member_carry_step, member_chunk, population_tail
-from .programs import MIN_SLOTS, _epoch_order, _source_key, pack_leaves
+from .programs import MIN_SLOTS, _epoch_order, _source_key
 from .whole_program import host_outputs, put_at, slot_rows
 
 __all__ = ["population_whole_program"]

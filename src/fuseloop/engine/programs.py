@@ -8,7 +8,6 @@ and unfused runs bitwise equal is in docs/design.md §2 ("one loop body for ever
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,9 +21,10 @@ from .._placement import default_device_key
 from .._shards import take_rows
 from .._step import init_tail, make_carry_step
 from . import conv_layout
+from .packing import copying, pack_leaves, unpacker
 from .population import masked_step, member_carry_step, member_chunk, population_tail
 
-__all__ = ["ProgramCache", "Programs", "MIN_SLOTS", "pack_leaves", "unpack_on_host"]
+__all__ = ["ProgramCache", "Programs", "MIN_SLOTS"]
 
 MIN_SLOTS = 2
 _SPARE_LOCK = threading.Lock()
@@ -39,9 +39,9 @@ class ProgramCache:
 
     Attributes:
         traces: How many times a program of the loop was traced (each trace is a compile).
-        chunk: The host-fed chunk program.
+        chunk: The host-fed chunk program, by whether it copies its carry (`Programs`).
         unfused: One live step on a host batch.
-        resident: Resident chunk programs by `(slots, live, sharding, data signature)`.
+        resident: Resident chunk programs by `(slots, live, rows, sharding, copies)`.
         epoch_order: Resident epoch-order programs by the source's seed, size, batch size,
             shuffle and drop_remainder.
         first_batch: Resident first-batch programs, keyed as `epoch_order` and by the
@@ -59,7 +59,7 @@ class ProgramCache:
     """
 
     traces: int = 0
-    chunk: Any = None
+    chunk: dict[bool, Any] = field(default_factory=dict)
     unfused: Any = None
     resident: dict[Any, Any] = field(default_factory=dict)
     epoch_order: dict[Any, Any] = field(default_factory=dict)
@@ -76,12 +76,23 @@ class ProgramCache:
 
 
 class Programs:
-    """Builds a Loop's programs on first use, into the Loop's `ProgramCache`."""
+    """Builds a Loop's programs on first use, into the Loop's `ProgramCache`.
 
-    def __init__(self, loop: Any, population: Any = None):
+    `copies`: the chunk programs (host-fed and resident) also return a packed copy of the
+    carry they end with, last, for a run that launches chunks ahead of replays that may
+    halt (iteration handlers): the copy is the snapshot to roll back to, made on the
+    device inside the chunk instead of by a dispatch of its own (`Carry.snapshot`;
+    docs/design.md §6). Only a carry of at most `COPY_BYTES` is copied; a larger one gets
+    None there and is packed when a snapshot is needed.
+    """
+
+    COPY_BYTES = 256 * 1024
+
+    def __init__(self, loop: Any, population: Any = None, copies: bool = False):
         self.loop, self.cache = loop, loop._programs
         self.guard = loop.guard_nonfinite
         self.population = population  # a population run: programs vmapped over members
+        self.copies = copies
         if population is not None:
             self.cache = self.cache.populations.setdefault(population.size, ProgramCache())
 
@@ -100,8 +111,10 @@ class Programs:
         # Named as fuseloop's: its convolutions lower channel-last on CPU (conv_layout.py).
         return conv_layout.named(traced, getattr(fn, "__name__", "program").strip("_<>"))
 
-    def _jit(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
+    def _jit(self, fn: Callable[..., Any], copies: bool = False, **kwargs: Any) -> Any:
         donate = (0, 1) if self.loop.program.donate_state else (1,)
+        if copies:
+            fn = copying(fn, self.COPY_BYTES)
         return jax.jit(self.counted(fn), donate_argnums=donate, **kwargs)
 
     def _device_loop(self, fetch: Callable[[Any], Any] | None = None) -> Callable[..., Any]:
@@ -155,10 +168,11 @@ class Programs:
         return carry_step if self.population is None else masked_step(carry_step)
 
     def chunk(self) -> Any:
-        """`(state, tail, stacked_chunk, n_valid) -> (state, tail, records, n_run)`."""
-        if self.cache.chunk is None:
-            self.cache.chunk = self._jit(self._device_loop())
-        return self.cache.chunk
+        """`(state, tail, stacked_chunk, n_valid) -> (state, tail, records, n_run)`, and
+        the carry's copy last where `copies`."""
+        if self.copies not in self.cache.chunk:
+            self.cache.chunk[self.copies] = self._jit(self._device_loop(), self.copies)
+        return self.cache.chunk[self.copies]
 
     def unfused(self) -> Any:
         """`(state, tail, batch, n_valid) -> (state, tail)`: one step through the loop.
@@ -188,12 +202,15 @@ class Programs:
         from batch `cursor` on, then stepped by the same loop as a host-fed chunk; at most
         `live` of the `slots` slots run. `rows` (not None) gathers a short batch of that
         many examples instead (the epoch's last batch with `drop_remainder=False`).
-        `sharding` (over a mesh) is imposed on the gathered chunk.
+        `sharding` (over a mesh) is imposed on the gathered chunk. Where `copies`, the
+        carry's copy comes last.
         """
-        key = (slots, live, rows, sharding)
+        key = (slots, live, rows, sharding, self.copies)
         if key not in self.cache.resident:
             self.cache.resident[key] = self._jit(
-                _resident_program(self, slots, live, rows, sharding), static_argnums=(5,)
+                _resident_program(self, slots, live, rows, sharding),
+                self.copies,
+                static_argnums=(5,),
             )
         return self.cache.resident[key]
 
@@ -234,7 +251,7 @@ class Programs:
         many small arrays costs a dispatch per array; a pack costs one).
         """
         if self.cache.pack is None:
-            self.cache.pack = jax.jit(_pack)
+            self.cache.pack = jax.jit(pack_leaves)
         return self.cache.pack(carry)
 
     def unpack(self, packed: Any, like: Any) -> Any:
@@ -242,7 +259,7 @@ class Programs:
         leaves, treedef = jax.tree.flatten(like)
         layout = (treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
         if layout not in self.cache.unpack:
-            self.cache.unpack[layout] = jax.jit(_unpacker(treedef, layout[1]))
+            self.cache.unpack[layout] = jax.jit(unpacker(treedef, layout[1]))
         return self.cache.unpack[layout](packed)
 
     def fresh_tail(self) -> Any:
@@ -318,78 +335,3 @@ def _fetching(carry_step: Any, fetch: Callable[[Any], Any]) -> Callable[..., Any
         return carry_step(state, tail, fetch(item))
 
     return step
-
-
-def pack_leaves(tree: Any) -> tuple[list[Any], list[Any]]:
-    """`tree`'s leaves packed into one flat buffer per dtype (inside a program), so the host
-    reads a few buffers instead of many small arrays (each read costs about as much as a
-    small one's copy); `unpack_on_host` undoes it.
-    """
-    return _pack(tree)
-
-
-def unpack_on_host(packed: tuple[list[Any], list[Any]], like: Any) -> Any:
-    """The host arrays of `pack_leaves(tree)` read to the host (`packed`), as the tree
-    `like` (arrays or shape-dtype structs shaped as `tree`) holds them; numpy views, no copy.
-
-    Example:
-        >>> import numpy as np, jax.numpy as jnp
-        >>> tree = {"a": jnp.arange(3.0), "b": jnp.int32(7), "c": jnp.ones((2, 2))}
-        >>> host = unpack_on_host(jax.device_get(jax.jit(pack_leaves)(tree)), tree)
-        >>> host["a"].tolist(), int(host["b"]), host["c"].shape
-        ([0.0, 1.0, 2.0], 7, (2, 2))
-    """
-    buffers, whole = packed
-    leaves, treedef = jax.tree.flatten(like)
-    order = list(dict.fromkeys(leaf.dtype for leaf in leaves if _packable(leaf.dtype)))
-    offsets = dict.fromkeys(order, 0)
-    whole_iter = iter(whole)
-    out = []
-    for leaf in leaves:
-        if not _packable(leaf.dtype):
-            out.append(next(whole_iter))
-            continue
-        start, size = offsets[leaf.dtype], math.prod(leaf.shape)
-        flat = buffers[order.index(leaf.dtype)]
-        out.append(flat[start : start + size].reshape(leaf.shape))
-        offsets[leaf.dtype] = start + size
-    return jax.tree.unflatten(treedef, out)
-
-
-def _packable(dtype: Any) -> bool:
-    return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)  # typed PRNG keys stay whole
-
-
-def _pack(carry: Any) -> tuple[list[Any], list[Any]]:
-    """`(one flat buffer per dtype in first-seen order, the unpackable leaves copied)`."""
-    groups: dict[Any, list[Any]] = {}
-    whole = []
-    for leaf in jax.tree.leaves(carry):
-        if _packable(leaf.dtype):
-            groups.setdefault(leaf.dtype, []).append(jnp.ravel(leaf))
-        else:
-            whole.append(jnp.copy(leaf))
-    return [jnp.concatenate(parts) for parts in groups.values()], whole
-
-
-def _unpacker(treedef: Any, spec: tuple[tuple[Any, Any], ...]) -> Callable[..., Any]:
-    """The inverse of `_pack` for carries with this structure and these leaves."""
-
-    def unpack(packed: tuple[list[Any], list[Any]]) -> Any:
-        buffers, whole = packed
-        order = list(dict.fromkeys(d for _, d in spec if _packable(d)))
-        offsets = dict.fromkeys(order, 0)
-        whole_iter = iter(whole)
-        leaves = []
-        for shape, dtype in spec:
-            if not _packable(dtype):
-                leaves.append(next(whole_iter))
-                continue
-            size = math.prod(shape)
-            start = offsets[dtype]
-            flat = buffers[order.index(dtype)]
-            leaves.append(jax.lax.slice(flat, (start,), (start + size,)).reshape(shape))
-            offsets[dtype] = start + size
-        return jax.tree.unflatten(treedef, leaves)
-
-    return unpack

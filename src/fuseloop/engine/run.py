@@ -15,14 +15,6 @@ from typing import Any
 
 from .._checks import Checker
 from .._data import as_source
-from .._distributed import (
-    check_same_config,
-    describe,
-    describe_source,
-    describe_step,
-    describe_values,
-    process_count,
-)
 from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, Event
 from .._fusion import resolve_fuse
 from .._placement import Placement
@@ -38,7 +30,7 @@ from .population import first_member, resolve_population
 from .population_run import PopulationHost
 from .programs import Programs
 from .signals import SignalGuard
-from .start import initial_step_state, warn_on_resume
+from .start import agree_across_processes, initial_step_state, warn_on_resume
 from .whole_run import WholeRun
 
 __all__ = ["Run"]
@@ -81,13 +73,17 @@ class Run:
         self.source = as_source(data)
         self.fuse = resolve_fuse(fuse, jit)
         self.resident = bool(getattr(self.source.data, "resident", False))
-        self.programs = Programs(loop, self.population)
+        self.bus = EventBus(loop.registrations, observer)
+        # A population's guard acts per member on the device (population_run.py).
+        self.guard = loop.guard_nonfinite and self.population is None
+        # Chunks launched ahead of replays that may halt copy their carry (Programs).
+        copies = self.fuse is not None and self.bus.has_iteration_handlers and not self.guard
+        self.programs = Programs(loop, self.population, copies=copies)
         members = self.population.size if self.population is not None else 0
         self.reads = HostReads(self.stats, loop.metrics, members)
         self.placement = Placement(mesh, self.stats)
         self.checker = Checker(loop.program, self.programs.cache.verdicts)
         self.carry = Carry(self.placement, self.programs, self.reads, self.stats)
-        self.bus = EventBus(loop.registrations, observer)
         self.handoff = Handoff(self.bus, self.carry)
         self.members = (
             None
@@ -102,11 +98,9 @@ class Run:
     def run(self) -> State:
         try:
             feed = self._start()
-            # A population's guard acts per member on the device (population_run.py).
-            guard = self.loop.guard_nonfinite and self.members is None
             with SignalGuard() as signals:
                 self.epoch_loop = EpochLoop(
-                    feed, self.carry, self.handoff, self.reads, guard, signals
+                    feed, self.carry, self.handoff, self.reads, self.guard, signals
                 )
                 state = self._epochs(signals)
         except BaseException as error:
@@ -134,33 +128,11 @@ class Run:
             self.checker.variables(step_state, signature)
         else:
             self.checker.variables(first_member(step_state))
-        self._agree_across_processes(first, step_state)
+        agree_across_processes(self, first, step_state)
         self.carry.start(step_state, made_here=signature is not None, spare_maker=spare_maker)
         if self.members is not None:
             self.state = self.members.start(self.state)
         return self._feed(step_state, first)
-
-    def _agree_across_processes(self, first: Any, step_state: Any) -> None:
-        """Under jax.distributed every process must run the same configuration; a
-        difference is an error naming it, before anything trains (a collective: every
-        process calls it at the same point).
-        """
-        if process_count() > 1:
-            check_same_config(
-                {
-                    "epochs": self.epochs,
-                    "iterations": self.iterations,
-                    "fuse": str(self.fuse),
-                    "first_batch (shapes: the batch size)": describe(first),
-                    "data": describe_source(self.source.data),
-                    "step_state (structure and shapes: the model)": describe(step_state),
-                    "step_state values (the seed or initial weights)": describe_values(step_state),
-                    "training step (e.g. the optimizer's constants, the loss)": (
-                        describe_step(self.loop.program, step_state, first)
-                    ),
-                    "handlers": [(str(r.event), r.name) for r in self.loop.registrations],
-                }
-            )
 
     def _final(self, state: State) -> State:
         return state.replace(

@@ -3,7 +3,8 @@
 Donation updates the step state in place, so the loop never steps the caller's arrays: the
 initial state is always a private copy. The trainer's initialization (model init and
 optimizer init) is one cached jitted program keyed by the first batch's shapes, so a second
-run neither recompiles nor pays for hundreds of eager dispatches.
+run neither recompiles nor pays for hundreds of eager dispatches. Under jax.distributed,
+every process checks here that it starts the same run as the others.
 """
 
 from __future__ import annotations
@@ -18,12 +19,27 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._distributed import (
+    check_same_config,
+    describe,
+    describe_source,
+    describe_step,
+    describe_values,
+    process_count,
+)
 from .._placement import default_device_key, device_int, device_signature, signature_of
 from .conv_layout import named
 from .population import population_init, require_distinct_members
 from .programs import Programs
 
-__all__ = ["InlineInit", "Start", "initial_step_state", "private_copy", "warn_on_resume"]
+__all__ = [
+    "InlineInit",
+    "Start",
+    "agree_across_processes",
+    "initial_step_state",
+    "private_copy",
+    "warn_on_resume",
+]
 
 
 @jax.jit
@@ -212,6 +228,29 @@ def _built_variables(model: Any) -> Any:
     model, whose init the trainer runs."""
     current = getattr(model, "current_variables", None)
     return current() if current is not None else None
+
+
+def agree_across_processes(run: Any, first: Any, step_state: Any) -> None:
+    """Under jax.distributed every process must run the same configuration: a difference
+    is an error naming it, before anything trains. A collective, so every process calls it
+    at the same point of its run's start (`run` is the `Run`).
+    """
+    if process_count() > 1:
+        check_same_config(
+            {
+                "epochs": run.epochs,
+                "iterations": run.iterations,
+                "fuse": str(run.fuse),
+                "first_batch (shapes: the batch size)": describe(first),
+                "data": describe_source(run.source.data),
+                "step_state (structure and shapes: the model)": describe(step_state),
+                "step_state values (the seed or initial weights)": describe_values(step_state),
+                "training step (e.g. the optimizer's constants, the loss)": (
+                    describe_step(run.loop.program, step_state, first)
+                ),
+                "handlers": [(str(r.event), r.name) for r in run.loop.registrations],
+            }
+        )
 
 
 def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:

@@ -25,7 +25,8 @@ from jax import lax
 
 from .._step import init_tail
 from .device_monitors import epoch_end_fn
-from .programs import MIN_SLOTS, _epoch_order, _source_key, pack_leaves
+from .packing import pack_leaves
+from .programs import MIN_SLOTS, _epoch_order, _source_key
 
 __all__ = ["whole_run_program", "segments_for", "host_outputs", "slot_rows", "put_at"]
 

@@ -31,7 +31,8 @@ from .device_monitors import (
     validation_inputs,
 )
 from .device_replay import hand_best, replayed_handlers
-from .programs import _source_key, unpack_on_host
+from .packing import unpack_on_host
+from .programs import _source_key
 from .replay import ChunkResult, EpochReplay
 from .whole_program import host_outputs, segments_for, whole_run_program
 
