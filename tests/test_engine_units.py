@@ -136,7 +136,7 @@ def test_the_looped_trainer_init_is_the_plain_program_init() -> None:
         assert signature == (treedef, tuple((a.shape, a.dtype) for a in leaves))
         assert_tree_equal(looped, plain, "initial step state")
         structure = jax.tree.structure(given)
-        (program,) = [p for k, (_, _, p) in init.programs.items() if k[0] == structure]
+        (program,) = [p for k, (_, _, p, _) in init.programs.items() if k[0] == structure]
         assert "while" in program.lower(given, 1).as_text()
     programs = len(init.programs)
     init.start(variables)
@@ -157,8 +157,9 @@ def test_a_large_step_state_is_initialized_by_the_plain_program(monkeypatch) -> 
         monkeypatch.setattr(InlineInit, "LOOP_BYTES", limit)
         inline = InlineInit(init)
         out, _, _ = inline.start(jnp.float32(1.0))
-        ((_, _, program),) = inline.programs.values()
+        ((_, _, program, small),) = inline.programs.values()
         assert ("while" in program.lower(jnp.float32(1.0), 1).as_text()) is looped
+        assert small is looped  # only a small state is looped (and kept as a spare)
         assert [float(out[f"w{i}"][0]) for i in range(40)] == [i + 1.0 for i in range(40)]
 
 

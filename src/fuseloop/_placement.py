@@ -22,6 +22,7 @@ __all__ = [
     "device_int",
     "device_signature",
     "signature_of",
+    "tree_bytes",
 ]
 
 _DEVICE_INTS: dict[tuple[int, Any], Any] = {}
@@ -72,6 +73,16 @@ def default_device_key() -> Any:
     """Where `device_put` and a program without arguments put their output now (the
     default device, None: jax's own choice)."""
     return getattr(jax.config, "jax_default_device", None)
+
+
+def tree_bytes(tree: Any) -> int:
+    """The bytes `tree`'s leaves hold: arrays, tracers or shape-dtype structs alike.
+
+    Example:
+        >>> tree_bytes({"w": jax.ShapeDtypeStruct((3, 4), np.float32), "n": np.int8(1)})
+        49
+    """
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
 
 def device_int(value: int) -> Any:

@@ -25,6 +25,7 @@ from jax import lax
 
 from .._events import CONTINUE
 from .._fusion import FusionError
+from .._placement import tree_bytes
 
 __all__ = ["RING_BUDGET_BYTES", "BestSaves", "keep_best", "kept_start", "ring_size"]
 
@@ -35,7 +36,7 @@ def ring_size(keep: int | None, segments: int, state: Any) -> tuple[int, bool]:
     """`(states kept, whether a full ring ends the dispatch)` for a dispatch of
     `segments` epoch pieces.
     """
-    per_state = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state))
+    per_state = tree_bytes(state)
     fits = max(1, RING_BUDGET_BYTES // max(per_state, 1))
     size = max(1, min(segments, fits, keep or segments))
     return size, size < segments and (keep is None or size < keep)

@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .._placement import tree_bytes
+
 __all__ = ["copying", "pack_leaves", "unpack_on_host", "unpacker"]
 
 
@@ -25,8 +27,7 @@ def copying(fn: Callable[..., Any], limit: int) -> Callable[..., Any]:
     def program(state: Any, tail: Any, *args: Any) -> tuple[Any, ...]:
         out = fn(state, tail, *args)
         carry = (out[0], out[1])
-        size = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(carry))
-        return (*out, pack_leaves(carry) if size <= limit else None)
+        return (*out, pack_leaves(carry) if tree_bytes(carry) <= limit else None)
 
     program.__name__ = getattr(fn, "__name__", "program")
     return program

@@ -27,7 +27,13 @@ from .._distributed import (
     describe_values,
     process_count,
 )
-from .._placement import default_device_key, device_int, device_signature, signature_of
+from .._placement import (
+    default_device_key,
+    device_int,
+    device_signature,
+    signature_of,
+    tree_bytes,
+)
 from .conv_layout import named
 from .population import population_init, require_distinct_members
 from .programs import Programs
@@ -109,8 +115,9 @@ class InlineInit:
 
     def __init__(self, init: Any, looped: bool = True):
         self.init, self.looped = init, looped
-        self.programs: dict[Any, tuple[Any, Any, Any]] = {}
-        self.small: set[Any] = set()  # signatures whose step state is kept as a spare
+        # By variables' signature: the state's treedef and signature, the program, and
+        # whether the state is small (only a small one is looped and kept as a spare).
+        self.programs: dict[Any, tuple[Any, Any, Any, bool]] = {}
         # The spare: a step state made ahead, from the variables a run last started from,
         # while that run waited for the device (`start`'s maker, docs/design.md §6).
         self._spare: tuple[_Given, Any] | None = None
@@ -133,9 +140,9 @@ class InlineInit:
             leaves = jax.tree.leaves(variables)
         key = signature_of(leaves, structure)
         if key not in self.programs:
-            self.programs[key] = self._program(variables, key)
-        treedef, signature, program = self.programs[key]
-        given = _Given(leaves, structure) if on_device and key in self.small else None
+            self.programs[key] = self._program(variables)
+        treedef, signature, program, small = self.programs[key]
+        given = _Given(leaves, structure) if on_device and small else None
         with self._lock:
             spare, self._spare = self._spare, None
         if spare is not None and given is not None and spare[0].same(given):
@@ -154,21 +161,19 @@ class InlineInit:
 
         return state, signature, spare_maker
 
-    def _program(self, variables: Any, key: Any) -> tuple[Any, Any, Any]:
+    def _program(self, variables: Any) -> tuple[Any, Any, Any, bool]:
         shapes, treedef = jax.tree.flatten(jax.eval_shape(self.init, variables))
         signature = treedef, tuple((tuple(s.shape), s.dtype) for s in shapes)
-        small = sum(s.size * s.dtype.itemsize for s in shapes) <= self.LOOP_BYTES
-        if small:
-            self.small.add(key)
+        small = tree_bytes(shapes) <= self.LOOP_BYTES
         if not self.looped or not small:
             plain = named(lambda v, _: jax.tree.leaves(self.init(v)), "init")
-            return treedef, signature, jax.jit(plain)
+            return treedef, signature, jax.jit(plain), small
 
         def looped(v: Any, trips: Any) -> list[Any]:
             empty = [jnp.zeros(s.shape, s.dtype) for s in shapes]
             return lax.fori_loop(0, trips, lambda _, __: jax.tree.leaves(self.init(v)), empty)
 
-        return treedef, signature, jax.jit(named(looped, "init_looped"))
+        return treedef, signature, jax.jit(named(looped, "init_looped")), small
 
 
 class _Given:

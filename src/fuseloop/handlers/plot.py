@@ -32,7 +32,7 @@ def _series(
     for epoch in sorted(history, key=int):
         for name, value in scalar_metrics(dict(history[epoch])).items():
             split = "validation" if name.startswith(VALIDATION_PREFIX) else "training"
-            base = name[len(VALIDATION_PREFIX) :] if split == "validation" else name
+            base = name.removeprefix(VALIDATION_PREFIX)
             panels.setdefault(base, {}).setdefault(split, []).append((int(epoch) + 1, value))
     return panels
 
