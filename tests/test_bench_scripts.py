@@ -1,0 +1,38 @@
+"""The scripts under bench/ that reach into fuseloop's private modules still run.
+
+`fuseloop bench` and `bench/engine_costs.py` use the public API, which the rest of the suite
+holds still; these scripts measure the engine against its own parts (programs, spares,
+packing, the convolution layout), so a change inside the engine can break them without any
+other test noticing. Each runs here once, in this process, with its smallest settings; the
+numbers it prints are not checked (timing belongs to the benchmarks), what it prints is.
+`bench/conv_layout.py` is left out: its one round compiles a CNN under XLA's own layout,
+10-15 s on two cores, and `test_conv_layout.py` covers the lowering it calls.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+# script, its smallest settings, lines its report must print
+SCRIPTS = {
+    "fixed_cost_floor": (["--rounds", "1"], ["run1 - steady:", "least - steady:"]),
+    "spares": (["--rounds", "1"], ["taking the spares saves"]),
+    "carry_copy": (["--rounds", "1"], ["handler ratio, copy:", "handler ratio, pack:"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_a_bench_script_that_uses_private_modules_runs(name, monkeypatch, capsys):
+    args, expected = SCRIPTS[name]
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *args])
+    monkeypatch.syspath_prepend(str(BENCH))  # the scripts import engine_costs beside them
+    runpy.run_path(str(BENCH / f"{name}.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    for line in expected:
+        assert line in out, f"bench/{name}.py printed no {line!r}:\n{out}"
