@@ -246,10 +246,25 @@ def stream() -> io.StringIO:
     return io.StringIO()
 
 
+def with_compilation_cache(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a python subprocess that shares the test session's persistent XLA cache
+    (the root conftest.py made it): a program the tests or an earlier subprocess compiled
+    is read from it, not compiled again. Results are bit for bit the same."""
+    cache = os.environ.get("FUSELOOP_TEST_XLA_CACHE")
+    if cache is None:  # not under the root conftest.py: nothing to share
+        return env
+    return {
+        **env,
+        "JAX_COMPILATION_CACHE_DIR": cache,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+
+
 def run_on_four_devices(script: str) -> dict:
     """Runs `script` in a subprocess with 4 virtual CPU devices (the device count is fixed
     when jax starts) and returns the JSON of its last `RESULT ` line."""
-    env = dict(os.environ)
+    env = with_compilation_cache(dict(os.environ))
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     ).strip()

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import fuseloop as fl
+from conftest import with_compilation_cache
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -88,7 +89,10 @@ def test_char_transformer_reads_an_installed_text_and_samples():
 
 def _run_script(name: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`python examples/<name>.py --quick` in a fresh process, as a user would run it."""
-    env = {**os.environ, "PYTHONPATH": str(Path(fl.__file__).resolve().parent.parent)}
+    # The session's compilation cache: the programs a test above compiled are read from it.
+    env = with_compilation_cache(
+        {**os.environ, "PYTHONPATH": str(Path(fl.__file__).resolve().parent.parent)}
+    )
     return subprocess.run(
         [sys.executable, str(EXAMPLES / f"{name}.py"), "--quick"],
         capture_output=True,

@@ -167,9 +167,10 @@ def test_member_errors():
     solo = _trainer().run(data, epochs=1)
     with pytest.raises(ValueError, match="not a population"):
         solo.member(0)
-    pop = _trainer().run(data, epochs=1, population=2)
-    with pytest.raises(ValueError, match=r"member\(2\)"):
-        pop.member(2)
+    # 3 members, unfused: the programs test_population_with_fuse_auto_... compiled above.
+    pop = _trainer().run(data, epochs=1, population=3)
+    with pytest.raises(ValueError, match=r"member\(3\)"):
+        pop.member(3)
 
 
 def test_population_argument_errors():

@@ -67,14 +67,18 @@ def test_best_checkpoint_with_validation_early_stop_and_k_beyond_the_epoch(tmp_p
 
 
 def test_a_full_ring_ends_the_dispatch_and_loses_no_save(tmp_path, monkeypatch):
-    plain = _on_loss(tmp_path / "a").run(_data(), epochs=EPOCHS)
+    # 4 epochs, every one an improvement: each dispatch after the first has fewer epochs
+    # left, so each compiles a whole-run program of its own (8 epochs took twice as long).
+    epochs = 4
+    plain = _on_loss(tmp_path / "a").run(_data(), epochs=epochs)
     # A ring of one state (as for a model too large to keep more): each improvement ends
     # the dispatch after its epoch, and is written from the live state.
     monkeypatch.setattr(device_checkpoint, "RING_BUDGET_BYTES", 1)
-    fused = _on_loss(tmp_path / "b").run(_data(), epochs=EPOCHS, fuse="run")
+    fused = _on_loss(tmp_path / "b").run(_data(), epochs=epochs, fuse="run")
     _assert_same_run(fused, plain)
     _assert_same_saves(tmp_path / "b", tmp_path / "a")
-    assert fused.stats["dispatches"] == EPOCHS
+    assert len(_saves(tmp_path / "a")) == epochs  # the loss improved every epoch
+    assert fused.stats["dispatches"] == epochs
     assert fused.stats["dispatch_splits"] == {}
 
 
