@@ -6,7 +6,8 @@ While chunk n runs, the feed may prepare chunk n+1 (`feed.ahead`). When replayin
 will wait for its records (a handler fires in it), chunk n+1 is launched first, so the
 device keeps working while the host replays; a halt (or an error) in chunk n then rolls the
 carry back to a packed copy taken before that launch, so the halt still takes effect at
-the end of chunk n (docs/design.md §6).
+the end of chunk n; chunk n+2 is prepared before the wait too, where the feed may prepare
+two ahead (`feed.depth`), and dropped with n+1 (docs/design.md §6).
 
 Where nothing can act at an epoch's end (no epoch handler, no population), the run opens
 the next epoch before it reads the ending one's metrics (`open_next`): the device goes on
@@ -45,6 +46,9 @@ class EpochLoop:
         # The next epoch the run allows to open ahead of the last chunk's replay:
         # `(epoch, iterator factory, bound)`, or None (`run`'s `ahead`).
         self.ahead: tuple[int, Callable[[], Any], int | None] | None = None
+        # The chunk prepared after one launched ahead of a replay (`_step`): its first
+        # iteration, the Prepared (None: the epoch is over) and the error preparing it.
+        self.stashed: tuple[int, Any, BaseException | None] | None = None
 
     @property
     def _replay(self) -> EpochReplay:
@@ -88,7 +92,7 @@ class EpochLoop:
             if status == CONTINUE and replay.pending:
                 status, state, last = self._settle(state, last)
         finally:
-            self.ahead = None
+            self.ahead = self.stashed = None
             if self.opened is None:  # an epoch opened ahead owns the feed now
                 feed.end()
         self.latest = None  # the epoch is over: the run holds its State again
@@ -153,12 +157,8 @@ class EpochLoop:
         feed = self.feed
         nxt, failed = None, None
         if feed.ahead and not current.exhausted:
-            try:  # Overlap: the host prepares the next chunk while the device runs this one.
-                nxt = feed.next(current.end)
-            except Exception as error:  # noqa: BLE001 - re-raised below, after the replay
-                # A batch pulled ahead failed: the steps already run are replayed first,
-                # and the error surfaces only where the unfused loop would reach that batch.
-                failed = error
+            # Overlap: the host prepares the next chunk while the device runs this one.
+            nxt, failed = self._prepare(current.end)
         rollback = speculative = None
         opened_ahead = False
         waits = self.speculate and self._replay.waits_for(current) and not current.done()
@@ -178,6 +178,10 @@ class EpochLoop:
             # no copy.
             rollback = self.carry.snapshot()
             speculative = feed.launch(self.carry, nxt)
+            if feed.depth > 1 and not speculative.exhausted:
+                # And the chunk after it, so that once the replay's wait ends the host
+                # only has to launch it before the device runs out of work.
+                self.stashed = (speculative.end, *self._prepare(speculative.end))
         try:
             status, state, last = self._replay.chunk(state, current)
         except BaseException:
@@ -196,6 +200,21 @@ class EpochLoop:
         if not feed.ahead and not current.exhausted:
             nxt = feed.next(current.end)
         return self._start(state, nxt, last)
+
+    def _prepare(self, first: int) -> tuple[Any, BaseException | None]:
+        """The chunk from iteration `first` (None: the epoch is over), prepared earlier
+        (`stashed`) or now, and the error preparing it: a batch pulled ahead that fails
+        is raised only where the unfused loop would reach it, after the replays before.
+        """
+        stashed, self.stashed = self.stashed, None
+        if stashed is not None:
+            if stashed[0] != first:  # its batches are pulled: dropping them loses data
+                raise RuntimeError(f"EpochLoop: chunk {stashed[0]} prepared, {first} asked")
+            return stashed[1], stashed[2]
+        try:
+            return self.feed.next(first), None
+        except Exception as error:  # noqa: BLE001 - raised by the caller, after the replay
+            return None, error
 
     def _settle(self, state: Any, last: int) -> tuple[str, Any, int]:
         """The guard's verdict on the epoch's deferred chunks (`EpochReplay.settle`). Where
@@ -229,6 +248,7 @@ class EpochLoop:
         goes back to `rollback` (None: nothing was launched); a chunk of this epoch gives
         its place back to the feed, an epoch opened ahead is closed (the run is ending).
         """
+        self.stashed = None  # the epoch ends here: batches pulled ahead are not stepped
         if rollback is not None:
             self.carry.restore(rollback)
         if opened_ahead:

@@ -74,7 +74,7 @@ class HostFeed:
         else:
             self.program = programs.chunk()
         self.copies = programs.copies and not self.live
-        self.ahead = False
+        self.ahead, self.depth = False, 0
         self._producer: ChunkProducer | None = None
 
     # ----------------------------------------------------------------- epoch
@@ -92,6 +92,9 @@ class HostFeed:
         # Pulling ahead is harmless for re-iterable sources; for a one-shot iterator only
         # when nothing can halt mid-chunk (exact consumption wins).
         self.ahead = not self.live and (self.source.prefetch_safe or not replay_reads)
+        # Chunks that may be prepared ahead of the one the device runs: as many as the
+        # producer thread may hold (`prefetch`), at least the next one.
+        self.depth = max(1, self.prefetch) if self.ahead else 0
         threaded = self.ahead and self.prefetch > 0 and not self.source.in_memory
         self._producer = ChunkProducer(self._prepare, self.prefetch) if threaded else None
 
@@ -187,6 +190,7 @@ class ResidentFeed:
         self.source, self.programs = source, programs
         self.size, self.live = (1 if size is None else size), size is None
         self.ahead = not self.live
+        self.depth = 2 if self.ahead else 0  # preparing a chunk only names its program
         # Over a mesh the dataset is split along its example axis and each gathered chunk
         # is sharded along its batch axis, as a host-fed chunk would be; the gather inside
         # the program fetches rows held by other devices (XLA adds the collectives).
