@@ -61,12 +61,13 @@ class PopulationWholeRun(WholeRun):
         run = self.run
         steps = self._steps(epoch, cursor)
         segments = segments_for(cursor, steps, self.limit)
-        self.rates = self._rate_tables(len(segments))
+        slots = self._slots(segments)
+        self.rates = self._rate_tables(slots)  # shaped by the program (WholeRun._launch)
         self.member_reductions = np.zeros(self.population.size, np.int64)
         program = population_whole_program(
             run.programs,
             self.source,
-            self._slots(segments),
+            slots,
             self.limit,
             self.work,
             self.replay.record,  # the records only where an iteration handler replays them

@@ -174,12 +174,15 @@ class WholeRun:
         run = self.run
         steps = self._steps(epoch, cursor)
         segments = segments_for(cursor, steps, self.limit)
-        self.rates = rate_table(self.work, run.carry.step_state, len(segments), run.reads)
+        slots = self._slots(segments)
+        # A rate per reduction the slots allow: the table's shape is the program's, so a
+        # dispatch with fewer epochs reuses it.
+        self.rates = rate_table(self.work, run.carry.step_state, slots, run.reads)
         self.reductions = 0  # the device's rate reductions replayed so far
         program = whole_run_program(
             run.programs,
             self.source,
-            self._slots(segments),
+            slots,
             self.limit,
             self.sharding,
             self.work,
@@ -220,10 +223,12 @@ class WholeRun:
     def _slots(self, segments: list[tuple[int, int]]) -> int:
         """The program's segment slots: with `fuse=K` the most K steps can span from any
         place in an epoch, so a short last dispatch (or a run with other epochs) reuses the
-        program; with "run" the dispatch's own count (one program per plan).
+        program; with "run" the dispatch's own count rounded up to a power of two, so the
+        dispatches of a run split by its handlers (and runs of other lengths) share a few
+        programs instead of compiling one per count. Unused slots run nothing.
         """
         if self.size is None:
-            return len(segments)
+            return 1 << (len(segments) - 1).bit_length()
         return -(-self.size // self.limit) + 1
 
     def _dispatch(
