@@ -1,12 +1,16 @@
 """Runs that reuse one resident source: the epoch orders a whole run keeps beside the source
 (so a later run launches no program for them) give every run the unfused run's result; the
-dispatches of runs split by their handlers share a few programs.
+dispatches of runs split by their handlers, and a device plateau's dispatches of `fuse=K`,
+share a few programs.
 """
 
 from __future__ import annotations
 
+import optax
+
+import fuseloop as fl
 from fuseloop.engine import device_checkpoint
-from test_whole_run import EPOCHS, _assert_same_run, _data, _trainer, _validated
+from test_whole_run import EPOCHS, _assert_same_run, _data, _trainer, _validated, _xy
 
 
 def test_repeated_and_resumed_runs_on_one_source_are_each_the_unfused_run():
@@ -37,3 +41,20 @@ def test_dispatches_of_a_split_run_and_runs_of_other_lengths_share_few_programs(
     # A run of 6 epochs (6, 5, ..., 1 left) finds every program it needs.
     shorter = loop.run(_data(), epochs=6, fuse="run")
     assert shorter.stats["dispatches"] == 6 and shorter.stats["compiles"] == 0
+
+
+def test_a_device_plateau_compiles_one_program_for_every_dispatch_of_fuse_k():
+    # 10 epochs of 6 steps in dispatches of 19: the last one is shorter (3 steps, one
+    # segment). The plateau's table of rates is sized by the program's segment slots, not
+    # the dispatch's segments, so the short dispatch runs the same program.
+    def plateau() -> fl.Loop:
+        vx, vy = _xy(seed=5, n=48)
+        model = fl.models.mlp([8, 3])
+        val = fl.data.arrays(vx, vy, batch_size=16, device=True)
+        tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.3)
+        loop = fl.trainer(model, "sparse_categorical_cross_entropy", tx).validate(model, val)
+        return loop.reduce_lr_on_plateau("validation_loss", factor=0.5, patience=1)
+
+    fused = plateau().run(_data(), epochs=10, fuse=19)
+    assert fused.stats["dispatches"] == 4 and fused.stats["compiles"] == 1
+    _assert_same_run(fused, plateau().run(_data(), epochs=10))
