@@ -1,8 +1,9 @@
 """Two chunks ahead of a waiting replay: when a handler fires in chunk n, the engine launches
 chunk n+1 before it waits for n's records, and (with `prefetch` of 2 or more) prepares n+2
 too, so that once the wait ends the host only launches it. Checked here: a run is the same
-as with one chunk ahead (`prefetch=1`), a halt drops the chunk prepared ahead, and a batch
-that fails two chunks ahead is raised only after the chunks before it were replayed.
+as with one chunk ahead (`prefetch=1`), a halt drops the chunk prepared ahead, a batch
+that fails two chunks ahead is raised only after the chunks before it were replayed, and
+a source read by the producer thread is never pulled past `prefetch` chunks.
 """
 
 from __future__ import annotations
@@ -134,3 +135,31 @@ def test_a_batch_failing_two_chunks_ahead_is_raised_after_the_replays_before_it(
     assert seen == [(0, i) for i in range(2 * K)]  # chunks 0 and 1, every step replayed
     reached = info.value.fuseloop_state  # type: ignore[attr-defined]
     assert (reached.epoch, reached.iteration) == (0, 2 * K - 1)
+
+
+class Counted:
+    """A re-iterable read by the producer thread (not in memory) that counts its pulls."""
+
+    def __init__(self, batches: list[Any]):
+        self.batches, self.pulled = batches, 0
+
+    def __iter__(self) -> Iterator[Any]:
+        self.pulled = 0
+        for batch in self.batches:
+            self.pulled += 1
+            yield batch
+
+
+def test_with_a_producer_thread_nothing_is_pulled_past_prefetch(counts):
+    # The producer already holds `prefetch` chunks and counts the last one it handed out;
+    # taking one more from it ahead of a replay would let it pull a chunk past its bound.
+    source = Counted(BATCHES)
+    seen: list[tuple[int, int]] = []
+    loop = _loop([], every=1).observe(
+        "iteration_completed", lambda s: seen.append((s.iteration, source.pulled))
+    )
+    loop.run(source, fuse=K, prefetch=2)
+    assert not any(counts["taken"]) and len(seen) == N
+    for i, pulled in seen:
+        stepped = (i // K + 1) * K  # when iteration i replays, its whole chunk has run
+        assert pulled <= stepped + 2 * K, (i, pulled)

@@ -92,11 +92,13 @@ class HostFeed:
         # Pulling ahead is harmless for re-iterable sources; for a one-shot iterator only
         # when nothing can halt mid-chunk (exact consumption wins).
         self.ahead = not self.live and (self.source.prefetch_safe or not replay_reads)
-        # Chunks that may be prepared ahead of the one the device runs: as many as the
-        # producer thread may hold (`prefetch`), at least the next one.
-        self.depth = max(1, self.prefetch) if self.ahead else 0
         threaded = self.ahead and self.prefetch > 0 and not self.source.in_memory
         self._producer = ChunkProducer(self._prepare, self.prefetch) if threaded else None
+        # Chunks the epoch loop may prepare ahead of the one the device runs: on this
+        # thread, up to `prefetch` (at least the next one); with a producer thread, which
+        # already holds `prefetch` chunks (and counts the last one handed out), one more
+        # taken from it would pull past that bound.
+        self.depth = 0 if not self.ahead else 1 if threaded else max(1, self.prefetch)
 
     def end(self) -> None:
         if self._producer is not None:
