@@ -248,7 +248,6 @@ class EpochLoop:
         goes back to `rollback` (None: nothing was launched); a chunk of this epoch gives
         its place back to the feed, an epoch opened ahead is closed (the run is ending).
         """
-        self.stashed = None  # the epoch ends here: batches pulled ahead are not stepped
         if rollback is not None:
             self.carry.restore(rollback)
         if opened_ahead:
