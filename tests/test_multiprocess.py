@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import fuseloop as fl
+from conftest import with_compilation_cache
 
 _COMMON = textwrap.dedent("""
     import json, os, signal, sys
@@ -192,7 +193,7 @@ _DIFFERS = textwrap.dedent("""
 def _launch(tmp_path, body: str, *options: str) -> subprocess.CompletedProcess:
     script = tmp_path / "script.py"
     script.write_text(_COMMON + body)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = with_compilation_cache({k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
     return subprocess.run(
         [
             sys.executable,
