@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 import fuseloop as fl
+from conftest import with_compilation_cache
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
@@ -89,7 +90,9 @@ class Child:
     """The training script in a subprocess, with its output read line by line."""
 
     def __init__(self, mode: str, fuse: int, workdir: Path):
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
+        env = with_compilation_cache(
+            {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
+        )
         self.proc = subprocess.Popen(
             [sys.executable, "-c", CHILD, mode, str(fuse), str(workdir)],
             stdout=subprocess.PIPE,
