@@ -259,3 +259,35 @@ def test_dict_device_resident_source_matches_the_host_source(fuse):
     host = DICT_LOOP.run(fl.data.arrays(x, y, BATCH, seed=2), epochs=2, fuse=fuse)
     device = DICT_LOOP.run(fl.data.arrays(x, y, BATCH, seed=2, device=True), epochs=2, fuse=fuse)
     _assert_same_run(host, device)
+
+
+def _refilling(batches: list[Any]) -> Iterator[Any]:
+    """A loader that refills one pair of buffers for every batch, as hand-written loaders
+    often do: each batch it yields is the same two arrays."""
+    bx, by = np.empty_like(batches[0][0]), np.empty_like(batches[0][1])
+    for x, y in batches:
+        bx[...], by[...] = x, y
+        yield bx, by
+
+
+class _RefillingLoader:
+    """A re-iterable over `_refilling` passes (a producer thread pulls from it)."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return _refilling(BATCHES)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("fuse", FUSES)
+@pytest.mark.parametrize("kind", ["callable", "reiterable", "one_shot"])
+def test_a_loader_refilling_one_buffer_steps_every_batch(kind, fuse, prefetch):
+    epochs = 1 if kind == "one_shot" else 2
+    data = {
+        "callable": lambda: _refilling(BATCHES),
+        "reiterable": _RefillingLoader(),
+        "one_shot": _refilling(BATCHES),
+    }[kind]
+    state = LOOP.run(data, epochs=epochs, fuse=fuse, prefetch=prefetch)
+    # The same run on distinct arrays: a chunk or a prefetched batch that kept a reference
+    # to the refilled buffer would have stepped the last batch in place of earlier ones.
+    _assert_same_run(state, LOOP.run(BATCHES, epochs=epochs, fuse=fuse))

@@ -109,6 +109,11 @@ class Source:
         return batches
 
     def _pull_each(self, iterator: Iterator[Any], count: int) -> list[Any]:
+        # A loader may refill one buffer for every batch it yields, while the loop holds
+        # several batches at once (a chunk, prefetch) or hands one to an asynchronous
+        # transfer that may read it later: each batch is copied before the next is asked
+        # for. In-memory sources hand out arrays nothing refills.
+        detach = not self.in_memory
         batches = []
         for _ in range(count):
             try:
@@ -121,7 +126,7 @@ class Source:
                     f"{self.epoch}, iteration {self.epoch_pulled}"
                 )
                 raise
-            batches.append(batch)
+            batches.append(_detached(batch) if detach else batch)
             self.pulled += 1
             self.epoch_pulled += 1
         return batches
@@ -159,6 +164,18 @@ def _is_array(leaf: Any) -> bool:
 
 def _as_array(leaf: Any) -> Any:
     return leaf if _is_array(leaf) else np.asarray(leaf)
+
+
+def _own_copy(leaf: Any) -> Any:
+    """`leaf` as an array no one else can change: jax arrays are immutable; anything else
+    (numpy, torch, Python numbers) is copied into a fresh numpy array."""
+    return leaf if isinstance(leaf, jax.Array) else np.array(leaf)
+
+
+def _detached(batch: Any) -> Any:
+    if type(batch) is tuple and len(batch) == 2:  # (x, y), without a pytree walk
+        return (_own_copy(batch[0]), _own_copy(batch[1]))
+    return jax.tree.map(_own_copy, batch)
 
 
 def as_source(data: Any) -> Source:
