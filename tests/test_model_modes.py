@@ -116,14 +116,51 @@ class NoFlagDropout(nn.Module):
         return nn.Dense(3)(nn.Dropout(0.5, deterministic=False)(x))
 
 
+class UnknownFlagDropout(nn.Module):
+    """Dropout switched by a flag fuseloop does not know, off by default."""
+
+    @nn.compact
+    def __call__(self, x, eval_mode: bool = True):
+        return nn.Dense(3)(nn.Dropout(0.5, deterministic=eval_mode)(x))
+
+
+class AttributeDropout(nn.Module):
+    """Dropout switched by a module attribute, off by default."""
+
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(nn.Dropout(0.5, deterministic=self.deterministic)(x))
+
+
 @pytest.mark.parametrize(
-    "module, need", [(NoFlagBatchNorm(), "mutable collections"), (NoFlagDropout(), "'dropout' rng")]
+    "module, need",
+    [
+        (NoFlagBatchNorm(), "mutable collections"),
+        (NoFlagDropout(), "'dropout' rng"),
+        # Trained as it is, its Dropout would stay off: silently another model.
+        (UnknownFlagDropout(), "contains Dropout, which would stay off while training"),
+        (AttributeDropout(), "contains Dropout, which would stay off while training"),
+    ],
 )
 @pytest.mark.parametrize("fuse", [False, 2])
 def test_linen_without_a_flag_is_refused_at_the_first_batch(module, need, fuse):
     with pytest.raises(ValueError, match=need) as info:
         fl.trainer(module, SPARSE, "sgd").run(DATA, fuse=fuse)
     assert "train_arg" in str(info.value)
+
+
+def test_linen_dropout_under_an_unknown_flag_trains_once_it_is_named():
+    def trained(train_value: bool) -> list:
+        named = fl.models.linen(
+            UnknownFlagDropout(), train_arg="eval_mode", train_value=train_value
+        )
+        return jax.tree.leaves(fl.trainer(named, SPARSE, "sgd").run(DATA, fuse=2).params)
+
+    # eval_mode=False while training switches the Dropout on; eval_mode=True leaves it off.
+    on, off = trained(False), trained(True)
+    assert not all(np.array_equal(a, b) for a, b in zip(on, off, strict=True))
 
 
 class NnxNet(nnx.Module):

@@ -48,8 +48,9 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
     with `train_arg` and give `train_value`, the value it takes while training, unless the
     name is one of those five. While training the step passes the flag, a `dropout` rng and
     makes the non-`params` collections (e.g. `batch_stats`) mutable; evaluation passes the
-    flag's evaluation value. A module with mutable collections or a need for a `dropout` rng
-    but no flag is a ValueError at the first batch.
+    flag's evaluation value. A module without a flag is a ValueError at the first batch if
+    it has mutable collections, needs a `dropout` rng, or holds a Dropout layer (which its
+    own defaults would leave off while training).
 
     Args:
         module: The flax.linen module.
@@ -123,6 +124,8 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
             if train and mutable:
                 raise self._no_flag(f"has mutable collections {mutable}")
             try:
+                if train:
+                    return self._apply_refusing_dropout(variables, x), None
                 return self.module.apply(variables, x), None
             except flax.errors.InvalidRngError as error:
                 raise self._no_flag("needs a 'dropout' rng") from error
@@ -134,6 +137,24 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
             y, updates = self.module.apply(variables, x, rngs=rngs, mutable=mutable, **flags)
             return y, dict(updates)
         return self.module.apply(variables, x, rngs=rngs, **flags), None
+
+    def _apply_refusing_dropout(self, variables: Any, x: Any) -> Any:
+        """A training forward pass of a module without a flag. A Dropout inside would keep
+        the mode the module's own defaults give it (off, unless it then asked for a rng),
+        so training would silently run without it: refused. Looked at while the step is
+        traced, so a compiled step pays nothing."""
+        dropouts: list[Any] = []
+
+        def note(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
+            if isinstance(context.module, nn.Dropout) and context.module.rate:
+                dropouts.append(context.module)
+            return next_fun(*args, **kwargs)
+
+        with nn.intercept_methods(note):
+            out = self.module.apply(variables, x)
+        if dropouts:
+            raise self._no_flag("contains Dropout, which would stay off while training")
+        return out
 
     def _no_flag(self, need: str) -> ModelModeError:
         name = type(self.module).__name__
