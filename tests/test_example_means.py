@@ -147,12 +147,16 @@ def test_fused_equals_unfused_bitwise_with_ragged_validation(fuse):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), unfused.params, fused.params)
 
 
-def test_ragged_warning_does_not_advise_dropping_evaluation_data():
-    x, _, source = _classifier_data(n=20, batch=8)
+def test_a_short_last_batch_warns_in_training_only():
+    x, y, source = _classifier_data(n=20, batch=8)
     model = fl.models.mlp([3])
     variables = model.init(jax.random.PRNGKey(0), x[:2])
-    with pytest.warns(UserWarning) as caught:
-        fl.evaluator(model).metric("accuracy").run(source, variables)
-    text = " ".join(str(w.message) for w in caught)
-    assert "batch size 4 instead of 8" in text
-    assert "drop_remainder=True" not in text or "evaluation" in text
+    # Evaluation data keeps its short batch (every example counts), as the README advises.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = fl.evaluator(model).metric("accuracy").run(source, variables)
+    logits = np.asarray(model.apply(variables, x))
+    assert state.metrics["accuracy"] == pytest.approx(np.mean(np.argmax(logits, -1) == y))
+    with pytest.warns(UserWarning, match="batch size 4 instead of 8") as caught:
+        fl.trainer(model, "sparse_categorical_cross_entropy", "sgd").run(source, variables)
+    assert "drop_remainder=True" in " ".join(str(w.message) for w in caught)

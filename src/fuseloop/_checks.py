@@ -8,7 +8,8 @@ batch is compared with the first one through a precomputed tuple of `(shape, dty
 which costs a few microseconds; only a batch whose signature was never seen is diagnosed.
 
     unfused: a batch whose leaves differ from the first batch's only along the batch axis
-             (a ragged last batch) is allowed once - jit compiles for it once - with a warning;
+             (a ragged last batch) is allowed once - jit compiles for it once - with a warning
+             (none for an evaluator, whose data keeps its short batch so every example counts);
              any other difference raises a ValueError naming the leaf, expected and actual.
     fused:   every batch must match the first batch (the chunk program compiles once),
              otherwise `FusionError`.
@@ -226,6 +227,8 @@ class Checker:
         size = sizes.pop()
         if self.ragged_size is None:
             self.ragged_size = size
+            if self.program.kind == "evaluator":
+                return  # every example counts in evaluation: its short batch is expected
             warnings.warn(
                 f"{where} has batch size {size} instead of {full} (a ragged last batch?); "
                 f"the step compiles once more for it. Metrics are means over examples, so "
