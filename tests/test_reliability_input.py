@@ -193,6 +193,37 @@ def test_negative_label_in_a_later_batch_names_epoch_and_iteration(loop, fuse):
         loop.run(data, fuse=fuse)
 
 
+def _binary_batches(n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(3)
+    return [
+        (rng.normal(size=(BATCH, FEATURES)).astype(np.float32), rng.uniform(size=(BATCH, 1)))
+        for _ in range(n)
+    ]
+
+
+def _binary_trainer() -> fl.Loop:
+    return fl.trainer(fl.models.mlp([4, 1]), "binary_cross_entropy", optax.sgd(0.1))
+
+
+@pytest.mark.parametrize("fuse", [False, 3])
+def test_a_binary_target_out_of_zero_one_is_named_where_it_is(fuse):
+    data = [(x, y.astype(np.float32)) for x, y in _binary_batches(5)]
+    # Probabilities between 0 and 1 (soft targets) train.
+    assert _binary_trainer().run(data, fuse=fuse).status == "completed"
+    data[4] = (data[4][0], np.array([[0.0], [2.0], [1.0], [0.0]], np.float32))
+    with pytest.raises(ValueError, match=r"epoch 0, iteration 4: y holds the target 2.0.*\[0, 1\]"):
+        _binary_trainer().run(data, fuse=fuse)
+
+
+@pytest.mark.parametrize("device", [False, True])
+def test_labels_of_minus_one_and_one_for_a_binary_loss_are_refused(device):
+    x = np.concatenate([b[0] for b in _binary_batches(4)])
+    y = np.where(x[:, :1] > 0, 1.0, -1.0).astype(np.float32)
+    data = fl.data.arrays(x, y, BATCH, device=device)
+    with pytest.raises(ValueError, match=r"target -1.0, out of range.*Map labels of -1/1"):
+        _binary_trainer().run(data, fuse=2)
+
+
 # --------------------------------------------------------------------------- dtypes
 def test_float64_input_warns_once_and_trains_as_float32(loop):
     data32 = make_batches(3)

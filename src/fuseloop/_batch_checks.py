@@ -1,14 +1,16 @@
 """Checks of one batch's form: Python lists where arrays belong, x and y of different
-sizes, and sparse labels out of range (used by `_checks.Checker`)."""
+sizes, and labels out of their loss's range (used by `_checks.Checker`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 import numpy as np
 
 __all__ = [
+    "LabelRule",
     "check_label_range",
     "check_pair_sizes",
     "check_python_lists",
@@ -90,3 +92,47 @@ def check_label_range(labels: np.ndarray, classes: int, loss: str, where: str) -
         f"{loss} with a model output of {classes} classes (labels must be "
         f"integers in [0, {classes})). {fix}"
     )
+
+
+@dataclass(frozen=True)
+class LabelRule:
+    """The values a named loss's labels must hold, checked on the host for numpy labels:
+    class indices in [0, classes) for a sparse cross-entropy, probabilities in [0, 1]
+    for `binary_cross_entropy` (`classes` None). Out of range, the loss trains on
+    something else without failing (a binary cross-entropy with a target of 2 goes
+    negative), so it is an error.
+
+    Example:
+        >>> import numpy as np
+        >>> LabelRule("binary_cross_entropy").holds(np.array([0.0, 0.3, 1.0]))
+        True
+        >>> LabelRule("sparse_categorical_cross_entropy", 3).holds(np.array([0, 3]))
+        False
+    """
+
+    loss: str
+    classes: int | None = None
+
+    def holds(self, labels: np.ndarray) -> bool:
+        if self.classes is not None:
+            return labels_below(labels, self.classes)
+        return bool(labels.min() >= 0 and labels.max() <= 1)  # a NaN fails both
+
+    def bad(self, labels: np.ndarray) -> np.ndarray:
+        """Where `labels` is out of range, element by element."""
+        if self.classes is not None:
+            return (labels < 0) | (labels >= self.classes)
+        return ~((labels >= 0) & (labels <= 1))
+
+    def check(self, labels: np.ndarray, where: str) -> None:
+        """Raises a ValueError naming the label, the loss and the fix unless it holds."""
+        if self.classes is not None:
+            check_label_range(labels, self.classes, self.loss, where)
+        elif not self.holds(labels):
+            value = labels[self.bad(labels)].flat[0]
+            raise ValueError(
+                f"data: {where}: y holds the target {value}, out of range for {self.loss} "
+                f"(targets are probabilities in [0, 1]: 1 for the positive class, 0 for the "
+                f"negative). Map labels of -1/1 to 0/1; for more than two classes use "
+                f"'sparse_categorical_cross_entropy' with integer labels"
+            )

@@ -14,8 +14,9 @@ which costs a few microseconds; only a batch whose signature was never seen is d
     fused:   every batch must match the first batch (the chunk program compiles once),
              otherwise `FusionError`.
 
-Integer labels of a sparse cross-entropy are range-checked on the host when they are numpy
-arrays (labels already on the device are not read back). float64 inputs, which JAX casts to
+Integer labels of a sparse cross-entropy, and a binary cross-entropy's targets (in [0, 1]),
+are range-checked on the host when they are numpy arrays (labels already on the device are
+not read back; `_batch_checks.LabelRule`). float64 inputs, which JAX casts to
 float32 while 64-bit mode is off, warn once per run.
 """
 
@@ -27,14 +28,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._batch_checks import (
-    check_label_range,
-    check_pair_sizes,
-    check_python_lists,
-    labels_below,
-)
+from ._batch_checks import check_pair_sizes, check_python_lists
 from ._fusion import FusionError
-from ._model_fit import SPARSE, ModelFit, abstract
+from ._model_fit import ModelFit, abstract
 from ._step import require_pair
 from ._step_state_check import check_step_keeps_state
 
@@ -133,16 +129,16 @@ class Checker:
 
     def stacked(self, chunk: Any, n: int, epoch: int, first_iteration: int) -> None:
         """Called with a stacked chunk of `n` live batches: its labels, in one pass."""
-        if self.fit.classes is None or not isinstance(chunk, (tuple, list)) or len(chunk) != 2:
+        rule = self.fit.labels
+        if rule is None or not isinstance(chunk, (tuple, list)) or len(chunk) != 2:
             return
         labels = chunk[1]
         if not isinstance(labels, np.ndarray) or labels.size == 0:
             return
         live = labels[:n]
-        if labels_below(live, self.fit.classes):
+        if rule.holds(live):
             return
-        bad = ((live < 0) | (live >= self.fit.classes)).reshape(n, -1).any(axis=1)
-        slot = int(np.argmax(bad))
+        slot = int(np.argmax(rule.bad(live).reshape(n, -1).any(axis=1)))
         self._check_labels((None, live[slot]), f"epoch {epoch}, iteration {first_iteration + slot}")
 
     # ----------------------------------------------------------------- per batch
@@ -155,7 +151,7 @@ class Checker:
         signature = tuple(_leaf_signature(leaf) for leaf in leaves)
         if signature not in self.accepted or treedef != self.treedef:
             self._diagnose(batch, leaves, treedef, signature, epoch, iteration, fused)
-        if labels and self.fit.classes is not None:
+        if labels and self.fit.labels is not None:
             self._check_labels(batch, f"epoch {epoch}, iteration {iteration}")
 
     def _diagnose(
@@ -308,8 +304,8 @@ class Checker:
         if getattr(data, "resident", False):  # the host never sees its batches' dtypes
             self._warn_float64(jax.tree.leaves((data.x, data.y)))
         labels = getattr(data, "host_labels", None)
-        self.host_labels = labels  # checked in `variables` if the classes are known only then
-        if labels is None or self.fit.classes is None:
+        self.host_labels = labels  # checked in `variables` if the rule is known only then
+        if labels is None or self.fit.labels is None:
             return
         self._check_labels((None, labels()), "the dataset (fl.data.arrays)")
 
@@ -336,13 +332,13 @@ class Checker:
             None if signature is None else ("checked_step", self.treedef, self.expected, *signature)
         )
         if key is not None and key in self.cache:
-            self._found_classes(self.cache[key])
+            self._found_labels(self.cache[key])
             return  # both checks passed for this batch and step state signature
         self._check_variables(step_state)
         if key is None or self.first_batch is None or self.program.kind == "evaluator":
             return
         check_step_keeps_state(self.program.step, step_state, self.first_batch)
-        self.cache[key] = (self.fit.classes,)
+        self.cache[key] = (self.fit.labels,)
 
     def _check_variables(self, step_state: Any) -> None:
         if (
@@ -361,31 +357,32 @@ class Checker:
             tuple(_shape_and_dtype(leaf) for leaf in leaves),
         )
         if key not in self.cache:
-            classes = self.fit.classes
+            rule = self.fit.labels
             self.fit.check_run_variables(jax.tree.map(abstract, step_state["params"]))
-            self.cache[key] = (self.fit.classes,)
-            self.fit.classes = classes
-        self._found_classes(self.cache[key])
+            self.cache[key] = (self.fit.labels,)
+            self.fit.labels = rule
+        self._found_labels(self.cache[key])
 
-    def _found_classes(self, verdict: tuple[int | None]) -> None:
-        """Where the model's output width was found only with the run's variables (its
-        fresh ones did not fit, or an evaluator's init could not be evaluated), the labels
-        `first` and `dataset` could not check yet are checked now."""
-        if self.fit.classes is not None or verdict[0] is None:
+    def _found_labels(self, verdict: tuple[Any]) -> None:
+        """Where the labels' rule was found only with the run's variables (their fresh ones
+        did not fit, or an evaluator's init could not be evaluated), the labels `first` and
+        `dataset` could not check yet are checked now."""
+        if self.fit.labels is not None or verdict[0] is None:
             return
-        self.fit.classes = verdict[0]
+        self.fit.labels = verdict[0]
         if self.first_batch is not None:
             self._check_labels(self.first_batch, "the run's first batch")
         if self.host_labels is not None:
             self._check_labels((None, self.host_labels()), "the dataset (fl.data.arrays)")
 
     def _check_labels(self, batch: Any, where: str) -> None:
-        """Sparse labels in [0, classes), for numpy labels (device labels are not read)."""
-        if self.fit.classes is None or not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        """Labels in their loss's range, for numpy labels (device labels are not read)."""
+        rule = self.fit.labels
+        if rule is None or not isinstance(batch, (tuple, list)) or len(batch) != 2:
             return
         labels = batch[1]
         if isinstance(labels, np.ndarray) and labels.size:
-            check_label_range(labels, self.fit.classes, SPARSE, where)
+            rule.check(labels, where)
 
 
 def _shape_and_dtype(leaf: Any) -> tuple[Any, Any]:

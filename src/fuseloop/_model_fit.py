@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._batch_checks import LabelRule
 from ._metrics import resolve_loss
 from ._outputs import require_one_prediction
 from ._placement import device_dtype
@@ -23,6 +24,7 @@ from .models import ModelModeError, from_nnx, linen
 __all__ = ["ModelFit", "SPARSE", "abstract", "needs_rng"]
 
 SPARSE = "sparse_categorical_cross_entropy"
+_BINARY = "binary_cross_entropy"
 _SAME_SHAPE_LOSSES = ("categorical_cross_entropy",)
 _SAME_SIZE_LOSSES = ("mean_squared_error", "mean_absolute_error", "binary_cross_entropy")
 
@@ -107,8 +109,9 @@ class ModelFit:
     """The abstract checks of one run's program against its first batch.
 
     After `check_first`, `first_x` is `(x, its abstract value)`, `first_y` y's abstract
-    value and `classes` the model's output width when the loss is a sparse cross-entropy
-    (for the host's label checks). `fresh` holds the abstract variables `model.init` makes
+    value and `labels` what a named loss's labels must hold (a sparse cross-entropy's class
+    count from the model's output width, a binary cross-entropy's [0, 1]), for the host's
+    label checks. `fresh` holds the abstract variables `model.init` makes
     for that batch, and `checked` whether x, y and the loss passed with them; when they
     did not (an evaluator's init, which the run never calls, may return anything; fresh
     variables that the model rejects may be replaced by given ones), `check_run_variables`
@@ -119,16 +122,16 @@ class ModelFit:
         self.program = program
         self.first_x: tuple[Any, Any] | None = None
         self.first_y: Any = None
-        self.classes: int | None = None
+        self.labels: LabelRule | None = None
         self.fresh: Any = _UNKNOWN
         self.checked = False
 
     def verdict(self) -> tuple[Any, ...]:
         """What `check_first` found, for `restore` on a later batch of the same signature."""
-        return self.first_x, self.first_y, self.classes, self.fresh, self.checked
+        return self.first_x, self.first_y, self.labels, self.fresh, self.checked
 
     def restore(self, verdict: tuple[Any, ...]) -> None:
-        self.first_x, self.first_y, self.classes, self.fresh, self.checked = verdict
+        self.first_x, self.first_y, self.labels, self.fresh, self.checked = verdict
 
     def _forward(self, variables: Any) -> Any:
         """The model's abstract output on the first batch's x with abstract `variables`."""
@@ -331,7 +334,7 @@ class ModelFit:
                     f"class labels of shape {accepted[0]} (or {accepted[1]}); for one-hot "
                     f"targets use 'categorical_cross_entropy'"
                 )
-            self.classes = int(y_pred.shape[-1])
+            self.labels = LabelRule(name, int(y_pred.shape[-1]))
         elif name in _SAME_SHAPE_LOSSES and shape != y_pred.shape:
             raise ValueError(
                 f"data: y has shape {shape}, but {name} with {output} expects targets of the "
@@ -346,6 +349,8 @@ class ModelFit:
                 f"one value per output, shape {y_pred.shape}; reshape y or change the "
                 f"model's last layer"
             )
+        if name == _BINARY:
+            self.labels = LabelRule(name)
 
 
 def _first_difference(given: Any, fresh: Any) -> str:
