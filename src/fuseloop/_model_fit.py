@@ -26,7 +26,7 @@ __all__ = ["ModelFit", "SPARSE", "abstract", "needs_rng"]
 SPARSE = "sparse_categorical_cross_entropy"
 _BINARY = "binary_cross_entropy"
 _SAME_SHAPE_LOSSES = ("categorical_cross_entropy",)
-_SAME_SIZE_LOSSES = ("mean_squared_error", "mean_absolute_error", "binary_cross_entropy")
+_SAME_SIZE_LOSSES = ("mean_squared_error", "mean_absolute_error", _BINARY)
 
 
 def _first_line(error: BaseException) -> str:
