@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+import fuseloop as fl
 from conftest import assert_tree_equal, make_batches, tiny_mlp, trainer
 
 
@@ -124,3 +125,38 @@ def test_variables_deleted_during_the_run_leave_no_spare() -> None:
     assert init._spare is None
     expected = _fresh_result(kept, batches)
     assert_tree_equal(state.step_state, expected.step_state, "step state")
+
+
+def _kept_epochs(source) -> list[int]:
+    from fuseloop.engine.feeds import _ORDERS
+
+    return sorted(epoch for _, epoch, _ in _ORDERS.get(source, {}))
+
+
+@pytest.mark.parametrize("fuse", [False, 3])
+def test_a_device_datasets_first_order_is_kept_per_start_epoch(fuse) -> None:
+    """A resident run takes its first epoch's order from beside the source (no dispatch
+    ahead of its first chunk); runs from other epochs, later runs and a run that skips
+    its first epoch (which stepped epoch 0's order as epoch 1's) step the order the host
+    source serves."""
+    batches = make_batches(7)
+    x = np.concatenate([b[0] for b in batches])
+    y = np.concatenate([b[1] for b in batches])
+    source = fl.data.arrays(x, y, batch_size=4, seed=5, shuffle=True, device=True)
+    host = fl.data.arrays(x, y, batch_size=4, seed=5, shuffle=True)
+    loop = trainer()
+    expected = loop.run(host, epochs=3, fuse=fuse)
+    runs = [loop.run(source, epochs=3, fuse=fuse) for _ in range(2)]
+    assert _kept_epochs(source) == [0]
+    one = loop.run(source, epochs=1, fuse=fuse)
+    resumed = loop.run(source, one, epochs=3, fuse=fuse)  # starts at epoch 1
+    assert _kept_epochs(source) == [0, 1]
+    for state in (*runs, resumed):
+        assert_tree_equal(state.step_state, expected.step_state, "step state")
+        assert state.history == expected.history
+    skip_0 = lambda s: "halt_epoch" if s.epoch == 0 else None  # noqa: E731
+    skipping = loop.handle_event("epoch_started", skip_0)
+    skipped = skipping.run(source, epochs=3, fuse=fuse)
+    assert_tree_equal(
+        skipped.step_state, skipping.run(host, epochs=3, fuse=fuse).step_state, "step state"
+    )

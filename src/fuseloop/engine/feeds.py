@@ -9,7 +9,8 @@ the live step state — the unfused loop is that mode, not another loop.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +19,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._fusion import FusionError, stack_chunk
-from .._placement import device_int
+from .._placement import default_device_key, device_int
 from .prefetch import ChunkProducer
-from .programs import MIN_SLOTS
+from .programs import MIN_SLOTS, _source_key
 from .replay import ChunkResult
 
 __all__ = [
@@ -30,7 +31,13 @@ __all__ = [
     "place_dataset",
     "first_resident_batch",
     "epoch_counter",
+    "kept_order",
 ]
+
+# A resident source's epoch orders on the device, by source (dropped with it), a few
+# epochs each (`kept_order`).
+_ORDERS: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+_KEPT_ORDERS = 4
 
 
 @dataclass(frozen=True)
@@ -187,7 +194,7 @@ class ResidentFeed:
         size: int | None,
         placement: Any,
         programs: Any,
-        start_epoch: Any,
+        start_epoch: int,
     ):
         self.source, self.programs = source, programs
         self.size, self.live = (1 if size is None else size), size is None
@@ -203,23 +210,35 @@ class ResidentFeed:
             placement.chunk_sharding(self.short) if self.short is not None else None
         )
         self.data = data
-        # The epoch counter lives on the device (`start_epoch` is a device int32 scalar),
-        # so advancing it moves nothing.
-        self.epoch_counter = start_epoch
-        self.counted_epoch: int | None = None  # the epoch the counter holds, once known
+        # The epoch counter lives on the device (a device int32 scalar holding
+        # `start_epoch`), so advancing it moves nothing.
+        self.epoch_counter = epoch_counter(start_epoch)
+        self.counted_epoch = start_epoch  # the epoch the counter holds
+        self.start_epoch = start_epoch
         self.next_order = programs.epoch_order(source)
 
     def begin(self, epoch: int, iterator: Any, bound: int | None, replay_reads: bool) -> None:
-        if self.counted_epoch is not None and self.counted_epoch != epoch:
+        if self.counted_epoch != epoch:
             # An epoch was skipped (halted at epoch_started): its order is not this one's.
             self.epoch_counter = epoch_counter(epoch)
-        self.order, self.epoch_counter, self.cursor = self.next_order(self.epoch_counter)
+        self.order, self.epoch_counter, self.cursor = self._order(epoch)
         self.counted_epoch = epoch + 1
         self.limit = (
             self.source.num_batches if bound is None else min(bound, self.source.num_batches)
         )
         self.full_limit = min(self.limit, self.whole)
         self._before = self.cursor
+
+    def _order(self, epoch: int) -> tuple[Any, Any, Any]:
+        """`(order, counter of the next epoch, cursor 0)` for `epoch`, on the device. A
+        run's first epoch takes its order from beside the source (`kept_order`), so a
+        later run from the same epoch launches its first chunk without this dispatch
+        ahead of it.
+        """
+        if epoch != self.start_epoch:
+            return self.next_order(self.epoch_counter)
+        order = kept_order(self.source, epoch, lambda: self.next_order(self.epoch_counter)[0])
+        return order, epoch_counter(epoch + 1), device_int(0)
 
     def end(self) -> None:
         pass
@@ -254,6 +273,20 @@ class ResidentFeed:
     def unlaunch(self) -> None:
         """The last launch was dropped: its place in the epoch is given back."""
         self.cursor = self._before
+
+
+def kept_order(source: Any, epoch: int, compute: Callable[[], Any]) -> Any:
+    """The device order of `epoch` of a resident `source`, kept beside the source (dropped
+    with it; a few epochs each). It depends on the source and the epoch alone, and no
+    program donates it, so later runs over the same data reuse it (docs/design.md §6).
+    """
+    kept = _ORDERS.setdefault(source, {})
+    key = (_source_key(source), epoch, default_device_key())
+    if key not in kept:
+        if len(kept) >= _KEPT_ORDERS:
+            kept.pop(next(iter(kept)))
+        kept[key] = compute()
+    return kept[key]
 
 
 def epoch_counter(epoch: int) -> Any:

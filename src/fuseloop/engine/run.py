@@ -211,7 +211,7 @@ class Run:
                 size=size,
                 placement=self.placement,
                 programs=self.programs,
-                start_epoch=self.device_epoch,
+                start_epoch=self.start_epoch,
             )
         return HostFeed(
             self.source,

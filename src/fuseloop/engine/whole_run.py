@@ -15,7 +15,6 @@ in the unfused order, each epoch with its own metrics and history entry, and wit
 from __future__ import annotations
 
 import time
-import weakref
 from typing import Any
 
 import jax
@@ -31,17 +30,12 @@ from .device_monitors import (
     validation_inputs,
 )
 from .device_replay import hand_best, replayed_handlers
+from .feeds import kept_order
 from .packing import unpack_on_host
-from .programs import _source_key
 from .replay import ChunkResult, EpochReplay
 from .whole_program import host_outputs, segments_for, whole_run_program
 
 __all__ = ["WholeRun", "whole_run_refusal"]
-
-# A resident source's epoch orders on the device, by source (dropped with it); the
-# dispatch only reads an order, so a later run of the same source reuses it.
-_ORDERS: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
-_KEPT_ORDERS = 4
 
 
 def whole_run_refusal(source: Any, iterations: int | None) -> str | None:
@@ -161,14 +155,8 @@ class WholeRun:
         computes the orders of the epochs it enters), so the order is kept beside the
         source for later runs, which then launch no program for it.
         """
-        kept = _ORDERS.setdefault(self.source, {})
-        key = (_source_key(self.source), epoch)
-        if key not in kept:
-            order, _, _ = self.order_fn(np.int32(epoch))
-            if len(kept) >= _KEPT_ORDERS:
-                kept.pop(next(iter(kept)))
-            kept[key] = order
-        return kept[key], np.int32(epoch + 1)
+        order = kept_order(self.source, epoch, lambda: self.order_fn(np.int32(epoch))[0])
+        return order, np.int32(epoch + 1)
 
     def _launch(self, state: Any, epoch: int, cursor: int) -> tuple[list[tuple[int, int]], Any]:
         run = self.run
