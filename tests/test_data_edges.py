@@ -103,15 +103,16 @@ def test_float64_device_resident_data_warns_as_host_data_does(fuse):
         trainer().run(fl.data.arrays(x, y, batch_size=4, device=True), fuse=fuse)
 
 
+@pytest.mark.parametrize("skipped", [0, 1])  # the run's first epoch, a later one
 @pytest.mark.parametrize("fuse", [False, 4, "run"])
-def test_a_skipped_epoch_does_not_shift_a_device_datasets_order(fuse):
+def test_a_skipped_epoch_does_not_shift_a_device_datasets_order(fuse, skipped):
     x = np.concatenate([b[0] for b in make_batches(6)])
     y = np.concatenate([b[1] for b in make_batches(6)])
 
-    def skip_epoch_1(state: fl.State) -> str | None:
-        return "halt_epoch" if state.epoch == 1 else None
+    def skip(state: fl.State) -> str | None:
+        return "halt_epoch" if state.epoch == skipped else None
 
-    loop = trainer().handle_event("epoch_started", skip_epoch_1)
+    loop = trainer().handle_event("epoch_started", skip)
     host = loop.run(fl.data.arrays(x, y, batch_size=4, seed=3), epochs=3)
     device = loop.run(fl.data.arrays(x, y, batch_size=4, seed=3, device=True), epochs=3, fuse=fuse)
     assert device.history[2] == host.history[2]
