@@ -17,7 +17,6 @@ A handler is recognised by its `on_device` attribute ("validate", "early_stop",
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,12 +32,10 @@ from .._metrics import VALIDATION_PREFIX
 from .._optim import _is_inject_state, find_learning_rates
 from .._step import init_tail, make_carry_step
 from .device_checkpoint import keep_best, kept_start
-from .programs import MIN_SLOTS, _source_key
+from .programs import MIN_SLOTS, kept_order
 
 __all__ = ["DeviceWork", "plan_device_work"]
 
-# A validation source's epoch-0 order on the device, by source (dropped with it).
-_VALIDATION_ORDERS: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 _WATCHED = ("early_stop", "reduce_lr_on_plateau", "checkpoint")
 
 
@@ -380,16 +377,12 @@ def rate_table(work: DeviceWork, step_state: Any, epochs: int, reads: Any) -> tu
 def validation_inputs(work: DeviceWork, programs: Any, placement: Any) -> tuple[Any, ...] | None:
     """The validation data on the device and its order (the evaluator's epoch 0).
 
-    The order is computed on the device once per source and placement and kept beside the
-    source (the dispatch only reads it), so a later run launches no program for it.
+    The order is computed on the device once per source and kept beside it
+    (`kept_order`: the dispatch only reads it), so a later run launches no program for it.
     """
     v = work.validation
     if v is None:
         return None
     data = v.source.put(placement.replicated)  # moved once, kept by the source
-    key = (_source_key(v.source), placement.replicated)
-    kept = _VALIDATION_ORDERS.get(v.source)
-    if kept is None or kept[0] != key:
-        order, _, _ = programs.epoch_order(v.source)(np.int32(0))
-        kept = _VALIDATION_ORDERS[v.source] = (key, order)
-    return data, kept[1]
+    order = kept_order(v.source, 0, lambda: programs.epoch_order(v.source)(np.int32(0))[0])
+    return data, order

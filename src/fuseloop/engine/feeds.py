@@ -9,8 +9,7 @@ the live step state — the unfused loop is that mode, not another loop.
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +18,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._fusion import FusionError, stack_chunk
-from .._placement import default_device_key, device_int
+from .._placement import device_int
 from .prefetch import ChunkProducer
-from .programs import MIN_SLOTS, _source_key
+from .programs import MIN_SLOTS, kept_order
 from .replay import ChunkResult
 
 __all__ = [
@@ -31,13 +30,7 @@ __all__ = [
     "place_dataset",
     "first_resident_batch",
     "epoch_counter",
-    "kept_order",
 ]
-
-# A resident source's epoch orders on the device, by source (dropped with it), a few
-# epochs each (`kept_order`).
-_ORDERS: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
-_KEPT_ORDERS = 4
 
 
 @dataclass(frozen=True)
@@ -273,20 +266,6 @@ class ResidentFeed:
     def unlaunch(self) -> None:
         """The last launch was dropped: its place in the epoch is given back."""
         self.cursor = self._before
-
-
-def kept_order(source: Any, epoch: int, compute: Callable[[], Any]) -> Any:
-    """The device order of `epoch` of a resident `source`, kept beside the source (dropped
-    with it; a few epochs each). It depends on the source and the epoch alone, and no
-    program donates it, so later runs over the same data reuse it (docs/design.md §6).
-    """
-    kept = _ORDERS.setdefault(source, {})
-    key = (_source_key(source), epoch, default_device_key())
-    if key not in kept:
-        if len(kept) >= _KEPT_ORDERS:
-            kept.pop(next(iter(kept)))
-        kept[key] = compute()
-    return kept[key]
 
 
 def epoch_counter(epoch: int) -> Any:

@@ -9,6 +9,7 @@ and unfused runs bitwise equal is in docs/design.md §2 ("one loop body for ever
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,10 +25,14 @@ from . import conv_layout
 from .packing import copying, pack_leaves, unpacker
 from .population import masked_step, member_carry_step, member_chunk, population_tail
 
-__all__ = ["ProgramCache", "Programs", "MIN_SLOTS"]
+__all__ = ["ProgramCache", "Programs", "MIN_SLOTS", "kept_order"]
 
 MIN_SLOTS = 2
 _SPARE_LOCK = threading.Lock()
+# A resident source's epoch orders on the device, by source (dropped with it), a few
+# epochs each (`kept_order`).
+_ORDERS: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+_KEPT_ORDERS = 4
 
 
 @dataclass(eq=False)
@@ -289,6 +294,21 @@ class Programs:
             made = (default_device_key(), self.fresh_tail())
             with _SPARE_LOCK:
                 self.cache.spare_tail = made
+
+
+def kept_order(source: Any, epoch: int, compute: Callable[[], Any]) -> Any:
+    """The device order of `epoch` of a resident `source`, kept beside the source (dropped
+    with it; a few epochs each). It depends on the source and the epoch alone, and no
+    program donates it, so later runs over the same data, as training or validation data,
+    reuse it (docs/design.md §6).
+    """
+    kept = _ORDERS.setdefault(source, {})
+    key = (_source_key(source), epoch, default_device_key())
+    if key not in kept:
+        if len(kept) >= _KEPT_ORDERS:
+            kept.pop(next(iter(kept)))
+        kept[key] = compute()
+    return kept[key]
 
 
 def _source_key(source: Any) -> tuple[Any, ...]:

@@ -30,8 +30,8 @@ from .device_monitors import (
     validation_inputs,
 )
 from .device_replay import hand_best, replayed_handlers
-from .feeds import kept_order
 from .packing import unpack_on_host
+from .programs import kept_order
 from .replay import ChunkResult, EpochReplay
 from .whole_program import host_outputs, segments_for, whole_run_program
 
