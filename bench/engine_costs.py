@@ -17,7 +17,9 @@ Each whole-run figure is also measured in CPU time (`time.process_time`, every t
 the process): on a shared machine other processes stretch wall time, while the CPU a run
 spends is what a change to the engine moves.
 
-Run: PYTHONPATH=src python bench/engine_costs.py [--rounds 15]
+Run: PYTHONPATH=src python bench/engine_costs.py [--rounds 15] [--cpu-dispatch inline]
+(`--cpu-dispatch inline` runs every program, the floor's too, on the calling thread rather
+than on XLA's worker; docs/performance.md, "Inline dispatch on CPU").
 """
 
 from __future__ import annotations
@@ -119,7 +121,13 @@ def mlp_tiny() -> tuple[Any, Any, list[tuple[np.ndarray, np.ndarray]]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=15)
-    rounds = parser.parse_args().rounds
+    parser.add_argument("--cpu-dispatch", choices=("async", "inline"), default=None)
+    args = parser.parse_args()
+    rounds = args.rounds
+    if args.cpu_dispatch is not None:  # read once, when the first program starts JAX
+        jax.config.update("jax_cpu_enable_async_dispatch", args.cpu_dispatch == "async")
+    async_dispatch = jax.config.read("jax_cpu_enable_async_dispatch")
+    print(f"CPU dispatch: {'async' if async_dispatch else 'inline'}")
     x, y = _data()
     model, variables, batches = mlp_tiny()
     resident = fl.data.arrays(x, y, batch_size=BATCH, shuffle=False, device=True)

@@ -90,6 +90,14 @@ def test_markdown_and_plot(report: dict, tmp_path) -> None:  # noqa: ANN001
         assert path.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_report_names_the_cpu_dispatch_it_ran_under(report: dict) -> None:
+    # JAX_CPU_ENABLE_ASYNC_DISPATCH=false (read when the backend starts) runs each program
+    # on the calling thread, which changes the figures; the report says which it was.
+    mode = "async" if jax.config.read("jax_cpu_enable_async_dispatch") else "inline"
+    assert report["meta"]["machine"]["cpu_dispatch"] == mode
+    assert f"JAX on cpu ({mode} dispatch)." in _output.markdown(report).splitlines()[0]
+
+
 # ----------------------------------------------------------------- guards
 class FakeSystem(System):
     """A system whose sample is whatever the test says."""

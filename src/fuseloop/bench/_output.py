@@ -38,6 +38,9 @@ def machine_info() -> dict[str, Any]:
         "cpus_usable": usable,
         "python": sys.version.split()[0],
         "jax_backend": jax.default_backend(),
+        # JAX_CPU_ENABLE_ASYNC_DISPATCH=false runs each program on the calling thread: no
+        # overlap of a chunk's stacking with the chunk before (docs/performance.md).
+        "cpu_dispatch": "async" if jax.config.read("jax_cpu_enable_async_dispatch") else "inline",
         "jax_devices": [str(d) for d in jax.devices()],
         "versions": versions,
     }
@@ -68,7 +71,12 @@ def markdown(report: dict[str, Any]) -> str:
         f"rounds of {epochs} epochs per system; batch {meta['batch_size']}, "
         f"{meta['batches_per_epoch']} batches "
         f"an epoch, steady state (compilation excluded); {meta['machine']['cpus_usable']} "
-        f"CPU cores, JAX on {meta['machine']['jax_backend']}."
+        f"CPU cores, JAX on {meta['machine']['jax_backend']}"
+        + (
+            f" ({meta['machine']['cpu_dispatch']} dispatch)."
+            if meta["machine"].get("cpu_dispatch") and meta["machine"]["jax_backend"] == "cpu"
+            else "."
+        )
         + (" Quick run: few repetitions, expect noise." if meta["quick"] else ""),
         "",
     ]
