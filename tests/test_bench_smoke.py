@@ -96,6 +96,13 @@ def test_the_report_names_the_cpu_dispatch_it_ran_under(report: dict) -> None:
     mode = "async" if jax.config.read("jax_cpu_enable_async_dispatch") else "inline"
     assert report["meta"]["machine"]["cpu_dispatch"] == mode
     assert f"JAX on cpu ({mode} dispatch)." in _output.markdown(report).splitlines()[0]
+    for backend, dispatch, shown in (
+        ("cpu", "inline", "JAX on cpu (inline dispatch)."),
+        ("gpu", "async", "JAX on gpu."),  # the setting is the CPU backend's alone
+    ):
+        machine = {**report["meta"]["machine"], "jax_backend": backend, "cpu_dispatch": dispatch}
+        other = {**report, "meta": {**report["meta"], "machine": machine}}
+        assert shown in _output.markdown(other).splitlines()[0]
 
 
 # ----------------------------------------------------------------- guards
