@@ -156,6 +156,40 @@ def test_validation_arguments_are_checked():
         BASE.validate(None, VAL)
 
 
+def _ragged_val() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(2)
+    return rng.normal(size=(21, 4)).astype(np.float32), rng.integers(0, 3, 21).astype(np.int32)
+
+
+@pytest.mark.parametrize("fuse", [True, 1, 3])
+def test_a_fused_validation_of_host_batches_of_two_sizes_is_refused_when_attached(fuse):
+    # Found before any training (a fused run would raise at the first epoch's end).
+    x, y = _ragged_val()
+    short = fl.data.arrays(x, y, batch_size=8, shuffle=False, drop_remainder=False)
+    with pytest.raises(fl.FusionError) as info:
+        BASE.validate(MODEL, short, fuse=fuse)
+    message = str(info.value)
+    assert f"validate(fuse={fuse!r})" in message and "holds 5 of its 21 examples" in message
+    assert "fuse=False" in message and "device=True" in message
+    listed = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 21, 8)]
+    with pytest.raises(fl.FusionError, match=r"validation batch 2 holds 5 examples"):
+        BASE.validate(MODEL, listed, fuse=fuse)
+    BASE.validate(MODEL, short)  # unfused validation takes the short batch
+    BASE.validate(MODEL, listed)
+    whole = fl.data.arrays(x[:16], y[:16], batch_size=8, shuffle=False, drop_remainder=False)
+    BASE.validate(MODEL, whole, fuse=fuse)  # no short batch: nothing to refuse
+
+
+def test_a_fused_validation_of_resident_data_takes_its_short_batch():
+    x, y = _ragged_val()
+    host = fl.data.arrays(x, y, batch_size=8, shuffle=False, drop_remainder=False)
+    resident = fl.data.arrays(x, y, batch_size=8, shuffle=False, drop_remainder=False, device=True)
+    unfused = BASE.validate(MODEL, host).run(DATA, epochs=2)
+    fused = BASE.validate(MODEL, resident, fuse=True).run(DATA, epochs=2, fuse=2)
+    assert fused.history == unfused.history
+    assert "validation_loss" in fused.history[1]
+
+
 # ----------------------------------------------------------------- progress bar
 
 

@@ -181,7 +181,10 @@ class Loop(HandlerBuilders):
             data: Re-iterable validation batches (list, callable, `fl.data.arrays`).
             event: When to validate (default: at the end of each epoch).
             filter: Which firings validate, e.g. `{"every": 5}`.
-            fuse: The validation run's `fuse`: False, True or a chunk size.
+            fuse: The validation run's `fuse`: False, True or a chunk size. Fused host
+                batches must share one shape: host data with a short last batch is
+                refused (a `FusionError`) unless `fuse=False` or the source is
+                `fl.data.arrays(..., device=True)`.
 
         Example:
             >>> state = loop.metric("accuracy").validate(model, val_batches).run(batches)

@@ -12,8 +12,10 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import jax
+
 from .._data import as_source
-from .._fusion import resolve_fuse
+from .._fusion import FusionError, resolve_fuse
 from .._metrics import VALIDATION_PREFIX, MetricSpec
 from .._state import State
 from .._types import Status
@@ -75,7 +77,9 @@ def check_validation(model: Any, data: Any, fuse: Any, specs: tuple[MetricSpec, 
             "fuse='auto' is not supported for validation; accepted values: "
             "False, True, or a positive int chunk size"
         )
-    resolve_fuse(fuse, True)  # validates the value now, not at the first epoch's end
+    chunked = resolve_fuse(fuse, True)  # validates the value now, not at the first epoch's end
+    if chunked is not None:
+        _refuse_short_batches(data, fuse)
     if not specs:
         raise ValueError(
             "validate: the loop has no metric an evaluator can compute (a loss, or a "
@@ -83,6 +87,47 @@ def check_validation(model: Any, data: Any, fuse: Any, specs: tuple[MetricSpec, 
             "Loop.validate(...)"
         )
     _warn_dropped_examples(data)
+
+
+def _refuse_short_batches(data: Any, fuse: Any) -> None:
+    """Refuses (FusionError) a fused validation of host batches of two sizes.
+
+    It is refused when the validation is attached, not after the first epoch's training,
+    where the fused validation run would meet the odd batch. A fused chunk stacks batches
+    of one shape (docs/data.md), and validation data usually ends with a short batch
+    (`drop_remainder=False`, which `Loop.validate` asks for). A device-resident source runs
+    that batch as a step of its own shape, so only host data is refused; a callable's
+    batches are only seen when the validation runs.
+    """
+    fixes = (
+        "use fuse=False for the validation run (the default), "
+        "fl.data.arrays(..., drop_remainder=False, device=True) (a device-resident source "
+        "runs its short last batch as a step of its own), or batches of one size"
+    )
+    if hasattr(data, "drop_remainder") and not getattr(data, "resident", False):
+        short = 0 if data.drop_remainder else data.n % data.batch_size
+        if short:
+            raise FusionError(
+                f"validate(fuse={fuse!r}): the validation data's last batch holds {short} "
+                f"of its {data.n} examples, not batch_size={data.batch_size}, and a fused "
+                f"validation run stacks batches of one shape; {fixes}"
+            )
+    if isinstance(data, (list, tuple)) and data:
+        sizes = [_batch_size(batch) for batch in data]
+        odd = next((i for i, size in enumerate(sizes) if size != sizes[0]), None)
+        if odd is not None:
+            raise FusionError(
+                f"validate(fuse={fuse!r}): validation batch {odd} holds {sizes[odd]} "
+                f"examples and batch 0 holds {sizes[0]}, and a fused validation run stacks "
+                f"batches of one shape; {fixes}"
+            )
+
+
+def _batch_size(batch: Any) -> int | None:
+    """The leading size of a batch's first array (None where it has none)."""
+    leaves = jax.tree.leaves(batch)
+    shape: tuple[int, ...] = tuple(getattr(leaves[0], "shape", ())) if leaves else ()
+    return shape[0] if shape else None
 
 
 def _warn_dropped_examples(data: Any) -> None:
