@@ -18,8 +18,8 @@ the process): on a shared machine other processes stretch wall time, while the C
 spends is what a change to the engine moves.
 
 Run: PYTHONPATH=src python bench/engine_costs.py [--rounds 15] [--cpu-dispatch inline]
-(`--cpu-dispatch inline` runs every program, the floor's too, on the calling thread rather
-than on XLA's worker; docs/performance.md, "Inline dispatch on CPU").
+(`--cpu-dispatch inline` runs programs, the floor's too, on the calling thread where JAX
+can rather than on XLA's worker; docs/performance.md, "Inline dispatch on CPU").
 """
 
 from __future__ import annotations

@@ -178,6 +178,12 @@ def test_a_fused_validation_of_host_batches_of_two_sizes_is_refused_when_attache
     BASE.validate(MODEL, listed)
     whole = fl.data.arrays(x[:16], y[:16], batch_size=8, shuffle=False, drop_remainder=False)
     BASE.validate(MODEL, whole, fuse=fuse)  # no short batch: nothing to refuse
+    alone = fl.data.arrays(x[:5], y[:5], batch_size=8, shuffle=False, drop_remainder=False)
+    state = BASE.validate(MODEL, alone, fuse=fuse).run(DATA)  # one batch: one shape
+    assert (
+        state.metrics["validation_loss"]
+        == BASE.validate(MODEL, alone).run(DATA).metrics["validation_loss"]
+    )
 
 
 def test_a_fused_validation_of_resident_data_takes_its_short_batch():

@@ -38,8 +38,8 @@ def machine_info() -> dict[str, Any]:
         "cpus_usable": usable,
         "python": sys.version.split()[0],
         "jax_backend": jax.default_backend(),
-        # JAX_CPU_ENABLE_ASYNC_DISPATCH=false runs each program on the calling thread: no
-        # overlap of a chunk's stacking with the chunk before (docs/performance.md).
+        # JAX_CPU_ENABLE_ASYNC_DISPATCH=false runs programs on the calling thread where it
+        # can: less overlap of a chunk's stacking with the chunk before (docs/performance.md).
         "cpu_dispatch": "async" if jax.config.read("jax_cpu_enable_async_dispatch") else "inline",
         "jax_devices": [str(d) for d in jax.devices()],
         "versions": versions,

@@ -106,7 +106,7 @@ def _refuse_short_batches(data: Any, fuse: Any) -> None:
     )
     if hasattr(data, "drop_remainder") and not getattr(data, "resident", False):
         short = 0 if data.drop_remainder else data.n % data.batch_size
-        if short:
+        if short and data.n > data.batch_size:  # one short batch alone has one shape
             raise FusionError(
                 f"validate(fuse={fuse!r}): the validation data's last batch holds {short} "
                 f"of its {data.n} examples, not batch_size={data.batch_size}, and a fused "
