@@ -91,8 +91,8 @@ def test_markdown_and_plot(report: dict, tmp_path) -> None:  # noqa: ANN001
 
 
 def test_the_report_names_the_cpu_dispatch_it_ran_under(report: dict) -> None:
-    # JAX_CPU_ENABLE_ASYNC_DISPATCH=false (read when the backend starts) runs each program
-    # on the calling thread, which changes the figures; the report says which it was.
+    # JAX_CPU_ENABLE_ASYNC_DISPATCH=false (read when the backend starts) runs programs on
+    # the calling thread where it can, which changes the figures; the report says which.
     mode = "async" if jax.config.read("jax_cpu_enable_async_dispatch") else "inline"
     assert report["meta"]["machine"]["cpu_dispatch"] == mode
     assert f"JAX on cpu ({mode} dispatch)." in _output.markdown(report).splitlines()[0]
