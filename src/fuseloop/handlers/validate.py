@@ -12,11 +12,9 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import jax
-
 from .._data import as_source
 from .._fusion import FusionError, resolve_fuse
-from .._metrics import VALIDATION_PREFIX, MetricSpec
+from .._metrics import VALIDATION_PREFIX, MetricSpec, batch_size
 from .._state import State
 from .._types import Status
 
@@ -113,7 +111,7 @@ def _refuse_short_batches(data: Any, fuse: Any) -> None:
                 f"validation run stacks batches of one shape; {fixes}"
             )
     if isinstance(data, (list, tuple)) and data:
-        sizes = [_batch_size(batch) for batch in data]
+        sizes = [batch_size(batch) for batch in data]
         odd = next((i for i, size in enumerate(sizes) if size != sizes[0]), None)
         if odd is not None:
             raise FusionError(
@@ -121,13 +119,6 @@ def _refuse_short_batches(data: Any, fuse: Any) -> None:
                 f"examples and batch 0 holds {sizes[0]}, and a fused validation run stacks "
                 f"batches of one shape; {fixes}"
             )
-
-
-def _batch_size(batch: Any) -> int | None:
-    """The leading size of a batch's first array (None where it has none)."""
-    leaves = jax.tree.leaves(batch)
-    shape: tuple[int, ...] = tuple(getattr(leaves[0], "shape", ())) if leaves else ()
-    return shape[0] if shape else None
 
 
 def _warn_dropped_examples(data: Any) -> None:
