@@ -305,3 +305,58 @@ def test_a_resident_sources_first_batch_is_read_once_and_reused_by_later_runs():
     # A run resumed at epoch 2 reads (and keeps) that epoch's first batch.
     resumed = LOOP.run(source, first, epochs=3, fuse=4)
     assert sorted(source.first_batches) == [0, 2] and resumed.epoch == 2
+
+
+def _count_label_reads(monkeypatch) -> list[int]:
+    """Counts every range check of labels (a first batch, a chunk, a batch, a dataset)."""
+    from fuseloop import _batch_checks
+
+    reads: list[int] = []
+    for name in ("check", "holds"):
+        real = getattr(_batch_checks.LabelRule, name)
+
+        def counted(self, labels, *args, _real=real):
+            reads.append(int(np.size(labels)))
+            return _real(self, labels, *args)
+
+        monkeypatch.setattr(_batch_checks.LabelRule, name, counted)
+    return reads
+
+
+@pytest.mark.parametrize(("device", "fuse"), [(True, 4), (True, False), (False, 4), (False, False)])
+def test_a_sources_labels_are_read_once_for_a_loss_and_vouch_for_its_batches(
+    monkeypatch, device, fuse
+):
+    x, y = _xy()
+    source = fl.data.arrays(x, y, batch_size=8, seed=4, device=device)
+    reads = _count_label_reads(monkeypatch)
+    first = LOOP.run(source, epochs=2, fuse=fuse)
+    # The first batch's labels (so a bad one there is named as such), then the whole
+    # dataset's, once: no later batch or chunk of it is read again.
+    assert reads == [8, N]
+    again = LOOP.run(source, epochs=2, fuse=fuse)
+    assert reads == [8, N]  # a later run reads nothing: the source keeps its verdict
+    _assert_same_run(first, again)
+    assert len(source.labels_checked) == 1
+
+
+def test_the_labels_verdict_is_per_loss_so_a_narrower_model_is_still_refused():
+    x, _ = _xy()
+    y = np.arange(N, dtype=np.int32) % 3
+    source = fl.data.arrays(x, y, batch_size=8, device=True)
+    wide = fl.trainer(fl.models.mlp([4, 3]), "sparse_categorical_cross_entropy", "sgd")
+    assert wide.run(source, fuse=4).status == "completed"
+    narrow = fl.trainer(fl.models.mlp([4, 2]), "sparse_categorical_cross_entropy", "sgd")
+    for _ in range(2):  # refused on every run: a failed check vouches for nothing
+        with pytest.raises(ValueError, match=r"y holds the label 2.*2 classes"):
+            narrow.run(source, fuse=4)
+
+
+def test_a_sources_labels_are_read_only_so_its_verdict_cannot_go_stale():
+    x, y = _xy()
+    source = fl.data.arrays(x, y, batch_size=8)
+    with pytest.raises(ValueError, match="read-only"):
+        source.y[0] = 5
+    _, yb = next(iter(source))
+    yb[0] = y[0] + 5  # a batch is the caller's own, writable copy
+    assert next(iter(source))[1][0] == y[0]

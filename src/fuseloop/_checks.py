@@ -66,11 +66,21 @@ class Checker:
         self.fit = ModelFit(program)  # x and y against the model and loss, abstractly
         self.first_batch: Any = None
         self.host_labels: Any = None  # the labels of an in-memory dataset (`dataset`)
+        # The run's in-memory dataset (`fl.data.arrays`), whose labels, once found in range,
+        # vouch for every batch drawn from it (`labels_hold`).
+        self.source: Any = None
+        self.labels_hold = False
         self.warned_float64 = False
 
     # ----------------------------------------------------------------- entry points
-    def first(self, batch: Any) -> None:
-        """Called once with the run's first batch, before anything compiles."""
+    def first(self, batch: Any, source: Any = None) -> None:
+        """Called once with the run's first batch, before anything compiles.
+
+        `source`: the run's data source. Where it is an in-memory dataset whose labels an
+        earlier run found in range for this loss (`dataset`), the labels are not read again:
+        the source holds private copies, so they cannot have changed.
+        """
+        self.source = source
         leaves, treedef = jax.tree.flatten(batch)
         expected = tuple(_leaf_signature(leaf) for leaf in leaves)
         # What depends on the batch's structure, shapes and types alone is checked once per
@@ -87,7 +97,8 @@ class Checker:
             self.fit.restore(fit)
             if any_float64:  # only then are the leaves looked at
                 self._warn_float64(leaves)
-        if self.pairs:
+        self.labels_hold = self._vouched()
+        if self.pairs and not self.labels_hold:
             self._check_labels(batch, "the run's first batch")
 
     def _first_of_its_kind(self, batch: Any, leaves: list[Any]) -> tuple[Any, ...]:
@@ -130,7 +141,9 @@ class Checker:
     def stacked(self, chunk: Any, n: int, epoch: int, first_iteration: int) -> None:
         """Called with a stacked chunk of `n` live batches: its labels, in one pass."""
         rule = self.fit.labels
-        if rule is None or not isinstance(chunk, (tuple, list)) or len(chunk) != 2:
+        if rule is None or self.labels_hold:
+            return
+        if not isinstance(chunk, (tuple, list)) or len(chunk) != 2:
             return
         labels = chunk[1]
         if not isinstance(labels, np.ndarray) or labels.size == 0:
@@ -146,12 +159,12 @@ class Checker:
         self, batch: Any, epoch: int, iteration: int, fused: bool, labels: bool = True
     ) -> None:
         if self.treedef is None:  # no first batch was seen: this one sets the reference
-            self.first(batch)
+            self.first(batch, self.source)
         leaves, treedef = jax.tree.flatten(batch)
         signature = tuple(_leaf_signature(leaf) for leaf in leaves)
         if signature not in self.accepted or treedef != self.treedef:
             self._diagnose(batch, leaves, treedef, signature, epoch, iteration, fused)
-        if labels and self.fit.labels is not None:
+        if labels and self.fit.labels is not None and not self.labels_hold:
             self._check_labels(batch, f"epoch {epoch}, iteration {iteration}")
 
     def _diagnose(
@@ -300,14 +313,30 @@ class Checker:
         """Called once per run with the data source: the labels of a whole in-memory
         dataset (`fl.data.arrays`, device-resident or not) are range-checked here on the
         host, so a fused and an unfused run over device-resident data (whose batches the
-        host never sees) reject a bad label alike."""
+        host never sees) reject a bad label alike. Labels found in range are remembered by
+        the source (`labels_checked`), so a later run of it reads them no more, and then vouch
+        for every batch of this run: no chunk's or batch's labels are read again."""
         if getattr(data, "resident", False):  # the host never sees its batches' dtypes
             self._warn_float64(jax.tree.leaves((data.x, data.y)))
+        self.source = data
         labels = getattr(data, "host_labels", None)
         self.host_labels = labels  # checked in `variables` if the rule is known only then
-        if labels is None or self.fit.labels is None:
+        if labels is None or self.fit.labels is None or self.labels_hold:
             return
         self._check_labels((None, labels()), "the dataset (fl.data.arrays)")
+        self._vouch()
+
+    def _vouched(self) -> bool:
+        """Whether the run's source holds labels already found in range for the loss."""
+        rule = self.fit.labels
+        return rule is not None and rule in getattr(self.source, "labels_checked", ())
+
+    def _vouch(self) -> None:
+        """The run's dataset's labels were just found in range: the source keeps that."""
+        checked = getattr(self.source, "labels_checked", None)
+        if checked is not None:
+            checked.add(self.fit.labels)
+            self.labels_hold = True
 
     # ----------------------------------------------------------------- model fit
     def variables(self, step_state: Any, signature: Any = None) -> None:
@@ -370,10 +399,14 @@ class Checker:
         if self.fit.labels is not None or verdict[0] is None:
             return
         self.fit.labels = verdict[0]
+        self.labels_hold = self._vouched()
+        if self.labels_hold:
+            return
         if self.first_batch is not None:
             self._check_labels(self.first_batch, "the run's first batch")
         if self.host_labels is not None:
             self._check_labels((None, self.host_labels()), "the dataset (fl.data.arrays)")
+            self._vouch()
 
     def _check_labels(self, batch: Any, where: str) -> None:
         """Labels in their loss's range, for numpy labels (device labels are not read)."""

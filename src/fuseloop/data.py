@@ -35,6 +35,12 @@ def _named_leaves(tree: Any, name: str) -> list[tuple[str, np.ndarray]]:
     return [(name + jax.tree_util.keystr(path), leaf) for path, leaf in flat]
 
 
+def _read_only_copy(leaf: Any) -> np.ndarray:
+    copy = np.array(leaf)
+    copy.flags.writeable = False
+    return copy
+
+
 def _leading_size(x: Any, y: Any) -> int:
     """The shared leading-axis length of every leaf of `x` and `y`, or a ValueError."""
     for name, part in (("x", x), ("y", y)):
@@ -130,7 +136,7 @@ class ArraySource:
         self.n = _leading_size(x, y)
         # Host copies: later edits to the caller's arrays do not change the dataset.
         self.x = jax.tree.map(np.array, x)
-        self.y = jax.tree.map(np.array, y)
+        self.y = jax.tree.map(_read_only_copy, y)  # read-only: its checked labels stay so
         full, remainder = divmod(self.n, self.batch_size)
         if self.drop_remainder and full == 0:
             raise ValueError(
@@ -143,6 +149,9 @@ class ArraySource:
         self._device_arrays: tuple[Any, tuple[Any, Any]] | None = None  # (sharding, arrays)
         # An epoch's first batch as the host read it (engine/feeds.first_resident_batch).
         self.first_batches: dict[int, Any] = {}
+        # The label rules (`_batch_checks.LabelRule`) `y` was found to hold (`_checks`): `y`
+        # is a private copy, so a later run need not read it again.
+        self.labels_checked: set[Any] = set()
 
     def __len__(self) -> int:
         return self.num_batches
@@ -336,7 +345,9 @@ def arrays(
 
     Returns:
         An `ArraySource`: `iter_epoch(e)` yields the batches of epoch `e`, `iter(source)`
-        those of epoch 0, `len(source)` is the number of batches per epoch.
+        those of epoch 0, `len(source)` is the number of batches per epoch. It holds its
+        own copies of `x` and `y` (later edits to yours do not reach it), `y`'s read-only:
+        a run range-checks the labels once per loss, and later runs trust that.
 
     Raises:
         ValueError: leaves with different leading sizes (naming them), a bad `batch_size`

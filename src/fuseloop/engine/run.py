@@ -195,7 +195,7 @@ class Run:
                 "data is empty: the first epoch yielded no batch. Pass at least one (x, y) "
                 "batch (check batch_size against the dataset size and drop_remainder)"
             )
-        self.checker.first(first[0])
+        self.checker.first(first[0], self.source.data)
         self.checker.dataset(self.source.data)
         return first[0]
 
