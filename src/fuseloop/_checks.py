@@ -30,6 +30,7 @@ import numpy as np
 
 from ._batch_checks import check_pair_sizes, check_python_lists
 from ._fusion import FusionError
+from ._label_checks import LabelChecks
 from ._model_fit import ModelFit, abstract
 from ._step import require_pair
 from ._step_state_check import check_step_keeps_state
@@ -65,11 +66,7 @@ class Checker:
         self.ragged_size: int | None = None
         self.fit = ModelFit(program)  # x and y against the model and loss, abstractly
         self.first_batch: Any = None
-        self.host_labels: Any = None  # the labels of an in-memory dataset (`dataset`)
-        # The run's in-memory dataset (`fl.data.arrays`), whose labels, once found in range,
-        # vouch for every batch drawn from it (`labels_hold`).
-        self.source: Any = None
-        self.labels_hold = False
+        self.labels = LabelChecks()
         self.warned_float64 = False
 
     # ----------------------------------------------------------------- entry points
@@ -80,7 +77,7 @@ class Checker:
         earlier run found in range for this loss (`dataset`), the labels are not read again:
         the source holds private copies, so they cannot have changed.
         """
-        self.source = source
+        self.labels.use(source)
         leaves, treedef = jax.tree.flatten(batch)
         expected = tuple(_leaf_signature(leaf) for leaf in leaves)
         # What depends on the batch's structure, shapes and types alone is checked once per
@@ -97,9 +94,8 @@ class Checker:
             self.fit.restore(fit)
             if any_float64:  # only then are the leaves looked at
                 self._warn_float64(leaves)
-        self.labels_hold = self._vouched()
-        if self.pairs and not self.labels_hold:
-            self._check_labels(batch, "the run's first batch")
+        if self.pairs and not self.labels.settle(self.fit.labels):
+            self.labels.batch(self.fit.labels, batch, "the run's first batch")
 
     def _first_of_its_kind(self, batch: Any, leaves: list[Any]) -> tuple[Any, ...]:
         """The checks of a first batch whose signature no run of this loop has seen (the
@@ -140,32 +136,20 @@ class Checker:
 
     def stacked(self, chunk: Any, n: int, epoch: int, first_iteration: int) -> None:
         """Called with a stacked chunk of `n` live batches: its labels, in one pass."""
-        rule = self.fit.labels
-        if rule is None or self.labels_hold:
-            return
-        if not isinstance(chunk, (tuple, list)) or len(chunk) != 2:
-            return
-        labels = chunk[1]
-        if not isinstance(labels, np.ndarray) or labels.size == 0:
-            return
-        live = labels[:n]
-        if rule.holds(live):
-            return
-        slot = int(np.argmax(rule.bad(live).reshape(n, -1).any(axis=1)))
-        self._check_labels((None, live[slot]), f"epoch {epoch}, iteration {first_iteration + slot}")
+        self.labels.chunk(self.fit.labels, chunk, n, epoch, first_iteration)
 
     # ----------------------------------------------------------------- per batch
     def _check(
         self, batch: Any, epoch: int, iteration: int, fused: bool, labels: bool = True
     ) -> None:
         if self.treedef is None:  # no first batch was seen: this one sets the reference
-            self.first(batch, self.source)
+            self.first(batch, self.labels.source)
         leaves, treedef = jax.tree.flatten(batch)
         signature = tuple(_leaf_signature(leaf) for leaf in leaves)
         if signature not in self.accepted or treedef != self.treedef:
             self._diagnose(batch, leaves, treedef, signature, epoch, iteration, fused)
-        if labels and self.fit.labels is not None and not self.labels_hold:
-            self._check_labels(batch, f"epoch {epoch}, iteration {iteration}")
+        if labels:
+            self.labels.batch(self.fit.labels, batch, f"epoch {epoch}, iteration {iteration}")
 
     def _diagnose(
         self,
@@ -313,30 +297,13 @@ class Checker:
         """Called once per run with the data source: the labels of a whole in-memory
         dataset (`fl.data.arrays`, device-resident or not) are range-checked here on the
         host, so a fused and an unfused run over device-resident data (whose batches the
-        host never sees) reject a bad label alike. Labels found in range are remembered by
-        the source (`labels_checked`), so a later run of it reads them no more, and then vouch
-        for every batch of this run: no chunk's or batch's labels are read again."""
+        host never sees) reject a bad label alike; found in range, they vouch for every
+        batch drawn from them (`LabelChecks`). Where the rule is known only with the run's
+        variables, `variables` checks them."""
         if getattr(data, "resident", False):  # the host never sees its batches' dtypes
             self._warn_float64(jax.tree.leaves((data.x, data.y)))
-        self.source = data
-        labels = getattr(data, "host_labels", None)
-        self.host_labels = labels  # checked in `variables` if the rule is known only then
-        if labels is None or self.fit.labels is None or self.labels_hold:
-            return
-        self._check_labels((None, labels()), "the dataset (fl.data.arrays)")
-        self._vouch()
-
-    def _vouched(self) -> bool:
-        """Whether the run's source holds labels already found in range for the loss."""
-        rule = self.fit.labels
-        return rule is not None and rule in getattr(self.source, "labels_checked", ())
-
-    def _vouch(self) -> None:
-        """The run's dataset's labels were just found in range: the source keeps that."""
-        checked = getattr(self.source, "labels_checked", None)
-        if checked is not None:
-            checked.add(self.fit.labels)
-            self.labels_hold = True
+        self.labels.use(data)
+        self.labels.dataset(self.fit.labels)
 
     # ----------------------------------------------------------------- model fit
     def variables(self, step_state: Any, signature: Any = None) -> None:
@@ -398,24 +365,12 @@ class Checker:
         `dataset` could not check yet are checked now."""
         if self.fit.labels is not None or verdict[0] is None:
             return
-        self.fit.labels = verdict[0]
-        self.labels_hold = self._vouched()
-        if self.labels_hold:
+        rule = self.fit.labels = verdict[0]
+        if self.labels.settle(rule):
             return
         if self.first_batch is not None:
-            self._check_labels(self.first_batch, "the run's first batch")
-        if self.host_labels is not None:
-            self._check_labels((None, self.host_labels()), "the dataset (fl.data.arrays)")
-            self._vouch()
-
-    def _check_labels(self, batch: Any, where: str) -> None:
-        """Labels in their loss's range, for numpy labels (device labels are not read)."""
-        rule = self.fit.labels
-        if rule is None or not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            return
-        labels = batch[1]
-        if isinstance(labels, np.ndarray) and labels.size:
-            rule.check(labels, where)
+            self.labels.batch(rule, self.first_batch, "the run's first batch")
+        self.labels.dataset(rule)
 
 
 def _shape_and_dtype(leaf: Any) -> tuple[Any, Any]:
