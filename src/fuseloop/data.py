@@ -105,6 +105,8 @@ class ArraySource:
         resident: True for `device=True`: the executor may keep the dataset on the device
             and gather each chunk there (see `device_arrays` and `epoch_indices`).
         transfers_done: How many times the dataset was moved to the device (0 or 1).
+        labels_checked: The loss label rules a run found `y` to hold; `y` is a read-only
+            copy, so later runs do not read it again.
 
     Example:
         >>> import numpy as np
