@@ -16,7 +16,7 @@ with `FusionError` (docs/design.md: a chunk stacks batches of one shape) is repo
 not counted as a mismatch. A mismatch is run again before it is reported.
 
     python tools/fuzz_equivalence.py --seed 0 --count 200
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tools/fuzz_equivalence.py --mesh
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tools/fuzz_equivalence.py
 
 Exit status 1 if any configuration disagrees. Stop it with Ctrl-C twice: fuseloop turns
 the first SIGINT or SIGTERM into a halt of the run under way, and goes on.
