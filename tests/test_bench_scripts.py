@@ -24,6 +24,7 @@ SCRIPTS = {
     "fixed_cost_floor": (["--rounds", "1"], ["run1 - steady:", "least - steady:"]),
     "spares": (["--rounds", "1"], ["taking the spares saves"]),
     "carry_copy": (["--rounds", "1"], ["handler ratio, copy:", "handler ratio, pack:"]),
+    "packed_carry": (["--rounds", "1"], ["packed saves per epoch:", "bitwise: True"]),
 }
 
 
