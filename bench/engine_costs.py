@@ -118,6 +118,18 @@ def mlp_tiny() -> tuple[Any, Any, list[tuple[np.ndarray, np.ndarray]]]:
     return model, variables, batches
 
 
+def tiny_trainer(model: Any) -> fl.Loop:
+    """mlp-tiny's trainer, as `fuseloop bench` builds it."""
+    return fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-3))
+
+
+def rounds_from_argv(default: int) -> int:
+    """The `--rounds` of a script that takes nothing else."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=default)
+    return int(parser.parse_args().rounds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=15)
@@ -131,7 +143,7 @@ def main() -> None:
     x, y = _data()
     model, variables, batches = mlp_tiny()
     resident = fl.data.arrays(x, y, batch_size=BATCH, shuffle=False, device=True)
-    base = fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-3))
+    base = tiny_trainer(model)
     seen: list[float] = []
     handled = base.handle_event(
         "iteration_completed", lambda s: seen.append(s.metrics["loss"]), {"every": 50}

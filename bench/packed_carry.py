@@ -21,17 +21,14 @@ Run: PYTHONPATH=src python bench/packed_carry.py [--rounds 300]
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from typing import Any
 
 import jax
 import numpy as np
-import optax
-from engine_costs import mlp_tiny
+from engine_costs import mlp_tiny, rounds_from_argv, tiny_trainer
 
-import fuseloop as fl
 from fuseloop._fusion import stack_chunk
 from fuseloop._placement import device_int
 from fuseloop.engine.packing import pack_leaves, unpacker
@@ -60,11 +57,9 @@ def _programs(loop: Any, carry: Any) -> tuple[Any, Any, Any, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=300)
-    rounds = parser.parse_args().rounds
+    rounds = rounds_from_argv(300)
     model, variables, batches = mlp_tiny()
-    loop = fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-3))
+    loop = tiny_trainer(model)
     start = loop.run(batches[:1], variables).step_state  # compiles the init, a real state
     tail = Programs(loop).fresh_tail()
     tree_chunk, packed_chunk, pack, unpack = _programs(loop, (start, tail))

@@ -12,28 +12,23 @@ Run: PYTHONPATH=src python bench/spares.py [--rounds 300]
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from typing import Any
 
 import jax
-import optax
-from engine_costs import mlp_tiny
+from engine_costs import mlp_tiny, rounds_from_argv, tiny_trainer
 
-import fuseloop as fl
 from fuseloop.engine import host
 
 KINDS = ("never", "cleared", "kept")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=300)
-    rounds = parser.parse_args().rounds
+    rounds = rounds_from_argv(300)
     model, variables, batches = mlp_tiny()
-    loop = fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-3))
-    other = fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-3))
+    loop = tiny_trainer(model)
+    other = tiny_trainer(model)
     for _ in range(5):
         loop.run(batches, variables, fuse=32)
     making = {"on": True}
