@@ -12,27 +12,23 @@ Run: PYTHONPATH=src python bench/carry_copy.py [--rounds 300]
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from typing import Any
 
 import jax
-import optax
-from engine_costs import mlp_tiny
+from engine_costs import mlp_tiny, rounds_from_argv, tiny_trainer
 
 import fuseloop as fl
 from fuseloop.engine import programs
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=300)
-    rounds = parser.parse_args().rounds
+    rounds = rounds_from_argv(300)
     model, variables, batches = mlp_tiny()
 
     def pair() -> tuple[fl.Loop, fl.Loop]:
-        base = fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-3))
+        base = tiny_trainer(model)
         return base, base.handle_event("iteration_completed", lambda s: None, {"every": 50})
 
     loops = {"copy": pair(), "pack": pair()}

@@ -20,7 +20,6 @@ Run: python bench/fixed_cost_floor.py [--rounds 300]
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -28,28 +27,19 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
+from engine_costs import mlp_tiny, rounds_from_argv, tiny_trainer
 
-import fuseloop as fl
 from fuseloop._fusion import stack_chunk
 from fuseloop._placement import device_int
 from fuseloop.engine.programs import Programs
 
-INPUTS, WIDTHS, BATCH, N_BATCHES, K = 24, (32, 10), 32, 100, 32
+K = 32  # batches per chunk, over mlp-tiny's epoch of 100 (engine_costs.mlp_tiny)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=300)
-    rounds = parser.parse_args().rounds
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(N_BATCHES * BATCH, INPUTS)).astype(np.float32)
-    y = rng.integers(0, WIDTHS[-1], N_BATCHES * BATCH).astype(np.int32)
-    rows = [slice(i * BATCH, (i + 1) * BATCH) for i in range(N_BATCHES)]
-    batches = [(x[r], y[r]) for r in rows]
-    model = fl.models.mlp(list(WIDTHS))
-    variables = model.init(jax.random.PRNGKey(0), x[:BATCH])
-    loop = fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-3))
+    rounds = rounds_from_argv(300)
+    model, variables, batches = mlp_tiny()
+    loop = tiny_trainer(model)
     loop.run(batches, variables, fuse=K)  # compiles every program the two sides use
     programs = Programs(loop)
     (init,) = programs.cache.init.values()
@@ -60,7 +50,7 @@ def main() -> None:
         # the run before waited, and the next run's made once the first chunk is launched.
         state, _, make_state = init.start(variables)
         tail, make_tail = programs.epoch_tail()
-        for first in range(0, N_BATCHES, K):
+        for first in range(0, len(batches), K):
             part = batches[first : first + K]
             stacked = stack_chunk(part, K, first)
             # The count as the engine passes it on one device: a shared device scalar.
