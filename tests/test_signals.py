@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import fuseloop as fl
@@ -202,3 +203,29 @@ def test_signal_lets_an_attached_checkpoint_write_the_final_state(tmp_path):
     saved = fl.load_state(tmp_path / "ckpts")  # the latest complete checkpoint
     assert int(saved.step_state["step"]) == result["step"]
     assert saved.epoch == result["epoch"]
+
+
+@pytest.mark.parametrize("fuse", [False, 20, 32, "run"])
+def test_a_signal_in_an_epoch_handler_halts_before_the_next_epoch_on_resident_data(fuse):
+    """Resident data with `fuse=32` or "run" runs several epochs per dispatch: a signal in
+    epoch 1's `epoch_completed` handler halts there, as the per-epoch and unfused runs do,
+    rather than after training epoch 2 (in-process; SIGINT, so a missing guard fails the
+    test with KeyboardInterrupt instead of killing the worker)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(320, 4)).astype(np.float32)
+    y = rng.integers(0, 3, 320).astype(np.int32)
+    events: list[tuple[str, int, int]] = []
+
+    def signal_at_epoch_1(state: fl.State) -> None:
+        if state.epoch == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    loop = fl.trainer(fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy", "adam")
+    loop = loop.handle_event("epoch_completed", signal_at_epoch_1)
+    for event in ("epoch_started", "epoch_completed", "epoch_halted", "halted", "completed"):
+        loop = loop.observe(event, lambda s, e=event: events.append((e, s.epoch, s.iteration)))
+    state = loop.run(fl.data.arrays(x, y, 16, device=True), epochs=5, fuse=fuse)
+    assert (state.status, state.epoch, state.iteration) == ("halted", 1, 19)
+    assert int(state.step_state["step"]) == 40 and sorted(state.history) == [0, 1]
+    assert events[-2:] == [("epoch_completed", 1, 19), ("halted", 1, 19)]
+    assert ("epoch_started", 2, 0) not in events

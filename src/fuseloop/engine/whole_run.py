@@ -129,7 +129,9 @@ class WholeRun:
                     continue
             state, epoch, cursor, halted = self._dispatch(state, epoch, cursor, signals)
             run.state = state
-            if halted:
+            # A signal during the dispatch's last epoch_completed handlers halts here, before
+            # the next epoch starts, as the per-epoch run does (engine/run.py `_epochs`).
+            if halted or signals.requested:
                 return state, True
         return state, False
 
