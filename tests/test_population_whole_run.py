@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -255,3 +257,44 @@ def test_auto_crosses_epochs_for_a_population(monkeypatch):
     _assert_same_run(fused, plain)
     assert fused.stats["whole_run"] == "many epochs per dispatch"
     assert fused.stats["dispatches"] == 1
+
+
+def test_restore_best_keeps_the_best_epochs_rate_when_a_later_plateau_reduces_it():
+    """`early_stop(restore_best=True)` attached before `reduce_lr_on_plateau`: when a
+    member's best epoch is also the epoch the plateau reduces its rate, the copy is the
+    step state before the reduction (as the unfused run's handler copies it), also for the
+    epoch a dispatch ends on, which the host handler fires live after the device reduced."""
+    rng = np.random.RandomState(0)
+    x = rng.randn(256, 8).astype(np.float32)
+    y = np.abs(x[:, :3]).argmax(1).astype(np.int32)
+
+    def init(key: Any, xs: Any) -> Any:
+        return {"w": jax.random.normal(key, (8, 3)) * 0.3}
+
+    def apply(params: Any, xs: Any, train: bool = False, rng: Any = None) -> Any:
+        if train:
+            xs = jnp.where(jax.random.bernoulli(rng, 0.8, xs.shape), xs / 0.8, 0)
+        return xs @ params["w"]
+
+    model = (init, apply)
+    states = {}
+    for fuse in (False, "run"):
+        train = fl.data.arrays(x[:192], y[:192], batch_size=16, seed=1, device=True)
+        val = fl.data.arrays(x[192:], y[192:], 16, shuffle=False, drop_remainder=False, device=True)
+        loop = (
+            fl.trainer(model, "sparse_categorical_cross_entropy", "adam")
+            .validate(model, val)
+            .early_stop("validation_loss", patience=1, restore_best=True)
+            .reduce_lr_on_plateau("loss", patience=1)
+        )
+        states[fuse] = loop.run(train, epochs=4, fuse=fuse, population=3)
+    plain, fused = states[False], states["run"]
+    stop = plain.handler_metadata["early_stop:validation_loss"]
+    plateau = plain.handler_metadata["reduce_lr_on_plateau:loss"]
+    last_rates = np.asarray(plain.history[3]["learning_rate"])
+    # The case this test is about: a member whose best is the last epoch, which reduced it.
+    assert any(
+        best == 3 and rate > 0 and n == 2
+        for best, rate, n in zip(stop["best_epoch"], last_rates, plateau["reductions"], strict=True)
+    ), (stop, plateau)
+    _assert_same_run(fused, plain)

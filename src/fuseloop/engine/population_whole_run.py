@@ -15,7 +15,9 @@ epoch exactly where `engine/run.py` keeps it for a per-epoch population run:
 
 With `restore_best`, each member's best step state lives on the device across the run's
 dispatches: the handler's `MemberBest` tree goes in at a dispatch's start and comes back,
-updated, before the dispatch's last epoch fires live.
+updated, before the dispatch's last epoch fires live; after that epoch's handlers, a
+member whose best is that epoch gets the device's copy, made before a later handler (a
+plateau) changed the state.
 
 `validate` on resident data runs on the device too (every member's params through the
 evaluator's population loop) and is replayed by merging its per-member metrics;
@@ -38,7 +40,7 @@ from .._population import population_record
 from .device_monitors import _rates
 from .device_replay import _disagree, _Substitutes
 from .population import member_metrics
-from .population_monitors import MemberBest, plateau_decisions
+from .population_monitors import MemberBest, _select, plateau_decisions
 from .population_program import population_whole_program
 from .population_saves import MemberSaves
 from .whole_program import segments_for
@@ -55,6 +57,7 @@ class PopulationWholeRun(WholeRun):
         self.members = run.members  # population_run.PopulationHost
         self.population = run.population
         self.guard = False  # a member's guard freezes it; the dispatch goes on
+        self.best_keyed = False  # `_hand_best` has made its first step for this dispatch
 
     # ----------------------------------------------------------------- the dispatch
     def _launch(self, state: Any, epoch: int, cursor: int) -> tuple[list[tuple[int, int]], Any]:
@@ -75,6 +78,7 @@ class PopulationWholeRun(WholeRun):
         # The host read (WholeRun._advance) also holds the members active at each epoch's
         # end.
         extra, host = self._advance(program, cursor, steps, self._monitor_start(state))
+        self.best_keyed = False
         saver = self.work.saver
         self.member_saves = (
             None
@@ -168,10 +172,14 @@ class PopulationWholeRun(WholeRun):
         return out
 
     def _hand_best(self, state: Any, epoch: int) -> None:
-        """Before the dispatch's last epoch fires live: `early_stop(restore_best=True)`
-        gets each member's best step state the device kept (members whose best epoch ran
-        in this dispatch before now get its key; the live epoch's improvements are the
-        live handler's to note).
+        """`early_stop(restore_best=True)` gets each member's best step state the device
+        kept, in two steps, as the solo run's `WholeRun._hand_best` is called twice:
+
+        * before the dispatch's last epoch fires live: the device's tree, keyed for the
+          members whose best epoch ran earlier in this dispatch (or before it);
+        * after that epoch's handlers: a member whose best is that epoch gets the device's
+          copy, made before later handlers changed the state (a plateau's reduced rate),
+          in place of the live State the host handler copied after them.
         """
         stopper = self.work.stopper
         if stopper is None or self.best_state is None:
@@ -183,13 +191,31 @@ class PopulationWholeRun(WholeRun):
         keys = list(old.keys) if old is not None and len(old.keys) == size else [None] * size
         best_s = np.asarray(self.host["best_s"]).reshape(-1)
         live_s = int(np.count_nonzero(self.host["n_run"])) - 1
-        for i in range(size):
-            if 0 <= best_s[i] < live_s:
-                keys[i] = (record["best_epoch"][i], record["best"][i])
-            elif best_s[i] == live_s:  # the tree holds the live epoch's: the live handler keys it
-                keys[i] = None
-        handler._members = MemberBest(keys, self.best_state)
-        self.best_state = None  # handed over once
+        if not self.best_keyed:
+            for i in range(size):
+                if 0 <= best_s[i] < live_s:
+                    keys[i] = (record["best_epoch"][i], record["best"][i])
+                elif best_s[i] == live_s:  # keyed after the live epoch's handlers
+                    keys[i] = None
+            handler._members = MemberBest(keys, self.best_state)
+            self.best_keyed = True
+            return
+        assert old is not None  # made by the first step
+        live_epoch = self.first_epoch + live_s
+        take = np.asarray(
+            [
+                best_s[m] == live_s
+                and keys[m] is not None
+                and record["best_epoch"][m] == live_epoch
+                for m in range(size)
+            ],
+            bool,
+        )
+        if take.any():
+            handler._members = MemberBest(
+                keys, _select(jnp.asarray(take), self.best_state, old.tree)
+            )
+        self.best_state = None  # handed over
 
     def _members_end(
         self, state: Any, epoch: int, status: str, segment: int | None
