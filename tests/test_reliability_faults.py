@@ -256,6 +256,37 @@ def test_one_shot_generator_raising_mid_epoch():
     assert "epoch 0, iteration 3" in "\n".join(info.value.__notes__)
 
 
+@pytest.mark.parametrize("kind", ["one_shot", "callable"])
+def test_a_source_failing_mid_chunk_steps_what_it_pulled_before_raising(kind):
+    """The batches pulled into a chunk before the source raised are stepped, then the
+    error is raised: the State it carries is the unfused run's, bitwise (exact consumption;
+    a one-shot iterator's batches would otherwise be lost untrained)."""
+    batches = make_batches(20)
+    reached = {}
+    for fuse in (False, 4, True):
+        pulled: list[int] = []
+
+        def generator(pulled: list[int] = pulled) -> Iterator[Any]:
+            for i, batch in enumerate(batches):
+                if i == 13:
+                    raise DataFailure("corrupt record 13")
+                pulled.append(i)
+                yield batch
+
+        source = generator() if kind == "one_shot" else generator
+        with pytest.raises(DataFailure, match="corrupt record 13") as info:
+            counter_loop().run(source, counter_init(), epochs=2, fuse=fuse)
+        assert len(pulled) == 13
+        reached[fuse] = info.value.fuseloop_state  # type: ignore[attr-defined]
+    plain = reached[False]
+    assert int(plain.step_state["n"]) == 13 and plain.iteration == 12
+    for fuse in (4, True):
+        fused = reached[fuse]
+        assert_tree_equal(fused.step_state, plain.step_state, f"step state, fuse={fuse}")
+        assert (fused.epoch, fused.iteration) == (plain.epoch, plain.iteration)
+        assert fused.event_counts == plain.event_counts
+
+
 # --------------------------------------------------------------------------- donation safety
 def readable(tree: Any) -> Any:
     """Host copies of every leaf: raises if a buffer was donated (deleted)."""

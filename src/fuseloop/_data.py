@@ -94,6 +94,18 @@ class Source:
         Leaves that are neither numpy nor jax arrays (torch tensors from a DataLoader's
         default collate, Python lists) are converted with `np.asarray`.
         """
+        batches, error = self.pull_until_error(iterator, count)
+        if error is not None:
+            raise error
+        return batches
+
+    def pull_until_error(
+        self, iterator: Iterator[Any], count: int
+    ) -> tuple[list[Any], Exception | None]:
+        """As `pull`, but an error the source raises comes back beside the batches pulled
+        before it, which the caller steps before raising it (a run pulls exactly what it
+        steps, even when the source fails part-way through a chunk)."""
+        error = None
         if type(iterator) in _PLAIN_ITERATORS:
             # Over a list or a tuple nothing can raise: one slice, not a call per batch
             # (the host's time per batch counts at every chunk).
@@ -101,35 +113,35 @@ class Source:
             self.pulled += len(batches)
             self.epoch_pulled += len(batches)
         else:
-            batches = self._pull_each(iterator, count)
+            batches, error = self._pull_each(iterator, count)
         if batches and self._convert is None:
             self._convert = not all(map(_is_array, jax.tree.leaves(batches[0])))
         if self._convert:
-            return [jax.tree.map(_as_array, batch) for batch in batches]
-        return batches
+            return [jax.tree.map(_as_array, batch) for batch in batches], error
+        return batches, error
 
-    def _pull_each(self, iterator: Iterator[Any], count: int) -> list[Any]:
+    def _pull_each(self, iterator: Iterator[Any], count: int) -> tuple[list[Any], Exception | None]:
         # A loader may refill one buffer for every batch it yields, while the loop holds
         # several batches at once (a chunk, prefetch) or hands one to an asynchronous
         # transfer that may read it later: each batch is copied before the next is asked
         # for. In-memory sources hand out arrays nothing refills.
         detach = not self.in_memory
-        batches = []
+        batches: list[Any] = []
         for _ in range(count):
             try:
                 batch = next(iterator)
             except StopIteration:
                 break
-            except Exception as error:
+            except Exception as error:  # noqa: BLE001 - handed to the caller with its note
                 error.add_note(
                     f"fuseloop: raised by the data source while pulling the batch for epoch "
                     f"{self.epoch}, iteration {self.epoch_pulled}"
                 )
-                raise
+                return batches, error
             batches.append(_detached(batch) if detach else batch)
             self.pulled += 1
             self.epoch_pulled += 1
-        return batches
+        return batches, None
 
     def close(self) -> None:
         """Closes every iterator the run opened and did not exhaust (a generator's

@@ -39,6 +39,7 @@ class EpochLoop:
         # at the epoch's end (`EpochReplay.settle`).
         self.speculate = not guard
         self.latest: Any = None  # the State reached within an epoch (for an error's report)
+        self.latest_iteration = 0  # ... and its last fired iteration (`reached`)
         self.replay: EpochReplay | None = None
         # The next epoch, opened early (`open_next`): its number and its first chunk as
         # launched (a ChunkResult), None (the epoch has no batch) or the error preparing it.
@@ -77,7 +78,7 @@ class EpochLoop:
         self.replay = replay = EpochReplay(
             self.handoff, self.carry, self.reads, self.guard, ahead=feed.ahead
         )
-        self.latest = state
+        self.latest, self.latest_iteration = state, state.iteration
         try:
             if opened is None:
                 status, state, last, current = self._start(state, feed.next(0), 0)
@@ -97,6 +98,13 @@ class EpochLoop:
                 feed.end()
         self.latest = None  # the epoch is over: the run holds its State again
         return status, state.replace(iteration=last)
+
+    def reached(self) -> Any:
+        """The State reached within the epoch under way (None: none is), with its last
+        fired iteration."""
+        if self.latest is None:
+            return None
+        return self.latest.replace(iteration=self.latest_iteration)
 
     def opens(self, epoch: int) -> bool:
         """Whether `epoch` was opened with its first chunk launched (its accumulators are
@@ -187,7 +195,7 @@ class EpochLoop:
         except BaseException:
             self._undo(rollback, opened_ahead)
             raise
-        self.latest = state
+        self.latest, self.latest_iteration = state, last
         if status != CONTINUE or self.signals.requested:
             # An epoch halted at its end lets the next epoch open ahead as it did.
             if not (opened_ahead and status == HALT_EPOCH and not self.signals.requested):

@@ -75,6 +75,7 @@ class HostFeed:
             self.program = programs.chunk()
         self.copies = programs.copies and not self.live
         self.ahead, self.depth = False, 0
+        self.failed: Exception | None = None  # the source's error, raised by the next pull
         self._producer: ChunkProducer | None = None
 
     # ----------------------------------------------------------------- epoch
@@ -116,9 +117,19 @@ class HostFeed:
 
     # ----------------------------------------------------------------- preparing
     def _pull(self, count: int) -> list[Any]:
+        """Up to `count` batches. Where the source raises part-way, the batches pulled
+        before the error make a short chunk that is stepped, and the error is raised by
+        the next pull: where the unfused loop meets it, after stepping those batches."""
+        if self.failed is not None:
+            error, self.failed = self.failed, None
+            raise error
         batches, self.pending = self.pending[:count], self.pending[count:]
         if len(batches) < count:
-            batches += self.source.pull(self.iterator, count - len(batches))
+            more, error = self.source.pull_until_error(self.iterator, count - len(batches))
+            batches += more
+            if error is not None and not batches:
+                raise error
+            self.failed = error
         return batches
 
     def _prepare(self, first: int) -> Prepared | None:
@@ -131,7 +142,8 @@ class HostFeed:
         if not batches:
             return None
         n = len(batches)
-        exhausted = n < requested or (self.bound is not None and first + n >= self.bound)
+        ran_out = n < requested and self.failed is None  # not a chunk cut short by an error
+        exhausted = ran_out or (self.bound is not None and first + n >= self.bound)
         if self.live:
             return Prepared(first, 1, exhausted, batches[0])
         return Prepared(first, n, exhausted, self._stack(batches, first))

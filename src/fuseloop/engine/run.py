@@ -145,7 +145,7 @@ class Run:
         """
         latest = self.state
         if self.epoch_loop is not None and self.epoch_loop.latest is not None:
-            latest = self.epoch_loop.latest  # an epoch was under way
+            latest = self.epoch_loop.reached()  # an epoch was under way
         if self.bus.failed_state is not None:
             latest = self.bus.failed_state  # a handler raised: the State it was given
         return self._final(latest).replace(status="halted")
