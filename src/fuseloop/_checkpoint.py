@@ -338,4 +338,9 @@ def load_state(path: str | os.PathLike[str]) -> State:
     backup = _staging(path, "old")
     if is_save(backup):  # a replacement by save_state was interrupted between renames
         return read_save(backup)
+    if path.exists():
+        raise ValueError(
+            f"path={str(path)!r} is a file, not a save: give the directory written by "
+            f"fl.save_state or by Loop.checkpoint"
+        )
     raise ValueError(f"path={str(path)!r} does not exist")

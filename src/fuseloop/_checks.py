@@ -245,22 +245,29 @@ class Checker:
                 return shape[0]
         return None
 
-    @staticmethod
     def _mismatch(
-        where: str, name: str, expected: tuple[Any, Any], actual: tuple[Any, Any], fused: bool
+        self, where: str, name: str, expected: tuple[Any, Any], actual: tuple[Any, Any], fused: bool
     ) -> str:
+        """The message for a leaf unlike the first batch's; it suggests fuse=False only
+        where the unfused loop takes the leaf (float64 for float32, a short batch axis)."""
+        unfused_takes_it = fused and (
+            self._same(expected, actual, fused=False)
+            or self._differs_on_batch_axis(expected, actual)
+        )
         if expected[0] == actual[0]:  # the dtype alone differs
             fix = f"cast it to {expected[1]} where the batches are made (.astype('{expected[1]}'))"
-            fix += "; fused chunks stack one dtype per leaf (fuse=False converts)" if fused else ""
-        elif fused:
+            if unfused_takes_it:
+                fix += "; fused chunks stack one dtype per leaf (fuse=False converts)"
+        elif unfused_takes_it:
             fix = (
                 "fused chunks compile once for one batch shape: use fuse=False, "
                 "drop_remainder=True, or pad your batches"
             )
         else:
             fix = (
-                "every batch must have the shapes and dtypes of the run's first batch (only "
-                "the batch axis of a ragged last batch may differ); reshape the data"
+                "every batch must have the shapes and dtypes of the run's first batch, fused "
+                "or not (only the batch axis of a ragged last batch may differ); make the "
+                "batches uniform (reshape or cast them)"
             )
         return (
             f"{where}: leaf {name} has shape {actual[0]} dtype {actual[1]}, expected "

@@ -39,10 +39,17 @@ class FusionError(ValueError):
 
 
 def resolve_fuse(fuse: Any, jit: bool) -> int | str | None:
-    """Validates `run(fuse=...)`: None (unfused), a chunk size, "auto", or "run" (as many
-    epochs per dispatch as the handlers allow, on device-resident data; docs/design.md §9).
+    """Validates `run(fuse=...)`: returns None (unfused) for False, a chunk size, "auto", or
+    "run" (as many epochs per dispatch as the handlers allow, on device-resident data;
+    docs/design.md §9).
     """
-    if fuse is False or fuse is None:
+    if fuse is None:  # not taken for False: §4.8 refuses non-int values
+        raise ValueError(
+            f"fuse=None is not accepted: give fuse=False for the unfused loop; accepted "
+            f"values: False, True (chunks of {DEFAULT_CHUNK}), a positive int chunk size, "
+            f"'auto', or 'run'"
+        )
+    if fuse is False:
         return None
     if not jit:
         raise ValueError(

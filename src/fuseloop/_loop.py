@@ -15,6 +15,7 @@ from ._events import Registration, make_filter, normalize_event
 from ._loop_args import (
     check_accumulate,
     check_init_state,
+    check_metric_name,
     check_step_functions,
     check_trainer_options,
     known_metrics,
@@ -85,6 +86,7 @@ class Loop(HandlerBuilders):
             >>> sorted(state.metrics)
             ['accuracy', 'loss']
         """
+        check_metric_name(name)
         if (
             self.program.kind == "custom"
             and isinstance(metric, str)
@@ -272,7 +274,7 @@ class Loop(HandlerBuilders):
             ('completed', 2, ['loss'])
         """
         check_run_options(epochs, iterations, jit, progress, max_in_flight, prefetch)
-        check_init_state(init_state, self.program.kind)
+        check_init_state(init_state, self.program.kind, population)
         return run_loop(
             self,
             data,

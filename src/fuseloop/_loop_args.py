@@ -10,10 +10,12 @@ from typing import Any
 import numpy as np
 
 from ._metrics import ACCUMULATORS, METRICS
+from ._population import refuse_population
 
 __all__ = [
     "known_metrics",
     "check_accumulate",
+    "check_metric_name",
     "check_trainer_options",
     "check_step_functions",
     "check_init_state",
@@ -35,6 +37,15 @@ def check_accumulate(accumulate: str) -> str:
     return accumulate
 
 
+def check_metric_name(name: Any) -> None:
+    """`metric(name=...)`: None (the metric's own name) or a non-empty str."""
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(
+            f"name={name!r} must be a non-empty str (the key in state.metrics) or None "
+            f"for the metric's own name"
+        )
+
+
 def check_trainer_options(log: Any, seed: Any) -> None:
     """`trainer(log=..., seed=...)`: a non-negative int and an int."""
     if isinstance(log, bool) or not isinstance(log, int) or log < 0:
@@ -51,10 +62,11 @@ def check_step_functions(step_fn: Any, init_fn: Callable[..., Any] | None) -> No
         raise ValueError(f"init_fn={init_fn!r} must be callable(first_batch, init_state)")
 
 
-def check_init_state(init_state: Any, kind: str = "custom") -> None:
+def check_init_state(init_state: Any, kind: str = "custom", population: Any = None) -> None:
     """`run`'s init_state: a path is refused with the call that loads it; an integer (a
     seed, as a custom loop's init_fn may take) given to a trainer or evaluator, whose state
-    is variables, is refused naming the seed's place.
+    is variables, is refused naming the seed's place; a population's State, where no
+    `population` is given, is refused by any loop but a trainer (which resumes it).
 
     Example:
         >>> check_init_state("ckpt/run1")
@@ -70,6 +82,13 @@ def check_init_state(init_state: Any, kind: str = "custom") -> None:
     seed_like = isinstance(init_state, (int, np.integer)) and not isinstance(init_state, bool)
     if seed_like and kind in _STARTS_FROM:
         raise ValueError(f"init_state={init_state!r} is an integer, but {_STARTS_FROM[kind]}")
+    if kind != "trainer" and population is None:
+        instead = (
+            ", or evaluate every member at once with run(data, state, population={size})"
+            if kind == "evaluator"
+            else ""
+        )
+        refuse_population(init_state, "init_state", instead)
 
 
 _STARTS_FROM = {

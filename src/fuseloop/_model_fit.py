@@ -116,10 +116,14 @@ class ModelFit:
     did not (an evaluator's init, which the run never calls, may return anything; fresh
     variables that the model rejects may be replaced by given ones), `check_run_variables`
     checks x, y and the loss with the variables the run starts from, which decide.
+    `argument` and `inputs` name, for messages, the caller's argument that gave the
+    variables and the one that gave x.
     """
 
-    def __init__(self, program: Any):
+    def __init__(self, program: Any, argument: str = "init_state", inputs: str = "data: x"):
         self.program = program
+        self.argument = argument
+        self.inputs = inputs
         self.first_x: tuple[Any, Any] | None = None
         self.first_y: Any = None
         self.labels: LabelRule | None = None
@@ -194,21 +198,21 @@ class ModelFit:
                     f"fl.evaluator(model).run(data, params), or trainer.run(data, variables)"
                 )
             return ValueError(
-                f"init_state: {whose} hold no arrays ({_held(variables)}), so {applying} fails "
-                f"with {_first_line(error)}. Pass the variables the model reads (e.g. a "
+                f"{self.argument}: {whose} hold no arrays ({_held(variables)}), so {applying} "
+                f"fails with {_first_line(error)}. Pass the variables the model reads (e.g. a "
                 f"trained State's params)"
             )
         if whose != FRESH and self.checked and self.fresh is not _UNKNOWN:
             return ValueError(
-                f"data: x does not fit the model with {whose} (init_state): {applying} with "
-                f"them fails with {_first_line(error)}, while the model's own fresh "
-                f"variables fit this x.{_first_difference(variables, self.fresh)} Either x "
+                f"{self.inputs} does not fit the model with {whose} ({self.argument}): "
+                f"{applying} with them fails with {_first_line(error)}, while the model's own "
+                f"fresh variables fit this x.{_first_difference(variables, self.fresh)} Either x "
                 f"is shaped unlike the data those variables were trained on, or they come "
                 f"from another model (a State saved from a different one?): pass x shaped "
                 f"as in training, or variables of this model"
             )
         return ValueError(
-            f"data: x does not fit the model: applying it with {whose} to the first "
+            f"{self.inputs} does not fit the model: applying it with {whose} to the first "
             f"batch's x ({_describe(x, 'x')}) fails with {_first_line(error)}. Give x the "
             f"shape the model expects (the batch axis first), or pass matching variables"
         )
@@ -312,7 +316,14 @@ class ModelFit:
                 f"{output} it fails with {_first_line(error)}. Give y the shape the loss "
                 f"expects for this output"
             ) from error
-        if getattr(value, "shape", ()) != ():
+        if not isinstance(value, jax.ShapeDtypeStruct):
+            raise ValueError(
+                f"loss {name!r} returned {type(value).__name__} "
+                f"({_describe(value, 'loss')}) for the first batch; a loss must return a "
+                f"scalar array, not a tuple or dict (return the loss alone; for auxiliary "
+                f"outputs write the step with fl.loop)"
+            )
+        if value.shape != ():
             raise ValueError(
                 f"loss {name!r} returned shape {value.shape} for the first batch; a loss "
                 f"must return a scalar (reduce it, e.g. with .mean())"

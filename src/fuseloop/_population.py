@@ -24,6 +24,7 @@ __all__ = [
     "halt_members",
     "population_record",
     "per_member",
+    "refuse_population",
 ]
 
 
@@ -35,6 +36,21 @@ def population_record(state: State) -> dict[str, Any]:
             "this State is not a population's: member(i) needs a State from run(..., population=N)"
         )
     return record
+
+
+def refuse_population(state: State, argument: str, instead: str = "") -> None:
+    """Raises a ValueError where `state` (given as `argument`) is a population's State but
+    its taker needs one member's; the message points to `state.member(i)`, then to `instead`
+    (where `{size}` becomes the member count)."""
+    size = getattr(state, "population", None)
+    if size is None:
+        return
+    raise ValueError(
+        f"{argument} is the State of a population of {size} members (run(..., "
+        f"population={size})), whose params have a leading member axis, but one member's "
+        f"State is needed here: pass state.member(i) for member i in [0, {size})"
+        + instead.format(size=size)
+    )
 
 
 @jax.jit

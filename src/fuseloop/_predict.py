@@ -9,12 +9,14 @@ runs the model on each. Outputs come back once per chunk.
 from __future__ import annotations
 
 import collections.abc
+import types
 from typing import Any
 
 import jax
 import numpy as np
 
 from ._metrics import batch_size
+from ._model_fit import ModelFit, abstract
 from .engine.conv_layout import named
 from .models import as_model
 
@@ -202,13 +204,29 @@ def predict(
     members = getattr(variables_or_state, "population", None) is not None
     program = _chunk_program(model, members)
     lead = 1 if members else 0  # a population's outputs keep the member axis first
-    outputs = []
+    outputs: list[Any] = []
     for chunk, live in _padded_chunks(inputs, n, size, per_chunk):
-        result = program(variables, chunk)
+        try:
+            result = program(variables, chunk)
+        except Exception:
+            if not outputs:  # the first chunk traces the model: say whether x misfits
+                _explain_misfit(model, variables, chunk, members)
+            raise
         # Host sync: the chunk's outputs come back to the host (one read per chunk).
         host = jax.device_get(result)
         outputs.append(jax.tree.map(lambda a, live=live: _rows(a, lead, live), host))
     return jax.tree.map(lambda *parts: np.concatenate(parts, axis=lead), *outputs)
+
+
+def _explain_misfit(model: Any, variables: Any, chunk: Any, members: bool) -> None:
+    """Raises the trainer's ValueError where the chunk's x does not fit the model with
+    `variables` (a population's first member's); returns when the check finds nothing."""
+    program = types.SimpleNamespace(kind="evaluator", model=as_model(model), loss=None)
+    fit = ModelFit(program, argument="variables_or_state", inputs="x")
+    if members:
+        variables = jax.tree.map(lambda leaf: leaf[0], variables)
+    fit.check_first((jax.tree.map(lambda leaf: leaf[0], chunk), None))
+    fit.check_run_variables(jax.tree.map(abstract, variables))
 
 
 def _rows(a: np.ndarray, lead: int, live: int) -> np.ndarray:

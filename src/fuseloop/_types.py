@@ -55,7 +55,7 @@ Accumulate: TypeAlias = Literal["running_average", "running_sum"]
 Mode: TypeAlias = Literal["min", "max"]
 """Whether a monitored metric improves downwards (a loss) or upwards (an accuracy)."""
 
-Fuse: TypeAlias = "bool | int | Literal['auto', 'run'] | None"
+Fuse: TypeAlias = "bool | int | Literal['auto', 'run']"
 """`Loop.run(fuse=...)`: False (one dispatch per step), True (32), a chunk size, "auto"
 (the cost model's chunk size; whole epochs per dispatch on resident data when that chunk is
 longer than an epoch), or "run" (as many epochs per dispatch as the handlers allow)."""

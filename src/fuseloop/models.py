@@ -27,6 +27,7 @@ from ._equinox import from_equinox
 from ._functions import from_functions
 from ._linen import TRAIN_FLAGS, ModelModeError, linen
 from ._nnx import from_nnx, set_nnx_mode
+from ._population import refuse_population
 
 __all__ = [
     "ModelAdapter",
@@ -131,8 +132,18 @@ def mlp(features: Sequence[int], activation: Activation = "relu") -> MLP:
         >>> model.features, model.activation
         ((128, 10), 'relu')
     """
-    if not features or any(not isinstance(f, int) or f < 1 for f in features):
-        raise ValueError(f"features={features!r} must be a non-empty list of positive ints")
+    if (
+        not isinstance(features, Sequence)
+        or isinstance(features, str)
+        or not features
+        or any(isinstance(f, bool) or not isinstance(f, int) or f < 1 for f in features)
+    ):
+        positive_int = isinstance(features, int) and not isinstance(features, bool) and features > 0
+        example = f"[{features}]" if positive_int else "[128, 10]"
+        raise ValueError(
+            f"features={features!r} must be a non-empty list of positive ints, one width per "
+            f"layer (e.g. fl.models.mlp({example}))"
+        )
     if activation not in _ACTIVATIONS:
         raise ValueError(
             f"activation={activation!r} is not known; accepted values: {', '.join(_ACTIVATIONS)}"
@@ -159,6 +170,11 @@ def as_model(model: Any) -> ModelAdapter:
     """
     if isinstance(model, (_Linen, from_functions, from_nnx, from_equinox)):
         return model
+    if isinstance(model, type) and issubclass(model, _module_classes()):
+        raise ValueError(
+            f"model={model.__name__} is a module class, not a module: pass an instance, "
+            f"e.g. {model.__name__}() (with its constructor's arguments)"
+        )
     if isinstance(model, nn.Module):
         return _Linen(model)
     if isinstance(model, tuple) and len(model) == 2 and all(map(callable, model)):
@@ -184,6 +200,24 @@ def as_model(model: Any) -> ModelAdapter:
         f"module, an (init_fn, apply_fn) pair, or any object with .init(rng, x) and "
         f".apply(variables, x)"
     )
+
+
+def _module_classes() -> tuple[type, ...]:
+    """The base classes of the modules `as_model` accepts as instances."""
+    classes: list[type] = [nn.Module]
+    try:
+        from flax import nnx
+
+        classes.append(nnx.Module)
+    except ImportError:  # pragma: no cover - flax always ships nnx here
+        pass
+    try:
+        import equinox as eqx
+
+        classes.append(eqx.Module)
+    except ImportError:
+        pass
+    return tuple(classes)
 
 
 class _EvalFlag(nn.Module):
@@ -238,6 +272,11 @@ def trained(model: Any, state_or_variables: Any) -> Any:
     variables = getattr(state_or_variables, "params", state_or_variables)
     if variables is None:
         raise ValueError("state_or_variables: the State holds no params (step_state is None)")
+    refuse_population(
+        state_or_variables,
+        "state_or_variables",
+        " (fl.predict(model, state, x) predicts with every member at once)",
+    )
     adapter = as_model(model)
     if isinstance(adapter, linen):
         return _trained_linen(adapter, dict(variables))

@@ -1,0 +1,103 @@
+"""User mistakes found by a bug hunt get a clear ValueError at the right moment: a metric's
+non-str name, `mlp(16)`, a file given to `load_state`, x of the wrong size to `predict`, a
+model class instead of an instance, fusion hints that suggest only what works, `fuse=None`,
+a loss returning a tuple, and a population State where one member's is needed."""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import fuseloop as fl
+
+SPARSE = "sparse_categorical_cross_entropy"
+_RNG = np.random.RandomState(0)
+X = _RNG.randn(32, 8).astype(np.float32)
+Y = (np.arange(32) % 3).astype(np.int32)
+BATCHES = [(X[i : i + 8], Y[i : i + 8]) for i in range(0, 32, 8)]
+
+
+def model() -> nn.Module:
+    return fl.models.mlp([8, 3])
+
+
+def trainer() -> fl.Loop:
+    return fl.trainer(model(), SPARSE, "adam")
+
+
+def test_a_metric_name_that_is_not_a_str_is_refused_by_the_builder():
+    for name in (5, ""):
+        with pytest.raises(ValueError, match=r"name=.* must be a non-empty str"):
+            trainer().metric("accuracy", name=name)
+
+
+def test_mlp_of_an_int_names_features_and_shows_the_list_form():
+    with pytest.raises(ValueError, match=re.escape("features=16 must be") + ".*mlp\\(\\[16\\]\\)"):
+        fl.models.mlp(16)  # type: ignore[arg-type]
+
+
+def test_load_state_of_a_file_says_it_is_a_file(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("hello")
+    with pytest.raises(ValueError, match=r"is a file, not a save.*fl\.save_state"):
+        fl.load_state(path)
+
+
+def test_predict_with_x_of_another_size_says_x_does_not_fit():
+    state = trainer().run(BATCHES)
+    with pytest.raises(ValueError, match=r"^x does not fit the model .*variables_or_state"):
+        fl.predict(model(), state, X[:, :4])
+
+
+class Identity(nnx.Module):
+    def __call__(self, x):
+        return x
+
+
+def test_a_model_class_is_refused_where_the_model_is_adapted():
+    with pytest.raises(ValueError, match=r"model=MLP is a module class.*MLP\(\)"):
+        fl.trainer(type(model()), SPARSE, "adam")
+    with pytest.raises(ValueError, match=r"model=Identity is a module class.*Identity\(\)"):
+        fl.evaluator(Identity)
+
+
+def test_fusion_hints_suggest_fuse_false_only_where_it_works():
+    shape = [BATCHES[0], BATCHES[1], (X[:8, :4], Y[:8]), BATCHES[3]]  # a feature-axis change
+    cast = [BATCHES[0], BATCHES[1], (X[:8].astype(np.float16), Y[:8]), BATCHES[3]]
+    short = BATCHES[:3] + [(X[:5], Y[:5])]  # a short batch: the unfused loop takes it
+    for data in (shape, cast):
+        with pytest.raises(fl.FusionError) as info:
+            trainer().run(data, fuse=4)
+        assert "fuse=False" not in str(info.value)
+    with pytest.raises(fl.FusionError, match="make the batches uniform"):
+        trainer().run(shape, fuse=4)
+    with pytest.raises(fl.FusionError, match="use fuse=False"):
+        trainer().run(short, fuse=4)
+
+
+def test_fuse_none_is_refused_naming_the_accepted_values():
+    with pytest.raises(ValueError, match=r"fuse=None .*fuse=False.*'auto', or 'run'"):
+        trainer().run(BATCHES, fuse=None)  # type: ignore[arg-type]
+
+
+def test_a_loss_returning_a_tuple_gets_the_scalar_message():
+    def with_aux(y_true, y_pred):
+        value = optax.softmax_cross_entropy_with_integer_labels(y_pred, y_true).mean()
+        return value, {"aux": value}
+
+    with pytest.raises(ValueError, match=r"returned tuple .*must return a scalar"):
+        fl.trainer(model(), with_aux, "adam").run(BATCHES)
+
+
+def test_a_population_state_points_to_member():
+    state = trainer().run(BATCHES, population=2)
+    with pytest.raises(ValueError, match=r"population of 2 members.*state\.member\(i\)"):
+        fl.evaluator(model(), SPARSE).run(BATCHES, state)
+    with pytest.raises(ValueError, match=r"population of 2 members.*state\.member\(i\)"):
+        fl.models.trained(model(), state)
+    assert fl.models.trained(model(), state.member(1))(X[:2]).shape == (2, 3)
