@@ -101,3 +101,23 @@ def test_a_population_state_points_to_member():
     with pytest.raises(ValueError, match=r"population of 2 members.*state\.member\(i\)"):
         fl.models.trained(model(), state)
     assert fl.models.trained(model(), state.member(1))(X[:2]).shape == (2, 3)
+
+
+def test_the_replayed_state_note_is_added_only_to_a_read_of_the_missing_step_state():
+    class Broke(Exception):
+        pass
+
+    def reads_params(state: fl.State) -> None:
+        if state.iteration == 2:
+            state.params["params"]  # noqa: B018 - None in a fused chunk's replay
+
+    def raises_its_own(state: fl.State) -> None:
+        if state.iteration == 2:
+            raise Broke("the handler's own error")
+
+    for handler, error in ((reads_params, TypeError), (raises_its_own, Broke)):
+        with pytest.raises(error) as info:
+            trainer().handle_event("iteration_completed", handler).run(BATCHES, fuse=4)
+        notes = "\n".join(info.value.__notes__)
+        assert "raised by handler" in notes
+        assert ("has no step state" in notes) == (handler is reads_params)

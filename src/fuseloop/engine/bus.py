@@ -40,6 +40,17 @@ _REPLAYED = (
 )
 
 
+def _read_a_missing_step_state(error: BaseException, state: State, event: Event) -> bool:
+    """Whether `error` looks like a handler's read of a replayed State's step state (None):
+    only then does the note explain why it is None, not on every error of such a handler."""
+    return (
+        state.step_state is None
+        and event not in _NO_STEP
+        and isinstance(error, (TypeError, AttributeError))
+        and "NoneType" in str(error)
+    )
+
+
 class EventBus:
     """Fires events to registered handlers and keeps the run's event counts."""
 
@@ -126,7 +137,7 @@ class EventBus:
                 error.add_note(
                     f"fuseloop: raised by handler {registration.label} on event "
                     f"'{event.value}' (epoch {state.epoch}, iteration {state.iteration})"
-                    + (_REPLAYED if state.step_state is None and event not in _NO_STEP else "")
+                    + (_REPLAYED if _read_a_missing_step_state(error, state, event) else "")
                 )
                 raise
             if registration.observes and result is not None:
