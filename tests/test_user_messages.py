@@ -6,8 +6,10 @@ a loss returning a tuple, and a population State where one member's is needed.""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import flax.linen as nn
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -121,3 +123,17 @@ def test_the_replayed_state_note_is_added_only_to_a_read_of_the_missing_step_sta
         notes = "\n".join(info.value.__notes__)
         assert "raised by handler" in notes
         assert ("has no step state" in notes) == (handler is reads_params)
+
+
+def test_an_optimizer_state_that_changes_dtype_names_the_optimizer_and_a_fix_that_works():
+    class HalfLayer(nn.Module):
+        @nn.compact
+        def __call__(self, x: Any) -> Any:
+            hidden = nn.Dense(16, param_dtype=jnp.bfloat16)(x)
+            return nn.Dense(3)(nn.relu(hidden))
+
+    optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+    with pytest.raises(ValueError, match=r"opt_state.*give the trainer a named optimizer"):
+        fl.trainer(HalfLayer(), SPARSE, optimizer).run(BATCHES)
+    state = fl.trainer(HalfLayer(), SPARSE, "adam").run(BATCHES)  # the fix it names
+    assert state.status == "completed"

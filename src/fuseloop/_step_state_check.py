@@ -25,6 +25,23 @@ def _state_leaf(leaf: Any) -> Any:
     )
 
 
+_CAST_FIX = (
+    "Cast the result back (e.g. .astype(old dtype)), or build the state (e.g. the optimizer "
+    "state) in the dtype the step produces"
+)
+_OPTIMIZER_FIX = (
+    "The optimizer keeps this part of its state in the params' dtype and promotes it in its "
+    "update (optax does so for bfloat16 params): give the trainer a named optimizer "
+    "('sgd', 'adam', 'adamw'; their state is kept in float32), or keep the params in "
+    "float32 (a layer's param_dtype) and compute in bfloat16 (its dtype)"
+)
+
+
+def _in_optimizer_state(path: Any) -> bool:
+    """Whether a step-state leaf's path is in a trainer's optimizer state."""
+    return bool(path) and getattr(path[0], "key", None) == "opt_state"
+
+
 def check_step_keeps_state(step: Any, step_state: Any, batch: Any) -> None:
     """Raises a ValueError if one step changes the step state's structure, or a leaf's
     dtype or shape (found abstractly with `jax.eval_shape`: nothing runs or compiles).
@@ -53,6 +70,5 @@ def check_step_keeps_state(step: Any, step_state: Any, batch: Any) -> None:
                 f"the step changes step_state{jax.tree_util.keystr(path)} from dtype "
                 f"{a.dtype} shape {a.shape} to dtype {b.dtype} shape {b.shape}; a step must "
                 f"keep every leaf's dtype and shape (the loop carries the state through a "
-                f"device loop). Cast the result back (e.g. .astype(old dtype)), or build the "
-                f"state (e.g. the optimizer state) in the dtype the step produces"
+                f"device loop). " + (_OPTIMIZER_FIX if _in_optimizer_state(path) else _CAST_FIX)
             )
