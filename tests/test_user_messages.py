@@ -137,3 +137,25 @@ def test_an_optimizer_state_that_changes_dtype_names_the_optimizer_and_a_fix_tha
         fl.trainer(HalfLayer(), SPARSE, optimizer).run(BATCHES)
     state = fl.trainer(HalfLayer(), SPARSE, "adam").run(BATCHES)  # the fix it names
     assert state.status == "completed"
+
+
+def test_a_plain_pairs_params_that_would_never_train_are_refused():
+    def apply(p: Any, x: Any) -> Any:
+        return x @ p["params"]["w"] + p["b"]
+
+    def with_entries(rng: Any, x: Any) -> Any:  # "b" beside "params" would stay frozen
+        return {"params": {"w": jnp.zeros((8, 3))}, "b": jnp.zeros(3)}
+
+    with pytest.raises(ValueError, match=r"'params' entry and others \(\['b'\]\)"):
+        fl.trainer((with_entries, apply), SPARSE, "sgd").run(BATCHES)
+
+    def with_an_int(rng: Any, x: Any) -> Any:
+        return {"w": jnp.zeros((8, 3)), "k": jnp.array(2)}
+
+    with pytest.raises(ValueError, match=r"params\['k'\] has dtype int32"):
+        fl.trainer((with_an_int, lambda p, x: x @ p["w"] * p["k"]), SPARSE, "sgd").run(BATCHES)
+    nested = {"params": {"w": jnp.zeros((8, 3)), "b": jnp.zeros(3)}}  # every leaf trains
+    state = fl.trainer(
+        (lambda rng, x: nested, lambda p, x: x @ p["params"]["w"] + p["params"]["b"]), SPARSE, "sgd"
+    ).run(BATCHES)
+    assert np.any(np.asarray(state.params["params"]["b"]) != 0)

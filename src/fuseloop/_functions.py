@@ -24,7 +24,9 @@ class from_functions:  # noqa: N801 - reads as a constructor
     """Adapts a plain `(init_fn, apply_fn)` pair.
 
     `init_fn(rng, x) -> params`; `apply_fn(params, x) -> y`. An `apply_fn` with a `train`
-    or `rng` keyword receives them.
+    or `rng` keyword receives them. A trainer trains every params leaf, so each must be
+    floating point; params with a "params" entry beside others are refused (only that
+    entry would train, flax's convention, and the others would never change).
 
     Example:
         >>> import jax.numpy as jnp

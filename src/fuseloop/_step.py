@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ._functions import from_functions
 from ._metrics import CLASSIFYING, Mean, MetricSpec, loss_mean, resolve_loss
 from ._optim import OPTIMIZERS, exposes_learning_rate, learning_rate_of, resolve_optimizer
 from .models import as_model
@@ -92,6 +93,31 @@ def _trainable(variables: Any) -> tuple[Any, Any]:
     return variables, None
 
 
+def _check_plain_params(variables: Any) -> None:
+    """A plain pair's params, which a trainer differentiates whole: refused with the fix
+    where some would silently never train (a "params" entry beside others: only it trains,
+    flax's convention, and `apply_fn` returns no updates for the rest) or cannot (a leaf
+    that is not floating point)."""
+    params, rest = _trainable(variables)
+    if rest:
+        raise ValueError(
+            f"model: init_fn returned a dict with a 'params' entry and others "
+            f"({sorted(map(str, rest))}); a trainer trains only variables['params'] (flax's "
+            f"convention), and a plain (init_fn, apply_fn) pair returns no updates for the "
+            f"others, so they would never change. Put every trainable array under 'params', "
+            f"or return the params without a 'params' key; for a flax module (batch_stats), "
+            f"pass the module itself"
+        )
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+            raise ValueError(
+                f"model: init_fn's params{jax.tree_util.keystr(path)} has dtype "
+                f"{jnp.result_type(leaf)}; a trainer differentiates every params leaf, so "
+                f"each must be floating point. Make it a float, or keep constants out of "
+                f"the params (close over them in apply_fn)"
+            )
+
+
 def _merge(params: Any, rest: Any) -> Any:
     if rest is None:
         return params
@@ -126,6 +152,8 @@ def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program
             init_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
         if variables is None:
             variables = adapter.init(init_key, x)
+        if isinstance(adapter, from_functions):
+            _check_plain_params(variables)
         params, _ = _trainable(variables)
         return {
             "params": variables,
