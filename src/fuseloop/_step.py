@@ -93,11 +93,13 @@ def _trainable(variables: Any) -> tuple[Any, Any]:
     return variables, None
 
 
-def _check_plain_params(variables: Any) -> None:
+def _check_plain_params(adapter: Any, variables: Any) -> None:
     """A plain pair's params, which a trainer differentiates whole: refused with the fix
     where some would silently never train (a "params" entry beside others: only it trains,
     flax's convention, and `apply_fn` returns no updates for the rest) or cannot (a leaf
-    that is not floating point)."""
+    that is not floating point). Other models' variables pass."""
+    if not isinstance(adapter, from_functions):
+        return
     params, rest = _trainable(variables)
     if rest:
         raise ValueError(
@@ -152,8 +154,7 @@ def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program
             init_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
         if variables is None:
             variables = adapter.init(init_key, x)
-        if isinstance(adapter, from_functions):
-            _check_plain_params(variables)
+        _check_plain_params(adapter, variables)
         params, _ = _trainable(variables)
         return {
             "params": variables,
