@@ -170,29 +170,17 @@ def as_model(model: Any) -> ModelAdapter:
     """
     if isinstance(model, (_Linen, from_functions, from_nnx, from_equinox)):
         return model
-    if isinstance(model, type) and issubclass(model, _module_classes()):
+    adapters = _module_adapters()
+    if isinstance(model, type) and issubclass(model, tuple(adapters)):
         raise ValueError(
             f"model={model.__name__} is a module class, not a module: pass an instance, "
             f"e.g. {model.__name__}() (with its constructor's arguments)"
         )
-    if isinstance(model, nn.Module):
-        return _Linen(model)
+    for base, adapter in adapters.items():
+        if isinstance(model, base):
+            return adapter(model)
     if isinstance(model, tuple) and len(model) == 2 and all(map(callable, model)):
         return from_functions(*model)
-    try:
-        from flax import nnx
-
-        if isinstance(model, nnx.Module):
-            return from_nnx(model)
-    except ImportError:  # pragma: no cover - flax always ships nnx here
-        pass
-    try:
-        import equinox as eqx
-
-        if isinstance(model, eqx.Module):
-            return from_equinox(model)
-    except ImportError:
-        pass
     if hasattr(model, "init") and hasattr(model, "apply"):
         return from_functions(model.init, model.apply)
     raise ValueError(
@@ -202,22 +190,25 @@ def as_model(model: Any) -> ModelAdapter:
     )
 
 
-def _module_classes() -> tuple[type, ...]:
-    """The base classes of the modules `as_model` accepts as instances."""
-    classes: list[type] = [nn.Module]
+def _module_adapters() -> dict[type, Callable[[Any], ModelAdapter]]:
+    """Each module base class `as_model` accepts instances of, with its adapter.
+
+    nnx and equinox are included where installed.
+    """
+    adapters: dict[type, Callable[[Any], ModelAdapter]] = {nn.Module: _Linen}
     try:
         from flax import nnx
 
-        classes.append(nnx.Module)
+        adapters[nnx.Module] = from_nnx
     except ImportError:  # pragma: no cover - flax always ships nnx here
         pass
     try:
         import equinox as eqx
 
-        classes.append(eqx.Module)
+        adapters[eqx.Module] = from_equinox
     except ImportError:
         pass
-    return tuple(classes)
+    return adapters
 
 
 class _EvalFlag(nn.Module):
