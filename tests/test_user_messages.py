@@ -159,3 +159,24 @@ def test_a_plain_pairs_params_that_would_never_train_are_refused():
         (lambda rng, x: nested, lambda p, x: x @ p["params"]["w"] + p["params"]["b"]), SPARSE, "sgd"
     ).run(BATCHES)
     assert np.any(np.asarray(state.params["params"]["b"]) != 0)
+
+
+class _TwoInputs(nn.Module):
+    @nn.compact
+    def __call__(self, a, b):
+        return nn.Dense(3)(a) + nn.Dense(3)(b)
+
+
+class _OneTuple(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        a, b = x
+        return nn.Dense(3)(a) + nn.Dense(3)(b)
+
+
+def test_a_model_taking_separate_inputs_is_told_how_x_is_passed_and_the_fix_trains():
+    data = fl.data.arrays((X[:, :4], X[:, 4:]), Y, batch_size=8)
+    with pytest.raises(ValueError, match=r"missing 1 required.*model\(x\).*a, b = x"):
+        fl.trainer(_TwoInputs(), SPARSE, "adam").run(data)
+    state = fl.trainer(_OneTuple(), SPARSE, "adam").run(data)
+    assert state.status == "completed" and np.isfinite(state.metrics["loss"])

@@ -44,6 +44,23 @@ def _named_shapes(tree: Any, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
     return [(prefix + jax.tree_util.keystr(path), tuple(np.shape(leaf))) for path, leaf in flat]
 
 
+# A model whose call takes its inputs as separate arguments, given x as one tuple or dict:
+# "__call__() missing 1 required positional argument: 'b'".
+_SEPARATE_INPUTS = re.compile(r"missing \d+ required positional argument")
+
+
+def _fix_for_x(x: Any, error: BaseException) -> str:
+    """The advice for an x the model rejects: its shape, or, where x is a tuple, list or
+    dict and the model wanted more arguments, how fuseloop calls it (one x)."""
+    if isinstance(x, (tuple, list, dict)) and _SEPARATE_INPUTS.search(str(error)):
+        return (
+            f"fuseloop calls the model with x as one argument (model(x)), so a model taking "
+            f"its inputs as separate arguments gets only the {type(x).__name__}: take one "
+            f"argument and unpack it (def __call__(self, x): a, b = x)"
+        )
+    return "Give x the shape the model expects (the batch axis first)"
+
+
 def abstract(leaf: Any) -> Any:
     """The ShapeDtypeStruct the device sees for a host leaf (float64 becomes float32)."""
     if isinstance(leaf, (int, float, bool, complex)):
@@ -213,8 +230,8 @@ class ModelFit:
             )
         return ValueError(
             f"{self.inputs} does not fit the model: applying it with {whose} to the first "
-            f"batch's x ({_describe(x, 'x')}) fails with {_first_line(error)}. Give x the "
-            f"shape the model expects (the batch axis first), or pass matching variables"
+            f"batch's x ({_describe(x, 'x')}) fails with {_first_line(error)}. "
+            f"{_fix_for_x(x, error)}, or pass matching variables"
         )
 
     def _rng_error(self, error: BaseException, applying: str) -> ValueError:
@@ -280,8 +297,7 @@ class ModelFit:
                 ) from error
             raise ValueError(
                 f"data: x does not fit the model: initializing it on the first batch's x "
-                f"({_describe(x, 'x')}) fails with {_first_line(error)}. Give x the shape the "
-                f"model expects (the batch axis first)"
+                f"({_describe(x, 'x')}) fails with {_first_line(error)}. {_fix_for_x(x, error)}"
             ) from error
         self.fresh = variables
         try:
