@@ -95,6 +95,23 @@ def test_validation_arrays_that_drop_examples_warn():
         loop.validate(loop.program.model, fl.data.arrays(x, y, batch_size=4))  # 12 = 3 x 4
 
 
+def test_an_evaluator_warns_once_where_its_arrays_drop_examples():
+    x = np.concatenate([b[0] for b in make_batches(3)])
+    y = np.concatenate([b[1] for b in make_batches(3)])
+    model = trainer().program.model
+    variables = trainer().run(make_batches(3)).params
+    evaluator = fl.evaluator(model, "sparse_categorical_cross_entropy")
+    dropping = fl.data.arrays(x, y, batch_size=5)
+    with pytest.warns(UserWarning, match=r"evaluator run: .*2 of its 12 examples are left out"):
+        evaluator.run(dropping, variables)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        evaluator.run(dropping, variables)  # once per dataset
+        kept = fl.data.arrays(x, y, batch_size=5, drop_remainder=False)
+        evaluator.run(kept, variables)
+        trainer().run(fl.data.arrays(x, y, batch_size=5))  # training may drop a remainder
+
+
 @pytest.mark.parametrize("fuse", [False, True, "run"])
 def test_float64_device_resident_data_warns_as_host_data_does(fuse):
     x = np.concatenate([b[0] for b in make_batches(3)]).astype(np.float64)

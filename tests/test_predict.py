@@ -127,3 +127,12 @@ def test_equinox_and_nnx_models_predict_in_eval_mode():
         np.testing.assert_allclose(
             out, np.asarray(fl.models.as_model(model).apply(state.params, X)), rtol=1e-5, atol=1e-6
         )
+
+
+@pytest.mark.parametrize("device", [False, True])
+def test_an_arrays_source_predicts_every_row_in_its_order(state, device):
+    # Shuffled and dropping its short last batch (the defaults): the source a user trains
+    # on. Its epochs would give 20 of the 23 rows in another order.
+    source = fl.data.arrays(X, Y, batch_size=4, device=device)
+    out = predict(Net(), state, source, fuse=2)
+    np.testing.assert_allclose(out, expected(state), rtol=1e-6, atol=1e-6)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from ._data import warn_left_out
 from ._events import Registration, make_filter, normalize_event
 from ._loop_args import (
     check_accumulate,
@@ -275,6 +276,15 @@ class Loop(HandlerBuilders):
         """
         check_run_options(epochs, iterations, jit, progress, max_in_flight, prefetch)
         check_init_state(init_state, self.program.kind, population)
+        if self.program.kind == "evaluator":
+            warn_left_out(
+                data,
+                "evaluator run",
+                "its metrics",
+                "pass fl.data.arrays(..., drop_remainder=False) to evaluate every example "
+                "(with device=True for a fused run: the short batch runs as a step of its own)",
+                stacklevel=2,
+            )
         return run_loop(
             self,
             data,

@@ -44,8 +44,7 @@ def _named_shapes(tree: Any, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
     return [(prefix + jax.tree_util.keystr(path), tuple(np.shape(leaf))) for path, leaf in flat]
 
 
-# A model whose call takes its inputs as separate arguments, given x as one tuple or dict:
-# "__call__() missing 1 required positional argument: 'b'".
+# "__call__() missing 1 required positional argument: 'b'": inputs taken separately.
 _SEPARATE_INPUTS = re.compile(r"missing \d+ required positional argument")
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "rate_is_scheduled",
     "set_learning_rate",
     "has_schedule",
+    "optimizer_update",
 ]
 
 OPTIMIZERS: dict[str, tuple[Callable[..., optax.GradientTransformation], float]] = {
@@ -88,6 +89,41 @@ def resolve_optimizer(optimizer: Any) -> optax.GradientTransformation:
         f"optimizer={optimizer!r} must be a name ({', '.join(OPTIMIZERS)}) or an "
         f"optax.GradientTransformation"
     )
+
+
+def optimizer_update(
+    tx: Any, grads: Any, opt_state: Any, params: Any, value: Any, value_fn: Callable[[Any], Any]
+) -> tuple[Any, Any]:
+    """`tx.update`, given what optax's extra-args transformations read, as a hand-written
+    loop passes them: the batch's loss (`value`; `optax.contrib.reduce_on_plateau`,
+    `optax.polyak_sgd`), its gradient (`grad`) and the loss as a function of the params
+    (`value_fn`; the line searches of `optax.lbfgs`). Transformations that take no extra
+    arguments ignore them (optax's convention), and an unused `value_fn` is never traced.
+    """
+    if not isinstance(tx, optax.GradientTransformationExtraArgs):
+        return tx.update(grads, opt_state, params)
+    try:
+        return tx.update(grads, opt_state, params, value=value, grad=grads, value_fn=value_fn)
+    except TypeError as error:
+        raise _extra_args_error(error) from error
+
+
+def _extra_args_error(error: TypeError) -> BaseException:
+    """A ValueError naming the fix where an extra-args update refuses what a trainer passes."""
+    text = str(error)
+    if "required keyword-only argument" in text:
+        return ValueError(
+            f"optimizer: its update asks for arguments fuseloop does not pass ({text}); a "
+            f"trainer passes value (the batch's loss), grad and value_fn (the loss of the "
+            f"params on the batch). Write the step yourself with fl.loop to pass others"
+        )
+    if "unexpected keyword argument" in text:
+        return ValueError(
+            f"optimizer: it is an optax.GradientTransformationExtraArgs whose update does not "
+            f"take the extra arguments a trainer passes (value, grad, value_fn): {text}. "
+            f"Give its update **extra_args, as optax's own transformations have"
+        )
+    return error
 
 
 def _is_inject_state(node: Any) -> bool:

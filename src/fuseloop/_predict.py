@@ -87,8 +87,14 @@ def _is_array_tree(x: Any) -> bool:
 
 def _inputs_of_source(source: Any) -> tuple[Any, int]:
     """All inputs of a batch source (batches `x` or `(x, y)`), concatenated in order, and
-    the first batch's size."""
+    the first batch's size. An `fl.data.arrays` source's epochs may be shuffled and drop a
+    short last batch, so its arrays are taken as they are: one output per row of them.
+    """
     from ._data import as_source
+    from .data import ArraySource
+
+    if isinstance(source, ArraySource):
+        return source.x, source.batch_size
 
     wrapped = as_source(source)
     iterator = wrapped.epoch_iterator(0)
@@ -164,8 +170,9 @@ def predict(
         model: The model (as given to the trainer).
         variables_or_state: Trained variables, or the State a run returned.
         x: Inputs with the examples on axis 0 (an array or a pytree of arrays), or a batch
-            source (a list of batches, `fl.data.arrays`, an iterator, a callable) yielding
-            inputs or `(x, y)` pairs; its batches are kept in their order.
+            source (a list of batches, an iterator, a callable) yielding inputs or `(x, y)`
+            pairs, whose batches are kept in their order. An `fl.data.arrays` source gives
+            its x arrays: every example in their order, neither shuffled nor dropped.
         batch_size: Examples per batch for array inputs (a source's own batch size is used
             for a source). A short last batch is included.
         fuse: Batches per device call: True (32), False (one), or a positive int.

@@ -20,7 +20,13 @@ import optax
 
 from ._functions import from_functions
 from ._metrics import CLASSIFYING, Mean, MetricSpec, loss_mean, resolve_loss
-from ._optim import OPTIMIZERS, exposes_learning_rate, learning_rate_of, resolve_optimizer
+from ._optim import (
+    OPTIMIZERS,
+    exposes_learning_rate,
+    learning_rate_of,
+    optimizer_update,
+    resolve_optimizer,
+)
 from .models import as_model
 
 __all__ = [
@@ -137,6 +143,17 @@ def _seed_keys(seed: int) -> tuple[np.ndarray, np.ndarray]:
     return keys[0], keys[1]
 
 
+def _descend(tx: Any, objective: Callable[[Any], Any], params: Any, opt_state: Any) -> Any:
+    """One descent step: `(loss, aux, new params, new optimizer state)` from `objective(p)
+    -> (loss, aux)`; an optimizer that reads the loss or re-evaluates it (a line search)
+    gets both (`optimizer_update`)."""
+    (value, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    updates, opt_state = optimizer_update(
+        tx, grads, opt_state, params, value, lambda p: objective(p)[0]
+    )
+    return value, aux, optax.apply_updates(params, updates), opt_state
+
+
 def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program:
     """The supervised training step: forward, loss, gradient and optimizer update."""
     adapter = as_model(model)
@@ -175,11 +192,8 @@ def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program
             value, mean = loss_fn(y, y_pred)
             return value, (y_pred, new_rest, mean)
 
-        (loss_value, (y_pred, new_rest, mean)), grads = jax.value_and_grad(objective, has_aux=True)(
-            params
-        )
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
-        params = optax.apply_updates(params, updates)
+        descended = _descend(tx, objective, params, state["opt_state"])
+        loss_value, (y_pred, new_rest, mean), params, opt_state = descended
         aux = {
             "loss": loss_value,
             "y_pred": y_pred,

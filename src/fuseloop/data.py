@@ -154,6 +154,9 @@ class ArraySource:
         # The label rules (`_batch_checks.LabelRule`) `y` was found to hold (`_checks`): `y`
         # is a private copy, so a later run need not read it again.
         self.labels_checked: set[Any] = set()
+        # Whether a validation or an evaluator already warned that the dataset leaves its
+        # short last batch out (`_data.warn_left_out`): once per dataset, not per epoch.
+        self.warned_left_out = False
 
     def __len__(self) -> int:
         return self.num_batches

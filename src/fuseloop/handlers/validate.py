@@ -9,10 +9,9 @@ so validation cannot change the training trajectory.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
-from .._data import as_source
+from .._data import as_source, warn_left_out
 from .._fusion import FusionError, resolve_fuse
 from .._metrics import VALIDATION_PREFIX, MetricSpec, batch_size
 from .._state import State
@@ -127,17 +126,13 @@ def _warn_dropped_examples(data: Any) -> None:
     `fl.data.arrays` drops a short last batch by default, which in validation data leaves
     examples out of every validation metric without a word.
     """
-    if not getattr(data, "drop_remainder", False):
-        return
-    left_out = getattr(data, "n", 0) % getattr(data, "batch_size", 1)
-    if left_out:
-        warnings.warn(
-            f"validate: data drops its short last batch (drop_remainder=True), so "
-            f"{left_out} of its {data.n} examples are left out of every validation metric; "
-            f"pass fl.data.arrays(..., drop_remainder=False, shuffle=False)",
-            UserWarning,
-            stacklevel=3,
-        )
+    warn_left_out(
+        data,
+        "validate",
+        "every validation metric",
+        "pass fl.data.arrays(..., drop_remainder=False, shuffle=False)",
+        stacklevel=3,
+    )
 
 
 class Validator:
