@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -181,6 +182,24 @@ def test_a_halted_run_saves_its_final_state(tmp_path):
     assert [s.epoch for s in saved] == [0, 1, 2, 3]
     assert saved[-1].handler_metadata == state.handler_metadata
     assert saved[-1].status == "halted"
+
+
+def test_a_loop_run_again_saves_its_own_final_state_and_reads_the_directory_afresh(tmp_path):
+    # The second run halts where the first did (epoch 1, the same iteration count) from
+    # another start: its final State is its own, and a directory emptied between the runs
+    # is numbered from 1 again.
+    halting = _counting([0.0] * 5).handle_event(
+        "epoch_completed", lambda s: "halt_loop", {"once": 2}
+    )
+    loop = halting.checkpoint(tmp_path / "ck", filter={"after": 10})
+    first = loop.run([(0, 0)], {"n": jnp.int32(0)}, epochs=5)
+    second = loop.run([(0, 0)], {"n": jnp.int32(100)}, epochs=5)
+    assert (first.epoch, second.epoch) == (1, 1)
+    assert int(fl.load_state(tmp_path / "ck").step_state["n"]) == 102
+    for save in list_checkpoints(tmp_path / "ck"):
+        shutil.rmtree(save)
+    loop.run([(0, 0)], {"n": jnp.int32(200)}, epochs=5)
+    assert [p.name for p in list_checkpoints(tmp_path / "ck")] == ["checkpoint_000001_epoch_1"]
 
 
 def test_a_signal_still_writes_a_checkpoint(tmp_path):

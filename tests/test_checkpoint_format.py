@@ -95,6 +95,22 @@ def test_optax_states_and_named_functions_come_back_as_themselves(tmp_path):
     assert jax.tree.structure(updates) == jax.tree.structure(params)
 
 
+def test_zero_size_arrays_round_trip_with_their_shape_and_dtype(tmp_path):
+    # orbax writes no zero-size array; a model may hold one (an empty prompt, no extra
+    # tokens) and must still checkpoint.
+    step_state = {
+        "w": jnp.ones(3),
+        "empty": jnp.zeros((0, 8), jnp.bfloat16),
+        "host": np.zeros((2, 0), np.int32),
+    }
+    fl.save_state(fl.State(step_state=step_state), tmp_path / "s")
+    loaded = fl.load_state(tmp_path / "s").step_state
+    assert isinstance(loaded["empty"], jax.Array) and isinstance(loaded["host"], np.ndarray)
+    for name, leaf in step_state.items():
+        assert (loaded[name].shape, loaded[name].dtype) == (leaf.shape, leaf.dtype)
+    np.testing.assert_array_equal(loaded["w"], step_state["w"])
+
+
 # ----------------------------------------------------------------- crafted directories
 
 

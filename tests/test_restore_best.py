@@ -113,3 +113,34 @@ def test_a_checkpoint_after_it_holds_its_epochs_own_step_state(tmp_path, fuse, v
     jax.tree.map(
         np.testing.assert_array_equal, jax.tree.map(np.asarray, state.step_state), kept[best]
     )
+
+
+@pytest.mark.parametrize("fuse", [False, 3])
+@pytest.mark.parametrize("resume_from", [2, 3])
+def test_a_run_resumed_from_its_best_or_a_later_epoch_ends_as_the_uninterrupted_one(
+    tmp_path, fuse, resume_from
+):
+    # Best epoch 2, halted at 4. Resumed from epoch 2's checkpoint, the run holds the best
+    # step state from its start; resumed from epoch 3's, the best ran in an earlier run and
+    # the State keeps the last epoch's, with a warning.
+    values = [5, 3, 1, 2, 4, 6, 7, 8]
+
+    def loop(directory):
+        return (
+            fl.trainer(fl.models.mlp([4, 3]), SPARSE, optax.adam(0.05))
+            .handle_event("epoch_completed", scripted_metric(values))
+            .early_stop("score", patience=2, restore_best=True)
+            .checkpoint(directory)
+        )
+
+    whole = loop(tmp_path / "whole").run(DATA, epochs=8, fuse=fuse)
+    saves = fl.handlers.checkpoint.list_checkpoints(tmp_path / "whole")
+    resumed_from = fl.load_state(saves[resume_from])
+    assert resumed_from.epoch == resume_from
+    if resume_from == 2:
+        resumed = loop(tmp_path / "again").run(DATA, resumed_from, epochs=8, fuse=fuse)
+        assert jax.tree.all(jax.tree.map(np.array_equal, resumed.step_state, whole.step_state))
+    else:
+        with pytest.warns(RuntimeWarning, match=r"best epoch \(2\) ran in an earlier run"):
+            resumed = loop(tmp_path / "again").run(DATA, resumed_from, epochs=8, fuse=fuse)
+    assert (resumed.epoch, resumed.status) == (whole.epoch, whole.status) == (4, "halted")

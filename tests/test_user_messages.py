@@ -180,3 +180,13 @@ def test_a_model_taking_separate_inputs_is_told_how_x_is_passed_and_the_fix_trai
         fl.trainer(_TwoInputs(), SPARSE, "adam").run(data)
     state = fl.trainer(_OneTuple(), SPARSE, "adam").run(data)
     assert state.status == "completed" and np.isfinite(state.metrics["loss"])
+
+
+def test_a_state_resumed_with_another_optimizer_names_both_and_the_fix():
+    state = trainer().run(BATCHES)  # "adam"
+    for other in ("sgd", optax.sgd(0.1), optax.adam(1e-3)):
+        with pytest.raises(ValueError, match=r"^init_state: its optimizer state .*ByAdamState"):
+            fl.trainer(model(), SPARSE, other).run(BATCHES, state, epochs=2)
+    fresh = fl.trainer(model(), SPARSE, "sgd").run(BATCHES, state.params)  # the fix it names
+    assert fresh.status == "completed"
+    assert trainer().run(BATCHES, state, epochs=2).epoch == 1  # the same optimizer resumes

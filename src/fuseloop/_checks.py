@@ -33,7 +33,7 @@ from ._fusion import FusionError
 from ._label_checks import LabelChecks
 from ._model_fit import ModelFit, abstract
 from ._step import require_pair
-from ._step_state_check import check_step_keeps_state
+from ._step_state_check import check_optimizer_fits, check_step_keeps_state
 
 __all__ = ["Checker"]
 
@@ -340,6 +340,8 @@ class Checker:
         self._check_variables(step_state)
         if key is None or self.first_batch is None or self.program.kind == "evaluator":
             return
+        if self.program.kind == "trainer":
+            check_optimizer_fits(self.program.optimizer, step_state)
         check_step_keeps_state(self.program.step, step_state, self.first_batch)
         self.cache[key] = (self.fit.labels,)
 

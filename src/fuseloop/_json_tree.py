@@ -23,6 +23,7 @@ import sys
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import PyTreeDef, default_registry
 
@@ -111,6 +112,13 @@ def _key(key: Any, where: str) -> Any:
 
 
 def _encode_array(value: Any, arrays: list[Any]) -> dict[str, Any] | None:
+    is_key = isinstance(value, jax.Array) and jax.dtypes.issubdtype(
+        value.dtype, jax.dtypes.prng_key
+    )
+    if isinstance(value, (jax.Array, np.ndarray)) and value.size == 0 and not is_key:
+        # orbax writes no array of zero size: its shape and dtype are all there is to keep.
+        kind = "jax" if isinstance(value, jax.Array) else "numpy"
+        return {"empty": kind, "shape": list(value.shape), "dtype": str(value.dtype)}
     if isinstance(value, jax.Array):
         arrays.append(value)
         if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
@@ -202,6 +210,14 @@ def _decode_key(encoded, arrays, where):
     )
 
 
+def _decode_empty(encoded, arrays, where):
+    try:
+        empty = np.zeros(tuple(encoded["shape"]), jnp.dtype(encoded["dtype"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{where}: malformed empty array in the save ({err})") from None
+    return jax.device_put(empty) if encoded["empty"] == "jax" else empty
+
+
 def _decode_dataclass(encoded, arrays, where):
     cls = _lookup(encoded["dataclass"], where)
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
@@ -250,6 +266,7 @@ _DECODERS = {
     "numpy": lambda e, a, w: np.asarray(_array(e, "numpy", a, w)),
     "numpy_scalar": lambda e, a, w: np.asarray(_array(e, "numpy_scalar", a, w))[()],
     "key": _decode_key,
+    "empty": _decode_empty,
     "dataclass": _decode_dataclass,
     "node": _decode_node,
     "function": _decode_function,

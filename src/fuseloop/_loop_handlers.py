@@ -95,6 +95,7 @@ class HandlerBuilders:
         )
         built = self.handle_event("epoch_completed", stopper, name="early_stop")
         if restore_best:  # however the run ends, it ends on the best epoch's step state
+            built = built.observe("started", stopper.begin, name="early_stop:begin")
             built = built.handle_event("completed", stopper.on_end, name="early_stop:restore")
             built = built.handle_event("halted", stopper.on_end, name="early_stop:restore")
         return built
@@ -169,7 +170,9 @@ class HandlerBuilders:
 
         key = self._metadata_key(f"checkpoint:{criteria}") if criteria is not None else ""
         saver = Checkpointer(path, criteria, mode, keep, key=key, asynchronous=asynchronous)
-        loop = self.handle_event(event, saver, filter, name="checkpoint")
+        # A Loop may run again: each run starts the saver afresh (`Checkpointer.begin`).
+        loop = self.observe("started", saver.begin, name="checkpoint:start")
+        loop = loop.handle_event(event, saver, filter, name="checkpoint")
         if criteria is None and normalize_event(event) != Event.HALTED:
             # A halted run (early stop, a signal) also saves its final State: the epoch's
             # own, before early_stop(restore_best=True) hands back the best one.

@@ -15,7 +15,7 @@ import numpy as np
 
 from ._model_fit import abstract
 
-__all__ = ["check_step_keeps_state"]
+__all__ = ["check_optimizer_fits", "check_step_keeps_state"]
 
 
 def _state_leaf(leaf: Any) -> Any:
@@ -40,6 +40,53 @@ _OPTIMIZER_FIX = (
 def _in_optimizer_state(path: Any) -> bool:
     """Whether a step-state leaf's path is in a trainer's optimizer state."""
     return bool(path) and getattr(path[0], "key", None) == "opt_state"
+
+
+def _state_kinds(opt_state: Any) -> str:
+    """The optax state types in an optimizer state, outermost first, e.g.
+    "InjectStatefulHyperparamsState, ScaleByAdamState, EmptyState"."""
+    found: list[str] = []
+
+    def walk(node: Any) -> None:
+        if hasattr(node, "_fields"):
+            if type(node).__name__ not in found:
+                found.append(type(node).__name__)
+            children: Any = tuple(node)
+        elif isinstance(node, dict):
+            children = tuple(node.values())
+        elif isinstance(node, (list, tuple)):
+            children = tuple(node)
+        else:
+            return
+        for child in children:
+            walk(child)
+
+    walk(opt_state)
+    return ", ".join(found) or "no optax state"
+
+
+def check_optimizer_fits(optimizer: Any, step_state: Any) -> None:
+    """Raises a ValueError where a trainer's step state holds an optimizer state of another
+    structure than `optimizer` makes: a State resumed with another optimizer, which would
+    otherwise fail inside optax (found abstractly: nothing runs).
+    """
+    if optimizer is None or not isinstance(step_state, dict) or "opt_state" not in step_state:
+        return
+    params = step_state["params"]
+    trainable = params["params"] if isinstance(params, dict) and "params" in params else params
+    try:
+        made = jax.eval_shape(optimizer.init, jax.tree.map(_state_leaf, trainable))
+    except Exception:  # noqa: BLE001 - an init that cannot run abstractly: the run decides
+        return
+    held = step_state["opt_state"]
+    expected: object = jax.tree.structure(made)  # no stub for PyTreeDef: compare as objects
+    if expected != jax.tree.structure(held):
+        raise ValueError(
+            f"init_state: its optimizer state ({_state_kinds(held)}) is not the one this "
+            f"trainer's optimizer makes ({_state_kinds(made)}): the State was trained with "
+            f"another optimizer. Resume with the optimizer it was trained with, or start "
+            f"this one afresh from its params: loop.run(data, state.params, ...)"
+        )
 
 
 def check_step_keeps_state(step: Any, step_state: Any, batch: Any) -> None:

@@ -156,6 +156,17 @@ class Checkpointer:
         """
         self._numbered = self._next_number(self._open())
 
+    def begin(self, state: State) -> None:
+        """A run starts (a handler for "started"): the last run's saves are not its own.
+
+        What the last run saved does not count as this run's, and the directory is read
+        afresh at the first save (it may have changed in between).
+        """
+        self.close()
+        for member in self.members.values():
+            member.begin(state)
+        self._last_saved, self._numbered = None, 0
+
     def on_halted(self, state: State) -> None:
         """Saves the final State of a halted run (early stopping, a signal, a NaN).
 

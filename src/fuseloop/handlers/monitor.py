@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -25,132 +23,9 @@ from ..engine.population_monitors import (
     reduce_lr_members,
     restore_members,
 )
+from ._monitor_record import Monitor, at_epoch_end, check_float, check_int
 
 __all__ = ["Monitor", "EarlyStopping", "ReduceLROnPlateau", "find_learning_rates"]
-
-MODES = ("min", "max")
-
-
-def _check_int(value: Any, argument: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{argument}={value!r} must be an int >= {minimum}")
-    return int(value)
-
-
-def _check_float(
-    value: Any,
-    argument: str,
-    minimum: float,
-    maximum: float = math.inf,
-    open_low: bool = False,
-    open_high: bool = False,
-) -> float:
-    low_ok: Callable[[float], bool] = (
-        (lambda v: v > minimum) if open_low else (lambda v: v >= minimum)
-    )
-    high_ok: Callable[[float], bool] = (
-        (lambda v: v < maximum) if open_high else (lambda v: v <= maximum)
-    )
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"{argument}={value!r} must be a number")
-    number = float(value)
-    if not (math.isfinite(number) and low_ok(number) and high_ok(number)):
-        low = "(" if open_low else "["
-        high = ")" if open_high else "]"
-        raise ValueError(f"{argument}={number!r} must be in {low}{minimum}, {maximum}{high}")
-    return number
-
-
-@dataclass(frozen=True)
-class Monitor:
-    """Watches `state.metrics[monitor]` and tracks its best value.
-
-    Attributes:
-        monitor: The metric's name, e.g. "validation_loss".
-        mode: "min" (lower is better) or "max".
-        patience: Epochs without improvement a handler tolerates (>= 0).
-        min_delta: The smallest change that counts as an improvement (>= 0).
-        key: Where the record lives in `state.handler_metadata`.
-
-    Example:
-        >>> m = Monitor("loss", mode="min", patience=2, key="doc")
-        >>> record, improved = m.update(m.record(State()), 0.5)
-        >>> improved, record["best"], record["wait"]
-        (True, 0.5, 0)
-    """
-
-    monitor: str
-    mode: str = "min"
-    patience: int = 3
-    min_delta: float = 0.0
-    key: str = ""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.monitor, str) or not self.monitor:
-            raise ValueError(
-                f"monitor={self.monitor!r} must be a metric name such as "
-                f"'loss' or 'validation_loss'"
-            )
-        if self.mode not in MODES:
-            raise ValueError(
-                f"mode={self.mode!r} is not a mode; accepted values: {', '.join(MODES)}"
-            )
-        object.__setattr__(self, "patience", _check_int(self.patience, "patience", 0))
-        object.__setattr__(self, "min_delta", _check_float(self.min_delta, "min_delta", 0.0))
-        if not self.key:
-            object.__setattr__(self, "key", f"monitor:{self.monitor}")
-
-    def value(self, state: State) -> float:
-        """The monitored value of this epoch, or a ValueError naming the metrics there are."""
-        if self.monitor not in state.metrics:
-            available = ", ".join(sorted(state.metrics)) or "(none)"
-            raise ValueError(
-                f"monitor={self.monitor!r} is not among this epoch's metrics ({available}). "
-                f"Add it with Loop.metric(...), or, for 'validation_*', attach Loop.validate(...) "
-                f"before the handler that monitors it, validating at every epoch the handler "
-                f"runs (a validate filter such as {{'every': 2}} leaves the other epochs "
-                f"without validation metrics: validate at every epoch, or monitor a "
-                f"training metric)"
-            )
-        try:
-            return float(np.asarray(state.metrics[self.monitor]).item())
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"monitor={self.monitor!r}: the metric is not a scalar "
-                f"({state.metrics[self.monitor]!r}); monitor a scalar metric"
-            ) from None
-
-    def record(self, state: State) -> dict[str, Any]:
-        """This monitor's record in `state.handler_metadata` (a fresh one if absent)."""
-        saved = state.handler_metadata.get(self.key)
-        if saved is None:
-            return {"best": None, "best_epoch": None, "wait": 0}
-        return dict(saved)
-
-    def improves(self, value: float, best: float | None) -> bool:
-        """Whether `value` beats `best` by more than `min_delta` (non-finite never does)."""
-        if not math.isfinite(value):
-            return False
-        if best is None:
-            return True
-        if self.mode == "min":
-            return value < best - self.min_delta
-        return value > best + self.min_delta
-
-    def update(
-        self, record: dict[str, Any], value: float, epoch: int | None = None
-    ) -> tuple[dict[str, Any], bool]:
-        """The record after seeing `value`, and whether it improved."""
-        record = dict(record)
-        if self.improves(value, record["best"]):
-            record.update(best=value, best_epoch=epoch, wait=0)
-            return record, True
-        record["wait"] += 1
-        return record, False
-
-    def store(self, state: State, record: dict[str, Any]) -> State:
-        """`state` with `record` kept in its handler metadata under this monitor's key."""
-        return state.replace(handler_metadata={**state.handler_metadata, self.key: record})
 
 
 class EarlyStopping:
@@ -213,6 +88,24 @@ class EarlyStopping:
         # resumed from its checkpoint is the run that went on.
         return ("halt_loop" if stop else "continue"), self.monitor.store(state, record)
 
+    def begin(self, state: State) -> None:
+        """For the "started" event: the best step state a run starts with, if any.
+
+        A run resumed from its best epoch's own State (the checkpoint that epoch wrote)
+        holds the best step state from its start; any other start forgets the last run's.
+        """
+        self._best = None
+        if not self.restore_best or state.population is not None or state.step_state is None:
+            return
+        record = self.monitor.record(state)
+        last = max(state.history, default=None)
+        if (
+            record["best_epoch"] is not None
+            and record["best_epoch"] == last
+            and at_epoch_end(state)
+        ):
+            self._best = ((last, record["best"]), jax.tree.map(jnp.copy, state.step_state))
+
     def on_end(self, state: State) -> tuple[Status, State]:
         """For the "completed" and "halted" events: the best epoch's step state."""
         if state.population is not None:  # each member's own best epoch
@@ -264,9 +157,9 @@ class ReduceLROnPlateau:
         self.monitor = Monitor(
             monitor, mode, patience, min_delta, key or f"reduce_lr_on_plateau:{monitor}"
         )
-        self.factor = _check_float(factor, "factor", 0.0, 1.0, open_low=True, open_high=True)
-        self.min_lr = _check_float(min_lr, "min_lr", 0.0)
-        self.cooldown = _check_int(cooldown, "cooldown", 0)
+        self.factor = check_float(factor, "factor", 0.0, 1.0, open_low=True, open_high=True)
+        self.min_lr = check_float(min_lr, "min_lr", 0.0)
+        self.cooldown = check_int(cooldown, "cooldown", 0)
 
     def check_optimizer(self, program: Any) -> None:
         """Raises a ValueError now if the loop's learning rate cannot be changed later."""

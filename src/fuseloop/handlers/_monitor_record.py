@@ -1,0 +1,156 @@
+"""The record a monitoring handler keeps: a metric's best value and the epochs since.
+
+`Monitor` watches one metric of `state.metrics`; its record lives in
+`state.handler_metadata` under the handler's key, so it is saved with a checkpoint and a
+resumed run continues it exactly (`handlers.monitor` builds the handlers on it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._state import State
+
+__all__ = ["MODES", "Monitor", "at_epoch_end", "check_float", "check_int"]
+
+MODES = ("min", "max")
+
+
+def check_int(value: Any, argument: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{argument}={value!r} must be an int >= {minimum}")
+    return int(value)
+
+
+def check_float(
+    value: Any,
+    argument: str,
+    minimum: float,
+    maximum: float = math.inf,
+    open_low: bool = False,
+    open_high: bool = False,
+) -> float:
+    low_ok: Callable[[float], bool] = (
+        (lambda v: v > minimum) if open_low else (lambda v: v >= minimum)
+    )
+    high_ok: Callable[[float], bool] = (
+        (lambda v: v < maximum) if open_high else (lambda v: v <= maximum)
+    )
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{argument}={value!r} must be a number")
+    number = float(value)
+    if not (math.isfinite(number) and low_ok(number) and high_ok(number)):
+        low = "(" if open_low else "["
+        high = ")" if open_high else "]"
+        raise ValueError(f"{argument}={number!r} must be in {low}{minimum}, {maximum}{high}")
+    return number
+
+
+@dataclass(frozen=True)
+class Monitor:
+    """Watches `state.metrics[monitor]` and tracks its best value.
+
+    Attributes:
+        monitor: The metric's name, e.g. "validation_loss".
+        mode: "min" (lower is better) or "max".
+        patience: Epochs without improvement a handler tolerates (>= 0).
+        min_delta: The smallest change that counts as an improvement (>= 0).
+        key: Where the record lives in `state.handler_metadata`.
+
+    Example:
+        >>> m = Monitor("loss", mode="min", patience=2, key="doc")
+        >>> record, improved = m.update(m.record(State()), 0.5)
+        >>> improved, record["best"], record["wait"]
+        (True, 0.5, 0)
+    """
+
+    monitor: str
+    mode: str = "min"
+    patience: int = 3
+    min_delta: float = 0.0
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.monitor, str) or not self.monitor:
+            raise ValueError(
+                f"monitor={self.monitor!r} must be a metric name such as "
+                f"'loss' or 'validation_loss'"
+            )
+        if self.mode not in MODES:
+            raise ValueError(
+                f"mode={self.mode!r} is not a mode; accepted values: {', '.join(MODES)}"
+            )
+        object.__setattr__(self, "patience", check_int(self.patience, "patience", 0))
+        object.__setattr__(self, "min_delta", check_float(self.min_delta, "min_delta", 0.0))
+        if not self.key:
+            object.__setattr__(self, "key", f"monitor:{self.monitor}")
+
+    def value(self, state: State) -> float:
+        """The monitored value of this epoch, or a ValueError naming the metrics there are."""
+        if self.monitor not in state.metrics:
+            available = ", ".join(sorted(state.metrics)) or "(none)"
+            raise ValueError(
+                f"monitor={self.monitor!r} is not among this epoch's metrics ({available}). "
+                f"Add it with Loop.metric(...), or, for 'validation_*', attach Loop.validate(...) "
+                f"before the handler that monitors it, validating at every epoch the handler "
+                f"runs (a validate filter such as {{'every': 2}} leaves the other epochs "
+                f"without validation metrics: validate at every epoch, or monitor a "
+                f"training metric)"
+            )
+        try:
+            return float(np.asarray(state.metrics[self.monitor]).item())
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"monitor={self.monitor!r}: the metric is not a scalar "
+                f"({state.metrics[self.monitor]!r}); monitor a scalar metric"
+            ) from None
+
+    def record(self, state: State) -> dict[str, Any]:
+        """This monitor's record in `state.handler_metadata` (a fresh one if absent)."""
+        saved = state.handler_metadata.get(self.key)
+        if saved is None:
+            return {"best": None, "best_epoch": None, "wait": 0}
+        return dict(saved)
+
+    def improves(self, value: float, best: float | None) -> bool:
+        """Whether `value` beats `best` by more than `min_delta` (non-finite never does)."""
+        if not math.isfinite(value):
+            return False
+        if best is None:
+            return True
+        if self.mode == "min":
+            return value < best - self.min_delta
+        return value > best + self.min_delta
+
+    def update(
+        self, record: dict[str, Any], value: float, epoch: int | None = None
+    ) -> tuple[dict[str, Any], bool]:
+        """The record after seeing `value`, and whether it improved."""
+        record = dict(record)
+        if self.improves(value, record["best"]):
+            record.update(best=value, best_epoch=epoch, wait=0)
+            return record, True
+        record["wait"] += 1
+        return record, False
+
+    def store(self, state: State, record: dict[str, Any]) -> State:
+        """`state` with `record` kept in its handler metadata under this monitor's key."""
+        return state.replace(handler_metadata={**state.handler_metadata, self.key: record})
+
+
+def at_epoch_end(state: State) -> bool:
+    """Whether a resumed run's State left off at its last epoch's end.
+
+    Every epoch it started ended; a State halted inside an epoch starts that epoch again.
+    """
+
+    def count(event: str) -> int:
+        value = state.event_counts.get(event, 0)
+        return int(value.get("total", 0) if isinstance(value, dict) else value)
+
+    return count("epoch_started") == count("epoch_completed") + count("epoch_halted")
