@@ -144,3 +144,23 @@ def test_a_run_resumed_from_its_best_or_a_later_epoch_ends_as_the_uninterrupted_
         with pytest.warns(RuntimeWarning, match=r"best epoch \(2\) ran in an earlier run"):
             resumed = loop(tmp_path / "again").run(DATA, resumed_from, epochs=8, fuse=fuse)
     assert (resumed.epoch, resumed.status) == (whole.epoch, whole.status) == (4, "halted")
+
+
+def test_a_run_continuing_the_last_one_in_the_same_loop_keeps_its_best_copy():
+    # As in a notebook: run, then run on from the returned State with the same Loop. No
+    # later epoch improves, so the best is still epoch 2's, which this process holds.
+    values = [5, 3, 1, 2, 4, 6, 7, 8]
+
+    def factory():
+        return fl.trainer(fl.models.mlp([4, 3]), SPARSE, optax.adam(0.05)).handle_event(
+            "epoch_completed", scripted_metric(values)
+        )
+
+    kept = snapshots(factory, False)
+    loop = factory().early_stop("score", patience=10, restore_best=True)
+    first = loop.run(DATA, epochs=4)
+    later = loop.run(DATA, first, epochs=6)
+    for state in (first, later):
+        jax.tree.map(
+            np.testing.assert_array_equal, jax.tree.map(np.asarray, state.step_state), kept[2]
+        )

@@ -91,13 +91,17 @@ class EarlyStopping:
     def begin(self, state: State) -> None:
         """For the "started" event: the best step state a run starts with, if any.
 
-        A run resumed from its best epoch's own State (the checkpoint that epoch wrote)
-        holds the best step state from its start; any other start forgets the last run's.
+        A run that continues the last one (its record's best is the copy this handler
+        kept) keeps that copy; a run resumed from its best epoch's own State (the
+        checkpoint that epoch wrote) holds the best step state from its start; any other
+        start has none yet.
         """
-        self._best = None
         if not self.restore_best or state.population is not None or state.step_state is None:
             return
         record = self.monitor.record(state)
+        if self._best is not None and self._best[0] == (record["best_epoch"], record["best"]):
+            return
+        self._best = None
         last = max(state.history, default=None)
         if (
             record["best_epoch"] is not None
