@@ -210,9 +210,17 @@ def test_report_auto_shows_the_decision(fake_probe: FakeProbe) -> None:
     assert "auto" in str(result)
 
 
+def test_report_takes_a_callable_as_run_does() -> None:
+    data = _batches(4)
+    result = diagnostics.report(_loop(), lambda: iter(data), fuse=2, reps=1)
+    assert (result.iterations, result.fused["dispatches"]) == (4, 2)
+
+
 def test_report_rejects_one_shot_data_and_fuse_false() -> None:
     with pytest.raises(ValueError, match="re-iterable"):
         diagnostics.report(_loop(), iter(_batches(4)), fuse=2)
+    with pytest.raises(ValueError, match=r"re-iterable data .*, not int"):
+        diagnostics.report(_loop(), 5, fuse=2)
     with pytest.raises(ValueError, match="fuse"):
         diagnostics.report(_loop(), _batches(4), fuse=False)
 

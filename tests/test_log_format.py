@@ -178,6 +178,18 @@ def test_off_a_terminal_an_epoch_halted_midway_still_gets_its_line(capsys, fuse)
     assert unfused.event_counts == state.event_counts
 
 
+def test_an_epoch_of_unknown_length_is_learnt_from_a_complete_epoch_not_a_halted_one(capsys):
+    batches = [(X[i : i + 10], Y[i : i + 10]) for i in range(0, 60, 10)]
+
+    def halt_midway(state):
+        return "halt_epoch" if state.epoch == 1 and state.iteration == 2 else None
+
+    loop = fl.trainer(MODEL, LOSS, "adam").handle_event("iteration_completed", halt_midway)
+    loop.run(lambda: iter(batches), epochs=3, progress=True)  # a callable has no len
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" - ")[1] for line in lines] == ["6 iterations", "3/6", "6/6"]
+
+
 @pytest.mark.parametrize("handled", [False, True])
 def test_off_a_terminal_a_non_finite_loss_stops_the_line_where_the_unfused_loop_does(
     capsys, handled

@@ -190,3 +190,14 @@ def test_a_state_resumed_with_another_optimizer_names_both_and_the_fix():
     fresh = fl.trainer(model(), SPARSE, "sgd").run(BATCHES, state.params)  # the fix it names
     assert fresh.status == "completed"
     assert trainer().run(BATCHES, state, epochs=2).epoch == 1  # the same optimizer resumes
+
+
+@pytest.mark.parametrize(
+    ("loss", "units", "fix"),
+    [(SPARSE, 3, r"np\.unique\(y, return_inverse=True\)"), ("binary_cross_entropy", 1, "0/1")],
+)
+def test_string_labels_name_their_dtype_and_the_mapping(loss, units, fix):
+    words = np.array(["cat", "dog", "eel", "cat"] * 8)
+    for data in ([(X[:8], words[:8])] * 2, fl.data.arrays(X, words, batch_size=8)):
+        with pytest.raises(ValueError, match=rf"y has dtype <U3, not numbers; .*{fix}"):
+            fl.trainer(fl.models.mlp([8, units]), loss, "adam").run(data)

@@ -109,6 +109,27 @@ def _counter_loop() -> fl.Loop:
     return fl.loop(step).metric("loss")
 
 
+@pytest.mark.parametrize("fuse", [False, 3])
+def test_a_run_that_raises_closes_its_writers_with_what_they_wrote(tmp_path, fuse):
+    def fail_in_epoch_2(state):
+        if state.epoch == 2:
+            raise RuntimeError("boom")
+
+    loop = _counter_loop().tensorboard(tmp_path / "tb").csv_log(tmp_path / "m.csv")
+    loop = loop.handle_event("epoch_completed", fail_in_epoch_2)
+    with pytest.raises(RuntimeError, match="boom"):
+        start = {"n": jnp.float32(0.0), "loss": jnp.float32(0.0)}
+        loop.run([(0, 0)] * 4, start, epochs=5, fuse=fuse)
+    # Closed, so flushed: epochs 0-2 (the writers run before the handler that raises).
+    assert [(tag, step) for tag, step, _ in _scalars(tmp_path / "tb")] == [
+        ("epoch/loss", 0),
+        ("epoch/loss", 1),
+        ("epoch/loss", 2),
+    ]
+    with open(tmp_path / "m.csv") as rows:
+        assert [row["epoch"] for row in csv.DictReader(rows)] == ["0", "1", "2"]
+
+
 def test_csv_of_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
     start = {"n": jnp.float32(0.0), "loss": jnp.float32(0.0)}
     loop = _counter_loop().csv_log(tmp_path / "full.csv")

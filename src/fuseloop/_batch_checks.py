@@ -114,6 +114,8 @@ class LabelRule:
     classes: int | None = None
 
     def holds(self, labels: np.ndarray) -> bool:
+        if labels.dtype.kind not in "biuf":
+            return False  # `check` names the dtype
         if self.classes is not None:
             return labels_below(labels, self.classes)
         return bool(labels.min() >= 0 and labels.max() <= 1)  # a NaN fails both
@@ -126,6 +128,16 @@ class LabelRule:
 
     def check(self, labels: np.ndarray, where: str) -> None:
         """Raises a ValueError naming the label, the loss and the fix unless it holds."""
+        if labels.dtype.kind not in "biuf":  # strings, objects: no range to check
+            raise ValueError(
+                f"data: {where}: y has dtype {labels.dtype}, not numbers; {self.loss} takes "
+                + (
+                    f"integer class labels in [0, {self.classes}). Map them to integers, e.g. "
+                    f"classes, y = np.unique(y, return_inverse=True)"
+                    if self.classes is not None
+                    else "targets in [0, 1] (1 for the positive class). Map them to 0/1"
+                )
+            )
         if self.classes is not None:
             check_label_range(labels, self.classes, self.loss, where)
         elif not self.holds(labels):

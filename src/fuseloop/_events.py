@@ -11,7 +11,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-__all__ = ["Event", "Filter", "Registration", "normalize_event", "make_filter", "parse_result"]
+__all__ = [
+    "Event",
+    "Filter",
+    "Registration",
+    "closes_on_error",
+    "normalize_event",
+    "make_filter",
+    "parse_result",
+]
 
 
 class Event(enum.StrEnum):
@@ -148,6 +156,19 @@ class Registration:
     @property
     def label(self) -> str:
         return self.name or getattr(self.handler, "__qualname__", None) or repr(self.handler)
+
+
+def closes_on_error(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Marks a "completed"/"halted" handler that releases something (a writer's file, an
+    asynchronous save) to run also when the run leaves by an exception, once, with the
+    State reached (`EventBus.close_after_error`)."""
+
+    def closing(state: Any) -> Any:
+        return handler(state)
+
+    closing.fuseloop_closes = True  # type: ignore[attr-defined]
+    closing.__qualname__ = getattr(handler, "__qualname__", "closing")
+    return closing
 
 
 def parse_result(result: Any, label: str) -> tuple[str, Any]:

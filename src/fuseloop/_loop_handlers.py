@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Self, TextIO
 
-from ._events import Event, normalize_event
+from ._events import Event, closes_on_error, normalize_event
 from ._state import State
 from ._types import EventLike, FilterLike, Mode
 
@@ -177,9 +177,10 @@ class HandlerBuilders:
             # A halted run (early stop, a signal) also saves its final State: the epoch's
             # own, before early_stop(restore_best=True) hands back the best one.
             loop = _before_restores(loop.handle_event("halted", saver.on_halted, name="checkpoint"))
-        if asynchronous:  # the run returns only when every write is complete
-            loop = loop.handle_event("completed", saver.finish, name="checkpoint:finish")
-            loop = loop.handle_event("halted", saver.finish, name="checkpoint:finish")
+        if asynchronous:  # the run returns only when every write is complete (or raises)
+            finish = closes_on_error(saver.finish)
+            loop = loop.handle_event("completed", finish, name="checkpoint:finish")
+            loop = loop.handle_event("halted", finish, name="checkpoint:finish")
         return loop
 
     def csv_log(

@@ -268,11 +268,12 @@ def report(
     compiles, XLA fusions and dispatch overhead.
 
     The loop runs as built, handlers included. `data` must be re-iterable (a list, an
-    `fl.data.arrays` source): each run starts a fresh pass.
+    `fl.data.arrays` source) or a callable returning an iterator: each run starts a fresh
+    pass.
 
     Args:
         loop: The Loop to diagnose.
-        data: Re-iterable data.
+        data: Re-iterable data, or a callable returning an iterator.
         fuse: The chunk size to report (a positive int, True for 32, or "auto").
         init_state: Passed to `run` (an evaluator needs its params).
         reps: Timed epochs of each kind; the median is reported.
@@ -294,7 +295,7 @@ def report(
     first_fused, first_unfused = run(fuse), run(False)
     n_iter = max(first_unfused.stats["dispatches"], 1)  # one dispatch per step unfused
     seconds = _interleaved_epochs(run, fuse, reps)
-    batch = next(iter(data))
+    batch = next(iter(data() if callable(data) else data))
     k = int(first_fused.stats["chunk_size"])
     fused, unfused = _epoch_counters(first_fused, first_unfused, data, batch, k)
     fused["us_per_iteration"] = statistics.median(seconds["fused"]) / n_iter * 1e6
@@ -315,10 +316,13 @@ def _check_report_arguments(data: Any, fuse: Any, reps: Any) -> None:
             "fuse=False: report compares a fused run with the unfused one; pass "
             "fuse=<chunk size>, True or 'auto'"
         )
-    if iter(data) is data:
+    if callable(data):
+        return  # a fresh iterator per epoch, as `run` takes it
+    if not hasattr(data, "__iter__") or iter(data) is data:
+        what = "a one-shot iterator" if hasattr(data, "__iter__") else type(data).__name__
         raise ValueError(
-            "data: report runs several epochs, so it needs re-iterable data "
-            "(a list of batches or fl.data.arrays(...)), not a one-shot iterator"
+            "data: report runs several epochs, so it needs re-iterable data (a list of "
+            f"batches, fl.data.arrays(...) or a callable returning an iterator), not {what}"
         )
 
 

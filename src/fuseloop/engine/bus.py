@@ -233,3 +233,20 @@ class EventBus:
     def close(self) -> None:
         if self.observer is not None:
             self.observer.close()
+
+    def close_after_error(self, state: State) -> list[str]:
+        """Runs each handler marked `closes_on_error` once with `state` (the run is leaving
+        by an exception, so "completed" and "halted" will not fire); returns what failed,
+        for the leaving error's notes."""
+        failed, called = [], set()
+        for registrations in self.by_event.values():
+            for registration in registrations:
+                handler = registration.handler
+                if not getattr(handler, "fuseloop_closes", False) or id(handler) in called:
+                    continue
+                called.add(id(handler))
+                try:
+                    handler(state)
+                except Exception as error:  # noqa: BLE001 - the leaving error comes first
+                    failed.append(f"{registration.label}: {type(error).__name__}: {error}")
+        return failed

@@ -104,7 +104,10 @@ class Run:
                 )
                 state = self._epochs(signals)
         except BaseException as error:
-            _attach_state(error, self._reached())
+            reached = self._reached()
+            _attach_state(error, reached)
+            for failure in self.bus.close_after_error(reached):
+                error.add_note(f"fuseloop: closing {failure}")
             raise
         finally:
             if self.epoch_loop is not None:

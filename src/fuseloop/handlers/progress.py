@@ -95,12 +95,15 @@ class ProgressBar:
             self.close()
             self._open(state)
         elif event in (Event.EPOCH_COMPLETED, Event.EPOCH_HALTED):
+            # An epoch of unknown length is learnt from the last complete one: a halted
+            # epoch stopped short of it.
+            complete = event == Event.EPOCH_COMPLETED
             if self.bar is not None:
-                self.last_length = self.bar.n
+                self.last_length = self.bar.n if complete else self.last_length
                 self._show(state.metrics)
                 self.close()
             elif self.plain is not None:
-                self.last_length = self.plain["done"]
+                self.last_length = self.plain["done"] if complete else self.last_length
                 halted = "halted" if event == Event.EPOCH_HALTED else ""
                 self._write_plain(state.metrics, halted)
 

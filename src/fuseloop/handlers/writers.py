@@ -16,7 +16,7 @@ from typing import Any, Protocol, Self, TypeVar
 import numpy as np
 
 from .._distributed import main_process_only
-from .._events import ITERATION_EVENTS, Event, normalize_event
+from .._events import ITERATION_EVENTS, Event, closes_on_error, normalize_event
 from .._state import State
 
 
@@ -216,7 +216,8 @@ def attach_writer(
         >>> [r.name for r in writing.registrations]
         ['csv:start', 'csv', 'csv:close', 'csv:close']
     """
-    start, close = main_process_only(writer.start), main_process_only(writer.close)
+    start = main_process_only(writer.start)
+    close = closes_on_error(main_process_only(writer.close))  # a run that raises closes it too
     loop = loop.handle_event("started", start, name=f"{name}:start")
     loop = loop.handle_event(event, main_process_only(writer), filter, name=name)
     loop = loop.handle_event("completed", close, name=f"{name}:close")
