@@ -3,6 +3,7 @@ decide per member, each member as its solo run (engine/population_monitors.py)."
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -47,6 +48,36 @@ def test_restore_best_restores_each_members_best_epoch():
     # Measured: member 2 stops two epochs after its best, member 1 runs to the end.
     assert len(set(best_epochs)) == 3
     assert any(b < max(pop.member(i).history) for i, b in enumerate(best_epochs))
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_the_last_epochs_later_handlers_see_a_running_members_own_step_state(fuse):
+    # Every member runs to the end, member 0 with its best at epoch 2: the handlers after
+    # early_stop at the last epoch (a checkpoint) see that epoch's own step state, as its
+    # solo run's do; the State the run returns holds the best epoch's.
+    scores = [[5.0, 5.0, 5.0], [4.0, 4.0, 4.0], [1.0, 3.0, 3.0], [2.0, 2.0, 2.0], [3.0, 1.0, 1.0]]
+    seen = {}
+
+    def score(state):
+        return "continue", state.replace(
+            metrics={**state.metrics, "score": np.asarray(scores[state.epoch], np.float32)}
+        )
+
+    def keep(name):
+        def handler(state):
+            seen[(name, state.epoch)] = jax.tree.map(np.asarray, state.step_state)
+
+        return handler
+
+    loop = _trainer().handle_event("epoch_completed", score)
+    loop = loop.handle_event("epoch_completed", keep("before"))
+    loop = loop.early_stop("score", patience=5, restore_best=True)
+    loop = loop.handle_event("epoch_completed", keep("after"))
+    pop = loop.run(_data(), epochs=5, fuse=fuse, population={"learning_rate": RATES})
+    assert pop.status == "completed"
+    assert tree_equal(seen[("before", 4)], seen[("after", 4)])
+    member_0 = jax.tree.map(lambda a: np.asarray(a)[0], pop.step_state)
+    assert tree_equal(member_0, jax.tree.map(lambda a: a[0], seen[("after", 2)]))
 
 
 def test_restore_best_when_another_handler_halts_the_run():

@@ -9,8 +9,9 @@ record. The records hold one list entry per member and are marked per-member, so
 
 * `early_stop`: a member that stops halts at this epoch (the run freezes it). With
   `restore_best`, the step state of each member's best epoch is kept on the device (one
-  select per epoch over the member axis), and a member gets it back when it stops, at the
-  run's last epoch, or when the run ends otherwise - when its solo run would.
+  select per epoch over the member axis), and a member gets it back when it stops, or
+  when the run ends (a member still running at the last epoch: after that epoch's
+  handlers, as its solo run does).
 * `reduce_lr_on_plateau`: a member whose plateau is due gets its own learning rate lowered
   (the injected hyperparameter has a member axis), computed as the solo handler computes it.
 * `checkpoint(criteria=...)`: each member keeps its own best. When member i improves,
@@ -131,8 +132,10 @@ def early_stop_members(stopper: Any, state: Any) -> tuple[Status, Any]:
     state = _store(state, monitor.key, lists)
     if stopper.restore_best:
         state = _keep_best(stopper, state, improved, lists)
-        last = state.epoch + 1 >= state.max_epoch
-        state = _restore(stopper, state, stop | (running & last))
+        # A member that stops is frozen from here on, with its best epoch's step state. One
+        # still running at the run's last epoch gets it when the run ends (`on_end`), as
+        # its solo run does: this epoch's later handlers (a checkpoint) see its own.
+        state = _restore(stopper, state, stop)
     state = halt_members(state, stop, state.epoch)
     every = all(population_record(state)["halted"])
     return ("halt_loop" if every else "continue"), state
