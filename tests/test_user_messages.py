@@ -103,6 +103,9 @@ def test_a_population_state_points_to_member():
     with pytest.raises(ValueError, match=r"population of 2 members.*state\.member\(i\)"):
         fl.models.trained(model(), state)
     assert fl.models.trained(model(), state.member(1))(X[:2]).shape == (2, 3)
+    with pytest.raises(ValueError, match=r"leading axis of 2 .*population's State itself"):
+        fl.predict(model(), state.params, X)  # the params without their State
+    assert fl.predict(model(), state, X).shape == (2, 32, 3)
 
 
 def test_the_replayed_state_note_is_added_only_to_a_read_of_the_missing_step_state():

@@ -233,7 +233,29 @@ def _explain_misfit(model: Any, variables: Any, chunk: Any, members: bool) -> No
     if members:
         variables = jax.tree.map(lambda leaf: leaf[0], variables)
     fit.check_first((jax.tree.map(lambda leaf: leaf[0], chunk), None))
+    size = None if members else _member_axis(variables, fit.fresh)
+    if size is not None:
+        raise ValueError(
+            f"variables_or_state: these variables have a leading axis of {size} over the "
+            f"model's own (a population's params, one per member); pass the population's "
+            f"State itself (every member predicts), or state.member(i) for one member"
+        )
     fit.check_run_variables(jax.tree.map(abstract, variables))
+
+
+def _member_axis(variables: Any, fresh: Any) -> int | None:
+    """N where every leaf of `variables` is the model's fresh leaf with a leading axis of
+    N (a population's params given without their State), else None."""
+    expected: object = jax.tree.structure(fresh)  # no stub for PyTreeDef: compare as objects
+    if expected != jax.tree.structure(variables):
+        return None
+    sizes = set()
+    for leaf, own in zip(jax.tree.leaves(variables), jax.tree.leaves(fresh), strict=True):
+        shape = tuple(np.shape(leaf))
+        if shape[1:] != tuple(np.shape(own)) or len(shape) != np.ndim(own) + 1:
+            return None
+        sizes.add(shape[0])
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _rows(a: np.ndarray, lead: int, live: int) -> np.ndarray:

@@ -146,9 +146,14 @@ def _from_argument(population: Any, program: Any) -> Population:
             f"population={population!r} must be a member count (an int >= 1) or a dict of "
             f"per-member lists, e.g. {{'learning_rate': [1e-3, 1e-2], 'seed': [0, 1]}}"
         )
+    # A numpy or jax array of per-member values reads as its list.
+    population = {
+        k: np.asarray(v).tolist() if hasattr(v, "__array__") and np.ndim(v) == 1 else v
+        for k, v in population.items()
+    }
     lengths = {}
     for key, values in population.items():
-        if not isinstance(values, (list, tuple, np.ndarray)) or len(values) == 0:
+        if not isinstance(values, (list, tuple)) or len(values) == 0:
             raise ValueError(f"population[{key!r}]={values!r} must be a non-empty list")
         lengths[key] = len(values)
     if len(set(lengths.values())) != 1:
@@ -164,6 +169,13 @@ def _from_argument(population: Any, program: Any) -> Population:
     for key, values in population.items():
         if key == "seed":
             continue
+        if key not in accepted and key == "learning_rate" and rate_is_scheduled(program.optimizer):
+            raise ValueError(
+                "population: 'learning_rate' is recomputed by a schedule in this optimizer, "
+                "so a member's rate would be overwritten at its first step; inject a number "
+                "(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)) to give each "
+                "member its own, or vary the schedule's own parameters in separate runs"
+            )
         if key not in accepted:
             names = ", ".join(["seed", *accepted])
             raise ValueError(
