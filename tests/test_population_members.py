@@ -222,3 +222,24 @@ def test_monitors_need_one_value_per_member():
         loop.run(data, population=2)
     with pytest.raises(ValueError, match="is not among this epoch's metrics"):
         _trainer().reduce_lr_on_plateau("nope").run(data, population=2)
+
+
+def test_a_halted_members_iteration_metrics_read_nan_its_rate_included():
+    # Member 1 stops at epoch 1 (its score never improves); in epoch 2 it steps no more,
+    # so its loss and its learning rate ("last" of the step's rate) read NaN, not 0.
+    scores = {0: [2.0, 2.0], 1: [1.0, 3.0], 2: [0.5, 3.0]}
+    seen = []
+
+    def score(state):
+        value = np.asarray(scores[state.epoch], np.float32)
+        return "continue", state.replace(metrics={**state.metrics, "score": value})
+
+    def keep(state):
+        if state.epoch == 2:
+            seen.append({k: np.asarray(state.metrics[k]) for k in ("loss", "learning_rate")})
+
+    loop = _trainer().handle_event("epoch_completed", score).early_stop("score", patience=1)
+    loop = loop.handle_event("iteration_completed", keep)
+    loop.run(_data(), epochs=3, population={"learning_rate": [0.1, 0.2]})
+    assert seen and all(np.isnan(m["loss"][1]) and np.isnan(m["learning_rate"][1]) for m in seen)
+    assert all(m["learning_rate"][0] == np.float32(0.1) for m in seen)
