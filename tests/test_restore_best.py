@@ -41,6 +41,13 @@ def scripted_metric(values):
     return write
 
 
+def scripted_trainer(values):
+    """The trainer these tests run: mlp-[4, 3] with adam(0.05), scoring epochs by `values`."""
+    return fl.trainer(fl.models.mlp([4, 3]), SPARSE, optax.adam(0.05)).handle_event(
+        "epoch_completed", scripted_metric(values)
+    )
+
+
 @pytest.mark.parametrize("fuse", [False, 3])
 @pytest.mark.parametrize(
     "values, epochs, best",
@@ -51,9 +58,7 @@ def scripted_metric(values):
 )
 def test_restore_best_step_state_bitwise(fuse, values, epochs, best):
     def factory():
-        return fl.trainer(fl.models.mlp([4, 3]), SPARSE, optax.adam(0.05)).handle_event(
-            "epoch_completed", scripted_metric(values)
-        )
+        return scripted_trainer(values)
 
     kept = snapshots(factory, fuse)
     stopper = EarlyStopping("score", patience=2, restore_best=True)
@@ -71,9 +76,7 @@ def test_default_keeps_the_last_epoch():
     values = [5, 3, 1, 2, 4, 6, 7, 8]
 
     def factory():
-        return fl.trainer(fl.models.mlp([4, 3]), SPARSE, optax.adam(0.05)).handle_event(
-            "epoch_completed", scripted_metric(values)
-        )
+        return scripted_trainer(values)
 
     kept = snapshots(factory, False)
     state = attach(factory(), EarlyStopping("score", patience=2)).run(DATA, epochs=6)
@@ -95,9 +98,7 @@ def test_a_checkpoint_after_it_holds_its_epochs_own_step_state(tmp_path, fuse, v
     # saves that epoch's step state under that epoch's name; only the State the run
     # returns holds the best epoch's.
     def factory():
-        return fl.trainer(fl.models.mlp([4, 3]), SPARSE, optax.adam(0.05)).handle_event(
-            "epoch_completed", scripted_metric(values)
-        )
+        return scripted_trainer(values)
 
     kept = snapshots(factory, fuse)
     loop = factory().early_stop("score", patience=2, restore_best=True).checkpoint(tmp_path)
@@ -127,8 +128,7 @@ def test_a_run_resumed_from_its_best_or_a_later_epoch_ends_as_the_uninterrupted_
 
     def loop(directory):
         return (
-            fl.trainer(fl.models.mlp([4, 3]), SPARSE, optax.adam(0.05))
-            .handle_event("epoch_completed", scripted_metric(values))
+            scripted_trainer(values)
             .early_stop("score", patience=2, restore_best=True)
             .checkpoint(directory)
         )
@@ -152,9 +152,7 @@ def test_a_run_continuing_the_last_one_in_the_same_loop_keeps_its_best_copy():
     values = [5, 3, 1, 2, 4, 6, 7, 8]
 
     def factory():
-        return fl.trainer(fl.models.mlp([4, 3]), SPARSE, optax.adam(0.05)).handle_event(
-            "epoch_completed", scripted_metric(values)
-        )
+        return scripted_trainer(values)
 
     kept = snapshots(factory, False)
     loop = factory().early_stop("score", patience=10, restore_best=True)

@@ -16,6 +16,7 @@ __all__ = [
     "Filter",
     "Registration",
     "closes_on_error",
+    "event_total",
     "normalize_event",
     "make_filter",
     "parse_result",
@@ -49,6 +50,18 @@ HALT_LOOP: Final = "halt_loop"
 STATUSES = (CONTINUE, HALT_EPOCH, HALT_LOOP)
 
 _FILTER_KEYS = ("every", "before", "after", "once")
+
+
+def event_total(event_counts: Mapping[str, Any], event: str) -> int:
+    """How many times `event` fired, from a State's `event_counts` (an iteration event's
+    entry is `{"total": n, "epoch": n}`, another's an int; absent: 0).
+
+    Example:
+        >>> event_total({"iteration_completed": {"total": 7, "epoch": 3}}, "iteration_completed")
+        7
+    """
+    value = event_counts.get(event, 0)
+    return int(value.get("total", 0) if isinstance(value, dict) else value)
 
 
 def normalize_event(event: Any, argument: str = "event") -> Event:

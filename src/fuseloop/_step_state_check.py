@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._model_fit import abstract
+from ._step import _trainable
 
 __all__ = ["check_optimizer_fits", "check_step_keeps_state"]
 
@@ -72,8 +73,7 @@ def check_optimizer_fits(optimizer: Any, step_state: Any) -> None:
     """
     if optimizer is None or not isinstance(step_state, dict) or "opt_state" not in step_state:
         return
-    params = step_state["params"]
-    trainable = params["params"] if isinstance(params, dict) and "params" in params else params
+    trainable, _ = _trainable(step_state["params"])  # what the trainer's init gives tx.init
     try:
         made = jax.eval_shape(optimizer.init, jax.tree.map(_state_leaf, trainable))
     except Exception:  # noqa: BLE001 - an init that cannot run abstractly: the run decides

@@ -214,15 +214,14 @@ def member_metrics(specs: Any, acc_host: dict[str, Any], size: int) -> dict[str,
     out = {}
     for spec in specs:
         acc = acc_host[spec.name]
-        if not np.any(np.asarray(acc["count"]) > 0):
+        counted = np.asarray(acc["count"]) > 0
+        if not counted.any():
             continue
         # A member that counted nothing (halted) reads NaN, whatever the metric keeps (a
         # "last" value's sum is a fresh 0 there, not a rate).
         out[spec.name] = np.array(
             [
-                read_metric(spec, {k: v[i] for k, v in acc.items()})
-                if np.asarray(acc["count"])[i] > 0
-                else np.nan
+                read_metric(spec, {k: v[i] for k, v in acc.items()}) if counted[i] else np.nan
                 for i in range(size)
             ],
             np.float64,

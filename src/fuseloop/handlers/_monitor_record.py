@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from .._events import event_total
 from .._state import State
 
 __all__ = ["MODES", "Monitor", "at_epoch_end", "check_float", "check_int"]
@@ -148,9 +149,6 @@ def at_epoch_end(state: State) -> bool:
 
     Every epoch it started ended; a State halted inside an epoch starts that epoch again.
     """
-
-    def count(event: str) -> int:
-        value = state.event_counts.get(event, 0)
-        return int(value.get("total", 0) if isinstance(value, dict) else value)
-
-    return count("epoch_started") == count("epoch_completed") + count("epoch_halted")
+    counts = state.event_counts
+    ended = event_total(counts, "epoch_completed") + event_total(counts, "epoch_halted")
+    return event_total(counts, "epoch_started") == ended

@@ -20,6 +20,7 @@ from typing import Any
 
 from .._checkpoint import is_save, save_args
 from .._checkpoint_paths import TRASH, EpochNames, HiddenTemporaryPath, checkpoint_dirs
+from .._events import event_total
 from .._state import State
 from .._types import Status
 from ..engine.population_monitors import checkpoint_members
@@ -47,8 +48,7 @@ def list_checkpoints(path: str | os.PathLike[str]) -> list[Path]:
 
 def _position(state: State) -> tuple[int, int]:
     """Where a State is in its run: the epoch and the iterations completed so far."""
-    counts = state.event_counts.get("iteration_completed") or {}
-    return state.epoch, int(counts.get("total", 0)) if isinstance(counts, dict) else 0
+    return state.epoch, event_total(state.event_counts, "iteration_completed")
 
 
 class Checkpointer:
