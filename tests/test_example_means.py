@@ -160,3 +160,31 @@ def test_a_short_last_batch_warns_in_training_only():
     with pytest.warns(UserWarning, match="batch size 4 instead of 8") as caught:
         fl.trainer(model, "sparse_categorical_cross_entropy", "sgd").run(source, variables)
     assert "drop_remainder=True" in " ".join(str(w.message) for w in caught)
+
+
+def test_a_loss_without_targets_weighs_each_batch_by_its_inputs_rows():
+    """An autoencoder's batches `(x, None)` have no y to count: the loss still averages
+    over examples (25 rows in batches of 10, 10 and 5), as the same data with y=x does."""
+    x = np.arange(75, dtype=np.float32).reshape(25, 3) / 75
+    model = (lambda rng, x: {"w": jnp.eye(3)}, lambda p, x: x @ p["w"])
+    variables = {"w": jnp.eye(3)}
+
+    def energy(y_true, y_pred):  # needs no targets
+        return jnp.mean(y_pred**2)
+
+    def source(y):
+        return fl.data.arrays(x, y, batch_size=10, shuffle=False, drop_remainder=False)
+
+    expected = float(np.mean(x**2))
+    for y in (None, x):
+        state = evaluator_with_loss(model, energy).run(source(y), variables)
+        assert state.metrics["loss"] == pytest.approx(expected, rel=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the short last training batch is warned of
+        trained = (
+            fl.trainer(model, energy, optax.sgd(0.0))
+            .validate(model, source(None))
+            .run(source(None), variables, epochs=1)
+        )
+    assert trained.metrics["loss"] == pytest.approx(expected, rel=1e-6)
+    assert trained.metrics["validation_loss"] == pytest.approx(expected, rel=1e-6)

@@ -277,27 +277,30 @@ def batch_size(tree: Any) -> int:
     return 1
 
 
-def loss_mean(loss: Any) -> Callable[[Array, Array], tuple[Array, Mean]]:
-    """`fn(y_true, y_pred) -> (batch loss, Mean)` for a loss name or callable.
+def loss_mean(loss: Any) -> Callable[[Array, Array, Any], tuple[Array, Mean]]:
+    """`fn(y_true, y_pred, x) -> (batch loss, Mean)` for a loss name or callable.
 
     A named loss is a mean of per-element losses: the batch loss (the training objective)
     is their mean, and the `Mean` holds their sum and count. A callable returns the batch's
     loss only; it is taken as a mean over the batch's examples and weighted by their number
-    (the leading axis of y_true), as Keras weighs its loss tracker.
+    (the leading axis of y_true, or of `x` where y holds no array), as Keras weighs its
+    loss tracker.
     """
     name, fn = resolve_loss(loss)
     each = PER_ELEMENT_LOSSES.get(name) if isinstance(loss, str) else None
 
-    def weighted(y_true: Array, y_pred: Array) -> tuple[Array, Mean]:
+    def weighted(y_true: Array, y_pred: Array, x: Any = None) -> tuple[Array, Mean]:
         value = fn(y_true, y_pred)
-        n = jnp.asarray(batch_size(y_true), jnp.float32)
+        # A batch without targets (an autoencoder's `(x, None)`) counts its inputs' rows.
+        counted = y_true if jax.tree.leaves(y_true) else x
+        n = jnp.asarray(batch_size(counted), jnp.float32)
         return value, Mean(jnp.asarray(value, jnp.float32) * n, n)
 
     if each is None:
         return weighted
     per_element = each
 
-    def named(y_true: Array, y_pred: Array) -> tuple[Array, Mean]:
+    def named(y_true: Array, y_pred: Array, x: Any = None) -> tuple[Array, Mean]:
         require_one_prediction(y_pred, "loss", name)
         values = per_element(y_true, y_pred)
         return values.mean(), _mean_of(values)

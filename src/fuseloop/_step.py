@@ -189,7 +189,7 @@ def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program
 
         def objective(p: Any) -> tuple[Any, tuple[Any, Any, Mean]]:
             y_pred, new_rest = adapter.forward(_merge(p, rest), x, train=True, rng=key)
-            value, mean = loss_fn(y, y_pred)
+            value, mean = loss_fn(y, y_pred, x)
             return value, (y_pred, new_rest, mean)
 
         descended = _descend(tx, objective, params, state["opt_state"])
@@ -234,7 +234,7 @@ def evaluator_program(model: Any, loss: Any = None) -> Program:
         y_pred, _ = adapter.forward(state["params"], x, train=False, rng=None)
         aux = {"y_pred": y_pred, "y_true": y, "binary_labels": binary_labels}
         if loss_fn is not None:
-            aux["loss"], mean = loss_fn(y, y_pred)
+            aux["loss"], mean = loss_fn(y, y_pred, x)
             aux["means"] = {"loss": mean}
         return state, aux
 
