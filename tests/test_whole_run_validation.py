@@ -89,3 +89,20 @@ def test_a_custom_loops_device_validation_is_bitwise_its_host_validation():
 
     plain = history(False)
     assert history("run") == plain and history(4) == plain
+
+
+@pytest.mark.parametrize("population", [None, 2])
+def test_a_bad_validation_label_is_refused_on_the_device_as_on_the_host(population):
+    """The evaluator never runs on the host in a whole run, so its start-of-run checks
+    run before the first dispatch: an out-of-range validation label was a silent NaN."""
+    vx, vy = _xy(seed=5, n=40)
+    vy = vy.copy()
+    vy[37] = 3  # three classes
+    model = fl.models.mlp([8, 3])
+    val = fl.data.arrays(vx, vy, batch_size=16, device=True, drop_remainder=False)
+    loop = fl.trainer(model, "sparse_categorical_cross_entropy", optax.sgd(0.05))
+    loop = loop.validate(model, val).early_stop("validation_loss", patience=2)
+    members = {} if population is None else {"population": population}
+    for fuse in (False, "run"):
+        with pytest.raises(ValueError, match="y holds the label 3, out of range .* 4 units"):
+            loop.run(_data(), epochs=3, fuse=fuse, **members)

@@ -32,7 +32,7 @@ from .._metrics import VALIDATION_PREFIX
 from .._optim import _is_inject_state, find_learning_rates
 from .._step import init_tail, make_carry_step
 from .device_checkpoint import keep_best, kept_start
-from .programs import MIN_SLOTS, kept_order
+from .programs import MIN_SLOTS
 
 __all__ = ["DeviceWork", "plan_device_work"]
 
@@ -372,17 +372,3 @@ def rate_table(work: DeviceWork, step_state: Any, epochs: int, reads: Any) -> tu
         rates.append(w.handler.next_rate(rates[-1]))
     floor = [w.handler.at_floor(r) for r in rates]
     return np.stack(rates), np.asarray(floor, np.bool_)
-
-
-def validation_inputs(work: DeviceWork, programs: Any, placement: Any) -> tuple[Any, ...] | None:
-    """The validation data on the device and its order (the evaluator's epoch 0).
-
-    The order is computed on the device once per source and kept beside it
-    (`kept_order`: the dispatch only reads it), so a later run launches no program for it.
-    """
-    v = work.validation
-    if v is None:
-        return None
-    data = v.source.put(placement.replicated)  # moved once, kept by the source
-    order = kept_order(v.source, 0, lambda: programs.epoch_order(v.source)(np.int32(0))[0])
-    return data, order

@@ -27,9 +27,9 @@ from .device_monitors import (
     monitor_start,
     plan_device_work,
     rate_table,
-    validation_inputs,
 )
 from .device_replay import hand_best, replayed_handlers
+from .device_validation import validation_inputs
 from .packing import unpack_on_host
 from .programs import kept_order
 from .replay import ChunkResult, EpochReplay
@@ -76,7 +76,7 @@ class WholeRun:
             # the same program, so validation and monitors stay on the host (they split).
             self.work = DeviceWork(None)
         self.on_device = set(self.work.registrations)
-        self.validation = validation_inputs(self.work, run.programs, run.placement)
+        self.validation = validation_inputs(self.work, run.programs, run.placement, run)
 
     # ----------------------------------------------------------------- planning
     def _split_reason(self, epoch: int, current: int) -> str | None:
