@@ -64,6 +64,36 @@ def test_under_binary_cross_entropy_every_output_is_a_label_of_its_own():
         assert got[name] == pytest.approx(value, abs=1e-6), name
 
 
+def _sequence_regressor() -> fl.models.from_functions:
+    """Outputs (B, T=3, C=2) from x (B, 3, 4)."""
+    w = RNG.normal(size=(4, 2)).astype(np.float32)
+    return fl.models.from_functions(lambda rng, x: {"w": jnp.asarray(w)}, lambda v, x: x @ v["w"])
+
+
+@pytest.mark.parametrize("fuse", [False, 2])
+@pytest.mark.parametrize(
+    ("loss", "metric"),
+    [
+        ("mean_squared_error", None),
+        ("mean_absolute_error", None),
+        ("binary_cross_entropy", "accuracy"),
+        (lambda y_true, y_pred: jnp.mean(y_pred**2), "mean_absolute_error"),
+    ],
+)
+def test_targets_in_a_transposed_layout_are_refused_not_reshaped(loss, metric, fuse):
+    """(B, C, T) targets hold as many values as a (B, T, C) output; reshaped, they trained
+    on scrambled targets. Only trailing 1s are reshaped away."""
+    x = RNG.normal(size=(16, 3, 4)).astype(np.float32)
+    y = (RNG.normal(size=(16, 2, 3)) > 0).astype(np.float32)
+    loop = fl.trainer(_sequence_regressor(), loss, "sgd")
+    loop = loop if metric is None else loop.metric(metric)
+    with pytest.raises(ValueError, match=r"y has shape \(8, 2, 3\).*output of shape \(8, 3, 2\)"):
+        loop.run(fl.data.arrays(x, y, batch_size=8), epochs=1, fuse=fuse)
+    y_column = (RNG.normal(size=(16, 3, 2, 1)) > 0).astype(np.float32)  # trailing 1: taken
+    trained = loop.run(fl.data.arrays(x, y_column, batch_size=8), epochs=1, fuse=fuse)
+    assert np.isfinite(trained.metrics["loss"])
+
+
 def test_multi_class_precision_and_recall_are_micro_averaged():
     labels = RNG.integers(0, 4, size=40).astype(np.int32)
     got = _evaluate(

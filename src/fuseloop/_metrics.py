@@ -90,17 +90,45 @@ def _cce_each(y_true: Array, y_pred: Array) -> Array:
     return optax.softmax_cross_entropy(y_pred, y_true.astype(y_pred.dtype))
 
 
+def fits_output(shape: tuple[int, ...], output: tuple[int, ...]) -> bool:
+    """Whether targets of `shape` are the output's `shape` but for trailing 1s, the only
+    difference a built-in loss or metric reshapes away: (B,) against (B, 1), not a
+    transposed (B, C, T) against (B, T, C), which holds as many values.
+
+    Example:
+        >>> fits_output((8,), (8, 1)), fits_output((8, 2, 3), (8, 3, 2))
+        (True, False)
+    """
+
+    def significant(dims: tuple[int, ...]) -> tuple[int, ...]:
+        while dims and dims[-1] == 1:
+            dims = dims[:-1]
+        return dims
+
+    return tuple(shape[:1]) == tuple(output[:1]) and significant(shape) == significant(output)
+
+
+def _like_output(y_true: Array, y_pred: Array, name: str) -> Array:
+    if not fits_output(jnp.shape(y_true), jnp.shape(y_pred)):
+        raise ValueError(
+            f"data: y has shape {jnp.shape(y_true)}, but {name} with the model's output of "
+            f"shape {jnp.shape(y_pred)} expects targets of that shape (trailing 1s aside); "
+            f"reshape or transpose y, or change the model's last layer"
+        )
+    return jnp.reshape(y_true, y_pred.shape)
+
+
 def _bce_each(y_true: Array, y_pred: Array) -> Array:
-    y_true = jnp.reshape(y_true, y_pred.shape).astype(y_pred.dtype)
+    y_true = _like_output(y_true, y_pred, "binary_cross_entropy").astype(y_pred.dtype)
     return optax.sigmoid_binary_cross_entropy(y_pred, y_true)
 
 
 def _mse_each(y_true: Array, y_pred: Array) -> Array:
-    return jnp.square(y_pred - jnp.reshape(y_true, y_pred.shape))
+    return jnp.square(y_pred - _like_output(y_true, y_pred, "mean_squared_error"))
 
 
 def _mae_each(y_true: Array, y_pred: Array) -> Array:
-    return jnp.abs(y_pred - jnp.reshape(y_true, y_pred.shape))
+    return jnp.abs(y_pred - _like_output(y_true, y_pred, "mean_absolute_error"))
 
 
 # Per-element losses: the training objective is their mean over the batch, and the "loss"
@@ -139,7 +167,7 @@ def _predicted_and_true_classes(
     require_one_prediction(y_pred, "metric", metric)
     if binary or y_pred.ndim < 2 or y_pred.shape[-1] == 1:
         # Each output a logit, thresholded at 0 (probability 0.5), against a 0/1 label.
-        return jnp.reshape(y_true, y_pred.shape) > 0.5, y_pred > 0
+        return _like_output(y_true, y_pred, metric) > 0.5, y_pred > 0
     predicted = jnp.argmax(y_pred, axis=-1)
     if y_true.shape == y_pred.shape:  # one-hot or probabilities
         return jnp.argmax(y_true, axis=-1), predicted

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._batch_checks import LabelRule
-from ._metrics import resolve_loss
+from ._metrics import fits_output, resolve_loss
 from ._outputs import require_one_prediction
 from ._placement import device_dtype
 from .models import ModelModeError, from_nnx, linen
@@ -345,7 +345,7 @@ class ModelFit:
             )
 
     def _check_named_loss(self, name: str, ys: Any, y_pred: Any, output: str) -> None:
-        batch_size, shape = y_pred.shape[:1], ys.shape
+        shape = ys.shape
         if name == SPARSE and jnp.issubdtype(ys.dtype, jnp.floating):
             raise ValueError(
                 f"data: y has dtype {ys.dtype}, but {name} expects integer class labels; a "
@@ -367,13 +367,11 @@ class ModelFit:
                 f"same shape {y_pred.shape} (one-hot or probabilities); for integer labels "
                 f"use 'sparse_categorical_cross_entropy'"
             )
-        elif name in _SAME_SIZE_LOSSES and (
-            shape[:1] != batch_size or int(np.prod(shape)) != int(np.prod(y_pred.shape))
-        ):
+        elif name in _SAME_SIZE_LOSSES and not fits_output(shape, y_pred.shape):
             raise ValueError(
                 f"data: y has shape {shape}, but {name} with {output} expects targets with "
-                f"one value per output, shape {y_pred.shape}; reshape y or change the "
-                f"model's last layer"
+                f"one value per output, shape {y_pred.shape} (trailing 1s aside); reshape "
+                f"or transpose y, or change the model's last layer"
             )
         if name == _BINARY:
             self.labels = LabelRule(name)
