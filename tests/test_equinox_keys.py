@@ -137,6 +137,31 @@ def test_unbatched_training_splits_the_step_key_into_one_key_per_example():
     np.testing.assert_array_equal(np.asarray(y), np.asarray(expected))
 
 
+class DictInputKeyNet(KeywordOnlyKeyNet):
+    """The same network on an input dict {"a": (1,), "b": (2,)} per example."""
+
+    def __call__(self, x, *, key):
+        return super().__call__(jax.numpy.concatenate([x["a"], x["b"]]), key=key)
+
+
+def test_a_dict_input_gets_one_key_per_example_and_trains_fused_as_unfused():
+    """The batch size for the per-example keys comes from x's first leaf: x.shape failed on
+    a dict, and the error blamed x."""
+    module = DictInputKeyNet(jax.random.PRNGKey(0))
+    adapter = fl.models.from_equinox(module)
+    x = {"a": X[:, :1], "b": X[:, 1:]}
+    rng = jax.random.PRNGKey(3)
+    first = jax.tree.map(lambda a: a[:4], x)
+    y, _ = adapter.forward(adapter.init(None, None), first, train=True, rng=rng)
+    in_training = eqx.nn.inference_mode(module, False)
+    expected = jax.vmap(lambda xi, k: in_training(xi, key=k))(first, jax.random.split(rng, 4))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(expected))
+    data = fl.data.arrays(x, Y, batch_size=4, shuffle=False)
+    unfused = fl.trainer(module, SPARSE, "adam").run(data, epochs=2)
+    fused = fl.trainer(module, SPARSE, "adam").run(data, epochs=2, fuse=4)
+    assert fused.history == unfused.history
+
+
 def test_batched_module_with_dropout_trains_and_gets_the_step_key_for_the_batch():
     module = BatchedDropoutNet(jax.random.PRNGKey(0))
     model = fl.models.from_equinox(module, batched=True)

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 
 from ._functions import takes_keyword
+from ._metrics import batch_size
 
 __all__ = ["from_equinox"]
 
@@ -172,7 +173,7 @@ class from_equinox:  # noqa: N801
         if key is None:
             return jax.vmap(module)(x), None
         if train:
-            keys = jax.random.split(key, x.shape[0])
+            keys = jax.random.split(key, batch_size(x))  # x may be a dict or tuple
             return jax.vmap(lambda xi, k: module(xi, key=k))(x, keys), None
         return jax.vmap(lambda xi: module(xi, key=key))(x), None
 
