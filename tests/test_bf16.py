@@ -71,3 +71,30 @@ def test_a_custom_step_that_changes_a_shape_is_a_value_error(fuse):
             {"total": jnp.zeros(2)},
             fuse=fuse,
         )
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_named_optimizers_keep_float64_params_in_float64(name):
+    """Under jax_enable_x64 the named optimizers train float64 params in float64, state and
+    rate included, as the optax transformation they name does (their float32 widening is for
+    bfloat16 and float16 only: it had narrowed float64 to float32)."""
+    factory = {"sgd": optax.sgd, "adam": optax.adam, "adamw": optax.adamw}[name]
+    rate = {"sgd": 0.01, "adam": 1e-3, "adamw": 1e-3}[name]
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(32, 4))
+        y = x @ np.array([[1.0], [-2.0], [0.5], [3.0]])
+        model = nn.Dense(1, param_dtype=jnp.float64)
+        data = fl.data.arrays(x, y, batch_size=8, shuffle=False)
+        start = model.init(jax.random.PRNGKey(0), x[:1])
+        named = fl.trainer(model, "mean_squared_error", name).run(data, start, epochs=3)
+        hand = fl.trainer(model, "mean_squared_error", factory(rate)).run(data, start, epochs=3)
+        floats = [
+            leaf.dtype
+            for leaf in jax.tree.leaves(named.step_state["opt_state"])
+            if jnp.issubdtype(leaf.dtype, jnp.floating)
+        ]
+        assert set(floats) == {jnp.dtype(jnp.float64)}
+        for a, b in zip(jax.tree.leaves(named.params), jax.tree.leaves(hand.params), strict=True):
+            assert a.dtype == jnp.float64
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

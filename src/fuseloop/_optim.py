@@ -2,8 +2,10 @@
 
 Named optimizers ("sgd", "adam", "adamw") are built with `optax.inject_hyperparams`, so the
 learning rate lives in the optimizer state (reduce_lr_on_plateau changes it there), with
-float32 hyperparameters and a float32 optimizer state whatever the params' dtype: in
+hyperparameters and an optimizer state at least float32 wide whatever the params' dtype: in
 bfloat16, adam's b2=0.999 rounds to 1.0 and the loss turns NaN from the second step.
+float64 params (under `jax_enable_x64`) keep float64 throughout, as the optax
+transformation the name stands for does.
 """
 
 from __future__ import annotations
@@ -45,25 +47,42 @@ _INJECT_STATES = tuple(
 
 
 def _to_float32(tree: Any) -> Any:
+    """`tree` with its floats narrower than float32 (bfloat16, float16) widened to float32;
+    float32 and float64 leaves stay as they are."""
+
     def cast(leaf: Any) -> Any:
-        if jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+        dtype = jnp.result_type(leaf)
+        if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
             return jnp.asarray(leaf, jnp.float32)
         return leaf
 
     return jax.tree.map(cast, tree)
 
 
-def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformation:
-    """`inner` run on float32 copies of the gradients and params; its state is float32 and
-    its updates are cast back to each gradient's dtype. With float32 params every cast is
-    the identity, so nothing changes there. The state is `inner`'s own (same structure)."""
+def _any_float64(tree: Any) -> bool:
+    return any(jnp.result_type(leaf) == jnp.float64 for leaf in jax.tree.leaves(tree))
+
+
+def in_float32(
+    inner: optax.GradientTransformation, for_float64: optax.GradientTransformation | None = None
+) -> optax.GradientTransformation:
+    """`inner` run on copies of the gradients and params at least float32 wide; its state is
+    float32 for bfloat16 or float16 params (float64 stays float64: never narrowed) and its
+    updates are cast back to each gradient's dtype. With float32 params every cast is the
+    identity, so nothing changes there. The state is `inner`'s own (same structure).
+
+    `for_float64`: the transformation to run instead where a param is float64 (under
+    `jax_enable_x64`), e.g. with float64 hyperparameters; None: `inner`.
+    """
+    wide = inner if for_float64 is None else for_float64
 
     def init(params: Any) -> Any:
-        return inner.init(_to_float32(params))
+        return (wide if _any_float64(params) else inner).init(_to_float32(params))
 
     def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         wide_params = None if params is None else _to_float32(params)
-        updates, state = inner.update(_to_float32(grads), state, wide_params)
+        chosen = wide if _any_float64(grads) else inner
+        updates, state = chosen.update(_to_float32(grads), state, wide_params)
         updates = jax.tree.map(lambda u, g: u.astype(jnp.result_type(g)), updates, grads)
         return updates, state
 
@@ -79,8 +98,13 @@ def resolve_optimizer(optimizer: Any) -> optax.GradientTransformation:
                 f"{', '.join(OPTIMIZERS)} or an optax.GradientTransformation"
             )
         factory, learning_rate = OPTIMIZERS[optimizer]
-        injected = optax.inject_hyperparams(factory, hyperparam_dtype=jnp.float32)
-        return in_float32(injected(learning_rate=learning_rate))
+        made = {
+            dtype: optax.inject_hyperparams(factory, hyperparam_dtype=dtype)(
+                learning_rate=learning_rate
+            )
+            for dtype in (jnp.float32, jnp.float64)
+        }
+        return in_float32(made[jnp.float32], made[jnp.float64])
     if isinstance(optimizer, optax.GradientTransformation) or (
         hasattr(optimizer, "init") and hasattr(optimizer, "update")
     ):
