@@ -46,7 +46,7 @@ def train(model, args, train_split, val_split) -> fl.State:
     """Trains `model` with Adam, validating each epoch and stopping early on the validation
     loss; `args` from `parse` set the epochs, the chunk size, logging and progress."""
     train_data = fl.data.arrays(*train_split, batch_size=32, shuffle=True, seed=0)
-    val = fl.data.arrays(*val_split, batch_size=120, shuffle=False)
+    val = fl.data.arrays(*val_split, batch_size=120, shuffle=False, drop_remainder=False)
     loop = (
         fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(2e-3), log=args.log)
         .metric("accuracy")

@@ -124,7 +124,9 @@ def main(argv=None) -> dict:
         model = CharTransformer(len(alphabet), context=64)
         epochs, iterations, length = args.epochs, None, args.sample
     train = fl.data.arrays(*windows(ids[:cut], model.context), batch_size=32, seed=0)
-    val = fl.data.arrays(*windows(ids[cut:], model.context), batch_size=32, shuffle=False)
+    val = fl.data.arrays(
+        *windows(ids[cut:], model.context), batch_size=32, shuffle=False, drop_remainder=False
+    )
     steps = epochs * (iterations or len(train))
     schedule = optax.warmup_cosine_decay_schedule(0.0, 2e-3, max(1, steps // 20), steps)
     loop = (

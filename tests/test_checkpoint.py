@@ -308,3 +308,22 @@ def test_a_save_killed_mid_write_leaves_the_last_good_checkpoint(tmp_path):
     saver.save(fl.State(epoch=first, step_state={"i": jnp.int32(first)}))
     assert not [p for p in path.iterdir() if p.name.startswith(".")]
     assert fl.load_state(path).epoch == first
+
+
+def test_the_handler_modules_the_docs_call_resolve_in_a_fresh_process(tmp_path):
+    """`fl.handlers.checkpoint.list_checkpoints(path)` (docs/handlers.md) right after
+    `import fuseloop`: the submodules load on first use; it raised AttributeError unless a
+    Loop had attached a checkpoint before."""
+    fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "sgd").checkpoint(
+        tmp_path
+    ).run(_batches(2, 0), epochs=2)
+    script = (
+        "import sys, fuseloop as fl; "
+        "print(len(fl.handlers.checkpoint.list_checkpoints(sys.argv[1])), "
+        "callable(fl.handlers.progress.write_above_bars))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["2", "True"]
