@@ -406,3 +406,35 @@ def test_a_handler_failing_on_a_replayed_state_is_told_why_it_has_no_params():
         loop.run(_data(), epochs=3, fuse="run")
     (note,) = caught.value.__notes__
     assert "state.params are None" in note and "replayed" in note
+
+
+@pytest.mark.parametrize("fuse", ["run", 32])
+def test_a_metric_an_iteration_handler_writes_is_monitored_as_written(tmp_path, fuse):
+    """The last writer wins (DESIGN §8): an iteration handler rewrites the epoch's loss at
+    its last step, and early_stop and checkpoint(criteria=) judge the written value, on the
+    host. On the device they read the accumulators, and the replay's check raised
+    FusionError."""
+    written = [5.0, 4.0, 4.5, 4.2, 4.1, 3.0]
+
+    def write_loss(state: fl.State):
+        if state.iteration == 5:  # an epoch's last of 6 steps
+            return "continue", state.replace(
+                metrics={**state.metrics, "loss": written[state.epoch]}
+            )
+        return None
+
+    def loop(path):
+        return (
+            _trainer()
+            .handle_event("iteration_completed", write_loss)
+            .checkpoint(path, criteria="loss")
+            .early_stop("loss", patience=2)
+        )
+
+    plain = loop(tmp_path / "plain").run(_data(), epochs=6, fuse=False)
+    fused = loop(tmp_path / "fused").run(_data(), epochs=6, fuse=fuse)
+    _assert_same_run(fused, plain)
+    assert [h["loss"] for h in fused.history.values()] == written[:4]
+    assert sorted(p.name for p in (tmp_path / "fused").iterdir()) == sorted(
+        p.name for p in (tmp_path / "plain").iterdir()
+    )
