@@ -185,6 +185,15 @@ def test_second_element_must_be_a_state():
         loop.run(make_batches(2), counter_init())
 
 
+def test_a_pair_in_the_wrong_order_is_named_by_type_not_by_its_repr():
+    """`(state, "continue")` is the likeliest slip; the message named the State by its repr,
+    every array of its step state included (42 KB for a small MLP)."""
+    loop = counter_loop().handle_event("epoch_completed", lambda s: (s, "continue"))
+    with pytest.raises(ValueError, match="first item is State, not a status") as info:
+        loop.run(make_batches(2), counter_init())
+    assert len(str(info.value)) < 400
+
+
 def test_other_return_types_are_rejected():
     loop = counter_loop().handle_event("epoch_completed", lambda s: 3)
     with pytest.raises(ValueError, match="returned int"):

@@ -4,6 +4,7 @@ honoured identically by the unfused and the fused loop."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import fuseloop as fl
@@ -114,3 +115,12 @@ def test_filter_is_checked_before_a_handler_halts():
     state = loop.run(make_batches(6), counter_init())
     assert state.status == "halted"
     assert int(state.step_state["n"]) == 4
+
+
+def test_numpy_integer_counts_are_counts_and_bools_are_not():
+    assert fired_counts({"every": np.int64(3)}, "iteration_completed", False) == fired_counts(
+        {"every": 3}, "iteration_completed", False
+    )
+    for bad in (True, 0, 2.0, np.float32(2)):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            counter_loop().handle_event("iteration_completed", lambda s: None, {"every": bad})

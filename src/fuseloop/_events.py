@@ -7,6 +7,7 @@ decide which iterations need a State without building one for every iteration.
 from __future__ import annotations
 
 import enum
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -142,7 +143,9 @@ def make_filter(spec: Any, argument: str = "filter") -> Filter:
                 f"accepted keys: {', '.join(_FILTER_KEYS)}"
             )
         for key, value in spec.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            # Any integer type counts (a count computed with numpy is an np.int64); a bool not.
+            integer = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            if not integer or value < 1:
                 raise ValueError(
                     f"{argument}[{key!r}]={value!r} must be a positive int (counts start at 1)"
                 )
@@ -207,8 +210,11 @@ def parse_result(result: Any, label: str) -> tuple[str, Any]:
             )
         return status, new_state
     if isinstance(result, tuple) and len(result) == 2:
+        first = result[0]
+        # Named by its type: a State's repr holds every array of its step state.
+        shown = repr(first) if isinstance(first, (int, float, type(None))) else type(first).__name__
         raise ValueError(
-            f"handler {label} returned a pair whose first item is {result[0]!r}, not a "
+            f"handler {label} returned a pair whose first item is {shown}, not a "
             f"status; a pair is (status, new_state), with status one of {', '.join(STATUSES)} "
             f"(e.g. ('continue', state.replace(...)))"
         )
