@@ -194,6 +194,16 @@ def test_a_pair_in_the_wrong_order_is_named_by_type_not_by_its_repr():
     assert len(str(info.value)) < 400
 
 
+@pytest.mark.parametrize("moved", [{"epoch": 5}, {"iteration": 7}, {"max_epoch": 9}])
+def test_a_returned_state_may_not_move_the_loops_counters(moved):
+    """The loop ignored a moved epoch but wrote the history under it ({0, 5, 1, 2})."""
+    loop = counter_loop().handle_event(
+        "epoch_completed", lambda s: ("continue", s.replace(**moved))
+    )
+    with pytest.raises(ValueError, match=f"{next(iter(moved))} is .*counters are its own"):
+        loop.run(make_batches(2), counter_init(), epochs=3)
+
+
 def test_other_return_types_are_rejected():
     loop = counter_loop().handle_event("epoch_completed", lambda s: 3)
     with pytest.raises(ValueError, match="returned int"):

@@ -155,6 +155,7 @@ class EventBus:
                         f"{type(new_state).__name__}); the second element must be a State "
                         f"(use state.replace(...))"
                     )
+                _refuse_counter_changes(state, new_state, registration.label)
                 state = new_state
                 if mirror_history:
                     state = state.replace(
@@ -250,3 +251,19 @@ class EventBus:
                 except Exception as error:  # noqa: BLE001 - the leaving error comes first
                     failed.append(f"{registration.label}: {type(error).__name__}: {error}")
         return failed
+
+
+_COUNTERS = ("epoch", "iteration", "max_epoch", "max_iteration")
+
+
+def _refuse_counter_changes(given: State, returned: State, label: str) -> None:
+    """The loop keeps its own counters; a returned State that moves one would be ignored
+    by the loop yet written into `history` under the moved epoch."""
+    for name in _COUNTERS:
+        if getattr(returned, name) != getattr(given, name):
+            raise ValueError(
+                f"handler {label} returned a State whose {name} is "
+                f"{getattr(returned, name)!r}, not {getattr(given, name)!r}: the loop's "
+                f"counters are its own. Halt with a status, keep a count of your own in "
+                f"handler_metadata, or pass epochs=/iterations= to run"
+            )
