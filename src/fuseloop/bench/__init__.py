@@ -278,7 +278,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="3 repetitions instead of 10 (under 2 minutes on 2 cores)",
+        help="3 repetitions instead of 10 (1.5-3 minutes on 2 cores)",
     )
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per system")
     parser.add_argument(
