@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from ..engine.signals import AbortOnSignal
 from ._harness import RATIOS, compile_vs_k, cross_check, measure, ratios, targets
 from ._options import check_modes
 from ._output import machine_info, markdown, unwritable, write_json, write_plot
@@ -195,9 +196,11 @@ def _report_frame(reps: int, quick: bool, batch_size: int, n_batches: int) -> di
             "machine": machine_info(),
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "timing": "per-iteration microseconds = one epoch's wall time / batches; every "
-            "epoch of every sample is a data point; fuseloop and Keras time epochs "
-            "1..n of an (n+1)-epoch run (state.stats['epoch_time'], on_epoch_begin/"
-            "end), the others start each epoch from the initial parameters",
+            "epoch of every sample is a data point, but a fuseloop sample is one (the mean "
+            "of its epochs: the next epoch's first chunk is launched ahead of the read); "
+            "fuseloop and Keras time epochs 1..n of an (n+1)-epoch run "
+            "(state.stats['epoch_time'], on_epoch_begin/end), the others start each epoch "
+            "from the initial parameters",
         },
         "models": {},
         "ratio_definitions": [list(r) for r in RATIOS],
@@ -344,6 +347,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = unwritable(path)
         if problem:
             parser.error(f"{option} {path}: {problem}")
+    # Runs inside the benchmark halt on a first signal and the benchmark would go on to the
+    # next system; as the outermost guard, this one stops it instead.
+    with AbortOnSignal():
+        return _main(args, parser, argv, reps)
+
+
+def _main(args: Any, parser: Any, argv: Sequence[str] | None, reps: int) -> int:
     started = time.perf_counter()
 
     def log(message: str) -> None:
