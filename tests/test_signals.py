@@ -229,3 +229,31 @@ def test_a_signal_in_an_epoch_handler_halts_before_the_next_epoch_on_resident_da
     assert int(state.step_state["step"]) == 40 and sorted(state.history) == [0, 1]
     assert events[-2:] == [("epoch_completed", 1, 19), ("halted", 1, 19)]
     assert ("epoch_started", 2, 0) not in events
+
+
+def test_under_an_abort_guard_a_first_signal_stops_the_program_not_one_run(monkeypatch):
+    """The benchmark's runs used to halt on a Ctrl-C and the benchmark went on to the next
+    system; under `AbortOnSignal` (the bench's outermost guard) the first signal raises."""
+    from fuseloop import cli
+    from fuseloop.engine.signals import AbortOnSignal
+
+    def interrupt(state: fl.State) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.normal(size=(4, 3)).astype(np.float32), rng.integers(0, 3, 4).astype(np.int32))
+        for _ in range(4)
+    ]
+    loop = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "sgd")
+    loop = loop.observe("epoch_completed", interrupt)
+    assert loop.run(batches, epochs=3).status == "halted"  # a run alone halts gracefully
+    with pytest.raises(KeyboardInterrupt, match="SIGINT"), AbortOnSignal():
+        loop.run(batches, epochs=3)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+    def bench_main(argv):
+        raise KeyboardInterrupt("SIGINT: stopped")
+
+    monkeypatch.setattr("fuseloop.bench.main", bench_main)
+    assert cli.main(["bench", "--quick"]) == 130

@@ -120,7 +120,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         from .bench import main as bench_main
 
-        return bench_main(rest)
+        try:
+            return bench_main(rest)
+        except KeyboardInterrupt as stop:
+            print(f"fuseloop bench: interrupted ({stop})", file=sys.stderr)
+            return 130
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "launch":

@@ -7,7 +7,7 @@ import threading
 from types import FrameType
 from typing import Any
 
-__all__ = ["SignalGuard"]
+__all__ = ["SignalGuard", "AbortOnSignal"]
 
 _SIGNALS = (int(signal.SIGINT), int(signal.SIGTERM))
 # `signal.signal` converts its arguments and its result to and from enums, and converting
@@ -61,3 +61,14 @@ class SignalGuard:
         self._restore()
         if _outermost is self:
             _outermost = None
+
+
+class AbortOnSignal(SignalGuard):
+    """The outermost guard of a program whose runs have nothing to save on a signal (the
+    benchmark): the first SIGINT/SIGTERM raises KeyboardInterrupt at once, so it stops the
+    whole program rather than halting one run and going on to the next.
+    """
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self._restore()
+        raise KeyboardInterrupt(f"{signal.Signals(signum).name}: stopped")
