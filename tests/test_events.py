@@ -313,3 +313,17 @@ def test_handler_exceptions_propagate_with_a_note():
     loop = counter_loop().handle_event("iteration_completed", boom)
     with pytest.raises(RuntimeError, match="boom"):
         loop.run(make_batches(2), counter_init())
+
+
+def test_a_handler_that_adds_to_a_trainers_step_state_is_named():
+    """The trainer's step drops what it does not know, and the error blamed the step."""
+    from conftest import make_batches as batches
+
+    def add_ema(state):
+        return "continue", state.replace(step_state={**state.step_state, "ema": 0.0})
+
+    loop = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "sgd")
+    loop = loop.handle_event("epoch_completed", add_ema)
+    for fuse in (False, 2):
+        with pytest.raises(ValueError, match=r"add_ema returned .*step_state adds \['ema'\]"):
+            loop.run(batches(4), epochs=2, fuse=fuse)

@@ -243,7 +243,9 @@ def _carry_message(changed: list[str], batch: int) -> str:
         f"Every leaf of the step state must keep its shape and dtype from step to step. A "
         f"leaf sized by the batch (such as y_pred) needs batches of one size: pass "
         f"drop_remainder=True (or uniform batches), or keep per-batch values out of the "
-        f"step state; a dtype change needs the step to cast back (e.g. .astype)"
+        f"step state; a dtype change needs the step to cast back (e.g. .astype). A step "
+        f"state that a handler returned (state.replace(step_state=...)) must keep the "
+        f"structure the step returns"
     )
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
+
+import jax
 
 from .._events import (
     CONTINUE,
@@ -54,11 +56,16 @@ def _read_a_missing_step_state(error: BaseException, state: State, event: Event)
 class EventBus:
     """Fires events to registered handlers and keeps the run's event counts."""
 
-    def __init__(self, registrations: Iterable[Registration], observer: Any = None):
+    def __init__(
+        self, registrations: Iterable[Registration], observer: Any = None, fixed: bool = False
+    ):
         """`observer` (e.g. the progress bar) is told about every run and epoch event
         (`on_event(event, state)`), about steps as they are accounted for (`advance(n,
         metrics or None)`), and closed at the end (`close()`); it never changes the run.
+        `fixed`: the step state's structure is the built-in step's (a trainer's or an
+        evaluator's), which a handler's returned step state must keep.
         """
+        self.fixed = fixed
         self.by_event: dict[Event, list[Registration]] = defaultdict(list)
         for registration in registrations:
             self.by_event[registration.event].append(registration)
@@ -155,7 +162,7 @@ class EventBus:
                         f"{type(new_state).__name__}); the second element must be a State "
                         f"(use state.replace(...))"
                     )
-                _refuse_counter_changes(state, new_state, registration.label)
+                _check_returned(state, new_state, registration.label, self.fixed)
                 state = new_state
                 if mirror_history:
                     state = state.replace(
@@ -256,9 +263,14 @@ class EventBus:
 _COUNTERS = ("epoch", "iteration", "max_epoch", "max_iteration")
 
 
-def _refuse_counter_changes(given: State, returned: State, label: str) -> None:
+def _check_returned(given: State, returned: State, label: str, fixed: bool) -> None:
     """The loop keeps its own counters; a returned State that moves one would be ignored
-    by the loop yet written into `history` under the moved epoch."""
+    by the loop yet written into `history` under the moved epoch. Where the step is a
+    built-in one (`fixed`), a returned step state keeps the structure of the one given:
+    the step drops what it does not know (a custom step may carry any structure)."""
+    before, after = given.step_state, returned.step_state
+    if fixed and before is not None and after is not None and after is not before:
+        _refuse_layout_changes(before, after, label)
     for name in _COUNTERS:
         if getattr(returned, name) != getattr(given, name):
             raise ValueError(
@@ -267,3 +279,24 @@ def _refuse_counter_changes(given: State, returned: State, label: str) -> None:
                 f"counters are its own. Halt with a status, keep a count of your own in "
                 f"handler_metadata, or pass epochs=/iterations= to run"
             )
+
+
+def _refuse_layout_changes(before: Any, after: Any, label: str) -> None:
+    if cast(Any, jax.tree.structure(before)) == jax.tree.structure(after):
+        return  # values, shapes and dtypes are the step's own checks' to judge
+    old_paths, new_paths = _paths(before), _paths(after)
+    added, missing = sorted(new_paths - old_paths)[:3], sorted(old_paths - new_paths)[:3]
+    problem = (
+        f"adds {', '.join(added) or 'nothing'} and lacks {', '.join(missing) or 'nothing'}"
+        if added or missing
+        else "has other containers (a dict in place of a NamedTuple, say)"
+    )
+    raise ValueError(
+        f"handler {label} returned a State whose step_state {problem}: the compiled step "
+        f"takes a step state of the structure it was given. Change values only (keep every "
+        f"key); keep anything else of your own in handler_metadata"
+    )
+
+
+def _paths(tree: Any) -> set[str]:
+    return {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}

@@ -73,7 +73,8 @@ class Run:
         self.source = as_source(data)
         self.fuse = resolve_fuse(fuse, jit)
         self.resident = bool(getattr(self.source.data, "resident", False))
-        self.bus = EventBus(loop.registrations, observer)
+        fixed = loop.program.kind in ("trainer", "evaluator")
+        self.bus = EventBus(loop.registrations, observer, fixed)
         # A population's guard acts per member on the device (population_run.py).
         self.guard = loop.guard_nonfinite and self.population is None
         # Chunks launched ahead of replays that may halt copy their carry (Programs).
