@@ -211,3 +211,15 @@ def test_variables_of_another_model_are_named_with_the_leaf_that_differs():
     message = str(caught.value)
     assert "fresh variables fit this x" in message and "from another model" in message
     assert "of shape (8,) where the model makes (16,)" in message
+
+
+def test_variables_given_without_their_params_wrapper_are_named_so():
+    class Normed(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = False):
+            return nn.Dense(3)(nn.BatchNorm(use_running_average=not train)(nn.Dense(8)(x)))
+
+    x = np.random.default_rng(0).normal(size=(16, 5)).astype(np.float32)
+    variables = Normed().init(jax.random.PRNGKey(0), x[:1])
+    with pytest.raises(ValueError, match=r"variables\['params'\] alone: pass the whole"):
+        fl.predict(Normed(), variables["params"], x)

@@ -136,3 +136,22 @@ def test_an_arrays_source_predicts_every_row_in_its_order(state, device):
     source = fl.data.arrays(X, Y, batch_size=4, device=device)
     out = predict(Net(), state, source, fuse=2)
     np.testing.assert_allclose(out, expected(state), rtol=1e-6, atol=1e-6)
+
+
+def test_a_source_of_pairs_meant_as_two_inputs_is_told_it_was_read_as_x_and_y():
+    """A list of x-only batches `(a, b)` is read as (x, y); the model got `a` alone and the
+    error said only "too many values to unpack"."""
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(20, 4)), rng.normal(size=(20, 3))
+    model = fl.models.from_functions(
+        lambda key, x: {"wa": np.ones((4, 2)), "wb": np.ones((3, 2))},
+        lambda v, x: x[0] @ v["wa"] + x[1] @ v["wb"],
+    )
+    variables = {"wa": np.ones((4, 2)), "wb": np.ones((3, 2))}
+    as_pairs = [(a[i : i + 5], b[i : i + 5]) for i in range(0, 20, 5)]
+    with pytest.raises(ValueError) as error:
+        predict(model, variables, as_pairs)
+    assert "read as (x, y)" in "".join(error.value.__notes__)
+    wrapped = [((xa, xb), None) for xa, xb in as_pairs]  # the fix the note names
+    expected = a @ np.ones((4, 2)) + b @ np.ones((3, 2))
+    np.testing.assert_allclose(predict(model, variables, wrapped), expected, rtol=1e-5)

@@ -19,6 +19,7 @@ from ._batch_checks import LabelRule
 from ._metrics import fits_output, resolve_loss
 from ._outputs import require_one_prediction
 from ._placement import device_dtype
+from ._variables_diff import first_difference as _first_difference
 from .models import ModelModeError, from_nnx, linen
 
 __all__ = ["ModelFit", "SPARSE", "abstract", "needs_rng"]
@@ -375,24 +376,3 @@ class ModelFit:
             )
         if name == _BINARY:
             self.labels = LabelRule(name)
-
-
-def _first_difference(given: Any, fresh: Any) -> str:
-    """' The given variables hold <path> of shape (a) where the model makes (b).', or ''."""
-    try:
-        mine = dict(jax.tree_util.tree_flatten_with_path(given)[0])
-        theirs = dict(jax.tree_util.tree_flatten_with_path(fresh)[0])
-    except Exception:  # noqa: BLE001 - a description only
-        return ""
-    for path in sorted(mine.keys() | theirs.keys(), key=str):
-        name = jax.tree_util.keystr(path)
-        if path not in theirs:
-            return f" The given variables hold {name}, which the model does not make."
-        if path not in mine:
-            return f" The given variables lack {name}, which the model makes."
-        if np.shape(mine[path]) != np.shape(theirs[path]):
-            return (
-                f" The given variables hold {name} of shape {tuple(np.shape(mine[path]))} "
-                f"where the model makes {tuple(np.shape(theirs[path]))}."
-            )
-    return ""

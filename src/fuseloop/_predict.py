@@ -85,7 +85,14 @@ def _is_array_tree(x: Any) -> bool:
     return bool(leaves) and all(_is_array(leaf) and np.ndim(leaf) >= 1 for leaf in leaves)
 
 
-def _inputs_of_source(source: Any) -> tuple[Any, int]:
+_PAIRS_READ = (
+    "fuseloop: each batch of the source was a pair, read as (x, y): only its first item "
+    "went to the model. For an x made of two arrays, yield ((a, b), None) or a dict of "
+    "arrays instead"
+)
+
+
+def _inputs_of_source(source: Any) -> tuple[Any, int, bool]:
     """All inputs of a batch source (batches `x` or `(x, y)`), concatenated in order, and
     the first batch's size. An `fl.data.arrays` source's epochs may be shuffled and drop a
     short last batch, so its arrays are taken as they are: one output per row of them.
@@ -94,16 +101,16 @@ def _inputs_of_source(source: Any) -> tuple[Any, int]:
     from .data import ArraySource
 
     if isinstance(source, ArraySource):
-        return source.x, source.batch_size
+        return source.x, source.batch_size, False
 
     wrapped = as_source(source)
     iterator = wrapped.epoch_iterator(0)
-    inputs = []
+    inputs, pairs = [], False
     try:
         for batch in iterator:
-            inputs.append(
-                batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else batch
-            )
+            pair = isinstance(batch, (tuple, list)) and len(batch) == 2
+            pairs = pairs or pair
+            inputs.append(batch[0] if pair else batch)
     finally:
         wrapped.close()
     if not inputs:
@@ -116,7 +123,7 @@ def _inputs_of_source(source: Any) -> tuple[Any, int]:
             "pairs) with the examples on axis 0"
         )
     joined = jax.tree.map(lambda *parts: np.concatenate([np.asarray(p) for p in parts]), *inputs)
-    return joined, size
+    return joined, size, pairs
 
 
 def _example_count(x: Any) -> int:
@@ -200,9 +207,9 @@ def predict(
             or (batch_size < 1)
         ):
             raise ValueError(f"batch_size={batch_size!r} must be a positive int")
-        inputs, size = x, int(batch_size)
+        inputs, size, pairs = x, int(batch_size), False
     else:
-        inputs, size = _inputs_of_source(x)
+        inputs, size, pairs = _inputs_of_source(x)
     inputs = jax.tree.map(_as_device_dtype, inputs)
     n = _example_count(inputs)
     if n == 0:
@@ -217,7 +224,7 @@ def predict(
             result = program(variables, chunk)
         except Exception:
             if not outputs:  # the first chunk traces the model: say whether x misfits
-                _explain_misfit(model, variables, chunk, members)
+                _explain_misfit(model, variables, chunk, pairs, members)
             raise
         # Host sync: the chunk's outputs come back to the host (one read per chunk).
         host = jax.device_get(result)
@@ -225,9 +232,19 @@ def predict(
     return jax.tree.map(lambda *parts: np.concatenate(parts, axis=lead), *outputs)
 
 
-def _explain_misfit(model: Any, variables: Any, chunk: Any, members: bool) -> None:
+def _explain_misfit(model: Any, variables: Any, chunk: Any, pairs: bool, members: bool) -> None:
     """Raises the trainer's ValueError where the chunk's x does not fit the model with
-    `variables` (a population's first member's); returns when the check finds nothing."""
+    `variables` (a population's first member's), noting where the source's pairs were read
+    as (x, y); returns when the check finds nothing."""
+    try:
+        _check_fit(model, variables, chunk, members)
+    except ValueError as error:
+        if pairs:
+            error.add_note(_PAIRS_READ)
+        raise
+
+
+def _check_fit(model: Any, variables: Any, chunk: Any, members: bool) -> None:
     program = types.SimpleNamespace(kind="evaluator", model=as_model(model), loss=None)
     fit = ModelFit(program, argument="variables_or_state", inputs="x")
     if members:
