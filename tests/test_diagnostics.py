@@ -230,3 +230,24 @@ def test_auto_runs_under_a_transfer_guard() -> None:
     with jax.transfer_guard("disallow"):
         state = _loop().run(_batches(), fuse="auto")
     assert state.stats["chunk_size"] >= 1
+
+
+def test_the_diagnostics_name_bad_inputs_as_a_run_does() -> None:
+    """They raised ZeroDivisionError, a model library's shape error, a message naming a
+    tracer type, and AttributeErrors."""
+    loop = _loop()
+    x, y = _batches(1)[0]
+    state = loop.run(_batches(2))
+    with pytest.raises(ValueError, match="first_batch: holds no examples"):
+        diagnostics.choose_chunk_size(loop, state.step_state, (x[:0], y[:0]))
+    with pytest.raises(ValueError, match="x does not fit the model"):
+        diagnostics.choose_chunk_size(loop, state.step_state, (x[:, :2], y))
+    with pytest.raises(ValueError, match="first batch is a ndarray of shape") as error:
+        diagnostics.choose_chunk_size(loop, state.step_state, x)
+    assert "Tracer" not in str(error.value)
+    with pytest.raises(ValueError, match="loop: expected a fuseloop Loop"):
+        diagnostics.report("loop", _batches(2))
+    with pytest.raises(ValueError, match="loop: expected a fuseloop Loop"):
+        diagnostics.choose_chunk_size(None, state.step_state, (x, y))
+    with pytest.raises(ValueError, match="state: expected a fuseloop State"):
+        diagnostics.explain_dispatches(None)

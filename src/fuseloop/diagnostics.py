@@ -31,6 +31,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._loop import Loop
+from ._state import State
 from ._step import init_tail
 from .engine import auto_chunk
 from .engine.auto_chunk import (
@@ -107,8 +109,9 @@ def decide_chunk_size(
         >>> decision.chunk_size, decision.bound  # a 4-batch epoch caps K (timings vary)
         (4, 'epoch length')
     """
+    auto_chunk.require(loop, Loop, "loop", "fl.trainer(...)")
     return auto_chunk.decide_chunk_size(
-        Programs(loop),
+        auto_chunk.checked_programs(loop, step_state, first_batch),
         step_state,
         first_batch,
         placement=placement,
@@ -226,13 +229,6 @@ def _counters(state: Any, transfer_bytes: int) -> dict[str, float]:
     }
 
 
-def _len(data: Any) -> int | None:
-    try:
-        return len(data)
-    except TypeError:
-        return None
-
-
 def _program_fusions(
     loop: Any, step_state: Any, batch: Any, chunk_size: int
 ) -> tuple[int, int, Any]:
@@ -287,7 +283,7 @@ def report(
         >>> found.chunk_size, found.iterations, found.fused["dispatches"]
         (2, 4, 2)
     """
-    _check_report_arguments(data, fuse, reps)
+    _check_report_arguments(loop, data, fuse, reps)
 
     def run(k: Any) -> Any:
         return loop.run(data, init_state, fuse=k, iterations=iterations)
@@ -309,7 +305,8 @@ def report(
     )
 
 
-def _check_report_arguments(data: Any, fuse: Any, reps: Any) -> None:
+def _check_report_arguments(loop: Any, data: Any, fuse: Any, reps: Any) -> None:
+    auto_chunk.require(loop, Loop, "loop", "fl.trainer(...)")
     auto_chunk.check_positive(reps, "reps")
     if fuse is False or fuse is None:
         raise ValueError(
@@ -361,7 +358,7 @@ def _auto_decision(
     loop: Any, step_state: Any, batch: Any, data: Any, iterations: int | None
 ) -> ChunkDecision:
     """What `fuse="auto"` decides for this loop, the epoch length capped as a run caps it."""
-    known = [n for n in (iterations, _len(data)) if n]
+    known = [n for n in (iterations, len(data) if hasattr(data, "__len__") else None) if n]
     return decide_chunk_size(loop, step_state, batch, epoch_length=min(known) if known else None)
 
 
@@ -389,6 +386,7 @@ def explain_dispatches(state: Any) -> str:
         2 dispatches; many epochs per dispatch
           a dispatch ended after epoch 1: <lambda> on epoch_completed sees the live State
     """
+    auto_chunk.require(state, State, "state", "the State a run returned")
     stats = state.stats
     crossing = stats.get("whole_run", "one epoch or less per dispatch")
     lines = [f"{stats['dispatches']} dispatches; {crossing}"]

@@ -66,6 +66,34 @@ def check_positive(value: Any, name: str, kind: type = int) -> None:
 
 
 # --------------------------------------------------------------------------- the probe
+def require(value: Any, kind: type, argument: str, example: str) -> None:
+    """A ValueError naming `argument` where `value` is not a `kind` (the diagnostics'
+    entry points, which would otherwise fail on a missing attribute)."""
+    if not isinstance(value, kind):
+        raise ValueError(
+            f"{argument}: expected a fuseloop {kind.__name__} ({example}), got "
+            f"{type(value).__name__}"
+        )
+
+
+def checked_programs(loop: Any, step_state: Any, first_batch: Any) -> Programs:
+    """The loop's programs, once the checks a run makes of its first batch and initial step
+    state have passed (before the probe traces them): an x that does not fit the model gets
+    the run's message, not the model library's, and an empty batch is named."""
+    from .._checks import Checker
+
+    programs = Programs(loop)
+
+    leaves = jax.tree.leaves(first_batch)
+    if leaves and any(np.shape(leaf)[:1] == (0,) for leaf in leaves):
+        raise ValueError("first_batch: holds no examples; pass a batch of the data")
+    checker = Checker(programs.loop.program, programs.cache.verdicts)
+    checker.first(first_batch)
+    if step_state is not None:
+        checker.variables(step_state)
+    return programs
+
+
 def _shardings(placement: Any) -> tuple[Any, Any]:
     """The state and chunk shardings of a mesh placement (None, None on one device)."""
     if placement is None or getattr(placement, "mesh", None) is None:
