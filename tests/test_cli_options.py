@@ -87,3 +87,21 @@ def test_bench_options_that_do_not_go_together_are_usage_errors(argv, named, cap
         cli.main(["bench", *argv])
     assert exited.value.code == 2
     assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["launch", "-n", "0", "script.py"], "-n/--nprocs 0 must be"),
+        (["launch", "-n", "2", "--grace", "-1", "script.py"], "--grace -1.0 must be"),
+        (["launch", "-n", "2", "no-such-script.py"], "script 'no-such-script.py' is not"),
+    ],
+)
+def test_launch_errors_name_its_options_under_its_own_usage(argv, named, capsys):
+    """They named launch's parameters (count=0, grace=-1.0) under fuseloop's usage."""
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: fuseloop launch" in err and f"fuseloop launch: error: {named}" in err
+    assert "count=" not in err and "grace=" not in err

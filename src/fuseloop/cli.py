@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -74,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--no-plot", action="store_true", help="write no plot")
     demo.add_argument("--no-progress", action="store_true", help="show no progress bar")
+    demo.set_defaults(subparser=demo)  # its own usage in its errors
     commands.add_parser("bench", help="benchmark fused vs unfused vs peers", add_help=False)
     launch = commands.add_parser(
         "launch",
@@ -101,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     launch.add_argument("script", help="the Python script to run")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    launch.set_defaults(subparser=launch)
     return parser
 
 
@@ -125,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt as stop:
             print(f"fuseloop bench: interrupted ({stop})", file=sys.stderr)
             return 130
+    parser = args.subparser  # errors show the command's own usage from here on
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "launch":
@@ -150,8 +154,19 @@ def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             args.nprocs, args.script, args.args, port=args.port, grace=args.grace, **options
         )
     except ValueError as err:
-        parser.error(str(err))
+        parser.error(_LAUNCH_NAMES.sub(lambda m: _LAUNCH_OPTIONS[m.group(1)] + " ", str(err)))
         return 2  # pragma: no cover - parser.error exits
+
+
+# `launch`'s own argument names, as its options are spelt on the command line.
+_LAUNCH_OPTIONS = {
+    "count": "-n/--nprocs",
+    "failure_timeout": "--failure-timeout",
+    "grace": "--grace",
+    "port": "--port",
+    "script": "script",
+}
+_LAUNCH_NAMES = re.compile(r"\b(" + "|".join(_LAUNCH_OPTIONS) + r")=")
 
 
 if __name__ == "__main__":  # pragma: no cover
