@@ -100,8 +100,8 @@ def test_the_command_line(tmp_path):
 def test_bad_coordination_options_are_refused(tmp_path, capsys):
     script = _script(tmp_path, _ECHO)
     for option, value, named in (
-        ("--failure-timeout", "-1", "failure_timeout=-1"),
-        ("--port", "99999", "port=99999"),
+        ("--failure-timeout", "-1", "--failure-timeout -1 must be"),
+        ("--port", "99999", "--port 99999 must be"),
     ):
         with pytest.raises(SystemExit):
             cli.main(["launch", "-n", "2", option, value, script])
