@@ -47,7 +47,7 @@ def _check(v: Any, run: Any) -> None:
     params = step_state.get("params") if isinstance(step_state, dict) else None
     if params is None:
         return  # validate itself refuses a State without params at the first epoch's end
-    checker = Checker(v.loop.program, Programs(v.loop, None, copies=False).cache.verdicts)
+    checker = Checker(v.loop.program, Programs(v.loop).cache.verdicts)
     # Rows of the host copy stand in for the first batch: they have its shapes and dtypes,
     # and `dataset` checks every label (no read from the device).
     source = v.source
