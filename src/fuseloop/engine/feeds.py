@@ -317,7 +317,8 @@ def first_resident_batch(
     if isinstance(sharding, NamedSharding):  # over a mesh: read it whole on every process
         replicated = NamedSharding(sharding.mesh, PartitionSpec())
     # Host read: the first batch, once per source and epoch.
-    batch = reads.get(programs.first_batch(source, replicated)(data, epoch))
+    order = kept_order(source, start_epoch, lambda: programs.epoch_order(source)(epoch)[0])
+    batch = reads.get(programs.first_batch(source, replicated)(data, order))
     for leaf in jax.tree.leaves(batch):
         if isinstance(leaf, np.ndarray):
             leaf.flags.writeable = False  # shared by later runs: nobody may edit it

@@ -231,18 +231,19 @@ class Programs:
         return self.cache.epoch_order[key]
 
     def first_batch(self, source: Any, replicated: Any = None) -> Any:
-        """`(data, epoch) -> batch`: the first batch of an epoch of a resident source.
+        """`(data, order) -> batch`: the first batch of an epoch of a resident source, from
+        that epoch's device order (`kept_order`: the order the feed then steps on, so the
+        epoch's permutation is compiled and computed once).
 
         `replicated` (over a mesh, where the dataset is split over the devices) is the
         batch's sharding: whole on every device, so every process can read it.
         """
-        key = (_source_key(source), replicated)
+        short = source.n if source.n < source.batch_size else None  # the only batch is short
+        key = (short, replicated)
         if key not in self.cache.first_batch:
 
-            def first(data: Any, epoch: Any) -> Any:
-                rows = _epoch_order(source, epoch)[0]
-                if source.n < source.batch_size:  # the only batch is short
-                    rows = rows[: source.n]
+            def first(data: Any, order: Any) -> Any:
+                rows = order[0] if short is None else order[0, :short]
                 if replicated is None:
                     return jax.tree.map(lambda leaf: leaf[rows], data)
                 return jax.tree.map(lambda leaf: take_rows(leaf, rows), data)
