@@ -108,6 +108,18 @@ def test_bad_coordination_options_are_refused(tmp_path, capsys):
         assert named in capsys.readouterr().err
 
 
+def test_a_missing_script_is_the_one_thing_named_and_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["launch", "-n", "2"])
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith("the following arguments are required: script"), err
+    assert "script [args ...]" in err
+    with pytest.raises(SystemExit):
+        cli.main(["launch", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "(default: 10)" in shown and "(default: 5)" in shown
+
+
 def test_sigterm_to_the_launcher_stops_its_processes(tmp_path):
     pids = tmp_path / "pids"
     script = _script(

@@ -8,6 +8,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ._distributed import DEFAULT_FAILURE_TIMEOUT
+
 __all__ = ["main"]
 
 
@@ -83,6 +85,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Starts N local processes of `python script.py [args]` with the "
         "coordinator address, process ids and CPU collectives set; "
         "`import fuseloop` initialises jax.distributed in each.",
+        # The script's arguments are whatever follows it; argparse's own usage would list
+        # them as a required argument of their own.
+        usage="fuseloop launch [-h] -n NPROCS [--port PORT] [--failure-timeout SECONDS]\n"
+        "                       [--grace SECONDS] script [args ...]",
     )
     launch.add_argument("-n", "--nprocs", type=int, required=True, help="the number of processes")
     launch.add_argument(
@@ -92,17 +98,20 @@ def _parser() -> argparse.ArgumentParser:
         "--failure-timeout",
         type=int,
         default=None,
-        help="seconds after which jax reports an unresponsive process",
+        metavar="SECONDS",
+        help="seconds after which jax reports an unresponsive process "
+        f"(default: {DEFAULT_FAILURE_TIMEOUT})",
     )
     launch.add_argument(
         "--grace",
         type=float,
         default=5.0,
+        metavar="SECONDS",
         help="seconds between SIGTERM and SIGKILL when stopping the other "
-        "processes after one failed",
+        "processes after one failed (default: 5)",
     )
-    launch.add_argument("script", help="the Python script to run")
-    launch.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    launch.add_argument("script", nargs="?", help="the Python script to run")
+    launch.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     launch.set_defaults(subparser=launch)
     return parser
 
@@ -148,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from ._launch import launch
 
+    if args.script is None:
+        parser.error("the following arguments are required: script")
     options = {} if args.failure_timeout is None else {"failure_timeout": args.failure_timeout}
     try:
         return launch(
