@@ -153,6 +153,40 @@ def test_binary_classification_metrics(name):
     np.testing.assert_allclose(state.metrics[name], expected, rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "keras, ours",
+    [
+        ("sparse_categorical_crossentropy", "sparse_categorical_cross_entropy"),
+        ("binary_crossentropy", "binary_cross_entropy"),
+        ("mse", "mean_squared_error"),
+    ],
+)
+def test_keras_spellings_train_as_our_names_and_keep_their_keys(keras, ours):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(16, 4)).astype(np.float32)
+    if ours == "sparse_categorical_cross_entropy":
+        model, y = tiny_mlp(), rng.integers(0, CLASSES, 16).astype(np.int32)
+    else:  # one output: a binary logit or a regression value
+        model, y = fl.models.mlp([8, 1]), rng.integers(0, 2, (16, 1)).astype(np.float32)
+    data = [(x[:8], y[:8]), (x[8:], y[8:])]
+    runs = [
+        fl.trainer(model, loss, optax.sgd(0.1)).metric(metric).run(data, epochs=2, fuse=2)
+        for loss, metric in ((keras, "acc"), (ours, "accuracy"))
+    ]
+    assert sorted(runs[0].metrics) == ["acc", "loss"]
+    assert runs[0].metrics["acc"] == runs[1].metrics["accuracy"]
+    assert runs[0].metrics["loss"] == runs[1].metrics["loss"]
+    for a, b in zip(jax.tree.leaves(runs[0].params), jax.tree.leaves(runs[1].params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_an_unknown_loss_or_metric_lists_the_names_and_keras_spellings():
+    with pytest.raises(ValueError, match=r"loss='xent' is not a known loss.*mse, mae"):
+        fl.trainer(tiny_mlp(), "xent", optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"metric='f1' is not a known metric.*acc\)"):
+        fl.evaluator(tiny_mlp()).metric("f1")
+
+
 def test_callable_metric_and_custom_name(params):
     def top_class_rate(y_true, y_pred):
         return jnp.mean((jnp.argmax(y_pred, -1) == CLASSES - 1).astype(jnp.float32))

@@ -238,6 +238,25 @@ def test_float64_input_warns_once_and_trains_as_float32(loop):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_the_float64_warning_names_every_float64_leaf():
+    rng = np.random.default_rng(0)
+    x = {"a": rng.normal(size=(8, 2)), "b": rng.normal(size=(8, 2)).astype(np.float32)}
+    x["c"] = rng.normal(size=(8, 1))
+    data = [(x, rng.normal(size=(8, 1)))]
+    model = fl.models.mlp([1])
+
+    def apply(variables, xb):
+        return model.apply(variables, jax.numpy.concatenate([xb["a"], xb["b"], xb["c"]], -1))
+
+    def init(key, xb):
+        return model.init(key, np.zeros((1, 5), np.float32))
+
+    loop = fl.trainer((init, apply), "mean_squared_error", optax.sgd(0.1))
+    with pytest.warns(UserWarning, match=r"leaves x\['a'\], x\['c'\], y are float64") as got:
+        loop.run(data)
+    assert sum("float64" in str(w.message) for w in got) == 1
+
+
 @pytest.mark.parametrize("fuse", [2, 4])
 def test_mixed_dtypes_in_a_fused_chunk_raise_fusion_error(loop, fuse):
     data = make_batches(4)

@@ -288,17 +288,22 @@ class Checker:
     def _warn_float64(self, leaves: list[Any]) -> None:
         if self.warned_float64 or jax.config.read("jax_enable_x64"):
             return
-        for name, leaf in zip(self.names, leaves, strict=True):
-            if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype == np.float64:
-                self.warned_float64 = True
-                warnings.warn(
-                    f"data: leaf {name} is float64, but JAX runs with 64-bit mode off, so it "
-                    f"is cast to float32 on the device. Convert it with .astype(np.float32) "
-                    f"to silence this warning (or enable jax_enable_x64 for float64 math)",
-                    UserWarning,
-                    stacklevel=4,
-                )
-                return
+        wide = [
+            name
+            for name, leaf in zip(self.names, leaves, strict=True)
+            if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype == np.float64
+        ]
+        if wide:
+            self.warned_float64 = True
+            which = f"leaf {wide[0]} is" if len(wide) == 1 else f"leaves {', '.join(wide)} are"
+            warnings.warn(
+                f"data: {which} float64, but JAX runs with 64-bit mode off, so "
+                f"{'it is' if len(wide) == 1 else 'they are'} cast to float32 on the device. "
+                f"Convert with .astype(np.float32) to silence this warning (or enable "
+                f"jax_enable_x64 for float64 math)",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def dataset(self, data: Any) -> None:
         """Called once per run with the data source: the labels of a whole in-memory

@@ -70,7 +70,8 @@ class Loop(HandlerBuilders):
 
         Args:
             metric: A name ("accuracy", "precision", "recall", "mean_absolute_error",
-                "mean_squared_error") or `callable(y_true, y_pred)` returning per-example
+                "mean_squared_error", or Keras's "acc", "mae", "mse", kept as the key) or
+                `callable(y_true, y_pred)` returning per-example
                 values (as Keras metric functions do) or one scalar for the batch.
                 "accuracy", "precision" and "recall" read one output per example as a
                 binary logit, and so every output under "binary_cross_entropy" (one
@@ -315,7 +316,11 @@ def trainer(
     Args:
         model: A flax.linen module (or any object with `.init(rng, x)` / `.apply(vars, x)`,
             an nnx/equinox module, or an `(init_fn, apply_fn)` pair).
-        loss: A loss name or `callable(y_true, y_pred) -> scalar`; cross-entropies take logits.
+        loss: A loss name ("mean_squared_error", "mean_absolute_error",
+            "binary_cross_entropy", "categorical_cross_entropy",
+            "sparse_categorical_cross_entropy", or Keras's spellings "mse", "mae",
+            "sparse_categorical_crossentropy", ...) or `callable(y_true, y_pred) -> scalar`;
+            cross-entropies take logits.
         optimizer: An optax transformation, or "sgd", "adam", "adamw".
         log: Print a line every `log` iterations (0: silent).
         seed: Seeds parameter initialization and dropout.

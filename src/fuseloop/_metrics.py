@@ -157,6 +157,17 @@ LOSSES: dict[str, Callable[[Array, Array], Array]] = {
     name: _batch_mean(name, each) for name, each in PER_ELEMENT_LOSSES.items()
 }
 
+# Keras's spellings of the same losses and metrics, so a Keras user's strings work as they
+# wrote them (a metric keeps the name it was given, as Keras's history does).
+ALIASES = {
+    "mse": "mean_squared_error",
+    "mae": "mean_absolute_error",
+    "binary_crossentropy": "binary_cross_entropy",
+    "categorical_crossentropy": "categorical_cross_entropy",
+    "sparse_categorical_crossentropy": "sparse_categorical_cross_entropy",
+    "acc": "accuracy",
+}
+
 
 def _predicted_and_true_classes(
     y_true: Array, y_pred: Array, metric: str, binary: bool
@@ -246,12 +257,14 @@ VALIDATION_PREFIX = "validation_"
 def resolve_loss(loss: Any) -> tuple[str, Callable[[Array, Array], Array]]:
     """Returns `(name, fn)` for a loss name or callable."""
     if isinstance(loss, str):
-        if loss not in LOSSES:
+        name = ALIASES.get(loss, loss)
+        if name not in LOSSES:
             raise ValueError(
                 f"loss={loss!r} is not a known loss; accepted values: {', '.join(LOSSES)} "
-                f"or a callable(y_true, y_pred) -> scalar"
+                f"(or Keras's spellings: {_aliases_of(LOSSES)}) or a callable(y_true, y_pred) "
+                f"-> scalar"
             )
-        return loss, LOSSES[loss]
+        return name, LOSSES[name]
     if callable(loss):
         return getattr(loss, "__name__", "loss"), loss
     raise ValueError(
@@ -315,7 +328,7 @@ def loss_mean(loss: Any) -> Callable[[Array, Array, Any], tuple[Array, Mean]]:
     loss tracker.
     """
     name, fn = resolve_loss(loss)
-    each = PER_ELEMENT_LOSSES.get(name) if isinstance(loss, str) else None
+    each = PER_ELEMENT_LOSSES.get(name) if isinstance(loss, str) else None  # name: resolved
 
     def weighted(y_true: Array, y_pred: Array, x: Any = None) -> tuple[Array, Mean]:
         value = fn(y_true, y_pred)
@@ -344,19 +357,24 @@ def resolve_metric(metric: Any, name: str | None, accumulate: str) -> MetricSpec
             f"{', '.join(ACCUMULATORS)}"
         )
     if isinstance(metric, str):
-        if metric not in METRICS:
+        known = ALIASES.get(metric, metric)
+        if known not in METRICS:
             raise ValueError(
                 f"metric={metric!r} is not a known metric; accepted values: "
-                f"{', '.join(METRICS)} or a callable(y_true, y_pred) returning per-example "
-                f"values or a scalar"
+                f"{', '.join(METRICS)} (or Keras's spellings: {_aliases_of(METRICS)}) or a "
+                f"callable(y_true, y_pred) returning per-example values or a scalar"
             )
-        return MetricSpec(name or metric, METRICS[metric], accumulate)
+        return MetricSpec(name or metric, METRICS[known], accumulate)
     if callable(metric):
         label = name or str(getattr(metric, "__name__", "metric"))
         return MetricSpec(label, metric, accumulate)
     raise ValueError(
         f"metric={metric!r} must be a name ({', '.join(METRICS)}) or a callable(y_true, y_pred)"
     )
+
+
+def _aliases_of(names: dict[str, Any]) -> str:
+    return ", ".join(alias for alias, name in ALIASES.items() if name in names)
 
 
 def read_metric(spec: MetricSpec, acc: dict[str, np.ndarray]) -> float:
