@@ -9,6 +9,7 @@ import argparse
 
 import numpy as np
 import optax
+from _args import at_least
 from sklearn.datasets import load_digits
 
 import fuseloop as fl
@@ -34,10 +35,10 @@ def parse(doc: str, argv=None):
     """The examples' command line; `doc` is the example's docstring (its first line is the
     description)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--epochs", type=at_least(1), default=40)
     parser.add_argument("--quick", action="store_true", help="2 epochs of 4 iterations")
-    parser.add_argument("--fuse", type=int, default=16, help="chunk size (0: unfused)")
-    parser.add_argument("--log", type=int, default=0, help="a log line every N iterations")
+    parser.add_argument("--fuse", type=at_least(0), default=16, help="chunk size (0: unfused)")
+    parser.add_argument("--log", type=at_least(0), default=0, help="a log line every N iterations")
     parser.add_argument("--progress", action="store_true")
     return parser.parse_args(argv)
 

@@ -20,6 +20,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import optax
+from _args import at_least
 from sklearn.datasets import load_digits
 
 import fuseloop as fl
@@ -80,9 +81,9 @@ def pca_error(x_train, x_test, components):
 
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=60)
+    parser.add_argument("--epochs", type=at_least(1), default=60)
     parser.add_argument("--quick", action="store_true", help="2 epochs of 4 iterations")
-    parser.add_argument("--fuse", type=int, default=16, help="chunk size (0: unfused)")
+    parser.add_argument("--fuse", type=at_least(0), default=16, help="chunk size (0: unfused)")
     return parser.parse_args(argv)
 
 

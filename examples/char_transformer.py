@@ -20,6 +20,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import optax
+from _args import at_least
 
 import fuseloop as fl
 
@@ -101,13 +102,13 @@ def sample(
 
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--epochs", type=at_least(1), default=30)
     parser.add_argument(
         "--quick", action="store_true", help="a tiny model, 2 epochs of 4 iterations"
     )
-    parser.add_argument("--fuse", type=int, default=16, help="chunk size (0: unfused)")
+    parser.add_argument("--fuse", type=at_least(0), default=16, help="chunk size (0: unfused)")
     parser.add_argument("--progress", action="store_true")
-    parser.add_argument("--sample", type=int, default=300, help="characters to generate")
+    parser.add_argument("--sample", type=at_least(0), default=300, help="characters to generate")
     return parser.parse_args(argv)
 
 

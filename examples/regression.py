@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+from _args import at_least
 from sklearn.datasets import load_diabetes
 
 import fuseloop as fl
@@ -45,9 +46,9 @@ def r2(y, y_hat) -> float:
 
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=200)
+    parser.add_argument("--epochs", type=at_least(1), default=200)
     parser.add_argument("--quick", action="store_true", help="2 epochs of 4 iterations")
-    parser.add_argument("--fuse", type=int, default=8, help="chunk size (0: unfused)")
+    parser.add_argument("--fuse", type=at_least(0), default=8, help="chunk size (0: unfused)")
     parser.add_argument("--progress", action="store_true")
     return parser.parse_args(argv)
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _args import at_least
 
 import fuseloop as fl
 from fuseloop.handlers.log import format_metrics
@@ -113,10 +114,10 @@ def coverage(samples: np.ndarray) -> tuple[int, float]:
 
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--epochs", type=at_least(1), default=40)
     parser.add_argument("--quick", action="store_true", help="2 epochs of 4 iterations")
-    parser.add_argument("--fuse", type=int, default=50, help="chunk size (0: unfused)")
-    parser.add_argument("--log", type=int, default=0, help="a log line every N iterations")
+    parser.add_argument("--fuse", type=at_least(0), default=50, help="chunk size (0: unfused)")
+    parser.add_argument("--log", type=at_least(0), default=0, help="a log line every N iterations")
     return parser.parse_args(argv)
 
 

@@ -46,7 +46,8 @@ def test_every_example_has_a_test():
         "char_transformer",
         "regression",
     }
-    shared = {"_digits"}  # what the digits examples share; not an example of its own
+    # What the examples share (the digits splits, the integer options); not examples.
+    shared = {"_digits", "_args"}
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested | shared
 
 
@@ -116,3 +117,12 @@ def test_regression_from_the_command_line():
     done = _run_script("regression")
     assert done.returncode == 0, done.stderr
     assert "test R^2: MLP" in done.stdout and "least squares 0.3" in done.stdout
+
+
+@pytest.mark.parametrize("name", ["regression", "autoencoder", "char_transformer", "_digits"])
+@pytest.mark.parametrize("given", [["--epochs", "0"], ["--fuse", "-1"], ["--epochs", "two"]])
+def test_a_bad_count_is_refused_by_the_command_line(name, given, capsys):
+    parse = runpy.run_path(str(EXAMPLES / f"{name}.py"), run_name="example")["parse"]
+    with pytest.raises(SystemExit):
+        parse("An example.", given) if name == "_digits" else parse(given)
+    assert f"argument {given[0]}:" in capsys.readouterr().err
