@@ -308,3 +308,53 @@ class EqxDropoutNoKey(eqx.Module):
 def test_equinox_dropout_without_a_key_argument_is_refused():
     with pytest.raises(ValueError, match=r"eqx.nn.Dropout \(at model\.drop\).*`key=None`"):
         fl.trainer(EqxDropoutNoKey(), SPARSE, "sgd")
+
+
+class NnxCallFlag(nnx.Module):
+    """Mode by a `__call__` flag (BatchNorm and Dropout told per call), not by `.train()`;
+    `flag` names it, `train_value` is its value while training."""
+
+    def __init__(self, rngs, flag: str):
+        self.dense = nnx.Linear(5, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(16, 3, rngs=rngs)
+        self.flag = flag
+
+    def __call__(self, x, train: bool = False, deterministic: bool = False):
+        off = not train if self.flag == "train" else deterministic
+        h = self.norm(self.dense(x), use_running_average=off)
+        return self.out(self.drop(nnx.relu(h), deterministic=off))
+
+
+@pytest.mark.parametrize("flag", ["train", "deterministic"])
+def test_an_nnx_call_flag_switches_the_mode_as_linens_does(flag):
+    model = NnxCallFlag(nnx.Rngs(0), flag)
+    state = fl.trainer(model, SPARSE, optax.sgd(0.0)).run(DATA)  # trains in training mode
+    assert not np.allclose(np.asarray(state.params["state"]["norm"]["mean"]), 0.0)
+    evaluated = np.asarray(fl.predict(model, state, DATA[0][0]))
+    eval_mode = {"train": False} if flag == "train" else {"deterministic": True}
+    expected = fl.models.trained(model, state)(jnp.asarray(DATA[0][0]), **eval_mode)
+    np.testing.assert_array_equal(evaluated, np.asarray(expected))
+
+
+class EqxInferenceFlag(eqx.Module):
+    dense: eqx.nn.Linear
+    drop: eqx.nn.Dropout
+
+    def __init__(self, key):
+        self.dense = eqx.nn.Linear(5, 3, key=key)
+        self.drop = eqx.nn.Dropout(0.5)
+
+    def __call__(self, x, *, key=None, inference: bool = False):
+        return self.drop(self.dense(x), key=key, inference=inference)
+
+
+def test_an_equinox_inference_argument_turns_dropout_off_in_evaluation():
+    model = EqxInferenceFlag(jax.random.PRNGKey(0))
+    state = fl.trainer(model, SPARSE, optax.sgd(0.0)).run(DATA)
+    trained = fl.models.trained(model, state)
+    expected = jax.vmap(lambda xi: trained(xi, inference=True))(jnp.asarray(DATA[0][0]))
+    np.testing.assert_array_equal(np.asarray(fl.predict(model, state, DATA[0][0])), expected)
+    evaluated = evaluator_with_loss(model).run(DATA, state.params)
+    assert state.metrics["loss"] != pytest.approx(evaluated.metrics["loss"], rel=1e-3)

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 
 from ._functions import takes_keyword
+from ._linen import call_flags, flag_values
 from ._metrics import batch_size
 
 __all__ = ["from_equinox"]
@@ -53,9 +54,10 @@ class from_equinox:  # noqa: N801
     """Adapts an equinox module applied per example (vmapped over the batch axis).
 
     Variables are `{"params": the module's inexact arrays}`. Training runs the module with
-    `eqx.nn.inference_mode(module, False)` and evaluation with `True`, so Dropout is on only
-    while training. Layers with `eqx.nn.State` (BatchNorm) are refused with an error that
-    names them.
+    `eqx.nn.inference_mode(module, False)` and evaluation with `True`, and a `__call__`
+    taking `inference` (or another recognised flag: `fl.models.TRAIN_FLAGS`) is passed its
+    value, so Dropout is on only while training. Layers with `eqx.nn.State` (BatchNorm) are
+    refused with an error that names them.
 
     Keys, for a module whose `__call__` takes `key`:
 
@@ -109,6 +111,7 @@ class from_equinox:  # noqa: N801
             )
         self.params, self.static = eqx.partition(module, eqx.is_inexact_array)
         self.batched = batched
+        self.flags = call_flags(module)  # `__call__`'s own train/eval flags (`inference`)
         self.takes_key = takes_keyword(type(module).__call__, "key")
         self.requires_key = self.takes_key and _requires_keyword(type(module).__call__, "key")
         dropouts = [
@@ -167,15 +170,15 @@ class from_equinox:  # noqa: N801
         module = self._eqx.nn.inference_mode(
             self._eqx.combine(variables["params"], self.static), value=not train
         )
-        key = self._key(train, rng)
+        key, flags = self._key(train, rng), flag_values(self.flags, train)
         if self.batched:
-            return (module(x) if key is None else module(x, key=key)), None
+            return (module(x, **flags) if key is None else module(x, key=key, **flags)), None
         if key is None:
-            return jax.vmap(module)(x), None
+            return jax.vmap(lambda xi: module(xi, **flags))(x), None
         if train:
             keys = jax.random.split(key, batch_size(x))  # x may be a dict or tuple
-            return jax.vmap(lambda xi, k: module(xi, key=k))(x, keys), None
-        return jax.vmap(lambda xi: module(xi, key=key))(x), None
+            return jax.vmap(lambda xi, k: module(xi, key=k, **flags))(x, keys), None
+        return jax.vmap(lambda xi: module(xi, key=key, **flags))(x), None
 
     def _key(self, train: bool, rng: Any) -> Any:
         """The key for this call (None: call the module without `key`)."""

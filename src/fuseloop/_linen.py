@@ -11,7 +11,7 @@ from typing import Any
 import flax
 import flax.linen as nn
 
-__all__ = ["TRAIN_FLAGS", "ModelModeError", "linen"]
+__all__ = ["TRAIN_FLAGS", "ModelModeError", "call_flags", "flag_values", "linen"]
 
 # `__call__` flags that switch a flax.linen module between training and evaluation, and
 # the value each takes while training.
@@ -21,6 +21,7 @@ TRAIN_FLAGS: dict[str, bool] = {
     "is_training": True,
     "deterministic": False,
     "use_running_average": False,
+    "inference": False,  # equinox's own name (eqx.nn.Dropout's)
 }
 
 
@@ -40,21 +41,33 @@ def _call_parameters(module: Any) -> tuple[str, ...]:
         return ()
 
 
+def call_flags(module: Any) -> dict[str, bool]:
+    """The recognised train/eval flags among `module.__call__`'s arguments, each with the
+    value it takes while training."""
+    names = _call_parameters(module)
+    return {name: value for name, value in TRAIN_FLAGS.items() if name in names}
+
+
+def flag_values(flags: dict[str, bool], train: bool) -> dict[str, bool]:
+    """The flag arguments for training (`train=True`) or evaluation."""
+    return {name: (value if train else not value) for name, value in flags.items()}
+
+
 class linen:  # noqa: N801 - reads as a constructor, like the other adapters
     """Adapts a flax.linen module, naming the `__call__` flag that switches train/eval mode.
 
-    Flags named `train`, `training`, `is_training` (True while training), `deterministic`
-    or `use_running_average` (False while training) are found by themselves; name any other
-    with `train_arg` and give `train_value`, the value it takes while training, unless the
-    name is one of those five. While training the step passes the flag, a `dropout` rng and
-    makes the non-`params` collections (e.g. `batch_stats`) mutable; evaluation passes the
-    flag's evaluation value. A module without a flag is a ValueError at the first batch if
-    it has mutable collections, needs a `dropout` rng, or holds a Dropout layer (which its
-    own defaults would leave off while training).
+    Flags named `train`, `training`, `is_training` (True while training), `deterministic`,
+    `use_running_average` or `inference` (False while training) are found by themselves;
+    name any other with `train_arg` and give `train_value`, the value it takes while
+    training, unless the name is one of those six. While training the step passes the flag,
+    a `dropout` rng and makes the non-`params` collections (e.g. `batch_stats`) mutable;
+    evaluation passes the flag's evaluation value. A module without a flag is a ValueError
+    at the first batch if it has mutable collections, needs a `dropout` rng, or holds a
+    Dropout layer (which its own defaults would leave off while training).
 
     Args:
         module: The flax.linen module.
-        train_arg: The name of its train/eval flag (None: find one of the five).
+        train_arg: The name of its train/eval flag (None: find one of the six).
         train_value: The flag's value while training (None: from the name).
 
     Example:
@@ -78,7 +91,7 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
         if train_arg is None:
             if train_value is not None:
                 raise ValueError("train_value needs train_arg: name the flag it is for")
-            self.flags = {name: value for name, value in TRAIN_FLAGS.items() if name in names}
+            self.flags = call_flags(module)
             return
         if train_arg not in names and not any(
             p.kind == inspect.Parameter.VAR_KEYWORD
@@ -104,7 +117,7 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
 
     def mode(self, train: bool) -> dict[str, bool]:
         """The flag arguments for training (`train=True`) or evaluation."""
-        return {name: (value if train else not value) for name, value in self.flags.items()}
+        return flag_values(self.flags, train)
 
     def init(self, rng: Any, x: Any) -> Any:
         try:

@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from ._linen import TRAIN_FLAGS
+from ._linen import TRAIN_FLAGS, call_flags, flag_values
 
 __all__ = ["from_nnx", "set_nnx_mode"]
 
@@ -21,8 +21,10 @@ class from_nnx:  # noqa: N801
     Variables are `{"params": ..., "state": ...}` pure dicts (the Param variables, and
     everything else: batch statistics, RNG streams).
 
-    Dropout and BatchNorm switch with `module.train()`/`module.eval()`; the module's own
-    RNG streams are part of `"state"`, so they advance with each step and checkpoint.
+    Dropout and BatchNorm switch with `module.train()`/`module.eval()`, and a `__call__`
+    taking a recognised flag (`train`, `deterministic`, ...: `fl.models.TRAIN_FLAGS`) is
+    passed its training or evaluation value; the module's own RNG streams are part of
+    `"state"`, so they advance with each step and checkpoint.
     Variables are rebuilt from plain arrays inside each traced call, so nnx never sees a
     Variable created at another trace level (inside `grad` or the fused loop).
 
@@ -40,6 +42,7 @@ class from_nnx:  # noqa: N801
         from flax import nnx
 
         self._nnx, self.module = nnx, module
+        self.flags = call_flags(module)  # `__call__`'s own train/eval flags, if any
         self.graphdef, params, *others = nnx.split(module, nnx.Param, ...)
         (rest,) = others  # the two filters, Param and `...`, split the module in two
         self._templates = (params, rest)
@@ -96,7 +99,7 @@ class from_nnx:  # noqa: N801
         rest = self._rebuild(self._templates[1], variables["state"])
         module = nnx.merge(self.graphdef, params, rest)
         set_nnx_mode(module, train)
-        y = module(x)
+        y = module(x, **flag_values(self.flags, train))
         _, _, rest = nnx.split(module, nnx.Param, ...)
         return y, nnx.to_pure_dict(rest)
 
