@@ -223,3 +223,48 @@ def test_variables_given_without_their_params_wrapper_are_named_so():
     variables = Normed().init(jax.random.PRNGKey(0), x[:1])
     with pytest.raises(ValueError, match=r"variables\['params'\] alone: pass the whole"):
         fl.predict(Normed(), variables["params"], x)
+
+
+def test_an_equinox_module_written_for_a_batch_is_told_of_batched_and_it_trains():
+    import equinox as eqx
+
+    class WholeBatch(eqx.Module):
+        linear: eqx.nn.Linear
+
+        def __call__(self, x):  # x: (batch, features), as a linen module takes it
+            return jax.vmap(self.linear)(x)
+
+    module = WholeBatch(eqx.nn.Linear(FEATURES, 1, key=jax.random.PRNGKey(0)))
+    loss = "mean_squared_error"
+    with pytest.raises(ValueError, match=r"from_equinox\(module, batched=True\)"):
+        fl.trainer(module, loss, optax.sgd(0.1)).run(REGRESSION)
+    batched = fl.models.from_equinox(module, batched=True)
+    assert fl.trainer(batched, loss, optax.sgd(0.1)).run(REGRESSION).status == "completed"
+
+
+def test_a_model_needing_a_second_argument_is_told_how_it_is_called():
+    class TwoInputs(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(FEATURES, CLASSES, rngs=rngs)
+
+        def __call__(self, x, mask):
+            return self.linear(x) * mask
+
+    with pytest.raises(ValueError, match=r"model\(x\).*gets only the x.*give the others"):
+        fl.trainer(TwoInputs(nnx.Rngs(0)), SPARSE, optax.sgd(0.1)).run(CLASSIFICATION)
+
+
+def test_a_module_handed_over_with_its_state_is_named_shortly_with_the_fix():
+    import equinox as eqx
+
+    big = nnx.Linear(256, 256, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"nnx.split\(module\)'s parts") as split:
+        fl.trainer(nnx.split(big), SPARSE, optax.sgd(0.1))
+    assert len(str(split.value)) < 400  # not the repr of every weight
+    pair = eqx.nn.make_with_state(eqx.nn.BatchNorm)(3, "batch", mode="batch")
+    with pytest.raises(ValueError, match=r"eqx.nn.make_with_state.*not supported"):
+        fl.trainer(pair, SPARSE, optax.sgd(0.1))
+    module = fl.models.mlp([2])
+    with pytest.raises(ValueError, match=r"model=\(MLP, dict\) is not a model") as linen_pair:
+        fl.trainer((module, {"params": {}}), SPARSE, optax.sgd(0.1))
+    assert "looks like" not in str(linen_pair.value)

@@ -358,3 +358,22 @@ def test_an_equinox_inference_argument_turns_dropout_off_in_evaluation():
     np.testing.assert_array_equal(np.asarray(fl.predict(model, state, DATA[0][0])), expected)
     evaluated = evaluator_with_loss(model).run(DATA, state.params)
     assert state.metrics["loss"] != pytest.approx(evaluated.metrics["loss"], rel=1e-3)
+
+
+class NnxSowing(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(5, 3, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.dense(x)
+        self.sow(nnx.Intermediate, "h", h)  # for the user's own inspection, not state
+        return h
+
+
+@pytest.mark.filterwarnings("ignore:Using 'Module.sow\\(\\)':DeprecationWarning")
+def test_what_an_nnx_module_sows_is_not_carried_as_state():
+    fused, unfused = (
+        fl.trainer(NnxSowing(nnx.Rngs(0)), SPARSE, optax.sgd(0.1)).run(DATA, epochs=2, fuse=k)
+        for k in (2, False)
+    )
+    assert fused.params["state"] == {} and fused.history == unfused.history

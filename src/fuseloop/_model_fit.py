@@ -20,7 +20,7 @@ from ._metrics import fits_output, resolve_loss
 from ._outputs import require_one_prediction
 from ._placement import device_dtype
 from ._variables_diff import first_difference as _first_difference
-from .models import ModelModeError, from_nnx, linen
+from .models import ModelModeError, from_equinox, from_nnx, linen
 
 __all__ = ["ModelFit", "SPARSE", "abstract", "needs_rng"]
 
@@ -49,14 +49,21 @@ def _named_shapes(tree: Any, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
 _SEPARATE_INPUTS = re.compile(r"missing \d+ required positional argument")
 
 
-def _fix_for_x(x: Any, error: BaseException) -> str:
-    """The advice for an x the model rejects: its shape, or, where x is a tuple, list or
-    dict and the model wanted more arguments, how fuseloop calls it (one x)."""
-    if isinstance(x, (tuple, list, dict)) and _SEPARATE_INPUTS.search(str(error)):
+def _fix_for_x(x: Any, error: BaseException, model: Any) -> str:
+    """The advice for an x the model rejects: its shape, or, where the model wanted more
+    arguments, how fuseloop calls it (one x); for an equinox module, how it is applied."""
+    if _SEPARATE_INPUTS.search(str(error)):
+        given = type(x).__name__ if isinstance(x, (tuple, list, dict)) else "x"
         return (
             f"fuseloop calls the model with x as one argument (model(x)), so a model taking "
-            f"its inputs as separate arguments gets only the {type(x).__name__}: take one "
-            f"argument and unpack it (def __call__(self, x): a, b = x)"
+            f"more arguments gets only the {given}: take one argument and unpack it "
+            f"(def __call__(self, x): a, b = x), or give the others defaults"
+        )
+    if isinstance(model, from_equinox) and not model.batched:
+        return (
+            "An equinox module is applied to one example at a time (vmapped over the batch "
+            "axis): give x the shape one example has after the batch axis, or, for a module "
+            "written for a whole batch, pass fl.models.from_equinox(module, batched=True)"
         )
     return "Give x the shape the model expects (the batch axis first)"
 
@@ -231,7 +238,7 @@ class ModelFit:
         return ValueError(
             f"{self.inputs} does not fit the model: applying it with {whose} to the first "
             f"batch's x ({_describe(x, 'x')}) fails with {_first_line(error)}. "
-            f"{_fix_for_x(x, error)}, or pass matching variables"
+            f"{_fix_for_x(x, error, self.program.model)}, or pass matching variables"
         )
 
     def _rng_error(self, error: BaseException, applying: str) -> ValueError:
@@ -297,7 +304,8 @@ class ModelFit:
                 ) from error
             raise ValueError(
                 f"data: x does not fit the model: initializing it on the first batch's x "
-                f"({_describe(x, 'x')}) fails with {_first_line(error)}. {_fix_for_x(x, error)}"
+                f"({_describe(x, 'x')}) fails with {_first_line(error)}. "
+                f"{_fix_for_x(x, error, self.program.model)}"
             ) from error
         self.fresh = variables
         try:

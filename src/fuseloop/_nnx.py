@@ -100,6 +100,9 @@ class from_nnx:  # noqa: N801
         module = nnx.merge(self.graphdef, params, rest)
         set_nnx_mode(module, train)
         y = module(x, **flag_values(self.flags, train))
+        # What the call sowed (`self.sow(nnx.Intermediate, ...)`) is an output of the call,
+        # not state to carry: dropped, as linen's sow does nothing unless asked for.
+        nnx.pop(module, nnx.Intermediate)
         _, _, rest = nnx.split(module, nnx.Param, ...)
         return y, nnx.to_pure_dict(rest)
 

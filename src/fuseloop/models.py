@@ -184,10 +184,41 @@ def as_model(model: Any) -> ModelAdapter:
     if hasattr(model, "init") and hasattr(model, "apply"):
         return from_functions(model.init, model.apply)
     raise ValueError(
-        f"model={model!r} is not a model: pass a flax.linen module, a flax.nnx or equinox "
-        f"module, an (init_fn, apply_fn) pair, or any object with .init(rng, x) and "
-        f".apply(variables, x)"
+        f"model={_short(model)} is not a model: pass a flax.linen module, a flax.nnx or "
+        f"equinox module, an (init_fn, apply_fn) pair, or any object with .init(rng, x) and "
+        f".apply(variables, x){_pair_hint(model, adapters)}"
     )
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    """`value`'s repr, cut to `limit` characters (a module's repr lists every weight)."""
+    if isinstance(value, tuple):
+        return "(" + ", ".join(type(v).__name__ for v in value) + ")"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _pair_hint(model: Any, adapters: dict[type, Any]) -> str:
+    """The fix for a module handed over with its state.
+
+    That is nnx.split's (graphdef, state), or equinox's (model, state) from
+    eqx.nn.make_with_state.
+    """
+    if not isinstance(model, tuple) or not model:
+        return ""
+    names = {type(part).__module__.split(".")[0] for part in model}
+    if type(model[0]).__module__.startswith("flax.nnx"):  # nnx's GraphDef first
+        return (
+            ". This looks like nnx.split(module)'s parts: pass the nnx module itself (its "
+            "variables are taken from it)"
+        )
+    if any(isinstance(part, base) for part in model for base in adapters) and "equinox" in names:
+        return (
+            ". This looks like an equinox (model, state) pair from eqx.nn.make_with_state: "
+            "layers that keep an eqx.nn.State (BatchNorm) are not supported; pass a module "
+            "without them (eqx.nn.LayerNorm, eqx.nn.GroupNorm), or write the step with fl.loop"
+        )
+    return ""
 
 
 def _module_adapters() -> dict[type, Callable[[Any], ModelAdapter]]:
