@@ -199,13 +199,18 @@ def test_off_a_terminal_a_non_finite_loss_stops_the_line_where_the_unfused_loop_
     loop = fl.trainer(MODEL, LOSS, "adam").terminate_on_nan()
     if handled:  # an iteration handler: the guard's flag is read per chunk, not per epoch
         loop = loop.handle_event("iteration_completed", lambda s: None, {"every": 5})
-    counts = []
+    counts, shown = [], []
     for fuse in (False, 4, True):
         with pytest.warns(RuntimeWarning, match="non-finite"):
-            counts.append(loop.run(batches, progress=True, fuse=fuse).event_counts)
+            state = loop.run(batches, progress=True, fuse=fuse)
+        counts.append(state.event_counts)
         (line,) = capsys.readouterr().err.splitlines()
         assert line.startswith("Epoch 1/1 - 3/6 - ") and " - stopped" in line, (fuse, line)
+        # The line shows the halted State's metrics (the 3 good steps'), in every mode.
+        assert f" - loss: {state.metrics['loss']:.7f}" in line, (fuse, line)
+        shown.append(_without_time(line))
     assert counts[0] == counts[1] == counts[2]
+    assert shown[0] == shown[1] == shown[2]
 
 
 def _without_time(text: str) -> str:

@@ -30,12 +30,12 @@ def test_dispatches_of_a_split_run_and_runs_of_other_lengths_share_few_programs(
     tmp_path, monkeypatch
 ):
     # A ring of one state: every improvement of the loss ends the dispatch after its epoch,
-    # so an 8-epoch run is 8 dispatches of 8, 7, ..., 1 epochs. Their programs have 8, 4,
-    # 2 and 1 segment slots (each count rounded up to a power of two): 4 compiles, not 8.
+    # so an 8-epoch run is 8 dispatches of 8, 7, ..., 1 epochs. The first compiles a program
+    # of 8 segment slots, and the shorter ones take it (unused slots run nothing): 1 compile.
     monkeypatch.setattr(device_checkpoint, "RING_BUDGET_BYTES", 1)
     loop = _trainer().checkpoint(str(tmp_path / "a"), criteria="loss")
     split = loop.run(_data(), epochs=8, fuse="run")
-    assert split.stats["dispatches"] == 8 and split.stats["compiles"] == 4
+    assert split.stats["dispatches"] == 8 and split.stats["compiles"] == 1
     plain = _trainer().checkpoint(str(tmp_path / "b"), criteria="loss").run(_data(), epochs=8)
     _assert_same_run(split, plain)
     # A run of 6 epochs (6, 5, ..., 1 left) finds every program it needs.
@@ -58,3 +58,15 @@ def test_a_device_plateau_compiles_one_program_for_every_dispatch_of_fuse_k():
     fused = plateau().run(_data(), epochs=10, fuse=19)
     assert fused.stats["dispatches"] == 4 and fused.stats["compiles"] == 1
     _assert_same_run(fused, plateau().run(_data(), epochs=10))
+
+
+def test_a_resumed_whole_run_takes_the_program_compiled_for_more_epochs():
+    # 3 epochs compile a program of 4 segment slots; resumed to 5, the 2 epochs left run on
+    # it (no compile), count their own steps, and end as the uninterrupted run.
+    data, loop = _data(), _trainer()
+    first = loop.run(data, epochs=3, fuse="run")
+    steps_per_epoch = first.stats["chunk_size"] // 3
+    resumed = loop.run(data, first, epochs=5, fuse="run")
+    assert resumed.stats["compiles"] == 0 and resumed.stats["dispatches"] == 1
+    assert resumed.stats["chunk_size"] == 2 * steps_per_epoch
+    _assert_same_run(resumed, _trainer().run(_data(), epochs=5))

@@ -7,6 +7,7 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ._distributed import DEFAULT_FAILURE_TIMEOUT
 
@@ -79,6 +80,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-progress", action="store_true", help="show no progress bar")
     demo.set_defaults(subparser=demo)  # its own usage in its errors
     commands.add_parser("bench", help="benchmark fused vs unfused vs peers", add_help=False)
+    _add_launch(commands)
+    return parser
+
+
+def _add_launch(commands: Any) -> None:
+    """The `launch` command's parser."""
     launch = commands.add_parser(
         "launch",
         help="run a script in N local processes under jax.distributed",
@@ -113,7 +120,6 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("script", nargs="?", help="the Python script to run")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     launch.set_defaults(subparser=launch)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

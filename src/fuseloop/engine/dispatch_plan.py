@@ -62,7 +62,7 @@ def _whole_run(
         return
     whole = WholeRun if run.population is None else PopulationWholeRun
     run.whole = whole(run, size, warn_nonfinite)
-    run.stats["chunk_size"] = size or length * run.epochs
+    run.stats["chunk_size"] = size or length * (run.epochs - run.start_epoch)
 
 
 def _refusal(run: Any) -> str | None:

@@ -32,7 +32,14 @@ from .population import member_carry_step, member_chunk, population_tail
 from .programs import MIN_SLOTS, _epoch_order, _source_key
 from .whole_program import host_outputs, put_at, slot_rows
 
-__all__ = ["population_whole_program"]
+__all__ = ["population_whole_key", "population_whole_program"]
+
+
+def population_whole_key(
+    source: Any, segments: int, limit: int, work: Any, record: bool
+) -> tuple[Any, ...]:
+    """What a population's multi-epoch program is cached by."""
+    return ("population", _source_key(source), segments, limit, work.key, record)
 
 
 def population_whole_program(
@@ -49,7 +56,7 @@ def population_whole_program(
     `inputs["rates"]` is each member's rate table. `record=False` leaves the per-step
     records out, and the host's read is packed (`out["packed"]`), as in the solo program.
     """
-    key = ("population", _source_key(source), segments, limit, work.key, record)
+    key = population_whole_key(source, segments, limit, work, record)
     cache = programs.cache.whole_run
     if key not in cache:
         size = programs.population.size

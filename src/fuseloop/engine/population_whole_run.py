@@ -41,7 +41,7 @@ from .device_monitors import _rates
 from .device_replay import _disagree, _Substitutes
 from .population import member_metrics
 from .population_monitors import MemberBest, _select, plateau_decisions
-from .population_program import population_whole_program
+from .population_program import population_whole_key, population_whole_program
 from .population_saves import MemberSaves
 from .whole_program import segments_for
 from .whole_run import WholeRun, _slot
@@ -60,6 +60,11 @@ class PopulationWholeRun(WholeRun):
         self.best_keyed = False  # `_hand_best` has made its first step for this dispatch
 
     # ----------------------------------------------------------------- the dispatch
+    def _key(self, segments: int) -> Any:
+        return population_whole_key(
+            self.source, segments, self.limit, self.work, self.replay.record
+        )
+
     def _launch(self, state: Any, epoch: int, cursor: int) -> tuple[list[tuple[int, int]], Any]:
         run = self.run
         steps = self._steps(epoch, cursor)

@@ -15,7 +15,7 @@ from typing import Any
 
 from .._events import CONTINUE, HALT_LOOP, Event
 
-__all__ = ["ChunkResult", "EpochReplay"]
+__all__ = ["ChunkResult", "EpochReplay", "mark_nonfinite", "show_nonfinite_halt"]
 
 _STARTED, _COMPLETED = Event.ITERATION_STARTED, Event.ITERATION_COMPLETED
 Metrics = Callable[[], dict[str, float]]
@@ -247,3 +247,11 @@ def mark_nonfinite(state: Any, iteration: int) -> Any:
     return state.replace(
         iteration=iteration, handler_metadata={**state.handler_metadata, "_nonfinite_at": where}
     )
+
+
+def show_nonfinite_halt(bus: Any, state: Any) -> None:
+    """At a halt on a non-finite loss, the display's last line gets the good steps'
+    metrics, which an unfused loop would not have read by itself; they are the State's in
+    every mode (no read here: the State holds them)."""
+    if state.handler_metadata.get("_nonfinite_at") is not None:
+        bus.advance(0, state.metrics)

@@ -29,6 +29,7 @@ from .host import HostReads
 from .population import first_member, resolve_population
 from .population_run import PopulationHost
 from .programs import Programs
+from .replay import show_nonfinite_halt
 from .signals import SignalGuard
 from .start import agree_across_processes, initial_step_state, warn_on_resume
 from .whole_run import WholeRun
@@ -288,6 +289,7 @@ class Run:
         if status == HALT_LOOP:
             # Halted mid-epoch (a handler, a non-finite loss, a signal): the epoch is not
             # complete, so history does not record it and a resumed run redoes it.
+            show_nonfinite_halt(self.bus, state)
             return state, status
         state = state.replace(history={**state.history, epoch: dict(state.metrics)})
         self.state = state

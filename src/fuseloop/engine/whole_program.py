@@ -28,7 +28,15 @@ from .device_monitors import epoch_end_fn
 from .packing import pack_leaves
 from .programs import MIN_SLOTS, _epoch_order, _source_key
 
-__all__ = ["whole_run_program", "segments_for", "host_outputs", "slot_rows", "put_at"]
+__all__ = [
+    "compiled_segments",
+    "whole_run_key",
+    "whole_run_program",
+    "segments_for",
+    "host_outputs",
+    "slot_rows",
+    "put_at",
+]
 
 
 def segments_for(cursor: int, steps: int, limit: int) -> list[tuple[int, int]]:
@@ -70,12 +78,36 @@ def whole_run_program(
     the device epoch counter (the next epoch whose order is computed), as in the resident
     feed.
     """
-    key = (_source_key(source), segments, limit, sharding, work.key, record)
+    key = whole_run_key(source, segments, limit, sharding, work, record)
     cache = programs.cache.whole_run
     if key not in cache:
         fn = _build(programs, source, segments, limit, sharding, work, record)
         cache[key] = programs._jit(fn)
     return cache[key]
+
+
+def compiled_segments(cache: dict[Any, Any], at_least: int, key_of: Any) -> int | None:
+    """The fewest segments, a power of two from `at_least` up, of a multi-epoch program
+    already in `cache` under `key_of(segments)` (None: none): its unused segments run
+    nothing, so a shorter dispatch (a resumed run's last epochs) takes it instead of
+    compiling another.
+    """
+    segments = at_least
+    while segments <= _MOST_SEGMENTS:
+        if key_of(segments) in cache:
+            return segments
+        segments *= 2
+    return None
+
+
+_MOST_SEGMENTS = 1 << 20
+
+
+def whole_run_key(
+    source: Any, segments: int, limit: int, sharding: Any, work: Any, record: bool
+) -> tuple[Any, ...]:
+    """What a solo run's multi-epoch program is cached by."""
+    return (_source_key(source), segments, limit, sharding, work.key, record)
 
 
 def _build(

@@ -32,8 +32,14 @@ from .device_replay import hand_best, replayed_handlers
 from .device_validation import validation_inputs
 from .packing import unpack_on_host
 from .programs import kept_order
-from .replay import ChunkResult, EpochReplay
-from .whole_program import host_outputs, segments_for, whole_run_program
+from .replay import ChunkResult, EpochReplay, show_nonfinite_halt
+from .whole_program import (
+    compiled_segments,
+    host_outputs,
+    segments_for,
+    whole_run_key,
+    whole_run_program,
+)
 
 __all__ = ["WholeRun", "whole_run_refusal"]
 
@@ -215,11 +221,20 @@ class WholeRun:
         place in an epoch, so a short last dispatch (or a run with other epochs) reuses the
         program; with "run" the dispatch's own count rounded up to a power of two, so the
         dispatches of a run split by its handlers (and runs of other lengths) share a few
-        programs instead of compiling one per count. Unused slots run nothing.
+        programs instead of compiling one per count; a program already compiled with more
+        slots is taken rather than compiling a smaller one. Unused slots run nothing.
         """
         if self.size is None:
-            return 1 << (len(segments) - 1).bit_length()
+            needed = 1 << (len(segments) - 1).bit_length()
+            compiled = compiled_segments(self.run.programs.cache.whole_run, needed, self._key)
+            return needed if compiled is None else compiled
         return -(-self.size // self.limit) + 1
+
+    def _key(self, segments: int) -> Any:
+        """The cache key of this run's program of `segments` slots."""
+        return whole_run_key(
+            self.source, segments, self.limit, self.sharding, self.work, self.replay.record
+        )
 
     def _dispatch(
         self, state: Any, epoch: int, cursor: int, signals: Any
@@ -290,6 +305,7 @@ class WholeRun:
         state = state.replace(metrics=metrics, times={**state.times, epoch: seconds})
         state, status = self._members_end(state, epoch, status, segment)
         if status == HALT_LOOP:  # halted mid-epoch: not in history
+            show_nonfinite_halt(run.bus, state)
             return state, status
         state = state.replace(history={**state.history, epoch: dict(state.metrics)})
         run.state = state
