@@ -421,3 +421,19 @@ def test_home_and_relative_paths_save_and_load_as_in_a_shell(loop, tmp_path, mon
     # Relative paths, from the working directory, as save_state and checkpoint take them.
     fl.save_state(state, "relative_state")
     assert fl.load_state("relative_state").epoch == fl.load_state("runs").epoch == state.epoch
+
+
+@pytest.mark.parametrize("fuse", [False, 2])
+def test_warnings_point_at_the_callers_line_so_each_calling_line_sees_them(loop, fuse):
+    data = make_batches(4)
+    ragged = [*data[:3], (data[3][0][:3], data[3][1][:3])]
+    wide = [(x.astype(np.float64), y) for x, y in data]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = loop.run(ragged)  # a ragged batch is refused in a fused chunk
+        loop.run(wide, fuse=fuse)
+        loop.run(iter(data), epochs=2, fuse=fuse)
+        loop.run(data, state, epochs=1, fuse=fuse)
+        loop.validate(tiny_mlp(), fl.data.arrays(*data[0], batch_size=3))
+    assert len(caught) == 5, [str(w.message) for w in caught]
+    assert {w.filename for w in caught} == {__file__}, [(w.filename, w.lineno) for w in caught]

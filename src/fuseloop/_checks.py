@@ -22,7 +22,6 @@ float32 while 64-bit mode is off, warn once per run.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import jax
@@ -34,6 +33,7 @@ from ._label_checks import LabelChecks
 from ._model_fit import ModelFit, abstract
 from ._step import require_pair
 from ._step_state_check import check_optimizer_fits, check_step_keeps_state
+from ._warn import warn
 
 __all__ = ["Checker"]
 
@@ -222,14 +222,13 @@ class Checker:
             self.ragged_size = size
             if self.program.kind == "evaluator":
                 return  # every example counts in evaluation: its short batch is expected
-            warnings.warn(
+            warn(
                 f"{where} has batch size {size} instead of {full} (a ragged last batch?); "
                 f"the step compiles once more for it. Metrics are means over examples, so "
                 f"the short batch counts by its size (a metric function's one scalar per "
                 f"batch counts as one batch): keep it in evaluation data. In "
                 f"training data, drop_remainder=True avoids the extra compile",
                 UserWarning,
-                stacklevel=2,
             )
             return
         if size != self.ragged_size:
@@ -296,13 +295,12 @@ class Checker:
         if wide:
             self.warned_float64 = True
             which = f"leaf {wide[0]} is" if len(wide) == 1 else f"leaves {', '.join(wide)} are"
-            warnings.warn(
+            warn(
                 f"data: {which} float64, but JAX runs with 64-bit mode off, so "
                 f"{'it is' if len(wide) == 1 else 'they are'} cast to float32 on the device. "
                 f"Convert with .astype(np.float32) to silence this warning (or enable "
                 f"jax_enable_x64 for float64 math)",
                 UserWarning,
-                stacklevel=4,
             )
 
     def dataset(self, data: Any) -> None:

@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import collections.abc
 import itertools
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 import numpy as np
 
+from ._warn import warn
+
 __all__ = ["as_source", "Source", "warn_left_out"]
 
 
-def warn_left_out(data: Any, who: str, where: str, fix: str, stacklevel: int) -> None:
+def warn_left_out(data: Any, who: str, where: str, fix: str) -> None:
     """Warns, once per dataset, where an `fl.data.arrays` dataset that drops its short last
     batch leaves examples out of `where` (metrics that are meant to cover every example).
     """
@@ -31,11 +32,10 @@ def warn_left_out(data: Any, who: str, where: str, fix: str, stacklevel: int) ->
     left_out = data.n % data.batch_size
     if left_out:
         data.warned_left_out = True
-        warnings.warn(
+        warn(
             f"{who}: data drops its short last batch (drop_remainder=True), so {left_out} of "
             f"its {data.n} examples are left out of {where}; {fix}",
             UserWarning,
-            stacklevel=stacklevel + 1,
         )
 
 

@@ -284,7 +284,6 @@ class Loop(HandlerBuilders):
                 "its metrics",
                 "pass fl.data.arrays(..., drop_remainder=False) to evaluate every example "
                 "(with device=True for a fused run: the short batch runs as a step of its own)",
-                stacklevel=2,
             )
         return run_loop(
             self,

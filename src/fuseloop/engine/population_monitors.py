@@ -22,7 +22,6 @@ record. The records hold one list entry per member and are marked per-member, so
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +32,7 @@ import numpy as np
 from .._optim import _is_inject_state, find_learning_rates
 from .._population import halt_members, per_member, population_record
 from .._types import Status
+from .._warn import warn
 
 __all__ = [
     "early_stop_members",
@@ -178,12 +178,11 @@ def _restore(stopper: Any, state: Any, members: np.ndarray) -> Any:
         if best.tree is not None and key is not None and best.keys[i] == key:
             take[i] = True
         elif key is not None and key[0] is not None and key[0] != state.epoch:
-            warnings.warn(
+            warn(
                 f"early_stop(restore_best=True): member {i}'s best epoch ({key[0]}) ran in "
                 f"an earlier run, whose step state this one does not hold; the member keeps "
                 f"its last epoch's",
                 RuntimeWarning,
-                stacklevel=4,
             )
     if not take.any():
         return state

@@ -9,13 +9,13 @@ halted, e.g. a per-member `early_stop`, are frozen; the run ends when none is le
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import numpy as np
 
 from .._population import halt_members, population_record
 from .._state import POPULATION_KEY, State
+from .._warn import warn
 
 __all__ = ["PopulationHost"]
 
@@ -94,10 +94,9 @@ def _masked(value: Any, gone: np.ndarray) -> Any:
 
 
 def _warn_nonfinite(members: np.ndarray, epoch: int) -> None:
-    warnings.warn(
+    warn(
         f"terminate_on_nan: the loss of population members {members.tolist()} became "
         f"non-finite in epoch {epoch}; each was frozen with its parameters from before that "
         f"step and its history ends at epoch {epoch - 1}",
         RuntimeWarning,
-        stacklevel=8,
     )

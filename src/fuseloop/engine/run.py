@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 from typing import Any
 
 from .._checks import Checker
@@ -19,6 +18,7 @@ from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, Event
 from .._fusion import resolve_fuse
 from .._placement import Placement
 from .._state import State, new_stats
+from .._warn import warn
 from .bus import EventBus
 from .carry import Carry
 from .dispatch_plan import plan_dispatches
@@ -360,23 +360,21 @@ class Run:
         opened_ahead = self._epoch_loop.opened_for(epoch + 1)
         if self.resident or opened_ahead or self.source.epoch_pulled > 0:
             return False
-        warnings.warn(
+        warn(
             f"data ran out at the start of epoch {epoch}: the run ends after {epoch} epochs "
             f"instead of {self.epochs}. {self.source.why_empty()}",
             RuntimeWarning,
-            stacklevel=7,
         )
         return True
 
 
 def _warn_nonfinite(state: State) -> None:
     where = state.handler_metadata["_nonfinite_at"]
-    warnings.warn(
+    warn(
         f"terminate_on_nan: the loss became non-finite at epoch {where['epoch']}, "
         f"iteration {where['iteration']}; that step was not applied and the loop halted "
         f"with the parameters from before it",
         RuntimeWarning,
-        stacklevel=7,
     )
 
 

@@ -10,7 +10,6 @@ every process checks here that it starts the same run as the others.
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -34,6 +33,7 @@ from .._placement import (
     signature_of,
     tree_bytes,
 )
+from .._warn import warn
 from .conv_layout import named
 from .population import population_init, require_distinct_members
 from .programs import Programs
@@ -266,19 +266,17 @@ def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:
     done = given.event_counts.get("iteration_completed", {})
     stepped = done.get("epoch", 0) if isinstance(done, dict) else 0
     if given.status == "halted" and given.epoch == start_epoch and stepped > 0:
-        warnings.warn(
+        warn(
             f"init_state stopped inside epoch {start_epoch} after {stepped} of its steps; "
             f"the resumed run starts epoch {start_epoch} again from its first batch, so "
             f"those batches train twice. For a run equal to an uninterrupted one, resume "
             f"from an epoch's end (e.g. a Loop.checkpoint save)",
             RuntimeWarning,
-            stacklevel=5,
         )
     if start_epoch >= epochs:
-        warnings.warn(
+        warn(
             f"init_state already ran {start_epoch} epochs and epochs={epochs}: nothing is "
             f"trained. epochs counts from the first epoch (as Keras's fit with "
             f"initial_epoch), so pass epochs > {start_epoch} to train more",
             RuntimeWarning,
-            stacklevel=5,
         )

@@ -8,7 +8,6 @@ handler's key, so it is saved with a checkpoint and a resumed run continues it e
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import jax
@@ -18,6 +17,7 @@ import numpy as np
 from .._optim import find_learning_rates, has_schedule, rate_is_scheduled, set_learning_rate
 from .._state import State
 from .._types import Status
+from .._warn import warn
 from ..engine.population_monitors import (
     early_stop_members,
     reduce_lr_members,
@@ -122,12 +122,11 @@ class EarlyStopping:
         record = self.monitor.record(state)
         if self._best is None or self._best[0] != (record["best_epoch"], record["best"]):
             if record["best_epoch"] is not None and record["best_epoch"] != state.epoch:
-                warnings.warn(
+                warn(
                     f"early_stop(restore_best=True): the best epoch ({record['best_epoch']}) "
                     f"ran in an earlier run, whose step state this one does not hold; the "
                     f"State keeps the last epoch's",
                     RuntimeWarning,
-                    stacklevel=2,
                 )
             return state
         return state.replace(step_state=jax.tree.map(jnp.copy, self._best[1]))

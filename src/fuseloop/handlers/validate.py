@@ -131,7 +131,6 @@ def _warn_dropped_examples(data: Any) -> None:
         "validate",
         "every validation metric",
         "pass fl.data.arrays(..., drop_remainder=False, shuffle=False)",
-        stacklevel=3,
     )
 
 
