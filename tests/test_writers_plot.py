@@ -166,6 +166,17 @@ def test_writer_arguments_are_checked():
         _counter_loop().tensorboard("tb", event="sometimes")
 
 
+def test_a_log_stream_that_is_not_a_text_stream_is_named_when_the_loop_is_built(tmp_path):
+    model = fl.models.mlp([3])
+    with pytest.raises(ValueError, match=r"log_stream='train.log' must be a writable text"):
+        fl.trainer(model, "mean_squared_error", "sgd", log=2, log_stream="train.log")
+    with open(tmp_path / "binary.log", "wb") as binary:
+        with pytest.raises(ValueError, match=r"log_stream=.*binary mode.*open\(path, 'w'\)"):
+            fl.trainer(model, "mean_squared_error", "sgd", log=2, log_stream=binary)
+        with pytest.raises(ValueError, match=r"stream=.*binary mode"):
+            _counter_loop().log(lambda s: "x\n", stream=binary)
+
+
 # ----------------------------------------------------------------- plot
 
 
@@ -187,6 +198,18 @@ def test_plot_history_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(ImportError, match=r"fuseloop\[plot\]"):
         fl.plot_history({0: {"loss": 1.0}}, tmp_path / "x.png")
+
+
+def test_plot_history_writes_the_format_its_path_names_and_takes_one_metric_name(tmp_path):
+    history = {0: {"loss": 1.0, "accuracy": 0.5}, 1: {"loss": 0.5, "accuracy": 0.7}}
+    assert fl.plot_history(history, tmp_path / "h.pdf").read_bytes()[:4] == b"%PDF"
+    assert b"<svg" in fl.plot_history(history, tmp_path / "h.svg").read_bytes()[:400]
+    assert fl.plot_history(history, tmp_path / "one.png", metrics="accuracy").exists()
+    with pytest.raises(ValueError, match=r"writes no \.xyz files.*\.png"):
+        fl.plot_history(history, tmp_path / "h.xyz")
+    with pytest.raises(ValueError, match="is a folder; give a file name"):
+        fl.plot_history(history, tmp_path)
+    assert not (tmp_path / "h.xyz").exists()
 
 
 def test_plot_numbers_epochs_from_1():

@@ -3,6 +3,7 @@ that names the argument and what it accepts."""
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,7 @@ __all__ = [
     "check_accumulate",
     "check_metric_name",
     "check_trainer_options",
+    "check_text_stream",
     "check_step_functions",
     "check_init_state",
 ]
@@ -46,12 +48,33 @@ def check_metric_name(name: Any) -> None:
         )
 
 
-def check_trainer_options(log: Any, seed: Any) -> None:
-    """`trainer(log=..., seed=...)`: a non-negative int and an int."""
+def check_trainer_options(log: Any, seed: Any, log_stream: Any = None) -> None:
+    """`trainer(log=..., seed=..., log_stream=...)`: a non-negative int, an int, and a
+    text stream or None."""
     if isinstance(log, bool) or not isinstance(log, int) or log < 0:
         raise ValueError(f"log={log!r} must be a non-negative int (0 disables logging)")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed={seed!r} must be an int")
+    check_text_stream(log_stream, "log_stream")
+
+
+def check_text_stream(stream: Any, argument: str) -> None:
+    """A stream log lines are written to: None (stdout) or a writable text stream; a file
+    opened in binary mode would fail only at the first line."""
+    if stream is None:
+        return
+    if not callable(getattr(stream, "write", None)):
+        raise ValueError(
+            f"{argument}={stream!r} must be a writable text stream (with .write), e.g. "
+            f"open(path, 'w') or sys.stderr, or None for stdout"
+        )
+    if isinstance(stream, (io.RawIOBase, io.BufferedIOBase)) or "b" in str(
+        getattr(stream, "mode", "")
+    ):
+        raise ValueError(
+            f"{argument}={stream!r} is opened in binary mode; log lines are text: open it "
+            f"with open(path, 'w') (or 'a')"
+        )
 
 
 def check_step_functions(step_fn: Any, init_fn: Callable[..., Any] | None) -> None:

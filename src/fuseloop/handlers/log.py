@@ -17,6 +17,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from .._distributed import main_process_only
+from .._loop_args import check_text_stream
 from .._state import State
 
 __all__ = [
@@ -70,10 +71,7 @@ class Writer:
     def __init__(self, fn: Callable[[State], str], stream: TextIO | None = None):
         if not callable(fn):
             raise ValueError(f"fn={fn!r} must be callable(state) -> str")
-        if stream is not None and not callable(getattr(stream, "write", None)):
-            raise ValueError(
-                f"stream={stream!r} must be a writable text stream (with .write) or None for stdout"
-            )
+        check_text_stream(stream, "stream")
         self.fn, self.stream = fn, stream
 
     def __call__(self, state: State) -> None:
@@ -209,5 +207,5 @@ def _observe(loop: Any, event: str, fn: Callable[[State], None], filter: Any = "
     fn = main_process_only(fn)  # log lines are written once, by process 0
     observe = getattr(loop, "observe", None)
     if observe is not None:
-        return observe(event, fn, filter)
+        return observe(event, fn, filter, name="log")
     return loop.handle_event(event, fn, filter, name="log")

@@ -49,16 +49,18 @@ def _figure_class() -> tuple[Any, Any]:
 def plot_history(
     history: Mapping[int, Mapping[str, Any]] | State,
     path: str | os.PathLike[str],
-    metrics: list[str] | None = None,
+    metrics: list[str] | str | None = None,
     title: str | None = None,
 ) -> Path:
-    """Writes a PNG with one panel per metric: training and `validation_<name>` on shared axes.
+    """Writes a figure of one panel per metric: training and `validation_<name>` together.
 
     Args:
         history: `state.history` (epoch -> metrics), or a State; the x axis numbers
             epochs from 1.
-        path: The PNG file to write.
-        metrics: The metric names to plot (default: every scalar metric in the history).
+        path: The file to write: a PNG, or another format matplotlib writes named by the
+            extension (".pdf", ".svg", ...).
+        metrics: The metric names to plot, or one name (default: every scalar metric in
+            the history).
         title: A title over the figure.
 
     Returns:
@@ -72,16 +74,38 @@ def plot_history(
         >>> os.path.getsize(path) > 0
         True
     """
+    if isinstance(metrics, str):
+        metrics = [metrics]
     panels = _panels(history.history if isinstance(history, State) else history, metrics)
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"path={str(path)!r} is a folder; give a file name, e.g. history.png")
     if not is_main_process():  # side effects happen once, on process 0
-        return Path(path)
+        return path
     figure = _figure(panels)
     if title:
         figure.suptitle(title)
-    path = Path(path)
+    file_format = _format_of(path, figure.canvas.get_supported_filetypes())
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, format="png", dpi=100)
+    figure.savefig(path, format=file_format, dpi=100)
     return path
+
+
+def _format_of(path: Path, supported: Mapping[str, str]) -> str:
+    """The image format `path`'s extension names (none: PNG).
+
+    A ValueError where matplotlib writes no such format, rather than PNG bytes under
+    another name.
+    """
+    suffix = path.suffix.lower().lstrip(".")
+    if not suffix:
+        return "png"
+    if suffix not in supported:
+        raise ValueError(
+            f"path={str(path)!r}: matplotlib writes no .{suffix} files; name the file with "
+            f"one of {', '.join('.' + name for name in sorted(supported))}"
+        )
+    return suffix
 
 
 def _panels(
