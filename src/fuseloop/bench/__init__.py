@@ -366,7 +366,7 @@ def _main(args: Any, parser: Any, argv: Sequence[str] | None, reps: int) -> int:
     try:
         specs = _resolve(select_models(args.models, args.zoo))
     except ValueError as error:
-        parser.error(str(error))
+        parser.error(str(error).replace("models: ", f"--models={args.models}: ", 1))
     if args.whole_run:
         from ._whole_run import whole_run_benchmark, whole_run_markdown
 
