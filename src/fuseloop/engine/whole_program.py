@@ -87,20 +87,21 @@ def whole_run_program(
 
 
 def compiled_segments(cache: dict[Any, Any], at_least: int, key_of: Any) -> int | None:
-    """The fewest segments, a power of two from `at_least` up, of a multi-epoch program
-    already in `cache` under `key_of(segments)` (None: none): its unused segments run
-    nothing, so a shorter dispatch (a resumed run's last epochs) takes it instead of
-    compiling another.
+    """The fewest segments, a power of two from `at_least` up to `_LARGER` times it, of a
+    multi-epoch program already in `cache` under `key_of(segments)` (None: none): its
+    unused segments run nothing, so a shorter dispatch (a resumed run's last epochs) takes
+    it instead of compiling another. The bound keeps a short dispatch from reading back
+    the per-segment outputs of a far longer run's program.
     """
     segments = at_least
-    while segments <= _MOST_SEGMENTS:
+    while segments <= at_least * _LARGER:
         if key_of(segments) in cache:
             return segments
         segments *= 2
     return None
 
 
-_MOST_SEGMENTS = 1 << 20
+_LARGER = 16
 
 
 def whole_run_key(
