@@ -10,6 +10,7 @@ transformation the name stands for does.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -24,7 +25,6 @@ __all__ = [
     "find_learning_rates",
     "learning_rate_of",
     "exposes_learning_rate",
-    "rate_is_scheduled",
     "set_learning_rate",
     "has_schedule",
     "optimizer_update",
@@ -124,12 +124,22 @@ def optimizer_update(
     (`value_fn`; the line searches of `optax.lbfgs`). Transformations that take no extra
     arguments ignore them (optax's convention), and an unused `value_fn` is never traced.
     """
-    if not isinstance(tx, optax.GradientTransformationExtraArgs):
+    if not isinstance(tx, optax.GradientTransformationExtraArgs) and not _takes_extra(tx):
         return tx.update(grads, opt_state, params)
     try:
         return tx.update(grads, opt_state, params, value=value, grad=grads, value_fn=value_fn)
     except TypeError as error:
         raise _extra_args_error(error) from error
+
+
+def _takes_extra(tx: Any) -> bool:
+    """Whether `tx.update` takes keyword arguments beyond optax's three (`optax.MultiSteps`
+    passes them on to the optimizer it wraps)."""
+    try:
+        parameters = inspect.signature(tx.update).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def _extra_args_error(error: TypeError) -> BaseException:
@@ -189,6 +199,7 @@ def set_learning_rate(opt_state: Any, scale: float, floor: float) -> Any:
 class _Schedule(NamedTuple):
     schedule: Callable[[Any], Any]
     path: tuple[int, ...]  # where its ScaleByScheduleState sits in the (chained) state
+    rate: bool  # a learning rate given as a schedule, not another scale on the updates
 
 
 def _closure(fn: Any) -> dict[str, Any]:
@@ -203,27 +214,30 @@ def _closure(fn: Any) -> dict[str, Any]:
     return found
 
 
-def _find_schedule(update: Any, state: Any, path: tuple[int, ...] = ()) -> _Schedule | None:
-    """The schedule of an `optax.scale_by_schedule` inside `update` (an optax learning rate
-    given as a schedule, e.g. `optax.adam(optax.cosine_decay_schedule(...))`), following
-    `optax.chain`; None when there is none or the structure is not one optax builds."""
+def _schedules(update: Any, state: Any, path: tuple[int, ...] = ()) -> list[_Schedule]:
+    """Every `optax.scale_by_schedule` inside `update`, following `optax.chain`: a learning
+    rate given as a schedule (`optax.adam(optax.cosine_decay_schedule(...))`, which optax
+    builds through `scale_by_learning_rate`) or another scale on the updates (a user's own
+    `scale_by_schedule(warmup)`, which multiplies whatever rate the chain has)."""
     cells = _closure(update)
     wrapped = cells.get("tx")  # optax's with_extra_args_support wraps a transformation
     if wrapped is not None and hasattr(wrapped, "update") and len(cells) == 1:
-        return _find_schedule(wrapped.update, state, path)
-    if isinstance(state, optax.ScaleByScheduleState) and callable(cells.get("step_size_fn")):
-        return _Schedule(cells["step_size_fn"], path)
+        return _schedules(wrapped.update, state, path)
+    step_size = cells.get("step_size_fn")
+    if isinstance(state, optax.ScaleByScheduleState) and callable(step_size):
+        # scale_by_learning_rate's schedule is `lambda count: m * learning_rate(count)`.
+        inner = _closure(step_size)
+        return [_Schedule(step_size, path, callable(inner.get("learning_rate")) and "m" in inner)]
     chained = cells.get("update_fns")
+    found: list[_Schedule] = []
     if (
         isinstance(chained, (tuple, list))
         and isinstance(state, tuple)
         and len(chained) == len(state)
     ):
-        for i, (inner, inner_state) in enumerate(zip(chained, state, strict=True)):
-            found = _find_schedule(inner, inner_state, path + (i,))
-            if found is not None:
-                return found
-    return None
+        for i, (inner_update, inner_state) in enumerate(zip(chained, state, strict=True)):
+            found += _schedules(inner_update, inner_state, path + (i,))
+    return found
 
 
 def learning_rate_of(tx: Any, opt_state: Any) -> Any | None:
@@ -232,15 +246,15 @@ def learning_rate_of(tx: Any, opt_state: Any) -> Any | None:
     rates = find_learning_rates(opt_state)
     if rates:
         return jnp.asarray(rates[0], jnp.float32)
-    found = _find_schedule(getattr(tx, "update", None), opt_state)
-    if found is None:
+    found = [s for s in _schedules(getattr(tx, "update", None), opt_state) if s.rate]
+    if not found:
         return None
     node = opt_state
-    for i in found.path:
+    for i in found[0].path:
         node = node[i]
     # scale_by_schedule counts updates; the last one used the count before it advanced.
     # optax folds the descent sign into the scale, so the rate is its magnitude.
-    return jnp.abs(jnp.asarray(found.schedule(node.count - 1), jnp.float32))
+    return jnp.abs(jnp.asarray(found[0].schedule(node.count - 1), jnp.float32))
 
 
 def exposes_learning_rate(tx: Any) -> bool:
@@ -249,25 +263,11 @@ def exposes_learning_rate(tx: Any) -> bool:
     probe = {"w": jax.ShapeDtypeStruct((1,), jnp.float32)}
     try:
         state = jax.eval_shape(tx.init, probe)
+        if any(not s.rate for s in _schedules(getattr(tx, "update", None), state)):
+            return False  # a scale of its own multiplies the rate: no one number is it
         return jax.eval_shape(lambda s: learning_rate_of(tx, s), state) is not None
     except Exception:  # noqa: BLE001 - a structure-dependent optimizer: not exposed
         return False
-
-
-def rate_is_scheduled(tx: Any) -> bool | None:
-    """Whether `tx`'s injected learning rate is recomputed by a schedule at each update
-    (so writing it into the state does nothing). Found by one tiny update on the host: the
-    rate is set to a marker, and a schedule overwrites it. None when it cannot be probed."""
-    params = {"w": jnp.zeros((1,), jnp.float32)}
-    try:
-        state = tx.init(params)
-        if not find_learning_rates(state):
-            return None
-        marked = set_learning_rate(state, 0.0, 0.123456789)
-        _, after = tx.update(jax.tree.map(jnp.zeros_like, params), marked, params)
-        return float(find_learning_rates(after)[0]) != float(find_learning_rates(marked)[0])
-    except Exception:  # noqa: BLE001 - structure-dependent optimizers: checked when run
-        return None
 
 
 def has_schedule(tx: Any) -> bool:
@@ -277,4 +277,4 @@ def has_schedule(tx: Any) -> bool:
         state = jax.eval_shape(tx.init, probe)
     except Exception:  # noqa: BLE001 - structure-dependent: not recognised
         return False
-    return _find_schedule(getattr(tx, "update", None), state) is not None
+    return bool(_schedules(getattr(tx, "update", None), state))

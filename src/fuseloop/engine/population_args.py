@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._optim import rate_is_scheduled
+from .._optim_probe import scheduled_hyperparams
 
 __all__ = ["Population", "RECORD_KEY", "resolve_population", "hyperparameter_names"]
 
@@ -169,22 +169,40 @@ def _from_argument(population: Any, program: Any) -> Population:
     for key, values in population.items():
         if key == "seed":
             continue
-        if key not in accepted and key == "learning_rate" and rate_is_scheduled(program.optimizer):
+        if key not in accepted and key in (scheduled_hyperparams(program.optimizer) or ()):
             raise ValueError(
-                "population: 'learning_rate' is recomputed by a schedule in this optimizer, "
-                "so a member's rate would be overwritten at its first step; inject a number "
-                "(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)) to give each "
-                "member its own, or vary the schedule's own parameters in separate runs"
+                f"population: {key!r} is recomputed by a schedule in this optimizer, so a "
+                f"member's value would be overwritten at its first step; inject a number "
+                f"(e.g. optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)) to give "
+                f"each member its own, or vary the schedule's own parameters in separate runs"
             )
         if key not in accepted:
             names = ", ".join(["seed", *accepted])
             raise ValueError(
                 f"population: {key!r} is not a hyperparameter the optimizer exposes; accepted: "
                 f"{names} (optimizers built with optax.inject_hyperparams, as the named "
-                f"'sgd', 'adam' and 'adamw' are, expose theirs)"
+                f"'sgd', 'adam' and 'adamw' are, expose theirs"
+                f"{_STRUCTURAL if _structural(program.optimizer) else ''})"
             )
         hyper.append((key, tuple(_number(key, v) for v in values)))
     return Population(n, seeds, tuple(hyper))
+
+
+# Why an optimizer built with inject_hyperparams may still expose nothing.
+_STRUCTURAL = (
+    "; this one's state depends on the params' structure (e.g. optax.multi_transform or "
+    "optax.masked given a pytree of labels), so its hyperparameters cannot be seen before "
+    "the run: give the labels as a function of the params"
+)
+
+
+def _structural(tx: Any) -> bool:
+    """Whether `tx` cannot be initialised without the params' own structure."""
+    try:
+        jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((1,), jnp.float32)})
+    except Exception:  # noqa: BLE001 - whatever the optimizer raises for a foreign structure
+        return True
+    return False
 
 
 def _seed(value: Any) -> int:
@@ -225,7 +243,7 @@ def _inject_states(opt_state: Any) -> list[Any]:
 
 def hyperparameter_names(tx: Any) -> list[str]:
     """The numeric hyperparameters `tx` keeps in its state (optax.inject_hyperparams), in
-    order; a learning rate a schedule recomputes at each step is left out.
+    order; those a schedule recomputes at each step are left out.
     """
     probe = {"w": jax.ShapeDtypeStruct((1,), jnp.float32)}
     try:
@@ -235,6 +253,5 @@ def hyperparameter_names(tx: Any) -> list[str]:
     names: list[str] = []
     for node in _inject_states(state):
         names += [n for n in node.hyperparams if n not in names]
-    if "learning_rate" in names and rate_is_scheduled(tx):
-        names.remove("learning_rate")
-    return names
+    scheduled = scheduled_hyperparams(tx) if names else frozenset()
+    return [name for name in names if name not in (scheduled or ())]

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._optim import find_learning_rates, has_schedule, rate_is_scheduled, set_learning_rate
+from .._optim import find_learning_rates, has_schedule, set_learning_rate
+from .._optim_probe import rate_is_scheduled, scheduled_hyperparams
 from .._state import State
 from .._types import Status
 from .._warn import warn
@@ -172,14 +173,12 @@ class ReduceLROnPlateau:
                 "no optimizer whose learning rate it could change"
             )
         tx = program.optimizer
-        if rate_is_scheduled(tx) or (not _injected_rate(tx) and has_schedule(tx)):
-            raise ValueError(
-                "reduce_lr_on_plateau cannot change this optimizer's learning rate: it is an "
-                "optax schedule, recomputed at every step, so a reduced rate would be "
-                "overwritten. Use a constant learning rate (e.g. optax.inject_hyperparams("
-                "optax.adam)(learning_rate=1e-3), or a named optimizer) with "
-                "reduce_lr_on_plateau, or drop it and keep the schedule"
-            )
+        scheduled = rate_is_scheduled(tx)
+        if scheduled or (not _injected_rate(tx) and has_schedule(tx)):
+            raise _scheduled_lr_error()
+        # An optimizer whose structure depends on the params is probed on them at its
+        # first reduction (`_check_on`).
+        self._unprobed = tx if scheduled is None else None
         probe = {"w": jax.ShapeDtypeStruct((1,), jnp.float32)}
         try:
             shapes = jax.eval_shape(tx.init, probe)
@@ -243,9 +242,25 @@ class ReduceLROnPlateau:
         if not reduce:
             return "continue", self.monitor.store(state, record)
         step_state = state.step_state
+        self._check_on(step_state)
         opt_state = set_learning_rate(step_state["opt_state"], self.factor, self.min_lr)
         state = state.replace(step_state={**step_state, "opt_state": opt_state})
         return "continue", self.monitor.store(state, record)
+
+    def _check_on(self, step_state: Any) -> None:
+        """Probes an optimizer `check_optimizer` could not probe, on the run's params.
+
+        A scheduled rate would overwrite the reduction.
+        """
+        tx, self._unprobed = getattr(self, "_unprobed", None), None
+        if tx is None or not isinstance(step_state, dict) or "params" not in step_state:
+            return
+        params = step_state["params"]
+        if isinstance(params, dict) and "params" in params:  # what the trainer optimizes
+            params = params["params"]
+        scheduled = scheduled_hyperparams(tx, params)
+        if scheduled is not None and "learning_rate" in scheduled:
+            raise _scheduled_lr_error()
 
     def _rate(self, state: State) -> Any:
         step_state = state.step_state
@@ -266,6 +281,16 @@ def _injected_rate(tx: Any) -> bool:
         return bool(find_learning_rates(jax.eval_shape(tx.init, probe)))
     except Exception:  # noqa: BLE001
         return False
+
+
+def _scheduled_lr_error() -> ValueError:
+    return ValueError(
+        "reduce_lr_on_plateau cannot change this optimizer's learning rate: it is an optax "
+        "schedule, recomputed at every step, so a reduced rate would be overwritten. Use a "
+        "constant learning rate (e.g. optax.inject_hyperparams(optax.adam)(learning_rate="
+        "1e-3), or a named optimizer) with reduce_lr_on_plateau, or drop it and keep the "
+        "schedule"
+    )
 
 
 def _fixed_lr_error() -> ValueError:

@@ -1,0 +1,103 @@
+"""Which of an optimizer's injected hyperparameters its update recomputes (a schedule).
+
+`optax.inject_hyperparams` keeps hyperparameters in the optimizer state, where
+`reduce_lr_on_plateau` and a population write theirs; a hyperparameter given as a schedule
+is recomputed at every update and would overwrite what was written, silently. One update
+on a tiny probe finds them: each injected value is set to a marker, and a schedule replaces
+its marker. The probe passes what a trainer's update passes (`_optim.optimizer_update`),
+and looks through `optax.MultiSteps` (whose accumulating updates leave the inner state
+alone) to the optimizer it applies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ._optim import _is_inject_state, optimizer_update
+
+__all__ = ["rate_is_scheduled", "scheduled_hyperparams"]
+
+_MARKER = 0.123456789
+
+
+def scheduled_hyperparams(tx: Any, params: Any = None) -> frozenset[str] | None:
+    """The names of `tx`'s injected hyperparameters that an update recomputes, probed on
+    `params` (default: a tiny stand-in); None when the probe cannot run (an optimizer whose
+    structure depends on the params, probed without them).
+
+    Example:
+        >>> import optax
+        >>> sched = optax.linear_schedule(1e-3, 0.0, 100)
+        >>> sorted(scheduled_hyperparams(optax.inject_hyperparams(optax.adam)(sched)))
+        ['learning_rate']
+        >>> sorted(scheduled_hyperparams(optax.inject_hyperparams(optax.adam)(1e-3)))
+        []
+    """
+    tx = _applying(tx)
+    if params is None:
+        params = {"w": jnp.zeros((1,), jnp.float32)}
+    try:
+        marked = jax.tree.map(_mark, tx.init(params), is_leaf=_is_inject_state)
+        _, after = optimizer_update(
+            tx,
+            jax.tree.map(jnp.zeros_like, params),
+            marked,
+            params,
+            jnp.zeros((), jnp.float32),
+            lambda p: jnp.zeros((), jnp.float32),
+        )
+    except Exception:  # noqa: BLE001 - structure-dependent optimizers cannot be probed
+        return None
+    changed: set[str] = set()
+    for before, now in zip(_injected(marked), _injected(after), strict=False):
+        for name, value in before.hyperparams.items():
+            if name in now.hyperparams and not np.array_equal(
+                np.asarray(value), np.asarray(now.hyperparams[name])
+            ):
+                changed.add(name)
+    return frozenset(changed)
+
+
+def rate_is_scheduled(tx: Any) -> bool | None:
+    """Whether an injected learning rate of `tx` is recomputed by a schedule at each update
+    (so writing it into the state does nothing); None when it cannot be probed.
+
+    Example:
+        >>> import optax
+        >>> rate_is_scheduled(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
+        False
+    """
+    scheduled = scheduled_hyperparams(tx)
+    return None if scheduled is None else "learning_rate" in scheduled
+
+
+def _applying(tx: Any) -> Any:
+    """The optimizer whose every update applies: `optax.MultiSteps`'s inner one (also
+    behind its `gradient_transformation()`), else `tx`."""
+    steps = tx if isinstance(tx, optax.MultiSteps) else getattr(tx.update, "__self__", None)
+    if isinstance(steps, optax.MultiSteps):
+        return _applying(steps.inner_opt)
+    return tx
+
+
+def _mark(node: Any) -> Any:
+    if not _is_inject_state(node):
+        return node
+    marked = {
+        name: jnp.asarray(_MARKER, value.dtype)
+        if jnp.issubdtype(jnp.asarray(value).dtype, jnp.floating)
+        else value
+        for name, value in node.hyperparams.items()
+    }
+    return node._replace(hyperparams=marked)
+
+
+def _injected(state: Any) -> list[Any]:
+    return [
+        node for node in jax.tree.leaves(state, is_leaf=_is_inject_state) if _is_inject_state(node)
+    ]

@@ -1,0 +1,102 @@
+"""What fuseloop finds out about an optimizer before it trusts it: which injected
+hyperparameters a schedule recomputes (so a reduction or a population member's value
+would be overwritten), what a learning-rate metric may report, and which updates take the
+extra arguments a hand-written optax loop passes."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import fuseloop as fl
+
+LOSS = "sparse_categorical_cross_entropy"
+_rng = np.random.default_rng(0)
+X = _rng.normal(size=(48, 5)).astype(np.float32)
+Y = _rng.integers(0, 3, 48).astype(np.int32)
+DATA = [(X[i : i + 8], Y[i : i + 8]) for i in range(0, 48, 8)]
+MODEL = fl.models.mlp([8, 3])
+VARIABLES = MODEL.init(jax.random.PRNGKey(0), X[:8])
+SCHEDULE = optax.linear_schedule(1e-2, 1e-4, 40)
+
+
+def _injected(schedule=SCHEDULE, **others):
+    return optax.inject_hyperparams(optax.adam)(learning_rate=schedule, **others)
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [
+        optax.MultiSteps(_injected(), every_k_schedule=2),
+        optax.chain(_injected(), optax.contrib.reduce_on_plateau(patience=100)),
+        optax.multi_transform(
+            {"body": optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), "head": _injected()},
+            lambda params: jax.tree.map(lambda _: "head", params),
+        ),
+    ],
+    ids=["multisteps", "extra-args-chain", "one-group-of-two"],
+)
+def test_a_scheduled_rate_behind_a_wrapper_is_refused_by_reduce_lr_on_plateau(tx):
+    with pytest.raises(ValueError, match="optax schedule, recomputed at every step"):
+        fl.trainer(MODEL, LOSS, tx).reduce_lr_on_plateau("loss")
+
+
+def test_a_scheduled_rate_found_only_with_the_runs_params_is_refused_at_its_first_reduction():
+    labels = jax.tree.map(lambda _: "all", VARIABLES["params"])  # a pytree: needs the params
+    tx = optax.multi_transform({"all": _injected()}, labels)
+    loop = fl.trainer(MODEL, LOSS, tx).reduce_lr_on_plateau("loss", patience=0, min_delta=10.0)
+    with pytest.raises(ValueError, match="optax schedule, recomputed at every step"):
+        loop.run(DATA, VARIABLES, epochs=3)
+
+
+def test_a_population_of_a_scheduled_hyperparameter_is_refused_by_name():
+    tx = _injected(1e-2, b1=optax.linear_schedule(0.8, 0.95, 20))
+    with pytest.raises(ValueError, match=r"population: 'b1' is recomputed by a schedule"):
+        fl.trainer(MODEL, LOSS, tx).run(DATA, population={"b1": [0.1, 0.99]})
+    many = optax.MultiSteps(_injected(), every_k_schedule=2)
+    with pytest.raises(ValueError, match=r"'learning_rate' is recomputed by a schedule"):
+        fl.trainer(MODEL, LOSS, many).run(DATA, population={"learning_rate": [1e-3, 1e-2]})
+
+
+def test_a_population_of_a_structure_dependent_optimizer_is_told_why_it_exposes_nothing():
+    labels = jax.tree.map(lambda _: "all", VARIABLES["params"])
+    tx = optax.multi_transform({"all": optax.inject_hyperparams(optax.adam)(1e-2)}, labels)
+    with pytest.raises(ValueError, match="give the labels as a function of the params"):
+        fl.trainer(MODEL, LOSS, tx).run(DATA, VARIABLES, population={"learning_rate": [1, 2]})
+
+
+def test_the_learning_rate_metric_is_a_rate_never_a_scale_of_the_users_own():
+    multiplied = optax.chain(optax.adam(1e-3), optax.scale_by_schedule(SCHEDULE))
+    state = fl.trainer(MODEL, LOSS, multiplied).run(DATA, epochs=2)
+    assert "learning_rate" not in state.history[1]  # no one number is the rate
+    scheduled = fl.trainer(MODEL, LOSS, optax.adam(SCHEDULE)).run(DATA, epochs=2)
+    assert scheduled.history[1]["learning_rate"] == pytest.approx(float(SCHEDULE(11)))
+
+
+def test_multisteps_passes_the_extra_arguments_on_as_a_hand_written_loop_does():
+    def make():
+        inner = optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau(patience=1))
+        return optax.MultiSteps(inner, every_k_schedule=2)
+
+    state = fl.trainer(MODEL, LOSS, make()).run(DATA, VARIABLES, epochs=2, fuse=3)
+    tx, params = make(), VARIABLES
+    opt_state = tx.init(params["params"])
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        def loss_fn(p):
+            logits = MODEL.apply({"params": p}, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params, value=loss)
+        return optax.apply_updates(params, updates), opt_state
+
+    trained = params["params"]
+    for _ in range(2):
+        for x, y in DATA:
+            trained, opt_state = step(trained, opt_state, x, y)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(trained), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
