@@ -187,6 +187,21 @@ _DIFFERS = textwrap.dedent("""
         fixed_rate.run(data, epochs=2, fuse=2)
     except ValueError as error:
         print("refused:", error, flush=True)
+    # What neither shows either: the metrics, a handler's settings, the dataset's values,
+    # a mesh of one process's devices. Each is refused before anything trains or hangs.
+    same = fl.data.arrays(x[:64], y[:64], 16)
+    plain = fl.trainer(model, "sparse_categorical_cross_entropy", "adam")
+    cases = {
+        "metrics": (plain.metric("accuracy") if mine else plain, same, {}),
+        "patience": (plain.early_stop("loss", patience=1 if mine else 5), same, {}),
+        "values": (plain, fl.data.arrays(x[:64] + float(mine), y[:64], 16), {}),
+        "mesh": (plain, same, {"mesh": jax.sharding.Mesh(jax.local_devices(), ("data",))}),
+    }
+    for name, (loop, data, options) in cases.items():
+        try:
+            loop.run(data, epochs=1, **options)
+        except ValueError as error:
+            print(f"refused {name}:", error, flush=True)
 """)
 
 
@@ -372,6 +387,15 @@ def test_a_different_data_order_or_fixed_learning_rate_is_named_before_training(
         (line,) = [s for s in result.stdout.splitlines() if s.startswith(f"[{index}] refused:")]
         assert "data (process 0:" in line and "seed=0" in line and "seed=1" in line
         assert "training step (e.g. the optimizer's constants" in line
+        refused = {
+            s.split(":")[0].split()[-1]: s
+            for s in result.stdout.splitlines()
+            if s.startswith(f"[{index}] refused ")
+        }
+        assert "configurations: metrics (process 0" in refused["metrics"]
+        assert "configurations: handlers (their settings)" in refused["patience"]
+        assert "configurations: data values (process 0" in refused["values"]
+        assert "mesh: under jax.distributed it must span every process" in refused["mesh"]
 
 
 def test_without_a_mesh_the_processes_form_one(two_processes):

@@ -122,6 +122,8 @@ class Placement:
                 f"len(names)) or Mesh(jax.devices(), ('data',))"
             )
         self.n_shards = mesh.shape["data"]
+        if jax.process_count() > 1:
+            _check_spans_processes(mesh)
         # The batch a process feeds is its share: it divides over its own devices.
         self.n_local = self.n_shards // jax.process_count()
         self._state = NamedSharding(mesh, PartitionSpec())
@@ -213,3 +215,19 @@ class Placement:
         (`device_int`: no transfer per launch; a host scalar cost each launch about 3 us),
         over a mesh a host scalar, placed with the program's replicated inputs."""
         return device_int(n) if self._state is None else np.int32(n)
+
+
+def _check_spans_processes(mesh: Mesh) -> None:
+    """Under jax.distributed the mesh is one global mesh: over every process's devices,
+    each process holding as many. A mesh of one process's devices would train a model of
+    its own on each process (its share of each batch), silently."""
+    held = np.zeros(jax.process_count(), int)
+    for device in mesh.devices.flat:
+        held[device.process_index] += 1
+    if held.min() == 0 or held.min() != held.max():
+        raise ValueError(
+            f"mesh: under jax.distributed it must span every process's devices, each "
+            f"process holding as many (here {', '.join(map(str, held))} devices for processes "
+            f"0-{len(held) - 1}): build it over jax.devices(), e.g. Mesh(jax.devices(), "
+            f"('data',)), not jax.local_devices(); or pass mesh=None, which is that global mesh"
+        )

@@ -31,7 +31,7 @@ from .population_run import PopulationHost
 from .programs import Programs
 from .replay import show_nonfinite_halt
 from .signals import SignalGuard
-from .start import agree_across_processes, initial_step_state, warn_on_resume
+from .start import agree_across_processes, agree_on_mesh, initial_step_state, warn_on_resume
 from .whole_run import WholeRun
 
 __all__ = ["Run"]
@@ -125,6 +125,7 @@ class Run:
         the device steps, rather than when the run returns.
         """
         self._resume()
+        agree_on_mesh(self.placement.mesh)  # before anything is placed on it
         first = self._first_batch()
         step_state, signature, spare_maker = initial_step_state(
             self.programs, self.user_state, first, resuming=isinstance(self.init_state, State)

@@ -18,6 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._config_digest import (
+    describe_handlers,
+    describe_mesh,
+    describe_metrics,
+    is_dataset,
+    source_digest,
+)
 from .._distributed import (
     check_same_config,
     describe,
@@ -42,6 +49,7 @@ __all__ = [
     "InlineInit",
     "Start",
     "agree_across_processes",
+    "agree_on_mesh",
     "initial_step_state",
     "private_copy",
     "warn_on_resume",
@@ -253,9 +261,24 @@ def agree_across_processes(run: Any, first: Any, step_state: Any) -> None:
                 "training step (e.g. the optimizer's constants, the loss)": (
                     describe_step(run.loop.program, step_state, first)
                 ),
-                "handlers": [(str(r.event), r.name) for r in run.loop.registrations],
+                "handlers (their settings)": describe_handlers(run.loop.registrations),
+                "metrics": describe_metrics(run.loop.metrics),
+                "data values": _values_of(run.source.data),
             }
         )
+
+
+def agree_on_mesh(mesh: Any) -> None:
+    """The processes' meshes, compared before the first array is placed on one: a mesh
+    that differs (devices, their order) would hang the first collective placement."""
+    if process_count() > 1:
+        check_same_config({"mesh (its axes and devices, in order)": describe_mesh(mesh)})
+
+
+def _values_of(data: Any) -> str:
+    """An in-memory dataset's digest (each process takes its rows of the whole); other
+    sources hold each process's own share, so their values differ by design."""
+    return source_digest(data) if is_dataset(data) else "per process"
 
 
 def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:
