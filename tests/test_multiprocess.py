@@ -394,6 +394,7 @@ def test_a_different_data_order_or_fixed_learning_rate_is_named_before_training(
         }
         assert "configurations: metrics (process 0" in refused["metrics"]
         assert "configurations: handlers (their settings)" in refused["patience"]
+        assert "'patience': 1}" in refused["patience"] and "'patience': 5}" in refused["patience"]
         assert "configurations: data values (process 0" in refused["values"]
         assert "mesh: under jax.distributed it must span every process" in refused["mesh"]
 

@@ -212,9 +212,24 @@ def config_fingerprint(config: dict[str, Any]) -> dict[str, str]:
         out[str(key)] = (
             text
             if len(text) <= 80
-            else f"{text[:60]}... sha256:{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+            else f"sha256:{hashlib.sha256(text.encode()).hexdigest()[:12]} {text}"
         )
     return out
+
+
+def _where_they_differ(values: list[str]) -> list[str]:
+    """Each process's entry as shown in the error: whole when short, else the 80 characters
+    from just before where it first differs from another process's (a long entry, such as
+    the handlers' settings, would otherwise hide the difference)."""
+    texts = [v.split(" ", 1)[1] if v.startswith("sha256:") else v for v in values]
+    if all(len(t) <= 80 for t in texts):
+        return texts
+    first = next(
+        (i for i, chars in enumerate(zip(*texts, strict=False)) if len(set(chars)) > 1),
+        min(map(len, texts)),
+    )
+    start = max(first - 30, 0)
+    return [("..." if start else "") + t[start : start + 80] + "..." for t in texts]
 
 
 def describe(tree: Any, values: bool = False) -> str:
@@ -306,7 +321,7 @@ def check_same_config(config: dict[str, Any], what: str = "run") -> None:
     for key in sorted(set().union(*every)):
         values = [e.get(key, "<missing>") for e in every]
         if len(set(values)) > 1:
-            shown = ", ".join(f"process {i}: {v}" for i, v in enumerate(values))
+            shown = ", ".join(f"process {i}: {v}" for i, v in enumerate(_where_they_differ(values)))
             differences.append(f"{key} ({shown})")
     if differences:
         raise ValueError(
