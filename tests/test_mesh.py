@@ -79,6 +79,14 @@ SCRIPT = textwrap.dedent(
         except ValueError as error:
             out[f"odd-{fuse}"] = str(error)
 
+    # 42 examples in batches of 8 on the device: the short last batch (2) does not divide.
+    short_last = fl.data.arrays(x[:42], y[:42], 8, drop_remainder=False, device=True)
+    try:
+        loop.run(short_last, fuse=4, mesh=mesh)
+        out["short-last"] = "no error"
+    except ValueError as error:
+        out["short-last"] = str(error)
+
     # Inside the compiled step, the batch is split over the "data" axis.
     seen = []
 
@@ -154,6 +162,12 @@ def test_batch_that_does_not_divide_over_the_mesh_is_a_clear_error(findings, fus
     message = findings[f"odd-{fuse}"]
     assert message != "no error"
     assert "mesh" in message and "6" in message and "4" in message
+
+
+def test_a_short_last_batch_that_does_not_divide_is_named_as_the_short_batch(findings):
+    message = findings["short-last"]
+    assert "short last batch (drop_remainder=False) holds 2 examples" in message, message
+    assert "batch size 2" not in message  # the user's batch size is 8
 
 
 def test_mesh_without_a_data_axis_is_rejected(findings):

@@ -153,12 +153,20 @@ class Placement:
         """
         return self._batch
 
-    def chunk_sharding(self, batch_size: int) -> Any:
+    def chunk_sharding(self, batch_size: int, short: bool = False) -> Any:
         """The sharding of a stacked chunk over the mesh (None on one device), after
-        checking that `batch_size` divides over the mesh's "data" axis."""
+        checking that `batch_size` (`short`: the dataset's short last batch's) divides over
+        the mesh's "data" axis."""
         if self._chunk is None:
             return None
         if batch_size % self.n_shards:
+            if short:
+                raise ValueError(
+                    f"mesh: the dataset's short last batch (drop_remainder=False) holds "
+                    f"{batch_size} examples, which do not divide over the {self.n_shards} "
+                    f"devices of the mesh's 'data' axis; choose a batch size that leaves a "
+                    f"multiple of {self.n_shards} examples last, or pass drop_remainder=True"
+                )
             raise ValueError(
                 f"mesh: the dataset's batch size {batch_size} does not divide over the "
                 f"{self.n_shards} devices of the mesh's 'data' axis; use a batch size that is "

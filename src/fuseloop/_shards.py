@@ -107,9 +107,11 @@ def local_indices(
         return global_indices
     if len(global_indices) != batch_size:
         raise ValueError(
-            f"a last batch of {len(global_indices)} examples cannot be split across "
-            f"{jax.process_count()} processes like batch_size={batch_size}; pass "
-            f"drop_remainder=True"
+            f"data: the short last batch ({len(global_indices)} examples, drop_remainder="
+            f"False) cannot be fed from the host by {jax.process_count()} processes, each "
+            f"of which feeds its equal share of batch_size={batch_size}; pass device=True "
+            f"(fl.data.arrays(..., device=True) splits a short last batch over the devices "
+            f"when it divides), or drop_remainder=True"
         )
     rows = process_block(batch_size) if sharding is None else local_rows(sharding, batch_size)
     return global_indices[rows]

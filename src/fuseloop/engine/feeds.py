@@ -212,7 +212,7 @@ class ResidentFeed:
         self.whole = source.n // source.batch_size
         self.short = None if self.whole == source.num_batches else source.n % source.batch_size
         self.short_sharding = (
-            placement.chunk_sharding(self.short) if self.short is not None else None
+            placement.chunk_sharding(self.short, short=True) if self.short is not None else None
         )
         self.data = data
         # The epoch counter lives on the device (a device int32 scalar holding
