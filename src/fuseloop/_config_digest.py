@@ -7,11 +7,12 @@ reach; compared first, it is an error naming it.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from typing import Any
 
 import numpy as np
+
+from ._distributed import describe_values
 
 __all__ = ["describe_handlers", "describe_mesh", "describe_metrics", "is_dataset", "source_digest"]
 
@@ -63,16 +64,9 @@ def source_digest(data: Any) -> str:
     the whole dataset and takes its rows of one global order), kept on the source: the
     arrays are read once."""
     kept = getattr(data, "_values_digest", None)
-    if kept is not None:
-        return str(kept)
-    digest = hashlib.sha256()
-    for array in (data.x, data.y):
-        for leaf in array.values() if isinstance(array, dict) else [array]:
-            if leaf is not None:
-                digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
-    text = digest.hexdigest()[:16]
-    data._values_digest = text
-    return text
+    if kept is None:
+        kept = data._values_digest = describe_values((data.x, data.y))
+    return str(kept)
 
 
 def is_dataset(value: Any) -> bool:

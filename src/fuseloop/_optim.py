@@ -22,7 +22,9 @@ import optax
 __all__ = [
     "OPTIMIZERS",
     "resolve_optimizer",
+    "abstract_state",
     "find_learning_rates",
+    "inject_states",
     "learning_rate_of",
     "exposes_learning_rate",
     "set_learning_rate",
@@ -164,6 +166,23 @@ def _is_inject_state(node: Any) -> bool:
     return isinstance(node, _INJECT_STATES)
 
 
+def inject_states(opt_state: Any) -> list[Any]:
+    """The `optax.inject_hyperparams` states inside an optax state, in order (chains,
+    groups and wrappers included)."""
+    leaves = jax.tree.leaves(opt_state, is_leaf=_is_inject_state)
+    return [node for node in leaves if _is_inject_state(node)]
+
+
+def abstract_state(tx: Any) -> Any | None:
+    """`tx`'s state for a tiny stand-in of params, found abstractly (nothing runs); None
+    for an optimizer whose structure depends on the params' own (e.g. a pytree of labels).
+    """
+    try:
+        return jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((1,), jnp.float32)})
+    except Exception:  # noqa: BLE001 - whatever the optimizer raises for a foreign structure
+        return None
+
+
 def find_learning_rates(opt_state: Any) -> list[Any]:
     """The `learning_rate` hyperparameters found in an optax state (chains included).
 
@@ -173,11 +192,11 @@ def find_learning_rates(opt_state: Any) -> list[Any]:
         >>> [float(lr) for lr in find_learning_rates(tx.init(jnp.zeros(2)))]
         [0.5]
     """
-    found = []
-    for node in jax.tree.leaves(opt_state, is_leaf=_is_inject_state):
-        if _is_inject_state(node) and "learning_rate" in node.hyperparams:
-            found.append(node.hyperparams["learning_rate"])
-    return found
+    return [
+        n.hyperparams["learning_rate"]
+        for n in inject_states(opt_state)
+        if "learning_rate" in n.hyperparams
+    ]
 
 
 def set_learning_rate(opt_state: Any, scale: float, floor: float) -> Any:
@@ -260,21 +279,18 @@ def learning_rate_of(tx: Any, opt_state: Any) -> Any | None:
 def exposes_learning_rate(tx: Any) -> bool:
     """Whether `learning_rate_of` finds a rate for `tx` (checked on a tiny abstract probe;
     an optimizer whose state depends on the params' structure is taken as not exposing)."""
-    probe = {"w": jax.ShapeDtypeStruct((1,), jnp.float32)}
+    state = abstract_state(tx)
+    if state is None:
+        return False  # a structure-dependent optimizer: not exposed
+    if any(not s.rate for s in _schedules(getattr(tx, "update", None), state)):
+        return False  # a scale of its own multiplies the rate: no one number is it
     try:
-        state = jax.eval_shape(tx.init, probe)
-        if any(not s.rate for s in _schedules(getattr(tx, "update", None), state)):
-            return False  # a scale of its own multiplies the rate: no one number is it
         return jax.eval_shape(lambda s: learning_rate_of(tx, s), state) is not None
-    except Exception:  # noqa: BLE001 - a structure-dependent optimizer: not exposed
+    except Exception:  # noqa: BLE001 - a state learning_rate_of cannot read: not exposed
         return False
 
 
 def has_schedule(tx: Any) -> bool:
     """Whether `tx` takes its rate from an optax schedule (`scale_by_schedule`)."""
-    probe = {"w": jax.ShapeDtypeStruct((1,), jnp.float32)}
-    try:
-        state = jax.eval_shape(tx.init, probe)
-    except Exception:  # noqa: BLE001 - structure-dependent: not recognised
-        return False
-    return bool(_schedules(getattr(tx, "update", None), state))
+    state = abstract_state(tx)
+    return state is not None and bool(_schedules(getattr(tx, "update", None), state))

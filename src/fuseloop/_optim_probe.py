@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._optim import _is_inject_state, optimizer_update
+from ._optim import _is_inject_state, inject_states, optimizer_update
 
 __all__ = ["rate_is_scheduled", "scheduled_hyperparams"]
 
@@ -54,7 +54,7 @@ def scheduled_hyperparams(tx: Any, params: Any = None) -> frozenset[str] | None:
     except Exception:  # noqa: BLE001 - structure-dependent optimizers cannot be probed
         return None
     changed: set[str] = set()
-    for before, now in zip(_injected(marked), _injected(after), strict=False):
+    for before, now in zip(inject_states(marked), inject_states(after), strict=False):
         for name, value in before.hyperparams.items():
             if name in now.hyperparams and not np.array_equal(
                 np.asarray(value), np.asarray(now.hyperparams[name])
@@ -95,9 +95,3 @@ def _mark(node: Any) -> Any:
         for name, value in node.hyperparams.items()
     }
     return node._replace(hyperparams=marked)
-
-
-def _injected(state: Any) -> list[Any]:
-    return [
-        node for node in jax.tree.leaves(state, is_leaf=_is_inject_state) if _is_inject_state(node)
-    ]

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from .._optim import abstract_state, inject_states
 from .._optim_probe import scheduled_hyperparams
 
 __all__ = ["Population", "RECORD_KEY", "resolve_population", "hyperparameter_names"]
@@ -182,7 +182,7 @@ def _from_argument(population: Any, program: Any) -> Population:
                 f"population: {key!r} is not a hyperparameter the optimizer exposes; accepted: "
                 f"{names} (optimizers built with optax.inject_hyperparams, as the named "
                 f"'sgd', 'adam' and 'adamw' are, expose theirs"
-                f"{_STRUCTURAL if _structural(program.optimizer) else ''})"
+                f"{_STRUCTURAL if abstract_state(program.optimizer) is None else ''})"
             )
         hyper.append((key, tuple(_number(key, v) for v in values)))
     return Population(n, seeds, tuple(hyper))
@@ -194,15 +194,6 @@ _STRUCTURAL = (
     "optax.masked given a pytree of labels), so its hyperparameters cannot be seen before "
     "the run: give the labels as a function of the params"
 )
-
-
-def _structural(tx: Any) -> bool:
-    """Whether `tx` cannot be initialised without the params' own structure."""
-    try:
-        jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((1,), jnp.float32)})
-    except Exception:  # noqa: BLE001 - whatever the optimizer raises for a foreign structure
-        return True
-    return False
 
 
 def _seed(value: Any) -> int:
@@ -231,27 +222,15 @@ def program_seed(program: Any) -> int:
     return int(seed)
 
 
-def _inject_states(opt_state: Any) -> list[Any]:
-    from .._optim import _is_inject_state
-
-    return [
-        node
-        for node in jax.tree.leaves(opt_state, is_leaf=_is_inject_state)
-        if _is_inject_state(node)
-    ]
-
-
 def hyperparameter_names(tx: Any) -> list[str]:
     """The numeric hyperparameters `tx` keeps in its state (optax.inject_hyperparams), in
     order; those a schedule recomputes at each step are left out.
     """
-    probe = {"w": jax.ShapeDtypeStruct((1,), jnp.float32)}
-    try:
-        state = jax.eval_shape(tx.init, probe)
-    except Exception:  # noqa: BLE001 - a structure-dependent optimizer exposes none
-        return []
+    state = abstract_state(tx)
+    if state is None:
+        return []  # a structure-dependent optimizer exposes none
     names: list[str] = []
-    for node in _inject_states(state):
+    for node in inject_states(state):
         names += [n for n in node.hyperparams if n not in names]
     scheduled = scheduled_hyperparams(tx) if names else frozenset()
     return [name for name in names if name not in (scheduled or ())]

@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._optim import find_learning_rates, has_schedule, set_learning_rate
+from .._optim import abstract_state, find_learning_rates, has_schedule, set_learning_rate
 from .._optim_probe import rate_is_scheduled, scheduled_hyperparams
 from .._state import State
+from .._step import _trainable
 from .._types import Status
 from .._warn import warn
 from ..engine.population_monitors import (
@@ -164,6 +165,7 @@ class ReduceLROnPlateau:
         self.factor = check_float(factor, "factor", 0.0, 1.0, open_low=True, open_high=True)
         self.min_lr = check_float(min_lr, "min_lr", 0.0)
         self.cooldown = check_int(cooldown, "cooldown", 0)
+        self._unprobed: Any = None  # an optimizer to probe on the run's params (`_check_on`)
 
     def check_optimizer(self, program: Any) -> None:
         """Raises a ValueError now if the loop's learning rate cannot be changed later."""
@@ -179,12 +181,8 @@ class ReduceLROnPlateau:
         # An optimizer whose structure depends on the params is probed on them at its
         # first reduction (`_check_on`).
         self._unprobed = tx if scheduled is None else None
-        probe = {"w": jax.ShapeDtypeStruct((1,), jnp.float32)}
-        try:
-            shapes = jax.eval_shape(tx.init, probe)
-        except Exception:  # noqa: BLE001 - structure-dependent optimizers: checked at run time
-            return
-        if not find_learning_rates(shapes):
+        shapes = abstract_state(tx)
+        if shapes is not None and not find_learning_rates(shapes):  # None: checked when run
             raise _fixed_lr_error()
 
     # The engine runs a twin of this handler on the device inside a multi-epoch dispatch
@@ -252,13 +250,11 @@ class ReduceLROnPlateau:
 
         A scheduled rate would overwrite the reduction.
         """
-        tx, self._unprobed = getattr(self, "_unprobed", None), None
+        tx, self._unprobed = self._unprobed, None
         if tx is None or not isinstance(step_state, dict) or "params" not in step_state:
             return
-        params = step_state["params"]
-        if isinstance(params, dict) and "params" in params:  # what the trainer optimizes
-            params = params["params"]
-        scheduled = scheduled_hyperparams(tx, params)
+        trainable, _ = _trainable(step_state["params"])  # what the trainer's init gives tx.init
+        scheduled = scheduled_hyperparams(tx, trainable)
         if scheduled is not None and "learning_rate" in scheduled:
             raise _scheduled_lr_error()
 
@@ -276,11 +272,8 @@ class ReduceLROnPlateau:
 
 
 def _injected_rate(tx: Any) -> bool:
-    probe = {"w": jax.ShapeDtypeStruct((1,), jnp.float32)}
-    try:
-        return bool(find_learning_rates(jax.eval_shape(tx.init, probe)))
-    except Exception:  # noqa: BLE001
-        return False
+    shapes = abstract_state(tx)
+    return shapes is not None and bool(find_learning_rates(shapes))
 
 
 def _scheduled_lr_error() -> ValueError:
