@@ -199,30 +199,25 @@ _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 
 
 def config_fingerprint(config: dict[str, Any]) -> dict[str, str]:
-    """A short, comparable description of each configuration entry.
+    """A comparable description of each configuration entry (shown in an error from where
+    processes' entries differ: `_where_they_differ`).
 
     Example:
         >>> config_fingerprint({"epochs": 3})
         {'epochs': '3'}
     """
-    out = {}
-    for key, value in sorted(config.items()):
-        # Memory addresses in reprs differ between processes running the same code.
-        text = _ADDRESS.sub("0x", json.dumps(value, sort_keys=True, default=repr))
-        out[str(key)] = (
-            text
-            if len(text) <= 80
-            else f"sha256:{hashlib.sha256(text.encode()).hexdigest()[:12]} {text}"
-        )
-    return out
+    # Memory addresses in reprs differ between processes running the same code.
+    return {
+        str(key): _ADDRESS.sub("0x", json.dumps(value, sort_keys=True, default=repr))
+        for key, value in sorted(config.items())
+    }
 
 
-def _where_they_differ(values: list[str]) -> list[str]:
+def _where_they_differ(texts: list[str]) -> list[str]:
     """Each process's entry as shown in the error: whole when short, else the 80 characters
     from just before where it first differs from another process's (a long entry, such as
     the handlers' settings, would otherwise hide the difference)."""
-    texts = [v.split(" ", 1)[1] if v.startswith("sha256:") else v for v in values]
-    if all(len(t) <= 80 for t in texts):
+    if all(len(text) <= 80 for text in texts):
         return texts
     first = next(
         (i for i, chars in enumerate(zip(*texts, strict=False)) if len(set(chars)) > 1),
