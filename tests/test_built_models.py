@@ -95,3 +95,35 @@ def test_a_linen_population_still_draws_each_member_from_its_seed():
     assert not np.array_equal(
         jax.tree.leaves(state.member(0).params)[0], jax.tree.leaves(state.member(1).params)[0]
     )
+
+
+class _Scaled(nnx.Module):
+    """A model with a static attribute a user may change after training (a temperature)."""
+
+    def __init__(self) -> None:
+        self.linear = nnx.Linear(FEATURES, 3, rngs=nnx.Rngs(0))
+        self.temperature = 1.0
+
+    def __call__(self, x):
+        return self.linear(x) / self.temperature
+
+
+def test_an_nnx_module_changed_after_predict_or_evaluator_took_it_is_predicted_as_it_is_now():
+    module = _Scaled()
+    variables = fl.models.from_nnx(module).init(None, None)
+    x, y = make_batches(1)[0]
+    evaluation = fl.evaluator(module, SPARSE)
+    evaluation.run([(x, y)], variables)
+    before = fl.predict(module, variables, x)
+    module.temperature = 4.0  # calibrated after a first prediction
+    after = fl.predict(module, variables, x)
+    np.testing.assert_allclose(after, before / 4.0, rtol=1e-6)
+    np.testing.assert_array_equal(after, np.asarray(fl.models.trained(module, variables)(x)))
+    # A loop compiled the module as it was: its next run refuses, with variables given too.
+    with pytest.raises(ValueError, match=r"changed structure.*temperature.*fl\.evaluator"):
+        evaluation.run([(x, y)], variables)
+    loop = fl.trainer(module, SPARSE, "sgd")
+    loop.run([(x, y)], variables)
+    module.temperature = 2.0
+    with pytest.raises(ValueError, match=r"^the nnx module changed structure.*temperature"):
+        loop.run([(x, y)], variables)

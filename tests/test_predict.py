@@ -155,3 +155,35 @@ def test_a_source_of_pairs_meant_as_two_inputs_is_told_it_was_read_as_x_and_y():
     wrapped = [((xa, xb), None) for xa, xb in as_pairs]  # the fix the note names
     expected = a @ np.ones((4, 2)) + b @ np.ones((3, 2))
     np.testing.assert_allclose(predict(model, variables, wrapped), expected, rtol=1e-5)
+
+
+def test_a_few_examples_are_not_padded_to_a_whole_chunk(state, monkeypatch):
+    shapes = []
+    chunks = fl._predict._padded_chunks
+
+    def recorded(*args):
+        for chunk, live in chunks(*args):
+            shapes.append(jax.tree.leaves(chunk)[0].shape)
+            yield chunk, live
+
+    monkeypatch.setattr(fl._predict, "_padded_chunks", recorded)
+    out = predict(Net(), state, X, batch_size=4)  # 6 batches: one chunk of 8, not of 32
+    np.testing.assert_allclose(out, expected(state), rtol=1e-5, atol=1e-6)
+    assert shapes == [(8, 4, 5)]
+    shapes.clear()
+    predict(Net(), state, X[:3], batch_size=256)
+    assert shapes == [(1, 3, 5)]
+
+
+def test_outputs_without_a_row_per_example_and_inputs_without_examples_are_named(state):
+    apply = lambda p, x: (x @ p["w"], (x @ p["w"]).sum())  # noqa: E731
+    params = {"w": np.ones((5, 2), np.float32)}
+    with pytest.raises(ValueError, match=r"output\[1\] for a batch .* shape \(\).*per-example"):
+        predict((lambda rng, x: params, apply), params, X)
+    for scalar in (np.float32(1.0), np.array(1.0), jax.numpy.ones(())):
+        with pytest.raises(ValueError, match=r"x: a scalar .* holds no examples"):
+            predict(Net(), state, scalar)
+    with pytest.raises(ValueError, match=r"^x=None: pass the inputs"):
+        predict(Net(), state, None)
+    with pytest.raises(ValueError, match=r"^variables_or_state=None: pass the trained"):
+        predict(Net(), None, X)

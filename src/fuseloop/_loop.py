@@ -20,6 +20,8 @@ from ._loop_args import (
     check_step_functions,
     check_trainer_options,
     known_metrics,
+    refuse_second_validation,
+    refuse_validation_names,
 )
 from ._loop_handlers import HandlerBuilders
 from ._metrics import MetricSpec, resolve_metric
@@ -99,7 +101,7 @@ class Loop(HandlerBuilders):
             spec = resolve_metric(metric, name, accumulate)
         if any(m.name == spec.name for m in self.metrics):
             raise ValueError(f"metric name {spec.name!r} is already used; pass name=...")
-        _refuse_validation_names({spec.name}, self._validated_names())
+        refuse_validation_names({spec.name}, self._validated_names())
         return self._with(metrics=self.metrics + (spec,))
 
     def _validated_names(self) -> set[str]:
@@ -206,7 +208,8 @@ class Loop(HandlerBuilders):
         specs = evaluable_metrics(self.metrics, loss is not None)
         check_validation(model, data, fuse, specs)
         evaluation = Loop(evaluator_program(model, loss), metrics=specs)
-        _refuse_validation_names({m.name for m in self.metrics}, validation_names(evaluation))
+        refuse_validation_names({m.name for m in self.metrics}, validation_names(evaluation))
+        refuse_second_validation(self._validated_names() & validation_names(evaluation))
         return self.handle_event(event, Validator(evaluation, data, fuse), filter, name="validate")
 
     def terminate_on_nan(self) -> Loop:
@@ -383,15 +386,3 @@ def _progress_bar(data: Any, iterations: int | None) -> Any:
     from .handlers.progress import ProgressBar
 
     return ProgressBar.for_data(data, iterations) if is_main_process() else None
-
-
-def _refuse_validation_names(names: set[str], validated: set[str]) -> None:
-    """A training metric named like one that `validate` adds would be overwritten by it at
-    every validation, without a word: refused, naming both."""
-    clash = sorted(names & validated)
-    if clash:
-        raise ValueError(
-            f"metric name {clash[0]!r} is also the name validate() gives the validation "
-            f"value of {clash[0].removeprefix('validation_')!r}, which would overwrite it; "
-            f"name the training metric otherwise: .metric(..., name=...)"
-        )

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ._metrics import ACCUMULATORS, METRICS
+from ._metrics import ACCUMULATORS, ALIASES, METRICS
 from ._population import refuse_population
 
 __all__ = [
@@ -21,12 +21,14 @@ __all__ = [
     "check_text_stream",
     "check_step_functions",
     "check_init_state",
+    "refuse_validation_names",
+    "refuse_second_validation",
 ]
 
 
 def known_metrics() -> tuple[str, ...]:
-    """The names of the built-in metrics."""
-    return tuple(METRICS)
+    """The names of the built-in metrics, and their Keras spellings ("mae", "acc", ...)."""
+    return (*METRICS, *ALIASES)
 
 
 def check_accumulate(accumulate: str) -> str:
@@ -119,3 +121,30 @@ _STARTS_FROM = {
     "a trainer's seed is fl.trainer(..., seed=...)",
     "evaluator": "an evaluator starts from the model's variables (model.init(...)) or a State",
 }
+
+
+def refuse_second_validation(clash: set[str]) -> None:
+    """A second `validate` adding the names an earlier one adds would overwrite its values
+    at every validation, and a monitor attached in between would see the other's: refused.
+    """
+    if clash:
+        names = ", ".join(sorted(clash))
+        raise ValueError(
+            f"validate: an earlier validate() on this loop already adds {names}; a second "
+            f"one would overwrite those values in the history. Validate once on the "
+            f"validation data; for a second data set, run fl.evaluator(model, loss) on it "
+            f"in an epoch_completed handler that returns the State with metrics under "
+            f"names of their own"
+        )
+
+
+def refuse_validation_names(names: set[str], validated: set[str]) -> None:
+    """A training metric named like one that `validate` adds would be overwritten by it at
+    every validation, without a word: refused, naming both."""
+    clash = sorted(names & validated)
+    if clash:
+        raise ValueError(
+            f"metric name {clash[0]!r} is also the name validate() gives the validation "
+            f"value of {clash[0].removeprefix('validation_')!r}, which would overwrite it; "
+            f"name the training metric otherwise: .metric(..., name=...)"
+        )

@@ -65,8 +65,7 @@ class from_nnx:  # noqa: N801
             >>> model.current_variables()["params"]["bias"].tolist()
             [1.0, 1.0]
         """
-        if not self._graph.unchanged():
-            self._graph = self._graph.rebuilt()  # a Variable or submodule was replaced
+        self.check_structure()
         values = [_raw_value(v) for v in self._graph.variables]
         if self._read is not None and all(map(operator.is_, values, self._read[0])):
             return self._read[1]
@@ -75,6 +74,26 @@ class from_nnx:  # noqa: N801
         pure = {"params": self._nnx.to_pure_dict(params), "state": self._nnx.to_pure_dict(rest)}
         self._read = (values, pure)
         return pure
+
+    def check_structure(self) -> None:
+        """Raises a ValueError if the module's structure changed since this adapter took it
+        (a layer of another shape or kind, a changed static attribute): its programs were
+        compiled for the old one. Every run of a loop built on it checks, and `fl.predict`
+        builds a new adapter instead. A Variable replaced by one of the same shape is
+        taken (its value is read like any other).
+
+        Example:
+            >>> from flax import nnx
+            >>> layer = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+            >>> model = from_nnx(layer)
+            >>> layer.kernel = nnx.Param(jnp.zeros((4, 3)))
+            >>> model.check_structure()
+            Traceback (most recent call last):
+            ...
+            ValueError: the nnx module changed structure after fuseloop took it: kernel ...
+        """
+        if not self._graph.unchanged():
+            self._graph = self._graph.rebuilt()  # a Variable or submodule was replaced
 
     def init(self, rng: Any, x: Any) -> Any:
         """A copy of the module's own variables as they are now (nnx initialises at
@@ -219,11 +238,12 @@ def _changed_structure(old: dict[Any, Any], new: dict[Any, Any]) -> str:
     where = ", ".join(".".join(map(str, path)) for path in changed[:3])
     more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
     return (
-        f"the nnx module changed structure after fl.trainer(...) took it: {where}{more} "
-        f"differ from the module the trainer compiled (a replaced layer of another shape or "
-        f"kind, or a changed static attribute). Build the trainer again from the changed "
-        f"module, fl.trainer(model, ...); to load weights into the same structure, assign "
-        f"values (nnx.update(model, state) or variable.value = ...)"
+        f"the nnx module changed structure after fuseloop took it: {where}{more} changed "
+        f"since its loop compiled the module (a replaced layer of another shape or kind, "
+        f"or a changed static attribute). Build the loop again from the changed "
+        f"module (fl.trainer(model, ...), fl.evaluator(model, ...), .validate(model, ...)); "
+        f"to load weights into the same structure, assign values (nnx.update(model, state) "
+        f"or variable.value = ...)"
     )
 
 

@@ -22,25 +22,29 @@ from .models import as_model
 
 __all__ = ["predict"]
 
-# (id(model), vmapped over members) -> (model, jitted chunk program)
-_PROGRAMS: dict[tuple[int, bool], tuple[Any, Any]] = {}
+# (id(model), vmapped over members) -> (model, its adapter, jitted chunk program)
+_PROGRAMS: dict[tuple[int, bool], tuple[Any, Any, Any]] = {}
 _MAX_PROGRAMS = 16
 _DEFAULT_CHUNK = 32
 
 
-def _chunk_program(model: Any, members: bool = False) -> Any:
+def _chunk_program(model: Any, members: bool = False, listed: bool = False) -> Any:
     """One jitted program per model (kept alive with it), so a second call reuses it;
-    `members`: vmapped over a population's leading member axis.
+    `members`: vmapped over a population's leading member axis; `listed`: x was given as
+    a list (named in a misfit's message).
+
+    An nnx module changed in place since (a static attribute, a layer of another shape)
+    gets a new program: predict takes the model as it is at each call.
     """
     cached = _PROGRAMS.get((id(model), members))
-    if cached is not None and cached[0] is model:
-        return cached[1]
+    if cached is not None and cached[0] is model and _unchanged(cached[1]):
+        return cached[2]
     adapter = as_model(model)
 
     def run_chunk(variables: Any, chunk: Any) -> Any:
         def one(x: Any) -> Any:
             out = adapter.forward(variables, x, train=False, rng=None)[0]
-            _require_rows(out, batch_size(x))
+            _require_rows(out, batch_size(x), listed)
             return out
 
         return jax.lax.map(one, chunk)
@@ -50,23 +54,46 @@ def _chunk_program(model: Any, members: bool = False) -> Any:
         if members
         else named(run_chunk, "predict")
     )
+    _PROGRAMS.pop((id(model), members), None)
     if len(_PROGRAMS) >= _MAX_PROGRAMS:
         _PROGRAMS.pop(next(iter(_PROGRAMS)))
-    _PROGRAMS[(id(model), members)] = (model, program)
+    _PROGRAMS[(id(model), members)] = (model, adapter, program)
     return program
 
 
-def _require_rows(out: Any, examples: int) -> None:
+def _unchanged(adapter: Any) -> bool:
+    """Whether the programs traced with `adapter` still fit its model (only an nnx module
+    can change after it was taken)."""
+    check = getattr(adapter, "check_structure", None)
+    if check is None:
+        return True
+    try:
+        check()
+    except ValueError:
+        return False
+    return True
+
+
+def _require_rows(out: Any, examples: int, listed: bool = False) -> None:
     """Raises a ValueError unless every output leaf has one row per example of its batch
-    (checked when the program is traced)."""
-    for leaf in jax.tree.leaves(out):
+    (checked when the program is traced); `listed`: x was a list (maybe of inputs)."""
+    paths = jax.tree_util.tree_flatten_with_path(out)[0]
+    for path, leaf in paths:
         shape = tuple(np.shape(leaf))
         if not shape or shape[0] != examples:
+            where = f"output{jax.tree_util.keystr(path)}" if path else "output"
+            hint = (
+                "A list passed as x is read as a list of batches: for a model of several "
+                "inputs pass them as a tuple (a, b) or a dict of arrays"
+                if listed
+                else "Predict returns one row per example: have the model return only "
+                "per-example outputs (e.g. wrap it to leave out a per-batch value), or "
+                "call model.apply yourself for other outputs"
+            )
             raise ValueError(
-                f"x: the model's output for a batch of {examples} examples has shape "
+                f"x: the model's {where} for a batch of {examples} examples has shape "
                 f"{shape}, not one row per example, so predict cannot return one per "
-                f"example. A list passed as x is read as a list of batches: for a model of "
-                f"several inputs pass them as a tuple (a, b) or a dict of arrays"
+                f"example. {hint}"
             )
 
 
@@ -154,8 +181,13 @@ def _as_device_dtype(leaf: Any) -> np.ndarray:
 
 
 def _padded_chunks(x: Any, n: int, batch_size: int, per_chunk: int):
-    """Yields host chunks of shape (per_chunk, batch_size, ...); the tail is zero-padded."""
+    """Yields host chunks of shape (per_chunk, batch_size, ...); the tail is zero-padded.
+    Fewer examples than a chunk holds make a smaller chunk: the power of two of batches
+    that holds them (so a few sizes of input compile a few programs, and 300 examples
+    are not padded to 32 batches of 256)."""
     batches = -(-n // batch_size)
+    if batches < per_chunk:
+        per_chunk = min(per_chunk, 1 << (batches - 1).bit_length())
     for first in range(0, batches, per_chunk):
         start, stop = first * batch_size, min(n, (first + per_chunk) * batch_size)
 
@@ -198,7 +230,12 @@ def predict(
     """
     variables = getattr(variables_or_state, "params", variables_or_state)
     if variables is None:
-        raise ValueError("variables_or_state: the State holds no params")
+        raise ValueError(
+            "variables_or_state: the State holds no params"
+            if variables_or_state is not None
+            else "variables_or_state=None: pass the trained variables, or the State a run returned"
+        )
+    _require_examples_axis(x)
     per_chunk = _chunk_size(fuse)
     if _is_array_tree(x):
         if (
@@ -216,7 +253,7 @@ def predict(
         raise ValueError("x holds no examples; there is nothing to predict")
     size = min(size, n)
     members = getattr(variables_or_state, "population", None) is not None
-    program = _chunk_program(model, members)
+    program = _chunk_program(model, members, listed=isinstance(x, list))
     lead = 1 if members else 0  # a population's outputs keep the member axis first
     outputs: list[Any] = []
     for chunk, live in _padded_chunks(inputs, n, size, per_chunk):
@@ -230,6 +267,17 @@ def predict(
         host = jax.device_get(result)
         outputs.append(jax.tree.map(lambda a, live=live: _rows(a, lead, live), host))
     return jax.tree.map(lambda *parts: np.concatenate(parts, axis=lead), *outputs)
+
+
+def _require_examples_axis(x: Any) -> None:
+    """Raises a ValueError for an `x` that cannot hold examples: None, or a scalar."""
+    if x is None:
+        raise ValueError("x=None: pass the inputs, an array with the examples on axis 0")
+    if _is_array(x) and np.ndim(x) == 0:
+        raise ValueError(
+            f"x: a scalar ({type(x).__name__} of shape ()) holds no examples; pass an array "
+            f"with the examples on axis 0, e.g. x[None] for a single example"
+        )
 
 
 def _explain_misfit(model: Any, variables: Any, chunk: Any, pairs: bool, members: bool) -> None:

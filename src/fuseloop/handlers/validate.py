@@ -177,12 +177,24 @@ class Validator:
         """Evaluates the State's params and adds the validation metrics to its history."""
         params = state.params
         if params is None:
-            raise ValueError(
-                "validate: the State has no params here (inside iteration events of a fused "
-                "loop, step_state is None); validate on an epoch event (the default), or use "
-                "fuse=False"
-            )
+            raise ValueError(_no_params(state.step_state))
         measured = self.evaluate(params, state.population)
         metrics = dict(state.metrics)
         metrics.update({VALIDATION_PREFIX + name: value for name, value in measured.items()})
         return "continue", state.replace(metrics=metrics)
+
+
+def _no_params(step_state: Any) -> str:
+    """Why a State handed to validate holds no params, and the fix."""
+    if step_state is None:
+        return (
+            "validate: the State has no params here (inside iteration events of a fused "
+            "loop, step_state is None); validate on an epoch event (the default), or use "
+            "fuse=False"
+        )
+    keys = f" (its keys: {sorted(map(str, step_state))})" if isinstance(step_state, dict) else ""
+    return (
+        f"validate: it evaluates step_state['params'], and this loop's step state is a "
+        f"{type(step_state).__name__} without a 'params' entry{keys}; keep the model's "
+        f"variables under step_state['params'] (a dict step state), as fl.trainer does"
+    )
