@@ -98,3 +98,22 @@ def test_named_optimizers_keep_float64_params_in_float64(name):
         for a, b in zip(jax.tree.leaves(named.params), jax.tree.leaves(hand.params), strict=True):
             assert a.dtype == jnp.float64
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_soft_targets_of_bf16_logits_are_taken_as_optax_takes_them():
+    # Label smoothing: 0.92/0.02 rounded to bf16 would sum to 1.002 and bias the loss.
+    x, labels = DATA[0]
+    soft = (np.eye(3, dtype=np.float32)[labels] * 0.9 + 0.1 / 3).astype(np.float32)
+    variables = Bf16MLP().init(jax.random.PRNGKey(0), x)
+    tx = optax.sgd(0.1)
+
+    def hand_loss(params):
+        logits = Bf16MLP().apply(params, x)
+        return optax.softmax_cross_entropy(logits, soft).mean()
+
+    loss, grads = jax.jit(jax.value_and_grad(hand_loss))(variables)
+    expected = optax.apply_updates(variables, tx.update(grads, tx.init(variables))[0])
+    state = fl.trainer(Bf16MLP(), "categorical_cross_entropy", tx).run([(x, soft)], variables)
+    assert state.metrics["loss"] == pytest.approx(float(loss), rel=1e-6)
+    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -192,3 +192,73 @@ def test_custom_loop_jit_false_matches_jit_true():
             compiled.history[epoch]["loss"], rel=1e-5
         )
     assert eager.event_counts == compiled.event_counts
+
+
+@pytest.mark.parametrize("fuse", [False, 3])
+def test_a_metric_named_like_the_loops_own_entries_reads_the_step_state(fuse):
+    # The loop also keeps the batch's labels as "y_true" and the state as "step_state":
+    # a step state's own keys of those names are the user's, and are what is read.
+    def step(batch, s):
+        return {"y_true": s["y_true"] + 1.0, "step_state": s["step_state"] + 2.0}
+
+    init = {"y_true": jnp.float32(0), "step_state": jnp.float32(0)}
+    data = [(x, np.full_like(y, 100)) for x, y in DATA[:4]]
+    state = fl.loop(step).metric("y_true").metric("step_state").run(data, init, fuse=fuse)
+    assert state.metrics == {"y_true": 2.5, "step_state": 5.0}
+
+
+def test_a_metric_of_a_non_scalar_entry_and_keras_spellings_on_a_custom_loop():
+    def step(batch, s):
+        x, y = batch
+        return {"y_pred": x[:, 0], "vec": s["vec"] + 1.0}
+
+    init = {"y_pred": jnp.zeros(4), "vec": jnp.zeros(2)}
+    data = [(x, x[:, 0] + 1.0) for x, _ in DATA[:4]]
+    with pytest.raises(ValueError, match=r"reads step_state\['vec'\], which has shape \(2,\)"):
+        fl.loop(step).metric("vec").run(data, init)
+    # "mae" is the built-in metric here too, as on a trainer: not a step state key.
+    state = fl.loop(step).metric("mae").run(data, init)
+    assert state.metrics["mae"] == pytest.approx(1.0)
+
+
+def test_a_step_taking_its_arguments_the_other_way_round_is_told_the_order():
+    def step(s, batch):
+        return {"n": s["n"] + 1}
+
+    with pytest.raises(TypeError) as caught:
+        fl.loop(step).run(DATA, {"n": jnp.int32(0)})
+    assert any("step_fn(batch, step_state)" in note for note in caught.value.__notes__)
+
+
+def test_validate_on_a_step_state_without_params_names_the_entry_it_reads():
+    def step(batch, s):
+        return {"weights": s["weights"], "y_pred": batch[0]}
+
+    init = {"weights": jnp.zeros(3), "y_pred": jnp.zeros_like(DATA[0][0])}
+    loop = fl.loop(step).metric("accuracy").validate(tiny_mlp(), DATA[:2])
+    with pytest.raises(ValueError, match=r"step_state\['params'\].*keys: \['weights', 'y_pred'\]"):
+        loop.run(DATA, init)
+
+
+def test_a_ragged_batch_on_a_custom_loop_is_told_how_its_metrics_weigh_it():
+    x = np.concatenate([b[0] for b in DATA])[:14]
+    y = np.concatenate([b[1] for b in DATA])[:14]
+    data = fl.data.arrays(x, y, batch_size=4, shuffle=False, drop_remainder=False)
+    with pytest.warns(UserWarning, match=r"mean over steps \(the short batch counts as one\)"):
+        counter_loop().run(data, counter_init())
+
+
+def test_a_step_state_returned_by_a_fused_iteration_handler_is_said_to_be_discarded():
+    def step(batch, s):
+        return {"n": s["n"] + s["inc"], "inc": s["inc"]}
+
+    init = {"n": jnp.int32(0), "inc": jnp.int32(1)}
+    stopped = {"n": jnp.int32(0), "inc": jnp.int32(0)}
+    loop = fl.loop(step).handle_event(
+        "iteration_completed", lambda s: ("continue", s.replace(step_state=stopped)), {"once": 2}
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # unfused, it is taken: nothing to say
+        assert int(loop.run(DATA, init).step_state["n"]) == 0
+    with pytest.warns(UserWarning, match=r"returned a step state in a fused run: it is discarded"):
+        assert int(loop.run(DATA, init, fuse=3).step_state["n"]) == len(DATA)

@@ -193,6 +193,18 @@ def test_negative_label_in_a_later_batch_names_epoch_and_iteration(loop, fuse):
         loop.run(data, fuse=fuse)
 
 
+@pytest.mark.parametrize("device", [False, True])
+def test_a_negative_int8_label_of_a_model_of_many_classes_is_refused(device):
+    # int8 -1 read as unsigned is 255, which is a class of a 300-class model.
+    data = make_batches(2)
+    x = np.concatenate([b[0] for b in data])
+    y = np.zeros(len(x), np.int8)
+    y[5] = -1
+    loop = fl.trainer(fl.models.mlp([300]), SPARSE, optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"y holds the label -1, out of range .* 300 classes"):
+        loop.run(fl.data.arrays(x, y, BATCH, shuffle=False, device=device))
+
+
 def _binary_batches(n: int) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(3)
     return [
@@ -213,6 +225,16 @@ def test_a_binary_target_out_of_zero_one_is_named_where_it_is(fuse):
     data[4] = (data[4][0], np.array([[0.0], [2.0], [1.0], [0.0]], np.float32))
     with pytest.raises(ValueError, match=r"epoch 0, iteration 4: y holds the target 2.0.*\[0, 1\]"):
         _binary_trainer().run(data, fuse=fuse)
+
+
+@pytest.mark.parametrize("device", [False, True])
+def test_bfloat16_binary_targets_are_numbers_and_range_checked(device):
+    x = np.concatenate([b[0] for b in _binary_batches(4)])
+    y = (x[:, :1] > 0).astype(jnp.bfloat16)
+    state = _binary_trainer().run(fl.data.arrays(x, y, BATCH, device=device), fuse=2)
+    assert state.status == "completed"
+    with pytest.raises(ValueError, match=r"target 2.0, out of range"):
+        _binary_trainer().run(fl.data.arrays(x, y * 2, BATCH, device=device), fuse=2)
 
 
 @pytest.mark.parametrize("device", [False, True])

@@ -69,10 +69,27 @@ def check_pair_sizes(batch: Any, where: str) -> None:
 
 def labels_below(labels: np.ndarray, classes: int) -> bool:
     """Whether every label is in [0, classes). Signed integers are read as unsigned, where
-    a negative one is above any class count: one reduction instead of a min and a max."""
-    if labels.dtype.kind == "i":
+    a negative one is at least 2**(bits-1): one reduction instead of a min and a max,
+    while the class count is at most that (int8 labels of 300 classes are not).
+
+    Example:
+        >>> labels_below(np.array([3, -1], np.int8), 10), labels_below(np.array([-1], np.int8), 300)
+        (False, False)
+    """
+    if labels.dtype.kind == "i" and classes <= np.iinfo(labels.dtype).max + 1:
         return bool(labels.view(labels.dtype.str.replace("i", "u")).max() < classes)
     return bool(labels.min() >= 0 and labels.max() < classes)
+
+
+def is_numeric(dtype: np.dtype) -> bool:
+    """Whether labels of `dtype` are numbers: numpy's kinds, and the ml_dtypes floats
+    (bfloat16, float8_*), which numpy reports as kind "V".
+
+    Example:
+        >>> is_numeric(np.dtype(jax.numpy.bfloat16)), is_numeric(np.dtype("U3"))
+        (True, False)
+    """
+    return dtype.kind in "biuf" or bool(jax.numpy.issubdtype(dtype, jax.numpy.floating))
 
 
 def check_label_range(labels: np.ndarray, classes: int, loss: str, where: str) -> None:
@@ -114,7 +131,7 @@ class LabelRule:
     classes: int | None = None
 
     def holds(self, labels: np.ndarray) -> bool:
-        if labels.dtype.kind not in "biuf":
+        if not is_numeric(labels.dtype):
             return False  # `check` names the dtype
         if self.classes is not None:
             return labels_below(labels, self.classes)
@@ -128,7 +145,7 @@ class LabelRule:
 
     def check(self, labels: np.ndarray, where: str) -> None:
         """Raises a ValueError naming the label, the loss and the fix unless it holds."""
-        if labels.dtype.kind not in "biuf":  # strings, objects: no range to check
+        if not is_numeric(labels.dtype):  # strings, objects: no range to check
             raise ValueError(
                 f"data: {where}: y has dtype {labels.dtype}, not numbers; {self.loss} takes "
                 + (

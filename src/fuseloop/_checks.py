@@ -222,13 +222,18 @@ class Checker:
             self.ragged_size = size
             if self.program.kind == "evaluator":
                 return  # every example counts in evaluation: its short batch is expected
+            weighing = (
+                "A metric of a step state's scalar is a mean over steps (the short batch "
+                "counts as one), built-in metrics of (y_true, y_pred) weigh it by its size"
+                if self.program.kind == "custom"
+                else "Metrics are means over examples, so the short batch counts by its size "
+                "(a metric function's one scalar per batch counts as one batch): keep it in "
+                "evaluation data"
+            )
             warn(
-                f"{where} has batch size {size} instead of {full} (a ragged last batch?); "
-                f"the step compiles once more for it. Metrics are means over examples, so "
-                f"the short batch counts by its size (a metric function's one scalar per "
-                f"batch counts as one batch): keep it in evaluation data. In "
-                f"training data, drop_remainder=True avoids the extra compile",
-                UserWarning,
+                f"{where} has batch size {size} instead of {full} (a ragged last batch?); the "
+                f"step compiles once more for it. {weighing}. In training data, "
+                f"drop_remainder=True avoids the extra compile"
             )
             return
         if size != self.ragged_size:

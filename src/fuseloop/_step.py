@@ -262,7 +262,14 @@ def custom_program(step_fn: Callable[[Any, Any], Any], init_fn: Callable | None)
         return init_fn(first_batch, init_state)
 
     def step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
-        new_state = step_fn(batch, state)
+        try:
+            new_state = step_fn(batch, state)
+        except TypeError as error:  # often the arguments taken the other way round
+            error.add_note(
+                "fuseloop: fl.loop calls step_fn(batch, step_state): the batch first, then "
+                "the step state"
+            )
+            raise
         aux: dict[str, Any] = {"step_state": new_state}
         if isinstance(batch, (tuple, list)) and len(batch) == 2:
             aux["y_true"] = batch[1]
@@ -276,15 +283,30 @@ def custom_program(step_fn: Callable[[Any, Any], Any], init_fn: Callable | None)
     return Program(init, step, True, "custom")
 
 
+def _scalar_entry(spec: MetricSpec, value: Any) -> Any:
+    """`value`, the step state's entry a metric reads, if it is a scalar (checked when the
+    step is traced): an array would be averaged over its elements without a word."""
+    shape = tuple(getattr(value, "shape", ()))
+    if shape and int(np.prod(shape)) != 1:
+        raise ValueError(
+            f"metric {spec.name!r} reads step_state[{spec.source!r}], which has shape "
+            f"{shape}, not a scalar; keep the scalar to track in the step state (e.g. its "
+            f"mean), or pass a callable(y_true, y_pred) metric for per-example values"
+        )
+    return value
+
+
 def _metric_value(spec: MetricSpec, aux: dict[str, Any]) -> Any:
     if spec.source is not None:
         if spec.source in aux.get("means", {}):  # the trainer's or evaluator's own loss
             return aux["means"][spec.source]
-        if spec.source in aux:
-            return aux[spec.source]
+        # A custom step's own state first: its "y_true" or "step_state" key is the user's,
+        # not the batch's labels or the whole state that aux also holds under those names.
         inner = aux.get("step_state")
         if isinstance(inner, dict) and spec.source in inner:
-            return inner[spec.source]
+            return _scalar_entry(spec, inner[spec.source])
+        if spec.source in aux:
+            return aux[spec.source]
         raise ValueError(
             f"metric {spec.name!r} reads {spec.source!r}, which the step does not produce; "
             f"return a dict step state holding a scalar {spec.source!r}"

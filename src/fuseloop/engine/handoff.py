@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._events import Event
+from .._warn import warn
 
 __all__ = ["Handoff"]
 
@@ -16,6 +17,7 @@ class Handoff:
 
     def __init__(self, bus: Any, carry: Any):
         self.bus, self.carry = bus, carry
+        self._told_discarded = False
 
     def fire(
         self, event: Event, state: Any, mirror_history: bool = False, substitute: Any = None
@@ -37,6 +39,20 @@ class Handoff:
         """
         step_state = self.carry.step_state if live else None
         status, fired = self.bus.fire_iteration(event, state, iteration, metrics, step_state)
-        if live and fired is not state:
+        if fired is state:  # no handler fired
+            return status, fired
+        if live:
             self.carry.adopt(fired.step_state)
+        elif fired.step_state is not None and not self._told_discarded:  # it was given None
+            self._told_discarded = True  # once per run: the same handler fires again
+            warn(_discarded(event))
         return status, fired
+
+
+def _discarded(event: Event) -> str:
+    return (
+        f"an {event.value} handler returned a step state in a fused run: it is discarded, "
+        f"since the chunk's later steps already ran (fused iteration handlers see "
+        f"step_state=None). Change the step state from an epoch event "
+        f"(e.g. epoch_completed), or run with fuse=False to change it at every iteration"
+    )
