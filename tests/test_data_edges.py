@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import optax
 import pytest
 
 import fuseloop as fl
@@ -140,11 +141,13 @@ def test_resuming_from_inside_an_epoch_or_with_nothing_left_warns(tmp_path):
     halt_mid = lambda s: "halt_loop" if (s.epoch, s.iteration) == (1, 2) else None  # noqa: E731
     loop = trainer()
     halted = loop.handle_event("iteration_completed", halt_mid).run(make_batches(6), epochs=3)
-    with pytest.warns(RuntimeWarning, match=r"inside epoch 1 after 3 of its steps"):
+    with pytest.warns(RuntimeWarning, match=r"inside epoch 1 .*last iteration fired: 2"):
         loop.run(make_batches(6), halted, epochs=3)
     done = loop.run(make_batches(6), epochs=2)
     with pytest.warns(RuntimeWarning, match=r"already ran 2 epochs and epochs=2: nothing"):
-        loop.run(make_batches(6), done, epochs=2)
+        again = loop.run(make_batches(6), done, epochs=2)
+    # Nothing trained: the State stays where the given one ended.
+    assert (again.epoch, again.iteration) == (done.epoch, done.iteration) == (1, 5)
     with pytest.raises(ValueError, match=r"is a path, not a State.*fl.load_state"):
         loop.run(make_batches(6), str(tmp_path), epochs=2)
     # custom-loops.md passes a seed as init_state to fl.loop; a trainer's is its own.
@@ -154,3 +157,15 @@ def test_resuming_from_inside_an_epoch_or_with_nothing_left_warns(tmp_path):
     blocker.write_text("")
     with pytest.raises(ValueError, match=r"is a file, so no checkpoint directory"):
         loop.checkpoint(blocker / "ckpt")
+
+
+def test_resuming_with_another_optimizer_names_where_their_states_differ():
+    model, data = fl.models.mlp([3]), make_batches(2)
+    state = fl.trainer(model, "sparse_categorical_cross_entropy", "adam").run(data)
+    adamw = fl.trainer(model, "sparse_categorical_cross_entropy", "adamw")
+    # The same optax state types, one more hyperparameter: the message names it.
+    with pytest.raises(ValueError, match=r"\['weight_decay'\] only in this optimizer's"):
+        adamw.run(data, state, epochs=2)
+    sgd = fl.trainer(model, "sparse_categorical_cross_entropy", optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"trained with another optimizer"):
+        sgd.run(data, state, epochs=2)

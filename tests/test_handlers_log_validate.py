@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import sys
+from typing import Any
 
 import jax
 import numpy as np
@@ -212,3 +214,45 @@ def test_progress_bar_shows_epochs_and_metrics_without_extra_syncs(capsys):
         assert f"validation_accuracy: {shown.history[epoch]['validation_accuracy']:.7f}" in line
     assert shown.stats["host_syncs"] == quiet.stats["host_syncs"]
     assert shown.history == quiet.history
+
+
+def test_a_second_validation_of_the_same_names_is_refused_and_its_fix_works():
+    held_out = _batches(2, 5)
+    loop = fl.trainer(MODEL, LOSS, "adam").metric("accuracy").validate(MODEL, VAL)
+    with pytest.raises(ValueError, match=r"already adds validation_accuracy, validation_loss"):
+        loop.validate(MODEL, held_out)
+    # The fix the message names: an evaluator in an epoch_completed handler.
+    scores = fl.evaluator(MODEL, LOSS)
+
+    def holdout(state):
+        loss = scores.run(held_out, state.params).metrics["loss"]
+        return "continue", state.replace(metrics={**state.metrics, "holdout_loss": loss})
+
+    both = loop.handle_event("epoch_completed", holdout)
+    for fuse in (False, 3, "run"):
+        state = both.run(DATA, epochs=2, fuse=fuse)
+        expected = scores.run(held_out, state.params).metrics["loss"]
+        assert state.history[1]["holdout_loss"] == expected
+        assert state.history[1]["validation_loss"] != expected
+
+
+@pytest.mark.parametrize("missing", ["none", "closed"])
+def test_a_missing_or_closed_stdout_and_stderr_do_not_fail_the_run(monkeypatch, missing):
+    # pythonw and some daemons have no sys.stderr/stdout: print writes nothing, and so do
+    # the progress display and the log, rather than failing the training they report on.
+    def gone() -> Any:
+        if missing == "none":
+            return None
+        stream = io.StringIO()
+        stream.close()
+        return stream
+
+    monkeypatch.setattr(sys, "stderr", gone())
+    monkeypatch.setattr(sys, "stdout", gone())
+    loop = fl.trainer(MODEL, LOSS, "adam", log=2).metric("accuracy")
+    assert loop.run(DATA, epochs=2, progress=True, fuse=2).status == "completed"
+    closed = io.StringIO()
+    quiet = fl.trainer(MODEL, LOSS, "adam", log=2, log_stream=closed)
+    closed.close()  # a stream the user passed and closed is their error: it raises
+    with pytest.raises(ValueError, match="closed file"):
+        quiet.run(DATA)

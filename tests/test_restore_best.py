@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import numpy as np
 import optax
@@ -157,8 +159,26 @@ def test_a_run_continuing_the_last_one_in_the_same_loop_keeps_its_best_copy():
     kept = snapshots(factory, False)
     loop = factory().early_stop("score", patience=10, restore_best=True)
     first = loop.run(DATA, epochs=4)
-    later = loop.run(DATA, first, epochs=6)
+    # `first` holds epoch 2's weights: epochs 4 and 5 train on from those, as it says.
+    with pytest.warns(RuntimeWarning, match=r"holds epoch 2's step state"):
+        later = loop.run(DATA, first, epochs=6)
     for state in (first, later):
         jax.tree.map(
             np.testing.assert_array_equal, jax.tree.map(np.asarray, state.step_state), kept[2]
         )
+
+
+def test_resuming_from_a_state_holding_an_earlier_epochs_weights_warns():
+    values = [0.1, 0.5, 0.9]  # the best epoch is the first; the State holds its weights
+    loop = scripted_trainer(values + [1.0]).early_stop("score", patience=5, restore_best=True)
+    state = loop.run(DATA, epochs=3)
+    assert state.handler_metadata["_restored_best_epoch"] == 0
+    with pytest.warns(RuntimeWarning, match=r"holds epoch 0's step state .* runs to epoch 2"):
+        loop.run(DATA, state, epochs=4)
+    # Ending on its best epoch, the State is the last epoch's own: nothing to warn of.
+    rising = scripted_trainer([0.9, 0.5, 0.1, 0.0]).early_stop("score", restore_best=True)
+    last = rising.run(DATA, epochs=3)
+    assert "_restored_best_epoch" not in last.handler_metadata
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rising.run(DATA, last, epochs=4)

@@ -16,9 +16,12 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -257,3 +260,82 @@ def test_under_an_abort_guard_a_first_signal_stops_the_program_not_one_run(monke
 
     monkeypatch.setattr("fuseloop.bench.main", bench_main)
     assert cli.main(["bench", "--quick"]) == 130
+
+
+def _signalling_source(x: np.ndarray, y: np.ndarray, batch: int, at_epoch: list[int]):
+    """Batches of (x, y); in epoch `at_epoch[0]` a SIGINT arrives once the last batch is
+    handed out (while its step runs): the epoch has every step it needs."""
+    epoch = [-1]
+
+    def batches():
+        epoch[0] += 1
+        for i in range(0, len(x), batch):
+            yield x[i : i + batch], y[i : i + batch]
+        if epoch[0] == at_epoch[0]:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    return batches
+
+
+@pytest.mark.parametrize("fuse", [False, 3])
+def test_a_signal_after_an_epochs_last_batch_completes_that_epoch(fuse):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(24, 3)).astype(np.float32)
+    y = rng.integers(0, 3, 24).astype(np.int32)
+    at = [1]
+    loop = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "adam")
+    completed: list[int] = []
+    loop = loop.observe("epoch_completed", lambda s: completed.append(s.epoch))
+    halted = loop.run(_signalling_source(x, y, 4, at), epochs=4, fuse=fuse)
+    assert halted.status == "halted" and sorted(halted.history) == [0, 1] == completed
+    at[0] = -1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn of: it resumes from an epoch's end
+        resumed = loop.run(_signalling_source(x, y, 4, at), halted, epochs=4, fuse=fuse)
+    whole = loop.run(_signalling_source(x, y, 4, at), epochs=4, fuse=fuse)
+    assert resumed.history == whole.history
+    assert int(resumed.step_state["step"]) == int(whole.step_state["step"]) == 24
+
+
+def test_a_run_in_another_thread_leaves_the_main_threads_run_its_signals():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(24, 3)).astype(np.float32)
+    y = rng.integers(0, 3, 24).astype(np.int32)
+    loop = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "sgd")
+    inside, release = threading.Event(), threading.Event()
+
+    def hold(state: fl.State) -> None:  # keeps the background run going until released
+        inside.set()
+        release.wait(60)
+
+    background = threading.Thread(
+        target=lambda: loop.observe("epoch_started", hold).run([(x, y)], epochs=1)
+    )
+    background.start()
+    try:
+        assert inside.wait(60)
+        state = loop.run(_signalling_source(x, y, 4, [0]), epochs=3, fuse=3)
+    finally:
+        release.set()
+        background.join(60)
+    assert state.status == "halted" and sorted(state.history) == [0]
+
+
+def test_a_second_signal_aborts_while_the_host_waits_for_a_long_dispatch():
+    from fuseloop.engine.signals import SignalGuard, wait_interruptibly
+
+    @jax.jit
+    def slow(a):  # seconds of device work, in one dispatch (as a whole run's)
+        return jax.lax.fori_loop(0, 4000, lambda i, m: jnp.tanh(m @ m), a)
+
+    a = jnp.eye(192) * 0.5
+    slow(a).block_until_ready()  # compiled
+    timers = [threading.Timer(t, os.kill, (os.getpid(), signal.SIGINT)) for t in (0.05, 0.15)]
+    out = None
+    with pytest.raises(KeyboardInterrupt, match="second SIGINT"), SignalGuard() as guard:
+        out = slow(a)
+        for timer in timers:
+            timer.start()
+        wait_interruptibly(out)
+    assert guard.requested and out is not None and not out.is_ready()  # the device still works
+    out.block_until_ready()

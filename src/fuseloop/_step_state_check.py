@@ -83,10 +83,26 @@ def check_optimizer_fits(optimizer: Any, step_state: Any) -> None:
     if expected != jax.tree.structure(held):
         raise ValueError(
             f"init_state: its optimizer state ({_state_kinds(held)}) is not the one this "
-            f"trainer's optimizer makes ({_state_kinds(made)}): the State was trained with "
-            f"another optimizer. Resume with the optimizer it was trained with, or start "
-            f"this one afresh from its params: loop.run(data, state.params, ...)"
+            f"trainer's optimizer makes ({_state_kinds(made)}){_paths_apart(held, made)}: "
+            f"the State was trained with another optimizer. Resume with the optimizer it "
+            f"was trained with, or start this one afresh from its params: "
+            f"loop.run(data, state.params, ...)"
         )
+
+
+def _paths_apart(held: Any, made: Any) -> str:
+    """Where two optimizer states of the same kinds differ (adam's and adamw's: a
+    `weight_decay` hyperparameter), as `; <path> only in ...`; empty if nothing names it."""
+
+    def paths(tree: Any) -> list[str]:
+        return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+    mine, theirs = paths(made), paths(held)
+    only_made = [p for p in mine if p not in theirs]
+    only_held = [p for p in theirs if p not in mine]
+    apart = [f"opt_state{p} only in this optimizer's" for p in only_made[:2]]
+    apart += [f"opt_state{p} only in the State's" for p in only_held[:2]]
+    return "; " + ", ".join(apart) if apart else ""
 
 
 def check_step_keeps_state(step: Any, step_state: Any, batch: Any) -> None:

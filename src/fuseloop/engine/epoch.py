@@ -50,6 +50,9 @@ class EpochLoop:
         # The chunk prepared after one launched ahead of a replay (`_step`): its first
         # iteration, the Prepared (None: the epoch is over) and the error preparing it.
         self.stashed: tuple[int, Any, BaseException | None] | None = None
+        # Whether the epoch under way stopped before its end: a halt, or a signal that
+        # reached it while batches were left (one after its last chunk lets it complete).
+        self.cut_short = False
 
     @property
     def _replay(self) -> EpochReplay:
@@ -71,7 +74,7 @@ class EpochLoop:
         number, a factory of its iterator, its bound).
         """
         feed, opened = self.feed, self.opened
-        self.opened, self.ahead = None, ahead
+        self.opened, self.ahead, self.cut_short = None, ahead, False
         record = self.handoff.bus.has_iteration_handlers
         if opened is None:
             feed.begin(state.epoch, iterator, bound, record or self.guard)
@@ -197,6 +200,7 @@ class EpochLoop:
             raise
         self.latest, self.latest_iteration = state, last
         if status != CONTINUE or self.signals.requested:
+            self.cut_short = status != CONTINUE or not over
             # An epoch halted at its end lets the next epoch open ahead as it did.
             if not (opened_ahead and status == HALT_EPOCH and not self.signals.requested):
                 self._undo(rollback, opened_ahead)

@@ -174,7 +174,9 @@ class Run:
             history={k: dict(v) for k, v in given.history.items()},
             handler_metadata=dict(given.handler_metadata),
             times=dict(given.times),
-            epoch=self.start_epoch,
+            # Nothing left to train: the State stays where the given one ended.
+            epoch=self.start_epoch if self.start_epoch < self.epochs else given.epoch,
+            iteration=0 if self.start_epoch < self.epochs else given.iteration,
         )
 
     def _first_batch(self) -> Any:
@@ -280,8 +282,8 @@ class Run:
         opened_next = loop.opened_for(epoch + 1)
         if status == HALT_LOOP and state.handler_metadata.get("_nonfinite_at") is not None:
             _warn_nonfinite(state)
-        if signals.requested and not opened_next:
-            status = HALT_LOOP
+        if signals.requested and not opened_next and loop.cut_short:
+            status = HALT_LOOP  # a signal before the epoch's end: it is not complete
         state = self._epoch_metrics(state, epoch, began, stepped)
         if self.members is not None:
             state, every_member_halted = self.members.epoch_end(state, epoch)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from types import FrameType
 from typing import Any
 
-__all__ = ["SignalGuard", "AbortOnSignal"]
+import jax
+
+__all__ = ["SignalGuard", "AbortOnSignal", "wait_interruptibly"]
 
 _SIGNALS = (int(signal.SIGINT), int(signal.SIGTERM))
 # `signal.signal` converts its arguments and its result to and from enums, and converting
@@ -41,14 +44,15 @@ class SignalGuard:
 
     def __enter__(self) -> SignalGuard:
         global _outermost
-        if _outermost is not None:
+        if _outermost is not None or threading.current_thread() is not threading.main_thread():
             # A run inside a run (validation): the outer run's guard owns the signals and
-            # halts the outer loop; the inner run completes.
+            # halts the outer loop; the inner run completes. Outside the main thread no
+            # handler can be installed, and a run there must not take the place of the
+            # main thread's run (which would then install none either).
             return self
         _outermost = self
-        if threading.current_thread() is threading.main_thread():
-            for signum in _SIGNALS:
-                self._previous[signum] = _install(signum, self._handle)
+        for signum in _SIGNALS:
+            self._previous[signum] = _install(signum, self._handle)
         return self
 
     def _restore(self) -> None:
@@ -72,3 +76,21 @@ class AbortOnSignal(SignalGuard):
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self._restore()
         raise KeyboardInterrupt(f"{signal.Signals(signum).name}: stopped")
+
+
+def wait_interruptibly(tree: Any) -> None:
+    """Waits until every array of `tree` is computed, letting the main thread's signal
+    handlers run meanwhile. A host read waits inside XLA, where Python runs no handler
+    until the read returns: over a dispatch of many epochs (`fuse="run"`) a second Ctrl-C
+    would not abort until the whole run ended. Here the main thread sleeps between checks
+    (a signal's handler runs in the sleep, and the second one's KeyboardInterrupt
+    propagates from it); each sleep is a fiftieth of the wait so far (0.2 to 5 ms), so the
+    wait ends at most 2% (or 0.2 ms) after the device. No thread waits instead: one left
+    blocked inside XLA by the interrupt would abort the interpreter at its exit.
+    """
+    if threading.current_thread() is not threading.main_thread() or _outermost is None:
+        return  # no handler of ours to run
+    leaves = [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)]
+    began = time.perf_counter()
+    while not all(leaf.is_ready() for leaf in leaves):  # type: ignore[attr-defined]
+        time.sleep(min(max((time.perf_counter() - began) / 50, 0.0002), 0.005))

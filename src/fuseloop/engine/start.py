@@ -40,6 +40,7 @@ from .._placement import (
     signature_of,
     tree_bytes,
 )
+from .._state import RESTORED_KEY
 from .._warn import warn
 from .conv_layout import named
 from .population import population_init, require_distinct_members
@@ -219,6 +220,9 @@ class Start(NamedTuple):
 def initial_step_state(programs: Programs, user_state: Any, first: Any, resuming: bool) -> Start:
     """The step state the run starts from (see `Start`)."""
     program = programs.loop.program
+    check_structure = getattr(program.model, "check_structure", None)
+    if check_structure is not None:  # an nnx module changed after its loop was built
+        check_structure()
     if program.kind == "evaluator":  # not donated: the caller's params are only read
         return Start(program.init(first, user_state))
     if resuming:
@@ -290,10 +294,22 @@ def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:
     stepped = done.get("epoch", 0) if isinstance(done, dict) else 0
     if given.status == "halted" and given.epoch == start_epoch and stepped > 0:
         warn(
-            f"init_state stopped inside epoch {start_epoch} after {stepped} of its steps; "
-            f"the resumed run starts epoch {start_epoch} again from its first batch, so "
-            f"those batches train twice. For a run equal to an uninterrupted one, resume "
-            f"from an epoch's end (e.g. a Loop.checkpoint save)",
+            f"init_state stopped inside epoch {start_epoch} after stepping part of it (its "
+            f"last iteration fired: {given.iteration}; a fused run also ran the rest of that "
+            f"chunk); the resumed run starts epoch {start_epoch} again from its first batch, "
+            f"so the batches already stepped train twice. For a run equal to an "
+            f"uninterrupted one, resume from an epoch's end (e.g. a Loop.checkpoint save)",
+            RuntimeWarning,
+        )
+    restored = given.handler_metadata.get(RESTORED_KEY)
+    if restored is not None and start_epoch < epochs:
+        warn(
+            f"init_state holds epoch {restored}'s step state (early_stop's restore_best), "
+            f"while its history runs to epoch {start_epoch - 1}: the resumed run trains "
+            f"epoch {start_epoch} on from epoch {restored}'s weights, unlike the run it "
+            f"continues. To continue that run, resume from its last epoch's checkpoint "
+            f"(Loop.checkpoint); to fine-tune the best weights, pass state.params as new "
+            f"variables",
             RuntimeWarning,
         )
     if start_epoch >= epochs:

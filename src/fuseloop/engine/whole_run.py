@@ -33,6 +33,7 @@ from .device_validation import validation_inputs
 from .packing import unpack_on_host
 from .programs import kept_order
 from .replay import ChunkResult, EpochReplay, show_nonfinite_halt
+from .signals import wait_interruptibly
 from .whole_program import (
     compiled_segments,
     host_outputs,
@@ -213,6 +214,8 @@ class WholeRun:
         # Host read: once per dispatch, every epoch's final accumulators, the steps run,
         # the guard's flags, the device's validation, monitor and checkpoint verdicts, and
         # the records when an iteration handler is attached: packed, a buffer per dtype.
+        # The wait for it lets a second Ctrl-C abort meanwhile (signals.py).
+        wait_interruptibly(out["packed"])
         host = unpack_on_host(run.reads.get(out["packed"]), host_outputs(out, extra))
         return extra, host
 
@@ -263,9 +266,9 @@ class WholeRun:
             status, state, fired = self.replay.chunk(state, result)
             state = state.replace(iteration=fired)
             self.run.state = state
-            if last_one and signals.requested:
-                status = HALT_LOOP
             ended = first + n == self.limit
+            if last_one and signals.requested and not ended:
+                status = HALT_LOOP  # a signal mid-epoch; an epoch it ran to its end completes
             self.spent += wall * n / steps + time.perf_counter() - began
             if status != CONTINUE or ended:
                 final = self.run.reads.metrics_of(_slot(host["final"], s))

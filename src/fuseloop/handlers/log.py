@@ -42,6 +42,8 @@ def write_above_bars(text: str, stream: TextIO) -> None:
         >>> out.getvalue()
         'Epoch 1/2 - loss: 0.5000000\n'
     """
+    if _unwritable(stream):  # as print does: no stream (pythonw, a daemon), no output
+        return
     if "tqdm" not in sys.modules:  # no bar can be on screen; do not import tqdm for nothing
         _write(text, stream)
         return
@@ -51,6 +53,18 @@ def write_above_bars(text: str, stream: TextIO) -> None:
     # and redraws it after the write; a no-op when no bar is open.
     with tqdm.external_write_mode(file=stream):
         _write(text, stream)
+
+
+def _unwritable(stream: TextIO | None) -> bool:
+    """Whether `stream` is the process's missing or closed stdout/stderr.
+
+    Output to it is dropped, as `print` drops it, rather than failing the run it reports
+    on. A stream the user passed and closed still raises.
+    """
+    if stream is None:
+        return True
+    standard = stream is sys.stdout or stream is sys.stderr
+    return standard and bool(getattr(stream, "closed", False))
 
 
 def _write(text: str, stream: TextIO) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 
 from .._optim import abstract_state, find_learning_rates, has_schedule, set_learning_rate
 from .._optim_probe import rate_is_scheduled, scheduled_hyperparams
-from .._state import State
+from .._state import RESTORED_KEY, State
 from .._step import _trainable
 from .._types import Status
 from .._warn import warn
@@ -122,6 +122,9 @@ class EarlyStopping:
         if not self.restore_best:
             return state
         record = self.monitor.record(state)
+        # Which epoch's step state the State holds, where it is not its last epoch's: a
+        # run resumed from it would go on from there (engine/start.py `warn_on_resume`).
+        metadata = {k: v for k, v in state.handler_metadata.items() if k != RESTORED_KEY}
         if self._best is None or self._best[0] != (record["best_epoch"], record["best"]):
             if record["best_epoch"] is not None and record["best_epoch"] != state.epoch:
                 warn(
@@ -130,8 +133,13 @@ class EarlyStopping:
                     f"State keeps the last epoch's",
                     RuntimeWarning,
                 )
-            return state
-        return state.replace(step_state=jax.tree.map(jnp.copy, self._best[1]))
+            return state.replace(handler_metadata=metadata)
+        best_epoch = self._best[0][0]
+        if best_epoch != max(state.history, default=best_epoch):
+            metadata[RESTORED_KEY] = int(best_epoch)
+        return state.replace(
+            step_state=jax.tree.map(jnp.copy, self._best[1]), handler_metadata=metadata
+        )
 
 
 class ReduceLROnPlateau:

@@ -16,7 +16,7 @@ import time
 from typing import Any, TextIO
 
 from .._events import Event
-from .log import write_above_bars  # re-exported: the display and the log share it
+from .log import _unwritable, write_above_bars  # the display and the log share them
 
 __all__ = ["ProgressBar", "epoch_length_of", "write_above_bars"]
 
@@ -111,6 +111,8 @@ class ProgressBar:
         from .log import epoch_label
 
         stream = self.stream if self.stream is not None else sys.stderr
+        if _unwritable(stream):  # no stderr to draw on (pythonw, a daemon): no display
+            return
         total = state.max_iteration or self.epoch_length or self.last_length
         if state.max_iteration and self.epoch_length:
             total = min(state.max_iteration, self.epoch_length)
