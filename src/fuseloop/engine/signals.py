@@ -84,8 +84,8 @@ def wait_interruptibly(tree: Any) -> None:
     until the read returns: over a dispatch of many epochs (`fuse="run"`) a second Ctrl-C
     would not abort until the whole run ended. Here the main thread sleeps between checks
     (a signal's handler runs in the sleep, and the second one's KeyboardInterrupt
-    propagates from it); each sleep is a fiftieth of the wait so far (0.2 to 5 ms), so the
-    wait ends at most 2% (or 0.2 ms) after the device. No thread waits instead: one left
+    propagates from it); each sleep is a fiftieth of the wait so far (0.05 to 5 ms), so the
+    wait ends at most 2% (or 0.05 ms) after the device. No thread waits instead: one left
     blocked inside XLA by the interrupt would abort the interpreter at its exit.
     """
     if threading.current_thread() is not threading.main_thread() or _outermost is None:
@@ -93,4 +93,4 @@ def wait_interruptibly(tree: Any) -> None:
     leaves = [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)]
     began = time.perf_counter()
     while not all(leaf.is_ready() for leaf in leaves):  # type: ignore[attr-defined]
-        time.sleep(min(max((time.perf_counter() - began) / 50, 0.0002), 0.005))
+        time.sleep(min(max((time.perf_counter() - began) / 50, 0.00005), 0.005))
