@@ -169,3 +169,55 @@ def test_resuming_with_another_optimizer_names_where_their_states_differ():
     sgd = fl.trainer(model, "sparse_categorical_cross_entropy", optax.sgd(0.1))
     with pytest.raises(ValueError, match=r"trained with another optimizer"):
         sgd.run(data, state, epochs=2)
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_a_source_failing_to_open_the_next_epoch_leaves_the_completed_one_recorded(fuse):
+    batches = make_batches(8)
+    opened = [0]
+
+    def source():
+        opened[0] += 1
+        if opened[0] == 2:  # the second epoch's pass cannot be opened
+            raise OSError("the shard server went away")
+        return iter(batches)
+
+    with pytest.raises(OSError, match="shard server") as caught:
+        trainer().run(source, epochs=3, fuse=fuse)
+    state = caught.value.fuseloop_state
+    assert sorted(state.history) == [0] and state.epoch == 1
+    assert int(state.step_state["step"]) == 8
+
+
+class _UnknownLength:
+    """A source whose len() raises TypeError, as tf.data of unknown length does."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self):
+        raise TypeError("The dataset length is unknown.")
+
+
+def test_a_source_of_unknown_or_zero_length_runs_with_progress_and_auto():
+    batches = make_batches(4)
+    state = trainer().run(_UnknownLength(batches), epochs=2, progress=True, fuse="auto")
+    assert state.status == "completed"
+    report = fl.diagnostics.report(trainer(), _UnknownLength(batches), fuse="auto")
+    assert report
+
+    class Zero(_UnknownLength):
+        def __len__(self):
+            return 0  # says nothing about the batches it yields
+
+    assert trainer().run(Zero(batches), fuse="auto").status == "completed"
+
+
+def test_string_labels_of_a_device_source_are_named_before_they_are_moved():
+    x = np.concatenate([b[0] for b in make_batches(2)])
+    y = np.array(["cat", "dog"])[np.arange(len(x)) % 2]
+    with pytest.raises(ValueError, match=r"device=True\): y has dtype <U3.*np.unique"):
+        trainer().run(fl.data.arrays(x, y, 4, device=True))

@@ -377,3 +377,78 @@ def test_what_an_nnx_module_sows_is_not_carried_as_state():
         for k in (2, False)
     )
     assert fused.params["state"] == {} and fused.history == unfused.history
+
+
+class _AttentionBehindAFlagOfItsOwn(nn.Module):
+    @nn.compact
+    def __call__(self, x, is_train: bool = False):  # not a flag fuseloop recognises
+        attention = nn.MultiHeadDotProductAttention(
+            1, qkv_features=4, dropout_rate=0.5, deterministic=not is_train
+        )
+        return nn.Dense(3)(attention(x[:, None, :]).reshape(x.shape[0], -1))
+
+
+def test_attention_dropout_behind_an_unrecognised_flag_is_refused_not_left_off():
+    with pytest.raises(fl.models.ModelModeError, match=r"contains Dropout.*train_arg"):
+        fl.trainer(_AttentionBehindAFlagOfItsOwn(), SPARSE, "adam").run(DATA)
+    named = fl.models.linen(_AttentionBehindAFlagOfItsOwn(), train_arg="is_train", train_value=True)
+    assert fl.trainer(named, SPARSE, "adam").run(DATA).status == "completed"
+
+
+class _NoFlagNoise(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(x + jax.random.normal(self.make_rng("noise"), x.shape))
+
+
+class _PositionalOnlyFlag(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False, /):
+        return nn.Dropout(0.5, deterministic=not train)(nn.Dense(3)(x))
+
+
+def test_a_model_needing_another_rng_stream_or_a_positional_only_flag_is_told_the_fix():
+    with pytest.raises(ValueError, match=r"rng stream 'noise'.*passes only the 'dropout'"):
+        fl.trainer(_NoFlagNoise(), SPARSE, "adam").run(DATA)
+    with pytest.raises(ValueError, match=r"flag 'train' positional-only .*keyword argument"):
+        fl.trainer(_PositionalOnlyFlag(), SPARSE, "adam").run(DATA)
+
+
+class _SowsALoss(nn.Module):
+    append: bool
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h = nn.Dense(3)(x)
+        keep = {} if self.append else {"init_fn": lambda: 0.0, "reduce_fn": lambda a, b: b}
+        self.sow("losses", "l2", jnp.mean(h**2), **keep)
+        return h
+
+
+def test_sown_losses_are_said_to_be_outside_the_objective():
+    with pytest.warns(UserWarning, match=r"'losses' collection .* not trained on.*fl\.loop"):
+        fl.trainer(_SowsALoss(append=False), SPARSE, "adam").run(DATA)
+    # flax's default reduce appends a value each step: the state grows, and is named.
+    with pytest.raises(ValueError, match=r"\['losses'\]\['l2'\]\[1\] appears.*init_fn"):
+        fl.trainer(_SowsALoss(append=True), SPARSE, "adam").run(DATA)
+
+
+class _Normalised(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        return nn.Dense(3)(nn.BatchNorm(use_running_average=not train)(x))
+
+
+@pytest.mark.parametrize("fuse", [False, 2])
+def test_frozen_variables_train_as_their_plain_dict_does(fuse):
+    from flax.core import freeze
+
+    variables = _Normalised().init(jax.random.PRNGKey(0), DATA[0][0])
+    loop = fl.trainer(_Normalised(), SPARSE, "adam")
+    frozen = loop.run(DATA, freeze(variables), epochs=2, fuse=fuse)
+    plain = loop.run(DATA, variables, epochs=2, fuse=fuse)
+    assert sorted(frozen.params) == ["batch_stats", "params"]
+    for a, b in zip(
+        jax.tree.leaves(frozen.step_state), jax.tree.leaves(plain.step_state), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -6,6 +6,7 @@ Re-exported from `fuseloop.models` (as `fl.models.linen`).
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any
 
 import flax
@@ -43,9 +44,28 @@ def _call_parameters(module: Any) -> tuple[str, ...]:
 
 def call_flags(module: Any) -> dict[str, bool]:
     """The recognised train/eval flags among `module.__call__`'s arguments, each with the
-    value it takes while training."""
+    value it takes while training. A positional-only one cannot be passed by name, as
+    fuseloop passes it: a ValueError naming the fix."""
     names = _call_parameters(module)
-    return {name: value for name, value in TRAIN_FLAGS.items() if name in names}
+    flags = {name: value for name, value in TRAIN_FLAGS.items() if name in names}
+    for name in flags:
+        if _parameter_kind(module, name) == inspect.Parameter.POSITIONAL_ONLY:
+            raise ValueError(
+                f"model: {type(module).__name__}.__call__ takes its flag {name!r} "
+                f"positional-only (before a '/'), and fuseloop passes it by name "
+                f"({name}=...): make it a keyword argument"
+            )
+    return flags
+
+
+def _parameter_kind(module: Any, name: str) -> Any:
+    return inspect.signature(type(module).__call__).parameters[name].kind
+
+
+def _rng_stream(error: BaseException) -> str | None:
+    """The rng stream a flax InvalidRngError names (None: it names none)."""
+    found = re.search(r'PRNG for "([^"]+)"', str(error))
+    return found.group(1) if found else None
 
 
 def flag_values(flags: dict[str, bool], train: bool) -> dict[str, bool]:
@@ -124,6 +144,8 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
             flags: dict[str, Any] = self.mode(False)  # keyword flags, not init's options
             return dict(self.module.init(rng, x, **flags))
         except flax.errors.InvalidRngError as error:
+            if _rng_stream(error) not in (None, "dropout"):
+                raise  # a stream fuseloop never supplies: a flag would not help
             raise self._no_flag("needs a 'dropout' rng") from error
 
     def apply(self, variables: Any, x: Any, **kwargs: Any) -> Any:
@@ -141,6 +163,8 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
                     return self._apply_refusing_dropout(variables, x), None
                 return self.module.apply(variables, x), None
             except flax.errors.InvalidRngError as error:
+                if _rng_stream(error) not in (None, "dropout"):
+                    raise  # a stream fuseloop never supplies: a flag would not help
                 raise self._no_flag("needs a 'dropout' rng") from error
         if not train:
             return self.apply(variables, x), None
@@ -159,7 +183,10 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
         dropouts: list[Any] = []
 
         def note(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
-            if isinstance(context.module, nn.Dropout) and context.module.rate:
+            # Dropout layers, and attention's own dropout (`dropout_rate`).
+            if (isinstance(context.module, nn.Dropout) and context.module.rate) or getattr(
+                context.module, "dropout_rate", 0
+            ):
                 dropouts.append(context.module)
             return next_fun(*args, **kwargs)
 

@@ -27,6 +27,7 @@ from ._optim import (
     optimizer_update,
     resolve_optimizer,
 )
+from ._warn import warn
 from .models import as_model
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "default_metrics",
     "OPTIMIZERS",
     "resolve_optimizer",
+    "warn_sown_losses",
 ]
 
 
@@ -97,6 +99,27 @@ def _trainable(variables: Any) -> tuple[Any, Any]:
         rest = {k: v for k, v in variables.items() if k != "params"}
         return variables["params"], rest
     return variables, None
+
+
+def warn_sown_losses(program: Program, step_state: Any) -> None:
+    """A trainer's model with a "losses" collection (what `self.sow("losses", ...)` keeps):
+    it is carried as state, but the objective is the loss of (y, y_pred) alone, which is
+    said rather than trained without them in silence (on the host, at a run's start)."""
+    variables = step_state.get("params") if isinstance(step_state, dict) else None
+    if program.kind == "trainer" and isinstance(variables, dict) and "losses" in variables:
+        warn(
+            "model: its variables hold a 'losses' collection (values the model sows with "
+            "self.sow('losses', ...)); fuseloop's trainer carries it as state, but its "
+            "objective is the loss of (y, y_pred) alone, so those values are not trained "
+            "on. To add them to the objective, write the step with fl.loop"
+        )
+
+
+def _unfrozen(variables: Any) -> Any:
+    """`variables` with any flax FrozenDict made a plain dict (the same arrays)."""
+    from flax.core import FrozenDict, unfreeze
+
+    return unfreeze(variables) if isinstance(variables, FrozenDict) else variables
 
 
 def _check_plain_params(adapter: Any, variables: Any) -> None:
@@ -171,6 +194,9 @@ def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program
             init_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
         if variables is None:
             variables = adapter.init(init_key, x)
+        # flax's FrozenDict (older flax, a TrainState's variables) is not a dict: its
+        # batch_stats would be read as params and trained.
+        variables = _unfrozen(variables)
         _check_plain_params(adapter, variables)
         params, _ = _trainable(variables)
         return {

@@ -105,6 +105,24 @@ def _paths_apart(held: Any, made: Any) -> str:
     return "; " + ", ".join(apart) if apart else ""
 
 
+def _structure_change(old: list[Any], new: list[Any]) -> str:
+    """The first leaf paths one step adds or drops, and what a sown value's growth means."""
+    before = [jax.tree_util.keystr(path) for path, _ in old]
+    after = [jax.tree_util.keystr(path) for path, _ in new]
+    added = [p for p in after if p not in before][:2]
+    gone = [p for p in before if p not in after][:2]
+    parts = [f"step_state{p} appears after one step" for p in added]
+    parts += [f"step_state{p} is gone after one step" for p in gone]
+    said = "; ".join(parts) or "its containers change type (e.g. a tuple becomes a list)"
+    if any("'losses'" in p or "'intermediates'" in p for p in added + gone):
+        said += (
+            " (a value the model sows each step, which flax's default reduce appends: "
+            "give self.sow an init_fn and a reduce_fn that keep one value, or write the step "
+            "with fl.loop; fuseloop's trainer does not add sown losses to its objective)"
+        )
+    return said
+
+
 def check_step_keeps_state(step: Any, step_state: Any, batch: Any) -> None:
     """Raises a ValueError if one step changes the step state's structure, or a leaf's
     dtype or shape (found abstractly with `jax.eval_shape`: nothing runs or compiles).
@@ -123,8 +141,8 @@ def check_step_keeps_state(step: Any, step_state: Any, batch: Any) -> None:
     expected: object = old_def  # this jaxlib has no stub for PyTreeDef: compare as objects
     if expected != new_def:
         raise ValueError(
-            f"the step changes the structure of the step state: it starts as {old_def} and "
-            f"one step returns {new_def}. A step must return a state with the same "
+            f"the step changes the structure of the step state: "
+            f"{_structure_change(old, new)}. A step must return a state with the same "
             f"structure, dtypes and shapes it was given"
         )
     for (path, a), (_, b) in zip(old, new, strict=True):

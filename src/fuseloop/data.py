@@ -301,6 +301,7 @@ class ArraySource:
                 "device=True) to keep the dataset on the device"
             )
         if self._device_arrays is None or self._device_arrays[0] != sharding:
+            _require_device_dtypes(self.x, self.y)
             placed: tuple[Any, Any] = place_rows((self.x, self.y), sharding)
             self._device_arrays = (sharding, placed)
             self.transfers_done += 1
@@ -368,3 +369,20 @@ def arrays(
     return ArraySource(
         x, y, batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder, device=device
     )
+
+
+def _require_device_dtypes(x: Any, y: Any) -> None:
+    """Raises a ValueError naming an array no device can hold (strings, objects).
+
+    It names the fix, before anything is moved (the device would name only the dtype).
+    """
+    for name, tree in (("x", x), ("y", y)):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            dtype = np.asarray(leaf).dtype if not hasattr(leaf, "dtype") else leaf.dtype
+            if np.dtype(dtype).kind in "OSUV" and not jnp.issubdtype(dtype, jnp.number):
+                raise ValueError(
+                    f"fl.data.arrays(..., device=True): {name}{jax.tree_util.keystr(path)} "
+                    f"has dtype {dtype}, which cannot be moved to a device; map it to "
+                    f"numbers first, e.g. for labels classes, y = np.unique(y, "
+                    f"return_inverse=True)"
+                )

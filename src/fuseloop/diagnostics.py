@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import re
 import statistics
 from collections.abc import Callable
@@ -358,7 +359,10 @@ def _auto_decision(
     loop: Any, step_state: Any, batch: Any, data: Any, iterations: int | None
 ) -> ChunkDecision:
     """What `fuse="auto"` decides for this loop, the epoch length capped as a run caps it."""
-    known = [n for n in (iterations, len(data) if hasattr(data, "__len__") else None) if n]
+    length = None
+    with contextlib.suppress(TypeError):  # a source of unknown length raises from len()
+        length = len(data) if hasattr(data, "__len__") else None
+    known = [n for n in (iterations, length) if n]
     return decide_chunk_size(loop, step_state, batch, epoch_length=min(known) if known else None)
 
 

@@ -100,4 +100,5 @@ def epoch_length(source: Any, iterations: int | None) -> int | None:
     if not source.one_shot:
         with contextlib.suppress(TypeError):  # an unsized source
             known.append(len(source.data))
+    known = [n for n in known if n > 0]  # a length of 0 that yields batches says nothing
     return min(known) if known else None

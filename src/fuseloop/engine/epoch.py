@@ -118,18 +118,20 @@ class EpochLoop:
         """Whether `open_next` opened `epoch` (launched or not)."""
         return self.opened is not None and self.opened[0] == epoch
 
-    def open_next(self, epoch: int, iterator: Any, bound: int | None) -> None:
+    def open_next(self, epoch: int, iterator: Callable[[], Any], bound: int | None) -> None:
         """Opens `epoch` before the epoch now ending is read: its first chunk is prepared
         and launched on fresh accumulators (the ending epoch's are kept for its metrics,
         `Carry.open_epoch`), so the device does not wait for the host in between. Only
         when no handler can act between the two epochs (the run checks); the chunk is
-        replayed by `run` for `epoch`, in order.
+        replayed by `run` for `epoch`, in order. `iterator()` makes the epoch's iterator:
+        an error making it, as preparing the chunk, is raised by `run` for `epoch`, where
+        the unfused loop meets it (after the ending epoch completes).
         """
         feed = self.feed
         feed.end()  # the ending epoch has prepared its last chunk
         record = self.handoff.bus.has_iteration_handlers
-        feed.begin(epoch, iterator, bound, record or self.guard)
-        try:
+        try:  # the source's iterator for the epoch (a callable source is called here)
+            feed.begin(epoch, iterator(), bound, record or self.guard)
             prepared = feed.next(0)
         except Exception as error:  # noqa: BLE001 - raised by `run`, in the unfused order
             self.opened = (epoch, error)
@@ -252,7 +254,7 @@ class EpochLoop:
         assert self.ahead is not None
         epoch, iterator, bound = self.ahead
         rollback = self.carry.snapshot()
-        self.open_next(epoch, iterator(), bound)
+        self.open_next(epoch, iterator, bound)
         return rollback if self.opened is not None and _launched(self.opened) else None
 
     def _undo(self, rollback: Any, opened_ahead: bool) -> None:

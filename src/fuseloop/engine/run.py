@@ -9,6 +9,7 @@ as `err.fuseloop_state` (docs/design.md §2).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, Event
 from .._fusion import resolve_fuse
 from .._placement import Placement
 from .._state import State, new_stats
+from .._step import warn_sown_losses
 from .._warn import warn
 from .bus import EventBus
 from .carry import Carry
@@ -130,6 +132,7 @@ class Run:
         step_state, signature, spare_maker = initial_step_state(
             self.programs, self.user_state, first, resuming=isinstance(self.init_state, State)
         )
+        warn_sown_losses(self.loop.program, step_state)
         if self.members is None:
             self.checker.variables(step_state, signature)
         else:
@@ -277,7 +280,8 @@ class Run:
                 return state.replace(metrics=dict(state.history.get(epoch - 1, {}))), _RAN_OUT
             may_open = status == CONTINUE and not loop.opened_for(epoch + 1)
             if may_open and not signals.requested and self._may_open(epoch + 1):
-                loop.open_next(epoch + 1, self.source.epoch_iterator(epoch + 1), self.iterations)
+                following = functools.partial(self.source.epoch_iterator, epoch + 1)
+                loop.open_next(epoch + 1, following, self.iterations)
         # A signal after the next epoch opened reaches it, at its first boundary.
         opened_next = loop.opened_for(epoch + 1)
         if status == HALT_LOOP and state.handler_metadata.get("_nonfinite_at") is not None:

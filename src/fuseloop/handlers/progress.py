@@ -11,6 +11,7 @@ line and redraws the bar below it, so a line is never mixed into the bar.
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import sys
 import time
 from typing import Any, TextIO
@@ -35,7 +36,9 @@ def epoch_length_of(data: Any, iterations: int | None = None) -> int | None:
     """
     length = None
     if isinstance(data, collections.abc.Sized) and not isinstance(data, collections.abc.Iterator):
-        length = len(data)
+        # A tf.data dataset of unknown length, a torch IterableDataset's loader: TypeError.
+        with contextlib.suppress(TypeError):
+            length = len(data)
     if iterations is not None:
         return iterations if length is None else min(length, iterations)
     return length
