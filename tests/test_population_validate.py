@@ -33,3 +33,45 @@ def test_population_validates_each_member_fused_equals_unfused():
         np.testing.assert_allclose(
             member.metrics["validation_loss"], alone.metrics["loss"], rtol=1e-6
         )
+
+
+def test_a_stopped_members_validation_reads_nan_as_its_training_metrics_do():
+    scores = {0: [3.0, 2.0, 1.0, 0.5, 0.2], 1: [1.0, 2.0, 3.0, 4.0, 5.0]}  # member 1 stops
+
+    def script(state):
+        values = np.array([scores[0][state.epoch], scores[1][state.epoch]])
+        return "continue", state.replace(metrics={**state.metrics, "score": values})
+
+    loop = (
+        fl.trainer(MODEL, LOSS, "adam")
+        .validate(MODEL, VAL)
+        .handle_event("epoch_completed", script)
+        .early_stop("score", patience=1)
+    )
+    for fuse in (False, "run"):
+        state = loop.run(
+            fl.data.arrays(X, Y, 16, seed=0, device=True),
+            epochs=5,
+            fuse=fuse,
+            population={"learning_rate": [0.01, 0.02]},
+        )
+        # Member 1 stops after epoch 1: from epoch 2 on its values are NaN, both kinds.
+        for epoch in (2, 3, 4):
+            assert np.isnan(state.history[epoch]["loss"][1])
+            assert np.isnan(state.history[epoch]["validation_loss"][1])
+            assert not np.isnan(state.history[epoch]["validation_loss"][0])
+        assert not np.isnan(state.history[1]["validation_loss"][1])
+
+
+def test_population_values_a_member_could_not_take_are_refused():
+    import optax
+    import pytest
+
+    placeholder = optax.inject_hyperparams(optax.sgd)(learning_rate=1)  # kept as int32
+    loop = fl.trainer(MODEL, LOSS, placeholder)
+    with pytest.raises(ValueError, match=r"keeps learning_rate as int32.*0.1 would be cut"):
+        loop.run(TRAIN, population={"learning_rate": [0.1, 0.5]})
+    with pytest.raises(ValueError, match=r"population\['seed'\]: 1099511627776 is outside int32"):
+        fl.trainer(MODEL, LOSS, "adam").run(TRAIN, population={"seed": [2**40, 2]})
+    with pytest.raises(ValueError, match=r"member seeds .* 2147483648 is outside int32"):
+        fl.trainer(MODEL, LOSS, "adam", seed=2**31 - 1).run(TRAIN, population=2)

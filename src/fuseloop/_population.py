@@ -25,6 +25,7 @@ __all__ = [
     "population_record",
     "per_member",
     "refuse_population",
+    "silence_stopped",
 ]
 
 
@@ -146,3 +147,29 @@ def per_member(state: State, key: str) -> State:
         return state
     record["per_member"] = keys + [key]
     return state.replace(handler_metadata={**state.handler_metadata, POPULATION_KEY: record})
+
+
+def silence_stopped(state: State, metrics: dict[str, Any]) -> dict[str, Any]:
+    """`metrics` (per-member arrays measured at `state.epoch`) with NaN for the members that
+    halted before it: a frozen member's validation is not a value of the epoch, as its
+    training metrics are not (docs/design.md §8).
+
+    Example:
+        >>> s = State(epoch=2, handler_metadata={"_population": {"size": 2,
+        ...     "halted": [False, True], "last_epoch": [None, 1]}})
+        >>> silence_stopped(s, {"v": np.array([0.5, 0.7])})["v"].tolist()
+        [0.5, nan]
+    """
+    record = state.handler_metadata.get(POPULATION_KEY)
+    if record is None:
+        return metrics
+    stopped = np.array(
+        [
+            h and last is not None and last < state.epoch
+            for h, last in zip(record["halted"], record["last_epoch"], strict=True)
+        ],
+        bool,
+    )
+    if not stopped.any():
+        return metrics
+    return {k: np.where(stopped, np.nan, np.asarray(v, np.float64)) for k, v in metrics.items()}

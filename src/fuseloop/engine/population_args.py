@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .._optim import abstract_state, inject_states
@@ -140,7 +141,8 @@ def _from_argument(population: Any, program: Any) -> Population:
         if population < 1:
             raise ValueError(f"population={population!r} must be >= 1 members")
         n = int(population)
-        return Population(n, tuple(base + i for i in range(n)))
+        where = "member seeds (the trainer's seed + the member's index)"
+        return Population(n, tuple(_seed(base + i, where) for i in range(n)))
     if not isinstance(population, dict) or not population:
         raise ValueError(
             f"population={population!r} must be a member count (an int >= 1) or a dict of "
@@ -184,8 +186,28 @@ def _from_argument(population: Any, program: Any) -> Population:
                 f"'sgd', 'adam' and 'adamw' are, expose theirs"
                 f"{_STRUCTURAL if abstract_state(program.optimizer) is None else ''})"
             )
-        hyper.append((key, tuple(_number(key, v) for v in values)))
+        numbers = tuple(_number(key, v) for v in values)
+        _require_float_slot(program.optimizer, key, numbers)
+        hyper.append((key, numbers))
     return Population(n, seeds, tuple(hyper))
+
+
+def _require_float_slot(tx: Any, key: str, values: tuple[float, ...]) -> None:
+    """Raises a ValueError where the optimizer keeps `key` as an integer (built with
+    `learning_rate=1`) and a member's value has a fraction, which the slot would cut
+    (0.1 to 0: a member that never trains)."""
+    state = abstract_state(tx)
+    for node in inject_states(state) if state is not None else ():
+        slot = node.hyperparams.get(key)
+        if slot is None or jnp.issubdtype(slot.dtype, jnp.inexact):
+            continue
+        cut = next((v for v in values if v != int(v)), None)
+        if cut is not None:
+            raise ValueError(
+                f"population[{key!r}]: the optimizer keeps {key} as {slot.dtype} (it was "
+                f"built with an integer, e.g. {key}=1), so a member's {cut} would be cut to "
+                f"{int(cut)}; build the optimizer with a float ({key}=1.0)"
+            )
 
 
 # Why an optimizer built with inject_hyperparams may still expose nothing.
@@ -196,9 +218,15 @@ _STRUCTURAL = (
 )
 
 
-def _seed(value: Any) -> int:
+def _seed(value: Any, where: str = "population['seed']") -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"population['seed']: {value!r} must be an int")
+        raise ValueError(f"{where}: {value!r} must be an int")
+    if not -(2**31) <= int(value) < 2**31:
+        raise ValueError(
+            f"{where}: {value} is outside int32 (each member's key is drawn on "
+            f"the device from an int32 seed; a solo run takes any int): use seeds below "
+            f"2**31, e.g. seed % 2**31"
+        )
     return int(value)
 
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from .._events import CONTINUE, HALT_LOOP, Registration
 from .._metrics import VALIDATION_PREFIX
-from .._population import population_record
+from .._population import population_record, silence_stopped
 from .device_monitors import _rates
 from .device_replay import _disagree, _Substitutes
 from .population import member_metrics
@@ -239,9 +239,9 @@ class PopulationWholeRun(WholeRun):
 
 def _merged(measured: dict[str, Any]) -> Any:
     """`validate`'s replay: the device's per-member validation metrics, merged."""
-    metrics = {VALIDATION_PREFIX + name: value for name, value in measured.items()}
 
     def merge(state: Any) -> Any:
+        metrics = {VALIDATION_PREFIX + k: v for k, v in silence_stopped(state, measured).items()}
         return CONTINUE, state.replace(metrics={**state.metrics, **metrics})
 
     return merge

@@ -14,6 +14,7 @@ from typing import Any
 from .._data import as_source, warn_left_out
 from .._fusion import FusionError, resolve_fuse
 from .._metrics import VALIDATION_PREFIX, MetricSpec, batch_size
+from .._population import silence_stopped
 from .._state import State
 from .._types import Status
 
@@ -178,7 +179,7 @@ class Validator:
         params = state.params
         if params is None:
             raise ValueError(_no_params(state.step_state))
-        measured = self.evaluate(params, state.population)
+        measured = silence_stopped(state, self.evaluate(params, state.population))
         metrics = dict(state.metrics)
         metrics.update({VALIDATION_PREFIX + name: value for name, value in measured.items()})
         return "continue", state.replace(metrics=metrics)
