@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -140,3 +141,33 @@ def test_a_training_metric_named_like_a_validation_metric_is_refused_in_either_o
         loop.metric(score, name="validation_loss").validate(model, val)
     # A name validation does not produce stays allowed.
     loop.metric(score, name="validation_score").validate(model, val)
+
+
+def test_a_callable_loss_is_never_read_by_its_name():
+    def binary_cross_entropy(y_true, y_pred):  # the user's own: -1/+1 labels, logistic
+        return jnp.mean(jnp.logaddexp(0.0, -y_true * y_pred[:, 0]))
+
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype(np.float32)
+    y = np.where(x[:, 0] > 0, 1.0, -1.0).astype(np.float32)  # no built-in's labels
+    loop = fl.trainer(fl.models.mlp([1]), binary_cross_entropy, "adam")
+    assert loop.run([(x[:16], y[:16]), (x[16:], y[16:])]).status == "completed"
+
+
+def test_same_rank_labels_that_are_not_one_per_example_are_refused_by_accuracy():
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    wide = np.eye(5, dtype=np.float32)[np.arange(16) % 5]  # one-hot of 5 classes, 3 outputs
+    model = fl.models.mlp([3])
+    variables = model.init(jax.random.PRNGKey(0), x)
+    with pytest.raises(ValueError, match=r"y has shape \(16, 5\), but accuracy .* \(16, 3\)"):
+        fl.evaluator(model).metric("accuracy").run([(x, wide)], variables)
+
+
+def test_a_users_function_of_targets_and_outputs_gets_them_of_one_rank_as_keras_does():
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    y = x[:, 0].copy()  # (B,) targets; the model's output is (B, 1)
+    model = fl.models.mlp([1])
+    variables = model.init(jax.random.PRNGKey(0), x)
+    mae = lambda t, p: jnp.abs(p - t)  # noqa: E731 - per-example, as a Keras metric
+    state = fl.evaluator(model).metric(mae, name="mae").run([(x, y)], variables)
+    expected = np.mean(np.abs(np.asarray(model.apply(variables, x))[:, 0] - y))
+    assert state.metrics["mae"] == pytest.approx(float(expected), rel=1e-6)

@@ -226,9 +226,7 @@ class Checker:
                 "A metric of a step state's scalar is a mean over steps (the short batch "
                 "counts as one), built-in metrics of (y_true, y_pred) weigh it by its size"
                 if self.program.kind == "custom"
-                else "Metrics are means over examples, so the short batch counts by its size "
-                "(a metric function's one scalar per batch counts as one batch): keep it in "
-                "evaluation data"
+                else "Metrics are means over examples: the short batch counts by its size"
             )
             warn(
                 f"{where} has batch size {size} instead of {full} (a ragged last batch?); the "
@@ -263,9 +261,11 @@ class Checker:
             if unfused_takes_it:
                 fix += "; fused chunks stack one dtype per leaf (fuse=False converts)"
         elif unfused_takes_it:
+            dropping = "" if self.program.kind == "evaluator" else ", or drop_remainder=True"
             fix = (
-                "fused chunks compile once for one batch shape: use fuse=False, "
-                "drop_remainder=True, or pad your batches"
+                "fused chunks compile once for one batch shape: use fuse=False, or "
+                "fl.data.arrays(..., device=True), which runs a short last batch as a step "
+                f"of its own{dropping} (padding would count as examples)"
             )
         else:
             fix = (

@@ -150,7 +150,8 @@ def _raise_mismatch(
     raise FusionError(
         f"batch {index} (iteration {index} of the epoch), leaf {leaf}: expected shape "
         f"{expected[0]} dtype {expected[1]}, got shape {actual[0]} dtype {actual[1]}; fused "
-        f"chunks need uniform batches: use fuse=False, drop_remainder=True, or pad your batches"
+        f"chunks need uniform batches: use fuse=False, drop_remainder=True, or "
+        f"fl.data.arrays(..., device=True) (a short last batch runs as a step of its own)"
     )
 
 

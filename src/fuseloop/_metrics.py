@@ -8,9 +8,10 @@ contract, so fused and unfused accumulators agree to the bit.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ import numpy as np
 import optax
 
 from ._outputs import require_one_prediction
+from ._sums import Mean, mean_of
 
 __all__ = [
     "LOSSES",
@@ -33,46 +35,6 @@ __all__ = [
 ]
 
 Array = Any
-
-
-class Mean(NamedTuple):
-    """A batch's contribution to a mean over examples: the sum of its per-example values
-    and how many examples it holds. Accumulating these (sums and counts, no division
-    until the host reads them) weighs a ragged last batch by its size."""
-
-    total: Array  # float32 scalar: sum over the batch's examples (elements)
-    count: Array  # float32 scalar: number of examples (elements) summed
-
-
-def _mean_of(values: Array) -> Mean:
-    values = jnp.asarray(values, jnp.float32)
-    return Mean(pairwise_sum(values), jnp.asarray(values.size, jnp.float32))
-
-
-def pairwise_sum(values: Array) -> Array:
-    """The float32 sum of every element, added in one fixed order: pairs, then pairs of
-    pairs (the array padded with zeros to a power of two).
-
-    XLA:CPU chooses how a `jnp.sum` is reduced by the program around it: a sequential loop
-    in one program, vector lanes in another, and the last bits follow. A metric's sum is
-    computed in the fused and unfused chunk programs, in a whole-run dispatch and in the
-    evaluator's program; written as elementwise adds, which XLA does not reorder, it is the
-    same number in all of them (docs/design.md §2).
-
-    Example:
-        >>> import numpy as np
-        >>> float(pairwise_sum(np.arange(5, dtype=np.float32)))
-        10.0
-    """
-    flat = jnp.ravel(jnp.asarray(values, jnp.float32))
-    if flat.size == 0:
-        return jnp.zeros((), jnp.float32)
-    width = 1 << (flat.size - 1).bit_length()
-    flat = jnp.pad(flat, (0, width - flat.size))
-    while flat.size > 1:
-        pairs = flat.reshape(-1, 2)
-        flat = pairs[:, 0] + pairs[:, 1]
-    return flat[0]
 
 
 def _sparse_labels(y_true: Array, y_pred: Array) -> Array:
@@ -192,13 +154,19 @@ def _predicted_and_true_classes(
     predicted = jnp.argmax(y_pred, axis=-1)
     if y_true.shape == y_pred.shape:  # one-hot or probabilities
         return jnp.argmax(y_true, axis=-1), predicted
+    if y_true.shape != predicted.shape and y_true.shape != (*predicted.shape, 1):
+        raise ValueError(
+            f"data: y has shape {y_true.shape}, but {metric} with the model's output of shape "
+            f"{y_pred.shape} expects class labels of shape {predicted.shape} (or "
+            f"{(*predicted.shape, 1)}) or one-hot targets of the output's shape"
+        )
     labels = y_true[..., 0] if y_true.ndim == y_pred.ndim else y_true
     return labels.astype(jnp.int32), predicted
 
 
 def _accuracy(y_true: Array, y_pred: Array, binary: bool = False) -> Mean:
     true, predicted = _predicted_and_true_classes(y_true, y_pred, "accuracy", binary)
-    return _mean_of(true == predicted)
+    return mean_of(true == predicted)
 
 
 def _binary_counts(
@@ -234,12 +202,12 @@ def _recall(y_true: Array, y_pred: Array, binary: bool = False) -> Mean:
 
 def _mae(y_true: Array, y_pred: Array) -> Mean:
     require_one_prediction(y_pred, "metric", "mean_absolute_error")
-    return _mean_of(_mae_each(y_true, y_pred))
+    return mean_of(_mae_each(y_true, y_pred))
 
 
 def _mse(y_true: Array, y_pred: Array) -> Mean:
     require_one_prediction(y_pred, "metric", "mean_squared_error")
-    return _mean_of(_mse_each(y_true, y_pred))
+    return mean_of(_mse_each(y_true, y_pred))
 
 
 # Built-in metrics return a `Mean`: their epoch value is a mean over examples (precision and
@@ -264,6 +232,33 @@ ACCUMULATORS = ("running_average", "running_sum")
 VALIDATION_PREFIX = "validation_"
 
 
+def same_rank(fn: Callable[[Array, Array], Any]) -> Callable[[Array, Array], Any]:
+    """A user's `fn(y_true, y_pred)` given arrays of one rank, as Keras gives its custom
+    losses and metrics: where one has an extra trailing axis of 1 it is squeezed (or the
+    other, of rank 1, expanded), so (B,) targets and a (B, 1) output do not broadcast to
+    (B, B) in `y_pred - y_true`.
+
+    Example:
+        >>> import numpy as np
+        >>> same_rank(lambda t, p: (p - t).shape)(np.zeros(4), np.zeros((4, 1)))
+        (4, 1)
+    """
+
+    @functools.wraps(fn)
+    def ranked(y_true: Array, y_pred: Array) -> Any:
+        t, p = getattr(y_true, "shape", None), getattr(y_pred, "shape", None)
+        if t is not None and p is not None and abs(len(t) - len(p)) == 1:
+            if len(p) == len(t) + 1 and p[-1] == 1:
+                y_true = y_true[..., None] if len(t) == 1 else y_true
+                y_pred = y_pred if len(t) == 1 else y_pred[..., 0]
+            elif len(t) == len(p) + 1 and t[-1] == 1:
+                y_pred = y_pred[..., None] if len(p) == 1 else y_pred
+                y_true = y_true if len(p) == 1 else y_true[..., 0]
+        return fn(y_true, y_pred)
+
+    return ranked
+
+
 def resolve_loss(loss: Any) -> tuple[str, Callable[[Array, Array], Array]]:
     """Returns `(name, fn)` for a loss name or callable."""
     if isinstance(loss, str):
@@ -276,7 +271,7 @@ def resolve_loss(loss: Any) -> tuple[str, Callable[[Array, Array], Array]]:
             )
         return name, LOSSES[name]
     if callable(loss):
-        return getattr(loss, "__name__", "loss"), loss
+        return getattr(loss, "__name__", "loss"), same_rank(loss)
     raise ValueError(
         f"loss={loss!r} must be a name ({', '.join(LOSSES)}) or a callable(y_true, y_pred)"
     )
@@ -310,7 +305,7 @@ class MetricSpec:
             total = jnp.asarray(value.total, jnp.float32)
             count = jnp.asarray(value.count, jnp.float32)
         elif jnp.ndim(value) > 0:  # per-example values: a mean over examples
-            total, count = _mean_of(value)
+            total, count = mean_of(value)
         else:
             total, count = jnp.asarray(value, jnp.float32), jnp.ones((), jnp.float32)
         if self.accumulate == "running_sum":
@@ -354,7 +349,7 @@ def loss_mean(loss: Any) -> Callable[[Array, Array, Any], tuple[Array, Mean]]:
     def named(y_true: Array, y_pred: Array, x: Any = None) -> tuple[Array, Mean]:
         require_one_prediction(y_pred, "loss", name)
         values = per_element(y_true, y_pred)
-        return values.mean(), _mean_of(values)
+        return values.mean(), mean_of(values)
 
     return named
 
@@ -377,7 +372,7 @@ def resolve_metric(metric: Any, name: str | None, accumulate: str) -> MetricSpec
         return MetricSpec(name or metric, METRICS[known], accumulate)
     if callable(metric):
         label = name or str(getattr(metric, "__name__", "metric"))
-        return MetricSpec(label, metric, accumulate)
+        return MetricSpec(label, same_rank(metric), accumulate)
     raise ValueError(
         f"metric={metric!r} must be a name ({', '.join(METRICS)}) or a callable(y_true, y_pred)"
     )

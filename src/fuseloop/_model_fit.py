@@ -330,7 +330,10 @@ class ModelFit:
             if shape is not None
             else f"the model's output ({_describe(y_pred, 'output')})"
         )
-        if isinstance(ys, jax.ShapeDtypeStruct) and isinstance(y_pred, jax.ShapeDtypeStruct):
+        abstract_pair = isinstance(ys, jax.ShapeDtypeStruct) and isinstance(
+            y_pred, jax.ShapeDtypeStruct
+        )
+        if abstract_pair and isinstance(self.program.loss, str):  # not a callable's __name__
             self._check_named_loss(name, ys, y_pred, output)
         try:
             value = jax.eval_shape(loss_fn, ys, y_pred)

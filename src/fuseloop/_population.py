@@ -155,7 +155,7 @@ def silence_stopped(state: State, metrics: dict[str, Any]) -> dict[str, Any]:
     training metrics are not (docs/design.md §8).
 
     Example:
-        >>> s = State(epoch=2, handler_metadata={"_population": {"size": 2,
+        >>> s = fl.State(epoch=2, handler_metadata={"_population": {"size": 2,
         ...     "halted": [False, True], "last_epoch": [None, 1]}})
         >>> silence_stopped(s, {"v": np.array([0.5, 0.7])})["v"].tolist()
         [0.5, nan]

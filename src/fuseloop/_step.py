@@ -116,7 +116,9 @@ def warn_sown_losses(program: Program, step_state: Any) -> None:
 
 
 def _unfrozen(variables: Any) -> Any:
-    """`variables` with any flax FrozenDict made a plain dict (the same arrays)."""
+    """`variables` with a flax FrozenDict made a plain dict (the same arrays): a FrozenDict
+    (older flax, a TrainState's variables) is not a dict, and its batch_stats would be
+    read as params and trained."""
     from flax.core import FrozenDict, unfreeze
 
     return unfreeze(variables) if isinstance(variables, FrozenDict) else variables
@@ -182,7 +184,8 @@ def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program
     adapter = as_model(model)
     loss_name, _ = resolve_loss(loss)
     loss_fn = loss_mean(loss)
-    binary_labels = loss_name == "binary_cross_entropy"  # CLASSIFYING metrics read so
+    # CLASSIFYING metrics read binary labels so (a callable's __name__ says nothing)
+    binary_labels = isinstance(loss, str) and loss_name == "binary_cross_entropy"
     tx = resolve_optimizer(optimizer)
     exposes_lr = exposes_learning_rate(tx)
 
@@ -194,8 +197,6 @@ def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program
             init_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
         if variables is None:
             variables = adapter.init(init_key, x)
-        # flax's FrozenDict (older flax, a TrainState's variables) is not a dict: its
-        # batch_stats would be read as params and trained.
         variables = _unfrozen(variables)
         _check_plain_params(adapter, variables)
         params, _ = _trainable(variables)
@@ -245,7 +246,7 @@ def evaluator_program(model: Any, loss: Any = None) -> Program:
     adapter = as_model(model)
     loss_name = resolve_loss(loss)[0] if loss is not None else None
     loss_fn = loss_mean(loss) if loss is not None else None
-    binary_labels = loss_name == "binary_cross_entropy"
+    binary_labels = isinstance(loss, str) and loss_name == "binary_cross_entropy"
 
     def init(first_batch: Any, variables: Any) -> dict[str, Any]:
         if variables is None:
