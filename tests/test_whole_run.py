@@ -438,3 +438,29 @@ def test_a_metric_an_iteration_handler_writes_is_monitored_as_written(tmp_path, 
     assert sorted(p.name for p in (tmp_path / "fused").iterdir()) == sorted(
         p.name for p in (tmp_path / "plain").iterdir()
     )
+
+
+@pytest.mark.parametrize("fuse, steps, reached", [("run", 30, (2, 9)), (25, 25, (2, 4))])
+def test_an_error_in_a_dispatchs_replay_leaves_a_state_that_says_its_step_state_ran_ahead(
+    fuse, steps, reached
+):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 4)).astype(np.float32)
+    y = rng.integers(0, 3, 40).astype(np.int32)
+
+    def full_disk(state: fl.State) -> None:
+        if state.epoch == 0:
+            raise OSError("no space left on device")
+
+    loop = fl.trainer(fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy", "adam")
+    failing = loop.observe("epoch_completed", full_disk)
+    data = fl.data.arrays(x, y, 4, device=True)
+    with pytest.raises(OSError, match="no space") as caught:
+        failing.run(data, epochs=3, fuse=fuse)
+    state = caught.value.fuseloop_state
+    # Its history ends at epoch 0; its step state is the dispatch's end, epochs later.
+    assert sorted(state.history) == [0] and int(state.step_state["step"]) == steps
+    assert tuple(state.handler_metadata["_step_state_reached"]) == reached
+    with pytest.warns(RuntimeWarning, match=rf"from epoch 2, iteration {reached[1]} \(a dispatch"):
+        resumed = loop.run(data, state, epochs=3, fuse=fuse)
+    assert "_step_state_reached" not in resumed.handler_metadata  # said once, not carried on

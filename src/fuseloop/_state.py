@@ -11,11 +11,14 @@ from typing import Any, Literal, TypeAlias
 
 from ._population import POPULATION_KEY, member_state, stop_members
 
-__all__ = ["POPULATION_KEY", "RESTORED_KEY", "RunStatus", "State", "new_stats"]
+__all__ = ["POPULATION_KEY", "RESTORED_KEY", "AHEAD_KEY", "RunStatus", "State", "new_stats"]
 
 # `handler_metadata` key: the epoch whose step state `early_stop(restore_best=True)` put in
 # the State, where that is not its last epoch's (a resume from it warns).
 RESTORED_KEY = "_restored_best_epoch"
+# ... and the (epoch, iteration) a multi-epoch dispatch's carry had reached when its replay
+# raised at an earlier point: the State's step state is that far ahead of its history.
+AHEAD_KEY = "_step_state_reached"
 
 RunStatus: TypeAlias = Literal["running", "completed", "halted"]
 """`State.status`: a run in progress, one that ran all its epochs, or one that halted."""

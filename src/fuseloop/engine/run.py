@@ -33,7 +33,13 @@ from .population_run import PopulationHost
 from .programs import Programs
 from .replay import show_nonfinite_halt
 from .signals import SignalGuard
-from .start import agree_across_processes, agree_on_mesh, initial_step_state, warn_on_resume
+from .start import (
+    agree_across_processes,
+    agree_on_mesh,
+    initial_step_state,
+    resumed_metadata,
+    warn_on_resume,
+)
 from .whole_run import WholeRun
 
 __all__ = ["Run"]
@@ -149,14 +155,14 @@ class Run:
         )
 
     def _reached(self) -> State:
-        """The State reached so far: the last completed step's step state, the counters,
-        the history (an exception is leaving the run).
-        """
+        """The State reached so far (an exception is leaving the run)."""
         latest = self.state
         if self.epoch_loop is not None and self.epoch_loop.latest is not None:
             latest = self.epoch_loop.reached()  # an epoch was under way
         if self.bus.failed_state is not None:
             latest = self.bus.failed_state  # a handler raised: the State it was given
+        if self.whole is not None:  # its carry may have run past where its replay raised
+            latest = self.whole.marked_ahead(latest)
         return self._final(latest).replace(status="halted")
 
     # ----------------------------------------------------------------- setup
@@ -175,7 +181,7 @@ class Run:
         self.user_state = given.step_state
         self.state = state.replace(
             history={k: dict(v) for k, v in given.history.items()},
-            handler_metadata=dict(given.handler_metadata),
+            handler_metadata=resumed_metadata(given),
             times=dict(given.times),
             # Nothing left to train: the State stays where the given one ended.
             epoch=self.start_epoch if self.start_epoch < self.epochs else given.epoch,

@@ -40,7 +40,7 @@ from .._placement import (
     signature_of,
     tree_bytes,
 )
-from .._state import RESTORED_KEY
+from .._state import AHEAD_KEY, RESTORED_KEY
 from .._warn import warn
 from .conv_layout import named
 from .population import population_init, require_distinct_members
@@ -53,6 +53,7 @@ __all__ = [
     "agree_on_mesh",
     "initial_step_state",
     "private_copy",
+    "resumed_metadata",
     "warn_on_resume",
 ]
 
@@ -285,6 +286,14 @@ def _values_of(data: Any) -> str:
     return source_digest(data) if is_dataset(data) else "per process"
 
 
+def resumed_metadata(given: Any) -> dict[str, Any]:
+    """The handler metadata a run resumed from the State `given` starts with: without what
+    `given` said of its own step state (`warn_on_resume` has said it), which a later State
+    of the resumed run would otherwise repeat."""
+    said = (AHEAD_KEY, RESTORED_KEY)
+    return {k: v for k, v in given.handler_metadata.items() if k not in said}
+
+
 def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:
     """Warns where resuming from the State `given` cannot continue as one uninterrupted
     run: it stopped inside an epoch after stepping some of it (the run repeats that epoch
@@ -299,6 +308,15 @@ def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:
             f"chunk); the resumed run starts epoch {start_epoch} again from its first batch, "
             f"so the batches already stepped train twice. For a run equal to an "
             f"uninterrupted one, resume from an epoch's end (e.g. a Loop.checkpoint save)",
+            RuntimeWarning,
+        )
+    ahead = given.handler_metadata.get(AHEAD_KEY)
+    if ahead is not None:
+        warn(
+            f"init_state's step state is from epoch {ahead[0]}, iteration {ahead[1]} (a "
+            f"dispatch of several epochs ran there before its replay raised in epoch "
+            f"{given.epoch}); resuming from epoch {start_epoch} trains those epochs again. "
+            f"Resume from a checkpoint written at an epoch's end, or rerun from the start",
             RuntimeWarning,
         )
     restored = given.handler_metadata.get(RESTORED_KEY)

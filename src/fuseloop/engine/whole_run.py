@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, ITERATION_EVENTS, Event
+from .._state import AHEAD_KEY
 from .device_checkpoint import BestSaves
 from .device_monitors import (
     DeviceWork,
@@ -84,6 +85,17 @@ class WholeRun:
             self.work = DeviceWork(None)
         self.on_device = set(self.work.registrations)
         self.validation = validation_inputs(self.work, run.programs, run.placement, run)
+        # While a dispatch is replayed: the (epoch, iteration) its carry reached, which an
+        # error in the replay leaves the State's step state at (engine/run.py `_reached`).
+        self.carry_ahead: tuple[int, int] | None = None
+
+    def marked_ahead(self, state: Any) -> Any:
+        """`state` (where an error left the run) marked with where the carry had reached,
+        where a dispatch's carry ran past it (a resume from it warns: engine/start.py)."""
+        ahead = self.carry_ahead
+        if ahead is None or ahead <= (state.epoch, state.iteration):
+            return state
+        return state.replace(handler_metadata={**state.handler_metadata, AHEAD_KEY: ahead})
 
     # ----------------------------------------------------------------- planning
     def _split_reason(self, epoch: int, current: int) -> str | None:
@@ -249,6 +261,7 @@ class WholeRun:
         steps = sum(n for _, n in segments)
         executed = int(np.count_nonzero(host["n_run"]))
         self.host, self.first_epoch = host, epoch
+        self.carry_ahead = _carry_reached(segments[:executed], epoch, self.limit)
         for s, (first, n) in enumerate(segments[:executed]):
             last_one = s == executed - 1
             began = time.perf_counter()
@@ -276,12 +289,14 @@ class WholeRun:
                 if status == HALT_LOOP:
                     if self.on_device:  # a halt mid-epoch (the guard): the run's end restores
                         self._hand_best(state, epoch)
+                    self.carry_ahead = None
                     return state, epoch, 0, True
                 epoch, cursor = epoch + 1, 0
             else:
                 cursor = first + n
         if self.on_device:  # a later dispatch's end may restore this one's best epoch
             self._hand_best(state, epoch)
+        self.carry_ahead = None  # the replay caught up with the carry
         return state, epoch, cursor, False
 
     def _finish(
@@ -367,3 +382,13 @@ def _slot(tree: Any, s: int) -> Any:
     if hasattr(tree, "buffers"):  # a population's packed accumulators (population_acc.py)
         return jax.tree.map(lambda a: a[s], tree)
     return tree[s]
+
+
+def _carry_reached(segments: list[tuple[int, int]], epoch: int, limit: int) -> tuple[int, int]:
+    """The (epoch, iteration) of the last step a dispatch's executed `segments` ran, its
+    first segment in `epoch` (a segment ending at `limit` ends its epoch)."""
+    reached = (epoch, 0)
+    for first, n in segments:
+        reached = (epoch, first + n - 1)
+        epoch += first + n == limit
+    return reached
