@@ -22,8 +22,8 @@ from .models import as_model
 
 __all__ = ["predict"]
 
-# (id(model), vmapped over members) -> (model, its adapter, jitted chunk program)
-_PROGRAMS: dict[tuple[int, bool], tuple[Any, Any, Any]] = {}
+# (id(model), vmapped over members, x a list) -> (model, its adapter, jitted chunk program)
+_PROGRAMS: dict[tuple[int, bool, bool], tuple[Any, Any, Any]] = {}
 _MAX_PROGRAMS = 16
 _DEFAULT_CHUNK = 32
 
@@ -36,7 +36,8 @@ def _chunk_program(model: Any, members: bool = False, listed: bool = False) -> A
     An nnx module changed in place since (a static attribute, a layer of another shape)
     gets a new program: predict takes the model as it is at each call.
     """
-    cached = _PROGRAMS.get((id(model), members))
+    key = (id(model), members, listed)  # `listed` is traced into the misfit's message
+    cached = _PROGRAMS.get(key)
     if cached is not None and cached[0] is model and _unchanged(cached[1]):
         return cached[2]
     adapter = as_model(model)
@@ -54,10 +55,10 @@ def _chunk_program(model: Any, members: bool = False, listed: bool = False) -> A
         if members
         else named(run_chunk, "predict")
     )
-    _PROGRAMS.pop((id(model), members), None)
+    _PROGRAMS.pop(key, None)
     if len(_PROGRAMS) >= _MAX_PROGRAMS:
         _PROGRAMS.pop(next(iter(_PROGRAMS)))
-    _PROGRAMS[(id(model), members)] = (model, adapter, program)
+    _PROGRAMS[key] = (model, adapter, program)
     return program
 
 
