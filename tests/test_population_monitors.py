@@ -205,3 +205,23 @@ def test_reduce_lr_cooldown_and_floor_per_member():
             h["learning_rate"] for h in solo.history.values()
         ]
     assert min(pop.history[5]["learning_rate"]) >= np.float32(0.2)
+
+
+def test_a_members_best_epoch_that_ended_the_saved_run_is_restored_after_a_resume(tmp_path):
+    scores = np.array([[3.0, 3.0], [2.0, 2.0], [1.0, 1.0], [5.0, 0.5], [6.0, 0.2]])
+
+    def score(state):  # member 0's best is epoch 2, the saved run's last; member 1 improves
+        return "continue", state.replace(metrics={**state.metrics, "score": scores[state.epoch]})
+
+    def loop():
+        scored = _trainer().handle_event("epoch_completed", score)
+        return scored.early_stop("score", patience=5, restore_best=True)
+
+    population = {"learning_rate": [0.05, 0.1]}
+    half = loop().run(_data(), epochs=3, fuse=4, population=population)
+    fl.save_state(half, tmp_path / "p")
+    resumed = loop().run(_data(), fl.load_state(tmp_path / "p"), epochs=5, fuse=4)
+    # As a solo run resumed from its best epoch's own State: it holds that step state.
+    for got, kept in zip(_leaves(resumed.member(0).params), _leaves(half.member(0).params)):
+        np.testing.assert_array_equal(got, kept)
+    assert int(resumed.member(1).step_state["step"]) == 40  # member 1 trained on to epoch 4

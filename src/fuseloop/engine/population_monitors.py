@@ -141,6 +141,28 @@ def early_stop_members(stopper: Any, state: Any) -> tuple[Status, Any]:
     return ("halt_loop" if every else "continue"), state
 
 
+def begin_members(stopper: Any, state: Any, at_end: bool) -> None:
+    """At a run's start (`EarlyStopping.begin`): a member whose best epoch is the State's
+    last (a resume from that epoch's own State), or that stopped (frozen with its best
+    restored), holds its best step state from the start, as its solo run does. A run that
+    continues the last one keeps the copies it has. `at_end`: the State left off at an
+    epoch's end (`_monitor_record.at_epoch_end`)."""
+    record = state.handler_metadata.get(stopper.monitor.key)
+    if record is None or not at_end:
+        return
+    size = len(record["best_epoch"])
+    keys = [(record["best_epoch"][i], record["best"][i]) for i in range(size)]
+    held: MemberBest | None = stopper._members
+    held_keys = held.keys if held is not None and held.tree is not None else []
+    if len(held_keys) == size and all(k is None or k == keys[i] for i, k in enumerate(held_keys)):
+        return
+    last, halted = max(state.history, default=None), population_record(state)["halted"]
+    take = [k[0] is not None and (k[0] == last or halted[i]) for i, k in enumerate(keys)]
+    stopper._members = MemberBest([k if t else None for k, t in zip(keys, take, strict=True)])
+    if any(take):
+        stopper._members.tree = jax.tree.map(jnp.copy, state.step_state)
+
+
 def _keep_best(stopper: Any, state: Any, improved: np.ndarray, lists: dict[str, list]) -> Any:
     size = improved.shape[0]
     if stopper._members is None or len(stopper._members.keys) != size:

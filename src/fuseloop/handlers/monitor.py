@@ -21,6 +21,7 @@ from .._step import _trainable
 from .._types import Status
 from .._warn import warn
 from ..engine.population_monitors import (
+    begin_members,
     early_stop_members,
     reduce_lr_members,
     restore_members,
@@ -98,7 +99,10 @@ class EarlyStopping:
         checkpoint that epoch wrote) holds the best step state from its start; any other
         start has none yet.
         """
-        if not self.restore_best or state.population is not None or state.step_state is None:
+        if not self.restore_best or state.step_state is None:
+            return
+        if state.population is not None:
+            begin_members(self, state, at_epoch_end(state))
             return
         record = self.monitor.record(state)
         if self._best is not None and self._best[0] == (record["best_epoch"], record["best"]):
