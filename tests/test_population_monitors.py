@@ -222,6 +222,7 @@ def test_a_members_best_epoch_that_ended_the_saved_run_is_restored_after_a_resum
     fl.save_state(half, tmp_path / "p")
     resumed = loop().run(_data(), fl.load_state(tmp_path / "p"), epochs=5, fuse=4)
     # As a solo run resumed from its best epoch's own State: it holds that step state.
-    for got, kept in zip(_leaves(resumed.member(0).params), _leaves(half.member(0).params)):
-        np.testing.assert_array_equal(got, kept)
+    kept = _leaves(half.member(0).params)
+    for got, want in zip(_leaves(resumed.member(0).params), kept, strict=True):
+        np.testing.assert_array_equal(got, want)
     assert int(resumed.member(1).step_state["step"]) == 40  # member 1 trained on to epoch 4
