@@ -327,3 +327,22 @@ def test_the_handler_modules_the_docs_call_resolve_in_a_fresh_process(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["2", "True"]
+
+
+def test_states_compare_by_value_and_print_a_summary():
+    import copy
+    import pickle
+
+    loop = fl.trainer(fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy", "adam")
+    rng = np.random.default_rng(0)
+    data = [(rng.normal(size=(4, 3)).astype(np.float32), rng.integers(0, 3, 4)) for _ in range(3)]
+    state = loop.run(data, epochs=2)
+    # A copy and a pickle round trip are the same State; one changed value is not.
+    assert pickle.loads(pickle.dumps(state)) == state == copy.deepcopy(state)
+    assert state.replace(epoch=5) != state
+    changed = jax.tree.map(lambda a: a + 1, state.step_state)
+    assert state.replace(step_state=changed) != state
+    nan = state.replace(metrics={"loss": float("nan")})
+    assert nan == nan.replace()  # NaN equals NaN, as two histories of the same run do
+    text = repr(state)
+    assert len(text) < 400 and "step_state=<" in text and "epoch=1" in text

@@ -36,7 +36,7 @@ def new_stats() -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, repr=False)
 class State:
     """What handlers see and what `Loop.run` returns.
 
@@ -73,6 +73,26 @@ class State:
     status: RunStatus = "running"
     times: dict[int, float] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=new_stats)
+
+    def __eq__(self, other: object) -> bool:
+        """Field by field, arrays by their values (two States of the same run compare
+        equal after a pickle round trip); NaN equals NaN, as in a history."""
+        if not isinstance(other, State):
+            return NotImplemented
+        names = (f.name for f in dataclasses.fields(self))
+        return all(_same_tree(getattr(self, n), getattr(other, n)) for n in names)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable dicts inside: not hashable
+
+    def __repr__(self) -> str:
+        """A summary: the counters, status and metrics; the step state by its size (its
+        arrays would run to many kilobytes)."""
+        return (
+            f"State(epoch={self.epoch}, max_epoch={self.max_epoch}, iteration={self.iteration}, "
+            f"max_iteration={self.max_iteration}, status={self.status!r}, "
+            f"metrics={self.metrics!r}, history=<{len(self.history)} epochs>, "
+            f"step_state={_size_of(self.step_state)})"
+        )
 
     def replace(self, **changes: Any) -> State:
         """Returns a copy with `changes` applied.
@@ -146,3 +166,36 @@ def _field_names(cls: type) -> frozenset[str]:
     if cls not in _FIELD_NAMES:
         _FIELD_NAMES[cls] = frozenset(f.name for f in dataclasses.fields(cls))
     return _FIELD_NAMES[cls]
+
+
+def _size_of(tree: Any) -> str:
+    """`<n arrays, m values>` for a step state (None as is)."""
+    if tree is None:
+        return "None"
+    import jax
+
+    leaves = jax.tree.leaves(tree)
+    return f"<{len(leaves)} arrays, {sum(int(getattr(a, 'size', 1)) for a in leaves):,} values>"
+
+
+def _same_tree(a: Any, b: Any) -> bool:
+    """Whether two pytrees have one structure and equal leaves (arrays by value, typed
+    PRNG keys by their data, NaN equal to NaN)."""
+    import jax
+    import numpy as np
+
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    structure: object = tree_a  # no stub for PyTreeDef: compare as objects
+    if structure != tree_b:
+        return False
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        if isinstance(y, jax.Array) and jax.dtypes.issubdtype(y.dtype, jax.dtypes.prng_key):
+            y = jax.random.key_data(y)
+        x, y = np.asarray(x), np.asarray(y)
+        nan_aware = x.dtype.kind in "fc" and y.dtype.kind in "fc"
+        if x.shape != y.shape or not np.array_equal(x, y, equal_nan=nan_aware):
+            return False
+    return True
