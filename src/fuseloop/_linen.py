@@ -35,31 +35,32 @@ class ModelModeError(ValueError):
     """
 
 
-def _call_parameters(module: Any) -> tuple[str, ...]:
+def _call_signature(module: Any) -> Any:
+    """`module.__call__`'s parameters by name (empty where it has no signature)."""
     try:
-        return tuple(inspect.signature(type(module).__call__).parameters)
+        return inspect.signature(type(module).__call__).parameters
     except (TypeError, ValueError):
-        return ()
+        return {}
+
+
+def _call_parameters(module: Any) -> tuple[str, ...]:
+    return tuple(_call_signature(module))
 
 
 def call_flags(module: Any) -> dict[str, bool]:
     """The recognised train/eval flags among `module.__call__`'s arguments, each with the
     value it takes while training. A positional-only one cannot be passed by name, as
     fuseloop passes it: a ValueError naming the fix."""
-    names = _call_parameters(module)
-    flags = {name: value for name, value in TRAIN_FLAGS.items() if name in names}
+    parameters = _call_signature(module)
+    flags = {name: value for name, value in TRAIN_FLAGS.items() if name in parameters}
     for name in flags:
-        if _parameter_kind(module, name) == inspect.Parameter.POSITIONAL_ONLY:
+        if parameters[name].kind == inspect.Parameter.POSITIONAL_ONLY:
             raise ValueError(
                 f"model: {type(module).__name__}.__call__ takes its flag {name!r} "
                 f"positional-only (before a '/'), and fuseloop passes it by name "
                 f"({name}=...): make it a keyword argument"
             )
     return flags
-
-
-def _parameter_kind(module: Any, name: str) -> Any:
-    return inspect.signature(type(module).__call__).parameters[name].kind
 
 
 def _rng_stream(error: BaseException) -> str | None:
@@ -144,9 +145,8 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
             flags: dict[str, Any] = self.mode(False)  # keyword flags, not init's options
             return dict(self.module.init(rng, x, **flags))
         except flax.errors.InvalidRngError as error:
-            if _rng_stream(error) not in (None, "dropout"):
-                raise  # a stream fuseloop never supplies: a flag would not help
-            raise self._no_flag("needs a 'dropout' rng") from error
+            self._refuse_without_flag(error)
+            raise
 
     def apply(self, variables: Any, x: Any, **kwargs: Any) -> Any:
         for name, value in self.mode(False).items():
@@ -163,9 +163,8 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
                     return self._apply_refusing_dropout(variables, x), None
                 return self.module.apply(variables, x), None
             except flax.errors.InvalidRngError as error:
-                if _rng_stream(error) not in (None, "dropout"):
-                    raise  # a stream fuseloop never supplies: a flag would not help
-                raise self._no_flag("needs a 'dropout' rng") from error
+                self._refuse_without_flag(error)
+                raise
         if not train:
             return self.apply(variables, x), None
         rngs = {"dropout": rng}
@@ -195,6 +194,13 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
         if dropouts:
             raise self._no_flag("contains Dropout, which would stay off while training")
         return out
+
+    def _refuse_without_flag(self, error: BaseException) -> None:
+        """Raises the no-flag ModelModeError for a flax InvalidRngError asking for the
+        'dropout' stream (a flag would give it one); returns for another stream, which
+        fuseloop never supplies: the caller re-raises `error` (`_model_fit` names it)."""
+        if _rng_stream(error) in (None, "dropout"):
+            raise self._no_flag("needs a 'dropout' rng") from error
 
     def _no_flag(self, need: str) -> ModelModeError:
         name = type(self.module).__name__

@@ -247,16 +247,20 @@ def same_rank(fn: Callable[[Array, Array], Any]) -> Callable[[Array, Array], Any
     @functools.wraps(fn)
     def ranked(y_true: Array, y_pred: Array) -> Any:
         t, p = getattr(y_true, "shape", None), getattr(y_pred, "shape", None)
-        if t is not None and p is not None and abs(len(t) - len(p)) == 1:
+        if t is not None and p is not None:
             if len(p) == len(t) + 1 and p[-1] == 1:
-                y_true = y_true[..., None] if len(t) == 1 else y_true
-                y_pred = y_pred if len(t) == 1 else y_pred[..., 0]
+                y_true, y_pred = _one_rank(y_true, y_pred)
             elif len(t) == len(p) + 1 and t[-1] == 1:
-                y_pred = y_pred[..., None] if len(p) == 1 else y_pred
-                y_true = y_true if len(p) == 1 else y_true[..., 0]
+                y_pred, y_true = _one_rank(y_pred, y_true)
         return fn(y_true, y_pred)
 
     return ranked
+
+
+def _one_rank(lower: Array, higher: Array) -> tuple[Array, Array]:
+    """`(lower, higher)`, `higher` one axis longer and that axis of 1, made of one rank:
+    a rank-1 `lower` gains the axis, else `higher` loses it (Keras's rule)."""
+    return (lower[..., None], higher) if lower.ndim == 1 else (lower, higher[..., 0])
 
 
 def resolve_loss(loss: Any) -> tuple[str, Callable[[Array, Array], Array]]:

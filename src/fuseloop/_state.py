@@ -189,12 +189,13 @@ def _same_tree(a: Any, b: Any) -> bool:
     structure: object = tree_a  # no stub for PyTreeDef: compare as objects
     if structure != tree_b:
         return False
-    for x, y in zip(leaves_a, leaves_b, strict=True):
-        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x = jax.random.key_data(x)
-        if isinstance(y, jax.Array) and jax.dtypes.issubdtype(y.dtype, jax.dtypes.prng_key):
-            y = jax.random.key_data(y)
-        x, y = np.asarray(x), np.asarray(y)
+
+    def plain(leaf: Any) -> Any:  # a typed PRNG key has no numpy form: its data has
+        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        return np.asarray(leaf)
+
+    for x, y in zip(map(plain, leaves_a), map(plain, leaves_b), strict=True):
         nan_aware = x.dtype.kind in "fc" and y.dtype.kind in "fc"
         if x.shape != y.shape or not np.array_equal(x, y, equal_nan=nan_aware):
             return False

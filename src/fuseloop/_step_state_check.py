@@ -94,23 +94,25 @@ def _paths_apart(held: Any, made: Any) -> str:
     """Where two optimizer states of the same kinds differ (adam's and adamw's: a
     `weight_decay` hyperparameter), as `; <path> only in ...`; empty if nothing names it."""
 
-    def paths(tree: Any) -> list[str]:
-        return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-    mine, theirs = paths(made), paths(held)
-    only_made = [p for p in mine if p not in theirs]
-    only_held = [p for p in theirs if p not in mine]
-    apart = [f"opt_state{p} only in this optimizer's" for p in only_made[:2]]
-    apart += [f"opt_state{p} only in the State's" for p in only_held[:2]]
+    flat = jax.tree_util.tree_flatten_with_path
+    only_made, only_held = _paths_only_in(flat(made)[0], flat(held)[0])
+    apart = [f"opt_state{p} only in this optimizer's" for p in only_made]
+    apart += [f"opt_state{p} only in the State's" for p in only_held]
     return "; " + ", ".join(apart) if apart else ""
+
+
+def _paths_only_in(first: list[Any], second: list[Any]) -> tuple[list[str], list[str]]:
+    """Up to two leaf paths (`keystr`) of flattened-with-path `first` that `second` lacks,
+    and up to two of `second` that `first` lacks, in order."""
+    a = [jax.tree_util.keystr(path) for path, _ in first]
+    b = [jax.tree_util.keystr(path) for path, _ in second]
+    in_a, in_b = set(a), set(b)
+    return [p for p in a if p not in in_b][:2], [p for p in b if p not in in_a][:2]
 
 
 def _structure_change(old: list[Any], new: list[Any]) -> str:
     """The first leaf paths one step adds or drops, and what a sown value's growth means."""
-    before = [jax.tree_util.keystr(path) for path, _ in old]
-    after = [jax.tree_util.keystr(path) for path, _ in new]
-    added = [p for p in after if p not in before][:2]
-    gone = [p for p in before if p not in after][:2]
+    added, gone = _paths_only_in(new, old)
     parts = [f"step_state{p} appears after one step" for p in added]
     parts += [f"step_state{p} is gone after one step" for p in gone]
     said = "; ".join(parts) or "its containers change type (e.g. a tuple becomes a list)"

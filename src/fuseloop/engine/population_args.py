@@ -167,6 +167,8 @@ def _from_argument(population: Any, program: Any) -> Population:
     n = next(iter(lengths.values()))
     seeds = tuple(_seed(s) for s in population.get("seed", [base + i for i in range(n)]))
     accepted = hyperparameter_names(program.optimizer)
+    varied = set(population) - {"seed"}  # hyperparameters: read from the optimizer's state
+    optimizer_state = abstract_state(program.optimizer) if varied else None
     hyper = []
     for key, values in population.items():
         if key == "seed":
@@ -184,19 +186,18 @@ def _from_argument(population: Any, program: Any) -> Population:
                 f"population: {key!r} is not a hyperparameter the optimizer exposes; accepted: "
                 f"{names} (optimizers built with optax.inject_hyperparams, as the named "
                 f"'sgd', 'adam' and 'adamw' are, expose theirs"
-                f"{_STRUCTURAL if abstract_state(program.optimizer) is None else ''})"
+                f"{_STRUCTURAL if optimizer_state is None else ''})"
             )
         numbers = tuple(_number(key, v) for v in values)
-        _require_float_slot(program.optimizer, key, numbers)
+        _require_float_slot(optimizer_state, key, numbers)
         hyper.append((key, numbers))
     return Population(n, seeds, tuple(hyper))
 
 
-def _require_float_slot(tx: Any, key: str, values: tuple[float, ...]) -> None:
-    """Raises a ValueError where the optimizer keeps `key` as an integer (built with
-    `learning_rate=1`) and a member's value has a fraction, which the slot would cut
-    (0.1 to 0: a member that never trains)."""
-    state = abstract_state(tx)
+def _require_float_slot(state: Any, key: str, values: tuple[float, ...]) -> None:
+    """Raises a ValueError where the optimizer's (abstract) `state` keeps `key` as an
+    integer (built with `learning_rate=1`) and a member's value has a fraction, which the
+    slot would cut (0.1 to 0: a member that never trains)."""
     for node in inject_states(state) if state is not None else ():
         slot = node.hyperparams.get(key)
         if slot is None or jnp.issubdtype(slot.dtype, jnp.inexact):
