@@ -104,7 +104,10 @@ def test_restore_best_on_resume_warns_for_a_best_epoch_it_does_not_hold(tmp_path
     half = _restoring(_trainer()).run(data, epochs=2, fuse=4, population=population)
     fl.save_state(half, tmp_path / "p")
     fresh = _restoring(_trainer())  # a new handler: it holds no copy from the first run
-    with pytest.warns(RuntimeWarning, match=r"member 0's best epoch \(0\)"):
+    with (
+        pytest.warns(RuntimeWarning, match=r"member 0 holds epoch 0's step state"),
+        pytest.warns(RuntimeWarning, match=r"member 0's best epoch \(0\)"),
+    ):
         resumed = fresh.run(data, fl.load_state(tmp_path / "p"), epochs=4, fuse=4)
     assert resumed.member(0).handler_metadata["early_stop:loss"]["best_epoch"] == 0
 
@@ -207,22 +210,44 @@ def test_reduce_lr_cooldown_and_floor_per_member():
     assert min(pop.history[5]["learning_rate"]) >= np.float32(0.2)
 
 
-def test_a_members_best_epoch_that_ended_the_saved_run_is_restored_after_a_resume(tmp_path):
-    scores = np.array([[3.0, 3.0], [2.0, 2.0], [1.0, 1.0], [5.0, 0.5], [6.0, 0.2]])
+def _scored(scores):
+    """A population trainer whose epochs score `scores[epoch]` (one column per member),
+    watched by early_stop(restore_best=True) with patience to spare."""
 
-    def score(state):  # member 0's best is epoch 2, the saved run's last; member 1 improves
+    def score(state):
         return "continue", state.replace(metrics={**state.metrics, "score": scores[state.epoch]})
 
-    def loop():
-        scored = _trainer().handle_event("epoch_completed", score)
-        return scored.early_stop("score", patience=5, restore_best=True)
+    scored = _trainer().handle_event("epoch_completed", score)
+    return scored.early_stop("score", patience=5, restore_best=True)
 
-    population = {"learning_rate": [0.05, 0.1]}
-    half = loop().run(_data(), epochs=3, fuse=4, population=population)
+
+POPULATION = {"learning_rate": [0.05, 0.1]}
+
+
+def test_a_members_best_epoch_that_ended_the_saved_run_is_restored_after_a_resume(tmp_path):
+    # Member 0's best is epoch 2, the saved run's last; member 1 improves.
+    scores = np.array([[3.0, 3.0], [2.0, 2.0], [1.0, 1.0], [5.0, 0.5], [6.0, 0.2]])
+    half = _scored(scores).run(_data(), epochs=3, fuse=4, population=POPULATION)
     fl.save_state(half, tmp_path / "p")
-    resumed = loop().run(_data(), fl.load_state(tmp_path / "p"), epochs=5, fuse=4)
+    resumed = _scored(scores).run(_data(), fl.load_state(tmp_path / "p"), epochs=5, fuse=4)
     # As a solo run resumed from its best epoch's own State: it holds that step state.
     kept = _leaves(half.member(0).params)
     for got, want in zip(_leaves(resumed.member(0).params), kept, strict=True):
         np.testing.assert_array_equal(got, want)
     assert int(resumed.member(1).step_state["step"]) == 40  # member 1 trained on to epoch 4
+
+
+def test_a_resume_from_members_holding_an_earlier_best_epoch_warns_as_a_solo_one(tmp_path):
+    # Member 0's best is epoch 0, member 1's the last; nobody stops.
+    scores = np.array([[1.0, 3.0], [2.0, 2.0], [3.0, 1.0], [4.0, 0.5], [5.0, 0.2]])
+    half = _scored(scores).run(_data(), epochs=3, fuse=4, population=POPULATION)
+    # Member 0 holds epoch 0's weights, as its solo run's State says of itself.
+    assert half.member(0).handler_metadata["_restored_best_epoch"] == 0
+    assert half.member(1).handler_metadata["_restored_best_epoch"] is None
+    fl.save_state(half, tmp_path / "p")
+    with (
+        pytest.warns(RuntimeWarning, match=r"member 0 holds epoch 0's step state"),
+        pytest.warns(RuntimeWarning, match=r"member 0's best epoch \(0\) ran in an earlier"),
+    ):
+        resumed = _scored(scores).run(_data(), fl.load_state(tmp_path / "p"), epochs=5, fuse=4)
+    assert resumed.member(1).handler_metadata.get("_restored_best_epoch") is None

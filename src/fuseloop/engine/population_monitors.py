@@ -31,6 +31,7 @@ import numpy as np
 
 from .._optim import _is_inject_state, find_learning_rates
 from .._population import halt_members, per_member, population_record
+from .._state import RESTORED_KEY
 from .._types import Status
 from .._warn import warn
 
@@ -206,10 +207,30 @@ def _restore(stopper: Any, state: Any, members: np.ndarray) -> Any:
                 f"its last epoch's",
                 RuntimeWarning,
             )
+    state = _note_restored(state, record, take)
     if not take.any():
         return state
     step_state = _select(jnp.asarray(take), best.tree, state.step_state)
     return state.replace(step_state=step_state)
+
+
+def _note_restored(state: Any, record: dict[str, Any], take: np.ndarray) -> Any:
+    """Notes, per member, the best epoch whose step state a running member now holds where
+    that is not the State's last epoch (None elsewhere), as a solo State notes its own: a
+    run resumed from it warns (engine/start.py `warn_on_resume`). A halted member stays
+    frozen on a resume, so it needs no note."""
+    halted = population_record(state)["halted"]
+    last = max(state.history, default=None)
+    restored = [
+        int(record["best_epoch"][i]) if take[i] and not halted[i] else None
+        for i in range(take.shape[0])
+    ]
+    restored = [None if epoch == last else epoch for epoch in restored]
+    metadata = {k: v for k, v in state.handler_metadata.items() if k != RESTORED_KEY}
+    if all(epoch is None for epoch in restored):
+        return state.replace(handler_metadata=metadata)
+    state = state.replace(handler_metadata={**metadata, RESTORED_KEY: restored})
+    return per_member(state, RESTORED_KEY)
 
 
 # ----------------------------------------------------------------- reduce_lr_on_plateau

@@ -319,15 +319,14 @@ def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:
             f"Resume from a checkpoint written at an epoch's end, or rerun from the start",
             RuntimeWarning,
         )
-    restored = given.handler_metadata.get(RESTORED_KEY)
+    restored = _restored_phrase(given.handler_metadata.get(RESTORED_KEY))
     if restored is not None and start_epoch < epochs:
         warn(
-            f"init_state holds epoch {restored}'s step state (early_stop's restore_best), "
-            f"while its history runs to epoch {start_epoch - 1}: the resumed run trains "
-            f"epoch {start_epoch} on from epoch {restored}'s weights, unlike the run it "
-            f"continues. To continue that run, resume from its last epoch's checkpoint "
-            f"(Loop.checkpoint); to fine-tune the best weights, pass state.params as new "
-            f"variables",
+            f"{restored} (early_stop's restore_best), while its history runs to epoch "
+            f"{start_epoch - 1}: the resumed run trains epoch {start_epoch} on from those "
+            f"weights, unlike the run it continues. To continue that run, resume from its "
+            f"last epoch's checkpoint (Loop.checkpoint); to fine-tune the best weights, "
+            f"pass state.params as new variables",
             RuntimeWarning,
         )
     if start_epoch >= epochs:
@@ -337,3 +336,14 @@ def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:
             f"initial_epoch), so pass epochs > {start_epoch} to train more",
             RuntimeWarning,
         )
+
+
+def _restored_phrase(restored: Any) -> str | None:
+    """What a State says of the best epoch's step state it holds: an epoch (a solo run's)
+    or one per member (None: that member holds its last epoch's)."""
+    if restored is None:
+        return None
+    if not isinstance(restored, list):
+        return f"init_state holds epoch {restored}'s step state"
+    held = [f"member {i} holds epoch {e}'s" for i, e in enumerate(restored) if e is not None]
+    return f"init_state's {', '.join(held)} step state" if held else None
