@@ -183,7 +183,8 @@ def restore_members(stopper: Any, state: Any) -> Any:
     if not stopper.restore_best or stopper._members is None:
         return state
     size = len(stopper._members.keys)
-    return _restore(stopper, state, np.ones(size, bool))
+    record = state.handler_metadata.get(stopper.monitor.key) or {}
+    return _restore(stopper, _note_restored(state, record, size), np.ones(size, bool))
 
 
 def _restore(stopper: Any, state: Any, members: np.ndarray) -> Any:
@@ -207,25 +208,24 @@ def _restore(stopper: Any, state: Any, members: np.ndarray) -> Any:
                 f"its last epoch's",
                 RuntimeWarning,
             )
-    state = _note_restored(state, record, take)
     if not take.any():
         return state
     step_state = _select(jnp.asarray(take), best.tree, state.step_state)
     return state.replace(step_state=step_state)
 
 
-def _note_restored(state: Any, record: dict[str, Any], take: np.ndarray) -> Any:
-    """Notes, per member, the best epoch whose step state a running member now holds where
-    that is not the State's last epoch (None elsewhere), as a solo State notes its own: a
-    run resumed from it warns (engine/start.py `warn_on_resume`). A halted member stays
-    frozen on a resume, so it needs no note."""
-    halted = population_record(state)["halted"]
+def _note_restored(state: Any, record: dict[str, Any], size: int) -> Any:
+    """At the run's end, notes per member the best epoch whose step state `_restore` gives
+    a running member where that is not the State's last epoch (None elsewhere), as a solo
+    State notes its own: a run resumed from it warns (engine/start.py `warn_on_resume`). A
+    halted member stays frozen on a resume, so it needs no note."""
+    population = population_record(state)
     last = max(state.history, default=None)
+    best = record.get("best_epoch") or [None] * size
     restored = [
-        int(record["best_epoch"][i]) if take[i] and not halted[i] else None
-        for i in range(take.shape[0])
+        None if population["halted"][i] or best[i] in (None, last) else int(best[i])
+        for i in range(size)
     ]
-    restored = [None if epoch == last else epoch for epoch in restored]
     metadata = {k: v for k, v in state.handler_metadata.items() if k != RESTORED_KEY}
     if all(epoch is None for epoch in restored):
         return state.replace(handler_metadata=metadata)
