@@ -162,12 +162,37 @@ def test_same_rank_labels_that_are_not_one_per_example_are_refused_by_accuracy()
         fl.evaluator(model).metric("accuracy").run([(x, wide)], variables)
 
 
-def test_a_users_function_of_targets_and_outputs_gets_them_of_one_rank_as_keras_does():
+def _targets_and_outputs():
+    """(B,) targets of a model whose output is (B, 1), its variables and the data."""
     x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
-    y = x[:, 0].copy()  # (B,) targets; the model's output is (B, 1)
+    y = x[:, 0].copy()
     model = fl.models.mlp([1])
-    variables = model.init(jax.random.PRNGKey(0), x)
-    mae = lambda t, p: jnp.abs(p - t)  # noqa: E731 - per-example, as a Keras metric
+    return model, model.init(jax.random.PRNGKey(0), x), x, y
+
+
+def test_a_users_function_gets_targets_and_outputs_as_they_are_as_a_hand_loop_does():
+    model, variables, x, y = _targets_and_outputs()
+    mae = lambda t, p: jnp.abs(p[:, 0] - t)  # noqa: E731 - written for the shapes as they are
     state = fl.evaluator(model).metric(mae, name="mae").run([(x, y)], variables)
     expected = np.mean(np.abs(np.asarray(model.apply(variables, x))[:, 0] - y))
     assert state.metrics["mae"] == pytest.approx(float(expected), rel=1e-6)
+    loss = lambda t, p: jnp.mean((p[:, 0] - t) ** 2)  # noqa: E731
+    trained = fl.trainer(model, loss, "sgd").run([(x, y)], variables, fuse=False)
+    expected = np.mean((np.asarray(model.apply(variables, x))[:, 0] - y) ** 2)
+    assert trained.history[0]["loss"] == pytest.approx(float(expected), rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["metric", "loss"])
+def test_a_users_function_broadcasting_every_target_against_every_output_is_refused(kind):
+    model, variables, x, y = _targets_and_outputs()
+    crossed = lambda t, p: jnp.mean(jnp.abs(p - t))  # noqa: E731 - (16,) - (16, 1): (16, 16)
+    if kind == "metric":
+        loop = fl.evaluator(model).metric(crossed, name="mae")
+    else:
+        loop = fl.trainer(model, crossed, "sgd")
+    message = rf"the {kind} .*y_true of shape \(16,\) and y_pred of shape \(16, 1\).*\(16, 16\)"
+    with pytest.raises(ValueError, match=message):
+        loop.run([(x, y)], variables)
+    # The fix the message names.
+    fixed = lambda t, p: jnp.mean(jnp.abs(p[..., 0] - t))  # noqa: E731
+    assert fl.evaluator(model).metric(fixed, name="mae").run([(x, y)], variables).metrics

@@ -8,7 +8,6 @@ contract, so fused and unfused accumulators agree to the bit.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +19,7 @@ import optax
 
 from ._outputs import require_one_prediction
 from ._sums import Mean, mean_of
+from ._target_shapes import refusing_cross_broadcast
 
 __all__ = [
     "LOSSES",
@@ -232,37 +232,6 @@ ACCUMULATORS = ("running_average", "running_sum")
 VALIDATION_PREFIX = "validation_"
 
 
-def same_rank(fn: Callable[[Array, Array], Any]) -> Callable[[Array, Array], Any]:
-    """A user's `fn(y_true, y_pred)` given arrays of one rank, as Keras gives its custom
-    losses and metrics: where one has an extra trailing axis of 1 it is squeezed (or the
-    other, of rank 1, expanded), so (B,) targets and a (B, 1) output do not broadcast to
-    (B, B) in `y_pred - y_true`.
-
-    Example:
-        >>> import numpy as np
-        >>> same_rank(lambda t, p: (p - t).shape)(np.zeros(4), np.zeros((4, 1)))
-        (4, 1)
-    """
-
-    @functools.wraps(fn)
-    def ranked(y_true: Array, y_pred: Array) -> Any:
-        t, p = getattr(y_true, "shape", None), getattr(y_pred, "shape", None)
-        if t is not None and p is not None:
-            if len(p) == len(t) + 1 and p[-1] == 1:
-                y_true, y_pred = _one_rank(y_true, y_pred)
-            elif len(t) == len(p) + 1 and t[-1] == 1:
-                y_pred, y_true = _one_rank(y_pred, y_true)
-        return fn(y_true, y_pred)
-
-    return ranked
-
-
-def _one_rank(lower: Array, higher: Array) -> tuple[Array, Array]:
-    """`(lower, higher)`, `higher` one axis longer and that axis of 1, made of one rank:
-    a rank-1 `lower` gains the axis, else `higher` loses it (Keras's rule)."""
-    return (lower[..., None], higher) if lower.ndim == 1 else (lower, higher[..., 0])
-
-
 def resolve_loss(loss: Any) -> tuple[str, Callable[[Array, Array], Array]]:
     """Returns `(name, fn)` for a loss name or callable."""
     if isinstance(loss, str):
@@ -275,7 +244,8 @@ def resolve_loss(loss: Any) -> tuple[str, Callable[[Array, Array], Array]]:
             )
         return name, LOSSES[name]
     if callable(loss):
-        return getattr(loss, "__name__", "loss"), same_rank(loss)
+        name = getattr(loss, "__name__", "loss")
+        return name, refusing_cross_broadcast(loss, "loss", name)
     raise ValueError(
         f"loss={loss!r} must be a name ({', '.join(LOSSES)}) or a callable(y_true, y_pred)"
     )
@@ -376,7 +346,7 @@ def resolve_metric(metric: Any, name: str | None, accumulate: str) -> MetricSpec
         return MetricSpec(name or metric, METRICS[known], accumulate)
     if callable(metric):
         label = name or str(getattr(metric, "__name__", "metric"))
-        return MetricSpec(label, same_rank(metric), accumulate)
+        return MetricSpec(label, refusing_cross_broadcast(metric, "metric", label), accumulate)
     raise ValueError(
         f"metric={metric!r} must be a name ({', '.join(METRICS)}) or a callable(y_true, y_pred)"
     )

@@ -1,0 +1,105 @@
+"""A user's loss or metric function, called with the targets and outputs as they are.
+
+A hand-written optax loop hands `loss(y_true, y_pred)` the batch's targets and the model's
+output as they come, so that is what fuseloop hands a user's function. Keras instead makes
+them one rank first ((B,) targets against a (B, 1) output become (B, 1) and (B, 1)); either
+convention silently breaks code written for the other: `y_pred - y_true` broadcasts (B,)
+against (B, 1) to (B, B), and `y_pred[:, 0] - y_true` does the same once Keras has expanded
+the targets. So where the two shapes broadcast to a cross product (larger than both, e.g.
+(B, B)), the function is traced once on those shapes, and if it builds an array of that
+cross shape the run stops with an error that names the fix (docs/design.md §5).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["refusing_cross_broadcast"]
+
+
+def refusing_cross_broadcast(fn: Callable[..., Any], kind: str, name: str) -> Callable[..., Any]:
+    """`fn(y_true, y_pred)` as given, refused where it broadcasts every target against every
+    prediction (`kind`: "loss" or "metric", `name`: its name, for the message).
+
+    Example:
+        >>> import numpy as np
+        >>> per_example = refusing_cross_broadcast(lambda t, p: p[:, 0] - t, "loss", "l")
+        >>> per_example(np.zeros(4), np.zeros((4, 1))).shape
+        (4,)
+        >>> crossed = refusing_cross_broadcast(lambda t, p: p - t, "loss", "l")
+        >>> crossed(np.zeros(4), np.zeros((4, 1)))
+        Traceback (most recent call last):
+        ...
+        ValueError: the loss l(y_true, y_pred) got y_true of shape (4,) and y_pred of ...
+    """
+    checked: set[Any] = set()
+
+    @functools.wraps(fn)
+    def called(y_true: Any, y_pred: Any) -> Any:
+        key = _signature(y_true, y_pred)
+        if key is not None and key not in checked:
+            _refuse_cross(fn, y_true, y_pred, kind, name)
+            checked.add(key)
+        return fn(y_true, y_pred)
+
+    return called
+
+
+def _signature(y_true: Any, y_pred: Any) -> Any:
+    """The shapes and dtypes of two arrays (None where either is not one: a pytree of
+    targets is the function's own business)."""
+    shapes = getattr(y_true, "shape", None), getattr(y_pred, "shape", None)
+    if shapes[0] is None or shapes[1] is None:
+        return None
+    return tuple(shapes[0]), tuple(shapes[1]), str(y_true.dtype), str(y_pred.dtype)
+
+
+def _refuse_cross(fn: Callable[..., Any], y_true: Any, y_pred: Any, kind: str, name: str) -> None:
+    t, p = tuple(y_true.shape), tuple(y_pred.shape)
+    try:
+        cross = tuple(np.broadcast_shapes(t, p))
+    except ValueError:
+        return  # they do not broadcast: the function reshapes them, or raises itself
+    if math.prod(cross) <= max(math.prod(t), math.prod(p)):
+        return
+    abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (y_true, y_pred)]
+    try:
+        traced = jax.make_jaxpr(fn)(*abstract)
+    except Exception:  # noqa: BLE001 - the real call raises it, with the user's traceback
+        return
+    if any(shape == cross for shape in _shapes_built(traced.jaxpr)):
+        raise ValueError(
+            f"the {kind} {name}(y_true, y_pred) got y_true of shape {t} and y_pred of "
+            f"shape {p}, and it broadcasts them to {cross}: every target against every "
+            f"prediction, which a {kind} rarely means. fuseloop passes both as they are "
+            f"(as a hand-written optax loop does; Keras would first make them one rank). "
+            f"Make them one shape inside the {kind} (e.g. y_pred[..., 0] or "
+            f"y_true[..., None]), or in the model's output or the data's y"
+        )
+
+
+def _shapes_built(jaxpr: Any) -> Iterator[tuple[int, ...]]:
+    """The shapes of every array `jaxpr` builds, its inner programs' included."""
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            yield tuple(getattr(var.aval, "shape", ()))
+        for param in eqn.params.values():
+            for inner in _inner_jaxprs(param):
+                yield from _shapes_built(inner)
+
+
+def _inner_jaxprs(param: Any) -> Iterator[Any]:
+    """The programs an equation's parameter holds (a jit's, a cond's branches, ...)."""
+    if hasattr(param, "eqns"):
+        yield param
+    elif hasattr(param, "jaxpr") and hasattr(param.jaxpr, "eqns"):
+        yield param.jaxpr
+    elif isinstance(param, (tuple, list)):
+        for item in param:
+            yield from _inner_jaxprs(item)
