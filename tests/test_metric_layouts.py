@@ -9,6 +9,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import fuseloop as fl
@@ -196,3 +197,19 @@ def test_a_users_function_broadcasting_every_target_against_every_output_is_refu
     # The fix the message names.
     fixed = lambda t, p: jnp.mean(jnp.abs(p[..., 0] - t))  # noqa: E731
     assert fl.evaluator(model).metric(fixed, name="mae").run([(x, y)], variables).metrics
+
+
+@pytest.mark.parametrize("metric", ["accuracy", "mae"])
+def test_a_built_in_metric_of_a_dict_of_targets_and_weights_names_the_fix(metric):
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    y = {"y": (x[:, 0] > 0).astype(np.int32), "w": np.ones(16, np.float32)}
+
+    def weighted(y_true, logits):  # the user's own loss reads the dict
+        each = optax.softmax_cross_entropy_with_integer_labels(logits, y_true["y"])
+        return jnp.sum(each * y_true["w"]) / jnp.sum(y_true["w"])
+
+    loop = fl.trainer(fl.models.mlp([2]), weighted, "sgd").metric(metric)
+    message = r"takes y as one array of targets, .*y\['w'\] of shape \(16,\).* y_true\['y'\]"
+    with pytest.raises(ValueError, match=message):
+        loop.run([(x, y)])
+    assert fl.trainer(fl.models.mlp([2]), weighted, "sgd").run([(x, y)]).status == "completed"

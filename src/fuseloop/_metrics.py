@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._outputs import require_one_prediction
+from ._outputs import require_arrays
 from ._sums import Mean, mean_of
 from ._target_shapes import refusing_cross_broadcast
 
@@ -118,7 +118,7 @@ def _batch_mean(
     name: str, each: Callable[[Array, Array], Array]
 ) -> Callable[[Array, Array], Array]:
     def loss(y_true: Array, y_pred: Array) -> Array:
-        require_one_prediction(y_pred, "loss", name)
+        require_arrays(y_true, y_pred, "loss", name)
         return each(y_true, y_pred).mean()
 
     loss.__name__ = each.__name__.removesuffix("_each").lstrip("_")
@@ -147,7 +147,7 @@ def _predicted_and_true_classes(
     """Class predictions for the label layouts: binary logits (one per example, or one per
     label under binary cross-entropy: `binary`), sparse labels and one-hot labels
     (`metric`: the built-in metric asking, named if y_pred is not one array)."""
-    require_one_prediction(y_pred, "metric", metric)
+    require_arrays(y_true, y_pred, "metric", metric)
     if binary or y_pred.ndim < 2 or y_pred.shape[-1] == 1:
         # Each output a logit, thresholded at 0 (probability 0.5), against a 0/1 label.
         return _like_output(y_true, y_pred, metric) > 0.5, y_pred > 0
@@ -201,12 +201,12 @@ def _recall(y_true: Array, y_pred: Array, binary: bool = False) -> Mean:
 
 
 def _mae(y_true: Array, y_pred: Array) -> Mean:
-    require_one_prediction(y_pred, "metric", "mean_absolute_error")
+    require_arrays(y_true, y_pred, "metric", "mean_absolute_error")
     return mean_of(_mae_each(y_true, y_pred))
 
 
 def _mse(y_true: Array, y_pred: Array) -> Mean:
-    require_one_prediction(y_pred, "metric", "mean_squared_error")
+    require_arrays(y_true, y_pred, "metric", "mean_squared_error")
     return mean_of(_mse_each(y_true, y_pred))
 
 
@@ -321,7 +321,7 @@ def loss_mean(loss: Any) -> Callable[[Array, Array, Any], tuple[Array, Mean]]:
     per_element = each
 
     def named(y_true: Array, y_pred: Array, x: Any = None) -> tuple[Array, Mean]:
-        require_one_prediction(y_pred, "loss", name)
+        require_arrays(y_true, y_pred, "loss", name)
         values = per_element(y_true, y_pred)
         return values.mean(), mean_of(values)
 

@@ -9,10 +9,10 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["describe_outputs", "require_one_prediction"]
+__all__ = ["describe_outputs", "require_arrays", "require_one_prediction"]
 
 
-def describe_outputs(y_pred: Any) -> str | None:
+def describe_outputs(y_pred: Any, label: str = "output") -> str | None:
     """How a model's output that is not one array reads in an error ("a tuple of 2 outputs
     (output[0] of shape (4, 3), output[1] of shape (4, 8))"), or None for one array (or a
     Python scalar: not a container of outputs).
@@ -28,6 +28,7 @@ def describe_outputs(y_pred: Any) -> str | None:
     """
     if hasattr(y_pred, "shape") and hasattr(y_pred, "ndim"):
         return None
+    noun = "output" if label == "output" else "array"
     leaves, treedef = jax.tree_util.tree_flatten_with_path(y_pred)
     if leaves and jax.tree_util.treedef_is_leaf(treedef):  # a scalar, not a container
         return None
@@ -36,17 +37,17 @@ def describe_outputs(y_pred: Any) -> str | None:
         return "None" if y_pred is None else f"an empty {kind} (no arrays)"
     count = len(y_pred) if isinstance(y_pred, (tuple, list, Mapping)) else len(leaves)
     shapes = ", ".join(
-        f"output{jax.tree_util.keystr(path)} of shape {tuple(np.shape(leaf))}"
+        f"{label}{jax.tree_util.keystr(path)} of shape {tuple(np.shape(leaf))}"
         for path, leaf in leaves
     )
-    return f"a {kind} of {count} output{'s' if count != 1 else ''} ({shapes})"
+    return f"a {kind} of {count} {noun}{'s' if count != 1 else ''} ({shapes})"
 
 
-def _first_output(y_pred: Any) -> str:
+def _first_output(y_pred: Any, name: str = "y_pred", usual: str = "logits") -> str:
     """How to pick the first of several outputs: `y_pred[0]` or `y_pred['key']`."""
     if isinstance(y_pred, Mapping) and y_pred:
-        return f"y_pred[{'logits' if 'logits' in y_pred else next(iter(y_pred))!r}]"
-    return "y_pred[0]"
+        return f"{name}[{usual if usual in y_pred else next(iter(y_pred))!r}]"
+    return f"{name}[0]"
 
 
 def require_one_prediction(y_pred: Any, kind: str, name: str) -> None:
@@ -77,4 +78,32 @@ def require_one_prediction(y_pred: Any, kind: str, name: str) -> None:
     raise ValueError(
         f"{kind} {name!r} takes one array of predictions, but the model returns {outputs}. "
         f"{fix}, or make the model return one array"
+    )
+
+
+def require_arrays(y_true: Any, y_pred: Any, kind: str, name: str) -> None:
+    """`require_one_prediction`, and a ValueError where the targets `y_true` are not one
+    array either (a dict of labels and weights, which only the user's function can read).
+
+    Example:
+        >>> import numpy as np
+        >>> require_arrays({"y": np.zeros(4), "w": np.ones(4)}, np.zeros((4, 3)), "metric",
+        ...                "accuracy")
+        Traceback (most recent call last):
+        ...
+        ValueError: metric 'accuracy' takes y as one array of targets, but the data's y is ...
+    """
+    require_one_prediction(y_pred, kind, name)
+    targets = describe_outputs(y_true, label="y")
+    if targets is None:
+        return
+    pick = _first_output(y_true, "y_true", "y")
+    if kind == "metric":
+        fix = f"Pass a metric function, e.g. .metric(lambda y_true, y_pred: ..., name={name!r})"
+    else:
+        fix = "Pass a custom loss, loss(y_true, y_pred)"
+    raise ValueError(
+        f"{kind} {name!r} takes y as one array of targets, but the data's y is {targets}. "
+        f"{fix}, that reads the targets from it (e.g. {pick}, weighing by any weights it "
+        f"holds), or make y one array"
     )
