@@ -360,3 +360,24 @@ def test_a_sources_labels_are_read_only_so_its_verdict_cannot_go_stale():
     _, yb = next(iter(source))
     yb[0] = y[0] + 5  # a batch is the caller's own, writable copy
     assert next(iter(source))[1][0] == y[0]
+
+
+@pytest.mark.parametrize("fuse", [True, "run"])
+def test_a_loop_reused_over_many_device_sources_keeps_none_of_them_alive(fuse):
+    import gc
+    import weakref
+
+    x = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    loop = fl.trainer(fl.models.mlp([4, 2]), "sparse_categorical_cross_entropy", "sgd")
+    gone = []
+    gc.disable()  # a cycle would keep a source alive until the next collection
+    try:
+        for seed in range(3):  # a seed sweep: each seed's order program stays cached
+            source = fl.data.arrays(x, y, batch_size=16, seed=seed, device=True)
+            loop.run(source, epochs=2, fuse=fuse)
+            gone.append(weakref.ref(source))
+            del source
+        assert [ref() for ref in gone] == [None, None, None]
+    finally:
+        gc.enable()

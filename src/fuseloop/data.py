@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._batch_checks import is_number_list
+from ._epoch_order import EpochOrder
 from ._shards import local_indices, place_rows
 
 __all__ = ["arrays", "ArraySource"]
@@ -180,11 +181,22 @@ class ArraySource:
         """
         return np.asarray(jax.random.PRNGKey(self.seed))
 
+    @property
+    def order_spec(self) -> EpochOrder:
+        """What the epoch orders depend on, with no arrays.
+
+        Compiled order programs close over it rather than over the source, so they keep no
+        dataset alive.
+
+        Example:
+            >>> import numpy as np
+            >>> arrays(np.zeros(4), np.zeros(4), batch_size=2, seed=7).order_spec.seed
+            7
+        """
+        return EpochOrder(self.seed, self.n, self.batch_size, self.shuffle, self.drop_remainder)
+
     def _permutation(self, key: Any, epoch: Any) -> jax.Array:
-        if not self.shuffle:
-            return jnp.arange(self.n, dtype=jnp.int32)
-        order = jax.random.permutation(jax.random.fold_in(key, epoch), self.n)
-        return order.astype(jnp.int32)
+        return self.order_spec.permutation(key, epoch)
 
     def epoch_indices(self, key_data_or_seed: Any, epoch: Any) -> jax.Array:
         """`int32[num_batches, batch_size]`: the example indices of each batch of `epoch`.
@@ -212,9 +224,7 @@ class ArraySource:
         else:
             given = jnp.asarray(given)
             key = given.astype(jnp.uint32) if given.shape == (2,) else jax.random.PRNGKey(given)
-        order = self._permutation(key, jnp.asarray(epoch, jnp.int32))
-        whole = (self.n // self.batch_size) * self.batch_size
-        return order[:whole].reshape(self.n // self.batch_size, self.batch_size)
+        return self.order_spec.whole_batches(key, epoch)
 
     def order(self, epoch: int) -> np.ndarray:
         """The host copy of epoch `epoch`'s permutation of the `n` examples.

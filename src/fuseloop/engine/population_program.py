@@ -24,12 +24,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .._epoch_order import EpochOrder
 from .._fusion import make_chunk_fn
 from .._step import make_carry_step
 from .device_monitors import DeviceWork, Validation, epoch_end_fn, validation_loop
 from .packing import pack_leaves
 from .population import member_carry_step, member_chunk, population_tail
-from .programs import MIN_SLOTS, _epoch_order, _source_key
+from .programs import MIN_SLOTS, _source_key
 from .whole_program import host_outputs, put_at, slot_rows
 
 __all__ = ["population_whole_key", "population_whole_program"]
@@ -76,7 +77,7 @@ def _build(
 ) -> Callable[..., Any]:
     slots = max(limit, MIN_SLOTS)
     epoch_end = _MemberEpochEnd(work, segments, size)
-    boundary = _boundary(programs.loop.metrics, programs.guard, source, size)
+    boundary = _boundary(programs.loop.metrics, programs.guard, _source_key(source), size)
 
     def program(
         state: Any,
@@ -107,12 +108,12 @@ def _build(
     return program
 
 
-def _boundary(metrics: Any, guard: bool, source: Any, size: int) -> Callable[..., Any]:
+def _boundary(metrics: Any, guard: bool, plan: EpochOrder, size: int) -> Callable[..., Any]:
     def boundary(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
         """The epoch's end inside the dispatch: fresh accumulators (stopped members stay
         stopped), the next order."""
         fresh = {**population_tail(metrics, guard, size), "active": tail["active"]}
-        return fresh, _epoch_order(source, epoch), epoch + 1, jnp.zeros((), jnp.int32)
+        return fresh, plan.batches(epoch), epoch + 1, jnp.zeros((), jnp.int32)
 
     return boundary
 

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .._epoch_order import EpochOrder
 from .._fusion import make_chunk_fn
 from .._placement import default_device_key
 from .._shards import take_rows
@@ -221,11 +222,11 @@ class Programs:
 
     def epoch_order(self, source: Any) -> Any:
         """`epoch -> (order, epoch + 1, cursor 0)` for a resident source, on the device."""
-        key = _source_key(source)
+        key = spec = _source_key(source)
         if key not in self.cache.epoch_order:
 
             def next_epoch(epoch: Any) -> tuple[Any, Any, Any]:
-                return (_epoch_order(source, epoch), epoch + 1, jnp.zeros((), jnp.int32))
+                return (spec.batches(epoch), epoch + 1, jnp.zeros((), jnp.int32))
 
             self.cache.epoch_order[key] = jax.jit(next_epoch)
         return self.cache.epoch_order[key]
@@ -312,23 +313,11 @@ def kept_order(source: Any, epoch: int, compute: Callable[[], Any]) -> Any:
     return kept[key]
 
 
-def _source_key(source: Any) -> tuple[Any, ...]:
-    """What a resident source's order programs depend on."""
-    return (source.seed, source.n, source.batch_size, source.shuffle, source.drop_remainder)
-
-
-def _epoch_order(source: Any, epoch: Any) -> Any:
-    """The epoch's example order as `int32[batches, batch_size]`, the short last batch (if
-    kept) as a row padded with its own first index; pure jax, so it runs on the device.
-    """
-    whole = source.epoch_indices(source.seed, epoch)
-    remainder = source.n - whole.size
-    if source.drop_remainder or remainder == 0:
-        return whole
-    # The host path serves the permutation's tail as the last batch, in order.
-    tail = source._permutation(jax.random.PRNGKey(source.seed), epoch)[whole.size :]
-    padded = jnp.concatenate([tail, jnp.full(source.batch_size - remainder, tail[0])])
-    return jnp.concatenate([whole, padded[None]], axis=0)
+def _source_key(source: Any) -> EpochOrder:
+    """What a resident source's order programs depend on (no arrays: a program closing
+    over it keeps no dataset alive)."""
+    spec: EpochOrder = source.order_spec
+    return spec
 
 
 def _resident_program(

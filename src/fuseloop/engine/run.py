@@ -124,6 +124,7 @@ class Run:
                 self.epoch_loop.close()
             self.source.close()
             self.bus.close()
+            self.whole = None  # it holds this Run: no cycle keeps the data alive until a GC
         return self._final(state)
 
     def _start(self) -> Any:
@@ -192,8 +193,7 @@ class Run:
         self.first_iterator = self.source.epoch_iterator(self.start_epoch)
         if self.resident:
             self.dataset = place_dataset(self.source.data, self.placement, self.stats)
-            # One shared device scalar per starting epoch (feeds.epoch_counter): no
-            # transfer of its own per run.
+            # One shared device scalar per starting epoch (feeds.epoch_counter): no transfer
             self.device_epoch = epoch_counter(self.start_epoch)
             first = [
                 first_resident_batch(

@@ -23,10 +23,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .._epoch_order import EpochOrder
 from .._step import init_tail
 from .device_monitors import epoch_end_fn
 from .packing import pack_leaves
-from .programs import MIN_SLOTS, _epoch_order, _source_key
+from .programs import MIN_SLOTS, _source_key
 
 __all__ = [
     "compiled_segments",
@@ -122,7 +123,7 @@ def _build(
 ) -> Callable[..., Any]:
     slots, guard = max(limit, MIN_SLOTS), programs.guard
     start_work, end_work = epoch_end_fn(work, segments)
-    boundary = _boundary(programs.loop.metrics, guard, source)
+    boundary = _boundary(programs.loop.metrics, guard, _source_key(source))
 
     def program(
         state: Any,
@@ -221,11 +222,11 @@ def slot_rows(slots: int) -> Callable[..., Any]:
     return rows
 
 
-def _boundary(metrics: Any, guard: bool, source: Any) -> Callable[..., tuple[Any, ...]]:
+def _boundary(metrics: Any, guard: bool, plan: EpochOrder) -> Callable[..., tuple[Any, ...]]:
     def boundary(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
         """The epoch's end inside the dispatch: fresh accumulators, the next order."""
         fresh = init_tail(metrics, guard)
-        next_order = _epoch_order(source, epoch)
+        next_order = plan.batches(epoch)
         return fresh, next_order, epoch + 1, jnp.zeros((), jnp.int32)
 
     return boundary

@@ -1,0 +1,61 @@
+"""What an `fl.data.arrays` source's epoch orders depend on, apart from its arrays.
+
+Compiled programs that compute an epoch's order on the device close over an `EpochOrder`,
+never over the source: a Loop's program cache then keeps no dataset alive after its runs
+(docs/design.md §4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["EpochOrder"]
+
+
+@dataclass(frozen=True)
+class EpochOrder:
+    """A source's order parameters: the same permutation on the host and on the device.
+
+    Example:
+        >>> import numpy as np
+        >>> plan = EpochOrder(seed=0, n=5, batch_size=2, shuffle=False, drop_remainder=False)
+        >>> np.asarray(plan.batches(0)).tolist()  # the short last batch padded with its own
+        [[0, 1], [2, 3], [4, 4]]
+    """
+
+    seed: int
+    n: int
+    batch_size: int
+    shuffle: bool
+    drop_remainder: bool
+
+    def permutation(self, key: Any, epoch: Any) -> jax.Array:
+        """`int32[n]`: the order of every example in `epoch` (`key`: a raw PRNG key)."""
+        if not self.shuffle:
+            return jnp.arange(self.n, dtype=jnp.int32)
+        order = jax.random.permutation(jax.random.fold_in(key, epoch), self.n)
+        return order.astype(jnp.int32)
+
+    def whole_batches(self, key: Any, epoch: Any) -> jax.Array:
+        """`int32[n // batch_size, batch_size]`: the examples of each whole batch."""
+        order = self.permutation(key, jnp.asarray(epoch, jnp.int32))
+        count = self.n // self.batch_size
+        return order[: count * self.batch_size].reshape(count, self.batch_size)
+
+    def batches(self, epoch: Any) -> jax.Array:
+        """The epoch's order as `int32[batches, batch_size]`, the short last batch (if kept)
+        as a row padded with its own first index; pure jax, so it runs on the device.
+        """
+        key = jax.random.PRNGKey(self.seed)
+        whole = self.whole_batches(key, epoch)
+        remainder = self.n - whole.size
+        if self.drop_remainder or remainder == 0:
+            return whole
+        # The host path serves the permutation's tail as the last batch, in order.
+        tail = self.permutation(key, epoch)[whole.size :]
+        padded = jnp.concatenate([tail, jnp.full(self.batch_size - remainder, tail[0])])
+        return jnp.concatenate([whole, padded[None]], axis=0)
