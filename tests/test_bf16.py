@@ -117,3 +117,25 @@ def test_soft_targets_of_bf16_logits_are_taken_as_optax_takes_them():
     assert state.metrics["loss"] == pytest.approx(float(loss), rel=1e-6)
     for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_population_hyperparameters_reach_float64_slots_unrounded():
+    """Under jax_enable_x64 a population's learning rates are set at the slot's float64, as
+    a solo run's optimizer holds them (they went through float32 first: 0.01 became
+    0.0099999997764825820923)."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(32, 4))
+        y = x @ np.array([[1.0], [-2.0], [0.5], [3.0]])
+        model = nn.Dense(1, param_dtype=jnp.float64)
+        data = fl.data.arrays(x, y, batch_size=8, shuffle=False)
+        start = model.init(jax.random.PRNGKey(0), x[:1])
+        loop = fl.trainer(model, "mean_squared_error", "sgd")
+        pop = loop.run(data, start, epochs=2, population={"learning_rate": [0.01, 0.01]})
+        solo = loop.run(data, start, epochs=2)
+        slot = pop.step_state["opt_state"].hyperparams["learning_rate"]
+        assert slot.dtype == jnp.float64 and np.asarray(slot).tolist() == [0.01, 0.01]
+        for a, b in zip(
+            jax.tree.leaves(pop.member(0).params), jax.tree.leaves(solo.params), strict=True
+        ):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-14)

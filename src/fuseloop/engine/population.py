@@ -177,7 +177,10 @@ def population_init(programs: Any, population: Population, first: Any, variables
 
         cache[key] = jax.jit(programs.counted(init))
     seeds = np.asarray(population.seeds, np.int32)
-    hyper = {name: np.asarray(values, np.float32) for name, values in population.hyperparams}
+    # At full float width (float64 under x64): each member's slot rounds its value once,
+    # to the slot's own dtype, as a solo run's optimizer does.
+    wide = jax.dtypes.canonicalize_dtype(np.float64)
+    hyper = {name: np.asarray(values, wide) for name, values in population.hyperparams}
     if variables is not None and not all(
         isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(variables)
     ):
