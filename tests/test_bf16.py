@@ -73,6 +73,16 @@ def test_a_custom_step_that_changes_a_shape_is_a_value_error(fuse):
         )
 
 
+def _float64_regression() -> tuple[nn.Dense, fl.data.ArraySource, dict]:
+    """A float64 linear regression (under jax_enable_x64): model, data, initial variables."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4))
+    y = x @ np.array([[1.0], [-2.0], [0.5], [3.0]])
+    model = nn.Dense(1, param_dtype=jnp.float64)
+    data = fl.data.arrays(x, y, batch_size=8, shuffle=False)
+    return model, data, model.init(jax.random.PRNGKey(0), x[:1])
+
+
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
 def test_named_optimizers_keep_float64_params_in_float64(name):
     """Under jax_enable_x64 the named optimizers train float64 params in float64, state and
@@ -81,12 +91,7 @@ def test_named_optimizers_keep_float64_params_in_float64(name):
     factory = {"sgd": optax.sgd, "adam": optax.adam, "adamw": optax.adamw}[name]
     rate = {"sgd": 0.01, "adam": 1e-3, "adamw": 1e-3}[name]
     with jax.enable_x64(True):
-        rng = np.random.default_rng(0)
-        x = rng.normal(size=(32, 4))
-        y = x @ np.array([[1.0], [-2.0], [0.5], [3.0]])
-        model = nn.Dense(1, param_dtype=jnp.float64)
-        data = fl.data.arrays(x, y, batch_size=8, shuffle=False)
-        start = model.init(jax.random.PRNGKey(0), x[:1])
+        model, data, start = _float64_regression()
         named = fl.trainer(model, "mean_squared_error", name).run(data, start, epochs=3)
         hand = fl.trainer(model, "mean_squared_error", factory(rate)).run(data, start, epochs=3)
         floats = [
@@ -124,12 +129,7 @@ def test_population_hyperparameters_reach_float64_slots_unrounded():
     a solo run's optimizer holds them (they went through float32 first: 0.01 became
     0.0099999997764825820923)."""
     with jax.enable_x64(True):
-        rng = np.random.default_rng(0)
-        x = rng.normal(size=(32, 4))
-        y = x @ np.array([[1.0], [-2.0], [0.5], [3.0]])
-        model = nn.Dense(1, param_dtype=jnp.float64)
-        data = fl.data.arrays(x, y, batch_size=8, shuffle=False)
-        start = model.init(jax.random.PRNGKey(0), x[:1])
+        model, data, start = _float64_regression()
         loop = fl.trainer(model, "mean_squared_error", "sgd")
         pop = loop.run(data, start, epochs=2, population={"learning_rate": [0.01, 0.01]})
         solo = loop.run(data, start, epochs=2)
