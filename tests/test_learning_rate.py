@@ -3,6 +3,7 @@ exposes it; reduce_lr_on_plateau refuses a schedule at attach time."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -66,3 +67,24 @@ def test_plateau_reduction_shows_in_the_next_epoch():
 def test_plateau_on_a_schedule_is_refused_at_attach_time(optimizer):
     with pytest.raises(ValueError, match="schedule"):
         fl.trainer(fl.models.mlp([4, 3]), SPARSE, optimizer).reduce_lr_on_plateau("loss")
+
+
+def test_several_injected_rates_are_not_reported_as_one():
+    rates = {"slow": 1e-4, "fast": 1e-2}
+    tx = optax.multi_transform(
+        {k: optax.inject_hyperparams(optax.adam)(learning_rate=v) for k, v in rates.items()},
+        lambda params: jax.tree.map(lambda leaf: "slow" if leaf.ndim == 1 else "fast", params),
+    )
+    assert "learning_rate" not in trainer(tx).run(DATA).metrics
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_optax_reduce_on_plateau_scales_the_reported_rate(fuse):
+    """optax's own plateau transform multiplies the step by its scale: the reported rate is
+    the one the step applies, as Keras reports a rate its ReduceLROnPlateau lowered."""
+    plateau = optax.contrib.reduce_on_plateau(patience=0, factor=0.5, accumulation_size=1)
+    tx = optax.chain(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), plateau)
+    state = trainer(tx).run(DATA, epochs=2, fuse=fuse)
+    scale = float(state.step_state["opt_state"][1].scale)
+    assert scale < 1.0  # it did reduce
+    assert state.metrics["learning_rate"] == pytest.approx(0.1 * scale, rel=1e-6)

@@ -264,7 +264,7 @@ def learning_rate_of(tx: Any, opt_state: Any) -> Any | None:
     the optimizer does not expose it (jit-able)."""
     rates = find_learning_rates(opt_state)
     if rates:
-        return jnp.asarray(rates[0], jnp.float32)
+        return jnp.asarray(rates[0], jnp.float32) * _plateau_scale(opt_state)
     found = [s for s in _schedules(getattr(tx, "update", None), opt_state) if s.rate]
     if not found:
         return None
@@ -273,7 +273,23 @@ def learning_rate_of(tx: Any, opt_state: Any) -> Any | None:
         node = node[i]
     # scale_by_schedule counts updates; the last one used the count before it advanced.
     # optax folds the descent sign into the scale, so the rate is its magnitude.
-    return jnp.abs(jnp.asarray(found[0].schedule(node.count - 1), jnp.float32))
+    rate = jnp.abs(jnp.asarray(found[0].schedule(node.count - 1), jnp.float32))
+    return rate * _plateau_scale(opt_state)
+
+
+def _plateau_scale(opt_state: Any) -> Any:
+    """The product of the scales of `optax.contrib.reduce_on_plateau` in `opt_state`: it
+    multiplies every update, so the rate the step applies is the rate times it (as Keras
+    reports the rate its ReduceLROnPlateau lowered)."""
+    scale = jnp.ones((), jnp.float32)
+    for node in jax.tree.leaves(opt_state, is_leaf=_is_plateau_state):
+        if _is_plateau_state(node):
+            scale = scale * jnp.asarray(node.scale, jnp.float32)
+    return scale
+
+
+def _is_plateau_state(node: Any) -> bool:
+    return {"scale", "plateau_count"} <= set(getattr(node, "_fields", ()))
 
 
 def exposes_learning_rate(tx: Any) -> bool:
@@ -284,6 +300,8 @@ def exposes_learning_rate(tx: Any) -> bool:
         return False  # a structure-dependent optimizer: not exposed
     if any(not s.rate for s in _schedules(getattr(tx, "update", None), state)):
         return False  # a scale of its own multiplies the rate: no one number is it
+    if len(find_learning_rates(state)) > 1:
+        return False  # several rates (optax.multi_transform): no one number is it
     try:
         return jax.eval_shape(lambda s: learning_rate_of(tx, s), state) is not None
     except Exception:  # noqa: BLE001 - a state learning_rate_of cannot read: not exposed
