@@ -193,6 +193,18 @@ def test_negative_label_in_a_later_batch_names_epoch_and_iteration(loop, fuse):
         loop.run(data, fuse=fuse)
 
 
+def test_a_negative_label_already_on_the_device_turns_the_loss_nan_not_a_class():
+    """An unfused run does not read device labels back; a label of -1 (or -100, the
+    padding of a Hugging Face collator) must not wrap to the last class and train."""
+    data = make_batches(3)
+    on_device = [(jnp.asarray(x), jnp.asarray(y)) for x, y in data]
+    on_device[1] = (on_device[1][0], on_device[1][1].at[1].set(-1))
+    state = sparse_trainer().run(on_device, fuse=False)
+    assert np.isnan(state.history[0]["loss"])
+    validated = sparse_trainer().validate(tiny_mlp(), on_device).run(data, fuse=False)
+    assert np.isnan(validated.history[0]["validation_loss"])
+
+
 @pytest.mark.parametrize("device", [False, True])
 def test_a_negative_int8_label_of_a_model_of_many_classes_is_refused(device):
     # int8 -1 read as unsigned is 255, which is a class of a 300-class model.

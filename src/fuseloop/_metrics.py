@@ -45,7 +45,11 @@ def _sparse_labels(y_true: Array, y_pred: Array) -> Array:
 
 
 def _sparse_cce_each(y_true: Array, y_pred: Array) -> Array:
-    return optax.softmax_cross_entropy_with_integer_labels(y_pred, _sparse_labels(y_true, y_pred))
+    labels = _sparse_labels(y_true, y_pred)
+    each = optax.softmax_cross_entropy_with_integer_labels(y_pred, labels)
+    # A label past the last class reads NaN; a negative one would count from the end (a
+    # real class) and train: NaN too, for labels no host check read (already on device).
+    return jnp.where(labels < 0, jnp.nan, each)
 
 
 def _targets(y_true: Array, y_pred: Array) -> Array:
