@@ -268,3 +268,19 @@ def test_a_module_handed_over_with_its_state_is_named_shortly_with_the_fix():
     with pytest.raises(ValueError, match=r"model=\(MLP, dict\) is not a model") as linen_pair:
         fl.trainer((module, {"params": {}}), SPARSE, optax.sgd(0.1))
     assert "looks like" not in str(linen_pair.value)
+
+
+def test_an_x_of_another_dtype_than_the_weights_is_told_to_cast_not_reshape():
+    def init(rng, x):
+        return {"w": jax.random.normal(rng, (3, x.shape[1], 3, 3))}
+
+    def apply(params, x):  # a plain convolution: lax wants one dtype
+        y = jax.lax.conv_general_dilated(x, params["w"], (1, 1), "SAME")
+        return y.mean((2, 3))
+
+    x = np.zeros((4, 2, 8, 8), jnp.bfloat16)
+    loop = fl.trainer(
+        fl.models.from_functions(init, apply), "sparse_categorical_cross_entropy", "sgd"
+    )
+    with pytest.raises(ValueError, match=r"same dtypes.*Give x the dtype the model computes in"):
+        loop.run([(x, np.zeros(4, np.int32))])

@@ -47,6 +47,7 @@ def _named_shapes(tree: Any, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
 
 # "__call__() missing 1 required positional argument: 'b'": inputs taken separately.
 _SEPARATE_INPUTS = re.compile(r"missing \d+ required positional argument")
+_DTYPES = re.compile(r"same dtypes?, got|dtype mismatch|incompatible dtypes", re.IGNORECASE)
 
 
 def _fix_for_x(x: Any, error: BaseException, model: Any) -> str:
@@ -64,6 +65,11 @@ def _fix_for_x(x: Any, error: BaseException, model: Any) -> str:
             "An equinox module is applied to one example at a time (vmapped over the batch "
             "axis): give x the shape one example has after the batch axis, or, for a module "
             "written for a whole batch, pass fl.models.from_equinox(module, batched=True)"
+        )
+    if _DTYPES.search(str(error)):
+        return (
+            "Give x the dtype the model computes in (cast the data, e.g. x.astype(np.float32), "
+            "or build the model with that dtype)"
         )
     return "Give x the shape the model expects (the batch axis first)"
 
