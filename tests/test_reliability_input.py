@@ -471,3 +471,18 @@ def test_warnings_point_at_the_callers_line_so_each_calling_line_sees_them(loop,
         loop.validate(tiny_mlp(), fl.data.arrays(*data[0], batch_size=3))
     assert len(caught) == 5, [str(w.message) for w in caught]
     assert {w.filename for w in caught} == {__file__}, [(w.filename, w.lineno) for w in caught]
+
+
+@pytest.mark.parametrize("fuse", [False, 2])
+def test_sequences_padded_to_each_batchs_longest_are_told_to_pad_to_one_length(fuse):
+    def model_init(rng, x):
+        return {"embed": jax.random.normal(rng, (8, 3))}
+
+    def apply(params, x):  # (B, T) tokens -> (B, 3) logits, any T
+        return params["embed"][x].mean(axis=1)
+
+    # A dynamic-padding collator: every batch padded to its own longest sequence.
+    data = [(np.zeros((4, t), np.int32), np.zeros(4, np.int32)) for t in (5, 7, 5)]
+    loop = fl.trainer(fl.models.from_functions(model_init, apply), SPARSE, "sgd")
+    with pytest.raises(ValueError, match=r"shape \(4, 7\).*pad sequences to one length"):
+        loop.run(data, fuse=fuse)

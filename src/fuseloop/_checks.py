@@ -269,16 +269,16 @@ class Checker:
             )
         else:
             fix = (
-                "every batch must have the shapes and dtypes of the run's first batch, fused "
-                "or not (only the batch axis of a ragged last batch may differ); make the "
-                "batches uniform (reshape or cast them)"
+                "every batch must have the shapes and dtypes of the run's first batch, fused or "
+                "not (only the batch axis of a ragged last batch may differ); make the batches "
+                "uniform: pad sequences to one length (padding='max_length', masked in the "
+                "loss), or reshape or cast them"
             )
         return (
             f"{where}: leaf {name} has shape {actual[0]} dtype {actual[1]}, expected "
             f"shape {expected[0]} dtype {expected[1]} like the run's first batch; {fix}"
         )
 
-    # ----------------------------------------------------------------- helpers
     def _leaf_name(self, path: tuple[Any, ...]) -> str:
         if (
             self.pairs
