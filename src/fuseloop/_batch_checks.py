@@ -100,7 +100,8 @@ def check_label_range(labels: np.ndarray, classes: int, loss: str, where: str) -
     low, high = labels.min(), labels.max()
     fix = (
         "Fix the labels (a negative one, such as -1 for 'unknown', has no class to "
-        "train towards: drop or remap those examples)"
+        "train towards: drop or remap those examples; padding tokens such as -100 need a "
+        "loss of your own that masks them, e.g. y as (labels, mask))"
         if low < 0
         else f"Fix the labels, or give the model's last layer at least {int(high) + 1} units"
     )
