@@ -4,6 +4,9 @@ re-initialise them."""
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import jax
 import numpy as np
 import optax
@@ -127,3 +130,35 @@ def test_an_nnx_module_changed_after_predict_or_evaluator_took_it_is_predicted_a
     module.temperature = 2.0
     with pytest.raises(ValueError, match=r"^the nnx module changed structure.*temperature"):
         loop.run([(x, y)], variables)
+
+
+class _Adapted(nnx.Module):
+    """A frozen-base LoRA layer, as nnx's LoRA tutorial builds one."""
+
+    def __init__(self) -> None:
+        rngs = nnx.Rngs(0)
+        self.base = nnx.Linear(4, 3, rngs=rngs)
+        self.lora = nnx.LoRA(4, 2, 3, rngs=rngs)
+
+    def __call__(self, x: Any) -> Any:
+        return self.base(x) + self.lora(x)
+
+
+def test_an_nnx_lora_model_warns_that_every_param_trains_unless_the_optimizer_freezes():
+    with pytest.warns(UserWarning, match=r"LoRAParam variables: fuseloop trains every nnx.Param"):
+        fl.trainer(_Adapted(), "sparse_categorical_cross_entropy", optax.sgd(0.1))
+    # The fix it names: the base frozen by the optimizer; then nothing to warn about.
+    params = fl.models.from_nnx(_Adapted()).init(None, None)["params"]
+    labels = {
+        k: jax.tree.map(lambda _, k=k: "train" if k == "lora" else "frozen", v)
+        for k, v in params.items()
+    }
+    frozen = optax.multi_transform({"train": optax.sgd(0.1), "frozen": optax.set_to_zero()}, labels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loop = fl.trainer(_Adapted(), "sparse_categorical_cross_entropy", frozen)
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    state = loop.run([(x, np.zeros(8, np.int32))])
+    np.testing.assert_array_equal(
+        state.params["params"]["base"]["kernel"], params["base"]["kernel"]
+    )

@@ -335,6 +335,8 @@ def trainer(
     """
     check_trainer_options(log, seed, log_stream)
     program = trainer_program(model, loss, optimizer, seed)
+    if hasattr(program.model, "warn_param_kinds"):  # an nnx module's LoRA params
+        program.model.warn_param_kinds(program.optimizer)
     built = Loop(program, metrics=default_metrics(program))
     if log:
         from .handlers.log import attach_trainer_log

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 
 from ._linen import TRAIN_FLAGS, call_flags, flag_values
+from ._warn import warn
 
 __all__ = ["from_nnx", "set_nnx_mode"]
 
@@ -74,6 +75,28 @@ class from_nnx:  # noqa: N801
         pure = {"params": self._nnx.to_pure_dict(params), "state": self._nnx.to_pure_dict(rest)}
         self._read = (values, pure)
         return pure
+
+    def warn_param_kinds(self, tx: Any) -> None:
+        """Warns where the module holds variables of a kind of `nnx.Param` (`nnx.LoRAParam`,
+        a user's own) and the optimizer `tx` freezes none of its params: a trainer trains
+        every Param, as `nnx.Optimizer(wrt=nnx.Param)` does, so the weights a LoRA adapts
+        would train too."""
+        kinds = sorted(
+            {
+                type(v).__name__
+                for _, v in self._nnx.iter_graph(self.module)
+                if isinstance(v, self._nnx.Param) and type(v) is not self._nnx.Param
+            }
+        )
+        if kinds and not _freezes_some(tx, self.current_variables()["params"]):
+            warn(
+                f"the nnx module holds {', '.join(kinds)} variables: fuseloop trains every "
+                f"nnx.Param, these and plain Params alike (nnx.Optimizer's wrt= has no "
+                f"counterpart). To train only some, freeze the others in the optimizer: "
+                f"optax.multi_transform({{'train': tx, 'frozen': optax.set_to_zero()}}, "
+                f"labels) with labels shaped like variables['params']",
+                UserWarning,
+            )
 
     def check_structure(self) -> None:
         """Raises a ValueError if the module's structure changed since this adapter took it
@@ -270,3 +293,14 @@ def set_nnx_mode(module: Any, train: bool) -> None:
         for name, train_value in TRAIN_FLAGS.items():
             if isinstance(getattr(sub, name, None), bool):
                 setattr(sub, name, train_value if train else not train_value)
+
+
+def _freezes_some(tx: Any, params: Any) -> bool:
+    """Whether `tx` leaves some param unchanged by a first update of all-ones gradients
+    (`optax.multi_transform` with `optax.set_to_zero()` for a frozen part)."""
+    try:
+        grads = jax.tree.map(jax.numpy.ones_like, params)
+        updates, _ = tx.update(grads, tx.init(params), params)
+    except Exception:  # noqa: BLE001 - an update that needs more (value=...): cannot tell
+        return False
+    return any(not bool(jax.numpy.any(leaf != 0)) for leaf in jax.tree.leaves(updates))
