@@ -217,3 +217,24 @@ def test_plot_numbers_epochs_from_1():
 
     panels = _series({0: {"loss": 1.0, "validation_loss": 2.0}, 1: {"loss": 0.5}})
     assert panels == {"loss": {"training": [(1, 1.0), (2, 0.5)], "validation": [(1, 2.0)]}}
+
+
+@pytest.mark.parametrize("fuse", [False, 3])
+def test_the_epoch_an_earlier_handler_halts_at_is_still_written(tmp_path, fuse):
+    """early_stop attached before the writers (as handlers.md attaches it) halts at the end
+    of epoch 1; the writers, which that event's later handlers are, still get its row, as
+    Keras's CSVLogger writes the epoch its EarlyStopping ends. A filter still applies."""
+    halting = TRAINER.handle_event(
+        "epoch_completed", lambda s: "halt_loop" if s.epoch == 1 else None
+    )
+    loop = _with_writers(halting, tmp_path).csv_log(tmp_path / "odd.csv", filter={"every": 2})
+    state = loop.run(DATA, epochs=4, fuse=fuse)
+    assert sorted(state.history) == [0, 1]
+    with open(tmp_path / "epochs.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["epoch"] for row in rows] == ["0", "1"]
+    assert float(rows[1]["loss"]) == state.history[1]["loss"]
+    epoch_steps = sorted({step for tag, step, _ in _scalars(tmp_path / "tb") if "epoch/" in tag})
+    assert epoch_steps == [0, 1]
+    with open(tmp_path / "odd.csv", newline="") as handle:  # every=2: epoch 0 only
+        assert [row["epoch"] for row in csv.DictReader(handle)] == ["0"]

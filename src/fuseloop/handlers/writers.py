@@ -10,13 +10,14 @@ from __future__ import annotations
 import csv
 import itertools
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, Self, TypeVar
 
 import numpy as np
 
 from .._distributed import main_process_only
-from .._events import ITERATION_EVENTS, Event, closes_on_error, normalize_event
+from .._events import ITERATION_EVENTS, Event, Filter, closes_on_error, make_filter, normalize_event
 from .._state import State
 
 
@@ -92,6 +93,7 @@ class CSVWriter:
             raise ValueError(f"path={path!r} must be a file path")
         self.path, self.event = Path(path), normalize_event(event)
         self.columns: list[str] = []
+        self.written: int | None = None  # the epoch of the last row (`catch_up_on_halt`)
 
     def start(self, state: State) -> None:
         """Opens the file at run start: a fresh one, or the resumed run's rows kept."""
@@ -126,6 +128,7 @@ class CSVWriter:
         }
         # repr is the shortest text that reads back as the same float.
         row.update({k: repr(v) for k, v in scalar_metrics(state.metrics).items()})
+        self.written = state.epoch
         new = [name for name in row if name not in self.columns]
         if new:
             rows = self._read() if self.columns else []
@@ -170,6 +173,7 @@ class TensorBoardWriter:
         self.prefix = prefix
         self._summary_writer()  # a missing tensorboardX is reported at attach time
         self.writer: Any = None
+        self.written: int | None = None  # the epoch last written (`catch_up_on_halt`)
 
     @staticmethod
     def _summary_writer() -> Any:
@@ -194,6 +198,7 @@ class TensorBoardWriter:
         step = _step(state, self.event)
         for name, value in scalar_metrics(state.metrics).items():
             self.writer.add_scalar(self.prefix + name, value, global_step=step)
+        self.written = state.epoch
 
     def close(self, state: State) -> None:
         """Closes the event file (at run end); a later event opens a new one."""
@@ -221,4 +226,31 @@ def attach_writer(
     loop = loop.handle_event("started", start, name=f"{name}:start")
     loop = loop.handle_event(event, main_process_only(writer), filter, name=name)
     loop = loop.handle_event("completed", close, name=f"{name}:close")
+    if writer.event == Event.EPOCH_COMPLETED:
+        catch_up = main_process_only(catch_up_on_halt(writer, make_filter(filter)))
+        loop = loop.handle_event("halted", catch_up, name=f"{name}:halted")
     return loop.handle_event("halted", close, name=f"{name}:close")
+
+
+def catch_up_on_halt(writer: Any, spec: Filter) -> Callable[[State], None]:
+    """A "halted" handler writing the epoch whose end halted the run.
+
+    Where a handler attached before the writer halted at an epoch's end, the rest of that
+    event's handlers do not run; the epoch is in the history, so its row belongs in the
+    file, as Keras's CSVLogger writes the epoch its EarlyStopping ends. Only where the
+    writer's filter passes for that epoch.
+    """
+
+    def write_missed(state: State) -> None:
+        last = max(state.history, default=None)
+        if last is None or last != state.epoch or writer.written == last:
+            return  # nothing complete, halted inside a later epoch, or written already
+        count = state.event_counts.get(Event.EPOCH_COMPLETED.value)
+        ended = state.replace(metrics=dict(state.history[last]))
+        if not isinstance(count, int) or not spec.by_count(count):
+            return
+        if spec.predicate is not None and not spec.predicate(ended):
+            return
+        writer(ended)
+
+    return write_missed
