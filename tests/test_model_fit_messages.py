@@ -8,6 +8,7 @@ asking for randomness fuseloop does not supply is told so, with the fix.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import flax.linen as nn
@@ -284,3 +285,36 @@ def test_an_x_of_another_dtype_than_the_weights_is_told_to_cast_not_reshape():
     )
     with pytest.raises(ValueError, match=r"same dtypes.*Give x the dtype the model computes in"):
         loop.run([(x, np.zeros(4, np.int32))])
+
+
+class _EndsIn(nn.Module):
+    """A Keras-style classifier whose last layer applies `final` (sigmoid or softmax)."""
+
+    final: str
+    outputs: int
+
+    @nn.compact
+    def __call__(self, x: Any) -> Any:
+        return getattr(jax.nn, self.final)(nn.Dense(self.outputs)(nn.relu(nn.Dense(8)(x))))
+
+
+@pytest.mark.parametrize(
+    "final, outputs, loss",
+    [
+        ("sigmoid", 1, "binary_cross_entropy"),
+        ("softmax", 3, "sparse_categorical_cross_entropy"),
+    ],
+)
+def test_probability_outputs_under_a_logit_loss_are_warned_about_once(final, outputs, loss):
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    data = [(x, np.zeros(16, np.int32))]
+    loop = fl.trainer(_EndsIn(final, outputs), loss, "sgd")
+    with pytest.warns(UserWarning, match=rf"look like probabilities.*applies {final} itself"):
+        loop.run(data)
+    with warnings.catch_warnings():  # once per Loop: a second run does not check again
+        warnings.simplefilter("error")
+        loop.run(data)
+    # A model that returns logits, as the built-in losses take: no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fl.trainer(fl.models.mlp([8, outputs]), loss, "sgd").run(data)

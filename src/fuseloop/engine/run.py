@@ -17,9 +17,9 @@ from .._checks import Checker
 from .._data import as_source
 from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, Event
 from .._fusion import resolve_fuse
+from .._model_warnings import warn_about_model
 from .._placement import Placement
 from .._state import State, new_stats
-from .._step import warn_sown_losses
 from .._warn import warn
 from .bus import EventBus
 from .carry import Carry
@@ -84,8 +84,7 @@ class Run:
         self.resident = bool(getattr(self.source.data, "resident", False))
         fixed = loop.program.kind in ("trainer", "evaluator")
         self.bus = EventBus(loop.registrations, observer, fixed)
-        # A population's guard acts per member on the device (population_run.py).
-        self.guard = loop.guard_nonfinite and self.population is None
+        self.guard = loop.guard_nonfinite and self.population is None  # population: per member
         # Chunks launched ahead of replays that may halt copy their carry (Programs).
         copies = self.fuse is not None and self.bus.has_iteration_handlers and not self.guard
         self.programs = Programs(loop, self.population, copies=copies)
@@ -139,7 +138,8 @@ class Run:
         step_state, signature, spare_maker = initial_step_state(
             self.programs, self.user_state, first, resuming=isinstance(self.init_state, State)
         )
-        warn_sown_losses(self.loop.program, step_state)
+        solo, verdicts = self.members is None, self.programs.cache.verdicts
+        warn_about_model(self.loop.program, step_state, first, verdicts, solo)
         if self.members is None:
             self.checker.variables(step_state, signature)
         else:
