@@ -262,3 +262,16 @@ def test_a_step_state_returned_by_a_fused_iteration_handler_is_said_to_be_discar
         assert int(loop.run(DATA, init).step_state["n"]) == 0
     with pytest.warns(UserWarning, match=r"returned a step state in a fused run: it is discarded"):
         assert int(loop.run(DATA, init, fuse=3).step_state["n"]) == len(DATA)
+
+
+def test_a_step_written_state_first_is_told_the_order():
+    """flax/optax habit: `train_step(state, batch)`; unpacking the batch then fails on the
+    state dict with a bare ValueError, which gets fuseloop's note."""
+
+    def train_step(state, batch):
+        x, y = batch  # the step state dict: too many values to unpack
+        return {**state, "n": state["n"] + 1}
+
+    with pytest.raises(ValueError, match="too many values") as caught:
+        fl.loop(train_step).run([(np.zeros((2, 3)), np.zeros(2))], {"n": 0, "a": 1, "b": 2})
+    assert any("step_fn(batch, step_state)" in note for note in caught.value.__notes__)

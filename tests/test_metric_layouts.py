@@ -213,3 +213,10 @@ def test_a_built_in_metric_of_a_dict_of_targets_and_weights_names_the_fix(metric
     with pytest.raises(ValueError, match=message):
         loop.run([(x, y)])
     assert fl.trainer(fl.models.mlp([2]), weighted, "sgd").run([(x, y)]).status == "completed"
+
+
+def test_an_optax_loss_given_as_is_is_told_its_arguments_are_the_other_way_round():
+    with pytest.raises(ValueError, match=r"optax's losses take \(predictions, targets\).*Wrap"):
+        fl.trainer(fl.models.mlp([2]), optax.softmax_cross_entropy_with_integer_labels, "sgd")
+    with pytest.raises(ValueError, match=r"metric=optax.sigmoid_binary_cross_entropy"):
+        fl.evaluator(fl.models.mlp([1])).metric(optax.sigmoid_binary_cross_entropy)

@@ -291,7 +291,8 @@ def custom_program(step_fn: Callable[[Any, Any], Any], init_fn: Callable | None)
     def step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
         try:
             new_state = step_fn(batch, state)
-        except TypeError as error:  # often the arguments taken the other way round
+        except (TypeError, ValueError) as error:  # often the arguments the other way round
+            # (`x, y = batch` on a state dict raises ValueError: too many values to unpack)
             error.add_note(
                 "fuseloop: fl.loop calls step_fn(batch, step_state): the batch first, then "
                 "the step state"

@@ -38,6 +38,7 @@ def refusing_cross_broadcast(fn: Callable[..., Any], kind: str, name: str) -> Ca
         ...
         ValueError: the loss l(y_true, y_pred) got y_true of shape (4,) and y_pred of ...
     """
+    _refuse_optax_order(fn, kind)
     checked: set[Any] = set()
 
     @functools.wraps(fn)
@@ -103,3 +104,19 @@ def _inner_jaxprs(param: Any) -> Iterator[Any]:
     elif isinstance(param, (tuple, list)):
         for item in param:
             yield from _inner_jaxprs(item)
+
+
+def _refuse_optax_order(fn: Any, kind: str) -> None:
+    """An optax loss given as is: optax's losses take `(predictions, targets)` and return
+    one value per example, where fuseloop calls `fn(y_true, y_pred)` for a scalar, so the
+    arguments would be swapped (and a shape error, or a `.mean()` added after one, would
+    hide it)."""
+    module = str(getattr(fn, "__module__", "") or "")
+    if module == "optax" or module.startswith("optax."):
+        name = getattr(fn, "__name__", "the function")
+        raise ValueError(
+            f"{kind}=optax.{name}: optax's losses take (predictions, targets), while "
+            f"fuseloop calls a {kind} as {kind}(y_true, y_pred). Wrap it: lambda y_true, "
+            f"y_pred: optax.{name}(y_pred, y_true).mean(), or pass a built-in name such as "
+            f"'sparse_categorical_cross_entropy'"
+        )
