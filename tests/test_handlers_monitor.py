@@ -279,3 +279,15 @@ def test_reduce_lr_handler_unit():
         _, state = handler(state)
     assert _lr(state) == 0.5 and state.handler_metadata["k"]["wait"] == 0
     assert isinstance(EarlyStopping("m")(state)[1], fl.State)
+
+
+def test_a_validation_metric_attached_after_validate_is_named_as_the_cause():
+    model = fl.models.mlp([4, 1])
+    loop = (
+        fl.trainer(model, "mean_squared_error", "sgd")
+        .validate(model, _batches(2, 1))
+        .metric("mae")  # after validate: validation computes only the loss
+        .early_stop("validation_mae")
+    )
+    with pytest.raises(ValueError, match=r"Attach Loop.metric\('mae'\) before Loop.validate"):
+        loop.run(_batches(3, 0))

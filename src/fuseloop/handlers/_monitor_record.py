@@ -95,6 +95,15 @@ class Monitor:
         """The monitored value of this epoch, or a ValueError naming the metrics there are."""
         if self.monitor not in state.metrics:
             available = ", ".join(sorted(state.metrics)) or "(none)"
+            name = self.monitor.removeprefix("validation_")
+            if name != self.monitor and any(k.startswith("validation_") for k in state.metrics):
+                raise ValueError(
+                    f"monitor={self.monitor!r} is not among this epoch's metrics "
+                    f"({available}): validation ran, but it computes only the metrics "
+                    f"attached before Loop.validate. Attach Loop.metric({name!r}) before "
+                    f"Loop.validate(...) (a custom loop's validation has no loss of its own: "
+                    f"monitor a metric it computes)"
+                )
             raise ValueError(
                 f"monitor={self.monitor!r} is not among this epoch's metrics ({available}). "
                 f"Add it with Loop.metric(...), or, for 'validation_*', attach Loop.validate(...) "
