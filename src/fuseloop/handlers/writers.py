@@ -219,7 +219,7 @@ def attach_writer(
         >>> path = os.path.join(tempfile.mkdtemp(), "m.csv")
         >>> writing = attach_writer(loop, CSVWriter(path), "epoch_completed", "always", "csv")
         >>> [r.name for r in writing.registrations]
-        ['csv:start', 'csv', 'csv:close', 'csv:close']
+        ['csv:start', 'csv', 'csv:close', 'csv:halted', 'csv:close']
     """
     start = main_process_only(writer.start)
     close = closes_on_error(main_process_only(writer.close))  # a run that raises closes it too
