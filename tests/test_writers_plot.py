@@ -238,3 +238,10 @@ def test_the_epoch_an_earlier_handler_halts_at_is_still_written(tmp_path, fuse):
     assert epoch_steps == [0, 1]
     with open(tmp_path / "odd.csv", newline="") as handle:  # every=2: epoch 0 only
         assert [row["epoch"] for row in csv.DictReader(handle)] == ["0"]
+    # A loop halting at its first epoch, run twice: the second run writes its row too.
+    first = TRAINER.handle_event("epoch_completed", lambda s: "halt_loop")
+    first = first.csv_log(tmp_path / "first.csv")
+    for _ in range(2):
+        first.run(DATA, epochs=3, fuse=fuse)
+        with open(tmp_path / "first.csv", newline="") as handle:
+            assert [row["epoch"] for row in csv.DictReader(handle)] == ["0"]

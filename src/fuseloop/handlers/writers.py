@@ -97,6 +97,7 @@ class CSVWriter:
 
     def start(self, state: State) -> None:
         """Opens the file at run start: a fresh one, or the resumed run's rows kept."""
+        self.written = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         rows: list[dict[str, str]] = []
         if state.history and self.path.exists():
@@ -188,6 +189,7 @@ class TensorBoardWriter:
     def start(self, state: State) -> None:
         """Opens a new event file in `logdir` at run start."""
         self.close(state)
+        self.written = None
         suffix = f".{os.getpid()}.{next(_writer_ids)}"  # two runs in one second: two files
         self.writer = self._summary_writer()(str(self.logdir), filename_suffix=suffix)
 
