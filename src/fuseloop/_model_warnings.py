@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from ._step import split_batch, warn_sown_losses
@@ -43,6 +44,8 @@ def warn_about_model(
         output = program.model.forward(step_state["params"], x, train=False, rng=None)[0]
     except Exception:  # noqa: BLE001 - the run's own checks report a model that fails
         return
+    if not hasattr(output, "dtype") or not jnp.issubdtype(output.dtype, jnp.floating):
+        return  # several outputs, or not floats: the loss's own checks name those
     if _looks_like(np.asarray(output, np.float32), applies):
         warn(
             f"model: its outputs on the first batch look like probabilities (every value in "
