@@ -157,6 +157,9 @@ def test_an_nnx_lora_model_warns_that_every_param_trains_unless_the_optimizer_fr
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loop = fl.trainer(_Adapted(), "sparse_categorical_cross_entropy", frozen)
+        # also behind a transformation that reads the loss (value=), as a step passes it
+        plateau = optax.chain(frozen, optax.contrib.reduce_on_plateau())
+        fl.trainer(_Adapted(), "sparse_categorical_cross_entropy", plateau)
     x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
     state = loop.run([(x, np.zeros(8, np.int32))])
     np.testing.assert_array_equal(

@@ -298,9 +298,12 @@ def set_nnx_mode(module: Any, train: bool) -> None:
 def _freezes_some(tx: Any, params: Any) -> bool:
     """Whether `tx` leaves some param unchanged by a first update of all-ones gradients
     (`optax.multi_transform` with `optax.set_to_zero()` for a frozen part)."""
-    try:
+    from ._optim import optimizer_update
+
+    zero = jax.numpy.zeros(())
+    try:  # given what extra-args transformations read (value=...), as a step gives them
         grads = jax.tree.map(jax.numpy.ones_like, params)
-        updates, _ = tx.update(grads, tx.init(params), params)
-    except Exception:  # noqa: BLE001 - an update that needs more (value=...): cannot tell
+        updates, _ = optimizer_update(tx, grads, tx.init(params), params, zero, lambda p: zero)
+    except Exception:  # noqa: BLE001 - an update it cannot make here: cannot tell
         return False
     return any(not bool(jax.numpy.any(leaf != 0)) for leaf in jax.tree.leaves(updates))
