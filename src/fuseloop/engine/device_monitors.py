@@ -169,7 +169,14 @@ def device_value(spec: Any, acc: dict[str, Any]) -> Any:
     if spec.accumulate in ("running_sum", "last"):
         return total
     count = acc["count"].astype(jnp.float32)
-    mean = total / jnp.where(count > 0, count, jnp.float32(1))
+    # XLA rewrites a division by a constant or a broadcast scalar (a validation set's
+    # count is known when compiled) into a multiplication by its reciprocal, which is not
+    # correctly rounded: 39/44 came out one ulp above the host's value, and a tie read as
+    # an improvement. The barrier hides the divisor, so the division stays a division, as
+    # the host's (`_metrics.read_metric`) is (a barrier on a constant alone is dropped).
+    divisor = jnp.broadcast_to(jnp.where(count > 0, count, jnp.float32(1)), jnp.shape(total))
+    total, divisor = lax.optimization_barrier((total, divisor))
+    mean = total / divisor
     return jnp.where(count <= 0, jnp.nan, jnp.where(count < 1, jnp.float32(0), mean))
 
 
