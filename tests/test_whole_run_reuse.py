@@ -1,15 +1,17 @@
-"""Runs that reuse one resident source: the epoch orders a whole run keeps beside the source
-(so a later run launches no program for them) give every run the unfused run's result; the
-dispatches of runs split by their handlers, and a device plateau's dispatches of `fuse=K`,
-share a few programs.
+"""Runs that reuse one resident source, or sweep its seed: the epoch orders a whole run
+keeps beside the source (so a later run launches no program for them) give every run the
+unfused run's result; a new seed compiles nothing; the dispatches of runs split by their
+handlers, and a device plateau's dispatches of `fuse=K`, share a few programs.
 """
 
 from __future__ import annotations
 
 import optax
+import pytest
 
 import fuseloop as fl
 from fuseloop.engine import device_checkpoint
+from test_compile import jax_compiles
 from test_whole_run import EPOCHS, _assert_same_run, _data, _trainer, _validated, _xy
 
 
@@ -24,6 +26,23 @@ def test_repeated_and_resumed_runs_on_one_source_are_each_the_unfused_run():
     again = loop.run(data, epochs=EPOCHS, fuse="run")
     _assert_same_run(again, plain)
     assert again.stats["compiles"] == 0 and again.stats["dispatches"] == 1
+
+
+@pytest.mark.parametrize("fuse", ["run", 4])
+def test_a_sweep_over_shuffle_seeds_compiles_nothing_after_its_first_seed(fuse):
+    # The seed reaches the order programs as an input, not as a constant of their code.
+    x, y = _xy()
+
+    def data(seed: int) -> object:
+        return fl.data.arrays(x, y, batch_size=16, device=True, seed=seed)
+
+    loop = _trainer()
+    first = loop.run(data(1), epochs=3, fuse=fuse)
+    with jax_compiles() as compiled:
+        swept = loop.run(data(7), epochs=3, fuse=fuse)
+    assert compiled == []
+    _assert_same_run(swept, _trainer().run(data(7), epochs=3))
+    assert swept.history != first.history
 
 
 def test_dispatches_of_a_split_run_and_runs_of_other_lengths_share_few_programs(

@@ -7,11 +7,13 @@ never over the source: a Loop's program cache then keeps no dataset alive after 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["EpochOrder"]
 
@@ -33,6 +35,19 @@ class EpochOrder:
     shuffle: bool
     drop_remainder: bool
 
+    @property
+    def layout(self) -> EpochOrder:
+        """This order without its seed: what a program computing orders is compiled for.
+        The seed reaches such a program as its key (`key()`), an input, so a sweep over
+        seeds compiles nothing new.
+        """
+        return replace(self, seed=0)
+
+    def key(self) -> np.ndarray:
+        """The seed's raw PRNG key, on the host (made once per seed and PRNG kind)."""
+        impl = getattr(jax.config, "jax_default_prng_impl")  # noqa: B009 (untyped flag)
+        return _seed_key(self.seed, str(impl))
+
     def permutation(self, key: Any, epoch: Any) -> jax.Array:
         """`int32[n]`: the order of every example in `epoch` (`key`: a raw PRNG key)."""
         if not self.shuffle:
@@ -46,11 +61,12 @@ class EpochOrder:
         count = self.n // self.batch_size
         return order[: count * self.batch_size].reshape(count, self.batch_size)
 
-    def batches(self, epoch: Any) -> jax.Array:
+    def batches(self, epoch: Any, key: Any = None) -> jax.Array:
         """The epoch's order as `int32[batches, batch_size]`, the short last batch (if kept)
         as a row padded with its own first index; pure jax, so it runs on the device.
+        `key`: the seed's raw key (`key()`), default made from `seed`.
         """
-        key = jax.random.PRNGKey(self.seed)
+        key = jax.random.PRNGKey(self.seed) if key is None else key
         whole = self.whole_batches(key, epoch)
         remainder = self.n - whole.size
         if self.drop_remainder or remainder == 0:
@@ -59,3 +75,11 @@ class EpochOrder:
         tail = self.permutation(key, epoch)[whole.size :]
         padded = jnp.concatenate([tail, jnp.full(self.batch_size - remainder, tail[0])])
         return jnp.concatenate([whole, padded[None]], axis=0)
+
+
+@functools.lru_cache(maxsize=64)
+def _seed_key(seed: int, impl: str) -> np.ndarray:
+    """`jax.random.PRNGKey(seed)`'s raw bits (`impl`: the PRNG kind it was made under)."""
+    key = np.asarray(jax.random.PRNGKey(seed))
+    key.flags.writeable = False  # shared by every order of this seed
+    return key

@@ -40,7 +40,7 @@ def population_whole_key(
     source: Any, segments: int, limit: int, work: Any, record: bool
 ) -> tuple[Any, ...]:
     """What a population's multi-epoch program is cached by."""
-    return ("population", _source_key(source), segments, limit, work.key, record)
+    return ("population", _source_key(source).layout, segments, limit, work.key, record)
 
 
 def population_whole_program(
@@ -77,7 +77,7 @@ def _build(
 ) -> Callable[..., Any]:
     slots = max(limit, MIN_SLOTS)
     epoch_end = _MemberEpochEnd(work, segments, size)
-    boundary = _boundary(programs.loop.metrics, programs.guard, _source_key(source), size)
+    boundaries = _boundary(programs.loop.metrics, programs.guard, _source_key(source).layout, size)
 
     def program(
         state: Any,
@@ -96,7 +96,7 @@ def _build(
         )[2]
         out = _buffers(segments, slots, tail, shapes, record)
         body = programs.resident_loop(data)  # each step gathers its batch
-        parts = (body, slot_rows(slots), boundary, epoch_end)
+        parts = (body, slot_rows(slots), boundaries(inputs["order_key"]), epoch_end)
         step = _segment_step(parts, inputs, shapes, limit, size, record)
         zero = jnp.zeros((), jnp.int32)
         carry = (zero, steps, state, tail, order, epoch, cursor, out, extra)
@@ -109,13 +109,17 @@ def _build(
 
 
 def _boundary(metrics: Any, guard: bool, plan: EpochOrder, size: int) -> Callable[..., Any]:
-    def boundary(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
-        """The epoch's end inside the dispatch: fresh accumulators (stopped members stay
-        stopped), the next order."""
-        fresh = {**population_tail(metrics, guard, size), "active": tail["active"]}
-        return fresh, plan.batches(epoch), epoch + 1, jnp.zeros((), jnp.int32)
+    """`seed_key -> boundary`: the epoch's end inside the dispatch, fresh accumulators
+    (stopped members stay stopped) and the next order (`EpochOrder.layout`)."""
 
-    return boundary
+    def with_key(seed_key: Any) -> Callable[..., tuple[Any, ...]]:
+        def boundary(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
+            fresh = {**population_tail(metrics, guard, size), "active": tail["active"]}
+            return fresh, plan.batches(epoch, seed_key), epoch + 1, jnp.zeros((), jnp.int32)
+
+        return boundary
+
+    return with_key
 
 
 def _keep(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:

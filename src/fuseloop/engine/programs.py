@@ -221,15 +221,19 @@ class Programs:
         return self.cache.resident[key]
 
     def epoch_order(self, source: Any) -> Any:
-        """`epoch -> (order, epoch + 1, cursor 0)` for a resident source, on the device."""
-        key = spec = _source_key(source)
-        if key not in self.cache.epoch_order:
+        """`epoch -> (order, epoch + 1, cursor 0)` for a resident source, on the device.
+        The program is compiled per order layout; the seed's key is its input.
+        """
+        spec = _source_key(source)
+        layout, seed_key = spec.layout, spec.key()
+        if layout not in self.cache.epoch_order:
 
-            def next_epoch(epoch: Any) -> tuple[Any, Any, Any]:
-                return (spec.batches(epoch), epoch + 1, jnp.zeros((), jnp.int32))
+            def next_epoch(epoch: Any, key: Any) -> tuple[Any, Any, Any]:
+                return (layout.batches(epoch, key), epoch + 1, jnp.zeros((), jnp.int32))
 
-            self.cache.epoch_order[key] = jax.jit(next_epoch)
-        return self.cache.epoch_order[key]
+            self.cache.epoch_order[layout] = jax.jit(next_epoch)
+        program = self.cache.epoch_order[layout]
+        return lambda epoch: program(epoch, seed_key)
 
     def first_batch(self, source: Any, replicated: Any = None) -> Any:
         """`(data, order) -> batch`: the first batch of an epoch of a resident source, from

@@ -71,6 +71,7 @@ class WholeRun:
         bound = run.iterations
         self.limit = source.num_batches if bound is None else min(bound, source.num_batches)
         self.order_fn = run.programs.epoch_order(source)
+        self.order_key = source.order_spec.key()  # an input: a new seed compiles nothing
         self.counter = run.device_epoch
         self.order: Any = None
         self.sharding = run.placement.chunk_sharding(source.batch_size)
@@ -219,7 +220,7 @@ class WholeRun:
             np.int32(cursor),
             np.int32(steps),
             monitor,
-            {"validation": self.validation, "rates": self.rates},
+            {"validation": self.validation, "rates": self.rates, "order_key": self.order_key},
         )
         extra = out["extra"]
         self.best_state = extra.get("best_state")
