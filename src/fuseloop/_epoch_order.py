@@ -64,9 +64,9 @@ class EpochOrder:
     def batches(self, epoch: Any, key: Any = None) -> jax.Array:
         """The epoch's order as `int32[batches, batch_size]`, the short last batch (if kept)
         as a row padded with its own first index; pure jax, so it runs on the device.
-        `key`: the seed's raw key (`key()`), default made from `seed`.
+        `key`: the seed's raw key, default `key()`.
         """
-        key = jax.random.PRNGKey(self.seed) if key is None else key
+        key = self.key() if key is None else key
         whole = self.whole_batches(key, epoch)
         remainder = self.n - whole.size
         if self.drop_remainder or remainder == 0:

@@ -77,7 +77,7 @@ def _build(
 ) -> Callable[..., Any]:
     slots = max(limit, MIN_SLOTS)
     epoch_end = _MemberEpochEnd(work, segments, size)
-    boundaries = _boundary(programs.loop.metrics, programs.guard, _source_key(source).layout, size)
+    metrics, guard, layout = programs.loop.metrics, programs.guard, _source_key(source).layout
 
     def program(
         state: Any,
@@ -96,7 +96,8 @@ def _build(
         )[2]
         out = _buffers(segments, slots, tail, shapes, record)
         body = programs.resident_loop(data)  # each step gathers its batch
-        parts = (body, slot_rows(slots), boundaries(inputs["order_key"]), epoch_end)
+        boundary = _boundary(metrics, guard, layout, size, inputs["order_key"])
+        parts = (body, slot_rows(slots), boundary, epoch_end)
         step = _segment_step(parts, inputs, shapes, limit, size, record)
         zero = jnp.zeros((), jnp.int32)
         carry = (zero, steps, state, tail, order, epoch, cursor, out, extra)
@@ -108,18 +109,18 @@ def _build(
     return program
 
 
-def _boundary(metrics: Any, guard: bool, plan: EpochOrder, size: int) -> Callable[..., Any]:
-    """`seed_key -> boundary`: the epoch's end inside the dispatch, fresh accumulators
-    (stopped members stay stopped) and the next order (`EpochOrder.layout`)."""
+def _boundary(
+    metrics: Any, guard: bool, plan: EpochOrder, size: int, seed_key: Any
+) -> Callable[..., Any]:
+    """The epoch's end inside the dispatch: fresh accumulators (stopped members stay
+    stopped), the next order (`plan` is the order's layout; the seed's key is the
+    dispatch's input)."""
 
-    def with_key(seed_key: Any) -> Callable[..., tuple[Any, ...]]:
-        def boundary(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
-            fresh = {**population_tail(metrics, guard, size), "active": tail["active"]}
-            return fresh, plan.batches(epoch, seed_key), epoch + 1, jnp.zeros((), jnp.int32)
+    def boundary(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
+        fresh = {**population_tail(metrics, guard, size), "active": tail["active"]}
+        return fresh, plan.batches(epoch, seed_key), epoch + 1, jnp.zeros((), jnp.int32)
 
-        return boundary
-
-    return with_key
+    return boundary
 
 
 def _keep(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:

@@ -48,9 +48,9 @@ class ProgramCache:
         chunk: The host-fed chunk program, by whether it copies its carry (`Programs`).
         unfused: One live step on a host batch.
         resident: Resident chunk programs by `(slots, live, rows, sharding, copies)`.
-        epoch_order: Resident epoch-order programs by the source's seed, size, batch size,
-            shuffle and drop_remainder.
-        first_batch: Resident first-batch programs, keyed as `epoch_order` and by the
+        epoch_order: Resident epoch-order programs by the order's layout (size, batch size,
+            shuffle, drop_remainder); the seed's key is their input.
+        first_batch: Resident first-batch programs by the short batch's size and the
             batch's sharding.
         fresh_tail: Builds zeroed metric accumulators.
         spare_tail: `(default device, accumulators)` made ahead for the next epoch start

@@ -123,7 +123,7 @@ def _build(
 ) -> Callable[..., Any]:
     slots, guard = max(limit, MIN_SLOTS), programs.guard
     start_work, end_work = epoch_end_fn(work, segments)
-    boundaries = _boundary(programs.loop.metrics, guard, _source_key(source).layout)
+    metrics, layout = programs.loop.metrics, _source_key(source).layout
 
     def program(
         state: Any,
@@ -140,7 +140,7 @@ def _build(
         shapes = jax.eval_shape(end_work, state, tail["acc"], extra, 0, inputs)[2]
         out = _buffers(segments, slots, tail["acc"], shapes, record)
         epoch_end = _epoch_end(end_work, inputs, shapes)
-        boundary = boundaries(inputs["order_key"])
+        boundary = _boundary(metrics, guard, layout, inputs["order_key"])
         body = programs.resident_loop(data, sharding)  # each step gathers its batch
         step = _segment_step(body, slot_rows(slots), boundary, epoch_end, limit, guard, record)
 
@@ -223,19 +223,18 @@ def slot_rows(slots: int) -> Callable[..., Any]:
     return rows
 
 
-def _boundary(metrics: Any, guard: bool, plan: EpochOrder) -> Callable[[Any], Callable[..., Any]]:
-    """`seed_key -> boundary`: the epoch's end inside the dispatch, fresh accumulators and
-    the next order (the seed's key is the dispatch's input: `EpochOrder.layout`)."""
+def _boundary(
+    metrics: Any, guard: bool, plan: EpochOrder, seed_key: Any
+) -> Callable[..., tuple[Any, ...]]:
+    """The epoch's end inside the dispatch: fresh accumulators, the next order (`plan` is
+    the order's layout; the seed's key is the dispatch's input)."""
 
-    def with_key(seed_key: Any) -> Callable[..., tuple[Any, ...]]:
-        def boundary(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
-            fresh = init_tail(metrics, guard)
-            next_order = plan.batches(epoch, seed_key)
-            return fresh, next_order, epoch + 1, jnp.zeros((), jnp.int32)
+    def boundary(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
+        fresh = init_tail(metrics, guard)
+        next_order = plan.batches(epoch, seed_key)
+        return fresh, next_order, epoch + 1, jnp.zeros((), jnp.int32)
 
-        return boundary
-
-    return with_key
+    return boundary
 
 
 def _keep(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
