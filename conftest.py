@@ -42,6 +42,29 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         shutil.rmtree(os.environ[_XLA_CACHE_VAR], ignore_errors=True)
 
 
+# The suite's longest files (a minute or more of compiling or subprocesses on two cores),
+# started first: pytest-xdist hands each worker one file at a time in collection order, and
+# a long file collected last (test_whole_run.py sorts late) keeps one core busy while the
+# other has nothing left to take.
+_LONG_FILES = (
+    "test_whole_run.py",
+    "test_multiprocess.py",
+    "test_examples.py",
+    "test_population_whole_run.py",
+    "test_bench_smoke.py",
+    "test_population.py",
+    "test_model_modes.py",
+    "test_trainer.py",
+    "test_whole_run_checkpoint.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Moves the files of `_LONG_FILES` to the front, in that order (the rest keep theirs)."""
+    rank = {name: index for index, name in enumerate(_LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def _batches(seed: int, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(seed)
     return [

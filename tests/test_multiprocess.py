@@ -3,7 +3,9 @@
 One launch runs every multi-process check (process rows, global assembly, config agreement,
 process-0 side effects, collective saves, training fused/unfused with per-process input,
 validation, early stopping and a resume) and writes what each process saw; a second
-launch kills one process mid-run. Each launch takes a few seconds (mostly imports).
+launch kills one process mid-run; a third shows the configuration differences refused
+before training, then a process that raises. Each launch takes a few seconds (mostly
+imports).
 """
 
 from __future__ import annotations
@@ -369,20 +371,27 @@ def test_a_dead_process_fails_the_run_in_bounded_time_and_the_checkpoint_loads(t
     assert sorted(resumed.history) == list(range(latest.epoch + 2))
 
 
-def test_a_process_that_raises_fails_the_launch_with_its_own_code_and_name(tmp_path):
+@pytest.fixture(scope="module")
+def refusals_then_a_raise(tmp_path_factory) -> subprocess.CompletedProcess:
+    """One launch: the configuration refusals, then a run whose process 1 raises."""
+    return _launch(tmp_path_factory.mktemp("refusals"), _DIFFERS + _RAISES, "--grace", "1")
+
+
+def test_a_process_that_raises_fails_the_launch_with_its_own_code_and_name(refusals_then_a_raise):
     # Not jax's shutdown barrier, then a SIGABRT of whichever process aborted first.
-    result = _launch(tmp_path, _RAISES, "--grace", "1")
+    result = refusals_then_a_raise
     assert result.returncode == 1, result.stdout[-3000:]
     assert "RuntimeError: process 1 raises now" in result.stdout
     assert "[launch] process 1 exited with code 1; stopping the other processes" in result.stdout
     assert "finished completed" not in result.stdout  # a graceful halt of process 0 may finish
 
 
-def test_a_different_data_order_or_fixed_learning_rate_is_named_before_training(tmp_path):
+def test_a_different_data_order_or_fixed_learning_rate_is_named_before_training(
+    refusals_then_a_raise,
+):
     # Neither shows in the step state's shapes or values: the data source's description
     # and the traced step's digest are compared too.
-    result = _launch(tmp_path, _DIFFERS)
-    assert result.returncode == 0, result.stdout[-3000:]
+    result = refusals_then_a_raise
     for index in range(2):
         (line,) = [s for s in result.stdout.splitlines() if s.startswith(f"[{index}] refused:")]
         assert "data (process 0:" in line and "seed=0" in line and "seed=1" in line
