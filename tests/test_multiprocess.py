@@ -390,7 +390,9 @@ def test_a_different_data_order_or_fixed_learning_rate_is_named_before_training(
     refusals_then_a_raise,
 ):
     # Neither shows in the step state's shapes or values: the data source's description
-    # and the traced step's digest are compared too.
+    # and the traced step's digest are compared too. The launch then fails by design (its
+    # second part raises); that part's own test shows the refusals left both processes
+    # running (process 1 reaches its raise, and is the process the launcher names).
     result = refusals_then_a_raise
     for index in range(2):
         (line,) = [s for s in result.stdout.splitlines() if s.startswith(f"[{index}] refused:")]
