@@ -60,17 +60,37 @@ def test_a_step_that_promotes_a_leaf_is_a_value_error(fuse):
     assert "bfloat16" in text and "float32" in text
 
 
-@pytest.mark.parametrize("fuse", [False, 2])
-def test_a_custom_step_that_changes_a_shape_is_a_value_error(fuse):
+@pytest.mark.parametrize("fuse, jit", [(False, True), (2, True), (False, False)])
+def test_a_custom_step_that_changes_a_shape_is_a_value_error(fuse, jit):
     def step(batch, s):
         return {"total": jnp.concatenate([s["total"], jnp.zeros(1)])}
 
-    with pytest.raises(ValueError, match=r"step_state\['total'\].*shape \(2,\) to .*shape \(3,\)"):
+    with pytest.raises(
+        ValueError, match=r"step_state\['total'\].*shape \(2,\) to .*shape \(3,\)"
+    ) as info:
         fl.loop(step).run(
             [(np.zeros(2, np.float32), np.zeros(2, np.float32))] * 3,
             {"total": jnp.zeros(2)},
             fuse=fuse,
+            jit=jit,
         )
+    # A jitted run finds it when its device loop is traced, then names the leaf and the
+    # fix; an eager one (no loop to find it) checks the step before it runs.
+    assert (info.value.__cause__ is not None) == jit
+    assert info.value.fuseloop_state.status == "halted"
+
+
+def test_a_run_whose_step_keeps_its_state_traces_the_step_once():
+    traces = []
+
+    def step(batch, s):
+        traces.append(s)
+        return {"total": s["total"] + batch[0].sum()}
+
+    batches = [(np.ones(2, np.float32), np.zeros(2, np.float32))] * 3
+    state = fl.loop(step).run(batches, {"total": jnp.zeros(())}, epochs=2)
+    assert float(state.step_state["total"]) == 12.0
+    assert len(traces) == 1  # the unfused program's trace; no abstract check beside it
 
 
 def _float64_regression() -> tuple[nn.Dense, fl.data.ArraySource, dict]:

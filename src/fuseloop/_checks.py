@@ -27,23 +27,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._batch_checks import check_pair_sizes, check_python_lists
+from ._batch_checks import check_pair_sizes, check_python_lists, leaf_signature, shape_and_dtype
 from ._fusion import FusionError
 from ._label_checks import LabelChecks
 from ._model_fit import ModelFit, abstract
 from ._step import require_pair
-from ._step_state_check import check_optimizer_fits, check_step_keeps_state
+from ._step_state_check import check_optimizer_fits, check_step_keeps_state, explain_step_change
 from ._warn import warn
 
 __all__ = ["Checker"]
-
-
-def _leaf_signature(leaf: Any) -> tuple[Any, Any]:
-    """`(shape, dtype)` of an array leaf; Python scalars are weakly typed, so their type."""
-    shape = getattr(leaf, "shape", None)
-    if shape is not None and hasattr(leaf, "dtype"):
-        return tuple(shape), leaf.dtype
-    return (), type(leaf).__name__
 
 
 class Checker:
@@ -66,6 +58,7 @@ class Checker:
         self.ragged_size: int | None = None
         self.fit = ModelFit(program)  # x and y against the model and loss, abstractly
         self.first_batch: Any = None
+        self.step_signature: Any = None  # a deferred step check's state signature
         self.labels = LabelChecks()
         self.warned_float64 = False
 
@@ -79,7 +72,7 @@ class Checker:
         """
         self.labels.use(source)
         leaves, treedef = jax.tree.flatten(batch)
-        expected = tuple(_leaf_signature(leaf) for leaf in leaves)
+        expected = tuple(leaf_signature(leaf) for leaf in leaves)
         # What depends on the batch's structure, shapes and types alone is checked once per
         # signature (a later run of the same data pays one lookup); labels are values.
         key = ("first_batch", treedef, expected)
@@ -145,7 +138,7 @@ class Checker:
         if self.treedef is None:  # no first batch was seen: this one sets the reference
             self.first(batch, self.labels.source)
         leaves, treedef = jax.tree.flatten(batch)
-        signature = tuple(_leaf_signature(leaf) for leaf in leaves)
+        signature = tuple(leaf_signature(leaf) for leaf in leaves)
         if signature not in self.accepted or treedef != self.treedef:
             self._diagnose(batch, leaves, treedef, signature, epoch, iteration, fused)
         if labels:
@@ -321,37 +314,53 @@ class Checker:
         self.labels.dataset(self.fit.labels)
 
     # ----------------------------------------------------------------- model fit
-    def variables(self, step_state: Any, signature: Any = None) -> None:
+    def variables(self, step_state: Any, signature: Any = None, defer: bool = False) -> None:
         """Called once with the initial step state, before anything compiles.
 
         `first` checks x against a freshly initialized model; an evaluator, or a trainer
         given trained variables, runs with the caller's variables instead, so x is checked
         against those here (and y and the loss too where the fresh variables did not fit:
-        the variables the run starts from decide). Then one step is evaluated abstractly: it
-        must return a step state of the same structure, dtypes and shapes (fused and
-        unfused alike).
+        the variables the run starts from decide). Then one step, evaluated abstractly, must
+        keep the step state's structure, dtypes and shapes; `defer` (a jitted
+        run, whose device loop fails to trace such a step) leaves that to `explain`.
         `signature`: the step state's `(treedef, ((shape, dtype), ...))` where the program
         that made it knows it (the trainer's init), so the state is not walked again.
         """
         if signature is None:
             leaves, treedef = jax.tree.flatten(step_state)
             try:
-                signature = treedef, tuple(_shape_and_dtype(leaf) for leaf in leaves)
+                signature = treedef, tuple(shape_and_dtype(leaf) for leaf in leaves)
             except TypeError:  # a non-array leaf: the run itself reports what is wrong
                 signature = None
         key = (
             None if signature is None else ("checked_step", self.treedef, self.expected, *signature)
         )
-        if key is not None and key in self.cache:
-            self._found_labels(self.cache[key])
-            return  # both checks passed for this batch and step state signature
-        self._check_variables(step_state)
-        if key is None or self.first_batch is None or self.program.kind == "evaluator":
+        if key is None or key not in self.cache:
+            self._check_variables(step_state)
+            if key is None or self.first_batch is None or self.program.kind == "evaluator":
+                return
+            if self.program.kind == "trainer":
+                check_optimizer_fits(self.program.optimizer, step_state)
+            self.cache[key] = (self.fit.labels, False)  # the step: not checked yet
+        labels, step_checked = self.cache[key]
+        self._found_labels((labels,))
+        if step_checked:
             return
-        if self.program.kind == "trainer":
-            check_optimizer_fits(self.program.optimizer, step_state)
+        if defer:  # the device loop's trace will find it (`explain`)
+            self.step_signature = signature
+            return
         check_step_keeps_state(self.program.step, step_state, self.first_batch)
-        self.cache[key] = (self.fit.labels,)
+        self.cache[key] = (labels, True)
+
+    def explain(self, error: BaseException) -> BaseException:
+        """The error a run that failed before its first dispatch raises: where the step
+        check was deferred (`variables`) and the step changes the step state, the check's
+        ValueError (naming the leaf and the fix), caused by `error`; else `error` itself.
+        """
+        signature, self.step_signature = self.step_signature, None
+        if signature is None or not isinstance(error, (TypeError, ValueError)):
+            return error
+        return explain_step_change(self.program.step, signature, self.first_batch, error)
 
     def _check_variables(self, step_state: Any) -> None:
         if (
@@ -367,7 +376,7 @@ class Checker:
             self.treedef,
             self.expected,
             treedef,
-            tuple(_shape_and_dtype(leaf) for leaf in leaves),
+            tuple(shape_and_dtype(leaf) for leaf in leaves),
         )
         if key not in self.cache:
             rule = self.fit.labels
@@ -388,13 +397,3 @@ class Checker:
         if self.first_batch is not None:
             self.labels.batch(rule, self.first_batch, "the run's first batch")
         self.labels.dataset(rule)
-
-
-def _shape_and_dtype(leaf: Any) -> tuple[Any, Any]:
-    """A leaf's shape and dtype for a cache key: read directly from arrays (`np.shape` and
-    jax's `result_type` cost the host ~0.5 and ~15 us a leaf, paid on every run); Python
-    scalars go through jax's rules."""
-    dtype = getattr(leaf, "dtype", None)
-    if dtype is None:
-        return np.shape(leaf), jax.numpy.result_type(leaf)
-    return tuple(leaf.shape), dtype

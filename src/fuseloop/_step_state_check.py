@@ -16,7 +16,7 @@ import numpy as np
 from ._model_fit import abstract
 from ._step import _trainable
 
-__all__ = ["check_optimizer_fits", "check_step_keeps_state"]
+__all__ = ["check_optimizer_fits", "check_step_keeps_state", "explain_step_change"]
 
 
 def _state_leaf(leaf: Any) -> Any:
@@ -155,3 +155,17 @@ def check_step_keeps_state(step: Any, step_state: Any, batch: Any) -> None:
                 f"keep every leaf's dtype and shape (the loop carries the state through a "
                 f"device loop). " + (_OPTIMIZER_FIX if _in_optimizer_state(path) else _CAST_FIX)
             )
+
+
+def explain_step_change(step: Any, signature: Any, batch: Any, error: Exception) -> Exception:
+    """`check_step_keeps_state`'s error for a step state of `signature`, `(treedef,
+    ((shape, dtype), ...))`, caused by `error` (a run's failure); `error` itself where one
+    step keeps that state (found abstractly)."""
+    treedef, spec = signature
+    state = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, d) for s, d in spec])
+    try:
+        check_step_keeps_state(step, state, batch)
+    except ValueError as found:
+        found.__cause__ = error
+        return found
+    return error

@@ -112,12 +112,15 @@ class Run:
                     feed, self.carry, self.handoff, self.reads, self.guard, signals
                 )
                 state = self._epochs(signals)
-        except BaseException as error:
+        except BaseException as caught:
+            error = caught if self.stats["dispatches"] else self.checker.explain(caught)
             reached = self._reached()
             _attach_state(error, reached)
             for failure in self.bus.close_after_error(reached):
                 error.add_note(f"fuseloop: closing {failure}")
-            raise
+            if error is caught:
+                raise
+            raise error from caught  # the step check's error, which `caught` showed
         finally:
             if self.epoch_loop is not None:
                 self.epoch_loop.close()
@@ -141,9 +144,9 @@ class Run:
         solo, verdicts = self.members is None, self.programs.cache.verdicts
         warn_about_model(self.loop.program, step_state, first, verdicts, solo)
         if self.members is None:
-            self.checker.variables(step_state, signature)
+            self.checker.variables(step_state, signature, defer=self.jit)
         else:
-            self.checker.variables(first_member(step_state))
+            self.checker.variables(first_member(step_state), defer=self.jit)
         agree_across_processes(self, first, step_state)
         self.carry.start(step_state, made_here=signature is not None, spare_maker=spare_maker)
         if self.members is not None:
@@ -195,16 +198,8 @@ class Run:
             self.dataset = place_dataset(self.source.data, self.placement, self.stats)
             # One shared device scalar per starting epoch (feeds.epoch_counter): no transfer
             self.device_epoch = epoch_counter(self.start_epoch)
-            first = [
-                first_resident_batch(
-                    self.programs,
-                    self.source.data,
-                    self.dataset,
-                    self.device_epoch,
-                    self.reads,
-                    self.start_epoch,
-                )
-            ]
+            at = (self.source.data, self.dataset, self.device_epoch, self.reads, self.start_epoch)
+            first = [first_resident_batch(self.programs, *at)]
         else:
             first = self.source.pull(self.first_iterator, 1)
         if not first:
