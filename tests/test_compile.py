@@ -94,6 +94,32 @@ def test_compile_counter_sees_a_new_shape():
     assert compiled
 
 
+def test_a_new_loop_over_the_same_data_compiles_only_its_model_programs():
+    """The programs that depend on the data alone (a resident source's epoch order and
+    first batch, zeroed accumulators; the carry's pack and unpack too) are shared by every
+    Loop of the process: a new trainer over the same data (a sweep) compiles its own
+    model's programs only. (A size, batch size and metric name no other test uses: the
+    first Loop compiles the shared programs here.)"""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(43, 4)).astype(np.float32)
+    data = fl.data.arrays(x, rng.integers(0, 3, 43).astype(np.int32), batch_size=7, device=True)
+
+    def sweep_hits(y_true, y_pred):
+        return (y_pred.argmax(-1) == y_true).astype(np.float32)
+
+    compiled = []
+    for width in (5, 6):
+        loop = fl.trainer(fl.models.mlp([width, 3]), "sparse_categorical_cross_entropy", "sgd")
+        with jax_compiles() as names:
+            state = loop.metric(sweep_hits).run(data, epochs=2, fuse=3)
+        assert state.status == "completed" and state.stats["compiles"] == 1
+        compiled.append(set(names))
+    shared = {"jit(next_epoch)", "jit(first)", "jit(<lambda>)"}  # the last: zeroed sums
+    assert shared <= compiled[0]  # the first Loop compiled them ...
+    assert not shared & compiled[1], compiled[1]  # ... and the second reused them
+    assert "jit(fuseloop_program)" in compiled[1]  # its own model's steps
+
+
 # --------------------------------------------------------------------------- program size
 def _fused_program_text(k: int) -> tuple[str, str]:
     """The lowered (StableHLO) and compiled (optimized HLO) text of the trainer's fused

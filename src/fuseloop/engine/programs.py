@@ -21,10 +21,10 @@ from .._epoch_order import EpochOrder
 from .._fusion import make_chunk_fn
 from .._placement import default_device_key
 from .._shards import take_rows
-from .._step import init_tail, make_carry_step
-from . import conv_layout
-from .packing import copying, pack_leaves, unpacker
-from .population import masked_step, member_carry_step, member_chunk, population_tail
+from .._step import make_carry_step
+from . import conv_layout, shared_programs
+from .packing import copying
+from .population import masked_step, member_carry_step, member_chunk
 
 __all__ = ["ProgramCache", "Programs", "MIN_SLOTS", "kept_order"]
 
@@ -41,7 +41,9 @@ class ProgramCache:
     """Compiled programs and measurements of one Loop, one named field per kind.
 
     Loops that differ only in their handlers share one cache (handlers do not change a
-    program); any other change starts a fresh one.
+    program); any other change starts a fresh one. The epoch order, first batch, fresh
+    tail, pack and unpack programs depend on no Loop: every Loop names the same ones
+    (`shared_programs`).
 
     Attributes:
         traces: How many times a program of the loop was traced (each trace is a compile).
@@ -227,11 +229,7 @@ class Programs:
         spec = _source_key(source)
         layout, seed_key = spec.layout, spec.key()
         if layout not in self.cache.epoch_order:
-
-            def next_epoch(epoch: Any, key: Any) -> tuple[Any, Any, Any]:
-                return (layout.batches(epoch, key), epoch + 1, jnp.zeros((), jnp.int32))
-
-            self.cache.epoch_order[layout] = jax.jit(next_epoch)
+            self.cache.epoch_order[layout] = shared_programs.epoch_order(layout)
         program = self.cache.epoch_order[layout]
         return lambda epoch: program(epoch, seed_key)
 
@@ -246,15 +244,7 @@ class Programs:
         short = source.n if source.n < source.batch_size else None  # the only batch is short
         key = (short, replicated)
         if key not in self.cache.first_batch:
-
-            def first(data: Any, order: Any) -> Any:
-                rows = order[0] if short is None else order[0, :short]
-                if replicated is None:
-                    return jax.tree.map(lambda leaf: leaf[rows], data)
-                return jax.tree.map(lambda leaf: take_rows(leaf, rows), data)
-
-            placed = {} if replicated is None else {"out_shardings": replicated}
-            self.cache.first_batch[key] = jax.jit(first, **placed)
+            self.cache.first_batch[key] = shared_programs.first_batch(*key)
         return self.cache.first_batch[key]
 
     def pack(self, carry: Any) -> Any:
@@ -262,7 +252,7 @@ class Programs:
         many small arrays costs a dispatch per array; a pack costs one).
         """
         if self.cache.pack is None:
-            self.cache.pack = jax.jit(pack_leaves)
+            self.cache.pack = shared_programs.pack()
         return self.cache.pack(carry)
 
     def unpack(self, packed: Any, like: Any) -> Any:
@@ -270,18 +260,15 @@ class Programs:
         leaves, treedef = jax.tree.flatten(like)
         layout = (treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
         if layout not in self.cache.unpack:
-            self.cache.unpack[layout] = jax.jit(unpacker(treedef, layout[1]))
+            self.cache.unpack[layout] = shared_programs.unpack(*layout)
         return self.cache.unpack[layout](packed)
 
     def fresh_tail(self) -> Any:
         """Zeroed metric accumulators (and guard flag), made by one cached program."""
         if self.cache.fresh_tail is None:
-            metrics, guard = self.loop.metrics, self.guard
-            if self.population is not None:
-                size = self.population.size
-                self.cache.fresh_tail = jax.jit(lambda: population_tail(metrics, guard, size))
-            else:
-                self.cache.fresh_tail = jax.jit(lambda: init_tail(metrics, guard))
+            names = tuple(m.name for m in self.loop.metrics)
+            members = None if self.population is None else self.population.size
+            self.cache.fresh_tail = shared_programs.fresh_tail(names, self.guard, members)
         return self.cache.fresh_tail()
 
     def epoch_tail(self) -> tuple[Any, Callable[[], None]]:
