@@ -321,8 +321,8 @@ class Checker:
         given trained variables, runs with the caller's variables instead, so x is checked
         against those here (and y and the loss too where the fresh variables did not fit:
         the variables the run starts from decide). Then one step, evaluated abstractly, must
-        keep the step state's structure, dtypes and shapes; `defer` (a jitted
-        run, whose device loop fails to trace such a step) leaves that to `explain`.
+        keep the step state's structure, dtypes and shapes; `defer` (a jitted run, whose
+        device loop fails to trace such a step) leaves that to `explain`.
         `signature`: the step state's `(treedef, ((shape, dtype), ...))` where the program
         that made it knows it (the trainer's init), so the state is not walked again.
         """
