@@ -355,12 +355,13 @@ class Checker:
     def explain(self, error: BaseException) -> BaseException:
         """The error a run that failed before its first dispatch raises: where the step
         check was deferred (`variables`) and the step changes the step state, the check's
-        ValueError (naming the leaf and the fix), caused by `error`; else `error` itself.
+        ValueError (naming the leaf and the fix; the run raises it from `error`); else
+        `error` itself.
         """
         signature, self.step_signature = self.step_signature, None
         if signature is None or not isinstance(error, (TypeError, ValueError)):
             return error
-        return explain_step_change(self.program.step, signature, self.first_batch, error)
+        return explain_step_change(self.program.step, signature, self.first_batch) or error
 
     def _check_variables(self, step_state: Any) -> None:
         if (

@@ -157,15 +157,13 @@ def check_step_keeps_state(step: Any, step_state: Any, batch: Any) -> None:
             )
 
 
-def explain_step_change(step: Any, signature: Any, batch: Any, error: Exception) -> Exception:
+def explain_step_change(step: Any, signature: Any, batch: Any) -> ValueError | None:
     """`check_step_keeps_state`'s error for a step state of `signature`, `(treedef,
-    ((shape, dtype), ...))`, caused by `error` (a run's failure); `error` itself where one
-    step keeps that state (found abstractly)."""
+    ((shape, dtype), ...))`, or None where one step keeps that state (found abstractly)."""
     treedef, spec = signature
     state = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, d) for s, d in spec])
     try:
         check_step_keeps_state(step, state, batch)
     except ValueError as found:
-        found.__cause__ = error
         return found
-    return error
+    return None
