@@ -24,6 +24,10 @@ import pytest
 
 import fuseloop as fl
 
+# `pytester` runs a pytest session inside a test (tests/test_bench_scripts.py runs the
+# bench/suite_compiles.py plugin that way).
+pytest_plugins = ("pytester",)
+
 # Every test builds its loops afresh, so the suite compiles the same small programs over and
 # over (about half its time). A persistent XLA cache shared by the test processes (the
 # pytest-xdist workers inherit the variable from the controller, which made the directory)

@@ -37,3 +37,26 @@ def test_a_bench_script_that_uses_private_modules_runs(name, monkeypatch, capsys
     out = capsys.readouterr().out
     for line in expected:
         assert line in out, f"bench/{name}.py printed no {line!r}:\n{out}"
+
+
+def test_the_suite_compiles_plugin_charges_each_compile_to_its_test(
+    pytester, monkeypatch, tmp_path
+):
+    # bench/suite_compiles.py, loaded into a pytest run of one test that compiles a program.
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.setenv("FUSELOOP_SUITE_COMPILES_DIR", str(tmp_path))
+    pytester.makepyfile(
+        test_one="""
+        import jax
+        import jax.numpy as jnp
+
+        def test_compiles_a_program():
+            assert float(jax.jit(lambda x: x * 2 + 1)(jnp.float32(3))) == 7.0
+        """
+    )
+    result = pytester.runpytest_inprocess("-p", "suite_compiles", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    out = result.stdout.str()
+    assert "where the suite's JAX time went" in out
+    assert "jit(<lambda>)" in out
+    assert "test_one.py::test_compiles_a_program" in out
