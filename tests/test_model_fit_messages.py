@@ -318,3 +318,53 @@ def test_probability_outputs_under_a_logit_loss_are_warned_about_once(final, out
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fl.trainer(fl.models.mlp([8, outputs]), loss, "sgd").run(data)
+
+
+def _probability_loss(y_true: Any, y_pred: Any) -> Any:
+    p = jnp.clip(y_pred, 1e-7, 1 - 1e-7)
+    return -jnp.mean(y_true * jnp.log(p) + (1 - y_true) * jnp.log(1 - p))
+
+
+@pytest.mark.parametrize("loss", [_probability_loss, "mean_squared_error"])
+def test_a_sigmoid_output_under_a_binary_metric_is_warned_about_by_trainer_and_evaluator(loss):
+    # "accuracy" thresholds one output per example at 0 (a logit): on a sigmoid's
+    # probabilities every prediction would be positive, and the metric silently the share
+    # of positive labels.
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    data = [(x, (x[:, :1] > 0).astype(np.float32))]
+    trainer = fl.trainer(_EndsIn("sigmoid", 1), loss, "sgd").metric("accuracy")
+    with pytest.warns(UserWarning, match=r"a final sigmoid.*'accuracy'.*thresholded at 0"):
+        state = trainer.run(data)
+    evaluator = fl.evaluator(_EndsIn("sigmoid", 1)).metric("precision").metric("accuracy")
+    with pytest.warns(UserWarning, match=r"metric\(s\) 'precision', 'accuracy' read one output"):
+        evaluator.run(data, state.params)
+    # Logits under a loss of one's own that takes them: nothing to say.
+    logit_loss = lambda y, p: jnp.mean(optax.sigmoid_binary_cross_entropy(p, y))  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fl.trainer(fl.models.mlp([8, 1]), logit_loss, "sgd").metric("accuracy").run(data)
+
+
+class _SoftmaxIn(nn.Module):
+    """A classifier ending in a softmax computed in `dtype`."""
+
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: Any) -> Any:
+        return nn.softmax(nn.Dense(10, dtype=self.dtype)(x))
+
+
+@pytest.mark.parametrize("how", ["bf16", "population", "evaluator"])
+def test_probability_outputs_are_warned_about_in_bf16_populations_and_evaluators(how):
+    x = np.random.default_rng(0).normal(size=(16, 6)).astype(np.float32)
+    data = [(x, np.arange(16, dtype=np.int32) % 10)]
+    model = _SoftmaxIn(jnp.bfloat16 if how == "bf16" else jnp.float32)
+    loss = "sparse_categorical_cross_entropy"
+    with pytest.warns(UserWarning, match=r"look like probabilities.*applies softmax itself"):
+        if how == "evaluator":
+            fl.evaluator(model, loss).run(data, model.init(jax.random.key(0), x))
+        elif how == "population":
+            fl.trainer(model, loss, "adam").run(data, population={"learning_rate": [0.1, 0.2]})
+        else:
+            fl.trainer(model, loss, "adam").run(data)

@@ -1,20 +1,28 @@
-"""What a trainer says of its model at a run's start, on the host, before anything trains.
+"""What a trainer or evaluator says of its model at a run's start, on the host, before
+anything runs (once per Loop: its program cache keeps the verdict).
 
 * A model that sows a "losses" collection (`_step.warn_sown_losses`).
 * A model whose outputs are already probabilities (a final sigmoid or softmax, as a Keras
   model ends) under a built-in cross-entropy, which takes logits as optax's losses do: it
-  would apply the sigmoid or softmax a second time, and accuracy would threshold at 0, so
-  both would be silently wrong. Checked once per Loop (its program cache), by one forward
-  pass of the initial variables over the first batch.
+  would apply the sigmoid or softmax a second time. Found by the function that makes the
+  output in the model's traced forward pass, or by its values on the first batch (an
+  eager forward pass in evaluation mode).
+* A model ending in a sigmoid under "accuracy", "precision" or "recall" reading its one
+  output per example as a binary logit: thresholded at 0, every probability counts as
+  positive. Found by the traced forward pass alone: an output in (0, 1) is no evidence of
+  probabilities there, since a logit can fall there too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._metrics import CLASSIFYING
 from ._step import split_batch, warn_sown_losses
 from ._warn import warn
 
@@ -27,47 +35,134 @@ _APPLIES = {
     "sparse_categorical_cross_entropy": "softmax",
 }
 _CHECKED = "probabilities checked"
+# Operations that pass a value on unchanged but for its layout or precision.
+_PASSING = frozenset(
+    {"reshape", "squeeze", "expand_dims", "convert_element_type", "copy", "copy_p"}
+)
+_CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")  # where a nested call keeps its jaxpr
 
 
 def warn_about_model(
-    program: Any, step_state: Any, first_batch: Any, verdicts: dict[Any, Any], solo: bool
+    program: Any, step_state: Any, first_batch: Any, verdicts: dict[Any, Any], metrics: Any
 ) -> None:
-    """The run-start warnings about a trainer's model (`verdicts`: the Loop's cache of
-    checks already made; `solo`: not a population, whose variables have a member axis)."""
+    """The run-start warnings about a model (`step_state`: a solo run's, or a population's
+    member 0; `verdicts`: the Loop's cache of checks already made; `metrics`: its
+    MetricSpecs)."""
     warn_sown_losses(program, step_state)
+    if program.kind not in ("trainer", "evaluator") or _CHECKED in verdicts:
+        return
     applies = _APPLIES.get(program.loss_name or "") if isinstance(program.loss, str) else None
-    if program.kind != "trainer" or applies is None or not solo or _CHECKED in verdicts:
+    classifying = [spec.name for spec in metrics if spec.fn in CLASSIFYING]
+    if applies is None and not classifying:
         return
     verdicts[_CHECKED] = True
     x, _ = split_batch(first_batch)
-    try:  # one eager forward pass, in evaluation mode
-        output = program.model.forward(step_state["params"], x, train=False, rng=None)[0]
-    except Exception:  # noqa: BLE001 - the run's own checks report a model that fails
-        return
-    if not hasattr(output, "dtype") or not jnp.issubdtype(output.dtype, jnp.floating):
-        return  # several outputs, or not floats: the loss's own checks name those
-    if _looks_like(np.asarray(output, np.float32), applies):
-        warn(
-            f"model: its outputs on the first batch look like probabilities (every value in "
-            f"(0, 1){', each row summing to 1' if applies == 'softmax' else ''}), but the "
-            f"built-in loss '{program.loss}' takes logits, as optax's losses do: it applies "
-            f"{applies} itself, so the loss would see {applies}({applies}(...)) and accuracy "
-            f"would threshold probabilities as logits. Remove the model's final {applies} "
-            f"(apply jax.nn.{applies} to fl.predict's outputs instead), or pass a loss of "
-            f"your own that takes probabilities",
-            UserWarning,
+    final, shape = _final_function(program.model, step_state["params"], x)
+    if applies is not None:
+        if final == applies or _outputs_look_like(program.model, step_state["params"], x, applies):
+            _warn_loss(program.loss, applies)
+    elif final is not None and (len(shape) < 2 or shape[-1] == 1):
+        _warn_metrics(classifying)  # one output per example, read as a binary logit
+
+
+def _warn_loss(loss: str, applies: str) -> None:
+    warn(
+        f"model: its outputs look like probabilities (a final {applies}"
+        f"{', each row summing to 1' if applies == 'softmax' else ''}), but the built-in "
+        f"loss '{loss}' takes logits, as optax's losses do: it applies {applies} itself, so "
+        f"the loss would see {applies}({applies}(...)) and accuracy would threshold "
+        f"probabilities as logits. Remove the model's final {applies} (apply "
+        f"jax.nn.{applies} to fl.predict's outputs instead), or pass a loss of your own that "
+        f"takes probabilities (and, for one output per example, a metric of your own: "
+        f".metric(lambda y, p: (p > 0.5) == (y > 0.5), name='accuracy'))",
+        UserWarning,
+    )
+
+
+def _warn_metrics(names: Sequence[str]) -> None:
+    listed = ", ".join(repr(name) for name in names)
+    warn(
+        f"model: its output is a probability per example (a final sigmoid), but the built-in "
+        f"metric(s) {listed} read one output per example as a binary logit, thresholded at "
+        f"0: every probability would count as a positive prediction. Remove the model's "
+        f"final sigmoid and train with loss='binary_cross_entropy' (it takes logits, as "
+        f"optax's losses do; apply jax.nn.sigmoid to fl.predict's outputs), or pass a metric "
+        f"of your own: .metric(lambda y, p: (p > 0.5) == (y > 0.5), name='accuracy')",
+        UserWarning,
+    )
+
+
+def _final_function(model: Any, params: Any, x: Any) -> tuple[str | None, tuple[int, ...]]:
+    """ "sigmoid" or "softmax" where the model's traced forward pass (evaluation mode) makes
+    its output with that function, else None (also for several outputs, or a model that
+    fails: the run's own checks report that); and the output's shape."""
+    try:
+        closed = jax.make_jaxpr(lambda p, v: model.forward(p, v, train=False, rng=None)[0])(
+            params, x
         )
+    except Exception:  # noqa: BLE001 - the run's own checks report a model that fails
+        return None, ()
+    if len(closed.jaxpr.outvars) != 1:
+        return None, ()
+    output = closed.jaxpr.outvars[0]
+    return _made_by(closed.jaxpr, output), tuple(getattr(output.aval, "shape", ()))
 
 
-def _looks_like(output: np.ndarray, applies: str) -> bool:
-    """Whether `output` holds what `applies` (sigmoid or softmax) returns: values strictly
-    inside (0, 1) (a logit model's outputs at initialisation straddle 0), and for softmax
-    rows of at least two classes summing to 1."""
-    if output.size < 2 or not np.all(np.isfinite(output)):
+def _made_by(jaxpr: Any, var: Any) -> str | None:
+    """The function ("sigmoid", "softmax") that made `var` in `jaxpr`, through operations
+    that only reshape or cast and into nested calls (jit, custom_jvp); None if neither."""
+    producers = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
+    while var in producers:
+        eqn = producers[var]
+        name = eqn.primitive.name
+        if name == "logistic":
+            return "sigmoid"
+        if name == "div" and _made_by_exp(producers, eqn.invars[0]):
+            return "softmax"  # exp(x - max) / sum(exp(x - max)), as jax.nn.softmax writes it
+        if name in _PASSING:
+            var = eqn.invars[0]
+            continue
+        inner = next((eqn.params[key] for key in _CALLS if key in eqn.params), None)
+        if inner is None:
+            return None
+        inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr, or a Jaxpr
+        return _made_by(inner, inner.outvars[eqn.outvars.index(var)])
+    return None
+
+
+def _made_by_exp(producers: dict[Any, Any], var: Any) -> bool:
+    eqn = producers.get(var)
+    return eqn is not None and eqn.primitive.name == "exp"
+
+
+def _forward(model: Any, params: Any, x: Any) -> Any:
+    """The model's output on `x` (evaluation mode, eagerly), or None if it fails or is not
+    one floating array."""
+    try:
+        output = model.forward(params, x, train=False, rng=None)[0]
+    except Exception:  # noqa: BLE001 - the run's own checks report a model that fails
+        return None
+    if not hasattr(output, "dtype") or not jnp.issubdtype(output.dtype, jnp.floating):
+        return None
+    return output
+
+
+def _outputs_look_like(model: Any, params: Any, x: Any, applies: str) -> bool:
+    """Whether the model's outputs on the first batch hold what `applies` (sigmoid or
+    softmax) returns: values strictly inside (0, 1) (a logit model's outputs at
+    initialisation straddle 0), and for softmax rows of at least two classes summing to 1
+    within the output's precision."""
+    output = _forward(model, params, x)
+    if output is None or output.size < 2:
         return False
-    inside = bool(np.all((output > 0) & (output < 1)))
+    values = np.asarray(output, np.float32)
+    if not np.all(np.isfinite(values)):
+        return False
+    inside = bool(np.all((values > 0) & (values < 1)))
     if applies == "sigmoid" or not inside:
         return inside
-    if output.ndim < 1 or output.shape[-1] < 2:
+    if values.ndim < 1 or values.shape[-1] < 2:
         return False
-    return bool(np.all(np.abs(np.sum(output, axis=-1) - 1.0) < 1e-3))
+    # A row's sum is off by a few units in the last place of each term (bf16: ~4e-3).
+    tolerance = max(1e-3, 4 * values.shape[-1] * float(jnp.finfo(output.dtype).eps))
+    return bool(np.all(np.abs(np.sum(values, axis=-1) - 1.0) < tolerance))

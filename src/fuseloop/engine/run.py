@@ -141,12 +141,13 @@ class Run:
         step_state, signature, spare_maker = initial_step_state(
             self.programs, self.user_state, first, resuming=isinstance(self.init_state, State)
         )
-        solo, verdicts = self.members is None, self.programs.cache.verdicts
-        warn_about_model(self.loop.program, step_state, first, verdicts, solo)
+        member = step_state if self.members is None else first_member(step_state)
+        verdicts = self.programs.cache.verdicts
+        warn_about_model(self.loop.program, member, first, verdicts, self.loop.metrics)
         if self.members is None:
             self.checker.variables(step_state, signature, defer=self.jit)
         else:
-            self.checker.variables(first_member(step_state), defer=self.jit)
+            self.checker.variables(member, defer=self.jit)
         agree_across_processes(self, first, step_state)
         self.carry.start(step_state, made_here=signature is not None, spare_maker=spare_maker)
         if self.members is not None:
