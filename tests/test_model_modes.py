@@ -293,6 +293,32 @@ def test_trained_plain_functions():
     )
 
 
+@pytest.mark.parametrize("flag", ["train", "is_training", "deterministic"])
+def test_plain_functions_get_any_recognised_flag(flag):
+    # Each spelling of fl.models.TRAIN_FLAGS reaches an apply_fn as it reaches a module:
+    # True while training for `train` and `is_training` (haiku's), False for `deterministic`.
+    seen = []
+
+    def apply(p, x, **flags):
+        seen.append(flags[flag])
+        return x @ p["w"]
+
+    apply.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [
+            inspect.Parameter("p", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            inspect.Parameter("x", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            inspect.Parameter(flag, inspect.Parameter.KEYWORD_ONLY),
+        ]
+    )
+    init = lambda rng, x: {"w": jnp.ones((5, 3))}  # noqa: E731
+    state = fl.trainer((init, apply), SPARSE, optax.sgd(0.1)).run(DATA, fuse=False)
+    training = fl.models.TRAIN_FLAGS[flag]
+    assert training in seen  # the step (the run's checks also call it in evaluation mode)
+    seen.clear()
+    fl.predict((init, apply), state, DATA[0][0])
+    assert set(seen) == {not training}
+
+
 class EqxDropoutNoKey(eqx.Module):
     dense: eqx.nn.Linear
     drop: eqx.nn.Dropout

@@ -9,24 +9,33 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from ._linen import flag_values, flags_among
+
 __all__ = ["from_functions", "takes_keyword"]
 
 
 def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
     """Whether `fn`'s signature has a parameter called `name` (False when it has none)."""
+    return name in _parameters(fn)
+
+
+def _parameters(fn: Callable[..., Any]) -> Any:
+    """`fn`'s parameters by name (empty where it has no signature)."""
     try:
-        return name in inspect.signature(fn).parameters
+        return inspect.signature(fn).parameters
     except (TypeError, ValueError):
-        return False
+        return {}
 
 
 class from_functions:  # noqa: N801 - reads as a constructor
     """Adapts a plain `(init_fn, apply_fn)` pair.
 
-    `init_fn(rng, x) -> params`; `apply_fn(params, x) -> y`. An `apply_fn` with a `train`
-    or `rng` keyword receives them. A trainer trains every params leaf, so each must be
-    floating point; params with a "params" entry beside others are refused (only that
-    entry would train, flax's convention, and the others would never change).
+    `init_fn(rng, x) -> params`; `apply_fn(params, x) -> y`. An `apply_fn` with an `rng`
+    keyword receives the step's key, and one with a train/eval flag (`train`, `training`,
+    `is_training`, `deterministic`, ...: `fl.models.TRAIN_FLAGS`) receives its value. A
+    trainer trains every params leaf, so each must be floating point; params with a
+    "params" entry beside others are refused (only that entry would train, flax's
+    convention, and the others would never change).
 
     Example:
         >>> import jax.numpy as jnp
@@ -39,7 +48,7 @@ class from_functions:  # noqa: N801 - reads as a constructor
 
     def __init__(self, init_fn: Callable[..., Any], apply_fn: Callable[..., Any]):
         self.init_fn, self.apply_fn = init_fn, apply_fn
-        self.takes_train = takes_keyword(apply_fn, "train")
+        self.flags = flags_among(_parameters(apply_fn), "apply_fn")
         self.takes_rng = takes_keyword(apply_fn, "rng")
 
     def init(self, rng: Any, x: Any) -> Any:
@@ -54,7 +63,7 @@ class from_functions:  # noqa: N801 - reads as a constructor
         return self.init_fn(rng, x)
 
     def apply(self, variables: Any, x: Any) -> Any:
-        """`apply_fn(variables, x)` in evaluation mode (`train=False` where it is taken).
+        """`apply_fn(variables, x)` in evaluation mode (`train=False`, or the flag it takes).
 
         Example:
             >>> import jax.numpy as jnp
@@ -65,7 +74,8 @@ class from_functions:  # noqa: N801 - reads as a constructor
         return self.forward(variables, x, train=False, rng=None)[0]
 
     def forward(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
-        """`(apply_fn(variables, x, ...), None)`, passing `train` and `rng` where taken.
+        """`(apply_fn(variables, x, ...), None)`, passing its train/eval flag and `rng` where
+        taken.
 
         Example:
             >>> import jax.numpy as jnp
@@ -74,9 +84,7 @@ class from_functions:  # noqa: N801 - reads as a constructor
             >>> y.tolist(), state
             ([3.0, 3.0], None)
         """
-        kwargs: dict[str, Any] = {}
-        if self.takes_train:
-            kwargs["train"] = train
+        kwargs: dict[str, Any] = flag_values(self.flags, train)
         if self.takes_rng:
             kwargs["rng"] = rng
         return self.apply_fn(variables, x, **kwargs), None

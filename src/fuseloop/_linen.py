@@ -12,7 +12,7 @@ from typing import Any
 import flax
 import flax.linen as nn
 
-__all__ = ["TRAIN_FLAGS", "ModelModeError", "call_flags", "flag_values", "linen"]
+__all__ = ["TRAIN_FLAGS", "ModelModeError", "call_flags", "flag_values", "flags_among", "linen"]
 
 # `__call__` flags that switch a flax.linen module between training and evaluation, and
 # the value each takes while training.
@@ -49,16 +49,20 @@ def _call_parameters(module: Any) -> tuple[str, ...]:
 
 def call_flags(module: Any) -> dict[str, bool]:
     """The recognised train/eval flags among `module.__call__`'s arguments, each with the
-    value it takes while training. A positional-only one cannot be passed by name, as
-    fuseloop passes it: a ValueError naming the fix."""
-    parameters = _call_signature(module)
+    value it takes while training."""
+    return flags_among(_call_signature(module), f"{type(module).__name__}.__call__")
+
+
+def flags_among(parameters: Any, owner: str) -> dict[str, bool]:
+    """The recognised train/eval flags among a signature's `parameters` (of `owner`, as
+    messages name it), each with the value it takes while training. A positional-only one
+    cannot be passed by name, as fuseloop passes it: a ValueError naming the fix."""
     flags = {name: value for name, value in TRAIN_FLAGS.items() if name in parameters}
     for name in flags:
         if parameters[name].kind == inspect.Parameter.POSITIONAL_ONLY:
             raise ValueError(
-                f"model: {type(module).__name__}.__call__ takes its flag {name!r} "
-                f"positional-only (before a '/'), and fuseloop passes it by name "
-                f"({name}=...): make it a keyword argument"
+                f"model: {owner} takes its flag {name!r} positional-only (before a '/'), and "
+                f"fuseloop passes it by name ({name}=...): make it a keyword argument"
             )
     return flags
 
