@@ -288,10 +288,24 @@ def _watch(
 
 
 def _beats(monitor: Any, value: Any, record: Any) -> Any:
-    delta = jnp.float32(monitor.min_delta)
-    beats = (
-        value < record["best"] - delta if monitor.mode == "min" else value > record["best"] + delta
-    )
+    """`Monitor.improves` on the device: the host compares `value` with `best - min_delta`
+    (mode "max": `+`) computed in float64, so the device may not round `best - min_delta` to
+    float32 first (1.0 - 0.1 is 0.9 in float32, and 0.9f would not beat it; in float64 it
+    does). It keeps the difference unrounded instead, as a float32 sum `s + t` (Knuth's
+    two-sum, with min_delta split into two float32s), and compares `value - s`, exact
+    near the threshold where it matters, with `t`."""
+    best = record["best"]
+    sign = -1.0 if monitor.mode == "min" else 1.0
+    if monitor.min_delta == 0:
+        beats = value < best if monitor.mode == "min" else value > best
+    else:
+        high = np.float32(sign * monitor.min_delta)
+        low = np.float32(sign * monitor.min_delta - float(high))
+        s = best + high
+        bent = s - best  # two-sum: s + e == best + high exactly
+        e = (best - (s - bent)) + (high - bent)
+        t = e + low
+        beats = value - s < t if monitor.mode == "min" else value - s > t
     return jnp.isfinite(value) & (~record["has_best"] | beats)
 
 
