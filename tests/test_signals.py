@@ -339,3 +339,37 @@ def test_a_second_signal_aborts_while_the_host_waits_for_a_long_dispatch():
         wait_interruptibly(out)
     assert guard.requested and out is not None and not out.is_ready()  # the device still works
     out.block_until_ready()
+
+
+def _sources(x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
+    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, len(x), 8)]
+    return {
+        "list": lambda: batches,
+        "arrays": lambda: fl.data.arrays(x, y, batch_size=8, seed=1),
+        "one_shot": lambda: iter(batches * 3),  # consumed across epochs: never pulled ahead
+    }
+
+
+@pytest.mark.parametrize("source", ["list", "arrays", "one_shot"])
+def test_a_signal_right_after_an_epochs_last_step_ends_it_alike_fused_and_unfused(source):
+    # Ctrl-C in the last step's iteration_completed: no batch is pulled after it yet. A
+    # list or fl.data.arrays says how many batches an epoch has, so its last step is known
+    # to be the last, and the epoch completes; of a one-shot iterator only the next pull
+    # would tell (never made, to consume exactly), so both cut the epoch short.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(56, 5)).astype(np.float32)
+    y = rng.integers(0, 3, 56).astype(np.int32)
+
+    def run(fuse: Any) -> tuple[Any, ...]:
+        completed: list[int] = []
+        loop = fl.trainer(fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy", "adam")
+        loop = loop.observe("epoch_completed", lambda s: completed.append(s.epoch))
+        interrupt = lambda s: os.kill(os.getpid(), signal.SIGINT)  # noqa: E731
+        loop = loop.observe("iteration_completed", interrupt, filter={"once": 7})
+        state = loop.run(_sources(x, y)[source](), epochs=3, fuse=fuse)
+        return state.status, sorted(state.history), completed
+
+    unfused = run(False)
+    assert unfused == run(3)
+    ended = [] if source == "one_shot" else [0]
+    assert unfused == ("halted", ended, ended)

@@ -78,6 +78,17 @@ class Source:
         next chunk in its own thread while the device runs the current one."""
         return isinstance(self.data, (list, tuple)) or getattr(self.data, "in_memory", False)
 
+    @property
+    def epoch_length(self) -> int | None:
+        """The batches each epoch hands out, where the source says so reliably (a list or
+        tuple, `fl.data.arrays`); None where only the end of its pass tells. Knowing it, a
+        run knows an epoch is over at its last step, as a fused chunk that comes up short
+        does, without asking the source for one more batch."""
+        if isinstance(self.data, (list, tuple)):
+            return len(self.data)
+        length = getattr(self.data, "num_batches", None) if self.epoch_aware else None
+        return length if isinstance(length, int) else None
+
     def why_empty(self) -> str:
         """What to do about an epoch that found no batches, for this kind of source."""
         return _WHY_EMPTY[self.kind]

@@ -85,6 +85,9 @@ class HostFeed:
         """Starts an epoch. `replay_reads`: some handler or the guard will read a chunk's
         results on the host (a halt may then stop the epoch mid-way).
         """
+        length = self.source.epoch_length
+        if length is not None:  # the epoch's last step is known to be its last
+            bound = length if bound is None else min(bound, length)
         self.epoch, self.iterator, self.bound = epoch, iterator, bound
         if iterator is not self.pending_from:
             # The run's first epoch ended before its first step (a halt at epoch_started):
