@@ -15,6 +15,7 @@ from ._data import warn_left_out
 from ._events import Registration, make_filter, normalize_event
 from ._loop_args import (
     check_accumulate,
+    check_handler,
     check_init_state,
     check_metric_name,
     check_step_functions,
@@ -126,8 +127,7 @@ class Loop(HandlerBuilders):
             1
         """
         event = normalize_event(event)
-        if not callable(handler):
-            raise ValueError(f"handler={handler!r} must be callable(state)")
+        check_handler(handler, "handler", "None | status | (status, state)")
         registration = Registration(event, handler, make_filter(filter), name)
         return self._with(registrations=self.registrations + (registration,))
 
@@ -154,8 +154,7 @@ class Loop(HandlerBuilders):
             (1, [0, 1, 2])
         """
         event = normalize_event(event)
-        if not callable(fn):
-            raise ValueError(f"fn={fn!r} must be callable(state) -> None")
+        check_handler(fn, "fn", "None")
         registration = Registration(event, fn, make_filter(filter), name, observes=True)
         return self._with(registrations=self.registrations + (registration,))
 

@@ -3,6 +3,7 @@ that names the argument and what it accepts."""
 
 from __future__ import annotations
 
+import inspect
 import io
 import os
 from collections.abc import Callable
@@ -21,6 +22,7 @@ __all__ = [
     "check_text_stream",
     "check_step_functions",
     "check_init_state",
+    "check_handler",
     "refuse_validation_names",
     "refuse_second_validation",
 ]
@@ -148,3 +150,23 @@ def refuse_validation_names(names: set[str], validated: set[str]) -> None:
             f"value of {clash[0].removeprefix('validation_')!r}, which would overwrite it; "
             f"name the training metric otherwise: .metric(..., name=...)"
         )
+
+
+def check_handler(handler: Any, argument: str, returns: str) -> None:
+    """A handler is `callable(state)`: refused when attached, not when its event first fires
+    (after hours of training, maybe), if it is not callable or its signature cannot take
+    the one State it is called with. A callable without a readable signature is let be."""
+    if not callable(handler):
+        raise ValueError(f"{argument}={handler!r} must be callable(state) -> {returns}")
+    try:
+        signature = inspect.signature(handler)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(None)
+    except TypeError as error:
+        name = getattr(handler, "__name__", type(handler).__name__)
+        raise ValueError(
+            f"{argument}={name}{signature} cannot be called with the one State a handler "
+            f"receives ({error}): give it one parameter, as in def {argument}(state): ..."
+        ) from None
