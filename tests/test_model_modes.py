@@ -4,6 +4,7 @@ inference mode), and `fl.models.trained`."""
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import equinox as eqx
 import flax.linen as nn
@@ -478,3 +479,14 @@ def test_frozen_variables_train_as_their_plain_dict_does(fuse):
         jax.tree.leaves(frozen.step_state), jax.tree.leaves(plain.step_state), strict=True
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_seed_for_an_nnx_model_is_said_to_reach_nothing():
+    # nnx's weights and dropout come from the nnx.Rngs the module was built with: seed=1
+    # would train bitwise as seed=0 does, and a seed sweep would measure nothing.
+    model = NnxCallFlag(nnx.Rngs(0), "train")
+    with pytest.warns(UserWarning, match=r"seed=1 has no effect.*nnx.Rngs\(1\)"):
+        fl.trainer(model, SPARSE, "sgd", seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fl.trainer(model, SPARSE, "sgd")  # the default seed says nothing

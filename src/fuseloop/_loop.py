@@ -23,6 +23,7 @@ from ._loop_args import (
     known_metrics,
     refuse_second_validation,
     refuse_validation_names,
+    warn_unused_seed,
 )
 from ._loop_handlers import HandlerBuilders
 from ._metrics import MetricSpec, resolve_metric
@@ -324,7 +325,8 @@ def trainer(
             cross-entropies take logits.
         optimizer: An optax transformation, or "sgd", "adam", "adamw".
         log: Print a line every `log` iterations (0: silent).
-        seed: Seeds parameter initialization and dropout.
+        seed: Seeds parameter initialization and dropout (a flax.linen model's; an
+            equinox model's dropout; an nnx model draws both from its own nnx.Rngs).
         log_stream: Where log lines go (stdout by default).
 
     Example:
@@ -334,6 +336,7 @@ def trainer(
     """
     check_trainer_options(log, seed, log_stream)
     program = trainer_program(model, loss, optimizer, seed)
+    warn_unused_seed(program.model, seed)
     if hasattr(program.model, "warn_param_kinds"):  # an nnx module's LoRA params
         program.model.warn_param_kinds(program.optimizer)
     built = Loop(program, metrics=default_metrics(program))

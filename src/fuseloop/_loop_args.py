@@ -13,6 +13,7 @@ import numpy as np
 
 from ._metrics import ACCUMULATORS, ALIASES, METRICS
 from ._population import refuse_population
+from ._warn import warn
 
 __all__ = [
     "known_metrics",
@@ -23,6 +24,7 @@ __all__ = [
     "check_step_functions",
     "check_init_state",
     "check_handler",
+    "warn_unused_seed",
     "refuse_validation_names",
     "refuse_second_validation",
 ]
@@ -170,3 +172,14 @@ def check_handler(handler: Any, argument: str, returns: str) -> None:
             f"{argument}={name}{signature} cannot be called with the one State a handler "
             f"receives ({error}): give it one parameter, as in def {argument}(state): ..."
         ) from None
+
+
+def warn_unused_seed(model: Any, seed: int) -> None:
+    """`trainer(seed=...)` other than the default, for a model it cannot reach (nnx's)."""
+    why = getattr(model, "seed_unused", None)
+    if seed != 0 and why is not None:
+        warn(
+            f"seed={seed} has no effect on this model: {why}. Build the model with "
+            f"nnx.Rngs({seed}) to change its initial weights and dropout masks",
+            UserWarning,
+        )

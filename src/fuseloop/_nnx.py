@@ -38,6 +38,11 @@ class from_nnx:  # noqa: N801
 
     # Initialised when built: its seed cannot reach the weights (engine/population.py).
     initialised_when_built = "an nnx"
+    # Why the trainer's seed reaches nothing of an nnx model (said when one is given).
+    seed_unused = (
+        "its weights were initialised when it was built, and its dropout draws from the "
+        "nnx.Rngs it holds"
+    )
 
     def __init__(self, module: Any):
         from flax import nnx
