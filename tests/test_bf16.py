@@ -3,6 +3,8 @@ that changes a leaf's dtype or shape is a ValueError naming the leaf, fused and 
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -159,3 +161,28 @@ def test_population_hyperparameters_reach_float64_slots_unrounded():
             jax.tree.leaves(pop.member(0).params), jax.tree.leaves(solo.params), strict=True
         ):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-14)
+
+
+class _Float64Norm(nn.Module):
+    """A float64 model with BatchNorm, whose statistics flax starts in float32."""
+
+    @nn.compact
+    def __call__(self, x: Any, train: bool = False) -> Any:
+        x = nn.Dense(8, param_dtype=jnp.float64)(x)
+        x = nn.BatchNorm(use_running_average=not train, param_dtype=jnp.float64)(x)
+        return nn.Dense(3, param_dtype=jnp.float64)(x)
+
+
+def test_batch_stats_widened_by_float64_inputs_are_named_with_the_fix_that_works():
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        x, y = rng.normal(size=(32, 6)), rng.integers(0, 3, 32).astype(np.int32)
+        data = fl.data.arrays(x, y, 8)
+        loop = fl.trainer(_Float64Norm(), "sparse_categorical_cross_entropy", "adam")
+        with pytest.raises(ValueError, match=r"'batch_stats' collection.*float32.*float64"):
+            loop.run(data, epochs=1, fuse=4)
+        # The fix the message names: the statistics made float64 before the run.
+        variables = _Float64Norm().init(jax.random.key(0), x[:8])
+        stats = jax.tree.map(lambda a: a.astype("float64"), variables["batch_stats"])
+        state = loop.run(data, {**variables, "batch_stats": stats}, epochs=1, fuse=4)
+        assert jax.tree.leaves(state.params["batch_stats"])[0].dtype == jnp.float64

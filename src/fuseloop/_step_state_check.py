@@ -38,6 +38,30 @@ _OPTIMIZER_FIX = (
 )
 
 
+def _collection(path: Any) -> str | None:
+    """The model collection (not "params") a trainer's step-state leaf is in, if any:
+    `step_state["params"]` holds all of a flax.linen model's variables."""
+    keys = [getattr(entry, "key", None) for entry in path[:2]]
+    return keys[1] if keys[0] == "params" and keys[1] not in (None, "params") else None
+
+
+def _fix_for(path: Any, old: Any, new: Any) -> str:
+    """What to do about a leaf whose dtype one step changes from `old` to `new`."""
+    if _in_optimizer_state(path):
+        return _OPTIMIZER_FIX
+    name = _collection(path)
+    if name is None or old == new:
+        return _CAST_FIX
+    return (
+        f"The leaf is in the model's {name!r} collection, which its init makes in {old} and "
+        f"its step in {new} (flax's BatchNorm starts its statistics in float32, and float64 "
+        f"inputs under jax_enable_x64 make them float64). Give the model x in {old}, or "
+        f"start from variables whose {name!r} is {new} already: variables = "
+        f"model.init(key, x), with variables[{name!r}] replaced by jax.tree.map(lambda a: "
+        f"a.astype({str(new)!r}), variables[{name!r}]), then loop.run(data, variables)"
+    )
+
+
 def _in_optimizer_state(path: Any) -> bool:
     """Whether a step-state leaf's path is in a trainer's optimizer state."""
     return bool(path) and getattr(path[0], "key", None) == "opt_state"
@@ -153,7 +177,7 @@ def check_step_keeps_state(step: Any, step_state: Any, batch: Any) -> None:
                 f"the step changes step_state{jax.tree_util.keystr(path)} from dtype "
                 f"{a.dtype} shape {a.shape} to dtype {b.dtype} shape {b.shape}; a step must "
                 f"keep every leaf's dtype and shape (the loop carries the state through a "
-                f"device loop). " + (_OPTIMIZER_FIX if _in_optimizer_state(path) else _CAST_FIX)
+                f"device loop). " + _fix_for(path, a.dtype, b.dtype)
             )
 
 
