@@ -200,3 +200,12 @@ def test_a_batch_that_is_not_x_y(batch, fuse):
 
 def test_errors_are_value_errors_and_fusion_error_is_one_too():
     assert issubclass(fl.FusionError, ValueError)
+
+
+def test_metric_loss_says_where_the_loss_already_is():
+    model = fl.models.mlp([3])
+    trainer = fl.trainer(model, "sparse_categorical_cross_entropy", "sgd")
+    with pytest.raises(ValueError, match=r"already tracks its loss as state.metrics\['loss'\]"):
+        trainer.metric("loss")
+    with pytest.raises(ValueError, match=r"fl.evaluator\(model, loss\)"):
+        fl.evaluator(model).metric("loss")

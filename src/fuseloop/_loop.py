@@ -21,6 +21,7 @@ from ._loop_args import (
     check_step_functions,
     check_trainer_options,
     known_metrics,
+    refuse_loss_metric,
     refuse_second_validation,
     refuse_validation_names,
     warn_unused_seed,
@@ -93,6 +94,7 @@ class Loop(HandlerBuilders):
             ['accuracy', 'loss']
         """
         check_metric_name(name)
+        refuse_loss_metric(metric, self.program.kind, any(m.name == "loss" for m in self.metrics))
         if (
             self.program.kind == "custom"
             and isinstance(metric, str)

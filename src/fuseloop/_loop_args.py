@@ -25,6 +25,7 @@ __all__ = [
     "check_init_state",
     "check_handler",
     "warn_unused_seed",
+    "refuse_loss_metric",
     "refuse_validation_names",
     "refuse_second_validation",
 ]
@@ -183,3 +184,19 @@ def warn_unused_seed(model: Any, seed: int) -> None:
             f"nnx.Rngs({seed}) to change its initial weights and dropout masks",
             UserWarning,
         )
+
+
+def refuse_loss_metric(metric: Any, kind: str, tracked: bool) -> None:
+    """`.metric("loss")` on a trainer or an evaluator (`tracked`: it tracks "loss" itself):
+    a ValueError that says where the loss already is, or how to have it."""
+    if metric != "loss" or kind not in ("trainer", "evaluator"):
+        return
+    if tracked:
+        raise ValueError(
+            f"metric='loss': this {kind} already tracks its loss as state.metrics['loss']; "
+            f"to track another loss too, pass it as a callable with a name of its own, "
+            f"e.g. .metric(fn, name='mse')"
+        )
+    raise ValueError(
+        "metric='loss': an evaluator tracks a loss once it is given one: fl.evaluator(model, loss)"
+    )
