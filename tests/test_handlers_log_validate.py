@@ -256,3 +256,16 @@ def test_a_missing_or_closed_stdout_and_stderr_do_not_fail_the_run(monkeypatch, 
     closed.close()  # a stream the user passed and closed is their error: it raises
     with pytest.raises(ValueError, match="closed file"):
         quiet.run(DATA)
+
+
+def test_an_error_in_the_validation_data_says_it_is_the_validation_datas():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 4)).astype(np.float32), rng.integers(0, 3, 32).astype(np.int32)
+    bad = y[:16].copy()
+    bad[-1] = 5  # out of range for 3 classes, in the second validation batch
+    val = [(x[:8], bad[:8]), (x[8:16], bad[8:])]
+    model = fl.models.mlp([8, 3])
+    loop = fl.trainer(model, "sparse_categorical_cross_entropy", "sgd").validate(model, val)
+    with pytest.raises(ValueError, match="holds the label 5") as caught:
+        loop.run([(x[16:], y[16:])])
+    assert any("validate()'s data" in note for note in caught.value.__notes__)

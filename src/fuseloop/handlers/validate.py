@@ -171,7 +171,14 @@ class Validator:
         # A signal arriving meanwhile is caught by the training run's guard (nested runs
         # defer to the outermost one), which halts at its next host boundary.
         members = {} if population is None else {"population": population}
-        result = self.loop.run(self.data, params, fuse=self.fuse, **members)
+        try:
+            result = self.loop.run(self.data, params, fuse=self.fuse, **members)
+        except Exception as error:
+            error.add_note(
+                "fuseloop: raised by the evaluator's run over validate()'s data: a 'data:' "
+                "above is the validation data, its epoch and iteration that run's own"
+            )
+            raise
         return dict(result.metrics)
 
     def __call__(self, state: State) -> tuple[Status, State]:
