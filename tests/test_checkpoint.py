@@ -346,3 +346,11 @@ def test_states_compare_by_value_and_print_a_summary():
     assert nan == nan.replace()  # NaN equals NaN, as two histories of the same run do
     text = repr(state)
     assert len(text) < 400 and "step_state=<" in text and "epoch=1" in text
+
+
+def test_a_mode_without_criteria_is_refused(tmp_path):
+    # mode says which way criteria improves: alone, it would be ignored in silence.
+    loop = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "sgd")
+    with pytest.raises(ValueError, match=r"mode='max'.*no criteria is given.*criteria="):
+        loop.checkpoint(tmp_path, mode="max")
+    loop.checkpoint(tmp_path, mode="min")  # the default, said out loud: fine

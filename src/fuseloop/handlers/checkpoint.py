@@ -103,6 +103,12 @@ class Checkpointer:
             self.monitor = Monitor(criteria, mode, patience=0, key=key or f"checkpoint:{criteria}")
         elif mode not in ("min", "max"):
             raise ValueError(f"mode={mode!r} is not a mode; accepted values: min, max")
+        elif mode != "min":  # it says which way `criteria` improves; without one, nothing
+            raise ValueError(
+                f"mode={mode!r} says which way criteria improves, but no criteria is given, "
+                f"so every epoch would be saved: pass criteria= (the metric whose best "
+                f"epochs to save, e.g. criteria='validation_accuracy'), or leave mode out"
+            )
         self._manager: Any = None
         self._names = EpochNames()
         self._last_saved: tuple[int, int] | None = None
