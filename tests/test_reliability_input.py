@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -488,3 +489,34 @@ def test_sequences_padded_to_each_batchs_longest_are_told_to_pad_to_one_length(f
     loop = fl.trainer(fl.models.from_functions(model_init, apply), SPARSE, "sgd")
     with pytest.raises(ValueError, match=r"shape \(4, 7\).*pad sequences to one length"):
         loop.run(data, fuse=fuse)
+
+
+class _Buckets(nn.Module):
+    """Hashed feature ids, bucketed on the device: ids beyond int32 would wrap first."""
+
+    @nn.compact
+    def __call__(self, ids: Any) -> Any:
+        return nn.Embed(10, 3)(ids[:, 0] % 10)
+
+
+def _ids(wide_at: int | None) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.arange(24, dtype=np.int64)[:, None]  # int64, in int32's range
+    if wide_at is not None:
+        ids[wide_at] = 2**33 + 7  # narrowed to int32 on the device: 7
+    return ids, (np.arange(24) % 3).astype(np.int64)
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+@pytest.mark.parametrize("source", ["list", "arrays", "resident"])
+def test_int64_values_beyond_32_bits_are_refused_not_wrapped(source, fuse):
+    loop = fl.trainer(_Buckets(), "sparse_categorical_cross_entropy", "sgd")
+
+    def data(wide_at: int | None) -> Any:
+        ids, y = _ids(wide_at)
+        if source == "list":
+            return [(ids[i : i + 4], y[i : i + 4]) for i in range(0, 24, 4)]
+        return fl.data.arrays(ids, y, 4, shuffle=False, device=source == "resident")
+
+    loop.run(data(None), epochs=1, fuse=fuse)  # int64 ids and labels in range: fine
+    with pytest.raises(ValueError, match=r"x holds int64 values beyond int32's range.*8589934599"):
+        loop.run(data(13), epochs=1, fuse=fuse)  # in a later batch than the first

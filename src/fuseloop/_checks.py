@@ -16,8 +16,9 @@ which costs a few microseconds; only a batch whose signature was never seen is d
 
 Integer labels of a sparse cross-entropy, and a binary cross-entropy's targets (in [0, 1]),
 are range-checked on the host when they are numpy arrays (labels already on the device are
-not read back; `_batch_checks.LabelRule`). float64 inputs, which JAX casts to
-float32 while 64-bit mode is off, warn once per run.
+not read back; `_batch_checks.LabelRule`). What JAX narrows while 64-bit mode is off is
+checked in `_narrowing.py`: float64 warns once per run, a 64-bit integer beyond 32 bits is
+refused.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ._batch_checks import check_pair_sizes, check_python_lists, leaf_signature,
 from ._fusion import FusionError
 from ._label_checks import LabelChecks
 from ._model_fit import ModelFit, abstract
+from ._narrowing import Narrowing
 from ._step import require_pair
 from ._step_state_check import check_optimizer_fits, check_step_keeps_state, explain_step_change
 from ._warn import warn
@@ -60,7 +62,7 @@ class Checker:
         self.first_batch: Any = None
         self.step_signature: Any = None  # a deferred step check's state signature
         self.labels = LabelChecks()
-        self.warned_float64 = False
+        self.narrowing = Narrowing()
 
     # ----------------------------------------------------------------- entry points
     def first(self, batch: Any, source: Any = None) -> None:
@@ -86,7 +88,9 @@ class Checker:
             self.names, any_float64, fit = known
             self.fit.restore(fit)
             if any_float64:  # only then are the leaves looked at
-                self._warn_float64(leaves)
+                self.narrowing.warn_float64(self.names, leaves)
+        self.narrowing.note(expected)
+        self.narrowing.batch(self.names, leaves, "the run's first batch")
         if self.pairs and not self.labels.settle(self.fit.labels):
             self.labels.batch(self.fit.labels, batch, "the run's first batch")
 
@@ -101,7 +105,7 @@ class Checker:
         self.names = tuple(self._leaf_name(path) for path, _ in paths)
         any_float64 = any(dtype == np.float64 for _, dtype in self.expected)
         if any_float64:
-            self._warn_float64(leaves)
+            self.narrowing.warn_float64(self.names, leaves)
         if self.pairs:
             self.fit.check_first(batch)
         return self.names, any_float64, self.fit.verdict()
@@ -130,6 +134,8 @@ class Checker:
     def stacked(self, chunk: Any, n: int, epoch: int, first_iteration: int) -> None:
         """Called with a stacked chunk of `n` live batches: its labels, in one pass."""
         self.labels.chunk(self.fit.labels, chunk, n, epoch, first_iteration)
+        where = f"epoch {epoch}, iterations {first_iteration}-{first_iteration + n - 1}"
+        self.narrowing.batch(self.names, jax.tree.leaves(chunk), where)
 
     # ----------------------------------------------------------------- per batch
     def _check(
@@ -141,6 +147,7 @@ class Checker:
         signature = tuple(leaf_signature(leaf) for leaf in leaves)
         if signature not in self.accepted or treedef != self.treedef:
             self._diagnose(batch, leaves, treedef, signature, epoch, iteration, fused)
+        self.narrowing.batch(self.names, leaves, f"epoch {epoch}, iteration {iteration}")
         if labels:
             self.labels.batch(self.fit.labels, batch, f"epoch {epoch}, iteration {iteration}")
 
@@ -177,7 +184,7 @@ class Checker:
             ragged_sizes.add(actual[0][0])
         if ragged_sizes:
             self._allow_ragged(ragged_sizes, where)
-        self._warn_float64(leaves)
+        self.narrowing.warn_float64(self.names, leaves)
         self.accepted.add(signature)
 
     @staticmethod
@@ -282,25 +289,6 @@ class Checker:
             return ("x", "y")[path[0].idx] + jax.tree_util.keystr(path[1:])
         return "batch" + jax.tree_util.keystr(path)
 
-    def _warn_float64(self, leaves: list[Any]) -> None:
-        if self.warned_float64 or jax.config.read("jax_enable_x64"):
-            return
-        wide = [
-            name
-            for name, leaf in zip(self.names, leaves, strict=True)
-            if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype == np.float64
-        ]
-        if wide:
-            self.warned_float64 = True
-            which = f"leaf {wide[0]} is" if len(wide) == 1 else f"leaves {', '.join(wide)} are"
-            warn(
-                f"data: {which} float64, but JAX runs with 64-bit mode off, so "
-                f"{'it is' if len(wide) == 1 else 'they are'} cast to float32 on the device. "
-                f"Convert with .astype(np.float32) to silence this warning (or enable "
-                f"jax_enable_x64 for float64 math)",
-                UserWarning,
-            )
-
     def dataset(self, data: Any) -> None:
         """Called once per run with the data source: the labels of a whole in-memory
         dataset (`fl.data.arrays`, device-resident or not) are range-checked here on the
@@ -309,7 +297,8 @@ class Checker:
         batch drawn from them (`LabelChecks`). Where the rule is known only with the run's
         variables, `variables` checks them."""
         if getattr(data, "resident", False):  # the host never sees its batches' dtypes
-            self._warn_float64(jax.tree.leaves((data.x, data.y)))
+            self.narrowing.warn_float64(self.names, jax.tree.leaves((data.x, data.y)))
+        self.narrowing.dataset(self.names, data)
         self.labels.use(data)
         self.labels.dataset(self.fit.labels)
 

@@ -288,12 +288,11 @@ def _watch(
 
 
 def _beats(monitor: Any, value: Any, record: Any) -> Any:
-    """`Monitor.improves` on the device: the host compares `value` with `best - min_delta`
-    (mode "max": `+`) computed in float64, so the device may not round `best - min_delta` to
-    float32 first (1.0 - 0.1 is 0.9 in float32, and 0.9f would not beat it; in float64 it
-    does). It keeps the difference unrounded instead, as a float32 sum `s + t` (Knuth's
-    two-sum, with min_delta split into two float32s), and compares `value - s`, exact
-    near the threshold where it matters, with `t`."""
+    """`Monitor.improves` on the device. The host compares `value` with `best - min_delta`
+    (mode "max": `+`) in float64; rounded to float32, 1.0 - 0.1 is 0.9f, which 0.9f does not
+    beat. So the difference is kept unrounded, as a float32 sum `s + t` (Knuth's two-sum;
+    min_delta split in two float32s), and `value - s`, exact near the threshold, is
+    compared with `t`."""
     best = record["best"]
     sign = -1.0 if monitor.mode == "min" else 1.0
     if monitor.min_delta == 0:

@@ -1,0 +1,101 @@
+"""What JAX narrows on its way to the device while 64-bit mode is off (`jax_enable_x64`).
+
+float64 leaves become float32: a warning, once per run, since the values only round.
+int64 and uint64 leaves become int32 and uint32: values beyond 32 bits would wrap around (a
+hashed feature id 2**33 + 7 becomes 7) and the model would silently see other data, so a
+batch holding such a value is refused, with the fix. Only numpy arrays are read (a jax array
+is on the device already, narrowed when it was made).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._warn import warn
+
+__all__ = ["Narrowing"]
+
+_WIDE_INTS = {np.dtype(np.int64): np.int32, np.dtype(np.uint64): np.uint32}
+# In-memory datasets (`fl.data.arrays`) found in range: they hold private copies of their
+# arrays, so a later run over one need not read them again.
+_IN_RANGE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+class Narrowing:
+    """The checks of one run's data against JAX's narrowing (x64 off)."""
+
+    def __init__(self) -> None:
+        self.warned_float64 = False
+        self.ints = False  # the run's batches have 64-bit integer leaves to read
+        self.vouched = False  # ... all drawn from a dataset found in range
+
+    def note(self, expected: Sequence[tuple[Any, Any]]) -> None:
+        """A run's first batch's `(shape, dtype)` per leaf: whether its batches are read."""
+        dtypes = [dtype for _, dtype in expected if isinstance(dtype, np.dtype)]
+        self.ints = not jax.config.read("jax_enable_x64") and any(
+            dtype in _WIDE_INTS for dtype in dtypes
+        )
+        self.vouched = False
+
+    def batch(self, names: Sequence[str], leaves: Sequence[Any], where: str) -> None:
+        """Checks a batch's (or a stacked chunk's) 64-bit integer leaves, where needed."""
+        if self.ints and not self.vouched:
+            self.check_ints(names, leaves, where)
+
+    def dataset(self, names: Sequence[str], data: Any) -> None:
+        """Checks a whole in-memory dataset (`fl.data.arrays`) once; in range, it vouches
+        for the batches drawn from it."""
+        if not hasattr(data, "x") or not hasattr(data, "y"):
+            return  # (device-resident data: its batches are narrowed already; its arrays not)
+        if data not in _IN_RANGE:
+            self.check_ints(names, jax.tree.leaves((data.x, data.y)), "fl.data.arrays")
+            _IN_RANGE.add(data)
+        self.vouched = True
+
+    def warn_float64(self, names: Sequence[str], leaves: Sequence[Any]) -> None:
+        """Warns (once per run) of the float64 numpy leaves among `leaves`."""
+        if self.warned_float64 or jax.config.read("jax_enable_x64"):
+            return
+        wide = [name for name, leaf in zip(names, leaves, strict=True) if _numpy_of(leaf, "f8")]
+        if wide:
+            self.warned_float64 = True
+            which = f"leaf {wide[0]} is" if len(wide) == 1 else f"leaves {', '.join(wide)} are"
+            warn(
+                f"data: {which} float64, but JAX runs with 64-bit mode off, so "
+                f"{'it is' if len(wide) == 1 else 'they are'} cast to float32 on the device. "
+                f"Convert with .astype(np.float32) to silence this warning (or enable "
+                f"jax_enable_x64 for float64 math)",
+                UserWarning,
+            )
+
+    @staticmethod
+    def check_ints(names: Sequence[str], leaves: Sequence[Any], where: str) -> None:
+        """Raises a ValueError where a 64-bit integer numpy leaf holds a value its 32-bit
+        narrowing would change (`where`: the batch or dataset, for the message)."""
+        if jax.config.read("jax_enable_x64"):
+            return
+        for name, leaf in zip(names, leaves, strict=True):
+            narrow = _WIDE_INTS.get(leaf.dtype) if isinstance(leaf, np.ndarray) else None
+            if narrow is None or not leaf.size:
+                continue
+            low, high = leaf.min(), leaf.max()
+            limits = np.iinfo(narrow)
+            if low < limits.min or high > limits.max:
+                beyond = int(high if high > limits.max else low)
+                raise ValueError(
+                    f"data: {where}: {name} holds {leaf.dtype} values beyond "
+                    f"{np.dtype(narrow).name}'s range (e.g. {beyond}), but JAX runs with "
+                    f"64-bit mode off and narrows them to {np.dtype(narrow).name} on the "
+                    f"device, where they would wrap around. Map them into range on the host "
+                    f"(e.g. ids % n_buckets, or a lookup table of the ids seen), or enable "
+                    f"jax_enable_x64"
+                )
+
+
+def _numpy_of(leaf: Any, kind: str) -> bool:
+    return isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype == np.dtype(kind)
