@@ -520,3 +520,18 @@ def test_int64_values_beyond_32_bits_are_refused_not_wrapped(source, fuse):
     loop.run(data(None), epochs=1, fuse=fuse)  # int64 ids and labels in range: fine
     with pytest.raises(ValueError, match=r"x holds int64 values beyond int32's range.*8589934599"):
         loop.run(data(13), epochs=1, fuse=fuse)  # in a later batch than the first
+
+
+@pytest.mark.parametrize("leaf", ["x", "y"])
+def test_a_big_endian_array_is_refused_with_the_conversion_and_arrays_converts_it(leaf):
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    y = (np.arange(16) % 3).astype(np.int32)
+    swapped = {"x": x, "y": y}[leaf].astype({"x": ">f4", "y": ">i4"}[leaf])
+    batch = (swapped, y) if leaf == "x" else (x, swapped)
+    loop = fl.trainer(fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy", "sgd")
+    with pytest.raises(ValueError, match=rf"{leaf} is a big-endian array.*{leaf}\.astype\("):
+        loop.run([batch])
+    # fl.data.arrays copies its arrays anyway, into the machine's byte order: same values.
+    native = loop.run(fl.data.arrays(x, y, 16, shuffle=False, device=True))
+    converted = loop.run(fl.data.arrays(*batch, 16, shuffle=False, device=True))
+    assert native.history == converted.history

@@ -103,6 +103,7 @@ class Checker:
             check_pair_sizes(batch, "the run's first batch")
         paths = jax.tree_util.tree_flatten_with_path(batch)[0]
         self.names = tuple(self._leaf_name(path) for path, _ in paths)
+        self.narrowing.refuse_byte_order(self.names, self.expected)
         any_float64 = any(dtype == np.float64 for _, dtype in self.expected)
         if any_float64:
             self.narrowing.warn_float64(self.names, leaves)

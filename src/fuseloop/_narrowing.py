@@ -1,10 +1,12 @@
-"""What JAX narrows on its way to the device while 64-bit mode is off (`jax_enable_x64`).
+"""What JAX narrows on its way to the device while 64-bit mode is off (`jax_enable_x64`),
+and a byte order it does not take.
 
 float64 leaves become float32: a warning, once per run, since the values only round.
 int64 and uint64 leaves become int32 and uint32: values beyond 32 bits would wrap around (a
 hashed feature id 2**33 + 7 becomes 7) and the model would silently see other data, so a
 batch holding such a value is refused, with the fix. Only numpy arrays are read (a jax array
-is on the device already, narrowed when it was made).
+is on the device already, narrowed when it was made). A big-endian array is refused with
+the conversion that fixes it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 
 from ._warn import warn
 
-__all__ = ["Narrowing"]
+__all__ = ["Narrowing", "native_copy"]
 
 _WIDE_INTS = {np.dtype(np.int64): np.int32, np.dtype(np.uint64): np.uint32}
 # In-memory datasets (`fl.data.arrays`) found in range: they hold private copies of their
@@ -41,6 +43,18 @@ class Narrowing:
             dtype in _WIDE_INTS for dtype in dtypes
         )
         self.vouched = False
+
+    @staticmethod
+    def refuse_byte_order(names: Sequence[str], expected: Sequence[tuple[Any, Any]]) -> None:
+        """A big-endian numpy leaf, which JAX cannot take: a ValueError with the fix."""
+        for name, (_, dtype) in zip(names, expected, strict=True):
+            if isinstance(dtype, np.dtype) and dtype.byteorder not in "=|":
+                raise ValueError(
+                    f"data: {name} is a big-endian array (dtype {dtype.str}), which JAX does "
+                    f"not take: convert it to the machine's byte order, e.g. "
+                    f"{name}.astype({dtype.newbyteorder('=').name!r}) (fl.data.arrays does "
+                    f"so itself)"
+                )
 
     def batch(self, names: Sequence[str], leaves: Sequence[Any], where: str) -> None:
         """Checks a batch's (or a stacked chunk's) 64-bit integer leaves, where needed."""
@@ -95,6 +109,13 @@ class Narrowing:
                     f"(e.g. ids % n_buckets, or a lookup table of the ids seen), or enable "
                     f"jax_enable_x64"
                 )
+
+
+def native_copy(leaf: Any) -> np.ndarray:
+    """A copy of `leaf` in the machine's byte order (the same values; JAX takes no
+    big-endian array)."""
+    copy = np.array(leaf)
+    return copy if copy.dtype.byteorder in "=|" else copy.astype(copy.dtype.newbyteorder("="))
 
 
 def _numpy_of(leaf: Any, kind: str) -> bool:

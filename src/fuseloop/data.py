@@ -23,6 +23,7 @@ import numpy as np
 
 from ._batch_checks import is_number_list
 from ._epoch_order import EpochOrder
+from ._narrowing import native_copy
 from ._shards import local_indices, place_rows
 
 __all__ = ["arrays", "ArraySource"]
@@ -37,7 +38,7 @@ def _named_leaves(tree: Any, name: str) -> list[tuple[str, np.ndarray]]:
 
 
 def _read_only_copy(leaf: Any) -> np.ndarray:
-    copy = np.array(leaf)
+    copy = native_copy(leaf)
     copy.flags.writeable = False
     return copy
 
@@ -138,7 +139,7 @@ class ArraySource:
         self.batch_size = _check_int(batch_size, "batch_size", 1)
         self.n = _leading_size(x, y)
         # Host copies: later edits to the caller's arrays do not change the dataset.
-        self.x = jax.tree.map(np.array, x)
+        self.x = jax.tree.map(native_copy, x)
         self.y = jax.tree.map(_read_only_copy, y)  # read-only: its checked labels stay so
         full, remainder = divmod(self.n, self.batch_size)
         if self.drop_remainder and full == 0:
