@@ -368,3 +368,19 @@ def test_probability_outputs_are_warned_about_in_bf16_populations_and_evaluators
             fl.trainer(model, loss, "adam").run(data, population={"learning_rate": [0.1, 0.2]})
         else:
             fl.trainer(model, loss, "adam").run(data)
+
+
+class _SyncedNorm(nn.Module):
+    """A BatchNorm written for pmap: its statistics reduce over a named axis."""
+
+    @nn.compact
+    def __call__(self, x: Any, train: bool = False) -> Any:
+        x = nn.BatchNorm(use_running_average=not train, axis_name="batch")(nn.Dense(8)(x))
+        return nn.Dense(3)(x)
+
+
+def test_a_named_axis_collective_is_named_not_blamed_on_x():
+    x = np.random.default_rng(0).normal(size=(8, 6)).astype(np.float32)
+    loop = fl.trainer(_SyncedNorm(), "sparse_categorical_cross_entropy", "sgd")
+    with pytest.raises(ValueError, match=r"^model: it reduces over the named axis 'batch'.*Leave"):
+        loop.run([(x, np.zeros(8, np.int32))])

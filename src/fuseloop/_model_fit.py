@@ -17,10 +17,12 @@ import numpy as np
 
 from ._batch_checks import LabelRule
 from ._metrics import fits_output, resolve_loss
+from ._model_fit_advice import fix_for_x as _fix_for_x
+from ._model_fit_advice import unbound_axis
 from ._outputs import require_one_prediction
 from ._placement import device_dtype
 from ._variables_diff import first_difference as _first_difference
-from .models import ModelModeError, from_equinox, from_nnx, linen
+from .models import ModelModeError, from_nnx, linen
 
 __all__ = ["ModelFit", "SPARSE", "abstract", "needs_rng"]
 
@@ -43,35 +45,6 @@ def _describe(tree: Any, name: str) -> str:
 def _named_shapes(tree: Any, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     return [(prefix + jax.tree_util.keystr(path), tuple(np.shape(leaf))) for path, leaf in flat]
-
-
-# "__call__() missing 1 required positional argument: 'b'": inputs taken separately.
-_SEPARATE_INPUTS = re.compile(r"missing \d+ required positional argument")
-_DTYPES = re.compile(r"same dtypes?, got|dtype mismatch|incompatible dtypes", re.IGNORECASE)
-
-
-def _fix_for_x(x: Any, error: BaseException, model: Any) -> str:
-    """The advice for an x the model rejects: its shape, or, where the model wanted more
-    arguments, how fuseloop calls it (one x); for an equinox module, how it is applied."""
-    if _SEPARATE_INPUTS.search(str(error)):
-        given = type(x).__name__ if isinstance(x, (tuple, list, dict)) else "x"
-        return (
-            f"fuseloop calls the model with x as one argument (model(x)), so a model taking "
-            f"more arguments gets only the {given}: take one argument and unpack it "
-            f"(def __call__(self, x): a, b = x), or give the others defaults"
-        )
-    if isinstance(model, from_equinox) and not model.batched:
-        return (
-            "An equinox module is applied to one example at a time (vmapped over the batch "
-            "axis): give x the shape one example has after the batch axis, or, for a module "
-            "written for a whole batch, pass fl.models.from_equinox(module, batched=True)"
-        )
-    if _DTYPES.search(str(error)):
-        return (
-            "Give x the dtype the model computes in (cast the data, e.g. x.astype(np.float32), "
-            "or build the model with that dtype)"
-        )
-    return "Give x the shape the model expects (the batch axis first)"
 
 
 def abstract(leaf: Any) -> Any:
@@ -219,6 +192,9 @@ class ModelFit:
         applying = f"applying the model to the first batch's x ({_describe(x, 'x')})"
         if needs_rng(error):
             return self._rng_error(error, applying)
+        collective = unbound_axis(error, applying)
+        if collective is not None:
+            return collective
         if not jax.tree.leaves(variables):
             if whose == FRESH:
                 return ValueError(

@@ -1,0 +1,57 @@
+"""What to tell a user whose x the model rejects on the first batch (`_model_fit.py` says
+that it does not fit; this module, what to do about it)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .models import from_equinox
+
+__all__ = ["fix_for_x", "unbound_axis"]
+
+# "__call__() missing 1 required positional argument: 'b'": inputs taken separately.
+_SEPARATE_INPUTS = re.compile(r"missing \d+ required positional argument")
+_DTYPES = re.compile(r"same dtypes?, got|dtype mismatch|incompatible dtypes", re.IGNORECASE)
+# flax's BatchNorm(axis_name=...) reduces with a collective over a named axis.
+_AXIS_NAME = re.compile(r"unbound axis name: (\w+)")
+
+
+def fix_for_x(x: Any, error: BaseException, model: Any) -> str:
+    """The advice for an x the model rejects: its shape, or, where the model wanted more
+    arguments, how fuseloop calls it (one x); for an equinox module, how it is applied."""
+    if _SEPARATE_INPUTS.search(str(error)):
+        given = type(x).__name__ if isinstance(x, (tuple, list, dict)) else "x"
+        return (
+            f"fuseloop calls the model with x as one argument (model(x)), so a model taking "
+            f"more arguments gets only the {given}: take one argument and unpack it "
+            f"(def __call__(self, x): a, b = x), or give the others defaults"
+        )
+    if isinstance(model, from_equinox) and not model.batched:
+        return (
+            "An equinox module is applied to one example at a time (vmapped over the batch "
+            "axis): give x the shape one example has after the batch axis, or, for a module "
+            "written for a whole batch, pass fl.models.from_equinox(module, batched=True)"
+        )
+    if _DTYPES.search(str(error)):
+        return (
+            "Give x the dtype the model computes in (cast the data, e.g. x.astype(np.float32), "
+            "or build the model with that dtype)"
+        )
+    return "Give x the shape the model expects (the batch axis first)"
+
+
+def unbound_axis(error: BaseException, applying: str) -> ValueError | None:
+    """The ValueError for a model that reduces over a named axis (None for other errors):
+    x is not its problem, the collective is."""
+    axis = _AXIS_NAME.search(str(error))
+    if axis is None:
+        return None
+    return ValueError(
+        f"model: it reduces over the named axis {axis.group(1)!r} (as "
+        f"nn.BatchNorm(axis_name=...) does), which exists only inside jax.pmap or shard_map: "
+        f"{applying} fails with NameError: unbound axis name {axis.group(1)}. x is not the "
+        f"problem; fuseloop runs its steps under jit. Leave axis_name out: one device needs "
+        f"none, and over several (run(..., mesh=...)) the statistics are computed over the "
+        f"whole global batch without it"
+    )
