@@ -5,26 +5,17 @@ Re-exported from `fuseloop.models` (as `fl.models.from_functions`).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
-from ._linen import flag_values, flags_among
+from ._linen import flag_values, flags_among, parameters_of
 
 __all__ = ["from_functions", "takes_keyword"]
 
 
 def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
     """Whether `fn`'s signature has a parameter called `name` (False when it has none)."""
-    return name in _parameters(fn)
-
-
-def _parameters(fn: Callable[..., Any]) -> Any:
-    """`fn`'s parameters by name (empty where it has no signature)."""
-    try:
-        return inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return {}
+    return name in parameters_of(fn)
 
 
 class from_functions:  # noqa: N801 - reads as a constructor
@@ -48,7 +39,7 @@ class from_functions:  # noqa: N801 - reads as a constructor
 
     def __init__(self, init_fn: Callable[..., Any], apply_fn: Callable[..., Any]):
         self.init_fn, self.apply_fn = init_fn, apply_fn
-        self.flags = flags_among(_parameters(apply_fn), "apply_fn")
+        self.flags = flags_among(parameters_of(apply_fn), "apply_fn")
         self.takes_rng = takes_keyword(apply_fn, "rng")
 
     def init(self, rng: Any, x: Any) -> Any:

@@ -12,7 +12,15 @@ from typing import Any
 import flax
 import flax.linen as nn
 
-__all__ = ["TRAIN_FLAGS", "ModelModeError", "call_flags", "flag_values", "flags_among", "linen"]
+__all__ = [
+    "TRAIN_FLAGS",
+    "ModelModeError",
+    "call_flags",
+    "flag_values",
+    "flags_among",
+    "linen",
+    "parameters_of",
+]
 
 # `__call__` flags that switch a flax.linen module between training and evaluation, and
 # the value each takes while training.
@@ -35,12 +43,17 @@ class ModelModeError(ValueError):
     """
 
 
-def _call_signature(module: Any) -> Any:
-    """`module.__call__`'s parameters by name (empty where it has no signature)."""
+def parameters_of(fn: Any) -> Any:
+    """`fn`'s parameters by name (empty where it has no signature)."""
     try:
-        return inspect.signature(type(module).__call__).parameters
+        return inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return {}
+
+
+def _call_signature(module: Any) -> Any:
+    """`module.__call__`'s parameters by name (empty where it has no signature)."""
+    return parameters_of(type(module).__call__)
 
 
 def _call_parameters(module: Any) -> tuple[str, ...]:
