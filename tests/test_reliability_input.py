@@ -535,3 +535,14 @@ def test_a_big_endian_array_is_refused_with_the_conversion_and_arrays_converts_i
     native = loop.run(fl.data.arrays(x, y, 16, shuffle=False, device=True))
     converted = loop.run(fl.data.arrays(*batch, 16, shuffle=False, device=True))
     assert native.history == converted.history
+
+
+def test_a_dataset_used_under_x64_is_still_checked_once_x64_is_off():
+    # Under x64 nothing is narrowed and nothing is read: the dataset is not vouched for.
+    ids, y = _ids(13)
+    data = fl.data.arrays(ids, y, 4, shuffle=False)
+    loop = fl.trainer(_Buckets(), "sparse_categorical_cross_entropy", "sgd")
+    with jax.enable_x64(True):
+        loop.run(data, epochs=1)
+    with pytest.raises(ValueError, match=r"x holds int64 values beyond int32's range"):
+        loop.run(data, epochs=1, fuse=4)

@@ -121,36 +121,40 @@ class Checker:
         Only the chunk's first batch is compared with the run's first (a mismatch there
         would compile the fused program again); stacking compares every other batch with
         it (one that is not a pair fails to stack, and `explain_chunk` names it), and
-        `stacked` checks the labels of the whole chunk at once.
+        `stacked` reads the values of the whole chunk at once (labels, 64-bit integers).
         """
         if batches[0] is not self.first_batch:  # the run's first batch: checked already
-            self._check(batches[0], epoch, first_iteration, fused=True, labels=False)
+            self._check(batches[0], epoch, first_iteration, fused=True, values=False)
 
     def explain_chunk(self, batches: list[Any], epoch: int, first_iteration: int) -> None:
         """Checks every batch of a chunk that failed to stack, to raise the error that names
         the leaf (`x`, `y`, `x['key']`) rather than its position."""
         for offset, batch in enumerate(batches):
-            self._check(batch, epoch, first_iteration + offset, fused=True, labels=False)
+            self._check(batch, epoch, first_iteration + offset, fused=True, values=False)
 
     def stacked(self, chunk: Any, n: int, epoch: int, first_iteration: int) -> None:
-        """Called with a stacked chunk of `n` live batches: its labels, in one pass."""
+        """Called with a stacked chunk of `n` live batches: its labels and 64-bit integers,
+        in one pass."""
         self.labels.chunk(self.fit.labels, chunk, n, epoch, first_iteration)
         where = f"epoch {epoch}, iterations {first_iteration}-{first_iteration + n - 1}"
         self.narrowing.batch(self.names, jax.tree.leaves(chunk), where)
 
     # ----------------------------------------------------------------- per batch
     def _check(
-        self, batch: Any, epoch: int, iteration: int, fused: bool, labels: bool = True
+        self, batch: Any, epoch: int, iteration: int, fused: bool, values: bool = True
     ) -> None:
+        """`values`: read the batch's values here (labels, 64-bit integers); a fused
+        chunk's are read once, stacked (`stacked`)."""
         if self.treedef is None:  # no first batch was seen: this one sets the reference
             self.first(batch, self.labels.source)
         leaves, treedef = jax.tree.flatten(batch)
         signature = tuple(leaf_signature(leaf) for leaf in leaves)
         if signature not in self.accepted or treedef != self.treedef:
             self._diagnose(batch, leaves, treedef, signature, epoch, iteration, fused)
-        self.narrowing.batch(self.names, leaves, f"epoch {epoch}, iteration {iteration}")
-        if labels:
-            self.labels.batch(self.fit.labels, batch, f"epoch {epoch}, iteration {iteration}")
+        if values:
+            where = f"epoch {epoch}, iteration {iteration}"
+            self.narrowing.batch(self.names, leaves, where)
+            self.labels.batch(self.fit.labels, batch, where)
 
     def _diagnose(
         self,

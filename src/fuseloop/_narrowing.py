@@ -64,8 +64,8 @@ class Narrowing:
     def dataset(self, names: Sequence[str], data: Any) -> None:
         """Checks a whole in-memory dataset (`fl.data.arrays`) once; in range, it vouches
         for the batches drawn from it."""
-        if not hasattr(data, "x") or not hasattr(data, "y"):
-            return  # (device-resident data: its batches are narrowed already; its arrays not)
+        if not hasattr(data, "x") or not hasattr(data, "y") or jax.config.read("jax_enable_x64"):
+            return  # not an in-memory dataset, or nothing is narrowed (and nothing vouched)
         if data not in _IN_RANGE:
             self.check_ints(names, jax.tree.leaves((data.x, data.y)), "fl.data.arrays")
             _IN_RANGE.add(data)
