@@ -62,7 +62,7 @@ def warn_about_model(
         if final == applies or _outputs_look_like(program.model, step_state["params"], x, applies):
             _warn_loss(program.loss, applies)
     elif final is not None and (len(shape) < 2 or shape[-1] == 1):
-        _warn_metrics(classifying)  # one output per example, read as a binary logit
+        _warn_metrics(classifying, final)  # one output per example, read as a binary logit
 
 
 def _warn_loss(loss: str, applies: str) -> None:
@@ -79,13 +79,13 @@ def _warn_loss(loss: str, applies: str) -> None:
     )
 
 
-def _warn_metrics(names: Sequence[str]) -> None:
+def _warn_metrics(names: Sequence[str], final: str) -> None:
     listed = ", ".join(repr(name) for name in names)
     warn(
-        f"model: its output is a probability per example (a final sigmoid), but the built-in "
+        f"model: its output is a probability per example (a final {final}), but the built-in "
         f"metric(s) {listed} read one output per example as a binary logit, thresholded at "
         f"0: every probability would count as a positive prediction. Remove the model's "
-        f"final sigmoid and train with loss='binary_cross_entropy' (it takes logits, as "
+        f"final {final} and train with loss='binary_cross_entropy' (it takes logits, as "
         f"optax's losses do; apply jax.nn.sigmoid to fl.predict's outputs), or pass a metric "
         f"of your own: .metric(lambda y, p: (p > 0.5) == (y > 0.5), name='accuracy')",
         UserWarning,
