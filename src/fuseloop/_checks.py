@@ -136,8 +136,9 @@ class Checker:
         """Called with a stacked chunk of `n` live batches: its labels and 64-bit integers,
         in one pass."""
         self.labels.chunk(self.fit.labels, chunk, n, epoch, first_iteration)
-        where = f"epoch {epoch}, iterations {first_iteration}-{first_iteration + n - 1}"
-        self.narrowing.batch(self.names, jax.tree.leaves(chunk), where)
+        if self.narrowing.reads:  # only then: this runs for every chunk
+            where = f"epoch {epoch}, iterations {first_iteration}-{first_iteration + n - 1}"
+            self.narrowing.batch(self.names, jax.tree.leaves(chunk), where)
 
     # ----------------------------------------------------------------- per batch
     def _check(

@@ -56,9 +56,14 @@ class Narrowing:
                     f"so itself)"
                 )
 
+    @property
+    def reads(self) -> bool:
+        """Whether a batch's 64-bit integer leaves are to be read."""
+        return self.ints and not self.vouched
+
     def batch(self, names: Sequence[str], leaves: Sequence[Any], where: str) -> None:
         """Checks a batch's (or a stacked chunk's) 64-bit integer leaves, where needed."""
-        if self.ints and not self.vouched:
+        if self.reads:
             self.check_ints(names, leaves, where)
 
     def dataset(self, names: Sequence[str], data: Any) -> None:
