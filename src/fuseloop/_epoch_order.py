@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["EpochOrder"]
+__all__ = ["EpochOrder", "abstract_key", "prng_impl"]
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,7 @@ class EpochOrder:
 
     def key(self) -> np.ndarray:
         """The seed's raw PRNG key, on the host (made once per seed and PRNG kind)."""
-        impl = getattr(jax.config, "jax_default_prng_impl")  # noqa: B009 (untyped flag)
-        return _seed_key(self.seed, str(impl))
+        return _seed_key(self.seed, prng_impl())
 
     def permutation(self, key: Any, epoch: Any) -> jax.Array:
         """`int32[n]`: the order of every example in `epoch` (`key`: a raw PRNG key)."""
@@ -83,3 +82,20 @@ def _seed_key(seed: int, impl: str) -> np.ndarray:
     key = np.asarray(jax.random.PRNGKey(seed))
     key.flags.writeable = False  # shared by every order of this seed
     return key
+
+
+def prng_impl() -> str:
+    """The PRNG kind in force (`jax_default_prng_impl`): caches of keys are keyed by it."""
+    return str(getattr(jax.config, "jax_default_prng_impl"))  # noqa: B009 (untyped flag)
+
+
+def abstract_key() -> jax.ShapeDtypeStruct:
+    """The shape and dtype of a raw `jax.random.PRNGKey` under the PRNG kind in force:
+    `uint32[2]` for JAX's default threefry, `uint32[4]` for "rbg" and "unsafe_rbg".
+
+    Example:
+        >>> abstract_key()
+        ShapeDtypeStruct(shape=(2,), dtype=uint32)
+    """
+    key = _seed_key(0, prng_impl())
+    return jax.ShapeDtypeStruct(key.shape, key.dtype)

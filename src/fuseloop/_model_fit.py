@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._batch_checks import LabelRule
+from ._epoch_order import abstract_key
 from ._metrics import fits_output, resolve_loss
 from ._model_fit_advice import fix_for_x as _fix_for_x
 from ._model_fit_advice import unbound_axis
@@ -146,7 +147,7 @@ class ModelFit:
             raise RuntimeError("check_variables: no batch has been seen yet (internal error)")
         model, xs = self.program.model, self.first_x[1]
         train = self.program.kind == "trainer"
-        key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+        key = abstract_key()
 
         def forward(variables: Any, x: Any, key: Any) -> Any:
             return model.forward(variables, x, train=train, rng=key if train else None)[0]
@@ -270,9 +271,7 @@ class ModelFit:
         self.first_x = (x, jax.tree.map(abstract, x))
         self.first_y = jax.tree.map(abstract, y)
         try:
-            variables = jax.eval_shape(
-                model.init, jax.ShapeDtypeStruct((2,), jnp.uint32), self.first_x[1]
-            )
+            variables = jax.eval_shape(model.init, abstract_key(), self.first_x[1])
         except ModelModeError:
             raise
         except Exception as error:  # noqa: BLE001 - re-raised with context below

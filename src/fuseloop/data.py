@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._batch_checks import is_number_list
-from ._epoch_order import EpochOrder
+from ._epoch_order import EpochOrder, abstract_key
 from ._narrowing import native_copy
 from ._shards import local_indices, place_rows
 
@@ -173,7 +173,7 @@ class ArraySource:
     # ----------------------------------------------------------------- order
     @property
     def key_data(self) -> np.ndarray:
-        """`uint32[2]`: the raw `jax.random.PRNGKey(seed)`, for `epoch_indices`.
+        """The raw `jax.random.PRNGKey(seed)` (`uint32[2]` by default), for `epoch_indices`.
 
         Example:
             >>> import numpy as np
@@ -208,7 +208,7 @@ class ArraySource:
         batches are returned: a short last batch (`drop_remainder=False`) is left out.
 
         Args:
-            key_data_or_seed: `key_data` (`uint32[2]`), the seed as a Python int, or the
+            key_data_or_seed: `key_data`, the seed as a Python int, or the
                 seed as a uint32 scalar array (an int32 array covers seeds below 2**31).
             epoch: The epoch (an int, or an int32 scalar array, traced or not).
 
@@ -224,7 +224,8 @@ class ArraySource:
             key = jax.random.PRNGKey(int(given))
         else:
             given = jnp.asarray(given)
-            key = given.astype(jnp.uint32) if given.shape == (2,) else jax.random.PRNGKey(given)
+            raw = given.shape == abstract_key().shape
+            key = given.astype(jnp.uint32) if raw else jax.random.PRNGKey(given)
         return self.order_spec.whole_batches(key, epoch)
 
     def order(self, epoch: int) -> np.ndarray:

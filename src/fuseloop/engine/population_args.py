@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._epoch_order import prng_impl
 from .._optim import abstract_state, inject_states
 from .._optim_probe import scheduled_hyperparams
 
@@ -87,6 +88,7 @@ def resolve_population(
             "population with mesh=... is not supported yet; run a population on one device "
             "(mesh=None)"
         )
+    _require_per_key_vmap(population if population is not None else (record or {}).get("size"))
     if _is_state(init_state) and record is None:
         raise ValueError(
             f"population={population!r}: init_state is a solo run's State; resume it without "
@@ -102,6 +104,22 @@ def resolve_population(
             f"{record['hyperparams']}); leave population out to continue it"
         )
     return resolved
+
+
+def _require_per_key_vmap(population: Any) -> None:
+    """Raises under a PRNG kind whose random bits, vmapped over the members' keys, come from
+    one key for the whole batch (JAX's "rbg" and "unsafe_rbg"): member i would then not
+    train as the solo run with its seed, the population's promise (docs/design.md §8)."""
+    impl = prng_impl()
+    if impl in ("rbg", "unsafe_rbg"):
+        raise ValueError(
+            f"population={population!r}: JAX's PRNG kind is {impl!r} "
+            f"(jax_default_prng_impl), whose random bits under vmap are drawn from one key "
+            f"for all members, so member i would not train as the solo run with its seed. "
+            f"Train a population under JAX's default PRNG "
+            f"(jax.config.update('jax_default_prng_impl', 'threefry2x32')), or train the "
+            f"members as solo runs"
+        )
 
 
 def _evaluated(population: Any, variables: Any) -> Population:

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._epoch_order import EpochOrder
+from .._epoch_order import EpochOrder, prng_impl
 from .._fusion import make_chunk_fn
 from .._placement import default_device_key
 from .._shards import take_rows
@@ -64,6 +64,9 @@ class ProgramCache:
         unpack: Unpacks such a snapshot, by the carry's structure, shapes and dtypes.
         populations: The programs of population runs (a member axis), one cache per size.
         whole_run: Multi-epoch resident programs (`whole_run.py`), by their static shape.
+        prng: The PRNG kind (`jax_default_prng_impl`) the programs were traced under. A raw
+            key means another generator under another kind of the same key shape, and
+            jax's own caches do not tell them apart, so a change of kind starts afresh.
     """
 
     traces: int = 0
@@ -81,6 +84,14 @@ class ProgramCache:
     unpack: dict[Any, Any] = field(default_factory=dict)
     populations: dict[int, Any] = field(default_factory=dict)  # member count -> its cache
     whole_run: dict[Any, Any] = field(default_factory=dict)
+    prng: str = field(default_factory=prng_impl)
+
+    def for_current_prng(self) -> ProgramCache:
+        """This cache, emptied of programs (not of its trace count) if the PRNG kind in
+        force is not the one they were traced under."""
+        if self.prng != prng_impl():
+            self.__dict__.update(ProgramCache(traces=self.traces).__dict__)
+        return self
 
 
 class Programs:
@@ -97,7 +108,7 @@ class Programs:
     COPY_BYTES = 256 * 1024
 
     def __init__(self, loop: Any, population: Any = None, copies: bool = False):
-        self.loop, self.cache = loop, loop._programs
+        self.loop, self.cache = loop, loop._programs.for_current_prng()
         self.guard = loop.guard_nonfinite
         self.population = population  # a population run: programs vmapped over members
         self.copies = copies
@@ -229,7 +240,8 @@ class Programs:
         spec = _source_key(source)
         layout, seed_key = spec.layout, spec.key()
         if layout not in self.cache.epoch_order:
-            self.cache.epoch_order[layout] = shared_programs.epoch_order(layout)
+            program = shared_programs.epoch_order(layout, self.cache.prng)
+            self.cache.epoch_order[layout] = program
         program = self.cache.epoch_order[layout]
         return lambda epoch: program(epoch, seed_key)
 
@@ -296,7 +308,7 @@ def kept_order(source: Any, epoch: int, compute: Callable[[], Any]) -> Any:
     reuse it (docs/design.md §6).
     """
     kept = _ORDERS.setdefault(source, {})
-    key = (_source_key(source), epoch, default_device_key())
+    key = (_source_key(source), epoch, default_device_key(), prng_impl())
     if key not in kept:
         if len(kept) >= _KEPT_ORDERS:
             kept.pop(next(iter(kept)))

@@ -1,0 +1,76 @@
+"""fuseloop under JAX's other PRNG kinds ("rbg", "unsafe_rbg"), whose raw keys are uint32[4].
+
+Solo runs support them exactly as the default threefry: fused == unfused bitwise, and a
+device-resident dataset's orders match the host's. A population is refused, since vmapped
+rbg bits come from one key for all members (docs/design.md §8).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+import pytest
+
+import fuseloop as fl
+from conftest import DropoutOnly, assert_runs_identical, make_batches, trainer
+
+
+@pytest.fixture(params=["rbg", "unsafe_rbg"])
+def prng_kind(request: pytest.FixtureRequest) -> Iterator[str]:
+    before = jax.config.jax_default_prng_impl  # type: ignore[attr-defined]
+    jax.config.update("jax_default_prng_impl", request.param)
+    try:
+        yield request.param
+    finally:
+        jax.config.update("jax_default_prng_impl", before)
+
+
+def _arrays(**kwargs: object) -> fl.data.ArraySource:
+    x = np.random.default_rng(1).normal(size=(40, 3)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    return fl.data.arrays(x, y, batch_size=8, seed=5, **kwargs)
+
+
+def test_a_dropout_model_trains_fused_as_unfused(prng_kind):
+    loop = trainer(DropoutOnly())
+    plain = loop.run(make_batches(), epochs=2)
+    fused = loop.run(make_batches(), epochs=2, fuse=4)
+    assert_runs_identical(fused, plain)
+    assert plain.step_state["rng"].shape == (4,)  # the kind's own key, not threefry's
+
+
+def test_a_resident_dataset_serves_the_hosts_order(prng_kind):
+    source = _arrays(device=True)
+    assert source.key_data.shape == (4,)
+    on_device = np.asarray(jax.jit(source.epoch_indices)(source.key_data, 2))
+    assert on_device.ravel().tolist() == source.order(2).tolist()
+    loop = trainer()
+    plain = loop.run(source, epochs=2)
+    assert_runs_identical(loop.run(source, epochs=2, fuse="run"), plain)
+
+
+def test_a_population_is_refused_with_the_fix(prng_kind):
+    with pytest.raises(ValueError, match=f"PRNG kind is '{prng_kind}'.*threefry2x32"):
+        trainer().run(_arrays(), epochs=1, population=2)
+
+
+def test_the_default_kind_keeps_populations():
+    state = trainer().run(_arrays(), epochs=1, population=2)
+    assert state.member(1).step_state["rng"].shape == (2,)
+
+
+def test_a_loop_run_again_under_another_kind_runs_as_a_new_loop():
+    """rbg and unsafe_rbg keys have one shape, so jax's caches would reuse a program traced
+    under the other kind (its generator); fuseloop starts its programs afresh instead."""
+    loop, source = trainer(DropoutOnly()), _arrays(device=True)
+    before = jax.config.jax_default_prng_impl  # type: ignore[attr-defined]
+    try:
+        for kind in ("rbg", "unsafe_rbg"):
+            jax.config.update("jax_default_prng_impl", kind)
+            reused = loop.run(source, epochs=2)
+            assert_runs_identical(reused, trainer(DropoutOnly()).run(source, epochs=2))
+            assert_runs_identical(loop.run(source, epochs=2, fuse="run"), reused)
+    finally:
+        jax.config.update("jax_default_prng_impl", before)
