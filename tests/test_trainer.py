@@ -241,6 +241,18 @@ def _pair():
     return init, apply
 
 
+def _haiku_order_pair():
+    """haiku's transformed order, `apply(params, rng, x)`, with dropout from that key."""
+    init, plain_apply = _pair()
+
+    def apply(p, rng, x):
+        if rng is not None:
+            x = x * jax.random.bernoulli(rng, 0.8, x.shape) / 0.8
+        return plain_apply(p, x)
+
+    return init, apply
+
+
 ADAPTERS = {
     "mlp_tanh": lambda: fl.models.mlp([8, CLASSES], activation="tanh"),
     "nnx": lambda: fl.models.from_nnx(NnxMLP(nnx.Rngs(0))),
@@ -249,6 +261,7 @@ ADAPTERS = {
         eqx.nn.MLP(FEATURES, CLASSES, 8, 1, key=jax.random.PRNGKey(0))
     ),
     "pair": _pair,  # a bare (init_fn, apply_fn) tuple
+    "haiku_order_pair": _haiku_order_pair,
 }
 
 
@@ -262,6 +275,14 @@ def test_model_adapters_train_fuse_identically_and_apply(kind):
     adapter = fl.models.as_model(ADAPTERS[kind]())
     y = adapter.apply(unfused.params, DATA[0][0])
     assert np.shape(y) == (4, CLASSES)
+
+
+def test_a_haiku_order_apply_gets_the_key_second_and_none_outside_training():
+    seen = []
+    model = fl.models.from_functions(lambda rng, x: 1.0, lambda p, rng, x: seen.append(rng))
+    model.forward(1.0, "x", train=True, rng="key")
+    model.apply(1.0, "x")
+    assert seen == ["key", None]
 
 
 def test_models_are_recognized_without_an_explicit_adapter():

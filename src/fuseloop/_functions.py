@@ -22,8 +22,10 @@ class from_functions:  # noqa: N801 - reads as a constructor
     """Adapts a plain `(init_fn, apply_fn)` pair.
 
     `init_fn(rng, x) -> params`; `apply_fn(params, x) -> y`. An `apply_fn` with an `rng`
-    keyword receives the step's key, and one with a train/eval flag (`train`, `training`,
-    `is_training`, `deterministic`, ...: `fl.models.TRAIN_FLAGS`) receives its value. A
+    keyword receives the step's key (haiku's order, `apply_fn(params, rng, x)`, is
+    recognised by its second parameter's name: the key, None outside training, goes
+    there), and one with a train/eval flag (`train`, `training`, `is_training`,
+    `deterministic`, ...: `fl.models.TRAIN_FLAGS`) receives its value. A
     trainer trains every params leaf, so each must be floating point; params with a
     "params" entry beside others are refused (only that entry would train, flax's
     convention, and the others would never change).
@@ -39,8 +41,11 @@ class from_functions:  # noqa: N801 - reads as a constructor
 
     def __init__(self, init_fn: Callable[..., Any], apply_fn: Callable[..., Any]):
         self.init_fn, self.apply_fn = init_fn, apply_fn
-        self.flags = flags_among(parameters_of(apply_fn), "apply_fn")
-        self.takes_rng = takes_keyword(apply_fn, "rng")
+        parameters = parameters_of(apply_fn)
+        self.flags = flags_among(parameters, "apply_fn")
+        self.takes_rng = "rng" in parameters
+        # haiku's transformed apply: `apply(params, rng, *args)`.
+        self.rng_second = list(parameters)[1:2] == ["rng"]
 
     def init(self, rng: Any, x: Any) -> Any:
         """`init_fn(rng, x)`: the initial params.
@@ -76,6 +81,8 @@ class from_functions:  # noqa: N801 - reads as a constructor
             ([3.0, 3.0], None)
         """
         kwargs: dict[str, Any] = flag_values(self.flags, train)
+        if self.rng_second:
+            return self.apply_fn(variables, rng, x, **kwargs), None
         if self.takes_rng:
             kwargs["rng"] = rng
         return self.apply_fn(variables, x, **kwargs), None
