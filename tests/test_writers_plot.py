@@ -212,6 +212,16 @@ def test_plot_history_writes_the_format_its_path_names_and_takes_one_metric_name
     assert not (tmp_path / "h.xyz").exists()
 
 
+def test_plot_history_takes_a_validation_name_as_that_split_alone():
+    from fuseloop.handlers.plot import _panels
+
+    history = {0: {"loss": 1.0, "validation_loss": 2.0}, 1: {"loss": 0.5}}
+    assert _panels(history, ["validation_loss"]) == {"validation_loss": {"validation": [(1, 2.0)]}}
+    assert set(_panels(history, ["loss"])["loss"]) == {"training", "validation"}
+    with pytest.raises(ValueError, match="accepted values: loss, validation_loss"):
+        _panels(history, ["validation_accuracy"])
+
+
 def test_plot_numbers_epochs_from_1():
     from fuseloop.handlers.plot import _series
 

@@ -60,7 +60,8 @@ def plot_history(
         path: The file to write: a PNG, or another format matplotlib writes named by the
             extension (".pdf", ".svg", ...).
         metrics: The metric names to plot, or one name (default: every scalar metric in
-            the history).
+            the history). A name's panel shows its training and validation values;
+            `"validation_<name>"` plots the validation values alone.
         title: A title over the figure.
 
     Returns:
@@ -119,13 +120,20 @@ def _panels(
         )
     panels = _series(history)
     if metrics is not None:
-        unknown = [m for m in metrics if m not in panels]
+        # A metric's panel shows both splits; `validation_<name>` asks for that split alone.
+        one_split = {
+            VALIDATION_PREFIX + base: {"validation": splits["validation"]}
+            for base, splits in panels.items()
+            if "validation" in splits
+        }
+        choices = {**panels, **one_split}
+        unknown = [m for m in metrics if m not in choices]
         if unknown:
             raise ValueError(
                 f"metrics={unknown!r} are not in the history; accepted values: "
-                f"{', '.join(sorted(panels))}"
+                f"{', '.join(sorted(choices))}"
             )
-        panels = {m: panels[m] for m in metrics}
+        panels = {m: choices[m] for m in metrics}
     if not panels:
         raise ValueError("history holds no scalar metric to plot")
     return panels
