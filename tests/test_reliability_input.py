@@ -68,6 +68,23 @@ def test_first_batch_not_a_pair(loop, kind, bad):
             fl.evaluator(tiny_mlp()).run(data, params)
 
 
+def test_keras_sample_weights_get_the_fix_the_message_names_and_it_trains():
+    weighted = [(x, y, np.full(len(y), 2.0, np.float32)) for x, y in make_batches(4)]
+    with pytest.raises(ValueError, match=r"sample_weight.*\{'y': y, 'weight': w\}.*mean\(\)"):
+        sparse_trainer().run(weighted)
+
+    def loss(y_true: Any, y_pred: Any) -> Any:
+        each = optax.softmax_cross_entropy_with_integer_labels(y_pred, y_true["y"])
+        return (y_true["weight"] * each).mean()
+
+    data = [(x, {"y": y, "weight": w}) for x, y, w in weighted]
+    loop = fl.trainer(tiny_mlp(), loss, optax.sgd(0.0))
+    plain = loop.run(data)
+    assert loop.run(data, fuse=4).metrics == plain.metrics
+    unweighted = fl.evaluator(tiny_mlp(), SPARSE).run(make_batches(4), plain.params)
+    assert plain.metrics["loss"] == pytest.approx(2 * unweighted.metrics["loss"], rel=1e-6)
+
+
 @pytest.mark.parametrize("fuse", [False, 2, 4])  # 4: in the chunk of the run's first batch
 def test_later_batch_not_a_pair_names_epoch_and_iteration(loop, fuse):
     data = make_batches(4)

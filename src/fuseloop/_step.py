@@ -52,6 +52,12 @@ def require_pair(batch: Any, where: str = "a batch") -> None:
     size = f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""
     shape = getattr(batch, "shape", None)
     hint = ""
+    if isinstance(batch, (tuple, list)) and len(batch) == 3:
+        hint = (
+            " For Keras's (x, y, sample_weight), yield (x, {'y': y, 'weight': w}) and train "
+            "with a loss callable(y_true, y_pred) returning (y_true['weight'] * "
+            "per_example_loss).mean(), Keras's default weighting."
+        )
     if shape is not None and len(shape) >= 1:
         size = f" of shape {tuple(shape)}"
         hint = (
