@@ -63,6 +63,22 @@ def test_callable_filter_receives_the_state(fuse):
     assert seen == list(range(N)) * EPOCHS
 
 
+def test_a_callable_filter_returning_a_0d_boolean_array_works():
+    assert fired_counts(lambda s: np.asarray(s.iteration == 0), epochs=1) == [1]
+
+
+@pytest.mark.parametrize("returned", [None, 0, "yes"], ids=["none", "int", "str"])
+def test_a_callable_filter_returning_no_bool_is_refused(returned):
+    """`s.iteration % 10` is truthy on every iteration but the tenth, and None never is."""
+
+    def every_tenth(state: fl.State) -> object:
+        return returned
+
+    with pytest.raises(TypeError, match=r"filter every_tenth returned .* returns True") as caught:
+        fired_counts(every_tenth)
+    assert "on event 'iteration_completed'" in caught.value.__notes__[0]
+
+
 @pytest.mark.parametrize(
     "spec,expected",
     [

@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+import numpy as np
+
 __all__ = [
     "Event",
     "Filter",
@@ -120,6 +122,24 @@ class Filter:
     @property
     def needs_state(self) -> bool:
         return self.predicate is not None
+
+    def admits(self, state: Any) -> bool:
+        """Whether the predicate (if any) lets its handler fire on `state`. A result that
+        is not a bool is refused: `lambda s: s.iteration % 10` would fire on every
+        iteration but the tenth, and a predicate returning None would never fire."""
+        if self.predicate is None:
+            return True
+        verdict = self.predicate(state)
+        if isinstance(verdict, (bool, np.bool_)):
+            return bool(verdict)
+        if getattr(verdict, "dtype", None) == np.bool_ and np.size(verdict) == 1:
+            return bool(verdict)  # host read: a 0-d boolean jax or numpy array
+        name = getattr(self.predicate, "__name__", type(self.predicate).__name__)
+        raise TypeError(
+            f"filter {name} returned {verdict!r} ({type(verdict).__name__}); a callable "
+            f"filter returns True to fire its handler and False to skip it, e.g. "
+            f"lambda s: s.iteration % 10 == 0"
+        )
 
 
 ALWAYS = Filter()

@@ -133,11 +133,9 @@ class EventBus:
     ) -> tuple[str, State]:
         status = CONTINUE
         for registration in registrations:
-            if registration.filter.predicate is not None and not registration.filter.predicate(
-                state
-            ):
-                continue
             try:
+                if not registration.filter.admits(state):
+                    continue
                 result = registration.handler(state)
             except BaseException as error:
                 self.failed_state = state  # what the run reports as the State reached

@@ -251,7 +251,7 @@ def catch_up_on_halt(writer: Any, spec: Filter) -> Callable[[State], None]:
         ended = state.replace(metrics=dict(state.history[last]))
         if not isinstance(count, int) or not spec.by_count(count):
             return
-        if spec.predicate is not None and not spec.predicate(ended):
+        if not spec.admits(ended):
             return
         writer(ended)
 
