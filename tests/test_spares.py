@@ -130,7 +130,7 @@ def test_variables_deleted_during_the_run_leave_no_spare() -> None:
 def _kept_epochs(source) -> list[int]:
     from fuseloop.engine.programs import _ORDERS
 
-    return sorted(epoch for _, epoch, _ in _ORDERS.get(source, {}))
+    return sorted(epoch for _, epoch, *_ in _ORDERS.get(source, {}))
 
 
 @pytest.mark.parametrize("fuse", [False, 3])

@@ -28,12 +28,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._batch_checks import check_pair_sizes, check_python_lists, leaf_signature, shape_and_dtype
+from ._batch_checks import (
+    check_pair_sizes,
+    check_python_lists,
+    leaf_signature,
+    require_pair,
+    shape_and_dtype,
+)
 from ._fusion import FusionError
 from ._label_checks import LabelChecks
 from ._model_fit import ModelFit, abstract
 from ._narrowing import Narrowing
-from ._step import require_pair
 from ._step_state_check import check_optimizer_fits, check_step_keeps_state, explain_step_change
 from ._warn import warn
 

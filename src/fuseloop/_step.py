@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ._batch_checks import require_pair
 from ._epoch_order import prng_impl
 from ._functions import from_functions
 from ._metrics import CLASSIFYING, Mean, MetricSpec, loss_mean, resolve_loss
@@ -42,33 +43,6 @@ __all__ = [
     "resolve_optimizer",
     "warn_sown_losses",
 ]
-
-
-def require_pair(batch: Any, where: str = "a batch") -> None:
-    """Raises a ValueError saying what `where` is, unless `batch` is a pair `(x, y)`."""
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return
-    kind = type(batch).__name__
-    size = f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""
-    shape = getattr(batch, "shape", None)
-    hint = ""
-    if isinstance(batch, (tuple, list)) and len(batch) == 3:
-        hint = (
-            " For Keras's (x, y, sample_weight), yield (x, {'y': y, 'weight': w}) and train "
-            "with a loss callable(y_true, y_pred) returning (y_true['weight'] * "
-            "per_example_loss).mean(), Keras's default weighting."
-        )
-    if shape is not None and len(shape) >= 1:
-        size = f" of shape {tuple(shape)}"
-        hint = (
-            " If you passed whole arrays as run((x, y)), iterating over them yields x "
-            "and then y: batch them with fl.data.arrays(x, y, batch_size=...) instead."
-        )
-    raise ValueError(
-        f"data: {where} is a {kind}{size}, but a trainer or evaluator batch must be a "
-        f"pair (x, y).{hint} Yield (inputs, targets) tuples, or use fl.loop(step_fn) for "
-        f"other batch structures"
-    )
 
 
 def split_batch(batch: Any) -> tuple[Any, Any]:
