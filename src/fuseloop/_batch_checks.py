@@ -17,8 +17,8 @@ __all__ = [
     "check_python_lists",
     "is_number_list",
     "labels_below",
-    "require_pair",
     "leaf_signature",
+    "require_pair",
     "shape_and_dtype",
 ]
 
