@@ -226,6 +226,16 @@ def test_variables_given_without_their_params_wrapper_are_named_so():
         fl.predict(Normed(), variables["params"], x)
 
 
+def test_a_trainer_given_params_alone_for_a_model_without_a_train_flag_says_so():
+    """Its layer names are no mutable collections: no train flag is missing."""
+    x = np.zeros((8, 5), np.float32)
+    model = fl.models.mlp([8, 3])
+    params = model.init(jax.random.PRNGKey(0), x)["params"]
+    loop = fl.trainer(model, "sparse_categorical_cross_entropy", "sgd")
+    with pytest.raises(ValueError, match=r"^init_state: The given variables are the model's var"):
+        loop.run([(x, np.zeros(8, np.int32))], params)
+
+
 def test_an_equinox_module_written_for_a_batch_is_told_of_batched_and_it_trains():
     import equinox as eqx
 

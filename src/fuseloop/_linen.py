@@ -173,7 +173,9 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
     def forward(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
         mutable = [k for k in variables if k != "params"]
         if not self.flags:
-            if train and mutable:
+            # Without "params" these are no collections (variables['params'] alone?): the
+            # model fails on them, and that failure is what the caller explains.
+            if train and mutable and "params" in variables:
                 raise self._no_flag(f"has mutable collections {mutable}")
             try:
                 if train:

@@ -22,6 +22,7 @@ from ._model_fit_advice import fix_for_x as _fix_for_x
 from ._model_fit_advice import unbound_axis
 from ._outputs import require_one_prediction
 from ._placement import device_dtype
+from ._variables_diff import UNWRAPPED
 from ._variables_diff import first_difference as _first_difference
 from .models import ModelModeError, from_nnx, linen
 
@@ -210,10 +211,16 @@ class ModelFit:
                 f"trained State's params)"
             )
         if whose != FRESH and self.checked and self.fresh is not _UNKNOWN:
+            difference = _first_difference(variables, self.fresh)
+            if difference == UNWRAPPED:  # not x's doing, whatever the model says
+                return ValueError(
+                    f"{self.argument}:{difference} ({applying} with them fails with "
+                    f"{_first_line(error)})"
+                )
             return ValueError(
                 f"{self.inputs} does not fit the model with {whose} ({self.argument}): "
                 f"{applying} with them fails with {_first_line(error)}, while the model's own "
-                f"fresh variables fit this x.{_first_difference(variables, self.fresh)} Either x "
+                f"fresh variables fit this x.{difference} Either x "
                 f"is shaped unlike the data those variables were trained on, or they come "
                 f"from another model (a State saved from a different one?): pass x shaped "
                 f"as in training, or variables of this model"

@@ -8,9 +8,9 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["first_difference"]
+__all__ = ["UNWRAPPED", "first_difference"]
 
-_UNWRAPPED = (
+UNWRAPPED = (
     " The given variables are the model's variables['params'] alone: pass the whole "
     "variables (state.params, the dict holding 'params' and any other collection) or the State."
 )
@@ -26,7 +26,7 @@ def first_difference(given: Any, fresh: Any) -> str:
     if isinstance(fresh, dict) and isinstance(given, dict) and "params" not in given:
         inner = dict(jax.tree_util.tree_flatten_with_path(fresh.get("params", {}))[0])
         if inner and inner.keys() == mine.keys():
-            return _UNWRAPPED
+            return UNWRAPPED
     for path in sorted(mine.keys() | theirs.keys(), key=str):
         name = jax.tree_util.keystr(path)
         if path not in theirs:
