@@ -187,3 +187,26 @@ def test_outputs_without_a_row_per_example_and_inputs_without_examples_are_named
         predict(Net(), state, None)
     with pytest.raises(ValueError, match=r"^variables_or_state=None: pass the trained"):
         predict(Net(), None, X)
+
+
+def test_a_module_built_with_its_weights_serves_as_its_variables():
+    """An nnx or equinox module passed where variables go gives its own weights; a linen
+    module, which holds none, is refused naming what to pass."""
+    import equinox as eqx
+    from flax import nnx
+
+    x = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)
+    y = np.zeros(6, np.int32)
+    for module in (
+        nnx.Linear(4, 3, rngs=nnx.Rngs(0)),
+        eqx.nn.Linear(4, 3, key=jax.random.PRNGKey(1)),
+    ):
+        weights = fl.models.as_model(module).init(None, None)
+        expected = fl.predict(module, weights, x)
+        np.testing.assert_array_equal(fl.predict(module, module, x), expected)
+        evaluator = fl.evaluator(module, "sparse_categorical_cross_entropy")
+        assert evaluator.run([(x, y)], module).metrics == evaluator.run([(x, y)], weights).metrics
+    with pytest.raises(ValueError, match=r"init_state: a flax.linen module \(MLP\) holds no"):
+        fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "sgd").run(
+            [(x, y)], fl.models.mlp([3])
+        )

@@ -25,6 +25,7 @@ from ._loop_args import (
     refuse_second_validation,
     refuse_validation_names,
     warn_unused_seed,
+    weights_of_module,
 )
 from ._loop_handlers import HandlerBuilders
 from ._metrics import MetricSpec, resolve_metric
@@ -282,6 +283,8 @@ class Loop(HandlerBuilders):
         """
         check_run_options(epochs, iterations, jit, progress, max_in_flight, prefetch)
         check_init_state(init_state, self.program.kind, population)
+        if self.program.kind in ("trainer", "evaluator"):
+            init_state = weights_of_module(init_state, "init_state")
         if self.program.kind == "evaluator":
             warn_left_out(
                 data,

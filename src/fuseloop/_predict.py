@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._loop_args import weights_of_module
 from ._metrics import batch_size
 from ._model_fit import ModelFit, abstract
 from .engine.conv_layout import named
@@ -208,7 +209,8 @@ def predict(
 
     Args:
         model: The model (as given to the trainer).
-        variables_or_state: Trained variables, or the State a run returned.
+        variables_or_state: Trained variables, the State a run returned, or an nnx or
+            equinox module built with the weights to use.
         x: Inputs with the examples on axis 0 (an array or a pytree of arrays), or a batch
             source (a list of batches, an iterator, a callable) yielding inputs or `(x, y)`
             pairs, whose batches are kept in their order. An `fl.data.arrays` source gives
@@ -229,6 +231,7 @@ def predict(
         >>> predict(model, variables, np.zeros((10, 3), np.float32), batch_size=4).shape
         (10, 2)
     """
+    variables_or_state = weights_of_module(variables_or_state, "variables_or_state")
     variables = getattr(variables_or_state, "params", variables_or_state)
     if variables is None:
         raise ValueError(
