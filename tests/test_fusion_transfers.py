@@ -118,3 +118,30 @@ def test_the_guard_catches_an_implicit_transfer():
             guarded(loop, guard).run(DATA[:8], fuse=4)
         finally:
             guard.stack.close()
+
+
+@pytest.mark.parametrize(
+    "kind,fuse",
+    [("list", False), ("list", 4), ("host", False), ("device", False), ("device", "run")],
+)
+def test_a_whole_run_under_a_host_to_device_guard_moves_only_its_batches(kind, fuse):
+    """The guard around `run` itself, in a process that has made no key yet: the library's
+    own keys and scalars are allowed, each step's or chunk's batches are its one transfer,
+    and a resident epoch's order moves nothing (its seed's key is made on the device once)."""
+    from fuseloop import _epoch_order, _placement
+
+    _epoch_order._seed_key.cache_clear()
+    _placement._DEVICE_INTS.clear()
+    batches = make_batches(8)
+    x, y = np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches])
+    data = {
+        "list": batches,
+        "host": fl.data.arrays(x, y, batch_size=4, seed=3),
+        "device": fl.data.arrays(x, y, batch_size=4, seed=3, device=True),
+    }[kind]
+    expected = LOOP.run(data, epochs=2, fuse=fuse)
+    _epoch_order._seed_key.cache_clear()
+    _placement._DEVICE_INTS.clear()
+    with jax.transfer_guard_host_to_device("disallow"):
+        guarded = LOOP.run(data, epochs=2, fuse=fuse)
+    assert_runs_identical(guarded, expected)

@@ -54,6 +54,12 @@ class EpochOrder:
         order = jax.random.permutation(jax.random.fold_in(key, epoch), self.n)
         return order.astype(jnp.int32)
 
+    def host_order(self, epoch: int) -> np.ndarray:
+        """`permutation` of `epoch` read back to the host (the library's own transfers and
+        read, allowed under any transfer guard)."""
+        with jax.transfer_guard("allow"):
+            return np.asarray(self.permutation(self.key(), epoch))
+
     def whole_batches(self, key: Any, epoch: Any) -> jax.Array:
         """`int32[n // batch_size, batch_size]`: the examples of each whole batch."""
         order = self.permutation(key, jnp.asarray(epoch, jnp.int32))
@@ -79,7 +85,8 @@ class EpochOrder:
 @functools.lru_cache(maxsize=64)
 def _seed_key(seed: int, impl: str) -> np.ndarray:
     """`jax.random.PRNGKey(seed)`'s raw bits (`impl`: the PRNG kind it was made under)."""
-    key = np.asarray(jax.random.PRNGKey(seed))
+    with jax.transfer_guard("allow"):  # the library's own transfer, under any guard
+        key = np.asarray(jax.random.PRNGKey(seed))
     key.flags.writeable = False  # shared by every order of this seed
     return key
 

@@ -25,7 +25,7 @@ __all__ = [
     "tree_bytes",
 ]
 
-_DEVICE_INTS: dict[tuple[int, Any], Any] = {}
+_DEVICE_INTS: dict[tuple[Any, ...], Any] = {}
 _CANONICAL: dict[tuple[Any, bool], Any] = {}
 # The effective host-to-device transfer guard (a caller's `jax.transfer_guard(...)`
 # context or flag sets it too): read by name, as jax's config has no typed attribute.
@@ -95,6 +95,16 @@ def device_int(value: int) -> Any:
         with jax.transfer_guard("allow"):
             _DEVICE_INTS[key] = jax.device_put(np.int32(value))
     return _DEVICE_INTS[key]
+
+
+def device_key(key: np.ndarray) -> Any:
+    """A seed's raw key (a small read-only host array) on the device, made once per key and
+    device as `device_int`'s scalars are: a resident epoch's order then moves nothing."""
+    cache_key = (key.tobytes(), key.shape, default_device_key())
+    if cache_key not in _DEVICE_INTS:
+        with jax.transfer_guard("allow"):
+            _DEVICE_INTS[cache_key] = jax.device_put(key)
+    return _DEVICE_INTS[cache_key]
 
 
 class Placement:

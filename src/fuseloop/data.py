@@ -240,7 +240,7 @@ class ArraySource:
         """
         epoch = _check_int(epoch, "epoch", 0)
         # Host read: the permutation is computed with jax so it matches the device path.
-        return np.asarray(self._permutation(jax.random.PRNGKey(self.seed), epoch))
+        return self.order_spec.host_order(epoch)
 
     # ----------------------------------------------------------------- host batches
     def _take(self, index: np.ndarray) -> tuple[Any, Any]:

@@ -181,7 +181,8 @@ class HostFeed:
         batch, i = prepared.payload, prepared.first
         self.checker.batch(batch, self.epoch, i)
         if self.jit:
-            carry.advance(self.program, self.placement.put_batch(batch, i), self.one)
+            with self.placement.chunk_transfer():  # the step's batch: its one transfer
+                carry.advance(self.program, self.placement.put_batch(batch, i), self.one)
         else:
             carry.advance(self.program, batch)
         carry.throttle(self.max_in_flight)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from .._epoch_order import EpochOrder, prng_impl
 from .._fusion import make_chunk_fn
-from .._placement import default_device_key
+from .._placement import default_device_key, device_key
 from .._shards import take_rows
 from .._step import make_carry_step
 from . import conv_layout, shared_programs
@@ -238,7 +238,7 @@ class Programs:
         The program is compiled per order layout; the seed's key is its input.
         """
         spec = _source_key(source)
-        layout, seed_key = spec.layout, spec.key()
+        layout, seed_key = spec.layout, device_key(spec.key())
         if layout not in self.cache.epoch_order:
             program = shared_programs.epoch_order(layout, self.cache.prng)
             self.cache.epoch_order[layout] = program

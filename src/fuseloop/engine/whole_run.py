@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, ITERATION_EVENTS, Event
+from .._placement import device_key
 from .._state import AHEAD_KEY
 from .device_checkpoint import BestSaves
 from .device_monitors import (
@@ -71,7 +72,7 @@ class WholeRun:
         bound = run.iterations
         self.limit = source.num_batches if bound is None else min(bound, source.num_batches)
         self.order_fn = run.programs.epoch_order(source)
-        self.order_key = source.order_spec.key()  # an input: a new seed compiles nothing
+        self.order_key = device_key(source.order_spec.key())  # an input: no compile per seed
         self.counter = run.device_epoch
         self.order: Any = None
         self.sharding = run.placement.chunk_sharding(source.batch_size)
@@ -212,16 +213,17 @@ class WholeRun:
         `(the program's extra, the host's copy of host_outputs)`.
         """
         run = self.run
-        out, self.order, self.counter, _ = run.carry.advance(
-            program,
-            run.dataset,
-            self.order,
-            self.counter,
-            np.int32(cursor),
-            np.int32(steps),
-            monitor,
-            {"validation": self.validation, "rates": self.rates, "order_key": self.order_key},
-        )
+        with run.placement.chunk_transfer():  # the dispatch's scalars: its one transfer
+            out, self.order, self.counter, _ = run.carry.advance(
+                program,
+                run.dataset,
+                self.order,
+                self.counter,
+                np.int32(cursor),
+                np.int32(steps),
+                monitor,
+                {"validation": self.validation, "rates": self.rates, "order_key": self.order_key},
+            )
         extra = out["extra"]
         self.best_state = extra.get("best_state")
         # Host read: once per dispatch, every epoch's final accumulators, the steps run,
