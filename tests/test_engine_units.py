@@ -167,12 +167,12 @@ def test_seed_keys_are_the_split_of_the_seed() -> None:
     import jax
     import numpy as np
 
-    from fuseloop._epoch_order import prng_impl
+    from fuseloop._epoch_order import prng_config
     from fuseloop._step import _seed_keys
 
     for seed in (0, 7, 2**31 - 1):
         expected = np.asarray(jax.random.split(jax.random.PRNGKey(seed)))
-        init_key, dropout_key = _seed_keys(seed, prng_impl())
+        init_key, dropout_key = _seed_keys(seed, prng_config())
         assert init_key.tobytes() == expected[0].tobytes()
         assert dropout_key.tobytes() == expected[1].tobytes()
 

@@ -1,8 +1,10 @@
-"""fuseloop under JAX's other PRNG kinds ("rbg", "unsafe_rbg"), whose raw keys are uint32[4].
+"""fuseloop under JAX's other PRNG kinds ("rbg", "unsafe_rbg"), whose raw keys are uint32[4],
+and across changes of the settings random bits and initial states depend on.
 
 Solo runs support them exactly as the default threefry: fused == unfused bitwise, and a
 device-resident dataset's orders match the host's. A population is refused, since vmapped
-rbg bits come from one key for all members (docs/design.md §8).
+rbg bits come from one key for all members (docs/design.md §8). A Loop run again after
+such a setting changed runs as a new Loop would.
 """
 
 from __future__ import annotations
@@ -74,3 +76,28 @@ def test_a_loop_run_again_under_another_kind_runs_as_a_new_loop():
             assert_runs_identical(loop.run(source, epochs=2, fuse="run"), reused)
     finally:
         jax.config.update("jax_default_prng_impl", before)
+
+
+def test_a_loop_run_again_after_threefry_partitionable_flips_runs_as_a_new_loop():
+    """The flag changes every draw: the epoch orders kept beside a resident source, the init
+    keys and the initial state made ahead for the next run are made again under it."""
+    loop, source = trainer(DropoutOnly()), _arrays(device=True)
+    loop.run(source, epochs=2)
+    before = jax.config.jax_threefry_partitionable  # type: ignore[attr-defined]
+    jax.config.update("jax_threefry_partitionable", not before)
+    try:
+        reused = loop.run(source, epochs=2)
+        assert_runs_identical(reused, trainer(DropoutOnly()).run(source, epochs=2))
+        assert_runs_identical(loop.run(source, epochs=2, fuse="run"), reused)
+    finally:
+        jax.config.update("jax_threefry_partitionable", before)
+
+
+def test_the_run_after_a_disable_jit_run_starts_as_a_jitted_one():
+    """A debugging run under jax.disable_jit() initialises eagerly (other rounding); the
+    initial state it made ahead for the next run is not taken by a jitted run."""
+    loop, data = trainer(), make_batches(2)
+    fresh = trainer().run(data)
+    with jax.disable_jit():
+        loop.run(data)
+    assert_runs_identical(loop.run(data), fresh)

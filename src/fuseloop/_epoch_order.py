@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["EpochOrder", "abstract_key", "prng_impl"]
+__all__ = ["EpochOrder", "abstract_key", "prng_config", "prng_impl"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,15 @@ def _seed_key(seed: int, impl: str) -> np.ndarray:
 def prng_impl() -> str:
     """The PRNG kind in force (`jax_default_prng_impl`): caches of keys are keyed by it."""
     return str(getattr(jax.config, "jax_default_prng_impl"))  # noqa: B009 (untyped flag)
+
+
+def prng_config() -> tuple[str, bool]:
+    """What JAX's random bits depend on besides the key: the PRNG kind and whether threefry
+    is partitionable (`jax_threefry_partitionable`, which changes every draw). Values made
+    from keys and kept across runs (epoch orders, init keys, spare states) are keyed by it:
+    jax retraces its programs when it changes, but kept values do not change with it."""
+    partitionable = getattr(jax.config, "jax_threefry_partitionable")  # noqa: B009
+    return prng_impl(), bool(partitionable)
 
 
 def abstract_key() -> jax.ShapeDtypeStruct:

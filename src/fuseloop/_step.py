@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from ._batch_checks import require_pair
-from ._epoch_order import prng_impl
+from ._epoch_order import prng_config
 from ._functions import from_functions
 from ._metrics import CLASSIFYING, Mean, MetricSpec, loss_mean, resolve_loss
 from ._optim import (
@@ -139,11 +139,11 @@ def _merge(params: Any, rest: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=64)
-def _seed_keys(seed: int, impl: str) -> tuple[np.ndarray, np.ndarray]:
+def _seed_keys(seed: int, prng: tuple[str, bool]) -> tuple[np.ndarray, np.ndarray]:
     """`jax.random.split(jax.random.PRNGKey(seed))` as host arrays, computed once per seed
-    and PRNG kind (`impl`, whose keys and split differ): constants of the init program
-    (derived inside it, XLA:CPU ran threefry's loop at every run). The transfer of the
-    seed is the library's own, allowed under any guard.
+    and PRNG configuration (`prng`: `prng_config()`, on which the split depends):
+    constants of the init program (derived inside it, XLA:CPU ran threefry's loop at
+    every run). The transfer of the seed is the library's own, allowed under any guard.
     """
     with jax.transfer_guard("allow"), jax.ensure_compile_time_eval():
         keys = np.asarray(jax.random.split(jax.random.PRNGKey(seed)))
@@ -174,7 +174,7 @@ def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program
     def init(first_batch: Any, variables: Any) -> dict[str, Any]:
         x, _ = split_batch(first_batch)
         if isinstance(seed, (int, np.integer)):
-            init_key, dropout_key = _seed_keys(int(seed), prng_impl())
+            init_key, dropout_key = _seed_keys(int(seed), prng_config())
         else:  # a population's member seeds, traced
             init_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
         if variables is None:

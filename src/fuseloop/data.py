@@ -151,8 +151,8 @@ class ArraySource:
         self.num_batches = full if self.drop_remainder else full + (remainder > 0)
         self.transfers_done = 0
         self._device_arrays: tuple[Any, tuple[Any, Any]] | None = None  # (sharding, arrays)
-        # An epoch's first batch as the host read it (engine/feeds.first_resident_batch).
-        self.first_batches: dict[int, Any] = {}
+        # An epoch's first batch as the host read it, by (epoch, prng_config()).
+        self.first_batches: dict[tuple[int, Any], Any] = {}
         # The label rules (`_batch_checks.LabelRule`) `y` was found to hold (`_checks`): `y`
         # is a private copy, so a later run need not read it again.
         self.labels_checked: set[Any] = set()

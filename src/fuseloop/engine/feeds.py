@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from .._epoch_order import prng_config
 from .._fusion import FusionError, stack_chunk
 from .._placement import device_int
 from .prefetch import ChunkProducer
@@ -313,7 +314,7 @@ def first_resident_batch(
     host copy is kept beside the source, as the device copy is: a later run of the same
     source from the same epoch reads nothing.
     """
-    kept = source.first_batches.get(start_epoch)
+    kept = source.first_batches.get((start_epoch, prng_config()))
     if kept is not None:
         return kept
     sharding = jax.tree.leaves(data)[0].sharding
@@ -326,5 +327,5 @@ def first_resident_batch(
     for leaf in jax.tree.leaves(batch):
         if isinstance(leaf, np.ndarray):
             leaf.flags.writeable = False  # shared by later runs: nobody may edit it
-    source.first_batches[start_epoch] = batch
+    source.first_batches[(start_epoch, prng_config())] = batch
     return batch

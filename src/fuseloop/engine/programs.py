@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._epoch_order import EpochOrder, prng_impl
+from .._epoch_order import EpochOrder, prng_config
 from .._fusion import make_chunk_fn
 from .._placement import default_device_key, device_key
 from .._shards import take_rows
@@ -84,12 +84,12 @@ class ProgramCache:
     unpack: dict[Any, Any] = field(default_factory=dict)
     populations: dict[int, Any] = field(default_factory=dict)  # member count -> its cache
     whole_run: dict[Any, Any] = field(default_factory=dict)
-    prng: str = field(default_factory=prng_impl)
+    prng: tuple[str, bool] = field(default_factory=prng_config)
 
     def for_current_prng(self) -> ProgramCache:
         """This cache, emptied of programs (not of its trace count) if the PRNG kind in
         force is not the one they were traced under."""
-        if self.prng != prng_impl():
+        if self.prng != prng_config():
             self.__dict__.update(ProgramCache(traces=self.traces).__dict__)
         return self
 
@@ -308,7 +308,7 @@ def kept_order(source: Any, epoch: int, compute: Callable[[], Any]) -> Any:
     reuse it (docs/design.md §6).
     """
     kept = _ORDERS.setdefault(source, {})
-    key = (_source_key(source), epoch, default_device_key(), prng_impl())
+    key = (_source_key(source), epoch, default_device_key(), prng_config())
     if key not in kept:
         if len(kept) >= _KEPT_ORDERS:
             kept.pop(next(iter(kept)))

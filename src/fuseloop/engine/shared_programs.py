@@ -29,10 +29,10 @@ __all__ = ["epoch_order", "first_batch", "fresh_tail", "pack", "unpack"]
 
 
 @functools.lru_cache(maxsize=64)
-def epoch_order(layout: EpochOrder, prng: str) -> Callable[[Any, Any], tuple[Any, Any, Any]]:
-    """`(epoch, key) -> (order, epoch + 1, cursor 0)` for orders of `layout` under the PRNG
-    kind `prng` (the seed's raw key is an input: a seed sweep compiles nothing new; jax
-    would not retrace for another kind whose keys have the same shape)."""
+def epoch_order(layout: EpochOrder, prng: Any) -> Callable[[Any, Any], tuple[Any, Any, Any]]:
+    """`(epoch, key) -> (order, epoch + 1, cursor 0)` for orders of `layout` under `prng`
+    (`prng_config()`; the seed's raw key is an input: a seed sweep compiles nothing new;
+    jax would not retrace for another PRNG kind whose keys have the same shape)."""
 
     def next_epoch(epoch: Any, key: Any) -> tuple[Any, Any, Any]:
         return layout.batches(epoch, key), epoch + 1, jnp.zeros((), jnp.int32)

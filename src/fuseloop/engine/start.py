@@ -33,6 +33,7 @@ from .._distributed import (
     describe_values,
     process_count,
 )
+from .._epoch_order import prng_config
 from .._placement import (
     default_device_key,
     device_int,
@@ -186,21 +187,31 @@ class InlineInit:
         return treedef, signature, jax.jit(named(looped, "init_looped")), small
 
 
+def _made_under() -> tuple[Any, ...]:
+    """The JAX settings an initial state's values depend on beyond its inputs: the random
+    bits (`prng_config`), jit (eager init rounds differently), x64 and matmul precision."""
+    config = jax.config
+    settings = ("jax_disable_jit", "jax_enable_x64", "jax_default_matmul_precision")
+    return (prng_config(), *(getattr(config, name, None) for name in settings))
+
+
 class _Given:
     """The variables a spare was made from, by identity: device arrays cannot change, so
-    the same arrays (none deleted since), on the same default device, make the same state.
+    the same arrays (none deleted since), on the same default device and under the same
+    JAX settings (`_made_under`), make the same state.
     """
 
-    __slots__ = ("leaves", "structure", "device")
+    __slots__ = ("leaves", "structure", "device", "settings")
 
     def __init__(self, leaves: list[Any], structure: Any):
         self.leaves, self.structure = tuple(leaves), structure
-        self.device = default_device_key()
+        self.device, self.settings = default_device_key(), _made_under()
 
     def same(self, other: _Given) -> bool:
         return (
             self.structure == other.structure
             and self.device == other.device
+            and self.settings == other.settings
             and len(self.leaves) == len(other.leaves)
             and all(a is b for a, b in zip(self.leaves, other.leaves, strict=True))
             and not any(leaf.is_deleted() for leaf in self.leaves)
