@@ -63,34 +63,32 @@ def test_the_default_kind_keeps_populations():
     assert state.member(1).step_state["rng"].shape == (2,)
 
 
-def test_a_loop_run_again_under_another_kind_runs_as_a_new_loop():
-    """rbg and unsafe_rbg keys have one shape, so jax's caches would reuse a program traced
-    under the other kind (its generator); fuseloop starts its programs afresh instead."""
+def _runs_again_as_a_new_loop(setting: str, values: tuple[object, ...]) -> None:
+    """A Loop run under each of `values` of the JAX `setting` in turn (shuffled resident data,
+    dropout) runs as a new Loop would, unfused and as a whole run."""
     loop, source = trainer(DropoutOnly()), _arrays(device=True)
-    before = jax.config.jax_default_prng_impl  # type: ignore[attr-defined]
+    before = getattr(jax.config, setting)
     try:
-        for kind in ("rbg", "unsafe_rbg"):
-            jax.config.update("jax_default_prng_impl", kind)
+        for value in values:
+            jax.config.update(setting, value)
             reused = loop.run(source, epochs=2)
             assert_runs_identical(reused, trainer(DropoutOnly()).run(source, epochs=2))
             assert_runs_identical(loop.run(source, epochs=2, fuse="run"), reused)
     finally:
-        jax.config.update("jax_default_prng_impl", before)
+        jax.config.update(setting, before)
+
+
+def test_a_loop_run_again_under_another_kind_runs_as_a_new_loop():
+    """rbg and unsafe_rbg keys have one shape, so jax's caches would reuse a program traced
+    under the other kind (its generator); fuseloop starts its programs afresh instead."""
+    _runs_again_as_a_new_loop("jax_default_prng_impl", ("rbg", "unsafe_rbg"))
 
 
 def test_a_loop_run_again_after_threefry_partitionable_flips_runs_as_a_new_loop():
     """The flag changes every draw: the epoch orders kept beside a resident source, the init
     keys and the initial state made ahead for the next run are made again under it."""
-    loop, source = trainer(DropoutOnly()), _arrays(device=True)
-    loop.run(source, epochs=2)
-    before = jax.config.jax_threefry_partitionable  # type: ignore[attr-defined]
-    jax.config.update("jax_threefry_partitionable", not before)
-    try:
-        reused = loop.run(source, epochs=2)
-        assert_runs_identical(reused, trainer(DropoutOnly()).run(source, epochs=2))
-        assert_runs_identical(loop.run(source, epochs=2, fuse="run"), reused)
-    finally:
-        jax.config.update("jax_threefry_partitionable", before)
+    flag = bool(jax.config.jax_threefry_partitionable)  # type: ignore[attr-defined]
+    _runs_again_as_a_new_loop("jax_threefry_partitionable", (flag, not flag))
 
 
 def test_the_run_after_a_disable_jit_run_starts_as_a_jitted_one():
