@@ -79,6 +79,22 @@ def before_nan(nan_loop) -> fl.State:
     return nan_loop.run(make_batches(12), epochs=3)
 
 
+@pytest.mark.parametrize(
+    "fuse,device,steps",
+    [(False, False, "iteration 7"), (4, False, "iterations 4-7"), (4, True, "iterations 4-7")],
+)
+def test_an_error_the_device_raises_names_its_epoch_and_iterations(plain_loop, fuse, device, steps):
+    """jax.debug_nans raises where a step makes a NaN, inside fuseloop's loop ("encountered
+    in while"): the note says which steps those were."""
+    data = poisoned(make_batches(12), BAD_AT)
+    if device:
+        x, y = (np.concatenate(part) for part in zip(*data, strict=True))
+        data = fl.data.arrays(x, y, batch_size=len(data[0][1]), shuffle=False, device=True)
+    with jax.debug_nans(True), pytest.raises(FloatingPointError) as caught:
+        plain_loop.run(data, fuse=fuse)
+    assert f"fuseloop: raised by the steps of epoch 0, {steps}" in caught.value.__notes__
+
+
 @pytest.mark.parametrize("fuse", CHUNKS)
 def test_nan_keeps_params_from_before_the_bad_step(nan_loop, before_nan, fuse):
     data = poisoned(make_batches(12), BAD_AT)

@@ -167,8 +167,12 @@ class HostFeed:
     def launch(self, carry: Any, prepared: Prepared) -> ChunkResult:
         if self.live:
             return self._launch_step(carry, prepared)
-        with self.placement.chunk_transfer():  # the chunk's one explicit transfer
-            records, n_run = carry.advance(self.program, *prepared.payload, copies=self.copies)
+        try:
+            with self.placement.chunk_transfer():  # the chunk's one explicit transfer
+                records, n_run = carry.advance(self.program, *prepared.payload, copies=self.copies)
+        except Exception as error:
+            name_steps(error, self.epoch, prepared)
+            raise
         return ChunkResult(
             prepared.first,
             prepared.n,
@@ -181,11 +185,15 @@ class HostFeed:
     def _launch_step(self, carry: Any, prepared: Prepared) -> ChunkResult:
         batch, i = prepared.payload, prepared.first
         self.checker.batch(batch, self.epoch, i)
-        if self.jit:
-            with self.placement.chunk_transfer():  # the step's batch: its one transfer
-                carry.advance(self.program, self.placement.put_batch(batch, i), self.one)
-        else:
-            carry.advance(self.program, batch)
+        try:
+            if self.jit:
+                with self.placement.chunk_transfer():  # the step's batch: its one transfer
+                    carry.advance(self.program, self.placement.put_batch(batch, i), self.one)
+            else:
+                carry.advance(self.program, batch)
+        except Exception as error:
+            name_steps(error, self.epoch, prepared)
+            raise
         carry.throttle(self.max_in_flight)
         return ChunkResult(i, 1, None, None, prepared.exhausted)
 
@@ -266,9 +274,13 @@ class ResidentFeed:
     def launch(self, carry: Any, prepared: Prepared) -> ChunkResult:
         program, limit = prepared.payload
         self._before = self.cursor
-        records, n_run, self.cursor = carry.advance(
-            program, self.data, self.order, self.cursor, limit, copies=self.programs.copies
-        )
+        try:
+            records, n_run, self.cursor = carry.advance(
+                program, self.data, self.order, self.cursor, limit, copies=self.programs.copies
+            )
+        except Exception as error:
+            name_steps(error, self.counted_epoch - 1, prepared)
+            raise
         if self.live:
             return ChunkResult(prepared.first, 1, None, None, prepared.exhausted)
         return ChunkResult(
@@ -283,6 +295,14 @@ class ResidentFeed:
     def unlaunch(self) -> None:
         """The last launch was dropped: its place in the epoch is given back."""
         self.cursor = self._before
+
+
+def name_steps(error: Exception, epoch: int, prepared: Prepared) -> None:
+    """Notes on `error`, raised where the device ran `prepared`'s steps (an error
+    `jax.debug_nans` raises, a failed dispatch), the epoch and iterations they were."""
+    last = prepared.first + prepared.n - 1
+    steps = f"iterations {prepared.first}-{last}" if prepared.n > 1 else f"iteration {last}"
+    error.add_note(f"fuseloop: raised by the steps of epoch {epoch}, {steps}")
 
 
 def epoch_counter(epoch: int) -> Any:
