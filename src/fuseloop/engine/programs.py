@@ -64,9 +64,10 @@ class ProgramCache:
         unpack: Unpacks such a snapshot, by the carry's structure, shapes and dtypes.
         populations: The programs of population runs (a member axis), one cache per size.
         whole_run: Multi-epoch resident programs (`whole_run.py`), by their static shape.
-        prng: The PRNG kind (`jax_default_prng_impl`) the programs were traced under. A raw
-            key means another generator under another kind of the same key shape, and
-            jax's own caches do not tell them apart, so a change of kind starts afresh.
+        prng: The PRNG configuration (`prng_config()`: the kind and whether threefry is
+            partitionable) the programs were traced under. A raw key means another
+            generator under another kind of the same key shape, which jax's own caches do
+            not tell apart, so a change starts the cache afresh.
     """
 
     traces: int = 0
@@ -87,8 +88,8 @@ class ProgramCache:
     prng: tuple[str, bool] = field(default_factory=prng_config)
 
     def for_current_prng(self) -> ProgramCache:
-        """This cache, emptied of programs (not of its trace count) if the PRNG kind in
-        force is not the one they were traced under."""
+        """This cache, emptied of programs (not of its trace count) if the PRNG
+        configuration in force is not the one they were traced under."""
         if self.prng != prng_config():
             self.__dict__.update(ProgramCache(traces=self.traces).__dict__)
         return self
