@@ -95,6 +95,16 @@ def test_an_error_the_device_raises_names_its_epoch_and_iterations(plain_loop, f
     assert f"fuseloop: raised by the steps of epoch 0, {steps}" in caught.value.__notes__
 
 
+def test_an_error_the_device_raises_in_a_whole_run_names_its_dispatch(plain_loop):
+    x, y = (np.concatenate(part) for part in zip(*poisoned(make_batches(12), BAD_AT), strict=True))
+    data = fl.data.arrays(x, y, batch_size=len(y) // 12, shuffle=False, device=True)
+    with jax.debug_nans(True), pytest.raises(FloatingPointError) as caught:
+        plain_loop.run(data, epochs=2, fuse="run")
+    assert "fuseloop: raised by the 24 steps of the dispatch from epoch 0, iteration 0" in (
+        caught.value.__notes__
+    )
+
+
 @pytest.mark.parametrize("fuse", CHUNKS)
 def test_nan_keeps_params_from_before_the_bad_step(nan_loop, before_nan, fuse):
     data = poisoned(make_batches(12), BAD_AT)

@@ -24,12 +24,7 @@ from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, ITERATION_EVENTS, Event
 from .._placement import device_key
 from .._state import AHEAD_KEY
 from .device_checkpoint import BestSaves
-from .device_monitors import (
-    DeviceWork,
-    monitor_start,
-    plan_device_work,
-    rate_table,
-)
+from .device_monitors import DeviceWork, monitor_start, plan_device_work, rate_table
 from .device_replay import hand_best, replayed_handlers
 from .device_validation import validation_inputs
 from .packing import unpack_on_host
@@ -199,7 +194,14 @@ class WholeRun:
             self.work,
             self.replay.record,  # the records only where an iteration handler replays them
         )
-        extra, host = self._advance(program, cursor, steps, monitor_start(self.work, state))
+        try:
+            extra, host = self._advance(program, cursor, steps, monitor_start(self.work, state))
+        except Exception as error:
+            error.add_note(
+                f"fuseloop: raised by the {steps} steps of the dispatch from epoch {epoch}, "
+                f"iteration {cursor}"
+            )
+            raise
         saver = self.work.saver
         self.saves = (
             None
