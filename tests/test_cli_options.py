@@ -66,7 +66,11 @@ def test_a_bench_output_path_is_checked_before_anything_runs(tmp_path, capsys):
 def test_a_demo_plot_path_is_checked_before_training(tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    for target, why in ((blocker / "h.png", "cannot be made"), (tmp_path, "is a folder")):
+    for target, why in (
+        (blocker / "h.png", "cannot be made"),
+        (tmp_path, "is a folder"),
+        ("", "give a file path, or --no-plot"),
+    ):
         with pytest.raises(SystemExit) as exited:
             cli.main(["demo", "--plot", str(target)])
         assert exited.value.code == 2

@@ -57,6 +57,24 @@ def _scalars(logdir) -> list[tuple[str, int, float]]:
     return found
 
 
+def _shown_steps(logdir, tag: str) -> list[int]:
+    """The steps of `tag` TensorBoard shows: each file, in the order written, hides the
+    earlier files' points from its purge step (a SessionLog START) on."""
+    from tensorboardX.proto import event_pb2
+
+    shown: list[int] = []
+    for path in sorted(logdir.iterdir(), key=lambda p: p.stat().st_mtime_ns):
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 12 + length + 4
+            if event.session_log.status == event_pb2.SessionLog.START:
+                shown = [step for step in shown if step < event.step]
+            shown += [event.step for value in event.summary.value if value.tag == tag]
+    return sorted(shown)
+
+
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     runs = {}
@@ -143,6 +161,38 @@ def test_csv_of_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
     )
     resuming.run([(0, 0)] * 2, from_epoch_1, epochs=4)
     assert (tmp_path / "resumed.csv").read_text() == (tmp_path / "full.csv").read_text()
+
+
+def test_tensorboard_of_a_resumed_run_shows_what_the_uninterrupted_one_does(tmp_path):
+    """The redone epoch's points (and its iterations') are hidden, not drawn twice."""
+    start = {"n": jnp.float32(0.0), "loss": jnp.float32(0.0)}
+
+    def written(loop: fl.Loop, name: str) -> fl.Loop:
+        loop = loop.tensorboard(tmp_path / name / "epochs")
+        return loop.tensorboard(tmp_path / name / "its", event="iteration_completed")
+
+    written(_counter_loop(), "full").run([(0, 0)] * 2, start, epochs=4)
+    resuming = written(_counter_loop(), "resumed")
+    saved = resuming.run([(0, 0)] * 2, start, epochs=2)  # as a checkpoint after epoch 1
+    resuming.run([(0, 0)] * 2, saved, epochs=3)
+    resuming.run([(0, 0)] * 2, saved, epochs=4)  # epoch 2 again, from the checkpoint
+    for sub, tag in (("epochs", "epoch/loss"), ("its", "iteration/loss")):
+        full = _shown_steps(tmp_path / "full" / sub, tag)
+        assert _shown_steps(tmp_path / "resumed" / sub, tag) == full, sub
+    assert _shown_steps(tmp_path / "full" / "epochs", "epoch/loss") == [0, 1, 2, 3]
+
+
+def test_writer_paths_that_cannot_be_made_are_refused_when_attached(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    loop = _counter_loop()
+    with pytest.raises(ValueError, match=r"is a directory; give a file path"):
+        loop.csv_log(tmp_path)
+    with pytest.raises(ValueError, match=r"'.*a_file' is a file, so no file can be made"):
+        loop.csv_log(blocker / "m.csv")
+    with pytest.raises(ValueError, match=r"'.*a_file' is a file, so no directory can be made"):
+        loop.tensorboard(blocker)
+    loop.csv_log(blocker)  # an existing file is a file path: a fresh run rewrites it
 
 
 def test_csv_adds_a_column_when_a_metric_appears(tmp_path):

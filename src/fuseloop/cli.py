@@ -150,6 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _launch(parser, args)
     from ._demo import demo as run_demo
 
+    if args.plot == "":
+        parser.error("--plot: give a file path, or --no-plot for no figure")
     plot = False if args.no_plot else (args.plot or True)
     if isinstance(plot, str):
         from .bench._output import unwritable

@@ -73,6 +73,33 @@ def _step(state: State, event: Event) -> int:
     return int(state.epoch)
 
 
+def _require_room(path: Path, argument: str, wanted: str) -> None:
+    """Raises a ValueError, when the writer is attached, where no `wanted` can be made.
+
+    `wanted` is "file" or "directory"; what is refused is a folder where a file goes, or
+    a file on the way.
+    """
+    if wanted == "file" and path.is_dir():
+        raise ValueError(
+            f"{argument}={str(path)!r} is a directory; give a file path, e.g. "
+            f"{str(path / 'metrics.csv')!r}"
+        )
+    taken = next((p for p in (path, *path.parents) if p.exists()), None)  # nearest existing
+    if taken is not None and not taken.is_dir() and (wanted == "directory" or taken != path):
+        raise ValueError(
+            f"{argument}={str(path)!r}: {str(taken)!r} is a file, so no {wanted} can be made "
+            f"there; give a path whose folders are directories"
+        )
+
+
+def _first_step(state: State, event: Event) -> int:
+    """The step of the first row or scalar a run resumed from `state` writes."""
+    if event in ITERATION_EVENTS:
+        counts = state.event_counts.get(event.value)
+        return 1 + (int(counts["total"]) if isinstance(counts, dict) else 0)
+    return int(state.epoch)
+
+
 class CSVWriter:
     """Appends one row of `epoch, iteration, step, <metrics...>` per firing.
 
@@ -92,6 +119,7 @@ class CSVWriter:
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise ValueError(f"path={path!r} must be a file path")
         self.path, self.event = Path(path), normalize_event(event)
+        _require_room(self.path, "path", "file")
         self.columns: list[str] = []
         self.written: int | None = None  # the epoch of the last row (`catch_up_on_halt`)
 
@@ -167,6 +195,7 @@ class TensorBoardWriter:
         if not isinstance(logdir, (str, os.PathLike)) or not str(logdir):
             raise ValueError(f"logdir={logdir!r} must be a directory path")
         self.logdir, self.event = Path(logdir), normalize_event(event)
+        _require_room(self.logdir, "logdir", "directory")
         if prefix is None:
             prefix = "iteration/" if self.event in ITERATION_EVENTS else "epoch/"
         if not isinstance(prefix, str):
@@ -187,11 +216,19 @@ class TensorBoardWriter:
         return SummaryWriter
 
     def start(self, state: State) -> None:
-        """Opens a new event file in `logdir` at run start."""
+        """Opens a new event file in `logdir` at run start.
+
+        A run resumed from a State purges the points of the steps it is about to redo
+        (TensorBoard hides the earlier files' events from that step on), as the CSV writer
+        drops their rows.
+        """
         self.close(state)
         self.written = None
         suffix = f".{os.getpid()}.{next(_writer_ids)}"  # two runs in one second: two files
-        self.writer = self._summary_writer()(str(self.logdir), filename_suffix=suffix)
+        purge = _first_step(state, self.event) if state.history else None
+        self.writer = self._summary_writer()(
+            str(self.logdir), filename_suffix=suffix, purge_step=purge
+        )
 
     def __call__(self, state: State) -> None:
         """Writes the State's scalar metrics at this event's step."""
