@@ -25,6 +25,7 @@ from .._state import State
 from .._types import Status
 from ..engine.population_monitors import checkpoint_members
 from .monitor import Monitor
+from .writers import require_room
 
 __all__ = ["Checkpointer", "list_checkpoints"]
 
@@ -87,12 +88,7 @@ class Checkpointer:
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise ValueError(f"path={path!r} must be a directory path")
         where = Path(path).expanduser()  # "~/runs" is the home directory's, as in a shell
-        taken = next((p for p in (where, *where.parents) if p.exists()), None)
-        if taken is not None and not taken.is_dir():
-            raise ValueError(
-                f"path={str(path)!r}: {str(taken)!r} is a file, so no checkpoint directory "
-                f"can be made there; give a directory path"
-            )
+        require_room(where, f"path={str(path)!r}", "directory", "checkpoint directory")
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep={keep!r} must be None (keep all) or a positive int")
         if not isinstance(asynchronous, bool):

@@ -31,7 +31,7 @@ class _Registers(Protocol):
 
 _LoopT = TypeVar("_LoopT", bound=_Registers)
 
-__all__ = ["CSVWriter", "TensorBoardWriter", "attach_writer", "scalar_metrics"]
+__all__ = ["CSVWriter", "TensorBoardWriter", "attach_writer", "require_room", "scalar_metrics"]
 
 _INDEX_COLUMNS = ("epoch", "iteration", "step")
 _writer_ids = itertools.count()
@@ -73,22 +73,22 @@ def _step(state: State, event: Event) -> int:
     return int(state.epoch)
 
 
-def _require_room(path: Path, argument: str, wanted: str) -> None:
-    """Raises a ValueError, when the writer is attached, where no `wanted` can be made.
+def require_room(path: Path, given: str, wanted: str, noun: str | None = None) -> None:
+    """Raises a ValueError, when a handler is attached, where no `wanted` can be made.
 
-    `wanted` is "file" or "directory"; what is refused is a folder where a file goes, or
-    a file on the way.
+    `wanted` is "file" or "directory" (`noun` names it in the message, e.g. "checkpoint
+    directory"); `given` is the argument as the user wrote it (`path='runs/x'`). What is
+    refused is a folder where a file goes, or a file on the way.
     """
     if wanted == "file" and path.is_dir():
         raise ValueError(
-            f"{argument}={str(path)!r} is a directory; give a file path, e.g. "
-            f"{str(path / 'metrics.csv')!r}"
+            f"{given} is a directory; give a file path, e.g. {str(path / 'metrics.csv')!r}"
         )
     taken = next((p for p in (path, *path.parents) if p.exists()), None)  # nearest existing
     if taken is not None and not taken.is_dir() and (wanted == "directory" or taken != path):
         raise ValueError(
-            f"{argument}={str(path)!r}: {str(taken)!r} is a file, so no {wanted} can be made "
-            f"there; give a path whose folders are directories"
+            f"{given}: {str(taken)!r} is a file, so no {noun or wanted} can be made there; "
+            f"give a {wanted} path"
         )
 
 
@@ -119,7 +119,7 @@ class CSVWriter:
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise ValueError(f"path={path!r} must be a file path")
         self.path, self.event = Path(path), normalize_event(event)
-        _require_room(self.path, "path", "file")
+        require_room(self.path, f"path={str(path)!r}", "file")
         self.columns: list[str] = []
         self.written: int | None = None  # the epoch of the last row (`catch_up_on_halt`)
 
@@ -195,7 +195,7 @@ class TensorBoardWriter:
         if not isinstance(logdir, (str, os.PathLike)) or not str(logdir):
             raise ValueError(f"logdir={logdir!r} must be a directory path")
         self.logdir, self.event = Path(logdir), normalize_event(event)
-        _require_room(self.logdir, "logdir", "directory")
+        require_room(self.logdir, f"logdir={str(logdir)!r}", "directory")
         if prefix is None:
             prefix = "iteration/" if self.event in ITERATION_EVENTS else "epoch/"
         if not isinstance(prefix, str):
