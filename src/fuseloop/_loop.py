@@ -25,7 +25,6 @@ from ._loop_args import (
     refuse_second_validation,
     refuse_validation_names,
     warn_unused_seed,
-    weights_of_module,
 )
 from ._loop_handlers import HandlerBuilders
 from ._metrics import MetricSpec, resolve_metric
@@ -41,6 +40,7 @@ from ._types import Accumulate, EventLike, FilterLike, Fuse, Handler
 from .engine import run_loop
 from .engine.options import check_run_options
 from .engine.programs import ProgramCache
+from .models import weights_of_module
 
 __all__ = ["Loop", "trainer", "evaluator", "loop"]
 

@@ -6,13 +6,10 @@ from __future__ import annotations
 import inspect
 import io
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 import numpy as np
-from flax import nnx
 
 from ._metrics import ACCUMULATORS, ALIASES, METRICS
 from ._population import refuse_population
@@ -26,7 +23,6 @@ __all__ = [
     "check_text_stream",
     "check_step_functions",
     "check_init_state",
-    "weights_of_module",
     "check_handler",
     "warn_unused_seed",
     "refuse_loss_metric",
@@ -123,29 +119,6 @@ def check_init_state(init_state: Any, kind: str = "custom", population: Any = No
             else ""
         )
         refuse_population(init_state, "init_state", instead)
-
-
-def weights_of_module(value: Any, argument: str) -> Any:
-    """`value` as given, or where it is a module built with its weights (nnx, equinox), those
-    weights as fuseloop's variables (what `state.params` holds for it); a linen module holds
-    none and is refused, naming what to pass.
-
-    Example:
-        >>> linear = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
-        >>> weights_of_module(linear, "init_state")["params"]["kernel"].shape
-        (3, 2)
-    """
-    from .models import as_model  # the adapters build on flax and equinox, imported late
-
-    if isinstance(value, nn.Module):
-        raise ValueError(
-            f"{argument}: a flax.linen module ({type(value).__name__}) holds no weights; pass "
-            f"its variables (module.init(key, x)), a State's params (state.params), or the State"
-        )
-    eqx = sys.modules.get("equinox")  # an equinox module exists only if equinox is imported
-    if isinstance(value, nnx.Module) or (eqx is not None and isinstance(value, eqx.Module)):
-        return as_model(value).init(None, None)
-    return value
 
 
 _STARTS_FROM = {

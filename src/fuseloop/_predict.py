@@ -15,11 +15,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._loop_args import weights_of_module
 from ._metrics import batch_size
 from ._model_fit import ModelFit, abstract
 from .engine.conv_layout import named
-from .models import as_model
+from .models import as_model, weights_of_module
 
 __all__ = ["predict"]
 

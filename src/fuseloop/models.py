@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -221,6 +222,32 @@ def _pair_hint(model: Any, adapters: dict[type, Any]) -> str:
     return ""
 
 
+def weights_of_module(value: Any, argument: str) -> Any:
+    """`value` as given, or a module's own weights as fuseloop's variables.
+
+    An nnx or equinox module is built with its weights: they are what `state.params` holds
+    for it. A linen module holds none and is refused, naming what to pass.
+
+    Example:
+        >>> from flax import nnx
+        >>> linear = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+        >>> weights_of_module(linear, "init_state")["params"]["kernel"].shape
+        (3, 2)
+    """
+    for base, adapter in _module_adapters().items():
+        if isinstance(value, base):
+            adapted = adapter(value)
+            if getattr(adapted, "initialised_when_built", None) is None:  # linen
+                raise ValueError(
+                    f"{argument}: a flax.linen module ({type(value).__name__}) holds no "
+                    f"weights; pass its variables (module.init(key, x)), a State's params "
+                    f"(state.params), or the State"
+                )
+            return adapted.init(None, None)
+    return value
+
+
+@functools.cache
 def _module_adapters() -> dict[type, Callable[[Any], ModelAdapter]]:
     """Each module base class `as_model` accepts instances of, with its adapter.
 
