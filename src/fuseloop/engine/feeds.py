@@ -334,7 +334,8 @@ def first_resident_batch(
     host copy is kept beside the source, as the device copy is: a later run of the same
     source from the same epoch reads nothing.
     """
-    kept = source.first_batches.get((start_epoch, prng_config()))
+    key = (start_epoch, prng_config())
+    kept = source.first_batches.get(key)
     if kept is not None:
         return kept
     sharding = jax.tree.leaves(data)[0].sharding
@@ -347,5 +348,5 @@ def first_resident_batch(
     for leaf in jax.tree.leaves(batch):
         if isinstance(leaf, np.ndarray):
             leaf.flags.writeable = False  # shared by later runs: nobody may edit it
-    source.first_batches[(start_epoch, prng_config())] = batch
+    source.first_batches[key] = batch
     return batch
