@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -99,3 +100,15 @@ def test_a_negative_label_is_named_with_its_own_fix():
 def test_labels_out_of_range_on_device_resident_data():
     kind, message = errors_in_both_modes(_resident_with_bad_label())
     assert kind is ValueError and "label 5, out of range" in message
+
+
+@pytest.mark.parametrize("loss, bad", [(SPARSE, 3), ("binary_cross_entropy", -1.0)])
+def test_labels_given_as_jax_arrays_are_checked_in_both_modes(loss, bad):
+    """A fused run reads jax labels as it stacks them; an unfused one must not train on
+    the labels the fused one refuses (it once finished with a nan loss, or trained on -1)."""
+    binary = loss != SPARSE  # then one 0/1 target per output (multi-label)
+    labels = [np.eye(3, dtype=np.float32)[y] if binary else y.copy() for _, y in DATA]
+    labels[2][1, ...] = bad
+    data = [(jnp.asarray(x), jnp.asarray(y)) for (x, _), y in zip(DATA, labels, strict=True)]
+    kind, message = errors_in_both_modes(data, loss)
+    assert kind is ValueError and "iteration 2" in message and "out of range" in message

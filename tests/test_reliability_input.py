@@ -213,16 +213,18 @@ def test_negative_label_in_a_later_batch_names_epoch_and_iteration(loop, fuse):
         loop.run(data, fuse=fuse)
 
 
-def test_a_negative_label_already_on_the_device_turns_the_loss_nan_not_a_class():
-    """An unfused run does not read device labels back; a label of -1 (or -100, the
-    padding of a Hugging Face collator) must not wrap to the last class and train."""
+def test_a_negative_label_already_on_the_device_is_refused_in_every_mode():
+    """Labels given as jax arrays are read as numpy labels are: a label of -1 (or -100, the
+    padding of a Hugging Face collator) must neither wrap to the last class nor train to a
+    nan loss, in training or validation data, fused or not."""
     data = make_batches(3)
     on_device = [(jnp.asarray(x), jnp.asarray(y)) for x, y in data]
     on_device[1] = (on_device[1][0], on_device[1][1].at[1].set(-1))
-    state = sparse_trainer().run(on_device, fuse=False)
-    assert np.isnan(state.history[0]["loss"])
-    validated = sparse_trainer().validate(tiny_mlp(), on_device).run(data, fuse=False)
-    assert np.isnan(validated.history[0]["validation_loss"])
+    for fuse in (False, 3):
+        with pytest.raises(ValueError, match=r"iteration 1: y holds the label -1, out of range"):
+            sparse_trainer().run(on_device, fuse=fuse)
+        with pytest.raises(ValueError, match=r"label -1, out of range(.|\n)*validate\(\)'s data"):
+            sparse_trainer().validate(tiny_mlp(), on_device).run(data, fuse=fuse)
 
 
 @pytest.mark.parametrize("device", [False, True])

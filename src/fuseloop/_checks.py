@@ -15,8 +15,8 @@ which costs a few microseconds; only a batch whose signature was never seen is d
              otherwise `FusionError`.
 
 Integer labels of a sparse cross-entropy, and a binary cross-entropy's targets (in [0, 1]),
-are range-checked on the host when they are numpy arrays (labels already on the device are
-not read back; `_batch_checks.LabelRule`). What JAX narrows while 64-bit mode is off is
+are range-checked on the host, numpy and jax arrays alike, in every mode
+(`_batch_checks.LabelRule`, `_label_checks`). What JAX narrows while 64-bit mode is off is
 checked in `_narrowing.py`: float64 warns once per run, a 64-bit integer beyond 32 bits is
 refused.
 """

@@ -1,4 +1,4 @@
-"""A run's label checks: numpy labels against their loss's rule (`_batch_checks.LabelRule`).
+"""A run's label checks: labels against their loss's rule (`_batch_checks.LabelRule`).
 
 Batches and chunks are checked as they arrive, and an in-memory dataset's labels
 (`fl.data.arrays`) at once, before anything runs. That dataset's labels are a private,
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
 
 __all__ = ["LabelChecks"]
@@ -49,12 +50,19 @@ class LabelChecks:
             self.hold = True
 
     def batch(self, rule: Any, batch: Any, where: str) -> None:
-        """A batch's labels in their loss's range, for numpy labels (device labels are not
-        read), unless the source vouches for them."""
+        """A batch's labels in their loss's range, unless the source vouches for them.
+
+        Labels given as jax arrays are read too: a fused run reads them as it stacks its
+        chunk, so an unfused run must refuse the same batches. Host read: the labels alone,
+        which the user made before the run (nothing waits for a step)."""
         if rule is None or self.hold or not isinstance(batch, (tuple, list)) or len(batch) != 2:
             return
         labels = batch[1]
-        if isinstance(labels, np.ndarray) and labels.size:
+        if not isinstance(labels, np.ndarray):
+            if not (isinstance(labels, jax.Array) and labels.is_fully_addressable):
+                return
+            labels = np.asarray(labels)
+        if labels.size:
             rule.check(labels, where)
 
     def chunk(self, rule: Any, chunk: Any, n: int, epoch: int, first_iteration: int) -> None:
