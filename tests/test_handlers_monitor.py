@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import tempfile
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -291,3 +293,44 @@ def test_a_validation_metric_attached_after_validate_is_named_as_the_cause():
     )
     with pytest.raises(ValueError, match=r"Attach Loop.metric\('mae'\) before Loop.validate"):
         loop.run(_batches(3, 0))
+
+
+# ----------------------------------------------------------------- mode from the name
+
+
+def test_mode_auto_reads_the_direction_from_the_name_as_keras_does():
+    rising = [0.4, 0.5, 0.6, 0.7, 0.8]
+    as_loss = _run_scripted(rising, patience=1, mode="auto")  # "score": lower is better
+    assert as_loss.status == "halted" and max(as_loss.history) == 1
+    loop = _scripted(_counter_loop(), rising, name="validation_accuracy")
+    loop = loop.early_stop("validation_accuracy", patience=1, mode="auto")
+    state = loop.run([(0, 0)] * 2, {"n": jnp.int32(0)}, epochs=len(rising))
+    assert state.status == "completed"  # "max": every epoch improves
+    assert state.handler_metadata["early_stop:validation_accuracy"]["best"] == 0.8
+
+
+ATTACH = {
+    "early_stop": lambda loop, name, **mode: loop.early_stop(name, **mode),
+    "reduce_lr_on_plateau": lambda loop, name, **mode: loop.reduce_lr_on_plateau(name, **mode),
+    "checkpoint": lambda loop, name, **mode: loop.checkpoint(
+        tempfile.mkdtemp(), criteria=name, **mode
+    ),
+}
+
+
+@pytest.mark.parametrize("handler", list(ATTACH))
+def test_min_on_a_rising_metric_warns_with_the_fix(handler):
+    """Keras's default mode reads "max" from an accuracy's name; fuseloop's default is
+    "min", which on an accuracy would stop while it still rises and keep the worst epoch."""
+    attach = ATTACH[handler]
+    loop = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "adam")
+    for name in ("validation_accuracy", "acc", "recall"):
+        with pytest.warns(UserWarning, match=rf"{handler}: .*'{name}' rises .*mode='max'"):
+            attach(loop, name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attach(loop, "validation_loss")
+        attach(loop, "validation_accuracy", mode="max")
+        attach(loop, "validation_accuracy", mode="auto")
+    with pytest.raises(ValueError, match="accepted values: min, max, auto"):
+        attach(loop, "loss", mode="lowest")

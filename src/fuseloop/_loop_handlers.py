@@ -79,7 +79,9 @@ class HandlerBuilders:
         A non-finite monitored value halts at once. The best value and the wait count live
         in `state.handler_metadata`, so they survive a checkpoint and resume. With
         `restore_best=True` (Keras's `restore_best_weights`) the run ends with the step state
-        of the best epoch, bitwise, however it ends.
+        of the best epoch, bitwise, however it ends. `mode` is "min" (a loss), "max" (an
+        accuracy) or "auto" (read from the name, as Keras's default does); "min" on an
+        accuracy, precision or recall warns.
 
         Example:
             >>> stopping = loop.early_stop("loss", patience=1, min_delta=100.0)
@@ -154,7 +156,7 @@ class HandlerBuilders:
             filter: Which firings save, e.g. `{"every": 5}`.
             criteria: Save only when this metric improves (checkpoint-on-best). A
                 population saves each member's own best alone under `path/member_<i>/`.
-            mode: "min" or "max" for `criteria`.
+            mode: "min", "max" or "auto" (read from the name) for `criteria`.
             keep: Keep only the newest `keep` checkpoints (None: all).
             asynchronous: Write in the background so training does not wait on the disk;
                 the run waits for the last write before it returns.

@@ -52,8 +52,9 @@ Status: TypeAlias = Literal["continue", "halt_epoch", "halt_loop"]
 Accumulate: TypeAlias = Literal["running_average", "running_sum"]
 """How `Loop.metric` accumulates a metric over an epoch."""
 
-Mode: TypeAlias = Literal["min", "max"]
-"""Whether a monitored metric improves downwards (a loss) or upwards (an accuracy)."""
+Mode: TypeAlias = Literal["min", "max", "auto"]
+"""Whether a monitored metric improves downwards (a loss) or upwards (an accuracy); "auto"
+reads it from the name, as Keras does ("max" for accuracy, precision, recall, AUC, F1)."""
 
 Fuse: TypeAlias = "bool | int | Literal['auto', 'run']"
 """`Loop.run(fuse=...)`: False (one dispatch per step), True (32), a chunk size, "auto"

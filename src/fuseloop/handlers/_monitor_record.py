@@ -16,10 +16,40 @@ import numpy as np
 
 from .._events import event_total
 from .._state import State
+from .._warn import warn
 
-__all__ = ["MODES", "Monitor", "at_epoch_end", "check_float", "check_int"]
+__all__ = ["MODES", "Monitor", "at_epoch_end", "check_float", "check_int", "resolve_mode"]
 
 MODES = ("min", "max")
+
+# Words of a metric name that rises as a model improves, as Keras's mode="auto" reads them
+# ("acc" also covers "accuracy" and Keras's own "acc").
+_RISING_WORDS = ("acc", "precision", "recall", "auc", "f1")
+
+
+def resolve_mode(mode: Any, name: Any, argument: str, who: str) -> Any:
+    """`mode` as "min" or "max": "auto" reads it from the metric's `name`, as Keras does
+    ("max" for accuracy, precision, recall, AUC and F1, else "min"). "min" on such a name
+    warns: it would count the metric falling as the model improving. Anything else is
+    returned as given, for `Monitor` to refuse.
+
+    Example:
+        >>> resolve_mode("auto", "validation_accuracy", "monitor", "early_stop")
+        'max'
+        >>> resolve_mode("auto", "validation_loss", "monitor", "early_stop")
+        'min'
+    """
+    rises = isinstance(name, str) and any(word in name.lower() for word in _RISING_WORDS)
+    if mode == "auto":
+        return "max" if rises else "min"
+    if mode == "min" and rises:
+        warn(
+            f"{who}: {argument}={name!r} rises as a model improves, but mode='min' counts "
+            f"a lower value as better, so the worst epochs would count as the best. Pass "
+            f"mode='max' (or mode='auto', which reads it from the name, as Keras's default "
+            f"does)"
+        )
+    return mode
 
 
 def check_int(value: Any, argument: str, minimum: int) -> int:
@@ -58,7 +88,7 @@ class Monitor:
 
     Attributes:
         monitor: The metric's name, e.g. "validation_loss".
-        mode: "min" (lower is better) or "max".
+        mode: "min" (lower is better) or "max" (`resolve_mode` reads "auto").
         patience: Epochs without improvement a handler tolerates (>= 0).
         min_delta: The smallest change that counts as an improvement (>= 0).
         key: Where the record lives in `state.handler_metadata`.
@@ -84,7 +114,7 @@ class Monitor:
             )
         if self.mode not in MODES:
             raise ValueError(
-                f"mode={self.mode!r} is not a mode; accepted values: {', '.join(MODES)}"
+                f"mode={self.mode!r} is not a mode; accepted values: {', '.join(MODES)}, auto"
             )
         object.__setattr__(self, "patience", check_int(self.patience, "patience", 0))
         object.__setattr__(self, "min_delta", check_float(self.min_delta, "min_delta", 0.0))

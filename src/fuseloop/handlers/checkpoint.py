@@ -24,6 +24,7 @@ from .._events import event_total
 from .._state import State
 from .._types import Status
 from ..engine.population_monitors import checkpoint_members
+from ._monitor_record import resolve_mode
 from .monitor import Monitor
 from .writers import require_room
 
@@ -60,7 +61,7 @@ class Checkpointer:
         criteria: None (save at every firing) or a metric name: save only when it improves.
             On a population, each member that improves is saved alone (`state.member(i)`)
             under `<path>/member_<i>/`, as its solo run would save it under `<path>`.
-        mode: "min" or "max" for `criteria`.
+        mode: "min", "max" or "auto" (from the name, as Keras does) for `criteria`.
         keep: None (keep all) or the number of newest checkpoints to keep.
         asynchronous: Write in the background, so training does not wait on the disk (the
             State's arrays are copied to the host first). Attach `finish` to the
@@ -96,10 +97,11 @@ class Checkpointer:
         self.path, self.keep, self.asynchronous = where.absolute(), keep, asynchronous
         self.monitor = None
         if criteria is not None:
+            mode = resolve_mode(mode, criteria, "criteria", "checkpoint")
             self.monitor = Monitor(criteria, mode, patience=0, key=key or f"checkpoint:{criteria}")
-        elif mode not in ("min", "max"):
-            raise ValueError(f"mode={mode!r} is not a mode; accepted values: min, max")
-        elif mode != "min":  # it says which way `criteria` improves; without one, nothing
+        elif mode not in ("min", "max", "auto"):
+            raise ValueError(f"mode={mode!r} is not a mode; accepted values: min, max, auto")
+        elif mode == "max":  # it says which way `criteria` improves; without one, nothing
             raise ValueError(
                 f"mode={mode!r} says which way criteria improves, but no criteria is given, "
                 f"so every epoch would be saved: pass criteria= (the metric whose best "

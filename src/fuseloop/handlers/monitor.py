@@ -26,7 +26,7 @@ from ..engine.population_monitors import (
     reduce_lr_members,
     restore_members,
 )
-from ._monitor_record import Monitor, at_epoch_end, check_float, check_int
+from ._monitor_record import Monitor, at_epoch_end, check_float, check_int, resolve_mode
 
 __all__ = ["Monitor", "EarlyStopping", "ReduceLROnPlateau", "find_learning_rates"]
 
@@ -64,6 +64,7 @@ class EarlyStopping:
     ):
         if not isinstance(restore_best, bool):
             raise ValueError(f"restore_best={restore_best!r} must be True or False")
+        mode = resolve_mode(mode, monitor, "monitor", "early_stop")
         self.monitor = Monitor(monitor, mode, patience, min_delta, key or f"early_stop:{monitor}")
         self.restore_best = restore_best
         self._best: tuple[Any, Any] | None = None  # ((epoch, value), device copy)
@@ -171,6 +172,7 @@ class ReduceLROnPlateau:
         cooldown: int = 0,
         key: str = "",
     ):
+        mode = resolve_mode(mode, monitor, "monitor", "reduce_lr_on_plateau")
         self.monitor = Monitor(
             monitor, mode, patience, min_delta, key or f"reduce_lr_on_plateau:{monitor}"
         )
