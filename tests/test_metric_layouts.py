@@ -199,6 +199,34 @@ def test_a_users_function_broadcasting_every_target_against_every_output_is_refu
     assert fl.evaluator(model).metric(fixed, name="mae").run([(x, y)], variables).metrics
 
 
+@pytest.mark.parametrize("kind", ["metric", "loss"])
+def test_a_multi_output_models_crossed_leaves_are_refused_by_name(kind):
+    """A dict of outputs and a dict of targets: the (B,) against (B, 1) broadcast inside
+    one output's term is refused as it is for plain arrays (it once trained on it)."""
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    y = {"reg": x[:, 0].copy(), "cls": (x[:, 1] > 0).astype(np.int32)}
+    init = lambda rng, x: {"v": jnp.full((4, 1), 0.1), "c": jnp.zeros((4, 2))}  # noqa: E731
+    model = fl.models.from_functions(init, lambda p, x: {"reg": x @ p["v"], "cls": x @ p["c"]})
+
+    def crossed(t, p):  # (16,) - (16, 1): (16, 16)
+        ce = optax.softmax_cross_entropy_with_integer_labels(p["cls"], t["cls"])
+        return jnp.mean((p["reg"] - t["reg"]) ** 2) + jnp.mean(ce)
+
+    def fixed(t, p):
+        ce = optax.softmax_cross_entropy_with_integer_labels(p["cls"], t["cls"])
+        return jnp.mean((p["reg"][..., 0] - t["reg"]) ** 2) + jnp.mean(ce)
+
+    def attach(fn):
+        if kind == "metric":
+            return fl.trainer(model, fixed, "sgd").metric(fn, name="mse")
+        return fl.trainer(model, fn, "sgd")
+
+    message = rf"the {kind} .*y_true\['reg'\] of shape \(16,\) and y_pred\['reg'\] .*\(16, 16\)"
+    with pytest.raises(ValueError, match=message):
+        attach(crossed).run([(x, y)])
+    assert attach(fixed).run([(x, y)]).status == "completed"
+
+
 @pytest.mark.parametrize("metric", ["accuracy", "mae"])
 def test_a_built_in_metric_of_a_dict_of_targets_and_weights_names_the_fix(metric):
     x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)

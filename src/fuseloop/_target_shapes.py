@@ -7,7 +7,9 @@ convention silently breaks code written for the other: `y_pred - y_true` broadca
 against (B, 1) to (B, B), and `y_pred[:, 0] - y_true` does the same once Keras has expanded
 the targets. So where the two shapes broadcast to a cross product (larger than both, e.g.
 (B, B)), the function is traced once on those shapes, and if it builds an array of that
-cross shape the run stops with an error that names the fix (docs/design.md §5).
+cross shape the run stops with an error that names the fix (docs/design.md §5). Pytrees of
+targets and outputs (a multi-output model's dicts) are checked leaf by leaf, pairing the
+leaves that sit at the same place in both.
 """
 
 from __future__ import annotations
@@ -53,36 +55,61 @@ def refusing_cross_broadcast(fn: Callable[..., Any], kind: str, name: str) -> Ca
 
 
 def _signature(y_true: Any, y_pred: Any) -> Any:
-    """The shapes and dtypes of two arrays (None where either is not one: a pytree of
-    targets is the function's own business)."""
-    shapes = getattr(y_true, "shape", None), getattr(y_pred, "shape", None)
-    if shapes[0] is None or shapes[1] is None:
-        return None
-    return tuple(shapes[0]), tuple(shapes[1]), str(y_true.dtype), str(y_pred.dtype)
+    """The structures, shapes and dtypes of the targets and outputs (None where a leaf is
+    not an array)."""
+    described = []
+    for tree in (y_true, y_pred):
+        leaves, structure = jax.tree.flatten(tree)
+        if not leaves or any(getattr(leaf, "shape", None) is None for leaf in leaves):
+            return None
+        described.append((structure, tuple((tuple(a.shape), str(a.dtype)) for a in leaves)))
+    return tuple(described)
+
+
+def _crossed_pairs(y_true: Any, y_pred: Any) -> list[tuple[str, tuple[int, ...], Any, Any]]:
+    """`(where, cross shape, target, output)` for each target and output at the same place
+    in both trees whose shapes broadcast to one larger than either."""
+    outputs = dict(jax.tree_util.tree_flatten_with_path(y_pred)[0])
+    crossed = []
+    for path, target in jax.tree_util.tree_flatten_with_path(y_true)[0]:
+        output = outputs.get(path)
+        if output is None:
+            continue
+        t, p = tuple(target.shape), tuple(output.shape)
+        try:
+            cross = tuple(np.broadcast_shapes(t, p))
+        except ValueError:
+            continue  # they do not broadcast: the function reshapes them, or raises itself
+        if math.prod(cross) > max(math.prod(t), math.prod(p)):
+            crossed.append((jax.tree_util.keystr(path), cross, target, output))
+    return crossed
 
 
 def _refuse_cross(fn: Callable[..., Any], y_true: Any, y_pred: Any, kind: str, name: str) -> None:
-    t, p = tuple(y_true.shape), tuple(y_pred.shape)
-    try:
-        cross = tuple(np.broadcast_shapes(t, p))
-    except ValueError:
-        return  # they do not broadcast: the function reshapes them, or raises itself
-    if math.prod(cross) <= max(math.prod(t), math.prod(p)):
+    crossed = _crossed_pairs(y_true, y_pred)
+    if not crossed:
         return
-    abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (y_true, y_pred)]
+    abstract = [
+        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+        for tree in (y_true, y_pred)
+    ]
     try:
         traced = jax.make_jaxpr(fn)(*abstract)
     except Exception:  # noqa: BLE001 - the real call raises it, with the user's traceback
         return
-    if any(shape == cross for shape in _shapes_built(traced.jaxpr)):
-        raise ValueError(
-            f"the {kind} {name}(y_true, y_pred) got y_true of shape {t} and y_pred of "
-            f"shape {p}, and it broadcasts them to {cross}: every target against every "
-            f"prediction, which a {kind} rarely means. fuseloop passes both as they are "
-            f"(as a hand-written optax loop does; Keras would first make them one rank). "
-            f"Make them one shape inside the {kind} (e.g. y_pred[..., 0] or "
-            f"y_true[..., None]), or in the model's output or the data's y"
-        )
+    built = set(_shapes_built(traced.jaxpr))
+    for where, cross, target, output in crossed:
+        if cross in built:
+            t, p = tuple(target.shape), tuple(output.shape)
+            raise ValueError(
+                f"the {kind} {name}(y_true, y_pred) got y_true{where} of shape {t} and "
+                f"y_pred{where} of shape {p}, and it broadcasts them to {cross}: every "
+                f"target against every prediction, which a {kind} rarely means. fuseloop "
+                f"passes both as they are (as a hand-written optax loop does; Keras would "
+                f"first make them one rank). Make them one shape inside the {kind} (e.g. "
+                f"y_pred{where}[..., 0] or y_true{where}[..., None]), or in the model's "
+                f"output or the data's y"
+            )
 
 
 def _shapes_built(jaxpr: Any) -> Iterator[tuple[int, ...]]:
