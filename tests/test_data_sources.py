@@ -241,6 +241,31 @@ def test_dict_batches_train_a_dict_model_fused_like_unfused():
 
 
 @pytest.mark.parametrize("fuse", FUSES)
+@pytest.mark.parametrize("kind", ["callable", "one_shot"])
+def test_dict_batches_from_a_loader_train_as_the_list_does(kind, fuse):
+    """A loader's batches are copied as they are pulled, leaf by leaf: a dict x once became
+    a 0-d object array (and a tuple x one stacked array) on the way to the model."""
+    batches = _dict_batches()
+    data = (lambda: (b for b in batches)) if kind == "callable" else (b for b in batches)
+    _assert_same_run(DICT_LOOP.run(data, fuse=fuse), DICT_LOOP.run(batches, fuse=fuse))
+
+
+def test_tuple_and_none_parts_from_a_loader_keep_their_form():
+    from fuseloop._data import Source
+
+    x, y = BATCHES[0]
+    pulled = []
+    for batch in ((x, (y, y)), ((x, x[:, :1]), y), (x, None), (x, {"y": y, "w": x[:, 0]})):
+        source = Source(lambda batch=batch: (b for b in [batch]))  # a generator: copied
+        pulled.extend(source.pull(source.epoch_iterator(0), 1))
+    assert [jax.tree.structure(b) for b in pulled] == [
+        jax.tree.structure(b)
+        for b in ((x, (y, y)), ((x, x[:, :1]), y), (x, None), (x, {"y": y, "w": x[:, 0]}))
+    ]
+    assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(pulled))
+
+
+@pytest.mark.parametrize("fuse", FUSES)
 def test_dict_arrays_source_matches_a_list_of_its_batches(fuse):
     batches = _dict_batches()
     x = {k: np.concatenate([b[0][k] for b in batches]) for k in ("a", "b")}

@@ -214,9 +214,16 @@ def _own_copy(leaf: Any) -> Any:
 
 
 def _detached(batch: Any) -> Any:
-    if type(batch) is tuple and len(batch) == 2:  # (x, y), without a pytree walk
-        return (_own_copy(batch[0]), _own_copy(batch[1]))
+    if type(batch) is tuple and len(batch) == 2:  # (x, y): an array x or y without a walk
+        return (_detached_part(batch[0]), _detached_part(batch[1]))
     return jax.tree.map(_own_copy, batch)
+
+
+def _detached_part(part: Any) -> Any:
+    """x or y copied leaf by leaf: a dict, tuple or list of arrays (or None) keeps its form."""
+    if isinstance(part, (np.ndarray, jax.Array)):
+        return _own_copy(part)
+    return jax.tree.map(_own_copy, part)
 
 
 def as_source(data: Any) -> Source:
