@@ -85,6 +85,19 @@ def test_a_population_of_an_nnx_model_varying_a_rate_starts_every_member_from_th
     assert not np.array_equal(_first_kernel(moved), _first_kernel(frozen))
 
 
+def test_a_population_started_from_given_variables_that_varies_only_seeds_is_refused():
+    """The member seeds reach a linen model's weights only through its init: given the
+    variables to start from, the members trained bitwise alike (found by a user)."""
+    model = fl.models.mlp([8, 3])
+    variables = model.init(jax.random.PRNGKey(0), make_batches(1)[0][0])
+    loop = fl.trainer(model, SPARSE, "adam")
+    with pytest.raises(ValueError, match=r"variables given as init_state.*leave init_state out"):
+        loop.run(make_batches(4), variables, population=2)
+    state = loop.run(make_batches(4), variables, population={"learning_rate": [0.0, 1e-2]})
+    frozen = state.member(0).params["params"]["Dense_0"]["kernel"]
+    np.testing.assert_array_equal(frozen, variables["params"]["Dense_0"]["kernel"])
+
+
 def test_a_population_of_an_equinox_model_that_varies_only_seeds_is_refused():
     eqx = pytest.importorskip("equinox")
     model = eqx.nn.MLP(FEATURES, 3, 8, 1, key=jax.random.PRNGKey(0))

@@ -135,21 +135,29 @@ def population_tail(metrics: Any, guard: bool, size: int) -> Any:
     return {**tail, "active": jnp.ones((size,), jnp.bool_)}
 
 
-def require_distinct_members(model: Any, population: Population) -> None:
+def require_distinct_members(model: Any, population: Population, given: bool) -> None:
     """Raises where every member would start from the same weights and differ in nothing
-    else: a model built initialised (nnx, equinox), whose init the member seeds cannot
-    reach, and no hyperparameter that varies."""
+    else: the run was given variables to start from (`given`), or the model is built
+    initialised (nnx, equinox), so the member seeds cannot reach the weights, and no
+    hyperparameter varies."""
     if population.hyperparams or len(set(population.seeds)) < 2:
         return
     kind = getattr(model, "initialised_when_built", None)  # e.g. "an nnx" (model)
-    if kind is None:
+    if given:
+        why, other = "every member starts from the variables given as init_state", (
+            "leave init_state out, so that each member's init takes its seed"
+        )
+    elif kind is not None:
+        why, other = f"{kind} model is initialised when built", (
+            "train a flax.linen model, whose init takes the member's seed"
+        )
+    else:
         return
     raise ValueError(
-        f"population={population.size}: {kind} model is initialised when built, so "
-        f"the member seeds {list(population.seeds)} cannot give the members different "
-        f"weights: they would all start from the module's, and differ at most in dropout "
-        f"masks. Vary a hyperparameter (e.g. population={{'learning_rate': [...]}}), or "
-        f"train a flax.linen model, whose init takes the member's seed"
+        f"population={population.size}: {why}, so the member seeds "
+        f"{list(population.seeds)} cannot give the members different weights: they would "
+        f"all start from the same ones, and differ at most in dropout masks. Vary a "
+        f"hyperparameter (e.g. population={{'learning_rate': [...]}}), or {other}"
     )
 
 

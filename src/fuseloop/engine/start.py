@@ -239,10 +239,12 @@ def initial_step_state(programs: Programs, user_state: Any, first: Any, resuming
         return Start(program.init(first, user_state))
     if resuming:
         return Start(private_copy(user_state))
-    if program.kind == "trainer" and user_state is None:
+    if program.kind == "trainer":
         if programs.population is not None:
-            require_distinct_members(program.model, programs.population)
-        user_state = _built_variables(program.model)
+            given = user_state is not None
+            require_distinct_members(program.model, programs.population, given)
+        if user_state is None:
+            user_state = _built_variables(program.model)
     if programs.population is not None:  # every member from the same variables, or its own
         return Start(population_init(programs, programs.population, first, user_state))
     if program.kind == "trainer":
