@@ -144,13 +144,11 @@ def require_distinct_members(model: Any, population: Population, given: bool) ->
         return
     kind = getattr(model, "initialised_when_built", None)  # e.g. "an nnx" (model)
     if given:
-        why, other = "every member starts from the variables given as init_state", (
-            "leave init_state out, so that each member's init takes its seed"
-        )
+        why = "every member starts from the variables given as init_state"
+        other = "leave init_state out, so that each member's init takes its seed"
     elif kind is not None:
-        why, other = f"{kind} model is initialised when built", (
-            "train a flax.linen model, whose init takes the member's seed"
-        )
+        why = f"{kind} model is initialised when built"
+        other = "train a flax.linen model, whose init takes the member's seed"
     else:
         return
     raise ValueError(
