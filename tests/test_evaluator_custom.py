@@ -180,6 +180,24 @@ def test_custom_metric_of_a_missing_scalar_is_a_clear_error():
         loop.run(DATA, counter_init())
 
 
+def test_a_step_states_own_entry_named_like_a_built_in_metric_is_told_how_to_keep_it():
+    def step(batch, s):
+        x, y = batch
+        return {"n": s["n"] + 1, "accuracy": jnp.mean((x[:, 0] > 0) == (y > 0)) * 1.0}
+
+    init = {"n": jnp.int32(0), "accuracy": jnp.float32(0)}
+    with pytest.raises(ValueError, match=r"Loop.metric\('train_accuracy', name='accuracy'\)"):
+        fl.loop(step).metric("accuracy").run(DATA, init)
+
+    def renamed(batch, s):  # the fix the message names
+        out = step(batch, {"n": s["n"], "accuracy": s["train_accuracy"]})
+        return {"n": out["n"], "train_accuracy": out["accuracy"]}
+
+    init = {"n": jnp.int32(0), "train_accuracy": jnp.float32(0)}
+    state = fl.loop(renamed).metric("train_accuracy", name="accuracy").run(DATA, init)
+    assert list(state.metrics) == ["accuracy"]
+
+
 def test_custom_loop_jit_false_matches_jit_true():
     data = _regression_data()
     init = {"w": np.zeros(3, np.float32), "loss": np.float32(0), "seen": np.int32(0)}

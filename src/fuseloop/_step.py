@@ -324,6 +324,15 @@ def _metric_value(spec: MetricSpec, aux: dict[str, Any]) -> Any:
     if spec.fn is None:  # MetricSpec holds a function or a source
         raise ValueError(f"metric {spec.name!r} has neither a function nor a source")
     if "y_pred" not in aux or "y_true" not in aux:
+        inner = aux.get("step_state")
+        if isinstance(inner, dict) and spec.name in inner:  # the user's own entry, shadowed
+            raise ValueError(
+                f"metric {spec.name!r} is the built-in metric of (y_true, y_pred), which "
+                f"this custom step does not return; its step state's own {spec.name!r} "
+                f"cannot be read under a built-in name. Rename that entry (e.g. "
+                f"'train_{spec.name}') and attach Loop.metric('train_{spec.name}', "
+                f"name={spec.name!r}) to keep the key"
+            )
         raise ValueError(
             f"metric {spec.name!r} needs y_true and y_pred: a custom loop's step must return "
             f"a dict step state with a 'y_pred' entry and take (x, y) batches, or name a "
