@@ -63,6 +63,19 @@ def test_a_step_that_promotes_a_leaf_is_a_value_error(fuse):
     assert "bfloat16" in text and "float32" in text
 
 
+def test_a_custom_steps_own_params_widened_get_the_cast_fix_not_a_collection_one():
+    """A custom step state's "params" of plain weights holds no flax collections: its
+    widened leaf is told to cast back (it was told about BatchNorm's statistics)."""
+
+    def step(batch, s):
+        return {"params": {"w": s["params"]["w"] * jnp.float32(0.5)}}
+
+    init = {"params": {"w": jnp.ones((3, 1), jnp.bfloat16)}}
+    with pytest.raises(ValueError, match=r"\['params'\]\['w'\].*Cast the result back") as info:
+        fl.loop(step).run(DATA, init)
+    assert "collection" not in str(info.value)
+
+
 @pytest.mark.parametrize("fuse, jit", [(False, True), (2, True), (False, False)])
 def test_a_custom_step_that_changes_a_shape_is_a_value_error(fuse, jit):
     def step(batch, s):

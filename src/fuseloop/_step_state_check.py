@@ -7,6 +7,7 @@ anything compiles, rather than a message from deep inside JAX.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -38,18 +39,23 @@ _OPTIMIZER_FIX = (
 )
 
 
-def _collection(path: Any) -> str | None:
-    """The model collection (not "params") a trainer's step-state leaf is in, if any:
-    `step_state["params"]` holds all of a flax.linen model's variables."""
+def _collection(path: Any, step_state: Any) -> str | None:
+    """The model collection (not "params") a step-state leaf is in, if any: a trainer's
+    `step_state["params"]` holds all of a flax.linen model's variables, collections beside
+    "params" (a custom loop's `step_state["params"]` without a "params" entry of its own
+    holds plain weights, not collections)."""
     keys = [getattr(entry, "key", None) for entry in path[:2]]
-    return keys[1] if keys[0] == "params" and keys[1] not in (None, "params") else None
+    if keys[0] != "params" or keys[1] in (None, "params"):
+        return None
+    variables = step_state.get("params") if isinstance(step_state, dict) else None
+    return keys[1] if isinstance(variables, Mapping) and "params" in variables else None
 
 
-def _fix_for(path: Any, old: Any, new: Any) -> str:
+def _fix_for(path: Any, old: Any, new: Any, step_state: Any) -> str:
     """What to do about a leaf whose dtype one step changes from `old` to `new`."""
     if _in_optimizer_state(path):
         return _OPTIMIZER_FIX
-    name = _collection(path)
+    name = _collection(path, step_state)
     if name is None or old == new:
         return _CAST_FIX
     return (
@@ -177,7 +183,7 @@ def check_step_keeps_state(step: Any, step_state: Any, batch: Any) -> None:
                 f"the step changes step_state{jax.tree_util.keystr(path)} from dtype "
                 f"{a.dtype} shape {a.shape} to dtype {b.dtype} shape {b.shape}; a step must "
                 f"keep every leaf's dtype and shape (the loop carries the state through a "
-                f"device loop). " + _fix_for(path, a.dtype, b.dtype)
+                f"device loop). " + _fix_for(path, a.dtype, b.dtype, before)
             )
 
 
