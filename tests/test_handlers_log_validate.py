@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -269,3 +270,24 @@ def test_an_error_in_the_validation_data_says_it_is_the_validation_datas():
     with pytest.raises(ValueError, match="holds the label 5") as caught:
         loop.run([(x[16:], y[16:])])
     assert any("validate()'s data" in note for note in caught.value.__notes__)
+
+
+def test_a_custom_loop_keeping_inner_params_is_told_what_validate_reads():
+    """A hand-written step keeps `model.init(...)["params"]` under step_state["params"];
+    the evaluator's "init_state" message is then about the training loop's params."""
+    model = fl.models.mlp([3])
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    data = [(x, (x[:, 0] > 0).astype(np.int32))] * 2
+
+    def init_fn(batch, seed):
+        inner = model.init(jax.random.PRNGKey(seed), batch[0])["params"]
+        return {"params": inner, "y_pred": jnp.zeros((8, 3))}
+
+    def step(batch, s):  # trains nothing: the predictions of the inner params
+        return {**s, "y_pred": model.apply({"params": s["params"]}, batch[0])}
+
+    loop = fl.loop(step, init_fn).metric("accuracy").validate(model, data)
+    with pytest.raises(ValueError, match=r"variables\['params'\] alone") as info:
+        loop.run(data, 0)
+    notes = info.value.__notes__
+    assert any("a custom loop must keep the model's whole variables" in n for n in notes)

@@ -17,6 +17,7 @@ from .._metrics import VALIDATION_PREFIX, MetricSpec, batch_size
 from .._population import silence_stopped
 from .._state import State
 from .._types import Status
+from .._variables_diff import UNWRAPPED
 
 __all__ = ["Validator", "check_validation", "evaluable_metrics", "validation_names"]
 
@@ -178,6 +179,13 @@ class Validator:
                 "fuseloop: raised by the evaluator's run over validate()'s data: a 'data:' "
                 "above is the validation data, its epoch and iteration that run's own"
             )
+            if UNWRAPPED.strip() in str(error):  # "init_state" above: the loop's params
+                error.add_note(
+                    "fuseloop: validate gives the evaluator the training loop's "
+                    "step_state['params']: a custom loop must keep the model's whole "
+                    "variables there ({'params': ...}, as model.init returns them), not "
+                    "variables['params']"
+                )
             raise
         return dict(result.metrics)
 
