@@ -354,3 +354,14 @@ def test_a_mode_without_criteria_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"mode='max'.*no criteria is given.*criteria="):
         loop.checkpoint(tmp_path, mode="max")
     loop.checkpoint(tmp_path, mode="min")  # the default, said out loud: fine
+
+
+def test_a_state_that_cannot_be_saved_is_refused_before_orbax_opens_a_manager(tmp_path):
+    """A custom step state holding a function (a flax TrainState's apply_fn) is refused
+    with its name; orbax's manager, once opened for it and never closed, printed a
+    traceback at interpreter exit."""
+    saver = Checkpointer(tmp_path / "ck")
+    state = fl.State(step_state={"apply_fn": lambda x: x, "w": jnp.ones(2)})
+    with pytest.raises(ValueError, match=r"apply_fn"):
+        saver.save(state)
+    assert saver._manager is None and not (tmp_path / "ck").exists()

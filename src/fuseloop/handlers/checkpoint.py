@@ -194,11 +194,14 @@ class Checkpointer:
 
     def save(self, state: State) -> Path:
         """Writes one checkpoint; orbax prunes old ones only after it is complete."""
+        # A State that cannot be saved is refused before orbax's manager opens: an open
+        # manager left behind by the error printed a traceback at interpreter exit.
+        args = save_args(state)
         manager = self._open()
         step = self._next_number(manager)
         self._numbered = 0  # skipped numbers only matter until the next written save
         self._names.next_epoch(step, state.epoch)
-        manager.save(step, args=save_args(state), force=True)
+        manager.save(step, args=args, force=True)
         if not self.asynchronous:
             manager.wait_until_finished()
         self._last_saved = _position(state)
