@@ -210,3 +210,22 @@ def test_a_module_built_with_its_weights_serves_as_its_variables():
         fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "sgd").run(
             [(x, y)], fl.models.mlp([3])
         )
+
+
+def test_inputs_are_narrowed_as_a_run_narrows_them():
+    """With 64-bit mode off, predict refuses int64 ids a trainer refuses (they wrapped:
+    2**33 + 7 was predicted as 7), warns of float64 as a run does, and takes a big-endian
+    array in the machine's byte order (it failed, blaming x's shape)."""
+    params = {"w": np.ones((1, 1), np.float32)}
+    apply = lambda p, x: jax.tree.leaves(x)[0].astype(np.float32) @ p["w"]  # noqa: E731
+    model = (lambda rng, x: params, apply)
+    ids = np.array([[7], [2**33 + 7], [3]], np.int64)
+    with pytest.raises(ValueError, match=r"x holds int64 values beyond int32's range"):
+        fl.trainer(model, "mse", "sgd").run([(ids, np.zeros((3, 1), np.float32))])
+    with pytest.raises(ValueError, match=r"fl.predict: x holds int64 values beyond int32's"):
+        predict(model, params, ids)
+    values = np.array([[7.0], [1.5], [3.0]])
+    with pytest.warns(UserWarning, match=r"leaf x\['v'\] is float64.*cast to float32"):
+        out = predict(model, params, {"v": values})
+    np.testing.assert_array_equal(out, values.astype(np.float32))
+    np.testing.assert_array_equal(predict(model, params, {"v": values.astype(">f4")}), out)

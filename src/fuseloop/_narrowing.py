@@ -20,7 +20,7 @@ import numpy as np
 
 from ._warn import warn
 
-__all__ = ["Narrowing", "native_copy"]
+__all__ = ["Narrowing", "native_copy", "native_order"]
 
 _WIDE_INTS = {np.dtype(np.int64): np.int32, np.dtype(np.uint64): np.uint32}
 # In-memory datasets (`fl.data.arrays`) found in range: they hold private copies of their
@@ -119,8 +119,15 @@ class Narrowing:
 def native_copy(leaf: Any) -> np.ndarray:
     """A copy of `leaf` in the machine's byte order (the same values; JAX takes no
     big-endian array)."""
-    copy = np.array(leaf)
-    return copy if copy.dtype.byteorder in "=|" else copy.astype(copy.dtype.newbyteorder("="))
+    return native_order(np.array(leaf))
+
+
+def native_order(array: np.ndarray) -> np.ndarray:
+    """`array` in the machine's byte order: itself where it is already, else a converted
+    copy (the same values; JAX takes no big-endian array)."""
+    if array.dtype.byteorder in "=|":
+        return array
+    return array.astype(array.dtype.newbyteorder("="))
 
 
 def _numpy_of(leaf: Any, kind: str) -> bool:

@@ -17,6 +17,7 @@ import numpy as np
 
 from ._metrics import batch_size
 from ._model_fit import ModelFit, abstract
+from ._narrowing import Narrowing, native_order
 from .engine.conv_layout import named
 from .models import as_model, weights_of_module
 
@@ -174,8 +175,24 @@ def _chunk_size(fuse: Any) -> int:
     raise ValueError(f"fuse={fuse!r} must be True, False or a positive int (batches per chunk)")
 
 
-def _as_device_dtype(leaf: Any) -> np.ndarray:
-    array = np.asarray(leaf)
+def _device_inputs(inputs: Any) -> Any:
+    """`inputs` as numpy arrays the device takes, checked as a trainer's run checks its
+    batches (`_narrowing.py`), since predict feeds the same device: a big-endian leaf is
+    converted (as `fl.data.arrays` converts it), a float64 one warned of and cast to
+    float32, and a 64-bit integer beyond 32 bits refused, as it would wrap around
+    (64-bit mode off). The values are read only for 64-bit integer leaves."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(inputs)
+    names = ["x" + jax.tree_util.keystr(path) for path, _ in flat]
+    leaves = [native_order(np.asarray(leaf)) for _, leaf in flat]
+    narrowing = Narrowing()  # one per call, as one per run: the float64 warning once
+    narrowing.warn_float64(names, leaves)
+    narrowing.check_ints(names, leaves, "fl.predict")
+    return jax.tree.unflatten(treedef, [_narrowed_float(leaf) for leaf in leaves])
+
+
+def _narrowed_float(array: np.ndarray) -> np.ndarray:
+    """float64 as float32 where 64-bit mode is off: a chunk is built on the host, so it is
+    cast here rather than on its way to the device (half the bytes to move)."""
     if array.dtype == np.float64 and not jax.config.read("jax_enable_x64"):
         return array.astype(np.float32)
     return array
@@ -250,7 +267,7 @@ def predict(
         inputs, size, pairs = x, int(batch_size), False
     else:
         inputs, size, pairs = _inputs_of_source(x)
-    inputs = jax.tree.map(_as_device_dtype, inputs)
+    inputs = _device_inputs(inputs)
     n = _example_count(inputs)
     if n == 0:
         raise ValueError("x holds no examples; there is nothing to predict")
