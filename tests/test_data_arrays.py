@@ -208,6 +208,14 @@ def test_host_source_refuses_device_placement():
         _ = source.device_arrays
 
 
+def test_device_placement_names_the_dtype_and_the_cast_for_numbers_held_as_objects():
+    x, y = _xy()
+    with pytest.raises(ValueError, match=r"x has dtype object, .*x\.astype\(np\.float32\)$"):
+        fl.data.arrays(x.astype(object), y, batch_size=8, device=True).put()
+    with pytest.raises(ValueError, match=r"y has dtype <U3, .*np\.unique\(y, return_inverse"):
+        fl.data.arrays(x, np.array(["cat", "dog"])[y % 2], batch_size=8, device=True).put()
+
+
 # --------------------------------------------------------------------- in a run
 def _loop():
     return fl.trainer(

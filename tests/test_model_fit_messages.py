@@ -297,6 +297,26 @@ def test_an_x_of_another_dtype_than_the_weights_is_told_to_cast_not_reshape():
         loop.run([(x, np.zeros(4, np.int32))])
 
 
+def test_object_and_string_data_are_told_their_dtype_and_the_fix_not_a_reshape():
+    """A mixed pandas frame's `.values` (numbers as Python objects) or text failed with
+    JAX's "not a valid dtype" and advice to give x or y another shape."""
+    model = fl.models.from_functions(lambda rng, x: PARAMS, apply)
+    x, y = X[:BATCH], Y_REGRESSION[:BATCH]
+    cast = r"numbers held as Python objects .*: cast them, e.g. {}\.astype\(np\.float32\)$"
+    with pytest.raises(ValueError, match=r"^data: x has dtype object, which no device hold"):
+        fl.trainer(model, "mse", "sgd").run([(x.astype(object), y)])
+    with pytest.raises(ValueError, match=r"^x has dtype object, .*" + cast.format("x")):
+        fl.predict(model, PARAMS, x.astype(object))
+    with pytest.raises(ValueError, match=r"^data: y has dtype object, .*" + cast.format("y")):
+        fl.evaluator(model, "mse").run([(x, y.astype(object))], PARAMS)
+    custom = lambda t, p: jnp.mean((p - t) ** 2)  # noqa: E731
+    with pytest.raises(ValueError, match=r"y has dtype <U\d+, .*written as text: cast them"):
+        fl.trainer(model, custom, "sgd").run([(x, y.astype(str))])
+    words = np.array([["cat"], ["dog"]] * (BATCH // 2))
+    with pytest.raises(ValueError, match=r"y has dtype <U3, .*np\.unique\(y, return_inverse"):
+        fl.trainer(model, custom, "sgd").run([(x, words)])
+
+
 class _EndsIn(nn.Module):
     """A Keras-style classifier whose last layer applies `final` (sigmoid or softmax)."""
 

@@ -204,3 +204,8 @@ def test_string_labels_name_their_dtype_and_the_mapping(loss, units, fix):
     for data in ([(X[:8], words[:8])] * 2, fl.data.arrays(X, words, batch_size=8)):
         with pytest.raises(ValueError, match=rf"y has dtype <U3, not numbers; .*{fix}"):
             fl.trainer(fl.models.mlp([8, units]), loss, "adam").run(data)
+    # Numbers held as Python objects (a mixed pandas frame's .values) are cast, not mapped.
+    numbers = np.array([0, 1, 1, 0] * 8, dtype=object)
+    cast = "int32" if loss == SPARSE else "float32"
+    with pytest.raises(ValueError, match=rf"y has dtype object, .*y\.astype\(np\.{cast}\)$"):
+        fl.trainer(fl.models.mlp([8, units]), loss, "adam").run([(X[:8], numbers[:8])])

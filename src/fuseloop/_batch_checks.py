@@ -16,6 +16,8 @@ __all__ = [
     "check_pair_sizes",
     "check_python_lists",
     "is_number_list",
+    "held_by_no_device",
+    "numbers_fix",
     "labels_below",
     "leaf_signature",
     "require_pair",
@@ -96,6 +98,52 @@ def is_numeric(dtype: np.dtype) -> bool:
     return dtype.kind in "biuf" or bool(jax.numpy.issubdtype(dtype, jax.numpy.floating))
 
 
+def held_by_no_device(dtype: Any) -> bool:
+    """Whether no device holds arrays of `dtype`: strings, bytes, Python objects (a mixed
+    pandas frame's `.values`), structured records; not the ml_dtypes floats (kind "V").
+
+    Example:
+        >>> held_by_no_device(np.dtype(object)), held_by_no_device(np.dtype(jax.numpy.bfloat16))
+        (True, False)
+    """
+    dtype = np.dtype(dtype)
+    return dtype.kind in "OSUV" and not jax.numpy.issubdtype(dtype, jax.numpy.number)
+
+
+def numbers_fix(name: str, leaf: Any, cast: str = "float32", mapping: str = "") -> str:
+    """How to make `name` (`leaf`, of a dtype no device holds) numbers: a cast to `cast`
+    where its values are numbers already (Python numbers in an object array, numbers
+    written as text), else a mapping (`mapping`; by default class indices for a y, an
+    encoding for an x). An abstract leaf, whose values are unknown, gets both.
+
+    Example:
+        >>> print(numbers_fix("y", np.array([0, 1], dtype=object)))
+        its values are numbers held as Python objects (...): cast them, e.g. y.astype(np.float32)
+        >>> print(numbers_fix("y", np.array(["cat", "dog"])))
+        map them to numbers first, e.g. for labels classes, y = np.unique(y, return_inverse=True)
+    """
+    cast_it = f"{name}.astype(np.{cast})"
+    if not mapping and name.startswith("y"):
+        mapping = (
+            f"map them to numbers first, e.g. for labels classes, {name} = "
+            f"np.unique({name}, return_inverse=True)"
+        )
+    elif not mapping:  # inputs: categories, words
+        mapping = "map them to numbers first, e.g. each category to an integer or a one-hot row"
+    if not isinstance(leaf, (np.ndarray, np.generic)):
+        return f"cast it where its values are numbers ({cast_it}), else {mapping}"
+    try:  # an error path: reading the values once costs nothing that matters
+        leaf.astype(np.float64)
+    except (TypeError, ValueError):
+        return mapping
+    held = (
+        "held as Python objects (as a mixed pandas frame's .values holds them)"
+        if leaf.dtype.kind == "O"
+        else "written as text"
+    )
+    return f"its values are numbers {held}: cast them, e.g. {cast_it}"
+
+
 def check_label_range(labels: np.ndarray, classes: int, loss: str, where: str) -> None:
     """Raises a ValueError naming the label, the loss and the fix unless every label of
     `labels` (integers for the sparse loss `loss`) is in [0, classes)."""
@@ -151,14 +199,18 @@ class LabelRule:
     def check(self, labels: np.ndarray, where: str) -> None:
         """Raises a ValueError naming the label, the loss and the fix unless it holds."""
         if not is_numeric(labels.dtype):  # strings, objects: no range to check
+            takes, cast, mapping = (
+                (
+                    f"integer class labels in [0, {self.classes})",
+                    "int32",
+                    "map them to integers, e.g. classes, y = np.unique(y, return_inverse=True)",
+                )
+                if self.classes is not None
+                else ("targets in [0, 1] (1 for the positive class)", "float32", "map them to 0/1")
+            )
             raise ValueError(
                 f"data: {where}: y has dtype {labels.dtype}, not numbers; {self.loss} takes "
-                + (
-                    f"integer class labels in [0, {self.classes}). Map them to integers, e.g. "
-                    f"classes, y = np.unique(y, return_inverse=True)"
-                    if self.classes is not None
-                    else "targets in [0, 1] (1 for the positive class). Map them to 0/1"
-                )
+                f"{takes}: {numbers_fix('y', labels, cast, mapping)}"
             )
         if self.classes is not None:
             check_label_range(labels, self.classes, self.loss, where)

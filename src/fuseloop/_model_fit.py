@@ -19,7 +19,7 @@ from ._batch_checks import LabelRule
 from ._epoch_order import abstract_key
 from ._metrics import fits_output, resolve_loss
 from ._model_fit_advice import fix_for_x as _fix_for_x
-from ._model_fit_advice import unbound_axis
+from ._model_fit_advice import no_device_dtype, unbound_axis
 from ._outputs import require_one_prediction
 from ._placement import device_dtype
 from ._variables_diff import UNWRAPPED
@@ -275,6 +275,10 @@ class ModelFit:
         model, x, y = self.program.model, batch[0], batch[1]
         if model is None:
             return
+        # Before anything is traced: JAX's own error would name only the dtype.
+        wrong = no_device_dtype(x, "x", "the model")
+        if wrong is not None:  # `inputs` is "data: x" in a run, "x" in fl.predict
+            raise ValueError(f"{self.inputs.removesuffix('x')}{wrong}")
         self.first_x = (x, jax.tree.map(abstract, x))
         self.first_y = jax.tree.map(abstract, y)
         try:
@@ -326,6 +330,9 @@ class ModelFit:
         try:
             value = jax.eval_shape(loss_fn, ys, y_pred)
         except Exception as error:  # noqa: BLE001
+            wrong = no_device_dtype(y, "y", f"the loss {name!r}")
+            if wrong is not None:
+                raise ValueError(f"data: {wrong}") from error
             raise ValueError(
                 f"data: y does not fit the loss {name!r}: with y ({_describe(y, 'y')}) and "
                 f"{output} it fails with {_first_line(error)}. Give y the shape the loss "
