@@ -5,7 +5,8 @@ What can be encoded:
 - `None`, bools, ints, floats (NaN and infinities included) and strings, as JSON;
 - lists, tuples, and dicts whose keys are strings or ints;
 - numpy arrays and scalars, jax arrays and typed PRNG keys: stored in the array list, the
-  JSON holds their index;
+  JSON holds their index (and `"weak": true` for a weakly typed jax array, such as a Python
+  float a run put on the device: rebuilt weak, it promotes as it did before the save);
 - pytree nodes of types the program has already imported: NamedTuples (optax states),
   dataclass pytrees (equinox modules, flax struct dataclasses) and other registered nodes
   whose node data is itself encodable;
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 from typing import Any
 
 import jax
@@ -27,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import PyTreeDef, default_registry
 
-__all__ = ["decode", "encode"]
+__all__ = ["as_weak", "decode", "encode"]
 
 _SCALARS = (bool, int, float, str)
 
@@ -118,13 +120,16 @@ def _encode_array(value: Any, arrays: list[Any]) -> dict[str, Any] | None:
     if isinstance(value, (jax.Array, np.ndarray)) and value.size == 0 and not is_key:
         # orbax writes no array of zero size: its shape and dtype are all there is to keep.
         kind = "jax" if isinstance(value, jax.Array) else "numpy"
-        return {"empty": kind, "shape": list(value.shape), "dtype": str(value.dtype)}
+        empty = {"empty": kind, "shape": list(value.shape), "dtype": str(value.dtype)}
+        return {**empty, "weak": True} if _is_weak(value) else empty
     if isinstance(value, jax.Array):
         arrays.append(value)
         if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
             arrays[-1] = jax.random.key_data(value)
             return {"key": len(arrays) - 1, "impl": str(jax.random.key_impl(value))}
-        return {"jax": len(arrays) - 1}
+        # Only a weak array carries the flag: a save without it (any older one) is strong.
+        index = {"jax": len(arrays) - 1}
+        return {**index, "weak": True} if _is_weak(value) else index
     if isinstance(value, np.ndarray):
         arrays.append(value)
         return {"numpy": len(arrays) - 1}
@@ -132,6 +137,10 @@ def _encode_array(value: Any, arrays: list[Any]) -> dict[str, Any] | None:
         arrays.append(np.asarray(value))
         return {"numpy_scalar": len(arrays) - 1}
     return None
+
+
+def _is_weak(value: Any) -> bool:
+    return isinstance(value, jax.Array) and bool(getattr(value, "weak_type", False))
 
 
 def _one_level(value: Any) -> tuple[list[Any], PyTreeDef]:
@@ -195,6 +204,38 @@ def _array(encoded: dict[str, Any], tag: str, arrays: list[Any], where: str) -> 
     return arrays[index]
 
 
+def as_weak(value: Any) -> jax.Array:
+    """`value` (a numpy or jax array) as a weakly typed jax array of the same dtype and
+    values, as a Python scalar becomes on the device.
+
+    A strong copy of a weak leaf would promote differently (`bf16_param - lr * grad` turns
+    float32), so a resumed run would silently compute something else.
+
+    Example:
+        >>> as_weak(np.float32(0.5))
+        Array(0.5, dtype=float32, weak_type=True)
+    """
+    try:
+        # No public JAX function makes an array of given values weak; jax.numpy uses this.
+        from jax._src.lax import lax as lax_internal  # noqa: PLC0415 (private: guarded)
+
+        convert = lax_internal._convert_element_type
+    except (ImportError, AttributeError):
+        warnings.warn(
+            "this JAX cannot rebuild a weakly typed array: it is restored strongly typed, "
+            "and arithmetic with it may promote differently than before the save",
+            stacklevel=2,
+        )
+        return jnp.asarray(value)
+    weak: jax.Array = convert(value, np.dtype(value.dtype), weak_type=True)
+    return weak
+
+
+def _device_array(value: Any, encoded: dict[str, Any]) -> jax.Array:
+    """A saved jax array on the device, weakly typed if the save says it was."""
+    return as_weak(value) if encoded.get("weak") is True else jax.device_put(value)
+
+
 def _decode_dict(encoded, arrays, where):
     out = {}
     for item in encoded["dict"]:
@@ -215,7 +256,7 @@ def _decode_empty(encoded, arrays, where):
         empty = np.zeros(tuple(encoded["shape"]), jnp.dtype(encoded["dtype"]))
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{where}: malformed empty array in the save ({err})") from None
-    return jax.device_put(empty) if encoded["empty"] == "jax" else empty
+    return _device_array(empty, encoded) if encoded["empty"] == "jax" else empty
 
 
 def _decode_dataclass(encoded, arrays, where):
@@ -262,7 +303,7 @@ def _decode_function(encoded, arrays, where):
 _DECODERS = {
     "tuple": lambda e, a, w: tuple(decode(v, a, f"{w}[{i}]") for i, v in enumerate(e["tuple"])),
     "dict": _decode_dict,
-    "jax": lambda e, a, w: jax.device_put(_array(e, "jax", a, w)),
+    "jax": lambda e, a, w: _device_array(_array(e, "jax", a, w), e),
     "numpy": lambda e, a, w: np.asarray(_array(e, "numpy", a, w)),
     "numpy_scalar": lambda e, a, w: np.asarray(_array(e, "numpy_scalar", a, w))[()],
     "key": _decode_key,
