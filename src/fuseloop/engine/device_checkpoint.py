@@ -25,6 +25,7 @@ from jax import lax
 
 from .._events import CONTINUE
 from .._fusion import FusionError
+from .._json_tree import as_weak
 from .._placement import tree_bytes
 
 __all__ = ["RING_BUDGET_BYTES", "BestSaves", "keep_best", "kept_start", "ring_size"]
@@ -70,11 +71,15 @@ def keep_best(extra: dict[str, Any], state: Any, improved: Any) -> dict[str, Any
 
 
 class BestSaves:
-    """The host side for one dispatch: `kept` improvements were kept in `ring`."""
+    """The host side for one dispatch: `kept` improvements were kept in `ring`; `carry`
+    is the step state the dispatch carried (its leaves' weak types)."""
 
-    def __init__(self, handler: Any, ring: Any, kept: int):
+    def __init__(self, handler: Any, ring: Any, kept: int, carry: Any):
         self.handler, self.ring, self.kept = handler, ring, kept
         self.size = jax.tree.leaves(ring)[0].shape[0]
+        # The ring's slices are strongly typed; a Python float of the step state is weak,
+        # and a resume from the save must promote as the uninterrupted run does.
+        self.weak = jax.tree.map(lambda a: bool(getattr(a, "weak_type", False)), carry)
         self.seen = 0  # improvements replayed so far in this dispatch
 
     def replayed(self, device_saved: bool, live: bool) -> Callable[[Any], Any]:
@@ -94,7 +99,11 @@ class BestSaves:
                 if k < self.kept - self.size:  # a later save of this dispatch prunes it
                     self.handler.skip()
                 else:
-                    kept = jax.tree.map(lambda a: a[k % self.size], self.ring)
+                    kept = jax.tree.map(
+                        lambda a, weak: as_weak(a[k % self.size]) if weak else a[k % self.size],
+                        self.ring,
+                        self.weak,
+                    )
                     self.handler.save(changed.replace(step_state=kept))
             return CONTINUE, changed
 

@@ -202,11 +202,11 @@ class WholeRun:
                 f"iteration {cursor}"
             )
             raise
-        saver = self.work.saver
+        saver, carry = self.work.saver, self.run.carry.step_state
         self.saves = (
             None
             if saver is None
-            else BestSaves(saver.handler, extra["kept_ring"], int(host["kept_n"]))
+            else BestSaves(saver.handler, extra["kept_ring"], int(host["kept_n"]), carry)
         )
         return segments, host
 
