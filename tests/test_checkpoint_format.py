@@ -239,3 +239,60 @@ def test_a_damaged_latest_checkpoint_is_named_with_the_one_before_it(tmp_path):
         fl.load_state(tmp_path / "ck")
     assert str(saves[-1]) in str(caught.value) and str(saves[-2]) in str(caught.value)
     assert fl.load_state(saves[-2]).epoch == 1
+
+
+# ----------------------------------------------------------------- weak types
+
+
+def test_weakly_typed_leaves_round_trip_weak_and_a_save_without_the_flag_is_strong(tmp_path):
+    # A Python float a run put on the device is weak; a strong copy promotes differently.
+    step_state = {
+        "lr": jnp.asarray(0.0123),
+        "rates": jnp.full((3,), 0.5),
+        "none": jnp.full((0,), 0.5),
+        "w": jnp.ones(2, jnp.bfloat16),
+        "count": jnp.asarray(3),
+    }
+    assert all(step_state[k].weak_type for k in ("lr", "rates", "none", "count"))
+    fl.save_state(fl.State(step_state=step_state), tmp_path / "s")
+    loaded = fl.load_state(tmp_path / "s").step_state
+    for name, leaf in step_state.items():
+        assert loaded[name].weak_type == leaf.weak_type, name
+        assert (loaded[name].shape, loaded[name].dtype) == (leaf.shape, leaf.dtype), name
+        np.testing.assert_array_equal(loaded[name], leaf)
+    assert (loaded["w"] - loaded["lr"]).dtype == jnp.bfloat16
+    # A save written before the flag existed loads its arrays strongly typed, as it did.
+    metadata = tmp_path / "s" / "state" / "metadata"
+    metadata.write_text(metadata.read_text().replace(', "weak": true', ""))
+    assert not any(leaf.weak_type for leaf in fl.load_state(tmp_path / "s").step_state.values())
+
+
+def test_a_custom_loop_resumed_with_a_python_float_in_its_state_is_bitwise_equal(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype(np.float32)
+    y = x @ rng.normal(size=(4, 1)).astype(np.float32)
+    source = fl.data.arrays(x, y, batch_size=8, seed=0)
+
+    def init_fn(batch, seed):
+        return {"w": jnp.full((4, 1), 0.3, jnp.bfloat16), "loss": jnp.float32(0), "lr": 0.0123}
+
+    def step_fn(batch, state):
+        xb, yb = batch
+        loss, g = jax.value_and_grad(lambda w: jnp.mean((xb @ w.astype(jnp.float32) - yb) ** 2))(
+            state["w"]
+        )
+        # With lr weak, bf16 arithmetic; a strong float32 lr would compute in float32.
+        return {**state, "w": (state["w"] - state["lr"] * g).astype(jnp.bfloat16), "loss": loss}
+
+    loop = fl.loop(step_fn, init_fn).metric("loss")
+    full = loop.run(source, 0, epochs=3)
+    loop.checkpoint(tmp_path / "ck").run(source, 0, epochs=2)
+    saved = fl.load_state(tmp_path / "ck")
+    assert saved.step_state["lr"].weak_type
+    # A strong lr here changed the resumed run's loss and weights, silently.
+    resumed = loop.run(source, saved, epochs=3)
+    leaves = jax.tree.leaves(full.step_state), jax.tree.leaves(resumed.step_state)
+    for a, b in zip(*leaves, strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert resumed.history == full.history

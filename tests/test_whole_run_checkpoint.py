@@ -133,3 +133,26 @@ def test_plateau_before_the_best_checkpoint_is_in_its_saves(tmp_path):
     assert len({h["learning_rate"] for h in plain.history.values()}) >= 2
     assert fused.stats["dispatches"] == 1
     assert jax.tree.leaves(fused.step_state)  # the carry is whole after the saves
+
+
+def test_best_saves_kept_on_the_device_keep_a_python_floats_weak_type(tmp_path):
+    # The device ring holds strong copies; a save from it must hold the leaf weak, as the
+    # unfused run's save does, or a resume from it promotes differently.
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype(np.float32)
+    source = fl.data.arrays(x, x[:, :1], batch_size=8, seed=0, device=True)
+
+    def init_fn(batch, seed):
+        return {"w": jax.numpy.full((4, 1), 0.3, "bfloat16"), "loss": np.float32(0), "lr": 0.01}
+
+    def step_fn(batch, state):
+        xb, yb = batch
+        loss, g = jax.value_and_grad(lambda w: ((xb @ w.astype("float32") - yb) ** 2).mean())(
+            state["w"]
+        )
+        return {**state, "w": (state["w"] - state["lr"] * g).astype("bfloat16"), "loss": loss}
+
+    loop = fl.loop(step_fn, init_fn).metric("loss").checkpoint(tmp_path, criteria="loss")
+    loop.run(source, 0, epochs=4, fuse="run")
+    saves = [fl.load_state(str(tmp_path / name)) for name in _saves(tmp_path)]
+    assert len(saves) == 4  # three from the device's ring, the last one live
+    assert all(save.step_state["lr"].weak_type for save in saves)
