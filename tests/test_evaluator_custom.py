@@ -198,6 +198,15 @@ def test_a_step_states_own_entry_named_like_a_built_in_metric_is_told_how_to_kee
     assert list(state.metrics) == ["accuracy"]
 
 
+@pytest.mark.parametrize("value", ["run-a", object()])
+def test_a_step_state_leaf_no_device_holds_is_named(value):
+    def step(batch, s):
+        return {**s, "n": s["n"] + 1}
+
+    with pytest.raises(ValueError, match=r"step_state\['name'\] is a .*closure"):
+        fl.loop(step).run(DATA, {"n": jnp.int32(0), "name": value})
+
+
 def test_custom_loop_jit_false_matches_jit_true():
     data = _regression_data()
     init = {"w": np.zeros(3, np.float32), "loss": np.float32(0), "seen": np.int32(0)}

@@ -144,11 +144,15 @@ class Placement:
         """The step state (or metric tail) on the device; replicated over a mesh.
         `made_here`: a compiled program's output (on the device already, so on one device
         nothing is looked at)."""
-        if self._state is None:
-            if made_here or all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(tree)):
-                return tree  # already on the device: skip a Python-side device_put
-            return jax.device_put(tree)
-        return jax.device_put(tree, self._state)
+        if self._state is None and (
+            made_here or all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(tree))
+        ):
+            return tree  # already on the device: skip a Python-side device_put
+        try:
+            return jax.device_put(tree, self._state)
+        except TypeError as error:
+            _refuse_non_arrays(tree, error)
+            raise
 
     @property
     def replicated(self) -> Any:
@@ -249,3 +253,25 @@ def _check_spans_processes(mesh: Mesh) -> None:
             f"0-{len(held) - 1}): build it over jax.devices(), e.g. Mesh(jax.devices(), "
             f"('data',)), not jax.local_devices(); or pass mesh=None, which is that global mesh"
         )
+
+
+def _refuse_non_arrays(tree: Any, error: TypeError) -> None:
+    """Raises a ValueError naming the step state's first leaf no device holds (a string,
+    an object), with what to do; returns where none is found (`error` stands)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not _device_holds(leaf):
+            raise ValueError(
+                f"step_state{jax.tree_util.keystr(path)} is a {type(leaf).__name__} "
+                f"({leaf!r:.60}), which no device holds: a step state holds arrays and "
+                f"numbers only (the loop carries it on the device). Keep such values "
+                f"outside it (in the step function's closure, or state.handler_metadata)"
+            ) from error
+
+
+def _device_holds(leaf: Any) -> bool:
+    if isinstance(leaf, jax.Array):
+        return True
+    try:
+        return np.asarray(leaf).dtype.kind not in "OSUV"  # objects, bytes, text, void
+    except (TypeError, ValueError):
+        return False
