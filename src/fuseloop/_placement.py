@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ._batch_checks import held_by_no_device
 from ._shards import assemble_global
 
 __all__ = [
@@ -272,6 +273,6 @@ def _device_holds(leaf: Any) -> bool:
     if isinstance(leaf, jax.Array):
         return True
     try:
-        return np.asarray(leaf).dtype.kind not in "OSUV"  # objects, bytes, text, void
+        return not held_by_no_device(np.asarray(leaf).dtype)
     except (TypeError, ValueError):
         return False
