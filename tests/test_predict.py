@@ -222,10 +222,10 @@ def test_inputs_are_narrowed_as_a_run_narrows_them():
     ids = np.array([[7], [2**33 + 7], [3]], np.int64)
     with pytest.raises(ValueError, match=r"x holds int64 values beyond int32's range"):
         fl.trainer(model, "mse", "sgd").run([(ids, np.zeros((3, 1), np.float32))])
-    with pytest.raises(ValueError, match=r"fl.predict: x holds int64 values beyond int32's"):
+    with pytest.raises(ValueError, match=r"^fl.predict: x holds int64 values beyond int32's"):
         predict(model, params, ids)
     values = np.array([[7.0], [1.5], [3.0]])
-    with pytest.warns(UserWarning, match=r"leaf x\['v'\] is float64.*cast to float32"):
+    with pytest.warns(UserWarning, match=r"^fl.predict: leaf x\['v'\] is float64.*to float32"):
         out = predict(model, params, {"v": values})
     np.testing.assert_array_equal(out, values.astype(np.float32))
     np.testing.assert_array_equal(predict(model, params, {"v": values.astype(">f4")}), out)

@@ -76,8 +76,11 @@ class Narrowing:
             _IN_RANGE.add(data)
         self.vouched = True
 
-    def warn_float64(self, names: Sequence[str], leaves: Sequence[Any]) -> None:
-        """Warns (once per run) of the float64 numpy leaves among `leaves`."""
+    def warn_float64(
+        self, names: Sequence[str], leaves: Sequence[Any], source: str = "data"
+    ) -> None:
+        """Warns (once per run) of the float64 numpy leaves among `leaves` (of `source`,
+        the argument that gave them, for the message)."""
         if self.warned_float64 or jax.config.read("jax_enable_x64"):
             return
         wide = [name for name, leaf in zip(names, leaves, strict=True) if _numpy_of(leaf, "f8")]
@@ -85,7 +88,7 @@ class Narrowing:
             self.warned_float64 = True
             which = f"leaf {wide[0]} is" if len(wide) == 1 else f"leaves {', '.join(wide)} are"
             warn(
-                f"data: {which} float64, but JAX runs with 64-bit mode off, so "
+                f"{source}: {which} float64, but JAX runs with 64-bit mode off, so "
                 f"{'it is' if len(wide) == 1 else 'they are'} cast to float32 on the device. "
                 f"Convert with .astype(np.float32) to silence this warning (or enable "
                 f"jax_enable_x64 for float64 math)",
@@ -93,9 +96,13 @@ class Narrowing:
             )
 
     @staticmethod
-    def check_ints(names: Sequence[str], leaves: Sequence[Any], where: str) -> None:
+    def check_ints(
+        names: Sequence[str], leaves: Sequence[Any], where: str, source: str = "data"
+    ) -> None:
         """Raises a ValueError where a 64-bit integer numpy leaf holds a value its 32-bit
-        narrowing would change (`where`: the batch or dataset, for the message)."""
+        narrowing would change (`source`: the argument, `where`: the batch or dataset in
+        it, or "", for the message)."""
+        at = f"{source}: {where}: " if where else f"{source}: "
         if jax.config.read("jax_enable_x64"):
             return
         for name, leaf in zip(names, leaves, strict=True):
@@ -107,7 +114,7 @@ class Narrowing:
             if low < limits.min or high > limits.max:
                 beyond = int(high if high > limits.max else low)
                 raise ValueError(
-                    f"data: {where}: {name} holds {leaf.dtype} values beyond "
+                    f"{at}{name} holds {leaf.dtype} values beyond "
                     f"{np.dtype(narrow).name}'s range (e.g. {beyond}), but JAX runs with "
                     f"64-bit mode off and narrows them to {np.dtype(narrow).name} on the "
                     f"device, where they would wrap around. Map them into range on the host "

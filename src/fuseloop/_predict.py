@@ -185,8 +185,8 @@ def _device_inputs(inputs: Any) -> Any:
     names = ["x" + jax.tree_util.keystr(path) for path, _ in flat]
     leaves = [native_order(np.asarray(leaf)) for _, leaf in flat]
     narrowing = Narrowing()  # one per call, as one per run: the float64 warning once
-    narrowing.warn_float64(names, leaves)
-    narrowing.check_ints(names, leaves, "fl.predict")
+    narrowing.warn_float64(names, leaves, source="fl.predict")
+    narrowing.check_ints(names, leaves, "", source="fl.predict")
     return jax.tree.unflatten(treedef, [_narrowed_float(leaf) for leaf in leaves])
 
 
