@@ -24,6 +24,8 @@ import numpy as np
 
 __all__ = ["refusing_cross_broadcast"]
 
+Shape = tuple[int, ...]
+
 
 def refusing_cross_broadcast(fn: Callable[..., Any], kind: str, name: str) -> Callable[..., Any]:
     """`fn(y_true, y_pred)` as given, refused where it broadcasts every target against every
@@ -66,9 +68,9 @@ def _signature(y_true: Any, y_pred: Any) -> Any:
     return tuple(described)
 
 
-def _crossed_pairs(y_true: Any, y_pred: Any) -> list[tuple[str, tuple[int, ...], Any, Any]]:
-    """`(where, cross shape, target, output)` for each target and output at the same place
-    in both trees whose shapes broadcast to one larger than either."""
+def _crossed_pairs(y_true: Any, y_pred: Any) -> list[tuple[str, Shape, Shape, Shape]]:
+    """`(where, target shape, output shape, cross shape)` for each target and output at the
+    same place in both trees whose shapes broadcast to one larger than either."""
     outputs = dict(jax.tree_util.tree_flatten_with_path(y_pred)[0])
     crossed = []
     for path, target in jax.tree_util.tree_flatten_with_path(y_true)[0]:
@@ -81,7 +83,7 @@ def _crossed_pairs(y_true: Any, y_pred: Any) -> list[tuple[str, tuple[int, ...],
         except ValueError:
             continue  # they do not broadcast: the function reshapes them, or raises itself
         if math.prod(cross) > max(math.prod(t), math.prod(p)):
-            crossed.append((jax.tree_util.keystr(path), cross, target, output))
+            crossed.append((jax.tree_util.keystr(path), t, p, cross))
     return crossed
 
 
@@ -98,9 +100,8 @@ def _refuse_cross(fn: Callable[..., Any], y_true: Any, y_pred: Any, kind: str, n
     except Exception:  # noqa: BLE001 - the real call raises it, with the user's traceback
         return
     built = set(_shapes_built(traced.jaxpr))
-    for where, cross, target, output in crossed:
+    for where, t, p, cross in crossed:
         if cross in built:
-            t, p = tuple(target.shape), tuple(output.shape)
             raise ValueError(
                 f"the {kind} {name}(y_true, y_pred) got y_true{where} of shape {t} and "
                 f"y_pred{where} of shape {p}, and it broadcasts them to {cross}: every "
@@ -112,7 +113,7 @@ def _refuse_cross(fn: Callable[..., Any], y_true: Any, y_pred: Any, kind: str, n
             )
 
 
-def _shapes_built(jaxpr: Any) -> Iterator[tuple[int, ...]]:
+def _shapes_built(jaxpr: Any) -> Iterator[Shape]:
     """The shapes of every array `jaxpr` builds, its inner programs' included."""
     for eqn in jaxpr.eqns:
         for var in eqn.outvars:
