@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import PyTreeDef, default_registry
 
-__all__ = ["as_weak", "decode", "encode"]
+__all__ = ["as_weak", "decode", "encode", "is_weak"]
 
 _SCALARS = (bool, int, float, str)
 
@@ -121,7 +121,7 @@ def _encode_array(value: Any, arrays: list[Any]) -> dict[str, Any] | None:
         # orbax writes no array of zero size: its shape and dtype are all there is to keep.
         kind = "jax" if isinstance(value, jax.Array) else "numpy"
         empty = {"empty": kind, "shape": list(value.shape), "dtype": str(value.dtype)}
-        return {**empty, "weak": True} if _is_weak(value) else empty
+        return {**empty, "weak": True} if is_weak(value) else empty
     if isinstance(value, jax.Array):
         arrays.append(value)
         if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
@@ -129,7 +129,7 @@ def _encode_array(value: Any, arrays: list[Any]) -> dict[str, Any] | None:
             return {"key": len(arrays) - 1, "impl": str(jax.random.key_impl(value))}
         # Only a weak array carries the flag: a save without it (any older one) is strong.
         index = {"jax": len(arrays) - 1}
-        return {**index, "weak": True} if _is_weak(value) else index
+        return {**index, "weak": True} if is_weak(value) else index
     if isinstance(value, np.ndarray):
         arrays.append(value)
         return {"numpy": len(arrays) - 1}
@@ -139,7 +139,8 @@ def _encode_array(value: Any, arrays: list[Any]) -> dict[str, Any] | None:
     return None
 
 
-def _is_weak(value: Any) -> bool:
+def is_weak(value: Any) -> bool:
+    """Whether `value` is a weakly typed jax array (a Python scalar put on the device)."""
     return isinstance(value, jax.Array) and bool(getattr(value, "weak_type", False))
 
 

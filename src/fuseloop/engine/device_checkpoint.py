@@ -25,7 +25,7 @@ from jax import lax
 
 from .._events import CONTINUE
 from .._fusion import FusionError
-from .._json_tree import as_weak
+from .._json_tree import as_weak, is_weak
 from .._placement import tree_bytes
 
 __all__ = ["RING_BUDGET_BYTES", "BestSaves", "keep_best", "kept_start", "ring_size"]
@@ -79,7 +79,7 @@ class BestSaves:
         self.size = jax.tree.leaves(ring)[0].shape[0]
         # The ring's slices are strongly typed; a Python float of the step state is weak,
         # and a resume from the save must promote as the uninterrupted run does.
-        self.weak = jax.tree.map(lambda a: bool(getattr(a, "weak_type", False)), carry)
+        self.weak = jax.tree.map(is_weak, carry)
         self.seen = 0  # improvements replayed so far in this dispatch
 
     def replayed(self, device_saved: bool, live: bool) -> Callable[[Any], Any]:
