@@ -28,10 +28,10 @@ _RISING_WORDS = ("acc", "precision", "recall", "auc", "f1")
 
 
 def resolve_mode(mode: Any, name: Any, argument: str, who: str) -> Any:
-    """`mode` as "min" or "max": "auto" reads it from the metric's `name`, as Keras does
-    ("max" for accuracy, precision, recall, AUC and F1, else "min"). "min" on such a name
-    warns: it would count the metric falling as the model improving. Anything else is
-    returned as given, for `Monitor` to refuse.
+    """`mode` as "min" or "max": "auto" reads it from the metric's `name` (None: no metric),
+    as Keras does ("max" for accuracy, precision, recall, AUC and F1, else "min"). "min" on
+    such a name warns: it would count the metric falling as the model improving. Any other
+    mode is a ValueError.
 
     Example:
         >>> resolve_mode("auto", "validation_accuracy", "monitor", "early_stop")
@@ -39,6 +39,8 @@ def resolve_mode(mode: Any, name: Any, argument: str, who: str) -> Any:
         >>> resolve_mode("auto", "validation_loss", "monitor", "early_stop")
         'min'
     """
+    if mode not in MODES and mode != "auto":
+        raise _not_a_mode(mode)
     rises = isinstance(name, str) and any(word in name.lower() for word in _RISING_WORDS)
     if mode == "auto":
         return "max" if rises else "min"
@@ -50,6 +52,10 @@ def resolve_mode(mode: Any, name: Any, argument: str, who: str) -> Any:
             f"does)"
         )
     return mode
+
+
+def _not_a_mode(mode: Any) -> ValueError:
+    return ValueError(f"mode={mode!r} is not a mode; accepted values: {', '.join(MODES)}, auto")
 
 
 def check_int(value: Any, argument: str, minimum: int) -> int:
@@ -113,9 +119,7 @@ class Monitor:
                 f"'loss' or 'validation_loss'"
             )
         if self.mode not in MODES:
-            raise ValueError(
-                f"mode={self.mode!r} is not a mode; accepted values: {', '.join(MODES)}, auto"
-            )
+            raise _not_a_mode(self.mode)
         object.__setattr__(self, "patience", check_int(self.patience, "patience", 0))
         object.__setattr__(self, "min_delta", check_float(self.min_delta, "min_delta", 0.0))
         if not self.key:

@@ -96,11 +96,9 @@ class Checkpointer:
             raise ValueError(f"asynchronous={asynchronous!r} must be True or False")
         self.path, self.keep, self.asynchronous = where.absolute(), keep, asynchronous
         self.monitor = None
+        mode = resolve_mode(mode, criteria, "criteria", "checkpoint")
         if criteria is not None:
-            mode = resolve_mode(mode, criteria, "criteria", "checkpoint")
             self.monitor = Monitor(criteria, mode, patience=0, key=key or f"checkpoint:{criteria}")
-        elif mode not in ("min", "max", "auto"):
-            raise ValueError(f"mode={mode!r} is not a mode; accepted values: min, max, auto")
         elif mode == "max":  # it says which way `criteria` improves; without one, nothing
             raise ValueError(
                 f"mode={mode!r} says which way criteria improves, but no criteria is given, "
