@@ -102,7 +102,6 @@ class Narrowing:
         """Raises a ValueError where a 64-bit integer numpy leaf holds a value its 32-bit
         narrowing would change (`source`: the argument, `where`: the batch or dataset in
         it, or "", for the message)."""
-        at = f"{source}: {where}: " if where else f"{source}: "
         if jax.config.read("jax_enable_x64"):
             return
         for name, leaf in zip(names, leaves, strict=True):
@@ -113,6 +112,7 @@ class Narrowing:
             limits = np.iinfo(narrow)
             if low < limits.min or high > limits.max:
                 beyond = int(high if high > limits.max else low)
+                at = f"{source}: {where}: " if where else f"{source}: "
                 raise ValueError(
                     f"{at}{name} holds {leaf.dtype} values beyond "
                     f"{np.dtype(narrow).name}'s range (e.g. {beyond}), but JAX runs with "
