@@ -17,6 +17,7 @@ __all__ = [
     "check_python_lists",
     "is_number_list",
     "held_by_no_device",
+    "no_device_dtype",
     "numbers_fix",
     "labels_below",
     "leaf_signature",
@@ -142,6 +143,32 @@ def numbers_fix(name: str, leaf: Any, cast: str = "float32", mapping: str = "") 
         else "written as text"
     )
     return f"its values are numbers {held}: cast them, e.g. {cast_it}"
+
+
+def no_device_dtype(tree: Any, name: str, reader: str = "") -> str | None:
+    """What is wrong with the first leaf of `tree` (`name`: x or y) whose dtype no device
+    holds (strings, objects), and the fix; None where a device holds every leaf. JAX's own
+    error names only the dtype, and shape advice that followed it misled. `reader`: what
+    would read the leaf, for the message.
+
+    Example:
+        >>> print(no_device_dtype({"a": np.array(["1.5"])}, "x"))
+        x['a'] has dtype <U3, which no device holds; its values are numbers written as text: ...
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None:  # a Python list or number
+            try:
+                dtype = np.asarray(leaf).dtype
+            except (TypeError, ValueError):  # ragged: the checks of its shape name it
+                continue
+        if held_by_no_device(dtype):
+            named = name + jax.tree_util.keystr(path)
+            read = f", so {reader} cannot read it" if reader else ""
+            return f"{named} has dtype {dtype}, which no device holds{read}; " + numbers_fix(
+                named, leaf
+            )
+    return None
 
 
 def check_label_range(labels: np.ndarray, classes: int, loss: str, where: str) -> None:

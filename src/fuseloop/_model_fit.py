@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._batch_checks import LabelRule
+from ._batch_checks import LabelRule, no_device_dtype
 from ._epoch_order import abstract_key
 from ._metrics import fits_output, resolve_loss
 from ._model_fit_advice import fix_for_x as _fix_for_x
-from ._model_fit_advice import no_device_dtype, unbound_axis
+from ._model_fit_advice import unbound_axis
 from ._outputs import require_one_prediction
 from ._placement import device_dtype
 from ._variables_diff import UNWRAPPED

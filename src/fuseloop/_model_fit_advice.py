@@ -6,12 +6,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import jax
-
-from ._batch_checks import held_by_no_device, numbers_fix
 from .models import from_equinox
 
-__all__ = ["fix_for_x", "no_device_dtype", "unbound_axis"]
+__all__ = ["fix_for_x", "unbound_axis"]
 
 # "__call__() missing 1 required positional argument: 'b'": inputs taken separately.
 _SEPARATE_INPUTS = re.compile(r"missing \d+ required positional argument")
@@ -58,18 +55,3 @@ def unbound_axis(error: BaseException, applying: str) -> ValueError | None:
         f"none, and over several (run(..., mesh=...)) the statistics are computed over the "
         f"whole global batch without it"
     )
-
-
-def no_device_dtype(tree: Any, name: str, reader: str) -> str | None:
-    """What is wrong with the first leaf of `tree` (`name`: x or y) whose dtype no device
-    holds (strings, objects), and the fix; None where a device holds every leaf. JAX's own
-    error names only the dtype, and the shape advice that followed it misled."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        dtype = getattr(leaf, "dtype", None)
-        if dtype is not None and held_by_no_device(dtype):
-            named = name + jax.tree_util.keystr(path)
-            return (
-                f"{named} has dtype {dtype}, which no device holds, so {reader} cannot read "
-                f"it; {numbers_fix(named, leaf)}"
-            )
-    return None

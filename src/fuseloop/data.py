@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._batch_checks import held_by_no_device, is_number_list, numbers_fix
+from ._batch_checks import is_number_list, no_device_dtype
 from ._epoch_order import EpochOrder, abstract_key
 from ._narrowing import native_copy
 from ._shards import local_indices, place_rows
@@ -389,11 +389,6 @@ def _require_device_dtypes(x: Any, y: Any) -> None:
     It names the fix, before anything is moved (the device would name only the dtype).
     """
     for name, tree in (("x", x), ("y", y)):
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            dtype = np.asarray(leaf).dtype if not hasattr(leaf, "dtype") else leaf.dtype
-            if held_by_no_device(dtype):
-                named = name + jax.tree_util.keystr(path)
-                raise ValueError(
-                    f"fl.data.arrays(..., device=True): {named} has dtype {dtype}, which "
-                    f"cannot be moved to a device; {numbers_fix(named, leaf)}"
-                )
+        wrong = no_device_dtype(tree, name)
+        if wrong is not None:
+            raise ValueError(f"fl.data.arrays(..., device=True): {wrong}")
