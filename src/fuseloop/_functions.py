@@ -12,6 +12,11 @@ from ._linen import flag_values, flags_among, parameters_of
 
 __all__ = ["from_functions", "takes_keyword"]
 
+# The names an apply function's PRNG key goes by: flax's and haiku's `rng`, equinox's and
+# much of JAX's `key`. A function that takes one of them gets the step's key there (None
+# outside training); an unrecognised spelling would silently never see a key.
+RNG_NAMES = ("rng", "key", "rng_key", "prng_key", "dropout_rng")
+
 
 def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
     """Whether `fn`'s signature has a parameter called `name` (False when it has none)."""
@@ -21,14 +26,14 @@ def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
 class from_functions:  # noqa: N801 - reads as a constructor
     """Adapts a plain `(init_fn, apply_fn)` pair.
 
-    `init_fn(rng, x) -> params`; `apply_fn(params, x) -> y`. An `apply_fn` with an `rng`
-    keyword receives the step's key (haiku's order, `apply_fn(params, rng, x)`, is
-    recognised by its second parameter's name: the key, None outside training, goes
-    there), and one with a train/eval flag (`train`, `training`, `is_training`,
-    `deterministic`, ...: `fl.models.TRAIN_FLAGS`) receives its value. A
-    trainer trains every params leaf, so each must be floating point; params with a
-    "params" entry beside others are refused (only that entry would train, flax's
-    convention, and the others would never change).
+    `init_fn(rng, x) -> params`; `apply_fn(params, x) -> y`. An `apply_fn` with a key
+    parameter (`rng`, or equinox's `key`, `rng_key`, `prng_key`, `dropout_rng`) receives
+    the step's key there, None outside training (haiku's order, `apply_fn(params, rng, x)`,
+    is recognised by its second parameter's name), and one with a train/eval flag
+    (`train`, `training`, `is_training`, `deterministic`, ...: `fl.models.TRAIN_FLAGS`)
+    receives its value. A trainer trains every params leaf, so each must be floating
+    point; params with a "params" entry beside others are refused (only that entry would
+    train, flax's convention, and the others would never change).
 
     Example:
         >>> import jax.numpy as jnp
@@ -43,9 +48,9 @@ class from_functions:  # noqa: N801 - reads as a constructor
         self.init_fn, self.apply_fn = init_fn, apply_fn
         parameters = parameters_of(apply_fn)
         self.flags = flags_among(parameters, "apply_fn")
-        self.takes_rng = "rng" in parameters
+        self.rng_name = next((name for name in parameters if name in RNG_NAMES), None)
         # haiku's transformed apply: `apply(params, rng, *args)`.
-        self.rng_second = list(parameters)[1:2] == ["rng"]
+        self.rng_second = self.rng_name is not None and list(parameters)[1:2] == [self.rng_name]
 
     def init(self, rng: Any, x: Any) -> Any:
         """`init_fn(rng, x)`: the initial params.
@@ -83,6 +88,6 @@ class from_functions:  # noqa: N801 - reads as a constructor
         kwargs: dict[str, Any] = flag_values(self.flags, train)
         if self.rng_second:
             return self.apply_fn(variables, rng, x, **kwargs), None
-        if self.takes_rng:
-            kwargs["rng"] = rng
+        if self.rng_name is not None:
+            kwargs[self.rng_name] = rng
         return self.apply_fn(variables, x, **kwargs), None

@@ -10,7 +10,8 @@ What can be encoded:
 - pytree nodes of types the program has already imported: NamedTuples (optax states),
   dataclass pytrees (equinox modules, flax struct dataclasses) and other registered nodes
   whose node data is itself encodable;
-- module-level functions (an equinox MLP's activation), by module and name.
+- module-level functions (an equinox MLP's activation) and types (a model's dtype field,
+  `jnp.float32`), by module and name; numpy dtypes by name.
 
 Decoding never imports a module and never unpickles: a type or function is looked up among
 the modules the program has already imported, and a type is rebuilt only if jax knows it as
@@ -90,19 +91,32 @@ def encode(value: Any, arrays: list[Any], where: str = "value") -> Any:
             "fields": [
                 [f.name, encode(getattr(value, f.name), arrays, f"{where}.{f.name}")]
                 for f in dataclasses.fields(value)
-                if hasattr(value, f.name)
+                if _holds(value, f.name)
             ],
         }
     if _is_node(value):
         return _encode_node(value, arrays, where)
+    if isinstance(value, np.dtype):
+        return {"dtype": value.name}
+    if isinstance(value, type) and _is_named(value):
+        return {"type": _name_of(value)}  # a model's dtype field: jnp.float32, np.float32
     if callable(value) and _is_named(value):
         return {"function": _name_of(value)}
     raise ValueError(
         f"{where}={type(value).__name__} cannot be saved without pickle: a save holds "
         f"numbers, strings, bools, None, lists, tuples, dicts with str/int keys, numpy/jax "
-        f"arrays, pytree nodes (NamedTuples, dataclass pytrees) and module-level functions. "
+        f"arrays, pytree nodes (NamedTuples, dataclass pytrees), dtypes and module-level "
+        f"functions and types. "
         f"Convert it (e.g. to a dict of those) before saving"
     )
+
+
+def _holds(value: Any, name: str) -> bool:
+    """Whether the dataclass `value` holds field `name` itself: a field its __init__ left
+    unset reads its class default, but a pytree (equinox's) records it as missing, so it
+    must come back missing."""
+    own = getattr(value, "__dict__", None)
+    return name in own if own is not None else hasattr(value, name)
 
 
 def _key(key: Any, where: str) -> Any:
@@ -294,6 +308,20 @@ def _decode_node(encoded, arrays, where):
     return treedef.unflatten(children)
 
 
+def _decode_type(encoded, arrays, where):
+    kind = _lookup(encoded["type"], where)
+    if not isinstance(kind, type):
+        raise ValueError(f"{where}: {encoded['type']!r} is not a type")
+    return kind
+
+
+def _decode_dtype(encoded, arrays, where):
+    try:
+        return jnp.dtype(encoded["dtype"])
+    except TypeError as err:
+        raise ValueError(f"{where}: {encoded['dtype']!r} is not a dtype ({err})") from None
+
+
 def _decode_function(encoded, arrays, where):
     function = _lookup(encoded["function"], where)
     if not callable(function) or isinstance(function, type):
@@ -312,4 +340,6 @@ _DECODERS = {
     "dataclass": _decode_dataclass,
     "node": _decode_node,
     "function": _decode_function,
+    "type": _decode_type,
+    "dtype": _decode_dtype,
 }

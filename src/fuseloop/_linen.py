@@ -14,6 +14,7 @@ import flax.linen as nn
 
 __all__ = [
     "TRAIN_FLAGS",
+    "ModelConventionError",
     "ModelModeError",
     "call_flags",
     "flag_values",
@@ -34,7 +35,17 @@ TRAIN_FLAGS: dict[str, bool] = {
 }
 
 
-class ModelModeError(ValueError):
+class ModelConventionError(ValueError):
+    """A model built in a way a trainer cannot train exactly (raised where it is seen,
+    naming the fix, never reported as a misfit of the data).
+
+    Example:
+        >>> issubclass(ModelConventionError, ValueError)
+        True
+    """
+
+
+class ModelModeError(ModelConventionError):
     """A model whose train/eval mode fuseloop cannot set (raised at the first batch).
 
     Example:

@@ -24,7 +24,7 @@ from ._outputs import require_one_prediction
 from ._placement import device_dtype
 from ._variables_diff import UNWRAPPED
 from ._variables_diff import first_difference as _first_difference
-from .models import ModelModeError, from_nnx, linen
+from .models import ModelConventionError, from_nnx, linen
 
 __all__ = ["ModelFit", "SPARSE", "abstract", "needs_rng"]
 
@@ -161,7 +161,7 @@ class ModelFit:
         (or, where the model asked for randomness or the variables hold no arrays, that)."""
         try:
             return self._forward(variables)
-        except ModelModeError:
+        except ModelConventionError:
             raise
         except Exception as error:  # noqa: BLE001 - re-raised with context
             raise self._misfit(error, variables, whose) from error
@@ -283,7 +283,7 @@ class ModelFit:
         self.first_y = jax.tree.map(abstract, y)
         try:
             variables = jax.eval_shape(model.init, abstract_key(), self.first_x[1])
-        except ModelModeError:
+        except ModelConventionError:
             raise
         except Exception as error:  # noqa: BLE001 - re-raised with context below
             if self.program.kind == "evaluator" or isinstance(error, jax.errors.JAXTypeError):
@@ -302,7 +302,7 @@ class ModelFit:
         self.fresh = variables
         try:
             y_pred = self._forward(variables)
-        except ModelModeError:
+        except ModelConventionError:
             raise
         except Exception as error:  # noqa: BLE001 - a missing rng is the model's alone
             if needs_rng(error):

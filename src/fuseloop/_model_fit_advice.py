@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .models import from_equinox
+from .models import ModelConventionError, from_equinox, from_nnx
 
-__all__ = ["fix_for_x", "unbound_axis"]
+__all__ = ["fix_for_x", "no_params", "unbound_axis"]
 
 # "__call__() missing 1 required positional argument: 'b'": inputs taken separately.
 _SEPARATE_INPUTS = re.compile(r"missing \d+ required positional argument")
@@ -55,3 +55,24 @@ def unbound_axis(error: BaseException, applying: str) -> ValueError | None:
         f"none, and over several (run(..., mesh=...)) the statistics are computed over the "
         f"whole global batch without it"
     )
+
+
+def no_params(adapter: Any) -> ModelConventionError:
+    """The error for a trainer's model with no trainable parameter: its loss could never
+    change, and a run would report training that did not happen."""
+    if isinstance(adapter, from_nnx):
+        from flax import nnx
+
+        nodes = nnx.iter_graph(adapter.module)
+        kinds = sorted({type(v).__name__ for _, v in nodes if isinstance(v, nnx.Variable)})
+        held = f" (it holds {', '.join(kinds)} variables)" if kinds else ""
+        fix = (
+            f"a trainer trains the module's nnx.Param variables{held}: hold the weights "
+            f"to train in nnx.Param, or in a subclass of it"
+        )
+    else:
+        fix = (
+            "a trainer trains variables['params'] (flax's convention; a plain "
+            "(init_fn, apply_fn) pair's whole params): put the weights to train there"
+        )
+    return ModelConventionError(f"model: it has no parameters to train; {fix}")

@@ -6,11 +6,12 @@ Re-exported from `fuseloop.models` (as `fl.models.from_nnx`).
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 
-from ._linen import TRAIN_FLAGS, call_flags, flag_values
+from ._linen import TRAIN_FLAGS, ModelConventionError, call_flags, flag_values
 from ._warn import warn
 
 __all__ = ["from_nnx", "set_nnx_mode"]
@@ -52,6 +53,11 @@ class from_nnx:  # noqa: N801
         self.graphdef, params, *others = nnx.split(module, nnx.Param, ...)
         (rest,) = others  # the two filters, Param and `...`, split the module in two
         self._templates = (params, rest)
+        # Intermediates the module holds as attributes of its own are state it keeps; only
+        # those a call sows anew are outputs of the call (`_run`).
+        self._held = {
+            path for path, node in nnx.iter_graph(module) if isinstance(node, nnx.Intermediate)
+        }
         # The module's graph as traced into the programs, and its Variables: whether a
         # value changed since the last read is a cheap comparison (splitting the module
         # costs ~150 us; comparing ~10 values ~1 us).
@@ -146,10 +152,12 @@ class from_nnx:  # noqa: N801
         rest = self._rebuild(self._templates[1], variables["state"])
         module = nnx.merge(self.graphdef, params, rest)
         set_nnx_mode(module, train)
+        given = _param_values(module) if train else {}
         y = module(x, **flag_values(self.flags, train))
+        _refuse_param_writes(given, _param_values(module) if train else {})
         # What the call sowed (`self.sow(nnx.Intermediate, ...)`) is an output of the call,
         # not state to carry: dropped, as linen's sow does nothing unless asked for.
-        nnx.pop(module, nnx.Intermediate)
+        nnx.pop(module, lambda path, node: _sown(node, path, self._held, nnx.Intermediate))
         _, _, rest = nnx.split(module, nnx.Param, ...)
         return y, nnx.to_pure_dict(rest)
 
@@ -206,7 +214,7 @@ class _Graph:
         """Whether every edge still leads to the object it led to when built."""
         try:
             return all(_child(parent, path[-1]) is node for parent, path, node in self.edges)
-        except (AttributeError, IndexError, KeyError):  # an attribute or item was removed
+        except (AttributeError, IndexError, KeyError, TypeError):  # a node was removed
             return False
 
     def rebuilt(self) -> _Graph:
@@ -218,7 +226,11 @@ class _Graph:
 
 
 def _child(parent: Any, key: Any) -> Any:
-    return parent[key] if key.__class__ is int else getattr(parent, key)
+    """The node under `key`: an item of a dict or list (any key: a dict of layers may be
+    keyed by tuples, as flax's own SpectralNorm keeps its stats), else an attribute."""
+    if isinstance(parent, (Mapping, list, tuple)) or not isinstance(key, str):
+        return parent[key]
+    return getattr(parent, key)
 
 
 # Attributes that `.train()`/`.eval()` and `set_nnx_mode` switch: the adapter sets them
@@ -275,6 +287,37 @@ def _changed_structure(old: dict[Any, Any], new: dict[Any, Any]) -> str:
     )
 
 
+def _sown(node: Any, path: Any, held: set[Any], kind: type) -> bool:
+    return isinstance(node, kind) and tuple(path) not in held
+
+
+def _param_values(module: Any) -> dict[Any, Any]:
+    """What each nnx.Param of `module` holds, by path (traced values: compared by identity)."""
+    from flax import nnx
+
+    nodes = nnx.iter_graph(module)
+    return {path: _raw_value(node) for path, node in nodes if isinstance(node, nnx.Param)}
+
+
+def _refuse_param_writes(given: dict[Any, Any], now: dict[Any, Any]) -> None:
+    """A ModelConventionError naming the Params the module's training call wrote: a trainer
+    changes params by their gradients alone and would drop the write, where nnx.Optimizer
+    keeps it."""
+    written = [path for path, value in given.items() if now.get(path) is not value]
+    if written:
+        names = ", ".join(".".join(str(key) for key in path) for path in written)
+        raise ModelConventionError(
+            f"model: its __call__ writes its own nnx.Param(s) ({names}), as a weight "
+            f"constraint or nnx.SpectralNorm / nnx.WeightNorm do. A trainer changes params "
+            f"by their gradients alone, so the write would be lost and training would differ "
+            f"from an nnx.Optimizer loop. Keep the call from writing Params: use the "
+            f"constrained weight in the computation without storing it, apply the constraint "
+            f"after the optimizer's update in a step of your own (fl.loop; "
+            f"optax.projections has common ones), or hold a value that is not trained in "
+            f"another nnx.Variable (e.g. nnx.BatchStat)"
+        )
+
+
 def _raw_value(variable: Any) -> Any:
     """What a Variable holds, without the checks of `.value` (older flax: `raw_value`)."""
     get = getattr(variable, "get_raw_value", None)
@@ -309,6 +352,6 @@ def _freezes_some(tx: Any, params: Any) -> bool:
     try:  # given what extra-args transformations read (value=...), as a step gives them
         grads = jax.tree.map(jax.numpy.ones_like, params)
         updates, _ = optimizer_update(tx, grads, tx.init(params), params, zero, lambda p: zero)
-    except Exception:  # noqa: BLE001 - an update it cannot make here: cannot tell
-        return False
+    except Exception:  # noqa: BLE001 - an update it cannot make here: cannot tell (the
+        return True  # run's init says what is wrong), and a false "freezes none" misleads
     return any(not bool(jax.numpy.any(leaf != 0)) for leaf in jax.tree.leaves(updates))

@@ -29,6 +29,7 @@ __all__ = [
     "exposes_learning_rate",
     "set_learning_rate",
     "has_schedule",
+    "optimizer_init",
     "optimizer_update",
 ]
 
@@ -115,6 +116,24 @@ def resolve_optimizer(optimizer: Any) -> optax.GradientTransformation:
         f"optimizer={optimizer!r} must be a name ({', '.join(OPTIMIZERS)}) or an "
         f"optax.GradientTransformation"
     )
+
+
+def optimizer_init(tx: Any, params: Any) -> Any:
+    """`tx.init(params)`; a ValueError naming the fix where the optimizer's own trees (the
+    labels of `optax.multi_transform`, the mask of `optax.masked`) are not shaped like the
+    params it is given."""
+    try:
+        return tx.init(params)
+    except ValueError as error:
+        if "pytree structure" not in str(error) and "node type mismatch" not in str(error):
+            raise
+        first = str(error).strip().splitlines()[0]
+        raise ValueError(
+            f"optimizer: its init fails on the model's params ({first}): labels or masks it "
+            f"holds (optax.multi_transform, optax.masked) must be shaped like "
+            f"variables['params'], plain dicts of arrays. For an nnx module, build them from "
+            f"nnx.to_pure_dict(nnx.state(model, nnx.Param)) rather than from the State itself"
+        ) from error
 
 
 def optimizer_update(

@@ -22,10 +22,12 @@ from ._batch_checks import require_pair
 from ._epoch_order import prng_config
 from ._functions import from_functions
 from ._metrics import CLASSIFYING, Mean, MetricSpec, loss_mean, resolve_loss
+from ._model_fit_advice import no_params
 from ._optim import (
     OPTIMIZERS,
     exposes_learning_rate,
     learning_rate_of,
+    optimizer_init,
     optimizer_update,
     resolve_optimizer,
 )
@@ -105,6 +107,16 @@ def _unfrozen(variables: Any) -> Any:
     return unfreeze(variables) if isinstance(variables, FrozenDict) else variables
 
 
+def _checked_params(adapter: Any, variables: Any) -> Any:
+    """The params a trainer trains in `variables`, refused where it cannot train them (no
+    variables at all is left to the run's model checks, which name init)."""
+    _check_plain_params(adapter, variables)
+    params, _ = _trainable(variables)
+    if not jax.tree.leaves(params) and jax.tree.leaves(variables):
+        raise no_params(adapter)
+    return params
+
+
 def _check_plain_params(adapter: Any, variables: Any) -> None:
     """A plain pair's params, which a trainer differentiates whole: refused with the fix
     where some would silently never train (a "params" entry beside others: only it trains,
@@ -180,11 +192,10 @@ def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program
         if variables is None:
             variables = adapter.init(init_key, x)
         variables = _unfrozen(variables)
-        _check_plain_params(adapter, variables)
-        params, _ = _trainable(variables)
+        params = _checked_params(adapter, variables)
         return {
             "params": variables,
-            "opt_state": tx.init(params),
+            "opt_state": optimizer_init(tx, params),
             "rng": dropout_key,
             "step": jnp.zeros((), jnp.int32),
         }

@@ -26,7 +26,7 @@ import flax.linen as nn
 
 from ._equinox import from_equinox
 from ._functions import from_functions
-from ._linen import TRAIN_FLAGS, ModelModeError, linen
+from ._linen import TRAIN_FLAGS, ModelConventionError, ModelModeError, linen
 from ._nnx import from_nnx, set_nnx_mode
 from ._population import refuse_population
 
@@ -42,6 +42,7 @@ __all__ = [
     "from_nnx",
     "from_equinox",
     "TRAIN_FLAGS",
+    "ModelConventionError",
     "ModelModeError",
 ]
 

@@ -1,0 +1,171 @@
+"""Model conventions a trainer must either follow exactly or refuse with the fix: key
+parameters of plain functions, nnx modules that write their own Params, hold no Params,
+keep dicts with tuple keys or Intermediates of their own, nnx-shaped optimizer labels, and
+equinox fields a save must bring back as they were."""
+
+from __future__ import annotations
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import fuseloop as fl
+from conftest import assert_tree_equal
+
+
+def _regression(n: int = 16) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    y = rng.normal(size=(n, 2)).astype(np.float32)
+    return [(x[i : i + 8], y[i : i + 8]) for i in range(0, n, 8)]
+
+
+_SEEN: list[bool] = []
+
+
+def _with_key(params, x, key=None):
+    _SEEN.append(key is not None)
+    return x @ params["w"]
+
+
+def _with_rng(params, x, rng=None):
+    _SEEN.append(rng is not None)
+    return x @ params["w"]
+
+
+def _with_dropout_rng(params, x, *, dropout_rng=None):
+    _SEEN.append(dropout_rng is not None)
+    return x @ params["w"]
+
+
+@pytest.mark.parametrize("apply_fn", [_with_key, _with_rng, _with_dropout_rng])
+def test_a_plain_apply_gets_the_steps_key_under_its_own_name(apply_fn):
+    _SEEN.clear()
+
+    def init_fn(rng, x):
+        return {"w": jax.random.normal(rng, (x.shape[1], 2)) * 0.3}
+
+    batches = _regression()
+    state = fl.trainer((init_fn, apply_fn), "mse", optax.sgd(0.1)).run(batches, epochs=1)
+    assert True in _SEEN  # the training step's trace was given a key
+    _SEEN.clear()
+    fl.predict((init_fn, apply_fn), state, batches[0][0])
+    assert _SEEN and not any(_SEEN)  # outside training: None
+
+
+class _Clip(nnx.Module):
+    def __init__(self, rngs):
+        self.layer = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        self.layer.kernel[...] = jnp.clip(self.layer.kernel[...], -0.3, 0.3)
+        return self.layer(x)
+
+
+def test_an_nnx_module_writing_its_own_params_is_refused_with_the_path():
+    loop = fl.trainer(_Clip(nnx.Rngs(0)), "mse", optax.sgd(0.1))
+    with pytest.raises(
+        fl.models.ModelConventionError, match=r"writes its own nnx.Param\(s\) \(layer.kernel\)"
+    ):
+        loop.run(_regression(), epochs=1)
+
+
+def test_an_nnx_module_without_params_is_refused_naming_its_variable_kinds():
+    class Weight(nnx.Variable):
+        pass
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.w = Weight(jnp.ones((4, 2)))
+
+        def __call__(self, x):
+            return x @ self.w[...]
+
+    with pytest.raises(fl.models.ModelConventionError, match="no parameters to train.*Weight"):
+        fl.trainer(Net(), "mse", optax.sgd(0.1)).run(_regression(), epochs=1)
+
+
+def test_an_nnx_dict_of_layers_keyed_by_tuples_trains_fused_as_unfused():
+    class Experts(nnx.Module):
+        def __init__(self, rngs):
+            self.experts = nnx.data(
+                {("e", 0): nnx.Linear(4, 2, rngs=rngs), ("e", 1): nnx.Linear(4, 2, rngs=rngs)}
+            )
+
+        def __call__(self, x):
+            return sum(layer(x) for layer in self.experts.values())
+
+    runs = [
+        fl.trainer(Experts(nnx.Rngs(0)), "mse", optax.sgd(0.1)).run(
+            _regression(32), epochs=2, fuse=fuse
+        )
+        for fuse in (False, 3)
+    ]
+    assert_tree_equal(runs[0].params, runs[1].params)
+
+
+def test_an_nnx_intermediate_held_as_an_attribute_is_state_it_keeps():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.layer = nnx.Linear(4, 2, rngs=rngs)
+            self.last_mean = nnx.Intermediate(jnp.zeros((2,)))
+
+        def __call__(self, x):
+            y = self.layer(x)
+            self.last_mean[...] = y.mean(0)
+            return y
+
+    state = fl.trainer(Net(nnx.Rngs(0)), "mse", optax.sgd(0.1)).run(_regression(), epochs=1)
+    assert np.any(np.asarray(state.params["state"]["last_mean"]) != 0)
+
+
+def test_optimizer_labels_built_from_an_nnx_state_are_refused_with_the_pure_dict_fix():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lora = nnx.LoRALinear(4, 2, lora_rank=2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.lora(x)
+
+    model = Net(nnx.Rngs(0))
+    labels = jax.tree.map(
+        lambda v: "train" if isinstance(v, nnx.LoRAParam) else "frozen",
+        nnx.state(model, nnx.Param),
+        is_leaf=lambda v: isinstance(v, nnx.Variable),
+    )
+    tx = optax.multi_transform({"train": optax.sgd(0.1), "frozen": optax.set_to_zero()}, labels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no false "the optimizer freezes nothing"
+        with pytest.raises(ValueError, match=r"nnx.to_pure_dict\(nnx.state\(model, nnx.Param\)\)"):
+            fl.trainer(model, "mse", tx).run(_regression(), epochs=1)
+
+
+class _Typed(eqx.Module):
+    linear: eqx.nn.Linear
+    dtype: type = eqx.field(static=True)
+    scale: float = 2.0  # left to its class default by __init__
+
+    def __init__(self, key, dtype):
+        self.linear = eqx.nn.Linear(4, 2, key=key, dtype=dtype)
+        self.dtype = dtype
+
+    def __call__(self, x):
+        return self.linear(x.astype(self.dtype)) * self.scale
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, np.float32, np.dtype("float32")], ids=str)
+def test_an_equinox_model_with_a_dtype_and_a_default_field_saves_loads_and_resumes(tmp_path, dtype):
+    loop = fl.trainer(_Typed(jax.random.PRNGKey(0), dtype), "mse", optax.sgd(0.1))
+    batches = _regression()
+    state = loop.run(batches, epochs=1)
+    fl.save_state(state, tmp_path / "state")
+    loaded = fl.load_state(tmp_path / "state")
+    assert jax.tree.structure(loaded.params) == jax.tree.structure(state.params)
+    resumed = loop.run(batches, loaded, epochs=2)
+    assert_tree_equal(resumed.params, loop.run(batches, epochs=2).params)
