@@ -331,6 +331,13 @@ def load_state(path: str | os.PathLike[str]) -> State:
         saves = checkpoint_dirs(path, is_save)
         if saves:
             return _read_latest(saves)
+        members = sorted(child.name for child in path.glob("member_*") if child.is_dir())
+        if members:  # a population's checkpoint on best: one folder of saves per member
+            raise ValueError(
+                f"path={str(path)!r} holds a population's saves, one folder per member "
+                f"({', '.join(members[:3])}{', ...' if len(members) > 3 else ''}): load a "
+                f"member's, e.g. fl.load_state({str(path / members[0])!r})"
+            )
         raise ValueError(
             f"path={str(path)!r} holds no complete save: expected a directory written by "
             f"fl.save_state or one written by Loop.checkpoint (checkpoint_* subdirectories)"

@@ -96,12 +96,25 @@ def _state_kinds(opt_state: Any) -> str:
     return ", ".join(found) or "no optax state"
 
 
+_TRAINER_KEYS = ("opt_state", "rng", "step")  # beside "params" (`_step.trainer_program`)
+
+
 def check_optimizer_fits(optimizer: Any, step_state: Any) -> None:
     """Raises a ValueError where a trainer's step state holds an optimizer state of another
     structure than `optimizer` makes: a State resumed with another optimizer, which would
     otherwise fail inside optax (found abstractly: nothing runs).
     """
-    if optimizer is None or not isinstance(step_state, dict) or "opt_state" not in step_state:
+    if optimizer is None or not isinstance(step_state, dict):
+        return
+    missing = [key for key in _TRAINER_KEYS if key not in step_state]
+    if "params" in step_state and missing:
+        raise ValueError(
+            f"init_state: its step state holds {sorted(map(str, step_state))}, not the "
+            f"{', '.join(missing)} a trainer's holds (the State of an evaluator, or of a loop "
+            f"of your own?). Start this trainer from its params, loop.run(data, state.params, "
+            f"...), or resume from a State a trainer made"
+        )
+    if "opt_state" not in step_state:
         return
     trainable, _ = _trainable(step_state["params"])  # what the trainer's init gives tx.init
     try:

@@ -191,6 +191,7 @@ class Run:
             # Nothing left to train: the State stays where the given one ended.
             epoch=self.start_epoch if self.start_epoch < self.epochs else given.epoch,
             iteration=0 if self.start_epoch < self.epochs else given.iteration,
+            metrics=dict(given.metrics) if self.start_epoch >= self.epochs else state.metrics,
         )
 
     def _first_batch(self) -> Any:
