@@ -134,10 +134,10 @@ def plan_device_work(bus: Any, metrics: Any, step_state: Any) -> DeviceWork:
     """
     validation: Validation | None = None
     watchers: list[Watcher] = []
-    # An iteration handler may write a training metric at the epoch's last step (the last
-    # writer wins), which the device's accumulators do not hold: monitors of such metrics
-    # stay on the host. A validation metric is written after it, by `validate`.
-    rewritten = any(not r.observes for e in ITERATION_EVENTS for r in bus.by_event.get(e, ()))
+    # An iteration handler may write a metric at the epoch's last step, which the device's
+    # accumulators do not hold, or halt the epoch, which the device would already have
+    # judged (a rate cut, a kept best, members stopped): with one, monitors stay on the host.
+    handled = any(not r.observes for e in ITERATION_EVENTS for r in bus.by_event.get(e, ()))
     for r in bus.by_event.get(Event.EPOCH_COMPLETED, ()):
         if r.observes:
             continue
@@ -148,7 +148,7 @@ def plan_device_work(bus: Any, metrics: Any, step_state: Any) -> DeviceWork:
         watcher = _watcher(r, metrics, validation)
         if watcher is None or any(w.kind == watcher.kind for w in watchers):
             break  # a handler the device cannot run: later ones see what it wrote
-        if rewritten and not watcher.validation:
+        if handled:
             break
         if watcher.kind == "reduce_lr_on_plateau" and len(_rates(step_state)) != 1:
             break

@@ -1,0 +1,65 @@
+"""An iteration handler that halts an epoch at its last step, in a whole-run dispatch with
+validation monitors: the unfused loop never completes that epoch, so no monitor may judge
+it on the device (a rate cut, a kept best, members stopped)."""
+
+from __future__ import annotations
+
+import numpy as np
+import optax
+import pytest
+
+import fuseloop as fl
+from conftest import assert_tree_equal
+
+_RNG = np.random.default_rng(0)
+_X, _VX = (_RNG.normal(size=(n, 8)).astype(np.float32) for n in (48, 16))
+_Y, _VY = (_RNG.integers(0, 3, n).astype(np.int32) for n in (48, 16))
+
+
+def _data() -> fl.data.ArraySource:
+    return fl.data.arrays(_X, _Y, batch_size=8, device=True)
+
+
+def _validation() -> fl.data.ArraySource:
+    return fl.data.arrays(_VX, _VY, batch_size=8, shuffle=False, device=True)
+
+
+def _halting(status: str, epoch: int):
+    def handler(state: fl.State) -> str | None:
+        return status if (state.epoch, state.iteration) == (epoch, 5) else None  # last step
+
+    return handler
+
+
+@pytest.mark.parametrize("status", ["halt_epoch", "halt_loop"])
+def test_a_plateau_on_validation_does_not_judge_an_epoch_an_iteration_handler_halted(status):
+    model = fl.models.mlp([8, 3])
+    loop = (
+        fl.trainer(
+            model, "sparse_categorical_cross_entropy", optax.inject_hyperparams(optax.sgd)(0.3)
+        )
+        .validate(model, _validation())
+        .handle_event("iteration_completed", _halting(status, 1))
+        .reduce_lr_on_plateau("validation_loss", factor=0.5, patience=1)
+    )
+    plain, whole = (loop.run(_data(), epochs=4, fuse=fuse) for fuse in (False, "run"))
+    assert whole.history == plain.history and whole.handler_metadata == plain.handler_metadata
+    assert_tree_equal(whole.step_state, plain.step_state)
+
+
+def test_a_populations_early_stop_neither_restores_nor_stops_on_a_halted_epoch():
+    model = fl.models.mlp([8, 3])
+    loop = (
+        fl.trainer(model, "sparse_categorical_cross_entropy", "sgd")
+        .validate(model, _validation())
+        .handle_event("iteration_completed", _halting("halt_epoch", 1))
+        .early_stop("validation_loss", patience=1, restore_best=True)
+    )
+    population = {"learning_rate": [0.3, 1.0]}
+    plain, whole = (
+        loop.run(_data(), epochs=4, fuse=fuse, population=population) for fuse in (False, "run")
+    )
+    assert whole.status == plain.status
+    np.testing.assert_equal(whole.history, plain.history)  # a stopped member's NaN included
+    np.testing.assert_equal(whole.handler_metadata, plain.handler_metadata)
+    assert_tree_equal(whole.params, plain.params)
