@@ -345,13 +345,14 @@ def set_nnx_mode(module: Any, train: bool) -> None:
 
 def _freezes_some(tx: Any, params: Any) -> bool:
     """Whether `tx` leaves some param unchanged by a first update of all-ones gradients
-    (`optax.multi_transform` with `optax.set_to_zero()` for a frozen part)."""
+    (`optax.multi_transform` with `optax.set_to_zero()` for a frozen part); True where the
+    update cannot be made here (the run's own init then says what is wrong)."""
     from ._optim import optimizer_update
 
     zero = jax.numpy.zeros(())
     try:  # given what extra-args transformations read (value=...), as a step gives them
         grads = jax.tree.map(jax.numpy.ones_like, params)
         updates, _ = optimizer_update(tx, grads, tx.init(params), params, zero, lambda p: zero)
-    except Exception:  # noqa: BLE001 - an update it cannot make here: cannot tell (the
-        return True  # run's init says what is wrong), and a false "freezes none" misleads
+    except Exception:  # noqa: BLE001 - cannot tell: a false "freezes none" would mislead
+        return True
     return any(not bool(jax.numpy.any(leaf != 0)) for leaf in jax.tree.leaves(updates))

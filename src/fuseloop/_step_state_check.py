@@ -100,9 +100,10 @@ _TRAINER_KEYS = ("opt_state", "rng", "step")  # beside "params" (`_step.trainer_
 
 
 def check_optimizer_fits(optimizer: Any, step_state: Any) -> None:
-    """Raises a ValueError where a trainer's step state holds an optimizer state of another
-    structure than `optimizer` makes: a State resumed with another optimizer, which would
-    otherwise fail inside optax (found abstractly: nothing runs).
+    """Raises a ValueError where a trainer's step state lacks what a trainer's holds (an
+    evaluator's State: params alone) or holds an optimizer state of another structure than
+    `optimizer` makes (a State resumed with another optimizer), either of which would
+    otherwise fail inside the step or optax (found abstractly: nothing runs).
     """
     if optimizer is None or not isinstance(step_state, dict):
         return
