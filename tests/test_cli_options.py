@@ -70,6 +70,7 @@ def test_a_demo_plot_path_is_checked_before_training(tmp_path, capsys):
         (blocker / "h.png", "cannot be made"),
         (tmp_path, "is a folder"),
         ("", "give a file path, or --no-plot"),
+        (tmp_path / "h.xyz", "matplotlib writes no .xyz files"),
     ):
         with pytest.raises(SystemExit) as exited:
             cli.main(["demo", "--plot", str(target)])

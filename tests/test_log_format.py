@@ -158,6 +158,17 @@ def test_off_a_terminal_progress_is_one_plain_line_per_epoch(capsys):
     assert lines[2].endswith(format_metrics(state.history[2]))
 
 
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_off_a_terminal_an_epoch_ended_by_halt_epoch_is_marked_stopped(capsys, fuse):
+    def end_epoch(state):
+        return "halt_epoch" if state.epoch == 0 and state.iteration == 2 else None
+
+    loop = fl.trainer(MODEL, LOSS, "adam").handle_event("iteration_completed", end_epoch)
+    loop.run(TRAIN, epochs=2, progress=True, fuse=fuse)
+    lines = capsys.readouterr().err.splitlines()
+    assert " - stopped - loss: " in lines[0] and "halted" not in lines[0], lines
+
+
 @pytest.mark.parametrize("fuse", [False, 4, True])
 def test_off_a_terminal_an_epoch_halted_midway_still_gets_its_line(capsys, fuse):
     def stop(state):

@@ -122,6 +122,25 @@ def _add_launch(commands: Any) -> None:
     launch.set_defaults(subparser=launch)
 
 
+def _unplottable(path: Path) -> str | None:
+    """Why matplotlib cannot write `path`, or None.
+
+    Its extension names no format matplotlib writes; None also where matplotlib is missing
+    (the demo then says so itself).
+    """
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return None
+    from .handlers.plot import format_of
+
+    try:
+        format_of(path, FigureCanvasBase.get_supported_filetypes())
+    except ValueError as error:
+        return str(error).split(": ", 1)[-1]
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `fuseloop` console script.
 
@@ -156,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(plot, str):
         from .bench._output import unwritable
 
-        why = unwritable(str(Path(plot).expanduser()))
+        why = unwritable(str(Path(plot).expanduser())) or _unplottable(Path(plot))
         if why is not None:  # before training, not after it
             parser.error(f"--plot {plot}: {why}")
     return run_demo(epochs=args.epochs, fuse=args.fuse, plot=plot, progress=not args.no_progress)

@@ -18,7 +18,7 @@ from .._metrics import VALIDATION_PREFIX
 from .._state import State
 from .writers import scalar_metrics
 
-__all__ = ["plot_history"]
+__all__ = ["format_of", "plot_history"]
 
 
 def _series(
@@ -86,13 +86,13 @@ def plot_history(
     figure = _figure(panels)
     if title:
         figure.suptitle(title)
-    file_format = _format_of(path, figure.canvas.get_supported_filetypes())
+    file_format = format_of(path, figure.canvas.get_supported_filetypes())
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, format=file_format, dpi=100)
     return path
 
 
-def _format_of(path: Path, supported: Mapping[str, str]) -> str:
+def format_of(path: Path, supported: Mapping[str, str]) -> str:
     """The image format `path`'s extension names (none: PNG).
 
     A ValueError where matplotlib writes no such format, rather than PNG bytes under

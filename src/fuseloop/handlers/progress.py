@@ -107,8 +107,9 @@ class ProgressBar:
                 self.close()
             elif self.plain is not None:
                 self.last_length = self.plain["done"] if complete else self.last_length
-                halted = "halted" if event == Event.EPOCH_HALTED else ""
-                self._write_plain(state.metrics, halted)
+                # An epoch halted midway is marked as the docs say: "stopped".
+                stopped = "stopped" if event == Event.EPOCH_HALTED else ""
+                self._write_plain(state.metrics, stopped)
 
     def _open(self, state: Any) -> None:
         from .log import epoch_label
