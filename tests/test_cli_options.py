@@ -113,3 +113,19 @@ def test_launch_errors_name_its_options_under_its_own_usage(argv, named, capsys)
     err = capsys.readouterr().err
     assert "usage: fuseloop launch" in err and f"fuseloop launch: error: {named}" in err
     assert "count=" not in err and "grace=" not in err
+
+
+def test_the_demos_epoch_lines_include_the_epoch_early_stopping_halts_at(capsys):
+    import numpy as np
+
+    import fuseloop as fl
+    from fuseloop._demo import _demo_loop
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype(np.float32)
+    y = rng.integers(0, 3, 32).astype(np.int32)  # noise: validation soon stops improving
+    model = fl.models.mlp([16, 3])
+    val = [(x[:16], rng.integers(0, 3, 16).astype(np.int32))]
+    state = _demo_loop(model, val, progress=False).run([(x, y)], epochs=200)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Epoch")]
+    assert state.status == "halted" and len(lines) == len(state.history)

@@ -151,11 +151,12 @@ def _demo_loop(model: Any, val: Any, progress: bool) -> Any:
         fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-3))
         .metric("accuracy")
         .validate(model, val)
-        .early_stop("validation_loss", patience=5)
     )
     if not progress:  # the progress display already shows each epoch's metrics
+        # Before early_stop: the handler that halts stops the ones after it, and the
+        # epoch it halts at gets its line too.
         loop = loop.handle_event("epoch_completed", _log_epoch, name="demo_log")
-    return loop
+    return loop.early_stop("validation_loss", patience=5)
 
 
 def _write_plot(state: Any, target: Any) -> None:
