@@ -63,3 +63,20 @@ def test_a_populations_early_stop_neither_restores_nor_stops_on_a_halted_epoch()
     np.testing.assert_equal(whole.history, plain.history)  # a stopped member's NaN included
     np.testing.assert_equal(whole.handler_metadata, plain.handler_metadata)
     assert_tree_equal(whole.params, plain.params)
+
+
+def test_a_dispatch_that_runs_no_step_is_an_error_not_an_endless_loop(monkeypatch):
+    """A guard against a device/host disagreement turning into a hang: a dispatch whose
+    segments all report zero steps would be dispatched again from the same place forever."""
+    from fuseloop.engine import whole_run
+
+    launch = whole_run.WholeRun._launch
+
+    def ran_nothing(self, state, epoch, cursor):
+        segments, host = launch(self, state, epoch, cursor)
+        return segments, {**host, "n_run": np.zeros_like(host["n_run"])}
+
+    monkeypatch.setattr(whole_run.WholeRun, "_launch", ran_nothing)
+    loop = fl.trainer(fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy", "sgd")
+    with pytest.raises(fl.FusionError, match="from epoch 0, iteration 0 ran no step"):
+        loop.run(_data(), epochs=3, fuse="run")

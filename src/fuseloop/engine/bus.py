@@ -75,6 +75,17 @@ class EventBus:
         self.failed_state: State | None = None
         self.iteration_handlers = any(self.by_event.get(e) for e in ITERATION_EVENTS)
 
+    def check_start(self, step_state: Any) -> None:
+        """Lets each handler with a `check_start(step_state)` refuse the run's initial step
+        state before anything is dispatched: what it could not check when built (the
+        optimizer probed on the params, `ReduceLROnPlateau`), so a run that cannot work
+        stops now, in every fuse mode, rather than at the handler's first use."""
+        for registrations in self.by_event.values():
+            for registration in registrations:
+                check = getattr(registration.handler, "check_start", None)
+                if check is not None:
+                    check(step_state)
+
     # ----------------------------------------------------------------- counters
     def restore_counts(self, event_counts: dict[str, Any]) -> None:
         """Continues the counts of a resumed State (per-call events restart)."""

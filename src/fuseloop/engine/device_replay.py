@@ -19,6 +19,7 @@ from .._fusion import FusionError
 from .._metrics import VALIDATION_PREFIX, read_metric
 from .device_checkpoint import BestSaves
 from .device_monitors import DeviceWork
+from .packing import segment_of
 
 __all__ = ["replayed_handlers", "hand_best"]
 
@@ -57,7 +58,7 @@ def replayed_handlers(
     out: dict[Registration, Registration] = _Substitutes()
     v = work.validation
     if v is not None:
-        acc = {k: _slot(a, segment) for k, a in host["validation"].items()}
+        acc = {k: segment_of(a, segment) for k, a in host["validation"].items()}
         metrics = {
             VALIDATION_PREFIX + m.name: read_metric(m, acc[m.name])
             for m in v.loop.metrics
@@ -123,7 +124,3 @@ def hand_best(work: DeviceWork, best_state: Any, best_epoch: int, value: float) 
     handler = work.stopper.handler if work.stopper is not None else None
     if handler is not None and handler.restore_best and math.isfinite(value):
         handler._best = ((best_epoch, value), best_state)
-
-
-def _slot(tree: Any, s: int) -> Any:
-    return {k: v[s] for k, v in tree.items()} if isinstance(tree, dict) else tree[s]

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from .._placement import tree_bytes
 
-__all__ = ["copying", "pack_leaves", "unpack_on_host", "unpacker"]
+__all__ = ["copying", "pack_leaves", "segment_of", "unpack_on_host", "unpacker"]
 
 
 def copying(fn: Callable[..., Any], limit: int) -> Callable[..., Any]:
@@ -104,3 +104,21 @@ def unpacker(treedef: Any, spec: tuple[tuple[Any, Any], ...]) -> Callable[..., A
         return jax.tree.unflatten(treedef, leaves)
 
     return unpack
+
+
+def segment_of(tree: Any, s: int) -> Any:
+    """Segment `s` of a host-side per-segment buffer of a whole-run dispatch (arrays with
+    the segment first, dicts of them, a population's packed accumulators).
+
+    Example:
+        >>> import numpy as np
+        >>> segment_of({"loss": np.array([1.0, 2.0])}, 1)
+        {'loss': np.float64(2.0)}
+    """
+    if isinstance(tree, tuple) and not tree:
+        return tree
+    if isinstance(tree, dict):
+        return {k: segment_of(v, s) for k, v in tree.items()}
+    if hasattr(tree, "buffers"):  # a population's packed accumulators (population_acc.py)
+        return jax.tree.map(lambda a: a[s], tree)
+    return tree[s]

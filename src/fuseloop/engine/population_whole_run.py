@@ -39,12 +39,13 @@ from .._metrics import VALIDATION_PREFIX
 from .._population import population_record, silence_stopped
 from .device_monitors import _rates
 from .device_replay import _disagree, _Substitutes
+from .packing import segment_of
 from .population import member_metrics
 from .population_monitors import MemberBest, _select, plateau_decisions
 from .population_program import population_whole_key, population_whole_program
 from .population_saves import MemberSaves
 from .whole_program import segments_for
-from .whole_run import WholeRun, _slot
+from .whole_run import WholeRun
 
 __all__ = ["PopulationWholeRun"]
 
@@ -156,7 +157,7 @@ class PopulationWholeRun(WholeRun):
         out: dict[Registration, Registration] = _Substitutes()
         v = self.work.validation
         if v is not None:
-            acc = _slot(host["validation"], segment)
+            acc = segment_of(host["validation"], segment)
             measured = member_metrics(v.loop.metrics, acc, self.population.size)
             out[v.registration] = dataclasses.replace(v.registration, handler=_merged(measured))
         for w in self.work.watchers:

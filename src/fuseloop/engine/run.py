@@ -148,6 +148,7 @@ class Run:
             self.checker.variables(step_state, signature, defer=self.jit)
         else:
             self.checker.variables(member, defer=self.jit)
+        self.bus.check_start(member)
         agree_across_processes(self, first, step_state)
         self.carry.start(step_state, made_here=signature is not None, spare_maker=spare_maker)
         if self.members is not None:

@@ -17,17 +17,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import jax
 import numpy as np
 
 from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, ITERATION_EVENTS, Event
+from .._fusion import FusionError
 from .._placement import device_key
 from .._state import AHEAD_KEY
 from .device_checkpoint import BestSaves
 from .device_monitors import DeviceWork, monitor_start, plan_device_work, rate_table
 from .device_replay import hand_best, replayed_handlers
 from .device_validation import validation_inputs
-from .packing import unpack_on_host
+from .packing import segment_of, unpack_on_host
 from .programs import kept_order
 from .replay import ChunkResult, EpochReplay, show_nonfinite_halt
 from .signals import wait_interruptibly
@@ -265,6 +265,11 @@ class WholeRun:
         wall = time.perf_counter() - began  # the dispatch, shared by its epochs' steps
         steps = sum(n for _, n in segments)
         executed = int(np.count_nonzero(host["n_run"]))
+        if executed == 0:  # the next dispatch would start where this one did, forever
+            raise FusionError(
+                f"fuseloop: the dispatch from epoch {epoch}, iteration {cursor} ran no step "
+                f"(a bug in fuseloop; run with fuse=K at most the epoch's length meanwhile)"
+            )
         self.host, self.first_epoch = host, epoch
         self.carry_ahead = _carry_reached(segments[:executed], epoch, self.limit)
         for s, (first, n) in enumerate(segments[:executed]):
@@ -276,7 +281,7 @@ class WholeRun:
             result = ChunkResult(
                 first,
                 n,
-                _slot(host.get("records", ()), s),
+                segment_of(host.get("records", ()), s),
                 host["n_run"][s],
                 first + n == self.limit,
                 host["nonfinite"][s],
@@ -289,7 +294,7 @@ class WholeRun:
                 status = HALT_LOOP  # a signal mid-epoch; an epoch it ran to its end completes
             self.spent += wall * n / steps + time.perf_counter() - began
             if status != CONTINUE or ended:
-                final = self.run.reads.metrics_of(_slot(host["final"], s))
+                final = self.run.reads.metrics_of(segment_of(host["final"], s))
                 state, status = self._finish(state, epoch, status, final, True, last_one, s)
                 if status == HALT_LOOP:
                     if self.on_device:  # a halt mid-epoch (the guard): the run's end restores
@@ -376,17 +381,6 @@ class WholeRun:
         best_s = int(self.host["best_s"])
         if best_s >= 0 and self.first_epoch + best_s == record["best_epoch"]:
             hand_best(self.work, self.best_state, record["best_epoch"], record["best"])
-
-
-def _slot(tree: Any, s: int) -> Any:
-    """Segment `s` of a host-side per-segment buffer."""
-    if isinstance(tree, tuple) and not tree:
-        return tree
-    if isinstance(tree, dict):
-        return {k: _slot(v, s) for k, v in tree.items()}
-    if hasattr(tree, "buffers"):  # a population's packed accumulators (population_acc.py)
-        return jax.tree.map(lambda a: a[s], tree)
-    return tree[s]
 
 
 def _carry_reached(segments: list[tuple[int, int]], epoch: int, limit: int) -> tuple[int, int]:

@@ -179,7 +179,7 @@ class ReduceLROnPlateau:
         self.factor = check_float(factor, "factor", 0.0, 1.0, open_low=True, open_high=True)
         self.min_lr = check_float(min_lr, "min_lr", 0.0)
         self.cooldown = check_int(cooldown, "cooldown", 0)
-        self._unprobed: Any = None  # an optimizer to probe on the run's params (`_check_on`)
+        self._unprobed: Any = None  # an optimizer to probe on the run's params (`check_start`)
 
     def check_optimizer(self, program: Any) -> None:
         """Raises a ValueError now if the loop's learning rate cannot be changed later."""
@@ -192,8 +192,8 @@ class ReduceLROnPlateau:
         scheduled = rate_is_scheduled(tx)
         if scheduled or (not _injected_rate(tx) and has_schedule(tx)):
             raise _scheduled_lr_error()
-        # An optimizer whose structure depends on the params is probed on them at its
-        # first reduction (`_check_on`).
+        # An optimizer whose structure depends on the params is probed on them when a
+        # run starts (`check_start`).
         self._unprobed = tx if scheduled is None else None
         shapes = abstract_state(tx)
         if shapes is not None and not find_learning_rates(shapes):  # None: checked when run
@@ -254,23 +254,29 @@ class ReduceLROnPlateau:
         if not reduce:
             return "continue", self.monitor.store(state, record)
         step_state = state.step_state
-        self._check_on(step_state)
         opt_state = set_learning_rate(step_state["opt_state"], self.factor, self.min_lr)
         state = state.replace(step_state={**step_state, "opt_state": opt_state})
         return "continue", self.monitor.store(state, record)
 
-    def _check_on(self, step_state: Any) -> None:
-        """Probes an optimizer `check_optimizer` could not probe, on the run's params.
+    def check_start(self, step_state: Any) -> None:
+        """Refuses a run whose optimizer's learning rate this handler cannot change.
 
-        A scheduled rate would overwrite the reduction.
+        `check_optimizer` could not probe it without the params (`optax.masked`,
+        `multi_transform` with pytree labels); here it is probed on the run's initial step
+        state: a rate fixed inside the transformation, or a scheduled one that would
+        overwrite every reduction, stops the run before it starts, in every fuse mode
+        (the engine calls this for every run, `EventBus.check_start`).
         """
-        tx, self._unprobed = self._unprobed, None
+        tx = self._unprobed
         if tx is None or not isinstance(step_state, dict) or "params" not in step_state:
             return
+        if "opt_state" in step_state and not find_learning_rates(step_state["opt_state"]):
+            raise _fixed_lr_error()
         trainable, _ = _trainable(step_state["params"])  # what the trainer's init gives tx.init
         scheduled = scheduled_hyperparams(tx, trainable)
         if scheduled is not None and "learning_rate" in scheduled:
             raise _scheduled_lr_error()
+        self._unprobed = None  # probed once (eager work on the params) and found fine
 
     def _rate(self, state: State) -> Any:
         step_state = state.step_state
