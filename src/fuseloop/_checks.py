@@ -3,9 +3,8 @@
 The first batch of a run is checked thoroughly, before anything compiles: its structure,
 and - for a trainer or an evaluator - whether x fits the model and y fits the model's output
 and the loss, found with `jax.eval_shape` (abstract: nothing runs on the device; see
-`_model_fit.py`). Every later
-batch is compared with the first one through a precomputed tuple of `(shape, dtype)` per leaf,
-which costs a few microseconds; only a batch whose signature was never seen is diagnosed.
+`_model_fit.py`). Every later batch is compared with the first one by a precomputed
+`(shape, dtype)` per leaf (a few microseconds); only a new signature is diagnosed.
 
     unfused: a batch whose leaves differ from the first batch's only along the batch axis
              (a ragged last batch) is allowed once - jit compiles for it once - with a warning
@@ -237,7 +236,8 @@ class Checker:
                 "A metric of a step state's scalar is a mean over steps (the short batch "
                 "counts as one), built-in metrics of (y_true, y_pred) weigh it by its size"
                 if self.program.kind == "custom"
-                else "Metrics are means over examples: the short batch counts by its size"
+                else "The loss and per-example metrics weigh the short batch by its size (a "
+                "metric returning one scalar per batch counts it as one batch)"
             )
             warn(
                 f"{where} has batch size {size} instead of {full} (a ragged last batch?); the "

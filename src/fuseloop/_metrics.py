@@ -295,6 +295,13 @@ class MetricSpec:
         """`acc` plus one batch: a `Mean` adds its sum and example count, per-example
         values their sum and number, a scalar itself and a count of one (a running sum
         counts batches, so it reads as present)."""
+        if not isinstance(value, (Mean, jax.Array, np.ndarray, np.generic, int, float)):
+            raise TypeError(
+                f"metric {self.name!r} returned a {type(value).__name__}, not an array: a "
+                f"metric returns per-example values (the batch first) or one scalar per "
+                f"batch. Give each value its own metric, e.g. loop.metric(fn_a, name='a')"
+                f".metric(fn_b, name='b')"
+            )
         if isinstance(value, Mean):
             total = jnp.asarray(value.total, jnp.float32)
             count = jnp.asarray(value.count, jnp.float32)

@@ -55,14 +55,39 @@ def warn_about_model(
     classifying = [spec.name for spec in metrics if spec.fn in CLASSIFYING]
     if applies is None and not classifying:
         return
-    verdicts[_CHECKED] = True
-    x, _ = split_batch(first_batch)
+    x, y = split_batch(first_batch)
     final, shape = _final_function(program.model, step_state["params"], x)
+    if classifying and program.loss_name != "binary_cross_entropy":
+        _refuse_multi_hot(classifying, y, shape)
+    verdicts[_CHECKED] = True
     if applies is not None:
         if final == applies or _outputs_look_like(program.model, step_state["params"], x, applies):
             _warn_loss(program.loss, applies)
     elif final is not None and (len(shape) < 2 or shape[-1] == 1):
         _warn_metrics(classifying, final)  # one output per example, read as a binary logit
+
+
+def _refuse_multi_hot(names: Sequence[str], y: Any, output: tuple[int, ...]) -> None:
+    """Raises where labels shaped as the model's output do not hold one class per example
+    (a row of the first batch not summing to 1: multi-hot, or none): the built-in class
+    metrics would compare each row's argmax, not its labels."""
+    if not isinstance(y, (np.ndarray, jax.Array)) or tuple(y.shape) != tuple(output):
+        return
+    if y.ndim < 2 or y.shape[-1] < 2 or (isinstance(y, jax.Array) and not y.is_fully_addressable):
+        return
+    sums = np.asarray(y, np.float64).sum(axis=-1)  # host read: the first batch's labels
+    off = np.flatnonzero(np.abs(sums - 1.0) > 1e-3)
+    if off.size == 0:
+        return
+    listed = ", ".join(repr(name) for name in names)
+    raise ValueError(
+        f"data: y has the model's output shape {tuple(output)}, read by {listed} as one "
+        f"class per example (one-hot or probabilities, each row summing to 1), but a row of "
+        f"the first batch sums to {sums.flat[off[0]]:g} (multi-hot labels?): {listed} would "
+        f"compare each row's argmax. For several labels per example, pass "
+        f"loss='binary_cross_entropy' (fl.evaluator(model, 'binary_cross_entropy') to "
+        f"evaluate), which makes them element-wise, or a metric of your own"
+    )
 
 
 def _warn_loss(loss: str, applies: str) -> None:

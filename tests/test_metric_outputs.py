@@ -1,0 +1,62 @@
+"""What a metric may return, and labels the built-in class metrics cannot read: refused
+with the fix, never averaged into a number that means something else."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fuseloop as fl
+
+_RNG = np.random.default_rng(0)
+_X = _RNG.normal(size=(40, 6)).astype(np.float32)
+_Y = _RNG.integers(0, 3, 40).astype(np.int32)
+_MULTI_HOT = (_X[:, :3] > 0).astype(np.float32)  # several labels per example, or none
+
+
+def _counts(y_true, y_pred):
+    return jnp.sum(jnp.argmax(y_pred, -1) == y_true), y_true.shape[0]
+
+
+def _columns(y_true, y_pred):
+    return {"first": y_pred[:, 0], "second": y_pred[:, 1]}
+
+
+@pytest.mark.parametrize("jit", [True, False])
+@pytest.mark.parametrize(("metric", "kind"), [(_counts, "tuple"), (_columns, "dict")])
+def test_a_metric_returning_several_values_is_refused_with_or_without_jit(metric, kind, jit):
+    loop = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "sgd")
+    with pytest.raises(TypeError, match=f"metric 'm' returned a {kind}, not an array"):
+        loop.metric(metric, name="m").run(fl.data.arrays(_X, _Y, batch_size=8), jit=jit)
+
+
+def test_class_metrics_refuse_multi_hot_labels_they_would_read_as_one_class():
+    model = fl.models.mlp([3])
+    state = fl.trainer(model, "binary_cross_entropy", "sgd").run(
+        fl.data.arrays(_X, _MULTI_HOT, batch_size=8)
+    )
+    data = fl.data.arrays(_X, _MULTI_HOT, batch_size=8, shuffle=False)
+    evaluator = fl.evaluator(model).metric("accuracy").metric("recall")
+    with pytest.raises(ValueError, match=r"'accuracy', 'recall' would compare each row's argm"):
+        evaluator.run(data, state)
+    # Under binary cross-entropy the same metrics are element-wise, as Keras's are.
+    measured = fl.evaluator(model, "binary_cross_entropy").metric("accuracy").run(data, state)
+    predicted = np.asarray(fl.predict(model, state, _X)) > 0
+    expected = (predicted == (_MULTI_HOT > 0.5)).mean()
+    assert measured.metrics["accuracy"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_one_hot_and_soft_labels_still_read_as_one_class():
+    model = fl.models.mlp([3])
+    soft = np.eye(3, dtype=np.float32)[_Y] * 0.9 + 0.1 / 3  # label smoothing: rows sum to 1
+    loop = fl.trainer(model, "categorical_cross_entropy", "sgd").metric("accuracy")
+    state = loop.run(fl.data.arrays(_X, soft, batch_size=8, shuffle=False))
+    assert 0.0 <= state.metrics["accuracy"] <= 1.0
+
+
+def test_the_short_batch_warning_says_how_a_per_batch_scalar_weighs_it():
+    loop = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "sgd")
+    data = fl.data.arrays(_X[:36], _Y[:36], batch_size=8, drop_remainder=False)
+    with pytest.warns(UserWarning, match="one scalar per batch counts it as one batch"):
+        loop.run(data)
