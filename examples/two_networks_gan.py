@@ -117,7 +117,7 @@ def parse(argv=None):
     parser.add_argument("--epochs", type=at_least(1), default=40)
     parser.add_argument("--quick", action="store_true", help="2 epochs of 4 iterations")
     parser.add_argument("--fuse", type=at_least(0), default=50, help="chunk size (0: unfused)")
-    parser.add_argument("--log", type=at_least(0), default=0, help="a log line every N iterations")
+    parser.add_argument("--log", type=at_least(0), default=0, help="a log line every N epochs")
     return parser.parse_args(argv)
 
 

@@ -61,3 +61,9 @@ def test_an_injected_constant_rate_under_a_pytree_mask_is_still_reduced():
     state = _loop(tx).run(fl.data.arrays(_X, _Y, batch_size=8), epochs=4)
     rate = state.step_state["opt_state"].inner_state.hyperparams["learning_rate"]
     assert float(rate) == pytest.approx(0.01 * 0.5**3)  # reduced after epochs 1, 2 and 3
+
+
+def test_an_injected_rate_under_another_name_is_named_in_the_refusal():
+    tx = optax.inject_hyperparams(lambda lr: optax.adam(lr))(lr=1e-2)
+    with pytest.raises(ValueError, match=r"inject_hyperparams holds \['lr'\]: name the rate"):
+        _loop(tx)

@@ -35,6 +35,7 @@ _APPLIES = {
     "sparse_categorical_cross_entropy": "softmax",
 }
 _CHECKED = "probabilities checked"
+_SCHEDULE_FREE = "schedule-free checked"
 # Operations that pass a value on unchanged but for its layout or precision.
 _PASSING = frozenset(
     {"reshape", "squeeze", "expand_dims", "convert_element_type", "copy", "copy_p"}
@@ -49,6 +50,9 @@ def warn_about_model(
     member 0; `verdicts`: the Loop's cache of checks already made; `metrics`: its
     MetricSpecs)."""
     warn_sown_losses(program, step_state)
+    if program.kind == "trainer" and _SCHEDULE_FREE not in verdicts:
+        verdicts[_SCHEDULE_FREE] = True
+        _warn_schedule_free(step_state)
     if program.kind not in ("trainer", "evaluator") or _CHECKED in verdicts:
         return
     applies = _APPLIES.get(program.loss_name or "") if isinstance(program.loss, str) else None
@@ -87,6 +91,28 @@ def _refuse_multi_hot(names: Sequence[str], y: Any, output: tuple[int, ...]) -> 
         f"compare each row's argmax. For several labels per example, pass "
         f"loss='binary_cross_entropy' (fl.evaluator(model, 'binary_cross_entropy') to "
         f"evaluate), which makes them element-wise, or a metric of your own"
+    )
+
+
+def _warn_schedule_free(step_state: Any) -> None:
+    """Warns where the optimizer is one of optax's schedule-free ones, whose params are the
+    training point, not the point to evaluate."""
+    from optax.contrib import ScheduleFreeState
+
+    def is_state(node: Any) -> bool:
+        return isinstance(node, ScheduleFreeState)
+
+    opt_state = step_state.get("opt_state") if isinstance(step_state, dict) else None
+    if not any(map(is_state, jax.tree.leaves(opt_state, is_leaf=is_state))):
+        return
+    warn(
+        "optimizer: a schedule-free optimizer (optax.contrib) trains params that are its "
+        "training point, not the point to evaluate: validate, early_stop(restore_best=True), "
+        "fl.predict and fl.models.trained read the training point. The point to evaluate "
+        "is optax.contrib.schedule_free_eval_params(state.step_state['opt_state'], trained) "
+        "of the params the optimizer updates (for a linen model, trained = "
+        "state.params['params']); evaluate it with fl.evaluator(model).run(data, ...)",
+        UserWarning,
     )
 
 

@@ -14,7 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._optim import abstract_state, find_learning_rates, has_schedule, set_learning_rate
+from .._optim import (
+    abstract_state,
+    find_learning_rates,
+    has_schedule,
+    inject_states,
+    set_learning_rate,
+)
 from .._optim_probe import rate_is_scheduled, scheduled_hyperparams
 from .._state import RESTORED_KEY, State
 from .._step import _trainable
@@ -197,7 +203,7 @@ class ReduceLROnPlateau:
         self._unprobed = tx if scheduled is None else None
         shapes = abstract_state(tx)
         if shapes is not None and not find_learning_rates(shapes):  # None: checked when run
-            raise _fixed_lr_error()
+            raise _fixed_lr_error(shapes)
 
     # The engine runs a twin of this handler on the device inside a multi-epoch dispatch
     # (engine/device_monitors.py); `decide` is the arithmetic both share.
@@ -271,7 +277,7 @@ class ReduceLROnPlateau:
         if tx is None or not isinstance(step_state, dict) or "params" not in step_state:
             return
         if "opt_state" in step_state and not find_learning_rates(step_state["opt_state"]):
-            raise _fixed_lr_error()
+            raise _fixed_lr_error(step_state["opt_state"])
         trainable, _ = _trainable(step_state["params"])  # what the trainer's init gives tx.init
         scheduled = scheduled_hyperparams(tx, trainable)
         if scheduled is not None and "learning_rate" in scheduled:
@@ -287,7 +293,7 @@ class ReduceLROnPlateau:
             )
         rates = find_learning_rates(step_state["opt_state"])
         if not rates:
-            raise _fixed_lr_error()
+            raise _fixed_lr_error(step_state["opt_state"])
         return np.asarray(rates[0])  # its own dtype: `at_floor` compares in it
 
 
@@ -306,7 +312,15 @@ def _scheduled_lr_error() -> ValueError:
     )
 
 
-def _fixed_lr_error() -> ValueError:
+def _fixed_lr_error(opt_state: Any) -> ValueError:
+    injected = sorted({name for n in inject_states(opt_state) for name in n.hyperparams})
+    if injected:  # optax.inject_hyperparams, under another name than learning_rate
+        return ValueError(
+            f"reduce_lr_on_plateau changes the injected hyperparameter named learning_rate, "
+            f"and this optimizer's optax.inject_hyperparams holds {injected}: name the rate "
+            f"learning_rate, e.g. optax.inject_hyperparams(lambda learning_rate: "
+            f"optax.adam(learning_rate))(learning_rate=1e-3)"
+        )
     return ValueError(
         "reduce_lr_on_plateau cannot change this optimizer's learning rate: it is fixed "
         "inside the optax transformation. Build it with optax.inject_hyperparams, e.g. "
