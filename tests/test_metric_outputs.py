@@ -60,3 +60,20 @@ def test_the_short_batch_warning_says_how_a_per_batch_scalar_weighs_it():
     data = fl.data.arrays(_X[:36], _Y[:36], batch_size=8, drop_remainder=False)
     with pytest.warns(UserWarning, match="one scalar per batch counts it as one batch"):
         loop.run(data)
+
+
+def _custom_step(batch, state):
+    x, _ = batch
+    return {**state, "y_pred": x[:, :3], "accuracy": jnp.float32(0.125)}
+
+
+def test_a_custom_states_own_entry_under_a_built_in_name_is_refused_not_shadowed():
+    state = {"y_pred": jnp.zeros((8, 3)), "accuracy": jnp.float32(0.0)}
+    with pytest.raises(ValueError, match="also holds its own 'accuracy': which one to track"):
+        fl.loop(_custom_step).metric("accuracy").run(fl.data.arrays(_X, _Y, 8), state)
+
+
+def test_a_metric_named_after_the_batchs_labels_is_not_read_from_them():
+    state = {"y_pred": jnp.zeros((8, 3)), "accuracy": jnp.float32(0.0)}
+    with pytest.raises(ValueError, match="reads 'y_true', which the step does not produce"):
+        fl.loop(_custom_step).metric("y_true").run(fl.data.arrays(_X, _Y, 8), state)

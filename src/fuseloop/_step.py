@@ -21,7 +21,8 @@ import optax
 from ._batch_checks import require_pair
 from ._epoch_order import prng_config
 from ._functions import from_functions
-from ._metrics import CLASSIFYING, Mean, MetricSpec, loss_mean, resolve_loss
+from ._metric_reads import metric_value
+from ._metrics import Mean, MetricSpec, loss_mean, resolve_loss
 from ._model_fit_advice import no_params
 from ._optim import (
     OPTIMIZERS,
@@ -304,56 +305,6 @@ def custom_program(step_fn: Callable[[Any, Any], Any], init_fn: Callable | None)
     return Program(init, step, True, "custom")
 
 
-def _scalar_entry(spec: MetricSpec, value: Any) -> Any:
-    """`value`, the step state's entry a metric reads, if it is a scalar (checked when the
-    step is traced): an array would be averaged over its elements without a word."""
-    shape = tuple(getattr(value, "shape", ()))
-    if shape and int(np.prod(shape)) != 1:
-        raise ValueError(
-            f"metric {spec.name!r} reads step_state[{spec.source!r}], which has shape "
-            f"{shape}, not a scalar; keep the scalar to track in the step state (e.g. its "
-            f"mean), or pass a callable(y_true, y_pred) metric for per-example values"
-        )
-    return value
-
-
-def _metric_value(spec: MetricSpec, aux: dict[str, Any]) -> Any:
-    if spec.source is not None:
-        if spec.source in aux.get("means", {}):  # the trainer's or evaluator's own loss
-            return aux["means"][spec.source]
-        # A custom step's own state first: its "y_true" or "step_state" key is the user's,
-        # not the batch's labels or the whole state that aux also holds under those names.
-        inner = aux.get("step_state")
-        if isinstance(inner, dict) and spec.source in inner:
-            return _scalar_entry(spec, inner[spec.source])
-        if spec.source in aux:
-            return aux[spec.source]
-        raise ValueError(
-            f"metric {spec.name!r} reads {spec.source!r}, which the step does not produce; "
-            f"return a dict step state holding a scalar {spec.source!r}"
-        )
-    if spec.fn is None:  # MetricSpec holds a function or a source
-        raise ValueError(f"metric {spec.name!r} has neither a function nor a source")
-    if "y_pred" not in aux or "y_true" not in aux:
-        inner = aux.get("step_state")
-        if isinstance(inner, dict) and spec.name in inner:  # the user's own entry, shadowed
-            raise ValueError(
-                f"metric {spec.name!r} is the built-in metric of (y_true, y_pred), which "
-                f"this custom step does not return; its step state's own {spec.name!r} "
-                f"cannot be read under a built-in name. Rename that entry (e.g. "
-                f"'train_{spec.name}') and attach Loop.metric('train_{spec.name}', "
-                f"name={spec.name!r}) to keep the key"
-            )
-        raise ValueError(
-            f"metric {spec.name!r} needs y_true and y_pred: a custom loop's step must return "
-            f"a dict step state with a 'y_pred' entry and take (x, y) batches, or name a "
-            f"scalar of its step state with Loop.metric(name, ...)"
-        )
-    if aux.get("binary_labels") and spec.fn in CLASSIFYING:
-        return spec.fn(aux["y_true"], aux["y_pred"], binary=True)
-    return spec.fn(aux["y_true"], aux["y_pred"])
-
-
 def init_tail(metrics: tuple[MetricSpec, ...], guard_nonfinite: bool) -> dict[str, Any]:
     """The part of the carry beside the step state: metric sums/counts and the guard flag."""
     tail: dict[str, Any] = {"acc": {m.name: m.init() for m in metrics}}
@@ -381,7 +332,7 @@ def make_carry_step(
 
     def carry_step(state: Any, tail: dict[str, Any], batch: Any) -> tuple[Any, dict[str, Any]]:
         new_state, aux = program.step(state, batch)
-        acc = {m.name: m.update(tail["acc"][m.name], _metric_value(m, aux)) for m in metrics}
+        acc = {m.name: m.update(tail["acc"][m.name], metric_value(m, aux)) for m in metrics}
         if not guard_nonfinite:
             return new_state, {"acc": acc}
         if "loss" not in aux:

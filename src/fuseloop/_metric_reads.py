@@ -1,0 +1,81 @@
+"""What a metric reads from one step (docs/design.md §2): a built-in or callable metric
+of `(y_true, y_pred)`, the trainer's loss, or a scalar the step state holds (a custom
+loop's). A name that could mean two of these is refused rather than read as one of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._metrics import CLASSIFYING, METRICS, MetricSpec
+
+__all__ = ["metric_value"]
+
+# What a step's `aux` holds besides the values a metric may read by name: the batch's
+# labels, the predictions, the whole step state, and flags (`_step`).
+_INTERNAL = frozenset({"y_true", "y_pred", "step_state", "binary_labels", "means"})
+_BUILT_IN = tuple(METRICS.values())
+
+
+def metric_value(spec: MetricSpec, aux: dict[str, Any]) -> Any:
+    """The value `spec` reads from one step's `aux` (traced, inside the step)."""
+    inner = aux.get("step_state")
+    own = isinstance(inner, dict) and spec.name in inner
+    if spec.source is not None:
+        if spec.source in aux.get("means", {}):  # the trainer's or evaluator's own loss
+            return aux["means"][spec.source]
+        # A custom step's own state first: its "y_true" or "step_state" key is the user's,
+        # not the batch's labels or the whole state that aux also holds under those names.
+        if isinstance(inner, dict) and spec.source in inner:
+            return _scalar_entry(spec, inner[spec.source])
+        if spec.source in aux and spec.source not in _INTERNAL:
+            return aux[spec.source]
+        raise ValueError(
+            f"metric {spec.name!r} reads {spec.source!r}, which the step does not produce; "
+            f"return a dict step state holding a scalar {spec.source!r}"
+        )
+    if spec.fn is None:  # MetricSpec holds a function or a source
+        raise ValueError(f"metric {spec.name!r} has neither a function nor a source")
+    if "y_pred" not in aux or "y_true" not in aux:
+        if own:  # the user's own entry, shadowed
+            raise _shadowed(
+                spec,
+                "which this custom step does not return; its step state's "
+                f"own {spec.name!r} cannot be read under a built-in name",
+            )
+        raise ValueError(
+            f"metric {spec.name!r} needs y_true and y_pred: a custom loop's step must return "
+            f"a dict step state with a 'y_pred' entry and take (x, y) batches, or name a "
+            f"scalar of its step state with Loop.metric(name, ...)"
+        )
+    if own and spec.fn in _BUILT_IN:  # two values answer to the name: neither is taken
+        raise _shadowed(
+            spec,
+            f"and the step state also holds its own {spec.name!r}: which one to track is ambiguous",
+        )
+    if aux.get("binary_labels") and spec.fn in CLASSIFYING:
+        return spec.fn(aux["y_true"], aux["y_pred"], binary=True)
+    return spec.fn(aux["y_true"], aux["y_pred"])
+
+
+def _shadowed(spec: MetricSpec, why: str) -> ValueError:
+    return ValueError(
+        f"metric {spec.name!r} is the built-in metric of (y_true, y_pred), {why}. Rename "
+        f"that entry (e.g. 'train_{spec.name}') and attach Loop.metric('train_{spec.name}', "
+        f"name={spec.name!r}) to keep the key"
+    )
+
+
+def _scalar_entry(spec: MetricSpec, value: Any) -> Any:
+    """`value`, the step state's entry a metric reads, if it is a scalar (checked when the
+    step is traced): an array would be averaged over its elements without a word."""
+    shape = tuple(getattr(value, "shape", ()))
+    if shape and int(np.prod(shape)) != 1:
+        raise ValueError(
+            f"metric {spec.name!r} reads step_state[{spec.source!r}], which has shape "
+            f"{shape}, not a scalar; keep the scalar to track in the step state (e.g. its "
+            f"mean), or pass a callable(y_true, y_pred) metric for per-example values"
+        )
+    return value
