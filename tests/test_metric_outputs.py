@@ -77,3 +77,17 @@ def test_a_metric_named_after_the_batchs_labels_is_not_read_from_them():
     state = {"y_pred": jnp.zeros((8, 3)), "accuracy": jnp.float32(0.0)}
     with pytest.raises(ValueError, match="reads 'y_true', which the step does not produce"):
         fl.loop(_custom_step).metric("y_true").run(fl.data.arrays(_X, _Y, 8), state)
+
+
+def test_a_step_returning_state_and_metrics_or_nothing_is_told_what_fl_loop_expects():
+    def pair(batch, state):
+        return {"w": state["w"] + 1.0}, {"loss": jnp.float32(0.0)}
+
+    def mutating(batch, state):
+        state["w"] = state["w"] + 1.0  # in place, as a NumPy habit writes
+
+    data = fl.data.arrays(_X, _Y, 8)
+    with pytest.raises(TypeError, match=r"returned a pair \(step state, something else\)"):
+        fl.loop(pair).run(data, {"w": jnp.float32(0.0)})
+    with pytest.raises(TypeError, match="step_fn returned None"):
+        fl.loop(mutating).run(data, {"w": jnp.float32(0.0)})

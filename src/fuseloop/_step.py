@@ -274,6 +274,23 @@ def default_metrics(program: Program) -> tuple[MetricSpec, ...]:
     return tuple(specs)
 
 
+def _check_returned_state(state: Any, new_state: Any) -> None:
+    """Refuses what a JAX user's step often returns instead of the new step state."""
+    if new_state is None and state is not None:
+        raise TypeError(
+            "step_fn returned None: fl.loop's step returns the new step state (JAX arrays "
+            "cannot be changed in place: build the new state and return it)"
+        )
+    pair = isinstance(new_state, tuple) and len(new_state) == 2
+    given: object = jax.tree.structure(state)  # no stub for PyTreeDef: compare as objects
+    if pair and given == jax.tree.structure(new_state[0]):
+        raise TypeError(
+            "step_fn returned a pair (step state, something else): fl.loop's step returns "
+            "the step state alone. Keep a metric as an entry of a dict step state, e.g. "
+            "{**state, 'loss': loss}, and track it with Loop.metric('loss')"
+        )
+
+
 def custom_program(step_fn: Callable[[Any, Any], Any], init_fn: Callable | None) -> Program:
     """A user loop: `step_fn(batch, step_state) -> step_state`."""
 
@@ -288,10 +305,11 @@ def custom_program(step_fn: Callable[[Any, Any], Any], init_fn: Callable | None)
         except (TypeError, ValueError) as error:  # often the arguments the other way round
             # (`x, y = batch` on a state dict raises ValueError: too many values to unpack)
             error.add_note(
-                "fuseloop: fl.loop calls step_fn(batch, step_state): the batch first, then "
-                "the step state"
+                "fuseloop: in case the arguments are swapped: fl.loop calls "
+                "step_fn(batch, step_state), the batch first, then the step state"
             )
             raise
+        _check_returned_state(state, new_state)
         aux: dict[str, Any] = {"step_state": new_state}
         if isinstance(batch, (tuple, list)) and len(batch) == 2:
             aux["y_true"] = batch[1]
