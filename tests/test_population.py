@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import optax
 import pytest
 from flax import linen as nn
 
@@ -186,6 +187,13 @@ def test_population_argument_errors():
     solo = loop.run(data, epochs=1)
     with pytest.raises(ValueError, match="solo run's State"):
         loop.run(data, solo, epochs=2, population=2)
+    # Two transformations injecting the same name: which one a member's value is for is
+    # ambiguous (each was set to it).
+    injected = optax.inject_hyperparams
+    chained = optax.chain(injected(optax.sgd)(0.1), injected(optax.adam)(learning_rate=0.01))
+    twice = fl.trainer(fl.models.mlp([2]), "sparse_categorical_cross_entropy", chained)
+    with pytest.raises(ValueError, match="2 transformations of the optimizer inject a 'lear"):
+        twice.run(data, population={"learning_rate": [1e-3, 1e-2]})
 
 
 def test_second_population_run_does_not_recompile():

@@ -202,8 +202,9 @@ def _from_argument(population: Any, program: Any) -> Population:
             names = ", ".join(["seed", *accepted])
             raise ValueError(
                 f"population: {key!r} is not a hyperparameter the optimizer exposes; accepted: "
-                f"{names} (optimizers built with optax.inject_hyperparams, as the named "
-                f"'sgd', 'adam' and 'adamw' are, expose theirs"
+                f"{names} (an optimizer built with optax.inject_hyperparams exposes those "
+                f"it was given: optax.inject_hyperparams(optax.sgd)(learning_rate=0.01, "
+                f"momentum=0.9) exposes momentum, the named 'sgd' does not"
                 f"{_STRUCTURAL if optimizer_state is None else ''})"
             )
         numbers = tuple(_number(key, v) for v in values)
@@ -213,12 +214,21 @@ def _from_argument(population: Any, program: Any) -> Population:
 
 
 def _require_float_slot(state: Any, key: str, values: tuple[float, ...]) -> None:
-    """Raises a ValueError where the optimizer's (abstract) `state` keeps `key` as an
-    integer (built with `learning_rate=1`) and a member's value has a fraction, which the
-    slot would cut (0.1 to 0: a member that never trains)."""
-    for node in inject_states(state) if state is not None else ():
-        slot = node.hyperparams.get(key)
-        if slot is None or jnp.issubdtype(slot.dtype, jnp.inexact):
+    """Raises a ValueError where the optimizer's (abstract) `state` injects `key` in several
+    transformations, or keeps it as an integer (built with `learning_rate=1`) and a
+    member's value has a fraction, which the slot would cut (0.1 to 0: a member that never
+    trains)."""
+    holding = [n for n in inject_states(state) if key in n.hyperparams] if state else []
+    if len(holding) > 1:  # one value per member, but for which transformation?
+        raise ValueError(
+            f"population[{key!r}]: {len(holding)} transformations of the optimizer inject a "
+            f"{key!r} (an optax.chain or multi_transform of several), and a member's value "
+            f"would replace every one of them; inject it in one only (build the others with "
+            f"a fixed value, e.g. optax.sgd(0.1)), or under distinct names to vary each"
+        )
+    for node in holding:
+        slot = node.hyperparams[key]
+        if jnp.issubdtype(slot.dtype, jnp.inexact):
             continue
         cut = next((v for v in values if v != int(v)), None)
         if cut is not None:

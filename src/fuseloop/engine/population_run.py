@@ -97,6 +97,7 @@ def _warn_nonfinite(members: np.ndarray, epoch: int) -> None:
     warn(
         f"terminate_on_nan: the loss of population members {members.tolist()} became "
         f"non-finite in epoch {epoch}; each was frozen with its parameters from before that "
-        f"step and its history ends at epoch {epoch - 1}",
+        f"step and "
+        + (f"its history ends at epoch {epoch - 1}" if epoch > 0 else "it has no history"),
         RuntimeWarning,
     )
