@@ -208,17 +208,17 @@ def _from_argument(population: Any, program: Any) -> Population:
                 f"{_STRUCTURAL if optimizer_state is None else ''})"
             )
         numbers = tuple(_number(key, v) for v in values)
-        _require_float_slot(optimizer_state, key, numbers)
+        _require_one_float_slot(optimizer_state, key, numbers)
         hyper.append((key, numbers))
     return Population(n, seeds, tuple(hyper))
 
 
-def _require_float_slot(state: Any, key: str, values: tuple[float, ...]) -> None:
+def _require_one_float_slot(state: Any, key: str, values: tuple[float, ...]) -> None:
     """Raises a ValueError where the optimizer's (abstract) `state` injects `key` in several
     transformations, or keeps it as an integer (built with `learning_rate=1`) and a
     member's value has a fraction, which the slot would cut (0.1 to 0: a member that never
     trains)."""
-    holding = [n for n in inject_states(state) if key in n.hyperparams] if state else []
+    holding = [n for n in inject_states(state) if key in n.hyperparams]  # None: none
     if len(holding) > 1:  # one value per member, but for which transformation?
         raise ValueError(
             f"population[{key!r}]: {len(holding)} transformations of the optimizer inject a "
