@@ -251,3 +251,13 @@ def test_a_resume_from_members_holding_an_earlier_best_epoch_warns_as_a_solo_one
     ):
         resumed = _scored(scores).run(_data(), fl.load_state(tmp_path / "p"), epochs=5, fuse=4)
     assert resumed.member(1).handler_metadata.get("_restored_best_epoch") is None
+
+
+def test_a_member_that_stops_after_a_resume_is_warned_of_its_earlier_best_once(tmp_path):
+    # Member 0's best is epoch 0 (in the saved run); it stops at epoch 5 of the resumed run.
+    scores = np.array([[1.0 + e, 3.0 - 0.1 * e] for e in range(8)])
+    half = _scored(scores).run(_data(), epochs=3, fuse=4, population=POPULATION)
+    with pytest.warns(RuntimeWarning) as caught:
+        _scored(scores).run(_data(), half, epochs=8, fuse=4)
+    earlier = [w for w in caught if "member 0's best epoch (0) ran in an earlier" in str(w.message)]
+    assert len(earlier) == 1, [str(w.message) for w in caught]

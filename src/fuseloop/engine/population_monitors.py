@@ -184,13 +184,18 @@ def restore_members(stopper: Any, state: Any) -> Any:
         return state
     size = len(stopper._members.keys)
     record = state.handler_metadata.get(stopper.monitor.key) or {}
-    return _restore(stopper, _note_restored(state, record, size), np.ones(size, bool))
+    # A stopped member was restored, and warned of, when it stopped: it is not warned again.
+    stopped = np.asarray([e is not None for e in record.get("stopped_epoch", [None] * size)])
+    state = _note_restored(state, record, size)
+    return _restore(stopper, state, np.ones(size, bool), warn_for=~stopped)
 
 
-def _restore(stopper: Any, state: Any, members: np.ndarray) -> Any:
+def _restore(
+    stopper: Any, state: Any, members: np.ndarray, warn_for: np.ndarray | None = None
+) -> Any:
     """`state` with the step state of `members` replaced by their best epoch's copy, as
     `EarlyStopping._restored` does for a solo run (with its warning for a best epoch that
-    ran in an earlier run).
+    ran in an earlier run, for the members of `warn_for`; None: every one).
     """
     best: MemberBest | None = stopper._members
     if best is None or len(best.keys) != members.shape[0] or state.step_state is None:
@@ -202,6 +207,8 @@ def _restore(stopper: Any, state: Any, members: np.ndarray) -> Any:
         if best.tree is not None and key is not None and best.keys[i] == key:
             take[i] = True
         elif key is not None and key[0] is not None and key[0] != state.epoch:
+            if warn_for is not None and not warn_for[i]:
+                continue
             warn(
                 f"early_stop(restore_best=True): member {i}'s best epoch ({key[0]}) ran in "
                 f"an earlier run, whose step state this one does not hold; the member keeps "
