@@ -11,6 +11,11 @@ anything runs (once per Loop: its program cache keeps the verdict).
   output per example as a binary logit: thresholded at 0, every probability counts as
   positive. Found by the traced forward pass alone: an output in (0, 1) is no evidence of
   probabilities there, since a logit can fall there too.
+* A schedule-free optimizer (optax.contrib), whose params are its training point.
+
+One finding is an error, not a warning: labels shaped like the model's output whose first
+batch's rows do not sum to 1 (multi-hot) under those class metrics without a binary
+cross-entropy, which would score each row's argmax (`_refuse_multi_hot`).
 """
 
 from __future__ import annotations
@@ -46,9 +51,9 @@ _CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")  # where a nested call keeps its j
 def warn_about_model(
     program: Any, step_state: Any, first_batch: Any, verdicts: dict[Any, Any], metrics: Any
 ) -> None:
-    """The run-start warnings about a model (`step_state`: a solo run's, or a population's
-    member 0; `verdicts`: the Loop's cache of checks already made; `metrics`: its
-    MetricSpecs)."""
+    """The run-start warnings about a model, and its one refusal (`step_state`: a solo
+    run's, or a population's member 0; `verdicts`: the Loop's cache of checks already made;
+    `metrics`: its MetricSpecs)."""
     warn_sown_losses(program, step_state)
     if program.kind == "trainer" and _SCHEDULE_FREE not in verdicts:
         verdicts[_SCHEDULE_FREE] = True
