@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import struct
 import sys
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 import fuseloop as fl
+from conftest import assert_tree_equal
 
 MODEL = fl.models.mlp([8, 3])
 
@@ -218,13 +220,32 @@ def test_writer_arguments_are_checked():
 
 def test_a_log_stream_that_is_not_a_text_stream_is_named_when_the_loop_is_built(tmp_path):
     model = fl.models.mlp([3])
-    with pytest.raises(ValueError, match=r"log_stream='train.log' must be a writable text"):
+    with pytest.raises(ValueError, match=r"log_stream='train.log' must be a text stream open"):
         fl.trainer(model, "mean_squared_error", "sgd", log=2, log_stream="train.log")
+    (tmp_path / "read.log").write_text("")
+    unwritable = r"log_stream=.* open for writing"  # like sys.stdin: it has .write
+    with open(tmp_path / "read.log") as read_only, pytest.raises(ValueError, match=unwritable):
+        fl.trainer(model, "mean_squared_error", "sgd", log=2, log_stream=read_only)
     with open(tmp_path / "binary.log", "wb") as binary:
         with pytest.raises(ValueError, match=r"log_stream=.*binary mode.*open\(path, 'w'\)"):
             fl.trainer(model, "mean_squared_error", "sgd", log=2, log_stream=binary)
         with pytest.raises(ValueError, match=r"stream=.*binary mode"):
             _counter_loop().log(lambda s: "x\n", stream=binary)
+
+
+def test_numpy_integers_are_accepted_for_log_and_seed():
+    stream = io.StringIO()
+    model = fl.models.mlp([3])
+    plain = fl.trainer(model, "mean_squared_error", "sgd", log=1, seed=0, log_stream=stream)
+    batches = [(np.ones((2, 2), np.float32), np.zeros((2, 3), np.float32))]
+    loop = fl.trainer(
+        model, "mean_squared_error", "sgd", log=np.int64(1), seed=np.int32(0), log_stream=stream
+    )
+    numpy_params = loop.run(batches).params
+    assert stream.getvalue().startswith("Epoch 1/1 - iteration 1 - loss: ")
+    assert_tree_equal(numpy_params, plain.run(batches).params)
+    with pytest.raises(ValueError, match="log=True must be a non-negative int"):
+        fl.trainer(model, "mean_squared_error", "sgd", log=True)
 
 
 # ----------------------------------------------------------------- plot

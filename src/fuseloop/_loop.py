@@ -339,7 +339,7 @@ def trainer(
         >>> loop = fl.trainer(fl.models.mlp([32, 10]), "sparse_categorical_cross_entropy",
         ...                   optax.adam(1e-3), log=50)
     """
-    check_trainer_options(log, seed, log_stream)
+    log, seed = check_trainer_options(log, seed, log_stream)
     program = trainer_program(model, loss, optimizer, seed)
     warn_unused_seed(program.model, seed)
     if hasattr(program.model, "warn_param_kinds"):  # an nnx module's LoRA params

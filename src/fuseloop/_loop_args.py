@@ -55,14 +55,21 @@ def check_metric_name(name: Any) -> None:
         )
 
 
-def check_trainer_options(log: Any, seed: Any, log_stream: Any = None) -> None:
+def check_trainer_options(log: Any, seed: Any, log_stream: Any = None) -> tuple[int, int]:
     """`trainer(log=..., seed=..., log_stream=...)`: a non-negative int, an int, and a
-    text stream or None."""
-    if isinstance(log, bool) or not isinstance(log, int) or log < 0:
+    text stream or None. Returns `(log, seed)` as Python ints (numpy integers, e.g. from a
+    config file read by numpy, are accepted)."""
+    if not _is_int(log) or log < 0:
         raise ValueError(f"log={log!r} must be a non-negative int (0 disables logging)")
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if not _is_int(seed):
         raise ValueError(f"seed={seed!r} must be an int")
     check_text_stream(log_stream, "log_stream")
+    return int(log), int(seed)
+
+
+def _is_int(value: Any) -> bool:
+    """A Python or numpy integer, not a bool (True is no count of iterations)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def check_text_stream(stream: Any, argument: str) -> None:
@@ -70,10 +77,13 @@ def check_text_stream(stream: Any, argument: str) -> None:
     opened in binary mode would fail only at the first line."""
     if stream is None:
         return
-    if not callable(getattr(stream, "write", None)):
+    writable = getattr(stream, "writable", None)
+    if not callable(getattr(stream, "write", None)) or (
+        callable(writable) and not _writable(stream)
+    ):
         raise ValueError(
-            f"{argument}={stream!r} must be a writable text stream (with .write), e.g. "
-            f"open(path, 'w') or sys.stderr, or None for stdout"
+            f"{argument}={stream!r} must be a text stream open for writing (with "
+            f".write), e.g. open(path, 'w') or sys.stderr, or None for stdout"
         )
     if isinstance(stream, (io.RawIOBase, io.BufferedIOBase)) or "b" in str(
         getattr(stream, "mode", "")
@@ -82,6 +92,15 @@ def check_text_stream(stream: Any, argument: str) -> None:
             f"{argument}={stream!r} is opened in binary mode; log lines are text: open it "
             f"with open(path, 'w') (or 'a')"
         )
+
+
+def _writable(stream: Any) -> bool:
+    """Whether an io stream says it is open for writing (sys.stdin is not; a closed file
+    raises ValueError when asked)."""
+    try:
+        return bool(stream.writable())
+    except ValueError:
+        return False
 
 
 def check_step_functions(step_fn: Any, init_fn: Callable[..., Any] | None) -> None:
