@@ -100,3 +100,13 @@ def test_multisteps_passes_the_extra_arguments_on_as_a_hand_written_loop_does():
             trained, opt_state = step(trained, opt_state, x, y)
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(trained), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_lookahead_is_refused_when_the_trainer_is_built_with_the_custom_loop_that_works():
+    # optax.lookahead steps LookaheadParams, not a model's params: optax's own init failed
+    # inside the first run with "'dict' object has no attribute 'fast'".
+    tx = optax.lookahead(optax.adam(1e-3), sync_period=2, slow_step_size=0.5)
+    with pytest.raises(ValueError, match=r"optax.lookahead trains optax.LookaheadParams.*fl.loop"):
+        fl.trainer(fl.models.mlp([3]), "mean_squared_error", tx)
+    wrapped = optax.chain(optax.clip(1.0), optax.adam(1e-3))  # only lookahead itself
+    assert isinstance(fl.trainer(fl.models.mlp([3]), "mean_squared_error", wrapped), fl.Loop)

@@ -111,11 +111,25 @@ def resolve_optimizer(optimizer: Any) -> optax.GradientTransformation:
     if isinstance(optimizer, optax.GradientTransformation) or (
         hasattr(optimizer, "init") and hasattr(optimizer, "update")
     ):
+        _refuse_lookahead(optimizer)
         return optimizer
     raise ValueError(
         f"optimizer={optimizer!r} must be a name ({', '.join(OPTIMIZERS)}) or an "
         f"optax.GradientTransformation"
     )
+
+
+def _refuse_lookahead(tx: Any) -> None:
+    """optax.lookahead steps `optax.LookaheadParams` (fast and slow weights), not the
+    model's params a trainer hands it: its init would fail inside optax on a plain dict."""
+    if getattr(tx.init, "__qualname__", "").startswith("lookahead."):
+        raise ValueError(
+            "optimizer: optax.lookahead trains optax.LookaheadParams (fast and slow "
+            "weights), not the model's params that fl.trainer steps. Write the step with "
+            "fl.loop instead, keeping optax.LookaheadParams.init_synced(params) in the step "
+            "state, applying the model to its .fast weights in training and to its .slow "
+            "weights to evaluate"
+        )
 
 
 def optimizer_init(tx: Any, params: Any) -> Any:
