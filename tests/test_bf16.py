@@ -4,6 +4,7 @@ that changes a leaf's dtype or shape is a ValueError naming the leaf, fused and 
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import flax.linen as nn
@@ -221,3 +222,16 @@ def test_the_built_in_losses_of_bf16_outputs_are_computed_in_float32():
     state = fl.evaluator(model, "sparse_categorical_cross_entropy").run([(x, y)], weights)
     assert state.metrics["loss"] == pytest.approx(float(hand(jnp.float32)), rel=1e-6)
     assert state.metrics["loss"] != pytest.approx(float(hand(jnp.bfloat16)), rel=1e-5)
+
+
+def test_hyperparameters_injected_in_bf16_are_warned_about_once_with_their_rounded_values():
+    # optax.inject_hyperparams takes the params' dtype: b2=0.999 reads 1.0 in bfloat16 and
+    # the loss turns NaN, as in optax's own loop; the trainer says why, once per Loop.
+    narrow = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+    loop = fl.trainer(Bf16MLP(), "sparse_categorical_cross_entropy", narrow)
+    with pytest.warns(UserWarning, match=r"bfloat16, where they round \(.*b2=1\.0.*named"):
+        loop.run(DATA, epochs=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loop.run(DATA, epochs=1)
+        fl.trainer(Bf16MLP(), "sparse_categorical_cross_entropy", "adam").run(DATA)

@@ -12,6 +12,8 @@ anything runs (once per Loop: its program cache keeps the verdict).
   positive. Found by the traced forward pass alone: an output in (0, 1) is no evidence of
   probabilities there, since a logit can fall there too.
 * A schedule-free optimizer (optax.contrib), whose params are its training point.
+* Hyperparameters that `optax.inject_hyperparams` holds in the params' bfloat16 or
+  float16, where adam's b2=0.999 reads 1.0.
 
 One finding is an error, not a warning: labels shaped like the model's output whose first
 batch's rows do not sum to 1 (multi-hot) under those class metrics without a binary
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._metrics import CLASSIFYING
+from ._optim import inject_states
 from ._step import split_batch, warn_sown_losses
 from ._warn import warn
 
@@ -58,6 +61,7 @@ def warn_about_model(
     if program.kind == "trainer" and _SCHEDULE_FREE not in verdicts:
         verdicts[_SCHEDULE_FREE] = True
         _warn_schedule_free(step_state)
+        _warn_narrow_hyperparams(step_state)
     if program.kind not in ("trainer", "evaluator") or _CHECKED in verdicts:
         return
     applies = _APPLIES.get(program.loss_name or "") if isinstance(program.loss, str) else None
@@ -117,6 +121,33 @@ def _warn_schedule_free(step_state: Any) -> None:
         "is optax.contrib.schedule_free_eval_params(state.step_state['opt_state'], trained) "
         "of the params the optimizer updates (for a linen model, trained = "
         "state.params['params']); evaluate it with fl.evaluator(model).run(data, ...)",
+        UserWarning,
+    )
+
+
+def _warn_narrow_hyperparams(step_state: Any) -> None:
+    """Warns where `optax.inject_hyperparams` holds float hyperparameters narrower than
+    float32: it takes the params' dtype, and in bfloat16 adam's b2=0.999 reads 1.0 (the
+    loss turns NaN within a few steps, as in optax's own loop)."""
+    opt_state = step_state.get("opt_state") if isinstance(step_state, dict) else None
+    narrow = {
+        name: value
+        for node in inject_states(opt_state)
+        for name, value in node.hyperparams.items()
+        if jnp.issubdtype(jnp.result_type(value), jnp.floating)
+        and jnp.finfo(jnp.result_type(value)).bits < 32
+    }
+    if not narrow:
+        return
+    dtype = jnp.result_type(next(iter(narrow.values()))).name
+    with jax.transfer_guard("allow"):  # host read: a few scalars, the library's own, once
+        values = ", ".join(f"{k}={float(np.asarray(v, np.float32))!r}" for k, v in narrow.items())
+    warn(
+        f"optimizer: optax.inject_hyperparams holds its hyperparameters in the params' dtype "
+        f"{dtype}, where they round ({values}; adam's b2=0.999 reads 1.0 and its loss turns "
+        f"NaN within a few steps). Give the trainer a named optimizer ('sgd', 'adam', "
+        f"'adamw': hyperparameters and state in float32), or keep the params in float32 (a "
+        f"layer's param_dtype) and compute in {dtype} (its dtype)",
         UserWarning,
     )
 
