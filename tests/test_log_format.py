@@ -260,6 +260,8 @@ def test_the_bar_knows_its_total_when_the_source_knows_its_length():
 def test_values_format_on_one_line():
     assert format_value(0.5) == "0.5000000" and format_value(-2) == "-2.0000000"
     assert format_value(2.5e-7) == "2.5000000e-07" and format_value(0.0) == "0.0000000"
+    assert format_value(2.3e23) == "2.3000000e+23" and format_value(-1e8) == "-1.0000000e+08"
+    assert format_value(99_999_999.5) == "99999999.5000000"
     assert format_value(float("nan")) == "nan" and format_value(np.float32(1.5)) == "1.5000000"
     assert format_value(np.array([0.5, 1.0])) == "[0.5000000, 1.0000000]"
     assert format_value("a\nb") == "a b" and format_value(None) == "None"

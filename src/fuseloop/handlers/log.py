@@ -102,12 +102,13 @@ class Writer:
 def format_value(value: Any) -> str:
     """One metric value as text for a log line.
 
-    7 decimals, scientific notation for tiny magnitudes, arrays (a population's metrics) as
+    7 decimals, scientific notation for tiny magnitudes and those of 1e8 or more (a
+    diverging loss), arrays (a population's metrics) as
     `[a, b, ...]`.
 
     Example:
-        >>> format_value(0.5), format_value(3e-9), format_value([1, 2])
-        ('0.5000000', '3.0000000e-09', '[1.0000000, 2.0000000]')
+        >>> format_value(0.5), format_value(3e-9), format_value(2.5e23), format_value([1, 2])
+        ('0.5000000', '3.0000000e-09', '2.5000000e+23', '[1.0000000, 2.0000000]')
     """
     if value is None:  # np.asarray would turn it into nan
         return "None"
@@ -118,7 +119,7 @@ def format_value(value: Any) -> str:
     if array.ndim:
         return "[" + ", ".join(format_value(v) for v in array.ravel()) + "]"
     number = float(array)
-    if number != 0 and math.isfinite(number) and abs(number) < 1e-4:
+    if number != 0 and math.isfinite(number) and not 1e-4 <= abs(number) < 1e8:
         return f"{number:.7e}"
     return f"{number:.7f}"
 
