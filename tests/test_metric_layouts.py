@@ -227,6 +227,32 @@ def test_a_multi_output_models_crossed_leaves_are_refused_by_name(kind):
     assert attach(fixed).run([(x, y)]).status == "completed"
 
 
+@pytest.mark.parametrize("layout", ["other_keys", "tuple_output"])
+def test_crossed_leaves_at_different_places_are_refused_when_one_operation_reads_both(layout):
+    """A target and an output at different places (keys "target" and "reg", or y_pred[0]
+    against a plain y): the (B,) against (B, 1) broadcast once trained silently, to an MSE
+    of 3.3 on a target the model fits exactly."""
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    init = lambda rng, x: {"v": jnp.full((4, 1), 0.1), "c": jnp.zeros((4, 2))}  # noqa: E731
+    if layout == "other_keys":
+        y, at, where = {"target": x[:, 0].copy()}, (lambda t: t["target"]), r"\['target'\]"
+        model = fl.models.from_functions(init, lambda p, x: {"reg": x @ p["v"]})
+        out, out_where = (lambda p: p["reg"]), r"\['reg'\]"
+    else:
+        y, at, where = x[:, 0].copy(), (lambda t: t), ""
+        model = fl.models.from_functions(init, lambda p, x: (x @ p["v"], x @ p["c"]))
+        out, out_where = (lambda p: p[0]), r"\[0\]"
+    crossed = lambda t, p: jnp.mean((out(p) - at(t)) ** 2)  # noqa: E731 - (16, 16)
+    fixed = lambda t, p: jnp.mean((out(p)[:, 0] - at(t)) ** 2)  # noqa: E731
+    message = rf"y_true{where} of shape \(16,\) and y_pred{out_where} of shape \(16, 1\)"
+    with pytest.raises(ValueError, match=message + r".*\(16, 16\)"):
+        fl.trainer(model, crossed, "sgd").run([(x, y)])
+    assert fl.trainer(model, fixed, "sgd").run([(x, y)]).status == "completed"
+    # A (B, B) array built from the outputs alone (a similarity matrix) is not a crossing.
+    similarity = lambda t, p: fixed(t, p) + jnp.mean(out(p) * out(p).T)  # noqa: E731
+    assert fl.trainer(model, similarity, "sgd").run([(x, y)]).status == "completed"
+
+
 @pytest.mark.parametrize("metric", ["accuracy", "mae"])
 def test_a_built_in_metric_of_a_dict_of_targets_and_weights_names_the_fix(metric):
     x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)

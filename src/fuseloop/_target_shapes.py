@@ -8,8 +8,10 @@ against (B, 1) to (B, B), and `y_pred[:, 0] - y_true` does the same once Keras h
 the targets. So where the two shapes broadcast to a cross product (larger than both, e.g.
 (B, B)), the function is traced once on those shapes, and if it builds an array of that
 cross shape the run stops with an error that names the fix (docs/design.md §5). Pytrees of
-targets and outputs (a multi-output model's dicts) are checked leaf by leaf, pairing the
-leaves that sit at the same place in both.
+targets and outputs (a multi-output model's dicts) are checked leaf by leaf. A target and an
+output at the same place in both trees are refused as a lone pair is; any other target and
+output (`y_true["label"]` against `y_pred["logits"]`, or `y_pred[0]` against a plain
+`y_true`) are refused where an operation that reads both of them builds their cross shape.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -25,6 +27,7 @@ import numpy as np
 __all__ = ["refusing_cross_broadcast"]
 
 Shape = tuple[int, ...]
+_Built = dict[Shape, list[frozenset[int]]]  # a shape -> what each array of it reads
 
 
 def refusing_cross_broadcast(fn: Callable[..., Any], kind: str, name: str) -> Callable[..., Any]:
@@ -68,22 +71,32 @@ def _signature(y_true: Any, y_pred: Any) -> Any:
     return tuple(described)
 
 
-def _crossed_pairs(y_true: Any, y_pred: Any) -> list[tuple[str, Shape, Shape, Shape]]:
-    """`(where, target shape, output shape, cross shape)` for each target and output at the
-    same place in both trees whose shapes broadcast to one larger than either."""
-    outputs = dict(jax.tree_util.tree_flatten_with_path(y_pred)[0])
+class _Crossed(NamedTuple):
+    """A target and an output whose shapes broadcast to one larger than either."""
+
+    target: int  # its leaf's index among the targets'
+    output: int  # its leaf's index among the outputs'
+    target_at: str  # its place in y_true ("" for a lone array), as keystr writes it
+    output_at: str
+    target_shape: Shape
+    output_shape: Shape
+    cross: Shape
+
+
+def _crossed_pairs(y_true: Any, y_pred: Any) -> list[_Crossed]:
+    """Every target and output whose shapes broadcast to one larger than either."""
+    outputs = jax.tree_util.tree_flatten_with_path(y_pred)[0]
     crossed = []
-    for path, target in jax.tree_util.tree_flatten_with_path(y_true)[0]:
-        output = outputs.get(path)
-        if output is None:
-            continue
-        t, p = tuple(target.shape), tuple(output.shape)
-        try:
-            cross = tuple(np.broadcast_shapes(t, p))
-        except ValueError:
-            continue  # they do not broadcast: the function reshapes them, or raises itself
-        if math.prod(cross) > max(math.prod(t), math.prod(p)):
-            crossed.append((jax.tree_util.keystr(path), t, p, cross))
+    for i, (t_path, target) in enumerate(jax.tree_util.tree_flatten_with_path(y_true)[0]):
+        for j, (p_path, output) in enumerate(outputs):
+            t, p = tuple(target.shape), tuple(output.shape)
+            try:
+                cross = tuple(np.broadcast_shapes(t, p))
+            except ValueError:
+                continue  # they do not broadcast: the function reshapes them, or raises
+            if math.prod(cross) > max(math.prod(t), math.prod(p)):
+                where = (jax.tree_util.keystr(t_path), jax.tree_util.keystr(p_path))
+                crossed.append(_Crossed(i, j, *where, t, p, cross))
     return crossed
 
 
@@ -99,28 +112,50 @@ def _refuse_cross(fn: Callable[..., Any], y_true: Any, y_pred: Any, kind: str, n
         traced = jax.make_jaxpr(fn)(*abstract)
     except Exception:  # noqa: BLE001 - the real call raises it, with the user's traceback
         return
-    built = set(_shapes_built(traced.jaxpr))
-    for where, t, p, cross in crossed:
-        if cross in built:
-            raise ValueError(
-                f"the {kind} {name}(y_true, y_pred) got y_true{where} of shape {t} and "
-                f"y_pred{where} of shape {p}, and it broadcasts them to {cross}: every "
-                f"target against every prediction, which a {kind} rarely means. fuseloop "
-                f"passes both as they are (as a hand-written optax loop does; Keras would "
-                f"first make them one rank). Make them one shape inside the {kind} (e.g. "
-                f"y_pred{where}[..., 0] or y_true{where}[..., None]), or in the model's "
-                f"output or the data's y"
-            )
+    n_targets = len(jax.tree.leaves(y_true))
+    sources = [frozenset([k]) for k in range(len(traced.jaxpr.invars))]
+    built = _built_from(traced.jaxpr, sources)
+    for pair in crossed:
+        readers = built.get(pair.cross, [])
+        if pair.target_at == pair.output_at:  # the same place: any array of that shape
+            hit = bool(readers)
+        else:  # elsewhere: one operation must read both
+            both = {pair.target, n_targets + pair.output}
+            hit = any(both <= read for read in readers)
+        if hit:
+            raise ValueError(_cross_message(pair, kind, name))
 
 
-def _shapes_built(jaxpr: Any) -> Iterator[Shape]:
-    """The shapes of every array `jaxpr` builds, its inner programs' included."""
+def _cross_message(pair: _Crossed, kind: str, name: str) -> str:
+    t, p = f"y_true{pair.target_at}", f"y_pred{pair.output_at}"
+    return (
+        f"the {kind} {name}(y_true, y_pred) got {t} of shape {pair.target_shape} and "
+        f"{p} of shape {pair.output_shape}, and it broadcasts them to {pair.cross}: every "
+        f"target against every prediction, which a {kind} rarely means. fuseloop passes "
+        f"both as they are (as a hand-written optax loop does; Keras would first make them "
+        f"one rank). Make them one shape inside the {kind} (e.g. {p}[..., 0] or "
+        f"{t}[..., None]), or in the model's output or the data's y"
+    )
+
+
+def _built_from(jaxpr: Any, sources: list[frozenset[int]], built: _Built | None = None) -> _Built:
+    """Each shape of an array `jaxpr` builds (its inner programs' included) -> for each
+    operation building one, the inputs of the function it reads (through everything before
+    it). `sources`: what each of `jaxpr`'s inputs reads."""
+    built = {} if built is None else built
+    reads: dict[Any, frozenset[int]] = dict(zip(jaxpr.invars, sources, strict=True))
     for eqn in jaxpr.eqns:
+        # A literal (a constant written into the program) reads no input.
+        read = frozenset().union(*(reads[v] for v in eqn.invars if not hasattr(v, "val")))
         for var in eqn.outvars:
-            yield tuple(getattr(var.aval, "shape", ()))
+            reads[var] = read
+            built.setdefault(tuple(getattr(var.aval, "shape", ())), []).append(read)
         for param in eqn.params.values():
             for inner in _inner_jaxprs(param):
-                yield from _shapes_built(inner)
+                # An inner program (a jit's, a cond's branch, ...) is taken as reading all of
+                # the operation's inputs: it builds from them, whatever it picks.
+                _built_from(inner, [read] * len(inner.invars), built)
+    return built
 
 
 def _inner_jaxprs(param: Any) -> Iterator[Any]:
