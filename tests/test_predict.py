@@ -77,6 +77,17 @@ def test_a_list_of_a_two_input_models_inputs_is_refused_not_read_as_batches():
         predict((init, apply), params, [X, X])
 
 
+def test_a_list_of_inputs_that_misfits_the_model_is_told_how_a_list_is_read():
+    # Two inputs of one row length each joined into one batch: the first chunk's check
+    # says the x misfits, and notes that the list was read as batches.
+    init = lambda rng, x: {"w": np.ones((5, 2), np.float32)}  # noqa: E731
+    apply = lambda p, x: x @ p["w"]  # noqa: E731
+    params = {"w": np.ones((5, 2), np.float32)}
+    with pytest.raises(ValueError, match="does not fit the model") as caught:
+        predict((init, apply), params, [X[:, :3], X[:, 1:4]])
+    assert any("read as a list of batches" in note for note in caught.value.__notes__)
+
+
 def test_bad_arguments(state):
     with pytest.raises(ValueError, match="fuse=0"):
         predict(Net(), state, X, fuse=0)

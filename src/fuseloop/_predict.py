@@ -76,6 +76,12 @@ def _unchanged(adapter: Any) -> bool:
     return True
 
 
+_LIST_READ = (
+    "A list passed as x is read as a list of batches: for a model of several inputs pass "
+    "them as a tuple (a, b) or a dict of arrays"
+)
+
+
 def _require_rows(out: Any, examples: int, listed: bool = False) -> None:
     """Raises a ValueError unless every output leaf has one row per example of its batch
     (checked when the program is traced); `listed`: x was a list (maybe of inputs)."""
@@ -85,8 +91,7 @@ def _require_rows(out: Any, examples: int, listed: bool = False) -> None:
         if not shape or shape[0] != examples:
             where = f"output{jax.tree_util.keystr(path)}" if path else "output"
             hint = (
-                "A list passed as x is read as a list of batches: for a model of several "
-                "inputs pass them as a tuple (a, b) or a dict of arrays"
+                _LIST_READ
                 if listed
                 else "Predict returns one row per example: have the model return only "
                 "per-example outputs (e.g. wrap it to leave out a per-batch value), or "
@@ -281,7 +286,7 @@ def predict(
             result = program(variables, chunk)
         except Exception:
             if not outputs:  # the first chunk traces the model: say whether x misfits
-                _explain_misfit(model, variables, chunk, pairs, members)
+                _explain_misfit(model, variables, chunk, pairs, members, isinstance(x, list))
             raise
         # Host sync: the chunk's outputs come back to the host (one read per chunk).
         host = jax.device_get(result)
@@ -300,15 +305,19 @@ def _require_examples_axis(x: Any) -> None:
         )
 
 
-def _explain_misfit(model: Any, variables: Any, chunk: Any, pairs: bool, members: bool) -> None:
+def _explain_misfit(
+    model: Any, variables: Any, chunk: Any, pairs: bool, members: bool, listed: bool
+) -> None:
     """Raises the trainer's ValueError where the chunk's x does not fit the model with
     `variables` (a population's first member's), noting where the source's pairs were read
-    as (x, y); returns when the check finds nothing."""
+    as (x, y), or a list as batches (`listed`); returns when the check finds nothing."""
     try:
         _check_fit(model, variables, chunk, members)
     except ValueError as error:
         if pairs:
             error.add_note(_PAIRS_READ)
+        if listed:
+            error.add_note(_LIST_READ)
         raise
 
 
