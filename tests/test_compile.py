@@ -149,3 +149,18 @@ def test_fused_program_does_not_grow_with_chunk_size():
     assert len(large_compiled) <= 1.1 * len(small_compiled)
     # The steps run in a device-side loop.
     assert re.search(r"\bwhile\(", large_compiled)
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_another_iterations_bound_on_device_data_does_not_recompile(fuse):
+    """`iterations=` ends a resident epoch early through a runtime value of the program
+    (it was a compile-time constant: each new bound compiled the program again)."""
+    x, y = (np.concatenate(parts) for parts in zip(*make_batches(), strict=True))
+    data = fl.data.arrays(x, y, batch_size=4, device=True)
+    loop = trainer()
+    assert loop.run(data, iterations=10, fuse=fuse).stats["compiles"] == 1
+    with jax_compiles() as compiled:
+        for bound in (10, 7, None):
+            state = loop.run(data, iterations=bound, fuse=fuse)
+            assert state.stats["compiles"] == 0 and state.iteration == (bound or 12) - 1
+    assert compiled == []

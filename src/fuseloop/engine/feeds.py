@@ -276,7 +276,12 @@ class ResidentFeed:
         self._before = self.cursor
         try:
             records, n_run, self.cursor = carry.advance(
-                program, self.data, self.order, self.cursor, limit, copies=self.programs.copies
+                program,
+                self.data,
+                self.order,
+                self.cursor,
+                device_int(limit),
+                copies=self.programs.copies,
             )
         except Exception as error:
             name_steps(error, self.counted_epoch - 1, prepared)

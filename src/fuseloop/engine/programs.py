@@ -227,10 +227,10 @@ class Programs:
         """
         key = (slots, live, rows, sharding, self.copies)
         if key not in self.cache.resident:
+            # `limit` (where the epoch ends: `iterations=` may end it early) is a device
+            # scalar, not a constant: a run with another bound reuses the program.
             self.cache.resident[key] = self._jit(
-                _resident_program(self, slots, live, rows, sharding),
-                self.copies,
-                static_argnums=(5,),
+                _resident_program(self, slots, live, rows, sharding), self.copies
             )
         return self.cache.resident[key]
 
