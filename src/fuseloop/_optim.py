@@ -10,6 +10,7 @@ transformation the name stands for does.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -209,7 +210,21 @@ def inject_states(opt_state: Any) -> list[Any]:
 def abstract_state(tx: Any) -> Any | None:
     """`tx`'s state for a tiny stand-in of params, found abstractly (nothing runs); None
     for an optimizer whose structure depends on the params' own (e.g. a pytree of labels).
+    Kept for the last optimizers asked about, so a population's every run does not trace
+    the optimizer's init again (an optax transformation is a hashable tuple of functions).
     """
+    try:
+        return _kept_abstract_state(tx)
+    except TypeError:  # an unhashable optimizer object of the user's own
+        return _abstract_state(tx)
+
+
+@functools.lru_cache(maxsize=64)
+def _kept_abstract_state(tx: Any) -> Any | None:
+    return _abstract_state(tx)
+
+
+def _abstract_state(tx: Any) -> Any | None:
     try:
         return jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((1,), jnp.float32)})
     except Exception:  # noqa: BLE001 - whatever the optimizer raises for a foreign structure
