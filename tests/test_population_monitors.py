@@ -3,6 +3,8 @@ decide per member, each member as its solo run (engine/population_monitors.py)."
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import numpy as np
 import pytest
@@ -251,6 +253,35 @@ def test_a_resume_from_members_holding_an_earlier_best_epoch_warns_as_a_solo_one
     ):
         resumed = _scored(scores).run(_data(), fl.load_state(tmp_path / "p"), epochs=5, fuse=4)
     assert resumed.member(1).handler_metadata.get("_restored_best_epoch") is None
+
+
+def test_a_stopped_members_solo_state_notes_its_restored_best_epoch_as_a_solo_run(tmp_path):
+    # Member 0 improves until epoch 1 and stops at epoch 3 (patience 2); member 1 improves.
+    scores = np.array([[3.0, 3.0], [1.0, 2.0], [2.0, 1.0], [2.5, 0.5], [4.0, 0.2], [5.0, 0.1]])
+
+    def stopping(loop, column=slice(None)):  # a solo run scores as member `column`
+        def score(state):
+            return "continue", state.replace(
+                metrics={**state.metrics, "score": scores[state.epoch][column]}
+            )
+
+        return loop.handle_event("epoch_completed", score).early_stop(
+            "score", patience=2, restore_best=True
+        )
+
+    pop = stopping(_trainer()).run(_data(), epochs=5, fuse=4, population=POPULATION)
+    member = pop.member(0)
+    assert member.status == "halted" and max(member.history) == 3
+    assert member.handler_metadata["_restored_best_epoch"] == 1  # as its solo State says
+    assert pop.member(1).handler_metadata["_restored_best_epoch"] is None
+    with (
+        pytest.warns(RuntimeWarning, match=r"holds epoch 1's step state"),
+        pytest.warns(RuntimeWarning, match=r"best epoch \(1\) ran in an earlier run"),
+    ):
+        stopping(_trainer(), column=0).run(_data(), member, epochs=5, fuse=4)
+    with warnings.catch_warnings():  # the population resumed: member 0 stays frozen
+        warnings.filterwarnings("error", message=".*holds epoch")
+        stopping(_trainer()).run(_data(), pop, epochs=6, fuse=4)
 
 
 def test_a_member_that_stops_after_a_resume_is_warned_of_its_earlier_best_once(tmp_path):

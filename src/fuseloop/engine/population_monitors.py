@@ -223,16 +223,17 @@ def _restore(
 
 def _note_restored(state: Any, record: dict[str, Any], size: int) -> Any:
     """At the run's end, notes per member the best epoch whose step state `_restore` gives
-    a running member where that is not the State's last epoch (None elsewhere), as a solo
-    State notes its own: a run resumed from it warns (engine/start.py `warn_on_resume`). A
-    halted member stays frozen on a resume, so it needs no note."""
+    it where that is not the member's own last epoch (None elsewhere), as a solo State notes
+    its own: `state.member(i)` then warns when resumed as a solo run does (engine/start.py
+    `warn_on_resume`). A resumed population warns only of its running members: a halted
+    one stays frozen."""
     population = population_record(state)
     last = max(state.history, default=None)
     best = record.get("best_epoch") or [None] * size
-    restored = [
-        None if population["halted"][i] or best[i] in (None, last) else int(best[i])
-        for i in range(size)
+    own_last = [
+        population["last_epoch"][i] if population["halted"][i] else last for i in range(size)
     ]
+    restored = [None if best[i] in (None, own_last[i]) else int(best[i]) for i in range(size)]
     metadata = {k: v for k, v in state.handler_metadata.items() if k != RESTORED_KEY}
     if all(epoch is None for epoch in restored):
         return state.replace(handler_metadata=metadata)

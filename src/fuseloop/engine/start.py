@@ -41,7 +41,7 @@ from .._placement import (
     signature_of,
     tree_bytes,
 )
-from .._state import AHEAD_KEY, RESTORED_KEY
+from .._state import AHEAD_KEY, POPULATION_KEY, RESTORED_KEY
 from .._warn import warn
 from .conv_layout import named
 from .population import population_init, require_distinct_members
@@ -332,7 +332,7 @@ def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:
             f"Resume from a checkpoint written at an epoch's end, or rerun from the start",
             RuntimeWarning,
         )
-    restored = _restored_phrase(given.handler_metadata.get(RESTORED_KEY))
+    restored = _restored_phrase(_running_members_note(given))
     if restored is not None and start_epoch < epochs:
         warn(
             f"{restored} (early_stop's restore_best), while its history runs to epoch "
@@ -349,6 +349,16 @@ def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:
             f"initial_epoch), so pass epochs > {start_epoch} to train more",
             RuntimeWarning,
         )
+
+
+def _running_members_note(given: Any) -> Any:
+    """`given`'s note of a restored best epoch; for a population, its running members'
+    only (a halted member stays frozen when the run resumes: nothing trains on from it)."""
+    restored = given.handler_metadata.get(RESTORED_KEY)
+    population = given.handler_metadata.get(POPULATION_KEY)
+    if not isinstance(restored, list) or population is None:
+        return restored
+    return [None if halted else e for e, halted in zip(restored, population["halted"], strict=True)]
 
 
 def _restored_phrase(restored: Any) -> str | None:
