@@ -291,3 +291,12 @@ def test_a_custom_loop_keeping_inner_params_is_told_what_validate_reads():
         loop.run(data, 0)
     notes = info.value.__notes__
     assert any("a custom loop must keep the model's whole variables" in n for n in notes)
+
+
+def test_validation_at_the_runs_start_is_refused_naming_where_a_baseline_goes():
+    # The first epoch starts the metrics afresh: a validation at "started" was computed and
+    # lost, silently; "epoch_started" records the params each epoch starts from.
+    with pytest.raises(ValueError, match=r"event='started'.*fl.evaluator.*'epoch_started'"):
+        fl.trainer(MODEL, LOSS, "adam").validate(MODEL, DATA, event="started")
+    state = fl.trainer(MODEL, LOSS, "adam").validate(MODEL, DATA, event="epoch_started").run(DATA)
+    assert "validation_loss" in state.history[0]

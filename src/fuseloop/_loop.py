@@ -209,7 +209,7 @@ class Loop(HandlerBuilders):
 
         loss = self.program.loss
         specs = evaluable_metrics(self.metrics, loss is not None)
-        check_validation(model, data, fuse, specs)
+        check_validation(model, data, fuse, specs, event)
         evaluation = Loop(evaluator_program(model, loss), metrics=specs)
         refuse_validation_names({m.name for m in self.metrics}, validation_names(evaluation))
         refuse_second_validation(self._validated_names() & validation_names(evaluation))

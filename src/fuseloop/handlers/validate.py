@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._data import as_source, warn_left_out
+from .._events import Event, normalize_event
 from .._fusion import FusionError, resolve_fuse
 from .._metrics import VALIDATION_PREFIX, MetricSpec, batch_size
 from .._population import silence_stopped
@@ -51,11 +52,14 @@ def validation_names(evaluation: Any) -> set[str]:
     return {VALIDATION_PREFIX + m.name for m in evaluation.metrics}
 
 
-def check_validation(model: Any, data: Any, fuse: Any, specs: tuple[MetricSpec, ...]) -> None:
+def check_validation(
+    model: Any, data: Any, fuse: Any, specs: tuple[MetricSpec, ...], event: Any = None
+) -> None:
     """Raises a ValueError naming what `Loop.validate` cannot use.
 
-    That is: no model, one-shot data, a `fuse` a validation run does not take, or no metric
-    an evaluator can compute.
+    That is: no model, one-shot data, a `fuse` a validation run does not take, no metric
+    an evaluator can compute, or the "started" event (the first epoch starts the metrics
+    afresh: the validation would be lost).
 
     Example:
         >>> check_validation(model, iter(val_batches), False, loop.metrics)
@@ -65,6 +69,14 @@ def check_validation(model: Any, data: Any, fuse: Any, specs: tuple[MetricSpec, 
     """
     if model is None:
         raise ValueError("model=None: validate needs the model to evaluate")
+    if event is not None and normalize_event(event) is Event.STARTED:
+        raise ValueError(
+            "validate(event='started'): the run's metrics start afresh with its first "
+            "epoch, so a validation before it would be lost. For the score of the params "
+            "a run starts from, run fl.evaluator(model, loss).run(data, variables) before "
+            "it, or validate at event='epoch_started' (each epoch records the validation "
+            "of the params it starts from)"
+        )
     if as_source(data).one_shot:
         raise ValueError(
             "data: validation data must be re-iterable (a list of batches, a callable "
