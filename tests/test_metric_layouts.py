@@ -242,7 +242,8 @@ def test_crossed_leaves_at_different_places_are_refused_when_one_operation_reads
         y, at, where = x[:, 0].copy(), (lambda t: t), ""
         model = fl.models.from_functions(init, lambda p, x: (x @ p["v"], x @ p["c"]))
         out, out_where = (lambda p: p[0]), r"\[0\]"
-    crossed = lambda t, p: jnp.mean((out(p) - at(t)) ** 2)  # noqa: E731 - (16, 16)
+    weights = jnp.linspace(0.5, 1.5, 16)  # an array the loss closes over
+    crossed = lambda t, p: jnp.mean((out(p) - at(t)) ** 2 * weights)  # noqa: E731 - (16, 16)
     fixed = lambda t, p: jnp.mean((out(p)[:, 0] - at(t)) ** 2)  # noqa: E731
     message = rf"y_true{where} of shape \(16,\) and y_pred{out_where} of shape \(16, 1\)"
     with pytest.raises(ValueError, match=message + r".*\(16, 16\)"):

@@ -145,8 +145,11 @@ def _built_from(jaxpr: Any, sources: list[frozenset[int]], built: _Built | None 
     built = {} if built is None else built
     reads: dict[Any, frozenset[int]] = dict(zip(jaxpr.invars, sources, strict=True))
     for eqn in jaxpr.eqns:
-        # A literal (a constant written into the program) reads no input.
-        read = frozenset().union(*(reads[v] for v in eqn.invars if not hasattr(v, "val")))
+        # A literal (a constant written into the program) reads no input, nor does an
+        # array the function closes over (one of the jaxpr's constants).
+        read = frozenset().union(
+            *(reads.get(v, frozenset()) for v in eqn.invars if not hasattr(v, "val"))
+        )
         for var in eqn.outvars:
             reads[var] = read
             built.setdefault(tuple(getattr(var.aval, "shape", ())), []).append(read)
