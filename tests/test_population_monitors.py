@@ -289,6 +289,8 @@ def test_a_member_that_stops_after_a_resume_is_warned_of_its_earlier_best_once(t
     scores = np.array([[1.0 + e, 3.0 - 0.1 * e] for e in range(8)])
     half = _scored(scores).run(_data(), epochs=3, fuse=4, population=POPULATION)
     with pytest.warns(RuntimeWarning) as caught:
-        _scored(scores).run(_data(), half, epochs=8, fuse=4)
+        resumed = _scored(scores).run(_data(), half, epochs=8, fuse=4)
     earlier = [w for w in caught if "member 0's best epoch (0) ran in an earlier" in str(w.message)]
     assert len(earlier) == 1, [str(w.message) for w in caught]
+    # It kept its last epoch's step state, so its State notes no restored epoch.
+    assert resumed.member(0).handler_metadata.get("_restored_best_epoch") is None

@@ -136,7 +136,7 @@ def early_stop_members(stopper: Any, state: Any) -> tuple[Status, Any]:
         # A member that stops is frozen from here on, with its best epoch's step state. One
         # still running at the run's last epoch gets it when the run ends (`on_end`), as
         # its solo run does: this epoch's later handlers (a checkpoint) see its own.
-        state = _restore(stopper, state, stop)
+        state, _ = _restore(stopper, state, stop)
     state = halt_members(state, stop, state.epoch)
     every = all(population_record(state)["halted"])
     return ("halt_loop" if every else "continue"), state
@@ -186,22 +186,23 @@ def restore_members(stopper: Any, state: Any) -> Any:
     record = state.handler_metadata.get(stopper.monitor.key) or {}
     # A stopped member was restored, and warned of, when it stopped: it is not warned again.
     stopped = np.asarray([e is not None for e in record.get("stopped_epoch", [None] * size)])
-    state = _note_restored(state, record, size)
-    return _restore(stopper, state, np.ones(size, bool), warn_for=~stopped)
+    state, taken = _restore(stopper, state, np.ones(size, bool), warn_for=~stopped)
+    return _note_restored(state, record, taken)
 
 
 def _restore(
     stopper: Any, state: Any, members: np.ndarray, warn_for: np.ndarray | None = None
-) -> Any:
+) -> tuple[Any, np.ndarray]:
     """`state` with the step state of `members` replaced by their best epoch's copy, as
     `EarlyStopping._restored` does for a solo run (with its warning for a best epoch that
-    ran in an earlier run, for the members of `warn_for`; None: every one).
+    ran in an earlier run, for the members of `warn_for`; None: every one), and which
+    members took their copy.
     """
     best: MemberBest | None = stopper._members
-    if best is None or len(best.keys) != members.shape[0] or state.step_state is None:
-        return state
-    record = state.handler_metadata.get(stopper.monitor.key) or {}
     take = np.zeros(members.shape, bool)
+    if best is None or len(best.keys) != members.shape[0] or state.step_state is None:
+        return state, take
+    record = state.handler_metadata.get(stopper.monitor.key) or {}
     for i in np.flatnonzero(members):
         key = (record["best_epoch"][i], record["best"][i]) if record else None
         if best.tree is not None and key is not None and best.keys[i] == key:
@@ -216,24 +217,28 @@ def _restore(
                 RuntimeWarning,
             )
     if not take.any():
-        return state
+        return state, take
     step_state = _select(jnp.asarray(take), best.tree, state.step_state)
-    return state.replace(step_state=step_state)
+    return state.replace(step_state=step_state), take
 
 
-def _note_restored(state: Any, record: dict[str, Any], size: int) -> Any:
-    """At the run's end, notes per member the best epoch whose step state `_restore` gives
-    it where that is not the member's own last epoch (None elsewhere), as a solo State notes
+def _note_restored(state: Any, record: dict[str, Any], taken: np.ndarray) -> Any:
+    """At the run's end, notes per member the best epoch whose step state it took (`taken`)
+    where that is not the member's own last epoch (None elsewhere), as a solo State notes
     its own: `state.member(i)` then warns when resumed as a solo run does (engine/start.py
     `warn_on_resume`). A resumed population warns only of its running members: a halted
     one stays frozen."""
     population = population_record(state)
     last = max(state.history, default=None)
+    size = taken.shape[0]
     best = record.get("best_epoch") or [None] * size
     own_last = [
         population["last_epoch"][i] if population["halted"][i] else last for i in range(size)
     ]
-    restored = [None if best[i] in (None, own_last[i]) else int(best[i]) for i in range(size)]
+    restored = [
+        int(best[i]) if taken[i] and best[i] not in (None, own_last[i]) else None
+        for i in range(size)
+    ]
     metadata = {k: v for k, v in state.handler_metadata.items() if k != RESTORED_KEY}
     if all(epoch is None for epoch in restored):
         return state.replace(handler_metadata=metadata)
