@@ -146,6 +146,30 @@ def test_terminate_on_nan_per_member():
         assert int(member.step_state["step"]) == int(solo.step_state["step"])
 
 
+def _nan_in_epoch_1(data):
+    """A source whose second epoch (epoch 1) holds a NaN input in its third batch."""
+    calls = []
+
+    def epoch():
+        calls.append(None)
+        if len(calls) != 2:
+            return iter(data)
+        return iter([(x * np.nan, y) if i == 2 else (x, y) for i, (x, y) in enumerate(data)])
+
+    return epoch
+
+
+def test_a_member_halted_by_a_nan_inside_an_epoch_is_in_that_epoch_as_its_solo_run():
+    loop = _trainer().terminate_on_nan()
+    with pytest.warns(RuntimeWarning):
+        solo = loop.run(_nan_in_epoch_1(_data()), epochs=3)
+    with pytest.warns(RuntimeWarning):
+        pop = loop.run(_nan_in_epoch_1(_data()), epochs=3, population=2)
+    member = pop.member(0)
+    assert (solo.status, solo.epoch, sorted(solo.history)) == ("halted", 1, [0])
+    assert (member.status, member.epoch, sorted(member.history)) == ("halted", 1, [0])
+
+
 class _nothing:
     def __enter__(self):
         return self

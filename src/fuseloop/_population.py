@@ -104,7 +104,10 @@ def member_state(state: State, i: int) -> State:
     }
     if halted:
         changes["status"] = "halted"
-        if last is not None:
+        within = (record.get("halted_in") or [None] * size)[i]  # absent from older saves
+        if within is not None:
+            changes["epoch"] = int(within)
+        elif last is not None:
             changes["epoch"] = max(int(last), 0)
     return state.replace(**changes)
 
@@ -115,9 +118,13 @@ def _member_record(value: Any, i: int, size: int) -> Any:
     return _pick(value, i, size)
 
 
-def halt_members(state: State, stopped: Any, last_epoch: int) -> State:
+def halt_members(
+    state: State, stopped: Any, last_epoch: int, halted_in: int | None = None
+) -> State:
     """`state` with the members where `stopped` is True (and not halted yet) halted, their
-    history ending at `last_epoch`.
+    history ending at `last_epoch`, in epoch `halted_in` (by default `last_epoch`: a member
+    stopped at an epoch's end; one whose loss went non-finite halts inside the epoch after
+    its history's last, as its solo run's State says).
     """
     record = dict(population_record(state))
     mask = np.asarray(stopped, bool).reshape(-1)
@@ -126,10 +133,12 @@ def halt_members(state: State, stopped: Any, last_epoch: int) -> State:
             f"stop_members: expected {record['size']} flags (one per member), got {mask.shape}"
         )
     halted, last = list(record["halted"]), list(record["last_epoch"])
+    within = list(record.get("halted_in") or [None] * len(halted))
     for i in np.flatnonzero(mask):
         if not halted[i]:
             halted[i], last[i] = True, int(last_epoch)
-    record.update(halted=halted, last_epoch=last)
+            within[i] = int(last_epoch if halted_in is None else halted_in)
+    record.update(halted=halted, last_epoch=last, halted_in=within)
     return state.replace(handler_metadata={**state.handler_metadata, POPULATION_KEY: record})
 
 

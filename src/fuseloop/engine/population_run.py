@@ -58,7 +58,7 @@ class PopulationHost:
                 active = np.asarray(self.reads.get(self.carry.tail["active"]), bool)
             tripped = ~active & ~self.halted(state)
             if tripped.any():
-                state = halt_members(state, tripped, epoch - 1)
+                state = halt_members(state, tripped, epoch - 1, halted_in=epoch)
                 self.applied |= tripped
                 _warn_nonfinite(np.flatnonzero(tripped), epoch)
         record = population_record(state)
