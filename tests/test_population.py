@@ -184,6 +184,8 @@ def test_population_argument_errors():
         fl.loop(lambda batch, s: s).run(data, {"n": 0}, population=2)
     with pytest.raises(ValueError, match="leading axes"):
         fl.evaluator(fl.models.mlp([2])).run(data, {"params": {}}, population=2)
+    with pytest.raises(ValueError, match=r"evaluates the members it is given.*init_state"):
+        fl.evaluator(fl.models.mlp([2])).run(data, population=2)  # no variables at all
     solo = loop.run(data, epochs=1)
     with pytest.raises(ValueError, match="solo run's State"):
         loop.run(data, solo, epochs=2, population=2)

@@ -132,6 +132,13 @@ def _evaluated(population: Any, variables: Any) -> Population:
             f"the size of the variables' leading member axis"
         )
     params = getattr(variables, "params", variables)
+    if params is None:
+        raise ValueError(
+            f"population={population!r}: an evaluator evaluates the members it is given; "
+            f"pass the population's State a trainer returned (or variables with a leading "
+            f"member axis of {population}) as init_state: "
+            f"evaluator.run(data, state, population={population})"
+        )
     sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(params)}
     if sizes != {int(population)}:
         raise ValueError(
