@@ -68,8 +68,9 @@ def check_trainer_options(log: Any, seed: Any, log_stream: Any = None) -> tuple[
 
 
 def _is_int(value: Any) -> bool:
-    """A Python or numpy integer, not a bool (True is no count of iterations)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    """A Python or numpy integer, not a bool (True is no count of iterations; numpy's
+    bool is no np.integer)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def check_text_stream(stream: Any, argument: str) -> None:
@@ -128,8 +129,7 @@ def check_init_state(init_state: Any, kind: str = "custom", population: Any = No
             f"init_state={init_state!r} is a path, not a State: load it first, "
             f"loop.run(data, fl.load_state(path), epochs=...)"
         )
-    seed_like = isinstance(init_state, (int, np.integer)) and not isinstance(init_state, bool)
-    if seed_like and kind in _STARTS_FROM:
+    if _is_int(init_state) and kind in _STARTS_FROM:
         raise ValueError(f"init_state={init_state!r} is an integer, but {_STARTS_FROM[kind]}")
     if kind != "trainer" and population is None:
         instead = (

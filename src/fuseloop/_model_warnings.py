@@ -43,7 +43,7 @@ _APPLIES = {
     "sparse_categorical_cross_entropy": "softmax",
 }
 _CHECKED = "probabilities checked"
-_SCHEDULE_FREE = "schedule-free checked"
+_OPTIMIZER_CHECKED = "optimizer checked"  # schedule-free, narrow hyperparameters
 # Operations that pass a value on unchanged but for its layout or precision.
 _PASSING = frozenset(
     {"reshape", "squeeze", "expand_dims", "convert_element_type", "copy", "copy_p"}
@@ -58,10 +58,12 @@ def warn_about_model(
     run's, or a population's member 0; `verdicts`: the Loop's cache of checks already made;
     `metrics`: its MetricSpecs)."""
     warn_sown_losses(program, step_state)
-    if program.kind == "trainer" and _SCHEDULE_FREE not in verdicts:
-        verdicts[_SCHEDULE_FREE] = True
-        _warn_schedule_free(step_state)
-        _warn_narrow_hyperparams(step_state)
+    if program.kind == "trainer" and _OPTIMIZER_CHECKED not in verdicts:
+        verdicts[_OPTIMIZER_CHECKED] = True
+        # (a resumed State of another loop's may hold none: the step-state check says so)
+        opt_state = step_state.get("opt_state") if isinstance(step_state, dict) else None
+        _warn_schedule_free(opt_state)
+        _warn_narrow_hyperparams(opt_state)
     if program.kind not in ("trainer", "evaluator") or _CHECKED in verdicts:
         return
     applies = _APPLIES.get(program.loss_name or "") if isinstance(program.loss, str) else None
@@ -103,7 +105,7 @@ def _refuse_multi_hot(names: Sequence[str], y: Any, output: tuple[int, ...]) -> 
     )
 
 
-def _warn_schedule_free(step_state: Any) -> None:
+def _warn_schedule_free(opt_state: Any) -> None:
     """Warns where the optimizer is one of optax's schedule-free ones, whose params are the
     training point, not the point to evaluate."""
     from optax.contrib import ScheduleFreeState
@@ -111,7 +113,6 @@ def _warn_schedule_free(step_state: Any) -> None:
     def is_state(node: Any) -> bool:
         return isinstance(node, ScheduleFreeState)
 
-    opt_state = step_state.get("opt_state") if isinstance(step_state, dict) else None
     if not any(map(is_state, jax.tree.leaves(opt_state, is_leaf=is_state))):
         return
     warn(
@@ -125,11 +126,10 @@ def _warn_schedule_free(step_state: Any) -> None:
     )
 
 
-def _warn_narrow_hyperparams(step_state: Any) -> None:
+def _warn_narrow_hyperparams(opt_state: Any) -> None:
     """Warns where `optax.inject_hyperparams` holds float hyperparameters narrower than
     float32: it takes the params' dtype, and in bfloat16 adam's b2=0.999 reads 1.0 (the
     loss turns NaN within a few steps, as in optax's own loop)."""
-    opt_state = step_state.get("opt_state") if isinstance(step_state, dict) else None
     narrow = {
         name: value
         for node in inject_states(opt_state)
