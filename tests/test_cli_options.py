@@ -41,6 +41,10 @@ def test_bench_arguments_go_to_the_bench_parser(capsys):
         cli.main(["bench", "--reps", "0"])
     assert exit_info.value.code == 2
     assert "--reps=0 must be a positive int" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--population", "--members", "0"])
+    assert exit_info.value.code == 2
+    assert "--members=0 must be a positive int" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["bench", "--models", "mlp-tiny,foo"])
     assert "--models=mlp-tiny,foo: 'foo' is not a benchmark model" in capsys.readouterr().err

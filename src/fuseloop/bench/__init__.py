@@ -340,8 +340,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(argv) if argv is not None else None)
     check_modes(parser, args)
     reps = args.reps if args.reps is not None else (3 if args.quick else 10)
-    if reps < 1:
-        parser.error(f"--reps={reps} must be a positive int")
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         # Checked before minutes of timing, not after: the folder is made, as demo's is.
         problem = unwritable(path)

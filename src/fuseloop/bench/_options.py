@@ -40,5 +40,8 @@ def check_modes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--members applies only with --population")
     if args.models is not None and not [m for m in args.models.split(",") if m.strip()]:
         parser.error(f"--models={args.models!r} names no model")
+    for option, value in (("--members", args.members), ("--reps", getattr(args, "reps", None))):
+        if value is not None and value < 1:
+            parser.error(f"{option}={value} must be a positive int")
     if args.members is None:
         args.members = DEFAULT_MEMBERS
