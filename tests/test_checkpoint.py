@@ -170,6 +170,8 @@ def test_checkpoint_on_best_saves_only_improvements(tmp_path):
         loop.checkpoint(tmp_path, criteria="score", mode="lowest")
     with pytest.raises(ValueError, match="keep"):
         loop.checkpoint(tmp_path, keep=0)
+    with pytest.raises(ValueError, match="keep"):
+        loop.checkpoint(tmp_path, keep=2.0)
 
 
 def test_a_halted_run_saves_its_final_state(tmp_path):

@@ -106,6 +106,13 @@ def test_bad_coordination_options_are_refused(tmp_path, capsys):
         with pytest.raises(SystemExit):
             cli.main(["launch", "-n", "2", option, value, script])
         assert named in capsys.readouterr().err
+    # From Python, a port or timeout that is no whole number is refused, not rounded.
+    for options, named in (
+        ({"port": 1234.5}, "port=1234.5"),
+        ({"failure_timeout": 2.5}, "failure_timeout=2.5"),
+    ):
+        with pytest.raises(ValueError, match=named):
+            launch(2, script, **options)
 
 
 def test_a_missing_script_is_the_one_thing_named_and_help_shows_the_defaults(capsys):

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ._ints import is_int
 from ._metrics import batch_size
 
 __all__ = ["FusionError", "stack_chunk", "make_chunk_fn", "DEFAULT_CHUNK", "resolve_fuse"]
@@ -62,7 +63,7 @@ def resolve_fuse(fuse: Any, jit: bool) -> int | str | None:
         return "auto"
     if fuse == "run":
         return "run"
-    if isinstance(fuse, (int, np.integer)) and not isinstance(fuse, bool) and fuse >= 1:
+    if is_int(fuse) and fuse >= 1:
         return int(fuse)
     raise ValueError(
         f"fuse={fuse!r} is not accepted; accepted values: False, True (chunks of "

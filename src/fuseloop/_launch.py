@@ -30,6 +30,7 @@ from ._distributed import (
     ENV_TIMEOUT,
     FAILED_MARK,
 )
+from ._ints import is_int
 
 __all__ = ["free_port", "launch"]
 
@@ -204,18 +205,16 @@ def _stop_on_sigterm() -> Any:
 
 
 def _check_coordination(port: int | None, failure_timeout: int) -> None:
-    if port is not None and (isinstance(port, bool) or not 1 <= port <= 65535):
+    if port is not None and (not is_int(port) or not 1 <= port <= 65535):
         raise ValueError(f"port={port!r} must be a TCP port, 1 to 65535")
-    if isinstance(failure_timeout, bool) or not (
-        isinstance(failure_timeout, int) and failure_timeout >= 1
-    ):
+    if not is_int(failure_timeout) or failure_timeout < 1:
         raise ValueError(
             f"failure_timeout={failure_timeout!r} must be a whole number of seconds >= 1"
         )
 
 
 def _check_launch_arguments(count: int, script: str, grace: float) -> None:
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+    if not is_int(count) or count < 1:
         raise ValueError(f"count={count!r} must be a positive int (the number of processes)")
     if not grace >= 0:
         raise ValueError(f"grace={grace!r} must be a number of seconds >= 0")

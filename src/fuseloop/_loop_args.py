@@ -9,8 +9,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
+from ._ints import is_int
 from ._metrics import ACCUMULATORS, ALIASES, METRICS
 from ._population import refuse_population
 from ._warn import warn
@@ -59,18 +58,12 @@ def check_trainer_options(log: Any, seed: Any, log_stream: Any = None) -> tuple[
     """`trainer(log=..., seed=..., log_stream=...)`: a non-negative int, an int, and a
     text stream or None. Returns `(log, seed)` as Python ints (numpy integers, e.g. from a
     config file read by numpy, are accepted)."""
-    if not _is_int(log) or log < 0:
+    if not is_int(log) or log < 0:
         raise ValueError(f"log={log!r} must be a non-negative int (0 disables logging)")
-    if not _is_int(seed):
+    if not is_int(seed):
         raise ValueError(f"seed={seed!r} must be an int")
     check_text_stream(log_stream, "log_stream")
     return int(log), int(seed)
-
-
-def _is_int(value: Any) -> bool:
-    """A Python or numpy integer, not a bool (True is no count of iterations; numpy's
-    bool is no np.integer)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def check_text_stream(stream: Any, argument: str) -> None:
@@ -129,7 +122,7 @@ def check_init_state(init_state: Any, kind: str = "custom", population: Any = No
             f"init_state={init_state!r} is a path, not a State: load it first, "
             f"loop.run(data, fl.load_state(path), epochs=...)"
         )
-    if _is_int(init_state) and kind in _STARTS_FROM:
+    if is_int(init_state) and kind in _STARTS_FROM:
         raise ValueError(f"init_state={init_state!r} is an integer, but {_STARTS_FROM[kind]}")
     if kind != "trainer" and population is None:
         instead = (

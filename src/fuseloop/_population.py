@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._ints import is_int
+
 POPULATION_KEY = "_population"  # a population State's record in handler_metadata
 State = Any  # a fuseloop State (this module sits below _state, which imports it)
 
@@ -74,7 +76,7 @@ def member_state(state: State, i: int) -> State:
     """Member `i` of a population State as a solo State (see `State.member`)."""
     record = population_record(state)
     size = int(record["size"])
-    if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < size:
+    if not is_int(i) or not 0 <= i < size:
         raise ValueError(f"member({i!r}): a member index must be an int in [0, {size})")
     i = int(i)
     halted = bool(record["halted"][i])

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._ints import is_int
 from ._metrics import batch_size
 from ._model_fit import ModelFit, abstract
 from ._narrowing import Narrowing, native_order
@@ -175,7 +176,7 @@ def _chunk_size(fuse: Any) -> int:
         return _DEFAULT_CHUNK
     if fuse is False:
         return 1
-    if isinstance(fuse, (int, np.integer)) and not isinstance(fuse, bool) and fuse >= 1:
+    if is_int(fuse) and fuse >= 1:
         return int(fuse)
     raise ValueError(f"fuse={fuse!r} must be True, False or a positive int (batches per chunk)")
 
@@ -263,11 +264,7 @@ def predict(
     _require_examples_axis(x)
     per_chunk = _chunk_size(fuse)
     if _is_array_tree(x):
-        if (
-            isinstance(batch_size, bool)
-            or not isinstance(batch_size, (int, np.integer))
-            or (batch_size < 1)
-        ):
+        if not is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be a positive int")
         inputs, size, pairs = x, int(batch_size), False
     else:

@@ -124,7 +124,8 @@ class State:
 
     def member(self, i: int) -> State:
         """Member `i` of a population as a plain solo State: its step state, metrics,
-        history (up to its own halting epoch), status and monitor records.
+        history (up to its own halting epoch), status and monitor records. Its iteration
+        and event counts are the population run's (docs/design.md §8).
 
         Example:
             >>> import numpy as np

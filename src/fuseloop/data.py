@@ -23,6 +23,7 @@ import numpy as np
 
 from ._batch_checks import is_number_list, no_device_dtype
 from ._epoch_order import EpochOrder, abstract_key
+from ._ints import is_int
 from ._narrowing import native_copy
 from ._shards import local_indices, place_rows
 
@@ -76,7 +77,7 @@ def _leading_size(x: Any, y: Any) -> int:
 
 
 def _check_int(value: Any, name: str, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    if not is_int(value):
         raise ValueError(f"{name}={value!r} must be an int")
     if value < low or (high is not None and value >= high):
         bound = f">= {low}" if high is None else f"in [{low}, {high})"

@@ -26,6 +26,7 @@ import flax.linen as nn
 
 from ._equinox import from_equinox
 from ._functions import from_functions
+from ._ints import is_int
 from ._linen import TRAIN_FLAGS, ModelConventionError, ModelModeError, linen
 from ._nnx import from_nnx, set_nnx_mode
 from ._population import refuse_population
@@ -138,9 +139,9 @@ def mlp(features: Sequence[int], activation: Activation = "relu") -> MLP:
         not isinstance(features, Sequence)
         or isinstance(features, str)
         or not features
-        or any(isinstance(f, bool) or not isinstance(f, int) or f < 1 for f in features)
+        or any(not is_int(f) or f < 1 for f in features)
     ):
-        positive_int = isinstance(features, int) and not isinstance(features, bool) and features > 0
+        positive_int = is_int(features) and features > 0
         example = f"[{features}]" if positive_int else "[128, 10]"
         raise ValueError(
             f"features={features!r} must be a non-empty list of positive ints, one width per "

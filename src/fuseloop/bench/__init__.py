@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from .._ints import is_int
 from ..engine.signals import AbortOnSignal
 from ._harness import RATIOS, compile_vs_k, cross_check, measure, ratios, targets
 from ._options import check_modes
@@ -147,7 +148,7 @@ def run_benchmark(
         >>> systems["floor"]["status"], report["meta"]["batches_per_epoch"]
         ('ok', 8)
     """
-    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+    if not is_int(reps) or reps < 1:
         raise ValueError(f"reps={reps!r} must be a positive int")
     specs = _resolve(models)
     began = time.perf_counter()

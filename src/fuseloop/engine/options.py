@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
+from .._ints import is_int
 
 __all__ = ["check_run_options"]
 
@@ -18,7 +18,7 @@ def check_run_options(
     _check_count(epochs, "epochs", allow_none=False)
     _check_count(iterations, "iterations", allow_none=True)
     _check_count(max_in_flight, "max_in_flight", allow_none=False)
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+    if not is_int(prefetch) or prefetch < 0:
         raise ValueError(
             f"prefetch={prefetch!r} must be an int >= 0 (chunks pulled ahead "
             f"in a background thread; 0 pulls the next chunk in the caller)"
@@ -32,5 +32,5 @@ def check_run_options(
 def _check_count(value: Any, argument: str, allow_none: bool) -> None:
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{argument}={value!r} must be a positive int")

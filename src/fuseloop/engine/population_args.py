@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._epoch_order import prng_impl
+from .._ints import is_int
 from .._optim import abstract_state, inject_states
 from .._optim_probe import scheduled_hyperparams
 
@@ -126,7 +127,7 @@ def _evaluated(population: Any, variables: Any) -> Population:
     """An evaluator's population: `population` members whose variables (or a population
     State's params) carry a leading member axis of that size.
     """
-    if isinstance(population, bool) or not isinstance(population, (int, np.integer)):
+    if not is_int(population):
         raise ValueError(
             f"population={population!r}: an evaluator takes the member count (an int), "
             f"the size of the variables' leading member axis"
@@ -162,7 +163,7 @@ def _record_of(init_state: Any) -> dict[str, Any] | None:
 
 def _from_argument(population: Any, program: Any) -> Population:
     base = program_seed(program)
-    if isinstance(population, (int, np.integer)) and not isinstance(population, bool):
+    if is_int(population):
         if population < 1:
             raise ValueError(f"population={population!r} must be >= 1 members")
         n = int(population)
@@ -255,7 +256,7 @@ _STRUCTURAL = (
 
 
 def _seed(value: Any, where: str = "population['seed']") -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    if not is_int(value):
         raise ValueError(f"{where}: {value!r} must be an int")
     if not -(2**31) <= int(value) < 2**31:
         raise ValueError(

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .._events import event_total
+from .._ints import is_int
 from .._state import State
 from .._warn import warn
 
@@ -59,7 +60,7 @@ def _not_a_mode(mode: Any) -> ValueError:
 
 
 def check_int(value: Any, argument: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{argument}={value!r} must be an int >= {minimum}")
     return int(value)
 

@@ -21,6 +21,7 @@ from typing import Any
 from .._checkpoint import is_save, save_args
 from .._checkpoint_paths import TRASH, EpochNames, HiddenTemporaryPath, checkpoint_dirs
 from .._events import event_total
+from .._ints import is_int
 from .._state import State
 from .._types import Status
 from ..engine.population_monitors import checkpoint_members
@@ -90,10 +91,11 @@ class Checkpointer:
             raise ValueError(f"path={path!r} must be a directory path")
         where = Path(path).expanduser()  # "~/runs" is the home directory's, as in a shell
         require_room(where, f"path={str(path)!r}", "directory", "checkpoint directory")
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        if keep is not None and (not is_int(keep) or keep < 1):
             raise ValueError(f"keep={keep!r} must be None (keep all) or a positive int")
         if not isinstance(asynchronous, bool):
             raise ValueError(f"asynchronous={asynchronous!r} must be True or False")
+        keep = None if keep is None else int(keep)
         self.path, self.keep, self.asynchronous = where.absolute(), keep, asynchronous
         self.monitor = None
         mode = resolve_mode(mode, criteria, "criteria", "checkpoint")
