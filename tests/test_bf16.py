@@ -142,6 +142,24 @@ def test_named_optimizers_keep_float64_params_in_float64(name):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_resident_dataset_placed_before_x64_was_switched_on_is_placed_again():
+    # Its float32 device copy was reused: the run trained silently on the rounded data.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4))
+    y = (x.sum(1) > 0).astype(np.int64)
+    loop = fl.trainer(fl.models.mlp([4, 2]), "sparse_categorical_cross_entropy", "sgd")
+    resident = fl.data.arrays(x, y, batch_size=8, device=True)
+    with pytest.warns(UserWarning):  # float64 data is float32 on the device: said once
+        loop.run(resident)
+    with jax.enable_x64(True):
+        again = loop.run(resident)
+        host = loop.run(fl.data.arrays(x, y, batch_size=8))
+        assert resident.put()[0].dtype == jnp.float64
+    assert resident.transfers_done == 2
+    for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(host.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_soft_targets_of_bf16_logits_are_taken_as_optax_takes_them():
     # Label smoothing: 0.92/0.02 rounded to bf16 would sum to 1.002 and bias the loss.
     x, labels = DATA[0]

@@ -113,6 +113,14 @@ def test_save_state_replaces_a_save_but_nothing_else(tmp_path):
         fl.load_state(tmp_path / "missing")
     with pytest.raises(ValueError, match="no complete save"):
         fl.load_state(tmp_path / "user")
+    # No path at all: named, not pathlib's TypeError (an empty string would be the cwd).
+    for call in (
+        lambda: fl.save_state(first, None),
+        lambda: fl.load_state(""),
+        lambda: list_checkpoints(None),
+    ):
+        with pytest.raises(ValueError, match=r"path=(None|'') must be a path"):
+            call()
 
 
 def test_custom_step_states_keep_python_scalars_and_typed_keys(tmp_path):

@@ -204,6 +204,38 @@ def test_a_returned_state_may_not_move_the_loops_counters(moved):
         loop.run(make_batches(2), counter_init(), epochs=3)
 
 
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"step_state": None}, r"step_state is None: the loop trains on"),
+        ({"status": "halted"}, r"status is 'halted', not 'running': .* return 'halt_loop'"),
+        ({"history": {"a": {"loss": 1.0}}}, r"history has the key 'a'"),
+        ({"metrics": {"count": "x"}}, r"metrics\['count'\] is 'x': metrics are numbers"),
+        ({"history": {0: {"count": None}}}, r"history\[0\]\['count'\] is None"),
+    ],
+)
+def test_a_returned_state_the_loop_would_drop_or_misread_is_refused(changes, named):
+    # Each was ignored (step_state, status) or kept to fail later in save_state or a plot.
+    loop = counter_loop().handle_event(
+        "epoch_completed", lambda s: ("continue", s.replace(**changes))
+    )
+    with pytest.raises(ValueError, match=named):
+        loop.run(make_batches(2), counter_init(), epochs=2)
+
+
+def test_a_handler_may_add_a_number_to_the_metrics_and_history():
+    def add(s):
+        history = {**s.history, s.epoch: {**s.history.get(s.epoch, {}), "extra": 2}}
+        return "continue", s.replace(metrics={**s.metrics, "extra": np.float32(1)}, history=history)
+
+    state = (
+        counter_loop()
+        .handle_event("epoch_completed", add)
+        .run(make_batches(2), counter_init(), epochs=2)
+    )
+    assert state.metrics["extra"] == 1
+
+
 def test_other_return_types_are_rejected():
     loop = counter_loop().handle_event("epoch_completed", lambda s: 3)
     with pytest.raises(ValueError, match="returned int"):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import fuseloop as fl
-from conftest import assert_runs_identical, make_batches, trainer
+from conftest import assert_runs_identical, make_batches, tiny_mlp, trainer
 
 DATA = make_batches(100)
 LOOP = trainer(optimizer="sgd").metric("accuracy")
@@ -144,4 +144,23 @@ def test_a_whole_run_under_a_host_to_device_guard_moves_only_its_batches(kind, f
     _placement._DEVICE_INTS.clear()
     with jax.transfer_guard_host_to_device("disallow"):
         guarded = LOOP.run(data, epochs=2, fuse=fuse)
+    assert_runs_identical(guarded, expected)
+
+
+@pytest.mark.parametrize("fuse", [32, "run"])
+def test_a_validated_whole_run_under_a_host_to_device_guard(fuse):
+    # The whole run's epoch order was asked for with a numpy epoch number: JAX's own
+    # "Disallowed host-to-device transfer" from inside the library.
+    from fuseloop import _placement
+
+    batches = make_batches(8)
+    x, y = np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches])
+    loop = LOOP.validate(tiny_mlp(), fl.data.arrays(x, y, batch_size=4, shuffle=False))
+    data = fl.data.arrays(x, y, batch_size=4, seed=3, device=True)
+    expected = loop.run(data, epochs=2, fuse=fuse)
+    _placement._DEVICE_INTS.clear()
+    with jax.transfer_guard_host_to_device("disallow"):
+        guarded = loop.run(
+            fl.data.arrays(x, y, batch_size=4, seed=3, device=True), epochs=2, fuse=fuse
+        )
     assert_runs_identical(guarded, expected)

@@ -16,6 +16,7 @@ import pytest
 
 import fuseloop as fl
 from conftest import counter_init, counter_loop, make_batches, tiny_mlp
+from fuseloop import _placement
 
 SPARSE = "sparse_categorical_cross_entropy"
 EPOCHS = 300
@@ -104,6 +105,25 @@ def test_repeated_runs_leave_no_device_arrays_behind():
     for fuse in (False, 2):
         baseline = live_after_run(fuse)
         assert [live_after_run(fuse) for _ in range(3)] == [baseline] * 3
+
+
+def test_a_run_resumed_epoch_after_epoch_on_resident_data_keeps_a_bounded_set(monkeypatch):
+    # A notebook's `state = loop.run(data, state, epochs=k + 1)`: each resume starts at a
+    # new epoch. Its first batch (a host copy holding device buffers on CPU) and its epoch
+    # number's device scalar were kept per epoch, without bound (+3 arrays a resume).
+    monkeypatch.setattr(_placement, "_KEPT_CONSTANTS", 8)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 8)).astype(np.float32), rng.integers(0, 3, 64).astype(np.int32)
+    data = fl.data.arrays(x, y, batch_size=32, device=True)
+    loop = fl.trainer(tiny_mlp(), SPARSE, "sgd")
+    state, live = None, []
+    for epoch in range(24):
+        state = loop.run(data, state, epochs=epoch + 1, fuse=4)
+        if epoch >= 16:
+            gc.collect()
+            live.append(len(jax.live_arrays()))
+    assert live == [live[0]] * len(live), live
+    assert len(data.first_batches) <= 4
 
 
 # --------------------------------------------------------------------------- compiles

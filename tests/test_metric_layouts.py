@@ -275,3 +275,31 @@ def test_an_optax_loss_given_as_is_is_told_its_arguments_are_the_other_way_round
         fl.trainer(fl.models.mlp([2]), optax.softmax_cross_entropy_with_integer_labels, "sgd")
     with pytest.raises(ValueError, match=r"metric=optax.sigmoid_binary_cross_entropy"):
         fl.evaluator(fl.models.mlp([1])).metric(optax.sigmoid_binary_cross_entropy)
+
+
+@pytest.mark.parametrize("batch", [1, 6])
+def test_a_time_step_distance_shaped_like_the_cross_at_this_batch_size_is_not_refused(batch):
+    """(B, T) targets and a (B, T, 1) output broadcast to (B, B, T); a (B, T, T) distance
+    between time steps has that shape where B is 1 (a ragged last batch) or T. Traced at
+    another batch size it is no cross, so the loss trains; a true cross is still refused."""
+    steps = 6
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch, steps)).astype(np.float32)
+    y = rng.normal(size=(batch, steps)).astype(np.float32)
+    model = fl.models.from_functions(
+        lambda rng, x: {"w": jnp.full((1,), 0.5)}, lambda p, x: x[..., None] * p["w"]
+    )
+
+    def chamfer(y_true, y_pred):  # every predicted step against every target step: (B, T, T)
+        p = y_pred[..., 0]
+        return jnp.mean(jnp.min((p[:, :, None] - y_true[:, None, :]) ** 2, axis=-1))
+
+    def smoothness(y_true, y_pred):  # predictions alone: (B, T, T)
+        p = y_pred[..., 0]
+        return jnp.mean((p - y_true) ** 2) + jnp.mean((p[:, :, None] - p[:, None, :]) ** 2)
+
+    for loss in (chamfer, smoothness):
+        assert fl.trainer(model, loss, "sgd").run([(x, y)]).status == "completed"
+    if batch == 1:  # (1, T, 1) - (1, T) crosses, and fails at any other batch size
+        with pytest.raises(ValueError, match=r"broadcasts them to \(1, 6, 6\)"):
+            fl.trainer(model, lambda t, p: jnp.mean((p - t) ** 2), "sgd").run([(x, y)])

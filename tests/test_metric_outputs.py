@@ -47,6 +47,24 @@ def test_class_metrics_refuse_multi_hot_labels_they_would_read_as_one_class():
     assert measured.metrics["accuracy"] == pytest.approx(expected, abs=1e-6)
 
 
+def test_class_metrics_of_a_one_output_model_refuse_targets_outside_0_and_1():
+    # One output per example is read as a binary logit against 0/1 targets: class indices
+    # 0..2 or regression targets would be thresholded at 0.5 into a meaningless score.
+    model = fl.models.mlp([1])
+    state = fl.trainer(model, "mean_squared_error", "sgd").run(fl.data.arrays(_X, _Y, 8))
+    for metric in ("accuracy", "precision"):
+        evaluator = fl.evaluator(model).metric(metric)
+        with pytest.raises(ValueError, match=rf"'{metric}' read as a binary logit.*holds 2"):
+            evaluator.run(fl.data.arrays(_X, _Y, batch_size=8, shuffle=False), state)
+    trainer = fl.trainer(model, "mean_squared_error", "sgd").metric("accuracy")
+    with pytest.raises(ValueError, match=r"for a regression, track a metric of your own"):
+        trainer.run(fl.data.arrays(_X, _X[:, 0] * 3, batch_size=8))
+    binary = (_Y > 0).astype(np.float32)  # 0/1 targets are what the metric reads
+    measured = fl.evaluator(model).metric("accuracy").run(fl.data.arrays(_X, binary, 8), state)
+    expected = ((np.asarray(fl.predict(model, state, _X))[:, 0] > 0) == (binary > 0.5)).mean()
+    assert measured.metrics["accuracy"] == pytest.approx(expected, abs=1e-6)
+
+
 def test_one_hot_and_soft_labels_still_read_as_one_class():
     model = fl.models.mlp([3])
     soft = np.eye(3, dtype=np.float32)[_Y] * 0.9 + 0.1 / 3  # label smoothing: rows sum to 1

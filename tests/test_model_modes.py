@@ -284,6 +284,19 @@ def test_trained_linen_binds_and_evaluates():
     )
 
 
+def test_trained_refuses_what_is_not_the_models_variables_when_called():
+    # The params alone, a string or a custom loop's State failed later, inside flax.
+    model = make_linen("training", True)
+    state = fl.trainer(model, SPARSE, "adam").run(DATA)
+    with pytest.raises(ValueError, match=r"the params alone, variables\['params'\]\?"):
+        fl.models.trained(model, state.params["params"])
+    with pytest.raises(ValueError, match=r"a str is not the variables of this model"):
+        fl.models.trained(model, "checkpoint/")
+    custom = fl.loop(lambda batch, s: {"n": s["n"] + 1}).run(DATA, {"n": jnp.int32(0)})
+    with pytest.raises(ValueError, match=r"step_state has no 'params'"):
+        fl.models.trained(model, custom)
+
+
 def test_trained_plain_functions():
     init = lambda rng, x: {"w": jnp.ones((5, 3))}  # noqa: E731
     apply = lambda p, x, train=False: x @ p["w"] + (1.0 if train else 0.0)  # noqa: E731

@@ -47,6 +47,13 @@ def test_fused_and_unfused_agree_bitwise(state):
     np.testing.assert_array_equal(a, b)
 
 
+def test_host_inputs_are_moved_explicitly_as_a_runs_batches_are(state):
+    # Under JAX's transfer guard a run trains; predict failed on its own implicit transfer.
+    with jax.transfer_guard("disallow"):
+        guarded = predict(Net(), state, X, batch_size=4)
+    np.testing.assert_array_equal(guarded, predict(Net(), state, X, batch_size=4))
+
+
 def test_batch_sources(state):
     pairs = [(X[i : i + 6], Y[i : i + 6]) for i in range(0, 23, 6)]
     inputs = [X[i : i + 6] for i in range(0, 23, 6)]

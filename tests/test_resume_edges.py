@@ -30,6 +30,10 @@ def test_a_trainer_given_an_evaluators_state_names_init_state_and_the_fix():
     with pytest.raises(ValueError, match=r"init_state: .*opt_state, rng, step.*state\.params"):
         trainer.run(data, scored, epochs=2)
     trainer.run(data, scored.params, epochs=1)  # the fix it names
+    # A custom loop's State holds no params: it failed with KeyError('params') inside.
+    custom = fl.loop(lambda batch, s: {"n": s["n"] + 1}).run(data, {"n": np.int32(0)})
+    with pytest.raises(ValueError, match=r"holds \['n'\], not the params, .*afresh"):
+        trainer.run(data, custom, epochs=2)
 
 
 def test_loading_a_populations_best_checkpoint_folder_names_its_members(tmp_path):

@@ -231,6 +231,16 @@ def test_a_log_stream_that_is_not_a_text_stream_is_named_when_the_loop_is_built(
             fl.trainer(model, "mean_squared_error", "sgd", log=2, log_stream=binary)
         with pytest.raises(ValueError, match=r"stream=.*binary mode"):
             _counter_loop().log(lambda s: "x\n", stream=binary)
+    # A stream with logging off (log=0, the default) would stay empty.
+    with pytest.raises(ValueError, match=r"log=0 writes no log lines: pass log=N"):
+        fl.trainer(model, "mean_squared_error", "sgd", log_stream=io.StringIO())
+
+
+def test_a_seed_beyond_64_bits_is_named_when_the_loop_is_built():
+    model = fl.models.mlp([3])
+    for seed in (2**64, -(2**70), np.uint64(2**63)):
+        with pytest.raises(ValueError, match=r"seed=.* must fit in 64 bits"):
+            fl.trainer(model, "mean_squared_error", "sgd", seed=seed)
 
 
 def test_numpy_integers_are_accepted_for_log_and_seed():

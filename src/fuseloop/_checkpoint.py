@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._arg_types import user_path
 from ._json_tree import decode, encode
 from ._state import State
 
@@ -279,7 +280,7 @@ def save_state(state: State, path: str | os.PathLike[str]) -> Path:
     """
     if not isinstance(state, State):
         raise ValueError(f"state={type(state).__name__} must be a fuseloop State")
-    path = Path(path).expanduser().absolute()
+    path = user_path(path).absolute()
     if not path.exists():
         return write_save(state, path)
     if not is_save(path):
@@ -324,7 +325,7 @@ def load_state(path: str | os.PathLike[str]) -> State:
     """
     from ._checkpoint_paths import checkpoint_dirs
 
-    path = Path(path).expanduser().absolute()  # orbax reads absolute paths only
+    path = user_path(path).absolute()  # orbax reads absolute paths only
     if is_save(path):
         return read_save(path)
     if path.is_dir():

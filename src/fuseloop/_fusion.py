@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._ints import is_int
+from ._arg_types import is_int
 from ._metrics import batch_size
 
 __all__ = ["FusionError", "stack_chunk", "make_chunk_fn", "DEFAULT_CHUNK", "resolve_fuse"]

@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
+from ._arg_types import is_int
 from ._distributed import (
     DEFAULT_FAILURE_TIMEOUT,
     ENV_COORDINATOR,
@@ -30,7 +31,6 @@ from ._distributed import (
     ENV_TIMEOUT,
     FAILED_MARK,
 )
-from ._ints import is_int
 
 __all__ = ["free_port", "launch"]
 

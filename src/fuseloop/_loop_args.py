@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ._ints import is_int
+from ._arg_types import is_int
 from ._metrics import ACCUMULATORS, ALIASES, METRICS
 from ._population import refuse_population
 from ._warn import warn
@@ -62,7 +62,16 @@ def check_trainer_options(log: Any, seed: Any, log_stream: Any = None) -> tuple[
         raise ValueError(f"log={log!r} must be a non-negative int (0 disables logging)")
     if not is_int(seed):
         raise ValueError(f"seed={seed!r} must be an int")
+    if not -(2**63) <= int(seed) < 2**63:  # JAX draws a key from a 64-bit seed
+        raise ValueError(
+            f"seed={seed} must fit in 64 bits (-2**63 to 2**63 - 1), e.g. seed % 2**63"
+        )
     check_text_stream(log_stream, "log_stream")
+    if log_stream is not None and log == 0:
+        raise ValueError(
+            f"log_stream={log_stream!r} is given but log=0 writes no log lines: pass "
+            f"log=N for a line every N iterations"
+        )
     return int(log), int(seed)
 
 

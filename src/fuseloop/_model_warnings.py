@@ -68,29 +68,42 @@ def warn_about_model(
         return
     applies = _APPLIES.get(program.loss_name or "") if isinstance(program.loss, str) else None
     classifying = [spec.name for spec in metrics if spec.fn in CLASSIFYING]
-    if applies is None and not classifying:
-        return
+    params = step_state.get("params") if isinstance(step_state, dict) else None
+    if (applies is None and not classifying) or params is None:
+        return  # (a State of another loop's holds no params: the step-state check says so)
     x, y = split_batch(first_batch)
-    final, shape = _final_function(program.model, step_state["params"], x)
+    final, shape = _final_function(program.model, params, x)
     if classifying and program.loss_name != "binary_cross_entropy":
         _refuse_multi_hot(classifying, y, shape)
+        _refuse_non_binary(classifying, y, shape)
     verdicts[_CHECKED] = True
     if applies is not None:
-        if final == applies or _outputs_look_like(program.model, step_state["params"], x, applies):
+        if final == applies or _outputs_look_like(program.model, params, x, applies):
             _warn_loss(program.loss, applies)
     elif final is not None and (len(shape) < 2 or shape[-1] == 1):
         _warn_metrics(classifying, final)  # one output per example, read as a binary logit
+
+
+def _readable(y: Any) -> np.ndarray | None:
+    """The first batch's targets as float64 on the host, where they are one numeric array
+    this process holds whole; None otherwise."""
+    if not isinstance(y, (np.ndarray, jax.Array)):
+        return None
+    if not (np.issubdtype(y.dtype, np.number) or np.issubdtype(y.dtype, np.bool_)):
+        return None
+    if isinstance(y, jax.Array) and not y.is_fully_addressable:
+        return None
+    return np.asarray(y, np.float64)  # host read: the first batch's targets
 
 
 def _refuse_multi_hot(names: Sequence[str], y: Any, output: tuple[int, ...]) -> None:
     """Raises where labels shaped as the model's output do not hold one class per example
     (a row of the first batch not summing to 1: multi-hot, or none): the built-in class
     metrics would compare each row's argmax, not its labels."""
-    if not isinstance(y, (np.ndarray, jax.Array)) or tuple(y.shape) != tuple(output):
+    values = _readable(y)
+    if values is None or values.shape != tuple(output) or values.ndim < 2 or values.shape[-1] < 2:
         return
-    if y.ndim < 2 or y.shape[-1] < 2 or (isinstance(y, jax.Array) and not y.is_fully_addressable):
-        return
-    sums = np.asarray(y, np.float64).sum(axis=-1)  # host read: the first batch's labels
+    sums = values.sum(axis=-1)
     off = np.flatnonzero(np.abs(sums - 1.0) > 1e-3)
     if off.size == 0:
         return
@@ -102,6 +115,29 @@ def _refuse_multi_hot(names: Sequence[str], y: Any, output: tuple[int, ...]) -> 
         f"compare each row's argmax. For several labels per example, pass "
         f"loss='binary_cross_entropy' (fl.evaluator(model, 'binary_cross_entropy') to "
         f"evaluate), which makes them element-wise, or a metric of your own"
+    )
+
+
+def _refuse_non_binary(names: Sequence[str], y: Any, output: tuple[int, ...]) -> None:
+    """Raises where a model of one output per example meets targets outside [0, 1] in the
+    first batch: the built-in class metrics read its output as a binary logit and the
+    target as 0/1 (above 0.5 is positive), so a label of 2 or a regression target would be
+    scored as something else."""
+    if not output or (len(output) >= 2 and output[-1] != 1):  # () : the output is unknown
+        return
+    values = _readable(y)
+    if values is None:
+        return
+    off = np.flatnonzero(~((values >= 0) & (values <= 1)))
+    if off.size == 0:
+        return
+    listed = ", ".join(repr(name) for name in names)
+    raise ValueError(
+        f"data: the model gives one output per example (shape {tuple(output)}), which "
+        f"{listed} read as a binary logit against 0/1 targets, but y of the first batch "
+        f"holds {values.flat[off[0]]:g}. For K classes, give the model K outputs and "
+        f"integer labels (loss='sparse_categorical_cross_entropy'); for a regression, "
+        f"track a metric of your own, e.g. 'mean_absolute_error'"
     )
 
 

@@ -7,6 +7,8 @@ counted in `stats["h2d_transfers"]`; moving the initial state is not counted.
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import jax
@@ -26,7 +28,11 @@ __all__ = [
     "tree_bytes",
 ]
 
-_DEVICE_INTS: dict[tuple[Any, ...], Any] = {}
+# The library's device constants, most recently used last; a long or many times resumed run
+# meets a new epoch number each epoch, so the oldest are let go past `_KEPT_CONSTANTS`.
+_DEVICE_INTS: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+_DEVICE_INTS_LOCK = threading.Lock()  # a prefetch thread may ask for one too
+_KEPT_CONSTANTS = 256
 _CANONICAL: dict[tuple[Any, bool], Any] = {}
 # The effective host-to-device transfer guard (a caller's `jax.transfer_guard(...)`
 # context or flag sets it too): read by name, as jax's config has no typed attribute.
@@ -91,21 +97,30 @@ def device_int(value: int) -> Any:
     and a transfer per run costs the host about 0.1-0.2 ms on a CPU (docs/design.md §6).
     Allowed under any transfer guard (the library's own constant, not the caller's data).
     """
-    key = (value, default_device_key())
-    if key not in _DEVICE_INTS:
-        with jax.transfer_guard("allow"):
-            _DEVICE_INTS[key] = jax.device_put(np.int32(value))
-    return _DEVICE_INTS[key]
+    return _kept_constant((value, default_device_key()), lambda: np.int32(value))
 
 
 def device_key(key: np.ndarray) -> Any:
     """A seed's raw key (a small read-only host array) on the device, made once per key and
     device as `device_int`'s scalars are: a resident epoch's order then moves nothing."""
-    cache_key = (key.tobytes(), key.shape, default_device_key())
-    if cache_key not in _DEVICE_INTS:
-        with jax.transfer_guard("allow"):
-            _DEVICE_INTS[cache_key] = jax.device_put(key)
-    return _DEVICE_INTS[cache_key]
+    return _kept_constant((key.tobytes(), key.shape, default_device_key()), lambda: key)
+
+
+def _kept_constant(key: tuple[Any, ...], host: Any) -> Any:
+    """The device copy of `host()` under `key`, made once while it stays among the most
+    recently used."""
+    with _DEVICE_INTS_LOCK:
+        kept = _DEVICE_INTS.get(key)
+        if kept is not None:
+            _DEVICE_INTS.move_to_end(key)
+            return kept
+    with jax.transfer_guard("allow"):
+        kept = jax.device_put(host())
+    with _DEVICE_INTS_LOCK:
+        _DEVICE_INTS[key] = kept
+        if len(_DEVICE_INTS) > _KEPT_CONSTANTS:
+            _DEVICE_INTS.popitem(last=False)
+    return kept
 
 
 class Placement:

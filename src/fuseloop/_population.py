@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._ints import is_int
+from ._arg_types import is_int
 
 POPULATION_KEY = "_population"  # a population State's record in handler_metadata
 State = Any  # a fuseloop State (this module sits below _state, which imports it)

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._ints import is_int
+from ._arg_types import is_int
 from ._metrics import batch_size
 from ._model_fit import ModelFit, abstract
 from ._narrowing import Narrowing, native_order
@@ -278,9 +278,11 @@ def predict(
     program = _chunk_program(model, members, listed=isinstance(x, list))
     lead = 1 if members else 0  # a population's outputs keep the member axis first
     outputs: list[Any] = []
+    # Moved explicitly, as a run moves its batches: allowed under a transfer guard.
+    variables = jax.device_put(variables)
     for chunk, live in _padded_chunks(inputs, n, size, per_chunk):
         try:
-            result = program(variables, chunk)
+            result = program(variables, jax.device_put(chunk))
         except Exception:
             if not outputs:  # the first chunk traces the model: say whether x misfits
                 _explain_misfit(model, variables, chunk, pairs, members, isinstance(x, list))

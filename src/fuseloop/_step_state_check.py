@@ -101,19 +101,24 @@ _TRAINER_KEYS = ("opt_state", "rng", "step")  # beside "params" (`_step.trainer_
 
 def check_optimizer_fits(optimizer: Any, step_state: Any) -> None:
     """Raises a ValueError where a trainer's step state lacks what a trainer's holds (an
-    evaluator's State: params alone) or holds an optimizer state of another structure than
-    `optimizer` makes (a State resumed with another optimizer), either of which would
-    otherwise fail inside the step or optax (found abstractly: nothing runs).
+    evaluator's State: params alone; a custom loop's: no params) or holds an optimizer
+    state of another structure than `optimizer` makes (a State resumed with another
+    optimizer), either of which would otherwise fail inside the step or optax (found
+    abstractly: nothing runs).
     """
     if optimizer is None or not isinstance(step_state, dict):
         return
-    missing = [key for key in _TRAINER_KEYS if key not in step_state]
-    if "params" in step_state and missing:
+    missing = [key for key in ("params", *_TRAINER_KEYS) if key not in step_state]
+    if missing:
+        start = (
+            "Start this trainer from its params, loop.run(data, state.params, ...)"
+            if "params" in step_state
+            else "Start this trainer afresh, loop.run(data), or from a model's variables"
+        )
         raise ValueError(
             f"init_state: its step state holds {sorted(map(str, step_state))}, not the "
             f"{', '.join(missing)} a trainer's holds (the State of an evaluator, or of a loop "
-            f"of your own?). Start this trainer from its params, loop.run(data, state.params, "
-            f"...), or resume from a State a trainer made"
+            f"of your own?). {start}, or resume from a State a trainer made"
         )
     if "opt_state" not in step_state:
         return

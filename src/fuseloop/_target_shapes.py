@@ -7,11 +7,11 @@ convention silently breaks code written for the other: `y_pred - y_true` broadca
 against (B, 1) to (B, B), and `y_pred[:, 0] - y_true` does the same once Keras has expanded
 the targets. So where the two shapes broadcast to a cross product (larger than both, e.g.
 (B, B)), the function is traced once on those shapes, and if it builds an array of that
-cross shape the run stops with an error that names the fix (docs/design.md §5). Pytrees of
-targets and outputs (a multi-output model's dicts) are checked leaf by leaf. A target and an
-output at the same place in both trees are refused as a lone pair is; any other target and
-output (`y_true["label"]` against `y_pred["logits"]`, or `y_pred[0]` against a plain
-`y_true`) are refused where an operation that reads both of them builds their cross shape.
+cross shape by an operation that reads both, the run stops with an error that names the fix
+(docs/design.md §5). Pytrees of targets and outputs (a multi-output model's dicts) are
+checked every target leaf against every output leaf. A cross found is traced again at
+another batch size, so a shape that only matches the cross at this batch's size (a (B, T, T)
+distance where B is 1) is not refused.
 """
 
 from __future__ import annotations
@@ -102,8 +102,20 @@ def _crossed_pairs(y_true: Any, y_pred: Any) -> list[_Crossed]:
 
 def _refuse_cross(fn: Callable[..., Any], y_true: Any, y_pred: Any, kind: str, name: str) -> None:
     crossed = _crossed_pairs(y_true, y_pred)
-    if not crossed:
-        return
+    hits = _built_crosses(fn, y_true, y_pred, crossed)
+    if hits and not _coincidental(fn, y_true, y_pred):
+        raise ValueError(_cross_message(hits[0], kind, name))
+
+
+def _built_crosses(
+    fn: Callable[..., Any], y_true: Any, y_pred: Any, crossed: list[_Crossed], always: bool = False
+) -> list[_Crossed] | None:
+    """The pairs of `crossed` whose cross shape `fn` builds by an operation reading both
+    (an array of that shape built from the outputs alone, a (B, B) similarity matrix, say,
+    crosses no target with them); None where `fn` cannot be traced on these shapes (traced
+    only where some pair crosses, unless `always`)."""
+    if not crossed and not always:
+        return []
     abstract = [
         jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
         for tree in (y_true, y_pred)
@@ -111,19 +123,37 @@ def _refuse_cross(fn: Callable[..., Any], y_true: Any, y_pred: Any, kind: str, n
     try:
         traced = jax.make_jaxpr(fn)(*abstract)
     except Exception:  # noqa: BLE001 - the real call raises it, with the user's traceback
-        return
+        return None
     n_targets = len(jax.tree.leaves(y_true))
     sources = [frozenset([k]) for k in range(len(traced.jaxpr.invars))]
     built = _built_from(traced.jaxpr, sources)
-    for pair in crossed:
-        readers = built.get(pair.cross, [])
-        if pair.target_at == pair.output_at:  # the same place: any array of that shape
-            hit = bool(readers)
-        else:  # elsewhere: one operation must read both
-            both = {pair.target, n_targets + pair.output}
-            hit = any(both <= read for read in readers)
-        if hit:
-            raise ValueError(_cross_message(pair, kind, name))
+    return [
+        pair
+        for pair in crossed
+        if any({pair.target, n_targets + pair.output} <= read for read in built.get(pair.cross, []))
+    ]
+
+
+def _coincidental(fn: Callable[..., Any], y_true: Any, y_pred: Any) -> bool:
+    """Whether the crosses found are a coincidence of this batch's size: traced again with
+    a batch size unlike any other axis, the function builds none (a function that fixes
+    its batch size, by an array it closes over, cannot be asked). (B, T) targets against a
+    (B, T, 1) output broadcast to (B, B, T) where B is 1 or T, the shape a (B, T, T)
+    distance between time steps has; a true cross, `y_pred - y_true` of (B,) against
+    (B, 1), builds one at every batch size.)"""
+    leaves = jax.tree.leaves((y_true, y_pred))
+    if any(len(leaf.shape) == 0 for leaf in leaves) or len({leaf.shape[0] for leaf in leaves}) != 1:
+        return False  # no batch axis shared by every leaf to move
+    other = 2 + max(max(leaf.shape) for leaf in leaves)
+
+    def resized(tree: Any) -> Any:
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((other, *a.shape[1:]), a.dtype), tree)
+
+    again_true, again_pred = resized(y_true), resized(y_pred)
+    crossed = _crossed_pairs(again_true, again_pred)
+    # A function that fails at the other size (`y_pred - y_true` of (1, T, 1) and (1, T),
+    # a cross at B = 1 only) is judged by the batch it was given.
+    return _built_crosses(fn, again_true, again_pred, crossed, always=True) == []
 
 
 def _cross_message(pair: _Crossed, kind: str, name: str) -> str:

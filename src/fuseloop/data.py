@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._arg_types import is_int
 from ._batch_checks import is_number_list, no_device_dtype
 from ._epoch_order import EpochOrder, abstract_key
-from ._ints import is_int
 from ._narrowing import native_copy
 from ._shards import local_indices, place_rows
 
@@ -151,8 +151,10 @@ class ArraySource:
             )
         self.num_batches = full if self.drop_remainder else full + (remainder > 0)
         self.transfers_done = 0
-        self._device_arrays: tuple[Any, tuple[Any, Any]] | None = None  # (sharding, arrays)
-        # An epoch's first batch as the host read it, by (epoch, prng_config()).
+        # ((sharding, 64-bit mode), arrays): float64 data is float32 on the device while
+        # jax_enable_x64 is off, so switching it on moves the dataset again.
+        self._device_arrays: tuple[Any, tuple[Any, Any]] | None = None
+        # An epoch's first batch as the host read it, by (epoch, prng_config(), x64 mode).
         self.first_batches: dict[tuple[int, Any], Any] = {}
         # The label rules (`_batch_checks.LabelRule`) `y` was found to hold (`_checks`): `y`
         # is a private copy, so a later run need not read it again.
@@ -313,10 +315,11 @@ class ArraySource:
                 "this source was built with device=False; pass fl.data.arrays(..., "
                 "device=True) to keep the dataset on the device"
             )
-        if self._device_arrays is None or self._device_arrays[0] != sharding:
+        placed_as = (sharding, bool(jax.config.read("jax_enable_x64")))
+        if self._device_arrays is None or self._device_arrays[0] != placed_as:
             _require_device_dtypes(self.x, self.y)
             placed: tuple[Any, Any] = place_rows((self.x, self.y), sharding)
-            self._device_arrays = (sharding, placed)
+            self._device_arrays = (placed_as, placed)
             self.transfers_done += 1
         return self._device_arrays[1]
 

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import flax.linen as nn
 
+from ._arg_types import is_int
 from ._equinox import from_equinox
 from ._functions import from_functions
-from ._ints import is_int
 from ._linen import TRAIN_FLAGS, ModelConventionError, ModelModeError, linen
 from ._nnx import from_nnx, set_nnx_mode
 from ._population import refuse_population
@@ -299,6 +299,29 @@ def _trained_linen(adapter: linen, variables: Any) -> Any:
     return _EvalFlag(adapter.module, flags).bind(nested)
 
 
+def _require_collections(adapter: Any, variables: Any) -> None:
+    """Raises where `variables` cannot be a linen, nnx or equinox model's variables.
+
+    They are a dict of collections holding 'params' (and 'state' for nnx), as
+    `state.params` is; a linen model's params alone (`variables['params']`) are named.
+    """
+    needed = ("params", "state") if isinstance(adapter, from_nnx) else ("params",)
+    if not isinstance(adapter, (linen, from_nnx, from_equinox)):
+        return  # (init, apply) functions: their variables are whatever init returns
+    if isinstance(variables, Mapping) and all(key in variables for key in needed):
+        return
+    what = f"a {type(variables).__name__}"
+    if isinstance(variables, Mapping):
+        what = f"a dict of {sorted(map(str, variables))[:4]}"
+        if isinstance(adapter, linen) and variables:
+            what += " (the params alone, variables['params']?)"
+    raise ValueError(
+        f"state_or_variables: {what} is not the variables of this model, a dict holding "
+        f"{' and '.join(repr(k) for k in needed)} as state.params does: pass the State "
+        f"from run, or state.params"
+    )
+
+
 def trained(model: Any, state_or_variables: Any) -> Any:
     """The trained model in its own library's form, callable on x in evaluation mode.
 
@@ -322,13 +345,22 @@ def trained(model: Any, state_or_variables: Any) -> Any:
     """
     variables = getattr(state_or_variables, "params", state_or_variables)
     if variables is None:
-        raise ValueError("state_or_variables: the State holds no params (step_state is None)")
+        held = (
+            "is None"
+            if getattr(state_or_variables, "step_state", None) is None
+            else "has no 'params'"
+        )
+        raise ValueError(
+            f"state_or_variables: the State's step_state {held}, so it holds no trained "
+            f"model: pass the State a trainer's run returned, or the variables"
+        )
     refuse_population(
         state_or_variables,
         "state_or_variables",
         " (fl.predict(model, state, x) predicts with every member at once)",
     )
     adapter = as_model(model)
+    _require_collections(adapter, variables)
     if isinstance(adapter, linen):
         return _trained_linen(adapter, dict(variables))
     if isinstance(adapter, from_nnx):

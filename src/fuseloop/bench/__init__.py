@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from .._ints import is_int
+from .._arg_types import is_int
 from ..engine.signals import AbortOnSignal
 from ._harness import RATIOS, compile_vs_k, cross_check, measure, ratios, targets
 from ._options import check_modes

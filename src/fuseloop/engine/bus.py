@@ -13,7 +13,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
+import numpy as np
 
+from .._arg_types import is_int
 from .._events import (
     CONTINUE,
     ITERATION_EVENTS,
@@ -278,8 +280,24 @@ def _check_returned(given: State, returned: State, label: str, fixed: bool) -> N
     built-in one (`fixed`), a returned step state keeps the structure of the one given:
     the step drops what it does not know (a custom step may carry any structure)."""
     before, after = given.step_state, returned.step_state
+    if before is not None and after is None:
+        raise ValueError(
+            f"handler {label} returned a State whose step_state is None: the loop trains on "
+            f"from the step state it returns. Change only the fields you mean to, e.g. "
+            f"state.replace(metrics=...), which keeps the step state"
+        )
     if fixed and before is not None and after is not None and after is not before:
         _refuse_layout_changes(before, after, label)
+    if returned.status != given.status:
+        raise ValueError(
+            f"handler {label} returned a State whose status is {returned.status!r}, not "
+            f"{given.status!r}: the loop sets its status. To stop, return 'halt_loop' (or "
+            f"'halt_epoch'), or ('halt_loop', new_state)"
+        )
+    if returned.metrics is not given.metrics:
+        _refuse_non_numbers(returned.metrics, label, "metrics")
+    if returned.history is not given.history:
+        _refuse_bad_history(returned.history, label)
     for name in _COUNTERS:
         if getattr(returned, name) != getattr(given, name):
             raise ValueError(
@@ -288,6 +306,42 @@ def _check_returned(given: State, returned: State, label: str, fixed: bool) -> N
                 f"counters are its own. Halt with a status, keep a count of your own in "
                 f"handler_metadata, or pass epochs=/iterations= to run"
             )
+
+
+def _refuse_non_numbers(metrics: Any, label: str, where: str) -> None:
+    """Metrics are numbers (a float, an int, or an array: a population's hold one per
+    member); the history, the log, CSV and plots read them as such."""
+    if not isinstance(metrics, dict):
+        raise ValueError(
+            f"handler {label} returned a State whose {where} is a "
+            f"{type(metrics).__name__}, not a dict of metric name -> number"
+        )
+    for name, value in metrics.items():
+        if isinstance(value, (str, bytes)) or not (
+            isinstance(value, (int, float, np.number, np.bool_, np.ndarray, jax.Array))
+        ):
+            raise ValueError(
+                f"handler {label} returned a State whose {where}[{name!r}] is {value!r}: "
+                f"metrics are numbers (or arrays). Keep other values in handler_metadata"
+            )
+
+
+def _refuse_bad_history(history: Any, label: str) -> None:
+    """The history maps each epoch (an int) to that epoch's metrics; checkpoints, CSV and
+    plots read it so."""
+    if not isinstance(history, dict):
+        raise ValueError(
+            f"handler {label} returned a State whose history is a {type(history).__name__}, "
+            f"not a dict of epoch -> metrics"
+        )
+    for epoch, metrics in history.items():
+        if not is_int(epoch):
+            raise ValueError(
+                f"handler {label} returned a State whose history has the key {epoch!r}: "
+                f"history maps epochs (ints) to that epoch's metrics. Keep other values in "
+                f"handler_metadata"
+            )
+        _refuse_non_numbers(metrics, label, f"history[{epoch}]")
 
 
 def _refuse_layout_changes(before: Any, after: Any, label: str) -> None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import numpy as np
 
 from .._checks import Checker
+from .._placement import device_int
 from .population import first_member
 from .programs import Programs, kept_order
 
@@ -34,7 +34,7 @@ def validation_inputs(work: Any, programs: Any, placement: Any, run: Any) -> tup
         return None
     data = v.source.put(placement.replicated)  # moved once, kept by the source
     _check(v, run)
-    order = kept_order(v.source, 0, lambda: programs.epoch_order(v.source)(np.int32(0))[0])
+    order = kept_order(v.source, 0, lambda: programs.epoch_order(v.source)(device_int(0))[0])
     return data, order
 
 

@@ -21,7 +21,7 @@ from .._epoch_order import prng_config
 from .._fusion import FusionError, stack_chunk
 from .._placement import device_int
 from .prefetch import ChunkProducer
-from .programs import MIN_SLOTS, kept_order
+from .programs import KEPT_EPOCHS, MIN_SLOTS, kept_order
 from .replay import ChunkResult
 
 __all__ = [
@@ -336,10 +336,11 @@ def first_resident_batch(
     shapes the initialization and the checks.
 
     Its values are a function of the source alone (its arrays, seed and order), so the
-    host copy is kept beside the source, as the device copy is: a later run of the same
+    host copy is kept beside the source, as the device copy is (a few epochs' worth: on
+    CPU the copy holds the device buffers it was read from): a later run of the same
     source from the same epoch reads nothing.
     """
-    key = (start_epoch, prng_config())
+    key = (start_epoch, prng_config(), bool(jax.config.read("jax_enable_x64")))
     kept = source.first_batches.get(key)
     if kept is not None:
         return kept
@@ -353,5 +354,7 @@ def first_resident_batch(
     for leaf in jax.tree.leaves(batch):
         if isinstance(leaf, np.ndarray):
             leaf.flags.writeable = False  # shared by later runs: nobody may edit it
+    if len(source.first_batches) >= KEPT_EPOCHS:  # a run resumed epoch after epoch
+        source.first_batches.pop(next(iter(source.first_batches)))
     source.first_batches[key] = batch
     return batch

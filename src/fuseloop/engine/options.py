@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._ints import is_int
+from .._arg_types import is_int
 
 __all__ = ["check_run_options"]
 

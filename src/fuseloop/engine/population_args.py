@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._arg_types import is_int
 from .._epoch_order import prng_impl
-from .._ints import is_int
 from .._optim import abstract_state, inject_states
 from .._optim_probe import scheduled_hyperparams
 

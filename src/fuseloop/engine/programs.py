@@ -31,9 +31,9 @@ __all__ = ["ProgramCache", "Programs", "MIN_SLOTS", "kept_order"]
 MIN_SLOTS = 2
 _SPARE_LOCK = threading.Lock()
 # A resident source's epoch orders on the device, by source (dropped with it), a few
-# epochs each (`kept_order`).
+# epochs each (`kept_order`); its first batches as well (`feeds.first_resident_batch`).
 _ORDERS: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
-_KEPT_ORDERS = 4
+KEPT_EPOCHS = 4
 
 
 @dataclass(eq=False)
@@ -311,7 +311,7 @@ def kept_order(source: Any, epoch: int, compute: Callable[[], Any]) -> Any:
     kept = _ORDERS.setdefault(source, {})
     key = (_source_key(source), epoch, default_device_key(), prng_config())
     if key not in kept:
-        if len(kept) >= _KEPT_ORDERS:
+        if len(kept) >= KEPT_EPOCHS:
             kept.pop(next(iter(kept)))
         kept[key] = compute()
     return kept[key]

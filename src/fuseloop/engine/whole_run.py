@@ -21,7 +21,7 @@ import numpy as np
 
 from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, ITERATION_EVENTS, Event
 from .._fusion import FusionError
-from .._placement import device_key
+from .._placement import device_int, device_key
 from .._state import AHEAD_KEY
 from .device_checkpoint import BestSaves
 from .device_monitors import DeviceWork, monitor_start, plan_device_work, rate_table
@@ -173,7 +173,7 @@ class WholeRun:
         computes the orders of the epochs it enters), so the order is kept beside the
         source for later runs, which then launch no program for it.
         """
-        order = kept_order(self.source, epoch, lambda: self.order_fn(np.int32(epoch))[0])
+        order = kept_order(self.source, epoch, lambda: self.order_fn(device_int(epoch))[0])
         return order, np.int32(epoch + 1)
 
     def _launch(self, state: Any, epoch: int, cursor: int) -> tuple[list[tuple[int, int]], Any]:

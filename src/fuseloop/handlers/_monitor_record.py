@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from .._arg_types import is_int
 from .._events import event_total
-from .._ints import is_int
 from .._state import State
 from .._warn import warn
 

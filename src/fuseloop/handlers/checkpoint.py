@@ -18,10 +18,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from .._arg_types import is_int, user_path
 from .._checkpoint import is_save, save_args
 from .._checkpoint_paths import TRASH, EpochNames, HiddenTemporaryPath, checkpoint_dirs
 from .._events import event_total
-from .._ints import is_int
 from .._state import State
 from .._types import Status
 from ..engine.population_monitors import checkpoint_members
@@ -43,7 +43,7 @@ def list_checkpoints(path: str | os.PathLike[str]) -> list[Path]:
         >>> first.epoch, len(list_checkpoints(directory))
         (0, 2)
     """
-    path = Path(path).expanduser()
+    path = user_path(path)
     if not path.is_dir():
         raise ValueError(f"path={str(path)!r} is not a directory")
     return checkpoint_dirs(path, is_save)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .._arg_types import user_path
 from .._distributed import is_main_process
 from .._metrics import VALIDATION_PREFIX
 from .._state import State
@@ -77,8 +78,8 @@ def plot_history(
     """
     if isinstance(metrics, str):
         metrics = [metrics]
+    path = user_path(path)
     panels = _panels(history.history if isinstance(history, State) else history, metrics)
-    path = Path(path)
     if path.is_dir():
         raise ValueError(f"path={str(path)!r} is a folder; give a file name, e.g. history.png")
     if not is_main_process():  # side effects happen once, on process 0

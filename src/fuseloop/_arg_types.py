@@ -1,0 +1,40 @@
+"""What the public functions accept as an integer or a path, in one place: a Python or
+numpy integer, never a bool (`True` is no count of epochs; numpy's bool is no
+`np.integer`); a path as a non-empty str or os.PathLike."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, TypeGuard
+
+import numpy as np
+
+__all__ = ["is_int", "user_path"]
+
+
+def is_int(value: Any) -> TypeGuard[int | np.integer[Any]]:
+    """Whether `value` is an integer argument.
+
+    Example:
+        >>> is_int(3), is_int(np.int64(3)), is_int(True), is_int(3.0)
+        (True, True, False, False)
+    """
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def user_path(path: Any, argument: str = "path") -> Path:
+    """`path` as a Path (`~` expanded), or a ValueError naming `argument` for anything else
+    (None, a number, an empty string: which would be the current folder).
+
+    Example:
+        >>> user_path("runs/a").name
+        'a'
+        >>> user_path(None)
+        Traceback (most recent call last):
+        ...
+        ValueError: path=None must be a path: a str or a pathlib.Path
+    """
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ValueError(f"{argument}={path!r} must be a path: a str or a pathlib.Path")
+    return Path(path).expanduser()
