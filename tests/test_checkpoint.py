@@ -180,6 +180,10 @@ def test_checkpoint_on_best_saves_only_improvements(tmp_path):
         loop.checkpoint(tmp_path, keep=0)
     with pytest.raises(ValueError, match="keep"):
         loop.checkpoint(tmp_path, keep=2.0)
+    with pytest.raises(ValueError, match=r"^criteria='val_score' is not among"):
+        _counting(values).checkpoint(tmp_path / "v", criteria="val_score").run(
+            [(0, 0)], {"n": jnp.int32(0)}
+        )
 
 
 def test_a_halted_run_saves_its_final_state(tmp_path):

@@ -209,3 +209,19 @@ def test_metric_loss_says_where_the_loss_already_is():
         trainer.metric("loss")
     with pytest.raises(ValueError, match=r"fl.evaluator\(model, loss\)"):
         fl.evaluator(model).metric("loss")
+
+
+def test_the_process_decorators_refuse_what_is_not_a_handler():
+    # A forgotten decorator argument (`@fl.main_process_only(3)`) failed at the first event.
+    for decorator in (fl.main_process_only, fl.all_processes):
+        with pytest.raises(ValueError) as info:
+            decorator(3)
+        check(info, f"{decorator.__name__}(3)", "callable(state)")
+
+
+def test_a_custom_loop_run_without_a_step_state_says_so():
+    # The step's own TypeError ('NoneType' is not subscriptable) came with a note about
+    # swapped arguments, not the missing init_state.
+    with pytest.raises(TypeError) as info:
+        fl.loop(lambda batch, s: {"n": s["n"] + 1}).run(DATA)
+    assert any("step state is None: give it to run" in note for note in info.value.__notes__)

@@ -14,6 +14,7 @@ from conftest import (
     counter_loop,
     make_batches,
     record_all,
+    tiny_mlp,
     trainer,
 )
 
@@ -359,3 +360,26 @@ def test_a_handler_that_adds_to_a_trainers_step_state_is_named():
     for fuse in (False, 2):
         with pytest.raises(ValueError, match=r"add_ema returned .*step_state adds \['ema'\]"):
             loop.run(batches(4), epochs=2, fuse=fuse)
+
+
+def test_a_handler_filter_or_metric_that_cannot_take_its_arguments_is_refused_when_attached():
+    # Each failed only when first called, with Python's TypeError from inside the run.
+    class Counter:
+        def __call__(self, state):
+            return None
+
+    loop = counter_loop()
+    refusals = [
+        (lambda: loop.handle_event("epoch_completed", lambda a, b: None), r"handler\(state\)"),
+        (lambda: loop.handle_event("epoch_completed", Counter), r"a class: pass an instance"),
+        (
+            lambda: loop.handle_event("epoch_completed", print, filter=lambda: True),
+            r"filter\(state\)",
+        ),
+        (lambda: loop.metric(lambda y: y), r"metric\(y_true, y_pred\)"),
+        (lambda: fl.trainer(tiny_mlp(), lambda y: y.mean(), "sgd"), r"loss\(y_true, y_pred\)"),
+    ]
+    for attach, named in refusals:
+        with pytest.raises(ValueError, match=named):
+            attach()
+    loop.handle_event("epoch_completed", Counter()).metric(lambda t, p, weight=None: p)

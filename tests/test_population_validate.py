@@ -75,3 +75,9 @@ def test_population_values_a_member_could_not_take_are_refused():
         fl.trainer(MODEL, LOSS, "adam").run(TRAIN, population={"seed": [2**40, 2]})
     with pytest.raises(ValueError, match=r"member seeds .* 2147483648 is outside int32"):
         fl.trainer(MODEL, LOSS, "adam", seed=2**31 - 1).run(TRAIN, population=2)
+    for rates, named in (
+        ([1e-3, float("nan")], "must be a finite number"),
+        ([1e-3, -1.0], "negative"),
+    ):
+        with pytest.raises(ValueError, match=rf"population\['learning_rate'\]: .*{named}"):
+            fl.trainer(MODEL, LOSS, "adam").run(TRAIN, population={"learning_rate": rates})

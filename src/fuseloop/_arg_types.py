@@ -4,13 +4,14 @@ numpy integer, never a bool (`True` is no count of epochs; numpy's bool is no
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from typing import Any, TypeGuard
 
 import numpy as np
 
-__all__ = ["is_int", "user_path"]
+__all__ = ["is_int", "refuse_signature", "user_path"]
 
 
 def is_int(value: Any) -> TypeGuard[int | np.integer[Any]]:
@@ -38,3 +39,35 @@ def user_path(path: Any, argument: str = "path") -> Path:
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise ValueError(f"{argument}={path!r} must be a path: a str or a pathlib.Path")
     return Path(path).expanduser()
+
+
+def refuse_signature(fn: Any, argument: str, form: str) -> None:
+    """Raises a ValueError where `fn`'s signature cannot take the call `form` shows (e.g.
+    "handler(state)"): refused when it is attached, not when first called (after hours of
+    training, maybe). A class given for its instance is named; a callable without a
+    readable signature is let be.
+
+    Example:
+        >>> refuse_signature(lambda y_true, y_pred: 0, "metric", "metric(y_true, y_pred)")
+        >>> refuse_signature(lambda y: 0, "metric", "metric(y_true, y_pred)")
+        Traceback (most recent call last):
+        ...
+        ValueError: metric=<lambda>(y) cannot be called as metric(y_true, y_pred) ...
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    count = form.count(",") + 1
+    try:
+        signature.bind(*([None] * count))
+    except TypeError as error:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        fix = (
+            f"{name} is a class: pass an instance, {name}(...)"
+            if inspect.isclass(fn)
+            else f"Give it {count} positional parameter{'s' if count > 1 else ''}: def {form}: ..."
+        )
+        raise ValueError(
+            f"{argument}={name}{signature} cannot be called as {form} ({error}). {fix}"
+        ) from None

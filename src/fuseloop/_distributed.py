@@ -339,6 +339,7 @@ def all_processes(handler: Callable) -> Callable:
         >>> runs_on_all_processes(all_processes(record))
         True
     """
+    _require_callable(handler, "all_processes")
     try:
         setattr(handler, _ALL, True)
         return handler
@@ -350,6 +351,14 @@ def all_processes(handler: Callable) -> Callable:
 
         setattr(marked, _ALL, True)
         return marked
+
+
+def _require_callable(handler: Any, decorator: str) -> None:
+    if not callable(handler):
+        raise ValueError(
+            f"{decorator}({handler!r}): it marks a handler, a callable(state); decorate the "
+            f"handler's def, or wrap it: {decorator}(my_handler)"
+        )
 
 
 def runs_on_all_processes(handler: Callable) -> bool:
@@ -368,6 +377,7 @@ def main_process_only(handler: Callable) -> Callable:
         >>> main_process_only(lambda state: "seen")(None)
         'seen'
     """
+    _require_callable(handler, "main_process_only")
     if runs_on_all_processes(handler):
         return handler
 

@@ -14,6 +14,8 @@ from typing import Any, Final
 
 import numpy as np
 
+from ._arg_types import refuse_signature
+
 __all__ = [
     "Event",
     "Filter",
@@ -154,6 +156,7 @@ def make_filter(spec: Any, argument: str = "filter") -> Filter:
     if spec == "first":
         return Filter(once=1)
     if callable(spec):
+        refuse_signature(spec, argument, f"{argument}(state)")
         return Filter(predicate=spec)
     if isinstance(spec, Mapping):
         unknown = set(spec) - set(_FILTER_KEYS)

@@ -3,13 +3,12 @@ that names the argument and what it accepts."""
 
 from __future__ import annotations
 
-import inspect
 import io
 import os
 from collections.abc import Callable
 from typing import Any
 
-from ._arg_types import is_int
+from ._arg_types import is_int, refuse_signature
 from ._metrics import ACCUMULATORS, ALIASES, METRICS
 from ._population import refuse_population
 from ._warn import warn
@@ -177,23 +176,11 @@ def refuse_validation_names(names: set[str], validated: set[str]) -> None:
 
 
 def check_handler(handler: Any, argument: str, returns: str) -> None:
-    """A handler is `callable(state)`: refused when attached, not when its event first fires
-    (after hours of training, maybe), if it is not callable or its signature cannot take
-    the one State it is called with. A callable without a readable signature is let be."""
+    """A handler is `callable(state)`: refused when attached, not when its event first fires,
+    if it is not callable or its signature cannot take the one State it is called with."""
     if not callable(handler):
         raise ValueError(f"{argument}={handler!r} must be callable(state) -> {returns}")
-    try:
-        signature = inspect.signature(handler)
-    except (TypeError, ValueError):
-        return
-    try:
-        signature.bind(None)
-    except TypeError as error:
-        name = getattr(handler, "__name__", type(handler).__name__)
-        raise ValueError(
-            f"{argument}={name}{signature} cannot be called with the one State a handler "
-            f"receives ({error}): give it one parameter, as in def {argument}(state): ..."
-        ) from None
+    refuse_signature(handler, argument, f"{argument}(state)")
 
 
 def warn_unused_seed(model: Any, seed: int) -> None:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ._arg_types import refuse_signature
 from ._outputs import require_arrays
 from ._sums import Mean, mean_of
 from ._target_shapes import refusing_cross_broadcast
@@ -264,6 +265,7 @@ def resolve_loss(loss: Any) -> tuple[str, Callable[[Array, Array], Array]]:
             )
         return name, LOSSES[name]
     if callable(loss):
+        refuse_signature(loss, "loss", "loss(y_true, y_pred)")
         name = getattr(loss, "__name__", "loss")
         return name, refusing_cross_broadcast(loss, "loss", name)
     raise ValueError(
@@ -372,6 +374,7 @@ def resolve_metric(metric: Any, name: str | None, accumulate: str) -> MetricSpec
             )
         return MetricSpec(name or metric, METRICS[known], accumulate)
     if callable(metric):
+        refuse_signature(metric, "metric", "metric(y_true, y_pred)")
         label = name or str(getattr(metric, "__name__", "metric"))
         return MetricSpec(label, refusing_cross_broadcast(metric, "metric", label), accumulate)
     raise ValueError(

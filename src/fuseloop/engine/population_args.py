@@ -270,6 +270,13 @@ def _seed(value: Any, where: str = "population['seed']") -> int:
 def _number(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ValueError(f"population[{key!r}]: {value!r} must be a number")
+    if not np.isfinite(value):
+        raise ValueError(f"population[{key!r}]: {value!r} must be a finite number")
+    if key == "learning_rate" and value < 0:
+        raise ValueError(
+            f"population['learning_rate']: {value!r} is negative, which would climb the "
+            f"loss; learning rates are >= 0"
+        )
     return float(value)
 
 

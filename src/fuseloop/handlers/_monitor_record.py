@@ -99,6 +99,7 @@ class Monitor:
         patience: Epochs without improvement a handler tolerates (>= 0).
         min_delta: The smallest change that counts as an improvement (>= 0).
         key: Where the record lives in `state.handler_metadata`.
+        argument: The handler argument that named the metric, for messages.
 
     Example:
         >>> m = Monitor("loss", mode="min", patience=2, key="doc")
@@ -112,11 +113,12 @@ class Monitor:
     patience: int = 3
     min_delta: float = 0.0
     key: str = ""
+    argument: str = "monitor"  # the handler's name for it, in messages ("criteria")
 
     def __post_init__(self) -> None:
         if not isinstance(self.monitor, str) or not self.monitor:
             raise ValueError(
-                f"monitor={self.monitor!r} must be a metric name such as "
+                f"{self.argument}={self.monitor!r} must be a metric name such as "
                 f"'loss' or 'validation_loss'"
             )
         if self.mode not in MODES:
@@ -133,25 +135,25 @@ class Monitor:
             name = self.monitor.removeprefix("validation_")
             if name != self.monitor and any(k.startswith("validation_") for k in state.metrics):
                 raise ValueError(
-                    f"monitor={self.monitor!r} is not among this epoch's metrics "
+                    f"{self.argument}={self.monitor!r} is not among this epoch's metrics "
                     f"({available}): validation ran, but it computes only the metrics "
                     f"attached before Loop.validate. Attach Loop.metric({name!r}) before "
                     f"Loop.validate(...) (a custom loop's validation has no loss of its own: "
                     f"monitor a metric it computes)"
                 )
             raise ValueError(
-                f"monitor={self.monitor!r} is not among this epoch's metrics ({available}). "
-                f"Add it with Loop.metric(...), or, for 'validation_*', attach Loop.validate(...) "
-                f"before the handler that monitors it, validating at every epoch the handler "
-                f"runs (a validate filter such as {{'every': 2}} leaves the other epochs "
-                f"without validation metrics: validate at every epoch, or monitor a "
-                f"training metric)"
+                f"{self.argument}={self.monitor!r} is not among this epoch's metrics "
+                f"({available}). Add it with Loop.metric(...), or, for 'validation_*', "
+                f"attach Loop.validate(...) before the handler that monitors it, validating "
+                f"at every epoch the handler runs (a validate filter such as {{'every': 2}} "
+                f"leaves the other epochs without validation metrics: validate at every "
+                f"epoch, or monitor a training metric)"
             )
         try:
             return float(np.asarray(state.metrics[self.monitor]).item())
         except (TypeError, ValueError):
             raise ValueError(
-                f"monitor={self.monitor!r}: the metric is not a scalar "
+                f"{self.argument}={self.monitor!r}: the metric is not a scalar "
                 f"({state.metrics[self.monitor]!r}); monitor a scalar metric"
             ) from None
 

@@ -100,7 +100,9 @@ class Checkpointer:
         self.monitor = None
         mode = resolve_mode(mode, criteria, "criteria", "checkpoint")
         if criteria is not None:
-            self.monitor = Monitor(criteria, mode, patience=0, key=key or f"checkpoint:{criteria}")
+            self.monitor = Monitor(
+                criteria, mode, patience=0, key=key or f"checkpoint:{criteria}", argument="criteria"
+            )
         elif mode == "max":  # it says which way `criteria` improves; without one, nothing
             raise ValueError(
                 f"mode={mode!r} says which way criteria improves, but no criteria is given, "
