@@ -83,6 +83,13 @@ def test_arrays_given_python_lists_say_to_convert_them(which):
         fl.data.arrays(given["x"], given["y"], batch_size=2)
 
 
+def test_arrays_given_records_say_to_stack_each_field():
+    x, y = make_batches(1)[0]
+    records = [{"a": float(row[0]), "b": float(row[1])} for row in x]
+    with pytest.raises(ValueError, match=r"x is a Python list of dicts .*np.stack"):
+        fl.data.arrays(records, y, batch_size=2)
+
+
 def test_validation_arrays_that_drop_examples_warn():
     x = np.concatenate([b[0] for b in make_batches(3)])
     y = np.concatenate([b[1] for b in make_batches(3)])

@@ -47,6 +47,12 @@ def _read_only_copy(leaf: Any) -> np.ndarray:
 def _leading_size(x: Any, y: Any) -> int:
     """The shared leading-axis length of every leaf of `x` and `y`, or a ValueError."""
     for name, part in (("x", x), ("y", y)):
+        if is_number_list(part) and isinstance(part[0], dict):  # records, one per example
+            raise ValueError(
+                f"{name} is a Python {type(part).__name__} of dicts (one per example?); "
+                f"fl.data.arrays takes a dict of arrays, each with the examples on axis 0: "
+                f"{{k: np.stack([r[k] for r in {name}]) for k in {name}[0]}}"
+            )
         if is_number_list(part):
             raise ValueError(
                 f"{name} is a Python {type(part).__name__} of numbers; pass an array with "
