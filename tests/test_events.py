@@ -3,6 +3,8 @@ protocol, registration order and `state.replace`."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -383,3 +385,16 @@ def test_a_handler_filter_or_metric_that_cannot_take_its_arguments_is_refused_wh
         with pytest.raises(ValueError, match=named):
             attach()
     loop.handle_event("epoch_completed", Counter()).metric(lambda t, p, weight=None: p)
+
+    def at_threshold(fn):  # a decorator whose wrapper takes other arguments than fn
+        @functools.wraps(fn)
+        def wrapper(y_true, y_pred):
+            return fn(y_true, y_pred, 0.0)
+
+        return wrapper
+
+    @at_threshold
+    def above(y_true, y_pred, threshold):
+        return (y_pred[:, 0] > threshold) == (y_true > 0)
+
+    loop.metric(above)  # what is called is the wrapper

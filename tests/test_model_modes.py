@@ -296,6 +296,15 @@ def test_trained_refuses_what_is_not_the_models_variables_when_called():
     with pytest.raises(ValueError, match=r"step_state has no 'params'"):
         fl.models.trained(model, custom)
 
+    class Relu(nn.Module):  # no params: its variables are {}
+        @nn.compact
+        def __call__(self, x):
+            return nn.relu(x)
+
+    x = DATA[0][0]
+    variables = Relu().init(jax.random.PRNGKey(0), x)
+    np.testing.assert_array_equal(fl.models.trained(Relu(), variables)(x), np.maximum(x, 0))
+
 
 def test_trained_plain_functions():
     init = lambda rng, x: {"w": jnp.ones((5, 3))}  # noqa: E731

@@ -1,6 +1,7 @@
-"""What the public functions accept as an integer or a path, in one place: a Python or
-numpy integer, never a bool (`True` is no count of epochs; numpy's bool is no
-`np.integer`); a path as a non-empty str or os.PathLike."""
+"""What the public functions accept, judged in one place: an integer (a Python or numpy
+integer, never a bool: `True` is no count of epochs; numpy's bool is no `np.integer`), a
+path (a non-empty str or os.PathLike), and a callable's signature (it must take the call
+it will get: a handler's State, a metric's `(y_true, y_pred)`)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,14 @@ def is_int(value: Any) -> TypeGuard[int | np.integer[Any]]:
         (True, True, False, False)
     """
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _binds(signature: inspect.Signature, count: int) -> bool:
+    try:
+        signature.bind(*([None] * count))
+    except TypeError:
+        return False
+    return True
 
 
 def user_path(path: Any, argument: str = "path") -> Path:
@@ -54,14 +63,19 @@ def refuse_signature(fn: Any, argument: str, form: str) -> None:
         ...
         ValueError: metric=<lambda>(y) cannot be called as metric(y_true, y_pred) ...
     """
+    count = form.count(",") + 1
     try:
         signature = inspect.signature(fn)
+        wrapper = inspect.signature(fn, follow_wrapped=False)
     except (TypeError, ValueError):
         return
-    count = form.count(",") + 1
     try:
         signature.bind(*([None] * count))
     except TypeError as error:
+        # A decorator's wrapper (functools.wraps) may take other arguments than the
+        # function it wraps: it is what is called.
+        if _binds(wrapper, count):
+            return
         name = getattr(fn, "__name__", type(fn).__name__)
         fix = (
             f"{name} is a class: pass an instance, {name}(...)"

@@ -62,9 +62,7 @@ def check_trainer_options(log: Any, seed: Any, log_stream: Any = None) -> tuple[
     if not is_int(seed):
         raise ValueError(f"seed={seed!r} must be an int")
     if not -(2**63) <= int(seed) < 2**63:  # JAX draws a key from a 64-bit seed
-        raise ValueError(
-            f"seed={seed} must fit in 64 bits (-2**63 to 2**63 - 1), e.g. seed % 2**63"
-        )
+        raise ValueError(f"seed={seed} must be in [-2**63, 2**63), e.g. seed % 2**63")
     check_text_stream(log_stream, "log_stream")
     if log_stream is not None and log == 0:
         raise ValueError(

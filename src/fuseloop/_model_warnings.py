@@ -54,9 +54,9 @@ _CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")  # where a nested call keeps its j
 def warn_about_model(
     program: Any, step_state: Any, first_batch: Any, verdicts: dict[Any, Any], metrics: Any
 ) -> None:
-    """The run-start warnings about a model, and its one refusal (`step_state`: a solo
-    run's, or a population's member 0; `verdicts`: the Loop's cache of checks already made;
-    `metrics`: its MetricSpecs)."""
+    """The run-start warnings about a model, and its refusals of labels the class metrics
+    would misread (`step_state`: a solo run's, or a population's member 0; `verdicts`: the
+    Loop's cache of checks already made; `metrics`: its MetricSpecs)."""
     warn_sown_losses(program, step_state)
     if program.kind == "trainer" and _OPTIMIZER_CHECKED not in verdicts:
         verdicts[_OPTIMIZER_CHECKED] = True
@@ -119,8 +119,8 @@ def _refuse_multi_hot(names: Sequence[str], y: Any, output: tuple[int, ...]) -> 
 
 
 def _refuse_non_binary(names: Sequence[str], y: Any, output: tuple[int, ...]) -> None:
-    """Raises where a model of one output per example meets targets outside [0, 1] in the
-    first batch: the built-in class metrics read its output as a binary logit and the
+    """Raises where a model of one output per example meets targets outside [0, 1] (and
+    not -1) in the first batch: the built-in class metrics read its output as a binary logit and the
     target as 0/1 (above 0.5 is positive), so a label of 2 or a regression target would be
     scored as something else."""
     if not output or (len(output) >= 2 and output[-1] != 1):  # () : the output is unknown
@@ -128,7 +128,8 @@ def _refuse_non_binary(names: Sequence[str], y: Any, output: tuple[int, ...]) ->
     values = _readable(y)
     if values is None:
         return
-    off = np.flatnonzero(~((values >= 0) & (values <= 1)))
+    # 0/1 targets, probabilities, or -1/+1 labels: the metric reads them as meant.
+    off = np.flatnonzero(~(((values >= 0) & (values <= 1)) | (values == -1)))
     if off.size == 0:
         return
     listed = ", ".join(repr(name) for name in names)
@@ -137,7 +138,7 @@ def _refuse_non_binary(names: Sequence[str], y: Any, output: tuple[int, ...]) ->
         f"{listed} read as a binary logit against 0/1 targets, but y of the first batch "
         f"holds {values.flat[off[0]]:g}. For K classes, give the model K outputs and "
         f"integer labels (loss='sparse_categorical_cross_entropy'); for a regression, "
-        f"track a metric of your own, e.g. 'mean_absolute_error'"
+        f"track 'mean_absolute_error' or a metric of your own"
     )
 
 

@@ -93,7 +93,9 @@ def tree_bytes(tree: Any) -> int:
 
 
 def device_int(value: int) -> Any:
-    """A device int32 scalar holding `value`, made once and shared: no program donates it,
+    """A device int32 scalar holding `value`, kept and shared while among the recently used
+    (`_kept_constant`; two threads missing it at once may each make one): no program
+    donates it,
     and a transfer per run costs the host about 0.1-0.2 ms on a CPU (docs/design.md §6).
     Allowed under any transfer guard (the library's own constant, not the caller's data).
     """

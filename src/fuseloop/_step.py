@@ -306,7 +306,7 @@ def custom_program(step_fn: Callable[[Any, Any], Any], init_fn: Callable | None)
             # (`x, y = batch` on a state dict raises ValueError: too many values to unpack)
             error.add_note(
                 "fuseloop: the step state is None: give it to run, loop.run(data, "
-                "init_state), or build it with fl.loop(step_fn, init_fn)"
+                "init_state), or return it from fl.loop(step_fn, init_fn)'s init_fn"
                 if state is None
                 else "fuseloop: in case the arguments are swapped: fl.loop calls "
                 "step_fn(batch, step_state), the batch first, then the step state"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -299,16 +300,29 @@ def _trained_linen(adapter: linen, variables: Any) -> Any:
     return _EvalFlag(adapter.module, flags).bind(nested)
 
 
+_SUBMODULE = re.compile(r"^[A-Z][A-Za-z0-9]*_\d+$")  # flax's own submodule names
+
+
 def _require_collections(adapter: Any, variables: Any) -> None:
     """Raises where `variables` cannot be a linen, nnx or equinox model's variables.
 
     They are a dict of collections holding 'params' (and 'state' for nnx), as
-    `state.params` is; a linen model's params alone (`variables['params']`) are named.
+    `state.params` is; a linen model's params alone (`variables['params']`, keyed by
+    flax's submodule names) are named. A linen module without params passes.
     """
     needed = ("params", "state") if isinstance(adapter, from_nnx) else ("params",)
     if not isinstance(adapter, (linen, from_nnx, from_equinox)):
         return  # (init, apply) functions: their variables are whatever init returns
     if isinstance(variables, Mapping) and all(key in variables for key in needed):
+        return
+    # A linen module without params has none to hold ({} or its other collections); only
+    # submodule names flax gives (Dense_0, ...) in place of collections are refused.
+    submodules = isinstance(variables, Mapping) and all(_SUBMODULE.match(str(k)) for k in variables)
+    if (
+        isinstance(adapter, linen)
+        and isinstance(variables, Mapping)
+        and not (variables and submodules)
+    ):
         return
     what = f"a {type(variables).__name__}"
     if isinstance(variables, Mapping):
