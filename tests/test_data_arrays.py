@@ -312,7 +312,7 @@ def test_a_resident_sources_first_batch_is_read_once_and_reused_by_later_runs():
     assert not batch[0].flags.writeable
     # A run resumed at epoch 2 reads (and keeps) that epoch's first batch.
     resumed = LOOP.run(source, first, epochs=3, fuse=4)
-    assert sorted(epoch for epoch, _ in source.first_batches) == [0, 2] and resumed.epoch == 2
+    assert sorted(key[0] for key in source.first_batches) == [0, 2] and resumed.epoch == 2
 
 
 def _count_label_reads(monkeypatch) -> list[int]:

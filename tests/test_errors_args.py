@@ -112,9 +112,9 @@ def test_handler_must_be_callable():
 @pytest.mark.parametrize("handler", [lambda: None, lambda state, extra: None])
 def test_a_handler_that_cannot_take_the_state_is_refused_when_attached(handler):
     # Not when its event first fires, which may be the end of a long run.
-    with pytest.raises(ValueError, match=r"handler=<lambda>\(.*one State.*def handler\(state\)"):
+    with pytest.raises(ValueError, match=r"handler=<lambda>\(.*as handler\(state\).*def handler"):
         counter_loop().handle_event("completed", handler)
-    with pytest.raises(ValueError, match=r"fn=<lambda>\(.*one State.*def fn\(state\)"):
+    with pytest.raises(ValueError, match=r"fn=<lambda>\(.*as fn\(state\).*def fn\(state\)"):
         counter_loop().observe("epoch_completed", handler)
     # What can take one State is accepted: defaults, *args, a bound method, a builtin.
     for fine in (lambda state, extra=1: None, lambda *states: None, [].append, print):
