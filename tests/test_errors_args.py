@@ -225,3 +225,12 @@ def test_a_custom_loop_run_without_a_step_state_says_so():
     with pytest.raises(TypeError) as info:
         fl.loop(lambda batch, s: {"n": s["n"] + 1}).run(DATA)
     assert any("step state is None: give it to run" in note for note in info.value.__notes__)
+
+
+def test_a_loops_repr_is_a_short_summary():
+    # A notebook cell ending in a builder echoed 2,600 characters of dataclass fields.
+    loop = trainer().metric("accuracy").early_stop("loss").terminate_on_nan()
+    text = repr(loop)
+    assert text.startswith("Loop(trainer, loss='sparse_categorical_cross_entropy'")
+    assert "'accuracy'" in text and "'early_stop'" in text and "0x" not in text
+    assert len(text) < 300

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import fuseloop as fl
-from conftest import BATCH, CLASSES, FEATURES, make_batches, tiny_mlp
+from conftest import BATCH, CLASSES, FEATURES, counter_init, counter_loop, make_batches, tiny_mlp
 
 SPARSE = "sparse_categorical_cross_entropy"
 
@@ -565,3 +565,12 @@ def test_a_dataset_used_under_x64_is_still_checked_once_x64_is_off():
         loop.run(data, epochs=1)
     with pytest.raises(ValueError, match=r"x holds int64 values beyond int32's range"):
         loop.run(data, epochs=1, fuse=4)
+
+
+def test_a_used_up_iterator_run_again_is_named_as_one():
+    # A notebook cell run twice over the same generator: the advice was batch_size's.
+    batches = iter(make_batches(2))
+    loop = counter_loop()
+    loop.run(batches, counter_init())
+    with pytest.raises(ValueError, match=r"one-shot iterator .* already used up"):
+        loop.run(batches, counter_init())

@@ -34,6 +34,9 @@ def test_a_trainer_given_an_evaluators_state_names_init_state_and_the_fix():
     custom = fl.loop(lambda batch, s: {"n": s["n"] + 1}).run(data, {"n": np.int32(0)})
     with pytest.raises(ValueError, match=r"holds \['n'\], not the params, .*afresh"):
         trainer.run(data, custom, epochs=2)
+    # Ctrl-C while a run starts leaves a State without a step state (error.fuseloop_state).
+    with pytest.raises(ValueError, match=r"init_state: this State holds no step state"):
+        trainer.run(data, fl.State(), epochs=2)
 
 
 def test_loading_a_populations_best_checkpoint_folder_names_its_members(tmp_path):

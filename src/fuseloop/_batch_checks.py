@@ -37,6 +37,24 @@ def is_number_list(value: Any) -> bool:
     )
 
 
+def refuse_python_list(part: Any, name: str) -> None:
+    """`fl.data.arrays`' x or y as a Python list: of records (dicts, one per example) or of
+    numbers; either is refused with the array it should be."""
+    if not is_number_list(part):
+        return
+    kind = type(part).__name__
+    if isinstance(part[0], dict):
+        raise ValueError(
+            f"{name} is a Python {kind} of dicts (one per example?); fl.data.arrays takes a "
+            f"dict of arrays, each with the examples on axis 0: "
+            f"{{k: np.stack([r[k] for r in {name}]) for k in {name}[0]}}"
+        )
+    raise ValueError(
+        f"{name} is a Python {kind} of numbers; pass an array with the examples on axis 0, "
+        f"e.g. np.asarray({name}, np.float32) (integer labels: np.int32)"
+    )
+
+
 def check_python_lists(batch: Any, where: str) -> None:
     """x or y given as (nested) Python lists of numbers: one error, not one per number."""
     for name, part in zip(("x", "y"), batch, strict=True):

@@ -89,6 +89,19 @@ class Source:
         length = getattr(self.data, "num_batches", None) if self.epoch_aware else None
         return length if isinstance(length, int) else None
 
+    def empty_at_start(self) -> str:
+        """The error for a first epoch that yielded no batch, for this kind of source."""
+        spent = (
+            "; a one-shot iterator yields its batches once, and this one was already used "
+            "up (by an earlier run?): pass a list, or a callable returning a fresh iterator"
+            if self.one_shot
+            else " (check batch_size against the dataset size and drop_remainder)"
+        )
+        return (
+            f"data is empty: the first epoch yielded no batch. Pass at least one (x, y) "
+            f"batch{spent}"
+        )
+
     def why_empty(self) -> str:
         """What to do about an epoch that found no batches, for this kind of source."""
         return _WHY_EMPTY[self.kind]

@@ -20,6 +20,7 @@ from ._loop_args import (
     check_metric_name,
     check_step_functions,
     check_trainer_options,
+    describe_loop,
     known_metrics,
     refuse_loss_metric,
     refuse_second_validation,
@@ -67,6 +68,8 @@ class Loop(HandlerBuilders):
         shares_programs = set(changes) <= {"registrations"}
         programs = self._programs if shares_programs else ProgramCache()
         return dataclasses.replace(self, _programs=programs, **changes)
+
+    __repr__ = describe_loop
 
     # ----------------------------------------------------------------- builders
     def metric(

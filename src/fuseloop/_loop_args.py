@@ -11,6 +11,7 @@ from typing import Any
 from ._arg_types import is_int, refuse_signature
 from ._metrics import ACCUMULATORS, ALIASES, METRICS
 from ._population import refuse_population
+from ._state import State
 from ._warn import warn
 
 __all__ = [
@@ -128,6 +129,12 @@ def check_init_state(init_state: Any, kind: str = "custom", population: Any = No
             f"init_state={init_state!r} is a path, not a State: load it first, "
             f"loop.run(data, fl.load_state(path), epochs=...)"
         )
+    if isinstance(init_state, State) and init_state.step_state is None:
+        raise ValueError(
+            "init_state: this State holds no step state (a run stopped before its first "
+            "step, by Ctrl-C or an error while it started, leaves none): run without it to "
+            "start afresh"
+        )
     if is_int(init_state) and kind in _STARTS_FROM:
         raise ValueError(f"init_state={init_state!r} is an integer, but {_STARTS_FROM[kind]}")
     if kind != "trainer" and population is None:
@@ -179,6 +186,28 @@ def check_handler(handler: Any, argument: str, returns: str) -> None:
     if not callable(handler):
         raise ValueError(f"{argument}={handler!r} must be callable(state) -> {returns}")
     refuse_signature(handler, argument, f"{argument}(state)")
+
+
+def describe_loop(loop: Any) -> str:
+    """A Loop's repr: its kind, loss, metrics and handlers by event (not its dataclass
+    fields: function addresses and internal registrations, kilobytes in a notebook cell).
+    """
+    parts = [loop.program.kind]
+    if loop.program.loss_name:
+        parts.append(f"loss={loop.program.loss_name!r}")
+    if loop.metrics:
+        parts.append(f"metrics={[m.name for m in loop.metrics]}")
+    handlers: dict[str, list[str]] = {}
+    for registration in loop.registrations:
+        labels = handlers.setdefault(registration.event.value, [])
+        label = registration.label.rsplit(".", 1)[-1]
+        if label not in labels:
+            labels.append(label)
+    if handlers:
+        parts.append(f"handlers={handlers}")
+    if loop.guard_nonfinite:
+        parts.append("terminate_on_nan")
+    return f"Loop({', '.join(parts)})"
 
 
 def warn_unused_seed(model: Any, seed: int) -> None:

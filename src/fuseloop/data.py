@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._arg_types import is_int
-from ._batch_checks import is_number_list, no_device_dtype
+from ._batch_checks import no_device_dtype, refuse_python_list
 from ._epoch_order import EpochOrder, abstract_key
 from ._narrowing import native_copy
 from ._shards import local_indices, place_rows
@@ -47,18 +47,7 @@ def _read_only_copy(leaf: Any) -> np.ndarray:
 def _leading_size(x: Any, y: Any) -> int:
     """The shared leading-axis length of every leaf of `x` and `y`, or a ValueError."""
     for name, part in (("x", x), ("y", y)):
-        if is_number_list(part) and isinstance(part[0], dict):  # records, one per example
-            raise ValueError(
-                f"{name} is a Python {type(part).__name__} of dicts (one per example?); "
-                f"fl.data.arrays takes a dict of arrays, each with the examples on axis 0: "
-                f"{{k: np.stack([r[k] for r in {name}]) for k in {name}[0]}}"
-            )
-        if is_number_list(part):
-            raise ValueError(
-                f"{name} is a Python {type(part).__name__} of numbers; pass an array with "
-                f"the examples on axis 0, e.g. np.asarray({name}, np.float32) (integer "
-                f"labels: np.int32)"
-            )
+        refuse_python_list(part, name)
     x_leaves = _named_leaves(x, "x")
     if not x_leaves:
         raise ValueError("x has no arrays; pass an array or a pytree (e.g. a dict) of arrays")

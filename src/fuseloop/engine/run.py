@@ -206,10 +206,7 @@ class Run:
         else:
             first = self.source.pull(self.first_iterator, 1)
         if not first:
-            raise ValueError(
-                "data is empty: the first epoch yielded no batch. Pass at least one (x, y) "
-                "batch (check batch_size against the dataset size and drop_remainder)"
-            )
+            raise ValueError(self.source.empty_at_start())
         self.checker.first(first[0], self.source.data)
         self.checker.dataset(self.source.data)
         return first[0]
