@@ -120,9 +120,9 @@ def _refuse_multi_hot(names: Sequence[str], y: Any, output: tuple[int, ...]) -> 
 
 def _refuse_non_binary(names: Sequence[str], y: Any, output: tuple[int, ...]) -> None:
     """Raises where a model of one output per example meets targets outside [0, 1] (and
-    not -1) in the first batch: the built-in class metrics read its output as a binary logit and the
-    target as 0/1 (above 0.5 is positive), so a label of 2 or a regression target would be
-    scored as something else."""
+    not -1) in the first batch: the built-in class metrics read its output as a binary
+    logit and the target as 0/1 (above 0.5 is positive), so a label of 2 or a regression
+    target would be scored as something else."""
     if not output or (len(output) >= 2 and output[-1] != 1):  # () : the output is unknown
         return
     values = _readable(y)
