@@ -360,6 +360,9 @@ def test_states_compare_by_value_and_print_a_summary():
     assert nan == nan.replace()  # NaN equals NaN, as two histories of the same run do
     text = repr(state)
     assert len(text) < 400 and "step_state=<" in text and "epoch=1" in text
+    # A population's metrics (one value per member) by shape and range, not every value.
+    members = state.replace(metrics={"loss": np.linspace(0.5, 2.0, 256), "lr": 0.1})
+    assert "'loss': <(256,) 0.5..2>, 'lr': 0.1" in repr(members) and len(repr(members)) < 400
 
 
 def test_a_mode_without_criteria_is_refused(tmp_path):

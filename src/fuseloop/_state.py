@@ -90,7 +90,7 @@ class State:
         return (
             f"State(epoch={self.epoch}, max_epoch={self.max_epoch}, iteration={self.iteration}, "
             f"max_iteration={self.max_iteration}, status={self.status!r}, "
-            f"metrics={self.metrics!r}, history=<{len(self.history)} epochs>, "
+            f"metrics={_short_metrics(self.metrics)}, history=<{len(self.history)} epochs>, "
             f"step_state={_size_of(self.step_state)})"
         )
 
@@ -167,6 +167,32 @@ def _field_names(cls: type) -> frozenset[str]:
     if cls not in _FIELD_NAMES:
         _FIELD_NAMES[cls] = frozenset(f.name for f in dataclasses.fields(cls))
     return _FIELD_NAMES[cls]
+
+
+def _short_metrics(metrics: dict[str, Any]) -> str:
+    """The metrics as a dict's repr, a population's arrays (one value per member) by their
+    shape and range: 256 members' values would run to kilobytes."""
+    shown = []
+    for name, value in metrics.items():
+        size = int(getattr(value, "size", 1))
+        text = repr(value) if size <= 4 else _array_summary(value)
+        shown.append(f"{name!r}: {text}")
+    return "{" + ", ".join(shown) + "}"
+
+
+def _array_summary(value: Any) -> str:
+    """`<(256,) 0.01..0.9>`: an array's shape and the range of its finite values."""
+    import numpy as np
+
+    try:
+        if np.iscomplexobj(value):
+            raise TypeError("complex")
+        values = np.asarray(value, np.float64)
+    except (TypeError, ValueError):  # not real numbers
+        return f"<array of shape {np.shape(value)}>"
+    finite = values[np.isfinite(values)]  # halted members read NaN
+    span = f"{finite.min():.4g}..{finite.max():.4g}" if finite.size else "no finite value"
+    return f"<{values.shape} {span}>"
 
 
 def _size_of(tree: Any) -> str:
