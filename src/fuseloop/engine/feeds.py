@@ -21,7 +21,7 @@ from .._epoch_order import prng_config
 from .._fusion import FusionError, stack_chunk
 from .._placement import device_int
 from .prefetch import ChunkProducer
-from .programs import KEPT_EPOCHS, MIN_SLOTS, kept_order
+from .programs import MIN_SLOTS, keep_recent, kept_order
 from .replay import ChunkResult
 
 __all__ = [
@@ -354,7 +354,5 @@ def first_resident_batch(
     for leaf in jax.tree.leaves(batch):
         if isinstance(leaf, np.ndarray):
             leaf.flags.writeable = False  # shared by later runs: nobody may edit it
-    if len(source.first_batches) >= KEPT_EPOCHS:  # a run resumed epoch after epoch
-        source.first_batches.pop(next(iter(source.first_batches)))
-    source.first_batches[key] = batch
+    keep_recent(source.first_batches, key, batch)
     return batch

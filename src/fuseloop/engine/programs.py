@@ -311,10 +311,17 @@ def kept_order(source: Any, epoch: int, compute: Callable[[], Any]) -> Any:
     kept = _ORDERS.setdefault(source, {})
     key = (_source_key(source), epoch, default_device_key(), prng_config())
     if key not in kept:
-        if len(kept) >= KEPT_EPOCHS:
-            kept.pop(next(iter(kept)))
-        kept[key] = compute()
+        keep_recent(kept, key, compute())
     return kept[key]
+
+
+def keep_recent(kept: dict[Any, Any], key: Any, value: Any) -> None:
+    """`kept[key] = value`, the oldest entry let go past `KEPT_EPOCHS`: what is kept per
+    epoch beside a resident source (its orders, its first batches) stays a few epochs'
+    worth when a run is resumed epoch after epoch."""
+    if len(kept) >= KEPT_EPOCHS:
+        kept.pop(next(iter(kept)))
+    kept[key] = value
 
 
 def _source_key(source: Any) -> EpochOrder:
