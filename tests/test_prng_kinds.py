@@ -17,6 +17,7 @@ import pytest
 
 import fuseloop as fl
 from conftest import DropoutOnly, assert_runs_identical, make_batches, trainer
+from fuseloop import _epoch_order
 
 
 @pytest.fixture(params=["rbg", "unsafe_rbg"])
@@ -44,6 +45,9 @@ def test_a_dropout_model_trains_fused_as_unfused(prng_kind):
 
 
 def test_a_resident_dataset_serves_the_hosts_order(prng_kind):
+    # Seed 0's key first asked for inside the trace below (for its shape) failed to become
+    # host bits when no earlier test had made it: the cache starts empty here.
+    _epoch_order._seed_key.cache_clear()
     source = _arrays(device=True)
     assert source.key_data.shape == (4,)
     on_device = np.asarray(jax.jit(source.epoch_indices)(source.key_data, 2))

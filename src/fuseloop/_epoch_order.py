@@ -85,7 +85,9 @@ class EpochOrder:
 @functools.lru_cache(maxsize=64)
 def _seed_key(seed: int, impl: str) -> np.ndarray:
     """`jax.random.PRNGKey(seed)`'s raw bits (`impl`: the PRNG kind it was made under)."""
-    with jax.transfer_guard("allow"):  # the library's own transfer, under any guard
+    # Made eagerly even when first asked for inside a trace (a jitted epoch_indices with a
+    # Python seed): a traced key has no host bits to keep.
+    with jax.transfer_guard("allow"), jax.ensure_compile_time_eval():
         key = np.asarray(jax.random.PRNGKey(seed))
     key.flags.writeable = False  # shared by every order of this seed
     return key
