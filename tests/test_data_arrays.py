@@ -184,6 +184,21 @@ def test_device_indices_from_a_python_seed_cover_the_whole_seed_range(seed):
     assert np.asarray(in_jit).ravel().tolist() == _expected_order(seed, 1, 16).tolist()
 
 
+def test_device_indices_take_a_typed_key_and_refuse_what_is_no_key_or_epoch():
+    x, _ = _xy(16)
+    source = fl.data.arrays(x, np.arange(16), batch_size=4, seed=5)
+    expected = np.asarray(source.epoch_indices(5, 2))
+    np.testing.assert_array_equal(source.epoch_indices(jax.random.key(5), 2), expected)
+    np.testing.assert_array_equal(jax.jit(source.epoch_indices)(jax.random.key(5), 2), expected)
+    for bad in ("5", 5.0, None, True, np.zeros(3, np.float32)):
+        with pytest.raises(TypeError, match=r"key_data_or_seed=.* must be a key \(key_data\)"):
+            source.epoch_indices(bad, 2)
+    for bad in (1.5, "2", None, np.float32(2), np.arange(2)):
+        # an epoch of 1.5 was read as 1
+        with pytest.raises(TypeError, match=r"epoch=.* must be an epoch number"):
+            source.epoch_indices(5, bad)
+
+
 def test_device_arrays_are_transferred_once_and_gather_matches_host_batches():
     x, y = _xy()
     source = fl.data.arrays({"v": x}, y, batch_size=8, seed=1, device=True)

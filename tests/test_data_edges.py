@@ -148,7 +148,10 @@ def test_resuming_from_inside_an_epoch_or_with_nothing_left_warns(tmp_path):
     halt_mid = lambda s: "halt_loop" if (s.epoch, s.iteration) == (1, 2) else None  # noqa: E731
     loop = trainer()
     halted = loop.handle_event("iteration_completed", halt_mid).run(make_batches(6), epochs=3)
-    with pytest.warns(RuntimeWarning, match=r"inside epoch 1 .*last iteration fired: 2"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"inside epoch 1 .*last iteration fired: 2; .*the log's Epoch 2, iteration 3",
+    ):
         loop.run(make_batches(6), halted, epochs=3)
     done = loop.run(make_batches(6), epochs=2)
     with pytest.warns(RuntimeWarning, match=r"already ran 2 epochs and epochs=2: nothing"):

@@ -181,6 +181,14 @@ def test_count_fusions_counts_fusion_instructions_only() -> None:
     )
 
 
+def test_count_fusions_refuses_what_is_not_hlo_text() -> None:
+    f = jax.jit(lambda a: a + 1.0)
+    with pytest.raises(TypeError, match=r"got Compiled: pass .*as_text\(\)"):
+        diagnostics.count_fusions(f.lower(np.ones(2, np.float32)).compile())
+    with pytest.raises(TypeError, match="got NoneType"):
+        diagnostics.count_fusions(None)
+
+
 def test_count_fusions_on_a_compiled_program() -> None:
     f = jax.jit(lambda a: jax.numpy.tanh(a * 2.0 + 1.0))
     assert diagnostics.count_fusions(f.lower(np.ones(8, np.float32)).compile().as_text()) >= 1

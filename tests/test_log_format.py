@@ -189,6 +189,31 @@ def test_off_a_terminal_an_epoch_halted_midway_still_gets_its_line(capsys, fuse)
     assert unfused.event_counts == state.event_counts
 
 
+@pytest.mark.parametrize("event", ["iteration_started", "iteration_completed"])
+def test_off_a_terminal_a_handler_error_stops_the_line_at_the_last_completed_iteration(
+    capsys, event
+):
+    def fail(state):
+        if state.epoch == 1 and state.iteration == 2:
+            raise RuntimeError("my handler failed")
+
+    loop = fl.trainer(MODEL, LOSS, "adam", log=1).handle_event(event, fail)
+    completed = 3 if event == "iteration_completed" else 2  # iteration 2 counts from 0
+    shown = []
+    for fuse in (False, 4, "run"):
+        with pytest.raises(RuntimeError, match="my handler failed"):
+            loop.run(TRAIN, epochs=2, progress=True, fuse=fuse)
+        captured = capsys.readouterr()
+        err = (captured.out + captured.err).splitlines()
+        (line,) = [line for line in err if " - stopped" in line]
+        # It counted the iterations before the failing one (fused: 0/6; unfused: one short).
+        assert line.startswith(f"Epoch 2/2 - {completed}/6 - "), (fuse, line)
+        logged = [line for line in err if line.startswith("Epoch 2/2 - iteration ")]
+        assert line.endswith(logged[completed - 1].split(" - ", 2)[2]), (fuse, line, logged)
+        shown.append(_without_time(line))
+    assert shown[0] == shown[1] == shown[2]
+
+
 def test_an_epoch_of_unknown_length_is_learnt_from_a_complete_epoch_not_a_halted_one(capsys):
     batches = [(X[i : i + 10], Y[i : i + 10]) for i in range(0, 60, 10)]
 

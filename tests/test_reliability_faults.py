@@ -202,7 +202,13 @@ class HandlerFailure(Exception):
 @pytest.mark.parametrize(
     "event, filter, where",
     [
-        ("iteration_completed", {"once": 5}, "epoch 0, iteration 4"),
+        # State's fields count from 0; the note also gives the log's numbers
+        (
+            "iteration_completed",
+            {"once": 5},
+            "epoch 0, iteration 4; counted from 0 as the "
+            "State's fields are, the log's Epoch 1, iteration 5)",
+        ),
         ("epoch_completed", {"once": 2}, "epoch 1"),
         ("started", "always", "epoch 0"),
     ],

@@ -15,7 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["EpochOrder", "abstract_key", "prng_config", "prng_impl"]
+__all__ = [
+    "EpochOrder",
+    "abstract_key",
+    "checked_epoch",
+    "order_key",
+    "prng_config",
+    "prng_impl",
+]
 
 
 @dataclass(frozen=True)
@@ -117,3 +124,66 @@ def abstract_key() -> jax.ShapeDtypeStruct:
     """
     key = _seed_key(0, prng_impl())
     return jax.ShapeDtypeStruct(key.shape, key.dtype)
+
+
+def order_key(given: Any, argument: str) -> Any:
+    """The raw PRNG key an epoch's order is drawn from: `given` is a raw key (`key_data`), a
+    typed key (`jax.random.key`), a seed as an int, or a seed as an integer scalar array
+    (traced or not). Anything else is a TypeError naming `argument`, not JAX's complaint
+    from inside the permutation.
+
+    Example:
+        >>> order_key(3, "seed").shape
+        (2,)
+        >>> order_key("3", "seed")
+        Traceback (most recent call last):
+        ...
+        TypeError: seed='3' must be a key (key_data), or a seed: an int or an integer scalar
+    """
+    if isinstance(given, (int, np.integer)) and not isinstance(given, bool):
+        return jax.random.PRNGKey(int(given))
+    shape, dtype = np.shape(given), getattr(given, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):  # jax.random.key
+        given, dtype = jax.random.key_data(given), jnp.uint32
+        shape = np.shape(given)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        shape = None  # not an integer array: refused below
+    if shape == abstract_key().shape:
+        return jnp.asarray(given).astype(jnp.uint32)
+    if shape == ():
+        return jax.random.PRNGKey(given)
+    raise TypeError(
+        f"{argument}{_short(given)} must be a key (key_data), or a seed: an int or an "
+        "integer scalar"
+    )
+
+
+def checked_epoch(epoch: Any, argument: str) -> Any:
+    """`epoch` as an int32 scalar: an int or an integer scalar array (traced or not); a
+    float, a string or None is a TypeError naming `argument` (an epoch of 1.5 would have
+    been read as 1).
+
+    Example:
+        >>> int(checked_epoch(2, "epoch"))
+        2
+        >>> checked_epoch(1.5, "epoch")
+        Traceback (most recent call last):
+        ...
+        TypeError: epoch=1.5 must be an epoch number: an int or an integer scalar array
+    """
+    integer = isinstance(epoch, (int, np.integer)) and not isinstance(epoch, bool)
+    dtype = getattr(epoch, "dtype", None)
+    if not integer and not (
+        dtype is not None and jnp.issubdtype(dtype, jnp.integer) and np.shape(epoch) == ()
+    ):
+        raise TypeError(
+            f"{argument}{_short(epoch)} must be an epoch number: an int or an integer scalar array"
+        )
+    return jnp.asarray(epoch, jnp.int32)
+
+
+def _short(value: Any) -> str:
+    """`=value` for a message: an array by its shape and dtype (a traced one has no value)."""
+    if hasattr(value, "dtype") and hasattr(value, "shape"):
+        return f"=<array {value.dtype}{list(value.shape)}>"
+    return f"={value!r}"

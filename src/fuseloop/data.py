@@ -23,7 +23,7 @@ import numpy as np
 
 from ._arg_types import is_int
 from ._batch_checks import no_device_dtype, refuse_python_list
-from ._epoch_order import EpochOrder, abstract_key
+from ._epoch_order import EpochOrder, checked_epoch, order_key
 from ._narrowing import native_copy
 from ._shards import local_indices, place_rows
 
@@ -206,8 +206,9 @@ class ArraySource:
         batches are returned: a short last batch (`drop_remainder=False`) is left out.
 
         Args:
-            key_data_or_seed: `key_data`, the seed as a Python int, or the
-                seed as a uint32 scalar array (an int32 array covers seeds below 2**31).
+            key_data_or_seed: `key_data` (or a typed `jax.random.key`), the seed as a
+                Python int, or the seed as a uint32 scalar array (an int32 array covers
+                seeds below 2**31).
             epoch: The epoch (an int, or an int32 scalar array, traced or not).
 
         Example:
@@ -217,14 +218,8 @@ class ArraySource:
             >>> idx.shape, sorted(np.asarray(idx).ravel().tolist()) == list(range(8))
             ((2, 4), True)
         """
-        given = key_data_or_seed
-        if isinstance(given, (int, np.integer)):  # a Python seed: any value in [0, 2**32)
-            key = jax.random.PRNGKey(int(given))
-        else:
-            given = jnp.asarray(given)
-            raw = given.shape == abstract_key().shape
-            key = given.astype(jnp.uint32) if raw else jax.random.PRNGKey(given)
-        return self.order_spec.whole_batches(key, epoch)
+        key = order_key(key_data_or_seed, "key_data_or_seed")
+        return self.order_spec.whole_batches(key, checked_epoch(epoch, "epoch"))
 
     def order(self, epoch: int) -> np.ndarray:
         """The host copy of epoch `epoch`'s permutation of the `n` examples.

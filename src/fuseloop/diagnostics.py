@@ -70,6 +70,9 @@ def count_fusions(hlo_text: str) -> int:
         >>> count_fusions(f.lower(jnp.ones(4)).compile().as_text()) >= 1
         True
     """
+    if not isinstance(hlo_text, str):
+        msg = f"count_fusions takes HLO text (str), got {type(hlo_text).__name__}: pass "
+        raise TypeError(msg + "`jax.jit(f).lower(*args).compile().as_text()`")
     return len(_FUSION.findall(hlo_text))
 
 

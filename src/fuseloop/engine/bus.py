@@ -154,7 +154,9 @@ class EventBus:
                 self.failed_state = state  # what the run reports as the State reached
                 error.add_note(
                     f"fuseloop: raised by handler {registration.label} on event "
-                    f"'{event.value}' (epoch {state.epoch}, iteration {state.iteration})"
+                    f"'{event.value}' (epoch {state.epoch}, iteration {state.iteration}; "
+                    f"counted from 0 as the State's fields are, the log's Epoch "
+                    f"{state.epoch + 1}, iteration {state.iteration + 1})"
                     + (_REPLAYED if _read_a_missing_step_state(error, state, event) else "")
                 )
                 raise

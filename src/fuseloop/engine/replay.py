@@ -120,8 +120,12 @@ class EpochReplay:
         if self.guard and self.carry.nonfinite():
             return HALT_LOOP, mark_nonfinite(state, i), i
         self.steps += 1
-        status, state = self._fire(_COMPLETED, state, i, self.carry.metrics, True, self.steps - 1)
-        self.bus.advance(1, self.carry.metrics_if_read)
+        try:
+            status, state = self._fire(
+                _COMPLETED, state, i, self.carry.metrics, True, self.steps - 1
+            )
+        finally:  # the step completed: the bar counts it even when a handler raised
+            self.bus.advance(1, self.carry.metrics_if_read)
         return status, state, i
 
     # ----------------------------------------------------------------- chunks
@@ -181,15 +185,19 @@ class EpochReplay:
             self.bus.skip_iterations(j - done)
             before = self.previous if j == 0 else at(j - 1)
             self.previous, done = at(j), j + 1
-            status, state = self._fire(
-                _STARTED, state, first + j, before, False, self.steps + j - 1
-            )
-            shown = (j, before)  # a halt here: iteration j never completed
-            if status == CONTINUE:
+            shown = (j, before)  # a halt or an error here: iteration j never completed
+            try:
                 status, state = self._fire(
-                    _COMPLETED, state, first + j, self.previous, False, self.steps + j
+                    _STARTED, state, first + j, before, False, self.steps + j - 1
                 )
-                shown = (j + 1, self.previous)
+                if status == CONTINUE:
+                    shown = (j + 1, self.previous)
+                    status, state = self._fire(
+                        _COMPLETED, state, first + j, self.previous, False, self.steps + j
+                    )
+            except BaseException:
+                self._observe(*shown)  # the bar's "stopped" line counts what completed
+                raise
             if status != CONTINUE:
                 self.steps += good  # the device ran the whole chunk
                 self._observe(*shown)

@@ -317,9 +317,10 @@ def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:
     if given.status == "halted" and given.epoch == start_epoch and stepped > 0:
         warn(
             f"init_state stopped inside epoch {start_epoch} after stepping part of it (its "
-            f"last iteration fired: {given.iteration}; a fused run also ran the rest of that "
-            f"chunk); the resumed run starts epoch {start_epoch} again from its first batch, "
-            f"so the batches already stepped train twice. For a run equal to an "
+            f"last iteration fired: {given.iteration}; both counted from 0, the log's Epoch "
+            f"{start_epoch + 1}, iteration {given.iteration + 1}; a fused run also ran the "
+            f"rest of that chunk); the resumed run starts epoch {start_epoch} again from its "
+            f"first batch, so the batches already stepped train twice. For a run equal to an "
             f"uninterrupted one, resume from an epoch's end (e.g. a Loop.checkpoint save)",
             RuntimeWarning,
         )
