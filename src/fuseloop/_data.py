@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import collections.abc
 import itertools
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._warn import warn
@@ -49,10 +51,12 @@ class Source:
         if self.epoch_aware:
             self.kind = "epoch_aware"
         elif isinstance(data, (str, bytes)) or not (callable(data) or hasattr(data, "__iter__")):
+            indexed = hasattr(data, "__getitem__") and hasattr(data, "__len__")
             raise ValueError(
                 f"data={type(data).__name__} is not a data source; pass a list of (x, y) "
                 f"batches, a re-iterable, a callable returning an iterator, an iterator, "
                 f"or fl.data.arrays(x, y, batch_size)"
+                + (_MAP_STYLE if indexed and not isinstance(data, (str, bytes)) else "")
             )
         elif isinstance(data, collections.abc.Iterator):  # never iter(): it may open a pass
             self.kind, self.one_shot = "one_shot", True
@@ -148,7 +152,8 @@ class Source:
         before it, which the caller steps before raising it (a run pulls exactly what it
         steps, even when the source fails part-way through a chunk)."""
         error = None
-        if type(iterator) in _PLAIN_ITERATORS:
+        plain = type(iterator) in _PLAIN_ITERATORS
+        if plain:
             # Over a list or a tuple nothing can raise: one slice, not a call per batch
             # (the host's time per batch counts at every chunk).
             batches = list(itertools.islice(iterator, count))
@@ -157,10 +162,14 @@ class Source:
         else:
             batches, error = self._pull_each(iterator, count)
         if batches and self._convert is None:
-            self._convert = not all(map(_is_array, jax.tree.leaves(batches[0])))
-        if self._convert:
-            return [jax.tree.map(_as_array, batch) for batch in batches], error
-        return batches, error
+            self._convert = not _arrays_only(batches[0])
+        if not (self._convert or plain or self.in_memory):
+            return batches, error  # copied into arrays as they were pulled (`_detached`)
+        # A list may mix kinds (numpy, then a torch batch): each is converted as it needs.
+        first = self.epoch_pulled - len(batches)
+        return [
+            b if _arrays_only(b) else _converted(b, self, first + k) for k, b in enumerate(batches)
+        ], error
 
     def _pull_each(self, iterator: Iterator[Any], count: int) -> tuple[list[Any], Exception | None]:
         # A loader may refill one buffer for every batch it yields, while the loop holds
@@ -180,10 +189,13 @@ class Source:
                     f"{self.epoch}, iteration {self.epoch_pulled}"
                 )
                 return batches, error
-            batches.append(_detached(batch) if detach else batch)
+            batches.append(self._detached(batch) if detach else batch)
             self.pulled += 1
             self.epoch_pulled += 1
         return batches, None
+
+    def _detached(self, batch: Any) -> Any:
+        return _converted(batch, self, self.epoch_pulled, _detached)
 
     def close(self) -> None:
         """Closes every iterator the run opened and did not exhaust (a generator's
@@ -216,14 +228,62 @@ def _is_array(leaf: Any) -> bool:
     return isinstance(leaf, (np.ndarray, jax.Array))
 
 
+def _arrays_only(batch: Any) -> bool:
+    if type(batch) is tuple and len(batch) == 2 and all(map(_is_array, batch)):
+        return True  # (x, y) of arrays: no walk
+    return all(map(_is_array, jax.tree.leaves(batch)))
+
+
 def _as_array(leaf: Any) -> Any:
-    return leaf if _is_array(leaf) else np.asarray(leaf)
+    if _is_array(leaf):
+        return leaf
+    tensor = _torch_numpy(leaf)
+    return np.asarray(leaf) if tensor is None else tensor
 
 
 def _own_copy(leaf: Any) -> Any:
     """`leaf` as an array no one else can change: jax arrays are immutable; anything else
     (numpy, torch, Python numbers) is copied into a fresh numpy array."""
-    return leaf if isinstance(leaf, jax.Array) else np.array(leaf)
+    if isinstance(leaf, jax.Array):
+        return leaf
+    tensor = _torch_numpy(leaf)
+    return np.array(leaf if tensor is None else tensor)
+
+
+def _torch_numpy(leaf: Any) -> np.ndarray | None:
+    """A torch tensor's values as numpy (sharing its memory where torch can), else None.
+
+    Through `Tensor.numpy()`, not numpy's `__array__` protocol, which warns under numpy 2
+    (a DeprecationWarning per leaf and batch) and fails for a tensor that requires grad
+    (its values are what a batch holds: detached) or holds bfloat16 (read as JAX's
+    bfloat16, bit for bit)."""
+    torch = sys.modules.get("torch")  # a tensor means torch is imported: never import it
+    if torch is None or not isinstance(leaf, torch.Tensor):
+        return None
+    tensor = leaf.detach().cpu().resolve_conj().resolve_neg()
+    if tensor.dtype == torch.bfloat16:
+        return np.asarray(tensor.view(torch.int16).numpy().view(jnp.bfloat16))
+    return np.asarray(tensor.numpy())
+
+
+def _converted(batch: Any, source: Source, iteration: int, convert: Any = None) -> Any:
+    """`batch` with every leaf an array (by `convert`, default `_as_array`); a leaf that
+    cannot be is told in the error's note, with the batch's epoch and iteration."""
+    try:
+        return jax.tree.map(_as_array, batch) if convert is None else convert(batch)
+    except Exception as error:
+        error.add_note(
+            f"fuseloop: raised converting a leaf of the batch for epoch {source.epoch}, "
+            f"iteration {iteration} to an array; pass numpy arrays (or numbers) as leaves"
+        )
+        raise
+
+
+_MAP_STYLE = (
+    "; this one is indexed by example (a map-style dataset): wrap it in a loader that "
+    "batches it, e.g. torch.utils.data.DataLoader(data, batch_size=32), or stack its "
+    "examples into arrays for fl.data.arrays"
+)
 
 
 def _detached(batch: Any) -> Any:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._arg_types import is_int
-from ._batch_checks import no_device_dtype, refuse_python_list
+from ._batch_checks import no_device_dtype, refuse_per_example_lists, refuse_python_list
 from ._epoch_order import EpochOrder, checked_epoch, order_key
 from ._narrowing import native_copy
 from ._shards import local_indices, place_rows
@@ -60,10 +60,12 @@ def _leading_size(x: Any, y: Any) -> int:
             )
         sizes[name] = shape[0]
     if len(set(sizes.values())) > 1:
-        listed = ", ".join(f"{name}: {size}" for name, size in sizes.items())
+        refuse_per_example_lists(x, y, sizes)
+        listed = [f"{name}: {size}" for name, size in sizes.items()]
+        more = f", and {len(listed) - 6} more" if len(listed) > 6 else ""
         raise ValueError(
-            f"x and y must share the leading (example) axis, got {listed}; slice them to "
-            f"the same number of examples"
+            f"x and y must share the leading (example) axis, got {', '.join(listed[:6])}"
+            f"{more}; slice them to the same number of examples"
         )
     n = next(iter(sizes.values()))
     if n == 0:

@@ -1,0 +1,190 @@
+"""Data from the loaders users already have: torch tensors (read through `Tensor.numpy()`,
+never numpy's `__array__`), lists that mix kinds of batches, and Python containers where
+arrays belong, each refused with the fix in its message (one message, not one per number).
+
+`torch` is an optional extra; the tensor tests use a stand-in with the few methods
+fuseloop reads of a tensor, whose `__array__` fails the test if it is used. A test on
+the real torch runs where it is installed."""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+import warnings
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fuseloop as fl
+from conftest import assert_tree_equal, make_batches, trainer
+
+
+class _Tensor:
+    """What fuseloop reads of a `torch.Tensor`: `detach().cpu()...numpy()`, `view(int16)`
+    for bfloat16. Reading it through numpy's protocol (`np.asarray(tensor)`, which warns
+    under numpy 2 and fails for bfloat16 or a tensor requiring grad) fails the test."""
+
+    def __init__(self, values: np.ndarray, dtype: str = "float32"):
+        self.values, self.dtype = values, dtype
+        self.detached = False
+
+    def detach(self) -> _Tensor:
+        copy = _Tensor(self.values, self.dtype)
+        copy.detached = True
+        return copy
+
+    def cpu(self) -> _Tensor:
+        return self
+
+    def resolve_conj(self) -> _Tensor:
+        return self
+
+    def resolve_neg(self) -> _Tensor:
+        return self
+
+    def view(self, dtype: str) -> _Tensor:
+        assert dtype == "int16" and self.dtype == "bfloat16"
+        bits = _Tensor(self.values.view(np.int16), "int16")
+        bits.detached = self.detached
+        return bits
+
+    def numpy(self) -> np.ndarray:
+        assert self.detached, "a tensor that requires grad has no numpy() before detach()"
+        return self.values
+
+    def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        raise AssertionError("read through numpy's __array__ protocol")
+
+
+@pytest.fixture
+def fake_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = types.SimpleNamespace(Tensor=_Tensor, bfloat16="bfloat16", int16="int16")
+    monkeypatch.setitem(sys.modules, "torch", torch)
+
+
+def _tensors(batches: list[Any], dtype: str = "float32") -> list[Any]:
+    return [(_Tensor(x, dtype), _Tensor(y, "int32")) for x, y in batches]
+
+
+@pytest.mark.usefixtures("fake_torch")
+@pytest.mark.parametrize("fuse", [False, 3])
+def test_tensor_batches_train_as_their_numpy_values_in_any_kind_of_source(fuse):
+    batches = make_batches(6)
+    reference = trainer().run(batches, fuse=fuse)
+    mixed = batches[:2] + _tensors(batches[2:3]) + batches[3:]  # numpy first, then a tensor
+    for data in (_tensors(batches), mixed, lambda: iter(_tensors(batches))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # numpy 2 warns on a tensor's __array__
+            state = trainer().run(data, fuse=fuse)
+        assert_tree_equal(state.step_state, reference.step_state, "step_state")
+
+
+@pytest.mark.usefixtures("fake_torch")
+def test_bfloat16_tensors_arrive_as_jaxs_bfloat16_bit_for_bit():
+    batches = [(x.astype(jnp.bfloat16), y) for x, y in make_batches(4)]
+    as_bits = [(x.view(np.int16), y) for x, y in batches]
+    tensors = [(_Tensor(bits.view(jnp.bfloat16), "bfloat16"), y) for bits, y in as_bits]
+    reference = trainer().run(batches, fuse=False)
+    state = trainer().run(lambda: iter(tensors), fuse=False)
+    assert_tree_equal(state.step_state, reference.step_state, "step_state")
+
+
+def test_real_torch_tensors_bfloat16_and_requiring_grad_train():
+    torch = pytest.importorskip("torch")
+    batches = make_batches(4)
+    reference = trainer().run(batches, fuse=False)
+    tensors = [
+        (torch.from_numpy(x.copy()).requires_grad_(), torch.from_numpy(y)) for x, y in batches
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        state = trainer().run(lambda: iter(tensors), fuse=False)
+    assert_tree_equal(state.step_state, reference.step_state, "step_state")
+    bf16 = [(torch.from_numpy(x).bfloat16(), torch.from_numpy(y)) for x, y in batches]
+    bf16_reference = trainer().run([(x.astype(jnp.bfloat16), y) for x, y in batches])
+    state = trainer().run(lambda: iter(bf16), fuse=False)
+    assert_tree_equal(state.step_state, bf16_reference.step_state, "step_state")
+
+
+def test_a_leaf_that_cannot_become_an_array_is_placed_in_a_note():
+    class Opaque:
+        def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
+            raise RuntimeError("cannot export")
+
+    batches = make_batches(3)
+    data = lambda: iter(batches[:2] + [(Opaque(), batches[2][1])])  # noqa: E731
+    with pytest.raises(RuntimeError, match="cannot export") as caught:
+        trainer().run(data, fuse=False)
+    notes = " ".join(caught.value.__notes__)
+    assert "converting a leaf of the batch for epoch 0, iteration 2" in notes
+
+
+def test_a_map_style_dataset_is_told_to_go_through_a_loader():
+    class Indexed:  # torch's map-style Dataset: examples by index, no __iter__
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+            return np.zeros(3, np.float32), 0
+
+    with pytest.raises(ValueError, match=r"indexed by example .*DataLoader\(data, batch_size"):
+        trainer().run(Indexed())
+
+
+# --------------------------------------------------------------- Python containers
+def _xy(n: int = 40) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 3)).astype(np.float32), rng.integers(0, 3, n).astype(np.int32)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda x, y: (list(x), y), r"^x is a Python list of 40 ndarrays .*: np\.stack\(x\)$"),
+        (
+            lambda x, y: ([{"a": row} for row in x], y),
+            r"^x is a Python list of 40 dicts .*np\.stack\(\[r\[k\] for r in x\]\)",
+        ),
+        (
+            lambda x, y: ({"a": x, "ids": list(range(40))}, y),
+            r"^x\['ids'\] is a Python list of numbers.*np\.asarray\(x\['ids'\]",
+        ),
+        (lambda x, y: ({"a": x.tolist()}, y), r"^x\['a'\] is a Python list of numbers"),
+        (lambda x, y: (x, {"y": y.tolist()}), r"^y\['y'\] is a Python list of numbers"),
+    ],
+)
+def test_arrays_given_python_containers_name_the_container_and_the_fix(make, message):
+    x, y = make(*_xy())
+    with pytest.raises(ValueError, match=message) as caught:
+        fl.data.arrays(x, y, batch_size=8)
+    assert len(str(caught.value)) < 300  # not every row's size, nor every number
+
+
+def test_arrays_of_many_leaves_that_disagree_list_a_few():
+    x, y = _xy()
+    many = {f"f{i}": x[: 30 if i == 0 else 40] for i in range(20)}
+    with pytest.raises(ValueError, match=r"must share the leading .*, and 15 more; slice"):
+        fl.data.arrays(many, y, batch_size=8)
+
+
+@pytest.mark.parametrize("nested", ["list", "ids"])
+def test_a_batch_holding_a_python_list_is_one_message_naming_it(nested):
+    x, y = _xy(16)
+    given = {"a": x.tolist()} if nested == "list" else {"a": x, "ids": list(range(16))}
+    path = "x['a']" if nested == "list" else "x['ids']"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no float64 warning listing every number first
+        with pytest.raises(ValueError, match=rf"{re.escape(path)} is a Python list of") as caught:
+            trainer().run([(given, y)])
+    assert len(str(caught.value)) < 400
+
+
+def test_rows_held_as_python_objects_are_told_to_be_stacked():
+    rows = np.empty(8, object)  # a pandas Series of row arrays: .values
+    rows[:] = [np.ones(3, np.float32)] * 8
+    source = fl.data.arrays(rows, np.arange(8, dtype=np.int32) % 3, batch_size=4)
+    with pytest.raises(ValueError, match=r"arrays held as Python objects.*np\.stack\(x\)"):
+        trainer().run(source)
