@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import fuseloop as fl
-from conftest import assert_tree_equal, make_batches, trainer
+from conftest import assert_tree_equal, make_batches, tiny_mlp, trainer
 
 
 class _Tensor:
@@ -30,6 +30,14 @@ class _Tensor:
     def __init__(self, values: np.ndarray, dtype: str = "float32"):
         self.values, self.dtype = values, dtype
         self.detached = False
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.values.ndim
 
     def detach(self) -> _Tensor:
         copy = _Tensor(self.values, self.dtype)
@@ -90,6 +98,16 @@ def test_bfloat16_tensors_arrive_as_jaxs_bfloat16_bit_for_bit():
     reference = trainer().run(batches, fuse=False)
     state = trainer().run(lambda: iter(tensors), fuse=False)
     assert_tree_equal(state.step_state, reference.step_state, "step_state")
+
+
+@pytest.mark.usefixtures("fake_torch")
+def test_predict_reads_tensors_as_training_does():
+    batches = make_batches(3)
+    state = trainer().run(batches)
+    model = tiny_mlp()
+    reference = fl.predict(model, state.params, [x for x, _ in batches])
+    for given in ([_Tensor(x) for x, _ in batches], _tensors(batches)):
+        np.testing.assert_array_equal(fl.predict(model, state.params, given), reference)
 
 
 def test_real_torch_tensors_bfloat16_and_requiring_grad_train():

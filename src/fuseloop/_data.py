@@ -22,7 +22,7 @@ import numpy as np
 
 from ._warn import warn
 
-__all__ = ["as_source", "Source", "warn_left_out"]
+__all__ = ["as_host_array", "as_source", "Source", "warn_left_out"]
 
 
 def warn_left_out(data: Any, who: str, where: str, fix: str) -> None:
@@ -234,7 +234,9 @@ def _arrays_only(batch: Any) -> bool:
     return all(map(_is_array, jax.tree.leaves(batch)))
 
 
-def _as_array(leaf: Any) -> Any:
+def as_host_array(leaf: Any) -> Any:
+    """`leaf` as an array: jax and numpy arrays as they are, a torch tensor by its values
+    (`_torch_numpy`), anything else through `np.asarray`."""
     if _is_array(leaf):
         return leaf
     tensor = _torch_numpy(leaf)
@@ -267,10 +269,10 @@ def _torch_numpy(leaf: Any) -> np.ndarray | None:
 
 
 def _converted(batch: Any, source: Source, iteration: int, convert: Any = None) -> Any:
-    """`batch` with every leaf an array (by `convert`, default `_as_array`); a leaf that
+    """`batch` with every leaf an array (by `convert`, default `as_host_array`); a leaf that
     cannot be is told in the error's note, with the batch's epoch and iteration."""
     try:
-        return jax.tree.map(_as_array, batch) if convert is None else convert(batch)
+        return jax.tree.map(as_host_array, batch) if convert is None else convert(batch)
     except Exception as error:
         error.add_note(
             f"fuseloop: raised converting a leaf of the batch for epoch {source.epoch}, "

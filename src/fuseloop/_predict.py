@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from ._arg_types import is_int
+from ._data import as_host_array
 from ._metrics import batch_size
 from ._model_fit import ModelFit, abstract
 from ._narrowing import Narrowing, native_order
@@ -157,8 +158,12 @@ def _inputs_of_source(source: Any) -> tuple[Any, int, bool]:
             "x: the batch source's batches have no batch axis; yield arrays (or (x, y) "
             "pairs) with the examples on axis 0"
         )
-    joined = jax.tree.map(lambda *parts: np.concatenate([np.asarray(p) for p in parts]), *inputs)
+    joined = jax.tree.map(lambda *parts: np.concatenate(list(map(_host, parts))), *inputs)
     return joined, size, pairs
+
+
+def _host(leaf: Any) -> np.ndarray:
+    return np.asarray(as_host_array(leaf))  # a torch tensor through Tensor.numpy()
 
 
 def _example_count(x: Any) -> int:
@@ -189,7 +194,7 @@ def _device_inputs(inputs: Any) -> Any:
     (64-bit mode off). The values are read only for 64-bit integer leaves."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(inputs)
     names = ["x" + jax.tree_util.keystr(path) for path, _ in flat]
-    leaves = [native_order(np.asarray(leaf)) for _, leaf in flat]
+    leaves = [native_order(_host(leaf)) for _, leaf in flat]
     narrowing = Narrowing()  # one per call, as one per run: the float64 warning once
     narrowing.warn_float64(names, leaves, source="fl.predict")
     narrowing.check_ints(names, leaves, "", source="fl.predict")

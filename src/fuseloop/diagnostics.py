@@ -23,7 +23,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import re
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._hlo import count_fusions
 from ._loop import Loop
 from ._state import State
 from ._step import init_tail
@@ -56,24 +56,6 @@ __all__ = [
     "DEFAULT_MAX_CHUNK",
     "DEFAULT_TOLERANCE",
 ]
-
-# An HLO instruction whose opcode is `fusion`: `%name = <type> fusion(<operands>), ...`.
-_FUSION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\sfusion\(", re.MULTILINE)
-
-
-def count_fusions(hlo_text: str) -> int:
-    """Counts the `fusion` instructions in optimized HLO text (`compiled.as_text()`).
-
-    Example:
-        >>> import jax, jax.numpy as jnp
-        >>> f = jax.jit(lambda a: jnp.tanh(a + 1.0) * 2.0)
-        >>> count_fusions(f.lower(jnp.ones(4)).compile().as_text()) >= 1
-        True
-    """
-    if not isinstance(hlo_text, str):
-        msg = f"count_fusions takes HLO text (str), got {type(hlo_text).__name__}: pass "
-        raise TypeError(msg + "`jax.jit(f).lower(*args).compile().as_text()`")
-    return len(_FUSION.findall(hlo_text))
 
 
 # --------------------------------------------------------------------------- fuse="auto"
