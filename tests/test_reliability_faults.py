@@ -384,6 +384,26 @@ def test_arrays_a_handler_returns_are_not_the_ones_donated():
     readable(result.step_state)
 
 
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_a_state_kept_from_a_handler_is_refused_by_name_once_its_arrays_are_gone(fuse, tmp_path):
+    kept: list[fl.State] = []
+    plain_loop = fl.trainer(tiny_mlp(), SPARSE, "adam")
+    loop = plain_loop.handle_event("epoch_completed", kept.append)
+    loop.run(make_batches(4), epochs=2, fuse=fuse)
+    gone = kept[0]  # its arrays were donated to the next epoch's steps
+    assert any(leaf.is_deleted() for leaf in jax.tree.leaves(gone.step_state))
+    x = make_batches(1)[0][0]
+    for call, argument in [
+        (lambda: plain_loop.run(make_batches(4), gone, epochs=3), "init_state"),
+        (lambda: plain_loop.run(make_batches(4), gone.params, epochs=1), "init_state"),
+        (lambda: fl.predict(tiny_mlp(), gone, x), "variables_or_state"),
+        (lambda: fl.save_state(gone, tmp_path / "kept"), "state"),
+    ]:
+        with pytest.raises(ValueError, match=rf"^{argument} holds arrays that were deleted"):
+            call()
+    assert not (tmp_path / "kept").exists()
+
+
 # The guard with no iteration handler reads its flag once per epoch, not once per chunk:
 # the bad step can be anywhere in a chunk, or the epoch's last.
 @pytest.mark.parametrize("bad_at", [0, 5, 7, 8, 11])

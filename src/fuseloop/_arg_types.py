@@ -10,9 +10,10 @@ import os
 from pathlib import Path
 from typing import Any, TypeGuard
 
+import jax
 import numpy as np
 
-__all__ = ["is_int", "refuse_signature", "user_path"]
+__all__ = ["is_int", "refuse_deleted_arrays", "refuse_signature", "user_path"]
 
 
 def is_int(value: Any) -> TypeGuard[int | np.integer[Any]]:
@@ -85,3 +86,28 @@ def refuse_signature(fn: Any, argument: str, form: str) -> None:
         raise ValueError(
             f"{argument}={name}{signature} cannot be called as {form} ({error}). {fix}"
         ) from None
+
+
+def refuse_deleted_arrays(tree: Any, argument: str) -> None:
+    """Raises a ValueError where a device array of `tree` was deleted: a State (or its
+    params) kept from inside a run, whose buffers the run's next chunk reused (donated).
+    JAX would say only "Array has been deleted", from deep inside the call.
+
+    Example:
+        >>> a = jax.numpy.ones(2)
+        >>> a.delete()
+        >>> refuse_deleted_arrays({"w": a}, "init_state")
+        Traceback (most recent call last):
+        ...
+        ValueError: init_state holds arrays that were deleted: ...
+    """
+    leaves = jax.tree.leaves(tree)
+    if not any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in leaves):
+        return
+    raise ValueError(
+        f"{argument} holds arrays that were deleted: a State a handler kept from inside a "
+        f"run shares the arrays the run's next steps reuse (donate), so they are gone once "
+        f"the run moves on. Keep a copy in the handler, jax.tree.map(np.array, "
+        f"state.step_state) or jax.tree.map(np.array, state.params), or use the State "
+        f"the run returns"
+    )

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._arg_types import user_path
+from ._arg_types import refuse_deleted_arrays, user_path
 from ._json_tree import decode, encode
 from ._state import State
 
@@ -280,6 +280,7 @@ def save_state(state: State, path: str | os.PathLike[str]) -> Path:
     """
     if not isinstance(state, State):
         raise ValueError(f"state={type(state).__name__} must be a fuseloop State")
+    refuse_deleted_arrays(state.step_state, "state")
     path = user_path(path).absolute()
     if not path.exists():
         return write_save(state, path)

@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ._arg_types import is_int, refuse_signature
+from ._arg_types import is_int, refuse_deleted_arrays, refuse_signature
 from ._metrics import ACCUMULATORS, ALIASES, METRICS
 from ._population import refuse_population
 from ._state import State
@@ -135,6 +135,7 @@ def check_init_state(init_state: Any, kind: str = "custom", population: Any = No
             "step, by Ctrl-C or an error while it started, leaves none): run without it to "
             "start afresh"
         )
+    refuse_deleted_arrays(getattr(init_state, "step_state", init_state), "init_state")
     if is_int(init_state) and kind in _STARTS_FROM:
         raise ValueError(f"init_state={init_state!r} is an integer, but {_STARTS_FROM[kind]}")
     if kind != "trainer" and population is None:

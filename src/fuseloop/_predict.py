@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._arg_types import is_int
+from ._arg_types import is_int, refuse_deleted_arrays
 from ._data import as_host_array
 from ._metrics import batch_size
 from ._model_fit import ModelFit, abstract
@@ -266,6 +266,7 @@ def predict(
             if variables_or_state is not None
             else "variables_or_state=None: pass the trained variables, or the State a run returned"
         )
+    refuse_deleted_arrays(variables, "variables_or_state")
     _require_examples_axis(x)
     per_chunk = _chunk_size(fuse)
     if _is_array_tree(x):
