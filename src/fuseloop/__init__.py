@@ -8,6 +8,11 @@ Example:
     >>> import fuseloop as fl, optax
     >>> loop = fl.trainer(fl.models.mlp([32, 10]), "sparse_categorical_cross_entropy",
     ...                   optax.adam(1e-3))
+
+The examples in fuseloop's docstrings take these names as given (as numpy's take `np`):
+`fl`, `np`, `jnp`, `jax`, `optax`; `model = fl.models.mlp([8, 3])`; `loop =
+fl.trainer(model, "sparse_categorical_cross_entropy", optax.sgd(0.1))`; `batches`, a list
+of 4 `(x float32[8, 4], y int32[8])` pairs with labels in 0..2, and `val_batches`, 2 more.
 """
 
 from . import _distributed
