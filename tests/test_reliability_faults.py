@@ -392,6 +392,7 @@ def test_a_state_kept_from_a_handler_is_refused_by_name_once_its_arrays_are_gone
     loop.run(make_batches(4), epochs=2, fuse=fuse)
     gone = kept[0]  # its arrays were donated to the next epoch's steps
     assert any(leaf.is_deleted() for leaf in jax.tree.leaves(gone.step_state))
+    assert " deleted (reused by the run after this State was kept)>" in repr(gone)
     x = make_batches(1)[0][0]
     for call, argument in [
         (lambda: plain_loop.run(make_batches(4), gone, epochs=3), "init_state"),

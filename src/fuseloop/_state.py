@@ -202,7 +202,10 @@ def _size_of(tree: Any) -> str:
     import jax
 
     leaves = jax.tree.leaves(tree)
-    return f"<{len(leaves)} arrays, {sum(int(getattr(a, 'size', 1)) for a in leaves):,} values>"
+    gone = sum(isinstance(a, jax.Array) and a.is_deleted() for a in leaves)
+    deleted = f", {gone} deleted (reused by the run after this State was kept)" if gone else ""
+    values = sum(int(getattr(a, "size", 1)) for a in leaves)
+    return f"<{len(leaves)} arrays, {values:,} values{deleted}>"
 
 
 def _same_tree(a: Any, b: Any) -> bool:
