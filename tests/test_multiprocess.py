@@ -138,6 +138,13 @@ _UNITS = textwrap.dedent("""
         result[name] = {"params": params(trained), "resumed": params(resumed),
                         "history": {str(k): v for k, v in trained.history.items()},
                         "status": trained.status, "epoch": trained.epoch}
+        if name == "fused":  # an observer runs on process 0; predict reads the params here
+            observed = []
+            watched = trainer.observe("completed", lambda s: observed.append("main")).observe(
+                "completed", dist.all_processes(lambda s: observed.append("all")))
+            watched.run(data, resumed, epochs=4, fuse=fuse, mesh=mesh)
+            result["observed"] = observed
+            result["predicted"] = np.asarray(fl.predict(model, trained, x[:5])).tolist()
     for name, (n, drop_remainder, fuse) in RESIDENT_CASES.items():
         data = resident_source(n, drop_remainder)
         trained = resident_trainer.run(data, epochs=3, fuse=fuse, mesh=mesh)
@@ -264,6 +271,45 @@ def test_a_configuration_difference_is_named_on_every_process(two_processes):
 def test_side_effects_run_on_process_0_unless_marked(two_processes):
     _, seen = two_processes
     assert [s["calls"] for s in seen] == [["main", "all"], ["all"]]
+    assert [s["observed"] for s in seen] == [["main", "all"], ["all"]]  # Loop.observe
+
+
+def test_observers_the_library_attaches_to_start_its_handlers_run_on_every_process(
+    monkeypatch, tmp_path
+):
+    """Each process holds its own early stop and checkpoint, started by an observer of
+    `started`: as observers default to process 0, those are marked to run everywhere."""
+    from fuseloop import _distributed as dist
+
+    monkeypatch.setattr(jax, "process_index", lambda: 1)  # as process 1 sees it
+    seen: list[str] = []
+    loop = (
+        fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "adam")
+        .early_stop("loss", patience=1, restore_best=True)
+        .checkpoint(str(tmp_path / "ck"))
+        .observe("started", lambda s: seen.append("user"), name="user")
+    )
+    starts = {r.label: r.handler for r in loop.registrations if r.event.value == "started"}
+    assert starts["user"](None) is None and seen == []  # a user's observer: process 0 only
+    for label in ("early_stop:begin", "checkpoint:start"):
+        assert dist.runs_on_all_processes(starts[label]), label
+
+
+def test_a_host_fed_short_last_batch_is_refused_before_its_epochs_first_batch(monkeypatch):
+    """Under several processes: at the epoch's first batch, not after training the rest."""
+    x, y = np.zeros((250, 4), np.float32), np.zeros(250, np.int32)
+    source = fl.data.arrays(x, y, batch_size=32, drop_remainder=False, shuffle=False)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"short last batch \(26 examples.*device=True"):
+        next(iter(source.iter_epoch(0)))
+    even = fl.data.arrays(x[:240], y[:240], batch_size=24, drop_remainder=False)
+    assert len(list(even.iter_epoch(0))) == 10  # no short batch: nothing refused
+
+
+def test_predict_after_a_run_over_two_processes_reads_the_replicated_params(two_processes):
+    _, seen = two_processes  # it raised JAX's "fully addressable" device_put error
+    assert np.shape(seen[0]["predicted"]) == (5, 3)
+    assert seen[0]["predicted"] == seen[1]["predicted"]
 
 
 def test_saves_are_collective(two_processes):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ._data import warn_left_out
+from ._distributed import main_process_only
 from ._events import Registration, make_filter, normalize_event
 from ._loop_args import (
     check_accumulate,
@@ -147,22 +148,21 @@ class Loop(HandlerBuilders):
         the State, so it never ends a multi-epoch dispatch (`run(fuse="run")`); its events
         are replayed after the dispatch, in the unfused order, with each epoch's own
         metrics. Inside a replayed epoch `state.step_state` is None, as in the iteration
-        events of a fused loop (docs/design.md §9).
+        events of a fused loop (docs/design.md §9). With several processes it runs on
+        process 0 only, unless marked with `fl.all_processes`.
 
         Example:
-            >>> import fuseloop as fl, numpy as np, optax
             >>> seen = []
-            >>> loop = fl.trainer(fl.models.mlp([4, 2]), "sparse_categorical_cross_entropy",
-            ...                   optax.sgd(0.1)).observe("epoch_completed",
-            ...                                           lambda s: seen.append(s.epoch))
-            >>> data = fl.data.arrays(np.ones((8, 3), np.float32), np.zeros(8, np.int32),
+            >>> watched = loop.observe("epoch_completed", lambda s: seen.append(s.epoch))
+            >>> data = fl.data.arrays(np.ones((8, 4), np.float32), np.zeros(8, np.int32),
             ...                       batch_size=4, device=True)
-            >>> loop.run(data, epochs=3, fuse="run").stats["dispatches"], seen
+            >>> watched.run(data, epochs=3, fuse="run").stats["dispatches"], seen
             (1, [0, 1, 2])
         """
         event = normalize_event(event)
         check_handler(fn, "fn", "None")
-        registration = Registration(event, fn, make_filter(filter), name, observes=True)
+        handler = main_process_only(fn)  # side effects once (docs/distributed.md)
+        registration = Registration(event, handler, make_filter(filter), name, observes=True)
         return self._with(registrations=self.registrations + (registration,))
 
     def _as_observers(self, before: int) -> Loop:

@@ -58,12 +58,12 @@ class HandlerBuilders:
             epoch 0
             epoch 1
         """
-        from ._distributed import main_process_only, runs_on_all_processes
+        from ._distributed import all_processes, runs_on_all_processes
         from .handlers.log import Writer
 
         writer: Callable[[State], Any] = Writer(fn, stream)
-        if not runs_on_all_processes(fn):  # process 0 writes, unless fn asks for all
-            writer = main_process_only(writer)
+        if runs_on_all_processes(fn):  # an observer writes on process 0, unless fn asks
+            writer = all_processes(writer)
         return self.observe(event, writer, filter, name="log")
 
     def early_stop(
@@ -97,7 +97,8 @@ class HandlerBuilders:
         )
         built = self.handle_event("epoch_completed", stopper, name="early_stop")
         if restore_best:  # however the run ends, it ends on the best epoch's step state
-            built = built.observe("started", stopper.begin, name="early_stop:begin")
+            begin = _everywhere(stopper.begin)
+            built = built.observe("started", begin, name="early_stop:begin")
             built = built.handle_event("completed", stopper.on_end, name="early_stop:restore")
             built = built.handle_event("halted", stopper.on_end, name="early_stop:restore")
         return built
@@ -173,7 +174,7 @@ class HandlerBuilders:
         key = self._metadata_key(f"checkpoint:{criteria}") if criteria is not None else ""
         saver = Checkpointer(path, criteria, mode, keep, key=key, asynchronous=asynchronous)
         # A Loop may run again: each run starts the saver afresh (`Checkpointer.begin`).
-        loop = self.observe("started", saver.begin, name="checkpoint:start")
+        loop = self.observe("started", _everywhere(saver.begin), name="checkpoint:start")
         loop = loop.handle_event(event, saver, filter, name="checkpoint")
         if criteria is None and normalize_event(event) != Event.HALTED:
             # A halted run (early stop, a signal) also saves its final State: the epoch's
@@ -257,3 +258,10 @@ def _before_restores(loop: Any) -> Any:
     )
     registrations.insert(at, last)
     return loop._with(registrations=tuple(registrations))
+
+
+def _everywhere(begin: Callable[[State], None]) -> Callable[[State], None]:
+    """A handler's start of run, observed on every process: each holds its own handler."""
+    from ._distributed import all_processes
+
+    return all_processes(begin)

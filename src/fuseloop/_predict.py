@@ -162,6 +162,20 @@ def _inputs_of_source(source: Any) -> tuple[Any, int, bool]:
     return joined, size, pairs
 
 
+def _local(leaf: Any) -> Any:
+    """A leaf this process can place: after a run over several processes the params span
+    every process's devices, each holding them whole (replicated); predict runs here."""
+    if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:
+        return leaf
+    if leaf.is_fully_replicated:
+        return leaf.addressable_data(0)
+    raise ValueError(
+        f"variables_or_state: a leaf of shape {leaf.shape} is split over the processes' "
+        f"devices, and predict runs on this process's devices; gather it first, e.g. "
+        f"jax.experimental.multihost_utils.process_allgather(leaf, tiled=True)"
+    )
+
+
 def _host(leaf: Any) -> np.ndarray:
     return np.asarray(as_host_array(leaf))  # a torch tensor through Tensor.numpy()
 
@@ -285,7 +299,7 @@ def predict(
     lead = 1 if members else 0  # a population's outputs keep the member axis first
     outputs: list[Any] = []
     # Moved explicitly, as a run moves its batches: allowed under a transfer guard.
-    variables = jax.device_put(variables)
+    variables = jax.device_put(jax.tree.map(_local, variables))
     for chunk, live in _padded_chunks(inputs, n, size, per_chunk):
         try:
             result = program(variables, jax.device_put(chunk))

@@ -22,6 +22,7 @@ __all__ = [
     "local_rows",
     "place_rows",
     "process_block",
+    "refuse_short_batch",
     "row_sharded",
     "take_rows",
 ]
@@ -105,16 +106,28 @@ def local_indices(
     """
     if jax.process_count() == 1:
         return global_indices
-    if len(global_indices) != batch_size:
-        raise ValueError(
-            f"data: the short last batch ({len(global_indices)} examples, drop_remainder="
-            f"False) cannot be fed from the host by {jax.process_count()} processes, each "
-            f"of which feeds its equal share of batch_size={batch_size}; pass device=True "
-            f"(fl.data.arrays(..., device=True) splits a short last batch over the devices "
-            f"when it divides), or drop_remainder=True"
-        )
+    refuse_short_batch(len(global_indices), batch_size)
     rows = process_block(batch_size) if sharding is None else local_rows(sharding, batch_size)
     return global_indices[rows]
+
+
+def refuse_short_batch(size: int, batch_size: int) -> None:
+    """Refuses a host-fed batch of `size` examples, short of `batch_size`, under several
+    processes: each feeds an equal share of every global batch. An `fl.data.arrays`
+    dataset asks before its epoch's first batch, not at its last (after training the rest).
+
+    Example:
+        >>> refuse_short_batch(26, 32)  # one process: a short batch is fed as it is
+    """
+    if jax.process_count() == 1 or size == batch_size:
+        return
+    raise ValueError(
+        f"data: the short last batch ({size} examples, drop_remainder=False) cannot be fed "
+        f"from the host by {jax.process_count()} processes, each of which feeds its equal "
+        f"share of batch_size={batch_size}; pass device=True (fl.data.arrays(..., "
+        f"device=True) splits a short last batch over the devices when it divides), or "
+        f"drop_remainder=True"
+    )
 
 
 def assemble_global(local_tree: Any, sharding: jax.sharding.Sharding) -> Any:

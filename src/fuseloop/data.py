@@ -25,7 +25,7 @@ from ._arg_types import is_int
 from ._batch_checks import no_device_dtype, refuse_per_example_lists, refuse_python_list
 from ._epoch_order import EpochOrder, checked_epoch, order_key
 from ._narrowing import native_copy
-from ._shards import local_indices, place_rows
+from ._shards import local_indices, place_rows, refuse_short_batch
 
 __all__ = ["arrays", "ArraySource"]
 
@@ -251,6 +251,7 @@ class ArraySource:
             >>> [y.tolist() for _, y in s.iter_epoch(5)]
             [[0, 1, 2], [3, 4, 5]]
         """
+        refuse_short_batch(self.n - (self.num_batches - 1) * self.batch_size, self.batch_size)
         order = self.order(epoch)
         for b in range(self.num_batches):
             index = order[b * self.batch_size : (b + 1) * self.batch_size]
