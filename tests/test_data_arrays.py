@@ -404,3 +404,27 @@ def test_a_loop_reused_over_many_device_sources_keeps_none_of_them_alive(fuse):
         assert [ref() for ref in gone] == [None, None, None]
     finally:
         gc.enable()
+
+
+# --------------------------------------------------------------------- host orders
+@pytest.mark.parametrize("n", [1, 2, 37, 1625, 1626, 4099])  # one round of keys to 1625, then 2
+def test_the_host_order_is_jaxs_permutation_for_any_size(n):
+    """The host sorts JAX's keys itself (XLA's sort is slow on a CPU): the same order."""
+    source = fl.data.arrays(np.zeros((n, 1), np.float32), np.zeros(n, np.int32), 1, seed=5)
+    for epoch in (0, 7):
+        order = source.order(epoch)
+        assert order.dtype == np.int32
+        np.testing.assert_array_equal(order, _expected_order(5, epoch, n))
+
+
+def test_where_the_hosts_sort_would_differ_the_host_takes_jaxs_permutation(monkeypatch):
+    from fuseloop import _epoch_order
+
+    n = 33  # a size no other test uses, so its verdict is made here
+    monkeypatch.setattr(_epoch_order, "_AGREES", {})
+    reversed_keys = lambda size: lambda key, epoch: -jnp.arange(size, dtype=jnp.uint32)[None]  # noqa: E731
+    monkeypatch.setattr(_epoch_order, "_sort_keys", reversed_keys)  # keys JAX would not draw
+    source = fl.data.arrays(np.zeros((n, 1), np.float32), np.zeros(n, np.int32), 1, seed=2)
+    for epoch in (0, 1):
+        np.testing.assert_array_equal(source.order(epoch), _expected_order(2, epoch, n))
+    assert list(_epoch_order._AGREES.values()) == [False]

@@ -62,10 +62,28 @@ class EpochOrder:
         return order.astype(jnp.int32)
 
     def host_order(self, epoch: int) -> np.ndarray:
-        """`permutation` of `epoch` read back to the host (the library's own transfers and
-        read, allowed under any transfer guard)."""
+        """`permutation` of `epoch` on the host (the library's own transfers and read,
+        allowed under any transfer guard).
+
+        JAX's permutation sorts the examples by random keys, a round or two of them, and
+        XLA's sort on a CPU takes about 15 ms per round for 60,000 keys (numpy: under 1).
+        So the keys are drawn by JAX, as its permutation draws them, and sorted here: the
+        same order, bit for bit, checked against JAX's own once per dataset size and PRNG
+        kind (docs/design.md §6, "Epoch orders on the host").
+        """
         with jax.transfer_guard("allow"):
-            return np.asarray(self.permutation(self.key(), epoch))
+            if not self.shuffle:
+                return np.arange(self.n, dtype=np.int32)
+            check = (self.n, prng_config())
+            if _AGREES.get(check) is False:  # JAX shuffles otherwise: its own order
+                return np.asarray(self.permutation(self.key(), epoch))
+            order = _sorted_by_keys(_sort_keys(self.n)(self.key(), np.int32(epoch)))
+            if check not in _AGREES:
+                _AGREES[check] = bool(
+                    np.array_equal(order, np.asarray(self.permutation(self.key(), epoch)))
+                )
+                return self.host_order(epoch)
+            return order
 
     def whole_batches(self, key: Any, epoch: Any) -> jax.Array:
         """`int32[n // batch_size, batch_size]`: the examples of each whole batch."""
@@ -87,6 +105,41 @@ class EpochOrder:
         tail = self.permutation(key, epoch)[whole.size :]
         padded = jnp.concatenate([tail, jnp.full(self.batch_size - remainder, tail[0])])
         return jnp.concatenate([whole, padded[None]], axis=0)
+
+
+# Whether the host's sort of JAX's keys gives JAX's permutation, by (n, prng_config()).
+_AGREES: dict[tuple[Any, ...], bool] = {}
+
+
+@functools.lru_cache(maxsize=16)
+def _sort_keys(n: int) -> Any:
+    """A program drawing the random keys `jax.random.permutation(fold_in(key, epoch), n)`
+    sorts by, one row per round, as JAX draws them: each round splits its key and draws 32
+    bits per example; the rounds make ties between examples' keys unlikely."""
+    rounds = int(np.ceil(3 * np.log(max(1, n)) / np.log(np.iinfo(np.uint32).max)))
+
+    def draw(key: Any, epoch: Any) -> jax.Array:
+        key, rows = jax.random.fold_in(key, epoch), []
+        for _ in range(rounds):
+            key, sub = jax.random.split(key)
+            rows.append(jax.random.bits(sub, (n,), jnp.uint32))
+        return jnp.stack(rows) if rows else jnp.zeros((0, n), jnp.uint32)
+
+    return jax.jit(draw)
+
+
+def _sorted_by_keys(keys: Any) -> np.ndarray:
+    """`0..n-1` reordered by each round's keys in turn (a key per position), stably, as
+    `lax.sort_key_val` reorders it."""
+    keys = np.asarray(keys)
+    order = np.arange(keys.shape[1], dtype=np.int32)
+    positions = np.arange(keys.shape[1], dtype=np.uint64)
+    for row in keys:
+        # Each key with its position below it: distinct numbers, whose plain sort (SIMD,
+        # 6x numpy's stable argsort) is the stable order of the keys.
+        tagged = (row.astype(np.uint64) << np.uint64(32)) | positions
+        order = order[(np.sort(tagged) & np.uint64(0xFFFFFFFF)).astype(np.int64)]
+    return order
 
 
 @functools.lru_cache(maxsize=64)
