@@ -89,9 +89,10 @@ def refuse_signature(fn: Any, argument: str, form: str) -> None:
 
 
 def refuse_deleted_arrays(tree: Any, argument: str) -> None:
-    """Raises a ValueError where a device array of `tree` was deleted: a State (or its
-    params) kept from inside a run, whose buffers the run's next chunk reused (donated).
-    JAX would say only "Array has been deleted", from deep inside the call.
+    """Raises a RuntimeError (as JAX's own) where a device array of `tree` was deleted:
+    most often a State (or its params) kept from inside a run, whose buffers the run's
+    next chunk reused (donated). JAX would say only "Array has been deleted", from deep
+    inside the call.
 
     Example:
         >>> a = jax.numpy.ones(2)
@@ -99,15 +100,15 @@ def refuse_deleted_arrays(tree: Any, argument: str) -> None:
         >>> refuse_deleted_arrays({"w": a}, "init_state")
         Traceback (most recent call last):
         ...
-        ValueError: init_state holds arrays that were deleted: ...
+        RuntimeError: init_state holds arrays that were deleted: ...
     """
     leaves = jax.tree.leaves(tree)
     if not any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in leaves):
         return
-    raise ValueError(
+    raise RuntimeError(
         f"{argument} holds arrays that were deleted: a State a handler kept from inside a "
         f"run shares the arrays the run's next steps reuse (donate), so they are gone once "
-        f"the run moves on. Keep a copy in the handler, jax.tree.map(np.array, "
-        f"state.step_state) or jax.tree.map(np.array, state.params), or use the State "
-        f"the run returns"
+        f"the run moves on (or they were deleted or donated elsewhere). Keep a copy in the "
+        f"handler, jax.tree.map(np.array, state.step_state) or jax.tree.map(np.array, "
+        f"state.params), or use the State the run returns"
     )
