@@ -190,6 +190,8 @@ def test_device_indices_take_a_typed_key_and_refuse_what_is_no_key_or_epoch():
     expected = np.asarray(source.epoch_indices(5, 2))
     np.testing.assert_array_equal(source.epoch_indices(jax.random.key(5), 2), expected)
     np.testing.assert_array_equal(jax.jit(source.epoch_indices)(jax.random.key(5), 2), expected)
+    raw = [int(k) for k in np.asarray(jax.random.PRNGKey(5))]  # key data written out
+    np.testing.assert_array_equal(source.epoch_indices(raw, 2), expected)
     for bad in ("5", 5.0, None, True, np.zeros(3, np.float32)):
         with pytest.raises(TypeError, match=r"key_data_or_seed=.* must be a key \(key_data\)"):
             source.epoch_indices(bad, 2)
@@ -420,7 +422,7 @@ def test_the_host_order_is_jaxs_permutation_for_any_size(n):
 def test_where_the_hosts_sort_would_differ_the_host_takes_jaxs_permutation(monkeypatch):
     from fuseloop import _epoch_order
 
-    n = 33  # a size no other test uses, so its verdict is made here
+    n = 1033  # a size no other test uses, so its verdict is made here (the host sorts)
     monkeypatch.setattr(_epoch_order, "_AGREES", {})
     reversed_keys = lambda size: lambda key, epoch: -jnp.arange(size, dtype=jnp.uint32)[None]  # noqa: E731
     monkeypatch.setattr(_epoch_order, "_sort_keys", reversed_keys)  # keys JAX would not draw

@@ -181,6 +181,12 @@ def test_arrays_given_python_containers_name_the_container_and_the_fix(make, mes
     assert len(str(caught.value)) < 300  # not every row's size, nor every number
 
 
+def test_a_tuple_of_inputs_with_a_wrong_y_is_told_to_slice_not_to_stack():
+    x, y = _xy(5)
+    with pytest.raises(ValueError, match=r"must share the leading .*y: 2; slice"):
+        fl.data.arrays((x, x), y[:2], batch_size=1)  # two inputs, not two examples
+
+
 def test_arrays_of_many_leaves_that_disagree_list_a_few():
     x, y = _xy()
     many = {f"f{i}": x[: 30 if i == 0 else 40] for i in range(20)}

@@ -274,25 +274,29 @@ def test_side_effects_run_on_process_0_unless_marked(two_processes):
     assert [s["observed"] for s in seen] == [["main", "all"], ["all"]]  # Loop.observe
 
 
-def test_observers_the_library_attaches_to_start_its_handlers_run_on_every_process(
-    monkeypatch, tmp_path
-):
+def test_observers_run_on_process_0_and_the_librarys_start_observers_everywhere(monkeypatch):
     """Each process holds its own early stop and checkpoint, started by an observer of
-    `started`: as observers default to process 0, those are marked to run everywhere."""
+    `started`: as observers run on process 0, those are marked to run everywhere."""
     from fuseloop import _distributed as dist
+    from fuseloop.engine.bus import EventBus
 
-    monkeypatch.setattr(jax, "process_index", lambda: 1)  # as process 1 sees it
-    seen: list[str] = []
+    def record(state: fl.State) -> None: ...
+
     loop = (
         fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "adam")
         .early_stop("loss", patience=1, restore_best=True)
-        .checkpoint(str(tmp_path / "ck"))
-        .observe("started", lambda s: seen.append("user"), name="user")
+        .checkpoint("unused")
+        .observe("started", record, name="user")
+        .observe("started", dist.all_processes(lambda s: None), name="user:all")
+        .log(lambda s: "", event="started")
     )
-    starts = {r.label: r.handler for r in loop.registrations if r.event.value == "started"}
-    assert starts["user"](None) is None and seen == []  # a user's observer: process 0 only
-    for label in ("early_stop:begin", "checkpoint:start"):
-        assert dist.runs_on_all_processes(starts[label]), label
+    labels = {r.label for r in loop.registrations if r.event.value == "started"}
+    assert EventBus(loop.registrations).by_event[fl.Event.STARTED]  # process 0: all of them
+    assert {r.label for r in EventBus(loop.registrations).by_event[fl.Event.STARTED]} == labels
+    monkeypatch.setattr(jax, "process_index", lambda: 1)  # as process 1 sees it
+    on_one = {r.label for r in EventBus(loop.registrations).by_event[fl.Event.STARTED]}
+    assert on_one == labels - {"user", "log"}, on_one
+    assert {"early_stop:begin", "checkpoint:start", "user:all"} <= on_one
 
 
 def test_a_host_fed_short_last_batch_is_refused_before_its_epochs_first_batch(monkeypatch):
@@ -304,6 +308,8 @@ def test_a_host_fed_short_last_batch_is_refused_before_its_epochs_first_batch(mo
         next(iter(source.iter_epoch(0)))
     even = fl.data.arrays(x[:240], y[:240], batch_size=24, drop_remainder=False)
     assert len(list(even.iter_epoch(0))) == 10  # no short batch: nothing refused
+    dropped = fl.data.arrays(x, y, batch_size=32)  # the default drops the short batch
+    assert len(list(dropped.iter_epoch(0))) == 7
 
 
 def test_predict_after_a_run_over_two_processes_reads_the_replicated_params(two_processes):

@@ -55,10 +55,10 @@ def number_lists(tree: Any, name: str) -> list[tuple[str, Any]]:
 
 
 def per_example_lists(tree: Any, name: str, n: int) -> list[tuple[str, Any]]:
-    """`(path, list)` of each Python list or tuple in `tree` of `n` arrays or records of
-    one form (`list(x)`, `[{"a": row}, ...]`): the examples split into a list, where
+    """`(path, list)` of each Python list in `tree` of `n` arrays or records of one form
+    (`list(x)`, `[{"a": row}, ...]`): the examples split into a list, where
     `fl.data.arrays` takes them stacked on axis 0. `n` is what the other arrays hold."""
-    if isinstance(tree, (list, tuple)) and len(tree) == n > 1:
+    if isinstance(tree, list) and len(tree) == n > 1:  # a tuple: several inputs, say
         forms = {jax.tree.structure(item) for item in tree}
         if len(forms) == 1 and all(np.ndim(leaf) >= 1 for leaf in jax.tree.leaves(tree[0])):
             return [(name, tree)]

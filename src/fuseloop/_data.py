@@ -137,8 +137,9 @@ class Source:
     def pull(self, iterator: Iterator[Any], count: int) -> list[Any]:
         """Up to `count` batches from `iterator`, never more (exact consumption).
 
-        Leaves that are neither numpy nor jax arrays (torch tensors from a DataLoader's
-        default collate, Python lists) are converted with `np.asarray`.
+        Leaves that are neither numpy nor jax arrays are converted: torch tensors (from a
+        DataLoader's default collate) through `Tensor.numpy()`, anything else (Python
+        numbers) with `np.asarray`.
         """
         batches, error = self.pull_until_error(iterator, count)
         if error is not None:
@@ -163,8 +164,8 @@ class Source:
             batches, error = self._pull_each(iterator, count)
         if batches and self._convert is None:
             self._convert = not _arrays_only(batches[0])
-        if not (self._convert or plain or self.in_memory):
-            return batches, error  # copied into arrays as they were pulled (`_detached`)
+        if not (self._convert or plain):
+            return batches, error  # arrays already: fl.data.arrays', or copied (`_detached`)
         # A list may mix kinds (numpy, then a torch batch): each is converted as it needs.
         first = self.epoch_pulled - len(batches)
         return [
@@ -246,8 +247,8 @@ def as_host_array(leaf: Any) -> Any:
 def _own_copy(leaf: Any) -> Any:
     """`leaf` as an array no one else can change: jax arrays are immutable; anything else
     (numpy, torch, Python numbers) is copied into a fresh numpy array."""
-    if isinstance(leaf, jax.Array):
-        return leaf
+    if isinstance(leaf, (jax.Array, np.ndarray)):
+        return leaf if isinstance(leaf, jax.Array) else np.array(leaf)
     tensor = _torch_numpy(leaf)
     return np.array(leaf if tensor is None else tensor)
 

@@ -75,14 +75,14 @@ class EpochOrder:
             if not self.shuffle:
                 return np.arange(self.n, dtype=np.int32)
             check = (self.n, prng_config())
-            if _AGREES.get(check) is False:  # JAX shuffles otherwise: its own order
+            # A small dataset's sort costs little, and its check could pass by chance.
+            if self.n < _HOST_SORT_FROM or _AGREES.get(check) is False:
                 return np.asarray(self.permutation(self.key(), epoch))
             order = _sorted_by_keys(_sort_keys(self.n)(self.key(), np.int32(epoch)))
             if check not in _AGREES:
-                _AGREES[check] = bool(
-                    np.array_equal(order, np.asarray(self.permutation(self.key(), epoch)))
-                )
-                return self.host_order(epoch)
+                jaxs = np.asarray(self.permutation(self.key(), epoch))
+                _AGREES[check] = bool(np.array_equal(order, jaxs))
+                return jaxs
             return order
 
     def whole_batches(self, key: Any, epoch: Any) -> jax.Array:
@@ -107,8 +107,10 @@ class EpochOrder:
         return jnp.concatenate([whole, padded[None]], axis=0)
 
 
-# Whether the host's sort of JAX's keys gives JAX's permutation, by (n, prng_config()).
+# Whether the host's sort of JAX's keys gives JAX's permutation, by (n, prng_config()),
+# and the size from which the host sorts (below it, a wrong sort could match by chance).
 _AGREES: dict[tuple[Any, ...], bool] = {}
+_HOST_SORT_FROM = 1024
 
 
 @functools.lru_cache(maxsize=16)
@@ -195,6 +197,8 @@ def order_key(given: Any, argument: str) -> Any:
     """
     if isinstance(given, (int, np.integer)) and not isinstance(given, bool):
         return jax.random.PRNGKey(int(given))
+    if isinstance(given, (list, tuple)):  # key data written out, as [0, 3]
+        given = np.asarray(given)
     shape, dtype = np.shape(given), getattr(given, "dtype", None)
     if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):  # jax.random.key
         given, dtype = jax.random.key_data(given), jnp.uint32

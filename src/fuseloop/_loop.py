@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ._data import warn_left_out
-from ._distributed import main_process_only
 from ._events import Registration, make_filter, normalize_event
 from ._loop_args import (
     check_accumulate,
@@ -161,8 +160,7 @@ class Loop(HandlerBuilders):
         """
         event = normalize_event(event)
         check_handler(fn, "fn", "None")
-        handler = main_process_only(fn)  # side effects once (docs/distributed.md)
-        registration = Registration(event, handler, make_filter(filter), name, observes=True)
+        registration = Registration(event, fn, make_filter(filter), name, observes=True)
         return self._with(registrations=self.registrations + (registration,))
 
     def _as_observers(self, before: int) -> Loop:

@@ -202,7 +202,9 @@ def _size_of(tree: Any) -> str:
     import jax
 
     leaves = jax.tree.leaves(tree)
-    gone = sum(isinstance(a, jax.Array) and a.is_deleted() for a in leaves)
+    from ._arg_types import concrete_deleted
+
+    gone = sum(map(concrete_deleted, leaves))
     deleted = f", {gone} deleted (reused by the run after this State was kept)" if gone else ""
     values = sum(int(getattr(a, "size", 1)) for a in leaves)
     return f"<{len(leaves)} arrays, {values:,} values{deleted}>"

@@ -251,7 +251,8 @@ class ArraySource:
             >>> [y.tolist() for _, y in s.iter_epoch(5)]
             [[0, 1, 2], [3, 4, 5]]
         """
-        refuse_short_batch(self.n - (self.num_batches - 1) * self.batch_size, self.batch_size)
+        if not self.drop_remainder and self.n % self.batch_size:
+            refuse_short_batch(self.n % self.batch_size, self.batch_size)
         order = self.order(epoch)
         for b in range(self.num_batches):
             index = order[b * self.batch_size : (b + 1) * self.batch_size]

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from .._arg_types import is_int
+from .._distributed import process_index, runs_on_all_processes
 from .._events import (
     CONTINUE,
     ITERATION_EVENTS,
@@ -69,8 +70,12 @@ class EventBus:
         """
         self.fixed = fixed
         self.by_event: dict[Event, list[Registration]] = defaultdict(list)
+        main = process_index() == 0
         for registration in registrations:
-            self.by_event[registration.event].append(registration)
+            # An observer's side effects happen once, on process 0, unless it is marked
+            # with all_processes (docs/distributed.md, "Side effects once").
+            if main or not registration.observes or runs_on_all_processes(registration.handler):
+                self.by_event[registration.event].append(registration)
         self.total = dict.fromkeys(_EVENTS, 0)
         self.in_epoch = dict.fromkeys(ITERATION_EVENTS, 0)
         self.observer = observer
