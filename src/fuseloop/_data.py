@@ -247,10 +247,8 @@ def as_host_array(leaf: Any) -> Any:
 def _own_copy(leaf: Any) -> Any:
     """`leaf` as an array no one else can change: jax arrays are immutable; anything else
     (numpy, torch, Python numbers) is copied into a fresh numpy array."""
-    if isinstance(leaf, (jax.Array, np.ndarray)):
-        return leaf if isinstance(leaf, jax.Array) else np.array(leaf)
-    tensor = _torch_numpy(leaf)
-    return np.array(leaf if tensor is None else tensor)
+    array = as_host_array(leaf)
+    return array if isinstance(array, jax.Array) else np.array(array)
 
 
 def _torch_numpy(leaf: Any) -> np.ndarray | None:

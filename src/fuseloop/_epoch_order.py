@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._arg_types import is_int
+
 __all__ = [
     "EpochOrder",
     "abstract_key",
@@ -195,7 +197,7 @@ def order_key(given: Any, argument: str) -> Any:
         ...
         TypeError: seed='3' must be a key (key_data), or a seed: an int or an integer scalar
     """
-    if isinstance(given, (int, np.integer)) and not isinstance(given, bool):
+    if is_int(given):
         return jax.random.PRNGKey(int(given))
     if isinstance(given, (list, tuple)):  # key data written out, as [0, 3]
         given = np.asarray(given)
@@ -228,9 +230,8 @@ def checked_epoch(epoch: Any, argument: str) -> Any:
         ...
         TypeError: epoch=1.5 must be an epoch number: an int or an integer scalar array
     """
-    integer = isinstance(epoch, (int, np.integer)) and not isinstance(epoch, bool)
     dtype = getattr(epoch, "dtype", None)
-    if not integer and not (
+    if not is_int(epoch) and not (
         dtype is not None and jnp.issubdtype(dtype, jnp.integer) and np.shape(epoch) == ()
     ):
         raise TypeError(

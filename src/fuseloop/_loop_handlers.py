@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Self, TextIO
 
+from ._distributed import all_processes, runs_on_all_processes
 from ._events import Event, closes_on_error, normalize_event
 from ._state import State
 from ._types import EventLike, FilterLike, Mode
@@ -58,7 +59,6 @@ class HandlerBuilders:
             epoch 0
             epoch 1
         """
-        from ._distributed import all_processes, runs_on_all_processes
         from .handlers.log import Writer
 
         writer: Callable[[State], Any] = Writer(fn, stream)
@@ -97,7 +97,8 @@ class HandlerBuilders:
         )
         built = self.handle_event("epoch_completed", stopper, name="early_stop")
         if restore_best:  # however the run ends, it ends on the best epoch's step state
-            begin = _everywhere(stopper.begin)
+            # Each process holds its own stopper: its start is observed on every process.
+            begin = all_processes(stopper.begin)
             built = built.observe("started", begin, name="early_stop:begin")
             built = built.handle_event("completed", stopper.on_end, name="early_stop:restore")
             built = built.handle_event("halted", stopper.on_end, name="early_stop:restore")
@@ -174,7 +175,7 @@ class HandlerBuilders:
         key = self._metadata_key(f"checkpoint:{criteria}") if criteria is not None else ""
         saver = Checkpointer(path, criteria, mode, keep, key=key, asynchronous=asynchronous)
         # A Loop may run again: each run starts the saver afresh (`Checkpointer.begin`).
-        loop = self.observe("started", _everywhere(saver.begin), name="checkpoint:start")
+        loop = self.observe("started", all_processes(saver.begin), name="checkpoint:start")
         loop = loop.handle_event(event, saver, filter, name="checkpoint")
         if criteria is None and normalize_event(event) != Event.HALTED:
             # A halted run (early stop, a signal) also saves its final State: the epoch's
@@ -258,10 +259,3 @@ def _before_restores(loop: Any) -> Any:
     )
     registrations.insert(at, last)
     return loop._with(registrations=tuple(registrations))
-
-
-def _everywhere(begin: Callable[[State], None]) -> Callable[[State], None]:
-    """A handler's start of run, observed on every process: each holds its own handler."""
-    from ._distributed import all_processes
-
-    return all_processes(begin)

@@ -201,9 +201,9 @@ def _size_of(tree: Any) -> str:
         return "None"
     import jax
 
-    leaves = jax.tree.leaves(tree)
     from ._arg_types import concrete_deleted
 
+    leaves = jax.tree.leaves(tree)
     gone = sum(map(concrete_deleted, leaves))
     deleted = f", {gone} deleted (reused by the run after this State was kept)" if gone else ""
     values = sum(int(getattr(a, "size", 1)) for a in leaves)
