@@ -105,6 +105,35 @@ def test_an_error_the_device_raises_in_a_whole_run_names_its_dispatch(plain_loop
     )
 
 
+def _raises_at(global_step: int) -> fl.Loop:
+    """A counter loop whose step calls back to the host, which raises at `global_step`."""
+
+    def host(n: Any) -> None:
+        if int(n) == global_step:
+            raise RuntimeError(f"the host callback raises at step {global_step}")
+
+    def step(batch: Any, s: dict[str, Any]) -> dict[str, Any]:
+        jax.debug.callback(host, s["n"])
+        return {"n": s["n"] + 1, "total": s["total"] + batch[0].sum()}
+
+    return fl.loop(step)
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_a_step_failing_on_the_device_keeps_the_epochs_before_it(fuse):
+    """A callback raising in epoch 1's first chunk: epoch 0 (all its steps ran) is in the
+    State's history, fused as unfused, though the fused run had opened epoch 1 before
+    reading epoch 0; the step state went with the failed dispatch, and a note says so."""
+    with pytest.raises(RuntimeError, match="raises at step 9") as caught:
+        _raises_at(9).run(make_batches(6), counter_init(), epochs=3, fuse=fuse)
+    reached = caught.value.fuseloop_state
+    assert (reached.epoch, list(reached.history)) == (1, [0])
+    assert reached.event_counts["epoch_completed"] == 1
+    assert any("no step state to save or resume from" in n for n in caught.value.__notes__)
+    with pytest.raises(RuntimeError, match="an error's fuseloop_state"):
+        fl.save_state(reached, "unused")
+
+
 @pytest.mark.parametrize("fuse", CHUNKS)
 def test_nan_keeps_params_from_before_the_bad_step(nan_loop, before_nan, fuse):
     data = poisoned(make_batches(12), BAD_AT)

@@ -108,18 +108,24 @@ def refuse_deleted_arrays(tree: Any, argument: str) -> None:
         ...
         RuntimeError: init_state holds arrays that were deleted: ...
     """
-    # A donated carry is deleted whole: its first array tells (a check per leaf costs
-    # about a microsecond each, at every resume).
-    first = next((a for a in jax.tree.leaves(tree) if _concrete_array(a)), None)
-    if first is None or not first.is_deleted():
+    if not holds_deleted_arrays(tree):
         return
     raise RuntimeError(
         f"{argument} holds arrays that were deleted: a State a handler kept from inside a "
         f"run shares the arrays the run's next steps reuse (donate), so they are gone once "
-        f"the run moves on (or they were deleted or donated elsewhere). Keep a copy in the "
+        f"the run moves on (or they were deleted or donated elsewhere, as the step state of "
+        f"an error's fuseloop_state after a step failed on the device). Keep a copy in the "
         f"handler, jax.tree.map(jnp.copy, state.step_state) or jax.tree.map(jnp.copy, "
         f"state.params), or use the State the run returns"
     )
+
+
+def holds_deleted_arrays(tree: Any) -> bool:
+    """Whether `tree`'s first device array was deleted (a donated carry is deleted whole,
+    so its first array tells; a check per leaf costs about a microsecond each, at every
+    resume). Traced values are not arrays that can be deleted."""
+    first = next((a for a in jax.tree.leaves(tree) if _concrete_array(a)), None)
+    return first is not None and first.is_deleted()
 
 
 def concrete_deleted(leaf: Any) -> bool:

@@ -5,13 +5,22 @@ State is immutable: handlers change it by returning `state.replace(...)`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
 from ._population import POPULATION_KEY, member_state, stop_members
 
-__all__ = ["POPULATION_KEY", "RESTORED_KEY", "AHEAD_KEY", "RunStatus", "State", "new_stats"]
+__all__ = [
+    "POPULATION_KEY",
+    "RESTORED_KEY",
+    "AHEAD_KEY",
+    "RunStatus",
+    "State",
+    "attach_to_error",
+    "new_stats",
+]
 
 # `handler_metadata` key: the epoch whose step state `early_stop(restore_best=True)` put in
 # the State, where that is not its last epoch's (a resume from it warns).
@@ -232,3 +241,26 @@ def _same_tree(a: Any, b: Any) -> bool:
         if x.shape != y.shape or not np.array_equal(x, y, equal_nan=nan_aware):
             return False
     return True
+
+
+def attach_to_error(error: BaseException, state: State) -> None:
+    """`error.fuseloop_state`: the State reached (an outer run overwrites an inner one's,
+    so a validation run's error reports the training run's State), with a note where its
+    step state is gone."""
+    from ._arg_types import holds_deleted_arrays
+
+    # An exception type without attributes: nothing to attach to.
+    with contextlib.suppress(AttributeError):
+        error.fuseloop_state = state  # type: ignore[attr-defined]
+    if holds_deleted_arrays(state.step_state) and _CONSUMED not in getattr(error, "__notes__", []):
+        error.add_note(_CONSUMED)
+
+
+# A step that fails on the device (a host callback raising in it) takes the carry with it:
+# every program donates the step state it is given, and keeping a copy per dispatch would
+# double the carry's memory and cost a copy each launch.
+_CONSUMED = (
+    "fuseloop: the failed step ran on the device with the step state handed to it (donated), "
+    "so err.fuseloop_state holds the counters and history reached but no step state to save "
+    "or resume from (its arrays are deleted); Loop.checkpoint(...) keeps the last one saved"
+)

@@ -86,8 +86,8 @@ class EpochLoop:
             if opened is None:
                 status, state, last, current = self._start(state, feed.next(0), 0)
             elif isinstance(opened[1], BaseException):
-                # Preparing the epoch's first chunk failed: raised where the unfused loop
-                # meets that batch, after the epoch before it ended.
+                # Preparing or launching the epoch's first chunk failed: raised where the
+                # unfused loop meets that batch, after the epoch before it ended.
                 raise opened[1]
             else:
                 status, last, current = CONTINUE, 0, opened[1]
@@ -140,7 +140,12 @@ class EpochLoop:
             self.opened = (epoch, None)
             return
         self.carry.open_epoch()
-        self.opened = (epoch, feed.launch(self.carry, prepared))
+        try:
+            self.opened = (epoch, feed.launch(self.carry, prepared))
+        except Exception as error:  # noqa: BLE001 - a step that failed on the device
+            # Raised by `run` for `epoch`, as a preparing error is: the ending epoch, whose
+            # steps all ran, completes first (the unfused loop records it before that step).
+            self.opened = (epoch, error)
 
     def close(self) -> None:
         """Ends an epoch opened early that will not run (the run is leaving)."""

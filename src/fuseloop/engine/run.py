@@ -8,7 +8,6 @@ as `err.fuseloop_state` (docs/design.md §2).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from typing import Any
@@ -19,7 +18,7 @@ from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, Event
 from .._fusion import resolve_fuse
 from .._model_warnings import warn_about_model
 from .._placement import Placement
-from .._state import State, new_stats
+from .._state import State, attach_to_error, new_stats
 from .._warn import warn
 from .bus import EventBus
 from .carry import Carry
@@ -115,7 +114,7 @@ class Run:
         except BaseException as caught:
             error = caught if self.stats["dispatches"] else self.checker.explain(caught)
             reached = self._reached()
-            _attach_state(error, reached)
+            attach_to_error(error, reached)
             for failure in self.bus.close_after_error(reached):
                 error.add_note(f"fuseloop: closing {failure}")
             if error is caught:
@@ -384,12 +383,3 @@ def _warn_nonfinite(state: State) -> None:
         f"with the parameters from before it",
         RuntimeWarning,
     )
-
-
-def _attach_state(error: BaseException, state: State) -> None:
-    """`error.fuseloop_state`: the State reached (an outer run overwrites an inner one's,
-    so a validation run's error reports the training run's State).
-    """
-    # An exception type without attributes: nothing to attach to.
-    with contextlib.suppress(AttributeError):
-        error.fuseloop_state = state  # type: ignore[attr-defined]
