@@ -206,6 +206,39 @@ def test_nnx_train_and_eval_modes():
     )
 
 
+def test_nnx_layers_set_to_evaluation_mode_are_named_when_a_trainer_takes_them():
+    """A trainer runs its steps in training mode (module.train()), so a BatchNorm frozen by
+    hand, or a module left in .eval(), would train silently: it warns, naming the layers
+    and the per-call flag that keeps one frozen."""
+    model = NnxNet(nnx.Rngs(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fl.trainer(model, SPARSE, "adam")  # flax builds its layers in training mode
+        fl.trainer(NnxOwnFlag(nnx.Rngs(0)), SPARSE, "adam")  # a user's flag, off until trained
+    model.norm.use_running_average = True
+    with pytest.warns(UserWarning, match=r"\(norm\.use_running_average=True\): a trainer") as seen:
+        fl.trainer(model, SPARSE, "adam")
+    assert "self.bn(x, use_running_average=True)" in str(seen[0].message)
+    model.eval()
+    with pytest.warns(UserWarning, match=r"drop\.deterministic=True"):
+        fl.trainer(model, SPARSE, "adam")
+
+
+def test_nnx_variables_of_other_shapes_are_refused_by_name():
+    """nnx takes a given value of any shape into the module (a 5-class head loaded into a
+    3-class model trained and predicted 5 classes); each path is named instead."""
+    model = NnxNet(nnx.Rngs(0))
+    variables = fl.models.as_model(model).init(None, None)
+    variables["params"]["out"] = {"kernel": jnp.zeros((16, 5)), "bias": jnp.zeros(5)}
+    named = r"params\['out'\]\['bias'\]: \(5,\) given, \(3,\) in the module"
+    with pytest.raises(ValueError, match=named):
+        fl.trainer(model, SPARSE, "adam").run(DATA, variables)
+    with pytest.raises(ValueError, match=named):
+        fl.predict(model, variables, DATA[0][0])
+    with pytest.raises(ValueError, match=named):
+        fl.models.trained(model, variables)
+
+
 def test_nnx_plain_bool_training_attribute():
     model = NnxOwnFlag(nnx.Rngs(0))
     adapter = fl.models.as_model(model)

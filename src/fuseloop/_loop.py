@@ -343,8 +343,8 @@ def trainer(
     log, seed = check_trainer_options(log, seed, log_stream)
     program = trainer_program(model, loss, optimizer, seed)
     warn_unused_seed(program.model, seed)
-    if hasattr(program.model, "warn_param_kinds"):  # an nnx module's LoRA params
-        program.model.warn_param_kinds(program.optimizer)
+    if hasattr(program.model, "warn_for_training"):  # an nnx module: LoRA, eval modes
+        program.model.warn_for_training(program.optimizer)
     built = Loop(program, metrics=default_metrics(program))
     if log:
         from .handlers.log import attach_trainer_log

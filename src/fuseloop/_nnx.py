@@ -11,7 +11,8 @@ from typing import Any
 
 import jax
 
-from ._linen import TRAIN_FLAGS, ModelConventionError, call_flags, flag_values
+from ._linen import TRAIN_FLAGS, call_flags, flag_values
+from ._nnx_checks import eval_flags, refuse_other_shapes, refuse_param_writes
 from ._warn import warn
 
 __all__ = ["from_nnx", "set_nnx_mode"]
@@ -87,6 +88,24 @@ class from_nnx:  # noqa: N801
         self._read = (values, pure)
         return pure
 
+    def warn_for_training(self, tx: Any) -> None:
+        """The warnings a trainer gives about the module: `warn_param_kinds`, and layers
+        set to evaluation mode, which its steps run in training mode."""
+        self.warn_param_kinds(tx)
+        held = eval_flags(self.module)
+        if held:
+            more = f", and {len(held) - 4} more" if len(held) > 4 else ""
+            warn(
+                f"the nnx module holds layers in evaluation mode ({', '.join(held[:4])}"
+                f"{more}): a trainer runs its steps in training mode, as module.train() "
+                f"sets it, so such a layer trains (BatchNorm statistics update, dropout "
+                f"drops). To keep a layer in evaluation mode while the rest trains, pass the "
+                f"flag in its call, e.g. self.bn(x, use_running_average=True) or "
+                f"self.dropout(x, deterministic=True); validation and fl.predict run every "
+                f"layer in evaluation mode",
+                UserWarning,
+            )
+
     def warn_param_kinds(self, tx: Any) -> None:
         """Warns where the module holds variables of a kind of `nnx.Param` (`nnx.LoRAParam`,
         a user's own) and the optimizer `tx` freezes none of its params: a trainer trains
@@ -141,20 +160,21 @@ class from_nnx:  # noqa: N801
         """
         return jax.tree.map(lambda a: a, self.current_variables())
 
-    def _rebuild(self, template: Any, pure: Any) -> Any:
+    def _rebuild(self, template: Any, pure: Any, part: str) -> Any:
+        refuse_other_shapes(self._nnx.to_pure_dict(template), pure, part)
         fresh = jax.tree.map(lambda a: a, template)  # new Variables at this trace level
         self._nnx.replace_by_pure_dict(fresh, pure)
         return fresh
 
     def _run(self, variables: Any, x: Any, train: bool) -> tuple[Any, Any]:
         nnx = self._nnx
-        params = self._rebuild(self._templates[0], variables["params"])
-        rest = self._rebuild(self._templates[1], variables["state"])
+        params = self._rebuild(self._templates[0], variables["params"], "params")
+        rest = self._rebuild(self._templates[1], variables["state"], "state")
         module = nnx.merge(self.graphdef, params, rest)
         set_nnx_mode(module, train)
         given = _param_values(module) if train else {}
         y = module(x, **flag_values(self.flags, train))
-        _refuse_param_writes(given, _param_values(module) if train else {})
+        refuse_param_writes(given, _param_values(module) if train else {})
         # What the call sowed (`self.sow(nnx.Intermediate, ...)`) is an output of the call,
         # not state to carry: dropped, as linen's sow does nothing unless asked for.
         nnx.pop(module, lambda path, node: _sown(node, path, self._held, nnx.Intermediate))
@@ -297,25 +317,6 @@ def _param_values(module: Any) -> dict[Any, Any]:
 
     nodes = nnx.iter_graph(module)
     return {path: _raw_value(node) for path, node in nodes if isinstance(node, nnx.Param)}
-
-
-def _refuse_param_writes(given: dict[Any, Any], now: dict[Any, Any]) -> None:
-    """A ModelConventionError naming the Params the module's training call wrote: a trainer
-    changes params by their gradients alone and would drop the write, where nnx.Optimizer
-    keeps it."""
-    written = [path for path, value in given.items() if now.get(path) is not value]
-    if written:
-        names = ", ".join(".".join(str(key) for key in path) for path in written)
-        raise ModelConventionError(
-            f"model: its __call__ writes its own nnx.Param(s) ({names}), as a weight "
-            f"constraint or nnx.SpectralNorm / nnx.WeightNorm do. A trainer changes params "
-            f"by their gradients alone, so the write would be lost and training would differ "
-            f"from an nnx.Optimizer loop. Keep the call from writing Params: use the "
-            f"constrained weight in the computation without storing it, apply the constraint "
-            f"after the optimizer's update in a step of your own (fl.loop; "
-            f"optax.projections has common ones), or hold a value that is not trained in "
-            f"another nnx.Variable (e.g. nnx.BatchStat)"
-        )
 
 
 def _raw_value(variable: Any) -> Any:

@@ -379,8 +379,8 @@ def trained(model: Any, state_or_variables: Any) -> Any:
         return _trained_linen(adapter, dict(variables))
     if isinstance(adapter, from_nnx):
         nnx = adapter._nnx
-        params = adapter._rebuild(adapter._templates[0], variables["params"])
-        rest = adapter._rebuild(adapter._templates[1], variables["state"])
+        params = adapter._rebuild(adapter._templates[0], variables["params"], "params")
+        rest = adapter._rebuild(adapter._templates[1], variables["state"], "state")
         module = nnx.merge(adapter.graphdef, params, rest)
         set_nnx_mode(module, False)
         return module

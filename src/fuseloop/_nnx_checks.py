@@ -1,0 +1,70 @@
+"""Checks of the flax.nnx adapter (`_nnx.py`): what a given module or its variables hold
+that a trainer would otherwise take silently."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from ._linen import TRAIN_FLAGS, ModelConventionError
+
+__all__ = ["eval_flags", "refuse_other_shapes", "refuse_param_writes"]
+
+
+def eval_flags(module: Any) -> list[str]:
+    """`path.flag=value` for each mode flag of `module`'s flax layers (Dropout, BatchNorm,
+    attention, ...) that holds its evaluation value: set by nnx's `.eval()` or by hand, as
+    flax builds them in training mode. A user's own module may keep its flag off until a
+    trainer switches it on (`self.training = False`), so its flags are not listed."""
+    from flax import nnx
+
+    held = []
+    for path, sub in nnx.iter_graph(module):
+        if not isinstance(sub, nnx.Module) or not type(sub).__module__.startswith("flax."):
+            continue
+        for name, train_value in TRAIN_FLAGS.items():
+            value = getattr(sub, name, None)
+            if isinstance(value, bool) and value != train_value:
+                held.append(".".join([*map(str, path), name]) + f"={value}")
+    return held
+
+
+def refuse_other_shapes(module_values: Any, given: Any, part: str) -> None:
+    """A ModelConventionError (a ValueError) naming the given variables whose shapes are
+    not the module's own (a head of another width loaded from a checkpoint), which nnx
+    would take as they are."""
+    own = dict(jax.tree_util.tree_flatten_with_path(module_values)[0])
+    wrong = [
+        f"{part}{jax.tree_util.keystr(path)}: {tuple(jax.numpy.shape(leaf))} given, "
+        f"{tuple(own[path].shape)} in the module"
+        for path, leaf in jax.tree_util.tree_flatten_with_path(given)[0]
+        if path in own and jax.numpy.shape(leaf) != own[path].shape
+    ]
+    if wrong:  # not a misfit of x, which the run's checks would say it is
+        raise ModelConventionError(
+            f"variables: shapes differ from the nnx module's own ({'; '.join(wrong[:4])}"
+            f"{'; ...' if len(wrong) > 4 else ''}). Variables saved from a module of other "
+            f"shapes do not fit it: give them to a module built as they were, or keep the "
+            f"module's own value for each layer that changed (e.g. a new head) and load "
+            f"the rest"
+        )
+
+
+def refuse_param_writes(given: dict[Any, Any], now: dict[Any, Any]) -> None:
+    """A ModelConventionError naming the Params the module's training call wrote: a trainer
+    changes params by their gradients alone and would drop the write, where nnx.Optimizer
+    keeps it."""
+    written = [path for path, value in given.items() if now.get(path) is not value]
+    if written:
+        names = ", ".join(".".join(str(key) for key in path) for path in written)
+        raise ModelConventionError(
+            f"model: its __call__ writes its own nnx.Param(s) ({names}), as a weight "
+            f"constraint or nnx.SpectralNorm / nnx.WeightNorm do. A trainer changes params "
+            f"by their gradients alone, so the write would be lost and training would differ "
+            f"from an nnx.Optimizer loop. Keep the call from writing Params: use the "
+            f"constrained weight in the computation without storing it, apply the constraint "
+            f"after the optimizer's update in a step of your own (fl.loop; "
+            f"optax.projections has common ones), or hold a value that is not trained in "
+            f"another nnx.Variable (e.g. nnx.BatchStat)"
+        )
