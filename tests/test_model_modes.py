@@ -339,6 +339,18 @@ def test_trained_refuses_what_is_not_the_models_variables_when_called():
     np.testing.assert_array_equal(fl.models.trained(Relu(), variables)(x), np.maximum(x, 0))
 
 
+@pytest.mark.parametrize("name", ["rngs", "dropout_key", "noise_rng", "seed", "key_data"])
+def test_plain_functions_with_a_key_under_another_name_are_refused(name):
+    """fuseloop passes the step's key to `rng`, `key`, ...; an apply_fn whose key is spelled
+    otherwise kept its default, so its dropout was silently off."""
+    namespace: dict = {}
+    exec(f"def apply(p, x, {name}=None):\n    return x @ p['w']", namespace)
+    init = lambda rng, x: {"w": jnp.ones((5, 3))}  # noqa: E731
+    with pytest.raises(ValueError, match=rf"apply_fn's parameter '{name}' reads as a PRNG key"):
+        fl.models.from_functions(init, namespace["apply"])
+    fl.models.from_functions(init, lambda p, x, rng=None, noise_key=None: x)  # rng gets it
+
+
 def test_trained_plain_functions():
     init = lambda rng, x: {"w": jnp.ones((5, 3))}  # noqa: E731
     apply = lambda p, x, train=False: x @ p["w"] + (1.0 if train else 0.0)  # noqa: E731

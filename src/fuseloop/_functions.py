@@ -5,6 +5,7 @@ Re-exported from `fuseloop.models` (as `fl.models.from_functions`).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,25 @@ __all__ = ["from_functions", "takes_keyword"]
 # much of JAX's `key`. A function that takes one of them gets the step's key there (None
 # outside training); an unrecognised spelling would silently never see a key.
 RNG_NAMES = ("rng", "key", "rng_key", "prng_key", "dropout_rng")
+
+
+# Spellings that read as a key (flax's `rngs`, `dropout_key`, `noise_rng`, `seed`) but are
+# none of RNG_NAMES: such a parameter would keep its default and dropout would stay off.
+_LOOKS_LIKE_A_KEY = re.compile(r"^(rngs|seed|prng)$|_(key|rng|rngs|seed)$|^(key|rng)_")
+
+
+def _refuse_unknown_key_names(names: list[str]) -> None:
+    """A ValueError naming an apply function's parameter that reads as a PRNG key under a
+    name fuseloop does not pass a key by (it would never receive one)."""
+    unknown = [name for name in names if _LOOKS_LIKE_A_KEY.search(name)]
+    if unknown:
+        raise ValueError(
+            f"model: apply_fn's parameter {unknown[0]!r} reads as a PRNG key, but fuseloop "
+            f"passes the step's key (while training; None in evaluation) only to a parameter "
+            f"named {', '.join(RNG_NAMES)}, so {unknown[0]!r} would never receive one "
+            f"(dropout or noise silently off): rename it to one of those, or wrap apply_fn "
+            f"(lambda p, x, rng=None: apply_fn(p, x, {unknown[0]}=rng))"
+        )
 
 
 def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
@@ -49,6 +69,8 @@ class from_functions:  # noqa: N801 - reads as a constructor
         parameters = parameters_of(apply_fn)
         self.flags = flags_among(parameters, "apply_fn")
         self.rng_name = next((name for name in parameters if name in RNG_NAMES), None)
+        if self.rng_name is None:
+            _refuse_unknown_key_names(list(parameters)[1:])
         # haiku's transformed apply: `apply(params, rng, *args)`.
         self.rng_second = self.rng_name is not None and list(parameters)[1:2] == [self.rng_name]
 
