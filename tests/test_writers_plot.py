@@ -7,6 +7,7 @@ import io
 import struct
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -241,6 +242,19 @@ def test_a_seed_beyond_64_bits_is_named_when_the_loop_is_built():
     for seed in (2**64, -(2**70), np.uint64(2**63)):
         with pytest.raises(ValueError, match=r"seed=.* must be in \[-2\*\*63"):
             fl.trainer(model, "mean_squared_error", "sgd", seed=seed)
+
+
+def test_a_seed_beyond_32_bits_without_x64_is_refused_naming_the_seed_it_would_be():
+    """Without x64, JAX keys a seed by its low 32 bits: 2**32 + 7 trained as 7."""
+    model = fl.models.mlp([3])
+    with pytest.raises(ValueError, match=r"seed=4294967303 .* exactly as seed=7"):
+        fl.trainer(model, "mean_squared_error", "sgd", seed=2**32 + 7)
+    with pytest.raises(ValueError, match=r"outside \[-2\*\*31, 2\*\*32\)"):
+        fl.trainer(model, "mean_squared_error", "sgd", seed=-(2**31) - 1)
+    for seed in (2**32 - 1, -(2**31)):
+        fl.trainer(model, "mean_squared_error", "sgd", seed=seed)
+    with jax.enable_x64(True):  # where a seed keys all 64 of its bits
+        fl.trainer(model, "mean_squared_error", "sgd", seed=2**32 + 7)
 
 
 def test_numpy_integers_are_accepted_for_log_and_seed():

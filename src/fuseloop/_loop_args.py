@@ -8,6 +8,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from ._arg_types import is_int, refuse_deleted_arrays, refuse_signature
 from ._metrics import ACCUMULATORS, ALIASES, METRICS
 from ._population import refuse_population
@@ -62,8 +64,14 @@ def check_trainer_options(log: Any, seed: Any, log_stream: Any = None) -> tuple[
         raise ValueError(f"log={log!r} must be a non-negative int (0 disables logging)")
     if not is_int(seed):
         raise ValueError(f"seed={seed!r} must be an int")
-    if not -(2**63) <= int(seed) < 2**63:  # JAX draws a key from a 64-bit seed
+    if not -(2**63) <= int(seed) < 2**63:  # JAX draws a key from a 64-bit seed under x64
         raise ValueError(f"seed={seed} must be in [-2**63, 2**63), e.g. seed % 2**63")
+    if not jax.config.read("jax_enable_x64") and not -(2**31) <= int(seed) < 2**32:
+        raise ValueError(
+            f"seed={seed} is outside [-2**31, 2**32): without jax_enable_x64, JAX makes a "
+            f"key from a seed's low 32 bits, so it would train exactly as "
+            f"seed={int(seed) % 2**32}; pass a seed in that range (e.g. seed % 2**32)"
+        )
     check_text_stream(log_stream, "log_stream")
     if log_stream is not None and log == 0:
         raise ValueError(
