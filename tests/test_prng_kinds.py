@@ -57,6 +57,18 @@ def test_a_resident_dataset_serves_the_hosts_order(prng_kind):
     assert_runs_identical(loop.run(source, epochs=2, fuse="run"), plain)
 
 
+def test_a_state_made_under_threefry_is_refused_by_name_under_another_kind(prng_kind):
+    """The trainer's key is raw key data, 2 words under threefry and 4 under rbg: resumed
+    under the other kind, JAX failed inside the first step with "invalid PRNG key data"."""
+    loop = trainer(DropoutOnly())
+    jax.config.update("jax_default_prng_impl", "threefry2x32")
+    saved = loop.run(make_batches(), epochs=1)
+    jax.config.update("jax_default_prng_impl", prng_kind)
+    with pytest.raises(ValueError, match=r"key holds 2 words, made under another PRNG kind"):
+        loop.run(make_batches(), saved, epochs=2)
+    loop.run(make_batches(), saved.params, epochs=1)  # its params start a fresh run
+
+
 def test_a_population_is_refused_with_the_fix(prng_kind):
     with pytest.raises(ValueError, match=f"PRNG kind is '{prng_kind}'.*threefry2x32"):
         trainer().run(_arrays(), epochs=1, population=2)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._epoch_order import abstract_key, prng_impl
 from ._model_fit import abstract
 from ._step import _trainable
 
@@ -99,6 +100,19 @@ def _state_kinds(opt_state: Any) -> str:
 _TRAINER_KEYS = ("opt_state", "rng", "step")  # beside "params" (`_step.trainer_program`)
 
 
+def _check_key_kind(rng: Any) -> None:
+    """A ValueError where a trainer's key (raw key data) was made under a PRNG kind whose
+    keys have another size than the one in force: JAX's own error names no fix."""
+    words, want = np.shape(rng)[-1:], abstract_key().shape
+    if words != want:
+        raise ValueError(
+            f"init_state: its step state's key holds {words[0] if words else 0} words, made "
+            f"under another PRNG kind than this run's jax_default_prng_impl "
+            f"({prng_impl()!r}, keys of {want[0]}): resume under the kind it was saved with "
+            f"(threefry2x32, JAX's default, makes keys of 2 words; rbg and unsafe_rbg of 4)"
+        )
+
+
 def check_optimizer_fits(optimizer: Any, step_state: Any) -> None:
     """Raises a ValueError where a trainer's step state lacks what a trainer's holds (an
     evaluator's State: params alone; a custom loop's: no params) or holds an optimizer
@@ -120,6 +134,7 @@ def check_optimizer_fits(optimizer: Any, step_state: Any) -> None:
             f"{', '.join(missing)} a trainer's holds (the State of an evaluator, or of a loop "
             f"of your own?). {start}, or resume from a State a trainer made"
         )
+    _check_key_kind(step_state["rng"])
     if "opt_state" not in step_state:
         return
     trainable, _ = _trainable(step_state["params"])  # what the trainer's init gives tx.init
