@@ -259,3 +259,22 @@ def test_the_diagnostics_name_bad_inputs_as_a_run_does() -> None:
         diagnostics.choose_chunk_size(None, state.step_state, (x, y))
     with pytest.raises(ValueError, match="state: expected a fuseloop State"):
         diagnostics.explain_dispatches(None)
+
+
+def test_auto_does_not_time_a_step_with_side_effects():
+    """The probe behind fuse="auto" runs some 50 steps on copies of the first batch: a
+    step's callback (a per-step logger) saw them as training steps. Such a step is not
+    timed; K is fuse=True's, balanced to the epoch, and the callback sees the run's steps."""
+    seen: list[int] = []
+
+    def step(batch, s):
+        jax.debug.callback(lambda n: seen.append(int(n)), s["n"])
+        return {"n": s["n"] + 1}
+
+    loop = fl.loop(step)
+    state = loop.run(_batches(40), {"n": np.int32(0)}, epochs=2, fuse="auto")
+    jax.effects_barrier()
+    assert sorted(seen) == list(range(80)) and state.stats["chunk_size"] == 20
+    decision = fl.diagnostics.decide_chunk_size(loop, state.step_state, _batches(1)[0])
+    assert (decision.bound, decision.step_us, decision.chunk_size) == ("side effects", None, 32)
+    assert len(seen) == 80  # deciding ran nothing either

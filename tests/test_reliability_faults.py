@@ -93,6 +93,7 @@ def test_an_error_the_device_raises_names_its_epoch_and_iterations(plain_loop, f
     with jax.debug_nans(True), pytest.raises(FloatingPointError) as caught:
         plain_loop.run(data, fuse=fuse)
     assert f"fuseloop: raised by the steps of epoch 0, {steps}" in caught.value.__notes__
+    assert any("rerun with run(..., jit=False)" in note for note in caught.value.__notes__)
 
 
 def test_an_error_the_device_raises_in_a_whole_run_names_its_dispatch(plain_loop):
@@ -103,6 +104,7 @@ def test_an_error_the_device_raises_in_a_whole_run_names_its_dispatch(plain_loop
     assert "fuseloop: raised by the 24 steps of the dispatch from epoch 0, iteration 0" in (
         caught.value.__notes__
     )
+    assert any("rerun with run(..., jit=False)" in note for note in caught.value.__notes__)
 
 
 def _raises_at(global_step: int) -> fl.Loop:

@@ -335,9 +335,10 @@ def _probe(loop: Any, step_state: Any, batch: Any, k: int, chunk: Any) -> tuple[
     """Seconds per step and per dispatch, measured as `fuse="auto"` measures them."""
     # The probe reuses the run's chunk program (K slots), so it compiles nothing new.
     programs = Programs(loop)
-    if k > 1:
-        return auto_chunk.probe(programs, step_state, batch, None, k, chunk)
-    return auto_chunk.probe(programs, step_state, batch, None, auto_chunk.PROBE_COPIES)
+    copies, program = (k, chunk) if k > 1 else (auto_chunk.PROBE_COPIES, None)
+    timings = auto_chunk.probe(programs, step_state, batch, None, copies, program, True)
+    assert timings is not None  # timed whatever the step does
+    return timings
 
 
 def _auto_decision(

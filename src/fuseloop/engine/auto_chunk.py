@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._fusion import DEFAULT_CHUNK
 from .._placement import device_signature
 from .programs import Programs
 
@@ -101,6 +102,13 @@ def _shardings(placement: Any) -> tuple[Any, Any]:
     return getattr(placement, "_state", None), getattr(placement, "_chunk", None)
 
 
+def _has_effects(program: Any, *args: Any) -> bool:
+    """Whether `program`'s step has side effects (`jax.debug.print`, `io_callback`, ...):
+    the trace a call would make anyway (jax keeps it), so nothing is traced twice."""
+    trace = getattr(program, "trace", None)
+    return trace is not None and bool(trace(*args).jaxpr.effects)
+
+
 def probe(
     programs: Programs,
     step_state: Any,
@@ -108,9 +116,12 @@ def probe(
     placement: Any,
     copies: int,
     program: Any = None,
-) -> tuple[float, float]:
+    effects_ok: bool = False,
+) -> tuple[float, float] | None:
     """`(step_seconds, overhead_seconds)` from a chunk of `copies` copies of `batch`, run
-    with 1 and with up to `PROBE_COPIES` valid steps.
+    with 1 and with up to `PROBE_COPIES` valid steps; None, running nothing, where the step
+    has side effects (a callback would see some 50 steps that are not the run's), unless
+    `effects_ok` (a report, which runs the loop again and again anyway).
 
     `program` is a compiled chunk program to reuse; by default the run's own (cached on the
     loop). Either way it may donate, as the run's does: each call gets a fresh private copy
@@ -129,6 +140,8 @@ def probe(
     tail = programs.fresh_tail()
     steps = min(copies, PROBE_COPIES)
     counts = {n: jax.device_put(np.int32(n), state_sharding) for n in (1, steps)}
+    if not effects_ok and _has_effects(program, step_state, tail, chunk, counts[steps]):
+        return None
 
     def seconds(n_valid: int) -> float:
         # Private copies (untimed): a donating program consumes them, the real state stays.
@@ -170,7 +183,9 @@ class ChunkDecision:
         overhead_us: Measured fixed cost of one dispatch, in microseconds.
         wanted: The K that meets the tolerance before any cap.
         memory_cap: The largest K whose stacked chunk fits the budget.
-        bound: What decided K: "tolerance", "memory budget", "max_chunk" or "epoch length".
+        bound: What decided K: "tolerance", "memory budget", "max_chunk", "epoch length",
+            or "side effects" (a step with callbacks is not timed: K is `fuse=True`'s 32,
+            balanced to the epoch).
 
     Example:
         >>> step_state = loop.run(batches).step_state
@@ -224,7 +239,11 @@ def decide_chunk_size(
     cap = caps[cap_name]
     if cap == 1:
         return ChunkDecision(1, None, None, 1, memory_cap, cap_name)
-    step, overhead = _timings(programs, step_state, first_batch, placement, memory_cap)
+    timings = _timings(programs, step_state, first_batch, placement, memory_cap)
+    if timings is None:  # not timed: fuse=True's chunk
+        k = max(1, min(_balance(DEFAULT_CHUNK, epoch_length), cap))
+        return ChunkDecision(k, None, None, DEFAULT_CHUNK, memory_cap, "side effects")
+    step, overhead = timings
     wanted = max(1, math.ceil(overhead / (tolerance * step)))
     k = 1 << (wanted - 1).bit_length()  # the next power of two: few distinct programs
     bound = "tolerance"
@@ -262,15 +281,19 @@ def epochs_per_dispatch(
     memory_cap = max(1, budget_bytes // max(nbytes(first_batch), 1))
     if epoch_length > min(memory_cap, max_chunk):
         return 1
-    step, overhead = _timings(programs, step_state, first_batch, placement, memory_cap)
+    timings = _timings(programs, step_state, first_batch, placement, memory_cap)
+    if timings is None:  # a step with side effects is not timed: chunks within the epoch
+        return 1
+    step, overhead = timings
     wanted = max(1, math.ceil(overhead / (tolerance * step)))
     return 1 if wanted <= epoch_length else math.ceil(wanted / epoch_length)
 
 
 def _timings(
     programs: Programs, step_state: Any, batch: Any, placement: Any, memory_cap: int
-) -> tuple[float, float]:
-    """`(step_s, overhead_s)`, measured once per loop, batch signature and mesh."""
+) -> tuple[float, float] | None:
+    """`(step_s, overhead_s)`, measured once per loop, batch signature and mesh (None: the
+    step has side effects and is not timed)."""
     key = (device_signature(batch), id(getattr(placement, "mesh", None)))
     if key not in programs.cache.probe:
         copies = max(2, min(PROBE_COPIES, memory_cap))

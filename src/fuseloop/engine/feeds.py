@@ -308,6 +308,17 @@ def name_steps(error: Exception, epoch: int, prepared: Prepared) -> None:
     last = prepared.first + prepared.n - 1
     steps = f"iterations {prepared.first}-{last}" if prepared.n > 1 else f"iteration {last}"
     error.add_note(f"fuseloop: raised by the steps of epoch {epoch}, {steps}")
+    name_nan_op(error)
+
+
+def name_nan_op(error: Exception) -> None:
+    """Where `jax_debug_nans` raised (it sees the NaN leave fuseloop's device loop, "in
+    while"), a note on how to have JAX name the operation."""
+    if isinstance(error, FloatingPointError):
+        error.add_note(
+            "fuseloop: the NaN was seen leaving fuseloop's device loop; rerun with "
+            "run(..., jit=False) for JAX to name the operation that made it"
+        )
 
 
 def epoch_counter(epoch: int) -> Any:

@@ -27,6 +27,7 @@ from .device_checkpoint import BestSaves
 from .device_monitors import DeviceWork, monitor_start, plan_device_work, rate_table
 from .device_replay import hand_best, replayed_handlers
 from .device_validation import validation_inputs
+from .feeds import name_nan_op
 from .packing import segment_of, unpack_on_host
 from .programs import kept_order
 from .replay import ChunkResult, EpochReplay, show_nonfinite_halt
@@ -201,6 +202,7 @@ class WholeRun:
                 f"fuseloop: raised by the {steps} steps of the dispatch from epoch {epoch}, "
                 f"iteration {cursor}"
             )
+            name_nan_op(error)
             raise
         saver, carry = self.work.saver, self.run.carry.step_state
         self.saves = (
