@@ -339,16 +339,23 @@ def test_trained_refuses_what_is_not_the_models_variables_when_called():
     np.testing.assert_array_equal(fl.models.trained(Relu(), variables)(x), np.maximum(x, 0))
 
 
-@pytest.mark.parametrize("name", ["rngs", "dropout_key", "noise_rng", "seed", "key_data"])
-def test_plain_functions_with_a_key_under_another_name_are_refused(name):
+@pytest.mark.parametrize("name", ["rngs", "dropout_key", "noise_rng", "seed"])
+def test_plain_functions_with_a_key_under_another_name_are_named(name):
     """fuseloop passes the step's key to `rng`, `key`, ...; an apply_fn whose key is spelled
-    otherwise kept its default, so its dropout was silently off."""
+    otherwise kept its default, so its dropout was silently off (a warning: the name may
+    mean something else), or failed inside the first step (refused: no default)."""
     namespace: dict = {}
     exec(f"def apply(p, x, {name}=None):\n    return x @ p['w']", namespace)
+    exec(f"def needs(p, x, {name}):\n    return x @ p['w']", namespace)
     init = lambda rng, x: {"w": jnp.ones((5, 3))}  # noqa: E731
-    with pytest.raises(ValueError, match=rf"apply_fn's parameter '{name}' reads as a PRNG key"):
+    said = rf"apply_fn's parameter '{name}' reads as a PRNG key"
+    with pytest.warns(UserWarning, match=rf"{said}.*keeps its default \(dropout or noise off\)"):
         fl.models.from_functions(init, namespace["apply"])
-    fl.models.from_functions(init, lambda p, x, rng=None, noise_key=None: x)  # rng gets it
+    with pytest.raises(ValueError, match=said):
+        fl.models.from_functions(init, namespace["needs"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # rng gets the key; key_size is no key
+        fl.models.from_functions(init, lambda p, x, rng=None, noise_key=None, key_size=2: x)
 
 
 def test_trained_plain_functions():

@@ -5,11 +5,13 @@ Re-exported from `fuseloop.models` (as `fl.models.from_functions`).
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any
 
 from ._linen import flag_values, flags_among, parameters_of
+from ._warn import warn
 
 __all__ = ["from_functions", "takes_keyword"]
 
@@ -20,22 +22,27 @@ RNG_NAMES = ("rng", "key", "rng_key", "prng_key", "dropout_rng")
 
 
 # Spellings that read as a key (flax's `rngs`, `dropout_key`, `noise_rng`, `seed`) but are
-# none of RNG_NAMES: such a parameter would keep its default and dropout would stay off.
-_LOOKS_LIKE_A_KEY = re.compile(r"^(rngs|seed|prng)$|_(key|rng|rngs|seed)$|^(key|rng)_")
+# none of RNG_NAMES: such a parameter keeps its default, so dropout would stay off.
+_LOOKS_LIKE_A_KEY = re.compile(r"^(rngs|seed|prng)$|_(key|rng|rngs|seed)$")
 
 
-def _refuse_unknown_key_names(names: list[str]) -> None:
-    """A ValueError naming an apply function's parameter that reads as a PRNG key under a
-    name fuseloop does not pass a key by (it would never receive one)."""
-    unknown = [name for name in names if _LOOKS_LIKE_A_KEY.search(name)]
-    if unknown:
-        raise ValueError(
-            f"model: apply_fn's parameter {unknown[0]!r} reads as a PRNG key, but fuseloop "
-            f"passes the step's key (while training; None in evaluation) only to a parameter "
-            f"named {', '.join(RNG_NAMES)}, so {unknown[0]!r} would never receive one "
-            f"(dropout or noise silently off): rename it to one of those, or wrap apply_fn "
-            f"(lambda p, x, rng=None: apply_fn(p, x, {unknown[0]}=rng))"
+def _unknown_key_names(parameters: Any) -> None:
+    """A parameter of an apply function (past params and x) that reads as a PRNG key under
+    a name fuseloop passes no key by: refused where it has no default (the call would
+    fail), warned about where it has one (it would never receive a key; the name may also
+    mean something else, such as a cache_key)."""
+    for name, parameter in list(parameters.items())[2:]:
+        if not _LOOKS_LIKE_A_KEY.search(name):
+            continue
+        said = (
+            f"model: apply_fn's parameter {name!r} reads as a PRNG key, but fuseloop passes "
+            f"the step's key (while training; None in evaluation) only to a parameter named "
+            f"{', '.join(RNG_NAMES)}: rename it to one of those, or wrap apply_fn (lambda p, "
+            f"x, rng=None: apply_fn(p, x, {name}=rng))"
         )
+        if parameter.default is inspect.Parameter.empty:
+            raise ValueError(said)
+        warn(f"{said}; as it is, it keeps its default (dropout or noise off)", UserWarning)
 
 
 def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
@@ -70,7 +77,7 @@ class from_functions:  # noqa: N801 - reads as a constructor
         self.flags = flags_among(parameters, "apply_fn")
         self.rng_name = next((name for name in parameters if name in RNG_NAMES), None)
         if self.rng_name is None:
-            _refuse_unknown_key_names(list(parameters)[1:])
+            _unknown_key_names(parameters)
         # haiku's transformed apply: `apply(params, rng, *args)`.
         self.rng_second = self.rng_name is not None and list(parameters)[1:2] == [self.rng_name]
 
