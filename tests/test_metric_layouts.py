@@ -303,3 +303,43 @@ def test_a_time_step_distance_shaped_like_the_cross_at_this_batch_size_is_not_re
     if batch == 1:  # (1, T, 1) - (1, T) crosses, and fails at any other batch size
         with pytest.raises(ValueError, match=r"broadcasts them to \(1, 6, 6\)"):
             fl.trainer(model, lambda t, p: jnp.mean((p - t) ** 2), "sgd").run([(x, y)])
+
+
+@pytest.mark.parametrize("kind", ["metric", "loss"])
+def test_weights_in_a_column_crossing_a_per_example_loss_inside_the_function_are_refused(kind):
+    """Weights of (B, 1) (a DataFrame's column) times a per-example loss of (B,) make
+    (B, B): no target leaf crosses the (B, C) output, so the check once let it through,
+    and the loss trained as mean(w) * mean(l), the weights doing nothing."""
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    labels = (x[:, 0] > 0).astype(np.int32)
+    model = fl.models.from_functions(
+        lambda rng, x: {"c": jnp.zeros((4, 3))}, lambda p, x: x @ p["c"]
+    )
+
+    def weighted(column):
+        def fn(t, p):
+            per_example = optax.softmax_cross_entropy_with_integer_labels(p, t["y"])
+            weight = t["weight"] if column else t["weight"][..., 0]
+            return jnp.mean(weight * per_example)
+
+        return fn
+
+    def supervised_contrastive(t, p):  # (B, B) from the targets and from the outputs alone
+        same = (t["y"][:, None] == t["y"][None, :]).astype(p.dtype)
+        logits = p @ p.T
+        return jnp.mean(same * jax.nn.log_softmax(logits)) * jnp.mean(t["weight"])
+
+    def attach(fn):
+        if kind == "metric":
+            return fl.trainer(model, weighted(False), "sgd").metric(fn, name="w")
+        return fl.trainer(model, fn, "sgd")
+
+    y = {"y": labels, "weight": np.ones((16, 1), np.float32)}
+    message = (
+        rf"the {kind} .*a value computed from y_true\['weight'\] against one computed "
+        rf"from y_pred to \(16, 16\).*y_true\['weight'\]\[\.\.\., 0\]"
+    )
+    with pytest.raises(ValueError, match=message):
+        attach(weighted(True)).run([(x, y)])
+    assert attach(weighted(False)).run([(x, y)]).status == "completed"
+    assert attach(supervised_contrastive).run([(x, y)]).status == "completed"

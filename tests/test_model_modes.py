@@ -208,19 +208,20 @@ def test_nnx_train_and_eval_modes():
 
 def test_nnx_layers_set_to_evaluation_mode_are_named_when_a_trainer_takes_them():
     """A trainer runs its steps in training mode (module.train()), so a BatchNorm frozen by
-    hand, or a module left in .eval(), would train silently: it warns, naming the layers
-    and the per-call flag that keeps one frozen."""
+    hand would train silently: it warns, naming the layers and the per-call flag that keeps
+    one frozen."""
     model = NnxNet(nnx.Rngs(0))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fl.trainer(model, SPARSE, "adam")  # flax builds its layers in training mode
         fl.trainer(NnxOwnFlag(nnx.Rngs(0)), SPARSE, "adam")  # a user's flag, off until trained
-    model.norm.use_running_average = True
+    model.norm.use_running_average = True  # frozen by hand, while the dropout trains
     with pytest.warns(UserWarning, match=r"\(norm\.use_running_average=True\): a trainer") as seen:
         fl.trainer(model, SPARSE, "adam")
     assert "self.bn(x, use_running_average=True)" in str(seen[0].message)
-    model.eval()
-    with pytest.warns(UserWarning, match=r"drop\.deterministic=True"):
+    model.eval()  # wholly in evaluation mode, as fl.models.trained returns it: switched
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         fl.trainer(model, SPARSE, "adam")
 
 
@@ -237,6 +238,15 @@ def test_nnx_variables_of_other_shapes_are_refused_by_name():
         fl.predict(model, variables, DATA[0][0])
     with pytest.raises(ValueError, match=named):
         fl.models.trained(model, variables)
+
+    class Counted(nnx.Module):  # a Variable holding a plain number, not an array
+        def __init__(self, rngs):
+            self.dense, self.count = nnx.Linear(5, 3, rngs=rngs), nnx.Variable(0)
+
+        def __call__(self, x):
+            return self.dense(x)
+
+    assert fl.trainer(Counted(nnx.Rngs(0)), SPARSE, "adam").run(DATA).status == "completed"
 
 
 def test_nnx_plain_bool_training_attribute():
@@ -339,7 +349,7 @@ def test_trained_refuses_what_is_not_the_models_variables_when_called():
     np.testing.assert_array_equal(fl.models.trained(Relu(), variables)(x), np.maximum(x, 0))
 
 
-@pytest.mark.parametrize("name", ["rngs", "dropout_key", "noise_rng", "seed"])
+@pytest.mark.parametrize("name", ["dropout_key", "noise_rng", "dropout_rngs"])
 def test_plain_functions_with_a_key_under_another_name_are_named(name):
     """fuseloop passes the step's key to `rng`, `key`, ...; an apply_fn whose key is spelled
     otherwise kept its default, so its dropout was silently off (a warning: the name may
@@ -354,8 +364,11 @@ def test_plain_functions_with_a_key_under_another_name_are_named(name):
     with pytest.raises(ValueError, match=said):
         fl.models.from_functions(init, namespace["needs"])
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # rng gets the key; key_size is no key
+        warnings.simplefilter("error")  # rng gets the key; the others may mean anything
         fl.models.from_functions(init, lambda p, x, rng=None, noise_key=None, key_size=2: x)
+        fl.models.from_functions(init, lambda p, x, cache_key=None, random_seed=0, **kw: x)
+        model = nn.Dense(3)  # flax.linen's own apply takes rngs=None: a dict, not a key
+        fl.models.from_functions(model.init, model.apply)
 
 
 def test_trained_plain_functions():

@@ -93,7 +93,9 @@ def test_an_error_the_device_raises_names_its_epoch_and_iterations(plain_loop, f
     with jax.debug_nans(True), pytest.raises(FloatingPointError) as caught:
         plain_loop.run(data, fuse=fuse)
     assert f"fuseloop: raised by the steps of epoch 0, {steps}" in caught.value.__notes__
-    assert any("rerun with run(..., jit=False)" in note for note in caught.value.__notes__)
+    # Where JAX saw the NaN leave the device loop, the note says how to have it named.
+    hinted = any("run(..., fuse=False, jit=False)" in note for note in caught.value.__notes__)
+    assert hinted == ("encountered in while" in str(caught.value))
 
 
 def test_an_error_the_device_raises_in_a_whole_run_names_its_dispatch(plain_loop):
@@ -104,7 +106,7 @@ def test_an_error_the_device_raises_in_a_whole_run_names_its_dispatch(plain_loop
     assert "fuseloop: raised by the 24 steps of the dispatch from epoch 0, iteration 0" in (
         caught.value.__notes__
     )
-    assert any("rerun with run(..., jit=False)" in note for note in caught.value.__notes__)
+    assert any("run(..., fuse=False, jit=False)" in note for note in caught.value.__notes__)
 
 
 def _raises_at(global_step: int) -> fl.Loop:
@@ -121,6 +123,10 @@ def _raises_at(global_step: int) -> fl.Loop:
     return fl.loop(step)
 
 
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu",
+    reason="a GPU reports a callback's error after the run, outside it",
+)
 @pytest.mark.parametrize("fuse", [False, 4])
 def test_a_step_failing_on_the_device_keeps_the_epochs_before_it(fuse):
     """A callback raising in epoch 1's first chunk: epoch 0 (all its steps ran) is in the

@@ -254,7 +254,10 @@ def test_a_seed_beyond_32_bits_without_x64_is_refused_naming_the_seed_it_would_b
     for seed in (2**32 - 1, -(2**31)):
         fl.trainer(model, "mean_squared_error", "sgd", seed=seed)
     with jax.enable_x64(True):  # where a seed keys all 64 of its bits
-        fl.trainer(model, "mean_squared_error", "sgd", seed=2**32 + 7)
+        built_under_x64 = fl.trainer(model, "mean_squared_error", "sgd", seed=2**32 + 7)
+    batches = [(np.ones((2, 2), np.float32), np.zeros((2, 3), np.float32))]
+    with pytest.raises(ValueError, match=r"exactly as seed=7"):  # run without it
+        built_under_x64.run(batches)
 
 
 def test_numpy_integers_are_accepted_for_log_and_seed():

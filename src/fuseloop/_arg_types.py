@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 __all__ = [
+    "check_seed_bits",
     "concrete_deleted",
     "is_int",
     "refuse_deleted_arrays",
@@ -135,3 +136,14 @@ def concrete_deleted(leaf: Any) -> bool:
 
 def _concrete_array(leaf: Any) -> bool:
     return isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+
+
+def check_seed_bits(seed: int) -> None:
+    """A ValueError where, without x64, JAX would key `seed` by its low 32 bits alone (a
+    trainer is checked when built and when its run starts, x64 may change in between)."""
+    if not jax.config.read("jax_enable_x64") and not -(2**31) <= seed < 2**32:
+        raise ValueError(
+            f"seed={seed} is outside [-2**31, 2**32): without jax_enable_x64, JAX makes a "
+            f"key from a seed's low 32 bits, so it would train exactly as "
+            f"seed={seed % 2**32}; pass a seed in that range (e.g. seed % 2**32)"
+        )

@@ -21,18 +21,20 @@ __all__ = ["from_functions", "takes_keyword"]
 RNG_NAMES = ("rng", "key", "rng_key", "prng_key", "dropout_rng")
 
 
-# Spellings that read as a key (flax's `rngs`, `dropout_key`, `noise_rng`, `seed`) but are
-# none of RNG_NAMES: such a parameter keeps its default, so dropout would stay off.
-_LOOKS_LIKE_A_KEY = re.compile(r"^(rngs|seed|prng)$|_(key|rng|rngs|seed)$")
+# Spellings that can only mean a key (`dropout_key`, `noise_rng`) but are none of
+# RNG_NAMES: such a parameter keeps its default, so dropout would stay off. Not `rngs`
+# (flax.linen's apply takes a dict of them, which fuseloop does not make) nor names that
+# may mean something else (`cache_key`, `random_seed`).
+_LOOKS_LIKE_A_KEY = re.compile(r"_(rng|rngs)$|^(dropout|noise|sample|init)_key$")
 
 
 def _unknown_key_names(parameters: Any) -> None:
     """A parameter of an apply function (past params and x) that reads as a PRNG key under
     a name fuseloop passes no key by: refused where it has no default (the call would
-    fail), warned about where it has one (it would never receive a key; the name may also
-    mean something else, such as a cache_key)."""
+    fail), warned about where it has one (it would never receive a key)."""
     for name, parameter in list(parameters.items())[2:]:
-        if not _LOOKS_LIKE_A_KEY.search(name):
+        variadic = parameter.kind in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)
+        if variadic or not _LOOKS_LIKE_A_KEY.search(name):
             continue
         said = (
             f"model: apply_fn's parameter {name!r} reads as a PRNG key, but fuseloop passes "

@@ -8,9 +8,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import jax
-
-from ._arg_types import is_int, refuse_deleted_arrays, refuse_signature
+from ._arg_types import check_seed_bits, is_int, refuse_deleted_arrays, refuse_signature
 from ._metrics import ACCUMULATORS, ALIASES, METRICS
 from ._population import refuse_population
 from ._state import State
@@ -66,12 +64,7 @@ def check_trainer_options(log: Any, seed: Any, log_stream: Any = None) -> tuple[
         raise ValueError(f"seed={seed!r} must be an int")
     if not -(2**63) <= int(seed) < 2**63:  # JAX draws a key from a 64-bit seed under x64
         raise ValueError(f"seed={seed} must be in [-2**63, 2**63), e.g. seed % 2**63")
-    if not jax.config.read("jax_enable_x64") and not -(2**31) <= int(seed) < 2**32:
-        raise ValueError(
-            f"seed={seed} is outside [-2**31, 2**32): without jax_enable_x64, JAX makes a "
-            f"key from a seed's low 32 bits, so it would train exactly as "
-            f"seed={int(seed) % 2**32}; pass a seed in that range (e.g. seed % 2**32)"
-        )
+    check_seed_bits(int(seed))
     check_text_stream(log_stream, "log_stream")
     if log_stream is not None and log == 0:
         raise ValueError(

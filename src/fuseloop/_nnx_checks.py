@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
 from ._linen import TRAIN_FLAGS, ModelConventionError
 
@@ -14,12 +15,14 @@ __all__ = ["eval_flags", "refuse_other_shapes", "refuse_param_writes"]
 
 def eval_flags(module: Any) -> list[str]:
     """`path.flag=value` for each mode flag of `module`'s flax layers (Dropout, BatchNorm,
-    attention, ...) that holds its evaluation value: set by nnx's `.eval()` or by hand, as
-    flax builds them in training mode. A user's own module may keep its flag off until a
-    trainer switches it on (`self.training = False`), so its flags are not listed."""
+    attention, ...) that holds its evaluation value while another layer's holds its training
+    value: a layer set by hand (a BatchNorm frozen for fine-tuning), which a trainer's
+    `module.train()` would override. A module wholly in evaluation mode (`.eval()`, or
+    `fl.models.trained`'s) is not listed: a trainer is expected to switch it. Nor are a
+    user's own modules' flags (`self.training = False` until a trainer switches it on)."""
     from flax import nnx
 
-    held = []
+    held, training = [], False
     for path, sub in nnx.iter_graph(module):
         if not isinstance(sub, nnx.Module) or not type(sub).__module__.startswith("flax."):
             continue
@@ -27,7 +30,8 @@ def eval_flags(module: Any) -> list[str]:
             value = getattr(sub, name, None)
             if isinstance(value, bool) and value != train_value:
                 held.append(".".join([*map(str, path), name]) + f"={value}")
-    return held
+            training = training or value is train_value
+    return held if training else []
 
 
 def refuse_other_shapes(module_values: Any, given: Any, part: str) -> None:
@@ -36,10 +40,11 @@ def refuse_other_shapes(module_values: Any, given: Any, part: str) -> None:
     would take as they are."""
     own = dict(jax.tree_util.tree_flatten_with_path(module_values)[0])
     wrong = [
-        f"{part}{jax.tree_util.keystr(path)}: {tuple(jax.numpy.shape(leaf))} given, "
-        f"{tuple(own[path].shape)} in the module"
+        f"{part}{jax.tree_util.keystr(path)}: {np.shape(leaf)} given, "
+        f"{np.shape(own[path])} in the module"
         for path, leaf in jax.tree_util.tree_flatten_with_path(given)[0]
-        if path in own and jax.numpy.shape(leaf) != own[path].shape
+        # A Variable may hold a plain number (a counter): np.shape reads it as ().
+        if path in own and np.shape(leaf) != np.shape(own[path])
     ]
     if wrong:  # not a misfit of x, which the run's checks would say it is
         raise ModelConventionError(

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ._arg_types import check_seed_bits
 from ._batch_checks import require_pair
 from ._epoch_order import prng_config
 from ._functions import from_functions
@@ -152,9 +153,10 @@ def _merge(params: Any, rest: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=64)
-def _seed_keys(seed: int, prng: tuple[str, bool]) -> tuple[np.ndarray, np.ndarray]:
+def _seed_keys(seed: int, prng: tuple[str, bool], x64: bool) -> tuple[np.ndarray, np.ndarray]:
     """`jax.random.split(jax.random.PRNGKey(seed))` as host arrays, computed once per seed
-    and PRNG configuration (`prng`: `prng_config()`, on which the split depends):
+    and PRNG configuration (`prng`: `prng_config()`, on which the split depends; `x64`,
+    on which the key of a seed past 32 bits does):
     constants of the init program (derived inside it, XLA:CPU ran threefry's loop at
     every run). The transfer of the seed is the library's own, allowed under any guard.
     """
@@ -187,7 +189,9 @@ def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program
     def init(first_batch: Any, variables: Any) -> dict[str, Any]:
         x, _ = split_batch(first_batch)
         if isinstance(seed, (int, np.integer)):
-            init_key, dropout_key = _seed_keys(int(seed), prng_config())
+            check_seed_bits(int(seed))  # x64 may have changed since the trainer was built
+            x64 = bool(jax.config.read("jax_enable_x64"))
+            init_key, dropout_key = _seed_keys(int(seed), prng_config(), x64)
         else:  # a population's member seeds, traced
             init_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
         if variables is None:

@@ -105,6 +105,87 @@ def _refuse_cross(fn: Callable[..., Any], y_true: Any, y_pred: Any, kind: str, n
     hits = _built_crosses(fn, y_true, y_pred, crossed)
     if hits and not _coincidental(fn, y_true, y_pred):
         raise ValueError(_cross_message(hits[0], kind, name))
+    mixed = _mixed_crosses(fn, y_true, y_pred)
+    if mixed and not _coincidental(fn, y_true, y_pred, _mixed_crosses):
+        raise ValueError(_cross_message(mixed[0], kind, name, inside=True))
+
+
+def _mixed_crosses(fn: Callable[..., Any], y_true: Any, y_pred: Any) -> list[_Crossed]:
+    """The crosses `fn` builds inside, between a value computed from a target and one
+    computed from the outputs: `weight * per_example` with weights of (B, 1) and a
+    per-example loss of (B,) builds (B, B), though no target leaf crosses an output leaf."""
+    abstract = [
+        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+        for tree in (y_true, y_pred)
+    ]
+    try:
+        traced = jax.make_jaxpr(fn)(*abstract)
+    except Exception:  # noqa: BLE001 - the real call raises it, with the user's traceback
+        return []
+    targets = jax.tree_util.tree_flatten_with_path(y_true)[0]
+    outputs = jax.tree_util.tree_flatten_with_path(y_pred)[0]
+    leaves = [leaf for _, leaf in targets + outputs]
+    if any(len(leaf.shape) == 0 for leaf in leaves) or len({leaf.shape[0] for leaf in leaves}) != 1:
+        return []  # no batch axis shared by every leaf
+    batch = leaves[0].shape[0]
+    if batch < 2:
+        return []  # one example: nothing to cross
+    sources = [frozenset([k]) for k in range(len(traced.jaxpr.invars))]
+    found: list[_Crossed] = []
+    for i, j, cross in _broadcasts_between(traced.jaxpr, sources, len(targets), batch):
+        (t_path, target), (p_path, output) = targets[i], outputs[j]
+        where = (jax.tree_util.keystr(t_path), jax.tree_util.keystr(p_path))
+        found.append(_Crossed(i, j, *where, tuple(target.shape), tuple(output.shape), cross))
+    return found
+
+
+def _broadcasts_between(
+    jaxpr: Any, sources: list[frozenset[int]], n_targets: int, batch: int
+) -> Iterator[tuple[int, int, Shape]]:
+    """`(target, output, shape)` for each elementwise operation of `jaxpr` that broadcasts
+    an operand reading target `target` against another reading output `output` across
+    examples: each holds `batch` on an axis where the other holds 1 (a (B, T, T) distance
+    between time steps shares its batch axis, and is not one). Inner programs included."""
+    reads: dict[Any, frozenset[int]] = dict(zip(jaxpr.invars, sources, strict=True))
+    for eqn in jaxpr.eqns:
+        operands = [
+            (reads.get(v, frozenset()), _shape(v)) for v in eqn.invars if not hasattr(v, "val")
+        ]
+        read = frozenset().union(*(r for r, _ in operands))
+        for var in eqn.outvars:
+            reads[var] = read
+        out = _shape(eqn.outvars[0]) if eqn.outvars else ()
+        if len(operands) > 1 and all(_broadcasts_to(shape, out) for _, shape in operands):
+            for a, b in ((a, b) for a in operands for b in operands if a is not b):
+                target = min((k for k in a[0] if k < n_targets), default=None)
+                output = min((k for k in b[0] if k >= n_targets), default=None)
+                if target is not None and output is not None and _across(a[1], b[1], batch):
+                    yield target, output - n_targets, out
+                    break
+        for param in eqn.params.values():
+            for inner in _inner_jaxprs(param):
+                # An inner program (a jit's) takes the operands in order; others (a cond's
+                # branches, a loop's body) are taken as reading all of them.
+                given = [r for r, _ in operands] if len(inner.invars) == len(operands) else None
+                inner_sources = given or [read] * len(inner.invars)
+                yield from _broadcasts_between(inner, inner_sources, n_targets, batch)
+
+
+def _across(a: Shape, b: Shape, batch: int) -> bool:
+    """Whether `a` and `b` each hold `batch` on an axis where the other holds 1."""
+    pairs = list(zip(a, b, strict=True))
+    return (batch, 1) in pairs and (1, batch) in pairs
+
+
+def _shape(var: Any) -> Shape:
+    return tuple(getattr(getattr(var, "aval", None), "shape", ()))
+
+
+def _broadcasts_to(shape: Shape, out: Shape) -> bool:
+    """Whether `shape` is an elementwise operand broadcast to the larger `out` (every axis
+    the same or 1; a contraction's operands are not)."""
+    same_rank = len(shape) == len(out) and all(d in (1, o) for d, o in zip(shape, out, strict=True))
+    return same_rank and math.prod(shape) < math.prod(out)
 
 
 def _built_crosses(
@@ -134,7 +215,9 @@ def _built_crosses(
     ]
 
 
-def _coincidental(fn: Callable[..., Any], y_true: Any, y_pred: Any) -> bool:
+def _coincidental(
+    fn: Callable[..., Any], y_true: Any, y_pred: Any, finder: Callable[..., Any] | None = None
+) -> bool:
     """Whether the crosses found are a coincidence of this batch's size: traced again with
     a batch size unlike any other axis, the function builds none (a function that fixes
     its batch size, by an array it closes over, cannot be asked). (B, T) targets against a
@@ -150,21 +233,30 @@ def _coincidental(fn: Callable[..., Any], y_true: Any, y_pred: Any) -> bool:
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct((other, *a.shape[1:]), a.dtype), tree)
 
     again_true, again_pred = resized(y_true), resized(y_pred)
+    if finder is not None:  # `_mixed_crosses`
+        return not finder(fn, again_true, again_pred)
     crossed = _crossed_pairs(again_true, again_pred)
     # A function that fails at the other size (`y_pred - y_true` of (1, T, 1) and (1, T),
     # a cross at B = 1 only) is judged by the batch it was given.
     return _built_crosses(fn, again_true, again_pred, crossed, always=True) == []
 
 
-def _cross_message(pair: _Crossed, kind: str, name: str) -> str:
+def _cross_message(pair: _Crossed, kind: str, name: str, inside: bool = False) -> str:
     t, p = f"y_true{pair.target_at}", f"y_pred{pair.output_at}"
+    them = f"a value computed from {t} against one computed from {p}" if inside else "them"
+    fix = (
+        f"(e.g. {t}[..., 0] where it holds one value per example in a column, as Keras "
+        f"reshapes a sample_weight)"
+        if inside
+        else f"(e.g. {p}[..., 0] or {t}[..., None])"
+    )
     return (
         f"the {kind} {name}(y_true, y_pred) got {t} of shape {pair.target_shape} and "
-        f"{p} of shape {pair.output_shape}, and it broadcasts them to {pair.cross}: every "
+        f"{p} of shape {pair.output_shape}, and it broadcasts {them} to {pair.cross}: every "
         f"target against every prediction, which a {kind} rarely means. fuseloop passes "
         f"both as they are (as a hand-written optax loop does; Keras would first make them "
-        f"one rank). Make them one shape inside the {kind} (e.g. {p}[..., 0] or "
-        f"{t}[..., None]), or in the model's output or the data's y"
+        f"one rank). Make them one shape inside the {kind} {fix}, or in the model's output "
+        f"or the data's y"
     )
 
 

@@ -242,7 +242,8 @@ def decide_chunk_size(
     timings = _timings(programs, step_state, first_batch, placement, memory_cap)
     if timings is None:  # not timed: fuse=True's chunk
         k = max(1, min(_balance(DEFAULT_CHUNK, epoch_length), cap))
-        return ChunkDecision(k, None, None, DEFAULT_CHUNK, memory_cap, "side effects")
+        bound = cap_name if cap < DEFAULT_CHUNK else "side effects"
+        return ChunkDecision(k, None, None, DEFAULT_CHUNK, memory_cap, bound)
     step, overhead = timings
     wanted = max(1, math.ceil(overhead / (tolerance * step)))
     k = 1 << (wanted - 1).bit_length()  # the next power of two: few distinct programs

@@ -312,12 +312,12 @@ def name_steps(error: Exception, epoch: int, prepared: Prepared) -> None:
 
 
 def name_nan_op(error: Exception) -> None:
-    """Where `jax_debug_nans` raised (it sees the NaN leave fuseloop's device loop, "in
-    while"), a note on how to have JAX name the operation."""
-    if isinstance(error, FloatingPointError):
+    """Where `jax_debug_nans` raised as the NaN left fuseloop's device loop ("in while"), a
+    note on how to have JAX name the operation (a run with jit=False is named already)."""
+    if isinstance(error, FloatingPointError) and "while" in str(error):
         error.add_note(
             "fuseloop: the NaN was seen leaving fuseloop's device loop; rerun with "
-            "run(..., jit=False) for JAX to name the operation that made it"
+            "run(..., fuse=False, jit=False) for JAX to name the operation that made it"
         )
 
 

@@ -261,7 +261,7 @@ def _seed(value: Any, where: str = "population['seed']") -> int:
     if not -(2**31) <= int(value) < 2**31:
         raise ValueError(
             f"{where}: {value} is outside int32 (each member's key is drawn on the device "
-            f"from an int32 seed; a solo run takes seeds up to 2**32): use seeds below 2**31, "
+            f"from an int32 seed; a solo run takes 32-bit seeds): use seeds below 2**31, "
             f"e.g. seed % 2**31"
         )
     return int(value)
