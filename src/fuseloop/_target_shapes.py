@@ -114,13 +114,8 @@ def _mixed_crosses(fn: Callable[..., Any], y_true: Any, y_pred: Any) -> list[_Cr
     """The crosses `fn` builds inside, between a value computed from a target and one
     computed from the outputs: `weight * per_example` with weights of (B, 1) and a
     per-example loss of (B,) builds (B, B), though no target leaf crosses an output leaf."""
-    abstract = [
-        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
-        for tree in (y_true, y_pred)
-    ]
-    try:
-        traced = jax.make_jaxpr(fn)(*abstract)
-    except Exception:  # noqa: BLE001 - the real call raises it, with the user's traceback
+    traced = _traced(fn, y_true, y_pred)
+    if traced is None:
         return []
     targets = jax.tree_util.tree_flatten_with_path(y_true)[0]
     outputs = jax.tree_util.tree_flatten_with_path(y_pred)[0]
@@ -177,6 +172,19 @@ def _across(a: Shape, b: Shape, batch: int) -> bool:
     return (batch, 1) in pairs and (1, batch) in pairs
 
 
+def _traced(fn: Callable[..., Any], y_true: Any, y_pred: Any) -> Any:
+    """`fn`'s jaxpr on the shapes and dtypes of `y_true` and `y_pred` (None where it cannot
+    be traced on them: the real call raises that, with the user's traceback)."""
+    abstract = [
+        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+        for tree in (y_true, y_pred)
+    ]
+    try:
+        return jax.make_jaxpr(fn)(*abstract)
+    except Exception:  # noqa: BLE001 - see the docstring
+        return None
+
+
 def _shape(var: Any) -> Shape:
     return tuple(getattr(getattr(var, "aval", None), "shape", ()))
 
@@ -197,13 +205,8 @@ def _built_crosses(
     only where some pair crosses, unless `always`)."""
     if not crossed and not always:
         return []
-    abstract = [
-        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
-        for tree in (y_true, y_pred)
-    ]
-    try:
-        traced = jax.make_jaxpr(fn)(*abstract)
-    except Exception:  # noqa: BLE001 - the real call raises it, with the user's traceback
+    traced = _traced(fn, y_true, y_pred)
+    if traced is None:
         return None
     n_targets = len(jax.tree.leaves(y_true))
     sources = [frozenset([k]) for k in range(len(traced.jaxpr.invars))]
