@@ -172,7 +172,7 @@ def test_seed_keys_are_the_split_of_the_seed() -> None:
 
     for seed in (0, 7, 2**31 - 1):
         expected = np.asarray(jax.random.split(jax.random.PRNGKey(seed)))
-        init_key, dropout_key = _seed_keys(seed, prng_config())
+        init_key, dropout_key = _seed_keys(seed, prng_config(), False)
         assert init_key.tobytes() == expected[0].tobytes()
         assert dropout_key.tobytes() == expected[1].tobytes()
 
