@@ -119,12 +119,9 @@ def _mixed_crosses(fn: Callable[..., Any], y_true: Any, y_pred: Any) -> list[_Cr
         return []
     targets = jax.tree_util.tree_flatten_with_path(y_true)[0]
     outputs = jax.tree_util.tree_flatten_with_path(y_pred)[0]
-    leaves = [leaf for _, leaf in targets + outputs]
-    if any(len(leaf.shape) == 0 for leaf in leaves) or len({leaf.shape[0] for leaf in leaves}) != 1:
-        return []  # no batch axis shared by every leaf
-    batch = leaves[0].shape[0]
-    if batch < 2:
-        return []  # one example: nothing to cross
+    batch = _shared_batch([leaf for _, leaf in targets + outputs])
+    if batch is None or batch < 2:
+        return []  # no batch axis shared by every leaf, or one example: nothing to cross
     sources = [frozenset([k]) for k in range(len(traced.jaxpr.invars))]
     found: list[_Crossed] = []
     for i, j, cross in _broadcasts_between(traced.jaxpr, sources, len(targets), batch):
@@ -164,6 +161,14 @@ def _broadcasts_between(
                 given = [r for r, _ in operands] if len(inner.invars) == len(operands) else None
                 inner_sources = given or [read] * len(inner.invars)
                 yield from _broadcasts_between(inner, inner_sources, n_targets, batch)
+
+
+def _shared_batch(leaves: list[Any]) -> int | None:
+    """The size of the leading axis every leaf has (None: some leaf has none, or they
+    differ)."""
+    if any(len(leaf.shape) == 0 for leaf in leaves) or len({leaf.shape[0] for leaf in leaves}) != 1:
+        return None
+    return int(leaves[0].shape[0])
 
 
 def _across(a: Shape, b: Shape, batch: int) -> bool:
@@ -228,7 +233,7 @@ def _coincidental(
     distance between time steps has; a true cross, `y_pred - y_true` of (B,) against
     (B, 1), builds one at every batch size.)"""
     leaves = jax.tree.leaves((y_true, y_pred))
-    if any(len(leaf.shape) == 0 for leaf in leaves) or len({leaf.shape[0] for leaf in leaves}) != 1:
+    if _shared_batch(leaves) is None:
         return False  # no batch axis shared by every leaf to move
     other = 2 + max(max(leaf.shape) for leaf in leaves)
 
