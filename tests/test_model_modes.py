@@ -371,6 +371,36 @@ def test_plain_functions_with_a_key_under_another_name_are_named(name):
         fl.models.from_functions(model.init, model.apply)
 
 
+def test_a_linen_modules_own_apply_as_plain_functions_is_refused_where_it_would_mislead():
+    """`from_functions(m.init, m.apply)` hides a linen module's train flag (its apply takes
+    `*args, **kwargs`), so every step ran with the flag's default: dropout off and BatchNorm
+    frozen, in silence. Refused, naming the fix; a module that asks for a dropout rng is
+    named when it first runs. A flagless, rngless module still trains."""
+
+    class Flagged(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = False):
+            return nn.Dense(3)(nn.Dropout(0.5, deterministic=not train)(x))
+
+    class AlwaysDrops(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3)(nn.Dropout(0.5, deterministic=False)(x))
+
+    said = r"apply_fn is {}\.apply, a flax\.linen module's own apply, {}.*Pass the module itself"
+    flagged = Flagged()
+    with pytest.raises(ValueError, match=said.format("Flagged", r".*flag 'train'")):
+        fl.models.from_functions(flagged.init, flagged.apply)
+    with pytest.raises(ValueError, match=said.format("Flagged", r".*flag 'train'")):
+        fl.trainer((flagged.init, flagged.apply), SPARSE, "sgd")
+    drops = AlwaysDrops()
+    loop = fl.trainer((drops.init, drops.apply), SPARSE, "sgd")
+    with pytest.raises(ValueError, match=said.format("AlwaysDrops", "to which fuseloop cannot")):
+        loop.run(DATA)
+    dense = nn.Dense(3)
+    assert fl.trainer((dense.init, dense.apply), SPARSE, "sgd").run(DATA).status == "completed"
+
+
 def test_trained_plain_functions():
     init = lambda rng, x: {"w": jnp.ones((5, 3))}  # noqa: E731
     apply = lambda p, x, train=False: x @ p["w"] + (1.0 if train else 0.0)  # noqa: E731

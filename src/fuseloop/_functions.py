@@ -10,7 +10,10 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from ._linen import flag_values, flags_among, parameters_of
+import flax
+import flax.linen as nn
+
+from ._linen import ModelConventionError, call_flags, flag_values, flags_among, parameters_of
 from ._warn import warn
 
 __all__ = ["from_functions", "takes_keyword"]
@@ -47,6 +50,40 @@ def _unknown_key_names(parameters: Any) -> None:
         warn(f"{said}; as it is, it keeps its default (dropout or noise off)", UserWarning)
 
 
+def _bound_linen_module(apply_fn: Any) -> nn.Module | None:
+    """The flax.linen module whose own `apply` `apply_fn` is (`module.apply`), else None."""
+    module = getattr(apply_fn, "__self__", None)
+    same = getattr(apply_fn, "__func__", None) is nn.Module.apply
+    return module if isinstance(module, nn.Module) and same else None
+
+
+def _pass_the_module(module: nn.Module, why: str) -> ModelConventionError:
+    name = type(module).__name__
+    return ModelConventionError(
+        f"model: apply_fn is {name}.apply, a flax.linen module's own apply, {why}. Pass "
+        f"the module itself (fl.trainer({name}(...), ...)): fuseloop adapts a linen module, "
+        f"passing its flag, a 'dropout' rng and its mutable collections while training"
+    )
+
+
+def _refuse_flagged_linen(apply_fn: Any) -> None:
+    """`from_functions(module.init, module.apply)` of a linen module with a train flag:
+    the pair hides the flag (`apply(variables, *args, **kwargs)`), so every step would run
+    the module with the flag's default, evaluation mode (dropout off, BatchNorm frozen)."""
+    module = _bound_linen_module(apply_fn)
+    if module is None:
+        return
+    flags = call_flags(module)
+    if flags:
+        flag = next(iter(flags))
+        raise _pass_the_module(
+            module,
+            f"through which fuseloop cannot see its __call__'s flag {flag!r}: every "
+            f"training step would run it with the flag's default (dropout off, BatchNorm "
+            f"in evaluation mode)",
+        )
+
+
 def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
     """Whether `fn`'s signature has a parameter called `name` (False when it has none)."""
     return name in parameters_of(fn)
@@ -75,6 +112,7 @@ class from_functions:  # noqa: N801 - reads as a constructor
 
     def __init__(self, init_fn: Callable[..., Any], apply_fn: Callable[..., Any]):
         self.init_fn, self.apply_fn = init_fn, apply_fn
+        _refuse_flagged_linen(apply_fn)
         parameters = parameters_of(apply_fn)
         self.flags = flags_among(parameters, "apply_fn")
         self.rng_name = next((name for name in parameters if name in RNG_NAMES), None)
@@ -116,6 +154,15 @@ class from_functions:  # noqa: N801 - reads as a constructor
             >>> y.tolist(), state
             ([3.0, 3.0], None)
         """
+        try:
+            return self._call(variables, x, train=train, rng=rng)
+        except flax.errors.InvalidRngError as error:
+            module = _bound_linen_module(self.apply_fn)
+            if module is None:
+                raise
+            raise _pass_the_module(module, "to which fuseloop cannot pass an rng") from error
+
+    def _call(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
         kwargs: dict[str, Any] = flag_values(self.flags, train)
         if self.rng_second:
             return self.apply_fn(variables, rng, x, **kwargs), None
