@@ -157,6 +157,14 @@ def test_validation_arguments_are_checked():
         BASE.validate(MODEL, VAL, event="epoch_ended")
     with pytest.raises(ValueError, match="model"):
         BASE.validate(None, VAL)
+    # Keras's (x, y, sample_weight) triples were refused only after the first epoch trained,
+    # as "the run's first batch"; whole arrays given as (x, y) likewise.
+    triples = [(x, y, np.ones(len(y), np.float32)) for x, y in VAL]
+    with pytest.raises(ValueError, match=r"validation data's first batch is a tuple of length 3"):
+        BASE.validate(MODEL, triples)
+    whole = (np.concatenate([x for x, _ in VAL]), np.concatenate([y for _, y in VAL]))
+    with pytest.raises(ValueError, match=r"first batch is a ndarray of shape .* whole arrays"):
+        BASE.validate(MODEL, whole)
 
 
 def _ragged_val() -> tuple[np.ndarray, np.ndarray]:

@@ -372,7 +372,7 @@ def require_pair(batch: Any, where: str = "a batch") -> None:
     if shape is not None and len(shape) >= 1:
         size = f" of shape {tuple(shape)}"
         hint = (
-            " If you passed whole arrays as run((x, y)), iterating over them yields x "
+            " If you passed whole arrays as a pair (x, y), iterating over it yields x "
             "and then y: batch them with fl.data.arrays(x, y, batch_size=...) instead."
         )
     raise ValueError(

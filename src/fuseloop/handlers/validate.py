@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._batch_checks import require_pair
 from .._data import as_source, warn_left_out
 from .._events import Event, normalize_event
 from .._fusion import FusionError, resolve_fuse
@@ -57,9 +58,10 @@ def check_validation(
 ) -> None:
     """Raises a ValueError naming what `Loop.validate` cannot use.
 
-    That is: no model, one-shot data, a `fuse` a validation run does not take, no metric
-    an evaluator can compute, or the "started" event (the first epoch starts the metrics
-    afresh: the validation would be lost).
+    That is: no model, one-shot data, a list of batches that are not (x, y) pairs, a
+    `fuse` a validation run does not take, no metric an evaluator can compute, or the
+    "started" event (the first epoch starts the metrics afresh: the validation would be
+    lost).
 
     Example:
         >>> check_validation(model, iter(val_batches), False, loop.metrics)
@@ -88,6 +90,9 @@ def check_validation(
             "fuse='auto' is not supported for validation; accepted values: "
             "False, True, or a positive int chunk size"
         )
+    if isinstance(data, (list, tuple)) and data:
+        # Now, not after the first epoch's training, where the evaluator would meet it.
+        require_pair(data[0], "the validation data's first batch")
     chunked = resolve_fuse(fuse, True)  # validates the value now, not at the first epoch's end
     if chunked is not None:
         _refuse_short_batches(data, fuse)
