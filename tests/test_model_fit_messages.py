@@ -414,3 +414,22 @@ def test_a_named_axis_collective_is_named_not_blamed_on_x():
     loop = fl.trainer(_SyncedNorm(), "sparse_categorical_cross_entropy", "sgd")
     with pytest.raises(ValueError, match=r"^model: it reduces over the named axis 'batch'.*Leave"):
         loop.run([(x, np.zeros(8, np.int32))])
+
+
+def test_given_variables_the_model_does_not_make_are_warned_about():
+    """A checkpoint holding a head the model drops ran in silence: flax ignores the extra
+    entries, but the run carried them (optimizer state, weight decay, state.params). A
+    resumed State and the trainer's own init are not warned about."""
+    model = fl.models.mlp([8, CLASSES])
+    loop = fl.trainer(model, SPARSE, optax.adamw(1e-2))
+    variables = model.init(jax.random.key(0), CLASSIFICATION[0][0])
+    old_head = {"kernel": np.ones((8, 10), np.float32), "bias": np.ones(10, np.float32)}
+    with_head = {"params": dict(variables["params"], Old_head=old_head)}
+    said = r"given variables hold \['params'\]\['Old_head'\]\['bias'\] \(and 1 more\)"
+    with pytest.warns(UserWarning, match=said + ".*weight decay shrinks them"):
+        state = loop.run(CLASSIFICATION, with_head)
+    assert "Old_head" in state.params["params"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loop.run(CLASSIFICATION, variables)
+        loop.run(CLASSIFICATION)

@@ -22,7 +22,7 @@ from ._model_fit_advice import fix_for_x as _fix_for_x
 from ._model_fit_advice import unbound_axis
 from ._outputs import require_one_prediction
 from ._placement import device_dtype
-from ._variables_diff import UNWRAPPED
+from ._variables_diff import UNWRAPPED, warn_unread
 from ._variables_diff import first_difference as _first_difference
 from .models import ModelConventionError, from_nnx, linen
 
@@ -172,6 +172,8 @@ class ModelFit:
         own init. Fresh variables of the same signature as those `check_first` passed are
         not traced again."""
         fresh = self.fresh is not _UNKNOWN and _same_signature(variables, self.fresh)
+        if not fresh and self.fresh is not _UNKNOWN and self.program.kind == "trainer":
+            warn_unread(variables, self.fresh)
         if self.checked:
             if not fresh:
                 self.check_variables(variables, "the given variables")

@@ -8,7 +8,9 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["UNWRAPPED", "first_difference"]
+from ._warn import warn
+
+__all__ = ["UNWRAPPED", "first_difference", "warn_unread"]
 
 UNWRAPPED = (
     " The given variables are the model's variables['params'] alone: pass the whole "
@@ -39,3 +41,27 @@ def first_difference(given: Any, fresh: Any) -> str:
                 f"where the model makes {tuple(np.shape(theirs[path]))}."
             )
     return ""
+
+
+def warn_unread(given: Any, fresh: Any) -> None:
+    """Warns where a trainer's given variables hold arrays its model does not make.
+
+    flax ignores them, so a checkpoint of a larger model (a head this one drops) runs; but
+    they are carried as trained variables: the optimizer keeps state for them, a weight
+    decay shrinks them, and `state.params` returns them.
+    """
+    try:
+        mine = [path for path, _ in jax.tree_util.tree_flatten_with_path(given)[0]]
+        theirs = {path for path, _ in jax.tree_util.tree_flatten_with_path(fresh)[0]}
+    except Exception:  # noqa: BLE001 - a structure the fit check already judged
+        return
+    extra = [jax.tree_util.keystr(path) for path in mine if path not in theirs]
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        warn(
+            f"model: the given variables hold {extra[0]}{more}, which the model does not "
+            f"make. The model never reads them, but the run carries them as variables: the "
+            f"optimizer keeps state for them, a weight decay shrinks them, and state.params "
+            f"returns them. Pass only the variables the model makes (e.g. drop the old "
+            f"head's entries from a checkpoint)"
+        )
