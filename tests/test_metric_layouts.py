@@ -4,6 +4,7 @@ per-example values, and metric names that validation would overwrite."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -275,6 +276,37 @@ def test_an_optax_loss_given_as_is_is_told_its_arguments_are_the_other_way_round
         fl.trainer(fl.models.mlp([2]), optax.softmax_cross_entropy_with_integer_labels, "sgd")
     with pytest.raises(ValueError, match=r"metric=optax.sigmoid_binary_cross_entropy"):
         fl.evaluator(fl.models.mlp([1])).metric(optax.sigmoid_binary_cross_entropy)
+    # A partial of one was told its output is not a scalar; reduced, it trained swapped.
+    with pytest.raises(ValueError, match=r"loss=optax.sigmoid_focal_loss: optax's losses"):
+        fl.trainer(fl.models.mlp([1]), functools.partial(optax.sigmoid_focal_loss, gamma=2), "sgd")
+
+
+def test_a_pairwise_loss_and_metric_of_a_column_output_run_and_a_crossing_where_does_not():
+    """A RankNet loss and a batch AUC squeeze the (B, 1) output, then build (B, B) from the
+    outputs alone and from the targets alone: they were refused as a cross of (B,) targets
+    against (B, 1) outputs, with a fix they had already applied. `jnp.where(t > 0, p, t)`
+    broadcasts its operands before one select, and is a cross."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 4)).astype(np.float32)
+    y = (x[:, 0] + 0.3 * rng.normal(size=16) > 0).astype(np.float32)
+
+    def ranknet(t, p):
+        s = p[:, 0]
+        order = jnp.sign(t[:, None] - t[None, :])
+        return jnp.mean(jnp.abs(order) * jax.nn.softplus(-order * (s[:, None] - s[None, :])))
+
+    def batch_auc(t, p):
+        s = p[:, 0]
+        pairs = (t[:, None] > 0.5) & (t[None, :] < 0.5)
+        return jnp.sum((s[:, None] > s[None, :]) & pairs) / jnp.maximum(jnp.sum(pairs), 1)
+
+    state = fl.trainer(fl.models.mlp([8, 1]), ranknet, "sgd").metric(batch_auc).run([(x, y)])
+    s = np.asarray(fl.predict(fl.models.mlp([8, 1]), state, x))[:, 0]
+    assert state.status == "completed" and 0 <= state.metrics["batch_auc"] <= 1
+    assert np.isfinite(s).all()
+    crossing = lambda t, p: jnp.mean(jnp.where(t > 0, p, t) ** 2)  # noqa: E731
+    with pytest.raises(ValueError, match=r"y_true of shape \(16,\) and y_pred of shape \(16, 1\)"):
+        fl.trainer(fl.models.mlp([8, 1]), crossing, "sgd").run([(x, y)])
 
 
 @pytest.mark.parametrize("batch", [1, 6])

@@ -5,13 +5,13 @@ output as they come, so that is what fuseloop hands a user's function. Keras ins
 them one rank first ((B,) targets against a (B, 1) output become (B, 1) and (B, 1)); either
 convention silently breaks code written for the other: `y_pred - y_true` broadcasts (B,)
 against (B, 1) to (B, B), and `y_pred[:, 0] - y_true` does the same once Keras has expanded
-the targets. So where the two shapes broadcast to a cross product (larger than both, e.g.
-(B, B)), the function is traced once on those shapes, and if it builds an array of that
-cross shape by an operation that reads both, the run stops with an error that names the fix
-(docs/design.md §5). Pytrees of targets and outputs (a multi-output model's dicts) are
-checked every target leaf against every output leaf. A cross found is traced again at
-another batch size, so a shape that only matches the cross at this batch's size (a (B, T, T)
-distance where B is 1) is not refused.
+the targets. So the function is traced on each new signature, and an operation that
+broadcasts a value computed from a target against one computed from the outputs across
+examples stops the run with an error that names the fix (docs/design.md §5); a pairwise
+loss, whose (B, B) arrays come from the targets alone and the outputs alone, runs. A cross
+found is traced again at another batch size, so a shape that only looks like one at this
+batch's size (a (B, T, T) distance where B is T) is not refused. Where the leaves share no
+batch axis, an array of the leaves' cross shape built from both is refused instead.
 """
 
 from __future__ import annotations
@@ -101,22 +101,32 @@ def _crossed_pairs(y_true: Any, y_pred: Any) -> list[_Crossed]:
 
 
 def _refuse_cross(fn: Callable[..., Any], y_true: Any, y_pred: Any, kind: str, name: str) -> None:
+    """Where every leaf has one batch axis, the operations `fn` runs are read for one that
+    broadcasts a target-derived value against an output-derived one across examples (a
+    pairwise loss, whose (B, B) arrays each come from targets alone or outputs alone, runs);
+    elsewhere, for an array of a crossed pair's cross shape built from both."""
     crossed = _crossed_pairs(y_true, y_pred)
-    hits = _built_crosses(fn, y_true, y_pred, crossed)
-    if hits and not _coincidental(fn, y_true, y_pred):
-        raise ValueError(_cross_message(hits[0], kind, name))
+    if (_shared_batch(jax.tree.leaves((y_true, y_pred))) or 0) < 2:  # none, or one example
+        hits = _built_crosses(fn, y_true, y_pred, crossed)
+        if hits and not _coincidental(fn, y_true, y_pred):
+            raise ValueError(_cross_message(hits[0], kind, name))
+        return
     mixed = _mixed_crosses(fn, y_true, y_pred)
     if mixed and not _coincidental(fn, y_true, y_pred, _mixed_crosses):
-        raise ValueError(_cross_message(mixed[0], kind, name, inside=True))
+        found = mixed[0]
+        # The target and the output themselves cross: make them one shape.
+        leaves = next((c for c in crossed if c[:2] == found[:2]), None)
+        raise ValueError(_cross_message(leaves or found, kind, name, inside=leaves is None))
 
 
-def _mixed_crosses(fn: Callable[..., Any], y_true: Any, y_pred: Any) -> list[_Crossed]:
-    """The crosses `fn` builds inside, between a value computed from a target and one
-    computed from the outputs: `weight * per_example` with weights of (B, 1) and a
-    per-example loss of (B,) builds (B, B), though no target leaf crosses an output leaf."""
+def _mixed_crosses(fn: Callable[..., Any], y_true: Any, y_pred: Any) -> list[_Crossed] | None:
+    """The crosses `fn` builds between a value computed from a target and one computed
+    from the outputs: `y_pred - y_true` of (B, 1) and (B,), or, inside, `weight *
+    per_example` with weights of (B, 1) and a per-example loss of (B,), though no target
+    leaf crosses an output leaf. None where `fn` cannot be traced on these shapes."""
     traced = _traced(fn, y_true, y_pred)
     if traced is None:
-        return []
+        return None
     targets = jax.tree_util.tree_flatten_with_path(y_true)[0]
     outputs = jax.tree_util.tree_flatten_with_path(y_pred)[0]
     batch = _shared_batch([leaf for _, leaf in targets + outputs])
@@ -124,7 +134,7 @@ def _mixed_crosses(fn: Callable[..., Any], y_true: Any, y_pred: Any) -> list[_Cr
         return []  # no batch axis shared by every leaf, or one example: nothing to cross
     sources = [frozenset([k]) for k in range(len(traced.jaxpr.invars))]
     found: list[_Crossed] = []
-    for i, j, cross in _broadcasts_between(traced.jaxpr, sources, len(targets), batch):
+    for i, j, cross in _broadcasts_between(traced.jaxpr, sources, len(targets), batch, {}):
         (t_path, target), (p_path, output) = targets[i], outputs[j]
         where = (jax.tree_util.keystr(t_path), jax.tree_util.keystr(p_path))
         found.append(_Crossed(i, j, *where, tuple(target.shape), tuple(output.shape), cross))
@@ -132,21 +142,27 @@ def _mixed_crosses(fn: Callable[..., Any], y_true: Any, y_pred: Any) -> list[_Cr
 
 
 def _broadcasts_between(
-    jaxpr: Any, sources: list[frozenset[int]], n_targets: int, batch: int
+    jaxpr: Any, sources: list[frozenset[int]], n_targets: int, batch: int, spread: dict[Any, Shape]
 ) -> Iterator[tuple[int, int, Shape]]:
     """`(target, output, shape)` for each elementwise operation of `jaxpr` that broadcasts
     an operand reading target `target` against another reading output `output` across
     examples: each holds `batch` on an axis where the other holds 1 (a (B, T, T) distance
-    between time steps shares its batch axis, and is not one). Inner programs included."""
+    between time steps shares its batch axis, and is not one). Inner programs included.
+    `spread`: an array made by `broadcast_in_dim` -> the shape it was made from, in the
+    result's rank (`jnp.where` broadcasts its operands so before one `select_n`)."""
     reads: dict[Any, frozenset[int]] = dict(zip(jaxpr.invars, sources, strict=True))
     for eqn in jaxpr.eqns:
         operands = [
-            (reads.get(v, frozenset()), _shape(v)) for v in eqn.invars if not hasattr(v, "val")
+            (reads.get(v, frozenset()), spread.get(v, _shape(v)))
+            for v in eqn.invars
+            if not hasattr(v, "val")
         ]
         read = frozenset().union(*(r for r, _ in operands))
         for var in eqn.outvars:
             reads[var] = read
         out = _shape(eqn.outvars[0]) if eqn.outvars else ()
+        if eqn.primitive.name == "broadcast_in_dim" and len(operands) == 1:
+            spread[eqn.outvars[0]] = _spread(operands[0][1], eqn.params, out)
         if len(operands) > 1 and all(_broadcasts_to(shape, out) for _, shape in operands):
             for a, b in ((a, b) for a in operands for b in operands if a is not b):
                 target = min((k for k in a[0] if k < n_targets), default=None)
@@ -160,7 +176,16 @@ def _broadcasts_between(
                 # branches, a loop's body) are taken as reading all of them.
                 given = [r for r, _ in operands] if len(inner.invars) == len(operands) else None
                 inner_sources = given or [read] * len(inner.invars)
-                yield from _broadcasts_between(inner, inner_sources, n_targets, batch)
+                yield from _broadcasts_between(inner, inner_sources, n_targets, batch, {})
+
+
+def _spread(shape: Shape, params: Any, out: Shape) -> Shape:
+    """The shape `broadcast_in_dim` (with `params`) spread to `out`, in `out`'s rank: 1 on
+    every axis it added or stretched from 1."""
+    spread = [1] * len(out)
+    for axis, size in zip(params["broadcast_dimensions"], shape, strict=True):
+        spread[axis] = size
+    return tuple(spread)
 
 
 def _shared_batch(leaves: list[Any]) -> int | None:
@@ -242,7 +267,7 @@ def _coincidental(
 
     again_true, again_pred = resized(y_true), resized(y_pred)
     if finder is not None:  # `_mixed_crosses`
-        return not finder(fn, again_true, again_pred)
+        return finder(fn, again_true, again_pred) == []
     crossed = _crossed_pairs(again_true, again_pred)
     # A function that fails at the other size (`y_pred - y_true` of (1, T, 1) and (1, T),
     # a cross at B = 1 only) is judged by the batch it was given.
@@ -307,6 +332,8 @@ def _refuse_optax_order(fn: Any, kind: str) -> None:
     one value per example, where fuseloop calls `fn(y_true, y_pred)` for a scalar, so the
     arguments would be swapped (and a shape error, or a `.mean()` added after one, would
     hide it)."""
+    while isinstance(fn, functools.partial):  # partial(optax.sigmoid_focal_loss, gamma=2)
+        fn = fn.func
     module = str(getattr(fn, "__module__", "") or "")
     if module == "optax" or module.startswith("optax."):
         name = getattr(fn, "__name__", "the function")
