@@ -298,15 +298,25 @@ def test_a_validation_metric_attached_after_validate_is_named_as_the_cause():
 # ----------------------------------------------------------------- mode from the name
 
 
-def test_mode_auto_reads_the_direction_from_the_name_as_keras_does():
-    rising = [0.4, 0.5, 0.6, 0.7, 0.8]
-    as_loss = _run_scripted(rising, patience=1, mode="auto")  # "score": lower is better
-    assert as_loss.status == "halted" and max(as_loss.history) == 1
-    loop = _scripted(_counter_loop(), rising, name="validation_accuracy")
-    loop = loop.early_stop("validation_accuracy", patience=1, mode="auto")
-    state = loop.run([(0, 0)] * 2, {"n": jnp.int32(0)}, epochs=len(rising))
-    assert state.status == "completed"  # "max": every epoch improves
-    assert state.handler_metadata["early_stop:validation_accuracy"]["best"] == 0.8
+def test_mode_auto_reads_the_direction_from_the_words_of_the_name():
+    """ "auto" once matched letters: "cauchy_loss" read as an AUC (max) and an R2 as a loss
+    (min), so restore_best kept the worst epoch. It reads words, and refuses a name that
+    says neither way (as Keras 3 does) instead of taking it for a loss."""
+    rising, falling = [0.4, 0.5, 0.6, 0.7, 0.8], [0.8, 0.7, 0.6, 0.5, 0.4]
+    for name, values in [
+        ("validation_accuracy", rising),
+        ("validation_r2", rising),
+        ("validation_R2Score", rising),
+        ("validation_cauchy_loss", falling),
+        ("accumulated_error", falling),
+    ]:
+        loop = _scripted(_counter_loop(), values, name=name)
+        loop = loop.early_stop(name, patience=1, mode="auto")
+        state = loop.run([(0, 0)] * 2, {"n": jnp.int32(0)}, epochs=len(values))
+        assert state.status == "completed", name  # every epoch improves
+        assert state.handler_metadata[f"early_stop:{name}"]["best"] == values[-1]
+    with pytest.raises(ValueError, match=r"early_stop\(monitor='score', mode='auto'\).*mode='max'"):
+        _run_scripted(rising, patience=1, mode="auto")
 
 
 ATTACH = {
@@ -324,12 +334,14 @@ def test_min_on_a_rising_metric_warns_with_the_fix(handler):
     "min", which on an accuracy would stop while it still rises and keep the worst epoch."""
     attach = ATTACH[handler]
     loop = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "adam")
-    for name in ("validation_accuracy", "acc", "recall"):
+    for name in ("validation_accuracy", "acc", "recall", "validation_r2"):
         with pytest.warns(UserWarning, match=rf"{handler}: .*'{name}' rises .*mode='max'"):
             attach(loop, name)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         attach(loop, "validation_loss")
+        attach(loop, "validation_cauchy_loss")  # no "auc" in it
+        attach(loop, "accumulated_error")  # nor an "acc"
         attach(loop, "validation_accuracy", mode="max")
         attach(loop, "validation_accuracy", mode="auto")
     with pytest.raises(ValueError, match="accepted values: min, max, auto"):

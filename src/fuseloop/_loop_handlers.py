@@ -80,8 +80,8 @@ class HandlerBuilders:
         in `state.handler_metadata`, so they survive a checkpoint and resume. With
         `restore_best=True` (Keras's `restore_best_weights`) the run ends with the step state
         of the best epoch, bitwise, however it ends. `mode` is "min" (a loss), "max" (an
-        accuracy) or "auto" (read from the name, as Keras's default does); "min" on an
-        accuracy, precision or recall warns.
+        accuracy) or "auto" (read from the name's words; a name that says neither way is
+        refused); "min" on an accuracy, precision, recall, r2, ... warns.
 
         Example:
             >>> stopping = loop.early_stop("loss", patience=1, min_delta=100.0)

@@ -8,6 +8,7 @@ resumed run continues it exactly (`handlers.monitor` builds the handlers on it).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,34 +24,72 @@ __all__ = ["MODES", "Monitor", "at_epoch_end", "check_float", "check_int", "reso
 
 MODES = ("min", "max")
 
-# Words of a metric name that rises as a model improves, as Keras's mode="auto" reads them
-# ("acc" also covers "accuracy" and Keras's own "acc").
-_RISING_WORDS = ("acc", "precision", "recall", "auc", "f1")
+# Words of a metric's name that say which way it moves as a model improves. A name is
+# read word by word (split at "_", "-", "/", ".", spaces and camelCase), so "cauchy_loss"
+# holds no "auc" and "accumulated_error" no "acc".
+# fmt: off
+_RISING_WORDS = frozenset({
+    "acc", "accuracy", "precision", "recall", "auc", "roc", "f1", "f2", "fbeta", "r2", "iou",
+    "miou", "dice", "jaccard", "map", "ap", "ndcg", "mrr", "bleu", "rouge", "psnr", "ssim",
+    "specificity", "sensitivity", "tpr", "kappa", "mcc", "correlation", "pearson", "spearman",
+    "explained", "top1", "top5",
+})
+_FALLING_WORDS = frozenset({
+    "loss", "losses", "error", "errors", "err", "mse", "mae", "rmse", "mape", "smape", "msle",
+    "rmsle", "nll", "crossentropy", "entropy", "xent", "bce", "cce", "perplexity", "ppl",
+    "hinge", "huber", "logcosh", "distance", "divergence", "kl", "kld", "cer", "wer", "fpr",
+    "fnr", "regret", "cost", "risk", "deviance", "brier",
+})
+# fmt: on
+
+
+def _words(name: str) -> set[str]:
+    """`name`'s words, lower case: "validation_R2Score" -> {"validation", "r2", "score"}."""
+    spaced = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", " ", name)
+    return {word for word in re.split(r"[\W_]+", spaced.lower()) if word}
+
+
+def _direction(name: Any) -> str | None:
+    """ "max" for a name whose words say it rises as a model improves, "min" for one that
+    falls, None for a name that says neither or both."""
+    words = _words(name) if isinstance(name, str) else set()
+    rises, falls = bool(words & _RISING_WORDS), bool(words & _FALLING_WORDS)
+    return None if rises == falls else ("max" if rises else "min")
 
 
 def resolve_mode(mode: Any, name: Any, argument: str, who: str) -> Any:
-    """`mode` as "min" or "max": "auto" reads it from the metric's `name` (None: no metric),
-    as Keras does ("max" for accuracy, precision, recall, AUC and F1, else "min"). "min" on
-    such a name warns: it would count the metric falling as the model improving. Any other
-    mode is a ValueError.
+    """`mode` as "min" or "max". "auto" reads it from the words of the metric's `name`:
+    "max" for accuracy, precision, recall, AUC, F1, R2, IoU and the like, "min" for a
+    loss, an error, MSE, MAE and the like, and a ValueError naming the fix for a name that
+    says neither or both (Keras 3 refuses such a name too). "min" on a rising name warns:
+    it would count the metric falling as the model improving. Any other mode is a
+    ValueError.
 
     Example:
         >>> resolve_mode("auto", "validation_accuracy", "monitor", "early_stop")
         'max'
-        >>> resolve_mode("auto", "validation_loss", "monitor", "early_stop")
+        >>> resolve_mode("auto", "validation_cauchy_loss", "monitor", "early_stop")
         'min'
+        >>> resolve_mode("auto", "validation_r2", "monitor", "early_stop")
+        'max'
     """
     if mode not in MODES and mode != "auto":
         raise _not_a_mode(mode)
-    rises = isinstance(name, str) and any(word in name.lower() for word in _RISING_WORDS)
+    direction = _direction(name)
     if mode == "auto":
-        return "max" if rises else "min"
-    if mode == "min" and rises:
+        if direction is None and name is not None:
+            raise ValueError(
+                f"{who}({argument}={name!r}, mode='auto'): the name does not say whether "
+                f"the metric rises or falls as a model improves (auto reads words such as "
+                f"accuracy, auc, f1 or r2 as rising, loss, error, mse or mae as falling). "
+                f"Pass mode='max' where a higher value is better, mode='min' where lower is"
+            )
+        return direction or "min"
+    if mode == "min" and direction == "max":
         warn(
             f"{who}: {argument}={name!r} rises as a model improves, but mode='min' counts "
             f"a lower value as better, so the worst epochs would count as the best. Pass "
-            f"mode='max' (or mode='auto', which reads it from the name, as Keras's default "
-            f"does)"
+            f"mode='max' (or mode='auto', which reads it from the name)"
         )
     return mode
 

@@ -62,7 +62,7 @@ class Checkpointer:
         criteria: None (save at every firing) or a metric name: save only when it improves.
             On a population, each member that improves is saved alone (`state.member(i)`)
             under `<path>/member_<i>/`, as its solo run would save it under `<path>`.
-        mode: "min", "max" or "auto" (from the name, as Keras does) for `criteria`.
+        mode: "min", "max" or "auto" (from the name's words) for `criteria`.
         keep: None (keep all) or the number of newest checkpoints to keep.
         asynchronous: Write in the background, so training does not wait on the disk (the
             State's arrays are copied to the host first). Attach `finish` to the
