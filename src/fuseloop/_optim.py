@@ -122,7 +122,8 @@ def resolve_optimizer(optimizer: Any) -> optax.GradientTransformation:
 
 def _refuse_lookahead(tx: Any) -> None:
     """optax.lookahead steps `optax.LookaheadParams` (fast and slow weights), not the
-    model's params a trainer hands it: its init would fail inside optax on a plain dict."""
+    model's params a trainer hands it: on a plain dict its init only logs a warning and
+    its first update fails inside optax."""
     if getattr(tx.init, "__qualname__", "").startswith("lookahead."):
         raise ValueError(
             "optimizer: optax.lookahead trains optax.LookaheadParams (fast and slow "
