@@ -289,7 +289,8 @@ def _cross_message(pair: _Crossed, kind: str, name: str, inside: bool = False) -
         f"target against every prediction, which a {kind} rarely means. fuseloop passes "
         f"both as they are (as a hand-written optax loop does; Keras would first make them "
         f"one rank). Make them one shape inside the {kind} {fix}, or in the model's output "
-        f"or the data's y"
+        f"or the data's y. (A pairwise {kind} runs where it builds its (B, B) terms from "
+        f"the targets alone and from the outputs alone, then combines them.)"
     )
 
 
