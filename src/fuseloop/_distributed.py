@@ -22,7 +22,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import jax
 import numpy as np
@@ -328,9 +328,11 @@ def check_same_config(config: dict[str, Any], what: str = "run") -> None:
 
 # ----------------------------------------------------------------- side effects
 _ALL = "_fuseloop_all_processes"
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
-def all_processes(handler: Callable) -> Callable:
+def all_processes(handler: Callable[_P, _R]) -> Callable[_P, _R]:
     """Marks a handler to run on every process (by default handlers with side effects run
     on process 0 only).
 
@@ -346,7 +348,7 @@ def all_processes(handler: Callable) -> Callable:
     except AttributeError:  # e.g. a bound method: wrap it
 
         @functools.wraps(handler)
-        def marked(*args: Any, **kwargs: Any) -> Any:
+        def marked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
             return handler(*args, **kwargs)
 
         setattr(marked, _ALL, True)
@@ -366,7 +368,7 @@ def runs_on_all_processes(handler: Callable) -> bool:
     return bool(getattr(handler, _ALL, False))
 
 
-def main_process_only(handler: Callable) -> Callable:
+def main_process_only(handler: Callable[_P, _R]) -> Callable[_P, _R | None]:
     """`handler` on process 0; a no-op returning None (continue) on the others.
 
     A handler marked with `all_processes` is returned unchanged. Use it for handlers that
@@ -382,7 +384,7 @@ def main_process_only(handler: Callable) -> Callable:
         return handler
 
     @functools.wraps(handler)
-    def on_main(*args: Any, **kwargs: Any) -> Any:
+    def on_main(*args: _P.args, **kwargs: _P.kwargs) -> _R | None:
         if jax.process_index() != 0:
             return None
         return handler(*args, **kwargs)

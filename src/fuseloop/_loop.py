@@ -30,13 +30,7 @@ from ._loop_args import (
 from ._loop_handlers import HandlerBuilders
 from ._metrics import MetricSpec, resolve_metric
 from ._state import State
-from ._step import (
-    Program,
-    custom_program,
-    default_metrics,
-    evaluator_program,
-    trainer_program,
-)
+from ._step import Program, custom_program, default_metrics, evaluator_program, trainer_program
 from ._types import Accumulate, EventLike, FilterLike, Fuse, Handler
 from .engine import run_loop
 from .engine.options import check_run_options
@@ -139,7 +133,11 @@ class Loop(HandlerBuilders):
         return self._with(registrations=self.registrations + (registration,))
 
     def observe(
-        self, event: Any, fn: Callable[[State], None], filter: Any = "always", name: str = ""
+        self,
+        event: EventLike,
+        fn: Callable[[State], None],
+        filter: FilterLike = "always",
+        name: str = "",
     ) -> Loop:
         """Attaches `fn(state)` to `event` as a handler that only observes.
 

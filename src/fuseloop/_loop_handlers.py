@@ -6,6 +6,7 @@ reduction, checkpoints and metric writers.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Self, TextIO
 
@@ -34,7 +35,11 @@ class HandlerBuilders:
         ) -> Self: ...
 
         def observe(
-            self, event: Any, fn: Callable[[State], None], filter: Any = "always", name: str = ""
+            self,
+            event: EventLike,
+            fn: Callable[[State], None],
+            filter: FilterLike = "always",
+            name: str = "",
         ) -> Self: ...
 
         def _as_observers(self, before: int) -> Self: ...
@@ -138,7 +143,7 @@ class HandlerBuilders:
 
     def checkpoint(
         self,
-        path: str,
+        path: str | os.PathLike[str],
         event: EventLike = "epoch_completed",
         filter: FilterLike = "always",
         criteria: str | None = None,
@@ -188,7 +193,10 @@ class HandlerBuilders:
         return loop
 
     def csv_log(
-        self, path: str, event: EventLike = "epoch_completed", filter: FilterLike = "always"
+        self,
+        path: str | os.PathLike[str],
+        event: EventLike = "epoch_completed",
+        filter: FilterLike = "always",
     ) -> Self:
         """Writes the metrics to a CSV file, one row (epoch, iteration, step, metrics...)
         per firing.
@@ -208,7 +216,7 @@ class HandlerBuilders:
 
     def tensorboard(
         self,
-        logdir: str,
+        logdir: str | os.PathLike[str],
         event: EventLike = "epoch_completed",
         filter: FilterLike = "always",
         prefix: str | None = None,

@@ -244,7 +244,7 @@ def _padded_chunks(x: Any, n: int, batch_size: int, per_chunk: int):
 
 
 def predict(
-    model: Any, variables_or_state: Any, x: Any, *, batch_size: int = 256, fuse: Any = True
+    model: Any, variables_or_state: Any, x: Any, *, batch_size: int = 256, fuse: bool | int = True
 ) -> Any:
     """The model's evaluation-mode outputs for every example of `x`, in order.
 

@@ -8,13 +8,12 @@ transformations' `init` and `update` functions.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias
+from typing import Literal, Protocol, TypeAlias
 
-from ._state import RunStatus  # defined beside State; re-exported here
-
-if TYPE_CHECKING:
-    from ._events import Event, Filter
-    from ._state import State
+# Imported when the program runs, not only for a type checker: the aliases below are real
+# typing objects, which `typing.get_type_hints` and `X | None` in a user's code evaluate.
+from ._events import Event, Filter
+from ._state import RunStatus, State  # RunStatus is defined beside State; re-exported here
 
 __all__ = [
     "Accumulate",
@@ -42,7 +41,7 @@ EventName: TypeAlias = Literal[
 ]
 """The events a loop fires, by name (`fl.Event` holds the same values)."""
 
-EventLike: TypeAlias = "Event | EventName"
+EventLike: TypeAlias = Event | EventName
 """An event argument: an `fl.Event` or its name."""
 
 Status: TypeAlias = Literal["continue", "halt_epoch", "halt_loop"]
@@ -54,14 +53,15 @@ Accumulate: TypeAlias = Literal["running_average", "running_sum"]
 
 Mode: TypeAlias = Literal["min", "max", "auto"]
 """Whether a monitored metric improves downwards (a loss) or upwards (an accuracy); "auto"
-reads it from the name, as Keras does ("max" for accuracy, precision, recall, AUC, F1)."""
+reads it from the name's words ("max" for accuracy, precision, recall, AUC, F1, R2, ...;
+"min" for a loss, an error, MSE, ...; refused for a name that says neither)."""
 
-Fuse: TypeAlias = "bool | int | Literal['auto', 'run']"
+Fuse: TypeAlias = bool | int | Literal["auto", "run"]
 """`Loop.run(fuse=...)`: False (one dispatch per step), True (32), a chunk size, "auto"
 (the cost model's chunk size; whole epochs per dispatch on resident data when that chunk is
 longer than an epoch), or "run" (as many epochs per dispatch as the handlers allow)."""
 
-HandlerResult: TypeAlias = "None | Status | tuple[Status, State]"
+HandlerResult: TypeAlias = None | Status | tuple[Status, State]
 """A handler's return: None (continue), a status, or a status and a replacement State."""
 
 
@@ -98,5 +98,5 @@ class FilterPredicate(Protocol):
         ...
 
 
-FilterLike: TypeAlias = "Literal['always', 'first'] | Mapping[str, int] | FilterPredicate | Filter"
+FilterLike: TypeAlias = Literal["always", "first"] | Mapping[str, int] | FilterPredicate | Filter
 """A `filter` argument: "always", "first", counts such as `{"every": 5}`, or a predicate."""

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a type checker sees each submodule's own signatures, not a ModuleType
+    from . import checkpoint, log, monitor, plot, progress, validate, writers
 
 __all__ = ["checkpoint", "log", "monitor", "plot", "progress", "validate", "writers"]
 
