@@ -295,6 +295,24 @@ def test_a_validation_metric_attached_after_validate_is_named_as_the_cause():
         loop.run(_batches(3, 0))
 
 
+@pytest.mark.parametrize("handler", ["early_stop", "reduce_lr_on_plateau", "checkpoint"])
+def test_a_monitored_name_validation_never_gives_is_refused_before_training(handler):
+    """Keras's "val_loss", and a validation metric that validate's filter leaves out of
+    some epochs, failed only at the end of an epoch, after training."""
+    model = fl.models.mlp([4, 1])
+    base = fl.trainer(model, "mean_squared_error", "sgd")
+    attach = ATTACH[handler]
+    with pytest.raises(ValueError, match=rf"{handler}\('val_loss'\).*monitor 'validation_loss'"):
+        attach(base.validate(model, _batches(2, 1)), "val_loss")
+    sparse = base.validate(model, _batches(2, 1), filter={"every": 2})
+    with pytest.raises(ValueError, match=r"validate's filter leaves some epochs without"):
+        attach(sparse, "validation_loss")
+    assert attach(sparse, "loss").run(_batches(3, 0), epochs=2).status == "completed"
+    every = EarlyStopping("validation_loss", patience=1)
+    state = sparse.handle_event("epoch_completed", every, filter={"every": 2})
+    assert state.run(_batches(3, 0), epochs=3).status in ("completed", "halted")
+
+
 # ----------------------------------------------------------------- mode from the name
 
 

@@ -182,3 +182,30 @@ def test_resuming_from_a_state_holding_an_earlier_epochs_weights_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rising.run(DATA, last, epochs=4)
+
+
+def test_a_run_halted_inside_the_epoch_after_its_best_resumes_without_a_false_warning():
+    """terminate_on_nan halts inside epoch 1; restore_best hands back epoch 0's end, from
+    which a resumed run starts epoch 1 cleanly. Resuming warned that the batches already
+    stepped would train twice."""
+    epochs_served = []
+
+    def data():
+        epochs_served.append(len(epochs_served))
+        if len(epochs_served) != 2:
+            return iter(DATA)
+        bad = (DATA[1][0] * np.nan, DATA[1][1])
+        return iter([DATA[0], bad, *DATA[2:]])
+
+    loop = (
+        fl.trainer(fl.models.mlp([8, 3]), SPARSE, "sgd")
+        .early_stop("loss", patience=3, restore_best=True)
+        .terminate_on_nan()
+    )
+    with pytest.warns(RuntimeWarning, match="non-finite at epoch 1, iteration 1"):
+        halted = loop.run(data, epochs=3)
+    assert (halted.status, halted.epoch, sorted(halted.history)) == ("halted", 1, [0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed = loop.run(data, halted, epochs=3)
+    assert resumed.status == "completed" and sorted(resumed.history) == [0, 1, 2]

@@ -237,3 +237,41 @@ def refuse_loss_metric(metric: Any, kind: str, tracked: bool) -> None:
     raise ValueError(
         "metric='loss': an evaluator tracks a loss once it is given one: fl.evaluator(model, loss)"
     )
+
+
+_MONITOR_CLASSES = {"early_stop": "EarlyStopping", "reduce_lr_on_plateau": "ReduceLROnPlateau"}
+
+
+def check_monitored(registrations: tuple[Any, ...], monitor: str, who: str) -> None:
+    """Refuses, when a monitoring handler is attached, what would fail only after epochs
+    trained: Keras's `val_<name>` where validation adds `validation_<name>`, and a
+    validation metric that `validate`'s filter leaves out of some epochs (the handler reads
+    it at every epoch's end)."""
+    from .handlers.validate import Validator, validation_names
+
+    for registration in registrations:
+        if not isinstance(registration.handler, Validator):
+            continue
+        names = validation_names(registration.handler.loop)
+        ours = "validation_" + monitor.removeprefix("val_")
+        if monitor.startswith("val_") and ours in names:
+            raise ValueError(
+                f"{who}({monitor!r}): fuseloop names a validation metric validation_<name> "
+                f"(Keras's val_<name>); monitor {ours!r}"
+            )
+        spec = registration.filter
+        every_epoch = spec.every in (None, 1) and spec.before is None and spec.after is None
+        if monitor in names and not (every_epoch and spec.once is None and not spec.predicate):
+            handler = _MONITOR_CLASSES.get(who)
+            same_filter = (
+                f", or attach the handler with validate's filter: loop.handle_event("
+                f"'epoch_completed', fl.handlers.monitor.{handler}({monitor!r}, ...), "
+                f"filter=...)"
+                if handler
+                else ""
+            )
+            raise ValueError(
+                f"{who}({monitor!r}): validate's filter leaves some epochs without "
+                f"{monitor}, which {who} reads at every epoch's end. Validate at every "
+                f"epoch{same_filter}"
+            )

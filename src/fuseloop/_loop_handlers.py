@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Self, TextIO
 
 from ._distributed import all_processes, runs_on_all_processes
 from ._events import Event, closes_on_error, normalize_event
+from ._loop_args import check_monitored
 from ._state import State
 from ._types import EventLike, FilterLike, Mode
 
@@ -96,7 +97,7 @@ class HandlerBuilders:
         """
         from .handlers.monitor import EarlyStopping
 
-        key = self._metadata_key(f"early_stop:{monitor}")
+        key = self._monitor_key("early_stop", monitor)
         stopper = EarlyStopping(
             monitor, patience, mode, min_delta, key=key, restore_best=restore_best
         )
@@ -134,7 +135,7 @@ class HandlerBuilders:
         """
         from .handlers.monitor import ReduceLROnPlateau
 
-        key = self._metadata_key(f"reduce_lr_on_plateau:{monitor}")
+        key = self._monitor_key("reduce_lr_on_plateau", monitor)
         handler = ReduceLROnPlateau(
             monitor, factor, patience, mode, min_delta, min_lr, cooldown, key=key
         )
@@ -177,7 +178,7 @@ class HandlerBuilders:
         """
         from .handlers.checkpoint import Checkpointer
 
-        key = self._metadata_key(f"checkpoint:{criteria}") if criteria is not None else ""
+        key = self._monitor_key("checkpoint", criteria) if criteria is not None else ""
         saver = Checkpointer(path, criteria, mode, keep, key=key, asynchronous=asynchronous)
         # A Loop may run again: each run starts the saver afresh (`Checkpointer.begin`).
         loop = self.observe("started", all_processes(saver.begin), name="checkpoint:start")
@@ -238,6 +239,12 @@ class HandlerBuilders:
             self, TensorBoardWriter(logdir, event, prefix), event, filter, "tensorboard"
         )
         return built._as_observers(before)
+
+    def _monitor_key(self, who: str, monitor: str) -> str:
+        """The metadata key of a handler monitoring `monitor`, once it is known to be there
+        at every epoch's end (`check_monitored`)."""
+        check_monitored(self.registrations, monitor, who)
+        return self._metadata_key(f"{who}:{monitor}")
 
     def _metadata_key(self, base: str) -> str:
         """A `handler_metadata` key no attached handler uses yet (stable across runs)."""

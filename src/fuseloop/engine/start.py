@@ -314,7 +314,10 @@ def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:
     the `epochs` asked for (nothing is trained)."""
     done = given.event_counts.get("iteration_completed", {})
     stepped = done.get("epoch", 0) if isinstance(done, dict) else 0
-    if given.status == "halted" and given.epoch == start_epoch and stepped > 0:
+    # restore_best handed back the end of the epoch before the one that resumes (a run
+    # halted inside the epoch after its best): the resumed run starts from there cleanly.
+    clean = given.handler_metadata.get(RESTORED_KEY) == start_epoch - 1
+    if given.status == "halted" and given.epoch == start_epoch and stepped > 0 and not clean:
         warn(
             f"init_state stopped inside epoch {start_epoch} after stepping part of it (its "
             f"last iteration fired: {given.iteration}; both counted from 0, the log's Epoch "
@@ -333,7 +336,7 @@ def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:
             f"Resume from a checkpoint written at an epoch's end, or rerun from the start",
             RuntimeWarning,
         )
-    restored = _restored_phrase(_running_members_note(given))
+    restored = None if clean else _restored_phrase(_running_members_note(given))
     if restored is not None and start_epoch < epochs:
         warn(
             f"{restored} (early_stop's restore_best), while its history runs to epoch "

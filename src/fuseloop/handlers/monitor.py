@@ -146,7 +146,9 @@ class EarlyStopping:
                 )
             return state.replace(handler_metadata=metadata)
         best_epoch = self._best[0][0]
-        if best_epoch != max(state.history, default=best_epoch):
+        # Also noted where the run halted inside an epoch after the best one ended: the
+        # step state is then that epoch's end, from which a resumed run starts cleanly.
+        if best_epoch != max(state.history, default=best_epoch) or not at_epoch_end(state):
             metadata[RESTORED_KEY] = int(best_epoch)
         return state.replace(
             step_state=jax.tree.map(jnp.copy, self._best[1]), handler_metadata=metadata
