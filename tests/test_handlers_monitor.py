@@ -308,6 +308,11 @@ def test_a_monitored_name_validation_never_gives_is_refused_before_training(hand
     with pytest.raises(ValueError, match=r"validate's filter leaves some epochs without"):
         attach(sparse, "validation_loss")
     assert attach(sparse, "loss").run(_batches(3, 0), epochs=2).status == "completed"
+    by_hand = base.validate(model, _batches(2, 1)).handle_event(
+        "epoch_completed", EarlyStopping("val_loss")
+    )
+    with pytest.raises(ValueError, match=r"Keras's val_<name>\); monitor 'validation_loss'"):
+        by_hand.run(_batches(3, 0))  # a handler the Loop did not build: named when it runs
     every = EarlyStopping("validation_loss", patience=1)
     state = sparse.handle_event("epoch_completed", every, filter={"every": 2})
     assert state.run(_batches(3, 0), epochs=3).status in ("completed", "halted")

@@ -171,6 +171,13 @@ class Monitor:
         """The monitored value of this epoch, or a ValueError naming the metrics there are."""
         if self.monitor not in state.metrics:
             available = ", ".join(sorted(state.metrics)) or "(none)"
+            ours = "validation_" + self.monitor.removeprefix("val_")
+            if self.monitor.startswith("val_") and ours in state.metrics:
+                raise ValueError(
+                    f"{self.argument}={self.monitor!r} is not among this epoch's metrics "
+                    f"({available}): fuseloop names a validation metric validation_<name> "
+                    f"(Keras's val_<name>); monitor {ours!r}"
+                )
             name = self.monitor.removeprefix("validation_")
             if name != self.monitor and any(k.startswith("validation_") for k in state.metrics):
                 raise ValueError(
