@@ -308,3 +308,20 @@ def test_validation_at_the_runs_start_is_refused_naming_where_a_baseline_goes():
         fl.trainer(MODEL, LOSS, "adam").validate(MODEL, DATA, event="started")
     state = fl.trainer(MODEL, LOSS, "adam").validate(MODEL, DATA, event="epoch_started").run(DATA)
     assert "validation_loss" in state.history[0]
+
+
+@pytest.mark.parametrize("form", ["list", "arrays"])
+def test_bad_validation_labels_are_refused_before_the_first_epoch_trains(form):
+    """The validation data's labels were checked only when the first validation ran, after
+    a whole epoch of training (whose State the error then lost)."""
+    bad = [(x, y.copy()) for x, y in VAL]
+    bad[-1][1][0] = 7  # 3 classes
+    if form == "arrays":
+        x, y = (np.concatenate([part[i] for part in bad]) for i in (0, 1))
+        bad = fl.data.arrays(x, y, batch_size=len(VAL[0][1]), shuffle=False)
+    stepped = []
+    loop = BASE.validate(MODEL, bad).observe("iteration_completed", stepped.append)
+    with pytest.raises(ValueError, match=r"holds the label 7, out of range") as caught:
+        loop.run(DATA, epochs=2)
+    assert stepped == []
+    assert "validate()'s data" in "\n".join(caught.value.__notes__)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ._data import warn_left_out
+from ._distributed import all_processes
 from ._events import Registration, make_filter, normalize_event
 from ._loop_args import (
     check_accumulate,
@@ -212,7 +213,10 @@ class Loop(HandlerBuilders):
         evaluation = Loop(evaluator_program(model, loss), metrics=specs)
         refuse_validation_names({m.name for m in self.metrics}, validation_names(evaluation))
         refuse_second_validation(self._validated_names() & validation_names(evaluation))
-        return self.handle_event(event, Validator(evaluation, data, fuse), filter, name="validate")
+        validator = Validator(evaluation, data, fuse)
+        begin = all_processes(validator.begin)  # each process checks its own validation
+        built = self.observe("started", begin, name="validate:begin")
+        return built.handle_event(event, validator, filter, name="validate")
 
     def terminate_on_nan(self) -> Loop:
         """Halts at the first non-finite loss, checked on the device (even inside a chunk).

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
 from .._batch_checks import require_pair
+from .._checks import Checker
 from .._data import as_source, warn_left_out
 from .._events import Event, normalize_event
 from .._fusion import FusionError, resolve_fuse
@@ -179,6 +182,32 @@ class Validator:
 
     def __init__(self, loop: Any, data: Any, fuse: Any = False):
         self.loop, self.data, self.fuse = loop, data, fuse
+        self._verdicts: dict[Any, Any] = {}  # the start checks' model verdicts, per signature
+
+    def begin(self, state: State) -> None:
+        """At the training run's start, checks the validation data as the evaluator would.
+
+        That is its first batch, with the params the training starts from, and every label
+        of an `fl.data.arrays` source or a list of batches: bad validation data then fails
+        before the first epoch trains, not after it. A callable's batches are only seen
+        when the validation runs; a population's members are checked then too.
+        """
+        first = _first_batch(self.data)
+        params = state.params
+        if first is None or params is None or state.population is not None:
+            return
+        arrays = self.data if _in_arrays(self.data) else None
+        checker = Checker(self.loop.program, self._verdicts)
+        try:
+            checker.first(first, arrays)
+            if arrays is not None:
+                checker.dataset(arrays)
+            checker.variables({"params": params})
+            for i, batch in enumerate(self.data[1:] if arrays is None else (), start=1):
+                checker.labels.batch(checker.fit.labels, batch, f"the validation data's batch {i}")
+        except Exception as error:
+            _note_validation(error, "the evaluator's start checks of")
+            raise
 
     def evaluate(self, params: Any, population: int | None = None) -> dict[str, Any]:
         """The evaluator's metrics on `params` (unprefixed).
@@ -192,17 +221,7 @@ class Validator:
         try:
             result = self.loop.run(self.data, params, fuse=self.fuse, **members)
         except Exception as error:
-            error.add_note(
-                "fuseloop: raised by the evaluator's run over validate()'s data: a 'data:' "
-                "above is the validation data, its epoch and iteration that run's own"
-            )
-            if UNWRAPPED.strip() in str(error):  # "init_state" above: the loop's params
-                error.add_note(
-                    "fuseloop: validate gives the evaluator the training loop's "
-                    "step_state['params']: a custom loop must keep the model's whole "
-                    "variables there ({'params': ...}, as model.init returns them), not "
-                    "variables['params']"
-                )
+            _note_validation(error, "the evaluator's run over")
             raise
         return dict(result.metrics)
 
@@ -215,6 +234,36 @@ class Validator:
         metrics = dict(state.metrics)
         metrics.update({VALIDATION_PREFIX + name: value for name, value in measured.items()})
         return "continue", state.replace(metrics=metrics)
+
+
+def _first_batch(data: Any) -> Any:
+    """The first batch of in-memory validation data, else None.
+
+    Rows of an `fl.data.arrays` source stand in for it (its shapes and dtypes).
+    """
+    if _in_arrays(data):
+        return jax.tree.map(lambda leaf: leaf[: data.batch_size], (data.x, data.y))
+    if isinstance(data, (list, tuple)) and data:
+        return data[0]
+    return None
+
+
+def _in_arrays(data: Any) -> bool:
+    """Whether `data` is an `fl.data.arrays` source (its labels can be read at once)."""
+    return getattr(data, "host_labels", None) is not None and hasattr(data, "batch_size")
+
+
+def _note_validation(error: BaseException, what: str) -> None:
+    error.add_note(
+        f"fuseloop: raised by {what} validate()'s data: a 'data:' above is the validation "
+        f"data, its epoch and iteration the evaluator run's own"
+    )
+    if UNWRAPPED.strip() in str(error):  # "init_state" above: the loop's params
+        error.add_note(
+            "fuseloop: validate gives the evaluator the training loop's "
+            "step_state['params']: a custom loop must keep the model's whole variables "
+            "there ({'params': ...}, as model.init returns them), not variables['params']"
+        )
 
 
 def _no_params(step_state: Any) -> str:
