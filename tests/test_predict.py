@@ -247,3 +247,33 @@ def test_inputs_are_narrowed_as_a_run_narrows_them():
         out = predict(model, params, {"v": values})
     np.testing.assert_array_equal(out, values.astype(np.float32))
     np.testing.assert_array_equal(predict(model, params, {"v": values.astype(">f4")}), out)
+
+
+class _Scaled:
+    """A plain model object (`.init` and `.apply`) whose apply reads an attribute."""
+
+    scale = 1.0
+
+    def init(self, rng, x):
+        return {"w": np.ones((x.shape[1], 2), np.float32)}
+
+    def apply(self, variables, x):
+        return x @ variables["w"] * self.scale
+
+
+def test_a_plain_model_object_changed_in_place_is_taken_as_it_is_or_refused():
+    """fl.predict kept the program traced with a plain object's old attribute and returned
+    the old outputs after `model.scale = 10.0`; a loop built on it trained with the old
+    value. predict takes the object as it is; a run of the loop refuses the change."""
+    model = _Scaled()
+    variables = model.init(None, X)
+    before = predict(model, variables, X)
+    model.scale = 10.0
+    np.testing.assert_allclose(predict(model, variables, X), 10 * before, rtol=1e-6)
+    loop = fl.trainer(model, "mean_squared_error", "sgd")
+    data = [(X[:8], np.zeros((8, 2), np.float32))]
+    assert loop.run(data).status == "completed"
+    model.scale = 2.0
+    with pytest.raises(ValueError, match=r"\(_Scaled\) changed after .*\(scale reassigned\)"):
+        loop.run(data)
+    assert fl.trainer(model, "mean_squared_error", "sgd").run(data).status == "completed"

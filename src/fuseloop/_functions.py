@@ -84,6 +84,22 @@ def _refuse_flagged_linen(apply_fn: Any) -> None:
         )
 
 
+_MISSING = object()
+_ADAPTERS = ("fuseloop._linen", "fuseloop._nnx", "fuseloop._equinox")  # their own checks
+
+
+def _plain_owner(apply_fn: Any) -> Any:
+    """The plain object whose method `apply_fn` is, if any: its attributes may change
+    between runs. Modules of flax and equinox are not: they are immutable, or checked on
+    their own."""
+    owner = getattr(apply_fn, "__self__", None)
+    if owner is None or isinstance(owner, type) or not hasattr(owner, "__dict__"):
+        return None
+    library = type(owner).__module__.split(".")[0]
+    adapter = isinstance(owner, from_functions) or type(owner).__module__ in _ADAPTERS
+    return None if library in ("flax", "equinox") or adapter else owner
+
+
 def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
     """Whether `fn`'s signature has a parameter called `name` (False when it has none)."""
     return name in parameters_of(fn)
@@ -120,6 +136,43 @@ class from_functions:  # noqa: N801 - reads as a constructor
             _unknown_key_names(parameters)
         # haiku's transformed apply: `apply(params, rng, *args)`.
         self.rng_second = self.rng_name is not None and list(parameters)[1:2] == [self.rng_name]
+        self._owner = _plain_owner(apply_fn)
+        # The owner's attributes, the values themselves (none is freed and its id reused).
+        self._seen = dict(vars(self._owner)) if self._owner is not None else {}
+
+    def check_structure(self) -> None:
+        """Raises a ValueError where the plain object `apply_fn` is a method of had an
+        attribute reassigned since this adapter took it (`model.scale = 10.0`): programs
+        compiled before read the old value. Every run of a loop built on it checks, and
+        `fl.predict` builds a new program instead.
+
+        Example:
+            >>> class Scaled:
+            ...     scale = 1.0
+            ...     def init(self, rng, x): return {}
+            ...     def apply(self, params, x): return x * self.scale
+            >>> obj = Scaled()
+            >>> model = from_functions(obj.init, obj.apply)
+            >>> obj.scale = 10.0
+            >>> model.check_structure()
+            Traceback (most recent call last):
+            ...
+            ValueError: model: the object whose apply fuseloop runs (Scaled) changed ...
+        """
+        if self._owner is None:
+            return
+        now = vars(self._owner)
+        keys = now.keys() | self._seen.keys()
+        changed = [k for k in keys if now.get(k, _MISSING) is not self._seen.get(k, _MISSING)]
+        if changed:
+            name = type(self._owner).__name__
+            raise ValueError(
+                f"model: the object whose apply fuseloop runs ({name}) changed after the "
+                f"loop was built ({', '.join(sorted(changed))} reassigned): the loop's "
+                f"compiled programs read the old values. Build a new loop (fl.trainer(model, "
+                f"...)) after changing the model; an apply that keeps state on its object "
+                f"should keep it in the variables instead"
+            )
 
     def init(self, rng: Any, x: Any) -> Any:
         """`init_fn(rng, x)`: the initial params.
