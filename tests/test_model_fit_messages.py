@@ -375,6 +375,21 @@ def test_a_sigmoid_output_under_a_binary_metric_is_warned_about_by_trainer_and_e
         fl.trainer(fl.models.mlp([8, 1]), logit_loss, "sgd").metric("accuracy").run(data)
 
 
+def test_a_sigmoid_written_by_hand_is_warned_about_not_a_crash():
+    """`1 / (1 + exp(-h))`: the check that reads the model's last operation met the
+    constant 1 (a jaxpr Literal, unhashable) and the run stopped with "unhashable type";
+    a head `1 / (1 + softplus(h))` under a class metric did too."""
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    data = [(x, (x[:, :1] > 0).astype(np.float32))]
+    init = lambda rng, x: {"w": jnp.full((4, 1), 0.1)}  # noqa: E731
+    by_hand = fl.models.from_functions(init, lambda p, x: 1 / (1 + jnp.exp(-(x @ p["w"]))))
+    with pytest.warns(UserWarning, match=r"look like probabilities"):
+        fl.trainer(by_hand, "binary_cross_entropy", "sgd").run(data)
+    head = fl.models.from_functions(init, lambda p, x: 1.0 / (1.0 + jax.nn.softplus(x @ p["w"])))
+    loop = fl.trainer(head, _probability_loss, "sgd").metric("accuracy")
+    assert loop.run(data).status == "completed"
+
+
 class _SoftmaxIn(nn.Module):
     """A classifier ending in a softmax computed in `dtype`."""
 

@@ -236,8 +236,7 @@ def _made_by(jaxpr: Any, var: Any) -> str | None:
     """The function ("sigmoid", "softmax") that made `var` in `jaxpr`, through operations
     that only reshape or cast and into nested calls (jit, custom_jvp); None if neither."""
     producers = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
-    while var in producers:
-        eqn = producers[var]
+    while (eqn := _producer(producers, var)) is not None:
         name = eqn.primitive.name
         if name == "logistic":
             return "sigmoid"
@@ -255,8 +254,14 @@ def _made_by(jaxpr: Any, var: Any) -> str | None:
 
 
 def _made_by_exp(producers: dict[Any, Any], var: Any) -> bool:
-    eqn = producers.get(var)
+    eqn = _producer(producers, var)
     return eqn is not None and eqn.primitive.name == "exp"
+
+
+def _producer(producers: dict[Any, Any], var: Any) -> Any:
+    """The operation that made `var`; None for a constant written into the program (a
+    jaxpr Literal, `1` in a hand-written `1 / (1 + exp(-h))`, which cannot be hashed)."""
+    return None if hasattr(var, "val") else producers.get(var)
 
 
 def _forward(model: Any, params: Any, x: Any) -> Any:
