@@ -47,6 +47,20 @@ def test_class_metrics_refuse_multi_hot_labels_they_would_read_as_one_class():
     assert measured.metrics["accuracy"] == pytest.approx(expected, abs=1e-6)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_multi_hot_labels_past_the_first_batch_are_refused_whatever_the_shuffle(seed):
+    """Rows with two labels among rows with one: the check read the first batch only, so
+    whether a run was refused or scored each row's argmax depended on the shuffle seed.
+    An in-memory dataset's labels are read whole."""
+    one_hot = np.eye(3, dtype=np.float32)[_Y]
+    labels = one_hot.copy()
+    labels[-1] = 1.0  # one row of 40 holds three labels
+    own_loss = lambda y, p: jnp.mean((p - y) ** 2)  # noqa: E731
+    loop = fl.trainer(fl.models.mlp([3]), own_loss, "sgd").metric("accuracy")
+    with pytest.raises(ValueError, match=r"a row of y sums to 3"):
+        loop.run(fl.data.arrays(_X, labels, batch_size=8, seed=seed))
+
+
 def test_class_metrics_of_a_one_output_model_refuse_targets_outside_0_and_1():
     # One output per example is read as a binary logit against 0/1 targets: class indices
     # 0..2 or regression targets would be thresholded at 0.5 into a meaningless score.

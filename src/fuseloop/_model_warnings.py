@@ -52,11 +52,18 @@ _CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")  # where a nested call keeps its j
 
 
 def warn_about_model(
-    program: Any, step_state: Any, first_batch: Any, verdicts: dict[Any, Any], metrics: Any
+    program: Any,
+    step_state: Any,
+    first_batch: Any,
+    verdicts: dict[Any, Any],
+    metrics: Any,
+    all_labels: Any = None,
 ) -> None:
     """The run-start warnings about a model, and its refusals of labels the class metrics
     would misread (`step_state`: a solo run's, or a population's member 0; `verdicts`: the
-    Loop's cache of checks already made; `metrics`: its MetricSpecs)."""
+    Loop's cache of checks already made; `metrics`: its MetricSpecs; `all_labels`: where
+    the data is an in-memory dataset, a callable returning all its labels, which the
+    refusals read instead of the first batch's: a shuffle must not decide them)."""
     warn_sown_losses(program, step_state)
     if program.kind == "trainer" and _OPTIMIZER_CHECKED not in verdicts:
         verdicts[_OPTIMIZER_CHECKED] = True
@@ -74,8 +81,9 @@ def warn_about_model(
     x, y = split_batch(first_batch)
     final, shape = _final_function(program.model, params, x)
     if classifying and program.loss_name != "binary_cross_entropy":
-        _refuse_multi_hot(classifying, y, shape)
-        _refuse_non_binary(classifying, y, shape)
+        labels = all_labels() if all_labels is not None else y
+        _refuse_multi_hot(classifying, labels, shape)
+        _refuse_non_binary(classifying, labels, shape)
     verdicts[_CHECKED] = True
     if applies is not None:
         if final == applies or _outputs_look_like(program.model, params, x, applies):
@@ -101,7 +109,9 @@ def _refuse_multi_hot(names: Sequence[str], y: Any, output: tuple[int, ...]) -> 
     (a row of the first batch not summing to 1: multi-hot, or none): the built-in class
     metrics would compare each row's argmax, not its labels."""
     values = _readable(y)
-    if values is None or values.shape != tuple(output) or values.ndim < 2 or values.shape[-1] < 2:
+    if values is None or values.ndim < 2 or values.shape[1:] != tuple(output)[1:]:
+        return
+    if values.shape[-1] < 2:
         return
     sums = values.sum(axis=-1)
     off = np.flatnonzero(np.abs(sums - 1.0) > 1e-3)
@@ -110,8 +120,8 @@ def _refuse_multi_hot(names: Sequence[str], y: Any, output: tuple[int, ...]) -> 
     listed = ", ".join(repr(name) for name in names)
     raise ValueError(
         f"data: y has the model's output shape {tuple(output)}, read by {listed} as one "
-        f"class per example (one-hot or probabilities, each row summing to 1), but a row of "
-        f"the first batch sums to {sums.flat[off[0]]:g} (multi-hot labels?): {listed} would "
+        f"class per example (one-hot or probabilities, each row summing to 1), but a row of y "
+        f"sums to {sums.flat[off[0]]:g} (multi-hot labels?): {listed} would "
         f"compare each row's argmax. For several labels per example, pass "
         f"loss='binary_cross_entropy' (fl.evaluator(model, 'binary_cross_entropy') to "
         f"evaluate), which makes them element-wise, or a metric of your own"
@@ -135,9 +145,9 @@ def _refuse_non_binary(names: Sequence[str], y: Any, output: tuple[int, ...]) ->
     listed = ", ".join(repr(name) for name in names)
     raise ValueError(
         f"data: the model gives one output per example (shape {tuple(output)}), which "
-        f"{listed} read as a binary logit against 0/1 targets, but y of the first batch "
-        f"holds {values.flat[off[0]]:g}. For K classes, give the model K outputs and "
-        f"integer labels (loss='sparse_categorical_cross_entropy'); for a regression, "
+        f"{listed} read as a binary logit against 0/1 targets, but y holds "
+        f"{values.flat[off[0]]:g}. For K classes, give the model K outputs and integer labels "
+        f"(loss='sparse_categorical_cross_entropy'); for a regression, "
         f"track 'mean_absolute_error' or a metric of your own"
     )
 

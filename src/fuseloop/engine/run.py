@@ -142,7 +142,8 @@ class Run:
         )
         member = step_state if self.members is None else first_member(step_state)
         verdicts = self.programs.cache.verdicts
-        warn_about_model(self.loop.program, member, first, verdicts, self.loop.metrics)
+        labels = getattr(self.source.data, "host_labels", None)  # fl.data.arrays: all of them
+        warn_about_model(self.loop.program, member, first, verdicts, self.loop.metrics, labels)
         if self.members is None:
             self.checker.variables(step_state, signature, defer=self.jit)
         else:
