@@ -69,6 +69,14 @@ def _batches(n: int, seed: int):
     ]
 
 
+def _labelled(n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    return [
+        (rng.normal(size=(8, 4)).astype(np.float32), rng.integers(0, 3, 8).astype(np.int32))
+        for _ in range(n)
+    ]
+
+
 def _flat(y_true, y_pred):
     return jnp.float32(1.0)  # never improves: a plateau from the second epoch on
 
@@ -291,8 +299,15 @@ def test_a_validation_metric_attached_after_validate_is_named_as_the_cause():
         .metric("mae")  # after validate: validation computes only the loss
         .early_stop("validation_mae")
     )
-    with pytest.raises(ValueError, match=r"Attach Loop.metric\('mae'\) before Loop.validate"):
+    with pytest.raises(ValueError, match=r"attach Loop.metric\('mae'\) before it"):
         loop.run(_batches(3, 0))
+    # Keras's "acc" keeps its key: the validation metric is validation_acc (the message told
+    # the user to attach a metric already attached).
+    acc = fl.trainer(fl.models.mlp([4, 3]), "sparse_categorical_cross_entropy", "sgd")
+    acc = acc.metric("acc").validate(fl.models.mlp([4, 3]), _labelled(2, 1))
+    acc = acc.handle_event("epoch_completed", EarlyStopping("validation_accuracy", mode="max"))
+    with pytest.raises(ValueError, match=r"keeps the key it was given; monitor 'validation_acc'"):
+        acc.run(_labelled(3, 0))
 
 
 @pytest.mark.parametrize("handler", ["early_stop", "reduce_lr_on_plateau", "checkpoint"])

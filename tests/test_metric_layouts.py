@@ -274,10 +274,16 @@ def test_a_built_in_metric_of_a_dict_of_targets_and_weights_names_the_fix(metric
 def test_an_optax_loss_given_as_is_is_told_its_arguments_are_the_other_way_round():
     with pytest.raises(ValueError, match=r"optax's losses take \(predictions, targets\).*Wrap"):
         fl.trainer(fl.models.mlp([2]), optax.softmax_cross_entropy_with_integer_labels, "sgd")
-    with pytest.raises(ValueError, match=r"metric=optax.sigmoid_binary_cross_entropy"):
+    # A metric's wrapper returns per-example values (a .mean() made it a mean of batches).
+    per_example = r"optax.sigmoid_binary_cross_entropy\(y_pred, y_true\) \(one value per example"
+    with pytest.raises(
+        ValueError, match=r"metric=optax.sigmoid_binary_cross_entropy.*" + per_example
+    ):
         fl.evaluator(fl.models.mlp([1])).metric(optax.sigmoid_binary_cross_entropy)
+    with pytest.raises(ValueError, match=r"optax.losses.multiclass_hinge_loss\(y_pred, y_true\)"):
+        fl.trainer(fl.models.mlp([2]), optax.losses.multiclass_hinge_loss, "sgd")
     # A partial of one was told its output is not a scalar; reduced, it trained swapped.
-    with pytest.raises(ValueError, match=r"loss=optax.sigmoid_focal_loss: optax's losses"):
+    with pytest.raises(ValueError, match=r"optax.sigmoid_focal_loss\(y_pred, y_true, gamma=2\)"):
         fl.trainer(fl.models.mlp([1]), functools.partial(optax.sigmoid_focal_loss, gamma=2), "sgd")
 
 

@@ -363,7 +363,8 @@ def test_a_sigmoid_output_under_a_binary_metric_is_warned_about_by_trainer_and_e
     x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
     data = [(x, (x[:, :1] > 0).astype(np.float32))]
     trainer = fl.trainer(_EndsIn("sigmoid", 1), loss, "sgd").metric("accuracy")
-    with pytest.warns(UserWarning, match=r"a final sigmoid.*'accuracy'.*thresholded at 0"):
+    own = r"p\.reshape\(y\.shape\) > 0\.5\) == \(y > 0\.5\), name='prob_accuracy'\) in place"
+    with pytest.warns(UserWarning, match=r"a final sigmoid.*'accuracy'.*thresholded at 0.*" + own):
         state = trainer.run(data)
     evaluator = fl.evaluator(_EndsIn("sigmoid", 1)).metric("precision").metric("accuracy")
     with pytest.warns(UserWarning, match=r"metric\(s\) 'precision', 'accuracy' read one output"):
@@ -388,6 +389,21 @@ def test_a_sigmoid_written_by_hand_is_warned_about_not_a_crash():
     head = fl.models.from_functions(init, lambda p, x: 1.0 / (1.0 + jax.nn.softplus(x @ p["w"])))
     loop = fl.trainer(head, _probability_loss, "sgd").metric("accuracy")
     assert loop.run(data).status == "completed"
+
+
+def test_a_typo_in_a_loss_raises_its_own_error_not_a_data_misfit():
+    """`jnp.meen` in a loss was reported as "data: y does not fit the loss ... Give y the
+    shape the loss expects": the user was sent to their data for a bug in their code."""
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    data = [(x, np.zeros(8, np.int32))]
+    typo = lambda y, p: jnp.meen(p)  # noqa: E731
+    with pytest.raises(AttributeError, match="has no attribute 'meen'") as caught:
+        fl.trainer(fl.models.mlp([3]), typo, "sgd").run(data)
+    assert "raised by the loss '<lambda>' on the first batch" in caught.value.__notes__[-1]
+    # A loss that reads y as what it is not is still the data's misfit.
+    keyed = lambda y, p: y["w"].mean()  # noqa: E731
+    with pytest.raises(ValueError, match=r"data: y does not fit the loss"):
+        fl.trainer(fl.models.mlp([3]), keyed, "sgd").run(data)
 
 
 class _SoftmaxIn(nn.Module):

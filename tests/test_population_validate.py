@@ -1,5 +1,6 @@
 """Validation and early stopping on a validation metric, for a population."""
 
+import jax
 import numpy as np
 
 import fuseloop as fl
@@ -71,10 +72,20 @@ def test_population_values_a_member_could_not_take_are_refused():
     loop = fl.trainer(MODEL, LOSS, placeholder)
     with pytest.raises(ValueError, match=r"keeps learning_rate as int32.*0.1 would be cut"):
         loop.run(TRAIN, population={"learning_rate": [0.1, 0.5]})
-    with pytest.raises(ValueError, match=r"population\['seed'\]: 1099511627776 is outside int32"):
+    with pytest.raises(ValueError, match=r"population\['seed'\]: 1099511627776 is outside 32 b"):
         fl.trainer(MODEL, LOSS, "adam").run(TRAIN, population={"seed": [2**40, 2]})
-    with pytest.raises(ValueError, match=r"member seeds .* 2147483648 is outside int32"):
-        fl.trainer(MODEL, LOSS, "adam", seed=2**31 - 1).run(TRAIN, population=2)
+    with pytest.raises(ValueError, match=r"member seeds .* 4294967296 is outside 32 bits"):
+        fl.trainer(MODEL, LOSS, "adam", seed=2**32 - 1).run(TRAIN, population=2)
+    # A seed past int32 draws the key a solo run of that seed draws (it was refused, and the
+    # advice, seed % 2**31, would have made the member another solo run's).
+    high = 2**31 + 3
+    members = fl.trainer(MODEL, LOSS, "sgd").run(TRAIN, population={"seed": [3, high]})
+    solo = fl.trainer(MODEL, LOSS, "sgd", seed=high).run(TRAIN)
+    pairs = zip(
+        jax.tree.leaves(members.member(1).params), jax.tree.leaves(solo.params), strict=True
+    )
+    for a, b in pairs:
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
     for rates, named in (
         ([1e-3, float("nan")], "must be a finite number"),
         ([1e-3, -1.0], "negative"),

@@ -249,7 +249,7 @@ class Checker:
             raise ValueError(
                 f"{where} has batch size {size}, after batches of {full} and {self.ragged_size}; "
                 f"only one short batch size (a ragged last batch) is allowed, because each new "
-                f"batch size recompiles the step. Use batches of equal size, or pad them"
+                f"batch size recompiles the step. Use batches of equal size"
             )
 
     def _batch_size(self) -> int | None:

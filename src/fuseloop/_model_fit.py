@@ -8,6 +8,7 @@ message from inside flax or jax.
 from __future__ import annotations
 
 import re
+import types
 from typing import Any
 
 import flax.errors
@@ -332,6 +333,9 @@ class ModelFit:
         try:
             value = jax.eval_shape(loss_fn, ys, y_pred)
         except Exception as error:  # noqa: BLE001
+            if _code_fault(error):  # a typo in the loss, not a misfit of y: its own error
+                error.add_note(f"fuseloop: raised by the loss {name!r} on the first batch")
+                raise
             wrong = no_device_dtype(y, "y", f"the loss {name!r}")
             if wrong is not None:
                 raise ValueError(f"data: {wrong}") from error
@@ -384,3 +388,13 @@ class ModelFit:
             )
         if name == _BINARY:
             self.labels = LabelRule(name)
+
+
+def _code_fault(error: BaseException) -> bool:
+    """Whether `error` is a fault of the code that raised it rather than of its inputs: a
+    name it does not define, or an attribute a module does not have (`jnp.meen`)."""
+    if isinstance(error, (NameError, ImportError, NotImplementedError)):
+        return True
+    return isinstance(error, AttributeError) and isinstance(
+        getattr(error, "obj", None), types.ModuleType
+    )

@@ -199,6 +199,14 @@ def _warn_narrow_hyperparams(opt_state: Any) -> None:
     )
 
 
+# A metric of probabilities, for (B,) or (B, 1) labels against a (B, 1) output alike, in
+# place of the built-in one (which keeps the name "accuracy").
+_OWN_ACCURACY = (
+    ".metric(lambda y, p: (p.reshape(y.shape) > 0.5) == (y > 0.5), name='prob_accuracy') "
+    "in place of .metric('accuracy')"
+)
+
+
 def _warn_loss(loss: str, applies: str) -> None:
     warn(
         f"model: its outputs look like probabilities (a final {applies}"
@@ -208,7 +216,7 @@ def _warn_loss(loss: str, applies: str) -> None:
         f"probabilities as logits. Remove the model's final {applies} (apply "
         f"jax.nn.{applies} to fl.predict's outputs instead), or pass a loss of your own that "
         f"takes probabilities (and, for one output per example, a metric of your own: "
-        f".metric(lambda y, p: (p > 0.5) == (y > 0.5), name='accuracy'))",
+        f"{_OWN_ACCURACY})",
         UserWarning,
     )
 
@@ -221,7 +229,7 @@ def _warn_metrics(names: Sequence[str], final: str) -> None:
         f"0: every probability would count as a positive prediction. Remove the model's "
         f"final {final} and train with loss='binary_cross_entropy' (it takes logits, as "
         f"optax's losses do; apply jax.nn.sigmoid to fl.predict's outputs), or pass a metric "
-        f"of your own: .metric(lambda y, p: (p > 0.5) == (y > 0.5), name='accuracy')",
+        f"of your own: {_OWN_ACCURACY}",
         UserWarning,
     )
 

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+import optax
 
 __all__ = ["refusing_cross_broadcast"]
 
@@ -330,17 +331,29 @@ def _inner_jaxprs(param: Any) -> Iterator[Any]:
 
 def _refuse_optax_order(fn: Any, kind: str) -> None:
     """An optax loss given as is: optax's losses take `(predictions, targets)` and return
-    one value per example, where fuseloop calls `fn(y_true, y_pred)` for a scalar, so the
-    arguments would be swapped (and a shape error, or a `.mean()` added after one, would
-    hide it)."""
+    one value per example, where fuseloop calls `fn(y_true, y_pred)` (a loss for a scalar,
+    a metric for per-example values), so the arguments would be swapped (and a shape
+    error, or a `.mean()` added after one, would hide it). The message's wrapper keeps a
+    partial's arguments and names the function where optax exports it."""
+    keywords: dict[str, Any] = {}
     while isinstance(fn, functools.partial):  # partial(optax.sigmoid_focal_loss, gamma=2)
+        keywords = {**fn.keywords, **keywords}
         fn = fn.func
     module = str(getattr(fn, "__module__", "") or "")
-    if module == "optax" or module.startswith("optax."):
-        name = getattr(fn, "__name__", "the function")
-        raise ValueError(
-            f"{kind}=optax.{name}: optax's losses take (predictions, targets), while "
-            f"fuseloop calls a {kind} as {kind}(y_true, y_pred). Wrap it: lambda y_true, "
-            f"y_pred: optax.{name}(y_pred, y_true).mean(), or pass a built-in name such as "
-            f"'sparse_categorical_cross_entropy'"
-        )
+    if module != "optax" and not module.startswith("optax."):
+        return
+    name = getattr(fn, "__name__", "loss")
+    path = f"optax.{name}" if getattr(optax, name, None) is fn else f"optax.losses.{name}"
+    extra = "".join(f", {k}={v!r}" for k, v in keywords.items())
+    call = f"{path}(y_pred, y_true{extra})"
+    fix = (
+        f"lambda y_true, y_pred: {call}.mean(), or pass a built-in name such as "
+        f"'sparse_categorical_cross_entropy'"
+        if kind == "loss"
+        else f"lambda y_true, y_pred: {call} (one value per example, which the metric "
+        f"averages over the epoch's examples)"
+    )
+    raise ValueError(
+        f"{kind}={path}: optax's losses take (predictions, targets), while fuseloop calls "
+        f"a {kind} as {kind}(y_true, y_pred). Wrap it: {fix}"
+    )

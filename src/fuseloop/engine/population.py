@@ -182,7 +182,7 @@ def population_init(programs: Any, population: Population, first: Any, variables
             return jax.tree.map(jnp.copy, jax.vmap(member)(seeds, hyper))
 
         cache[key] = jax.jit(programs.counted(init))
-    seeds = np.asarray(population.seeds, np.int32)
+    seeds = np.asarray(population.seeds, np.int64).astype(np.int32)  # the same 32 bits
     # At full float width (float64 under x64): each member's slot rounds its value once,
     # to the slot's own dtype, as a solo run's optimizer does.
     wide = jax.dtypes.canonicalize_dtype(np.float64)

@@ -258,11 +258,13 @@ _STRUCTURAL = (
 def _seed(value: Any, where: str = "population['seed']") -> int:
     if not is_int(value):
         raise ValueError(f"{where}: {value!r} must be an int")
-    if not -(2**31) <= int(value) < 2**31:
+    # A member's key is drawn on the device from the seed's 32 bits, as a solo run's is
+    # drawn from them on the host: seeds in [2**31, 2**32) are taken (as their int32 bits).
+    if not -(2**31) <= int(value) < 2**32:
         raise ValueError(
-            f"{where}: {value} is outside int32 (each member's key is drawn on the device "
-            f"from an int32 seed; a solo run takes 32-bit seeds): use seeds below 2**31, "
-            f"e.g. seed % 2**31"
+            f"{where}: {value} is outside 32 bits (each member's key is drawn on the device "
+            f"from the seed's 32 bits, as a solo run of the same seed draws it): use seeds "
+            f"in [-2**31, 2**32), e.g. seed % 2**32"
         )
     return int(value)
 

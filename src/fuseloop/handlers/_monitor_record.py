@@ -17,6 +17,7 @@ import numpy as np
 
 from .._arg_types import is_int
 from .._events import event_total
+from .._metrics import ALIASES
 from .._state import State
 from .._warn import warn
 
@@ -179,14 +180,9 @@ class Monitor:
                     f"(Keras's val_<name>); monitor {ours!r}"
                 )
             name = self.monitor.removeprefix("validation_")
-            if name != self.monitor and any(k.startswith("validation_") for k in state.metrics):
-                raise ValueError(
-                    f"{self.argument}={self.monitor!r} is not among this epoch's metrics "
-                    f"({available}): validation ran, but it computes only the metrics "
-                    f"attached before Loop.validate. Attach Loop.metric({name!r}) before "
-                    f"Loop.validate(...) (a custom loop's validation has no loss of its own: "
-                    f"monitor a metric it computes)"
-                )
+            validated = sorted(k for k in state.metrics if k.startswith("validation_"))
+            if name != self.monitor and validated:
+                raise self._not_validated(name, validated, available)
             raise ValueError(
                 f"{self.argument}={self.monitor!r} is not among this epoch's metrics "
                 f"({available}). Add it with Loop.metric(...), or, for 'validation_*', "
@@ -202,6 +198,24 @@ class Monitor:
                 f"{self.argument}={self.monitor!r}: the metric is not a scalar "
                 f"({state.metrics[self.monitor]!r}); monitor a scalar metric"
             ) from None
+
+    def _not_validated(self, name: str, validated: list[str], available: str) -> ValueError:
+        """The error for a `validation_<name>` validation did not compute, naming why."""
+        said = f"{self.argument}={self.monitor!r} is not among this epoch's metrics ({available})"
+        canonical = ALIASES.get(name, name)
+        spelled = [k for k in validated if ALIASES.get(k[11:], k[11:]) == canonical]
+        if spelled:  # .metric("acc") keeps its key: validation_acc, not validation_accuracy
+            return ValueError(
+                f"{said}: the metric keeps the key it was given; monitor {spelled[0]!r}"
+            )
+        return ValueError(
+            f"{said}: validation computed {', '.join(map(repr, validated))}, not {name!r}. "
+            f"It computes the metrics attached before Loop.validate: attach "
+            f"Loop.metric({name!r}) before it. Where it is attached before already, "
+            f"validation cannot compute it (a custom loop's loss, or a metric of its step "
+            f"state, lives in its step, which an evaluator does not run): monitor one of "
+            f"those"
+        )
 
     def record(self, state: State) -> dict[str, Any]:
         """This monitor's record in `state.handler_metadata` (a fresh one if absent)."""
