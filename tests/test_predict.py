@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -277,3 +279,22 @@ def test_a_plain_model_object_changed_in_place_is_taken_as_it_is_or_refused():
     with pytest.raises(ValueError, match=r"\(_Scaled\) changed after .*\(scale reassigned\)"):
         loop.run(data)
     assert fl.trainer(model, "mean_squared_error", "sgd").run(data).status == "completed"
+
+
+class _Lazy(_Scaled):
+    """Builds what it reads on first use: attributes the object makes for itself."""
+
+    @functools.cached_property
+    def factor(self):
+        return 2.0
+
+    def apply(self, variables, x):
+        if not hasattr(self, "_built"):
+            self._built = True
+        return super().apply(variables, x) * self.factor
+
+
+def test_a_plain_model_object_that_fills_its_own_attributes_is_no_change():
+    loop = fl.trainer(_Lazy(), "mean_squared_error", "sgd")
+    data = [(X[:8], np.zeros((8, 2), np.float32))]
+    assert [loop.run(data).status for _ in range(2)] == ["completed", "completed"]

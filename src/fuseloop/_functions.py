@@ -100,6 +100,20 @@ def _plain_owner(apply_fn: Any) -> Any:
     return None if library in ("flax", "equinox") or adapter else owner
 
 
+def _reassigned(owner: Any, seen: dict[str, Any]) -> list[str]:
+    """The attributes of `owner` whose value is not the one `seen` held: reassigned, or set
+    on the object over a plain class attribute (`scale = 1.0` in the class). An attribute
+    the object made for itself since (a `functools.cached_property` filled, a lazily built
+    network) is no change: no program read another value of it before."""
+    now = vars(owner)
+    changed = [k for k, v in seen.items() if now.get(k, _MISSING) is not v]
+    for k in now.keys() - seen.keys():
+        shadowed = inspect.getattr_static(type(owner), k, _MISSING)
+        if shadowed is not _MISSING and not hasattr(shadowed, "__get__") and now[k] is not shadowed:
+            changed.append(k)
+    return changed
+
+
 def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
     """Whether `fn`'s signature has a parameter called `name` (False when it has none)."""
     return name in parameters_of(fn)
@@ -161,9 +175,7 @@ class from_functions:  # noqa: N801 - reads as a constructor
         """
         if self._owner is None:
             return
-        now = vars(self._owner)
-        keys = now.keys() | self._seen.keys()
-        changed = [k for k in keys if now.get(k, _MISSING) is not self._seen.get(k, _MISSING)]
+        changed = _reassigned(self._owner, self._seen)
         if changed:
             name = type(self._owner).__name__
             raise ValueError(
