@@ -323,6 +323,11 @@ def test_a_monitored_name_validation_never_gives_is_refused_before_training(hand
     with pytest.raises(ValueError, match=r"validate's filter leaves some epochs without"):
         attach(sparse, "validation_loss")
     assert attach(sparse, "loss").run(_batches(3, 0), epochs=2).status == "completed"
+    if handler == "checkpoint":  # its own filter, validate's: it reads only validated epochs
+        saver = sparse.checkpoint(
+            tempfile.mkdtemp(), filter={"every": 2}, criteria="validation_loss"
+        )
+        assert saver.run(_batches(3, 0), epochs=3).status == "completed"
     by_hand = base.validate(model, _batches(2, 1)).handle_event(
         "epoch_completed", EarlyStopping("val_loss")
     )
@@ -347,6 +352,9 @@ def test_mode_auto_reads_the_direction_from_the_words_of_the_name():
         ("validation_R2Score", rising),
         ("validation_cauchy_loss", falling),
         ("accumulated_error", falling),
+        ("validation_dice_loss", falling),  # both kinds of word: the last decides
+        ("validation_mean_io_u", rising),  # Keras's name for its MeanIoU
+        ("MeanIoU", rising),
     ]:
         loop = _scripted(_counter_loop(), values, name=name)
         loop = loop.early_stop(name, patience=1, mode="auto")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -85,7 +86,6 @@ def _refuse_flagged_linen(apply_fn: Any) -> None:
 
 
 _MISSING = object()
-_ADAPTERS = ("fuseloop._linen", "fuseloop._nnx", "fuseloop._equinox")  # their own checks
 
 
 def _plain_owner(apply_fn: Any) -> Any:
@@ -95,23 +95,27 @@ def _plain_owner(apply_fn: Any) -> Any:
     owner = getattr(apply_fn, "__self__", None)
     if owner is None or isinstance(owner, type) or not hasattr(owner, "__dict__"):
         return None
-    library = type(owner).__module__.split(".")[0]
-    adapter = isinstance(owner, from_functions) or type(owner).__module__ in _ADAPTERS
-    return None if library in ("flax", "equinox") or adapter else owner
+    return None if _not_plain(owner) else owner
 
 
 def _reassigned(owner: Any, seen: dict[str, Any]) -> list[str]:
-    """The attributes of `owner` whose value is not the one `seen` held: reassigned, or set
-    on the object over a plain class attribute (`scale = 1.0` in the class). An attribute
-    the object made for itself since (a `functools.cached_property` filled, a lazily built
-    network) is no change: no program read another value of it before."""
+    """The attributes of `owner` whose value is not the one `seen` held (added, removed or
+    reassigned)."""
     now = vars(owner)
-    changed = [k for k, v in seen.items() if now.get(k, _MISSING) is not v]
-    for k in now.keys() - seen.keys():
-        shadowed = inspect.getattr_static(type(owner), k, _MISSING)
-        if shadowed is not _MISSING and not hasattr(shadowed, "__get__") and now[k] is not shadowed:
-            changed.append(k)
-    return changed
+    return [
+        k for k in now.keys() | seen.keys() if now.get(k, _MISSING) is not seen.get(k, _MISSING)
+    ]
+
+
+def _not_plain(owner: Any) -> bool:
+    """Whether `owner` is no plain model: a flax or equinox module (immutable, or checked
+    by its own adapter) or one of fuseloop's adapters (a `forward` of fuseloop's own)."""
+    modules = [
+        nn.Module,
+        *(sys.modules[m].Module for m in ("flax.nnx", "equinox") if m in sys.modules),
+    ]
+    ours = type(owner).__module__.startswith("fuseloop.") and hasattr(owner, "forward")
+    return ours or isinstance(owner, tuple(modules))
 
 
 def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
@@ -151,14 +155,22 @@ class from_functions:  # noqa: N801 - reads as a constructor
         # haiku's transformed apply: `apply(params, rng, *args)`.
         self.rng_second = self.rng_name is not None and list(parameters)[1:2] == [self.rng_name]
         self._owner = _plain_owner(apply_fn)
-        # The owner's attributes, the values themselves (none is freed and its id reused).
-        self._seen = dict(vars(self._owner)) if self._owner is not None else {}
+        # The owner's attributes as the last run (or predict call) left them, the values
+        # themselves (none is freed and its id reused); None before any ran.
+        self._seen: dict[str, Any] | None = None
+
+    def settle(self) -> None:
+        """Notes the plain object's attributes as they are after a run (or a `fl.predict`
+        call) used it: what its own `init` and `apply` set while they ran (a shape noted, a
+        cached part, a trace counter) is part of what the compiled programs saw."""
+        if self._owner is not None:
+            self._seen = dict(vars(self._owner))
 
     def check_structure(self) -> None:
         """Raises a ValueError where the plain object `apply_fn` is a method of had an
-        attribute reassigned since this adapter took it (`model.scale = 10.0`): programs
-        compiled before read the old value. Every run of a loop built on it checks, and
-        `fl.predict` builds a new program instead.
+        attribute set since a run last used it (`model.scale = 10.0`): programs compiled
+        then read the old value. Every run of a loop built on it checks, and `fl.predict`
+        builds a new program instead. (Named as nnx's adapter names its own check.)
 
         Example:
             >>> class Scaled:
@@ -167,13 +179,14 @@ class from_functions:  # noqa: N801 - reads as a constructor
             ...     def apply(self, params, x): return x * self.scale
             >>> obj = Scaled()
             >>> model = from_functions(obj.init, obj.apply)
+            >>> model.settle()  # as a run that used it does at its end
             >>> obj.scale = 10.0
             >>> model.check_structure()
             Traceback (most recent call last):
             ...
             ValueError: model: the object whose apply fuseloop runs (Scaled) changed ...
         """
-        if self._owner is None:
+        if self._owner is None or self._seen is None:
             return
         changed = _reassigned(self._owner, self._seen)
         if changed:

@@ -242,26 +242,27 @@ def refuse_loss_metric(metric: Any, kind: str, tracked: bool) -> None:
 _MONITOR_CLASSES = {"early_stop": "EarlyStopping", "reduce_lr_on_plateau": "ReduceLROnPlateau"}
 
 
-def check_monitored(registrations: tuple[Any, ...], monitor: str, who: str) -> None:
+def check_monitored(
+    registrations: tuple[Any, ...], monitor: str, who: str, fires: Any = None
+) -> None:
     """Refuses, when a monitoring handler is attached, what would fail only after epochs
     trained: Keras's `val_<name>` where validation adds `validation_<name>`, and a
-    validation metric that `validate`'s filter leaves out of some epochs (the handler reads
-    it at every epoch's end)."""
+    validation metric that `validate`'s filter leaves out of epochs the handler reads it
+    at (`fires`: its own Filter; None, every epoch's end)."""
+    from .handlers._monitor_record import SPELLING, keras_spelling
     from .handlers.validate import Validator, validation_names
 
     for registration in registrations:
         if not isinstance(registration.handler, Validator):
             continue
         names = validation_names(registration.handler.loop)
-        ours = "validation_" + monitor.removeprefix("val_")
-        if monitor.startswith("val_") and ours in names:
-            raise ValueError(
-                f"{who}({monitor!r}): fuseloop names a validation metric validation_<name> "
-                f"(Keras's val_<name>); monitor {ours!r}"
-            )
+        ours = keras_spelling(monitor, names)
+        if ours is not None:
+            raise ValueError(f"{who}({monitor!r}): {SPELLING}; monitor {ours!r}")
         spec = registration.filter
         every_epoch = spec.every in (None, 1) and spec.before is None and spec.after is None
-        if monitor in names and not (every_epoch and spec.once is None and not spec.predicate):
+        always = every_epoch and spec.once is None and not spec.predicate
+        if monitor in names and not always and spec != fires:
             handler = _MONITOR_CLASSES.get(who)
             same_filter = (
                 f", or attach the handler with validate's filter: loop.handle_event("
@@ -272,6 +273,6 @@ def check_monitored(registrations: tuple[Any, ...], monitor: str, who: str) -> N
             )
             raise ValueError(
                 f"{who}({monitor!r}): validate's filter leaves some epochs without "
-                f"{monitor}, which {who} reads at every epoch's end. Validate at every "
-                f"epoch{same_filter}"
+                f"{monitor}, which {who} reads at every epoch's end its own filter passes. "
+                f"Validate at every epoch{same_filter}"
             )

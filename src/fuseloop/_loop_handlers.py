@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Self, TextIO
 
 from ._distributed import all_processes, runs_on_all_processes
-from ._events import Event, closes_on_error, normalize_event
+from ._events import Event, closes_on_error, make_filter, normalize_event
 from ._loop_args import check_monitored
 from ._state import State
 from ._types import EventLike, FilterLike, Mode
@@ -178,7 +178,8 @@ class HandlerBuilders:
         """
         from .handlers.checkpoint import Checkpointer
 
-        key = self._monitor_key("checkpoint", criteria) if criteria is not None else ""
+        fires = make_filter(filter)
+        key = self._monitor_key("checkpoint", criteria, fires) if criteria is not None else ""
         saver = Checkpointer(path, criteria, mode, keep, key=key, asynchronous=asynchronous)
         # A Loop may run again: each run starts the saver afresh (`Checkpointer.begin`).
         loop = self.observe("started", all_processes(saver.begin), name="checkpoint:start")
@@ -240,10 +241,10 @@ class HandlerBuilders:
         )
         return built._as_observers(before)
 
-    def _monitor_key(self, who: str, monitor: str) -> str:
+    def _monitor_key(self, who: str, monitor: str, fires: Any = None) -> str:
         """The metadata key of a handler monitoring `monitor`, once it is known to be there
-        at every epoch's end (`check_monitored`)."""
-        check_monitored(self.registrations, monitor, who)
+        at every epoch's end its filter `fires` passes (`check_monitored`)."""
+        check_monitored(self.registrations, monitor, who, fires)
         return self._metadata_key(f"{who}:{monitor}")
 
     def _metadata_key(self, base: str) -> str:

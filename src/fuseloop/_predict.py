@@ -31,18 +31,19 @@ _MAX_PROGRAMS = 16
 _DEFAULT_CHUNK = 32
 
 
-def _chunk_program(model: Any, members: bool = False, listed: bool = False) -> Any:
-    """One jitted program per model (kept alive with it), so a second call reuses it;
-    `members`: vmapped over a population's leading member axis; `listed`: x was given as
-    a list (named in a misfit's message).
+def _chunk_program(model: Any, members: bool = False, listed: bool = False) -> tuple[Any, Any]:
+    """One jitted program per model (kept alive with it), so a second call reuses it, and
+    the model's adapter. `members`: vmapped over a population's leading member axis;
+    `listed`: x was given as a list (named in a misfit's message).
 
-    An nnx module changed in place since (a static attribute, a layer of another shape)
-    gets a new program: predict takes the model as it is at each call.
+    An nnx module changed in place since (a static attribute, a layer of another shape),
+    or a plain object with an attribute set since the last call, gets a new program:
+    predict takes the model as it is at each call.
     """
     key = (id(model), members, listed)  # `listed` is traced into the misfit's message
     cached = _PROGRAMS.get(key)
     if cached is not None and cached[0] is model and _unchanged(cached[1]):
-        return cached[2]
+        return cached[2], cached[1]
     adapter = as_model(model)
 
     def run_chunk(variables: Any, chunk: Any) -> Any:
@@ -62,12 +63,12 @@ def _chunk_program(model: Any, members: bool = False, listed: bool = False) -> A
     if len(_PROGRAMS) >= _MAX_PROGRAMS:
         _PROGRAMS.pop(next(iter(_PROGRAMS)))
     _PROGRAMS[key] = (model, adapter, program)
-    return program
+    return program, adapter
 
 
 def _unchanged(adapter: Any) -> bool:
-    """Whether the programs traced with `adapter` still fit its model (only an nnx module
-    can change after it was taken)."""
+    """Whether the programs traced with `adapter` still fit its model (an nnx module's
+    structure, a plain object's attributes; linen and equinox modules cannot change)."""
     check = getattr(adapter, "check_structure", None)
     if check is None:
         return True
@@ -295,7 +296,7 @@ def predict(
         raise ValueError("x holds no examples; there is nothing to predict")
     size = min(size, n)
     members = getattr(variables_or_state, "population", None) is not None
-    program = _chunk_program(model, members, listed=isinstance(x, list))
+    program, adapter = _chunk_program(model, members, listed=isinstance(x, list))
     lead = 1 if members else 0  # a population's outputs keep the member axis first
     outputs: list[Any] = []
     # Moved explicitly, as a run moves its batches: allowed under a transfer guard.
@@ -310,6 +311,9 @@ def predict(
         # Host sync: the chunk's outputs come back to the host (one read per chunk).
         host = jax.device_get(result)
         outputs.append(jax.tree.map(lambda a, live=live: _rows(a, lead, live), host))
+    settle = getattr(adapter, "settle", None)
+    if settle is not None:  # a plain model object, as this call left it
+        settle()
     return jax.tree.map(lambda *parts: np.concatenate(parts, axis=lead), *outputs)
 
 

@@ -125,6 +125,9 @@ class Run:
                 self.epoch_loop.close()
             self.source.close()
             self.bus.close()
+            settle = getattr(self.loop.program.model, "settle", None)
+            if settle is not None:  # a plain model object, as this run left it
+                settle()
             self.whole = None  # it holds this Run: no cycle keeps the data alive until a GC
         return self._final(state)
 

@@ -21,50 +21,69 @@ from .._metrics import ALIASES
 from .._state import State
 from .._warn import warn
 
-__all__ = ["MODES", "Monitor", "at_epoch_end", "check_float", "check_int", "resolve_mode"]
+__all__ = [
+    "MODES",
+    "SPELLING",
+    "Monitor",
+    "at_epoch_end",
+    "check_float",
+    "check_int",
+    "keras_spelling",
+    "resolve_mode",
+]
 
 MODES = ("min", "max")
 
 # Words of a metric's name that say which way it moves as a model improves. A name is
-# read word by word (split at "_", "-", "/", ".", spaces and camelCase), so "cauchy_loss"
-# holds no "auc" and "accumulated_error" no "acc".
+# read word by word (split at "_", "-", "/", ".", spaces and camelCase; each word also with
+# its trailing digits dropped, and joined with the next one or two, so "mean_io_u",
+# "MeanIoU" and "log_cosh" are read), so "cauchy_loss" holds no "auc" and
+# "accumulated_error" no "acc". Where words of both kinds appear, the last one decides:
+# "dice_loss" and "top1_err" fall.
 # fmt: off
 _RISING_WORDS = frozenset({
-    "acc", "accuracy", "precision", "recall", "auc", "roc", "f1", "f2", "fbeta", "r2", "iou",
-    "miou", "dice", "jaccard", "map", "ap", "ndcg", "mrr", "bleu", "rouge", "psnr", "ssim",
-    "specificity", "sensitivity", "tpr", "kappa", "mcc", "correlation", "pearson", "spearman",
-    "explained", "top1", "top5",
+    "acc", "accuracy", "precision", "recall", "auc", "roc", "rocauc", "auroc", "auprc",
+    "prauc", "f1", "f2", "fbeta", "r2", "iou", "miou", "meaniou", "dice", "jaccard", "map",
+    "ap", "ndcg", "mrr", "bleu", "rouge", "psnr", "ssim", "specificity", "sensitivity", "tpr",
+    "kappa", "mcc", "correlation", "pearson", "spearman", "explained", "top1", "top5",
 })
 _FALLING_WORDS = frozenset({
     "loss", "losses", "error", "errors", "err", "mse", "mae", "rmse", "mape", "smape", "msle",
-    "rmsle", "nll", "crossentropy", "entropy", "xent", "bce", "cce", "perplexity", "ppl",
-    "hinge", "huber", "logcosh", "distance", "divergence", "kl", "kld", "cer", "wer", "fpr",
-    "fnr", "regret", "cost", "risk", "deviance", "brier",
+    "rmsle", "nll", "crossentropy", "entropy", "xent", "xentropy", "bce", "cce", "logloss",
+    "perplexity", "ppl", "hinge", "huber", "logcosh", "distance", "divergence", "kl", "kld",
+    "cer", "wer", "fpr", "fnr", "regret", "cost", "risk", "deviance", "brier",
 })
 # fmt: on
 
 
-def _words(name: str) -> set[str]:
-    """`name`'s words, lower case: "validation_R2Score" -> {"validation", "r2", "score"}."""
+def _words(name: str) -> list[str]:
+    """`name`'s words in order, lower case: "validation_R2Score" -> validation, r2, score."""
     spaced = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", " ", name)
-    return {word for word in re.split(r"[\W_]+", spaced.lower()) if word}
+    return [word for word in re.split(r"[\W_]+", spaced.lower()) if word]
 
 
 def _direction(name: Any) -> str | None:
     """ "max" for a name whose words say it rises as a model improves, "min" for one that
-    falls, None for a name that says neither or both."""
-    words = _words(name) if isinstance(name, str) else set()
-    rises, falls = bool(words & _RISING_WORDS), bool(words & _FALLING_WORDS)
-    return None if rises == falls else ("max" if rises else "min")
+    falls (the last such word decides), None for a name that says neither."""
+    words = _words(name) if isinstance(name, str) else []
+    found = None
+    for i, word in enumerate(words):
+        forms = {word, word.rstrip("0123456789"), "".join(words[i : i + 2])}
+        forms.add("".join(words[i : i + 3]))
+        if forms & _RISING_WORDS:
+            found = "max"
+        if forms & _FALLING_WORDS:
+            found = "min"
+    return found
 
 
 def resolve_mode(mode: Any, name: Any, argument: str, who: str) -> Any:
     """`mode` as "min" or "max". "auto" reads it from the words of the metric's `name`:
     "max" for accuracy, precision, recall, AUC, F1, R2, IoU and the like, "min" for a
-    loss, an error, MSE, MAE and the like, and a ValueError naming the fix for a name that
-    says neither or both (Keras 3 refuses such a name too). "min" on a rising name warns:
-    it would count the metric falling as the model improving. Any other mode is a
-    ValueError.
+    loss, an error, MSE, MAE and the like (of words of both kinds, the last decides), and
+    a ValueError naming the fix for a name that says neither (Keras 3 refuses such a name
+    too). "min" on a rising name warns: it would count the metric falling as the model
+    improving. Any other mode is a ValueError.
 
     Example:
         >>> resolve_mode("auto", "validation_accuracy", "monitor", "early_stop")
@@ -93,6 +112,15 @@ def resolve_mode(mode: Any, name: Any, argument: str, who: str) -> Any:
             f"mode='max' (or mode='auto', which reads it from the name)"
         )
     return mode
+
+
+SPELLING = "fuseloop names a validation metric validation_<name> (Keras's val_<name>)"
+
+
+def keras_spelling(monitor: str, names: Any) -> str | None:
+    """`validation_<name>` where `monitor` is Keras's `val_<name>` and `names` hold it."""
+    ours = "validation_" + monitor.removeprefix("val_")
+    return ours if monitor.startswith("val_") and ours in names else None
 
 
 def _not_a_mode(mode: Any) -> ValueError:
@@ -172,12 +200,11 @@ class Monitor:
         """The monitored value of this epoch, or a ValueError naming the metrics there are."""
         if self.monitor not in state.metrics:
             available = ", ".join(sorted(state.metrics)) or "(none)"
-            ours = "validation_" + self.monitor.removeprefix("val_")
-            if self.monitor.startswith("val_") and ours in state.metrics:
+            ours = keras_spelling(self.monitor, state.metrics)
+            if ours is not None:
                 raise ValueError(
                     f"{self.argument}={self.monitor!r} is not among this epoch's metrics "
-                    f"({available}): fuseloop names a validation metric validation_<name> "
-                    f"(Keras's val_<name>); monitor {ours!r}"
+                    f"({available}): {SPELLING}; monitor {ours!r}"
                 )
             name = self.monitor.removeprefix("validation_")
             validated = sorted(k for k in state.metrics if k.startswith("validation_"))
