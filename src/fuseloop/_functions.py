@@ -192,11 +192,10 @@ class from_functions:  # noqa: N801 - reads as a constructor
         if changed:
             name = type(self._owner).__name__
             raise ValueError(
-                f"model: the object whose apply fuseloop runs ({name}) changed after the "
-                f"loop was built ({', '.join(sorted(changed))} reassigned): the loop's "
-                f"compiled programs read the old values. Build a new loop (fl.trainer(model, "
-                f"...)) after changing the model; an apply that keeps state on its object "
-                f"should keep it in the variables instead"
+                f"model: the object whose apply fuseloop runs ({name}) changed since the "
+                f"loop's last run ({', '.join(sorted(changed))} set): the loop's compiled "
+                f"programs read the old values. Build a new loop (fl.trainer(model, ...)) "
+                f"after changing the model"
             )
 
     def init(self, rng: Any, x: Any) -> Any:
