@@ -46,12 +46,14 @@ _RISING_WORDS = frozenset({
     "prauc", "f1", "f2", "fbeta", "r2", "iou", "miou", "meaniou", "dice", "jaccard", "map",
     "ap", "ndcg", "mrr", "bleu", "rouge", "psnr", "ssim", "specificity", "sensitivity", "tpr",
     "kappa", "mcc", "correlation", "pearson", "spearman", "explained", "top1", "top5",
+    "reward", "rewards", "return", "returns", "elbo",
 })
 _FALLING_WORDS = frozenset({
     "loss", "losses", "error", "errors", "err", "mse", "mae", "rmse", "mape", "smape", "msle",
     "rmsle", "nll", "crossentropy", "entropy", "xent", "xentropy", "bce", "cce", "logloss",
     "perplexity", "ppl", "hinge", "huber", "logcosh", "distance", "divergence", "kl", "kld",
-    "cer", "wer", "fpr", "fnr", "regret", "cost", "risk", "deviance", "brier",
+    "cer", "wer", "fpr", "fnr", "regret", "cost", "risk", "deviance", "brier", "bpd",
+    "bitsperdim", "fid", "misclassification", "poisson",
 })
 # fmt: on
 
