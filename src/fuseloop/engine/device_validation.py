@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-
-from .._checks import Checker
+from .._evaluator_start import arrays_first_batch, check_evaluator_start
 from .._placement import device_int
 from .population import first_member
 from .programs import Programs, kept_order
@@ -47,11 +45,5 @@ def _check(v: Any, run: Any) -> None:
     params = step_state.get("params") if isinstance(step_state, dict) else None
     if params is None:
         return  # validate itself refuses a State without params at the first epoch's end
-    checker = Checker(v.loop.program, Programs(v.loop).cache.verdicts)
-    # Rows of the host copy stand in for the first batch: they have its shapes and dtypes,
-    # and `dataset` checks every label (no read from the device).
-    source = v.source
-    first = jax.tree.map(lambda leaf: leaf[: source.batch_size], (source.x, source.y))
-    checker.first(first, source)
-    checker.dataset(source)
-    checker.variables({"params": params})
+    first = arrays_first_batch(v.source)  # every label is checked on the host copy
+    check_evaluator_start(v.loop.program, Programs(v.loop).cache.verdicts, first, params, v.source)

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-
 from .._batch_checks import require_pair
-from .._checks import Checker
 from .._data import as_source, warn_left_out
+from .._evaluator_start import arrays_first_batch, check_evaluator_start
 from .._events import Event, normalize_event
 from .._fusion import FusionError, resolve_fuse
 from .._metrics import VALIDATION_PREFIX, MetricSpec, batch_size
@@ -197,12 +195,10 @@ class Validator:
         if first is None or params is None or state.population is not None:
             return
         arrays = self.data if _in_arrays(self.data) else None
-        checker = Checker(self.loop.program, self._verdicts)
         try:
-            checker.first(first, arrays)
-            if arrays is not None:
-                checker.dataset(arrays)
-            checker.variables({"params": params})
+            checker = check_evaluator_start(
+                self.loop.program, self._verdicts, first, params, arrays
+            )
             for i, batch in enumerate(self.data[1:] if arrays is None else (), start=1):
                 checker.labels.batch(checker.fit.labels, batch, f"the validation data's batch {i}")
         except Exception as error:
@@ -242,7 +238,7 @@ def _first_batch(data: Any) -> Any:
     Rows of an `fl.data.arrays` source stand in for it (its shapes and dtypes).
     """
     if _in_arrays(data):
-        return jax.tree.map(lambda leaf: leaf[: data.batch_size], (data.x, data.y))
+        return arrays_first_batch(data)
     if isinstance(data, (list, tuple)) and data:
         return data[0]
     return None
