@@ -8,12 +8,16 @@ this, one compiled `carry_step` per batch):
         records[i] = tail["acc"]                   # only when the host replays iterations
         if guard and tail["nonfinite"]: break
 
-It is compiled once per (K, shapes) as a `lax.while_loop` whose trip count is a runtime
-value, so the program does not grow with K and the padded last chunk reuses it.
+It is compiled once per (K, shapes), so the padded last chunk reuses it. On a CPU it is a
+`lax.while_loop` whose trip count is a runtime value. Elsewhere (a GPU, a TPU) a loop
+whose trip count is a runtime value makes the device hand its condition to the host after
+every step, which waits for it: a `lax.scan` over all K slots runs instead, each slot
+committed only where it is live (docs/design.md §2, "The loop's form on each backend").
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,7 +29,15 @@ from jax import lax
 from ._arg_types import is_int
 from ._metrics import batch_size
 
-__all__ = ["FusionError", "stack_chunk", "make_chunk_fn", "DEFAULT_CHUNK", "resolve_fuse"]
+__all__ = [
+    "FusionError",
+    "stack_chunk",
+    "make_chunk_fn",
+    "chunk_slots",
+    "static_trip_count",
+    "DEFAULT_CHUNK",
+    "resolve_fuse",
+]
 
 DEFAULT_CHUNK = 32
 
@@ -175,6 +187,29 @@ def make_chunk_fn(
             before it is computed again from the chunk's start.
     """
 
+    looped = _looped_chunk_fn(carry_step, record, guard_nonfinite)
+    masked = _masked_chunk_fn(carry_step, record, guard_nonfinite)
+
+    def chunk_fn(state: Any, tail: Any, chunk: Any, n_valid: Any) -> tuple[Any, Any, Any, Any]:
+        form = masked if static_trip_count() else looped
+        try:
+            return form(state, tail, chunk, n_valid)
+        except TypeError as error:  # the carry changed type: say which leaf, and why
+            changed = _changed_leaves(carry_step, state, tail, _index(chunk, 0))
+            if not changed:
+                raise
+            raise ValueError(_carry_message(changed, batch_size(_index(chunk, 0)))) from error
+
+    return chunk_fn
+
+
+def _looped_chunk_fn(
+    carry_step: Callable[[Any, Any, Any], tuple[Any, Any]],
+    record: bool,
+    guard_nonfinite: bool,
+) -> Callable[..., tuple[Any, Any, Any, Any]]:
+    """`make_chunk_fn`'s program as a while loop over the live slots (the CPU's form)."""
+
     def chunk_fn(state: Any, tail: Any, chunk: Any, n_valid: Any) -> tuple[Any, Any, Any, Any]:
         size = jax.tree.leaves(chunk)[0].shape[0]
         records = (
@@ -202,13 +237,7 @@ def make_chunk_fn(
             return i + 1, state, tail, records
 
         start = (jnp.zeros((), jnp.int32), state, tail, records)
-        try:
-            n_run, state, tail, records = lax.while_loop(cond, body, start)
-        except TypeError as error:  # the carry changed type: say which leaf, and why
-            changed = _changed_leaves(carry_step, state, tail, _index(chunk, 0))
-            if not changed:
-                raise
-            raise ValueError(_carry_message(changed, batch_size(_index(chunk, 0)))) from error
+        n_run, state, tail, records = lax.while_loop(cond, body, start)
         if guard_nonfinite:
             state, tail, records = lax.cond(
                 tail["nonfinite"],
@@ -216,6 +245,75 @@ def make_chunk_fn(
                 lambda: (state, tail, records),
             )
         return state, tail, records, n_run
+
+    return chunk_fn
+
+
+_LOOP_FORM_VAR = "FUSELOOP_DEVICE_LOOP"
+
+
+def static_trip_count() -> bool:
+    """Whether the device loop being traced runs all K slots (`lax.scan`, a step committed
+    only where it is live) rather than stopping after the live ones (`lax.while_loop`).
+
+    The scan off a CPU, the while loop on one: a GPU's while loop with a runtime trip count
+    copies its condition to the host after each step and waits for it (about twice the time
+    of a small model's step), while on a CPU the condition is already on the host and the
+    padded slots of a short chunk cost nothing. `FUSELOOP_DEVICE_LOOP=scan` or `=while`
+    chooses one form everywhere (the tests run the scan's on a CPU that way).
+    """
+    form = os.environ.get(_LOOP_FORM_VAR, "")
+    if form in ("scan", "while"):
+        return form == "scan"
+    return jax.default_backend() != "cpu"
+
+
+def chunk_slots(size: int, n: int) -> int:
+    """The slots of a chunk of `n` live steps in a run of chunks of `size`: `size` where the
+    loop stops after the live steps, `n` where it runs every slot (a short last chunk then
+    compiles a program of its own rather than stepping `size - n` slots for nothing).
+
+    Example:
+        >>> chunk_slots(32, 32)
+        32
+    """
+    return n if n < size and static_trip_count() else size
+
+
+def _masked_chunk_fn(
+    carry_step: Callable[[Any, Any, Any], tuple[Any, Any]],
+    record: bool,
+    guard_nonfinite: bool,
+) -> Callable[..., tuple[Any, Any, Any, Any]]:
+    """`make_chunk_fn`'s program as a scan over every slot: a slot's step is committed
+    where it is live (before `n_valid`, and with the guard, before a non-finite step), the
+    carry is kept as it was elsewhere. The non-finite step itself is not committed, so
+    nothing has to be computed again; `n_run` counts it, as the while loop's does, and its
+    record is the accumulators before it."""
+
+    def chunk_fn(state: Any, tail: Any, chunk: Any, n_valid: Any) -> tuple[Any, Any, Any, Any]:
+        size = jax.tree.leaves(chunk)[0].shape[0]
+
+        def body(carry: tuple[Any, Any], i: Any) -> tuple[tuple[Any, Any], Any]:
+            state, tail = carry
+            live = i < n_valid
+            if guard_nonfinite:
+                live = live & ~tail["nonfinite"]
+            new_state, new_tail = carry_step(state, tail, _index(chunk, i))
+            commit = live & ~new_tail["nonfinite"] if guard_nonfinite else live
+            keep = lambda new, old: lax.select(commit, new, old)  # noqa: E731
+            state = jax.tree.map(keep, new_state, state)
+            # The whole tail, as the while loop takes it: a population's per-member guard
+            # flags are in it beside the accumulators.
+            flagged = tail.get("nonfinite")
+            tail = jax.tree.map(keep, new_tail, tail)
+            if guard_nonfinite:
+                tail["nonfinite"] = flagged | (live & new_tail["nonfinite"])
+            written = jax.tree.map(lambda a: jnp.where(live, a, jnp.zeros_like(a)), tail["acc"])
+            return (state, tail), ((written if record else None), live)
+
+        (state, tail), (records, lives) = lax.scan(body, (state, tail), jnp.arange(size))
+        return state, tail, records, jnp.sum(lives, dtype=jnp.int32)
 
     return chunk_fn
 

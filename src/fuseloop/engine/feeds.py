@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._epoch_order import prng_config
-from .._fusion import FusionError, stack_chunk
+from .._fusion import FusionError, chunk_slots, stack_chunk
 from .._placement import device_int
 from .prefetch import ChunkProducer
 from .programs import MIN_SLOTS, keep_recent, kept_order
@@ -153,10 +153,12 @@ class HostFeed:
         return Prepared(first, n, exhausted, self._stack(batches, first))
 
     def _stack(self, batches: list[Any], first: int) -> Any:
-        """Checks and stacks a chunk into `max(K, MIN_SLOTS)` slots; one transfer."""
+        """Checks and stacks a chunk into `max(K, MIN_SLOTS)` slots (a short one into its
+        own size where the device loop steps every slot: `chunk_slots`); one transfer."""
         self.checker.chunk(batches, self.epoch, first)
         try:
-            stacked = stack_chunk(batches, max(self.size or 1, MIN_SLOTS), first)
+            slots = chunk_slots(self.size or 1, len(batches))
+            stacked = stack_chunk(batches, max(slots, MIN_SLOTS), first)
         except FusionError:
             self.checker.explain_chunk(batches, self.epoch, first)
             raise
@@ -268,7 +270,8 @@ class ResidentFeed:
             program = self.programs.resident(MIN_SLOTS, 1, self.short, self.short_sharding)
             return Prepared(first, 1, True, (program, self.limit))
         n = min(self.size, self.full_limit - first)
-        program = self.programs.resident(max(self.size, MIN_SLOTS), self.size, None, self.sharding)
+        live = chunk_slots(self.size, n)
+        program = self.programs.resident(max(live, MIN_SLOTS), live, None, self.sharding)
         return Prepared(first, n, first + n >= self.limit, (program, self.full_limit))
 
     def launch(self, carry: Any, prepared: Prepared) -> ChunkResult:
