@@ -48,11 +48,8 @@ def _data() -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def _floor(
-    model: Any, variables: Any, x: np.ndarray, y: np.ndarray
-) -> tuple[Callable[[], tuple[float, float]], Callable[[], tuple[float, float]]]:
-    """`(on_device_epoch, with_transfer_epoch)`: wall and CPU seconds of one floor epoch."""
-    tx = optax.adam(1e-3)
+def floor_step(model: Any, tx: Any) -> Callable[[Any, Any], Any]:
+    """The floor's step, `((params, opt_state), (x, y)) -> ((params, opt_state), loss)`."""
 
     def step(carry: Any, batch: Any) -> Any:
         params, opt_state = carry
@@ -66,6 +63,15 @@ def _floor(
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
 
+    return step
+
+
+def _floor(
+    model: Any, variables: Any, x: np.ndarray, y: np.ndarray
+) -> tuple[Callable[[], tuple[float, float]], Callable[[], tuple[float, float]]]:
+    """`(on_device_epoch, with_transfer_epoch)`: wall and CPU seconds of one floor epoch."""
+    tx = optax.adam(1e-3)
+    step = floor_step(model, tx)
     epoch = jax.jit(lambda carry, xs, ys: lax.scan(step, carry, (xs, ys)), donate_argnums=0)
     xs, ys = x.reshape(N_BATCHES, BATCH, INPUTS), y.reshape(N_BATCHES, BATCH)
     on_device = jax.device_put((xs, ys))

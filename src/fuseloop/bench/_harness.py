@@ -229,14 +229,24 @@ def _rounds(
                 result.info.setdefault(name, []).append(value)
 
 
+# Off a CPU the same step compiled into two programs may round differently (a GPU's
+# float32 matrix products and convolutions take TF32 by default, and each program picks its
+# own algorithms): parameters after an epoch differed by up to 3e-3 on an H200. Such a
+# machine's check can only tell a gross fault (other data, a lost chunk) from rounding.
+OFF_CPU_ATOL = 1e-2
+
+
 def cross_check(
     results: dict[str, Result],
     params: dict[str, Any],
     references: dict[str, Any],
     atol: float = 1e-4,
 ) -> None:
-    """Refuses fused results that are not bitwise the unfused ones, and reference loops
-    that do not train what fuseloop trains in one epoch."""
+    """Refuses fused results that are not bitwise the unfused ones (off a CPU: not within
+    `OFF_CPU_ATOL`), and reference loops that do not train what fuseloop trains in one
+    epoch."""
+    exact = jax.default_backend() == "cpu"
+    atol = atol if exact else max(atol, OFF_CPU_ATOL)
     unfused_ok = results.get("fl_unfused", Result("", "")).ok
     for key, result in results.items():
         if not result.ok or key == "fl_unfused":
@@ -249,9 +259,12 @@ def cross_check(
             result.refuse("no verified fuseloop fuse=False result to check it against")
             continue
         try:
-            if is_fuseloop:
+            if is_fuseloop and exact:
                 check_bitwise(params[key], reference, "fused vs unfused fuseloop")
                 result.info["bitwise_equal_to_unfused"] = True
+            elif is_fuseloop:
+                diff = check_close(params[key], reference, "fused vs unfused fuseloop", atol)
+                result.info["max_abs_diff_vs_unfused"] = diff
             else:
                 diff = check_close(params[key], reference, "same-step check", atol)
                 result.info["max_abs_diff_vs_fuseloop"] = diff

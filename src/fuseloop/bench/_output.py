@@ -179,7 +179,7 @@ def _compile_lines(report: dict[str, Any]) -> list[str]:
     lines = [
         "",
         f"Compile time of the fused chunk program against K "
-        f"({report['compile_model']}; a while_loop, so it should not grow with K)",
+        f"({report['compile_model']}; a loop, not unrolled, so it should not grow with K)",
         "",
         "| K | trace+lower s | compile s | XLA fusions | HLO chars |",
         "|---|---|---|---|---|",
