@@ -45,7 +45,7 @@ def test_the_form_follows_the_setting_and_the_backend(monkeypatch):
     assert static_trip_count() is (jax.default_backend() != "cpu")
 
 
-@pytest.mark.parametrize("fuse", [False, 5, 12])
+@pytest.mark.parametrize("fuse", [False, 5])
 def test_the_scan_trains_bitwise_as_the_while_loop(monkeypatch, fuse):
     # 12 batches in chunks of 5: two full chunks and a short one of 2 steps.
     scan = _run(monkeypatch, "scan", epochs=2, fuse=fuse)
