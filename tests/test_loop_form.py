@@ -3,7 +3,9 @@
 On a CPU the chunk loop is a `lax.while_loop` over the live steps; off a CPU it is a
 `lax.scan` over every slot, each step committed only where it is live. These tests run the
 scan's form on this CPU (`FUSELOOP_DEVICE_LOOP=scan`, read when a program is traced, so
-each test builds its loops afresh) and hold it to the while loop's results, bit for bit.
+each test builds its loops afresh) and hold it to the while loop's results, bit for bit, on
+MLPs (a BatchNorm model's step fuses otherwise under the scan's select and differs in the
+last bits: docs/design.md §2).
 """
 
 from __future__ import annotations

@@ -8,11 +8,12 @@ this, one compiled `carry_step` per batch):
         records[i] = tail["acc"]                   # only when the host replays iterations
         if guard and tail["nonfinite"]: break
 
-It is compiled once per (K, shapes), so the padded last chunk reuses it. On a CPU it is a
-`lax.while_loop` whose trip count is a runtime value. Elsewhere (a GPU, a TPU) a loop
-whose trip count is a runtime value makes the device hand its condition to the host after
-every step, which waits for it: a `lax.scan` over all K slots runs instead, each slot
-committed only where it is live (docs/design.md §2, "The loop's form on each backend").
+On a CPU it is a `lax.while_loop` whose trip count is a runtime value, compiled once per
+(K, shapes), so the padded last chunk reuses it. Elsewhere (a GPU, a TPU) a loop whose
+trip count is a runtime value makes the device hand its condition to the host after every
+step, which waits for it: a `lax.scan` over all the chunk's slots runs instead, each step
+committed only where it is live, and a short chunk has a program of its own size
+(docs/design.md §2, "The loop's form on each backend").
 """
 
 from __future__ import annotations
