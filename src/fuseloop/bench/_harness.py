@@ -305,8 +305,8 @@ def _abstract_chunk(batch: Any, k: int) -> Any:
 def compile_vs_k(workload: Any, ks: tuple[int, ...]) -> list[dict[str, Any]]:
     """Trace, lower and compile time of fuseloop's chunk program for each chunk size K.
 
-    The device loop is a `lax.while_loop`, so the program (and its compile time) should not
-    grow with K, unlike an unrolled loop.
+    The device loop is a loop (a `lax.while_loop` on a CPU, a `lax.scan` elsewhere), not
+    unrolled, so the program (and its compile time) should not grow with K.
     """
     from .. import trainer
     from .._fusion import make_chunk_fn
