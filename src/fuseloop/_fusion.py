@@ -184,8 +184,9 @@ def make_chunk_fn(
         carry_step: One step plus metric accumulation (see `_step.make_carry_step`).
         record: Write each iteration's accumulators into a `[K]` buffer for host replay.
         guard_nonfinite: Stop the loop at the first non-finite step, which is not committed:
-            `carry_step` commits it (built with `keep_old=False`) and the chunk's carry
-            before it is computed again from the chunk's start.
+            `carry_step` commits it (built with `keep_old=False`); the while loop computes
+            the chunk's carry before it again from the chunk's start, the scan selects the
+            carry before it.
     """
 
     looped = _looped_chunk_fn(carry_step, record, guard_nonfinite)
