@@ -307,12 +307,13 @@ def _masked_chunk_fn(
             state = jax.tree.map(keep, new_state, state)
             # The whole tail, as the while loop takes it: a population's per-member guard
             # flags are in it beside the accumulators.
-            flagged = tail.get("nonfinite")
-            tail = jax.tree.map(keep, new_tail, tail)
-            if guard_nonfinite:
-                tail["nonfinite"] = flagged | (live & new_tail["nonfinite"])
-            written = jax.tree.map(lambda a: jnp.where(live, a, jnp.zeros_like(a)), tail["acc"])
-            return (state, tail), ((written if record else None), live)
+            kept = jax.tree.map(keep, new_tail, tail)
+            if guard_nonfinite:  # the flag stays set, though its step is not committed
+                kept["nonfinite"] = tail["nonfinite"] | (live & new_tail["nonfinite"])
+            written = None
+            if record:  # zeros past the live steps, as the while loop leaves its buffer
+                written = jax.tree.map(lambda a: jnp.where(live, a, jnp.zeros_like(a)), kept["acc"])
+            return (state, kept), (written, live)
 
         (state, tail), (records, lives) = lax.scan(body, (state, tail), jnp.arange(size))
         return state, tail, records, jnp.sum(lives, dtype=jnp.int32)
