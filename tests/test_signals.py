@@ -172,8 +172,11 @@ def test_signal_halts_at_the_next_host_boundary(tmp_path, signum, fuse):
     assert not any("PREVIOUS HANDLER RAN" in line for line in child.seen)
 
 
-def test_second_signal_aborts_at_once(tmp_path):
-    child = Child("abort", 0, tmp_path)
+@pytest.mark.parametrize("fuse", [0, 4])
+def test_second_signal_aborts_at_once(tmp_path, fuse):
+    # Fused, the slow pull is the prefetch thread's: the abort must neither wait for it nor
+    # try to close the generator it is still inside.
+    child = Child("abort", fuse, tmp_path)
     try:
         child.wait_for("SLEEPING")  # the pull now sleeps 60 s: no host boundary comes soon
         child.send(signal.SIGINT)

@@ -203,8 +203,15 @@ class Source:
         `finally` runs)."""
         for iterator in self._open:
             close = getattr(iterator, "close", None)
-            if close is not None:
+            if close is None:
+                continue
+            try:
                 close()
+            except ValueError:
+                # A generator a prefetch thread is still pulling from (an abort did not
+                # wait for it) cannot be closed here; it is closed once collected.
+                if not getattr(iterator, "gi_running", False):
+                    raise
         self._open.clear()
 
 

@@ -82,6 +82,7 @@ class EpochLoop:
             self.handoff, self.carry, self.reads, self.guard, ahead=feed.ahead
         )
         self.latest, self.latest_iteration = state, state.iteration
+        aborting = False
         try:
             if opened is None:
                 status, state, last, current = self._start(state, feed.next(0), 0)
@@ -95,10 +96,13 @@ class EpochLoop:
                 status, state, last, current = self._step(state, current, last)
             if status == CONTINUE and replay.pending:
                 status, state, last = self._settle(state, last)
+        except KeyboardInterrupt:  # a second signal: the data source may be blocked
+            aborting = True
+            raise
         finally:
             self.ahead = self.stashed = None
             if self.opened is None:  # an epoch opened ahead owns the feed now
-                feed.end()
+                feed.end(wait=not aborting)
         self.latest = None  # the epoch is over: the run holds its State again
         return status, state.replace(iteration=last)
 
@@ -147,11 +151,12 @@ class EpochLoop:
             # steps all ran, completes first (the unfused loop records it before that step).
             self.opened = (epoch, error)
 
-    def close(self) -> None:
-        """Ends an epoch opened early that will not run (the run is leaving)."""
-        if self.opened is not None:
-            self.opened = None
-            self.feed.end()
+    def close(self, wait: bool = True) -> None:
+        """Ends the feed's epoch, one opened early that will not run or one an abort left
+        (the run is leaving); `wait=False` (an abort) does not wait for a pull under way."""
+        self.opened = None
+        if self.feed is not None:  # None: a whole-run dispatch steps the epochs
+            self.feed.end(wait)
 
     def _start(
         self, state: Any, prepared: Any, last: int

@@ -105,9 +105,11 @@ class HostFeed:
         # taken from it would pull past that bound.
         self.depth = 0 if not self.ahead else 1 if threaded else max(1, self.prefetch)
 
-    def end(self) -> None:
+    def end(self, wait: bool = True) -> None:
+        """Ends the epoch's pulling ahead; `wait=False` (an abort) leaves a pull under way
+        to finish on its own."""
         if self._producer is not None:
-            self._producer.stop()
+            self._producer.stop(wait)
             self._producer = None
 
     def next(self, first: int) -> Prepared | None:
@@ -260,7 +262,7 @@ class ResidentFeed:
         order = kept_order(self.source, epoch, lambda: self.next_order(self.epoch_counter)[0])
         return order, epoch_counter(epoch + 1), device_int(0)
 
-    def end(self) -> None:
+    def end(self, wait: bool = True) -> None:
         pass
 
     def next(self, first: int) -> Prepared | None:

@@ -87,12 +87,15 @@ class ChunkProducer:
             raise item.error
         return item
 
-    def stop(self) -> None:
-        """Stops the thread and waits for it (batches it pulled ahead are dropped)."""
+    def stop(self, wait: bool = True) -> None:
+        """Stops the thread (batches it pulled ahead are dropped) and waits for it; an
+        abort (`wait=False`) does not wait for a pull under way, which may block: the
+        thread ends once that pull returns."""
         self._stop.set()
         while True:
             try:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
-        self._thread.join()
+        if wait:
+            self._thread.join()

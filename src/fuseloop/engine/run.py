@@ -104,6 +104,7 @@ class Run:
 
     # ----------------------------------------------------------------- the run
     def run(self) -> State:
+        aborted = False
         try:
             feed = self._start()
             with SignalGuard() as signals:
@@ -112,6 +113,8 @@ class Run:
                 )
                 state = self._epochs(signals)
         except BaseException as caught:
+            # A second signal's KeyboardInterrupt leaves at once, even from a blocked source.
+            aborted = isinstance(caught, KeyboardInterrupt)
             error = caught if self.stats["dispatches"] else self.checker.explain(caught)
             reached = self._reached()
             attach_to_error(error, reached)
@@ -122,7 +125,7 @@ class Run:
             raise error from caught  # the step check's error, which `caught` showed
         finally:
             if self.epoch_loop is not None:
-                self.epoch_loop.close()
+                self.epoch_loop.close(wait=not aborted)
             self.source.close()
             self.bus.close()
             settle = getattr(self.loop.program.model, "settle", None)
