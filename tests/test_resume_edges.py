@@ -39,6 +39,21 @@ def test_a_trainer_given_an_evaluators_state_names_init_state_and_the_fix():
         trainer.run(data, fl.State(), epochs=2)
 
 
+def test_a_resume_from_an_iteration_handlers_state_in_a_fused_run_names_why(tmp_path):
+    # Mid-chunk the step state is on the device: the handler's State has none, and its
+    # resume once blamed only Ctrl-C.
+    saved = []
+
+    def save(state: fl.State) -> None:
+        if state.iteration == 1 and not saved:
+            saved.append(fl.save_state(state, tmp_path / "mid"))
+
+    trainer = _trainer()
+    trainer.handle_event("iteration_completed", save).run(_data(), epochs=1, fuse=3)
+    with pytest.raises(ValueError, match=r"no step state.*iteration handler gets in a fused"):
+        trainer.run(_data(), fl.load_state(saved[0]), epochs=2)
+
+
 def test_loading_a_populations_best_checkpoint_folder_names_its_members(tmp_path):
     folder = tmp_path / "best"
     _trainer().checkpoint(folder, criteria="loss").run(_data(), epochs=2, population=2)

@@ -260,7 +260,9 @@ def save_state(state: State, path: str | os.PathLike[str]) -> Path:
     `jax.distributed` every process calls it (the save is collective) with the same path.
 
     Args:
-        state: The State to save (e.g. what `run` returned, or a handler's State).
+        state: The State to save (e.g. what `run` returned, or a handler's State; an
+            iteration handler's State in a fused run holds no step state, so a run
+            cannot resume from it: save at `epoch_completed` for that).
         path: The directory to write.
 
     Returns:

@@ -133,8 +133,9 @@ def check_init_state(init_state: Any, kind: str = "custom", population: Any = No
     if isinstance(init_state, State) and init_state.step_state is None:
         raise ValueError(
             "init_state: this State holds no step state (a run stopped before its first "
-            "step, by Ctrl-C or an error while it started, leaves none): run without it to "
-            "start afresh"
+            "step, by Ctrl-C or an error while it started, leaves none, and so does the "
+            "State an iteration handler gets in a fused run): run without it to start "
+            "afresh, or resume from a State saved at an epoch's end"
         )
     refuse_deleted_arrays(getattr(init_state, "step_state", init_state), "init_state")
     if is_int(init_state) and kind in _STARTS_FROM:
