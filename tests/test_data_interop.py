@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import fuseloop as fl
-from conftest import assert_tree_equal, make_batches, tiny_mlp, trainer
+from conftest import assert_runs_identical, assert_tree_equal, make_batches, tiny_mlp, trainer
 
 
 class _Tensor:
@@ -148,8 +148,49 @@ def test_a_map_style_dataset_is_told_to_go_through_a_loader():
         def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
             return np.zeros(3, np.float32), 0
 
-    with pytest.raises(ValueError, match=r"indexed by example .*DataLoader\(data, batch_size"):
+    with pytest.raises(ValueError, match=r"If data\[i\] is one example .*DataLoader\(data, bat"):
         trainer().run(Indexed())
+
+
+class _KerasStyle:
+    """A keras.utils.PyDataset's shape: batches by index, reshuffled by on_epoch_end."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, batch_size: int):
+        self.x, self.y, self.batch_size = x, y, batch_size
+        self.order = np.arange(len(x))
+        self.calls: list[str] = []
+
+    def __len__(self) -> int:
+        return -(-len(self.x) // self.batch_size)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        rows = self.order[i * self.batch_size : (i + 1) * self.batch_size]
+        self.calls.append(f"get {i}")
+        return self.x[rows], self.y[rows]
+
+    def on_epoch_end(self) -> None:
+        self.calls.append("end")
+        self.order = np.random.default_rng(len(self.calls)).permutation(len(self.x))
+
+
+@pytest.mark.parametrize("fuse", [False, 2])
+def test_a_keras_style_sequence_is_read_by_batch_with_its_epoch_hooks(fuse):
+    x, y = _xy(20 if fuse is False else 24)
+    sequence = _KerasStyle(x, y, batch_size=8)  # batches of 8, 8 and 4 (or 8) examples
+    state = trainer().run(sequence, epochs=3, fuse=fuse)
+    # Each epoch reads batches 0, 1, 2; on_epoch_end runs between epochs, as Keras runs it.
+    epoch = ["get 0", "get 1", "get 2"]
+    assert sequence.calls == [*epoch, "end", *epoch, "end", *epoch]
+    # The run trained on exactly those batches: the same run over the list they make.
+    replayed = _KerasStyle(x, y, batch_size=8)
+    per_epoch = []
+    for e in range(3):
+        per_epoch.append([replayed[i] for i in range(len(replayed))])
+        if e < 2:
+            replayed.on_epoch_end()
+    epochs = iter(per_epoch)
+    reference = trainer().run(lambda: iter(next(epochs)), epochs=3, fuse=fuse)
+    assert_runs_identical(state, reference)
 
 
 # --------------------------------------------------------------- Python containers

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._batch_sequence import BatchSequence, is_batch_sequence
 from ._warn import warn
 
 __all__ = ["as_host_array", "as_source", "Source", "warn_left_out"]
@@ -45,11 +46,14 @@ class Source:
     """Hands out one iterator per epoch and closes what the run stopped reading early."""
 
     def __init__(self, data: Any):
+        sequence = is_batch_sequence(data)
+        if sequence:  # keras.utils.PyDataset and the like: read by batch index
+            data = BatchSequence(data)
         self.data = data
         self.one_shot = False
         self.epoch_aware = hasattr(data, "iter_epoch")
         if self.epoch_aware:
-            self.kind = "epoch_aware"
+            self.kind = "sequence" if sequence else "epoch_aware"
         elif isinstance(data, (str, bytes)) or not (callable(data) or hasattr(data, "__iter__")):
             indexed = hasattr(data, "__getitem__") and hasattr(data, "__len__")
             raise ValueError(
@@ -119,7 +123,7 @@ class Source:
             return self.data
         self.close()
         try:
-            if self.kind == "epoch_aware":
+            if self.epoch_aware:
                 iterator = iter(self.data.iter_epoch(epoch))
             elif self.kind == "reiterable":
                 iterator = iter(self.data)
@@ -127,8 +131,7 @@ class Source:
                 iterator = iter(self.data())
         except Exception as error:
             error.add_note(
-                f"fuseloop: raised while opening the data for epoch {epoch} "
-                f"({_OPENING[self.kind]}, which must give an iterator of batches)"
+                f"fuseloop: raised while opening the data for epoch {epoch} ({_OPENING[self.kind]})"
             )
             raise
         self._open.append(iterator)
@@ -223,11 +226,14 @@ _WHY_EMPTY = {  # by the kind of source (`Source.kind`)
     "reiterable": "Iterating the data again gave no batches (an iterable that empties "
     "itself, like an open file); pass a list, or a callable returning a fresh iterator",
     "epoch_aware": "The source's iter_epoch gave no batches for it",
+    "sequence": "The sequence's len() was 0 for it (its __len__ counts the batches of an epoch)",
 }
+_GIVES = ", which must give an iterator of batches"
 _OPENING = {
-    "epoch_aware": "data.iter_epoch(epoch)",
-    "reiterable": "iter(data)",
-    "callable": "calling data()",
+    "epoch_aware": "data.iter_epoch(epoch)" + _GIVES,
+    "sequence": "the sequence's on_epoch_end() or on_epoch_begin()",
+    "reiterable": "iter(data)" + _GIVES,
+    "callable": "calling data()" + _GIVES,
 }
 _PLAIN_ITERATORS: tuple[type, ...] = (type(iter([])), type(iter(())))
 
@@ -288,9 +294,12 @@ def _converted(batch: Any, source: Source, iteration: int, convert: Any = None) 
 
 
 _MAP_STYLE = (
-    "; this one is indexed by example (a map-style dataset): wrap it in a loader that "
-    "batches it, e.g. torch.utils.data.DataLoader(data, batch_size=32), or stack its "
-    "examples into arrays for fl.data.arrays"
+    "; this one is indexed, but not iterable. If data[i] is one example (a map-style "
+    "dataset), wrap it in a loader that batches it, e.g. "
+    "torch.utils.data.DataLoader(data, batch_size=32), or stack its examples into arrays "
+    "for fl.data.arrays. If data[i] is a whole batch (a Keras-style sequence), subclass "
+    "keras.utils.PyDataset or give it an on_epoch_end method (it is then read batch by "
+    "batch), or pass lambda: (data[i] for i in range(len(data)))"
 )
 
 
