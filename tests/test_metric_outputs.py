@@ -3,6 +3,8 @@ with the fix, never averaged into a number that means something else."""
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -111,6 +113,19 @@ def test_a_metric_named_after_the_batchs_labels_is_not_read_from_them():
     state = {"y_pred": jnp.zeros((8, 3)), "accuracy": jnp.float32(0.0)}
     with pytest.raises(ValueError, match="reads 'y_true', which the step does not produce"):
         fl.loop(_custom_step).metric("y_true").run(fl.data.arrays(_X, _Y, 8), state)
+
+
+def test_a_named_tuple_step_states_field_is_not_read_and_the_refusal_says_why():
+    class Counts(NamedTuple):
+        n: Any
+        loss: Any
+
+    def step(batch, state):
+        return Counts(state.n + 1, state.loss + batch[0].sum())
+
+    start = Counts(np.int32(0), np.float32(0.0))
+    with pytest.raises(ValueError, match=r"type is Counts: a metric reads a dict's keys by na"):
+        fl.loop(step).metric("loss").run(fl.data.arrays(_X, _Y, 8), start)
 
 
 def test_a_step_returning_state_and_metrics_or_nothing_is_told_what_fl_loop_expects():

@@ -19,6 +19,18 @@ _INTERNAL = frozenset({"y_true", "y_pred", "step_state", "binary_labels", "means
 _BUILT_IN = tuple(METRICS.values())
 
 
+def _not_a_dict(inner: Any, source: str) -> str:
+    """Why a custom step state's own field was not read: metrics read dict keys only."""
+    if inner is None or isinstance(inner, dict):
+        return ""
+    if hasattr(inner, source):
+        return (
+            f" (this step state's type is {type(inner).__name__}: a metric reads a dict's "
+            f"keys by name, not an attribute such as its {source!r})"
+        )
+    return f" (this step state's type is {type(inner).__name__}, not a dict)"
+
+
 def metric_value(spec: MetricSpec, aux: dict[str, Any]) -> Any:
     """The value `spec` reads from one step's `aux` (traced, inside the step)."""
     inner = aux.get("step_state")
@@ -35,6 +47,7 @@ def metric_value(spec: MetricSpec, aux: dict[str, Any]) -> Any:
         raise ValueError(
             f"metric {spec.name!r} reads {spec.source!r}, which the step does not produce; "
             f"return a dict step state holding a scalar {spec.source!r}"
+            + _not_a_dict(inner, spec.source)
         )
     if spec.fn is None:  # MetricSpec holds a function or a source
         raise ValueError(f"metric {spec.name!r} has neither a function nor a source")
