@@ -84,6 +84,16 @@ def test_evaluator_and_custom_loop_do_not_recompile():
         assert compiled == []
 
 
+def test_a_first_auto_run_counts_the_chunk_program_its_probe_compiled():
+    # The probe times a chunk before the first epoch, compiling it then: the count once
+    # began after it, so a first fuse="auto" run reported 0 compiles.
+    loop, data = trainer(), DATA[:8]  # the probe's chunk holds 8: the epoch caps K there
+    first = loop.run(data, epochs=2, fuse="auto")
+    # One program where the size chosen is the probe's, else that one too.
+    assert first.stats["compiles"] == (1 if first.stats["chunk_size"] == 8 else 2)
+    assert loop.run(data, epochs=2, fuse="auto").stats["compiles"] == 0
+
+
 def test_compile_counter_sees_a_new_shape():
     """Control: the counter does count compiles (a new batch size is a new program)."""
     loop = counter_loop()

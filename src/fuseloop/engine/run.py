@@ -100,6 +100,7 @@ class Run:
         )
         self.epoch_loop: EpochLoop | None = None
         self.whole: WholeRun | None = None  # many epochs per dispatch (whole_run.py)
+        self.compiles_before = 0  # the trace count when the epochs' programs start (`_start`)
         self.state = State(max_epoch=self.epochs, max_iteration=iterations, stats=self.stats)
 
     # ----------------------------------------------------------------- the run
@@ -159,6 +160,9 @@ class Run:
         self.carry.start(step_state, made_here=signature is not None, spare_maker=spare_maker)
         if self.members is not None:
             self.state = self.members.start(self.state)
+        # The run's compiles count from here: the init is not a step program, but the
+        # `fuse="auto"` probe in `_feed` compiles the chunk program the epochs then run.
+        self.compiles_before = self.programs.traces
         return self._feed(step_state, first)
 
     def _final(self, state: State) -> State:
@@ -246,7 +250,6 @@ class Run:
 
     # ----------------------------------------------------------------- epochs
     def _epochs(self, signals: SignalGuard) -> State:
-        compiles_before = self.programs.traces
         status, state = self.handoff.fire(Event.STARTED, self.state)
         halted = status == HALT_LOOP
         epoch = self.start_epoch
@@ -262,7 +265,7 @@ class Run:
             # A signal after the next epoch opened reaches it at its first boundary.
             opened = self.epoch_loop is not None and self.epoch_loop.opened_for(epoch)
             halted = status == HALT_LOOP or (signals.requested and not opened)
-        self.stats["compiles"] = self.programs.traces - compiles_before
+        self.stats["compiles"] = self.programs.traces - self.compiles_before
         ended = "halted" if halted else "completed"
         state = state.replace(status=ended)
         _, state = self.handoff.fire(Event.HALTED if halted else Event.COMPLETED, state)
