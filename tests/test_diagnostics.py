@@ -212,6 +212,21 @@ def test_report_counts_an_epoch_fused_and_unfused() -> None:
     assert "dispatches/epoch   2 (unfused 8)" in text
 
 
+def test_a_resident_sources_one_transfer_is_not_charged_to_an_epoch() -> None:
+    # On a fresh source the fused run, run first, placed the dataset: its one transfer
+    # read as the fused epoch's, so a second report on the same source disagreed.
+    x = np.concatenate([b[0] for b in _batches(8)])
+    y = np.concatenate([b[1] for b in _batches(8)])
+    source = fl.data.arrays(x, y, batch_size=len(x) // 8, device=True)
+    loop = _loop()
+    first, again = (diagnostics.report(loop, source, fuse=4, reps=1) for _ in range(2))
+    for result in (first, again):
+        assert result.fused["h2d_transfers"] == result.unfused["h2d_transfers"] == 0
+        assert result.fused["dataset_bytes"] == x.nbytes + y.nbytes
+    assert str(first).splitlines()[2] == str(again).splitlines()[2]
+    assert "the resident dataset, " in str(first)
+
+
 def test_report_auto_shows_the_decision(fake_probe: FakeProbe) -> None:
     result = diagnostics.report(_loop(), _batches(), fuse="auto", reps=1)
     assert result.auto is not None and result.auto.chunk_size == result.chunk_size
