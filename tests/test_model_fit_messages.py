@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 
 import fuseloop as fl
+from conftest import make_batches
 
 SPARSE = "sparse_categorical_cross_entropy"
 BATCH, FEATURES, CLASSES = 4, 3, 3
@@ -374,6 +375,18 @@ def test_a_sigmoid_output_under_a_binary_metric_is_warned_about_by_trainer_and_e
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fl.trainer(fl.models.mlp([8, 1]), logit_loss, "sgd").metric("accuracy").run(data)
+
+
+def test_a_layers_output_is_logits_even_where_its_first_values_look_like_probabilities():
+    # A dense layer ends the model: its outputs are logits whatever their values. Its
+    # first outputs here (a zero kernel, a bias of 1/3) lie in (0, 1) and sum to 1 per
+    # row, which running the model to look at them once took for a softmax's.
+    model = nn.Dense(
+        3, kernel_init=nn.initializers.zeros, bias_init=nn.initializers.constant(1 / 3)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fl.trainer(model, "sparse_categorical_cross_entropy", "sgd").run(make_batches(2))
 
 
 def test_a_sigmoid_written_by_hand_is_warned_about_not_a_crash():

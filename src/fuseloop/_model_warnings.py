@@ -49,6 +49,8 @@ _PASSING = frozenset(
     {"reshape", "squeeze", "expand_dims", "convert_element_type", "copy", "copy_p"}
 )
 _CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")  # where a nested call keeps its jaxpr
+# What a dense or convolutional layer ends with: its output is unbounded (logits).
+_LAYERS = frozenset({"dot_general", "conv_general_dilated"})
 
 
 def warn_about_model(
@@ -86,9 +88,14 @@ def warn_about_model(
         _refuse_non_binary(classifying, labels, shape)
     verdicts[_CHECKED] = True
     if applies is not None:
-        if final == applies or _outputs_look_like(program.model, params, x, applies):
+        # A layer's output is logits: only another final operation needs the model run
+        # (eagerly, op by op, so costly on a large model) to see what it returns.
+        layer = final == "layer"
+        if final == applies or (
+            not layer and _outputs_look_like(program.model, params, x, applies)
+        ):
             _warn_loss(program.loss, applies)
-    elif final is not None and (len(shape) < 2 or shape[-1] == 1):
+    elif final in ("sigmoid", "softmax") and (len(shape) < 2 or shape[-1] == 1):
         _warn_metrics(classifying, final)  # one output per example, read as a binary logit
 
 
@@ -251,13 +258,17 @@ def _final_function(model: Any, params: Any, x: Any) -> tuple[str | None, tuple[
 
 
 def _made_by(jaxpr: Any, var: Any) -> str | None:
-    """The function ("sigmoid", "softmax") that made `var` in `jaxpr`, through operations
-    that only reshape or cast and into nested calls (jit, custom_jvp); None if neither."""
+    """The function ("sigmoid", "softmax") that made `var` in `jaxpr`, or "layer" for a
+    dense or convolutional layer's product (with or without its bias added), through
+    operations that only reshape or cast and into nested calls (jit, custom_jvp); None if
+    none of those."""
     producers = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
     while (eqn := _producer(producers, var)) is not None:
         name = eqn.primitive.name
         if name == "logistic":
             return "sigmoid"
+        if name in _LAYERS or (name == "add" and any(_layer(producers, v) for v in eqn.invars)):
+            return "layer"
         if name == "div" and _made_by_exp(producers, eqn.invars[0]):
             return "softmax"  # exp(x - max) / sum(exp(x - max)), as jax.nn.softmax writes it
         if name in _PASSING:
@@ -269,6 +280,14 @@ def _made_by(jaxpr: Any, var: Any) -> str | None:
         inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr, or a Jaxpr
         return _made_by(inner, inner.outvars[eqn.outvars.index(var)])
     return None
+
+
+def _layer(producers: dict[Any, Any], var: Any) -> bool:
+    """Whether a layer's product made `var` (through reshapes and casts): a bias add's
+    operand."""
+    while (eqn := _producer(producers, var)) is not None and eqn.primitive.name in _PASSING:
+        var = eqn.invars[0]
+    return eqn is not None and eqn.primitive.name in _LAYERS
 
 
 def _made_by_exp(producers: dict[Any, Any], var: Any) -> bool:
