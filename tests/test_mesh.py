@@ -86,6 +86,13 @@ SCRIPT = textwrap.dedent(
         out["short-last"] = "no error"
     except ValueError as error:
         out["short-last"] = str(error)
+    # The same from the host, unfused: refused before a step too, not at the last batch.
+    try:
+        loop.run(fl.data.arrays(x[:42], y[:42], 8, drop_remainder=False), mesh=mesh)
+        out["short-last-host"] = "no error"
+    except ValueError as error:
+        counts = error.fuseloop_state.event_counts["iteration_completed"]
+        out["short-last-host"] = [str(error), counts.get("total", 0)]
 
     # Inside the compiled step, the batch is split over the "data" axis.
     seen = []
@@ -168,6 +175,10 @@ def test_a_short_last_batch_that_does_not_divide_is_named_as_the_short_batch(fin
     message = findings["short-last"]
     assert "short last batch (drop_remainder=False) holds 2 examples" in message, message
     assert "batch size 2" not in message  # the user's batch size is 8
+    # Host-fed, the run trained the whole epoch, then advised the batch size it had.
+    message, steps = findings["short-last-host"]
+    assert "short last batch (drop_remainder=False) holds 2 examples" in message, message
+    assert steps == 0
 
 
 def test_mesh_without_a_data_axis_is_rejected(findings):

@@ -222,7 +222,9 @@ class Placement:
                 raise ValueError(
                     f"mesh: {where} has batch size {shape[axis]}, which does not divide over "
                     f"the {self.n_shards} devices of the mesh's 'data' axis; use a batch size "
-                    f"that is a multiple of {self.n_shards}"
+                    f"that is a multiple of {self.n_shards} (for a short last batch: one "
+                    f"that leaves a multiple of {self.n_shards} last, or drop it, e.g. "
+                    f"drop_remainder=True)"
                 )
 
     def put_batch(self, batch: Any, iteration: int) -> Any:

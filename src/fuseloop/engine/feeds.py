@@ -89,6 +89,7 @@ class HostFeed:
         length = self.source.epoch_length
         if length is not None:  # the epoch's last step is known to be its last
             bound = length if bound is None else min(bound, length)
+            self._check_short_batch(bound == length)
         self.epoch, self.iterator, self.bound = epoch, iterator, bound
         if iterator is not self.pending_from:
             # The run's first epoch ended before its first step (a halt at epoch_started):
@@ -104,6 +105,17 @@ class HostFeed:
         # already holds `prefetch` chunks (and counts the last one handed out), one more
         # taken from it would pull past that bound.
         self.depth = 0 if not self.ahead else 1 if threaded else max(1, self.prefetch)
+
+    def _check_short_batch(self, reaches_end: bool) -> None:
+        """Over a mesh, an `fl.data.arrays` source's short last batch must divide over the
+        "data" axis: refused before the epoch's first step (as a resident source's is),
+        not after training up to it."""
+        data = self.source.data
+        n, size = getattr(data, "n", None), getattr(data, "batch_size", None)
+        if not (reaches_end and isinstance(n, int) and isinstance(size, int) and size > 0):
+            return
+        if n % size and not getattr(data, "drop_remainder", True):
+            self.placement.chunk_sharding(n % size, short=True)
 
     def end(self, wait: bool = True) -> None:
         """Ends the epoch's pulling ahead; `wait=False` (an abort) leaves a pull under way
