@@ -193,6 +193,27 @@ def test_a_keras_style_sequence_is_read_by_batch_with_its_epoch_hooks(fuse):
     assert_runs_identical(state, reference)
 
 
+def test_a_sequence_epoch_ends_when_cut_short_and_across_runs():
+    x, y = _xy(24)
+    sequence = _KerasStyle(x, y, batch_size=8)
+    loop = trainer()
+    loop.run(sequence, epochs=2, iterations=2)  # epochs of 2 of its 3 batches
+    assert sequence.calls == ["get 0", "get 1", "end", "get 0", "get 1"]
+    loop.run(sequence, epochs=1)  # a later run ends the last epoch first, as a new fit
+    assert sequence.calls[5:] == ["end", "get 0", "get 1", "get 2"]
+
+
+def test_a_keras_3_sequence_may_count_its_batches_with_num_batches():
+    x, y = _xy(16)
+
+    class Counted(_KerasStyle):
+        __len__ = None  # type: ignore[assignment]  # Keras 3: num_batches instead
+        num_batches = 2
+
+    state = trainer().run(Counted(x, y, batch_size=8), epochs=2)
+    assert state.event_counts["iteration_completed"]["total"] == 4
+
+
 # --------------------------------------------------------------- Python containers
 def _xy(n: int = 40) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)

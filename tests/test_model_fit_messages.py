@@ -389,6 +389,20 @@ def test_a_layers_output_is_logits_even_where_its_first_values_look_like_probabi
         fl.trainer(model, "sparse_categorical_cross_entropy", "sgd").run(make_batches(2))
 
 
+class _MixesProbabilities(nn.Module):
+    """Ends in a layer over probabilities: softmax(h) @ T (a noise-transition layer)."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.softmax(nn.Dense(3)(x)) @ jnp.full((3, 3), 1 / 3)
+
+
+def test_a_layer_over_probabilities_is_still_looked_at_and_warned_about():
+    trainer = fl.trainer(_MixesProbabilities(), "sparse_categorical_cross_entropy", "sgd")
+    with pytest.warns(UserWarning, match=r"outputs look like probabilities"):
+        trainer.run(make_batches(2))
+
+
 def test_a_sigmoid_written_by_hand_is_warned_about_not_a_crash():
     """`1 / (1 + exp(-h))`: the check that reads the model's last operation met the
     constant 1 (a jaxpr Literal, unhashable) and the run stopped with "unhashable type";

@@ -1,20 +1,21 @@
 """Keras-style sequences indexed by batch (`keras.utils.PyDataset`, `keras.utils.Sequence`).
 
-Such an object has `__len__` (batches per epoch) and `__getitem__(i)` (batch `i`), and may
-have `on_epoch_begin()` / `on_epoch_end()`, which Keras calls around each epoch (a common
-`on_epoch_end` reshuffles). A map-style dataset (torch's `Dataset`) has the same two
-methods but indexes examples, so the shape alone cannot tell them apart: a sequence is one
-whose class comes from Keras or that has one of those epoch hooks (docs/data.md).
+Such an object has `__len__` (batches per epoch; Keras 3's `PyDataset` may give
+`num_batches` instead) and `__getitem__(i)` (batch `i`), and `on_epoch_begin()` /
+`on_epoch_end()`, which Keras calls around each epoch (a common `on_epoch_end` reshuffles;
+Keras's base classes define both). A map-style dataset (torch's `Dataset`) has the first
+two but indexes examples, so they alone cannot tell the two apart: a sequence is one with
+one of those epoch hooks (docs/data.md).
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["BatchSequence", "is_batch_sequence"]
-
-_KERAS_BASES = ("PyDataset", "Sequence")
 
 
 def is_batch_sequence(data: Any) -> bool:
@@ -28,50 +29,67 @@ def is_batch_sequence(data: Any) -> bool:
         >>> is_batch_sequence(Batches()), is_batch_sequence([1, 2])
         (True, False)
     """
-    if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+    sized = hasattr(data, "__len__") or hasattr(data, "num_batches")  # Keras 3: either
+    if not (hasattr(data, "__getitem__") and sized):
         return False
     if hasattr(data, "iter_epoch") or isinstance(data, (list, tuple, str, bytes, dict)):
         return False
-    hooks = any(callable(getattr(data, name, None)) for name in ("on_epoch_begin", "on_epoch_end"))
-    return hooks or any(
-        base.__name__ in _KERAS_BASES and base.__module__.startswith(("keras", "tensorflow"))
-        for base in type(data).__mro__
-    )
+    return any(callable(getattr(data, name, None)) for name in ("on_epoch_begin", "on_epoch_end"))
+
+
+# Sequences an epoch was opened over and not yet ended (`on_epoch_end` not yet run), across
+# runs: a later run's first epoch ends the last one first, as a second Keras `fit` would
+# find the sequence reshuffled.
+_OPEN: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 class BatchSequence:
-    """An epoch-aware source over a Keras-style sequence: epoch `e` hands out `data[0]` to
-    `data[len(data) - 1]`. `on_epoch_begin()` runs before an epoch's first batch is read;
-    `on_epoch_end()` runs once an epoch has handed out every batch, before the next epoch's
-    first is read (so a reshuffle there cannot change a batch already handed out; after a
-    run's last epoch it does not run).
+    """An epoch-aware source over a Keras-style sequence of batches.
+
+    Epoch `e` hands out `data[0]` to `data[n - 1]` (`n`: its `num_batches` where that is an
+    int, else `len(data)`; a `num_batches` of None reads until `iterations=` ends the
+    epoch). `on_epoch_begin()` runs before an epoch's first batch is read; `on_epoch_end()`
+    runs for every epoch opened, when the next one opens (in this run or a later one over
+    the same sequence), so a reshuffle there cannot change a batch already handed out.
     """
 
     def __init__(self, data: Any):
         self.data = data
-        self._finished = False  # the last pass handed out every batch
+        self._ended_here = False  # for a sequence a WeakSet cannot hold: this run's own
 
     @property
-    def num_batches(self) -> int:
-        return len(self.data)
+    def num_batches(self) -> int | None:
+        """Batches per epoch, None where the sequence does not say (an endless one)."""
+        count = getattr(self.data, "num_batches", None)
+        if isinstance(count, int):
+            return count
+        return len(self.data) if hasattr(self.data, "__len__") and count is None else None
 
     def iter_epoch(self, epoch: int) -> Iterator[Any]:
         """The batches of `epoch` (the sequence's own order; `epoch` is not used)."""
-        if self._finished:
-            self._finished = False
+        if self._opened():
             _call(self.data, "on_epoch_end")
         _call(self.data, "on_epoch_begin")
-        return self._batches()
+        self._mark_open()
+        count = self.num_batches
+        indices = range(count) if count is not None else itertools.count()
+        return (self.data[i] for i in indices)
 
-    def _batches(self) -> Iterator[Any]:
-        count = len(self.data)
-        for i in range(count):
-            if i == count - 1:
-                self._finished = True  # handed out below: the epoch is complete
-            yield self.data[i]
+    def _opened(self) -> bool:
+        try:
+            return self.data in _OPEN
+        except TypeError:
+            return self._ended_here
+
+    def _mark_open(self) -> None:
+        try:
+            _OPEN.add(self.data)
+        except TypeError:
+            self._ended_here = True
 
 
 def _call(data: Any, hook: str) -> None:
+    """Runs the sequence's `hook` method, where it has one."""
     method = getattr(data, hook, None)
     if callable(method):
         method()

@@ -201,19 +201,19 @@ class Source:
     def _detached(self, batch: Any) -> Any:
         return _converted(batch, self, self.epoch_pulled, _detached)
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
         """Closes every iterator the run opened and did not exhaust (a generator's
-        `finally` runs)."""
+        `finally` runs). On an abort (`abort`), one a prefetch thread may still be pulling
+        from is left open, to be closed once collected: closing it under that thread
+        would fail or block."""
         for iterator in self._open:
             close = getattr(iterator, "close", None)
-            if close is None:
+            if close is None or (abort and getattr(iterator, "gi_running", True)):
                 continue
             try:
                 close()
-            except ValueError:
-                # A generator a prefetch thread is still pulling from (an abort did not
-                # wait for it) cannot be closed here; it is closed once collected.
-                if not getattr(iterator, "gi_running", False):
+            except ValueError:  # the thread entered it after all (an abort only)
+                if not abort:
                     raise
         self._open.clear()
 

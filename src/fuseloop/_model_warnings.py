@@ -6,7 +6,8 @@ anything runs (once per Loop: its program cache keeps the verdict).
   model ends) under a built-in cross-entropy, which takes logits as optax's losses do: it
   would apply the sigmoid or softmax a second time. Found by the function that makes the
   output in the model's traced forward pass, or by its values on the first batch (an
-  eager forward pass in evaluation mode).
+  eager forward pass in evaluation mode), which is skipped where a dense or convolutional
+  layer makes the output and nothing in the model squashes values (its output is logits).
 * A model ending in a sigmoid under "accuracy", "precision" or "recall" reading its one
   output per example as a binary logit: thresholded at 0, every probability counts as
   positive. Found by the traced forward pass alone: an output in (0, 1) is no evidence of
@@ -51,6 +52,7 @@ _PASSING = frozenset(
 _CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")  # where a nested call keeps its jaxpr
 # What a dense or convolutional layer ends with: its output is unbounded (logits).
 _LAYERS = frozenset({"dot_general", "conv_general_dilated"})
+_SQUASHING = frozenset({"exp", "logistic", "tanh", "erf", "erfc"})
 
 
 def warn_about_model(
@@ -243,8 +245,10 @@ def _warn_metrics(names: Sequence[str], final: str) -> None:
 
 def _final_function(model: Any, params: Any, x: Any) -> tuple[str | None, tuple[int, ...]]:
     """ "sigmoid" or "softmax" where the model's traced forward pass (evaluation mode) makes
-    its output with that function, else None (also for several outputs, or a model that
-    fails: the run's own checks report that); and the output's shape."""
+    its output with that function, "layer" where a dense or convolutional layer makes it in
+    a model with no squashing operation (its output is logits), else None (also for several
+    outputs, or a model that fails: the run's own checks report that); and the output's
+    shape."""
     try:
         closed = jax.make_jaxpr(lambda p, v: model.forward(p, v, train=False, rng=None)[0])(
             params, x
@@ -254,7 +258,27 @@ def _final_function(model: Any, params: Any, x: Any) -> tuple[str | None, tuple[
     if len(closed.jaxpr.outvars) != 1:
         return None, ()
     output = closed.jaxpr.outvars[0]
-    return _made_by(closed.jaxpr, output), tuple(getattr(output.aval, "shape", ()))
+    final = _made_by(closed.jaxpr, output)
+    if final == "layer" and _squashes(closed.jaxpr):
+        # A layer may mix probabilities (softmax(h) @ T, a gated mixture): its outputs are
+        # logits for certain only where nothing in the model squashes values into a range.
+        final = None
+    return final, tuple(getattr(output.aval, "shape", ()))
+
+
+def _squashes(jaxpr: Any) -> bool:
+    """Whether `jaxpr` (or a call, loop or branch inside it) holds an operation that can
+    make probabilities (exp, logistic, tanh, erf)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _SQUASHING:
+            return True
+        for value in eqn.params.values():
+            inner = value if isinstance(value, (tuple, list)) else (value,)
+            for item in inner:
+                item = getattr(item, "jaxpr", item)
+                if hasattr(item, "eqns") and _squashes(item):
+                    return True
+    return False
 
 
 def _made_by(jaxpr: Any, var: Any) -> str | None:

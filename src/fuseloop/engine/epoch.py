@@ -207,8 +207,8 @@ class EpochLoop:
                 self.stashed = (speculative.end, *self._prepare(speculative.end))
         try:
             status, state, last = self._replay.chunk(state, current)
-        except BaseException:
-            self._undo(rollback, opened_ahead)
+        except BaseException as error:
+            self._undo(rollback, opened_ahead, wait=not isinstance(error, KeyboardInterrupt))
             raise
         self.latest, self.latest_iteration = state, last
         if status != CONTINUE or self.signals.requested:
@@ -250,8 +250,8 @@ class EpochLoop:
             rollback, opened_ahead = self._open_ahead(), True
         try:
             status, state, last = self._replay.settle(state, last, self.carry.ending_tail())
-        except BaseException:
-            self._undo(rollback, opened_ahead)
+        except BaseException as error:
+            self._undo(rollback, opened_ahead, wait=not isinstance(error, KeyboardInterrupt))
             raise
         if status != CONTINUE:
             self._undo(rollback, opened_ahead)
@@ -267,15 +267,16 @@ class EpochLoop:
         self.open_next(epoch, iterator, bound)
         return rollback if self.opened is not None and _launched(self.opened) else None
 
-    def _undo(self, rollback: Any, opened_ahead: bool) -> None:
+    def _undo(self, rollback: Any, opened_ahead: bool, wait: bool = True) -> None:
         """Undoes what was launched ahead of a replay that halted or raised: the carry
         goes back to `rollback` (None: nothing was launched); a chunk of this epoch gives
-        its place back to the feed, an epoch opened ahead is closed (the run is ending).
+        its place back to the feed, an epoch opened ahead is closed (the run is ending;
+        `wait=False`, an abort, does not wait for its source's pull under way).
         """
         if rollback is not None:
             self.carry.restore(rollback)
         if opened_ahead:
-            self.close()
+            self.close(wait)
         elif rollback is not None:
             self.feed.unlaunch()
 

@@ -78,6 +78,7 @@ class HostFeed:
         self.ahead, self.depth = False, 0
         self.failed: Exception | None = None  # the source's error, raised by the next pull
         self._producer: ChunkProducer | None = None
+        self.abandoned = False  # an abort left the producer thread: it stops pulling
 
     # ----------------------------------------------------------------- epoch
     def begin(
@@ -121,6 +122,7 @@ class HostFeed:
         """Ends the epoch's pulling ahead; `wait=False` (an abort) leaves a pull under way
         to finish on its own."""
         if self._producer is not None:
+            self.abandoned = not wait
             self._producer.stop(wait)
             self._producer = None
 
@@ -139,15 +141,21 @@ class HostFeed:
         before the error make a short chunk that is stepped, and the error is raised by
         the next pull: where the unfused loop meets it, after stepping those batches."""
         if self.failed is not None:
-            error, self.failed = self.failed, None
-            raise error
+            failed, self.failed = self.failed, None
+            raise failed
         batches, self.pending = self.pending[:count], self.pending[count:]
-        if len(batches) < count:
-            more, error = self.source.pull_until_error(self.iterator, count - len(batches))
+        error: Exception | None = None
+        # A producer thread pulls one batch at a time, so an abort stops it between them.
+        each = 1 if self._producer is not None else count
+        while len(batches) < count and error is None and not self.abandoned:
+            wanted = min(each, count - len(batches))
+            more, error = self.source.pull_until_error(self.iterator, wanted)
             batches += more
-            if error is not None and not batches:
-                raise error
-            self.failed = error
+            if len(more) < wanted:  # ran out (or failed)
+                break
+        if error is not None and not batches:
+            raise error
+        self.failed = error
         return batches
 
     def _prepare(self, first: int) -> Prepared | None:
@@ -157,7 +165,7 @@ class HostFeed:
         if requested <= 0:
             return None
         batches = self._pull(requested)
-        if not batches:
+        if not batches or self.abandoned:  # an abort: nothing more is stacked or moved
             return None
         n = len(batches)
         ran_out = n < requested and self.failed is None  # not a chunk cut short by an error

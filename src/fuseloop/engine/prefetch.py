@@ -90,7 +90,7 @@ class ChunkProducer:
     def stop(self, wait: bool = True) -> None:
         """Stops the thread (batches it pulled ahead are dropped) and waits for it; an
         abort (`wait=False`) does not wait for a pull under way, which may block: the
-        thread ends once that pull returns."""
+        thread ends once that pull returns (the feed then pulls nothing more)."""
         self._stop.set()
         while True:
             try:

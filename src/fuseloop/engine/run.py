@@ -127,7 +127,7 @@ class Run:
         finally:
             if self.epoch_loop is not None:
                 self.epoch_loop.close(wait=not aborted)
-            self.source.close()
+            self.source.close(abort=aborted)
             self.bus.close()
             settle = getattr(self.loop.program.model, "settle", None)
             if settle is not None:  # a plain model object, as this run left it
