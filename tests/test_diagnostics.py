@@ -227,6 +227,23 @@ def test_a_resident_sources_one_transfer_is_not_charged_to_an_epoch() -> None:
     assert "the resident dataset, " in str(first)
 
 
+def test_report_takes_a_keras_style_sequence_as_run_does() -> None:
+    data = _batches(8)
+
+    class Batches:  # keras.utils.PyDataset's shape: batches by index, an epoch hook
+        def __len__(self) -> int:
+            return len(data)
+
+        def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+            return data[i]
+
+        def on_epoch_end(self) -> None:
+            pass
+
+    result = diagnostics.report(_loop(), Batches(), fuse=4, reps=1)
+    assert result.iterations == 8 and result.fused["dispatches"] == 2
+
+
 def test_report_auto_shows_the_decision(fake_probe: FakeProbe) -> None:
     result = diagnostics.report(_loop(), _batches(), fuse="auto", reps=1)
     assert result.auto is not None and result.auto.chunk_size == result.chunk_size

@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._batch_sequence import is_batch_sequence
 from ._hlo import count_fusions
 from ._loop import Loop
 from ._state import State
@@ -283,7 +284,7 @@ def report(
     first_fused, first_unfused = run(fuse), run(False)
     n_iter = max(first_unfused.stats["dispatches"], 1)  # one dispatch per step unfused
     seconds = _interleaved_epochs(run, fuse, reps)
-    batch = next(iter(data() if callable(data) else data))
+    batch = data[0] if is_batch_sequence(data) else next(iter(data() if callable(data) else data))
     k = int(first_fused.stats["chunk_size"])
     fused, unfused = _epoch_counters(first_fused, first_unfused, data, batch, k)
     fused["us_per_iteration"] = statistics.median(seconds["fused"]) / n_iter * 1e6
@@ -305,7 +306,7 @@ def _check_report_arguments(loop: Any, data: Any, fuse: Any, reps: Any) -> None:
             "fuse=False: report compares a fused run with the unfused one; pass "
             "fuse=<chunk size>, True or 'auto'"
         )
-    if callable(data):
+    if callable(data) or is_batch_sequence(data):
         return  # a fresh iterator per epoch, as `run` takes it
     if not hasattr(data, "__iter__") or iter(data) is data:
         what = "a one-shot iterator" if hasattr(data, "__iter__") else type(data).__name__
