@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections.abc
 import itertools
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -150,11 +150,12 @@ class Source:
         return batches
 
     def pull_until_error(
-        self, iterator: Iterator[Any], count: int
+        self, iterator: Iterator[Any], count: int, stop: Callable[[], bool] | None = None
     ) -> tuple[list[Any], Exception | None]:
         """As `pull`, but an error the source raises comes back beside the batches pulled
         before it, which the caller steps before raising it (a run pulls exactly what it
-        steps, even when the source fails part-way through a chunk)."""
+        steps, even when the source fails part-way through a chunk). `stop()` true before
+        a batch is pulled ends the pull there (an aborted run's prefetch thread)."""
         error = None
         plain = type(iterator) in _PLAIN_ITERATORS
         if plain:
@@ -164,7 +165,7 @@ class Source:
             self.pulled += len(batches)
             self.epoch_pulled += len(batches)
         else:
-            batches, error = self._pull_each(iterator, count)
+            batches, error = self._pull_each(iterator, count, stop)
         if batches and self._convert is None:
             self._convert = not _arrays_only(batches[0])
         if not (self._convert or plain):
@@ -175,7 +176,9 @@ class Source:
             b if _arrays_only(b) else _converted(b, self, first + k) for k, b in enumerate(batches)
         ], error
 
-    def _pull_each(self, iterator: Iterator[Any], count: int) -> tuple[list[Any], Exception | None]:
+    def _pull_each(
+        self, iterator: Iterator[Any], count: int, stop: Callable[[], bool] | None
+    ) -> tuple[list[Any], Exception | None]:
         # A loader may refill one buffer for every batch it yields, while the loop holds
         # several batches at once (a chunk, prefetch) or hands one to an asynchronous
         # transfer that may read it later: each batch is copied before the next is asked
@@ -183,6 +186,8 @@ class Source:
         detach = not self.in_memory
         batches: list[Any] = []
         for _ in range(count):
+            if stop is not None and stop():
+                break
             try:
                 batch = next(iterator)
             except StopIteration:

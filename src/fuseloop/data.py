@@ -147,6 +147,8 @@ class ArraySource:
                 f"or drop_remainder=False"
             )
         self.num_batches = full if self.drop_remainder else full + (remainder > 0)
+        # The examples of the short last batch each epoch ends with (0: none, or dropped).
+        self.short_batch = 0 if self.drop_remainder else remainder
         self.transfers_done = 0
         # ((sharding, 64-bit mode), arrays): float64 data is float32 on the device while
         # jax_enable_x64 is off, so switching it on moves the dataset again.
@@ -251,8 +253,8 @@ class ArraySource:
             >>> [y.tolist() for _, y in s.iter_epoch(5)]
             [[0, 1, 2], [3, 4, 5]]
         """
-        if not self.drop_remainder and self.n % self.batch_size:
-            refuse_short_batch(self.n % self.batch_size, self.batch_size)
+        if self.short_batch:
+            refuse_short_batch(self.short_batch, self.batch_size)
         order = self.order(epoch)
         for b in range(self.num_batches):
             index = order[b * self.batch_size : (b + 1) * self.batch_size]

@@ -52,7 +52,7 @@ class Validation:
     @property
     def short(self) -> int:
         """The rows of the short last batch the evaluator runs (0: none, or dropped)."""
-        return 0 if self.source.drop_remainder else self.source.n % self.source.batch_size
+        return self.source.short_batch
 
 
 @dataclass(frozen=True)

@@ -111,12 +111,9 @@ class HostFeed:
         """Over a mesh, an `fl.data.arrays` source's short last batch must divide over the
         "data" axis: refused before the epoch's first step (as a resident source's is),
         not after training up to it."""
-        data = self.source.data
-        n, size = getattr(data, "n", None), getattr(data, "batch_size", None)
-        if not (reaches_end and isinstance(n, int) and isinstance(size, int) and size > 0):
-            return
-        if n % size and not getattr(data, "drop_remainder", True):
-            self.placement.chunk_sharding(n % size, short=True)
+        short = getattr(self.source.data, "short_batch", 0)
+        if reaches_end and short:
+            self.placement.chunk_sharding(short, short=True)
 
     def end(self, wait: bool = True) -> None:
         """Ends the epoch's pulling ahead; `wait=False` (an abort) leaves a pull under way
@@ -141,21 +138,18 @@ class HostFeed:
         before the error make a short chunk that is stepped, and the error is raised by
         the next pull: where the unfused loop meets it, after stepping those batches."""
         if self.failed is not None:
-            failed, self.failed = self.failed, None
-            raise failed
-        batches, self.pending = self.pending[:count], self.pending[count:]
-        error: Exception | None = None
-        # A producer thread pulls one batch at a time, so an abort stops it between them.
-        each = 1 if self._producer is not None else count
-        while len(batches) < count and error is None and not self.abandoned:
-            wanted = min(each, count - len(batches))
-            more, error = self.source.pull_until_error(self.iterator, wanted)
-            batches += more
-            if len(more) < wanted:  # ran out (or failed)
-                break
-        if error is not None and not batches:
+            error, self.failed = self.failed, None
             raise error
-        self.failed = error
+        batches, self.pending = self.pending[:count], self.pending[count:]
+        if len(batches) < count:
+            # An abort stops a producer thread's pull between batches (`abandoned`).
+            more, error = self.source.pull_until_error(
+                self.iterator, count - len(batches), stop=lambda: self.abandoned
+            )
+            batches += more
+            if error is not None and not batches:
+                raise error
+            self.failed = error
         return batches
 
     def _prepare(self, first: int) -> Prepared | None:
@@ -247,7 +241,7 @@ class ResidentFeed:
         # the program fetches rows held by other devices (XLA adds the collectives).
         self.sharding = placement.chunk_sharding(source.batch_size)
         self.whole = source.n // source.batch_size
-        self.short = None if self.whole == source.num_batches else source.n % source.batch_size
+        self.short = source.short_batch or None
         self.short_sharding = (
             placement.chunk_sharding(self.short, short=True) if self.short is not None else None
         )

@@ -121,8 +121,8 @@ def _refuse_short_batches(data: Any, fuse: Any) -> None:
         "fl.data.arrays(..., drop_remainder=False, device=True) (a device-resident source "
         "runs its short last batch as a step of its own), or batches of one size"
     )
-    if hasattr(data, "drop_remainder") and not getattr(data, "resident", False):
-        short = 0 if data.drop_remainder else data.n % data.batch_size
+    if hasattr(data, "short_batch") and not getattr(data, "resident", False):
+        short = data.short_batch
         if short and data.n > data.batch_size:  # one short batch alone has one shape
             raise FusionError(
                 f"validate(fuse={fuse!r}): the validation data's last batch holds {short} "
