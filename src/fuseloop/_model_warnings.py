@@ -92,9 +92,8 @@ def warn_about_model(
     if applies is not None:
         # A layer's output is logits: only another final operation needs the model run
         # (eagerly, op by op, so costly on a large model) to see what it returns.
-        layer = final == "layer"
         if final == applies or (
-            not layer and _outputs_look_like(program.model, params, x, applies)
+            final != "layer" and _outputs_look_like(program.model, params, x, applies)
         ):
             _warn_loss(program.loss, applies)
     elif final in ("sigmoid", "softmax") and (len(shape) < 2 or shape[-1] == 1):
