@@ -32,6 +32,20 @@ def test_a_fused_dtype_mismatch_says_to_cast_the_leaf():
         trainer().run(data, fuse=4)
 
 
+@pytest.mark.parametrize("fuse", [2, "run"])
+def test_a_fused_run_over_arrays_with_a_short_last_batch_is_refused_before_it_steps(fuse):
+    x = np.concatenate([b[0] for b in make_batches(3)])[:10]  # batches of 4, 4 and 2
+    y = np.concatenate([b[1] for b in make_batches(3)])[:10]
+    data = fl.data.arrays(x, y, batch_size=4, drop_remainder=False)
+    steps: list[int] = []
+    loop = trainer().observe("iteration_completed", lambda s: steps.append(s.iteration))
+    with pytest.raises(fl.FusionError, match=r"last batch holds 2 of the 10 .*drop_remainder"):
+        loop.run(data, fuse=fuse)
+    assert steps == []  # refused up front, not after training the full batches
+    assert loop.run(data, fuse=2, iterations=2).iteration == 1  # the short batch is not reached
+    assert loop.run(data, fuse=False).iteration == 2
+
+
 def _runs_dry_after_one_epoch() -> object:
     calls = {"n": 0}
     batches = make_batches(3)

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._epoch_order import prng_config
-from .._fusion import FusionError, chunk_slots, stack_chunk
+from .._fusion import FusionError, chunk_slots, short_batch_error, stack_chunk
 from .._placement import device_int
 from .prefetch import ChunkProducer
 from .programs import MIN_SLOTS, keep_recent, kept_order
@@ -108,12 +108,16 @@ class HostFeed:
         self.depth = 0 if not self.ahead else 1 if threaded else max(1, self.prefetch)
 
     def _check_short_batch(self, reaches_end: bool) -> None:
-        """Over a mesh, an `fl.data.arrays` source's short last batch must divide over the
-        "data" axis: refused before the epoch's first step (as a resident source's is),
-        not after training up to it."""
-        short = getattr(self.source.data, "short_batch", 0)
-        if reaches_end and short:
-            self.placement.chunk_sharding(short, short=True)
+        """An `fl.data.arrays` source's short last batch, which a fused chunk cannot stack
+        with full ones and, over a mesh, must divide over the "data" axis: refused before
+        the epoch's first step (as a resident source's is), not after training up to it."""
+        data = self.source.data
+        short = getattr(data, "short_batch", 0)
+        if not (reaches_end and short):
+            return
+        if not self.live and data.n > data.batch_size:
+            raise short_batch_error(data.n, data.batch_size, short)
+        self.placement.chunk_sharding(short, short=True)
 
     def end(self, wait: bool = True) -> None:
         """Ends the epoch's pulling ahead; `wait=False` (an abort) leaves a pull under way
