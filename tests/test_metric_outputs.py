@@ -61,6 +61,9 @@ def test_multi_hot_labels_past_the_first_batch_are_refused_whatever_the_shuffle(
     loop = fl.trainer(fl.models.mlp([3]), own_loss, "sgd").metric("accuracy")
     with pytest.raises(ValueError, match=r"a row of y sums to 3"):
         loop.run(fl.data.arrays(_X, labels, batch_size=8, seed=seed))
+    batches = [(_X[i : i + 8], labels[i : i + 8]) for i in range(0, 40, 8)]
+    with pytest.raises(ValueError, match=r"a row of y sums to 3"):
+        loop.run(batches[seed:] + batches[:seed])  # a list of batches: read whole too
 
 
 def test_class_metrics_of_a_one_output_model_refuse_targets_outside_0_and_1():

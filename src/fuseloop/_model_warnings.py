@@ -16,9 +16,11 @@ anything runs (once per Loop: its program cache keeps the verdict).
 * Hyperparameters that `optax.inject_hyperparams` holds in the params' bfloat16 or
   float16, where adam's b2=0.999 reads 1.0.
 
-One finding is an error, not a warning: labels shaped like the model's output whose first
-batch's rows do not sum to 1 (multi-hot) under those class metrics without a binary
-cross-entropy, which would score each row's argmax (`_refuse_multi_hot`).
+One finding is an error, not a warning: labels shaped like the model's output whose rows
+do not sum to 1 (multi-hot) under those class metrics without a binary cross-entropy,
+which would score each row's argmax (`_refuse_multi_hot`). The labels read are all of an
+in-memory dataset's (`fl.data.arrays`, a list of batches: `labels_of`), else the first
+batch's.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from ._optim import inject_states
 from ._step import split_batch, warn_sown_losses
 from ._warn import warn
 
-__all__ = ["warn_about_model"]
+__all__ = ["labels_of", "warn_about_model"]
 
 # The built-in losses that take logits, and the function each applies to them.
 _APPLIES = {
@@ -98,6 +100,21 @@ def warn_about_model(
             _warn_loss(program.loss, applies)
     elif final in ("sigmoid", "softmax") and (len(shape) < 2 or shape[-1] == 1):
         _warn_metrics(classifying, final)  # one output per example, read as a binary logit
+
+
+def labels_of(data: Any) -> Any:
+    """A callable returning all the labels of in-memory `data` (`fl.data.arrays`, or a list
+    or tuple of `(x, y)` batches whose labels are arrays alike but for their length), for
+    the refusals to read instead of the first batch's; None otherwise."""
+    if hasattr(data, "host_labels"):
+        return data.host_labels
+    if not isinstance(data, (list, tuple)) or len(data) < 2:
+        return None
+    labels = [batch[1] for batch in data if isinstance(batch, (tuple, list)) and len(batch) == 2]
+    readable = [y for y in map(_readable, labels) if y is not None and y.ndim > 0]
+    if len(readable) < len(data) or len({y.shape[1:] for y in readable}) != 1:
+        return None  # (one unlike the first batch is refused by the batch checks)
+    return lambda: np.concatenate(readable)
 
 
 def _readable(y: Any) -> np.ndarray | None:

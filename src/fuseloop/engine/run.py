@@ -16,7 +16,7 @@ from .._checks import Checker
 from .._data import as_source
 from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, Event
 from .._fusion import resolve_fuse
-from .._model_warnings import warn_about_model
+from .._model_warnings import labels_of, warn_about_model
 from .._placement import Placement
 from .._state import State, attach_to_error, new_stats
 from .._warn import warn
@@ -149,7 +149,7 @@ class Run:
         )
         member = step_state if self.members is None else first_member(step_state)
         verdicts = self.programs.cache.verdicts
-        labels = getattr(self.source.data, "host_labels", None)  # fl.data.arrays: all of them
+        labels = labels_of(self.source.data)  # an in-memory dataset's: all of them
         warn_about_model(self.loop.program, member, first, verdicts, self.loop.metrics, labels)
         if self.members is None:
             self.checker.variables(step_state, signature, defer=self.jit)
