@@ -87,7 +87,8 @@ def warn_about_model(
     x, y = split_batch(first_batch)
     final, shape = _final_function(program.model, params, x)
     if classifying and program.loss_name != "binary_cross_entropy":
-        labels = all_labels() if all_labels is not None else y
+        labels = all_labels() if all_labels is not None else None
+        labels = y if labels is None else labels
         _refuse_multi_hot(classifying, labels, shape)
         _refuse_non_binary(classifying, labels, shape)
     verdicts[_CHECKED] = True
@@ -104,17 +105,21 @@ def warn_about_model(
 
 def labels_of(data: Any) -> Any:
     """A callable returning all the labels of in-memory `data` (`fl.data.arrays`, or a list
-    or tuple of `(x, y)` batches whose labels are arrays alike but for their length), for
-    the refusals to read instead of the first batch's; None otherwise."""
+    or tuple of `(x, y)` batches whose labels are arrays alike but for their length, else
+    None), for the refusals to read instead of the first batch's; None for other data."""
     if hasattr(data, "host_labels"):
         return data.host_labels
     if not isinstance(data, (list, tuple)) or len(data) < 2:
         return None
-    labels = [batch[1] for batch in data if isinstance(batch, (tuple, list)) and len(batch) == 2]
-    readable = [y for y in map(_readable, labels) if y is not None and y.ndim > 0]
-    if len(readable) < len(data) or len({y.shape[1:] for y in readable}) != 1:
-        return None  # (one unlike the first batch is refused by the batch checks)
-    return lambda: np.concatenate(readable)
+
+    def read() -> Any:  # only where the refusals are made: once per Loop
+        pairs = [batch for batch in data if isinstance(batch, (tuple, list)) and len(batch) == 2]
+        readable = [y for y in (_readable(pair[1]) for pair in pairs) if y is not None and y.ndim]
+        if len(readable) < len(data) or len({y.shape[1:] for y in readable}) != 1:
+            return None  # (one unlike the first batch is refused by the batch checks)
+        return np.concatenate(readable)
+
+    return read
 
 
 def _readable(y: Any) -> np.ndarray | None:
