@@ -18,9 +18,9 @@ SPARSE = "sparse_categorical_cross_entropy"
 
 
 def attach(loop, stopper):
-    """What `Loop.early_stop(..., restore_best=True)` attaches."""
-    loop = loop.handle_event("epoch_completed", stopper, name="early_stop")
-    return loop.handle_event("completed", stopper.on_end).handle_event("halted", stopper.on_end)
+    """What `Loop.early_stop(..., restore_best=True)` attaches: `handle_event` adds the
+    handler's start and end (`EarlyStopping.fuseloop_companions`)."""
+    return loop.handle_event("epoch_completed", stopper, name="early_stop")
 
 
 def snapshots(loop_factory, fuse):

@@ -293,6 +293,8 @@ def test_plot_history_errors(tmp_path, monkeypatch):
         fl.plot_history({}, tmp_path / "x.png")
     with pytest.raises(ValueError, match="metrics"):
         fl.plot_history({0: {"loss": 1.0}}, tmp_path / "x.png", metrics=["accuracy"])
+    with pytest.raises(ValueError, match=r"metrics=\[\] names no metric.*scalar metric: loss"):
+        fl.plot_history({0: {"loss": 1.0}}, tmp_path / "x.png", metrics=[])
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(ImportError, match=r"fuseloop\[plot\]"):
         fl.plot_history({0: {"loss": 1.0}}, tmp_path / "x.png")

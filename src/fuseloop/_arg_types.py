@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 __all__ = [
+    "require_room",
     "check_seed_bits",
     "concrete_deleted",
     "is_int",
@@ -146,4 +147,23 @@ def check_seed_bits(seed: int) -> None:
             f"seed={seed} is outside [-2**31, 2**32): without jax_enable_x64, JAX makes a "
             f"key from a seed's low 32 bits, so it would train exactly as "
             f"seed={seed % 2**32}; pass a seed in that range (e.g. seed % 2**32)"
+        )
+
+
+def require_room(path: Path, given: str, wanted: str, noun: str | None = None) -> None:
+    """Raises a ValueError, when a handler is attached, where no `wanted` can be made.
+
+    `wanted` is "file" or "directory" (`noun` names it in the message, e.g. "checkpoint
+    directory"); `given` is the argument as the user wrote it (`path='runs/x'`). What is
+    refused is a folder where a file goes, or a file on the way.
+    """
+    if wanted == "file" and path.is_dir():
+        raise ValueError(
+            f"{given} is a directory; give a file path, e.g. {str(path / 'metrics.csv')!r}"
+        )
+    taken = next((p for p in (path, *path.parents) if p.exists()), None)  # nearest existing
+    if taken is not None and not taken.is_dir() and (wanted == "directory" or taken != path):
+        raise ValueError(
+            f"{given}: {str(taken)!r} is a file, so no {noun or wanted} can be made there; "
+            f"give a {wanted} path"
         )

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._arg_types import refuse_deleted_arrays, user_path
+from ._arg_types import refuse_deleted_arrays, require_room, user_path
 from ._json_tree import decode, encode
 from ._state import State
 
@@ -284,6 +284,7 @@ def save_state(state: State, path: str | os.PathLike[str]) -> Path:
         raise ValueError(f"state={type(state).__name__} must be a fuseloop State")
     refuse_deleted_arrays(state.step_state, "state")
     path = user_path(path).absolute()
+    require_room(path, f"path={str(path)!r}", "directory", "save")
     if not path.exists():
         return write_save(state, path)
     if not is_save(path):

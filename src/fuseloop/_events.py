@@ -20,6 +20,7 @@ __all__ = [
     "Event",
     "Filter",
     "Registration",
+    "attached",
     "closes_on_error",
     "event_total",
     "normalize_event",
@@ -195,6 +196,16 @@ class Registration:
     @property
     def label(self) -> str:
         return self.name or getattr(self.handler, "__qualname__", None) or repr(self.handler)
+
+
+def attached(event: Event, handler: Any, filter: Filter, name: str) -> tuple[Registration, ...]:
+    """`handler` on `event`, and the handlers it comes with: a handler object whose work
+    spans the run (an `EarlyStopping` with `restore_best`, which hands back the best
+    epoch's step state when the run ends) names them in `fuseloop_companions(name)`, so
+    attaching it with `handle_event` does what its `Loop` builder does."""
+    companions = getattr(handler, "fuseloop_companions", None)
+    extra = companions(name) if callable(companions) else ()
+    return (Registration(event, handler, filter, name), *extra)
 
 
 def closes_on_error(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:

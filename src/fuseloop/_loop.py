@@ -13,7 +13,7 @@ from typing import Any, TextIO
 
 from ._data import warn_left_out
 from ._distributed import all_processes
-from ._events import Registration, make_filter, normalize_event
+from ._events import Registration, attached, make_filter, normalize_event
 from ._loop_args import (
     check_accumulate,
     check_handler,
@@ -130,8 +130,8 @@ class Loop(HandlerBuilders):
         """
         event = normalize_event(event)
         check_handler(handler, "handler", "None | status | (status, state)")
-        registration = Registration(event, handler, make_filter(filter), name)
-        return self._with(registrations=self.registrations + (registration,))
+        added = attached(event, handler, make_filter(filter), name)
+        return self._with(registrations=self.registrations + added)
 
     def observe(
         self,

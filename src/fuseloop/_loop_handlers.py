@@ -101,14 +101,8 @@ class HandlerBuilders:
         stopper = EarlyStopping(
             monitor, patience, mode, min_delta, key=key, restore_best=restore_best
         )
-        built = self.handle_event("epoch_completed", stopper, name="early_stop")
-        if restore_best:  # however the run ends, it ends on the best epoch's step state
-            # Each process holds its own stopper: its start is observed on every process.
-            begin = all_processes(stopper.begin)
-            built = built.observe("started", begin, name="early_stop:begin")
-            built = built.handle_event("completed", stopper.on_end, name="early_stop:restore")
-            built = built.handle_event("halted", stopper.on_end, name="early_stop:restore")
-        return built
+        # With restore_best, its start and end handlers come along (`fuseloop_companions`).
+        return self.handle_event("epoch_completed", stopper, name="early_stop")
 
     def reduce_lr_on_plateau(
         self,
@@ -224,6 +218,14 @@ class HandlerBuilders:
         prefix: str | None = None,
     ) -> Self:
         """Writes the metrics as TensorBoard scalars (needs tensorboardX).
+
+        Args:
+            logdir: The directory the event files go to.
+            event: When to write a row of scalars.
+            filter: Which firings write, e.g. `{"every": 10}`.
+            prefix: Put before each metric's name to make its tag, as it is: by default
+                "epoch/" for epoch events, "iteration/" for iteration events; end it with
+                a "/" for a group of its own (`prefix="train/"` tags "train/loss").
 
         Example:
             >>> import os, tempfile

@@ -94,13 +94,26 @@ class EventBus:
                     check(step_state)
 
     # ----------------------------------------------------------------- counters
-    def restore_counts(self, event_counts: dict[str, Any]) -> None:
-        """Continues the counts of a resumed State (per-call events restart)."""
+    def restore_counts(self, event_counts: dict[str, Any], restarts: bool = False) -> None:
+        """Continues the counts of a resumed State (per-call events restart). `restarts`:
+        the run starts the State's own epoch again from its first batch, so what that
+        epoch fired before the State was taken is not counted: the counts are the
+        uninterrupted run's at that epoch's start, and `every=` filters keep its schedule.
+        """
         for event in Event:
             value = event_counts.get(event.value)
             if value is None or event in (Event.STARTED, Event.COMPLETED, Event.HALTED):
                 continue
-            self.total[event] = int(value["total"] if isinstance(value, dict) else value)
+            total = int(value["total"] if isinstance(value, dict) else value)
+            if restarts and isinstance(value, dict):
+                total -= int(value.get("epoch", 0))
+            self.total[event] = total
+        ended = [event_counts.get(e.value) for e in (Event.EPOCH_COMPLETED, Event.EPOCH_HALTED)]
+        if restarts and all(isinstance(n, int) for n in ended):
+            # Every epoch started before this one ended, completed or halted: one more
+            # start is this epoch's own.
+            started = self.total[Event.EPOCH_STARTED]
+            self.total[Event.EPOCH_STARTED] = min(started, sum(n for n in ended if n))
 
     def counts(self) -> dict[str, Any]:
         total, in_epoch = self.total, self.in_epoch

@@ -193,7 +193,7 @@ class Run:
             return
         self.start_epoch = max(given.history) + 1 if given.history else 0
         warn_on_resume(given, self.start_epoch, self.epochs)
-        self.bus.restore_counts(given.event_counts)
+        self.bus.restore_counts(given.event_counts, restarts=given.epoch == self.start_epoch)
         self.user_state = given.step_state
         self.state = state.replace(
             history={k: dict(v) for k, v in given.history.items()},

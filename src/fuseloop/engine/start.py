@@ -317,14 +317,18 @@ def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:
     # restore_best handed back the end of the epoch before the one that resumes (a run
     # halted inside the epoch after its best): the resumed run starts from there cleanly.
     clean = given.handler_metadata.get(RESTORED_KEY) == start_epoch - 1
-    if given.status == "halted" and given.epoch == start_epoch and stepped > 0 and not clean:
+    # A halted State, or one saved while running (a checkpoint at iteration_completed).
+    inside = given.status != "completed" and given.epoch == start_epoch and stepped > 0
+    if inside and not clean:
         warn(
-            f"init_state stopped inside epoch {start_epoch} after stepping part of it (its "
+            f"init_state stopped inside epoch {start_epoch} (status {given.status!r}) after "
+            f"stepping {stepped} of its batches (its "
             f"last iteration fired: {given.iteration}; both counted from 0, the log's Epoch "
             f"{start_epoch + 1}, iteration {given.iteration + 1}; a fused run also ran the "
             f"rest of that chunk); the resumed run starts epoch {start_epoch} again from its "
             f"first batch, so the batches already stepped train twice. For a run equal to an "
-            f"uninterrupted one, resume from an epoch's end (e.g. a Loop.checkpoint save)",
+            f"uninterrupted one, resume from an epoch's end (a Loop.checkpoint at epoch_completed, "
+            f"its default)",
             RuntimeWarning,
         )
     ahead = given.handler_metadata.get(AHEAD_KEY)

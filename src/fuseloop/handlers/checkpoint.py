@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .._arg_types import is_int, user_path
+from .._arg_types import is_int, require_room, user_path
 from .._checkpoint import is_save, save_args
 from .._checkpoint_paths import TRASH, EpochNames, HiddenTemporaryPath, checkpoint_dirs
 from .._events import event_total
@@ -27,7 +27,6 @@ from .._types import Status
 from ..engine.population_monitors import checkpoint_members
 from ._monitor_record import resolve_mode
 from .monitor import Monitor
-from .writers import require_room
 
 __all__ = ["Checkpointer", "list_checkpoints"]
 
@@ -91,6 +90,13 @@ class Checkpointer:
             raise ValueError(f"path={path!r} must be a directory path")
         where = Path(path).expanduser()  # "~/runs" is the home directory's, as in a shell
         require_room(where, f"path={str(path)!r}", "directory", "checkpoint directory")
+        if is_save(where):  # its checkpoints would go inside it, and load_state read it
+            raise ValueError(
+                f"path={str(path)!r} is a save written by fl.save_state, not a checkpoint "
+                f"directory: fl.load_state(path) would go on returning that save, not the "
+                f"latest checkpoint. Resume from it with fl.load_state(path) and checkpoint "
+                f"into another directory (e.g. {str(where.with_name(where.name + '_ckpt'))!r})"
+            )
         if keep is not None and (not is_int(keep) or keep < 1):
             raise ValueError(f"keep={keep!r} must be None (keep all) or a positive int")
         if not isinstance(asynchronous, bool):

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._distributed import all_processes
+from .._events import Event, Registration
 from .._optim import (
     abstract_state,
     find_learning_rates,
@@ -48,8 +50,9 @@ class EarlyStopping:
     best epoch is copied on the device, and when the run ends - this handler halts it, its
     last epoch completes, another handler or a signal ends it - the State it returns holds
     that copy (params, optimizer state, counters), bitwise: `on_end`, on the `completed`
-    and `halted` events. The epoch's own handlers (a checkpoint) still see the epoch's step
-    state, so a run resumed from its checkpoint is the run that went on.
+    and `halted` events, which `handle_event` attaches along with the handler. The
+    epoch's own handlers (a checkpoint) still see the epoch's step state, so a run resumed
+    from its checkpoint is the run that went on.
 
     Example:
         >>> stop = EarlyStopping("validation_loss", patience=2, restore_best=True)
@@ -75,6 +78,22 @@ class EarlyStopping:
         self.restore_best = restore_best
         self._best: tuple[Any, Any] | None = None  # ((epoch, value), device copy)
         self._members: Any = None  # a population's best copies (engine/population_monitors)
+
+    def fuseloop_companions(self, name: str) -> tuple[Registration, ...]:
+        """What `handle_event` attaches with this handler, however it is attached.
+
+        With `restore_best`: `begin` on "started" (on every process: each holds its own
+        stopper) and `on_end` on "completed" and "halted".
+        """
+        if not self.restore_best:
+            return ()
+        label = name or "early_stop"
+        begin = all_processes(self.begin)
+        return (
+            Registration(Event.STARTED, begin, name=f"{label}:begin", observes=True),
+            Registration(Event.COMPLETED, self.on_end, name=f"{label}:restore"),
+            Registration(Event.HALTED, self.on_end, name=f"{label}:restore"),
+        )
 
     def __call__(self, state: State) -> tuple[Status, State]:
         """Records the monitored value; halts the run once it stopped improving."""

@@ -120,6 +120,11 @@ def _panels(
             "(state.history after at least one epoch), or a State"
         )
     panels = _series(history)
+    if metrics is not None and not metrics:
+        raise ValueError(
+            f"metrics={metrics!r} names no metric to plot; pass at least one name, or "
+            f"None (the default) for every scalar metric: {', '.join(sorted(panels))}"
+        )
     if metrics is not None:
         # A metric's panel shows both splits; `validation_<name>` asks for that split alone.
         one_split = {

@@ -16,6 +16,7 @@ from typing import Any, Protocol, Self, TypeVar
 
 import numpy as np
 
+from .._arg_types import require_room
 from .._distributed import main_process_only
 from .._events import ITERATION_EVENTS, Event, Filter, closes_on_error, make_filter, normalize_event
 from .._state import State
@@ -31,7 +32,7 @@ class _Registers(Protocol):
 
 _LoopT = TypeVar("_LoopT", bound=_Registers)
 
-__all__ = ["CSVWriter", "TensorBoardWriter", "attach_writer", "require_room", "scalar_metrics"]
+__all__ = ["CSVWriter", "TensorBoardWriter", "attach_writer", "scalar_metrics"]
 
 _INDEX_COLUMNS = ("epoch", "iteration", "step")
 _writer_ids = itertools.count()
@@ -71,25 +72,6 @@ def _step(state: State, event: Event) -> int:
     if event in ITERATION_EVENTS:
         return int(state.event_counts[event.value]["total"])
     return int(state.epoch)
-
-
-def require_room(path: Path, given: str, wanted: str, noun: str | None = None) -> None:
-    """Raises a ValueError, when a handler is attached, where no `wanted` can be made.
-
-    `wanted` is "file" or "directory" (`noun` names it in the message, e.g. "checkpoint
-    directory"); `given` is the argument as the user wrote it (`path='runs/x'`). What is
-    refused is a folder where a file goes, or a file on the way.
-    """
-    if wanted == "file" and path.is_dir():
-        raise ValueError(
-            f"{given} is a directory; give a file path, e.g. {str(path / 'metrics.csv')!r}"
-        )
-    taken = next((p for p in (path, *path.parents) if p.exists()), None)  # nearest existing
-    if taken is not None and not taken.is_dir() and (wanted == "directory" or taken != path):
-        raise ValueError(
-            f"{given}: {str(taken)!r} is a file, so no {noun or wanted} can be made there; "
-            f"give a {wanted} path"
-        )
 
 
 def _first_step(state: State, event: Event) -> int:
