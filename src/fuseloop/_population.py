@@ -95,6 +95,9 @@ def member_state(state: State, i: int) -> State:
         for key, value in state.handler_metadata.items()
         if key != POPULATION_KEY
     }
+    # A record a solo run writes only once it has a value (a restored best epoch) is
+    # absent, not None, as in the member's solo run.
+    metadata = {k: v for k, v in metadata.items() if not (k in per and v is None)}
     step_state = state.step_state
     if step_state is not None:
         step_state = _take(step_state, np.int32(i))
@@ -116,7 +119,9 @@ def member_state(state: State, i: int) -> State:
 
 def _member_record(value: Any, i: int, size: int) -> Any:
     if isinstance(value, dict):
-        return {k: _pick(v, i, size) for k, v in value.items()}
+        picked = {k: _pick(v, i, size) for k, v in value.items()}
+        # early_stop's solo record has a stopped epoch only once it stopped.
+        return {k: v for k, v in picked.items() if not (k == "stopped_epoch" and v is None)}
     return _pick(value, i, size)
 
 
