@@ -77,6 +77,16 @@ def test_a_custom_steps_own_params_widened_get_the_cast_fix_not_a_collection_one
     assert "collection" not in str(info.value)
 
 
+def test_a_step_that_makes_raw_key_data_a_typed_key_is_told_to_unwrap_it():
+    def step(batch, s):
+        key, sub = jax.random.split(jax.random.wrap_key_data(s["key"]))
+        return {"key": key, "v": s["v"] + jax.random.uniform(sub, ())}
+
+    init = {"key": jax.random.PRNGKey(0), "v": jnp.zeros(())}
+    with pytest.raises(ValueError, match=r"\['key'\] from dtype uint32 .*jax.random.key_data"):
+        fl.loop(step).run(DATA, init)
+
+
 @pytest.mark.parametrize("fuse, jit", [(False, True), (2, True), (False, False)])
 def test_a_custom_step_that_changes_a_shape_is_a_value_error(fuse, jit):
     def step(batch, s):

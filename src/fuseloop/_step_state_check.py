@@ -54,6 +54,11 @@ def _collection(path: Any, step_state: Any) -> str | None:
 
 def _fix_for(path: Any, old: Any, new: Any, step_state: Any) -> str:
     """What to do about a leaf whose dtype one step changes from `old` to `new`."""
+    if jax.dtypes.issubdtype(new, jax.dtypes.extended):  # a raw key made a typed one
+        return (
+            "The step returns a typed PRNG key where it was given raw key data: return "
+            "jax.random.key_data(key), or start from a typed key (jax.random.key(seed))"
+        )
     if _in_optimizer_state(path):
         return _OPTIMIZER_FIX
     name = _collection(path, step_state)
@@ -213,13 +218,21 @@ def check_step_keeps_state(step: Any, step_state: Any, batch: Any) -> None:
             f"structure, dtypes and shapes it was given"
         )
     for (path, a), (_, b) in zip(old, new, strict=True):
-        if (a.shape, a.dtype) != (b.shape, jax.dtypes.canonicalize_dtype(b.dtype)):
+        if (a.shape, a.dtype) != (b.shape, _canonical(b.dtype)):
             raise ValueError(
                 f"the step changes step_state{jax.tree_util.keystr(path)} from dtype "
                 f"{a.dtype} shape {a.shape} to dtype {b.dtype} shape {b.shape}; a step must "
                 f"keep every leaf's dtype and shape (the loop carries the state through a "
                 f"device loop). " + _fix_for(path, a.dtype, b.dtype, before)
             )
+
+
+def _canonical(dtype: Any) -> Any:
+    """`dtype` as the device holds it (float64 as float32 without x64); a typed key's
+    extended dtype is its own."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return dtype
+    return jax.dtypes.canonicalize_dtype(dtype)
 
 
 def explain_step_change(step: Any, signature: Any, batch: Any) -> ValueError | None:
