@@ -209,3 +209,16 @@ def test_string_labels_name_their_dtype_and_the_mapping(loss, units, fix):
     cast = "int32" if loss == SPARSE else "float32"
     with pytest.raises(ValueError, match=rf"y has dtype object, .*y\.astype\(np\.{cast}\)$"):
         fl.trainer(fl.models.mlp([8, units]), loss, "adam").run([(X[:8], numbers[:8])])
+
+
+@pytest.mark.parametrize("fuse", [False, 2])
+def test_a_custom_loop_given_text_or_records_names_the_leaf_and_the_fix(fuse):
+    def step(batch, s):
+        return {"loss": s["loss"] + batch[0].sum()}
+
+    records = np.zeros(8, dtype=[("a", np.float32), ("b", np.int32)])
+    cases = [(np.array(["a"] * 8), r"batch\[1\] has dtype <U1, which no device holds; map")]
+    cases.append((records, r"rows are records: .*\(batch\[1\]\['a'\], batch\[1\]\['b'\]\)"))
+    for labels, message in cases:
+        with pytest.raises(ValueError, match=message):
+            fl.loop(step).run([(X[:8], labels)] * 2, {"loss": jnp.zeros(())}, fuse=fuse)

@@ -21,6 +21,7 @@ __all__ = [
     "refuse_python_list",
     "held_by_no_device",
     "no_device_dtype",
+    "refuse_no_device_dtype",
     "numbers_fix",
     "labels_below",
     "leaf_signature",
@@ -213,6 +214,9 @@ def numbers_fix(name: str, leaf: Any, cast: str = "float32", mapping: str = "") 
         mapping = "map them to numbers first, e.g. each category to an integer or a one-hot row"
     if not isinstance(leaf, (np.ndarray, np.generic)):
         return f"cast it where its values are numbers ({cast_it}), else {mapping}"
+    if leaf.dtype.names:  # a structured (record) array: its fields are the arrays
+        fields = ", ".join(f"{name}[{field!r}]" for field in leaf.dtype.names[:3])
+        return f"its rows are records: pass their fields as arrays of their own ({fields})"
     first = leaf.flat[0] if leaf.dtype.kind == "O" and leaf.size else None
     if isinstance(first, (np.ndarray, list, tuple)):  # a pandas Series of rows
         return (
@@ -255,6 +259,20 @@ def no_device_dtype(tree: Any, name: str, reader: str = "") -> str | None:
                 named, leaf
             )
     return None
+
+
+def refuse_no_device_dtype(batch: Any) -> None:
+    """Raises `no_device_dtype`'s ValueError for a custom loop's batch (`batch[...]`),
+    before JAX fails to read the leaf as an array.
+
+    Example:
+        >>> refuse_no_device_dtype((np.zeros(2), np.array(["a", "b"])))
+        Traceback (most recent call last):
+        ValueError: data: batch[1] has dtype <U1, which no device holds; ...
+    """
+    wrong = no_device_dtype(batch, "batch")
+    if wrong is not None:
+        raise ValueError(f"data: {wrong}")
 
 
 def check_label_range(labels: np.ndarray, classes: int, loss: str, where: str) -> None:

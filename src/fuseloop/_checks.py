@@ -31,6 +31,7 @@ from ._batch_checks import (
     check_pair_sizes,
     check_python_lists,
     leaf_signature,
+    refuse_no_device_dtype,
     require_pair,
     shape_and_dtype,
 )
@@ -105,6 +106,8 @@ class Checker:
             require_pair(batch, "the run's first batch")
             check_python_lists(batch, "the run's first batch")
             check_pair_sizes(batch, "the run's first batch")
+        else:  # (a trainer's model checks name the leaf and its reader)
+            refuse_no_device_dtype(batch)
         paths = jax.tree_util.tree_flatten_with_path(batch)[0]
         self.names = tuple(self._leaf_name(path) for path, _ in paths)
         self.narrowing.refuse_byte_order(self.names, self.expected)
@@ -364,21 +367,14 @@ class Checker:
         return explain_step_change(self.program.step, signature, self.first_batch) or error
 
     def _check_variables(self, step_state: Any) -> None:
-        if (
-            self.fit.first_x is None
-            or not isinstance(step_state, dict)
-            or ("params" not in step_state)
-        ):
+        if self.fit.first_x is None or not isinstance(step_state, dict):
+            return
+        if "params" not in step_state:
             return
         # Keyed by the raw leaves (cheap); the abstract tree is built only when checking.
         leaves, treedef = jax.tree.flatten(step_state["params"])
-        key = (
-            "checked_variables",
-            self.treedef,
-            self.expected,
-            treedef,
-            tuple(shape_and_dtype(leaf) for leaf in leaves),
-        )
+        signature = tuple(shape_and_dtype(leaf) for leaf in leaves)
+        key = ("checked_variables", self.treedef, self.expected, treedef, signature)
         if key not in self.cache:
             rule = self.fit.labels
             self.fit.check_run_variables(jax.tree.map(abstract, step_state["params"]))
