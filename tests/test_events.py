@@ -398,3 +398,13 @@ def test_a_handler_filter_or_metric_that_cannot_take_its_arguments_is_refused_wh
         return (y_pred[:, 0] > threshold) == (y_true > 0)
 
     loop.metric(above)  # what is called is the wrapper
+
+
+def test_a_mock_handler_is_attached_as_it_is():
+    """`handle_event` asks a handler's type for the handlers it comes with
+    (`fuseloop_companions`): a mock, which answers every attribute, has none."""
+    from unittest import mock
+
+    spy = mock.Mock(return_value=None)
+    trainer().handle_event("epoch_completed", spy).run(make_batches(2), epochs=2)
+    assert [call.args[0].epoch for call in spy.call_args_list] == [0, 1]

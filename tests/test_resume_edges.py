@@ -1,6 +1,8 @@
-"""Resuming from a State taken inside an epoch, and checkpoint paths a user gets wrong: the
-resumed run keeps the uninterrupted run's counts (so `every=` schedules), says where it
-cannot continue it exactly, and no save is read in place of the latest checkpoint."""
+"""Resuming from States a trainer cannot continue, saves it cannot find, and runs with
+nothing left to train: each says what it is, and nothing the user had is lost. A State
+taken inside an epoch resumes with the uninterrupted run's counts (so `every=` schedules)
+and says it cannot continue that run exactly; no save is read in place of the latest
+checkpoint."""
 
 from __future__ import annotations
 
@@ -11,26 +13,88 @@ import fuseloop as fl
 from conftest import make_batches, trainer
 from fuseloop.handlers.checkpoint import list_checkpoints
 
+
+def _data() -> fl.data.ArraySource:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(24, 5)).astype(np.float32)
+    y = rng.integers(0, 3, 24).astype(np.int32)
+    return fl.data.arrays(x, y, batch_size=8)
+
+
+def _trainer() -> fl.Loop:
+    model = fl.models.mlp([8, 3])
+    return fl.trainer(model, "sparse_categorical_cross_entropy", "adam").metric("accuracy")
+
+
+def test_a_trainer_given_an_evaluators_state_names_init_state_and_the_fix():
+    data, trainer = _data(), _trainer()
+    trained = trainer.run(data, epochs=1)
+    scored = fl.evaluator(fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy").run(
+        data, trained
+    )
+    with pytest.raises(ValueError, match=r"init_state: .*opt_state, rng, step.*state\.params"):
+        trainer.run(data, scored, epochs=2)
+    trainer.run(data, scored.params, epochs=1)  # the fix it names
+    # A custom loop's State holds no params: it failed with KeyError('params') inside.
+    custom = fl.loop(lambda batch, s: {"n": s["n"] + 1}).run(data, {"n": np.int32(0)})
+    with pytest.raises(ValueError, match=r"holds \['n'\], not the params, .*afresh"):
+        trainer.run(data, custom, epochs=2)
+    # Ctrl-C while a run starts leaves a State without a step state (error.fuseloop_state).
+    with pytest.raises(ValueError, match=r"init_state: this State holds no step state"):
+        trainer.run(data, fl.State(), epochs=2)
+
+
+def test_a_resume_from_an_iteration_handlers_state_in_a_fused_run_names_why(tmp_path):
+    # Mid-chunk the step state is on the device: the handler's State has none, and its
+    # resume once blamed only Ctrl-C.
+    saved = []
+
+    def save(state: fl.State) -> None:
+        if state.iteration == 1 and not saved:
+            saved.append(fl.save_state(state, tmp_path / "mid"))
+
+    trainer = _trainer()
+    trainer.handle_event("iteration_completed", save).run(_data(), epochs=1, fuse=3)
+    with pytest.raises(ValueError, match=r"no step state.*iteration handler gets in a fused"):
+        trainer.run(_data(), fl.load_state(saved[0]), epochs=2)
+
+
+def test_loading_a_populations_best_checkpoint_folder_names_its_members(tmp_path):
+    folder = tmp_path / "best"
+    _trainer().checkpoint(folder, criteria="loss").run(_data(), epochs=2, population=2)
+    with pytest.raises(ValueError, match=r"one folder per member \(member_0, member_1\)"):
+        fl.load_state(folder)
+    assert fl.load_state(folder / "member_0").history
+
+
+def test_a_resume_with_nothing_left_to_train_keeps_the_metrics():
+    data, trainer = _data(), _trainer()
+    done = trainer.run(data, epochs=2)
+    with pytest.warns(RuntimeWarning, match="nothing is trained"):
+        again = trainer.run(data, done, epochs=2)
+    assert again.metrics == done.metrics and again.history == done.history
+
+
 _BATCHES = make_batches(4)
 _X = np.concatenate([b[0] for b in _BATCHES])
 _Y = np.concatenate([b[1] for b in _BATCHES])
 
 
-def _data() -> object:
+def _shuffled() -> fl.data.ArraySource:
     return fl.data.arrays(_X, _Y, batch_size=len(_BATCHES[0][1]), seed=1)
 
 
 def test_a_checkpoint_taken_mid_epoch_warns_and_the_resumed_run_keeps_the_counts(tmp_path):
     loop = trainer()
-    full = loop.run(_data(), epochs=3)
+    full = loop.run(_shuffled(), epochs=3)
     every = loop.checkpoint(tmp_path, event="iteration_completed", filter={"every": 3})
-    every.run(_data(), epochs=2)
+    every.run(_shuffled(), epochs=2)
     saved = fl.load_state(tmp_path)  # the 7th iteration's (1, 4, 7): still running
     assert (saved.status, saved.epoch, saved.iteration) == ("running", 1, 2)
     with pytest.warns(
         RuntimeWarning, match=r"inside epoch 1 \(status 'running'\) after stepping 3"
     ):
-        resumed = loop.run(_data(), saved, epochs=3)
+        resumed = loop.run(_shuffled(), saved, epochs=3)
     assert resumed.event_counts == full.event_counts
 
 
@@ -42,13 +106,13 @@ def test_a_run_resumed_from_its_epoch_started_checkpoint_keeps_the_schedule(tmp_
     def saving(directory: object) -> fl.Loop:
         return trainer().checkpoint(directory, event="epoch_started", filter={"every": 3})
 
-    full = saving(tmp_path / "full").run(_data(), epochs=7)
+    full = saving(tmp_path / "full").run(_shuffled(), epochs=7)
     with pytest.raises(KeyError, match="preempted"):
         saving(tmp_path / "cut").handle_event("epoch_completed", crash_in_epoch_4).run(
-            _data(), epochs=7
+            _shuffled(), epochs=7
         )
     saved = fl.load_state(tmp_path / "cut")  # taken at epoch 3's start
-    resumed = saving(tmp_path / "cut").run(_data(), saved, epochs=7)
+    resumed = saving(tmp_path / "cut").run(_shuffled(), saved, epochs=7)
     assert resumed.event_counts == full.event_counts
     epochs = [path.name.rsplit("_", 1)[1] for path in list_checkpoints(tmp_path / "cut")]
     assert epochs == ["0", "3", "3", "6"]  # epoch 3 started twice; epoch 6 as uninterrupted

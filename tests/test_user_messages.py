@@ -222,3 +222,6 @@ def test_a_custom_loop_given_text_or_records_names_the_leaf_and_the_fix(fuse):
     for labels, message in cases:
         with pytest.raises(ValueError, match=message):
             fl.loop(step).run([(X[:8], labels)] * 2, {"loss": jnp.zeros(())}, fuse=fuse)
+    # Run eagerly, the step gets the leaves as they are (it may read them on the host).
+    eager = fl.loop(step).run([(X[:8], records)] * 2, {"loss": jnp.zeros(())}, jit=False)
+    assert float(eager.step_state["loss"]) == pytest.approx(2 * float(X[:8].sum()))

@@ -283,8 +283,9 @@ def save_state(state: State, path: str | os.PathLike[str]) -> Path:
     if not isinstance(state, State):
         raise ValueError(f"state={type(state).__name__} must be a fuseloop State")
     refuse_deleted_arrays(state.step_state, "state")
+    given = f"path={str(path)!r}"
     path = user_path(path).absolute()
-    require_room(path, f"path={str(path)!r}", "directory", "save")
+    require_room(path, given, "directory", "save")
     if not path.exists():
         return write_save(state, path)
     if not is_save(path):

@@ -52,8 +52,8 @@ class Checker:
         program: The loop's `Program` (its kind, model and loss decide what is checked).
     """
 
-    def __init__(self, program: Any, cache: dict[Any, Any] | None = None):
-        self.program = program
+    def __init__(self, program: Any, cache: dict[Any, Any] | None = None, jit: bool = True):
+        self.program, self.jit = program, jit
         # The abstract model checks trace the model; their verdicts are kept per Loop, keyed
         # by the shapes checked, so a second run of the same loop pays nothing for them.
         self.cache = cache if cache is not None else {}
@@ -82,7 +82,7 @@ class Checker:
         expected = tuple(leaf_signature(leaf) for leaf in leaves)
         # What depends on the batch's structure, shapes and types alone is checked once per
         # signature (a later run of the same data pays one lookup); labels are values.
-        key = ("first_batch", treedef, expected)
+        key = ("first_batch", treedef, expected, self.jit)
         known = self.cache.get(key)
         self.first_batch, self.treedef, self.expected = batch, treedef, expected
         self.accepted = {expected}
@@ -106,7 +106,7 @@ class Checker:
             require_pair(batch, "the run's first batch")
             check_python_lists(batch, "the run's first batch")
             check_pair_sizes(batch, "the run's first batch")
-        else:  # (a trainer's model checks name the leaf and its reader)
+        elif self.jit:  # jit reads every leaf as an array (a trainer's checks name them)
             refuse_no_device_dtype(batch)
         paths = jax.tree_util.tree_flatten_with_path(batch)[0]
         self.names = tuple(self._leaf_name(path) for path, _ in paths)

@@ -203,8 +203,9 @@ def attached(event: Event, handler: Any, filter: Filter, name: str) -> tuple[Reg
     spans the run (an `EarlyStopping` with `restore_best`, which hands back the best
     epoch's step state when the run ends) names them in `fuseloop_companions(name)`, so
     attaching it with `handle_event` does what its `Loop` builder does."""
-    companions = getattr(handler, "fuseloop_companions", None)
-    extra = companions(name) if callable(companions) else ()
+    # Looked up on the type: a mock (or any object answering every attribute) has none.
+    companions = getattr(type(handler), "fuseloop_companions", None)
+    extra = companions(handler, name) if callable(companions) else ()
     return (Registration(event, handler, filter, name), *extra)
 
 

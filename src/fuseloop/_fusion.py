@@ -176,8 +176,9 @@ def short_batch_error(n: int, batch_size: int, short: int) -> FusionError:
     return FusionError(
         f"data: the last batch holds {short} of the {n} examples, not batch_size="
         f"{batch_size}, and a fused run stacks batches of one shape (it compiles once for "
-        f"it); use drop_remainder=True, fl.data.arrays(..., device=True), which runs a short "
-        f"last batch as a step of its own, or fuse=False (padding would count as examples)"
+        f"it); use fl.data.arrays(..., device=True), which runs a short last batch as a step "
+        f"of its own, fuse=False, or in training data drop_remainder=True (padding would "
+        f"count as examples)"
     )
 
 

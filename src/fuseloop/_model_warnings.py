@@ -123,8 +123,8 @@ def labels_of(data: Any) -> Any:
 
 
 def _readable(y: Any) -> np.ndarray | None:
-    """The first batch's targets as float64 on the host, where they are one numeric array
-    this process holds whole; None otherwise."""
+    """Targets (a batch's, or a dataset's) as float64 on the host, where they are one
+    numeric array this process holds whole; None otherwise."""
     if not isinstance(y, (np.ndarray, jax.Array)):
         return None
     if not (np.issubdtype(y.dtype, np.number) or np.issubdtype(y.dtype, np.bool_)):

@@ -90,7 +90,7 @@ class Run:
         members = self.population.size if self.population is not None else 0
         self.reads = HostReads(self.stats, loop.metrics, members)
         self.placement = Placement(mesh, self.stats)
-        self.checker = Checker(loop.program, self.programs.cache.verdicts)
+        self.checker = Checker(loop.program, self.programs.cache.verdicts, self.jit)
         self.carry = Carry(self.placement, self.programs, self.reads, self.stats)
         self.handoff = Handoff(self.bus, self.carry)
         self.members = (

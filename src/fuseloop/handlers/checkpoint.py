@@ -95,7 +95,7 @@ class Checkpointer:
                 f"path={str(path)!r} is a save written by fl.save_state, not a checkpoint "
                 f"directory: fl.load_state(path) would go on returning that save, not the "
                 f"latest checkpoint. Resume from it with fl.load_state(path) and checkpoint "
-                f"into another directory (e.g. {str(where.with_name(where.name + '_ckpt'))!r})"
+                f"into another directory (e.g. {str(where.resolve()) + '_ckpt'!r})"
             )
         if keep is not None and (not is_int(keep) or keep < 1):
             raise ValueError(f"keep={keep!r} must be None (keep all) or a positive int")
