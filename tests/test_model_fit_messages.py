@@ -491,3 +491,59 @@ def test_given_variables_the_model_does_not_make_are_warned_about():
         warnings.simplefilter("error")
         loop.run(CLASSIFICATION, variables)
         loop.run(CLASSIFICATION)
+
+
+class _StatsAlways(nn.Module):
+    """A BatchNorm whose running average is never used: it writes batch_stats in evaluation."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        return nn.Dense(3)(nn.BatchNorm(use_running_average=False)(x))
+
+
+class _AuxHeadInTraining(nn.Module):
+    """A head made only on the training path (an auxiliary loss's, say)."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        out = nn.Dense(3)(x)
+        return out + 0.1 * nn.Dense(3, name="aux")(x) if train else out
+
+
+class _StringMode(nn.Module):
+    @nn.compact
+    def __call__(self, x, mode: str = "eval"):
+        return nn.Dense(3)(nn.BatchNorm(use_running_average=mode != "train")(x))
+
+
+def test_linen_modules_breaking_the_train_flag_convention_are_told_so_not_blamed_on_x():
+    data = make_batches(2)
+    trained = fl.trainer(_StatsAlways(), SPARSE, "sgd").run(data)
+    with pytest.raises(ValueError, match=r"updates 'batch_stats' .*when evaluated.*x is not the"):
+        fl.evaluator(_StatsAlways()).run(data, trained)
+    with pytest.raises(ValueError, match=r"parameter 'kernel' in /aux only when training.*x is"):
+        fl.trainer(_AuxHeadInTraining(), SPARSE, "sgd").run(data)
+    # The fix it names runs, and its variables are not called unread (the head trains).
+    variables = _AuxHeadInTraining().init(jax.random.key(0), data[0][0], train=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = fl.trainer(_AuxHeadInTraining(), SPARSE, "sgd").run(data, variables)
+    assert not np.array_equal(
+        state.params["params"]["aux"]["kernel"], variables["params"]["aux"]["kernel"]
+    )
+    for value in ("train", True):  # a str flag takes no bool: the wrapper is named
+        with pytest.raises(ValueError, match=r"wrap the module"):
+            fl.models.linen(_StringMode(), train_arg="mode", train_value=value)
+
+
+def test_a_model_collection_whose_dtype_the_step_changes_is_told_to_cast_it_back():
+    class Counting(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = False):
+            seen = self.variable("counters", "n", lambda: jnp.zeros((), jnp.int32))
+            if train:
+                seen.value = seen.value + 0.5  # int32 + 0.5 is float32
+            return nn.Dense(3)(x)
+
+    with pytest.raises(ValueError, match=r"'counters' collection.*cast the update back"):
+        fl.trainer(Counting(), SPARSE, "sgd").run(make_batches(2))

@@ -102,6 +102,14 @@ def flag_values(flags: dict[str, bool], train: bool) -> dict[str, bool]:
     return {name: (value if train else not value) for name, value in flags.items()}
 
 
+_BOOL_FLAG_FIX = (
+    "fuseloop gives the flag train_value while training and its negation when evaluating. "
+    "For a flag that takes strings (mode='train'), wrap the module: a Module with "
+    "`inner: nn.Module` whose __call__(self, x, train: bool = False) returns "
+    "self.inner(x, mode='train' if train else 'eval')"
+)
+
+
 class linen:  # noqa: N801 - reads as a constructor, like the other adapters
     """Adapts a flax.linen module, naming the `__call__` flag that switches train/eval mode.
 
@@ -134,7 +142,9 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
         if not isinstance(module, nn.Module):
             raise ValueError(f"module={module!r} must be a flax.linen Module")
         if train_value is not None and not isinstance(train_value, bool):
-            raise ValueError(f"train_value={train_value!r} must be True or False")
+            raise ValueError(
+                f"train_value={train_value!r} must be True or False: " + _BOOL_FLAG_FIX
+            )
         names = _call_parameters(module)
         self.module = module
         if train_arg is None:
@@ -158,6 +168,12 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
                     f"{', '.join(TRAIN_FLAGS)}"
                 )
             train_value = TRAIN_FLAGS[train_arg]
+        declared = inspect.signature(type(module).__call__).parameters.get(train_arg)
+        if declared is not None and declared.annotation in (str, "str"):
+            raise ValueError(
+                f"train_arg={train_arg!r} takes a str in {type(module).__name__}.__call__: "
+                + _BOOL_FLAG_FIX
+            )
         self.flags = {train_arg: train_value}
 
     @property

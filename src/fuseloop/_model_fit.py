@@ -20,7 +20,7 @@ from ._batch_checks import LabelRule, no_device_dtype
 from ._epoch_order import abstract_key
 from ._metrics import fits_output, resolve_loss
 from ._model_fit_advice import fix_for_x as _fix_for_x
-from ._model_fit_advice import unbound_axis
+from ._model_fit_advice import scope_misuse, unbound_axis
 from ._outputs import require_one_prediction
 from ._placement import device_dtype
 from ._variables_diff import UNWRAPPED, warn_unread
@@ -173,7 +173,7 @@ class ModelFit:
         own init. Fresh variables of the same signature as those `check_first` passed are
         not traced again."""
         fresh = self.fresh is not _UNKNOWN and _same_signature(variables, self.fresh)
-        if not fresh and self.fresh is not _UNKNOWN and self.program.kind == "trainer":
+        if not fresh and self.checked and self.program.kind == "trainer":  # fresh ones fit
             warn_unread(variables, self.fresh)
         if self.checked:
             if not fresh:
@@ -197,9 +197,9 @@ class ModelFit:
         applying = f"applying the model to the first batch's x ({_describe(x, 'x')})"
         if needs_rng(error):
             return self._rng_error(error, applying)
-        collective = unbound_axis(error, applying)
-        if collective is not None:
-            return collective
+        advice = unbound_axis(error, applying) or scope_misuse(error, applying, whose == FRESH)
+        if advice is not None:
+            return advice
         if not jax.tree.leaves(variables):
             if whose == FRESH:
                 return ValueError(

@@ -8,13 +8,17 @@ from typing import Any
 
 from .models import ModelConventionError, from_equinox, from_nnx
 
-__all__ = ["fix_for_x", "no_params", "unbound_axis"]
+__all__ = ["fix_for_x", "no_params", "scope_misuse", "unbound_axis"]
 
 # "__call__() missing 1 required positional argument: 'b'": inputs taken separately.
 _SEPARATE_INPUTS = re.compile(r"missing \d+ required positional argument")
 _DTYPES = re.compile(r"same dtypes?, got|dtype mismatch|incompatible dtypes", re.IGNORECASE)
 # flax's BatchNorm(axis_name=...) reduces with a collective over a named axis.
 _AXIS_NAME = re.compile(r"unbound axis name: (\w+)")
+# flax.linen's errors for a collection written where it is immutable (evaluation), and for a
+# parameter the variables lack (a layer made only on the training path).
+_IMMUTABLE = re.compile(r'Cannot update variable "(\w+)" in "([^"]*)" because collection "(\w+)"')
+_NO_PARAM = re.compile(r'Could not find parameter named "(\w+)" in scope "([^"]*)"')
 
 
 def fix_for_x(x: Any, error: BaseException, model: Any) -> str:
@@ -54,6 +58,33 @@ def unbound_axis(error: BaseException, applying: str) -> ValueError | None:
         f"problem; fuseloop runs its steps under jit. Leave axis_name out: one device needs "
         f"none, and over several (run(..., mesh=...)) the statistics are computed over the "
         f"whole global batch without it"
+    )
+
+
+def scope_misuse(error: BaseException, applying: str, fresh: bool) -> ValueError | None:
+    """The ValueError for a linen module that writes a collection when evaluated, or (with
+    `fresh` variables, made by its init with the train flag off) makes a parameter only
+    when training; None for other errors. Neither is x's doing."""
+    written = _IMMUTABLE.search(str(error))
+    if written is not None:
+        name, scope, collection = written.groups()
+        return ValueError(
+            f"model: it updates {collection!r} ({scope or '/'}, {name!r}) when evaluated, "
+            f"where fuseloop lets no collection change (the train flag off): {applying} "
+            f"fails with flax's ModifyScopeVariableError. x is not the problem. Tie the "
+            f"layer to the flag (nn.BatchNorm(use_running_average=not train)), or update "
+            f"{collection!r} only when training"
+        )
+    missing = _NO_PARAM.search(str(error)) if fresh else None
+    if missing is None:
+        return None
+    return ValueError(
+        f"model: it makes the parameter {missing.group(1)!r} in {missing.group(2)} only when "
+        f"training (a layer built under `if train:`), while fuseloop initialises it with the "
+        f"train flag off: {applying} fails with flax's ScopeParamNotFoundError. x is not "
+        f"the problem. Build that layer on both paths (leave its output unused when not "
+        f"training), or initialise the variables yourself in training mode and pass them: "
+        f"run(data, module.init({{'params': key, 'dropout': key}}, x, train=True))"
     )
 
 

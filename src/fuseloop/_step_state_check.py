@@ -64,6 +64,12 @@ def _fix_for(path: Any, old: Any, new: Any, step_state: Any) -> str:
     name = _collection(path, step_state)
     if name is None or old == new:
         return _CAST_FIX
+    if name != "batch_stats":  # a collection the model's own code writes
+        return (
+            f"The leaf is in the model's {name!r} collection, which its init makes in {old} "
+            f"and its step writes in {new}: cast the update back where the model writes it "
+            f"(e.g. value.astype({str(old)!r})), or create the variable in {new}"
+        )
     return (
         f"The leaf is in the model's {name!r} collection, which its init makes in {old} and "
         f"its step in {new} (flax's BatchNorm starts its statistics in float32, and float64 "
