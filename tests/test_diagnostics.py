@@ -150,7 +150,13 @@ def test_measures_once_per_loop_and_batch_shape(fake_probe: FakeProbe) -> None:
 
 @pytest.mark.parametrize(
     "argument, value",
-    [("budget_bytes", 0), ("max_chunk", -1), ("tolerance", 0.0), ("epoch_length", 0)],
+    [
+        ("budget_bytes", 0),
+        ("max_chunk", -1),
+        ("tolerance", 0.0),
+        ("tolerance", float("nan")),
+        ("epoch_length", 0),
+    ],
 )
 def test_bad_arguments_name_themselves(argument: str, value: float) -> None:
     loop, batch = _loop(), _batches(1)[0]
@@ -291,6 +297,8 @@ def test_the_diagnostics_name_bad_inputs_as_a_run_does() -> None:
         diagnostics.choose_chunk_size(None, state.step_state, (x, y))
     with pytest.raises(ValueError, match="state: expected a fuseloop State"):
         diagnostics.explain_dispatches(None)
+    with pytest.raises(ValueError, match=r"step_state: .*got a State: pass state.step_state"):
+        diagnostics.choose_chunk_size(loop, state, (x, y))
 
 
 def test_auto_does_not_time_a_step_with_side_effects():

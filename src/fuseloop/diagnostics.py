@@ -78,7 +78,8 @@ def decide_chunk_size(
 
     Args:
         loop: The Loop being run.
-        step_state: The initial step state (only read, never donated).
+        step_state: The initial step state (only read, never donated); None: the loop's
+            own fresh one, as `run(data)` starts from.
         first_batch: A batch (no data is consumed).
         placement: A run's placement (its mesh, if any, is used for the probe).
         budget_bytes: Memory budget for one stacked chunk.
@@ -97,9 +98,10 @@ def decide_chunk_size(
         (4, 'epoch length')
     """
     auto_chunk.require(loop, Loop, "loop", "fl.trainer(...)")
+    programs = auto_chunk.checked_programs(loop, step_state, first_batch)
     return auto_chunk.decide_chunk_size(
-        auto_chunk.checked_programs(loop, step_state, first_batch),
-        step_state,
+        programs,
+        auto_chunk.fresh_if_none(loop, step_state, first_batch),
         first_batch,
         placement=placement,
         budget_bytes=budget_bytes,

@@ -35,6 +35,7 @@ import numpy as np
 
 from .._fusion import DEFAULT_CHUNK
 from .._placement import device_signature
+from .._state import State
 from .programs import Programs
 
 __all__ = [
@@ -62,7 +63,7 @@ def nbytes(tree: Any) -> int:
 
 def check_positive(value: Any, name: str, kind: type = int) -> None:
     ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
-    if not ok or value <= 0:
+    if not ok or not value > 0:  # (NaN is not > 0)
         raise ValueError(f"{name}={value!r} must be a positive {kind.__name__}")
 
 
@@ -83,8 +84,12 @@ def checked_programs(loop: Any, step_state: Any, first_batch: Any) -> Programs:
     the run's message, not the model library's, and an empty batch is named."""
     from .._checks import Checker
 
+    if isinstance(step_state, State):
+        raise ValueError(
+            "step_state: expected the step state a run starts from, got a State: pass "
+            "state.step_state (or None for the loop's own fresh one)"
+        )
     programs = Programs(loop)
-
     leaves = jax.tree.leaves(first_batch)
     if leaves and any(np.shape(leaf)[:1] == (0,) for leaf in leaves):
         raise ValueError("first_batch: holds no examples; pass a batch of the data")
@@ -93,6 +98,20 @@ def checked_programs(loop: Any, step_state: Any, first_batch: Any) -> Programs:
     if step_state is not None:
         checker.variables(step_state)
     return programs
+
+
+def fresh_if_none(loop: Any, step_state: Any, first_batch: Any) -> Any:
+    """`step_state`, or where it is None the loop's own initial one for `first_batch` (a
+    trainer's fresh variables and optimizer state; a custom loop's `init_fn`'s)."""
+    if step_state is not None:
+        return step_state
+    made = loop.program.init(first_batch, None)
+    if made is None:
+        raise ValueError(
+            "step_state=None: this loop makes no step state of its own (fl.loop without "
+            "init_fn); pass the one its runs start from"
+        )
+    return made
 
 
 def _shardings(placement: Any) -> tuple[Any, Any]:
