@@ -62,7 +62,10 @@ class State:
         event_counts: Iteration events: `{"total": n, "epoch": n}`; others: an int.
         status: `"running"`, `"completed"` or `"halted"`.
         times: Epoch -> wall seconds.
-        stats: Dispatch/sync/transfer/compile counters of the current run.
+        stats: Dispatch/sync/transfer/compile counters of the current run. `compiles`
+            counts the step programs it traced (chunk, unfused step, resident, multi-epoch
+            dispatch), not the small ones around them (the initial state, zeroed
+            accumulators, an epoch's order): a second run of a loop counts 0.
 
     Example:
         >>> s = State()
