@@ -299,6 +299,9 @@ def test_the_diagnostics_name_bad_inputs_as_a_run_does() -> None:
         diagnostics.explain_dispatches(None)
     with pytest.raises(ValueError, match=r"step_state: .*got a State: pass state.step_state"):
         diagnostics.choose_chunk_size(loop, state, (x, y))
+    evaluator = fl.evaluator(fl.models.mlp([3]), "sparse_categorical_cross_entropy")
+    with pytest.raises(ValueError, match=r"step_state=None: an evaluator has no step state"):
+        diagnostics.choose_chunk_size(evaluator, None, (x, y))
 
 
 def test_auto_does_not_time_a_step_with_side_effects():

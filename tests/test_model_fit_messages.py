@@ -516,12 +516,31 @@ class _StringMode(nn.Module):
         return nn.Dense(3)(nn.BatchNorm(use_running_average=mode != "train")(x))
 
 
+class _WritesParams(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        w = self.param("w", nn.initializers.ones, (x.shape[-1], 3))
+        if train:
+            self.put_variable("params", "w", w * 2)
+        return x @ w
+
+
+class _OptionalStringMode(nn.Module):
+    @nn.compact
+    def __call__(self, x, mode: str | None = None):
+        return nn.Dense(3)(nn.BatchNorm(use_running_average=mode != "train")(x))
+
+
 def test_linen_modules_breaking_the_train_flag_convention_are_told_so_not_blamed_on_x():
     data = make_batches(2)
     trained = fl.trainer(_StatsAlways(), SPARSE, "sgd").run(data)
     with pytest.raises(ValueError, match=r"updates 'batch_stats' .*when evaluated.*x is not the"):
         fl.evaluator(_StatsAlways()).run(data, trained)
-    with pytest.raises(ValueError, match=r"parameter 'kernel' in /aux only when training.*x is"):
+    with pytest.raises(ValueError, match=r"writes 'params' .*in its forward pass.*x is not"):
+        fl.trainer(_WritesParams(), SPARSE, "sgd").run(data)
+    with pytest.raises(
+        ValueError, match=r"parameter 'kernel' in /aux, which its init .*did not make.*x is not"
+    ):
         fl.trainer(_AuxHeadInTraining(), SPARSE, "sgd").run(data)
     # The fix it names runs, and its variables are not called unread (the head trains).
     variables = _AuxHeadInTraining().init(jax.random.key(0), data[0][0], train=True)
@@ -534,6 +553,8 @@ def test_linen_modules_breaking_the_train_flag_convention_are_told_so_not_blamed
     for value in ("train", True):  # a str flag takes no bool: the wrapper is named
         with pytest.raises(ValueError, match=r"wrap the module"):
             fl.models.linen(_StringMode(), train_arg="mode", train_value=value)
+    with pytest.raises(ValueError, match=r"takes a str .*wrap the module"):
+        fl.models.linen(_OptionalStringMode(), train_arg="mode", train_value=True)
 
 
 def test_a_model_collection_whose_dtype_the_step_changes_is_told_to_cast_it_back():

@@ -110,6 +110,15 @@ _BOOL_FLAG_FIX = (
 )
 
 
+def _takes_str(parameter: inspect.Parameter) -> bool:
+    """Whether a `__call__` parameter is declared to take strings (`str`, `Optional[str]`,
+    `Literal["train", "eval"]`, or a str default)."""
+    annotation = parameter.annotation
+    text = annotation if isinstance(annotation, str) else repr(annotation)
+    declared = annotation is str or re.search(r"\bstr\b|Literal\[\s*['\"]", text) is not None
+    return declared or isinstance(parameter.default, str)
+
+
 class linen:  # noqa: N801 - reads as a constructor, like the other adapters
     """Adapts a flax.linen module, naming the `__call__` flag that switches train/eval mode.
 
@@ -169,7 +178,7 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
                 )
             train_value = TRAIN_FLAGS[train_arg]
         declared = inspect.signature(type(module).__call__).parameters.get(train_arg)
-        if declared is not None and declared.annotation in (str, "str"):
+        if declared is not None and _takes_str(declared):
             raise ValueError(
                 f"train_arg={train_arg!r} takes a str in {type(module).__name__}.__call__: "
                 + _BOOL_FLAG_FIX

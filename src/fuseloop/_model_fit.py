@@ -19,8 +19,7 @@ import numpy as np
 from ._batch_checks import LabelRule, no_device_dtype
 from ._epoch_order import abstract_key
 from ._metrics import fits_output, resolve_loss
-from ._model_fit_advice import fix_for_x as _fix_for_x
-from ._model_fit_advice import scope_misuse, unbound_axis
+from ._model_fit_advice import fix_for_x, scope_misuse, unbound_axis
 from ._outputs import require_one_prediction
 from ._placement import device_dtype
 from ._variables_diff import UNWRAPPED, warn_unread
@@ -197,7 +196,8 @@ class ModelFit:
         applying = f"applying the model to the first batch's x ({_describe(x, 'x')})"
         if needs_rng(error):
             return self._rng_error(error, applying)
-        advice = unbound_axis(error, applying) or scope_misuse(error, applying, whose == FRESH)
+        fresh, training = whose == FRESH, self.program.kind == "trainer"
+        advice = unbound_axis(error, applying) or scope_misuse(error, applying, fresh, training)
         if advice is not None:
             return advice
         if not jax.tree.leaves(variables):
@@ -231,7 +231,7 @@ class ModelFit:
         return ValueError(
             f"{self.inputs} does not fit the model: applying it with {whose} to the first "
             f"batch's x ({_describe(x, 'x')}) fails with {_first_line(error)}. "
-            f"{_fix_for_x(x, error, self.program.model)}, or pass matching variables"
+            f"{fix_for_x(x, error, self.program.model)}, or pass matching variables"
         )
 
     def _rng_error(self, error: BaseException, applying: str) -> ValueError:
@@ -300,7 +300,7 @@ class ModelFit:
             raise ValueError(
                 f"data: x does not fit the model: initializing it on the first batch's x "
                 f"({_describe(x, 'x')}) fails with {_first_line(error)}. "
-                f"{_fix_for_x(x, error, self.program.model)}"
+                f"{fix_for_x(x, error, self.program.model)}"
             ) from error
         self.fresh = variables
         try:

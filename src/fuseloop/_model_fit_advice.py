@@ -61,11 +61,23 @@ def unbound_axis(error: BaseException, applying: str) -> ValueError | None:
     )
 
 
-def scope_misuse(error: BaseException, applying: str, fresh: bool) -> ValueError | None:
-    """The ValueError for a linen module that writes a collection when evaluated, or (with
-    `fresh` variables, made by its init with the train flag off) makes a parameter only
-    when training; None for other errors. Neither is x's doing."""
+def scope_misuse(
+    error: BaseException, applying: str, fresh: bool, training: bool
+) -> ValueError | None:
+    """The ValueError for a linen module that writes a collection fuseloop keeps fixed (any
+    when evaluated; `params`, which only the optimizer changes, when training), or (with
+    `fresh` variables, made by its init with the train flag off) reads a parameter its
+    init did not make; None for other errors. Neither is x's doing."""
     written = _IMMUTABLE.search(str(error))
+    if written is not None and training:
+        name, scope, collection = written.groups()
+        return ValueError(
+            f"model: it writes {collection!r} ({scope or '/'}, {name!r}) in its forward "
+            f"pass, which fuseloop's step keeps fixed (params change only through the "
+            f"optimizer): {applying} fails with flax's ModifyScopeVariableError. x is not "
+            f"the problem. Keep values the model updates itself in a collection of their "
+            f"own (self.variable('state', ...)), as BatchNorm keeps 'batch_stats'"
+        )
     if written is not None:
         name, scope, collection = written.groups()
         return ValueError(
@@ -79,12 +91,13 @@ def scope_misuse(error: BaseException, applying: str, fresh: bool) -> ValueError
     if missing is None:
         return None
     return ValueError(
-        f"model: it makes the parameter {missing.group(1)!r} in {missing.group(2)} only when "
-        f"training (a layer built under `if train:`), while fuseloop initialises it with the "
-        f"train flag off: {applying} fails with flax's ScopeParamNotFoundError. x is not "
-        f"the problem. Build that layer on both paths (leave its output unused when not "
-        f"training), or initialise the variables yourself in training mode and pass them: "
-        f"run(data, module.init({{'params': key, 'dropout': key}}, x, train=True))"
+        f"model: it reads the parameter {missing.group(1)!r} in {missing.group(2)}, which its "
+        f"init (run by fuseloop with the train flag off) did not make: {applying} fails with "
+        f"flax's ScopeParamNotFoundError. x is not the problem. Where the layer is built "
+        f"only when training (under `if train:`), build it on both paths (leave its output "
+        f"unused when not training), or initialise the variables yourself in training mode "
+        f"and pass them: run(data, module.init({{'params': key, 'dropout': key}}, x, "
+        f"train=True))"
     )
 
 

@@ -98,10 +98,10 @@ def decide_chunk_size(
         (4, 'epoch length')
     """
     auto_chunk.require(loop, Loop, "loop", "fl.trainer(...)")
-    programs = auto_chunk.checked_programs(loop, step_state, first_batch)
+    programs, step_state = auto_chunk.checked_programs(loop, step_state, first_batch)
     return auto_chunk.decide_chunk_size(
         programs,
-        auto_chunk.fresh_if_none(loop, step_state, first_batch),
+        step_state,
         first_batch,
         placement=placement,
         budget_bytes=budget_bytes,

@@ -78,10 +78,11 @@ def require(value: Any, kind: type, argument: str, example: str) -> None:
         )
 
 
-def checked_programs(loop: Any, step_state: Any, first_batch: Any) -> Programs:
-    """The loop's programs, once the checks a run makes of its first batch and initial step
-    state have passed (before the probe traces them): an x that does not fit the model gets
-    the run's message, not the model library's, and an empty batch is named."""
+def checked_programs(loop: Any, step_state: Any, first_batch: Any) -> tuple[Programs, Any]:
+    """The loop's programs and the initial step state (None: the loop's own fresh one),
+    once the checks a run makes of its first batch and that state have passed (before the
+    probe traces them): an x that does not fit the model gets the run's message, not the
+    model library's, and an empty batch is named."""
     from .._checks import Checker
 
     if isinstance(step_state, State):
@@ -95,16 +96,21 @@ def checked_programs(loop: Any, step_state: Any, first_batch: Any) -> Programs:
         raise ValueError("first_batch: holds no examples; pass a batch of the data")
     checker = Checker(programs.loop.program, programs.cache.verdicts)
     checker.first(first_batch)
-    if step_state is not None:
-        checker.variables(step_state)
-    return programs
+    step_state = _fresh_if_none(loop, step_state, first_batch)
+    checker.variables(step_state)
+    return programs, step_state
 
 
-def fresh_if_none(loop: Any, step_state: Any, first_batch: Any) -> Any:
+def _fresh_if_none(loop: Any, step_state: Any, first_batch: Any) -> Any:
     """`step_state`, or where it is None the loop's own initial one for `first_batch` (a
     trainer's fresh variables and optimizer state; a custom loop's `init_fn`'s)."""
     if step_state is not None:
         return step_state
+    if loop.program.kind == "evaluator":
+        raise ValueError(
+            "step_state=None: an evaluator has no step state of its own; pass the trained "
+            "variables it evaluates (state.params)"
+        )
     made = loop.program.init(first_batch, None)
     if made is None:
         raise ValueError(
