@@ -367,9 +367,11 @@ class Checker:
         return explain_step_change(self.program.step, signature, self.first_batch) or error
 
     def _check_variables(self, step_state: Any) -> None:
-        if self.fit.first_x is None or not isinstance(step_state, dict):
-            return
-        if "params" not in step_state:
+        if (
+            self.fit.first_x is None
+            or not isinstance(step_state, dict)
+            or ("params" not in step_state)
+        ):
             return
         # Keyed by the raw leaves (cheap); the abstract tree is built only when checking.
         leaves, treedef = jax.tree.flatten(step_state["params"])
