@@ -66,6 +66,45 @@ def test_multi_hot_labels_past_the_first_batch_are_refused_whatever_the_shuffle(
         loop.run(batches[seed:] + batches[:seed])  # a list of batches: read whole too
 
 
+def _one_hot_batches(bad_batch: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Five batches of 8 one-hot rows; in `bad_batch`, one row holds two labels."""
+    labels = np.eye(3, dtype=np.float32)[_Y]
+    if bad_batch is not None:
+        labels[8 * bad_batch + 5] = [1.0, 0.0, 1.0]
+    return [(_X[i : i + 8], labels[i : i + 8]) for i in range(0, 40, 8)]
+
+
+@pytest.mark.parametrize("fuse", [False, 2])
+def test_class_metrics_hold_each_batch_of_an_iterator_to_one_class_per_example(fuse):
+    """An iterator's labels cannot be read before the run: each batch is held to the rule
+    as it arrives (fused: as its chunk is stacked), and the bad one is named."""
+    own_loss = lambda y, p: jnp.mean((p - y) ** 2)  # noqa: E731
+    loop = fl.trainer(fl.models.mlp([3]), own_loss, "sgd").metric("accuracy")
+    with pytest.raises(ValueError, match=r"epoch 0, iteration 3: .* a row of y sums to 2"):
+        loop.run(iter(_one_hot_batches(bad_batch=3)), fuse=fuse)
+    with pytest.raises(ValueError, match=r"iteration 3: .* a row of y sums to 2"):
+        loop.run(lambda: iter(_one_hot_batches(bad_batch=3)), fuse=fuse)  # a callable's too
+    one_output = fl.trainer(fl.models.mlp([1]), "mean_squared_error", "sgd").metric("recall")
+    targets = [(x, (y.argmax(-1) > 0).astype(np.float32)[:, None]) for x, y in _one_hot_batches()]
+    targets[4] = (targets[4][0], targets[4][1] * 2)  # a class index of 2 among 0/1 targets
+    with pytest.raises(ValueError, match=r"iteration 4: .*'recall' read as a binary logit"):
+        one_output.run(iter(targets), fuse=fuse)
+
+
+def test_a_second_run_of_a_loop_holds_its_own_data_to_the_class_metrics_rule():
+    """The rule is found once per Loop, but each run's data is held to it: a later run
+    over multi-hot labels is refused as a first one would be."""
+    loop = fl.trainer(fl.models.mlp([3]), "categorical_cross_entropy", "sgd").metric("accuracy")
+    loop.run(_one_hot_batches())
+    with pytest.raises(ValueError, match=r"the run's labels .* a row of y sums to 2"):
+        loop.run(_one_hot_batches(bad_batch=4))
+    good = fl.data.arrays(_X, np.eye(3, dtype=np.float32)[_Y], batch_size=8)
+    loop.run(good)
+    with pytest.raises(ValueError, match=r"a row of y sums to 2"):
+        loop.run(fl.data.arrays(_X, np.concatenate([y for _, y in _one_hot_batches(1)]), 8))
+    loop.run(good)  # (the dataset found to hold keeps its verdict)
+
+
 def test_class_metrics_of_a_one_output_model_refuse_targets_outside_0_and_1():
     # One output per example is read as a binary logit against 0/1 targets: class indices
     # 0..2 or regression targets would be thresholded at 0.5 into a meaningless score.

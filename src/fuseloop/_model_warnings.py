@@ -16,11 +16,9 @@ anything runs (once per Loop: its program cache keeps the verdict).
 * Hyperparameters that `optax.inject_hyperparams` holds in the params' bfloat16 or
   float16, where adam's b2=0.999 reads 1.0.
 
-One finding is an error, not a warning: labels shaped like the model's output whose rows
-do not sum to 1 (multi-hot) under those class metrics without a binary cross-entropy,
-which would score each row's argmax (`_refuse_multi_hot`). The labels read are all of an
-in-memory dataset's (`fl.data.arrays`, a list of batches: `labels_of`), else the first
-batch's.
+The same forward pass finds the rule the class metrics hold the run's labels to
+(`_class_labels.class_label_rule`: rows summing to 1, or 0/1 targets), which the run's
+label checks apply to every batch.
 """
 
 from __future__ import annotations
@@ -32,12 +30,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._class_labels import ClassLabels, class_label_rule
 from ._metrics import CLASSIFYING
 from ._optim import inject_states
 from ._step import split_batch, warn_sown_losses
 from ._warn import warn
 
-__all__ = ["labels_of", "warn_about_model"]
+__all__ = ["warn_about_model"]
 
 # The built-in losses that take logits, and the function each applies to them.
 _APPLIES = {
@@ -58,18 +57,13 @@ _SQUASHING = frozenset({"exp", "logistic", "tanh", "erf", "erfc"})
 
 
 def warn_about_model(
-    program: Any,
-    step_state: Any,
-    first_batch: Any,
-    verdicts: dict[Any, Any],
-    metrics: Any,
-    all_labels: Any = None,
-) -> None:
-    """The run-start warnings about a model, and its refusals of labels the class metrics
-    would misread (`step_state`: a solo run's, or a population's member 0; `verdicts`: the
-    Loop's cache of checks already made; `metrics`: its MetricSpecs; `all_labels`: where
-    the data is an in-memory dataset, a callable returning all its labels, which the
-    refusals read instead of the first batch's: a shuffle must not decide them)."""
+    program: Any, step_state: Any, first_batch: Any, verdicts: dict[Any, Any], metrics: Any
+) -> ClassLabels | None:
+    """The run-start warnings about a model (`step_state`: a solo run's, or a population's
+    member 0; `verdicts`: the Loop's cache of checks already made; `metrics`: its
+    MetricSpecs). Returns the rule the class metrics hold the run's labels to (None: none),
+    found once per Loop with the warnings; the labels are checked against it by the run's
+    `LabelChecks.classes`."""
     warn_sown_losses(program, step_state)
     if program.kind == "trainer" and _OPTIMIZER_CHECKED not in verdicts:
         verdicts[_OPTIMIZER_CHECKED] = True
@@ -77,21 +71,20 @@ def warn_about_model(
         opt_state = step_state.get("opt_state") if isinstance(step_state, dict) else None
         _warn_schedule_free(opt_state)
         _warn_narrow_hyperparams(opt_state)
-    if program.kind not in ("trainer", "evaluator") or _CHECKED in verdicts:
-        return
+    if program.kind not in ("trainer", "evaluator"):
+        return None
+    if _CHECKED in verdicts:
+        return verdicts[_CHECKED]
     applies = _APPLIES.get(program.loss_name or "") if isinstance(program.loss, str) else None
     classifying = [spec.name for spec in metrics if spec.fn in CLASSIFYING]
     params = step_state.get("params") if isinstance(step_state, dict) else None
     if (applies is None and not classifying) or params is None:
-        return  # (a State of another loop's holds no params: the step-state check says so)
+        return None  # (a State of another loop's holds no params: the step-state check says so)
     x, y = split_batch(first_batch)
     final, shape = _final_function(program.model, params, x)
-    if classifying and program.loss_name != "binary_cross_entropy":
-        labels = all_labels() if all_labels is not None else None
-        labels = y if labels is None else labels
-        _refuse_multi_hot(classifying, labels, shape)
-        _refuse_non_binary(classifying, labels, shape)
-    verdicts[_CHECKED] = True
+    # A binary cross-entropy makes the class metrics element-wise, as Keras's are.
+    element_wise = program.loss_name == "binary_cross_entropy"
+    rule = verdicts[_CHECKED] = None if element_wise else class_label_rule(classifying, y, shape)
     if applies is not None:
         # A layer's output is logits: only another final operation needs the model run
         # (eagerly, op by op, so costly on a large model) to see what it returns.
@@ -101,85 +94,7 @@ def warn_about_model(
             _warn_loss(program.loss, applies)
     elif final in ("sigmoid", "softmax") and (len(shape) < 2 or shape[-1] == 1):
         _warn_metrics(classifying, final)  # one output per example, read as a binary logit
-
-
-def labels_of(data: Any) -> Any:
-    """A callable returning all the labels of in-memory `data` (`fl.data.arrays`, or a list
-    or tuple of `(x, y)` batches whose labels are arrays alike but for their length, else
-    None), for the refusals to read instead of the first batch's; None for other data."""
-    if hasattr(data, "host_labels"):
-        return data.host_labels
-    if not isinstance(data, (list, tuple)) or len(data) < 2:
-        return None
-
-    def read() -> Any:  # only where the refusals are made: once per Loop
-        pairs = [batch for batch in data if isinstance(batch, (tuple, list)) and len(batch) == 2]
-        readable = [y for y in (_readable(pair[1]) for pair in pairs) if y is not None and y.ndim]
-        if len(readable) < len(data) or len({y.shape[1:] for y in readable}) != 1:
-            return None  # (one unlike the first batch is refused by the batch checks)
-        return np.concatenate(readable)
-
-    return read
-
-
-def _readable(y: Any) -> np.ndarray | None:
-    """Targets (a batch's, or a dataset's) as float64 on the host, where they are one
-    numeric array this process holds whole; None otherwise."""
-    if not isinstance(y, (np.ndarray, jax.Array)):
-        return None
-    if not (np.issubdtype(y.dtype, np.number) or np.issubdtype(y.dtype, np.bool_)):
-        return None
-    if isinstance(y, jax.Array) and not y.is_fully_addressable:
-        return None
-    return np.asarray(y, np.float64)  # host read: the first batch's targets
-
-
-def _refuse_multi_hot(names: Sequence[str], y: Any, output: tuple[int, ...]) -> None:
-    """Raises where labels shaped as the model's output do not hold one class per example
-    (a row of the first batch not summing to 1: multi-hot, or none): the built-in class
-    metrics would compare each row's argmax, not its labels."""
-    values = _readable(y)
-    if values is None or values.ndim < 2 or values.shape[1:] != tuple(output)[1:]:
-        return
-    if values.shape[-1] < 2:
-        return
-    sums = values.sum(axis=-1)
-    off = np.flatnonzero(np.abs(sums - 1.0) > 1e-3)
-    if off.size == 0:
-        return
-    listed = ", ".join(repr(name) for name in names)
-    raise ValueError(
-        f"data: y has the model's output shape {tuple(output)}, read by {listed} as one "
-        f"class per example (one-hot or probabilities, each row summing to 1), but a row of y "
-        f"sums to {sums.flat[off[0]]:g} (multi-hot labels?): {listed} would "
-        f"compare each row's argmax. For several labels per example, pass "
-        f"loss='binary_cross_entropy' (fl.evaluator(model, 'binary_cross_entropy') to "
-        f"evaluate), which makes them element-wise, or a metric of your own"
-    )
-
-
-def _refuse_non_binary(names: Sequence[str], y: Any, output: tuple[int, ...]) -> None:
-    """Raises where a model of one output per example meets targets outside [0, 1] (and
-    not -1) in the first batch: the built-in class metrics read its output as a binary
-    logit and the target as 0/1 (above 0.5 is positive), so a label of 2 or a regression
-    target would be scored as something else."""
-    if not output or (len(output) >= 2 and output[-1] != 1):  # () : the output is unknown
-        return
-    values = _readable(y)
-    if values is None:
-        return
-    # 0/1 targets, probabilities, or -1/+1 labels: the metric reads them as meant.
-    off = np.flatnonzero(~(((values >= 0) & (values <= 1)) | (values == -1)))
-    if off.size == 0:
-        return
-    listed = ", ".join(repr(name) for name in names)
-    raise ValueError(
-        f"data: the model gives one output per example (shape {tuple(output)}), which "
-        f"{listed} read as a binary logit against 0/1 targets, but y holds "
-        f"{values.flat[off[0]]:g}. For K classes, give the model K outputs and integer labels "
-        f"(loss='sparse_categorical_cross_entropy'); for a regression, "
-        f"track 'mean_absolute_error' or a metric of your own"
-    )
+    return rule
 
 
 def _warn_schedule_free(opt_state: Any) -> None:

@@ -16,7 +16,8 @@ from .._checks import Checker
 from .._data import as_source
 from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, Event
 from .._fusion import resolve_fuse
-from .._model_warnings import labels_of, warn_about_model
+from .._label_checks import labels_of
+from .._model_warnings import warn_about_model
 from .._placement import Placement
 from .._state import State, attach_to_error, new_stats
 from .._warn import warn
@@ -149,8 +150,8 @@ class Run:
         )
         member = step_state if self.members is None else first_member(step_state)
         verdicts = self.programs.cache.verdicts
-        labels = labels_of(self.source.data)  # an in-memory dataset's: all of them
-        warn_about_model(self.loop.program, member, first, verdicts, self.loop.metrics, labels)
+        classes = warn_about_model(self.loop.program, member, first, verdicts, self.loop.metrics)
+        self.checker.labels.classes(classes, labels_of(self.source.data), first)
         if self.members is None:
             self.checker.variables(step_state, signature, defer=self.jit)
         else:
