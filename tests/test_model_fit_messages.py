@@ -531,6 +531,26 @@ class _OptionalStringMode(nn.Module):
         return nn.Dense(3)(nn.BatchNorm(use_running_average=mode != "train")(x))
 
 
+class _CounterInTraining(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        if train:  # a collection made only when training: the eval-mode init lacks it
+            steps = self.variable("counter", "steps", lambda: jnp.zeros((), jnp.int32))
+            steps.value += 1
+        return nn.Dense(3)(x)
+
+
+def test_a_collection_made_only_when_training_is_named_with_the_fix_that_runs():
+    data = make_batches(2)
+    with pytest.raises(
+        ValueError, match=r"reads 'steps' of the collection 'counter' in /, which its init .*x is"
+    ):
+        fl.trainer(_CounterInTraining(), SPARSE, "sgd").run(data)
+    variables = _CounterInTraining().init(jax.random.key(0), data[0][0], train=True)
+    state = fl.trainer(_CounterInTraining(), SPARSE, "sgd").run(data, variables, epochs=2)
+    assert int(state.params["counter"]["steps"]) == 1 + 4  # the init's step, then 4 steps
+
+
 def test_linen_modules_breaking_the_train_flag_convention_are_told_so_not_blamed_on_x():
     data = make_batches(2)
     trained = fl.trainer(_StatsAlways(), SPARSE, "sgd").run(data)

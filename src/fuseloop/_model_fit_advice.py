@@ -19,6 +19,7 @@ _AXIS_NAME = re.compile(r"unbound axis name: (\w+)")
 # parameter the variables lack (a layer made only on the training path).
 _IMMUTABLE = re.compile(r'Cannot update variable "(\w+)" in "([^"]*)" because collection "(\w+)"')
 _NO_PARAM = re.compile(r'Could not find parameter named "(\w+)" in scope "([^"]*)"')
+_NO_COLLECTION = re.compile(r'Tried to access "(\w+)" from collection "(\w+)" in "([^"]*)"')
 
 
 def fix_for_x(x: Any, error: BaseException, model: Any) -> str:
@@ -66,8 +67,9 @@ def scope_misuse(
 ) -> ValueError | None:
     """The ValueError for a linen module that writes a collection fuseloop keeps fixed (any
     when evaluated; `params`, which only the optimizer changes, when training), or (with
-    `fresh` variables, made by its init with the train flag off) reads a parameter its
-    init did not make; None for other errors. Neither is x's doing."""
+    `fresh` variables, made by its init with the train flag off) reads a parameter or a
+    collection's variable its init did not make; None for other errors. Neither is x's
+    doing."""
     written = _IMMUTABLE.search(str(error))
     if written is not None and training:
         name, scope, collection = written.groups()
@@ -87,17 +89,25 @@ def scope_misuse(
             f"layer to the flag (nn.BatchNorm(use_running_average=not train)), or update "
             f"{collection!r} only when training"
         )
-    missing = _NO_PARAM.search(str(error)) if fresh else None
-    if missing is None:
+    if not fresh:
+        return None
+    missing = _NO_PARAM.search(str(error))
+    if missing is not None:
+        name, scope, error_name = missing.group(1), missing.group(2), "ScopeParamNotFoundError"
+        what, where = f"the parameter {name!r}", "the layer is built"
+    elif (missing := _NO_COLLECTION.search(str(error))) is not None:
+        name, collection, scope = missing.groups()
+        error_name = "ScopeCollectionNotFound"
+        what, where = f"{name!r} of the collection {collection!r}", "the variable is made"
+    else:
         return None
     return ValueError(
-        f"model: it reads the parameter {missing.group(1)!r} in {missing.group(2)}, which its "
-        f"init (run by fuseloop with the train flag off) did not make: {applying} fails with "
-        f"flax's ScopeParamNotFoundError. x is not the problem. Where the layer is built "
-        f"only when training (under `if train:`), build it on both paths (leave its output "
-        f"unused when not training), or initialise the variables yourself in training mode "
-        f"and pass them: run(data, module.init({{'params': key, 'dropout': key}}, x, "
-        f"train=True))"
+        f"model: it reads {what} in {scope or '/'}, which its init (run by fuseloop with "
+        f"the train flag off) did not make: {applying} fails with flax's {error_name}. x "
+        f"is not the problem. Where {where} only when training (under `if train:`), make "
+        f"it on both paths (leave it unused when not training), or initialise the "
+        f"variables yourself in training mode and pass them: run(data, "
+        f"module.init({{'params': key, 'dropout': key}}, x, train=True))"
     )
 
 
