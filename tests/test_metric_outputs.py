@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import fuseloop as fl
@@ -103,6 +104,16 @@ def test_a_second_run_of_a_loop_holds_its_own_data_to_the_class_metrics_rule():
     with pytest.raises(ValueError, match=r"a row of y sums to 2"):
         loop.run(fl.data.arrays(_X, np.concatenate([y for _, y in _one_hot_batches(1)]), 8))
     loop.run(good)  # (the dataset found to hold keeps its verdict)
+    # The rule depends on the labels' shape, so a run over integer labels has none.
+    either = lambda y, p: jnp.mean(  # noqa: E731
+        optax.softmax_cross_entropy(p, y)
+        if y.ndim == 2
+        else optax.softmax_cross_entropy_with_integer_labels(p, y)
+    )
+    both = fl.trainer(fl.models.mlp([3]), either, "sgd").metric("accuracy")
+    one_hot = both.run(good)
+    integers = both.run(fl.data.arrays(_X, _Y, batch_size=8))
+    assert integers.metrics == one_hot.metrics  # the same loss and accuracy, read as meant
 
 
 def test_class_metrics_of_a_one_output_model_refuse_targets_outside_0_and_1():

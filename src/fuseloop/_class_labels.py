@@ -81,11 +81,19 @@ class ClassLabels:
         )
 
 
-def class_label_rule(metrics: Sequence[str], y: Any, output: tuple[int, ...]) -> ClassLabels | None:
-    """The rule the class `metrics` hold labels like `y` (the first batch's) to, given the
-    model's output shape (`()`: unknown); None where they read no labels of this kind or
-    `y` is not one numeric array this process holds."""
-    if not metrics or not output or readable(y) is None:
+def class_label_rule(metrics: Sequence[str], output: tuple[int, ...], y: Any) -> ClassLabels | None:
+    """The rule the class `metrics` hold labels like `y` (a run's first batch's) to, given
+    the model's output shape (`()`: unknown); None where they read no labels of this kind
+    or `y` is not one numeric array this process holds.
+
+    Example:
+        >>> import numpy as np
+        >>> class_label_rule(["accuracy"], (8, 3), np.zeros((8, 3))).per_row
+        True
+        >>> class_label_rule(["accuracy"], (8, 3), np.zeros(8, np.int32)) is None
+        True
+    """
+    if not metrics or not output or not _numeric(y):
         return None
     if len(output) == 1 or output[-1] == 1:  # one output per example: a binary logit
         return ClassLabels(tuple(metrics), tuple(output), per_row=False)
@@ -98,10 +106,15 @@ def class_label_rule(metrics: Sequence[str], y: Any, output: tuple[int, ...]) ->
 def readable(y: Any) -> np.ndarray | None:
     """Targets (a batch's, or a dataset's) as float64 on the host, where they are one
     numeric array this process holds whole; None otherwise."""
-    if not isinstance(y, (np.ndarray, jax.Array)):
-        return None
-    if not (np.issubdtype(y.dtype, np.number) or np.issubdtype(y.dtype, np.bool_)):
-        return None
-    if isinstance(y, jax.Array) and not y.is_fully_addressable:
+    if not _numeric(y):
         return None
     return np.asarray(y, np.float64)  # host read: targets the user made before the run
+
+
+def _numeric(y: Any) -> bool:
+    """Whether `y` is one numeric (or bool) array this process holds whole."""
+    if not isinstance(y, (np.ndarray, jax.Array)):
+        return False
+    if not (np.issubdtype(y.dtype, np.number) or np.issubdtype(y.dtype, np.bool_)):
+        return False
+    return not (isinstance(y, jax.Array) and not y.is_fully_addressable)

@@ -62,8 +62,8 @@ def warn_about_model(
     """The run-start warnings about a model (`step_state`: a solo run's, or a population's
     member 0; `verdicts`: the Loop's cache of checks already made; `metrics`: its
     MetricSpecs). Returns the rule the class metrics hold the run's labels to (None: none),
-    found once per Loop with the warnings; the labels are checked against it by the run's
-    `LabelChecks.classes`."""
+    from the model's output shape, found once per Loop with the warnings, and the shape of
+    the run's labels; they are checked against it by the run's `LabelChecks.classes`."""
     warn_sown_losses(program, step_state)
     if program.kind == "trainer" and _OPTIMIZER_CHECKED not in verdicts:
         verdicts[_OPTIMIZER_CHECKED] = True
@@ -73,8 +73,9 @@ def warn_about_model(
         _warn_narrow_hyperparams(opt_state)
     if program.kind not in ("trainer", "evaluator"):
         return None
-    if _CHECKED in verdicts:
-        return verdicts[_CHECKED]
+    if _CHECKED in verdicts:  # the rule depends on the labels' shape: a run's own
+        reading, shape = verdicts[_CHECKED]
+        return class_label_rule(reading, shape, split_batch(first_batch)[1])
     applies = _APPLIES.get(program.loss_name or "") if isinstance(program.loss, str) else None
     classifying = [spec.name for spec in metrics if spec.fn in CLASSIFYING]
     params = step_state.get("params") if isinstance(step_state, dict) else None
@@ -83,8 +84,8 @@ def warn_about_model(
     x, y = split_batch(first_batch)
     final, shape = _final_function(program.model, params, x)
     # A binary cross-entropy makes the class metrics element-wise, as Keras's are.
-    element_wise = program.loss_name == "binary_cross_entropy"
-    rule = verdicts[_CHECKED] = None if element_wise else class_label_rule(classifying, y, shape)
+    reading = () if program.loss_name == "binary_cross_entropy" else tuple(classifying)
+    verdicts[_CHECKED] = (reading, shape)
     if applies is not None:
         # A layer's output is logits: only another final operation needs the model run
         # (eagerly, op by op, so costly on a large model) to see what it returns.
@@ -94,7 +95,7 @@ def warn_about_model(
             _warn_loss(program.loss, applies)
     elif final in ("sigmoid", "softmax") and (len(shape) < 2 or shape[-1] == 1):
         _warn_metrics(classifying, final)  # one output per example, read as a binary logit
-    return rule
+    return class_label_rule(reading, shape, y)
 
 
 def _warn_schedule_free(opt_state: Any) -> None:
