@@ -478,8 +478,17 @@ def test_an_nnx_call_flag_switches_the_mode_as_linens_does(flag):
     assert not np.allclose(np.asarray(state.params["state"]["norm"]["mean"]), 0.0)
     evaluated = np.asarray(fl.predict(model, state, DATA[0][0]))
     eval_mode = {"train": False} if flag == "train" else {"deterministic": True}
-    expected = fl.models.trained(model, state)(jnp.asarray(DATA[0][0]), **eval_mode)
+    trained = fl.models.trained(model, state)
+    expected = trained(jnp.asarray(DATA[0][0]), **eval_mode)
     np.testing.assert_array_equal(evaluated, np.asarray(expected))
+    # Called as the docs say, without the flag, it evaluates too (its default would train
+    # with deterministic=False), and it is still the user's module: its class, its state.
+    np.testing.assert_array_equal(np.asarray(trained(jnp.asarray(DATA[0][0]))), expected)
+    assert isinstance(trained, NnxCallFlag) and type(trained).__name__ == "NnxCallFlag"
+    assert type(fl.models.trained(model, state)) is type(trained)  # one class: no recompile
+    own = NnxCallFlag(nnx.Rngs(1), flag)
+    nnx.update(own, nnx.state(trained))  # as README.md writes the weights back
+    np.testing.assert_array_equal(np.asarray(own(jnp.asarray(DATA[0][0]), **eval_mode)), expected)
 
 
 class EqxInferenceFlag(eqx.Module):
@@ -500,6 +509,9 @@ def test_an_equinox_inference_argument_turns_dropout_off_in_evaluation():
     trained = fl.models.trained(model, state)
     expected = jax.vmap(lambda xi: trained(xi, inference=True))(jnp.asarray(DATA[0][0]))
     np.testing.assert_array_equal(np.asarray(fl.predict(model, state, DATA[0][0])), expected)
+    # Without the flag too (its default, False, would run dropout), as the docs call it.
+    np.testing.assert_array_equal(np.asarray(jax.vmap(trained)(jnp.asarray(DATA[0][0]))), expected)
+    assert isinstance(trained, EqxInferenceFlag) and trained.dense is not None
     evaluated = evaluator_with_loss(model).run(DATA, state.params)
     assert state.metrics["loss"] != pytest.approx(evaluated.metrics["loss"], rel=1e-3)
 

@@ -18,9 +18,7 @@ Example:
 from __future__ import annotations
 
 import functools
-import inspect
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import flax.linen as nn
@@ -29,8 +27,9 @@ from ._arg_types import is_int
 from ._equinox import from_equinox
 from ._functions import from_functions
 from ._linen import TRAIN_FLAGS, ModelConventionError, ModelModeError, linen
-from ._nnx import from_nnx, set_nnx_mode
+from ._nnx import from_nnx
 from ._population import refuse_population
+from ._trained import trained_form
 
 __all__ = [
     "ModelAdapter",
@@ -272,70 +271,6 @@ def _module_adapters() -> dict[type, Callable[[Any], ModelAdapter]]:
     return adapters
 
 
-class _EvalFlag(nn.Module):
-    """Calls `inner` with its train/eval flags set for evaluation (see `trained`)."""
-
-    inner: nn.Module
-    flags: tuple[tuple[str, bool], ...]
-
-    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.inner(x, *args, **{**dict(self.flags), **kwargs})
-
-
-def _flag_defaults_evaluate(adapter: linen) -> bool:
-    """Whether calling the module without its flags already evaluates."""
-    parameters = inspect.signature(type(adapter.module).__call__).parameters
-    return all(
-        name in parameters and parameters[name].default is (not value)
-        for name, value in adapter.flags.items()
-    )
-
-
-def _trained_linen(adapter: linen, variables: Any) -> Any:
-    if _flag_defaults_evaluate(adapter):
-        return adapter.module.bind(variables)
-    # Nest the variables one level down, under the wrapper's child `inner`.
-    nested = {collection: {"inner": tree} for collection, tree in variables.items()}
-    flags = tuple(adapter.mode(False).items())
-    return _EvalFlag(adapter.module, flags).bind(nested)
-
-
-_SUBMODULE = re.compile(r"^[A-Z][A-Za-z0-9]*_\d+$")  # flax's own submodule names
-
-
-def _require_collections(adapter: Any, variables: Any) -> None:
-    """Raises where `variables` cannot be a linen, nnx or equinox model's variables.
-
-    They are a dict of collections holding 'params' (and 'state' for nnx), as
-    `state.params` is; a linen model's params alone (`variables['params']`, keyed by
-    flax's submodule names) are named. A linen module without params passes.
-    """
-    needed = ("params", "state") if isinstance(adapter, from_nnx) else ("params",)
-    if not isinstance(adapter, (linen, from_nnx, from_equinox)):
-        return  # (init, apply) functions: their variables are whatever init returns
-    if isinstance(variables, Mapping) and all(key in variables for key in needed):
-        return
-    # A linen module without params has none to hold ({} or its other collections); only
-    # submodule names flax gives (Dense_0, ...) in place of collections are refused.
-    submodules = isinstance(variables, Mapping) and all(_SUBMODULE.match(str(k)) for k in variables)
-    if (
-        isinstance(adapter, linen)
-        and isinstance(variables, Mapping)
-        and not (variables and submodules)
-    ):
-        return
-    what = f"a {type(variables).__name__}"
-    if isinstance(variables, Mapping):
-        what = f"a dict of {sorted(map(str, variables))[:4]}"
-        if isinstance(adapter, linen) and variables:
-            what += " (the params alone, variables['params']?)"
-    raise ValueError(
-        f"state_or_variables: {what} is not the variables of this model, a dict holding "
-        f"{' and '.join(repr(k) for k in needed)} as state.params does: pass the State "
-        f"from run, or state.params"
-    )
-
-
 def trained(model: Any, state_or_variables: Any) -> Any:
     """The trained model in its own library's form, callable on x in evaluation mode.
 
@@ -344,6 +279,9 @@ def trained(model: Any, state_or_variables: Any) -> Any:
     * flax.nnx: the module rebuilt with the trained params and state, in `.eval()` mode.
     * equinox: the module with the trained arrays, in inference mode (batched as equinox
       modules are: per example; `jax.vmap` it for a batch).
+    * An nnx or equinox module whose `__call__` takes a train/eval flag that does not
+      default to evaluation (`inference=False`) is returned as an instance of a subclass
+      of its class, named as it is, whose call passes the flag (a flag given wins).
     * `(init, apply)` functions or any `.init`/`.apply` object: `lambda x: apply(vars, x)`.
 
     Args:
@@ -373,18 +311,4 @@ def trained(model: Any, state_or_variables: Any) -> Any:
         "state_or_variables",
         " (fl.predict(model, state, x) predicts with every member at once)",
     )
-    adapter = as_model(model)
-    _require_collections(adapter, variables)
-    if isinstance(adapter, linen):
-        return _trained_linen(adapter, dict(variables))
-    if isinstance(adapter, from_nnx):
-        nnx = adapter._nnx
-        params = adapter._rebuild(adapter._templates[0], variables["params"], "params")
-        rest = adapter._rebuild(adapter._templates[1], variables["state"], "state")
-        module = nnx.merge(adapter.graphdef, params, rest)
-        set_nnx_mode(module, False)
-        return module
-    if isinstance(adapter, from_equinox):
-        eqx = adapter._eqx
-        return eqx.nn.inference_mode(eqx.combine(variables["params"], adapter.static))
-    return lambda x: adapter.apply(variables, x)
+    return trained_form(as_model(model), variables)

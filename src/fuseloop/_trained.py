@@ -1,0 +1,146 @@
+"""`fl.models.trained`'s forms: a trained model in its own library's form, callable on x
+in evaluation mode.
+
+A model whose `__call__` takes a train/eval flag (`fl.models.TRAIN_FLAGS`) that does not
+default to evaluation is given it: a linen module through a bound wrapper (`_EvalFlag`),
+an nnx or equinox module through a subclass of its own class whose `__call__` passes the
+flag (`_evaluating`), so the result keeps the module's attributes and fields, and an nnx
+module its state paths (`nnx.update(module, nnx.state(trained))` writes the weights
+back). A flag passed in a call wins.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+
+from ._equinox import from_equinox
+from ._linen import flag_values, linen
+from ._nnx import from_nnx, set_nnx_mode
+
+__all__ = ["trained_form"]
+
+
+def trained_form(adapter: Any, variables: Any) -> Any:
+    """`adapter`'s model (see `fl.models.trained`) holding `variables`, evaluating."""
+    _require_collections(adapter, variables)
+    if isinstance(adapter, linen):
+        return _trained_linen(adapter, dict(variables))
+    if isinstance(adapter, from_nnx):
+        nnx = adapter._nnx
+        params = adapter._rebuild(adapter._templates[0], variables["params"], "params")
+        rest = adapter._rebuild(adapter._templates[1], variables["state"], "state")
+        module = nnx.merge(adapter.graphdef, params, rest)
+        set_nnx_mode(module, False)
+        return _evaluating(module, flag_values(adapter.flags, False))
+    if isinstance(adapter, from_equinox):
+        eqx = adapter._eqx
+        module = eqx.nn.inference_mode(eqx.combine(variables["params"], adapter.static))
+        return _evaluating(module, flag_values(adapter.flags, False))
+    return lambda x: adapter.apply(variables, x)
+
+
+class _EvalFlag(nn.Module):
+    """Calls `inner` with its train/eval flags set for evaluation (see `trained`)."""
+
+    inner: nn.Module
+    flags: tuple[tuple[str, bool], ...]
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(x, *args, **{**dict(self.flags), **kwargs})
+
+
+def _defaults_evaluate(cls: Any, evaluating: dict[str, bool]) -> bool:
+    """Whether calling an instance of `cls` without its flags already evaluates."""
+    parameters = inspect.signature(cls.__call__).parameters
+    return all(
+        name in parameters and parameters[name].default is value
+        for name, value in evaluating.items()
+    )
+
+
+def _trained_linen(adapter: linen, variables: Any) -> Any:
+    evaluating = adapter.mode(False)
+    if _defaults_evaluate(type(adapter.module), evaluating):
+        return adapter.module.bind(variables)
+    # Nest the variables one level down, under the wrapper's child `inner`.
+    nested = {collection: {"inner": tree} for collection, tree in variables.items()}
+    return _EvalFlag(adapter.module, tuple(evaluating.items())).bind(nested)
+
+
+def _evaluating(module: Any, evaluating: dict[str, bool]) -> Any:
+    """`module` (an nnx or equinox module made for `trained`, no one else's), now an
+    instance of a subclass of its class whose `__call__` passes the `evaluating` flags,
+    unless its flags default to them."""
+    if _defaults_evaluate(type(module), evaluating):
+        return module
+    # (equinox modules are frozen: the class is set as their own __init__ sets fields)
+    object.__setattr__(module, "__class__", _subclass(type(module), tuple(evaluating.items())))
+    return module
+
+
+_SUBCLASSES: dict[tuple[Any, Any], type] = {}
+
+
+def _subclass(cls: Any, flags: tuple[tuple[str, bool], ...]) -> type:
+    """`cls` with `__call__` passing `flags`; one class per pair, so that jit caches keyed
+    by a module's type (`nnx.jit`, `eqx.filter_jit`) compile once for every trained one."""
+    if (cls, flags) not in _SUBCLASSES:
+        _SUBCLASSES[cls, flags] = _make_subclass(cls, flags)
+    return _SUBCLASSES[cls, flags]
+
+
+def _make_subclass(cls: Any, flags: tuple[tuple[str, bool], ...]) -> type:
+    call = cls.__call__
+
+    @functools.wraps(call)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+        return call(self, *args, **{**dict(flags), **kwargs})
+
+    namespace = {
+        "__call__": __call__,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+    }
+    return type(cls.__name__, (cls,), namespace)
+
+
+_SUBMODULE = re.compile(r"^[A-Z][A-Za-z0-9]*_\d+$")  # flax's own submodule names
+
+
+def _require_collections(adapter: Any, variables: Any) -> None:
+    """Raises where `variables` cannot be a linen, nnx or equinox model's variables.
+
+    They are a dict of collections holding 'params' (and 'state' for nnx), as
+    `state.params` is; a linen model's params alone (`variables['params']`, keyed by
+    flax's submodule names) are named. A linen module without params passes.
+    """
+    needed = ("params", "state") if isinstance(adapter, from_nnx) else ("params",)
+    if not isinstance(adapter, (linen, from_nnx, from_equinox)):
+        return  # (init, apply) functions: their variables are whatever init returns
+    if isinstance(variables, Mapping) and all(key in variables for key in needed):
+        return
+    # A linen module without params has none to hold ({} or its other collections); only
+    # submodule names flax gives (Dense_0, ...) in place of collections are refused.
+    submodules = isinstance(variables, Mapping) and all(_SUBMODULE.match(str(k)) for k in variables)
+    if (
+        isinstance(adapter, linen)
+        and isinstance(variables, Mapping)
+        and not (variables and submodules)
+    ):
+        return
+    what = f"a {type(variables).__name__}"
+    if isinstance(variables, Mapping):
+        what = f"a dict of {sorted(map(str, variables))[:4]}"
+        if isinstance(adapter, linen) and variables:
+            what += " (the params alone, variables['params']?)"
+    raise ValueError(
+        f"state_or_variables: {what} is not the variables of this model, a dict holding "
+        f"{' and '.join(repr(k) for k in needed)} as state.params does: pass the State "
+        f"from run, or state.params"
+    )
