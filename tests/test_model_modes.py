@@ -223,6 +223,15 @@ def test_nnx_layers_set_to_evaluation_mode_are_named_when_a_trainer_takes_them()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fl.trainer(model, SPARSE, "adam")
+    # Frozen after the trainer was built: its run says so, once for the layers held.
+    model = NnxNet(nnx.Rngs(0))
+    loop = fl.trainer(model, SPARSE, "adam")
+    model.norm.use_running_average = True
+    with pytest.warns(UserWarning, match=r"\(norm\.use_running_average=True\): a trainer"):
+        loop.run(DATA)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loop.run(DATA)
 
 
 def test_nnx_variables_of_other_shapes_are_refused_by_name():

@@ -51,6 +51,7 @@ class from_nnx:  # noqa: N801
 
         self._nnx, self.module = nnx, module
         self.flags = call_flags(module)  # `__call__`'s own train/eval flags, if any
+        self._held_warned: list[str] | None = None  # the layers held in evaluation mode
         self.graphdef, params, *others = nnx.split(module, nnx.Param, ...)
         (rest,) = others  # the two filters, Param and `...`, split the module in two
         self._templates = (params, rest)
@@ -92,8 +93,15 @@ class from_nnx:  # noqa: N801
         """The warnings a trainer gives about the module: `warn_param_kinds`, and layers
         set to evaluation mode, which its steps run in training mode."""
         self.warn_param_kinds(tx)
+        self.warn_held_modes()
+
+    def warn_held_modes(self) -> None:
+        """Warns where the module holds layers set to evaluation mode by hand: when a
+        trainer is built, and at a run's start where they changed since (a BatchNorm
+        frozen after the trainer was built)."""
         held = eval_flags(self.module)
-        if held:
+        if held and held != self._held_warned:
+            self._held_warned = held
             more = f", and {len(held) - 4} more" if len(held) > 4 else ""
             warn(
                 f"the nnx module holds layers in evaluation mode ({', '.join(held[:4])}"

@@ -233,8 +233,11 @@ def initial_step_state(programs: Programs, user_state: Any, first: Any, resuming
     """The step state the run starts from (see `Start`)."""
     program = programs.loop.program
     check_structure = getattr(program.model, "check_structure", None)
-    if check_structure is not None:  # an nnx module changed after its loop was built
+    if check_structure is not None:  # a module changed after its loop was built
         check_structure()
+    warn_held_modes = getattr(program.model, "warn_held_modes", None)
+    if warn_held_modes is not None and program.kind == "trainer":
+        warn_held_modes()  # nnx layers set to evaluation mode since the trainer was built
     if program.kind == "evaluator":  # not donated: the caller's params are only read
         return Start(program.init(first, user_state))
     if resuming:
