@@ -355,3 +355,27 @@ def test_the_epoch_an_earlier_handler_halts_at_is_still_written(tmp_path, fuse):
         first.run(DATA, epochs=3, fuse=fuse)
         with open(tmp_path / "first.csv", newline="") as handle:
             assert [row["epoch"] for row in csv.DictReader(handle)] == ["0"]
+
+
+def test_a_handlers_bfloat16_and_bool_metrics_are_written_and_plotted(tmp_path):
+    """A mixed-precision handler's bf16 scalar (numpy does not call bfloat16 a number) and
+    a bool flag are in the history and the log, so the CSV, TensorBoard and the plot keep
+    them too rather than dropping them without a word."""
+
+    def add(state):
+        leaves = jax.tree.leaves(state.params)
+        norm = jnp.sqrt(sum(jnp.sum(p.astype(jnp.bfloat16) ** 2) for p in leaves))
+        metrics = {**state.metrics, "pnorm": norm, "flag": np.bool_(True)}
+        return "continue", state.replace(metrics=metrics)
+
+    loop = fl.trainer(MODEL, "sparse_categorical_cross_entropy", "adam").handle_event(
+        "epoch_completed", add
+    )
+    state = loop.csv_log(tmp_path / "m.csv").run(DATA, epochs=2)
+    with open(tmp_path / "m.csv") as written:
+        rows = list(csv.DictReader(written))
+    written_norms = [float(row["pnorm"]) for row in rows]
+    assert written_norms == [float(h["pnorm"]) for h in state.history.values()]
+    assert [row["flag"] for row in rows] == ["1.0", "1.0"]
+    fl.plot_history(state.history, tmp_path / "p.png", metrics=["pnorm", "flag"])
+    assert (tmp_path / "p.png").stat().st_size > 0

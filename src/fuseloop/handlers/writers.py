@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, Self, TypeVar
 
+import jax.numpy as jnp
 import numpy as np
 
 from .._arg_types import require_room
@@ -47,6 +48,8 @@ def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     Example:
         >>> scalar_metrics({"loss": np.float32(0.5), "acc": np.array([1.0, 0.5]), "name": "x"})
         {'loss': 0.5, 'acc[0]': 1.0, 'acc[1]': 0.5}
+        >>> scalar_metrics({"norm": jnp.bfloat16(3.0), "stopped": True})
+        {'norm': 3.0, 'stopped': 1.0}
     """
     out = {}
     for name, value in metrics.items():
@@ -54,7 +57,9 @@ def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
             array = np.asarray(value)
         except Exception:  # noqa: BLE001 - not array-like: not a scalar metric
             continue
-        if not np.issubdtype(array.dtype, np.number):
+        # (JAX's dtypes know bfloat16 and the float8s, which numpy's do not call numbers;
+        # a bool is written as the log prints it, 0.0 or 1.0)
+        if not (jnp.issubdtype(array.dtype, jnp.number) or array.dtype == np.bool_):
             continue
         if array.size == 1:
             out[name] = float(array.reshape(()))
