@@ -296,3 +296,16 @@ def test_a_custom_loop_resumed_with_a_python_float_in_its_state_is_bitwise_equal
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert resumed.history == full.history
+
+
+def test_a_64_bit_save_is_refused_where_64_bit_mode_is_off(tmp_path):
+    """Loaded with 64-bit mode off, a float64 leaf would be rounded and an int64 one
+    wrapped (2**33 + 7 read as 7) without a word: refused, naming the leaf and the fix."""
+    with jax.enable_x64(True):
+        step_state = {"w": jnp.array([1 + 2**-40, 0.1]), "big": jnp.array(2**33 + 7)}
+        fl.save_state(fl.State(epoch=0, step_state=step_state), tmp_path / "s")
+        loaded = fl.load_state(tmp_path / "s")  # in the mode it was saved in: exact
+        assert loaded.step_state["big"].dtype == jnp.int64
+        assert int(loaded.step_state["big"]) == 2**33 + 7
+    with pytest.raises(ValueError, match=r"step_state\['w'\]: the save holds a float64 .*jax_en"):
+        fl.load_state(tmp_path / "s")

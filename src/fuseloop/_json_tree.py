@@ -246,8 +246,19 @@ def as_weak(value: Any) -> jax.Array:
     return weak
 
 
-def _device_array(value: Any, encoded: dict[str, Any]) -> jax.Array:
-    """A saved jax array on the device, weakly typed if the save says it was."""
+def _device_array(value: Any, encoded: dict[str, Any], where: str) -> jax.Array:
+    """A saved jax array on the device, weakly typed if the save says it was. One saved
+    in JAX's 64-bit mode is refused while that mode is off: it would be narrowed to 32
+    bits (float64 rounded, int64 wrapped) without a word."""
+    dtype = np.dtype(value.dtype)
+    narrowed = jax.dtypes.canonicalize_dtype(dtype) != dtype  # (jax.enable_x64 counts)
+    if dtype.itemsize == 8 and dtype.kind in "fiu" and narrowed:
+        raise ValueError(
+            f"{where}: the save holds a {dtype} jax array, saved in JAX's 64-bit mode, "
+            f"which is off now: loaded, it would be narrowed to 32 bits (float64 values "
+            f"rounded, int64 ones wrapped). Turn the mode on before loading "
+            f"(jax.config.update('jax_enable_x64', True)), or cast the leaf before saving"
+        )
     return as_weak(value) if encoded.get("weak") is True else jax.device_put(value)
 
 
@@ -271,7 +282,7 @@ def _decode_empty(encoded, arrays, where):
         empty = np.zeros(tuple(encoded["shape"]), jnp.dtype(encoded["dtype"]))
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{where}: malformed empty array in the save ({err})") from None
-    return _device_array(empty, encoded) if encoded["empty"] == "jax" else empty
+    return _device_array(empty, encoded, where) if encoded["empty"] == "jax" else empty
 
 
 def _decode_dataclass(encoded, arrays, where):
@@ -332,7 +343,7 @@ def _decode_function(encoded, arrays, where):
 _DECODERS = {
     "tuple": lambda e, a, w: tuple(decode(v, a, f"{w}[{i}]") for i, v in enumerate(e["tuple"])),
     "dict": _decode_dict,
-    "jax": lambda e, a, w: _device_array(_array(e, "jax", a, w), e),
+    "jax": lambda e, a, w: _device_array(_array(e, "jax", a, w), e, w),
     "numpy": lambda e, a, w: np.asarray(_array(e, "numpy", a, w)),
     "numpy_scalar": lambda e, a, w: np.asarray(_array(e, "numpy_scalar", a, w))[()],
     "key": _decode_key,
