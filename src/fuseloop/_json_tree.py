@@ -21,6 +21,7 @@ a pytree node (or it is a dataclass pytree). Anything else raises ValueError.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import warnings
 from typing import Any
@@ -84,6 +85,7 @@ def encode(value: Any, arrays: list[Any], where: str = "value") -> Any:
         }
     array = _encode_array(value, arrays)
     if array is not None:
+        _require_storable(value, where)
         return array
     if dataclasses.is_dataclass(value) and not isinstance(value, type) and _is_node(value):
         return {
@@ -151,6 +153,31 @@ def _encode_array(value: Any, arrays: list[Any]) -> dict[str, Any] | None:
         arrays.append(np.asarray(value))
         return {"numpy_scalar": len(arrays) - 1}
     return None
+
+
+def _require_storable(value: Any, where: str) -> None:
+    """Raises a ValueError naming the leaf where its dtype is one the checkpoint's array
+    store (tensorstore, under orbax) has no type for (uint4, uint2, float8_e4m3): its own
+    error names no leaf and leaves a half-written save behind."""
+    dtype = np.dtype(getattr(value, "dtype", np.float32))
+    if value.size and not _storable(dtype.name):
+        raise ValueError(
+            f"{where}: a {dtype.name} array, which the save's array store (tensorstore) "
+            f"has no type for: cast it to a type it stores before saving (e.g. "
+            f"x.astype(jnp.uint8) for uint4 and uint2, float8_e4m3fn for float8_e4m3) and "
+            f"back after loading"
+        )
+
+
+@functools.cache
+def _storable(name: str) -> bool:
+    import tensorstore  # noqa: PLC0415 (orbax's store: imported where a save is made)
+
+    try:
+        tensorstore.dtype(name)
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def is_weak(value: Any) -> bool:
