@@ -159,7 +159,9 @@ def _require_storable(value: Any, where: str) -> None:
     """Raises a ValueError naming the leaf where its dtype is one the checkpoint's array
     store (tensorstore, under orbax) has no type for (uint4, uint2, float8_e4m3): its own
     error names no leaf and leaves a half-written save behind."""
-    dtype = np.dtype(getattr(value, "dtype", np.float32))
+    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+        return  # (saved as its uint32 key data)
+    dtype = np.dtype(value.dtype)
     if value.size and not _storable(dtype.name):
         raise ValueError(
             f"{where}: a {dtype.name} array, which the save's array store (tensorstore) "
