@@ -310,3 +310,14 @@ def test_a_plain_model_object_that_sets_its_own_attributes_while_it_runs_is_no_c
     state = loop.run(data)
     assert loop.run(data, state, epochs=2).status == "completed"
     assert predict(model, state, X).shape == (23, 2) and predict(model, state, X).shape[0] == 23
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_batches_padded_to_their_own_lengths_are_named_with_the_fix(fuse):
+    """A dynamic-padding collator pads each batch to its own longest sequence: the rows
+    cannot be joined, and numpy's concatenate error named no batch and no fix."""
+    model = fl.models.mlp([3])
+    variables = model.init(jax.random.key(0), np.zeros((1, 6), np.float32))
+    batches = [np.ones((4, 6), np.float32), np.ones((4, 3), np.float32)]
+    with pytest.raises(ValueError, match=r"batch 1 of the source holds rows of shapes \(\(3,\),\)"):
+        fl.predict(model, variables, batches, fuse=fuse)

@@ -159,8 +159,26 @@ def _inputs_of_source(source: Any) -> tuple[Any, int, bool]:
             "x: the batch source's batches have no batch axis; yield arrays (or (x, y) "
             "pairs) with the examples on axis 0"
         )
+    _require_alike(inputs)
     joined = jax.tree.map(lambda *parts: np.concatenate(list(map(_host, parts))), *inputs)
     return joined, size, pairs
+
+
+def _require_alike(inputs: list[Any]) -> None:
+    """Raises a ValueError naming the first batch whose x differs from batch 0's but for
+    its number of rows (each padded to its own longest sequence, say): they are joined."""
+
+    def rows(x: Any) -> tuple[Any, ...]:
+        return (str(jax.tree.structure(x)), *(np.shape(leaf)[1:] for leaf in jax.tree.leaves(x)))
+
+    for i, x in enumerate(inputs[1:], start=1):
+        if rows(x) != rows(inputs[0]):
+            raise ValueError(
+                f"x: batch {i} of the source holds rows of shapes {rows(x)[1:]}, batch 0 "
+                f"{rows(inputs[0])[1:]} (or their structures differ); predict joins the "
+                f"batches' rows into one array: pad every batch to one length (the "
+                f"longest), or call fl.predict on each batch"
+            )
 
 
 def _local(leaf: Any) -> Any:
