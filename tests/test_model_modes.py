@@ -525,6 +525,30 @@ def test_an_equinox_inference_argument_turns_dropout_off_in_evaluation():
     assert state.metrics["loss"] != pytest.approx(evaluated.metrics["loss"], rel=1e-3)
 
 
+class EqxTwoDropouts(eqx.Module):
+    dense: eqx.nn.Linear
+    first: eqx.nn.Dropout
+    second: eqx.nn.Dropout
+
+    def __call__(self, x, *, key=None):
+        keys = (None, None) if key is None else jax.random.split(key)
+        return self.dense(self.second(self.first(x, key=keys[0]), key=keys[1]))
+
+
+def test_an_equinox_layer_set_to_inference_by_hand_is_named_when_a_trainer_takes_it():
+    """A trainer runs its steps under eqx.nn.inference_mode(module, False), which turns a
+    Dropout(p, inference=True) kept off by hand on, where a hand-written loop keeps it off:
+    it warns, naming the layer. A module wholly in inference mode is switched in silence."""
+    dense = eqx.nn.Linear(5, 3, key=jax.random.PRNGKey(0))
+    model = EqxTwoDropouts(dense, eqx.nn.Dropout(0.5, inference=True), eqx.nn.Dropout(0.5))
+    with pytest.warns(UserWarning, match=r"inference mode \(model\.first\) while others"):
+        fl.trainer(model, SPARSE, "sgd")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fl.trainer(eqx.nn.inference_mode(model, True), SPARSE, "sgd")
+        fl.trainer(eqx.nn.inference_mode(model, False), SPARSE, "sgd")
+
+
 class NnxSowing(nnx.Module):
     def __init__(self, rngs):
         self.dense = nnx.Linear(5, 3, rngs=rngs)

@@ -13,6 +13,7 @@ import jax
 from ._functions import takes_keyword
 from ._linen import call_flags, flag_values
 from ._metrics import batch_size
+from ._warn import warn
 
 __all__ = ["from_equinox"]
 
@@ -112,6 +113,7 @@ class from_equinox:  # noqa: N801
         self.params, self.static = eqx.partition(module, eqx.is_inexact_array)
         self.batched = batched
         self.flags = call_flags(module)  # `__call__`'s own train/eval flags (`inference`)
+        self._held_warned: list[str] | None = None  # layers held in inference mode, warned
         self.takes_key = takes_keyword(type(module).__call__, "key")
         self.requires_key = self.takes_key and _requires_keyword(type(module).__call__, "key")
         dropouts = [
@@ -127,6 +129,32 @@ class from_equinox:  # noqa: N801
                 f"{jax.tree_util.keystr(dropouts[0])}) but its __call__ takes no `key`, so "
                 f"Dropout cannot draw a mask while training. Add `key=None` to __call__ and "
                 f"pass it on to the Dropout layers"
+            )
+
+    def warn_for_training(self, tx: Any) -> None:
+        """The warning a trainer gives about the module (`warn_held_modes`)."""
+        self.warn_held_modes()
+
+    def warn_held_modes(self) -> None:
+        """Warns where some layers are set to inference by hand while others train (an
+        eqx.nn.Dropout(p, inference=True)): a trainer runs its steps under
+        `eqx.nn.inference_mode(module, False)`, which switches every layer on, where a
+        hand-written loop would keep that one off. A module wholly in inference mode is
+        expected to be switched."""
+        held, training = [], False
+        for path, leaf in jax.tree_util.tree_flatten_with_path(self.static)[0]:
+            if isinstance(leaf, bool) and getattr(path[-1], "name", None) == "inference":
+                held += [f"model{jax.tree_util.keystr(path[:-1])}"] if leaf else []
+                training = training or not leaf
+        if held and training and held != self._held_warned:
+            self._held_warned = held
+            warn(
+                f"the equinox module holds layers in inference mode ({', '.join(held[:4])}"
+                f"{', ...' if len(held) > 4 else ''}) while others train: a trainer runs its "
+                f"steps under eqx.nn.inference_mode(module, False), so such a layer trains "
+                f"too (dropout drops). To keep one off, pass inference=True in its call "
+                f"(self.dropout(x, inference=True))",
+                UserWarning,
             )
 
     def init(self, rng: Any, x: Any) -> Any:
