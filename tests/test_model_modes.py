@@ -4,6 +4,7 @@ inference mode), and `fl.models.trained`."""
 from __future__ import annotations
 
 import inspect
+import pickle
 import warnings
 
 import equinox as eqx
@@ -495,6 +496,8 @@ def test_an_nnx_call_flag_switches_the_mode_as_linens_does(flag):
     np.testing.assert_array_equal(np.asarray(trained(jnp.asarray(DATA[0][0]))), expected)
     assert isinstance(trained, NnxCallFlag) and type(trained).__name__ == "NnxCallFlag"
     assert type(fl.models.trained(model, state)) is type(trained)  # one class: no recompile
+    loaded = pickle.loads(pickle.dumps(trained))  # still evaluating once loaded
+    np.testing.assert_array_equal(np.asarray(loaded(jnp.asarray(DATA[0][0]))), expected)
     own = NnxCallFlag(nnx.Rngs(1), flag)
     nnx.update(own, nnx.state(trained))  # as README.md writes the weights back
     np.testing.assert_array_equal(np.asarray(own(jnp.asarray(DATA[0][0]), **eval_mode)), expected)
@@ -521,6 +524,10 @@ def test_an_equinox_inference_argument_turns_dropout_off_in_evaluation():
     # Without the flag too (its default, False, would run dropout), as the docs call it.
     np.testing.assert_array_equal(np.asarray(jax.vmap(trained)(jnp.asarray(DATA[0][0]))), expected)
     assert isinstance(trained, EqxInferenceFlag) and trained.dense is not None
+    # It is still a model fuseloop takes with its State, and it pickles as an evaluating one.
+    np.testing.assert_array_equal(np.asarray(fl.predict(trained, state, DATA[0][0])), expected)
+    loaded = pickle.loads(pickle.dumps(trained))
+    np.testing.assert_array_equal(np.asarray(jax.vmap(loaded)(jnp.asarray(DATA[0][0]))), expected)
     evaluated = evaluator_with_loss(model).run(DATA, state.params)
     assert state.metrics["loss"] != pytest.approx(evaluated.metrics["loss"], rel=1e-3)
 

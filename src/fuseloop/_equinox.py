@@ -15,7 +15,7 @@ from ._linen import call_flags, flag_values
 from ._metrics import batch_size
 from ._warn import warn
 
-__all__ = ["from_equinox"]
+__all__ = ["from_equinox", "plain_module"]
 
 
 def _equinox_stateful_layers(module: Any) -> list[str]:
@@ -49,6 +49,19 @@ def _requires_keyword(fn: Any, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+def plain_module(module: Any) -> Any:
+    """`module` as an instance of its own class, where `trained` made it an evaluating
+    subclass's (a copy; others are returned as they are): a State's params are the own
+    class's pytree, so the adapter takes this one."""
+    base = getattr(type(module), "_fuseloop_base", None)
+    if base is None:
+        return module
+    copy = object.__new__(base)
+    for name, value in vars(module).items():
+        object.__setattr__(copy, name, value)
+    return copy
 
 
 class from_equinox:  # noqa: N801
@@ -102,6 +115,7 @@ class from_equinox:  # noqa: N801
         import equinox as eqx
 
         self._eqx = eqx
+        module = plain_module(module)  # (`fl.models.trained`'s evaluating subclass)
         stateful = _equinox_stateful_layers(module)
         if stateful:
             raise ValueError(

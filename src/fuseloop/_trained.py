@@ -6,7 +6,9 @@ default to evaluation is given it: a linen module through a bound wrapper (`_Eva
 an nnx or equinox module through a subclass of its own class whose `__call__` passes the
 flag (`_evaluating`), so the result keeps the module's attributes and fields, and an nnx
 module its state paths (`nnx.update(module, nnx.state(trained))` writes the weights
-back). A flag passed in a call wins.
+back). A flag passed in a call wins, by keyword or by position. It pickles as the
+module's own class and is made an evaluating one again when loaded; the equinox adapter
+takes it as the module's own class (`_equinox.plain_module`), whose pytree a State holds.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import flax.linen as nn
 
-from ._equinox import from_equinox
+from ._equinox import from_equinox, plain_module
 from ._linen import flag_values, linen
 from ._nnx import from_nnx, set_nnx_mode
 
@@ -97,15 +99,24 @@ def _subclass(cls: Any, flags: tuple[tuple[str, bool], ...]) -> type:
 
 def _make_subclass(cls: Any, flags: tuple[tuple[str, bool], ...]) -> type:
     call = cls.__call__
+    bound = inspect.signature(call)
 
     @functools.wraps(call)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
-        return call(self, *args, **{**dict(flags), **kwargs})
+        given = bound.bind_partial(self, *args, **kwargs).arguments  # positional flags too
+        return call(self, *args, **{**{k: v for k, v in flags if k not in given}, **kwargs})
+
+    def __reduce__(self: Any) -> tuple[Any, ...]:
+        # Pickled as the module's own class (the one pickle can find by name), made an
+        # evaluating one again when loaded.
+        return (_evaluating, (plain_module(self), dict(flags)))
 
     namespace = {
         "__call__": __call__,
+        "__reduce__": __reduce__,
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
+        "_fuseloop_base": cls,  # what `_equinox.plain_module` makes of it again
     }
     return type(cls.__name__, (cls,), namespace)
 
