@@ -116,6 +116,24 @@ def test_a_second_run_of_a_loop_holds_its_own_data_to_the_class_metrics_rule():
     assert integers.metrics == one_hot.metrics  # the same loss and accuracy, read as meant
 
 
+def test_multi_hot_validation_labels_are_refused_before_the_first_epoch_trains():
+    """Host validation refused them after the first epoch; a whole-run dispatch's device
+    validation scored them as argmax. Both refuse before anything trains, as do bfloat16
+    labels (numpy does not call bfloat16 a number)."""
+    one_hot = np.concatenate([y for _, y in _one_hot_batches(bad_batch=2)])
+    seen = []
+    for dtype in (np.float32, jnp.bfloat16):
+        val = fl.data.arrays(_X, one_hot.astype(dtype), batch_size=8, device=True)
+        loop = fl.trainer(fl.models.mlp([3]), "categorical_cross_entropy", "sgd")
+        loop = loop.metric("accuracy").validate(fl.models.mlp([3]), val)
+        loop = loop.handle_event("epoch_started", lambda state: seen.append(state.epoch))
+        for fuse in (False, "run"):
+            train = fl.data.arrays(_X, np.eye(3, dtype=np.float32)[_Y], 8, device=True)
+            with pytest.raises(ValueError, match=r"a row of y sums to 2"):
+                loop.run(train, epochs=2, fuse=fuse)
+    assert seen == []
+
+
 def test_class_metrics_of_a_one_output_model_refuse_targets_outside_0_and_1():
     # One output per example is read as a binary logit against 0/1 targets: class indices
     # 0..2 or regression targets would be thresholded at 0.5 into a meaningless score.

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["ClassLabels", "class_label_rule", "readable"]
@@ -115,6 +116,7 @@ def _numeric(y: Any) -> bool:
     """Whether `y` is one numeric (or bool) array this process holds whole."""
     if not isinstance(y, (np.ndarray, jax.Array)):
         return False
-    if not (np.issubdtype(y.dtype, np.number) or np.issubdtype(y.dtype, np.bool_)):
+    # (JAX's dtypes know bfloat16, which numpy's do not call a number)
+    if not (jnp.issubdtype(y.dtype, jnp.number) or y.dtype == np.bool_):
         return False
     return not (isinstance(y, jax.Array) and not y.is_fully_addressable)

@@ -160,8 +160,9 @@ class from_equinox:  # noqa: N801
             if isinstance(leaf, bool) and getattr(path[-1], "name", None) == "inference":
                 held += [f"model{jax.tree_util.keystr(path[:-1])}"] if leaf else []
                 training = training or not leaf
-        if held and training and held != self._held_warned:
-            self._held_warned = held
+        held = held if training else []
+        warned, self._held_warned = self._held_warned, held
+        if held and held != warned:
             warn(
                 f"the equinox module holds layers in inference mode ({', '.join(held[:4])}"
                 f"{', ...' if len(held) > 4 else ''}) while others train: a trainer runs its "

@@ -8,11 +8,14 @@ epoch trains rather than after it.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
 
 from ._checks import Checker
+from ._label_checks import labels_of
+from ._model_warnings import warn_about_model
 
 __all__ = ["arrays_first_batch", "check_evaluator_start"]
 
@@ -24,14 +27,27 @@ def arrays_first_batch(source: Any) -> Any:
 
 
 def check_evaluator_start(
-    program: Any, verdicts: dict[Any, Any], first: Any, params: Any, arrays: Any = None
+    program: Any,
+    verdicts: dict[Any, Any],
+    first: Any,
+    params: Any,
+    arrays: Any = None,
+    metrics: Any = (),
+    data: Any = None,
 ) -> Checker:
     """Checks `first` (the validation data's first batch) as the evaluator `program`'s run
     would, with `params` (the training's variables), and every label of `arrays` (an
-    `fl.data.arrays` source) where given. Returns the Checker, for further batches."""
+    `fl.data.arrays` source) where given; with the evaluator's `metrics`, the labels of
+    `data` (the whole validation data, where it is in memory) are held to the class
+    metrics' rule too. Returns the Checker, for further batches."""
     checker = Checker(program, verdicts)
     checker.first(first, arrays)
     if arrays is not None:
         checker.dataset(arrays)
     checker.variables({"params": params})
+    if metrics:
+        with warnings.catch_warnings():  # said by the evaluator's own run, not twice
+            warnings.simplefilter("ignore")
+            rule = warn_about_model(program, {"params": params}, first, verdicts, metrics)
+        checker.labels.classes(rule, labels_of(data), first)
     return checker

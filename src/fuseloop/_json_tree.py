@@ -281,11 +281,11 @@ def _device_array(value: Any, encoded: dict[str, Any], where: str) -> jax.Array:
     bits (float64 rounded, int64 wrapped) without a word."""
     dtype = np.dtype(value.dtype)
     narrowed = jax.dtypes.canonicalize_dtype(dtype) != dtype  # (jax.enable_x64 counts)
-    if dtype.itemsize == 8 and dtype.kind in "fiu" and narrowed:
+    if dtype.kind in "fiuc" and narrowed:
         raise ValueError(
             f"{where}: the save holds a {dtype} jax array, saved in JAX's 64-bit mode, "
-            f"which is off now: loaded, it would be narrowed to 32 bits (float64 values "
-            f"rounded, int64 ones wrapped). Turn the mode on before loading "
+            f"which is off now: loaded, it would be narrowed to 32 bits (float64 and "
+            f"complex128 values rounded, int64 ones wrapped). Turn the mode on before loading "
             f"(jax.config.update('jax_enable_x64', True)), or cast the leaf before saving"
         )
     return as_weak(value) if encoded.get("weak") is True else jax.device_put(value)

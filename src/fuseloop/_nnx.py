@@ -99,9 +99,9 @@ class from_nnx:  # noqa: N801
         """Warns where the module holds layers set to evaluation mode by hand: when a
         trainer is built, and at a run's start where they changed since (a BatchNorm
         frozen after the trainer was built)."""
-        held = eval_flags(self.module)
-        if held and held != self._held_warned:
-            self._held_warned = held
+        held, warned = eval_flags(self.module), self._held_warned
+        self._held_warned = held  # (none held in between: the next hold is new)
+        if held and held != warned:
             more = f", and {len(held) - 4} more" if len(held) > 4 else ""
             warn(
                 f"the nnx module holds layers in evaluation mode ({', '.join(held[:4])}"

@@ -46,4 +46,5 @@ def _check(v: Any, run: Any) -> None:
     if params is None:
         return  # validate itself refuses a State without params at the first epoch's end
     first = arrays_first_batch(v.source)  # every label is checked on the host copy
-    check_evaluator_start(v.loop.program, Programs(v.loop).cache.verdicts, first, params, v.source)
+    program, verdicts, metrics = v.loop.program, Programs(v.loop).cache.verdicts, v.loop.metrics
+    check_evaluator_start(program, verdicts, first, params, v.source, metrics, v.source)

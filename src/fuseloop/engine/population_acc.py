@@ -1,6 +1,7 @@
 """A population's metric accumulators, packed into one buffer per dtype (docs/design.md §8).
 
-Each metric keeps a few float32 scalars per member (a sum and a count). Kept apart, every
+Each metric keeps a few float32 scalars per member (a sum and a count, each with its
+compensation: `_sums.accumulate`). Kept apart, every
 one of them is its own small array: on XLA's CPU backend each accumulator update and each
 records write is then a separate kernel per step, which costs more than the vmapped step
 of a tiny model. Packed, a member's accumulators are one vector per dtype, updated by one

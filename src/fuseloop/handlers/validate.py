@@ -196,8 +196,9 @@ class Validator:
             return
         arrays = self.data if _in_arrays(self.data) else None
         try:
+            program, metrics = self.loop.program, self.loop.metrics
             checker = check_evaluator_start(
-                self.loop.program, self._verdicts, first, params, arrays
+                program, self._verdicts, first, params, arrays, metrics, self.data
             )
             for i, batch in enumerate(self.data[1:] if arrays is None else (), start=1):
                 checker.labels.batch(checker.fit.labels, batch, f"the validation data's batch {i}")
