@@ -331,10 +331,21 @@ def test_trained_linen_binds_and_evaluates():
     required = make_linen("deterministic", False)
     state = fl.trainer(required, SPARSE, "adam").run(DATA)
     wrapped = fl.models.trained(required, state.params)
-    np.testing.assert_array_equal(
-        np.asarray(wrapped(DATA[0][0])),
-        np.asarray(required.apply(state.params, DATA[0][0], deterministic=True)),
-    )
+    evaluated = np.asarray(required.apply(state.params, DATA[0][0], deterministic=True))
+    np.testing.assert_array_equal(np.asarray(wrapped(DATA[0][0])), evaluated)
+    # A flag defaulting to training is passed; given by position, it is the caller's.
+    trains = _TrainsByDefault()
+    state = fl.trainer(trains, SPARSE, "adam").run(DATA)
+    wrapped = fl.models.trained(trains, state)
+    evaluated = np.asarray(trains.apply(state.params, DATA[0][0], train=False))
+    np.testing.assert_array_equal(np.asarray(wrapped(DATA[0][0])), evaluated)
+    np.testing.assert_array_equal(np.asarray(wrapped(DATA[0][0], False)), evaluated)
+
+
+class _TrainsByDefault(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        return nn.Dropout(0.5, deterministic=not train)(nn.Dense(3)(x))
 
 
 def test_trained_refuses_what_is_not_the_models_variables_when_called():

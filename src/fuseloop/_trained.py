@@ -54,7 +54,16 @@ class _EvalFlag(nn.Module):
     flags: tuple[tuple[str, bool], ...]
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.inner(x, *args, **{**dict(self.flags), **kwargs})
+        return self.inner(
+            x, *args, **_unbound(type(self.inner).__call__, self.flags, x, *args, **kwargs)
+        )
+
+
+def _unbound(call: Any, flags: Any, /, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """`kwargs` with each of `flags` that the call's arguments (positional ones too, after
+    `self`) do not already give."""
+    given = inspect.signature(call).bind_partial(None, *args, **kwargs).arguments
+    return {**{name: value for name, value in flags if name not in given}, **kwargs}
 
 
 def _defaults_evaluate(cls: Any, evaluating: dict[str, bool]) -> bool:
@@ -99,12 +108,10 @@ def _subclass(cls: Any, flags: tuple[tuple[str, bool], ...]) -> type:
 
 def _make_subclass(cls: Any, flags: tuple[tuple[str, bool], ...]) -> type:
     call = cls.__call__
-    bound = inspect.signature(call)
 
     @functools.wraps(call)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
-        given = bound.bind_partial(self, *args, **kwargs).arguments  # positional flags too
-        return call(self, *args, **{**{k: v for k, v in flags if k not in given}, **kwargs})
+        return call(self, *args, **_unbound(call, flags, *args, **kwargs))
 
     def __reduce__(self: Any) -> tuple[Any, ...]:
         # Pickled as the module's own class (the one pickle can find by name), made an
