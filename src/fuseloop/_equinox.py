@@ -127,7 +127,6 @@ class from_equinox:  # noqa: N801
         self.params, self.static = eqx.partition(module, eqx.is_inexact_array)
         self.batched = batched
         self.flags = call_flags(module)  # `__call__`'s own train/eval flags (`inference`)
-        self._held_warned: list[str] | None = None  # layers held in inference mode, warned
         self.takes_key = takes_keyword(type(module).__call__, "key")
         self.requires_key = self.takes_key and _requires_keyword(type(module).__call__, "key")
         dropouts = [
@@ -146,23 +145,18 @@ class from_equinox:  # noqa: N801
             )
 
     def warn_for_training(self, tx: Any) -> None:
-        """The warning a trainer gives about the module (`warn_held_modes`)."""
-        self.warn_held_modes()
-
-    def warn_held_modes(self) -> None:
         """Warns where some layers are set to inference by hand while others train (an
         eqx.nn.Dropout(p, inference=True)): a trainer runs its steps under
         `eqx.nn.inference_mode(module, False)`, which switches every layer on, where a
         hand-written loop would keep that one off. A module wholly in inference mode is
-        expected to be switched."""
+        expected to be switched. (An equinox module cannot change after the trainer took
+        it, so its runs need not look again, as an nnx one's do.)"""
         held, training = [], False
         for path, leaf in jax.tree_util.tree_flatten_with_path(self.static)[0]:
             if isinstance(leaf, bool) and getattr(path[-1], "name", None) == "inference":
                 held += [f"model{jax.tree_util.keystr(path[:-1])}"] if leaf else []
                 training = training or not leaf
-        held = held if training else []
-        warned, self._held_warned = self._held_warned, held
-        if held and held != warned:
+        if held and training:
             warn(
                 f"the equinox module holds layers in inference mode ({', '.join(held[:4])}"
                 f"{', ...' if len(held) > 4 else ''}) while others train: a trainer runs its "

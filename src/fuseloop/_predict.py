@@ -171,13 +171,13 @@ def _require_alike(inputs: list[Any]) -> None:
     def rows(x: Any) -> tuple[Any, ...]:
         return (str(jax.tree.structure(x)), *(np.shape(leaf)[1:] for leaf in jax.tree.leaves(x)))
 
+    first = rows(inputs[0])
     for i, x in enumerate(inputs[1:], start=1):
-        if rows(x) != rows(inputs[0]):
+        if rows(x) != first:
             raise ValueError(
                 f"x: batch {i} of the source holds rows of shapes {rows(x)[1:]}, batch 0 "
-                f"{rows(inputs[0])[1:]} (or their structures differ); predict joins the "
-                f"batches' rows into one array: pad every batch to one length (the "
-                f"longest), or call fl.predict on each batch"
+                f"{first[1:]} (or their structures differ); predict joins the batches' rows "
+                f"into one array: pad every batch to one length, or call fl.predict on each batch"
             )
 
 
