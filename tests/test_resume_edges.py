@@ -125,3 +125,34 @@ def test_a_checkpoint_directory_that_is_a_save_or_under_a_file_is_refused(tmp_pa
     (tmp_path / "a_file").write_text("")
     with pytest.raises(ValueError, match=r"is a file, so no save can be made there"):
         fl.save_state(fl.load_state(saved), tmp_path / "a_file" / "save")
+
+
+def test_variables_in_another_dtype_than_the_model_makes_are_refused_with_the_fix():
+    # A bfloat16 State resumed by a model now built with float32 params trained on in
+    # bfloat16 without a word (and float32 weights given to a bfloat16 model in float32).
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    class Dense(nn.Module):
+        param_dtype: object
+
+        @nn.compact
+        def __call__(self, x, train=False):
+            return nn.Dense(3, param_dtype=self.param_dtype)(x)
+
+    def trainer(param_dtype):
+        return fl.trainer(Dense(param_dtype), "sparse_categorical_cross_entropy", "adam")
+
+    data = _data()
+    saved = trainer(jnp.bfloat16).run(data, epochs=1)
+    for given in (saved, saved.params):
+        with pytest.raises(
+            ValueError,
+            match=r"init_state: .*\['Dense_0'\]\['bias'\] as bfloat16 where the model makes it "
+            r"float32.*param_dtype.*astype\(jnp\.float32\)",
+        ):
+            trainer(jnp.float32).run(data, given, epochs=2)
+    assert trainer(jnp.bfloat16).run(data, saved, epochs=2).epoch == 1  # resumed: epoch 1 ran
+    cast = jax.tree.map(lambda a: a.astype(jnp.float32), saved.params)  # the fix it names
+    assert jax.tree.leaves(trainer(jnp.float32).run(data, cast).params)[0].dtype == jnp.float32

@@ -22,7 +22,7 @@ from ._metrics import fits_output, resolve_loss
 from ._model_fit_advice import fix_for_x, scope_misuse, unbound_axis
 from ._outputs import require_one_prediction
 from ._placement import device_dtype
-from ._variables_diff import UNWRAPPED, warn_unread
+from ._variables_diff import UNWRAPPED, check_given
 from ._variables_diff import first_difference as _first_difference
 from .models import ModelConventionError, from_nnx, linen
 
@@ -173,7 +173,7 @@ class ModelFit:
         not traced again."""
         fresh = self.fresh is not _UNKNOWN and _same_signature(variables, self.fresh)
         if not fresh and self.checked and self.program.kind == "trainer":  # fresh ones fit
-            warn_unread(variables, self.fresh)
+            check_given(variables, self.fresh, self.argument)
         if self.checked:
             if not fresh:
                 self.check_variables(variables, "the given variables")

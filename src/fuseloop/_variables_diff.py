@@ -10,7 +10,7 @@ import numpy as np
 
 from ._warn import warn
 
-__all__ = ["UNWRAPPED", "first_difference", "warn_unread"]
+__all__ = ["UNWRAPPED", "check_given", "first_difference"]
 
 UNWRAPPED = (
     " The given variables are the model's variables['params'] alone: pass the whole "
@@ -43,7 +43,49 @@ def first_difference(given: Any, fresh: Any) -> str:
     return ""
 
 
-def warn_unread(given: Any, fresh: Any) -> None:
+def check_given(given: Any, fresh: Any, argument: str) -> None:
+    """A trainer's given variables against the (abstract) ones its model makes: a leaf the
+    model makes in another dtype is refused (`_refuse_other_dtype`), one it does not make at
+    all is warned about (`_warn_unread`)."""
+    _refuse_other_dtype(given, fresh, argument)
+    _warn_unread(given, fresh)
+
+
+def _refuse_other_dtype(given: Any, fresh: Any, argument: str) -> None:
+    """A ValueError where the given variables hold a leaf in another dtype than the model
+    makes it (a bfloat16 State resumed by a model built with float32 params, a float32
+    checkpoint given to a bfloat16 model): the run would go on training in the given dtype,
+    not the one the model declares, without a word. A hand-written loop does the same; Keras
+    and PyTorch cast loaded weights to the model's dtype instead. fuseloop cannot know which
+    one the user meant, so it asks. Only the trained variables ('params' where the variables
+    hold that collection) are held to it: a step may keep other collections in another dtype
+    than init made them (batch statistics of float64 inputs), and the step's own check says
+    where it changes one.
+    """
+    within = ""
+    if isinstance(given, dict) and isinstance(fresh, dict) and "params" in fresh:
+        given, fresh, within = given.get("params", {}), fresh["params"], "['params']"
+    try:
+        theirs = dict(jax.tree_util.tree_flatten_with_path(fresh)[0])
+        mine = jax.tree_util.tree_flatten_with_path(given)[0]
+    except Exception:  # noqa: BLE001 - a structure the fit check already judged
+        return
+    for path, leaf in mine:
+        made: Any = theirs.get(path)
+        if not (hasattr(leaf, "dtype") and hasattr(made, "dtype")):
+            continue
+        if leaf.dtype != made.dtype and np.shape(leaf) == np.shape(made):
+            raise ValueError(
+                f"{argument}: the given variables hold {within}{jax.tree_util.keystr(path)} as "
+                f"{leaf.dtype} where the model makes it {made.dtype}, so the run would train "
+                f"it in {leaf.dtype}, not in the dtype the model declares. Build the model "
+                f"with the dtype they hold (e.g. its param_dtype), or cast them to the "
+                f"model's dtypes first (e.g. jax.tree.map(lambda a: a.astype(jnp.{made.dtype}), "
+                f"variables), and a State's optimizer state with them)"
+            )
+
+
+def _warn_unread(given: Any, fresh: Any) -> None:
     """Warns where a trainer's given variables hold arrays its model does not make.
 
     flax ignores them, so a checkpoint of a larger model (a head this one drops) runs; but
