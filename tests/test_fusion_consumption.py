@@ -7,6 +7,8 @@ stepped; a counting generator says how many were pulled."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -89,6 +91,31 @@ def test_halt_epoch_with_a_one_shot_generator_leaves_the_rest_for_the_next_epoch
         "total": 7 + 30 - first_epoch,
         "epoch": 30 - first_epoch,
     }
+
+
+def test_a_halt_at_iteration_started_keeps_its_unstepped_batch_for_the_next_epoch():
+    # Unfused, the halt comes after the batch was pulled and before its step: the batch
+    # was dropped, so epoch 1 started one batch later and one batch never trained.
+    source = CountingGenerator(DATA)
+    loop = counter_loop().handle_event("iteration_started", halt_when_told)
+    state = run(loop, source, at=(0, 6), status="halt_epoch", epochs=2, fuse=False)
+    assert source.pulls == int(state.step_state["n"]) == 30
+    assert state.event_counts["iteration_completed"] == {"total": 6 + 24, "epoch": 24}
+
+
+@pytest.mark.parametrize("event", ["epoch_started", "iteration_started"])
+def test_a_run_that_ends_holding_an_iterators_unstepped_batch_says_so(event):
+    # A plain iterator cannot take a batch back, so a resume over it starts after the one
+    # the halted run pulled; a run that steps what it pulls says nothing.
+    loop = counter_loop().handle_event(event, halt_when_told)
+    iterator = iter(DATA)
+    with pytest.warns(RuntimeWarning, match=r"ended holding 1 batch .*one-shot iterator.*list"):
+        state = run(loop, iterator, at=(0, 0), status="halt_loop", fuse=False)
+    assert int(state.step_state["n"]) == 0
+    assert next(iterator)[0] is DATA[1][0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(loop, iter(DATA), epochs=1, iterations=5, fuse=False)
 
 
 @pytest.mark.parametrize("fuse", [False, 4])

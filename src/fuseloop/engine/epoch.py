@@ -157,6 +157,8 @@ class EpochLoop:
         self.opened = None
         if self.feed is not None:  # None: a whole-run dispatch steps the epochs
             self.feed.end(wait)
+            if wait:
+                self.feed.leave()
 
     def _start(
         self, state: Any, prepared: Any, last: int
@@ -170,6 +172,7 @@ class EpochLoop:
             last = prepared.first
             status, state = self._replay.started_live(state, prepared.first)
             if status != CONTINUE:
+                self.feed.put_back(prepared)  # pulled, never stepped: exact consumption
                 return status, state, last, None
         return CONTINUE, state, last, self.feed.launch(self.carry, prepared)
 

@@ -13,23 +13,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import jax
-import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
-
-from .._epoch_order import prng_config
 from .._fusion import FusionError, chunk_slots, short_batch_error, stack_chunk
 from .._placement import device_int
 from .prefetch import ChunkProducer
-from .programs import MIN_SLOTS, keep_recent, kept_order
+from .programs import MIN_SLOTS, kept_order
 from .replay import ChunkResult
 
 __all__ = [
     "Prepared",
     "HostFeed",
     "ResidentFeed",
-    "place_dataset",
-    "first_resident_batch",
     "epoch_counter",
 ]
 
@@ -135,6 +128,18 @@ class HostFeed:
 
     def unlaunch(self) -> None:
         """The last launch was dropped; its batches count as pulled ahead."""
+
+    def put_back(self, prepared: Prepared) -> None:
+        """A live step its `iteration_started` halted never ran: its batch is handed out
+        first again, so a one-shot iterator's next epoch starts with it (a re-iterable's
+        next pass opens a new iterator and drops it, `begin`)."""
+        self.pending.insert(0, prepared.payload)
+        self.pending_from = self.iterator
+
+    def leave(self) -> None:
+        """The run is over: a one-shot iterator's batches pulled and never stepped are lost
+        to the caller (`Source.warn_unstepped`)."""
+        self.source.warn_unstepped(len(self.pending))
 
     # ----------------------------------------------------------------- preparing
     def _pull(self, count: int) -> list[Any]:
@@ -283,6 +288,12 @@ class ResidentFeed:
     def end(self, wait: bool = True) -> None:
         pass
 
+    def put_back(self, prepared: Prepared) -> None:
+        """Nothing to give back: preparing a chunk takes nothing from the epoch's order."""
+
+    def leave(self) -> None:
+        pass
+
     def next(self, first: int) -> Prepared | None:
         if first >= self.limit:
             return None
@@ -349,44 +360,3 @@ def epoch_counter(epoch: int) -> Any:
     starts. No program donates it, so one array serves every run that starts at `epoch`.
     """
     return device_int(epoch)
-
-
-def place_dataset(source: Any, placement: Any, stats: dict[str, Any]) -> Any:
-    """A resident source's arrays on the device (over a mesh, each device holds its block of
-    the examples: `Placement.dataset`); the one move is counted as a transfer, and later
-    runs of the same source reuse it.
-    """
-    before = source.transfers_done
-    data = source.put(placement.dataset)
-    stats["h2d_transfers"] += source.transfers_done - before
-    return data
-
-
-def first_resident_batch(
-    programs: Any, source: Any, data: Any, epoch: Any, reads: Any, start_epoch: int
-) -> Any:
-    """The first batch of `epoch` (a device int32 scalar; `start_epoch` on the host),
-    gathered on the device (the same rows the host source serves first) and read back: it
-    shapes the initialization and the checks.
-
-    Its values are a function of the source alone (its arrays, seed and order), so the
-    host copy is kept beside the source, as the device copy is (a few epochs' worth: on
-    CPU the copy holds the device buffers it was read from): a later run of the same
-    source from the same epoch reads nothing.
-    """
-    key = (start_epoch, prng_config(), bool(jax.config.read("jax_enable_x64")))
-    kept = source.first_batches.get(key)
-    if kept is not None:
-        return kept
-    sharding = jax.tree.leaves(data)[0].sharding
-    replicated = None
-    if isinstance(sharding, NamedSharding):  # over a mesh: read it whole on every process
-        replicated = NamedSharding(sharding.mesh, PartitionSpec())
-    # Host read: the first batch, once per source and epoch.
-    order = kept_order(source, start_epoch, lambda: programs.epoch_order(source)(epoch)[0])
-    batch = reads.get(programs.first_batch(source, replicated)(data, order))
-    for leaf in jax.tree.leaves(batch):
-        if isinstance(leaf, np.ndarray):
-            leaf.flags.writeable = False  # shared by later runs: nobody may edit it
-    keep_recent(source.first_batches, key, batch)
-    return batch

@@ -25,13 +25,14 @@ from .bus import EventBus
 from .carry import Carry
 from .dispatch_plan import plan_dispatches
 from .epoch import EpochLoop
-from .feeds import HostFeed, ResidentFeed, epoch_counter, first_resident_batch, place_dataset
+from .feeds import HostFeed, ResidentFeed, epoch_counter
 from .handoff import Handoff
 from .host import HostReads
 from .population import first_member, resolve_population
 from .population_run import PopulationHost
 from .programs import Programs
 from .replay import show_nonfinite_halt
+from .resident_start import first_resident_batch, place_dataset
 from .signals import SignalGuard
 from .start import (
     agree_across_processes,
