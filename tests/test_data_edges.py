@@ -25,6 +25,16 @@ def test_an_empty_batch_is_refused_before_it_steps(where, fuse):
         trainer().run(data, fuse=fuse)
 
 
+@pytest.mark.parametrize("loss", ["sparse_categorical_cross_entropy", "mean_squared_error"])
+def test_a_source_of_single_examples_is_told_to_batch_them(loss):
+    # As a torch Dataset's items: x of shape (features,), y a scalar. The loss's shape
+    # advice (reshape y, change the last layer, use one-hot targets) misled.
+    (x, y), *_ = make_batches(1)
+    examples = [(x[i], y[i]) for i in range(len(y))]
+    with pytest.raises(ValueError, match=r"y has no example axis .*single examples.*arrays"):
+        fl.trainer(fl.models.mlp([3]), loss, "sgd").run(examples)
+
+
 def test_a_fused_dtype_mismatch_says_to_cast_the_leaf():
     data = make_batches(4)
     data[2] = (data[2][0], data[2][1].astype(np.int64))

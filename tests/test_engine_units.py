@@ -203,7 +203,7 @@ def test_labels_below_reads_signed_labels_as_unsigned() -> None:
     any class count) for every integer width, strided labels and floats alike."""
     import numpy as np
 
-    from fuseloop._batch_checks import labels_below
+    from fuseloop._label_rule import labels_below
 
     for dtype in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint32, np.float32):
         labels = (np.arange(40, dtype=dtype).reshape(4, 10) % 7)[:, ::2]

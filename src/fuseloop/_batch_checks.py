@@ -1,18 +1,15 @@
 """Checks of one batch's form: Python lists where arrays belong, x and y of different
-sizes, labels out of their loss's range, and the signatures batches are compared by
-(used by `_checks.Checker`)."""
+sizes, dtypes no device holds, and the signatures batches are compared by (used by
+`_checks.Checker`; the labels' values are `_label_rule`'s)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import numpy as np
 
 __all__ = [
-    "LabelRule",
-    "check_label_range",
     "check_pair_sizes",
     "check_python_lists",
     "is_number_list",
@@ -23,7 +20,6 @@ __all__ = [
     "no_device_dtype",
     "refuse_no_device_dtype",
     "numbers_fix",
-    "labels_below",
     "leaf_signature",
     "require_pair",
     "shape_and_dtype",
@@ -145,6 +141,15 @@ def check_pair_sizes(batch: Any, where: str) -> None:
             f"empty batches out of the data (a loop slicing one batch past the end, such as "
             f"range(0, n + batch_size, batch_size), makes one)"
         )
+    y_leaves = jax.tree.leaves(batch[1])
+    if x_sizes and y_leaves and not y_sizes:
+        raise ValueError(
+            f"data: {where}: y has no example axis (shape {np.shape(y_leaves[0])}), while x "
+            f"has {x_sizes[0]} along axis 0: does the source yield single examples (as a "
+            f"torch Dataset's items are) rather than batches? A batch stacks its examples "
+            f"on axis 0 of every leaf: pass fl.data.arrays(x, y, batch_size=32), or yield "
+            f"(x[i:i + b], y[i:i + b])"
+        )
     if not x_sizes or not y_sizes:
         return
     bad = [size for size in y_sizes if size != x_sizes[0]]
@@ -153,31 +158,6 @@ def check_pair_sizes(batch: Any, where: str) -> None:
             f"data: {where}: x holds {x_sizes[0]} examples but y holds {bad[0]}; x and y of a "
             f"batch must have the same size along axis 0 (one target per example)"
         )
-
-
-def labels_below(labels: np.ndarray, classes: int) -> bool:
-    """Whether every label is in [0, classes). Signed integers are read as unsigned, where
-    a negative one is at least 2**(bits-1): one reduction instead of a min and a max,
-    while the class count is at most that (int8 labels of 300 classes are not).
-
-    Example:
-        >>> labels_below(np.array([3, -1], np.int8), 10), labels_below(np.array([-1], np.int8), 300)
-        (False, False)
-    """
-    if labels.dtype.kind == "i" and classes <= np.iinfo(labels.dtype).max + 1:
-        return bool(labels.view(labels.dtype.str.replace("i", "u")).max() < classes)
-    return bool(labels.min() >= 0 and labels.max() < classes)
-
-
-def is_numeric(dtype: np.dtype) -> bool:
-    """Whether labels of `dtype` are numbers: numpy's kinds, and the ml_dtypes floats
-    (bfloat16, float8_*), which numpy reports as kind "V".
-
-    Example:
-        >>> is_numeric(np.dtype(jax.numpy.bfloat16)), is_numeric(np.dtype("U3"))
-        (True, False)
-    """
-    return dtype.kind in "biuf" or bool(jax.numpy.issubdtype(dtype, jax.numpy.floating))
 
 
 def held_by_no_device(dtype: Any) -> bool:
@@ -273,86 +253,6 @@ def refuse_no_device_dtype(batch: Any) -> None:
     wrong = no_device_dtype(batch, "batch")
     if wrong is not None:
         raise ValueError(f"data: {wrong}")
-
-
-def check_label_range(labels: np.ndarray, classes: int, loss: str, where: str) -> None:
-    """Raises a ValueError naming the label, the loss and the fix unless every label of
-    `labels` (integers for the sparse loss `loss`) is in [0, classes)."""
-    if labels_below(labels, classes):
-        return
-    low, high = labels.min(), labels.max()
-    fix = (
-        "Fix the labels (a negative one, such as -1 for 'unknown', has no class to "
-        "train towards: drop or remap those examples; padding tokens such as -100 need a "
-        "loss of your own that masks them, e.g. y as (labels, mask))"
-        if low < 0
-        else f"Fix the labels, or give the model's last layer at least {int(high) + 1} units"
-    )
-    raise ValueError(
-        f"data: {where}: y holds the label {low if low < 0 else high}, out of range for "
-        f"{loss} with a model output of {classes} classes (labels must be "
-        f"integers in [0, {classes})). {fix}"
-    )
-
-
-@dataclass(frozen=True)
-class LabelRule:
-    """The values a named loss's labels must hold, checked on the host for numpy labels:
-    class indices in [0, classes) for a sparse cross-entropy, probabilities in [0, 1]
-    for `binary_cross_entropy` (`classes` None). Out of range, the loss trains on
-    something else without failing (a binary cross-entropy with a target of 2 goes
-    negative), so it is an error.
-
-    Example:
-        >>> import numpy as np
-        >>> LabelRule("binary_cross_entropy").holds(np.array([0.0, 0.3, 1.0]))
-        True
-        >>> LabelRule("sparse_categorical_cross_entropy", 3).holds(np.array([0, 3]))
-        False
-    """
-
-    loss: str
-    classes: int | None = None
-
-    def holds(self, labels: np.ndarray) -> bool:
-        if not is_numeric(labels.dtype):
-            return False  # `check` names the dtype
-        if self.classes is not None:
-            return labels_below(labels, self.classes)
-        return bool(labels.min() >= 0 and labels.max() <= 1)  # a NaN fails both
-
-    def bad(self, labels: np.ndarray) -> np.ndarray:
-        """Where `labels` is out of range, element by element."""
-        if self.classes is not None:
-            return (labels < 0) | (labels >= self.classes)
-        return ~((labels >= 0) & (labels <= 1))
-
-    def check(self, labels: np.ndarray, where: str) -> None:
-        """Raises a ValueError naming the label, the loss and the fix unless it holds."""
-        if not is_numeric(labels.dtype):  # strings, objects: no range to check
-            takes, cast, mapping = (
-                (
-                    f"integer class labels in [0, {self.classes})",
-                    "int32",
-                    "map them to integers, e.g. classes, y = np.unique(y, return_inverse=True)",
-                )
-                if self.classes is not None
-                else ("targets in [0, 1] (1 for the positive class)", "float32", "map them to 0/1")
-            )
-            raise ValueError(
-                f"data: {where}: y has dtype {labels.dtype}, not numbers; {self.loss} takes "
-                f"{takes}: {numbers_fix('y', labels, cast, mapping)}"
-            )
-        if self.classes is not None:
-            check_label_range(labels, self.classes, self.loss, where)
-        elif not self.holds(labels):
-            value = labels[self.bad(labels)].flat[0]
-            raise ValueError(
-                f"data: {where}: y holds the target {value}, out of range for {self.loss} "
-                f"(targets are probabilities in [0, 1]: 1 for the positive class, 0 for the "
-                f"negative). Map labels of -1/1 to 0/1; for more than two classes use "
-                f"'sparse_categorical_cross_entropy' with integer labels"
-            )
 
 
 def leaf_signature(leaf: Any) -> tuple[Any, Any]:

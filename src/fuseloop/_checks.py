@@ -15,7 +15,7 @@ and the loss, found with `jax.eval_shape` (abstract: nothing runs on the device;
 
 Integer labels of a sparse cross-entropy, and a binary cross-entropy's targets (in [0, 1]),
 are range-checked on the host, numpy and jax arrays alike, in every mode
-(`_batch_checks.LabelRule`, `_label_checks`). What JAX narrows while 64-bit mode is off is
+(`_label_rule.LabelRule`, `_label_checks`). What JAX narrows while 64-bit mode is off is
 checked in `_narrowing.py`: float64 warns once per run, a 64-bit integer beyond 32 bits is
 refused.
 """

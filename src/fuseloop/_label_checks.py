@@ -1,4 +1,4 @@
-"""A run's label checks: labels against their loss's rule (`_batch_checks.LabelRule`).
+"""A run's label checks: labels against their loss's rule (`_label_rule.LabelRule`).
 
 Batches and chunks are checked as they arrive, and an in-memory dataset's labels
 (`fl.data.arrays`) at once, before anything runs. That dataset's labels are a private,

@@ -16,14 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._batch_checks import LabelRule, no_device_dtype
+from ._batch_checks import no_device_dtype
 from ._epoch_order import abstract_key
+from ._label_rule import LabelRule
 from ._metrics import fits_output, resolve_loss
 from ._model_fit_advice import fix_for_x, scope_misuse, unbound_axis
 from ._outputs import require_one_prediction
 from ._placement import device_dtype
-from ._variables_diff import UNWRAPPED, check_given
-from ._variables_diff import first_difference as _first_difference
+from ._variables_diff import UNWRAPPED, check_given, first_difference
 from .models import ModelConventionError, from_nnx, linen
 
 __all__ = ["ModelFit", "SPARSE", "abstract", "needs_rng"]
@@ -214,7 +214,7 @@ class ModelFit:
                 f"trained State's params)"
             )
         if whose != FRESH and self.checked and self.fresh is not _UNKNOWN:
-            difference = _first_difference(variables, self.fresh)
+            difference = first_difference(variables, self.fresh)
             if difference == UNWRAPPED:  # not x's doing, whatever the model says
                 return ValueError(
                     f"{self.argument}:{difference} ({applying} with them fails with "

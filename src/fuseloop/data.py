@@ -155,7 +155,7 @@ class ArraySource:
         self._device_arrays: tuple[Any, tuple[Any, Any]] | None = None
         # An epoch's first batch as the host read it, by (epoch, prng_config(), x64 mode).
         self.first_batches: dict[tuple[int, Any, bool], Any] = {}
-        # The label rules (`_batch_checks.LabelRule`) `y` was found to hold (`_checks`): `y`
+        # The label rules (`_label_rule.LabelRule`) `y` was found to hold (`_checks`): `y`
         # is a private copy, so a later run need not read it again.
         self.labels_checked: set[Any] = set()
         # Whether a validation or an evaluator already warned that the dataset leaves its
