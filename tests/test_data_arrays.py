@@ -334,17 +334,17 @@ def test_a_resident_sources_first_batch_is_read_once_and_reused_by_later_runs():
 
 def _count_label_reads(monkeypatch) -> list[int]:
     """Counts every range check of labels (a first batch, a chunk, a batch, a dataset)."""
-    from fuseloop import _batch_checks
+    from fuseloop import _label_rule
 
     reads: list[int] = []
     for name in ("check", "holds"):
-        real = getattr(_batch_checks.LabelRule, name)
+        real = getattr(_label_rule.LabelRule, name)
 
         def counted(self, labels, *args, _real=real):
             reads.append(int(np.size(labels)))
             return _real(self, labels, *args)
 
-        monkeypatch.setattr(_batch_checks.LabelRule, name, counted)
+        monkeypatch.setattr(_label_rule.LabelRule, name, counted)
     return reads
 
 
