@@ -6,6 +6,8 @@ checkpoint."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -156,3 +158,29 @@ def test_variables_in_another_dtype_than_the_model_makes_are_refused_with_the_fi
     assert trainer(jnp.bfloat16).run(data, saved, epochs=2).epoch == 1  # resumed: epoch 1 ran
     cast = jax.tree.map(lambda a: a.astype(jnp.float32), saved.params)  # the fix it names
     assert jax.tree.leaves(trainer(jnp.float32).run(data, cast).params)[0].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("how", ["halt_loop", "raise"])
+def test_a_fused_halt_at_a_chunks_first_iteration_warns_on_resume(how):
+    # The chunk ran whole while none of its iteration_completed fired: the State held 4
+    # steps of epoch 1 and its resume repeated them without a word.
+    def stop(state: fl.State):
+        if (state.epoch, state.iteration) == (1, 0):
+            if how == "raise":
+                raise RuntimeError("stop here")
+            return "halt_loop"
+        return None
+
+    def halted(fuse) -> fl.State:
+        loop = _trainer().handle_event("iteration_started", stop)
+        if how == "halt_loop":
+            return loop.run(_data(), epochs=3, fuse=fuse)
+        with pytest.raises(RuntimeError, match="stop here") as caught:
+            loop.run(_data(), epochs=3, fuse=fuse)
+        return caught.value.fuseloop_state
+
+    with pytest.warns(RuntimeWarning, match=r"stopped inside epoch 1 .*after stepping 3 of"):
+        _trainer().run(_data(), halted(4), epochs=3, fuse=4)
+    with warnings.catch_warnings():  # unfused, the halt came before the step: a clean resume
+        warnings.simplefilter("error")
+        _trainer().run(_data(), halted(False), epochs=3)

@@ -16,6 +16,7 @@ __all__ = [
     "POPULATION_KEY",
     "RESTORED_KEY",
     "AHEAD_KEY",
+    "HELD_KEY",
     "RunStatus",
     "State",
     "attach_to_error",
@@ -28,6 +29,10 @@ RESTORED_KEY = "_restored_best_epoch"
 # ... and the (epoch, iteration) a multi-epoch dispatch's carry had reached when its replay
 # raised at an earlier point: the State's step state is that far ahead of its history.
 AHEAD_KEY = "_step_state_reached"
+# ... and how many of its epoch's steps the step state of a run that stopped inside an epoch
+# holds: a fused chunk runs whole, so it can hold more steps than the iterations that fired
+# (a halt at a chunk's first `iteration_started` fired none of them).
+HELD_KEY = "_epoch_steps_held"
 
 RunStatus: TypeAlias = Literal["running", "completed", "halted"]
 """`State.status`: a run in progress, one that ran all its epochs, or one that halted."""

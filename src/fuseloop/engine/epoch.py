@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .._events import CONTINUE, HALT_EPOCH
+from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, Event
+from .._state import HELD_KEY
 from .replay import ChunkResult, EpochReplay
 
 __all__ = ["EpochLoop"]
@@ -53,6 +54,7 @@ class EpochLoop:
         # Whether the epoch under way stopped before its end: a halt, or a signal that
         # reached it while batches were left (one after its last chunk lets it complete).
         self.cut_short = False
+        self.held = 0
 
     @property
     def _replay(self) -> EpochReplay:
@@ -82,6 +84,7 @@ class EpochLoop:
             self.handoff, self.carry, self.reads, self.guard, ahead=feed.ahead
         )
         self.latest, self.latest_iteration = state, state.iteration
+        self.held = 0  # the epoch's steps the carry holds, as of the chunk last replayed
         aborting = False
         try:
             if opened is None:
@@ -104,7 +107,18 @@ class EpochLoop:
             if self.opened is None:  # an epoch opened ahead owns the feed now
                 feed.end(wait=not aborting)
         self.latest = None  # the epoch is over: the run holds its State again
-        return status, state.replace(iteration=last)
+        state = state.replace(iteration=last)
+        return status, self.mark_held(state) if status == HALT_LOOP else state
+
+    def mark_held(self, state: Any) -> Any:
+        """`state` noting how many of its epoch's steps the carry holds (`HELD_KEY`) where
+        that is more than the iterations completed (a fused chunk runs whole), for a
+        resume from it to say what it repeats. The guard's halt keeps the last finite
+        step's state, which the completed iterations count already."""
+        completed = self.handoff.bus.in_epoch[Event.ITERATION_COMPLETED]
+        if self.held <= completed or "_nonfinite_at" in state.handler_metadata:
+            return state
+        return state.replace(handler_metadata={**state.handler_metadata, HELD_KEY: self.held})
 
     def reached(self) -> Any:
         """The State reached within the epoch under way (None: none is), with its last
@@ -208,6 +222,7 @@ class EpochLoop:
                 # And the chunk after it, so that once the replay's wait ends the host
                 # only has to launch it before the device runs out of work.
                 self.stashed = (speculative.end, *self._prepare(speculative.end))
+        self.held = current.end  # a halt or an error in its replay rolls back to its end
         try:
             status, state, last = self._replay.chunk(state, current)
         except BaseException as error:

@@ -175,10 +175,13 @@ class Run:
     def _reached(self) -> State:
         """The State reached so far (an exception is leaving the run)."""
         latest = self.state
-        if self.epoch_loop is not None and self.epoch_loop.latest is not None:
-            latest = self.epoch_loop.reached()  # an epoch was under way
+        loop = self.epoch_loop if self.epoch_loop and self.epoch_loop.latest else None
+        if loop is not None:
+            latest = loop.reached()  # an epoch was under way
         if self.bus.failed_state is not None:
             latest = self.bus.failed_state  # a handler raised: the State it was given
+        if loop is not None:
+            latest = loop.mark_held(latest)
         if self.whole is not None:  # its carry may have run past where its replay raised
             latest = self.whole.marked_ahead(latest)
         return self._final(latest).replace(status="halted")

@@ -41,7 +41,7 @@ from .._placement import (
     signature_of,
     tree_bytes,
 )
-from .._state import AHEAD_KEY, POPULATION_KEY, RESTORED_KEY
+from .._state import AHEAD_KEY, HELD_KEY, POPULATION_KEY, RESTORED_KEY
 from .._warn import warn
 from .conv_layout import named
 from .population import population_init, require_distinct_members
@@ -306,7 +306,7 @@ def resumed_metadata(given: Any) -> dict[str, Any]:
     """The handler metadata a run resumed from the State `given` starts with: without what
     `given` said of its own step state (`warn_on_resume` has said it), which a later State
     of the resumed run would otherwise repeat."""
-    said = (AHEAD_KEY, RESTORED_KEY)
+    said = (AHEAD_KEY, RESTORED_KEY, HELD_KEY)
     return {k: v for k, v in given.handler_metadata.items() if k not in said}
 
 
@@ -317,6 +317,7 @@ def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:
     the `epochs` asked for (nothing is trained)."""
     done = given.event_counts.get("iteration_completed", {})
     stepped = done.get("epoch", 0) if isinstance(done, dict) else 0
+    stepped = max(stepped, given.handler_metadata.get(HELD_KEY, 0))  # a fused chunk's rest
     # restore_best handed back the end of the epoch before the one that resumes (a run
     # halted inside the epoch after its best): the resumed run starts from there cleanly.
     clean = given.handler_metadata.get(RESTORED_KEY) == start_epoch - 1
@@ -327,8 +328,8 @@ def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:
             f"init_state stopped inside epoch {start_epoch} (status {given.status!r}) after "
             f"stepping {stepped} of its batches (its "
             f"last iteration fired: {given.iteration}; both counted from 0, the log's Epoch "
-            f"{start_epoch + 1}, iteration {given.iteration + 1}; a fused run also ran the "
-            f"rest of that chunk); the resumed run starts epoch {start_epoch} again from its "
+            f"{start_epoch + 1}, iteration {given.iteration + 1}; a fused run steps a "
+            f"chunk whole); the resumed run starts epoch {start_epoch} again from its "
             f"first batch, so the batches already stepped train twice. For a run equal to an "
             f"uninterrupted one, resume from an epoch's end (a Loop.checkpoint at epoch_completed, "
             f"its default)",
