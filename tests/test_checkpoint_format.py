@@ -241,6 +241,29 @@ def test_a_damaged_latest_checkpoint_is_named_with_the_one_before_it(tmp_path):
     assert fl.load_state(saves[-2]).epoch == 1
 
 
+@pytest.mark.parametrize("damage", ["cut short", "deleted"])
+def test_a_latest_checkpoint_with_damaged_metadata_is_named_not_skipped(tmp_path, damage):
+    # fl.load_state(dir) loaded the save before it without a word: a resume epochs behind.
+    x, y = np.ones((16, 4), np.float32), np.zeros(16, np.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loop = fl.trainer(fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy", "adam")
+        loop.checkpoint(tmp_path / "ck").run([(x, y)], epochs=3)
+    saves = sorted((tmp_path / "ck").iterdir())
+    metadata = saves[-1] / "state" / "metadata"
+    if damage == "deleted":
+        metadata.unlink()
+    else:
+        metadata.write_text(metadata.read_text()[:40])
+    with pytest.raises(ValueError, match=r"the save is damaged: its state/metadata") as caught:
+        fl.load_state(tmp_path / "ck")
+    assert str(saves[-1]) in str(caught.value) and str(saves[-2]) in str(caught.value)
+    if damage == "cut short":  # the save itself: named as damaged, not as "no complete save"
+        with pytest.raises(ValueError, match=r"the save is damaged: .*JSONDecodeError"):
+            fl.load_state(saves[-1])
+    assert fl.load_state(saves[-2]).epoch == 1
+
+
 # ----------------------------------------------------------------- weak types
 
 

@@ -171,6 +171,37 @@ def _load_arrays(folder: Path, count: int) -> list[np.ndarray]:
         ) from None
 
 
+def _refuse_damaged_metadata(path: Path, earlier: Path | None = None, named: bool = False) -> None:
+    """A ValueError where `path` holds a save's metadata file that does not read as one (cut
+    short, edited, overwritten), or lacks it where it is `named` as a checkpoint's save;
+    the message names `earlier`, the complete save before it, if any."""
+    file = path / _STATE / _JSON_FILE
+    problem: str | None = "it is missing" if named else None
+    if not file.is_file() and not named:
+        return
+    try:
+        payload = _read_json(file)
+        problem = None if isinstance(payload, dict) else "it holds no JSON object"
+    except FileNotFoundError:
+        pass  # `problem` says it is missing
+    except (OSError, ValueError) as error:  # json's JSONDecodeError is a ValueError
+        problem = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    if problem is None and payload.get("format") != FORMAT:
+        problem = f"its format is {payload.get('format')!r}, not {FORMAT!r}"
+    if problem is None:
+        return
+    before = (
+        f" The checkpoint before it, {str(earlier)!r}, can be loaded: "
+        f"fl.load_state({str(earlier)!r}) (or delete the damaged one)"
+        if earlier is not None
+        else ""
+    )
+    raise _DamagedSave(
+        f"path={str(path)!r}: the save is damaged: its {_STATE}/{_JSON_FILE} cannot be read "
+        f"({problem}).{before}"
+    )
+
+
 def _read_latest(saves: list[Path]) -> State:
     """The newest of a checkpoint directory's complete saves; a damaged one is an error
     naming the complete one before it."""
@@ -333,8 +364,14 @@ def load_state(path: str | os.PathLike[str]) -> State:
     path = user_path(path).absolute()  # orbax reads absolute paths only
     if is_save(path):
         return read_save(path)
+    _refuse_damaged_metadata(path)
     if path.is_dir():
         saves = checkpoint_dirs(path, is_save)
+        named = checkpoint_dirs(path, lambda child: True)
+        if named and (not saves or named[-1] != saves[-1]):
+            # Saves are renamed into place once complete: a named one that does not read
+            # as a save was damaged after it was written.
+            _refuse_damaged_metadata(named[-1], saves[-1] if saves else None, named=True)
         if saves:
             return _read_latest(saves)
         members = sorted(child.name for child in path.glob("member_*") if child.is_dir())
