@@ -105,6 +105,7 @@ def test_bench_options_that_do_not_go_together_are_usage_errors(argv, named, cap
     ("argv", "named"),
     [
         (["launch", "-n", "0", "script.py"], "-n/--nprocs 0 must be"),
+        (["launch", "-n", "100000", "script.py"], "-n/--nprocs 100000 is more than 8 processes"),
         (["launch", "-n", "2", "--grace", "-1", "script.py"], "--grace -1.0 must be"),
         (["launch", "-n", "2", "no-such-script.py"], "script 'no-such-script.py' is not"),
     ],

@@ -213,9 +213,19 @@ def _check_coordination(port: int | None, failure_timeout: int) -> None:
         )
 
 
+_PER_CORE = 8  # local processes per CPU core, at most
+
+
 def _check_launch_arguments(count: int, script: str, grace: float) -> None:
     if not is_int(count) or count < 1:
         raise ValueError(f"count={count!r} must be a positive int (the number of processes)")
+    cores = os.cpu_count() or 1
+    if count > _PER_CORE * cores:  # a typo's thousand JAX processes would swamp the machine
+        raise ValueError(
+            f"count={count} is more than {_PER_CORE} processes per CPU core (this machine has "
+            f"{cores}): each is a Python process with its own JAX runtime. Pass at most "
+            f"{_PER_CORE * cores}, or run on more machines"
+        )
     if not grace >= 0:
         raise ValueError(f"grace={grace!r} must be a number of seconds >= 0")
     if not os.path.isfile(script):
