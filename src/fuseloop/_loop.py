@@ -1,8 +1,5 @@
-"""`Loop`: the immutable builder and `Loop.run`, and the `trainer`/`evaluator`/`loop` factories.
-
-The builders that attach fuseloop's own handlers (log, early stopping, checkpoints, writers)
-live in `_loop_handlers`; the checks of the builders' arguments in `_loop_args`.
-"""
+"""`Loop`: the immutable builder and `Loop.run`, and the `trainer`/`evaluator`/`loop` factories
+(fuseloop's own handlers' builders are in `_loop_handlers`, argument checks in `_loop_args`)."""
 
 from __future__ import annotations
 
@@ -334,7 +331,9 @@ def trainer(
         optimizer: An optax transformation, or "sgd", "adam", "adamw".
         log: Print a line every `log` iterations (0: silent).
         seed: Seeds parameter initialization and dropout (a flax.linen model's; an
-            equinox model's dropout; an nnx model draws both from its own nnx.Rngs).
+            equinox model's dropout; an nnx model draws both from its own nnx.Rngs) as
+            `init, drop = jax.random.split(jax.random.PRNGKey(seed))`: `init` initializes,
+            and global step s draws its dropout from `jax.random.fold_in(drop, s)`.
         log_stream: Where log lines go (stdout by default).
 
     Example:
