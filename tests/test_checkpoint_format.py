@@ -223,13 +223,19 @@ def test_asynchronous_checkpoints_resume_bitwise(tmp_path):
     saver.close()
 
 
-def test_a_damaged_latest_checkpoint_is_named_with_the_one_before_it(tmp_path):
+def _three_checkpoints(tmp_path) -> list:
+    """The saves of a 3-epoch run's Loop.checkpoint in tmp_path / "ck", oldest first."""
     x, y = np.ones((16, 4), np.float32), np.zeros(16, np.int32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loop = fl.trainer(fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy", "adam")
         loop.checkpoint(tmp_path / "ck").run([(x, y)], epochs=3)
     saves = sorted((tmp_path / "ck").iterdir())
+    return saves
+
+
+def test_a_damaged_latest_checkpoint_is_named_with_the_one_before_it(tmp_path):
+    saves = _three_checkpoints(tmp_path)
     for item in (saves[-1] / "arrays").iterdir():  # the arrays' files, lost
         if item.is_dir():
             shutil.rmtree(item)
@@ -244,12 +250,7 @@ def test_a_damaged_latest_checkpoint_is_named_with_the_one_before_it(tmp_path):
 @pytest.mark.parametrize("damage", ["cut short", "deleted"])
 def test_a_latest_checkpoint_with_damaged_metadata_is_named_not_skipped(tmp_path, damage):
     # fl.load_state(dir) loaded the save before it without a word: a resume epochs behind.
-    x, y = np.ones((16, 4), np.float32), np.zeros(16, np.int32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        loop = fl.trainer(fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy", "adam")
-        loop.checkpoint(tmp_path / "ck").run([(x, y)], epochs=3)
-    saves = sorted((tmp_path / "ck").iterdir())
+    saves = _three_checkpoints(tmp_path)
     metadata = saves[-1] / "state" / "metadata"
     if damage == "deleted":
         metadata.unlink()
