@@ -76,6 +76,8 @@ def test_population_values_a_member_could_not_take_are_refused():
         fl.trainer(MODEL, LOSS, "adam").run(TRAIN, population={"seed": [2**40, 2]})
     with pytest.raises(ValueError, match=r"member seeds .* 4294967296 is outside 32 bits"):
         fl.trainer(MODEL, LOSS, "adam", seed=2**32 - 1).run(TRAIN, population=2)
+    with pytest.raises(ValueError, match=r"member seeds .* 10000000000 is outside 32 bits"):
+        fl.trainer(MODEL, LOSS, "adam", seed=1).run(TRAIN, population=10**10)  # at once
     # A seed past int32 draws the key a solo run of that seed draws (it was refused, and the
     # advice, seed % 2**31, would have made the member another solo run's).
     high = 2**31 + 3

@@ -4,6 +4,7 @@ import csv
 import io
 
 import numpy as np
+import pytest
 
 import fuseloop as fl
 
@@ -30,3 +31,23 @@ def test_csv_and_log_write_one_value_per_member(tmp_path):
     for i in range(3):
         assert float(rows[1][f"loss[{i}]"]) == float(state.history[1]["loss"][i])
     assert "loss: [" in outputs[False][0]
+
+
+def test_tensorboard_tags_each_member_and_stops_writing_a_stopped_one(tmp_path):
+    # A stopped member's NaN was written every later epoch (and tensorboardX said so each
+    # time), tagged loss_0_; its solo run writes nothing after it stops.
+    pytest.importorskip("tensorboardX")
+    from test_writers_plot import _scalars
+
+    loop = (
+        fl.trainer(MODEL, "sparse_categorical_cross_entropy", "sgd")
+        .early_stop("loss", patience=1)
+        .tensorboard(tmp_path / "tb")
+    )
+    state = loop.run(TRAIN, epochs=4, population={"learning_rate": [0.0, 0.5]})
+    assert np.isnan(state.history[3]["loss"][0])  # member 0 (not learning) stopped
+    steps = {}
+    for tag, step, _ in _scalars(tmp_path / "tb"):
+        steps.setdefault(tag, []).append(step)
+    assert steps["epoch/loss/member_0"] == [0, 1]
+    assert steps["epoch/loss/member_1"] == [0, 1, 2, 3]

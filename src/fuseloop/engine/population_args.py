@@ -168,6 +168,7 @@ def _from_argument(population: Any, program: Any) -> Population:
             raise ValueError(f"population={population!r} must be >= 1 members")
         n = int(population)
         where = "member seeds (the trainer's seed + the member's index)"
+        _seed(base + n - 1, where)  # the last one first: not after billions of members
         return Population(n, tuple(_seed(base + i, where) for i in range(n)))
     if not isinstance(population, dict) or not population:
         raise ValueError(

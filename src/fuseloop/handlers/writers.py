@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import csv
 import itertools
+import math
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, Self, TypeVar
@@ -20,7 +22,7 @@ import numpy as np
 from .._arg_types import require_room
 from .._distributed import main_process_only
 from .._events import ITERATION_EVENTS, Event, Filter, closes_on_error, make_filter, normalize_event
-from .._state import State
+from .._state import POPULATION_KEY, State
 
 
 class _Registers(Protocol):
@@ -158,12 +160,31 @@ class CSVWriter:
         """Nothing stays open between rows; present for a uniform writer interface."""
 
 
+def _tag(name: str) -> tuple[str, int | None]:
+    """A scalar's TensorBoard tag, and the population member it is of (None: none).
+
+    A member's `loss[1]` is tagged `loss/member_1` (tensorboardX would write `loss_1_`).
+    """
+    found = re.fullmatch(r"(.*)\[(\d+)\]", name)
+    if found is None:
+        return name, None
+    return f"{found.group(1)}/member_{found.group(2)}", int(found.group(2))
+
+
+def _stopped_members(state: State) -> set[int]:
+    """The members of a population run that have stopped (early_stop, terminate_on_nan)."""
+    record = state.handler_metadata.get(POPULATION_KEY)
+    halted = record.get("halted", ()) if isinstance(record, dict) else ()
+    return {i for i, stopped in enumerate(halted) if stopped}
+
+
 class TensorBoardWriter:
     """Writes each scalar metric as a TensorBoard scalar (tensorboardX).
 
     Tags are `<prefix><metric>`, with the prefix "epoch/" for epoch events and
-    "iteration/" for iteration events unless given; the global step is the epoch or the
-    iteration event's total count. One event file per run.
+    "iteration/" for iteration events unless given (a population member's
+    `<prefix><metric>/member_<i>`, written until the member stops); the global step is the
+    epoch or the iteration event's total count. One event file per run.
 
     Example:
         >>> import os, tempfile
@@ -222,8 +243,12 @@ class TensorBoardWriter:
         if self.writer is None:
             self.start(state)
         step = _step(state, self.event)
+        stopped = _stopped_members(state)
         for name, value in scalar_metrics(state.metrics).items():
-            self.writer.add_scalar(self.prefix + name, value, global_step=step)
+            tag, member = _tag(name)
+            if member in stopped and math.isnan(value):
+                continue  # a member stopped: its solo run would have written nothing more
+            self.writer.add_scalar(self.prefix + tag, value, global_step=step)
         self.written = state.epoch
 
     def close(self, state: State) -> None:
