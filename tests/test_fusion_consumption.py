@@ -184,3 +184,14 @@ def test_ragged_data_closes_the_generator_and_runs_unfused():
     assert counter["finally"] == 1
     state = run(PLAIN, ragged(5, x_shape=(3, 3)), fuse=False)
     assert int(state.step_state["n"]) == 12
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_a_one_shot_iterator_that_runs_out_inside_an_epoch_says_that_epoch_is_short(fuse):
+    # 10 batches as epochs of iterations=4: the third held 2, and nothing said so.
+    with pytest.warns(RuntimeWarning, match=r"ran out in epoch 2 after 2 of its iterations=4"):
+        state = run(PLAIN, iter(DATA[:10]), epochs=3, iterations=4, fuse=fuse)
+    assert int(state.step_state["n"]) == 10
+    with warnings.catch_warnings():  # exactly enough: nothing to say
+        warnings.simplefilter("error")
+        run(PLAIN, iter(DATA[:12]), epochs=3, iterations=4, fuse=fuse)

@@ -272,7 +272,7 @@ def predict(
         variables_or_state: Trained variables, the State a run returned, or an nnx or
             equinox module built with the weights to use.
         x: Inputs with the examples on axis 0 (an array or a pytree of arrays), or a batch
-            source (a list of batches, an iterator, a callable) yielding inputs or `(x, y)`
+            source (a list of batches, a finite iterator, a callable) yielding inputs or `(x, y)`
             pairs, whose batches are kept in their order. An `fl.data.arrays` source gives
             its x arrays: every example in their order, neither shuffled nor dropped.
         batch_size: Examples per batch for array inputs (a source's own batch size is used

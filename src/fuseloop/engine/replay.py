@@ -14,8 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._events import CONTINUE, HALT_LOOP, Event
+from .._warn import warn
 
-__all__ = ["ChunkResult", "EpochReplay", "mark_nonfinite", "show_nonfinite_halt"]
+__all__ = [
+    "ChunkResult",
+    "EpochReplay",
+    "mark_nonfinite",
+    "show_nonfinite_halt",
+    "warn_nonfinite",
+]
 
 _STARTED, _COMPLETED = Event.ITERATION_STARTED, Event.ITERATION_COMPLETED
 Metrics = Callable[[], dict[str, float]]
@@ -263,3 +270,14 @@ def show_nonfinite_halt(bus: Any, state: Any) -> None:
     every mode (no read here: the State holds them)."""
     if state.handler_metadata.get("_nonfinite_at") is not None:
         bus.advance(0, state.metrics)
+
+
+def warn_nonfinite(state: Any) -> None:
+    """The warning of a run the guard (`terminate_on_nan`) halted."""
+    where = state.handler_metadata["_nonfinite_at"]
+    warn(
+        f"terminate_on_nan: the loss became non-finite at epoch {where['epoch']}, "
+        f"iteration {where['iteration']}; that step was not applied and the loop halted "
+        f"with the parameters from before it",
+        RuntimeWarning,
+    )

@@ -31,7 +31,7 @@ from .host import HostReads
 from .population import first_member, resolve_population
 from .population_run import PopulationHost
 from .programs import Programs
-from .replay import show_nonfinite_halt
+from .replay import show_nonfinite_halt, warn_nonfinite
 from .resident_start import first_resident_batch, place_dataset
 from .signals import SignalGuard
 from .start import (
@@ -227,7 +227,7 @@ class Run:
         return first[0]
 
     def _feed(self, step_state: Any, first: Any) -> Any:
-        plan_dispatches(self, step_state, first, _warn_nonfinite)
+        plan_dispatches(self, step_state, first, warn_nonfinite)
         if self.whole is not None:
             return None
         size = self.fuse if isinstance(self.fuse, int) else None  # "auto" is resolved
@@ -290,7 +290,7 @@ class Run:
         if stepped:
             iterator, ahead = self._iterator(epoch), self._ahead(epoch + 1)
             status, state = loop.run(state, iterator, self.iterations, ahead)
-            if status == CONTINUE and self._ran_out(epoch):
+            if status == CONTINUE and self._ran_out(epoch, state.iteration):
                 # The State's metrics stay the last epoch's, as after any completed run.
                 return state.replace(metrics=dict(state.history.get(epoch - 1, {}))), _RAN_OUT
             may_open = status == CONTINUE and not loop.opened_for(epoch + 1)
@@ -300,7 +300,7 @@ class Run:
         # A signal after the next epoch opened reaches it, at its first boundary.
         opened_next = loop.opened_for(epoch + 1)
         if status == HALT_LOOP and state.handler_metadata.get("_nonfinite_at") is not None:
-            _warn_nonfinite(state)
+            warn_nonfinite(state)
         if signals.requested and not opened_next and loop.cut_short:
             status = HALT_LOOP  # a signal before the epoch's end: it is not complete
         state = self._epoch_metrics(state, epoch, began, stepped)
@@ -373,14 +373,22 @@ class Run:
         self.stats["epoch_time"][epoch] = seconds
         return state.replace(metrics=metrics, times={**state.times, epoch: seconds})
 
-    def _ran_out(self, epoch: int) -> bool:
+    def _ran_out(self, epoch: int, last: int) -> bool:
         """A one-shot iterator that had nothing left for this epoch ends the run (as Keras
-        does when its input runs out), with a warning naming the epoch.
+        does when its input runs out), with a warning naming the epoch; one that ran out
+        before an epoch's `iterations` (`last`: its last iteration) is warned about.
         """
         # An epoch opens the next ahead of its last chunk's replay only if it stepped (the
         # opening's iterator restarted the count of batches pulled).
         opened_ahead = self._epoch_loop.opened_for(epoch + 1)
         if self.resident or opened_ahead or self.source.epoch_pulled > 0:
+            if self.source.one_shot and last + 1 < (self.iterations or 0) and not opened_ahead:
+                warn(
+                    f"data ran out in epoch {epoch} after {last + 1} of its "
+                    f"iterations={self.iterations} batches: that epoch is short. "
+                    f"{self.source.why_empty()}",
+                    RuntimeWarning,
+                )
             return False
         warn(
             f"data ran out at the start of epoch {epoch}: the run ends after {epoch} epochs "
@@ -388,13 +396,3 @@ class Run:
             RuntimeWarning,
         )
         return True
-
-
-def _warn_nonfinite(state: State) -> None:
-    where = state.handler_metadata["_nonfinite_at"]
-    warn(
-        f"terminate_on_nan: the loss became non-finite at epoch {where['epoch']}, "
-        f"iteration {where['iteration']}; that step was not applied and the loop halted "
-        f"with the parameters from before it",
-        RuntimeWarning,
-    )
