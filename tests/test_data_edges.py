@@ -33,6 +33,9 @@ def test_a_source_of_single_examples_is_told_to_batch_them(loss):
     examples = [(x[i], y[i]) for i in range(len(y))]
     with pytest.raises(ValueError, match=r"y has no example axis .*single examples.*arrays"):
         fl.trainer(fl.models.mlp([3]), loss, "sgd").run(examples)
+    # A loss of one's own may ignore y (an autoencoder's dummy scalar): it trains.
+    ignores_y = lambda y_true, y_pred: (y_pred**2).mean()  # noqa: E731
+    assert fl.trainer(fl.models.mlp([3]), ignores_y, "sgd").run([(x, 0.0)]).epoch == 0
 
 
 def test_a_fused_dtype_mismatch_says_to_cast_the_leaf():

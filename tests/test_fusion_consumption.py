@@ -101,6 +101,12 @@ def test_a_halt_at_iteration_started_keeps_its_unstepped_batch_for_the_next_epoc
     state = run(loop, source, at=(0, 6), status="halt_epoch", epochs=2, fuse=False)
     assert source.pulls == int(state.step_state["n"]) == 30
     assert state.event_counts["iteration_completed"] == {"total": 6 + 24, "epoch": 24}
+    # The last batch halted, then stepped alone by the next epoch: that epoch ran.
+    loop = counter_loop().handle_event("iteration_started", halt_when_told)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = run(loop, iter(DATA[:4]), at=(0, 3), status="halt_epoch", epochs=2, fuse=False)
+    assert int(state.step_state["n"]) == 4 and sorted(state.history) == [0, 1]
 
 
 @pytest.mark.parametrize("event", ["epoch_started", "iteration_started"])

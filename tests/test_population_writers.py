@@ -2,6 +2,7 @@
 
 import csv
 import io
+import warnings
 
 import numpy as np
 import pytest
@@ -51,3 +52,19 @@ def test_tensorboard_tags_each_member_and_stops_writing_a_stopped_one(tmp_path):
         steps.setdefault(tag, []).append(step)
     assert steps["epoch/loss/member_0"] == [0, 1]
     assert steps["epoch/loss/member_1"] == [0, 1, 2, 3]
+    # A solo run's own 1-D metric (a handler's per-class values) is no member's.
+    per_class = fl.trainer(MODEL, "sparse_categorical_cross_entropy", "sgd").handle_event(
+        "epoch_completed", lambda s: ("continue", s.replace(metrics={**s.metrics, "c": np.ones(2)}))
+    )
+    per_class.tensorboard(tmp_path / "solo").run(TRAIN)
+    solo_tags = {tag for tag, _, _ in _scalars(tmp_path / "solo")}
+    assert "epoch/c[0]" in solo_tags or "epoch/c_0_" in solo_tags, solo_tags
+
+
+def test_a_population_whose_members_repeat_a_seed_and_vary_nothing_warns():
+    loop = fl.trainer(MODEL, "sparse_categorical_cross_entropy", "sgd")
+    with pytest.warns(UserWarning, match=r"member seeds \[0, 0, 1\] repeat .*identically"):
+        loop.run(TRAIN, population={"seed": [0, 0, 1]})
+    with warnings.catch_warnings():  # the same seed under other rates: a fair comparison
+        warnings.simplefilter("error")
+        loop.run(TRAIN, population={"seed": [0, 0], "learning_rate": [0.1, 0.2]})

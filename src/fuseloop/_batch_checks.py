@@ -131,8 +131,10 @@ def _leading_sizes(tree: Any) -> list[int]:
     return [int(np.shape(leaf)[0]) for leaf in jax.tree.leaves(tree) if np.ndim(leaf) >= 1]
 
 
-def check_pair_sizes(batch: Any, where: str) -> None:
-    """x and y of one batch hold the same number of examples, and at least one."""
+def check_pair_sizes(batch: Any, where: str, named_loss: bool = False) -> None:
+    """x and y of one batch hold the same number of examples, and at least one; under a
+    `named_loss` (one per example), y has an example axis (a loss of the user's own may
+    ignore y, as an autoencoder's dummy scalar)."""
     x_sizes, y_sizes = _leading_sizes(batch[0]), _leading_sizes(batch[1])
     if 0 in x_sizes[:1] + y_sizes[:1]:
         raise ValueError(
@@ -142,7 +144,7 @@ def check_pair_sizes(batch: Any, where: str) -> None:
             f"range(0, n + batch_size, batch_size), makes one)"
         )
     y_leaves = jax.tree.leaves(batch[1])
-    if x_sizes and y_leaves and not y_sizes:
+    if named_loss and x_sizes and y_leaves and not y_sizes:
         raise ValueError(
             f"data: {where}: y has no example axis (shape {np.shape(y_leaves[0])}), while x "
             f"has {x_sizes[0]} along axis 0: does the source yield single examples (as a "

@@ -364,7 +364,7 @@ def load_state(path: str | os.PathLike[str]) -> State:
     path = user_path(path).absolute()  # orbax reads absolute paths only
     if is_save(path):
         return read_save(path)
-    _refuse_damaged_metadata(path)
+    _refuse_damaged_metadata(path, named=(path / _STATE).is_dir() or (path / _ARRAYS).is_dir())
     if path.is_dir():
         saves = checkpoint_dirs(path, is_save)
         named = checkpoint_dirs(path, lambda child: True)

@@ -58,6 +58,7 @@ class Checker:
         # by the shapes checked, so a second run of the same loop pays nothing for them.
         self.cache = cache if cache is not None else {}
         self.pairs = program.kind in ("trainer", "evaluator")
+        self.named_loss = isinstance(program.loss, str)  # per example: y has an example axis
         self.treedef: Any = None
         self.names: tuple[str, ...] = ()
         self.expected: tuple[tuple[Any, Any], ...] = ()
@@ -106,7 +107,7 @@ class Checker:
         if self.pairs:
             require_pair(batch, "the run's first batch")
             check_python_lists(batch, "the run's first batch")
-            check_pair_sizes(batch, "the run's first batch")
+            check_pair_sizes(batch, "the run's first batch", self.named_loss)
         elif self.jit:  # jit reads every leaf as an array (a trainer's checks name them)
             refuse_no_device_dtype(batch)
         paths = jax.tree_util.tree_flatten_with_path(batch)[0]
@@ -182,7 +183,7 @@ class Checker:
             at = f"the batch at epoch {epoch}, iteration {iteration}"
             require_pair(batch, at)
             check_python_lists(batch, at)
-            check_pair_sizes(batch, at)
+            check_pair_sizes(batch, at, self.named_loss)
         if treedef != self.treedef:
             raise error(
                 f"{where} has structure {treedef}, but the run's first batch has "
@@ -374,10 +375,10 @@ class Checker:
             or ("params" not in step_state)
         ):
             return
-        # Keyed by the raw leaves (cheap); the abstract tree is built only when checking.
+        # Keyed by the raw leaves (cheap) and by whether a resumed State's dtypes are held.
         leaves, treedef = jax.tree.flatten(step_state["params"])
         signature = tuple(shape_and_dtype(leaf) for leaf in leaves)
-        key = ("checked_variables", self.treedef, self.expected, treedef, signature)
+        key = ("variables", self.treedef, self.expected, treedef, signature, self.fit.resuming)
         if key not in self.cache:
             rule = self.fit.labels
             self.fit.check_run_variables(jax.tree.map(abstract, step_state["params"]))

@@ -208,17 +208,17 @@ class Source:
 
     def warn_unstepped(self, count: int) -> None:
         """Warns where a run ends holding `count` batches it pulled from a one-shot iterator
-        and never stepped (a halt at `epoch_started` or `iteration_started` comes after the
-        pull that tells whether the epoch has a next batch; a run with nothing left to
-        train pulls its first batch for the checks). An iterator cannot take them
-        back, so a later run over it would start after them without a word; a generator
-        (one with `close()`) is closed by the run anyway."""
+        and never stepped (a halt at the run's first `epoch_started` or at an unfused
+        `iteration_started` comes after the pull that tells whether the epoch has a next
+        batch; a run with nothing left to train pulls its first batch for the checks). An
+        iterator cannot take them back, so a later run over it would start after them
+        without a word; a generator (one with `close()`) is closed by the run anyway."""
         if not count or not self.one_shot or hasattr(self.data, "close"):
             return
         warn(
             f"data: the run ended holding {count} batch{'es' if count > 1 else ''} it "
-            f"pulled from the one-shot iterator but did not step (a halt at epoch_started "
-            f"or iteration_started comes after the pull, before the step; a run with "
+            f"pulled from the one-shot iterator but did not step (a halt at the first "
+            f"epoch_started or at iteration_started comes after the pull; a run with "
             f"nothing left to train pulls one to check the data); an iterator cannot take "
             f"{'them' if count > 1 else 'it'} back, so a later run over the same iterator "
             f"starts after {'them' if count > 1 else 'it'}. To resume exactly, pass a list or "

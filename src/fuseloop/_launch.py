@@ -223,7 +223,7 @@ def _check_launch_arguments(count: int, script: str, grace: float) -> None:
     if count > _PER_CORE * cores:  # a typo's thousand JAX processes would swamp the machine
         raise ValueError(
             f"count={count} is more than {_PER_CORE} processes per CPU core (this machine has "
-            f"{cores}): each is a Python process with its own JAX runtime. Pass at most "
+            f"{cores} CPU cores): each is a Python process with its own JAX runtime. Pass at most "
             f"{_PER_CORE * cores}, or run on more machines"
         )
     if not grace >= 0:

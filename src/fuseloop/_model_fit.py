@@ -133,7 +133,7 @@ class ModelFit:
         self.first_y: Any = None
         self.labels: LabelRule | None = None
         self.fresh: Any = _UNKNOWN
-        self.checked = False
+        self.checked = self.resuming = False  # resuming: the variables are a State's
 
     def verdict(self) -> tuple[Any, ...]:
         """What `check_first` found, for `restore` on a later batch of the same signature."""
@@ -173,7 +173,7 @@ class ModelFit:
         not traced again."""
         fresh = self.fresh is not _UNKNOWN and _same_signature(variables, self.fresh)
         if not fresh and self.checked and self.program.kind == "trainer":  # fresh ones fit
-            check_given(variables, self.fresh, self.argument)
+            check_given(variables, self.fresh, self.argument, self.resuming)
         if self.checked:
             if not fresh:
                 self.check_variables(variables, "the given variables")

@@ -1,5 +1,5 @@
-"""How variables a user gave differ from the ones the model makes, in one sentence for an
-error message."""
+"""How variables a user gave differ from the ones the model makes: the sentence an error
+message adds, a resumed State's dtype refused, variables the model never reads warned of."""
 
 from __future__ import annotations
 
@@ -43,24 +43,26 @@ def first_difference(given: Any, fresh: Any) -> str:
     return ""
 
 
-def check_given(given: Any, fresh: Any, argument: str) -> None:
-    """A trainer's given variables against the (abstract) ones its model makes: a leaf the
-    model makes in another dtype is refused (`_refuse_other_dtype`), one it does not make at
-    all is warned about (`_warn_unread`)."""
-    _refuse_other_dtype(given, fresh, argument)
+def check_given(given: Any, fresh: Any, argument: str, resuming: bool) -> None:
+    """A trainer's given variables against the (abstract) ones its model makes: a resumed
+    State's leaf the model makes in another dtype is refused (`_refuse_other_dtype`); one
+    the model does not make at all is warned about (`_warn_unread`). Variables given as
+    such may be cast on purpose (a linen model trained in bfloat16 by casting its float32
+    variables, as Hugging Face's `to_bf16` does), so only a State is held to the dtypes."""
+    if resuming:
+        _refuse_other_dtype(given, fresh, argument)
     _warn_unread(given, fresh)
 
 
 def _refuse_other_dtype(given: Any, fresh: Any, argument: str) -> None:
-    """A ValueError where the given variables hold a leaf in another dtype than the model
-    makes it (a bfloat16 State resumed by a model built with float32 params, a float32
-    checkpoint given to a bfloat16 model): the run would go on training in the given dtype,
-    not the one the model declares, without a word. A hand-written loop does the same; Keras
-    and PyTorch cast loaded weights to the model's dtype instead. fuseloop cannot know which
-    one the user meant, so it asks. Only the trained variables ('params' where the variables
-    hold that collection) are held to it: a step may keep other collections in another dtype
-    than init made them (batch statistics of float64 inputs), and the step's own check says
-    where it changes one.
+    """A ValueError where a resumed State holds a leaf in another dtype than the model makes
+    it (a bfloat16 State resumed by a model now built with float32 params): the run would go
+    on training in the State's dtype, not the one the model declares, without a word. A
+    hand-written loop does the same; Keras and PyTorch cast loaded weights to the model's
+    dtype instead. fuseloop cannot know which one the user meant, so it asks. Only the
+    trained variables ('params' where the variables hold that collection) are held to it:
+    a step may keep other collections in another dtype than init made them (batch
+    statistics of float64 inputs), and the step's own check says where it changes one.
     """
     within = ""
     if isinstance(given, dict) and isinstance(fresh, dict) and "params" in fresh:
@@ -75,13 +77,17 @@ def _refuse_other_dtype(given: Any, fresh: Any, argument: str) -> None:
         if not (hasattr(leaf, "dtype") and hasattr(made, "dtype")):
             continue
         if leaf.dtype != made.dtype and np.shape(leaf) == np.shape(made):
+            cast = (
+                f"jax.tree.map(lambda a: a.astype(jnp.{made.dtype}) if a.dtype == "
+                f"jnp.{leaf.dtype} else a, state.params)"
+            )
             raise ValueError(
-                f"{argument}: the given variables hold {within}{jax.tree_util.keystr(path)} as "
-                f"{leaf.dtype} where the model makes it {made.dtype}, so the run would train "
-                f"it in {leaf.dtype}, not in the dtype the model declares. Build the model "
-                f"with the dtype they hold (e.g. its param_dtype), or cast them to the "
-                f"model's dtypes first (e.g. jax.tree.map(lambda a: a.astype(jnp.{made.dtype}), "
-                f"variables), and a State's optimizer state with them)"
+                f"{argument}: the State holds {within}{jax.tree_util.keystr(path)} as "
+                f"{leaf.dtype} where the model makes it {made.dtype}, so the resumed run would "
+                f"train it in {leaf.dtype}, not in the dtype the model declares. Resume with "
+                f"the model built as it was when saved (e.g. its param_dtype), or start from "
+                f"its weights cast to the model's dtypes, with a fresh optimizer state: "
+                f"trainer.run(data, {cast})"
             )
 
 

@@ -54,6 +54,9 @@ class EpochLoop:
         # Whether the epoch under way stopped before its end: a halt, or a signal that
         # reached it while batches were left (one after its last chunk lets it complete).
         self.cut_short = False
+        # The steps of the epoch under way that the carry holds, as of the chunk last
+        # replayed (a fused chunk runs whole): where a halt leaves more than the iterations
+        # completed, the State says so (`mark_held`).
         self.held = 0
 
     @property

@@ -18,6 +18,7 @@ import numpy as np
 from .._metrics import read_metric
 from .._placement import device_signature
 from .._step import init_tail, trainer_program
+from .._warn import warn
 from .population_acc import PackedAcc, pack, packed_like
 from .population_args import RECORD_KEY, Population, resolve_population
 
@@ -140,7 +141,15 @@ def require_distinct_members(model: Any, population: Population, given: bool) ->
     else: the run was given variables to start from (`given`), or the model is built
     initialised (nnx, equinox), so the member seeds cannot reach the weights, and no
     hyperparameter varies."""
-    if population.hyperparams or len(set(population.seeds)) < 2:
+    if population.hyperparams or population.size < 2:
+        return
+    if len(set(population.seeds)) < population.size:
+        warn(
+            f"population: member seeds {list(population.seeds)} repeat and no "
+            f"hyperparameter varies, so members of the same seed train identically (the "
+            f"same weights, the same dropout masks). Give each member its own seed, or vary "
+            f"a hyperparameter"
+        )
         return
     kind = getattr(model, "initialised_when_built", None)  # e.g. "an nnx" (model)
     if given:

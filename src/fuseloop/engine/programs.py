@@ -31,7 +31,7 @@ __all__ = ["ProgramCache", "Programs", "MIN_SLOTS", "kept_order"]
 MIN_SLOTS = 2
 _SPARE_LOCK = threading.Lock()
 # A resident source's epoch orders on the device, by source (dropped with it), a few
-# epochs each (`kept_order`); its first batches as well (`feeds.first_resident_batch`).
+# epochs each (`kept_order`); its first batches as well (`resident_start.first_resident_batch`).
 _ORDERS: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
 KEPT_EPOCHS = 4
 

@@ -146,8 +146,9 @@ class Run:
         self._resume()
         agree_on_mesh(self.placement.mesh)  # before anything is placed on it
         first = self._first_batch()
+        resuming = self.checker.fit.resuming = isinstance(self.init_state, State)
         step_state, signature, spare_maker = initial_step_state(
-            self.programs, self.user_state, first, resuming=isinstance(self.init_state, State)
+            self.programs, self.user_state, first, resuming=resuming
         )
         member = step_state if self.members is None else first_member(step_state)
         verdicts = self.programs.cache.verdicts
@@ -175,7 +176,8 @@ class Run:
     def _reached(self) -> State:
         """The State reached so far (an exception is leaving the run)."""
         latest = self.state
-        loop = self.epoch_loop if self.epoch_loop and self.epoch_loop.latest else None
+        loop = self.epoch_loop
+        loop = loop if loop is not None and loop.latest is not None else None
         if loop is not None:
             latest = loop.reached()  # an epoch was under way
         if self.bus.failed_state is not None:
@@ -290,7 +292,7 @@ class Run:
         if stepped:
             iterator, ahead = self._iterator(epoch), self._ahead(epoch + 1)
             status, state = loop.run(state, iterator, self.iterations, ahead)
-            if status == CONTINUE and self._ran_out(epoch, state.iteration):
+            if status == CONTINUE and self._ran_out(epoch):
                 # The State's metrics stay the last epoch's, as after any completed run.
                 return state.replace(metrics=dict(state.history.get(epoch - 1, {}))), _RAN_OUT
             may_open = status == CONTINUE and not loop.opened_for(epoch + 1)
@@ -373,18 +375,17 @@ class Run:
         self.stats["epoch_time"][epoch] = seconds
         return state.replace(metrics=metrics, times={**state.times, epoch: seconds})
 
-    def _ran_out(self, epoch: int, last: int) -> bool:
+    def _ran_out(self, epoch: int) -> bool:
         """A one-shot iterator that had nothing left for this epoch ends the run (as Keras
-        does when its input runs out), with a warning naming the epoch; one that ran out
-        before an epoch's `iterations` (`last`: its last iteration) is warned about.
-        """
-        # An epoch opens the next ahead of its last chunk's replay only if it stepped (the
-        # opening's iterator restarted the count of batches pulled).
+        does when its input runs out), warning; one that ran short of `iterations` warns."""
+        # An epoch opens the next ahead of its last chunk's replay only if it stepped.
         opened_ahead = self._epoch_loop.opened_for(epoch + 1)
-        if self.resident or opened_ahead or self.source.epoch_pulled > 0:
-            if self.source.one_shot and last + 1 < (self.iterations or 0) and not opened_ahead:
+        stepped = self.bus.in_epoch[Event.ITERATION_COMPLETED]  # a batch put back counts
+        if self.resident or opened_ahead or stepped > 0:
+            short = stepped < (self.iterations or 0) and not self._epoch_loop.cut_short
+            if self.source.one_shot and short and not opened_ahead:
                 warn(
-                    f"data ran out in epoch {epoch} after {last + 1} of its "
+                    f"data ran out in epoch {epoch} after {stepped} of its "
                     f"iterations={self.iterations} batches: that epoch is short. "
                     f"{self.source.why_empty()}",
                     RuntimeWarning,

@@ -306,7 +306,7 @@ def resumed_metadata(given: Any) -> dict[str, Any]:
     """The handler metadata a run resumed from the State `given` starts with: without what
     `given` said of its own step state (`warn_on_resume` has said it), which a later State
     of the resumed run would otherwise repeat."""
-    said = (AHEAD_KEY, RESTORED_KEY, HELD_KEY)
+    said = (AHEAD_KEY, RESTORED_KEY, HELD_KEY, "_nonfinite_at")
     return {k: v for k, v in given.handler_metadata.items() if k not in said}
 
 

@@ -244,8 +244,9 @@ class TensorBoardWriter:
             self.start(state)
         step = _step(state, self.event)
         stopped = _stopped_members(state)
+        population = POPULATION_KEY in state.handler_metadata
         for name, value in scalar_metrics(state.metrics).items():
-            tag, member = _tag(name)
+            tag, member = _tag(name) if population else (name, None)
             if member in stopped and math.isnan(value):
                 continue  # a member stopped: its solo run would have written nothing more
             self.writer.add_scalar(self.prefix + tag, value, global_step=step)
