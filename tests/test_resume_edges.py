@@ -185,3 +185,23 @@ def test_a_fused_halt_at_a_chunks_first_iteration_warns_on_resume(how):
     with warnings.catch_warnings():  # unfused, the halt came before the step: a clean resume
         warnings.simplefilter("error")
         _trainer().run(_data(), halted(False), epochs=3)
+
+
+def test_a_resume_from_a_guard_halt_does_not_carry_its_non_finite_note():
+    # The note stayed in handler_metadata: a later halt of the resumed run by a handler
+    # was reported as "the loss became non-finite" once more.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(24, 5)).astype(np.float32), rng.integers(0, 3, 24).astype(np.int32)
+    bad = x.copy()
+    bad[20] = np.nan  # the third batch of epoch 0
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        halted = _trainer().terminate_on_nan().run(fl.data.arrays(bad, y, 8, shuffle=False))
+    loop = _trainer().handle_event("iteration_completed", lambda s: "halt_loop")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the resume's "stopped inside"
+        resumed = loop.run(fl.data.arrays(x, y, 8), halted.params, epochs=1)
+    assert "_nonfinite_at" not in resumed.handler_metadata
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = loop.run(fl.data.arrays(x, y, 8), halted, epochs=1)
+    assert "_nonfinite_at" not in again.handler_metadata
