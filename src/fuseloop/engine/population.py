@@ -143,14 +143,6 @@ def require_distinct_members(model: Any, population: Population, given: bool) ->
     hyperparameter varies."""
     if population.hyperparams or population.size < 2:
         return
-    if len(set(population.seeds)) < population.size:
-        warn(
-            f"population: member seeds {list(population.seeds)} repeat and no "
-            f"hyperparameter varies, so members of the same seed train identically (the "
-            f"same weights, the same dropout masks). Give each member its own seed, or vary "
-            f"a hyperparameter"
-        )
-        return
     kind = getattr(model, "initialised_when_built", None)  # e.g. "an nnx" (model)
     if given:
         why = "every member starts from the variables given as init_state"
@@ -158,8 +150,18 @@ def require_distinct_members(model: Any, population: Population, given: bool) ->
     elif kind is not None:
         why = f"{kind} model is initialised when built"
         other = "train a flax.linen model, whose init takes the member's seed"
+    elif len(set(population.seeds)) < population.size:  # a linen model's init takes them
+        warn(
+            f"population: member seeds {list(population.seeds)} repeat and no "
+            f"hyperparameter varies, so members of the same seed train identically (the "
+            f"same weights, the same dropout masks). Give each member its own seed, or vary "
+            f"a hyperparameter"
+        )
+        return
     else:
         return
+    if len(set(population.seeds)) < 2:
+        return  # one seed asked for: the members are meant alike
     raise ValueError(
         f"population={population.size}: {why}, so the member seeds "
         f"{list(population.seeds)} cannot give the members different weights: they would "
