@@ -364,10 +364,12 @@ def load_state(path: str | os.PathLike[str]) -> State:
     path = user_path(path).absolute()  # orbax reads absolute paths only
     if is_save(path):
         return read_save(path)
-    _refuse_damaged_metadata(path, named=(path / _STATE).is_dir() or (path / _ARRAYS).is_dir())
+    named = checkpoint_dirs(path, lambda child: True) if path.is_dir() else []
+    # A folder holding a save's two parts and no checkpoints is a save, damaged.
+    parts = (path / _STATE).is_dir() and (path / _ARRAYS).is_dir()
+    _refuse_damaged_metadata(path, named=parts and not named)
     if path.is_dir():
         saves = checkpoint_dirs(path, is_save)
-        named = checkpoint_dirs(path, lambda child: True)
         if named and (not saves or named[-1] != saves[-1]):
             # Saves are renamed into place once complete: a named one that does not read
             # as a save was damaged after it was written.

@@ -375,10 +375,10 @@ class Checker:
             or ("params" not in step_state)
         ):
             return
-        # Keyed by the raw leaves (cheap) and by whether a resumed State's dtypes are held.
+        # Keyed by the raw leaves (cheap); the abstract tree is built only when checking.
         leaves, treedef = jax.tree.flatten(step_state["params"])
         signature = tuple(shape_and_dtype(leaf) for leaf in leaves)
-        key = ("variables", self.treedef, self.expected, treedef, signature, self.fit.resuming)
+        key = ("checked_variables", self.treedef, self.expected, treedef, signature)
         if key not in self.cache:
             rule = self.fit.labels
             self.fit.check_run_variables(jax.tree.map(abstract, step_state["params"]))

@@ -23,7 +23,7 @@ from ._metrics import fits_output, resolve_loss
 from ._model_fit_advice import fix_for_x, scope_misuse, unbound_axis
 from ._outputs import require_one_prediction
 from ._placement import device_dtype
-from ._variables_diff import UNWRAPPED, check_given, first_difference
+from ._variables_diff import UNWRAPPED, first_difference, warn_unread
 from .models import ModelConventionError, from_nnx, linen
 
 __all__ = ["ModelFit", "SPARSE", "abstract", "needs_rng"]
@@ -133,7 +133,7 @@ class ModelFit:
         self.first_y: Any = None
         self.labels: LabelRule | None = None
         self.fresh: Any = _UNKNOWN
-        self.checked = self.resuming = False  # resuming: the variables are a State's
+        self.checked = False
 
     def verdict(self) -> tuple[Any, ...]:
         """What `check_first` found, for `restore` on a later batch of the same signature."""
@@ -173,7 +173,7 @@ class ModelFit:
         not traced again."""
         fresh = self.fresh is not _UNKNOWN and _same_signature(variables, self.fresh)
         if not fresh and self.checked and self.program.kind == "trainer":  # fresh ones fit
-            check_given(variables, self.fresh, self.argument, self.resuming)
+            warn_unread(variables, self.fresh)
         if self.checked:
             if not fresh:
                 self.check_variables(variables, "the given variables")

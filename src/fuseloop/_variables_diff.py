@@ -1,5 +1,6 @@
 """How variables a user gave differ from the ones the model makes: the sentence an error
-message adds, a resumed State's dtype refused, variables the model never reads warned of."""
+message adds, and warnings of a resumed State's other dtypes and of variables the model
+never reads."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 
 from ._warn import warn
 
-__all__ = ["UNWRAPPED", "check_given", "first_difference"]
+__all__ = ["UNWRAPPED", "first_difference", "warn_other_dtype", "warn_unread"]
 
 UNWRAPPED = (
     " The given variables are the model's variables['params'] alone: pass the whole "
@@ -43,26 +44,17 @@ def first_difference(given: Any, fresh: Any) -> str:
     return ""
 
 
-def check_given(given: Any, fresh: Any, argument: str, resuming: bool) -> None:
-    """A trainer's given variables against the (abstract) ones its model makes: a resumed
-    State's leaf the model makes in another dtype is refused (`_refuse_other_dtype`); one
-    the model does not make at all is warned about (`_warn_unread`). Variables given as
-    such may be cast on purpose (a linen model trained in bfloat16 by casting its float32
-    variables, as Hugging Face's `to_bf16` does), so only a State is held to the dtypes."""
-    if resuming:
-        _refuse_other_dtype(given, fresh, argument)
-    _warn_unread(given, fresh)
-
-
-def _refuse_other_dtype(given: Any, fresh: Any, argument: str) -> None:
-    """A ValueError where a resumed State holds a leaf in another dtype than the model makes
-    it (a bfloat16 State resumed by a model now built with float32 params): the run would go
-    on training in the State's dtype, not the one the model declares, without a word. A
-    hand-written loop does the same; Keras and PyTorch cast loaded weights to the model's
-    dtype instead. fuseloop cannot know which one the user meant, so it asks. Only the
-    trained variables ('params' where the variables hold that collection) are held to it:
-    a step may keep other collections in another dtype than init made them (batch
-    statistics of float64 inputs), and the step's own check says where it changes one.
+def warn_other_dtype(given: Any, fresh: Any) -> None:
+    """Warns where a resumed State holds a param in another dtype than the model makes it
+    (a bfloat16 State resumed by a model now built with float32 params): the run goes on
+    training in the State's dtype, not the one the model declares. A hand-written loop does
+    the same; Keras and PyTorch cast loaded weights to the model's dtype instead. It is not
+    an error: the State may come from variables cast on purpose (a linen model trained in
+    bfloat16 by casting its float32 variables, as Hugging Face's `to_bf16` does), whose
+    resume this is. Only the trained variables ('params' where the variables hold that
+    collection) are compared: a step may keep other collections in another dtype than init
+    made them (batch statistics of float64 inputs), and the step's own check says where it
+    changes one.
     """
     within = ""
     if isinstance(given, dict) and isinstance(fresh, dict) and "params" in fresh:
@@ -81,17 +73,20 @@ def _refuse_other_dtype(given: Any, fresh: Any, argument: str) -> None:
                 f"jax.tree.map(lambda a: a.astype(jnp.{made.dtype}) if a.dtype == "
                 f"jnp.{leaf.dtype} else a, state.params)"
             )
-            raise ValueError(
-                f"{argument}: the State holds {within}{jax.tree_util.keystr(path)} as "
-                f"{leaf.dtype} where the model makes it {made.dtype}, so the resumed run would "
-                f"train it in {leaf.dtype}, not in the dtype the model declares. Resume with "
-                f"the model built as it was when saved (e.g. its param_dtype), or start from "
+            warn(
+                f"init_state: the State holds {within}{jax.tree_util.keystr(path)} as "
+                f"{leaf.dtype} where the model makes it {made.dtype}, so the resumed run "
+                f"trains it in {leaf.dtype}, as the State was trained, not in the dtype the "
+                f"model declares. If the model's dtype changed since the State was saved, "
+                f"resume with the model built as it was (e.g. its param_dtype), or start from "
                 f"its weights cast to the model's dtypes, with a fresh optimizer state: "
-                f"trainer.run(data, {cast})"
+                f"trainer.run(data, {cast})",
+                RuntimeWarning,
             )
+            return
 
 
-def _warn_unread(given: Any, fresh: Any) -> None:
+def warn_unread(given: Any, fresh: Any) -> None:
     """Warns where a trainer's given variables hold arrays its model does not make.
 
     flax ignores them, so a checkpoint of a larger model (a head this one drops) runs; but

@@ -146,9 +146,9 @@ class Run:
         self._resume()
         agree_on_mesh(self.placement.mesh)  # before anything is placed on it
         first = self._first_batch()
-        resuming = self.checker.fit.resuming = isinstance(self.init_state, State)
+        fit = self.checker.fit  # what the model's init makes, for a resumed State's dtypes
         step_state, signature, spare_maker = initial_step_state(
-            self.programs, self.user_state, first, resuming=resuming
+            self.programs, self.user_state, first, isinstance(self.init_state, State), fit
         )
         member = step_state if self.members is None else first_member(step_state)
         verdicts = self.programs.cache.verdicts

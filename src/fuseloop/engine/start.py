@@ -42,6 +42,7 @@ from .._placement import (
     tree_bytes,
 )
 from .._state import AHEAD_KEY, HELD_KEY, POPULATION_KEY, RESTORED_KEY
+from .._variables_diff import warn_other_dtype
 from .._warn import warn
 from .conv_layout import named
 from .population import population_init, require_distinct_members
@@ -229,8 +230,11 @@ class Start(NamedTuple):
     spare_maker: Callable[[], None] | None = None
 
 
-def initial_step_state(programs: Programs, user_state: Any, first: Any, resuming: bool) -> Start:
-    """The step state the run starts from (see `Start`)."""
+def initial_step_state(
+    programs: Programs, user_state: Any, first: Any, resuming: bool, fit: Any = None
+) -> Start:
+    """The step state the run starts from (see `Start`); a resumed State's params are
+    compared with the dtypes the model's init makes (`fit`: the run's `ModelFit`)."""
     program = programs.loop.program
     check_structure = getattr(program.model, "check_structure", None)
     if check_structure is not None:  # a module changed after its loop was built
@@ -241,6 +245,8 @@ def initial_step_state(programs: Programs, user_state: Any, first: Any, resuming
     if program.kind == "evaluator":  # not donated: the caller's params are only read
         return Start(program.init(first, user_state))
     if resuming:
+        if fit is not None and fit.checked and isinstance(user_state, dict):
+            warn_other_dtype(user_state.get("params"), fit.fresh)
         return Start(private_copy(user_state))
     if program.kind == "trainer":
         if programs.population is not None:
