@@ -22,6 +22,7 @@ import numpy as np
 from .._arg_types import require_room
 from .._distributed import main_process_only
 from .._events import ITERATION_EVENTS, Event, Filter, closes_on_error, make_filter, normalize_event
+from .._population import population_record
 from .._state import POPULATION_KEY, State
 
 
@@ -171,13 +172,6 @@ def _tag(name: str) -> tuple[str, int | None]:
     return f"{found.group(1)}/member_{found.group(2)}", int(found.group(2))
 
 
-def _stopped_members(state: State) -> set[int]:
-    """The members of a population run that have stopped (early_stop, terminate_on_nan)."""
-    record = state.handler_metadata.get(POPULATION_KEY)
-    halted = record.get("halted", ()) if isinstance(record, dict) else ()
-    return {i for i, stopped in enumerate(halted) if stopped}
-
-
 class TensorBoardWriter:
     """Writes each scalar metric as a TensorBoard scalar (tensorboardX).
 
@@ -243,11 +237,11 @@ class TensorBoardWriter:
         if self.writer is None:
             self.start(state)
         step = _step(state, self.event)
-        stopped = _stopped_members(state)
         population = POPULATION_KEY in state.handler_metadata
+        halted = population_record(state)["halted"] if population else ()
         for name, value in scalar_metrics(state.metrics).items():
             tag, member = _tag(name) if population else (name, None)
-            if member in stopped and math.isnan(value):
+            if member is not None and halted[member] and math.isnan(value):
                 continue  # a member stopped: its solo run would have written nothing more
             self.writer.add_scalar(self.prefix + tag, value, global_step=step)
         self.written = state.epoch
