@@ -369,7 +369,7 @@ def load_state(path: str | os.PathLike[str]) -> State:
     parts = (path / _STATE).is_dir() and (path / _ARRAYS).is_dir()
     _refuse_damaged_metadata(path, named=parts and not named)
     if path.is_dir():
-        saves = checkpoint_dirs(path, is_save)
+        saves = [child for child in named if is_save(child)]  # oldest first, as `named`
         if named and (not saves or named[-1] != saves[-1]):
             # Saves are renamed into place once complete: a named one that does not read
             # as a save was damaged after it was written.
