@@ -17,6 +17,7 @@ __all__ = [
     "RESTORED_KEY",
     "AHEAD_KEY",
     "HELD_KEY",
+    "NONFINITE_KEY",
     "RunStatus",
     "State",
     "attach_to_error",
@@ -33,6 +34,8 @@ AHEAD_KEY = "_step_state_reached"
 # holds: a fused chunk runs whole, so it can hold more steps than the iterations that fired
 # (a halt at a chunk's first `iteration_started` fired none of them).
 HELD_KEY = "_epoch_steps_held"
+# ... and where the guard (`terminate_on_nan`) met a non-finite loss: {"epoch", "iteration"}.
+NONFINITE_KEY = "_nonfinite_at"
 
 RunStatus: TypeAlias = Literal["running", "completed", "halted"]
 """`State.status`: a run in progress, one that ran all its epochs, or one that halted."""

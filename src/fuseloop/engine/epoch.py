@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, Event
-from .._state import HELD_KEY
+from .._state import HELD_KEY, NONFINITE_KEY
 from .replay import ChunkResult, EpochReplay
 
 __all__ = ["EpochLoop"]
@@ -119,7 +119,7 @@ class EpochLoop:
         resume from it to say what it repeats. The guard's halt keeps the last finite
         step's state, which the completed iterations count already."""
         completed = self.handoff.bus.in_epoch[Event.ITERATION_COMPLETED]
-        if self.held <= completed or "_nonfinite_at" in state.handler_metadata:
+        if self.held <= completed or NONFINITE_KEY in state.handler_metadata:
             return state
         return state.replace(handler_metadata={**state.handler_metadata, HELD_KEY: self.held})
 

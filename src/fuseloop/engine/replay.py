@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._events import CONTINUE, HALT_LOOP, Event
+from .._state import NONFINITE_KEY
 from .._warn import warn
 
 __all__ = [
@@ -260,7 +261,7 @@ def mark_nonfinite(state: Any, iteration: int) -> Any:
     """Notes in the State where the loss went non-finite (the run warns and halts)."""
     where = {"epoch": state.epoch, "iteration": iteration}
     return state.replace(
-        iteration=iteration, handler_metadata={**state.handler_metadata, "_nonfinite_at": where}
+        iteration=iteration, handler_metadata={**state.handler_metadata, NONFINITE_KEY: where}
     )
 
 
@@ -268,13 +269,13 @@ def show_nonfinite_halt(bus: Any, state: Any) -> None:
     """At a halt on a non-finite loss, the display's last line gets the good steps'
     metrics, which an unfused loop would not have read by itself; they are the State's in
     every mode (no read here: the State holds them)."""
-    if state.handler_metadata.get("_nonfinite_at") is not None:
+    if state.handler_metadata.get(NONFINITE_KEY) is not None:
         bus.advance(0, state.metrics)
 
 
 def warn_nonfinite(state: Any) -> None:
     """The warning of a run the guard (`terminate_on_nan`) halted."""
-    where = state.handler_metadata["_nonfinite_at"]
+    where = state.handler_metadata[NONFINITE_KEY]
     warn(
         f"terminate_on_nan: the loss became non-finite at epoch {where['epoch']}, "
         f"iteration {where['iteration']}; that step was not applied and the loop halted "

@@ -19,7 +19,7 @@ from .._fusion import resolve_fuse
 from .._label_checks import labels_of
 from .._model_warnings import warn_about_model
 from .._placement import Placement
-from .._state import State, attach_to_error, new_stats
+from .._state import NONFINITE_KEY, State, attach_to_error, new_stats
 from .._warn import warn
 from .bus import EventBus
 from .carry import Carry
@@ -301,7 +301,7 @@ class Run:
                 loop.open_next(epoch + 1, following, self.iterations)
         # A signal after the next epoch opened reaches it, at its first boundary.
         opened_next = loop.opened_for(epoch + 1)
-        if status == HALT_LOOP and state.handler_metadata.get("_nonfinite_at") is not None:
+        if status == HALT_LOOP and state.handler_metadata.get(NONFINITE_KEY) is not None:
             warn_nonfinite(state)
         if signals.requested and not opened_next and loop.cut_short:
             status = HALT_LOOP  # a signal before the epoch's end: it is not complete

@@ -41,7 +41,7 @@ from .._placement import (
     signature_of,
     tree_bytes,
 )
-from .._state import AHEAD_KEY, HELD_KEY, POPULATION_KEY, RESTORED_KEY
+from .._state import AHEAD_KEY, HELD_KEY, NONFINITE_KEY, POPULATION_KEY, RESTORED_KEY
 from .._variables_diff import warn_other_dtype
 from .._warn import warn
 from .conv_layout import named
@@ -312,7 +312,7 @@ def resumed_metadata(given: Any) -> dict[str, Any]:
     """The handler metadata a run resumed from the State `given` starts with: without what
     `given` said of its own step state (`warn_on_resume` has said it), which a later State
     of the resumed run would otherwise repeat."""
-    said = (AHEAD_KEY, RESTORED_KEY, HELD_KEY, "_nonfinite_at")
+    said = (AHEAD_KEY, RESTORED_KEY, HELD_KEY, NONFINITE_KEY)
     return {k: v for k, v in given.handler_metadata.items() if k not in said}
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, ITERATION_EVENTS, Event
 from .._fusion import FusionError
 from .._placement import device_int, device_key
-from .._state import AHEAD_KEY
+from .._state import AHEAD_KEY, NONFINITE_KEY
 from .device_checkpoint import BestSaves
 from .device_monitors import DeviceWork, monitor_start, plan_device_work, rate_table
 from .device_replay import hand_best, replayed_handlers
@@ -323,7 +323,7 @@ class WholeRun:
     ) -> tuple[Any, str]:
         """The epoch's end, as the per-epoch run ends it (engine/run.py `_epoch`)."""
         run = self.run
-        if status == HALT_LOOP and state.handler_metadata.get("_nonfinite_at") is not None:
+        if status == HALT_LOOP and state.handler_metadata.get(NONFINITE_KEY) is not None:
             self.warn_nonfinite(state)
         replay = self.replay
         metrics = dict(state.metrics)
