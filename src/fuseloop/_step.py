@@ -101,12 +101,13 @@ def warn_sown_losses(program: Program, step_state: Any) -> None:
 
 
 def _unfrozen(variables: Any) -> Any:
-    """`variables` with a flax FrozenDict made a plain dict (the same arrays): a FrozenDict
-    (older flax, a TrainState's variables) is not a dict, and its batch_stats would be
-    read as params and trained."""
+    """`variables` with every flax FrozenDict among its dicts made a plain dict (the same
+    arrays): a FrozenDict (older flax, a TrainState's variables, or one collection of them
+    put in a dict) is not a dict, so its batch_stats would be read as params and trained,
+    and the step, whose model returns plain dicts, would change the state's structure."""
     from flax.core import FrozenDict, unfreeze
 
-    return unfreeze(variables) if isinstance(variables, FrozenDict) else variables
+    return unfreeze(variables) if isinstance(variables, (FrozenDict, dict)) else variables
 
 
 def _checked_params(adapter: Any, variables: Any) -> Any:
