@@ -249,6 +249,14 @@ def test_nnx_variables_of_other_shapes_are_refused_by_name():
         fl.predict(model, variables, DATA[0][0])
     with pytest.raises(ValueError, match=named):
         fl.models.trained(model, variables)
+    # An nnx.State (as orbax restores one) is named as such, not blamed on x.
+    as_restored = r"init_state: The given variables are an nnx.State .*nnx.update\(module, state\)"
+    with pytest.raises(ValueError, match=as_restored):
+        fl.trainer(model, SPARSE, "adam").run(DATA, nnx.state(model))
+    with pytest.raises(ValueError, match="The given variables are an nnx.State"):
+        fl.predict(model, nnx.state(model), DATA[0][0])
+    with pytest.raises(ValueError, match=r"an nnx.State .* nnx.update\(module, state\)"):
+        fl.models.trained(model, nnx.state(model))
 
     class Counted(nnx.Module):  # a Variable holding a plain number, not an array
         def __init__(self, rngs):

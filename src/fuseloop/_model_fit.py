@@ -23,7 +23,7 @@ from ._metrics import fits_output, resolve_loss
 from ._model_fit_advice import fix_for_x, scope_misuse, unbound_axis
 from ._outputs import require_one_prediction
 from ._placement import device_dtype
-from ._variables_diff import UNWRAPPED, first_difference, warn_unread
+from ._variables_diff import NOT_X, first_difference, warn_unread
 from .models import ModelConventionError, from_nnx, linen
 
 __all__ = ["ModelFit", "SPARSE", "abstract", "needs_rng"]
@@ -215,7 +215,7 @@ class ModelFit:
             )
         if whose != FRESH and self.checked and self.fresh is not _UNKNOWN:
             difference = first_difference(variables, self.fresh)
-            if difference == UNWRAPPED:  # not x's doing, whatever the model says
+            if difference in NOT_X:  # not x's doing, whatever the model says
                 return ValueError(
                     f"{self.argument}:{difference} ({applying} with them fails with "
                     f"{_first_line(error)})"

@@ -24,6 +24,7 @@ import flax.linen as nn
 from ._equinox import from_equinox, plain_module
 from ._linen import flag_values, linen
 from ._nnx import from_nnx, set_nnx_mode
+from ._variables_diff import is_nnx_state
 
 __all__ = ["trained_form"]
 
@@ -153,6 +154,12 @@ def _require_collections(adapter: Any, variables: Any) -> None:
     ):
         return
     what = f"a {type(variables).__name__}"
+    if is_nnx_state(variables):
+        raise ValueError(
+            "state_or_variables: an nnx.State (nnx.state(module), as orbax restores it) is "
+            "not the variables fuseloop reads; nnx.update(module, state) puts its weights in "
+            "the module itself. Pass the State from run, or state.params"
+        )
     if isinstance(variables, Mapping):
         what = f"a dict of {sorted(map(str, variables))[:4]}"
         if isinstance(adapter, linen) and variables:

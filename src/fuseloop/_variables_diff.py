@@ -4,6 +4,7 @@ never reads."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
@@ -11,16 +12,40 @@ import numpy as np
 
 from ._warn import warn
 
-__all__ = ["UNWRAPPED", "first_difference", "warn_other_dtype", "warn_unread"]
+__all__ = [
+    "NOT_X",
+    "UNWRAPPED",
+    "first_difference",
+    "is_nnx_state",
+    "warn_other_dtype",
+    "warn_unread",
+]
 
 UNWRAPPED = (
     " The given variables are the model's variables['params'] alone: pass the whole "
     "variables (state.params, the dict holding 'params' and any other collection) or the State."
 )
+NNX_STATE = (
+    " The given variables are an nnx.State (nnx.state(module), as orbax restores it), which"
+    " fuseloop does not read as an nnx model's variables: load it into the module"
+    " (nnx.update(module, state)) and run without variables, since a run starts from the"
+    " module's weights as they are then."
+)
+# Sentences that say the variables are given in a form fuseloop does not read: x is not
+# the problem, whatever the model said.
+NOT_X = (UNWRAPPED, NNX_STATE)
+
+
+def is_nnx_state(tree: Any) -> bool:
+    """Whether `tree` is an `nnx.State` (flax.nnx is imported wherever an nnx model is)."""
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(tree, nnx.State)
 
 
 def first_difference(given: Any, fresh: Any) -> str:
     """' The given variables hold <path> of shape (a) where the model makes (b).', or ''."""
+    if is_nnx_state(given):
+        return NNX_STATE
     try:
         mine = dict(jax.tree_util.tree_flatten_with_path(given)[0])
         theirs = dict(jax.tree_util.tree_flatten_with_path(fresh)[0])
