@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -59,6 +60,27 @@ def test_whole_arrays_passed_as_a_pair():
     kind, message = errors_in_both_modes((x, y))
     assert kind is ValueError
     assert "fl.data.arrays(x, y, batch_size=...)" in message
+
+
+class _TwoInputs(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        image, meta = x
+        return nn.Dense(3)(image) + nn.Dense(3)(meta)
+
+
+def test_whole_arrays_of_a_two_input_model_passed_as_a_pair():
+    # Keras's ((image, meta), y): its first batch is a pair too, read as x=image, y=meta.
+    x, y = np.concatenate([x for x, _ in DATA]), np.concatenate([y for _, y in DATA])
+    whole = r"reads as a pair \(x, y\), but the next is an array.*\(x may be a tuple or dict"
+    loop = fl.trainer(_TwoInputs(), SPARSE, "sgd")
+    with pytest.raises(ValueError, match=whole):
+        loop.run(((x, x), y))
+    with pytest.raises(ValueError, match=whole):
+        loop.validate(_TwoInputs(), ((x, x), y))
+    # A dict of inputs is no pair: the usual refusal, with the same hint.
+    with pytest.raises(ValueError, match=r"first batch is a dict.*\(x may be a tuple or dict"):
+        loop.run(({"image": x, "meta": x}, y))
 
 
 @pytest.mark.parametrize(

@@ -275,9 +275,17 @@ def shape_and_dtype(leaf: Any) -> tuple[Any, Any]:
     return tuple(leaf.shape), dtype
 
 
-def require_pair(batch: Any, where: str = "a batch") -> None:
-    """Raises a ValueError saying what `where` is, unless `batch` is a pair `(x, y)`."""
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+def require_pair(batch: Any, where: str = "a batch", data: Any = None) -> None:
+    """Raises a ValueError saying what `where` is, unless `batch` is a pair `(x, y)`.
+
+    `data`, the run's data where the caller has it: a list or tuple whose second item is
+    an array is whole arrays given as a pair (x, y), x perhaps a model's several inputs
+    (a pair of them reads as a first batch (x, y), so it is refused here too).
+    """
+    second = data[1] if isinstance(data, (tuple, list)) and len(data) == 2 else None
+    whole = isinstance(second, (np.ndarray, jax.Array)) and second.ndim >= 1
+    pair = isinstance(batch, (tuple, list)) and len(batch) == 2
+    if pair and not whole:
         return
     kind = type(batch).__name__
     size = f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""
@@ -291,10 +299,14 @@ def require_pair(batch: Any, where: str = "a batch") -> None:
         )
     if shape is not None and len(shape) >= 1:
         size = f" of shape {tuple(shape)}"
+    if whole or (shape is not None and len(shape) >= 1):
         hint = (
             " If you passed whole arrays as a pair (x, y), iterating over it yields x "
-            "and then y: batch them with fl.data.arrays(x, y, batch_size=...) instead."
+            "and then y: batch them with fl.data.arrays(x, y, batch_size=...) instead"
+            + (" (x may be a tuple or dict of a model's several inputs)." if whole else ".")
         )
+    if pair:  # x the pair of a model's two inputs, y the second "batch"
+        raise ValueError(f"data: {where} reads as a pair (x, y), but the next is an array.{hint}")
     raise ValueError(
         f"data: {where} is a {kind}{size}, but a trainer or evaluator batch must be a "
         f"pair (x, y).{hint} Yield (inputs, targets) tuples, or use fl.loop(step_fn) for "

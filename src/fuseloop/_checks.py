@@ -89,7 +89,7 @@ class Checker:
         self.first_batch, self.treedef, self.expected = batch, treedef, expected
         self.accepted = {expected}
         if known is None:
-            known = self._first_of_its_kind(batch, leaves)
+            known = self._first_of_its_kind(batch, leaves, source)
             self.cache[key] = known
         else:
             self.names, any_float64, fit = known
@@ -101,11 +101,11 @@ class Checker:
         if self.pairs and not self.labels.settle(self.fit.labels):
             self.labels.batch(self.fit.labels, batch, "the run's first batch")
 
-    def _first_of_its_kind(self, batch: Any, leaves: list[Any]) -> tuple[Any, ...]:
+    def _first_of_its_kind(self, batch: Any, leaves: list[Any], data: Any) -> tuple[Any, ...]:
         """The checks of a first batch whose signature no run of this loop has seen (the
         model checks trace the model); what a later run needs of them, to keep."""
         if self.pairs:
-            require_pair(batch, "the run's first batch")
+            require_pair(batch, "the run's first batch", data)
             check_python_lists(batch, "the run's first batch")
             check_pair_sizes(batch, "the run's first batch", self.named_loss)
         elif self.jit:  # jit reads every leaf as an array (a trainer's checks name them)

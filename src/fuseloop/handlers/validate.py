@@ -93,7 +93,7 @@ def check_validation(
         )
     if isinstance(data, (list, tuple)) and data:
         # Now, not after the first epoch's training, where the evaluator would meet it.
-        require_pair(data[0], "the validation data's first batch")
+        require_pair(data[0], "the validation data's first batch", data)
     chunked = resolve_fuse(fuse, True)  # validates the value now, not at the first epoch's end
     if chunked is not None:
         _refuse_short_batches(data, fuse)
