@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import warnings
 
-import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -62,22 +61,16 @@ def test_whole_arrays_passed_as_a_pair():
     assert "fl.data.arrays(x, y, batch_size=...)" in message
 
 
-class _TwoInputs(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        image, meta = x
-        return nn.Dense(3)(image) + nn.Dense(3)(meta)
-
-
 def test_whole_arrays_of_a_two_input_model_passed_as_a_pair():
-    # Keras's ((image, meta), y): its first batch is a pair too, read as x=image, y=meta.
+    # Keras's ((image, meta), y): its first batch is a pair too, read as x=image, y=meta
+    # (refused before any model sees it, so the model does not matter).
     x, y = np.concatenate([x for x, _ in DATA]), np.concatenate([y for _, y in DATA])
     whole = r"reads as a pair \(x, y\), but the next is an array.*\(x may be a tuple or dict"
-    loop = fl.trainer(_TwoInputs(), SPARSE, "sgd")
+    loop = fl.trainer(fl.models.mlp([4, 3]), SPARSE, "sgd")
     with pytest.raises(ValueError, match=whole):
         loop.run(((x, x), y))
     with pytest.raises(ValueError, match=whole):
-        loop.validate(_TwoInputs(), ((x, x), y))
+        loop.validate(fl.models.mlp([4, 3]), ((x, x), y))
     # A dict of inputs is no pair: the usual refusal, with the same hint.
     with pytest.raises(ValueError, match=r"first batch is a dict.*\(x may be a tuple or dict"):
         loop.run(({"image": x, "meta": x}, y))
