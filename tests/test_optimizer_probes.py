@@ -60,11 +60,28 @@ def test_a_population_of_a_scheduled_hyperparameter_is_refused_by_name():
         fl.trainer(MODEL, LOSS, many).run(DATA, population={"learning_rate": [1e-3, 1e-2]})
 
 
-def test_a_population_of_a_structure_dependent_optimizer_is_told_why_it_exposes_nothing():
-    labels = jax.tree.map(lambda _: "all", VARIABLES["params"])
+@pytest.mark.parametrize(
+    "labels",
+    [
+        jax.tree.map(lambda _: "all", VARIABLES["params"]),
+        lambda params: {name: "all" for name in VARIABLES["params"]},  # names the layers
+    ],
+)
+def test_a_population_of_a_structure_dependent_optimizer_is_told_why_it_exposes_nothing(labels):
     tx = optax.multi_transform({"all": optax.inject_hyperparams(optax.adam)(1e-2)}, labels)
-    with pytest.raises(ValueError, match="give the labels as a function of the params"):
+    fix = r"a function that works on any params tree .*one that names the model's layers"
+    with pytest.raises(ValueError, match=fix):
         fl.trainer(MODEL, LOSS, tx).run(DATA, VARIABLES, population={"learning_rate": [1, 2]})
+
+
+def test_an_injected_hyperparameter_that_is_a_tree_trains():
+    # inject_hyperparams reads a function as a schedule of the step count: adamw's mask
+    # given as one that returns the layers' tree is a hyperparameter that is a tree.
+    decayed = {name: {"bias": False, "kernel": True} for name in VARIABLES["params"]}
+    mask = lambda _: decayed  # noqa: E731
+    tx = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, mask=mask)
+    state = fl.trainer(MODEL, LOSS, tx).run(DATA, VARIABLES)
+    assert state.status == "completed" and np.isfinite(state.metrics["loss"])
 
 
 def test_the_learning_rate_metric_is_a_rate_never_a_scale_of_the_users_own():

@@ -119,6 +119,12 @@ def _warn_schedule_free(opt_state: Any) -> None:
     )
 
 
+def _narrow_float(dtype: Any) -> bool:
+    """Whether `dtype` is a float narrower than float32; None (a hyperparameter that is no
+    array: a weight-decay mask's tree of bools) is not."""
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
+
+
 def _warn_narrow_hyperparams(opt_state: Any) -> None:
     """Warns where `optax.inject_hyperparams` holds float hyperparameters narrower than
     float32: it takes the params' dtype, and in bfloat16 adam's b2=0.999 reads 1.0 (the
@@ -127,8 +133,7 @@ def _warn_narrow_hyperparams(opt_state: Any) -> None:
         name: value
         for node in inject_states(opt_state)
         for name, value in node.hyperparams.items()
-        if jnp.issubdtype(jnp.result_type(value), jnp.floating)
-        and jnp.finfo(jnp.result_type(value)).bits < 32
+        if _narrow_float(getattr(value, "dtype", None))
     }
     if not narrow:
         return

@@ -252,7 +252,8 @@ def _require_one_float_slot(state: Any, key: str, values: tuple[float, ...]) -> 
 _STRUCTURAL = (
     "; this one's state depends on the params' structure (e.g. optax.multi_transform or "
     "optax.masked given a pytree of labels), so its hyperparameters cannot be seen before "
-    "the run: give the labels as a function of the params"
+    "the run: give the labels as a function that works on any params tree (e.g. "
+    "jax.tree.map over the params; one that names the model's layers is probed as a tree)"
 )
 
 
