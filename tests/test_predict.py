@@ -60,10 +60,19 @@ def test_batch_sources(state):
     pairs = [(X[i : i + 6], Y[i : i + 6]) for i in range(0, 23, 6)]
     inputs = [X[i : i + 6] for i in range(0, 23, 6)]
     ordered = fl.data.arrays(X, Y, batch_size=6, shuffle=False, drop_remainder=False)
-    for source in (pairs, inputs, iter(pairs), lambda: iter(inputs), ordered):
+    for source in (pairs, inputs, iter(pairs), lambda: iter(inputs), ordered, _refilled):
         np.testing.assert_allclose(
             predict(Net(), state, source), expected(state), rtol=1e-5, atol=1e-6
         )
+
+
+def _refilled():
+    """A loader that refills one array for every batch (docs/data.md allows it)."""
+    buffer = np.empty((6, 5), np.float32)
+    for i in range(0, 18, 6):
+        buffer[:] = X[i : i + 6]
+        yield buffer
+    yield X[18:]
 
 
 def test_pytree_inputs_and_outputs():

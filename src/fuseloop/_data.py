@@ -23,7 +23,7 @@ import numpy as np
 from ._batch_sequence import BatchSequence, is_batch_sequence
 from ._warn import warn
 
-__all__ = ["as_host_array", "as_source", "Source", "warn_left_out"]
+__all__ = ["as_host_array", "as_source", "own_copy", "Source", "warn_left_out"]
 
 
 def warn_left_out(data: Any, who: str, where: str, fix: str) -> None:
@@ -282,7 +282,7 @@ def as_host_array(leaf: Any) -> Any:
     return np.asarray(leaf) if tensor is None else tensor
 
 
-def _own_copy(leaf: Any) -> Any:
+def own_copy(leaf: Any) -> Any:
     """`leaf` as an array no one else can change: jax arrays are immutable; anything else
     (numpy, torch, Python numbers) is copied into a fresh numpy array."""
     array = as_host_array(leaf)
@@ -331,14 +331,14 @@ _MAP_STYLE = (
 def _detached(batch: Any) -> Any:
     if type(batch) is tuple and len(batch) == 2:  # (x, y): an array x or y without a walk
         return (_detached_part(batch[0]), _detached_part(batch[1]))
-    return jax.tree.map(_own_copy, batch)
+    return jax.tree.map(own_copy, batch)
 
 
 def _detached_part(part: Any) -> Any:
     """x or y copied leaf by leaf: a dict, tuple or list of arrays (or None) keeps its form."""
     if isinstance(part, (np.ndarray, jax.Array)):
-        return _own_copy(part)
-    return jax.tree.map(_own_copy, part)
+        return own_copy(part)
+    return jax.tree.map(own_copy, part)
 
 
 def as_source(data: Any) -> Source:

@@ -134,7 +134,7 @@ def _inputs_of_source(source: Any) -> tuple[Any, int, bool]:
     the first batch's size. An `fl.data.arrays` source's epochs may be shuffled and drop a
     short last batch, so its arrays are taken as they are: one output per row of them.
     """
-    from ._data import as_source
+    from ._data import as_source, own_copy
     from .data import ArraySource
 
     if isinstance(source, ArraySource):
@@ -147,7 +147,7 @@ def _inputs_of_source(source: Any) -> tuple[Any, int, bool]:
         for batch in iterator:
             pair = isinstance(batch, (tuple, list)) and len(batch) == 2
             pairs = pairs or pair
-            inputs.append(batch[0] if pair else batch)
+            inputs.append(jax.tree.map(own_copy, batch[0] if pair else batch))  # may be refilled
     finally:
         wrapped.close()
     if not inputs:
