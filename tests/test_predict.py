@@ -214,6 +214,10 @@ def test_outputs_without_a_row_per_example_and_inputs_without_examples_are_named
             predict(Net(), state, scalar)
     with pytest.raises(ValueError, match=r"^x=None: pass the inputs"):
         predict(Net(), state, None)
+    # Python rows or numbers: a list is a list of batches, and the fix is named.
+    for listed in (X.tolist(), [1.0, 2.0]):
+        with pytest.raises(ValueError, match=r"no batch axis.*np\.asarray\(x, np\.float32\)"):
+            predict(Net(), state, listed)
     with pytest.raises(ValueError, match=r"^variables_or_state=None: pass the trained"):
         predict(Net(), None, X)
 

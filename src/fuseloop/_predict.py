@@ -16,10 +16,10 @@ import jax
 import numpy as np
 
 from ._arg_types import is_int, refuse_deleted_arrays
-from ._data import as_host_array
 from ._metrics import batch_size
 from ._model_fit import ModelFit, abstract
 from ._narrowing import Narrowing, native_order
+from ._predict_inputs import host, inputs_of_source
 from .engine.conv_layout import named
 from .models import as_model, weights_of_module
 
@@ -129,58 +129,6 @@ _PAIRS_READ = (
 )
 
 
-def _inputs_of_source(source: Any) -> tuple[Any, int, bool]:
-    """All inputs of a batch source (batches `x` or `(x, y)`), concatenated in order, and
-    the first batch's size. An `fl.data.arrays` source's epochs may be shuffled and drop a
-    short last batch, so its arrays are taken as they are: one output per row of them.
-    """
-    from ._data import as_source, own_copy
-    from .data import ArraySource
-
-    if isinstance(source, ArraySource):
-        return source.x, source.batch_size, False
-
-    wrapped = as_source(source)
-    iterator = wrapped.epoch_iterator(0)
-    inputs, pairs = [], False
-    try:
-        for batch in iterator:
-            pair = isinstance(batch, (tuple, list)) and len(batch) == 2
-            pairs = pairs or pair
-            inputs.append(jax.tree.map(own_copy, batch[0] if pair else batch))  # may be refilled
-    finally:
-        wrapped.close()
-    if not inputs:
-        raise ValueError("x: the batch source yielded no batch; there is nothing to predict")
-    first = jax.tree.leaves(inputs[0])
-    size = int(np.shape(first[0])[0]) if first and np.ndim(first[0]) >= 1 else 0
-    if size == 0:
-        raise ValueError(
-            "x: the batch source's batches have no batch axis; yield arrays (or (x, y) "
-            "pairs) with the examples on axis 0"
-        )
-    _require_alike(inputs)
-    joined = jax.tree.map(lambda *parts: np.concatenate(list(map(_host, parts))), *inputs)
-    return joined, size, pairs
-
-
-def _require_alike(inputs: list[Any]) -> None:
-    """Raises a ValueError naming the first batch whose x differs from batch 0's but for
-    its number of rows (each padded to its own longest sequence, say): they are joined."""
-
-    def rows(x: Any) -> tuple[Any, ...]:
-        return (str(jax.tree.structure(x)), *(np.shape(leaf)[1:] for leaf in jax.tree.leaves(x)))
-
-    first = rows(inputs[0])
-    for i, x in enumerate(inputs[1:], start=1):
-        if rows(x) != first:
-            raise ValueError(
-                f"x: batch {i} of the source holds rows of shapes {rows(x)[1:]}, batch 0 "
-                f"{first[1:]} (or their structures differ); predict joins the batches' rows "
-                f"into one array: pad every batch to one length, or call fl.predict on each batch"
-            )
-
-
 def _local(leaf: Any) -> Any:
     """A leaf this process can place: after a run over several processes the params span
     every process's devices, each holding them whole (replicated); predict runs here."""
@@ -193,10 +141,6 @@ def _local(leaf: Any) -> Any:
         f"devices, and predict runs on this process's devices; gather it first, e.g. "
         f"jax.experimental.multihost_utils.process_allgather(leaf, tiled=True)"
     )
-
-
-def _host(leaf: Any) -> np.ndarray:
-    return np.asarray(as_host_array(leaf))  # a torch tensor through Tensor.numpy()
 
 
 def _example_count(x: Any) -> int:
@@ -227,7 +171,7 @@ def _device_inputs(inputs: Any) -> Any:
     (64-bit mode off). The values are read only for 64-bit integer leaves."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(inputs)
     names = ["x" + jax.tree_util.keystr(path) for path, _ in flat]
-    leaves = [native_order(_host(leaf)) for _, leaf in flat]
+    leaves = [native_order(host(leaf)) for _, leaf in flat]
     narrowing = Narrowing()  # one per call, as one per run: the float64 warning once
     narrowing.warn_float64(names, leaves, source="fl.predict")
     narrowing.check_ints(names, leaves, "", source="fl.predict")
@@ -307,7 +251,7 @@ def predict(
             raise ValueError(f"batch_size={batch_size!r} must be a positive int")
         inputs, size, pairs = x, int(batch_size), False
     else:
-        inputs, size, pairs = _inputs_of_source(x)
+        inputs, size, pairs = inputs_of_source(x)
     inputs = _device_inputs(inputs)
     n = _example_count(inputs)
     if n == 0:

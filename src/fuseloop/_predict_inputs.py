@@ -1,0 +1,75 @@
+"""`fl.predict`'s inputs read from a batch source: every batch's x, copied as pulled,
+joined in order into one array per leaf."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._data import as_host_array, as_source, own_copy
+
+__all__ = ["host", "inputs_of_source"]
+
+
+def host(leaf: Any) -> np.ndarray:
+    return np.asarray(as_host_array(leaf))  # a torch tensor through Tensor.numpy()
+
+
+def inputs_of_source(source: Any) -> tuple[Any, int, bool]:
+    """All inputs of a batch source (batches `x` or `(x, y)`), concatenated in order, and
+    the first batch's size. An `fl.data.arrays` source's epochs may be shuffled and drop a
+    short last batch, so its arrays are taken as they are: one output per row of them.
+    """
+    from .data import ArraySource  # the public module, imported when predict is called
+
+    if isinstance(source, ArraySource):
+        return source.x, source.batch_size, False
+
+    wrapped = as_source(source)
+    iterator = wrapped.epoch_iterator(0)
+    inputs, pairs = [], False
+    try:
+        for batch in iterator:
+            pair = isinstance(batch, (tuple, list)) and len(batch) == 2
+            pairs = pairs or pair
+            inputs.append(jax.tree.map(own_copy, batch[0] if pair else batch))  # may be refilled
+    finally:
+        wrapped.close()
+    if not inputs:
+        raise ValueError("x: the batch source yielded no batch; there is nothing to predict")
+    first = jax.tree.leaves(inputs[0])
+    size = int(np.shape(first[0])[0]) if first and np.ndim(first[0]) >= 1 else 0
+    if size == 0:
+        listed = ""
+        if isinstance(source, (list, tuple)):  # of numbers, or of rows of them
+            listed = (
+                f"; a {type(source).__name__} is read as a list of batches, and its items "
+                f"are {type(source[0]).__name__}s: for a {type(source).__name__} of rows or "
+                f"numbers, pass np.asarray(x, np.float32)"
+            )
+        raise ValueError(
+            f"x: the batch source's batches have no batch axis; yield arrays (or (x, y) "
+            f"pairs) with the examples on axis 0{listed}"
+        )
+    _require_alike(inputs)
+    joined = jax.tree.map(lambda *parts: np.concatenate(list(map(host, parts))), *inputs)
+    return joined, size, pairs
+
+
+def _require_alike(inputs: list[Any]) -> None:
+    """Raises a ValueError naming the first batch whose x differs from batch 0's but for
+    its number of rows (each padded to its own longest sequence, say): they are joined."""
+
+    def rows(x: Any) -> tuple[Any, ...]:
+        return (str(jax.tree.structure(x)), *(np.shape(leaf)[1:] for leaf in jax.tree.leaves(x)))
+
+    first = rows(inputs[0])
+    for i, x in enumerate(inputs[1:], start=1):
+        if rows(x) != first:
+            raise ValueError(
+                f"x: batch {i} of the source holds rows of shapes {rows(x)[1:]}, batch 0 "
+                f"{first[1:]} (or their structures differ); predict joins the batches' rows "
+                f"into one array: pad every batch to one length, or call fl.predict on each batch"
+            )
