@@ -588,3 +588,17 @@ def test_a_model_collection_whose_dtype_the_step_changes_is_told_to_cast_it_back
 
     with pytest.raises(ValueError, match=r"'counters' collection.*cast the update back"):
         fl.trainer(Counting(), SPARSE, "sgd").run(make_batches(2))
+
+
+def test_one_feature_per_example_without_its_axis_is_blamed_on_x_not_y():
+    # A plain Dense reads x of shape (B,) as one example's B features: its output has no
+    # axis of the batch, and the check of y against it named y instead.
+    x = np.random.default_rng(0).normal(size=20).astype(np.float32)
+    fix = r"x has shape \(5,\), one axis.*output of shape \(3,\).*x\[:, None\]"
+    for loss, y in ((SPARSE, np.arange(20, dtype=np.int32) % 3), ("mse", np.ones((20, 3)))):
+        with pytest.raises(ValueError, match=fix):
+            fl.trainer(nn.Dense(3), loss, "sgd").run(fl.data.arrays(x, y, batch_size=5))
+    # Token ids of shape (B,) embedded per example keep their batch axis: not refused.
+    ids = np.arange(20, dtype=np.int32) % 7
+    embedded = fl.trainer(nn.Embed(7, 3), SPARSE, "sgd").run(fl.data.arrays(ids, ids % 3, 5))
+    assert embedded.status == "completed"

@@ -20,7 +20,7 @@ from ._batch_checks import no_device_dtype
 from ._epoch_order import abstract_key
 from ._label_rule import LabelRule
 from ._metrics import fits_output, resolve_loss
-from ._model_fit_advice import fix_for_x, scope_misuse, unbound_axis
+from ._model_fit_advice import fix_for_x, refuse_unbatched_output, scope_misuse, unbound_axis
 from ._outputs import require_one_prediction
 from ._placement import device_dtype
 from ._variables_diff import NOT_X, first_difference, warn_unread
@@ -325,9 +325,9 @@ class ModelFit:
             if shape is not None
             else f"the model's output ({_describe(y_pred, 'output')})"
         )
-        abstract_pair = isinstance(ys, jax.ShapeDtypeStruct) and isinstance(
-            y_pred, jax.ShapeDtypeStruct
-        )
+        if self.first_x is not None:  # a model that read x's examples as features
+            refuse_unbatched_output(self.first_x[1], y_pred)
+        abstract_pair = all(isinstance(v, jax.ShapeDtypeStruct) for v in (ys, y_pred))
         if abstract_pair and isinstance(self.program.loss, str):  # not a callable's __name__
             self._check_named_loss(name, ys, y_pred, output)
         try:

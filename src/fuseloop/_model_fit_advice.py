@@ -6,9 +6,18 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import jax
+import numpy as np
+
 from .models import ModelConventionError, from_equinox, from_nnx
 
-__all__ = ["fix_for_x", "no_params", "scope_misuse", "unbound_axis"]
+__all__ = [
+    "fix_for_x",
+    "no_params",
+    "refuse_unbatched_output",
+    "scope_misuse",
+    "unbound_axis",
+]
 
 # "__call__() missing 1 required positional argument: 'b'": inputs taken separately.
 _SEPARATE_INPUTS = re.compile(r"missing \d+ required positional argument")
@@ -130,3 +139,22 @@ def no_params(adapter: Any) -> ModelConventionError:
             "(init_fn, apply_fn) pair's whole params): put the weights to train there"
         )
     return ModelConventionError(f"model: it has no parameters to train; {fix}")
+
+
+def refuse_unbatched_output(x: Any, y_pred: Any) -> None:
+    """Raises where x has one axis and the model's output has no axis of its examples: a
+    model of one feature per example (a plain `nn.Dense`) read the batch as one example's
+    features, and a check of y against that output would blame y."""
+    leaves = jax.tree.leaves(x)
+    out = getattr(y_pred, "shape", None)
+    if len(leaves) != 1 or len(np.shape(leaves[0])) != 1 or out is None:
+        return
+    rows = np.shape(leaves[0])[0]
+    if len(out) >= 1 and out[0] == rows:
+        return
+    raise ValueError(
+        f"data: x has shape ({rows},), one axis, which the model reads as one example's "
+        f"{rows} features: its output of shape {tuple(out)} has no axis of the batch's "
+        f"{rows} examples. For one feature per example, give x a feature axis: x[:, None] "
+        f"(or x.reshape(-1, 1); fl.models.mlp adds it itself)"
+    )
