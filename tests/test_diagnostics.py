@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import numpy as np
 import optax
@@ -81,6 +83,17 @@ def test_auto_consumes_no_extra_batch() -> None:
 
     state = _loop().run(generator(), fuse="auto")
     assert len(pulled) == 24 and state.iteration == 23
+
+
+def test_auto_with_a_handler_that_may_halt_warns_that_its_halt_moves_with_the_timing():
+    halts = lambda s: "halt_epoch" if s.iteration == 4 else None  # noqa: E731
+    moving = r"fuse='auto' picks its chunk size by timing.*<lambda>' on iteration_completed"
+    with pytest.warns(UserWarning, match=moving):
+        _loop().handle_event("iteration_completed", halts).run(_batches(), fuse="auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an observer cannot halt; a fixed K repeats its halt
+        _loop().observe("iteration_completed", lambda s: None).run(_batches(), fuse="auto")
+        _loop().handle_event("iteration_completed", halts).run(_batches(), fuse=4)
 
 
 # ----------------------------------------------------------------- choose_chunk_size

@@ -12,7 +12,9 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+from .._events import ITERATION_EVENTS
 from .._fusion import DEFAULT_CHUNK
+from .._warn import warn
 from .auto_chunk import choose_chunk_size, epochs_per_dispatch
 from .population_whole_run import PopulationWholeRun
 from .whole_run import WholeRun, whole_run_refusal
@@ -28,6 +30,8 @@ def plan_dispatches(
     """
     length = epoch_length(run.source, run.iterations)
     fuse = run.fuse
+    if fuse == "auto":
+        _warn_timed_halts(run, length)
     if run.resident and isinstance(fuse, int) and length is not None and fuse > length:
         _whole_run(run, fuse, length, warn_nonfinite)
     if run.fuse == "run":
@@ -63,6 +67,34 @@ def _whole_run(
     whole = WholeRun if run.population is None else PopulationWholeRun
     run.whole = whole(run, size, warn_nonfinite)
     run.stats["chunk_size"] = size or length * (run.epochs - run.start_epoch)
+
+
+_NEVER_HALT = ("checkpoint", "validate")  # the library's own handlers, which return None
+
+
+def _warn_timed_halts(run: Any, length: int | None) -> None:
+    """Warns where `fuse="auto"` meets a handler on an iteration event, which may halt: a
+    halt takes effect at its chunk's end (README.md, "What fusion is"), and the cost model times
+    this machine, so the steps trained after the halt could differ from one run of the same
+    script to the next. Told whatever K this run's timing picks (even 1, exact here): the
+    pick itself is what varies; an epoch of one batch has one place to halt."""
+    handlers = [
+        r
+        for e in ITERATION_EVENTS
+        for r in run.bus.by_event.get(e, ())
+        if not r.observes and r.name not in _NEVER_HALT
+    ]
+    if not handlers or length == 1:
+        return
+    first = handlers[0]
+    warn(
+        f"fuse='auto' picks its chunk size by timing this machine, and {first.label!r} on "
+        f"{first.event.value} may halt the run: a halt takes effect at the end of its chunk, "
+        f"so the steps trained after it can differ from one run of this script to the next. "
+        f"For halts that repeat, pass a fixed fuse=K (state.stats['chunk_size'] says what "
+        f"'auto' chose) or fuse=False",
+        UserWarning,
+    )
 
 
 def _refusal(run: Any) -> str | None:
