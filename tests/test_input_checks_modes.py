@@ -65,7 +65,7 @@ def test_whole_arrays_of_a_two_input_model_passed_as_a_pair():
     # Keras's ((image, meta), y): its first batch is a pair too, read as x=image, y=meta
     # (refused before any model sees it, so the model does not matter).
     x, y = np.concatenate([x for x, _ in DATA]), np.concatenate([y for _, y in DATA])
-    whole = r"reads as a pair \(x, y\), but the next is an array.*\(x may be a tuple or dict"
+    whole = r"reads as a pair \(x, y\), but the item after it is an array of shape \(24,\).*\(x may"
     loop = fl.trainer(fl.models.mlp([4, 3]), SPARSE, "sgd")
     with pytest.raises(ValueError, match=whole):
         loop.run(((x, x), y))

@@ -602,3 +602,13 @@ def test_one_feature_per_example_without_its_axis_is_blamed_on_x_not_y():
     ids = np.arange(20, dtype=np.int32) % 7
     embedded = fl.trainer(nn.Embed(7, 3), SPARSE, "sgd").run(fl.data.arrays(ids, ids % 3, 5))
     assert embedded.status == "completed"
+    # Nor is a model whose unbatched output its loss takes on purpose (the batch's NLL).
+    fitted = fl.trainer(_BatchNll(), lambda y, nll: nll, "sgd").run(fl.data.arrays(x, x, 5))
+    assert fitted.status == "completed"
+
+
+class _BatchNll(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        mu = self.param("mu", nn.initializers.zeros, ())
+        return jnp.mean((x - mu) ** 2)

@@ -283,7 +283,8 @@ def require_pair(batch: Any, where: str = "a batch", data: Any = None) -> None:
     (a pair of them reads as a first batch (x, y), so it is refused here too).
     """
     second = data[1] if isinstance(data, (tuple, list)) and len(data) == 2 else None
-    whole = isinstance(second, (np.ndarray, jax.Array)) and second.ndim >= 1
+    whole_shape = tuple(getattr(second, "shape", ()))  # numpy, jax or torch: y of the set
+    whole = len(whole_shape) >= 1
     pair = isinstance(batch, (tuple, list)) and len(batch) == 2
     if pair and not whole:
         return
@@ -306,7 +307,10 @@ def require_pair(batch: Any, where: str = "a batch", data: Any = None) -> None:
             + (" (x may be a tuple or dict of a model's several inputs)." if whole else ".")
         )
     if pair:  # x the pair of a model's two inputs, y the second "batch"
-        raise ValueError(f"data: {where} reads as a pair (x, y), but the next is an array.{hint}")
+        raise ValueError(
+            f"data: {where} reads as a pair (x, y), but the item after it is an array of "
+            f"shape {whole_shape}, not a batch (y for the whole set?).{hint}"
+        )
     raise ValueError(
         f"data: {where} is a {kind}{size}, but a trainer or evaluator batch must be a "
         f"pair (x, y).{hint} Yield (inputs, targets) tuples, or use fl.loop(step_fn) for "

@@ -20,7 +20,15 @@ from ._batch_checks import no_device_dtype
 from ._epoch_order import abstract_key
 from ._label_rule import LabelRule
 from ._metrics import fits_output, resolve_loss
-from ._model_fit_advice import fix_for_x, refuse_unbatched_output, scope_misuse, unbound_axis
+from ._model_fit_advice import (
+    describe,
+    first_line,
+    fix_for_x,
+    held,
+    scope_misuse,
+    unbatched_output,
+    unbound_axis,
+)
 from ._outputs import require_one_prediction
 from ._placement import device_dtype
 from ._variables_diff import NOT_X, first_difference, warn_unread
@@ -32,21 +40,6 @@ SPARSE = "sparse_categorical_cross_entropy"
 _BINARY = "binary_cross_entropy"
 _SAME_SHAPE_LOSSES = ("categorical_cross_entropy",)
 _SAME_SIZE_LOSSES = ("mean_squared_error", "mean_absolute_error", _BINARY)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0].rstrip('.') if text else ''}"
-
-
-def _describe(tree: Any, name: str) -> str:
-    parts = [f"{leaf} of shape {shape}" for leaf, shape in _named_shapes(tree, name)]
-    return ", ".join(parts) if parts else "no arrays"
-
-
-def _named_shapes(tree: Any, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return [(prefix + jax.tree_util.keystr(path), tuple(np.shape(leaf))) for path, leaf in flat]
 
 
 def abstract(leaf: Any) -> Any:
@@ -103,11 +96,6 @@ def _same_signature(a: Any, b: Any) -> bool:
         (np.shape(x), getattr(x, "dtype", type(x))) == (np.shape(y), getattr(y, "dtype", type(y)))
         for x, y in zip(leaves_a, leaves_b, strict=True)
     )
-
-
-def _held(variables: Any) -> str:
-    text = repr(variables)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class ModelFit:
@@ -193,7 +181,7 @@ class ModelFit:
     def _misfit(self, error: BaseException, variables: Any, whose: str) -> ValueError:
         """The ValueError for a model that fails on the first batch's x with `variables`."""
         x = self.first_x[0] if self.first_x is not None else None
-        applying = f"applying the model to the first batch's x ({_describe(x, 'x')})"
+        applying = f"applying the model to the first batch's x ({describe(x, 'x')})"
         if needs_rng(error):
             return self._rng_error(error, applying)
         fresh, training = whose == FRESH, self.program.kind == "trainer"
@@ -203,14 +191,14 @@ class ModelFit:
         if not jax.tree.leaves(variables):
             if whose == FRESH:
                 return ValueError(
-                    f"model: its init returned {_held(variables)}, no variables, so {applying} "
-                    f"fails with {_first_line(error)}; x is not the problem. Make init return "
+                    f"model: its init returned {held(variables)}, no variables, so {applying} "
+                    f"fails with {first_line(error)}; x is not the problem. Make init return "
                     f"the variables the model's apply reads, or pass trained variables to run: "
                     f"fl.evaluator(model).run(data, params), or trainer.run(data, variables)"
                 )
             return ValueError(
-                f"{self.argument}: {whose} hold no arrays ({_held(variables)}), so {applying} "
-                f"fails with {_first_line(error)}. Pass the variables the model reads (e.g. a "
+                f"{self.argument}: {whose} hold no arrays ({held(variables)}), so {applying} "
+                f"fails with {first_line(error)}. Pass the variables the model reads (e.g. a "
                 f"trained State's params)"
             )
         if whose != FRESH and self.checked and self.fresh is not _UNKNOWN:
@@ -218,11 +206,11 @@ class ModelFit:
             if difference in NOT_X:  # not x's doing, whatever the model says
                 return ValueError(
                     f"{self.argument}:{difference} ({applying} with them fails with "
-                    f"{_first_line(error)})"
+                    f"{first_line(error)})"
                 )
             return ValueError(
                 f"{self.inputs} does not fit the model with {whose} ({self.argument}): "
-                f"{applying} with them fails with {_first_line(error)}, while the model's own "
+                f"{applying} with them fails with {first_line(error)}, while the model's own "
                 f"fresh variables fit this x.{difference} Either x "
                 f"is shaped unlike the data those variables were trained on, or they come "
                 f"from another model (a State saved from a different one?): pass x shaped "
@@ -230,7 +218,7 @@ class ModelFit:
             )
         return ValueError(
             f"{self.inputs} does not fit the model: applying it with {whose} to the first "
-            f"batch's x ({_describe(x, 'x')}) fails with {_first_line(error)}. "
+            f"batch's x ({describe(x, 'x')}) fails with {first_line(error)}. "
             f"{fix_for_x(x, error, self.program.model)}, or pass matching variables"
         )
 
@@ -238,7 +226,7 @@ class ModelFit:
         """The ValueError for a model that asks for randomness fuseloop does not supply."""
         model = self.program.model
         name = type(getattr(model, "module", model)).__name__
-        failure = f"{applying} fails with {_first_line(error)}. x is not the problem"
+        failure = f"{applying} fails with {first_line(error)}. x is not the problem"
         if isinstance(model, linen):
             found = re.search(r'PRNG for "([^"]+)"', str(error))
             stream = f"the rng stream {found.group(1)!r}" if found else "an rng stream"
@@ -295,11 +283,11 @@ class ModelFit:
                 return
             if needs_rng(error):
                 raise self._rng_error(
-                    error, f"initializing the model on the first batch's x ({_describe(x, 'x')})"
+                    error, f"initializing the model on the first batch's x ({describe(x, 'x')})"
                 ) from error
             raise ValueError(
                 f"data: x does not fit the model: initializing it on the first batch's x "
-                f"({_describe(x, 'x')}) fails with {_first_line(error)}. "
+                f"({describe(x, 'x')}) fails with {first_line(error)}. "
                 f"{fix_for_x(x, error, self.program.model)}"
             ) from error
         self.fresh = variables
@@ -316,6 +304,15 @@ class ModelFit:
         self.checked = True
 
     def _check_loss(self, y: Any, y_pred: Any, ys: Any) -> None:
+        try:
+            self._fit_loss(y, y_pred, ys)
+        except ValueError as error:  # a model that read x's examples as one example's?
+            unbatched = unbatched_output(self.first_x, y_pred)
+            if unbatched is None:
+                raise
+            raise unbatched from error
+
+    def _fit_loss(self, y: Any, y_pred: Any, ys: Any) -> None:
         name, loss_fn = resolve_loss(self.program.loss)
         if isinstance(self.program.loss, str):  # a built-in loss reads one array
             require_one_prediction(y_pred, "loss", name)
@@ -323,10 +320,8 @@ class ModelFit:
         output = (
             f"the model's output of shape {shape}"
             if shape is not None
-            else f"the model's output ({_describe(y_pred, 'output')})"
+            else f"the model's output ({describe(y_pred, 'output')})"
         )
-        if self.first_x is not None:  # a model that read x's examples as features
-            refuse_unbatched_output(self.first_x[1], y_pred)
         abstract_pair = all(isinstance(v, jax.ShapeDtypeStruct) for v in (ys, y_pred))
         if abstract_pair and isinstance(self.program.loss, str):  # not a callable's __name__
             self._check_named_loss(name, ys, y_pred, output)
@@ -340,14 +335,14 @@ class ModelFit:
             if wrong is not None:
                 raise ValueError(f"data: {wrong}") from error
             raise ValueError(
-                f"data: y does not fit the loss {name!r}: with y ({_describe(y, 'y')}) and "
-                f"{output} it fails with {_first_line(error)}. Give y the shape the loss "
+                f"data: y does not fit the loss {name!r}: with y ({describe(y, 'y')}) and "
+                f"{output} it fails with {first_line(error)}. Give y the shape the loss "
                 f"expects for this output"
             ) from error
         if not isinstance(value, jax.ShapeDtypeStruct):
             raise ValueError(
                 f"loss {name!r} returned {type(value).__name__} "
-                f"({_describe(value, 'loss')}) for the first batch; a loss must return a "
+                f"({describe(value, 'loss')}) for the first batch; a loss must return a "
                 f"scalar array, not a tuple or dict (return the loss alone; for auxiliary "
                 f"outputs write the step with fl.loop)"
             )

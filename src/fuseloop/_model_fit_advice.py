@@ -1,5 +1,6 @@
 """What to tell a user whose x the model rejects on the first batch (`_model_fit.py` says
-that it does not fit; this module, what to do about it)."""
+that it does not fit; this module, what to do about it), and the describing helpers its
+sentences share."""
 
 from __future__ import annotations
 
@@ -12,10 +13,14 @@ import numpy as np
 from .models import ModelConventionError, from_equinox, from_nnx
 
 __all__ = [
+    "describe",
+    "first_line",
     "fix_for_x",
+    "held",
+    "named_shapes",
     "no_params",
-    "refuse_unbatched_output",
     "scope_misuse",
+    "unbatched_output",
     "unbound_axis",
 ]
 
@@ -141,20 +146,45 @@ def no_params(adapter: Any) -> ModelConventionError:
     return ModelConventionError(f"model: it has no parameters to train; {fix}")
 
 
-def refuse_unbatched_output(x: Any, y_pred: Any) -> None:
-    """Raises where x has one axis and the model's output has no axis of its examples: a
-    model of one feature per example (a plain `nn.Dense`) read the batch as one example's
-    features, and a check of y against that output would blame y."""
-    leaves = jax.tree.leaves(x)
+def unbatched_output(first_x: Any, y_pred: Any) -> ValueError | None:
+    """The error for a model that read x of one axis as one example's features (a plain
+    `nn.Dense` on x of shape (B,)): its output has no axis of the batch's examples, and a
+    loss failing on it would otherwise blame y. None where that is not what happened.
+    Asked only once the loss has failed: a loss may take an unbatched output on purpose."""
+    leaves = jax.tree.leaves(first_x[1]) if first_x is not None else []
     out = getattr(y_pred, "shape", None)
     if len(leaves) != 1 or len(np.shape(leaves[0])) != 1 or out is None:
-        return
+        return None
     rows = np.shape(leaves[0])[0]
     if len(out) >= 1 and out[0] == rows:
-        return
-    raise ValueError(
+        return None
+    return ValueError(
         f"data: x has shape ({rows},), one axis, which the model reads as one example's "
         f"{rows} features: its output of shape {tuple(out)} has no axis of the batch's "
         f"{rows} examples. For one feature per example, give x a feature axis: x[:, None] "
         f"(or x.reshape(-1, 1); fl.models.mlp adds it itself)"
     )
+
+
+def first_line(error: BaseException) -> str:
+    """`error`'s type and the first line of its message, for a sentence of ours."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0].rstrip('.') if text else ''}"
+
+
+def describe(tree: Any, name: str) -> str:
+    """`tree`'s leaves as "name['key'] of shape (a, b)", joined; "no arrays" for none."""
+    parts = [f"{leaf} of shape {shape}" for leaf, shape in named_shapes(tree, name)]
+    return ", ".join(parts) if parts else "no arrays"
+
+
+def named_shapes(tree: Any, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(prefix + the leaf's path, its shape) for every leaf of `tree`."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [(prefix + jax.tree_util.keystr(path), tuple(np.shape(leaf))) for path, leaf in flat]
+
+
+def held(variables: Any) -> str:
+    """`variables`' repr, cut to 60 characters."""
+    text = repr(variables)
+    return text if len(text) <= 60 else text[:57] + "..."

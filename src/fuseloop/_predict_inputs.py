@@ -14,6 +14,7 @@ __all__ = ["host", "inputs_of_source"]
 
 
 def host(leaf: Any) -> np.ndarray:
+    """`leaf` as a numpy array."""
     return np.asarray(as_host_array(leaf))  # a torch tensor through Tensor.numpy()
 
 
@@ -30,11 +31,14 @@ def inputs_of_source(source: Any) -> tuple[Any, int, bool]:
     wrapped = as_source(source)
     iterator = wrapped.epoch_iterator(0)
     inputs, pairs = [], False
+    # An iterator or a callable's may refill one array for every batch: each is copied as
+    # pulled. A list's batches are its own arrays, joined below without a copy first.
+    keep = (lambda x: x) if isinstance(source, (list, tuple)) else own_copy
     try:
         for batch in iterator:
             pair = isinstance(batch, (tuple, list)) and len(batch) == 2
             pairs = pairs or pair
-            inputs.append(jax.tree.map(own_copy, batch[0] if pair else batch))  # may be refilled
+            inputs.append(jax.tree.map(keep, batch[0] if pair else batch))
     finally:
         wrapped.close()
     if not inputs:
@@ -47,7 +51,7 @@ def inputs_of_source(source: Any) -> tuple[Any, int, bool]:
             listed = (
                 f"; a {type(source).__name__} is read as a list of batches, and its items "
                 f"are {type(source[0]).__name__}s: for a {type(source).__name__} of rows or "
-                f"numbers, pass np.asarray(x, np.float32)"
+                f"numbers, pass np.asarray(x, np.float32) (np.asarray(x, np.int32) for ids)"
             )
         raise ValueError(
             f"x: the batch source's batches have no batch axis; yield arrays (or (x, y) "

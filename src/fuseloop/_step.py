@@ -104,7 +104,8 @@ def _unfrozen(variables: Any) -> Any:
     """`variables` with every flax FrozenDict among its dicts made a plain dict (the same
     arrays): a FrozenDict (older flax, a TrainState's variables, or one collection of them
     put in a dict) is not a dict, so its batch_stats would be read as params and trained,
-    and the step, whose model returns plain dicts, would change the state's structure."""
+    and the step, whose model returns plain dicts, would change the state's structure. A
+    dict subclass (an OrderedDict) becomes a plain dict for the same reason."""
     from flax.core import FrozenDict, unfreeze
 
     return unfreeze(variables) if isinstance(variables, (FrozenDict, dict)) else variables

@@ -158,7 +158,8 @@ def _require_collections(adapter: Any, variables: Any) -> None:
         raise ValueError(
             "state_or_variables: an nnx.State (nnx.state(module), as orbax restores it) is "
             "not the variables fuseloop reads; nnx.update(module, state) puts its weights in "
-            "the module itself. Pass the State from run, or state.params"
+            "the module itself, which is then the trained model (fl.models.trained makes it "
+            "from a run's State, or state.params)"
         )
     if isinstance(variables, Mapping):
         what = f"a dict of {sorted(map(str, variables))[:4]}"

@@ -28,8 +28,8 @@ UNWRAPPED = (
 NNX_STATE = (
     " The given variables are an nnx.State (nnx.state(module), as orbax restores it), which"
     " fuseloop does not read as an nnx model's variables: load it into the module"
-    " (nnx.update(module, state)) and run without variables, since a run starts from the"
-    " module's weights as they are then."
+    " (nnx.update(module, state)) and pass the module itself as the variables (a trainer's"
+    " run may leave them out: it starts from the module's weights as they are then)."
 )
 # Sentences that say the variables are given in a form fuseloop does not read: x is not
 # the problem, whatever the model said.

@@ -92,7 +92,8 @@ def _warn_timed_halts(run: Any, length: int | None) -> None:
         f"{first.event.value} may halt the run: a halt takes effect at the end of its chunk, "
         f"so the steps trained after it can differ from one run of this script to the next. "
         f"For halts that repeat, pass a fixed fuse=K (state.stats['chunk_size'] says what "
-        f"'auto' chose) or fuse=False",
+        f"'auto' chose) or fuse=False; a handler that never halts is attached with "
+        f"loop.observe(...), which says so",
         UserWarning,
     )
 
