@@ -5,6 +5,8 @@ extra arguments a hand-written optax loop passes."""
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import numpy as np
 import optax
@@ -127,3 +129,15 @@ def test_lookahead_is_refused_when_the_trainer_is_built_with_the_custom_loop_tha
         fl.trainer(fl.models.mlp([3]), "mean_squared_error", tx)
     wrapped = optax.chain(optax.clip(1.0), optax.adam(1e-3))  # only lookahead itself
     assert isinstance(fl.trainer(fl.models.mlp([3]), "mean_squared_error", wrapped), fl.Loop)
+
+
+def test_a_mask_function_injected_as_a_schedule_is_said_to_mask_nothing_by_param():
+    # inject_hyperparams calls it with the step count: one bool for every param.
+    by_rank = lambda params: jax.tree.map(lambda leaf: leaf.ndim > 1, params)  # noqa: E731
+    scheduled = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, mask=by_rank)
+    with pytest.warns(UserWarning, match=r"one bool for every param.*static_args=\('mask',\)"):
+        fl.trainer(MODEL, LOSS, scheduled).run(DATA, VARIABLES)
+    static = optax.inject_hyperparams(optax.adamw, static_args=("mask",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fl.trainer(MODEL, LOSS, static(learning_rate=1e-2, mask=by_rank)).run(DATA, VARIABLES)

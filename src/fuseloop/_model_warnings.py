@@ -71,6 +71,7 @@ def warn_about_model(
         opt_state = step_state.get("opt_state") if isinstance(step_state, dict) else None
         _warn_schedule_free(opt_state)
         _warn_narrow_hyperparams(opt_state)
+        _warn_scheduled_masks(opt_state)
     if program.kind not in ("trainer", "evaluator"):
         return None
     if _CHECKED in verdicts:  # the rule depends on the labels' shape: a run's own
@@ -123,6 +124,25 @@ def _narrow_float(dtype: Any) -> bool:
     """Whether `dtype` is a float narrower than float32; None (a hyperparameter that is no
     array: a weight-decay mask's tree of bools) is not."""
     return dtype is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
+
+
+def _warn_scheduled_masks(opt_state: Any) -> None:
+    """Warns where `optax.inject_hyperparams` holds a mask that is one bool: it calls a
+    function hyperparameter with the step count (a schedule), so a mask written for the
+    params (`lambda p: jax.tree.map(lambda x: x.ndim > 1, p)`) gave one answer for all of
+    them, and weight decay is on or off everywhere, as in a hand-written optax loop."""
+    for node in inject_states(opt_state):
+        mask = node.hyperparams.get("mask")
+        if isinstance(mask, (bool, np.bool_)) or getattr(mask, "shape", None) == ():
+            warn(
+                "optimizer: optax.inject_hyperparams calls a function hyperparameter with the "
+                "step count, as a schedule, so the mask function it was given returned one "
+                "bool for every param (the decay is on or off everywhere). To mask by param, "
+                "pass the mask through static_args, e.g. "
+                "optax.inject_hyperparams(optax.adamw, static_args=('mask',))(..., mask=fn)",
+                UserWarning,
+            )
+            return
 
 
 def _warn_narrow_hyperparams(opt_state: Any) -> None:
