@@ -16,9 +16,12 @@ def test_fuse_option_values(text, expected):
     assert parse_fuse(text) == expected
 
 
-def test_a_bad_fuse_option_names_the_accepted_values():
-    with pytest.raises(ValueError, match="--fuse='sometimes'.*'auto'"):
-        parse_fuse("sometimes")
+@pytest.mark.parametrize("text", ["sometimes", "\u00b2", "\u0663"])
+def test_a_bad_fuse_option_names_the_accepted_values(text):
+    # "\u00b2" (a superscript two) and "\u0663" (an Arabic-Indic three) are digits to
+    # str.isdigit, but no chunk size a user meant to type.
+    with pytest.raises(ValueError, match=r"--fuse=.*'auto'"):
+        parse_fuse(text)
 
 
 def test_plot_targets(tmp_path):
@@ -50,12 +53,21 @@ def test_bench_arguments_go_to_the_bench_parser(capsys):
     assert "--models=mlp-tiny,foo: 'foo' is not a benchmark model" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["--fuse", "-3"], ["--fuse", "0"], ["--epochs", "0"]])
-def test_bad_demo_options_are_usage_errors(argv, capsys):
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--fuse", "-3"], "--fuse"),
+        (["--fuse", "0"], "--fuse"),
+        (["--epochs", "0"], "--epochs"),
+        (["--plot", "h.png"], "--plot and --no-plot: choose one"),
+    ],
+)
+def test_bad_demo_options_are_usage_errors(argv, named, capsys):
     with pytest.raises(SystemExit) as exited:
         cli.main(["demo", *argv, "--no-plot"])
     assert exited.value.code == 2
-    assert "error:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "error:" in err and named in err
 
 
 def test_a_bench_output_path_is_checked_before_anything_runs(tmp_path, capsys):
@@ -65,6 +77,11 @@ def test_a_bench_output_path_is_checked_before_anything_runs(tmp_path, capsys):
         cli.main(["bench", "--json", str(blocker / "out.json"), "--models", "mlp-tiny"])
     assert exited.value.code == 2
     assert "--json" in capsys.readouterr().err
+    # A figure matplotlib cannot write is refused before the timing, not after it.
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bench", "--plot", str(tmp_path / "h.xyz"), "--models", "mlp-tiny"])
+    assert exited.value.code == 2
+    assert "matplotlib writes no .xyz files" in capsys.readouterr().err
 
 
 def test_a_demo_plot_path_is_checked_before_training(tmp_path, capsys):
@@ -92,6 +109,11 @@ def test_a_demo_plot_path_is_checked_before_training(tmp_path, capsys):
         (["--report", "--whole-run"], "separate benchmarks"),
         (["--models", ","], "names no model"),
         (["--whole-run", "--models", "mlp-tiny"], "--models does not apply"),
+        (["--population", "--plot", "h.png"], "--plot does not apply to --population"),
+        (["--whole-run", "--no-peers"], "--no-peers does not apply to --whole-run"),
+        (["--report", "--reps", "2"], "do not apply to --report"),
+        (["--report", "--quick"], "do not apply to --report"),
+        (["--population", "--models", "mlp-large"], "with --population, pick from mlp-tiny"),
     ],
 )
 def test_bench_options_that_do_not_go_together_are_usage_errors(argv, named, capsys):

@@ -34,8 +34,11 @@ def test_cli_population_flag_writes_json(tmp_path, capsys):
     assert "Populations: 2 members of mlp-demo" in capsys.readouterr().out
     meta = json.loads(path.read_text())["meta"]
     assert meta["members"] == 2 and meta["model"] == "mlp-demo"
+    assert meta["command"] == "fuseloop bench " + " ".join([*args, "--json", str(path)])
 
 
-def test_cli_population_names_the_models_it_knows():
-    with pytest.raises(SystemExit, match="mlp-tiny,mlp-demo"):
+def test_cli_population_names_the_models_it_knows(capsys):
+    with pytest.raises(SystemExit) as exited:  # a usage error, as every other bad option
         main(["--population", "--models", "mlp-large"])
+    assert exited.value.code == 2
+    assert "mlp-tiny,mlp-demo" in capsys.readouterr().err

@@ -42,7 +42,7 @@ def parse_fuse(fuse: str) -> Fuse:
         return False
     if text in ("auto", "true"):
         return "auto" if text == "auto" else True
-    if text.isdigit() and int(text) >= 1:
+    if text.isascii() and text.isdigit() and int(text) >= 1:  # not "²" or "٣"
         return int(text)
     raise ValueError(
         f"--fuse={fuse!r}: use a positive chunk size (e.g. 32), 'auto', 'true' (chunks of "

@@ -122,25 +122,6 @@ def _add_launch(commands: Any) -> None:
     launch.set_defaults(subparser=launch)
 
 
-def _unplottable(path: Path) -> str | None:
-    """Why matplotlib cannot write `path`, or None.
-
-    Its extension names no format matplotlib writes; None also where matplotlib is missing
-    (the demo then says so itself).
-    """
-    try:
-        from matplotlib.backend_bases import FigureCanvasBase
-    except ImportError:
-        return None
-    from .handlers.plot import format_of
-
-    try:
-        format_of(path, FigureCanvasBase.get_supported_filetypes())
-    except ValueError as error:
-        return str(error).split(": ", 1)[-1]
-    return None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `fuseloop` console script.
 
@@ -169,13 +150,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _launch(parser, args)
     from ._demo import demo as run_demo
 
+    if args.no_plot and args.plot is not None:
+        parser.error("--plot and --no-plot: choose one")
     if args.plot == "":
         parser.error("--plot: give a file path, or --no-plot for no figure")
     plot = False if args.no_plot else (args.plot or True)
     if isinstance(plot, str):
-        from .bench._output import unwritable
+        from .bench._output import unplottable, unwritable
 
-        why = unwritable(str(Path(plot).expanduser())) or _unplottable(Path(plot))
+        why = unwritable(str(Path(plot).expanduser())) or unplottable(plot)
         if why is not None:  # before training, not after it
             parser.error(f"--plot {plot}: {why}")
     return run_demo(epochs=args.epochs, fuse=args.fuse, plot=plot, progress=not args.no_progress)

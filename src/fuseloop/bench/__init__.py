@@ -24,7 +24,7 @@ from .._arg_types import is_int
 from ..engine.signals import AbortOnSignal
 from ._harness import RATIOS, compile_vs_k, cross_check, measure, ratios, targets
 from ._options import check_modes
-from ._output import machine_info, markdown, unwritable, write_json, write_plot
+from ._output import machine_info, markdown, unplottable, unwritable, write_json, write_plot
 from ._overlap import overlap
 from ._plan import Plan, mlp_plan, zoo_plan
 from ._workload import MODELS, ModelSpec, Workload
@@ -343,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     reps = args.reps if args.reps is not None else (3 if args.quick else 10)
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         # Checked before minutes of timing, not after: the folder is made, as demo's is.
-        problem = unwritable(path)
+        problem = unwritable(path) or (unplottable(path) if option == "--plot" and path else None)
         if problem:
             parser.error(f"{option} {path}: {problem}")
     # Runs inside the benchmark halt on a first signal and the benchmark would go on to the
@@ -358,10 +358,12 @@ def _main(args: Any, parser: Any, argv: Sequence[str] | None, reps: int) -> int:
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
 
+    command = "fuseloop bench " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.population:  # its own models (POPULATION_MODELS)
-        from ._population import population_main
+        from ._population import population_main, population_models
 
-        return population_main(args.members, args.models, reps, args.json, log)
+        names = population_models(args.models, parser)
+        return population_main(args.members, names, reps, args.json, log, command)
     try:
         specs = _resolve(select_models(args.models, args.zoo))
     except ValueError as error:
@@ -384,7 +386,7 @@ def _main(args: Any, parser: Any, argv: Sequence[str] | None, reps: int) -> int:
             )
         return 0
     report = run_benchmark(specs, reps=reps, quick=args.quick, peers=not args.no_peers, log=log)
-    report["meta"]["command"] = "fuseloop bench " + " ".join(argv or sys.argv[1:])
+    report["meta"]["command"] = command
     print(markdown(report))
     if args.json:
         write_json(report, args.json)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["machine_info", "markdown", "unwritable", "write_json", "write_plot"]
+__all__ = ["machine_info", "markdown", "unplottable", "unwritable", "write_json", "write_plot"]
 
 _PACKAGES = ("fuseloop", "jax", "jaxlib", "optax", "flax", "numpy", "keras", "torch")
 
@@ -225,6 +225,29 @@ def unwritable(path: str | None) -> str | None:
         return f"its folder cannot be made ({error.strerror or error})"
     if not os.access(target.parent, os.W_OK):
         return "its folder is not writable"
+    return None
+
+
+def unplottable(path: str) -> str | None:
+    """Why matplotlib cannot write a figure to `path`, or None.
+
+    Its extension names no format matplotlib writes; None also where matplotlib is missing
+    (the writer then says so itself).
+
+    Example:
+        >>> unplottable("figure.xyz") is not None, unplottable("figure.png")
+        (True, None)
+    """
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return None
+    from ..handlers.plot import format_of
+
+    try:
+        format_of(Path(path), FigureCanvasBase.get_supported_filetypes())
+    except ValueError as error:
+        return str(error).split(": ", 1)[-1]
     return None
 
 

@@ -15,8 +15,8 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +38,7 @@ __all__ = [
     "population_benchmark",
     "population_main",
     "population_markdown",
+    "population_models",
 ]
 
 # The models a population is timed on: the tiny MLP, and the demo's MLP ([128, 10] on the
@@ -243,24 +244,34 @@ def population_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def population_main(
-    members: int, models: str | None, reps: int, json_path: str | None, log: Callable[[str], None]
-) -> int:
-    """`fuseloop bench --population [--members N] [--models M,...] [--reps R] [--json PATH]`."""
-    if members < 1:
-        raise SystemExit(f"--members={members} must be a positive int")
+def population_models(models: str | None, parser: argparse.ArgumentParser) -> list[str]:
+    """The models `--models` names for `--population` (default mlp-tiny); a name that is
+    not one of POPULATION_MODELS is a usage error naming the ones there are."""
     names = [m.strip() for m in (models or "mlp-tiny").split(",") if m.strip()]
     unknown = [m for m in names if m not in POPULATION_MODELS]
     if unknown:
-        raise SystemExit(
+        parser.error(
             f"--models {','.join(unknown)}: with --population, pick from "
             f"{','.join(POPULATION_MODELS)}"
         )
+    return names
+
+
+def population_main(
+    members: int,
+    names: list[str],
+    reps: int,
+    json_path: str | None,
+    log: Callable[[str], None],
+    command: str,
+) -> int:
+    """`fuseloop bench --population [--members N] [--models M,...] [--reps R] [--json PATH]`
+    over the models `names` (`population_models`); `command` is recorded in each report."""
     reports = [
         population_benchmark(members=members, rounds=reps, log=log, model=name) for name in names
     ]
     for report in reports:
-        report["meta"]["command"] = "fuseloop bench " + " ".join(sys.argv[1:])
+        report["meta"]["command"] = command
         print(population_markdown(report))
     if json_path:  # one model: its report; several: {"models": {name: report}}
         data = (
