@@ -203,6 +203,46 @@ def test_a_sequence_epoch_ends_when_cut_short_and_across_runs():
     assert sequence.calls[5:] == ["end", "get 0", "get 1", "get 2"]
 
 
+def test_a_sequence_is_known_by_identity_across_runs():
+    # An unhashable sequence (a dataclass, say) still has its open epoch ended by the next
+    # run over it, and a new sequence equal to one used before has no epoch of its own to
+    # end: its first epoch reads the order it was made with.
+    x, y = _xy(24)
+
+    class Unhashable(_KerasStyle):
+        __hash__ = None  # type: ignore[assignment]
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, _KerasStyle)
+
+    loop = trainer()
+    first = Unhashable(x, y, batch_size=8)
+    loop.run(first, epochs=1)
+    loop.run(first, epochs=1)
+    assert first.calls.count("end") == 1
+    second = Unhashable(x, y, batch_size=8)  # equal to `first`, which is still open
+    loop.run(second, epochs=1)
+    assert "end" not in second.calls
+
+
+def test_an_endless_sequence_needs_iterations():
+    x, y = _xy(16)
+
+    class Endless(_KerasStyle):
+        __len__ = None  # type: ignore[assignment]
+        num_batches = None  # Keras 3's PyDataset: an endless dataset
+
+        def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+            return super().__getitem__(i % 2)
+
+    with pytest.raises(ValueError, match=r"endless sequence.*iterations=N"):
+        trainer().run(Endless(x, y, batch_size=8), epochs=1)
+    with pytest.raises(ValueError, match=r"endless sequence.*fl\.predict read"):
+        fl.predict(tiny_mlp(), trainer().run(make_batches(2)).params, Endless(x, y, 8))
+    state = trainer().run(Endless(x, y, batch_size=8), epochs=2, iterations=3)
+    assert state.event_counts["iteration_completed"]["total"] == 6
+
+
 def test_a_keras_3_sequence_may_count_its_batches_with_num_batches():
     x, y = _xy(16)
 

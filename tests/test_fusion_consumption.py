@@ -19,6 +19,7 @@ from conftest import (
     counter_loop,
     counting_generator,
     make_batches,
+    trainer,
 )
 
 DATA = make_batches(30)
@@ -122,6 +123,27 @@ def test_a_run_that_ends_holding_an_iterators_unstepped_batch_says_so(event):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         run(loop, iter(DATA), epochs=1, iterations=5, fuse=False)
+
+
+@pytest.mark.parametrize(("fuse", "unstepped"), [(False, 0), (3, 1), (8, 3)])
+def test_a_non_finite_halt_names_the_chunks_batches_it_pulled_and_did_not_step(fuse, unstepped):
+    # The guard ends a fused chunk at its non-finite step (batch 4); the chunk's later
+    # batches were pulled with it, which a plain iterator cannot take back.
+    data = [(x.copy(), y) for x, y in DATA[:10]]
+    data[4][0][0, 0] = np.nan
+    iterator = iter(data)
+    loop = trainer(optimizer="sgd").terminate_on_nan()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = loop.run(iterator, epochs=1, fuse=fuse)
+    assert state.iteration == 4 and state.status == "halted"
+    held = [str(w.message) for w in caught if "did not step" in str(w.message)]
+    if unstepped:
+        assert held and f"holding {unstepped} batch" in held[0]
+        assert "terminate_on_nan halted the fused chunk" in held[0]
+    else:
+        assert not held
+    assert next(iterator)[0] is data[5 + unstepped][0]
 
 
 @pytest.mark.parametrize("fuse", [False, 4])

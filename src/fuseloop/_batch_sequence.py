@@ -39,8 +39,10 @@ def is_batch_sequence(data: Any) -> bool:
 
 # Sequences an epoch was opened over and not yet ended (`on_epoch_end` not yet run), across
 # runs: a later run's first epoch ends the last one first, as a second Keras `fit` would
-# find the sequence reshuffled.
-_OPEN: weakref.WeakSet[Any] = weakref.WeakSet()
+# find the sequence reshuffled. Keyed by identity, not equality or hash: a dataclass is
+# unhashable, and two equal sequences are still two. A weak reference lets a sequence go
+# (its entry with it); one that takes none is held until the process ends.
+_OPEN: dict[int, Any] = {}
 
 
 class BatchSequence:
@@ -55,7 +57,6 @@ class BatchSequence:
 
     def __init__(self, data: Any):
         self.data = data
-        self._ended_here = False  # for a sequence a WeakSet cannot hold: this run's own
 
     @property
     def num_batches(self) -> int | None:
@@ -63,7 +64,8 @@ class BatchSequence:
         count = getattr(self.data, "num_batches", None)
         if isinstance(count, int):
             return count
-        return len(self.data) if hasattr(self.data, "__len__") and count is None else None
+        sized = callable(getattr(self.data, "__len__", None))  # `__len__ = None`: none
+        return len(self.data) if sized and count is None else None
 
     def iter_epoch(self, epoch: int) -> Iterator[Any]:
         """The batches of `epoch` (the sequence's own order; `epoch` is not used)."""
@@ -76,16 +78,17 @@ class BatchSequence:
         return (self.data[i] for i in indices)
 
     def _opened(self) -> bool:
-        try:
-            return self.data in _OPEN
-        except TypeError:
-            return self._ended_here
+        held = _OPEN.get(id(self.data))
+        if isinstance(held, weakref.ref):
+            held = held()
+        return held is self.data
 
     def _mark_open(self) -> None:
+        key = id(self.data)
         try:
-            _OPEN.add(self.data)
-        except TypeError:
-            self._ended_here = True
+            _OPEN[key] = weakref.ref(self.data, lambda _: _OPEN.pop(key, None))
+        except TypeError:  # no weak references (__slots__ without __weakref__)
+            _OPEN[key] = self.data
 
 
 def _call(data: Any, hook: str) -> None:

@@ -206,23 +206,36 @@ class Source:
     def _detached(self, batch: Any) -> Any:
         return _converted(batch, self, self.epoch_pulled, _detached)
 
-    def warn_unstepped(self, count: int) -> None:
+    def warn_unstepped(self, count: int, nonfinite: bool = False) -> None:
         """Warns where a run ends holding `count` batches it pulled from a one-shot iterator
-        and never stepped (a halt at the run's first `epoch_started` or at an unfused
+        and never stepped: a halt at the run's first `epoch_started` or at an unfused
         `iteration_started` comes after the pull that tells whether the epoch has a next
-        batch; a run with nothing left to train pulls its first batch for the checks). An
-        iterator cannot take them back, so a later run over it would start after them
-        without a word; a generator (one with `close()`) is closed by the run anyway."""
-        if not count or not self.one_shot or hasattr(self.data, "close"):
+        batch; a run with nothing left to train pulls its first batch for the checks; the
+        guard's halt (`nonfinite`) ends a fused chunk at its non-finite step, and the
+        chunk's later batches were pulled with it. An iterator cannot take them back, so a
+        later run over it would start after them without a word; a generator (one with
+        `close()`) is closed by the run anyway."""
+        if count <= 0 or not self.one_shot or hasattr(self.data, "close"):
             return
+        them = "them" if count > 1 else "it"
+        why, fix = (
+            (
+                "terminate_on_nan halted the fused chunk they were in at its non-finite step",
+                "or fuse=False",
+            )
+            if nonfinite
+            else (
+                "a halt at the first epoch_started or at iteration_started comes after the "
+                "pull; a run with nothing left to train pulls one to check the data",
+                "or halt from iteration_completed",
+            )
+        )
         warn(
             f"data: the run ended holding {count} batch{'es' if count > 1 else ''} it "
-            f"pulled from the one-shot iterator but did not step (a halt at the first "
-            f"epoch_started or at iteration_started comes after the pull; a run with "
-            f"nothing left to train pulls one to check the data); an iterator cannot take "
-            f"{'them' if count > 1 else 'it'} back, so a later run over the same iterator "
-            f"starts after {'them' if count > 1 else 'it'}. To resume exactly, pass a list or "
-            f"a callable returning a fresh iterator, or halt from iteration_completed",
+            f"pulled from the one-shot iterator but did not step ({why}); an iterator "
+            f"cannot take {them} back, so a later run over the same iterator starts after "
+            f"{them}. To resume exactly, pass a list or a callable returning a fresh "
+            f"iterator, {fix}",
             RuntimeWarning,
         )
 
@@ -341,8 +354,16 @@ def _detached_part(part: Any) -> Any:
     return jax.tree.map(own_copy, part)
 
 
-def as_source(data: Any) -> Source:
-    """Wraps user data in a `Source`, or raises a ValueError that says what is accepted."""
-    if isinstance(data, Source):
-        return data
-    return Source(data)
+def as_source(data: Any, bounded: bool = False) -> Source:
+    """Wraps user data in a `Source`, or raises a ValueError that says what is accepted;
+    an endless sequence only where `iterations=` ends each epoch (`bounded`)."""
+    source = data if isinstance(data, Source) else Source(data)
+    sequence = source.data
+    if not bounded and isinstance(sequence, BatchSequence) and sequence.num_batches is None:
+        raise ValueError(
+            f"data: {type(sequence.data).__name__} has num_batches=None and no len() (an "
+            f"endless sequence), so an epoch would never end: give run(..., iterations=N) "
+            f"for the batches each epoch reads (Keras's steps_per_epoch); validation and "
+            f"fl.predict read their data to its end, so give it a num_batches there"
+        )
+    return source

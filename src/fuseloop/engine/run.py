@@ -50,8 +50,7 @@ _EPOCH_EVENTS = (Event.EPOCH_STARTED, Event.EPOCH_COMPLETED, Event.EPOCH_HALTED)
 
 
 class Run:
-    """One call of `Loop.run` (its plain arguments already checked by
-    `check_run_options`).
+    """One call of `Loop.run` (its plain arguments already checked by `check_run_options`).
 
     `observer` is told about events and steps without changing the run (the progress bar;
     see `bus.EventBus`), or None.
@@ -80,7 +79,7 @@ class Run:
         self.jit, self.max_in_flight, self.prefetch = jit, max_in_flight, prefetch
         self.init_state = init_state
         self.stats = new_stats()
-        self.source = as_source(data)
+        self.source = as_source(data, bounded=iterations is not None)
         self.fuse = resolve_fuse(fuse, jit)
         self.resident = bool(getattr(self.source.data, "resident", False))
         fixed = loop.program.kind in ("trainer", "evaluator")
@@ -302,7 +301,8 @@ class Run:
         # A signal after the next epoch opened reaches it, at its first boundary.
         opened_next = loop.opened_for(epoch + 1)
         if status == HALT_LOOP and state.handler_metadata.get(NONFINITE_KEY) is not None:
-            warn_nonfinite(state)
+            warn_nonfinite(state)  # a fused chunk's batches after the non-finite step:
+            self.source.warn_unstepped(self.source.epoch_pulled - state.iteration - 1, True)
         if signals.requested and not opened_next and loop.cut_short:
             status = HALT_LOOP  # a signal before the epoch's end: it is not complete
         state = self._epoch_metrics(state, epoch, began, stepped)
