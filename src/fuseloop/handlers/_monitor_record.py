@@ -56,6 +56,9 @@ _FALLING_WORDS = frozenset({
     "bitsperdim", "fid", "misclassification", "poisson",
 })
 # fmt: on
+# Words that may negate the rest ("neg_mean_squared_error", scikit-learn's score: higher is
+# better) or not ("negative_class_recall"): a name holding one is read neither way.
+_NEGATING_WORDS = frozenset({"neg", "negative", "negated", "minus"})
 
 
 def _words(name: str) -> list[str]:
@@ -68,6 +71,8 @@ def _direction(name: Any) -> str | None:
     """ "max" for a name whose words say it rises as a model improves, "min" for one that
     falls (the last such word decides), None for a name that says neither."""
     words = _words(name) if isinstance(name, str) else []
+    if _NEGATING_WORDS.intersection(words):
+        return None
     found = None
     for i, word in enumerate(words):
         forms = {word, word.rstrip("0123456789"), "".join(words[i : i + 2])}
@@ -98,13 +103,15 @@ def resolve_mode(mode: Any, name: Any, argument: str, who: str) -> Any:
     if mode not in MODES and mode != "auto":
         raise _not_a_mode(mode)
     direction = _direction(name)
+    negated = isinstance(name, str) and bool(_NEGATING_WORDS.intersection(_words(name)))
     if mode == "auto":
         if direction is None and name is not None:
             raise ValueError(
                 f"{who}({argument}={name!r}, mode='auto'): the name does not say whether "
                 f"the metric rises or falls as a model improves (auto reads words such as "
-                f"accuracy, auc, f1 or r2 as rising, loss, error, mse or mae as falling). "
-                f"Pass mode='max' where a higher value is better, mode='min' where lower is"
+                f"accuracy, auc, f1 or r2 as rising, loss, error, mse or mae as falling"
+                f"{'; neg or negative may negate the rest of a name, or not' if negated else ''}"
+                f"). Pass mode='max' where a higher value is better, mode='min' where lower is"
             )
         return direction or "min"
     if mode == "min" and direction == "max":
