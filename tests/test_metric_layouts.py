@@ -343,6 +343,34 @@ def test_a_time_step_distance_shaped_like_the_cross_at_this_batch_size_is_not_re
             fl.trainer(model, lambda t, p: jnp.mean((p - t) ** 2), "sgd").run([(x, y)])
 
 
+def test_targets_spread_over_an_output_axis_as_long_as_the_batch_are_refused():
+    """(B,) targets against a (B, H) output broadcast along H where H is the batch size:
+    `p - t` compared every example's target with every prediction and trained without a
+    word (at any other batch size it does not broadcast). Comparing each example's target
+    with its own H outputs, or weighing classes by the batch's counts, where H is B by
+    chance, still trains."""
+    batch = 8
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch, 4)).astype(np.float32)
+    model = fl.models.mlp([8, batch])
+    spread = lambda t, p: jnp.mean((p - t) ** 2)  # noqa: E731
+    with pytest.raises(ValueError, match=r"broadcasts y_true's examples along an axis of y_pred"):
+        fl.trainer(model, spread, "sgd").run([(x, x[:, 0])])
+
+    def per_example(t, p):  # each example's target against each of its outputs
+        return jnp.mean((p - t[:, None]) ** 2)
+
+    def class_weighted(t, p):  # classes weighed by the batch's counts: (C,), here C is B
+        counts = jnp.bincount(t, length=p.shape[-1]) + 1.0
+        return -jnp.mean(
+            jnp.sum(jax.nn.one_hot(t, p.shape[-1]) * jax.nn.log_softmax(p) / counts, -1)
+        )
+
+    labels = np.arange(batch, dtype=np.int32) % 3
+    assert fl.trainer(model, per_example, "sgd").run([(x, x[:, 0])]).status == "completed"
+    assert fl.trainer(model, class_weighted, "sgd").run([(x, labels)]).status == "completed"
+
+
 @pytest.mark.parametrize("kind", ["metric", "loss"])
 def test_weights_in_a_column_crossing_a_per_example_loss_inside_the_function_are_refused(kind):
     """Weights of (B, 1) (a DataFrame's column) times a per-example loss of (B,) make

@@ -164,7 +164,12 @@ def _broadcasts_between(
         out = _shape(eqn.outvars[0]) if eqn.outvars else ()
         if eqn.primitive.name == "broadcast_in_dim" and len(operands) == 1:
             spread[eqn.outvars[0]] = _spread(operands[0][1], eqn.params, out)
-        if len(operands) > 1 and all(_broadcasts_to(shape, out) for _, shape in operands):
+        shapes = [shape for _, shape in operands]
+        if (
+            len(shapes) > 1
+            and all(_fits(shape, out) for shape in shapes)
+            and shapes != [out] * len(shapes)
+        ):
             for a, b in ((a, b) for a in operands for b in operands if a is not b):
                 target = min((k for k in a[0] if k < n_targets), default=None)
                 output = min((k for k in b[0] if k >= n_targets), default=None)
@@ -198,9 +203,12 @@ def _shared_batch(leaves: list[Any]) -> int | None:
 
 
 def _across(a: Shape, b: Shape, batch: int) -> bool:
-    """Whether `a` and `b` each hold `batch` on an axis where the other holds 1."""
+    """Whether `a` and `b` each hold `batch` on an axis where the other holds 1, or `a`
+    holds 1 where `b` holds `batch` and `batch` where `b` does too: (B,) targets spread over
+    a (B, H) output whose H is B, every example's target against every prediction, which
+    at any other batch size would not broadcast (`_coincidental` tells the two apart)."""
     pairs = list(zip(a, b, strict=True))
-    return (batch, 1) in pairs and (1, batch) in pairs
+    return (1, batch) in pairs and ((batch, 1) in pairs or (batch, batch) in pairs)
 
 
 def _traced(fn: Callable[..., Any], y_true: Any, y_pred: Any) -> Any:
@@ -220,11 +228,10 @@ def _shape(var: Any) -> Shape:
     return tuple(getattr(getattr(var, "aval", None), "shape", ()))
 
 
-def _broadcasts_to(shape: Shape, out: Shape) -> bool:
-    """Whether `shape` is an elementwise operand broadcast to the larger `out` (every axis
+def _fits(shape: Shape, out: Shape) -> bool:
+    """Whether `shape` is an elementwise operand of an operation making `out` (every axis
     the same or 1; a contraction's operands are not)."""
-    same_rank = len(shape) == len(out) and all(d in (1, o) for d, o in zip(shape, out, strict=True))
-    return same_rank and math.prod(shape) < math.prod(out)
+    return len(shape) == len(out) and all(d in (1, o) for d, o in zip(shape, out, strict=True))
 
 
 def _built_crosses(
@@ -277,6 +284,16 @@ def _coincidental(
 
 def _cross_message(pair: _Crossed, kind: str, name: str, inside: bool = False) -> str:
     t, p = f"y_true{pair.target_at}", f"y_pred{pair.output_at}"
+    if inside and pair.cross == pair.output_shape:  # (B,) targets spread over (B, B)
+        return (
+            f"the {kind} {name}(y_true, y_pred) got {t} of shape {pair.target_shape} and {p} "
+            f"of shape {pair.output_shape}, and it broadcasts {t}'s examples along an axis "
+            f"of {p} that holds as many values as the batch (at another batch size they "
+            f"would not broadcast): every target against every prediction. Give each "
+            f"example's target its own axis inside the {kind} (e.g. {t}[..., None], "
+            f"against each of that example's outputs), or make the model output one value "
+            f"per example"
+        )
     them = f"a value computed from {t} against one computed from {p}" if inside else "them"
     fix = (
         f"(e.g. {t}[..., 0] where it holds one value per example in a column, as Keras "
