@@ -220,6 +220,28 @@ def test_outputs_without_a_row_per_example_and_inputs_without_examples_are_named
             predict(Net(), state, listed)
     with pytest.raises(ValueError, match=r"^variables_or_state=None: pass the trained"):
         predict(Net(), None, X)
+    # Neither inputs nor a source: named as predict's x, not as Loop.run's data.
+    for neither in ("inputs.npy", 5):
+        with pytest.raises(ValueError, match=r"^x=(str|int) is neither an array .*batch source"):
+            predict(Net(), state, neither)
+    # A dict of inputs with one scalar leaf: that leaf is named, not the dict read as batches.
+    pair = (lambda rng, x: {}, lambda v, x: x["a"] * x["t"])
+    with pytest.raises(ValueError, match=r"^x\['t'\] is a scalar \(shape \(\)\).*np\.full"):
+        predict(pair, {}, {"a": X, "t": np.float32(2.0)})
+
+
+def test_keras_triples_and_a_populations_params_are_named_as_such(state):
+    # (x, y, sample_weight) batches are read whole as x, a model of three inputs'.
+    triples = [(X[:8], Y[:8], np.ones(8, np.float32)), (X[8:], Y[8:], np.ones(15, np.float32))]
+    with pytest.raises(ValueError) as caught:
+        predict(Net(), state, triples)
+    assert any("tuple of 3 items, all read as x" in note for note in caught.value.__notes__)
+    # A population's params without their State, to an evaluator as to predict.
+    stacked = jax.tree.map(lambda a: np.stack([a, a]), state.params)
+    with pytest.raises(ValueError, match=r"^init_state: These variables have a leading axis of 2"):
+        fl.evaluator(Net(), "sparse_categorical_cross_entropy").run([(X, Y)], stacked)
+    with pytest.raises(ValueError, match=r"^variables_or_state: these variables have a leading"):
+        predict(Net(), stacked, X)
 
 
 def test_a_module_built_with_its_weights_serves_as_its_variables():

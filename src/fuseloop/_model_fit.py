@@ -31,7 +31,7 @@ from ._model_fit_advice import (
 )
 from ._outputs import require_one_prediction
 from ._placement import device_dtype
-from ._variables_diff import NOT_X, first_difference, warn_unread
+from ._variables_diff import first_difference, names_the_form, warn_unread
 from .models import ModelConventionError, from_nnx, linen
 
 __all__ = ["ModelFit", "SPARSE", "abstract", "needs_rng"]
@@ -203,7 +203,7 @@ class ModelFit:
             )
         if whose != FRESH and self.checked and self.fresh is not _UNKNOWN:
             difference = first_difference(variables, self.fresh)
-            if difference in NOT_X:  # not x's doing, whatever the model says
+            if names_the_form(difference):  # not x's doing, whatever the model says
                 return ValueError(
                     f"{self.argument}:{difference} ({applying} with them fails with "
                     f"{first_line(error)})"

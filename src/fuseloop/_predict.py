@@ -20,6 +20,7 @@ from ._metrics import batch_size
 from ._model_fit import ModelFit, abstract
 from ._narrowing import Narrowing, native_order
 from ._predict_inputs import host, inputs_of_source
+from ._variables_diff import member_axis
 from .engine.conv_layout import named
 from .models import as_model, weights_of_module
 
@@ -122,6 +123,11 @@ def _is_array_tree(x: Any) -> bool:
     return bool(leaves) and all(_is_array(leaf) and np.ndim(leaf) >= 1 for leaf in leaves)
 
 
+_TUPLE_READ = (
+    "fuseloop: each batch was a tuple of {n} items, all read as x (the inputs of a model "
+    "of several); predict reads a batch as x or as a pair (x, y). For Keras's (x, y, "
+    "sample_weight) batches, give predict the x alone (e.g. [b[0] for b in batches])"
+)
 _PAIRS_READ = (
     "fuseloop: each batch of the source was a pair, read as (x, y): only its first item "
     "went to the model. For an x made of two arrays, yield ((a, b), None) or a dict of "
@@ -288,6 +294,16 @@ def _require_examples_axis(x: Any) -> None:
             f"x: a scalar ({type(x).__name__} of shape ()) holds no examples; pass an array "
             f"with the examples on axis 0, e.g. x[None] for a single example"
         )
+    if isinstance(x, (dict, tuple)):  # inputs, unless a leaf holds no examples at all
+        leaves = jax.tree_util.tree_flatten_with_path(x)[0]
+        arrays = [(path, leaf) for path, leaf in leaves if _is_array(leaf)]
+        scalar = next((path for path, leaf in arrays if np.ndim(leaf) == 0), None)
+        if scalar is not None and len(arrays) == len(leaves) > 1:
+            raise ValueError(
+                f"x{jax.tree_util.keystr(scalar)} is a scalar (shape ()), while every input "
+                f"of x needs the examples on axis 0: give it one value per example "
+                f"(np.full(n, value)), or let the model hold a value shared by all of them"
+            )
 
 
 def _explain_misfit(
@@ -301,7 +317,9 @@ def _explain_misfit(
     except ValueError as error:
         if pairs:
             error.add_note(_PAIRS_READ)
-        if listed:
+        if isinstance(chunk, (tuple, list)) and len(chunk) > 2:
+            error.add_note(_TUPLE_READ.format(n=len(chunk)))
+        elif listed:
             error.add_note(_LIST_READ)
         raise
 
@@ -312,7 +330,7 @@ def _check_fit(model: Any, variables: Any, chunk: Any, members: bool) -> None:
     if members:
         variables = jax.tree.map(lambda leaf: leaf[0], variables)
     fit.check_first((jax.tree.map(lambda leaf: leaf[0], chunk), None))
-    size = None if members else _member_axis(variables, fit.fresh)
+    size = None if members else member_axis(variables, fit.fresh)
     if size is not None:
         raise ValueError(
             f"variables_or_state: these variables have a leading axis of {size} over the "
@@ -320,21 +338,6 @@ def _check_fit(model: Any, variables: Any, chunk: Any, members: bool) -> None:
             f"State itself (every member predicts), or state.member(i) for one member"
         )
     fit.check_run_variables(jax.tree.map(abstract, variables))
-
-
-def _member_axis(variables: Any, fresh: Any) -> int | None:
-    """N where every leaf of `variables` is the model's fresh leaf with a leading axis of
-    N (a population's params given without their State), else None."""
-    expected: object = jax.tree.structure(fresh)  # no stub for PyTreeDef: compare as objects
-    if expected != jax.tree.structure(variables):
-        return None
-    sizes = set()
-    for leaf, own in zip(jax.tree.leaves(variables), jax.tree.leaves(fresh), strict=True):
-        shape = tuple(np.shape(leaf))
-        if shape[1:] != tuple(np.shape(own)) or len(shape) != np.ndim(own) + 1:
-            return None
-        sizes.add(shape[0])
-    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _rows(a: np.ndarray, lead: int, live: int) -> np.ndarray:

@@ -13,10 +13,11 @@ import numpy as np
 from ._warn import warn
 
 __all__ = [
-    "NOT_X",
     "UNWRAPPED",
     "first_difference",
     "is_nnx_state",
+    "member_axis",
+    "names_the_form",
     "warn_other_dtype",
     "warn_unread",
 ]
@@ -31,9 +32,31 @@ NNX_STATE = (
     " (nnx.update(module, state)) and pass the module itself as the variables (a trainer's"
     " run may leave them out: it starts from the module's weights as they are then)."
 )
+_MEMBERS = " These variables have a leading axis of {size} over the model's own"
 # Sentences that say the variables are given in a form fuseloop does not read: x is not
 # the problem, whatever the model said.
 NOT_X = (UNWRAPPED, NNX_STATE)
+
+
+def names_the_form(difference: str) -> bool:
+    """Whether `first_difference`'s sentence says the variables are given in a form
+    fuseloop does not read (x is then not the problem, whatever the model said)."""
+    return difference in NOT_X or difference.startswith(_MEMBERS.split("{")[0])
+
+
+def member_axis(variables: Any, fresh: Any) -> int | None:
+    """N where every leaf of `variables` is the model's fresh leaf with a leading axis of
+    N (a population's params given without their State), else None."""
+    expected: object = jax.tree.structure(fresh)  # no stub for PyTreeDef: compare as objects
+    if expected != jax.tree.structure(variables):
+        return None
+    sizes = set()
+    for leaf, own in zip(jax.tree.leaves(variables), jax.tree.leaves(fresh), strict=True):
+        shape = tuple(np.shape(leaf))
+        if shape[1:] != tuple(np.shape(own)) or len(shape) != np.ndim(own) + 1:
+            return None
+        sizes.add(shape[0])
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def is_nnx_state(tree: Any) -> bool:
@@ -46,6 +69,12 @@ def first_difference(given: Any, fresh: Any) -> str:
     """' The given variables hold <path> of shape (a) where the model makes (b).', or ''."""
     if is_nnx_state(given):
         return NNX_STATE
+    size = member_axis(given, fresh)
+    if size is not None:
+        return (
+            _MEMBERS.format(size=size) + " (a population's params, one per member): pass "
+            "the population's State itself, or state.member(i) for one member."
+        )
     try:
         mine = dict(jax.tree_util.tree_flatten_with_path(given)[0])
         theirs = dict(jax.tree_util.tree_flatten_with_path(fresh)[0])
