@@ -243,6 +243,15 @@ def test_a_metric_of_a_non_scalar_entry_and_keras_spellings_on_a_custom_loop():
     data = [(x, x[:, 0] + 1.0) for x, _ in DATA[:4]]
     with pytest.raises(ValueError, match=r"reads step_state\['vec'\], which has shape \(2,\)"):
         fl.loop(step).metric("vec").run(data, init)
+
+    # A dict of losses (a GAN's) or a typed key: named, with the fix, not as a metric function.
+    def with_entries(batch, s):
+        return {**step(batch, s), "losses": {"d": s["vec"][0], "g": s["vec"][1]}, "key": s["key"]}
+
+    init2 = {**init, "losses": {"d": jnp.float32(0), "g": jnp.float32(0)}, "key": jax.random.key(0)}
+    for name, what in (("losses", "a dict"), ("key", "a PRNG key")):
+        with pytest.raises(ValueError, match=rf"step_state\['{name}'\], which is {what}, not a"):
+            fl.loop(with_entries).metric(name).run(data, init2)
     # "mae" is the built-in metric here too, as on a trainer: not a step state key.
     state = fl.loop(step).metric("mae").run(data, init)
     assert state.metrics["mae"] == pytest.approx(1.0)

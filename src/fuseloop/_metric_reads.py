@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
 
 from ._metrics import CLASSIFYING, METRICS, MetricSpec
@@ -84,6 +85,15 @@ def _shadowed(spec: MetricSpec, why: str) -> ValueError:
 def _scalar_entry(spec: MetricSpec, value: Any) -> Any:
     """`value`, the step state's entry a metric reads, if it is a scalar (checked when the
     step is traced): an array would be averaged over its elements without a word."""
+    is_key = hasattr(value, "dtype") and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+    if is_key or not (hasattr(value, "shape") or isinstance(value, (bool, int, float))):
+        what = "a PRNG key" if is_key else f"a {type(value).__name__}"
+        raise ValueError(
+            f"metric {spec.name!r} reads step_state[{spec.source!r}], which is {what}, not "
+            f"a scalar array; Loop.metric(name) tracks a scalar entry of the step state: keep "
+            f"each value to track as an entry of its own (e.g. 'd_loss' and 'g_loss' rather "
+            f"than a dict of them)"
+        )
     shape = tuple(getattr(value, "shape", ()))
     if shape and int(np.prod(shape)) != 1:
         raise ValueError(
