@@ -168,6 +168,33 @@ def test_a_run_continuing_the_last_one_in_the_same_loop_keeps_its_best_copy():
         )
 
 
+def test_another_runs_best_copy_is_never_restored_into_a_resume():
+    # One Loop, two runs of the same scripted curve (the same best epoch and value): the
+    # copy the handler holds is the second run's, so a resume of the first must not take
+    # it; it keeps its own last epoch's weights, and says so.
+    values = [5, 3, 4, 6, 7, 8]
+    loop = scripted_trainer(values).early_stop("score", patience=10, restore_best=True)
+    first = loop.run(DATA, epochs=3)
+    second = loop.run(list(reversed(DATA)), epochs=3)  # other batches: other weights
+    assert first.handler_metadata["early_stop:score"] == second.handler_metadata["early_stop:score"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the resume's own warning of epoch 1's weights
+        with pytest.warns(RuntimeWarning, match=r"best epoch \(1\) ran in an earlier run"):
+            resumed = loop.run(DATA, first, epochs=4)
+    leaves = lambda s: jax.tree.leaves(jax.tree.map(np.asarray, s.step_state))  # noqa: E731
+    assert not all(
+        np.array_equal(a, b) for a, b in zip(leaves(resumed), leaves(second), strict=True)
+    )
+
+
+def test_a_second_stopper_on_the_same_record_key_is_refused():
+    loop = scripted_trainer([1, 2]).early_stop("score", patience=3)
+    with pytest.raises(ValueError, match=r"handler_metadata\['early_stop:score'\].*key="):
+        loop.handle_event("epoch_completed", EarlyStopping("score", patience=6))
+    own_key = EarlyStopping("score", patience=6, key="early_stop:score#6")
+    loop.handle_event("epoch_completed", own_key)  # its own record: accepted
+
+
 def test_resuming_from_a_state_holding_an_earlier_epochs_weights_warns():
     values = [0.1, 0.5, 0.9]  # the best epoch is the first; the State holds its weights
     loop = scripted_trainer(values + [1.0]).early_stop("score", patience=5, restore_best=True)

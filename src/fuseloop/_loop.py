@@ -126,7 +126,7 @@ class Loop(HandlerBuilders):
             1
         """
         event = normalize_event(event)
-        check_handler(handler, "handler", "None | status | (status, state)")
+        check_handler(handler, "handler", "None | status | (status, state)", self.registrations)
         added = attached(event, handler, make_filter(filter), name)
         return self._with(registrations=self.registrations + added)
 

@@ -183,12 +183,28 @@ def refuse_validation_names(names: set[str], validated: set[str]) -> None:
         )
 
 
-def check_handler(handler: Any, argument: str, returns: str) -> None:
+def check_handler(
+    handler: Any, argument: str, returns: str, attached: tuple[Any, ...] = ()
+) -> None:
     """A handler is `callable(state)`: refused when attached, not when its event first fires,
-    if it is not callable or its signature cannot take the one State it is called with."""
+    if it is not callable or its signature cannot take the one State it is called with; a
+    monitoring handler also if its record's key is one a handler of `attached` (the loop's
+    registrations) writes: both would count each epoch in one record."""
     if not callable(handler):
         raise ValueError(f"{argument}={handler!r} must be callable(state) -> {returns}")
     refuse_signature(handler, argument, f"{argument}(state)")
+    key = _record_key(handler)
+    if key is not None and any(_record_key(r.handler) == key for r in attached):
+        kind = type(handler).__name__
+        raise ValueError(
+            f"{argument}: this {kind} keeps its record under handler_metadata[{key!r}], which "
+            f"a handler already attached writes (both would count each epoch in it): give it "
+            f"a key of its own, {kind}(..., key={key + '#2'!r})"
+        )
+
+
+def _record_key(handler: Any) -> Any:
+    return getattr(getattr(handler, "monitor", None), "key", None)
 
 
 def describe_loop(loop: Any) -> str:

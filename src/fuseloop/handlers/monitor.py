@@ -78,6 +78,11 @@ class EarlyStopping:
         self.restore_best = restore_best
         self._best: tuple[Any, Any] | None = None  # ((epoch, value), device copy)
         self._members: Any = None  # a population's best copies (engine/population_monitors)
+        # The history and epoch times of the State this handler last saw (an epoch's end,
+        # a run's end): a run that starts from another State (another run's, reusing this
+        # Loop) cannot be the one its best copies belong to, whatever the best epoch and
+        # value; two runs' wall times are never all equal.
+        self._seen: Any = None
 
     def fuseloop_companions(self, name: str) -> tuple[Registration, ...]:
         """What `handle_event` attaches with this handler, however it is attached.
@@ -97,6 +102,7 @@ class EarlyStopping:
 
     def __call__(self, state: State) -> tuple[Status, State]:
         """Records the monitored value; halts the run once it stopped improving."""
+        self._seen = (state.history, state.times)
         if state.population is not None:  # one decision per member
             return early_stop_members(self, state)
         value = self.monitor.value(state)
@@ -120,13 +126,15 @@ class EarlyStopping:
     def begin(self, state: State) -> None:
         """For the "started" event: the best step state a run starts with, if any.
 
-        A run that continues the last one (its record's best is the copy this handler
-        kept) keeps that copy; a run resumed from its best epoch's own State (the
-        checkpoint that epoch wrote) holds the best step state from its start; any other
-        start has none yet.
+        A run that continues the last one (from the State it ended with, whose record's
+        best is the copy this handler kept) keeps that copy; a run resumed from its best
+        epoch's own State (the checkpoint that epoch wrote) holds the best step state from
+        its start; any other start has none yet.
         """
         if not self.restore_best or state.step_state is None:
             return
+        if (state.history, state.times) != self._seen:  # not the State the last run ended with
+            self._best, self._members = None, None
         if state.population is not None:
             begin_members(self, state, at_epoch_end(state))
             return
@@ -144,6 +152,7 @@ class EarlyStopping:
 
     def on_end(self, state: State) -> tuple[Status, State]:
         """For the "completed" and "halted" events: the best epoch's step state."""
+        self._seen = (state.history, state.times)
         if state.population is not None:  # each member's own best epoch
             return "continue", restore_members(self, state)
         return "continue", self._restored(state)
