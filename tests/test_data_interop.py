@@ -314,3 +314,26 @@ def test_rows_held_as_python_objects_are_told_to_be_stacked():
     source = fl.data.arrays(rows, np.arange(8, dtype=np.int32) % 3, batch_size=4)
     with pytest.raises(ValueError, match=r"arrays held as Python objects.*np\.stack\(x\)"):
         trainer().run(source)
+
+
+def test_python_numbers_in_a_batch_arrive_in_jaxs_default_dtypes():
+    # A per-batch weight given as a Python float is no float64 array to narrow (it was
+    # warned of as one); a step that promotes a bfloat16 leaf with it is told about it.
+    x = np.ones((2, 3), np.float32)
+    seen = []
+
+    def step(batch, s):
+        seen.append((batch[1].dtype, batch[2].dtype, batch[3].dtype))
+        return {"n": s["n"] + batch[1] * batch[2]}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = fl.loop(step).run([(x, 0.5, 2, True)] * 2, {"n": jnp.float32(0)}, fuse=False)
+    assert float(state.step_state["n"]) == 2.0
+    assert seen[-1] == (jnp.float32, jnp.int32, jnp.bool_)
+
+    def ema(batch, s):
+        return {"ema": s["ema"] * 0.9 + batch[1]}
+
+    with pytest.raises(ValueError, match=r"bfloat16 .* to dtype float32.*not weakly typed"):
+        fl.loop(ema).run([(x, 0.5)] * 2, {"ema": jnp.bfloat16(0)}, fuse=False)

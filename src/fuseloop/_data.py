@@ -288,9 +288,15 @@ def _arrays_only(batch: Any) -> bool:
 
 def as_host_array(leaf: Any) -> Any:
     """`leaf` as an array: jax and numpy arrays as they are, a torch tensor by its values
-    (`_torch_numpy`), anything else through `np.asarray`."""
+    (`_torch_numpy`), a Python number in JAX's default dtype for it (float32, int32 or bool
+    unless x64 is on; an int beyond int32 as numpy makes it, for the range check to name),
+    anything else through `np.asarray`."""
     if _is_array(leaf):
         return leaf
+    if isinstance(leaf, (bool, int, float)):  # as jnp.asarray types it, not float64
+        dtype = jax.dtypes.canonicalize_dtype(type(leaf))
+        if type(leaf) is not int or np.iinfo(dtype).min <= leaf <= np.iinfo(dtype).max:
+            return np.asarray(leaf, dtype)
     tensor = _torch_numpy(leaf)
     return np.asarray(leaf) if tensor is None else tensor
 

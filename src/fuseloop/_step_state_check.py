@@ -229,8 +229,22 @@ def check_step_keeps_state(step: Any, step_state: Any, batch: Any) -> None:
                 f"the step changes step_state{jax.tree_util.keystr(path)} from dtype "
                 f"{a.dtype} shape {a.shape} to dtype {b.dtype} shape {b.shape}; a step must "
                 f"keep every leaf's dtype and shape (the loop carries the state through a "
-                f"device loop). " + _fix_for(path, a.dtype, b.dtype, before)
+                f"device loop). " + _fix_for(path, a.dtype, b.dtype, before) + _numbers(batch)
             )
+
+
+def _numbers(batch: Any) -> str:
+    """Where the batch holds a number (a per-batch weight), how it arrives: an array of a
+    dtype of its own, which promotes a narrower state leaf jax.jit's weak Python number
+    would not."""
+    if not any(np.ndim(leaf) == 0 for leaf in jax.tree.leaves(batch)):
+        return ""
+    return (
+        ". A number in the batch (a per-batch weight) arrives as an array of its dtype "
+        "(float32 or int32 for a Python number), not weakly typed as jax.jit takes a Python "
+        "number argument: cast it in the step (e.g. w.astype(leaf.dtype)) or give it in the "
+        "state's dtype"
+    )
 
 
 def _canonical(dtype: Any) -> Any:
