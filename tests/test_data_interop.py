@@ -224,6 +224,18 @@ def test_a_sequence_is_known_by_identity_across_runs():
     loop.run(second, epochs=1)
     assert "end" not in second.calls
 
+    class EqualByConfig(_KerasStyle):  # hashable and equal: a frozen dataclass's kind
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, _KerasStyle)
+
+        def __hash__(self) -> int:
+            return 0
+
+    loop.run(EqualByConfig(x, y, batch_size=8), epochs=1)
+    fresh = EqualByConfig(x, y, batch_size=8)
+    loop.run(fresh, epochs=1)
+    assert "end" not in fresh.calls
+
 
 def test_an_endless_sequence_needs_iterations():
     x, y = _xy(16)
@@ -237,8 +249,16 @@ def test_an_endless_sequence_needs_iterations():
 
     with pytest.raises(ValueError, match=r"endless sequence.*iterations=N"):
         trainer().run(Endless(x, y, batch_size=8), epochs=1)
-    with pytest.raises(ValueError, match=r"endless sequence.*fl\.predict read"):
+    with pytest.raises(ValueError, match=r"endless sequence.*fl\.predict reads"):
         fl.predict(tiny_mlp(), trainer().run(make_batches(2)).params, Endless(x, y, 8))
+    with pytest.raises(ValueError, match=r"endless sequence.*validation reads its data"):
+        trainer().validate(tiny_mlp(), Endless(x, y, 8))
+
+    class NumpyCount(Endless):
+        num_batches = np.int64(2)  # as np.ceil(n / batch_size) makes it
+
+    state = trainer().run(NumpyCount(x, y, batch_size=8), epochs=2)
+    assert state.event_counts["iteration_completed"]["total"] == 4
     state = trainer().run(Endless(x, y, batch_size=8), epochs=2, iterations=3)
     assert state.event_counts["iteration_completed"]["total"] == 6
 
@@ -331,6 +351,9 @@ def test_python_numbers_in_a_batch_arrive_in_jaxs_default_dtypes():
         state = fl.loop(step).run([(x, 0.5, 2, True)] * 2, {"n": jnp.float32(0)}, fuse=False)
     assert float(state.step_state["n"]) == 2.0
     assert seen[-1] == (jnp.float32, jnp.int32, jnp.bool_)
+    # A numpy float64 (a float subclass) is numpy's array, narrowed as one, with its warning.
+    with pytest.warns(UserWarning, match=r"float64"):
+        fl.loop(step).run([(x, np.float64(0.5), 2, True)] * 2, {"n": jnp.float32(0)}, fuse=False)
 
     def ema(batch, s):
         return {"ema": s["ema"] * 0.9 + batch[1]}

@@ -366,8 +366,12 @@ def test_mode_auto_reads_the_direction_from_the_words_of_the_name():
     # scikit-learn's negated scores rise ("neg_mean_squared_error"), a negative class's
     # recall rises too, and a negative log-likelihood falls: a name with such a word is
     # read neither way, not by the word it may negate.
-    for name in ("validation_neg_mse", "negative_class_recall", "minus_loss"):
-        with pytest.raises(ValueError, match=r"neg or negative may negate .*mode='max'"):
+    for name, word in (
+        ("validation_neg_mse", "neg"),
+        ("negative_class_recall", "negative"),
+        ("minus_loss", "minus"),
+    ):
+        with pytest.raises(ValueError, match=rf"'{word}' may negate the rest .*mode='max'"):
             _counter_loop().early_stop(name, patience=1, mode="auto")
 
 

@@ -366,9 +366,22 @@ def test_targets_spread_over_an_output_axis_as_long_as_the_batch_are_refused():
             jnp.sum(jax.nn.one_hot(t, p.shape[-1]) * jax.nn.log_softmax(p) / counts, -1)
         )
 
+    def supervised_contrastive(t, p):  # a (B, B) term normalised by (B, 1) target counts
+        same = (t[:, None] == t[None, :]).astype(p.dtype)
+        logp = jax.nn.log_softmax(p @ p.T, axis=1)
+        return -jnp.mean(same * logp / same.sum(1, keepdims=True))
+
+    def row_weighted_logits(w, p):  # the model's own (B, B) logits, weighed per row
+        return -jnp.mean(w[:, None] * jax.nn.log_softmax(p, 1) * jnp.eye(p.shape[0]))
+
     labels = np.arange(batch, dtype=np.int32) % 3
-    assert fl.trainer(model, per_example, "sgd").run([(x, x[:, 0])]).status == "completed"
-    assert fl.trainer(model, class_weighted, "sgd").run([(x, labels)]).status == "completed"
+    for loss, y in (
+        (per_example, x[:, 0]),
+        (class_weighted, labels),
+        (supervised_contrastive, labels),
+        (row_weighted_logits, np.ones(batch, np.float32)),
+    ):
+        assert fl.trainer(model, loss, "sgd").run([(x, y)]).status == "completed", loss
 
 
 @pytest.mark.parametrize("kind", ["metric", "loss"])

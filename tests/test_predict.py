@@ -226,8 +226,9 @@ def test_outputs_without_a_row_per_example_and_inputs_without_examples_are_named
             predict(Net(), state, neither)
     # A dict of inputs with one scalar leaf: that leaf is named, not the dict read as batches.
     pair = (lambda rng, x: {}, lambda v, x: x["a"] * x["t"])
-    with pytest.raises(ValueError, match=r"^x\['t'\] is a scalar \(shape \(\)\).*np\.full"):
-        predict(pair, {}, {"a": X, "t": np.float32(2.0)})
+    for number in (np.float32(2.0), 2.0):
+        with pytest.raises(ValueError, match=r"^x\['t'\] is a scalar \(shape \(\)\).*np\.full"):
+            predict(pair, {}, {"a": X, "t": number})
 
 
 def test_keras_triples_and_a_populations_params_are_named_as_such(state):
@@ -236,6 +237,10 @@ def test_keras_triples_and_a_populations_params_are_named_as_such(state):
     with pytest.raises(ValueError) as caught:
         predict(Net(), state, triples)
     assert any("tuple of 3 items, all read as x" in note for note in caught.value.__notes__)
+    # A tuple of three inputs given as x itself is no batch: no such note.
+    with pytest.raises(ValueError) as caught:
+        predict(Net(), state, (X, X, X))
+    assert not any("tuple of 3" in note for note in getattr(caught.value, "__notes__", []))
     # A population's params without their State, to an evaluator as to predict.
     stacked = jax.tree.map(lambda a: np.stack([a, a]), state.params)
     with pytest.raises(ValueError, match=r"^init_state: These variables have a leading axis of 2"):

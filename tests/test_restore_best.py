@@ -187,6 +187,19 @@ def test_another_runs_best_copy_is_never_restored_into_a_resume():
     )
 
 
+def test_a_population_resumed_after_another_run_of_its_loop_starts():
+    # A population's history holds one value per member (arrays): telling the State the
+    # last run ended with from another must not compare them.
+    loop = fl.trainer(fl.models.mlp([4, 3]), SPARSE, optax.adam(0.05))
+    loop = loop.early_stop("loss", patience=5, restore_best=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = loop.run(DATA, epochs=2, population=2)
+        loop.run(DATA, epochs=2, population=2)
+        resumed = loop.run(DATA, first, epochs=3)
+    assert sorted(resumed.history) == [0, 1, 2]
+
+
 def test_a_second_stopper_on_the_same_record_key_is_refused():
     loop = scripted_trainer([1, 2]).early_stop("score", patience=3)
     with pytest.raises(ValueError, match=r"handler_metadata\['early_stop:score'\].*key="):

@@ -293,7 +293,7 @@ def as_host_array(leaf: Any) -> Any:
     anything else through `np.asarray`."""
     if _is_array(leaf):
         return leaf
-    if isinstance(leaf, (bool, int, float)):  # as jnp.asarray types it, not float64
+    if type(leaf) in (bool, int, float):  # as jnp.asarray types it (not np.float64)
         dtype = jax.dtypes.canonicalize_dtype(type(leaf))
         if type(leaf) is not int or np.iinfo(dtype).min <= leaf <= np.iinfo(dtype).max:
             return np.asarray(leaf, dtype)
@@ -360,16 +360,21 @@ def _detached_part(part: Any) -> Any:
     return jax.tree.map(own_copy, part)
 
 
-def as_source(data: Any, bounded: bool = False) -> Source:
+def as_source(data: Any, bounded: bool = False, reader: str = "run") -> Source:
     """Wraps user data in a `Source`, or raises a ValueError that says what is accepted;
-    an endless sequence only where `iterations=` ends each epoch (`bounded`)."""
+    an endless sequence only where `iterations=` ends each epoch (`bounded`). `reader`:
+    "run", "validate" or "predict", for the fix an error names."""
     source = data if isinstance(data, Source) else Source(data)
     sequence = source.data
     if not bounded and isinstance(sequence, BatchSequence) and sequence.num_batches is None:
+        fix = (
+            "give run(..., iterations=N) for the batches each epoch reads (Keras's steps_per_epoch)"
+            if reader == "run"
+            else f"{'validation' if reader == 'validate' else 'fl.predict'} reads its data to "
+            f"the end: give the sequence a num_batches (or a len())"
+        )
         raise ValueError(
             f"data: {type(sequence.data).__name__} has num_batches=None and no len() (an "
-            f"endless sequence), so an epoch would never end: give run(..., iterations=N) "
-            f"for the batches each epoch reads (Keras's steps_per_epoch); validation and "
-            f"fl.predict read their data to its end, so give it a num_batches there"
+            f"endless sequence), so an epoch would never end: {fix}"
         )
     return source

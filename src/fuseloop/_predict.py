@@ -274,7 +274,10 @@ def predict(
             result = program(variables, jax.device_put(chunk))
         except Exception:
             if not outputs:  # the first chunk traces the model: say whether x misfits
-                _explain_misfit(model, variables, chunk, pairs, members, isinstance(x, list))
+                batched = not _is_array_tree(x)  # a source (or a list) of batches
+                _explain_misfit(
+                    model, variables, chunk, (pairs, batched, isinstance(x, list)), members
+                )
             raise
         # Host sync: the chunk's outputs come back to the host (one read per chunk).
         host = jax.device_get(result)
@@ -296,9 +299,13 @@ def _require_examples_axis(x: Any) -> None:
         )
     if isinstance(x, (dict, tuple)):  # inputs, unless a leaf holds no examples at all
         leaves = jax.tree_util.tree_flatten_with_path(x)[0]
-        arrays = [(path, leaf) for path, leaf in leaves if _is_array(leaf)]
-        scalar = next((path for path, leaf in arrays if np.ndim(leaf) == 0), None)
-        if scalar is not None and len(arrays) == len(leaves) > 1:
+        numbers = [
+            (path, leaf)
+            for path, leaf in leaves
+            if _is_array(leaf) or type(leaf) in (bool, int, float)
+        ]
+        scalar = next((path for path, leaf in numbers if np.ndim(leaf) == 0), None)
+        if scalar is not None and len(numbers) == len(leaves) > 1:
             raise ValueError(
                 f"x{jax.tree_util.keystr(scalar)} is a scalar (shape ()), while every input "
                 f"of x needs the examples on axis 0: give it one value per example "
@@ -307,17 +314,19 @@ def _require_examples_axis(x: Any) -> None:
 
 
 def _explain_misfit(
-    model: Any, variables: Any, chunk: Any, pairs: bool, members: bool, listed: bool
+    model: Any, variables: Any, chunk: Any, read: tuple[bool, bool, bool], members: bool
 ) -> None:
     """Raises the trainer's ValueError where the chunk's x does not fit the model with
-    `variables` (a population's first member's), noting where the source's pairs were read
-    as (x, y), or a list as batches (`listed`); returns when the check finds nothing."""
+    `variables` (a population's first member's), noting how x was read (`read`: whether the
+    source's batches were pairs read as (x, y), whether x was a source of batches, whether
+    a list); returns when the check finds nothing."""
+    pairs, batched, listed = read
     try:
         _check_fit(model, variables, chunk, members)
     except ValueError as error:
         if pairs:
             error.add_note(_PAIRS_READ)
-        if isinstance(chunk, (tuple, list)) and len(chunk) > 2:
+        if batched and isinstance(chunk, (tuple, list)) and len(chunk) > 2:
             error.add_note(_TUPLE_READ.format(n=len(chunk)))
         elif listed:
             error.add_note(_LIST_READ)

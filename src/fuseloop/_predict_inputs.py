@@ -29,7 +29,7 @@ def inputs_of_source(source: Any) -> tuple[Any, int, bool]:
         return source.x, source.batch_size, False
 
     try:
-        wrapped = as_source(source)
+        wrapped = as_source(source, reader="predict")
     except ValueError as error:  # its message names Loop.run's `data`
         not_a_source = f"data={type(source).__name__} is not a data source"
         if not str(error).startswith(not_a_source):

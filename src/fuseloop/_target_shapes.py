@@ -82,6 +82,7 @@ class _Crossed(NamedTuple):
     target_shape: Shape
     output_shape: Shape
     cross: Shape
+    spread: bool = False  # found by `_spread_over` alone: refused where `_fails` elsewhere
 
 
 def _crossed_pairs(y_true: Any, y_pred: Any) -> list[_Crossed]:
@@ -112,9 +113,14 @@ def _refuse_cross(fn: Callable[..., Any], y_true: Any, y_pred: Any, kind: str, n
         if hits and not _coincidental(fn, y_true, y_pred):
             raise ValueError(_cross_message(hits[0], kind, name))
         return
-    mixed = _mixed_crosses(fn, y_true, y_pred)
-    if mixed and not _coincidental(fn, y_true, y_pred, _mixed_crosses):
-        found = mixed[0]
+    mixed = _mixed_crosses(fn, y_true, y_pred) or []
+    crosses = [c for c in mixed if not c.spread]
+    if crosses and _coincidental(fn, y_true, y_pred, _mixed_crosses):
+        crosses = []
+    if not crosses and mixed and _coincidental(fn, y_true, y_pred, _fails):
+        crosses = mixed  # spread over an axis as long as the batch only at this size
+    if crosses:
+        found = crosses[0]
         # The target and the output themselves cross: make them one shape.
         leaves = next((c for c in crossed if c[:2] == found[:2]), None)
         raise ValueError(_cross_message(leaves or found, kind, name, inside=leaves is None))
@@ -135,17 +141,18 @@ def _mixed_crosses(fn: Callable[..., Any], y_true: Any, y_pred: Any) -> list[_Cr
         return []  # no batch axis shared by every leaf, or one example: nothing to cross
     sources = [frozenset([k]) for k in range(len(traced.jaxpr.invars))]
     found: list[_Crossed] = []
-    for i, j, cross in _broadcasts_between(traced.jaxpr, sources, len(targets), batch, {}):
+    for i, j, cross, spread in _broadcasts_between(traced.jaxpr, sources, len(targets), batch, {}):
         (t_path, target), (p_path, output) = targets[i], outputs[j]
         where = (jax.tree_util.keystr(t_path), jax.tree_util.keystr(p_path))
-        found.append(_Crossed(i, j, *where, tuple(target.shape), tuple(output.shape), cross))
+        shapes = (tuple(target.shape), tuple(output.shape), cross)
+        found.append(_Crossed(i, j, *where, *shapes, spread))
     return found
 
 
 def _broadcasts_between(
     jaxpr: Any, sources: list[frozenset[int]], n_targets: int, batch: int, spread: dict[Any, Shape]
-) -> Iterator[tuple[int, int, Shape]]:
-    """`(target, output, shape)` for each elementwise operation of `jaxpr` that broadcasts
+) -> Iterator[tuple[int, int, Shape, bool]]:
+    """`(target, output, shape, spread)` for each elementwise operation of `jaxpr` that broadcasts
     an operand reading target `target` against another reading output `output` across
     examples: each holds `batch` on an axis where the other holds 1 (a (B, T, T) distance
     between time steps shares its batch axis, and is not one). Inner programs included.
@@ -173,8 +180,10 @@ def _broadcasts_between(
             for a, b in ((a, b) for a in operands for b in operands if a is not b):
                 target = min((k for k in a[0] if k < n_targets), default=None)
                 output = min((k for k in b[0] if k >= n_targets), default=None)
-                if target is not None and output is not None and _across(a[1], b[1], batch):
-                    yield target, output - n_targets, out
+                if target is None or output is None:
+                    continue
+                if _across(a[1], b[1], batch) or _spread_over(a[1], b[1], batch):
+                    yield target, output - n_targets, out, not _across(a[1], b[1], batch)
                     break
         for param in eqn.params.values():
             for inner in _inner_jaxprs(param):
@@ -203,12 +212,18 @@ def _shared_batch(leaves: list[Any]) -> int | None:
 
 
 def _across(a: Shape, b: Shape, batch: int) -> bool:
-    """Whether `a` and `b` each hold `batch` on an axis where the other holds 1, or `a`
-    holds 1 where `b` holds `batch` and `batch` where `b` does too: (B,) targets spread over
-    a (B, H) output whose H is B, every example's target against every prediction, which
-    at any other batch size would not broadcast (`_coincidental` tells the two apart)."""
+    """Whether `a` and `b` each hold `batch` on an axis where the other holds 1."""
     pairs = list(zip(a, b, strict=True))
-    return (1, batch) in pairs and ((batch, 1) in pairs or (batch, batch) in pairs)
+    return (batch, 1) in pairs and (1, batch) in pairs
+
+
+def _spread_over(a: Shape, b: Shape, batch: int) -> bool:
+    """Whether `a` holds 1 on the examples' (first) axis where `b` holds `batch`, and
+    `batch` on a later one where `b` does too: (B,) targets spread over a (B, H) output
+    whose H is B (at another batch size they would not broadcast), or a pairwise term
+    weighed by a row of the targets' (they would: `_fails` tells them apart)."""
+    pairs = list(zip(a, b, strict=True))
+    return bool(pairs) and pairs[0] == (1, batch) and (batch, batch) in pairs[1:]
 
 
 def _traced(fn: Callable[..., Any], y_true: Any, y_pred: Any) -> Any:
@@ -256,6 +271,12 @@ def _built_crosses(
     ]
 
 
+def _fails(fn: Callable[..., Any], y_true: Any, y_pred: Any) -> bool:
+    """Whether `fn` cannot be traced on these shapes (as `_coincidental`'s finder: True
+    where targets spread over an output axis fail to broadcast at another batch size)."""
+    return _traced(fn, y_true, y_pred) is None
+
+
 def _coincidental(
     fn: Callable[..., Any], y_true: Any, y_pred: Any, finder: Callable[..., Any] | None = None
 ) -> bool:
@@ -274,6 +295,8 @@ def _coincidental(
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct((other, *a.shape[1:]), a.dtype), tree)
 
     again_true, again_pred = resized(y_true), resized(y_pred)
+    if finder is _fails:
+        return _fails(fn, again_true, again_pred)
     if finder is not None:  # `_mixed_crosses`
         return finder(fn, again_true, again_pred) == []
     crossed = _crossed_pairs(again_true, again_pred)

@@ -103,14 +103,15 @@ def resolve_mode(mode: Any, name: Any, argument: str, who: str) -> Any:
     if mode not in MODES and mode != "auto":
         raise _not_a_mode(mode)
     direction = _direction(name)
-    negated = isinstance(name, str) and bool(_NEGATING_WORDS.intersection(_words(name)))
+    words = _words(name) if isinstance(name, str) else []
+    negated = next((word for word in words if word in _NEGATING_WORDS), None)
     if mode == "auto":
         if direction is None and name is not None:
             raise ValueError(
                 f"{who}({argument}={name!r}, mode='auto'): the name does not say whether "
                 f"the metric rises or falls as a model improves (auto reads words such as "
                 f"accuracy, auc, f1 or r2 as rising, loss, error, mse or mae as falling"
-                f"{'; neg or negative may negate the rest of a name, or not' if negated else ''}"
+                f"{f'; {negated!r} may negate the rest of the name, or not' if negated else ''}"
                 f"). Pass mode='max' where a higher value is better, mode='min' where lower is"
             )
         return direction or "min"

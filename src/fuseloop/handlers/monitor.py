@@ -78,10 +78,11 @@ class EarlyStopping:
         self.restore_best = restore_best
         self._best: tuple[Any, Any] | None = None  # ((epoch, value), device copy)
         self._members: Any = None  # a population's best copies (engine/population_monitors)
-        # The history and epoch times of the State this handler last saw (an epoch's end,
-        # a run's end): a run that starts from another State (another run's, reusing this
-        # Loop) cannot be the one its best copies belong to, whatever the best epoch and
-        # value; two runs' wall times are never all equal.
+        # The epoch times of the State this handler last saw (an epoch's end, a run's end):
+        # a run that starts from another State (another run's, reusing this Loop) cannot be
+        # the one its best copies belong to, whatever the best epoch and value; two runs'
+        # wall times are never all equal (and, plain floats, compare where a population's
+        # history holds arrays).
         self._seen: Any = None
 
     def fuseloop_companions(self, name: str) -> tuple[Registration, ...]:
@@ -102,7 +103,7 @@ class EarlyStopping:
 
     def __call__(self, state: State) -> tuple[Status, State]:
         """Records the monitored value; halts the run once it stopped improving."""
-        self._seen = (state.history, state.times)
+        self._seen = dict(state.times)
         if state.population is not None:  # one decision per member
             return early_stop_members(self, state)
         value = self.monitor.value(state)
@@ -133,7 +134,7 @@ class EarlyStopping:
         """
         if not self.restore_best or state.step_state is None:
             return
-        if (state.history, state.times) != self._seen:  # not the State the last run ended with
+        if state.times != self._seen:  # not the State the last run ended with
             self._best, self._members = None, None
         if state.population is not None:
             begin_members(self, state, at_epoch_end(state))
@@ -152,7 +153,7 @@ class EarlyStopping:
 
     def on_end(self, state: State) -> tuple[Status, State]:
         """For the "completed" and "halted" events: the best epoch's step state."""
-        self._seen = (state.history, state.times)
+        self._seen = dict(state.times)
         if state.population is not None:  # each member's own best epoch
             return "continue", restore_members(self, state)
         return "continue", self._restored(state)

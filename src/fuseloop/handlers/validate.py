@@ -80,7 +80,7 @@ def check_validation(
             "it, or validate at event='epoch_started' (each epoch records the validation "
             "of the params it starts from)"
         )
-    if as_source(data).one_shot:
+    if as_source(data, reader="validate").one_shot:
         raise ValueError(
             "data: validation data must be re-iterable (a list of batches, a callable "
             "returning an iterator, or fl.data.arrays(...)); a one-shot iterator or "
