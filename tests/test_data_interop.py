@@ -360,3 +360,19 @@ def test_python_numbers_in_a_batch_arrive_in_jaxs_default_dtypes():
 
     with pytest.raises(ValueError, match=r"bfloat16 .* to dtype float32.*not weakly typed"):
         fl.loop(ema).run([(x, 0.5)] * 2, {"ema": jnp.bfloat16(0)}, fuse=False)
+
+
+@pytest.mark.parametrize("fuse", [False, 2])
+def test_a_halt_in_a_sequences_last_chunk_does_not_open_its_next_epoch(fuse):
+    # terminate_on_nan halts in epoch 0's last chunk; a fused run may open the next epoch
+    # ahead of that chunk's verdict, which over a sequence would run its on_epoch_end
+    # (a reshuffle) for an epoch that never runs: the resumed run's order would change.
+    x, y = _xy(16)
+    x[12:] = np.nan  # the last batch of the first pass only
+    sequence = _KerasStyle(x, y, batch_size=4)
+    loop = trainer().terminate_on_nan()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = loop.run(sequence, epochs=2, fuse=fuse)
+    assert (state.epoch, state.iteration) == (0, 3)
+    assert sequence.calls == ["get 0", "get 1", "get 2", "get 3"]

@@ -477,3 +477,54 @@ def test_a_deferred_guard_on_device_data_halts_in_a_later_epoch(fuse):
     assert state.handler_metadata["_nonfinite_at"] == reference.handler_metadata["_nonfinite_at"]
     assert_tree_equal(state.step_state, reference.step_state, "step_state")
     assert state.event_counts == reference.event_counts and state.history == reference.history
+
+
+def _halving_loop() -> fl.Loop:
+    """A custom loop whose state follows its batches' values (a NaN batch makes it NaN)."""
+
+    def step(batch, s):
+        w = s["w"] * 0.5 + jnp.mean(batch[0])
+        return {"w": w, "loss": w}
+
+    init = lambda batch, seed: {"w": jnp.float32(0), "loss": jnp.float32(0)}  # noqa: E731
+    return fl.loop(step, init).metric("loss")
+
+
+def _batch(value: float) -> tuple[np.ndarray, np.ndarray]:
+    return np.full((2, 1), value, np.float32), np.zeros(2, np.int32)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_an_error_pulled_ahead_in_an_epoch_a_handler_ended_is_not_raised_later(prefetch):
+    # Batch 3 of epoch 0's pass fails; a handler ends that epoch at iteration 1, so the
+    # unfused loop never meets it. A fused run pulled it ahead: it belongs to that pass.
+    epochs = iter(range(10))
+
+    def data():
+        e = next(epochs)
+        for i in range(6):
+            if (e, i) == (0, 3):
+                raise OSError("bad record")
+            yield _batch(float(i))
+
+    halt = lambda s: "halt_epoch" if (s.epoch, s.iteration) == (0, 1) else None  # noqa: E731
+    loop = _halving_loop().handle_event("iteration_completed", halt)
+    state = loop.run(data, 0, epochs=3, fuse=2, prefetch=prefetch)
+    assert state.status == "completed" and sorted(state.history) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("fuse", [False, 1, 2, 4])
+def test_a_non_finite_step_halts_before_a_later_batch_that_fails_to_load(fuse):
+    # The guard's flag of chunks replayed without reading it is read before a pull's
+    # error is raised: the unfused loop halts at batch 1 and never pulls batch 5.
+    def data():
+        for i in range(8):
+            if i == 5:
+                raise OSError("cannot read batch 5")
+            yield _batch(np.nan if i == 1 else float(i))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = _halving_loop().terminate_on_nan().run(data, 0, epochs=1, fuse=fuse)
+    assert (state.status, state.iteration) == ("halted", 1)
+    assert float(state.step_state["w"]) == 0.0  # batch 0's zeros, the bad step not applied

@@ -80,6 +80,13 @@ class Source:
         return not self.one_shot
 
     @property
+    def may_open_ahead(self) -> bool:
+        """Whether the next epoch may open before this one's end is certain (a halt then
+        rolls it back): not over a one-shot iterator (its batches), nor over a Keras-style
+        sequence, whose `on_epoch_end` and `on_epoch_begin` run as an epoch opens."""
+        return self.prefetch_safe and self.kind != "sequence"
+
+    @property
     def in_memory(self) -> bool:
         """Batches already in host memory (a list, or `fl.data.arrays`): pulling one is so
         cheap that a producer thread would only add GIL hand-offs, so the loop prepares the

@@ -239,12 +239,29 @@ class EpochLoop:
                 self._undo(rollback, opened_ahead)
             return status, state, last, None
         if failed is not None:
-            raise failed
+            return self._failed(state, last, failed)
         if speculative is not None:
             return status, state, last, speculative
         if not feed.ahead and not current.exhausted:
-            nxt = feed.next(current.end)
+            try:
+                nxt = feed.next(current.end)
+            except Exception as error:  # noqa: BLE001 - raised by `_failed`
+                return self._failed(state, last, error)
         return self._start(state, nxt, last)
+
+    def _failed(
+        self, state: Any, last: int, error: BaseException
+    ) -> tuple[str, Any, int, ChunkResult | None]:
+        """Raises `error`, met preparing the chunk after `last` (the source's, or stacking
+        its batches), where the unfused loop meets it; unless a chunk replayed without
+        reading the guard met a non-finite step before it: that halt comes first, and the
+        unfused loop never pulls the failing batch (host read: the guard's flag)."""
+        if self._replay.pending:
+            status, state, last = self._replay.settle(state, last, self.carry.ending_tail())
+            if status != CONTINUE:
+                self.cut_short = True
+                return status, state, last, None
+        raise error
 
     def _prepare(self, first: int) -> tuple[Any, BaseException | None]:
         """The chunk from iteration `first` (None: the epoch is over), prepared earlier

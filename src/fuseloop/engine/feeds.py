@@ -84,6 +84,8 @@ class HostFeed:
         if length is not None:  # the epoch's last step is known to be its last
             bound = length if bound is None else min(bound, length)
             self._check_short_batch(bound == length)
+        if iterator is not getattr(self, "iterator", None):
+            self.failed = None  # an error pulled ahead in a pass an earlier epoch left
         self.epoch, self.iterator, self.bound = epoch, iterator, bound
         if iterator is not self.pending_from:
             # The run's first epoch ended before its first step (a halt at epoch_started):

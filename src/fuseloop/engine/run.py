@@ -335,7 +335,7 @@ class Run:
         replay, or None: as `_may_open`, and only where batches pulled for an epoch that
         then does not run are harmless (the replay may still halt the run).
         """
-        if not (self.resident or self.source.prefetch_safe) or not self._may_open(epoch):
+        if not (self.resident or self.source.may_open_ahead) or not self._may_open(epoch):
             return None
         return epoch, lambda: self.source.epoch_iterator(epoch), self.iterations
 
