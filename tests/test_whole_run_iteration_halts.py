@@ -80,3 +80,23 @@ def test_a_dispatch_that_runs_no_step_is_an_error_not_an_endless_loop(monkeypatc
     loop = fl.trainer(fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy", "sgd")
     with pytest.raises(fl.FusionError, match="from epoch 0, iteration 0 ran no step"):
         loop.run(_data(), epochs=3, fuse="run")
+
+
+@pytest.mark.parametrize("event", ["iteration_started", "iteration_completed"])
+def test_a_halt_inside_a_whole_run_notes_the_steps_its_state_holds(event):
+    # The dispatch ran the epoch's segment whole: the State says so, as fuse=K's does, so
+    # a resume from it warns that it repeats those steps.
+    import jax.numpy as jnp
+
+    def step(batch, s):
+        return {"n": s["n"] + 1, "loss": jnp.mean(batch[0])}
+
+    init = lambda batch, seed: {"n": jnp.int32(0), "loss": jnp.float32(0)}  # noqa: E731
+    x = np.arange(10, dtype=np.float32).reshape(10, 1)
+    data = fl.data.arrays(x, np.zeros(10, np.int32), batch_size=2, device=True)
+    halt = lambda s: "halt_loop" if (s.epoch, s.iteration) == (0, 0) else None  # noqa: E731
+    loop = fl.loop(step, init).metric("loss").handle_event(event, halt)
+    for fuse in (5, "run"):
+        state = loop.run(data, 0, epochs=2, fuse=fuse)
+        assert int(state.step_state["n"]) == 5
+        assert state.handler_metadata["_epoch_steps_held"] == 5, fuse

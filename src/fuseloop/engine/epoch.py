@@ -114,14 +114,8 @@ class EpochLoop:
         return status, self.mark_held(state) if status == HALT_LOOP else state
 
     def mark_held(self, state: Any) -> Any:
-        """`state` noting how many of its epoch's steps the carry holds (`HELD_KEY`) where
-        that is more than the iterations completed (a fused chunk runs whole), for a
-        resume from it to say what it repeats. The guard's halt keeps the last finite
-        step's state, which the completed iterations count already."""
-        completed = self.handoff.bus.in_epoch[Event.ITERATION_COMPLETED]
-        if self.held <= completed or NONFINITE_KEY in state.handler_metadata:
-            return state
-        return state.replace(handler_metadata={**state.handler_metadata, HELD_KEY: self.held})
+        """`state` noting how many of its epoch's steps the carry holds (`note_held`)."""
+        return note_held(state, self.held, self.handoff.bus)
 
     def reached(self) -> Any:
         """The State reached within the epoch under way (None: none is), with its last
@@ -317,6 +311,17 @@ class EpochLoop:
             self.close(wait)
         elif rollback is not None:
             self.feed.unlaunch()
+
+
+def note_held(state: Any, held: int, bus: Any) -> Any:
+    """`state` noting that the carry holds `held` of its epoch's steps (`HELD_KEY`) where
+    that is more than the iterations completed (a fused chunk, or a dispatch of several
+    epochs, runs whole), for a resume from it to say what it repeats. The guard's halt
+    keeps the last finite step's state, which the completed iterations count already."""
+    completed = bus.in_epoch[Event.ITERATION_COMPLETED]
+    if held <= completed or NONFINITE_KEY in state.handler_metadata:
+        return state
+    return state.replace(handler_metadata={**state.handler_metadata, HELD_KEY: held})
 
 
 def _launched(opened: tuple[int, Any]) -> bool:

@@ -27,6 +27,7 @@ from .device_checkpoint import BestSaves
 from .device_monitors import DeviceWork, monitor_start, plan_device_work, rate_table
 from .device_replay import hand_best, replayed_handlers
 from .device_validation import validation_inputs
+from .epoch import note_held
 from .feeds import name_nan_op
 from .packing import segment_of, unpack_on_host
 from .programs import kept_order
@@ -299,6 +300,7 @@ class WholeRun:
                 final = self.run.reads.metrics_of(segment_of(host["final"], s))
                 state, status = self._finish(state, epoch, status, final, True, last_one, s)
                 if status == HALT_LOOP:
+                    state = note_held(state, first + n, self.run.bus)  # the segment ran whole
                     if self.on_device:  # a halt mid-epoch (the guard): the run's end restores
                         self._hand_best(state, epoch)
                     self.carry_ahead = None
