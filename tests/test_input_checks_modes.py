@@ -47,6 +47,14 @@ def test_x_y_size_mismatch_gives_no_ragged_warning_unfused():
             fl.trainer(fl.models.mlp([4, 3]), SPARSE, "sgd").run(bad)
 
 
+def test_a_short_first_batch_is_named_as_the_one_that_set_the_batch_size():
+    short = [(DATA[0][0][:2], DATA[0][1][:2]), *DATA[1:3]]
+    with pytest.warns(UserWarning, match=r"batch size 4 instead of 2 \(the run's first batch"):
+        fl.trainer(fl.models.mlp([4, 3]), SPARSE, "sgd").run(short, fuse=False)
+    with pytest.warns(UserWarning, match=r"batch size 2 instead of 4 \(a ragged last batch\?\)"):
+        fl.trainer(fl.models.mlp([4, 3]), SPARSE, "sgd").run([*DATA[:2], short[0]], fuse=False)
+
+
 def test_float_labels_for_sparse_cross_entropy():
     kind, message = errors_in_both_modes([(x, y.astype(np.float32)) for x, y in DATA])
     assert kind is ValueError

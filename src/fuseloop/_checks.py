@@ -1,10 +1,9 @@
 """Input checks: bad batches fail early, with an error that says what, where and how to fix.
 
 The first batch of a run is checked thoroughly, before anything compiles: its structure,
-and - for a trainer or an evaluator - whether x fits the model and y fits the model's output
-and the loss, found with `jax.eval_shape` (abstract: nothing runs on the device; see
-`_model_fit.py`). Every later batch is compared with the first one by a precomputed
-`(shape, dtype)` per leaf (a few microseconds); only a new signature is diagnosed.
+and - for a trainer or an evaluator - whether x fits the model and y its output and the
+loss (`jax.eval_shape`, abstract: nothing runs; see `_model_fit.py`). Every later batch
+is compared with the first by a `(shape, dtype)` per leaf; only a new one is diagnosed.
 
     unfused: a batch whose leaves differ from the first batch's only along the batch axis
              (a ragged last batch) is allowed once - jit compiles for it once - with a warning
@@ -13,11 +12,9 @@ and the loss, found with `jax.eval_shape` (abstract: nothing runs on the device;
     fused:   every batch must match the first batch (the chunk program compiles once),
              otherwise `FusionError`.
 
-Integer labels of a sparse cross-entropy, and a binary cross-entropy's targets (in [0, 1]),
-are range-checked on the host, numpy and jax arrays alike, in every mode
+Sparse labels and binary targets are range-checked on the host in every mode
 (`_label_rule.LabelRule`, `_label_checks`). What JAX narrows while 64-bit mode is off is
-checked in `_narrowing.py`: float64 warns once per run, a 64-bit integer beyond 32 bits is
-refused.
+checked in `_narrowing.py`: float64 warns once per run, an int64 beyond 32 bits is refused.
 """
 
 from __future__ import annotations
@@ -244,9 +241,12 @@ class Checker:
                 else "The loss and per-example metrics weigh the short batch by its size (a "
                 "metric returning one scalar per batch counts it as one batch)"
             )
+            guess = "a ragged last batch?"
+            if full is not None and size > full:  # the first batch set the batch size
+                guess = "the run's first batch sets the batch size: was it a short one?"
             warn(
-                f"{where} has batch size {size} instead of {full} (a ragged last batch?); the "
-                f"step compiles once more for it. {weighing}. In training data, "
+                f"{where} has batch size {size} instead of {full} ({guess}); the step "
+                f"compiles once more for it. {weighing}. In training data, "
                 f"drop_remainder=True avoids the extra compile"
             )
             return
