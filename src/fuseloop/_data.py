@@ -45,7 +45,7 @@ def warn_left_out(data: Any, who: str, where: str, fix: str) -> None:
 class Source:
     """Hands out one iterator per epoch and closes what the run stopped reading early."""
 
-    def __init__(self, data: Any):
+    def __init__(self, data: Any, reader: str = "run"):
         sequence = is_batch_sequence(data)
         if sequence:  # keras.utils.PyDataset and the like: read by batch index
             data = BatchSequence(data)
@@ -56,8 +56,14 @@ class Source:
             self.kind = "sequence" if sequence else "epoch_aware"
         elif isinstance(data, (str, bytes)) or not (callable(data) or hasattr(data, "__iter__")):
             indexed = hasattr(data, "__getitem__") and hasattr(data, "__len__")
+            not_a_source = (  # predict's x may also be inputs
+                f"x={type(data).__name__} is neither an array with the examples on axis 0 "
+                f"(or a tuple or dict of them) nor a batch source"
+                if reader == "predict"
+                else f"data={type(data).__name__} is not a data source"
+            )
             raise ValueError(
-                f"data={type(data).__name__} is not a data source; pass a list of (x, y) "
+                f"{not_a_source}; pass a list of (x, y) "
                 f"batches, a re-iterable, a callable returning an iterator, an iterator, "
                 f"or fl.data.arrays(x, y, batch_size)"
                 + (_MAP_STYLE if indexed and not isinstance(data, (str, bytes)) else "")
@@ -293,6 +299,11 @@ def _arrays_only(batch: Any) -> bool:
     return all(map(_is_array, jax.tree.leaves(batch)))
 
 
+def is_python_number(value: Any) -> bool:
+    """Whether `value` is a Python bool, int or float (not numpy's float64, a subclass)."""
+    return type(value) in (bool, int, float)
+
+
 def as_host_array(leaf: Any) -> Any:
     """`leaf` as an array: jax and numpy arrays as they are, a torch tensor by its values
     (`_torch_numpy`), a Python number in JAX's default dtype for it (float32, int32 or bool
@@ -300,7 +311,7 @@ def as_host_array(leaf: Any) -> Any:
     anything else through `np.asarray`."""
     if _is_array(leaf):
         return leaf
-    if type(leaf) in (bool, int, float):  # as jnp.asarray types it (not np.float64)
+    if is_python_number(leaf):  # as jnp.asarray types it
         dtype = jax.dtypes.canonicalize_dtype(type(leaf))
         if type(leaf) is not int or np.iinfo(dtype).min <= leaf <= np.iinfo(dtype).max:
             return np.asarray(leaf, dtype)
@@ -371,7 +382,7 @@ def as_source(data: Any, bounded: bool = False, reader: str = "run") -> Source:
     """Wraps user data in a `Source`, or raises a ValueError that says what is accepted;
     an endless sequence only where `iterations=` ends each epoch (`bounded`). `reader`:
     "run", "validate" or "predict", for the fix an error names."""
-    source = data if isinstance(data, Source) else Source(data)
+    source = data if isinstance(data, Source) else Source(data, reader)
     sequence = source.data
     if not bounded and isinstance(sequence, BatchSequence) and sequence.num_batches is None:
         fix = (

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from ._arg_types import is_int, refuse_deleted_arrays
+from ._data import is_python_number
 from ._metrics import batch_size
 from ._model_fit import ModelFit, abstract
 from ._narrowing import Narrowing, native_order
@@ -300,9 +301,7 @@ def _require_examples_axis(x: Any) -> None:
     if isinstance(x, (dict, tuple)):  # inputs, unless a leaf holds no examples at all
         leaves = jax.tree_util.tree_flatten_with_path(x)[0]
         numbers = [
-            (path, leaf)
-            for path, leaf in leaves
-            if _is_array(leaf) or type(leaf) in (bool, int, float)
+            (path, leaf) for path, leaf in leaves if _is_array(leaf) or is_python_number(leaf)
         ]
         scalar = next((path for path, leaf in numbers if np.ndim(leaf) == 0), None)
         if scalar is not None and len(numbers) == len(leaves) > 1:

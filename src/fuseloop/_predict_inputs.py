@@ -28,20 +28,7 @@ def inputs_of_source(source: Any) -> tuple[Any, int, bool]:
     if isinstance(source, ArraySource):
         return source.x, source.batch_size, False
 
-    try:
-        wrapped = as_source(source, reader="predict")
-    except ValueError as error:  # its message names Loop.run's `data`
-        not_a_source = f"data={type(source).__name__} is not a data source"
-        if not str(error).startswith(not_a_source):
-            raise
-        raise ValueError(
-            str(error).replace(
-                not_a_source,
-                f"x={type(source).__name__} is neither an array with the examples on axis 0 "
-                f"(or a tuple or dict of them) nor a batch source",
-                1,
-            )
-        ) from None
+    wrapped = as_source(source, reader="predict")
     iterator = wrapped.epoch_iterator(0)
     inputs, pairs = [], False
     # An iterator or a callable's may refill one array for every batch: each is copied as

@@ -82,7 +82,7 @@ class _Crossed(NamedTuple):
     target_shape: Shape
     output_shape: Shape
     cross: Shape
-    spread: bool = False  # found by `_spread_over` alone: refused where `_fails` elsewhere
+    spread: bool = False  # by `_spread_over` alone: refused where it fails at another size
 
 
 def _crossed_pairs(y_true: Any, y_pred: Any) -> list[_Crossed]:
@@ -117,8 +117,9 @@ def _refuse_cross(fn: Callable[..., Any], y_true: Any, y_pred: Any, kind: str, n
     crosses = [c for c in mixed if not c.spread]
     if crosses and _coincidental(fn, y_true, y_pred, _mixed_crosses):
         crosses = []
-    if not crosses and mixed and _coincidental(fn, y_true, y_pred, _fails):
-        crosses = mixed  # spread over an axis as long as the batch only at this size
+    again = _at_another_size(y_true, y_pred)
+    if not crosses and mixed and again is not None and _traced(fn, *again) is None:
+        crosses = mixed  # spread over an axis as long as the batch, which fails elsewhere
     if crosses:
         found = crosses[0]
         # The target and the output themselves cross: make them one shape.
@@ -182,8 +183,9 @@ def _broadcasts_between(
                 output = min((k for k in b[0] if k >= n_targets), default=None)
                 if target is None or output is None:
                     continue
-                if _across(a[1], b[1], batch) or _spread_over(a[1], b[1], batch):
-                    yield target, output - n_targets, out, not _across(a[1], b[1], batch)
+                across = _across(a[1], b[1], batch)
+                if across or _spread_over(a[1], b[1], batch):
+                    yield target, output - n_targets, out, not across
                     break
         for param in eqn.params.values():
             for inner in _inner_jaxprs(param):
@@ -221,7 +223,7 @@ def _spread_over(a: Shape, b: Shape, batch: int) -> bool:
     """Whether `a` holds 1 on the examples' (first) axis where `b` holds `batch`, and
     `batch` on a later one where `b` does too: (B,) targets spread over a (B, H) output
     whose H is B (at another batch size they would not broadcast), or a pairwise term
-    weighed by a row of the targets' (they would: `_fails` tells them apart)."""
+    weighed by a row of the targets' (they would: `_refuse_cross` traces both there)."""
     pairs = list(zip(a, b, strict=True))
     return bool(pairs) and pairs[0] == (1, batch) and (batch, batch) in pairs[1:]
 
@@ -271,10 +273,17 @@ def _built_crosses(
     ]
 
 
-def _fails(fn: Callable[..., Any], y_true: Any, y_pred: Any) -> bool:
-    """Whether `fn` cannot be traced on these shapes (as `_coincidental`'s finder: True
-    where targets spread over an output axis fail to broadcast at another batch size)."""
-    return _traced(fn, y_true, y_pred) is None
+def _at_another_size(y_true: Any, y_pred: Any) -> tuple[Any, Any] | None:
+    """The targets and outputs, abstract, at a batch size unlike any other axis, or None."""
+    leaves = jax.tree.leaves((y_true, y_pred))
+    if _shared_batch(leaves) is None:
+        return None
+    other = 2 + max(max(leaf.shape) for leaf in leaves)
+
+    def resized(tree: Any) -> Any:
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((other, *a.shape[1:]), a.dtype), tree)
+
+    return resized(y_true), resized(y_pred)
 
 
 def _coincidental(
@@ -286,23 +295,15 @@ def _coincidental(
     (B, T, 1) output broadcast to (B, B, T) where B is 1 or T, the shape a (B, T, T)
     distance between time steps has; a true cross, `y_pred - y_true` of (B,) against
     (B, 1), builds one at every batch size.)"""
-    leaves = jax.tree.leaves((y_true, y_pred))
-    if _shared_batch(leaves) is None:
-        return False  # no batch axis shared by every leaf to move
-    other = 2 + max(max(leaf.shape) for leaf in leaves)
-
-    def resized(tree: Any) -> Any:
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((other, *a.shape[1:]), a.dtype), tree)
-
-    again_true, again_pred = resized(y_true), resized(y_pred)
-    if finder is _fails:
-        return _fails(fn, again_true, again_pred)
+    again = _at_another_size(y_true, y_pred)
+    if again is None:
+        return False
     if finder is not None:  # `_mixed_crosses`
-        return finder(fn, again_true, again_pred) == []
-    crossed = _crossed_pairs(again_true, again_pred)
+        return finder(fn, *again) == []
+    crossed = _crossed_pairs(*again)
     # A function that fails at the other size (`y_pred - y_true` of (1, T, 1) and (1, T),
     # a cross at B = 1 only) is judged by the batch it was given.
-    return _built_crosses(fn, again_true, again_pred, crossed, always=True) == []
+    return _built_crosses(fn, *again, crossed, always=True) == []
 
 
 def _cross_message(pair: _Crossed, kind: str, name: str, inside: bool = False) -> str:

@@ -32,7 +32,7 @@ NNX_STATE = (
     " (nnx.update(module, state)) and pass the module itself as the variables (a trainer's"
     " run may leave them out: it starts from the module's weights as they are then)."
 )
-_MEMBERS = " These variables have a leading axis of {size} over the model's own"
+_MEMBERS = " These variables have a leading axis of"
 # Sentences that say the variables are given in a form fuseloop does not read: x is not
 # the problem, whatever the model said.
 NOT_X = (UNWRAPPED, NNX_STATE)
@@ -41,7 +41,7 @@ NOT_X = (UNWRAPPED, NNX_STATE)
 def names_the_form(difference: str) -> bool:
     """Whether `first_difference`'s sentence says the variables are given in a form
     fuseloop does not read (x is then not the problem, whatever the model said)."""
-    return difference in NOT_X or difference.startswith(_MEMBERS.split("{")[0])
+    return difference in NOT_X or difference.startswith(_MEMBERS)
 
 
 def member_axis(variables: Any, fresh: Any) -> int | None:
@@ -72,8 +72,8 @@ def first_difference(given: Any, fresh: Any) -> str:
     size = member_axis(given, fresh)
     if size is not None:
         return (
-            _MEMBERS.format(size=size) + " (a population's params, one per member): pass "
-            "the population's State itself, or state.member(i) for one member."
+            f"{_MEMBERS} {size} over the model's own (a population's params, one per "
+            f"member): pass the population's State itself, or state.member(i) for one member."
         )
     try:
         mine = dict(jax.tree_util.tree_flatten_with_path(given)[0])
