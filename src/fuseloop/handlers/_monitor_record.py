@@ -67,11 +67,16 @@ def _words(name: str) -> list[str]:
     return [word for word in re.split(r"[\W_]+", spaced.lower()) if word]
 
 
+def _negating_word(words: list[str]) -> str | None:
+    """The first of `words` that may negate the rest of a name (`_NEGATING_WORDS`)."""
+    return next((word for word in words if word in _NEGATING_WORDS), None)
+
+
 def _direction(name: Any) -> str | None:
     """ "max" for a name whose words say it rises as a model improves, "min" for one that
     falls (the last such word decides), None for a name that says neither."""
     words = _words(name) if isinstance(name, str) else []
-    if _NEGATING_WORDS.intersection(words):
+    if _negating_word(words) is not None:
         return None
     found = None
     for i, word in enumerate(words):
@@ -103,8 +108,7 @@ def resolve_mode(mode: Any, name: Any, argument: str, who: str) -> Any:
     if mode not in MODES and mode != "auto":
         raise _not_a_mode(mode)
     direction = _direction(name)
-    words = _words(name) if isinstance(name, str) else []
-    negated = next((word for word in words if word in _NEGATING_WORDS), None)
+    negated = _negating_word(_words(name) if isinstance(name, str) else [])
     if mode == "auto":
         if direction is None and name is not None:
             raise ValueError(
