@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
+from ._arg_types import is_int
 
 __all__ = ["BatchSequence", "is_batch_sequence"]
 
@@ -64,7 +64,7 @@ class BatchSequence:
     def num_batches(self) -> int | None:
         """Batches per epoch, None where the sequence does not say (an endless one)."""
         count = getattr(self.data, "num_batches", None)
-        if isinstance(count, (int, np.integer)) and not isinstance(count, bool):
+        if is_int(count):
             return int(count)
         sized = callable(getattr(self.data, "__len__", None))  # `__len__ = None`: none
         return len(self.data) if sized and count is None else None
