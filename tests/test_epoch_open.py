@@ -199,7 +199,11 @@ def test_a_one_shot_iterator_is_consumed_exactly_and_runs_out_as_unfused(opened)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             state = trainer().run(source, epochs=3, fuse=fuse)
-        assert any("data ran out at the start of epoch 1" in str(w.message) for w in caught)
+        assert any(
+            "data ran out at the start of epoch 1: the run ends after 1 epoch instead of 3"
+            in str(w.message)
+            for w in caught
+        )
         assert next(source, None) is None
         results[fuse] = state
     assert opened == [1]  # epoch 0 took every batch: the opened epoch 1 finds none

@@ -392,8 +392,8 @@ class Run:
                 )
             return False
         warn(
-            f"data ran out at the start of epoch {epoch}: the run ends after {epoch} epochs "
-            f"instead of {self.epochs}. {self.source.why_empty()}",
+            f"data ran out at the start of epoch {epoch}: the run ends after {epoch} epoch"
+            f"{'s' if epoch != 1 else ''} instead of {self.epochs}. {self.source.why_empty()}",
             RuntimeWarning,
         )
         return True
