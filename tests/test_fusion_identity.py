@@ -105,6 +105,49 @@ def test_custom_loop_with_a_scalar_metric():
         assert_runs_identical(reference, loop.run(DATA, init, epochs=2, fuse=fuse))
 
 
+def _mean_with_many_readers(batch, s):
+    """A step whose `jnp.mean` several metrics read: XLA rounded it otherwise in the
+    unfused and multi-epoch programs, which dropped the loop's unread records (and with
+    them the index their writes shared with the step's kernels)."""
+    m = jnp.mean(batch[0])
+    return {
+        "n": s["n"] + 1,
+        "bf": (m * 3).astype(jnp.bfloat16),
+        "flag": m > 0,
+        "f16": m.astype(jnp.float16),
+        "loss": m,
+        "acc": s["acc"] + m,
+    }
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["host", "resident"])
+def test_a_reduction_read_by_several_metrics_rounds_alike_in_every_program(device):
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(24, 2)).astype(np.float32), np.zeros(24, np.float32)
+    init = {
+        "n": jnp.int32(0),
+        "bf": jnp.bfloat16(0),
+        "flag": jnp.bool_(False),
+        "f16": jnp.float16(0),
+        "loss": jnp.float32(0),
+        "acc": jnp.float32(0),
+    }
+    loop = fl.loop(_mean_with_many_readers)
+    for name in ("n", "bf", "flag", "f16", "loss"):
+        loop = loop.metric(name)
+    runs = {
+        fuse: loop.run(
+            fl.data.arrays(x, y, batch_size=4, shuffle=False, device=device),
+            init,
+            epochs=2,
+            fuse=fuse,
+        )
+        for fuse in (False, 3, "run")
+    }
+    for fuse in (3, "run"):
+        assert_runs_identical(runs[False], runs[fuse])
+
+
 class Redirect:
     """A log stream whose target can be swapped, so one Loop serves several runs."""
 

@@ -31,7 +31,7 @@ from .device_monitors import DeviceWork, Validation, epoch_end_fn, validation_lo
 from .packing import pack_leaves
 from .population import member_carry_step, member_chunk, population_tail
 from .programs import MIN_SLOTS, _source_key
-from .whole_program import host_outputs, put_at, slot_rows
+from .whole_program import host_outputs, record_buffers, slot_rows, write_segment
 
 __all__ = ["population_whole_key", "population_whole_program"]
 
@@ -153,9 +153,7 @@ def _segment_step(
             "nonfinite": tail.get("nonfinite", jnp.zeros((size,), jnp.bool_)),
             "active": active,
         }
-        if record:
-            segment["records"] = records
-        out = put_at(out, {**epoch_out, **segment}, s)
+        out = write_segment(out, {**epoch_out, **segment}, records, s, record)
         tail = {**tail, "active": still}
         return s + 1, remaining - n_run, state, tail, order, epoch, cursor + n_run, out, extra
 
@@ -258,6 +256,4 @@ def _buffers(
         "nonfinite": jnp.zeros((segments,) + size, jnp.bool_),
         "active": jnp.zeros((segments,) + size, jnp.bool_),
     }
-    if record:
-        out["records"] = jax.tree.map(lambda a: per_segment(a, (slots,)), tail["acc"])
-    return out
+    return {**out, **record_buffers(segments, slots, tail["acc"], record)}

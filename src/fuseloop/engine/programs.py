@@ -195,21 +195,23 @@ class Programs:
         return self.cache.chunk[self.copies]
 
     def unfused(self) -> Any:
-        """`(state, tail, batch, n_valid) -> (state, tail)`: one step through the loop.
+        """`(state, tail, batch, n_valid) -> (state, tail, records)`: one step through the
+        loop.
 
         The batch is widened to `MIN_SLOTS` slots on the device, so the host moves it once,
         as it is. `n_valid` (always 1) is a runtime value, so XLA cannot see a one-trip loop
-        and simplify it away.
+        and simplify it away. The records come out too, never read: XLA would drop unused
+        ones with their writes and fuse the loop otherwise (`whole_program.write_segment`).
         """
         if self.cache.unfused is None:
             body = self._device_loop()
 
-            def program(state: Any, tail: Any, batch: Any, n_valid: Any) -> tuple[Any, Any]:
+            def program(state: Any, tail: Any, batch: Any, n_valid: Any) -> tuple[Any, ...]:
                 chunk = jax.tree.map(
                     lambda a: jnp.broadcast_to(a[None], (MIN_SLOTS,) + a.shape), batch
                 )
-                state, tail, _, _ = body(state, tail, chunk, n_valid)
-                return state, tail
+                state, tail, records, _ = body(state, tail, chunk, n_valid)
+                return state, tail, records
 
             self.cache.unfused = self._jit(program)
         return self.cache.unfused

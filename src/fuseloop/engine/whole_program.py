@@ -6,6 +6,8 @@ device-resident data (docs/design.md §9).
             zero the accumulators; order <- epoch_order(seed, epoch); cursor <- 0
         gather the rest of the epoch from `order`; run the one device loop over it
         keep the segment's records, its final accumulators, its steps run, its flag
+        (the records of every segment where an iteration handler replays them, else
+        only the last segment's, never read: see `write_segment`)
 
 The inner loop is the same `make_chunk_fn` loop every other program runs (docs/design.md
 §2, "one loop body for every K"), so each step is bitwise the step of a per-epoch run. The
@@ -37,7 +39,11 @@ __all__ = [
     "host_outputs",
     "slot_rows",
     "put_at",
+    "record_buffers",
+    "write_segment",
 ]
+
+KEPT_RECORDS = "kept_records"  # the last segment's records, kept but never read
 
 
 def segments_for(cursor: int, steps: int, limit: int) -> list[tuple[int, int]]:
@@ -160,7 +166,7 @@ def host_outputs(out: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     only where recorded) and the monitor's and the ring's counters. The program packs it
     (`out["packed"]`); the host unpacks it by this tree's shapes.
     """
-    read = {k: v for k, v in out.items() if k not in ("extra", "packed")}
+    read = {k: v for k, v in out.items() if k not in ("extra", "packed", KEPT_RECORDS)}
     read["best_s"] = extra["best_s"]
     if "kept_n" in extra:
         read["kept_n"] = extra["kept_n"]
@@ -202,9 +208,7 @@ def _segment_step(
         at_end = (cursor + n_run == limit) & ~flag
         state, extra, epoch_out = epoch_end(at_end, state, tail["acc"], extra, s)
         segment = {"final": tail["acc"], "n_run": n_run, "nonfinite": flag}
-        if record:
-            segment["records"] = records
-        out = put_at(out, {**epoch_out, **segment}, s)
+        out = write_segment(out, {**epoch_out, **segment}, records, s, record)
         # The dispatch ends after an early stop, or when the kept best states are full.
         stopped = epoch_out["stop"] | extra.get("flush", False)
         cursor = cursor + n_run
@@ -255,9 +259,32 @@ def _buffers(
         "n_run": jnp.zeros((segments,), jnp.int32),
         "nonfinite": jnp.zeros((segments,), jnp.bool_),
     }
+    return {**out, **record_buffers(segments, slots, acc, record)}
+
+
+def record_buffers(segments: int, slots: int, acc: Any, record: bool) -> dict[str, Any]:
+    """The dispatch's zeroed records buffer: per segment where recorded, else one
+    segment's (`write_segment`)."""
     if record:
-        out["records"] = jax.tree.map(lambda a: per_segment(a, (slots,)), acc)
-    return out
+        return {
+            "records": jax.tree.map(lambda a: jnp.zeros((segments, slots) + a.shape, a.dtype), acc)
+        }
+    return {KEPT_RECORDS: jax.tree.map(lambda a: jnp.zeros((slots,) + a.shape, a.dtype), acc)}
+
+
+def write_segment(out: Any, segment: Any, records: Any, s: Any, record: bool) -> Any:
+    """`out` with `segment`'s values written at index `s`, and its `records`: at `s` where
+    an iteration handler replays them, else in place of the last segment's.
+
+    Records nobody reads are still kept, as an output of the program: XLA drops an unused
+    output's writes from the loop, and the loop without them is fused otherwise (an index
+    once shared with the writes moves into the step's own kernels), which rounded a
+    step's `jnp.mean` otherwise than the per-epoch programs do (docs/design.md §2).
+    """
+    if record:
+        return put_at(out, {**segment, "records": records}, s)
+    per_segment = {k: v for k, v in out.items() if k != KEPT_RECORDS}
+    return {**put_at(per_segment, segment, s), KEPT_RECORDS: records}
 
 
 def _going(segments: int, guard: bool) -> Callable[[tuple[Any, ...]], Any]:
