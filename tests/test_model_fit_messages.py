@@ -193,6 +193,44 @@ def test_a_linen_model_drawing_randomness_in_evaluation_is_told_so():
         fl.evaluator(model, SPARSE).run(CLASSIFICATION, params)
 
 
+class NoisyInEval(nnx.Module):
+    """Samples noise in every mode, from a stream of its own."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(FEATURES, CLASSES, rngs=rngs)
+        self.rngs = rngs
+
+    def __call__(self, x: Any) -> Any:
+        return self.linear(x) + jax.random.normal(self.rngs.noise(), (x.shape[0], CLASSES))
+
+
+class DropoutUnderItsOwnFlag(nnx.Module):
+    """Passes Dropout a mode flag whose name fuseloop does not know."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(FEATURES, CLASSES, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x: Any, eval_mode: bool = False) -> Any:
+        return self.dropout(self.linear(x), deterministic=eval_mode)
+
+
+def test_an_nnx_model_drawing_randomness_in_evaluation_is_told_so():
+    # Evaluation does not carry the Rngs from batch to batch: every batch drew the same
+    # noise, and a Dropout kept on by an unknown flag validated in training mode.
+    model = NoisyInEval(nnx.Rngs(params=0, noise=1))
+    draws = r"NoisyInEval draws from its rng stream\(s\) 'noise' in evaluation.*same numbers"
+    with pytest.raises(ValueError, match=draws):
+        fl.predict(model, model, X, batch_size=BATCH)
+    with pytest.raises(ValueError, match=draws):
+        fl.evaluator(model, SPARSE).run(CLASSIFICATION, model)
+    flagged = DropoutUnderItsOwnFlag(nnx.Rngs(params=0, dropout=1))
+    loop = fl.trainer(flagged, SPARSE, "adam").validate(flagged, CLASSIFICATION)
+    with pytest.raises(ValueError, match=r"stream\(s\) 'dropout'.*deterministic=eval_mode"):
+        loop.run(CLASSIFICATION)
+    assert fl.trainer(flagged, SPARSE, "adam").run(CLASSIFICATION).epoch == 0  # training is fine
+
+
 def test_an_nnx_dropout_without_rngs_is_told_so():
     with pytest.raises(
         ValueError,

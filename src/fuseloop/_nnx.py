@@ -12,7 +12,13 @@ from typing import Any
 import jax
 
 from ._linen import TRAIN_FLAGS, call_flags, flag_values
-from ._nnx_checks import eval_flags, refuse_other_shapes, refuse_param_writes
+from ._nnx_checks import (
+    eval_flags,
+    refuse_eval_draws,
+    refuse_other_shapes,
+    refuse_param_writes,
+    rng_counts,
+)
 from ._warn import warn
 
 __all__ = ["from_nnx", "set_nnx_mode"]
@@ -180,9 +186,12 @@ class from_nnx:  # noqa: N801
         rest = self._rebuild(self._templates[1], variables["state"], "state")
         module = nnx.merge(self.graphdef, params, rest)
         set_nnx_mode(module, train)
-        given = _param_values(module) if train else {}
+        given = _param_values(module) if train else rng_counts(module)
         y = module(x, **flag_values(self.flags, train))
-        refuse_param_writes(given, _param_values(module) if train else {})
+        if train:
+            refuse_param_writes(given, _param_values(module))
+        else:
+            refuse_eval_draws(given, rng_counts(module), type(module).__name__)
         # What the call sowed (`self.sow(nnx.Intermediate, ...)`) is an output of the call,
         # not state to carry: dropped, as linen's sow does nothing unless asked for.
         nnx.pop(module, lambda path, node: _sown(node, path, self._held, nnx.Intermediate))

@@ -10,7 +10,13 @@ import numpy as np
 
 from ._linen import TRAIN_FLAGS, ModelConventionError
 
-__all__ = ["eval_flags", "refuse_other_shapes", "refuse_param_writes"]
+__all__ = [
+    "eval_flags",
+    "refuse_eval_draws",
+    "refuse_other_shapes",
+    "refuse_param_writes",
+    "rng_counts",
+]
 
 
 def eval_flags(module: Any) -> list[str]:
@@ -72,4 +78,44 @@ def refuse_param_writes(given: dict[Any, Any], now: dict[Any, Any]) -> None:
             f"after the optimizer's update in a step of your own (fl.loop; "
             f"optax.projections has common ones), or hold a value that is not trained in "
             f"another nnx.Variable (e.g. nnx.BatchStat)"
+        )
+
+
+def rng_counts(module: Any) -> dict[Any, tuple[str, Any]]:
+    """Each rng stream of `module` by path: its name and the value its count holds (a draw
+    replaces the count's value, traced or not)."""
+    from flax import nnx
+
+    return {
+        path: (str(getattr(node, "tag", path[-1])), getattr(node.count, "raw_value", None))
+        for path, node in nnx.iter_graph(module)
+        if isinstance(node, nnx.RngStream)
+    }
+
+
+def refuse_eval_draws(
+    before: dict[Any, tuple[str, Any]], after: dict[Any, tuple[str, Any]], model: str
+) -> None:
+    """A ModelConventionError naming the rng streams an evaluation call drew from: an
+    evaluation does not carry the module's Rngs from batch to batch (nor does linen's,
+    which is given none), so every batch would draw the same numbers."""
+    drawn = sorted(
+        {
+            name
+            for path, (name, count) in after.items()
+            if count is not before.get(path, ("", None))[1]
+        }
+    )
+    if drawn:
+        flags = ", ".join(f"{name}={not value}" for name, value in TRAIN_FLAGS.items())
+        raise ModelConventionError(
+            f"model: {model} draws from its rng stream(s) {', '.join(map(repr, drawn))} in "
+            f"evaluation (validation, fl.evaluator, fl.predict), after .eval(). Evaluation "
+            f"does not carry an nnx model's Rngs from one batch to the next, so every batch "
+            f"would draw the same numbers. If a layer stays random because __call__ passes "
+            f"it a mode flag of its own (e.g. nnx.Dropout(...)(x, deterministic=eval_mode)), "
+            f"name that argument one fuseloop sets ({flags} in evaluation) or let the layer "
+            f"follow the module's mode (.eval() turns nnx.Dropout off); a model that samples "
+            f"on purpose in evaluation (MC dropout, a VAE's z) is evaluated with a loop of "
+            f"your own"
         )
