@@ -201,3 +201,34 @@ def test_training_forward_without_a_key_for_a_required_key_is_refused_by_name():
     adapter = fl.models.from_equinox(KeywordOnlyKeyNet(jax.random.PRNGKey(0)))
     with pytest.raises(ValueError, match=r"requires `key`"):
         adapter.forward(adapter.init(None, None), X[:4], train=True, rng=None)
+
+
+class Encoder(eqx.Module):
+    """Dropout behind an `inference` flag that trains by default."""
+
+    dense: eqx.nn.Linear
+    drop: eqx.nn.Dropout
+
+    def __call__(self, x, *, key=None, inference=False):
+        return self.drop(jax.nn.relu(self.dense(x)), key=key, inference=inference)
+
+
+class Classifier(eqx.Module):
+    encoder: Encoder
+    head: eqx.nn.Linear
+
+    def __call__(self, x, *, key=None):
+        return self.head(self.encoder(x, key=key))
+
+
+def test_a_trained_module_reused_inside_a_larger_model_trains_with_its_dropout():
+    # `fl.models.trained` hands back a subclass that passes inference=True: inside a model
+    # fine-tuned afterwards it kept the encoder's Dropout off while training, silently.
+    encoder = Encoder(eqx.nn.Linear(FEATURES, 8, key=jax.random.PRNGKey(0)), eqx.nn.Dropout(0.9))
+    pretrain = [(x, np.zeros((len(x), 8), np.float32)) for x, _ in DATA]
+    pretrained = fl.models.trained(encoder, fl.trainer(encoder, "mse", "sgd").run(pretrain))
+    head = eqx.nn.Linear(8, CLASSES, key=jax.random.PRNGKey(1))
+    as_built = Classifier(Encoder(pretrained.dense, eqx.nn.Dropout(0.9)), head)
+    reused = fl.trainer(Classifier(pretrained, head), SPARSE, "sgd").run(DATA)
+    expected = fl.trainer(as_built, SPARSE, "sgd").run(DATA)
+    assert reused.history == expected.history

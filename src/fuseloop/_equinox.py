@@ -53,15 +53,28 @@ def _requires_keyword(fn: Any, name: str) -> bool:
 
 def plain_module(module: Any) -> Any:
     """`module` as an instance of its own class, where `trained` made it an evaluating
-    subclass's (a copy; others are returned as they are): a State's params are the own
-    class's pytree, so the adapter takes this one."""
+    subclass's, and so is every submodule `trained` made (a pretrained encoder reused in a
+    larger model, whose subclass would pass it its evaluation flags while training); a copy
+    where anything changed, else `module` itself: a State's params are the own class's
+    pytree, so the adapter takes this one."""
     base = getattr(type(module), "_fuseloop_base", None)
-    if base is None:
+    if base is not None:
+        copy = object.__new__(base)
+        for name, value in vars(module).items():
+            object.__setattr__(copy, name, value)
+        module = copy
+    nested = jax.tree.leaves(module, is_leaf=_made_by_trained)
+    if not any(_made_by_trained(node) for node in nested):
         return module
-    copy = object.__new__(base)
-    for name, value in vars(module).items():
-        object.__setattr__(copy, name, value)
-    return copy
+    return jax.tree.map(
+        lambda node: plain_module(node) if _made_by_trained(node) else node,
+        module,
+        is_leaf=_made_by_trained,
+    )
+
+
+def _made_by_trained(node: Any) -> bool:
+    return getattr(type(node), "_fuseloop_base", None) is not None
 
 
 class from_equinox:  # noqa: N801
