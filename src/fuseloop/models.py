@@ -281,7 +281,12 @@ def trained(model: Any, state_or_variables: Any) -> Any:
       modules are: per example; `jax.vmap` it for a batch).
     * An nnx or equinox module whose `__call__` takes a train/eval flag that does not
       default to evaluation (`inference=False`) is returned as an instance of a subclass
-      of its class, named as it is, whose call passes the flag (a flag given wins).
+      of its class, named as it is, whose call passes the flag (a flag given wins). A
+      trainer takes it, alone or inside a larger model, as its own class again; a tree
+      function pairing it with the original module fails on the class: pair the original
+      with `state.params["params"]` (the trained arrays in the module's own class).
+    * An equinox module whose `__call__` requires `key` still takes one (inference mode
+      draws nothing from it: any key will do, as `fl.predict` passes `PRNGKey(0)`).
     * `(init, apply)` functions or any `.init`/`.apply` object: `lambda x: apply(vars, x)`.
 
     Args:
