@@ -131,6 +131,20 @@ def test_lookahead_is_refused_when_the_trainer_is_built_with_the_custom_loop_tha
     assert isinstance(fl.trainer(fl.models.mlp([3]), "mean_squared_error", wrapped), fl.Loop)
 
 
+@pytest.mark.parametrize("wrap", ["chain", "multi_steps"])
+def test_a_lookahead_inside_a_chain_or_multi_steps_is_refused_at_the_run_start(wrap):
+    # Built into another transformation it was not seen when the trainer was built, and
+    # the run failed inside optax with "'dict' object has no attribute 'fast'".
+    lookahead = optax.lookahead(optax.adam(1e-3), sync_period=2, slow_step_size=0.5)
+    tx = (
+        optax.chain(optax.clip_by_global_norm(1.0), lookahead)
+        if wrap == "chain"
+        else optax.MultiSteps(lookahead, 2)
+    )
+    with pytest.raises(ValueError, match=r"optax.lookahead trains optax.LookaheadParams.*fl.loop"):
+        fl.trainer(MODEL, LOSS, tx).run(DATA, VARIABLES)
+
+
 def test_a_mask_function_injected_as_a_schedule_is_said_to_mask_nothing_by_param():
     # inject_hyperparams calls it with the step count: one bool for every param.
     by_rank = lambda params: jax.tree.map(lambda leaf: leaf.ndim > 1, params)  # noqa: E731

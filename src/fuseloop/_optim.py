@@ -125,13 +125,25 @@ def _refuse_lookahead(tx: Any) -> None:
     model's params a trainer hands it: on a plain dict its init only logs a warning and
     its first update fails inside optax."""
     if getattr(tx.init, "__qualname__", "").startswith("lookahead."):
-        raise ValueError(
-            "optimizer: optax.lookahead trains optax.LookaheadParams (fast and slow "
-            "weights), not the model's params that fl.trainer steps. Write the step with "
-            "fl.loop instead, keeping optax.LookaheadParams.init_synced(params) in the step "
-            "state, applying the model to its .fast weights in training and to its .slow "
-            "weights to evaluate"
-        )
+        raise ValueError(_LOOKAHEAD)
+
+
+_LOOKAHEAD = (
+    "optimizer: optax.lookahead trains optax.LookaheadParams (fast and slow weights), not "
+    "the model's params that fl.trainer steps. Write the step with fl.loop instead, keeping "
+    "optax.LookaheadParams.init_synced(params) in the step state, applying the model to its "
+    ".fast weights in training and to its .slow weights to evaluate"
+)
+
+
+def _holds_lookahead(opt_state: Any) -> bool:
+    """Whether an optimizer's state holds a lookahead's, one wrapped in a chain or in
+    optax.MultiSteps included (`_refuse_lookahead` sees only a bare one)."""
+    lookahead = getattr(optax, "LookaheadState", None)
+    if lookahead is None:
+        return False
+    nodes = jax.tree.leaves(opt_state, is_leaf=lambda node: isinstance(node, lookahead))
+    return any(isinstance(node, lookahead) for node in nodes)
 
 
 def optimizer_init(tx: Any, params: Any) -> Any:
@@ -139,7 +151,7 @@ def optimizer_init(tx: Any, params: Any) -> Any:
     labels of `optax.multi_transform`, the mask of `optax.masked`) are not shaped like the
     params it is given."""
     try:
-        return tx.init(params)
+        opt_state = tx.init(params)
     except ValueError as error:
         if "pytree structure" not in str(error) and "node type mismatch" not in str(error):
             raise
@@ -150,6 +162,9 @@ def optimizer_init(tx: Any, params: Any) -> Any:
             f"variables['params'], plain dicts of arrays. For an nnx module, build them from "
             f"nnx.to_pure_dict(nnx.state(model, nnx.Param)) rather than from the State itself"
         ) from error
+    if _holds_lookahead(opt_state):
+        raise ValueError(_LOOKAHEAD)
+    return opt_state
 
 
 def optimizer_update(
