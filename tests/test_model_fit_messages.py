@@ -512,6 +512,12 @@ def test_a_named_axis_collective_is_named_not_blamed_on_x():
         loop.run([(x, np.zeros(8, np.int32))])
 
 
+class _DenseWithAFlag(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        return nn.Dense(CLASSES)(x)
+
+
 def test_given_variables_the_model_does_not_make_are_warned_about():
     """A checkpoint holding a head the model drops ran in silence: flax ignores the extra
     entries, but the run carried them (optimizer state, weight decay, state.params). A
@@ -525,6 +531,14 @@ def test_given_variables_the_model_does_not_make_are_warned_about():
     with pytest.warns(UserWarning, match=said + ".*weight decay shrinks them"):
         state = loop.run(CLASSIFICATION, with_head)
     assert "Old_head" in state.params["params"]
+    # A collection beside 'params' is carried, not trained: the warning said it was.
+    flagged = fl.trainer(_DenseWithAFlag(), SPARSE, optax.adamw(1e-2, weight_decay=0.5))
+    plain = _DenseWithAFlag().init(jax.random.key(0), CLASSIFICATION[0][0])
+    with_extra = {**plain, "extra": {"old": np.ones(4, np.float32)}}
+    untrained = r"hold \['extra'\]\['old'\].*carries them unchanged \(they are not trained\)"
+    with pytest.warns(UserWarning, match=untrained):
+        kept = flagged.run(CLASSIFICATION, with_extra)
+    np.testing.assert_array_equal(kept.params["extra"]["old"], np.ones(4, np.float32))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loop.run(CLASSIFICATION, variables)

@@ -5,6 +5,7 @@ never reads."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -152,13 +153,22 @@ def warn_unread(given: Any, fresh: Any) -> None:
         theirs = {path for path, _ in jax.tree_util.tree_flatten_with_path(fresh)[0]}
     except Exception:  # noqa: BLE001 - a structure the fit check already judged
         return
-    extra = [jax.tree_util.keystr(path) for path in mine if path not in theirs]
-    if extra:
+    unread = [path for path in mine if path not in theirs]
+    if unread:
+        extra = [jax.tree_util.keystr(path) for path in unread]
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        # A collection beside a linen model's 'params' is carried, not trained.
+        trained = not isinstance(given, Mapping) or "params" not in given
+        trained = trained or any(getattr(path[0], "key", None) == "params" for path in unread)
+        carried = (
+            ", but the run carries them as variables: the optimizer keeps state for them, a "
+            "weight decay shrinks them, and state.params returns them"
+            if trained
+            else "; the run carries them unchanged (they are not trained), and state.params "
+            "returns them"
+        )
         warn(
             f"model: the given variables hold {extra[0]}{more}, which the model does not "
-            f"make. The model never reads them, but the run carries them as variables: the "
-            f"optimizer keeps state for them, a weight decay shrinks them, and state.params "
-            f"returns them. Pass only the variables the model makes (e.g. drop the old "
-            f"head's entries from a checkpoint)"
+            f"make. The model never reads them{carried}. Pass only the variables the model "
+            f"makes (e.g. drop the old head's entries from a checkpoint)"
         )
