@@ -186,12 +186,13 @@ class from_nnx:  # noqa: N801
         rest = self._rebuild(self._templates[1], variables["state"], "state")
         module = nnx.merge(self.graphdef, params, rest)
         set_nnx_mode(module, train)
-        given = _param_values(module) if train else rng_counts(module)
+        # Training must not write Params; evaluation must not draw random numbers.
+        before = _param_values(module) if train else rng_counts(module)
         y = module(x, **flag_values(self.flags, train))
         if train:
-            refuse_param_writes(given, _param_values(module))
+            refuse_param_writes(before, _param_values(module))
         else:
-            refuse_eval_draws(given, rng_counts(module), type(module).__name__)
+            refuse_eval_draws(before, rng_counts(module), type(module).__name__)
         # What the call sowed (`self.sow(nnx.Intermediate, ...)`) is an output of the call,
         # not state to carry: dropped, as linen's sow does nothing unless asked for.
         nnx.pop(module, lambda path, node: _sown(node, path, self._held, nnx.Intermediate))
