@@ -23,7 +23,7 @@ from .._placement import default_device_key, device_key
 from .._shards import take_rows
 from .._step import make_carry_step
 from . import conv_layout, shared_programs
-from .packing import copying
+from .packing import copying, pack_leaves
 from .population import masked_step, member_carry_step, member_chunk
 
 __all__ = ["ProgramCache", "Programs", "MIN_SLOTS", "kept_order"]
@@ -195,8 +195,8 @@ class Programs:
         return self.cache.chunk[self.copies]
 
     def unfused(self) -> Any:
-        """`(state, tail, batch, n_valid) -> (state, tail, records)`: one step through the
-        loop.
+        """`(state, tail, batch, n_valid) -> (state, tail, packed records)`: one step
+        through the loop.
 
         The batch is widened to `MIN_SLOTS` slots on the device, so the host moves it once,
         as it is. `n_valid` (always 1) is a runtime value, so XLA cannot see a one-trip loop
@@ -211,7 +211,7 @@ class Programs:
                     lambda a: jnp.broadcast_to(a[None], (MIN_SLOTS,) + a.shape), batch
                 )
                 state, tail, records, _ = body(state, tail, chunk, n_valid)
-                return state, tail, records
+                return state, tail, pack_leaves(records)  # a buffer per dtype, not a leaf each
 
             self.cache.unfused = self._jit(program)
         return self.cache.unfused
