@@ -250,8 +250,8 @@ def _buffers(
 ) -> dict[str, Any]:
     """The dispatch's per-segment output buffers, zeroed."""
 
-    def per_segment(a: Any, inner: tuple[int, ...] = ()) -> Any:
-        return jnp.zeros((segments,) + inner + a.shape, a.dtype)
+    def per_segment(a: Any) -> Any:
+        return jnp.zeros((segments,) + a.shape, a.dtype)
 
     out = {
         **jax.tree.map(per_segment, epoch_shapes),
