@@ -1,13 +1,14 @@
 """Model conventions a trainer must either follow exactly or refuse with the fix: key
-parameters of plain functions, nnx modules that write their own Params, hold no Params,
-keep dicts with tuple keys or Intermediates of their own, nnx-shaped optimizer labels, and
-equinox fields a save must bring back as they were."""
+parameters of plain functions, integer weights among the params, nnx modules that write
+their own Params, hold no Params, keep dicts with tuple keys or Intermediates of their own,
+nnx-shaped optimizer labels, and equinox fields a save must bring back as they were."""
 
 from __future__ import annotations
 
 import warnings
 
 import equinox as eqx
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,6 +90,42 @@ def test_an_nnx_module_without_params_is_refused_naming_its_variable_kinds():
 
     with pytest.raises(fl.models.ModelConventionError, match="no parameters to train.*Weight"):
         fl.trainer(Net(), "mse", optax.sgd(0.1)).run(_regression(), epochs=1)
+
+
+class _LinenCounter(nn.Module):
+    collection: str = "params"
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        count = self.variable(self.collection, "count", lambda: jnp.zeros((), jnp.int32))
+        return nn.Dense(2)(x) + count.value
+
+
+class _Count(nnx.Variable):
+    pass
+
+
+class _NnxCounter(nnx.Module):
+    def __init__(self, rngs, kind):
+        self.layer = nnx.Linear(4, 2, rngs=rngs)
+        self.count = kind(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x):
+        return self.layer(x) + self.count[...]
+
+
+def test_an_integer_weight_among_the_params_is_refused_naming_it_and_its_fix():
+    linen_error = r"params\['count'\] has dtype int32.*another collection"
+    with pytest.raises(fl.models.ModelConventionError, match=linen_error):
+        fl.trainer(_LinenCounter(), "mse", optax.sgd(0.1)).run(_regression(), epochs=1)
+    nnx_error = r"params\['count'\] has dtype int32.*not an nnx.Param"
+    with pytest.raises(fl.models.ModelConventionError, match=nnx_error):
+        model = _NnxCounter(nnx.Rngs(0), nnx.Param)
+        fl.trainer(model, "mse", optax.sgd(0.1)).run(_regression(), epochs=1)
+    # the fixes the errors name train, and carry the integer unchanged
+    for model in (_LinenCounter("counters"), _NnxCounter(nnx.Rngs(0), _Count)):
+        state = fl.trainer(model, "mse", optax.sgd(0.1)).run(_regression(), epochs=1)
+        assert np.isfinite(state.history[0]["loss"])
 
 
 def test_an_nnx_dict_of_layers_keyed_by_tuples_trains_fused_as_unfused():

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._functions import from_functions
 from .models import ModelConventionError, from_equinox, from_nnx
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "held",
     "named_shapes",
     "no_params",
+    "not_floating",
     "scope_misuse",
     "unbatched_output",
     "unbound_axis",
@@ -144,6 +146,30 @@ def no_params(adapter: Any) -> ModelConventionError:
             "(init_fn, apply_fn) pair's whole params): put the weights to train there"
         )
     return ModelConventionError(f"model: it has no parameters to train; {fix}")
+
+
+def not_floating(adapter: Any, where: str, dtype: Any) -> ModelConventionError:
+    """The error for a trained weight that is not floating point (an integer counter or a
+    boolean mask kept among the params): a trainer differentiates every weight it trains,
+    and JAX's own error ("grad requires real-valued inputs") names none of them."""
+    if isinstance(adapter, from_nnx):
+        fix = (
+            "Hold it in an nnx.Variable that is not an nnx.Param (a subclass of "
+            "nnx.Variable of your own, as nnx.BatchStat is): fuseloop carries those "
+            "and trains only nnx.Param"
+        )
+    elif isinstance(adapter, from_functions):
+        fix = "Make it a float, or keep constants out of the params (close over them in apply_fn)"
+    else:
+        fix = (
+            "Keep it out of 'params': make it a variable of another collection "
+            "(self.variable('counters', name, init_fn)), which fuseloop carries and does "
+            "not train"
+        )
+    return ModelConventionError(
+        f"model: the weight params{where} has dtype {dtype}; a trainer differentiates every "
+        f"weight it trains, so each must be floating point. {fix}"
+    )
 
 
 def unbatched_output(first_x: Any, y_pred: Any) -> ValueError | None:

@@ -24,7 +24,7 @@ from ._epoch_order import prng_config
 from ._functions import from_functions
 from ._metric_reads import metric_value
 from ._metrics import Mean, MetricSpec, loss_mean, resolve_loss
-from ._model_fit_advice import no_params
+from ._model_fit_advice import no_params, not_floating
 from ._optim import (
     OPTIMIZERS,
     exposes_learning_rate,
@@ -114,22 +114,20 @@ def _unfrozen(variables: Any) -> Any:
 def _checked_params(adapter: Any, variables: Any) -> Any:
     """The params a trainer trains in `variables`, refused where it cannot train them (no
     variables at all is left to the run's model checks, which name init)."""
-    _check_plain_params(adapter, variables)
+    _check_params(adapter, variables)
     params, _ = _trainable(variables)
     if not jax.tree.leaves(params) and jax.tree.leaves(variables):
         raise no_params(adapter)
     return params
 
 
-def _check_plain_params(adapter: Any, variables: Any) -> None:
-    """A plain pair's params, which a trainer differentiates whole: refused with the fix
-    where some would silently never train (a "params" entry beside others: only it trains,
-    flax's convention, and `apply_fn` returns no updates for the rest) or cannot (a leaf
-    that is not floating point). Other models' variables pass."""
-    if not isinstance(adapter, from_functions):
-        return
+def _check_params(adapter: Any, variables: Any) -> None:
+    """The params a trainer differentiates, refused with the fix where some would silently
+    never train (a plain pair's "params" entry beside others: only it trains, flax's
+    convention, and `apply_fn` returns no updates for the rest) or cannot (a leaf that is
+    not floating point, for any model: JAX's error names no weight)."""
     params, rest = _trainable(variables)
-    if rest:
+    if rest and isinstance(adapter, from_functions):
         raise ValueError(
             f"model: init_fn returned a dict with a 'params' entry and others "
             f"({sorted(map(str, rest))}); a trainer trains only variables['params'] (flax's "
@@ -140,12 +138,8 @@ def _check_plain_params(adapter: Any, variables: Any) -> None:
         )
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
-            raise ValueError(
-                f"model: init_fn's params{jax.tree_util.keystr(path)} has dtype "
-                f"{jnp.result_type(leaf)}; a trainer differentiates every params leaf, so "
-                f"each must be floating point. Make it a float, or keep constants out of "
-                f"the params (close over them in apply_fn)"
-            )
+            where = jax.tree_util.keystr(path)
+            raise not_floating(adapter, where, jnp.result_type(leaf))
 
 
 def _merge(params: Any, rest: Any) -> Any:
