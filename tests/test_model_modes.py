@@ -354,12 +354,24 @@ def test_trained_linen_binds_and_evaluates():
     evaluated = np.asarray(trains.apply(state.params, DATA[0][0], train=False))
     np.testing.assert_array_equal(np.asarray(wrapped(DATA[0][0])), evaluated)
     np.testing.assert_array_equal(np.asarray(wrapped(DATA[0][0], False)), evaluated)
+    # It is the module, of its own class, fields and methods (an encoder's `encode`).
+    assert isinstance(wrapped, _TrainsByDefault) and wrapped.width == 3
+    encoded = trains.apply(state.params, DATA[0][0], method=_TrainsByDefault.encode)
+    np.testing.assert_array_equal(np.asarray(wrapped.encode(DATA[0][0])), np.asarray(encoded))
 
 
 class _TrainsByDefault(nn.Module):
-    @nn.compact
+    width: int = 3
+
+    def setup(self):
+        self.dense = nn.Dense(self.width)
+        self.drop = nn.Dropout(0.5)
+
+    def encode(self, x):
+        return self.dense(x)
+
     def __call__(self, x, train: bool = True):
-        return nn.Dropout(0.5, deterministic=not train)(nn.Dense(3)(x))
+        return self.drop(self.encode(x), deterministic=not train)
 
 
 def test_trained_refuses_what_is_not_the_models_variables_when_called():

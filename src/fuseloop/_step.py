@@ -127,6 +127,8 @@ def _check_params(adapter: Any, variables: Any) -> None:
     convention, and `apply_fn` returns no updates for the rest) or cannot (a leaf that is
     not floating point, for any model: JAX's error names no weight)."""
     params, rest = _trainable(variables)
+    if rest is None and not isinstance(adapter, from_functions):
+        return  # not a flax model's variables: the run's model checks say what they are
     if rest and isinstance(adapter, from_functions):
         raise ValueError(
             f"model: init_fn returned a dict with a 'params' entry and others "

@@ -2,10 +2,10 @@
 in evaluation mode.
 
 A model whose `__call__` takes a train/eval flag (`fl.models.TRAIN_FLAGS`) that does not
-default to evaluation is given it: a linen module through a bound wrapper (`_EvalFlag`),
-an nnx or equinox module through a subclass of its own class whose `__call__` passes the
-flag (`_evaluating`), so the result keeps the module's attributes and fields, and an nnx
-module its state paths (`nnx.update(module, nnx.state(trained))` writes the weights
+default to evaluation is given it through a subclass of the module's own class whose
+`__call__` passes the flag (`_subclass`), so the result keeps the module's attributes,
+fields and other methods, a linen module its variables' paths, and an nnx module its
+state paths (`nnx.update(module, nnx.state(trained))` writes the weights
 back). A flag passed in a call wins, by keyword or by position. It pickles as the
 module's own class and is made an evaluating one again when loaded; the equinox adapter
 takes it as the module's own class (`_equinox.plain_module`), whose pytree a State holds.
@@ -18,8 +18,6 @@ import inspect
 import re
 from collections.abc import Mapping
 from typing import Any
-
-import flax.linen as nn
 
 from ._equinox import from_equinox, plain_module
 from ._linen import flag_values, linen
@@ -48,18 +46,6 @@ def trained_form(adapter: Any, variables: Any) -> Any:
     return lambda x: adapter.apply(variables, x)
 
 
-class _EvalFlag(nn.Module):
-    """Calls `inner` with its train/eval flags set for evaluation (see `trained`)."""
-
-    inner: nn.Module
-    flags: tuple[tuple[str, bool], ...]
-
-    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.inner(
-            x, *args, **_unbound(type(self.inner).__call__, self.flags, x, *args, **kwargs)
-        )
-
-
 def _unbound(call: Any, flags: Any, /, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """`kwargs` with each of `flags` that the call's arguments (positional ones too, after
     `self`) do not already give."""
@@ -78,11 +64,14 @@ def _defaults_evaluate(cls: Any, evaluating: dict[str, bool]) -> bool:
 
 def _trained_linen(adapter: linen, variables: Any) -> Any:
     evaluating = adapter.mode(False)
-    if _defaults_evaluate(type(adapter.module), evaluating):
-        return adapter.module.bind(variables)
-    # Nest the variables one level down, under the wrapper's child `inner`.
-    nested = {collection: {"inner": tree} for collection, tree in variables.items()}
-    return _EvalFlag(adapter.module, tuple(evaluating.items())).bind(nested)
+    module = adapter.module
+    if not _defaults_evaluate(type(module), evaluating):
+        # A clone of the module's class's subclass: its fields, methods and variables'
+        # paths are the module's own (bind clones it again, as the subclass).
+        module = module.clone(parent=None)
+        flags = tuple(evaluating.items())
+        object.__setattr__(module, "__class__", _subclass(type(adapter.module), flags, False))
+    return module.bind(variables)
 
 
 def _evaluating(module: Any, evaluating: dict[str, bool]) -> Any:
@@ -99,15 +88,17 @@ def _evaluating(module: Any, evaluating: dict[str, bool]) -> Any:
 _SUBCLASSES: dict[tuple[Any, Any], type] = {}
 
 
-def _subclass(cls: Any, flags: tuple[tuple[str, bool], ...]) -> type:
+def _subclass(cls: Any, flags: tuple[tuple[str, bool], ...], pickles: bool = True) -> type:
     """`cls` with `__call__` passing `flags`; one class per pair, so that jit caches keyed
-    by a module's type (`nnx.jit`, `eqx.filter_jit`) compile once for every trained one."""
+    by a module's type (`nnx.jit`, `eqx.filter_jit`) compile once for every trained one.
+    `pickles`: pickled as `cls` (nnx and equinox modules; a bound linen module does not
+    pickle)."""
     if (cls, flags) not in _SUBCLASSES:
-        _SUBCLASSES[cls, flags] = _make_subclass(cls, flags)
+        _SUBCLASSES[cls, flags] = _make_subclass(cls, flags, pickles)
     return _SUBCLASSES[cls, flags]
 
 
-def _make_subclass(cls: Any, flags: tuple[tuple[str, bool], ...]) -> type:
+def _make_subclass(cls: Any, flags: tuple[tuple[str, bool], ...], pickles: bool) -> type:
     call = cls.__call__
 
     @functools.wraps(call)
@@ -121,11 +112,12 @@ def _make_subclass(cls: Any, flags: tuple[tuple[str, bool], ...]) -> type:
 
     namespace = {
         "__call__": __call__,
-        "__reduce__": __reduce__,
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
         "_fuseloop_base": cls,  # what `_equinox.plain_module` makes of it again
     }
+    if pickles:
+        namespace["__reduce__"] = __reduce__
     return type(cls.__name__, (cls,), namespace)
 
 

@@ -274,17 +274,17 @@ def _module_adapters() -> dict[type, Callable[[Any], ModelAdapter]]:
 def trained(model: Any, state_or_variables: Any) -> Any:
     """The trained model in its own library's form, callable on x in evaluation mode.
 
-    * flax.linen: the module bound to the variables (`bound(x)`); when the module's
-      train/eval flag does not default to evaluation, a bound wrapper that passes it.
+    * flax.linen: the module bound to the variables (`bound(x)`, `bound.encode(x)`).
     * flax.nnx: the module rebuilt with the trained params and state, in `.eval()` mode.
     * equinox: the module with the trained arrays, in inference mode (batched as equinox
       modules are: per example; `jax.vmap` it for a batch).
-    * An nnx or equinox module whose `__call__` takes a train/eval flag that does not
-      default to evaluation (`inference=False`) is returned as an instance of a subclass
-      of its class, named as it is, whose call passes the flag (a flag given wins). A
-      trainer takes it, alone or inside a larger model, as its own class again; a tree
-      function pairing it with the original module fails on the class: pair the original
-      with `state.params["params"]` (the trained arrays in the module's own class).
+    * A module whose `__call__` takes a train/eval flag that does not default to
+      evaluation (`train=True`, `inference=False`) is returned as an instance of a
+      subclass of its class, named as it is, whose call passes the flag (a flag given
+      wins; its other methods are the module's own). A trainer takes an nnx or equinox
+      one, alone or inside a larger model, as its own class again; a tree function
+      pairing it with the original module fails on the class: pair the original with
+      `state.params["params"]` (the trained arrays in the module's own class).
     * An equinox module whose `__call__` requires `key` still takes one (inference mode
       draws nothing from it: any key will do, as `fl.predict` passes `PRNGKey(0)`).
     * `(init, apply)` functions or any `.init`/`.apply` object: `lambda x: apply(vars, x)`.
