@@ -188,20 +188,42 @@ def test_a_source_of_pairs_meant_as_two_inputs_is_told_it_was_read_as_x_and_y():
 
 def test_a_few_examples_are_not_padded_to_a_whole_chunk(state, monkeypatch):
     shapes = []
-    chunks = fl._predict._padded_chunks
+    chunks = fl._predict._chunks
 
     def recorded(*args):
         for chunk, live in chunks(*args):
             shapes.append(jax.tree.leaves(chunk)[0].shape)
             yield chunk, live
 
-    monkeypatch.setattr(fl._predict, "_padded_chunks", recorded)
-    out = predict(Net(), state, X, batch_size=4)  # 6 batches: one chunk of 8, not of 32
+    monkeypatch.setattr(fl._predict, "_chunks", recorded)
+    out = predict(Net(), state, X, batch_size=4)  # 5 batches of 4: one chunk of 8, not 32
     np.testing.assert_allclose(out, expected(state), rtol=1e-5, atol=1e-6)
-    assert shapes == [(8, 4, 5)]
+    assert shapes == [(8, 4, 5), (1, 3, 5)]  # and the short last batch on its own
     shapes.clear()
     predict(Net(), state, X[:3], batch_size=256)
     assert shapes == [(1, 3, 5)]
+
+
+def _centred(params, x):  # each output reads the whole batch
+    h = x @ params["w"]
+    return h - h.mean(0, keepdims=True)
+
+
+def test_every_batch_runs_as_it_is_for_a_model_reading_the_whole_batch():
+    """A short last batch was padded with zero rows, and a list's batches were cut again
+    to the first one's size: a model whose outputs read the batch's other rows (in-batch
+    normalisation) predicted other numbers for them than for the batches given."""
+    params = {"w": np.ones((5, 2), np.float32)}
+    model = (lambda rng, x: params, _centred)
+    by_hand = np.concatenate([_centred(params, X[i : i + 4]) for i in range(0, 23, 4)])
+    for fuse in (True, False, 2):
+        out = predict(model, params, X, batch_size=4, fuse=fuse)
+        np.testing.assert_allclose(out, by_hand, rtol=1e-5, atol=1e-5)
+    batches = [X[:3], X[3:8], X[8:13], X[13:21], X[21:]]  # sizes 3, 5, 5, 8, 2
+    out = predict(model, params, batches, fuse=2)
+    np.testing.assert_allclose(
+        out, np.concatenate([_centred(params, b) for b in batches]), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_outputs_without_a_row_per_example_and_inputs_without_examples_are_named(state):

@@ -1,14 +1,16 @@
 """`fl.predict`: evaluation-mode outputs for every example, in order, in fused chunks.
 
-The examples are cut into batches of `batch_size` (the last one padded to full size and its
-padding dropped from the output, so every batch has one shape and the program compiles
-once), and `fuse` batches at a time go to the device in one transfer, where a `lax.map`
-runs the model on each. Outputs come back once per chunk.
+The examples are cut into batches of `batch_size` (a source's batches are kept as it
+yields them), and `fuse` batches of one size at a time go to the device in one transfer,
+where a `lax.map` runs the model on each. Each batch runs as it is: a short last batch is a
+chunk of its own (one program more), never padded with rows a model reading its whole
+batch would see. Outputs come back once per chunk.
 """
 
 from __future__ import annotations
 
 import collections.abc
+import functools
 import types
 from typing import Any
 
@@ -193,24 +195,48 @@ def _narrowed_float(array: np.ndarray) -> np.ndarray:
     return array
 
 
-def _padded_chunks(x: Any, n: int, batch_size: int, per_chunk: int):
-    """Yields host chunks of shape (per_chunk, batch_size, ...); the tail is zero-padded.
-    Fewer examples than a chunk holds make a smaller chunk: the power of two of batches
-    that holds them (so a few sizes of input compile a few programs, and 300 examples
-    are not padded to 32 batches of 256)."""
-    batches = -(-n // batch_size)
-    if batches < per_chunk:
-        per_chunk = min(per_chunk, 1 << (batches - 1).bit_length())
-    for first in range(0, batches, per_chunk):
-        start, stop = first * batch_size, min(n, (first + per_chunk) * batch_size)
+def _batch_sizes(n: int, batch_size: int) -> list[int]:
+    """Batches of `batch_size` examples over `n`, the last one short where they do not
+    divide."""
+    return [batch_size] * (n // batch_size) + ([n % batch_size] if n % batch_size else [])
 
-        def cut(leaf: np.ndarray, start: int = start, stop: int = stop) -> np.ndarray:
-            part = leaf[start:stop]
-            padded = np.zeros((per_chunk * batch_size,) + leaf.shape[1:], leaf.dtype)
-            padded[: stop - start] = part
-            return padded.reshape((per_chunk, batch_size) + leaf.shape[1:])
 
-        yield jax.tree.map(cut, x), stop - start
+def _chunks(x: Any, sizes: list[int], per_chunk: int) -> Any:
+    """Yields host chunks `(batches, batch rows, ...)` of the consecutive batches of one
+    size, and the examples each holds. Every batch runs as it is, its rows alone (a model
+    whose outputs depend on the batch's other rows, an in-batch normalisation, sees no
+    padding): a short last batch is a chunk of its own. A chunk of fewer batches than
+    `per_chunk` is filled with batches of zeros up to the power of two that holds them
+    (so a few sizes of input compile a few programs, and 300 examples are not padded to
+    32 batches of 256); those are run apart, and their outputs dropped."""
+    start = 0
+    for size, count in _runs([size for size in sizes if size]):  # an empty batch: no rows
+        held = per_chunk if count >= per_chunk else 1 << (count - 1).bit_length()
+        for first in range(0, count, held):
+            rows = min(held, count - first) * size
+            cut = functools.partial(_batches, start=start, rows=rows, batches=(held, size))
+            yield jax.tree.map(cut, x), rows
+            start += rows
+
+
+def _batches(leaf: np.ndarray, start: int, rows: int, batches: tuple[int, int]) -> np.ndarray:
+    """`rows` rows of `leaf` from `start` as `batches` (how many, of how many rows), the
+    batches after them zeros."""
+    held, size = batches
+    padded = np.zeros((held * size,) + leaf.shape[1:], leaf.dtype)
+    padded[:rows] = leaf[start : start + rows]
+    return padded.reshape((held, size) + leaf.shape[1:])
+
+
+def _runs(sizes: list[int]) -> list[tuple[int, int]]:
+    """`sizes` as (size, how many in a row) pairs, in order."""
+    runs: list[tuple[int, int]] = []
+    for size in sizes:
+        if runs and runs[-1][0] == size:
+            runs[-1] = (size, runs[-1][1] + 1)
+        else:
+            runs.append((size, 1))
+    return runs
 
 
 def predict(
@@ -226,8 +252,9 @@ def predict(
             source (a list of batches, a finite iterator, a callable) yielding inputs or `(x, y)`
             pairs, whose batches are kept in their order. An `fl.data.arrays` source gives
             its x arrays: every example in their order, neither shuffled nor dropped.
-        batch_size: Examples per batch for array inputs (a source's own batch size is used
-            for a source). A short last batch is included.
+        batch_size: Examples per batch for array inputs (a source's batches are run as it
+            yields them). A short last batch is included, run as it is: a model whose
+            outputs read the batch's other rows sees only its real examples.
         fuse: Batches per device call: True (32), False (one), or a positive int.
 
     Returns:
@@ -256,21 +283,22 @@ def predict(
     if _is_array_tree(x):
         if not is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be a positive int")
-        inputs, size, pairs = x, int(batch_size), False
+        sizes: int | list[int]
+        inputs, sizes, pairs = x, int(batch_size), False
     else:
-        inputs, size, pairs = inputs_of_source(x)
+        inputs, sizes, pairs = inputs_of_source(x)
     inputs = _device_inputs(inputs)
     n = _example_count(inputs)
     if n == 0:
         raise ValueError("x holds no examples; there is nothing to predict")
-    size = min(size, n)
+    batches = _batch_sizes(n, sizes) if isinstance(sizes, int) else sizes  # arrays: cut here
     members = getattr(variables_or_state, "population", None) is not None
     program, adapter = _chunk_program(model, members, listed=isinstance(x, list))
     lead = 1 if members else 0  # a population's outputs keep the member axis first
     outputs: list[Any] = []
     # Moved explicitly, as a run moves its batches: allowed under a transfer guard.
     variables = jax.device_put(jax.tree.map(_local, variables))
-    for chunk, live in _padded_chunks(inputs, n, size, per_chunk):
+    for chunk, live in _chunks(inputs, batches, per_chunk):
         try:
             result = program(variables, jax.device_put(chunk))
         except Exception:

@@ -18,10 +18,11 @@ def host(leaf: Any) -> np.ndarray:
     return np.asarray(as_host_array(leaf))  # a torch tensor through Tensor.numpy()
 
 
-def inputs_of_source(source: Any) -> tuple[Any, int, bool]:
-    """All inputs of a batch source (batches `x` or `(x, y)`), concatenated in order, and
-    the first batch's size. An `fl.data.arrays` source's epochs may be shuffled and drop a
-    short last batch, so its arrays are taken as they are: one output per row of them.
+def inputs_of_source(source: Any) -> tuple[Any, int | list[int], bool]:
+    """All inputs of a batch source (batches `x` or `(x, y)`), concatenated in order, the
+    size of each batch, and whether they were pairs. An `fl.data.arrays` source's epochs
+    may be shuffled and drop a short last batch, so its arrays are taken as they are, cut
+    by its batch size (returned alone): one output per row of them.
     """
     from .data import ArraySource  # the public module, imported when predict is called
 
@@ -59,7 +60,8 @@ def inputs_of_source(source: Any) -> tuple[Any, int, bool]:
         )
     _require_alike(inputs)
     joined = jax.tree.map(lambda *parts: np.concatenate(list(map(host, parts))), *inputs)
-    return joined, size, pairs
+    sizes = [int(np.shape(jax.tree.leaves(x)[0])[0]) for x in inputs]
+    return joined, sizes, pairs
 
 
 def _require_alike(inputs: list[Any]) -> None:
