@@ -231,6 +231,26 @@ def test_an_nnx_model_drawing_randomness_in_evaluation_is_told_so():
     assert fl.trainer(flagged, SPARSE, "adam").run(CLASSIFICATION).epoch == 0  # training is fine
 
 
+class Recurrent(nnx.Module):
+    """flax's nnx.RNN, which draws a key from its 'carry' stream at every call for an
+    initial carry made of zeros: nothing reads what it draws."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.rnn = nnx.RNN(nnx.GRUCell(1, 4, rngs=rngs))
+        self.linear = nnx.Linear(4, CLASSES, rngs=rngs)
+
+    def __call__(self, x: Any) -> Any:
+        return self.linear(self.rnn(x[..., None])[:, -1])
+
+
+def test_an_nnx_model_whose_output_reads_none_of_its_evaluation_draws_evaluates():
+    model = Recurrent(nnx.Rngs(0))
+    state = fl.trainer(model, SPARSE, "adam").validate(model, CLASSIFICATION).run(CLASSIFICATION)
+    trained = fl.models.trained(model, state)
+    by_hand = trained(X)
+    np.testing.assert_allclose(fl.predict(model, state, X, batch_size=BATCH), by_hand, atol=1e-6)
+
+
 def test_an_nnx_dropout_without_rngs_is_told_so():
     with pytest.raises(
         ValueError,

@@ -5,6 +5,7 @@ Re-exported from `fuseloop.models` (as `fl.models.from_nnx`).
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Mapping
 from typing import Any
@@ -14,6 +15,7 @@ import jax
 from ._linen import TRAIN_FLAGS, call_flags, flag_values
 from ._nnx_checks import (
     eval_flags,
+    output_reads_inputs,
     refuse_eval_draws,
     refuse_other_shapes,
     refuse_param_writes,
@@ -180,24 +182,42 @@ class from_nnx:  # noqa: N801
         self._nnx.replace_by_pure_dict(fresh, pure)
         return fresh
 
-    def _run(self, variables: Any, x: Any, train: bool) -> tuple[Any, Any]:
-        nnx = self._nnx
+    def _merged(self, variables: Any, train: bool) -> Any:
+        """The module holding `variables`, in the mode of `train`."""
         params = self._rebuild(self._templates[0], variables["params"], "params")
         rest = self._rebuild(self._templates[1], variables["state"], "state")
-        module = nnx.merge(self.graphdef, params, rest)
+        module = self._nnx.merge(self.graphdef, params, rest)
         set_nnx_mode(module, train)
+        return module
+
+    def _run(self, variables: Any, x: Any, train: bool) -> tuple[Any, Any]:
+        nnx = self._nnx
+        module = self._merged(variables, train)
         # Training must not write Params; evaluation must not draw random numbers.
         before = _param_values(module) if train else rng_counts(module)
         y = module(x, **flag_values(self.flags, train))
         if train:
             refuse_param_writes(before, _param_values(module))
         else:
-            refuse_eval_draws(before, rng_counts(module), type(module).__name__)
+            reads = functools.partial(self._output_reads_draws, variables, x)
+            refuse_eval_draws(before, rng_counts(module), type(module).__name__, reads)
         # What the call sowed (`self.sow(nnx.Intermediate, ...)`) is an output of the call,
         # not state to carry: dropped, as linen's sow does nothing unless asked for.
         nnx.pop(module, lambda path, node: _sown(node, path, self._held, nnx.Intermediate))
         _, _, rest = nnx.split(module, nnx.Param, ...)
         return y, nnx.to_pure_dict(rest)
+
+    def _output_reads_draws(self, variables: Any, x: Any) -> bool:
+        """Whether an evaluation call's output reads the numbers it draws: nnx.RNN draws a
+        key for an initial carry it makes of zeros, which nothing reads (traced again, with
+        the rng streams as inputs; asked only of a module that drew)."""
+        nnx = self._nnx
+        graphdef, draws, rest = nnx.split(self._merged(variables, False), nnx.RngState, ...)
+
+        def call(draws: Any, rest: Any) -> Any:
+            return nnx.merge(graphdef, draws, rest)(x, **flag_values(self.flags, False))
+
+        return output_reads_inputs(jax.make_jaxpr(call)(draws, rest), len(jax.tree.leaves(draws)))
 
     def apply(self, variables: Any, x: Any) -> Any:
         """The module's output on `x` in `.eval()` mode.

@@ -3,15 +3,18 @@ that a trainer would otherwise take silently."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
+from jax.extend.core import Var
 
 from ._linen import TRAIN_FLAGS, ModelConventionError
 
 __all__ = [
     "eval_flags",
+    "output_reads_inputs",
     "refuse_eval_draws",
     "refuse_other_shapes",
     "refuse_param_writes",
@@ -94,11 +97,15 @@ def rng_counts(module: Any) -> dict[Any, tuple[str, Any]]:
 
 
 def refuse_eval_draws(
-    before: dict[Any, tuple[str, Any]], after: dict[Any, tuple[str, Any]], model: str
+    before: dict[Any, tuple[str, Any]],
+    after: dict[Any, tuple[str, Any]],
+    model: str,
+    output_reads_draws: Callable[[], bool],
 ) -> None:
-    """A ModelConventionError naming the rng streams an evaluation call drew from: an
-    evaluation does not carry the module's Rngs from batch to batch (nor does linen's,
-    which is given none), so every batch would draw the same numbers."""
+    """A ModelConventionError naming the rng streams an evaluation call drew from, where
+    its output reads what they drew (`output_reads_draws`, asked only then): an evaluation
+    does not carry the module's Rngs from batch to batch (nor does linen's, which is given
+    none), so every batch would draw the same numbers."""
     drawn = sorted(
         {
             name
@@ -106,7 +113,7 @@ def refuse_eval_draws(
             if count is not before.get(path, ("", None))[1]
         }
     )
-    if drawn:
+    if drawn and output_reads_draws():
         flags = ", ".join(f"{name}={not value}" for name, value in TRAIN_FLAGS.items())
         raise ModelConventionError(
             f"model: {model} draws from its rng stream(s) {', '.join(map(repr, drawn))} in "
@@ -119,3 +126,15 @@ def refuse_eval_draws(
             f"on purpose in evaluation (MC dropout, a VAE's z) is evaluated with a loop of "
             f"your own"
         )
+
+
+def output_reads_inputs(closed: Any, inputs: int) -> bool:
+    """Whether an output of the traced function `closed` (a ClosedJaxpr) is computed from
+    one of its first `inputs` inputs. Conservative: every output of an operation that
+    reads such a value (a loop, a call) counts as computed from it."""
+    jaxpr = closed.jaxpr
+    read = set(jaxpr.invars[:inputs])
+    for equation in jaxpr.eqns:
+        if any(isinstance(v, Var) and v in read for v in equation.invars):
+            read.update(equation.outvars)
+    return any(isinstance(v, Var) and v in read for v in jaxpr.outvars)
