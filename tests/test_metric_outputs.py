@@ -67,6 +67,31 @@ def test_multi_hot_labels_past_the_first_batch_are_refused_whatever_the_shuffle(
         loop.run(batches[seed:] + batches[:seed])  # a list of batches: read whole too
 
 
+def _masked_loss(y, p):  # leaves labels below 0 (padding) out, as a sequence model's does
+    real = y >= 0
+    losses = optax.softmax_cross_entropy_with_integer_labels(p, jnp.where(real, y, 0))
+    return jnp.sum(losses * real) / jnp.maximum(jnp.sum(real), 1)
+
+
+@pytest.mark.parametrize("fuse", [False, 2])
+def test_class_indices_outside_the_outputs_classes_are_refused_not_scored_wrong(fuse):
+    """Padding labels (-100, PyTorch's ignore index) under a masking loss of one's own:
+    'accuracy' scored each one as a wrong prediction, silently."""
+    padded = _Y.copy()
+    padded[-3:] = -100
+    loop = fl.trainer(fl.models.mlp([3]), _masked_loss, "sgd").metric("accuracy")
+    refused = r"y holds -100, but 'accuracy' read y as class indices of the model's 3 outputs"
+    with pytest.raises(ValueError, match=refused):
+        loop.run(fl.data.arrays(_X, padded, batch_size=8), fuse=fuse)
+    batches = [(_X[i : i + 8], padded[i : i + 8]) for i in range(0, 40, 8)]
+    with pytest.raises(ValueError, match=r"iteration 4: y holds -100"):
+        loop.run(iter(batches), fuse=fuse)  # an iterator's, as its batch arrives
+    state = loop.run(fl.data.arrays(_X, _Y, batch_size=8), fuse=fuse)
+    evaluator = fl.evaluator(fl.models.mlp([3])).metric("recall")  # no loss to refuse them
+    with pytest.raises(ValueError, match=r"y holds -100, but 'recall'"):
+        evaluator.run(batches, state)
+
+
 def _one_hot_batches(bad_batch: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
     """Five batches of 8 one-hot rows; in `bad_batch`, one row holds two labels."""
     labels = np.eye(3, dtype=np.float32)[_Y]

@@ -1,10 +1,11 @@
 """The labels the built-in class metrics ("accuracy", "precision", "recall", ...) can read.
 
 Those metrics read one class per example: the argmax of a row of outputs against the
-argmax of a row of labels shaped as the outputs, or, for a model of one output per
-example, that output as a binary logit against a 0/1 target. Labels of another kind are
-scored as something else without failing: a multi-hot row is compared by its argmax, a
-class index of 2 or a regression target is thresholded at 0.5. Which rule applies is
+argmax of a row of labels shaped as the outputs or against a class index, or, for a model
+of one output per example, that output as a binary logit against a 0/1 target. Labels of
+another kind are scored as something else without failing: a multi-hot row is compared by
+its argmax, a class index of 2 or a regression target is thresholded at 0.5, an index
+outside the outputs' classes (padding's -100) never matches. Which rule applies is
 known from the model's output shape and the first batch's labels (`class_label_rule`,
 once per Loop); every label the run trains on is then held to it (`_label_checks`):
 an in-memory dataset's at once, other data's batch by batch as they arrive
@@ -44,12 +45,15 @@ class ClassLabels:
     metrics: tuple[str, ...]
     output: tuple[int, ...]
     per_row: bool
+    classes: int = 0  # labels are class indices below it (0: they are not indices)
 
     def bad(self, labels: Any) -> np.ndarray:
         """Where `labels` break the rule: row by row, else element by element."""
         values = np.asarray(labels, np.float64)
         if self.per_row:
             return np.abs(values.sum(axis=-1) - 1.0) > _TOLERANCE  # (a NaN row passes)
+        if self.classes:
+            return ~((values >= 0) & (values < self.classes) & (values == np.floor(values)))
         return ~(((values >= 0) & (values <= 1)) | (values == -1))
 
     def holds(self, labels: Any) -> bool:
@@ -73,6 +77,16 @@ class ClassLabels:
                 f"'binary_cross_entropy') to evaluate), which makes them element-wise, or a "
                 f"metric of your own"
             )
+        if self.classes:
+            raise ValueError(
+                f"data: {where}: y holds {values[bad].flat[0]:g}, but {listed} read y as "
+                f"class indices of the model's {self.classes} outputs (0 to "
+                f"{self.classes - 1}): a label outside them (padding, an ignore index such "
+                f"as -100) would be scored as a wrong prediction, not left out. To leave "
+                f"padded labels out, track the correct count and the count of real labels "
+                f"as two metrics of your own with accumulate='running_sum' and divide them "
+                f"(README); to score every label, give the model an output per class"
+            )
         raise ValueError(
             f"data: {where}: the model gives one output per example (shape {self.output}), "
             f"which {listed} read as a binary logit against 0/1 targets, but y holds "
@@ -82,17 +96,20 @@ class ClassLabels:
         )
 
 
-def class_label_rule(metrics: Sequence[str], output: tuple[int, ...], y: Any) -> ClassLabels | None:
+def class_label_rule(
+    metrics: Sequence[str], output: tuple[int, ...], y: Any, indices: bool = True
+) -> ClassLabels | None:
     """The rule the class `metrics` hold labels like `y` (a run's first batch's) to, given
     the model's output shape (`()`: unknown); None where they read no labels of this kind
-    or `y` is not one numeric array this process holds.
+    or `y` is not one numeric array this process holds. `indices`: class indices are held
+    to the output's classes (False where the loss's own label rule does it already).
 
     Example:
         >>> import numpy as np
         >>> class_label_rule(["accuracy"], (8, 3), np.zeros((8, 3))).per_row
         True
-        >>> class_label_rule(["accuracy"], (8, 3), np.zeros(8, np.int32)) is None
-        True
+        >>> class_label_rule(["accuracy"], (8, 3), np.zeros(8, np.int32)).classes
+        3
     """
     if not metrics or not output or not _numeric(y):
         return None
@@ -101,6 +118,8 @@ def class_label_rule(metrics: Sequence[str], output: tuple[int, ...], y: Any) ->
     shape = tuple(y.shape)
     if len(shape) >= 2 and shape[1:] == tuple(output)[1:]:  # (output[-1] >= 2 here)
         return ClassLabels(tuple(metrics), tuple(output), per_row=True)
+    if indices and shape[1:] in (tuple(output)[1:-1], (*output[1:-1], 1)):
+        return ClassLabels(tuple(metrics), tuple(output), per_row=False, classes=output[-1])
     return None
 
 

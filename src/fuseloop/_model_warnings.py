@@ -44,6 +44,7 @@ _APPLIES = {
     "categorical_cross_entropy": "softmax",
     "sparse_categorical_cross_entropy": "softmax",
 }
+_SPARSE = ("sparse_categorical_cross_entropy",)
 _CHECKED = "probabilities checked"
 _OPTIMIZER_CHECKED = "optimizer checked"  # schedule-free, narrow hyperparameters
 # Operations that pass a value on unchanged but for its layout or precision.
@@ -74,9 +75,11 @@ def warn_about_model(
         _warn_scheduled_masks(opt_state)
     if program.kind not in ("trainer", "evaluator"):
         return None
+    # A named sparse loss holds class indices to the outputs' classes already.
+    indices = not (isinstance(program.loss, str) and program.loss_name in _SPARSE)
     if _CHECKED in verdicts:  # the rule depends on the labels' shape: a run's own
         reading, shape = verdicts[_CHECKED]
-        return class_label_rule(reading, shape, split_batch(first_batch)[1])
+        return class_label_rule(reading, shape, split_batch(first_batch)[1], indices)
     applies = _APPLIES.get(program.loss_name or "") if isinstance(program.loss, str) else None
     classifying = [spec.name for spec in metrics if spec.fn in CLASSIFYING]
     params = step_state.get("params") if isinstance(step_state, dict) else None
@@ -96,7 +99,7 @@ def warn_about_model(
             _warn_loss(program.loss, applies)
     elif final in ("sigmoid", "softmax") and (len(shape) < 2 or shape[-1] == 1):
         _warn_metrics(classifying, final)  # one output per example, read as a binary logit
-    return class_label_rule(reading, shape, y)
+    return class_label_rule(reading, shape, y, indices)
 
 
 def _warn_schedule_free(opt_state: Any) -> None:
