@@ -41,6 +41,13 @@ def test_a_trainer_given_an_evaluators_state_names_init_state_and_the_fix():
     custom = fl.loop(lambda batch, s: {"n": s["n"] + 1}).run(data, {"n": np.int32(0)})
     with pytest.raises(ValueError, match=r"holds \['n'\], not the params, .*afresh"):
         trainer.run(data, custom, epochs=2)
+    # The State's step state, not the State: it was read as the model's variables, and
+    # the error blamed the model's missing train flag.
+    step_state = r"this dict holds \['opt_state', 'params', 'rng', 'step'\], a trainer's step"
+    with pytest.raises(ValueError, match=step_state):
+        trainer.run(data, trained.step_state, epochs=2)
+    with pytest.raises(ValueError, match=step_state):
+        fl.evaluator(fl.models.mlp([8, 3])).run(data, trained.step_state)
     # Ctrl-C while a run starts leaves a State without a step state (error.fuseloop_state).
     with pytest.raises(ValueError, match=r"init_state: this State holds no step state"):
         trainer.run(data, fl.State(), epochs=2)

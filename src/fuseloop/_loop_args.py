@@ -140,6 +140,13 @@ def check_init_state(init_state: Any, kind: str = "custom", population: Any = No
     refuse_deleted_arrays(getattr(init_state, "step_state", init_state), "init_state")
     if is_int(init_state) and kind in _STARTS_FROM:
         raise ValueError(f"init_state={init_state!r} is an integer, but {_STARTS_FROM[kind]}")
+    if kind in _STARTS_FROM and isinstance(init_state, dict) and set(init_state) == _STEP_STATE:
+        raise ValueError(
+            f"init_state: this dict holds {sorted(_STEP_STATE)}, a trainer's step state "
+            f"(state.step_state), not the model's variables: pass the State itself (to "
+            f"resume a run, with its optimizer state and counters), or state.params (the "
+            f"variables alone)"
+        )
     if kind != "trainer" and population is None:
         instead = (
             ", or evaluate every member at once with run(data, state, population={size})"
@@ -149,6 +156,7 @@ def check_init_state(init_state: Any, kind: str = "custom", population: Any = No
         refuse_population(init_state, "init_state", instead)
 
 
+_STEP_STATE = {"params", "opt_state", "rng", "step"}  # a trainer's step state's keys
 _STARTS_FROM = {
     "trainer": "a trainer starts from the model's variables (model.init(...)) or a State; "
     "a trainer's seed is fl.trainer(..., seed=...)",
