@@ -67,6 +67,10 @@ def test_whole_arrays_passed_as_a_pair():
     kind, message = errors_in_both_modes((x, y))
     assert kind is ValueError
     assert "fl.data.arrays(x, y, batch_size=...)" in message
+    # A dict of them is iterated over its keys: its first "batch" was the string 'x'.
+    kind, message = errors_in_both_modes({"x": x, "y": y})
+    assert kind is ValueError
+    assert "iterated over its keys ('x', 'y'): for whole arrays" in message
 
 
 def test_whole_arrays_of_a_two_input_model_passed_as_a_pair():

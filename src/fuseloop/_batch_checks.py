@@ -4,6 +4,7 @@ sizes, dtypes no device holds, and the signatures batches are compared by (used 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -305,6 +306,13 @@ def require_pair(batch: Any, where: str = "a batch", data: Any = None) -> None:
             " If you passed whole arrays as a pair (x, y), iterating over it yields x "
             "and then y: batch them with fl.data.arrays(x, y, batch_size=...) instead"
             + (" (x may be a tuple or dict of a model's several inputs)." if whole else ".")
+        )
+    if isinstance(data, Mapping):
+        keys = ", ".join(map(repr, list(data)[:4]))
+        hint = (
+            f" A dict given as the data is iterated over its keys ({keys}): for whole "
+            f"arrays, batch them with fl.data.arrays(x, y, batch_size=...) "
+            f"(x may be a dict of a model's several inputs)."
         )
     if pair:  # x the pair of a model's two inputs, y the second "batch"
         raise ValueError(
