@@ -394,6 +394,12 @@ def test_trained_refuses_what_is_not_the_models_variables_when_called():
     x = DATA[0][0]
     variables = Relu().init(jax.random.PRNGKey(0), x)
     np.testing.assert_array_equal(fl.models.trained(Relu(), variables)(x), np.maximum(x, 0))
+    # An equinox module of other shapes: the State's params did not fit a tree's metadata.
+    linear = eqx.nn.Linear(5, 3, key=jax.random.PRNGKey(0))
+    state = fl.trainer(linear, SPARSE, "sgd").run(DATA)
+    wider = eqx.nn.Linear(5, 4, key=jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match=r"bias of shape \(3,\) where the model makes \(4,\)"):
+        fl.models.trained(wider, state)
 
 
 @pytest.mark.parametrize("name", ["dropout_key", "noise_rng", "dropout_rngs"])

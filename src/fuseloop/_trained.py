@@ -22,7 +22,7 @@ from typing import Any
 from ._equinox import from_equinox, plain_module
 from ._linen import flag_values, linen
 from ._nnx import from_nnx, set_nnx_mode
-from ._variables_diff import is_nnx_state
+from ._variables_diff import first_difference, is_nnx_state
 
 __all__ = ["trained_form"]
 
@@ -40,6 +40,7 @@ def trained_form(adapter: Any, variables: Any) -> Any:
         set_nnx_mode(module, False)
         return _evaluating(module, flag_values(adapter.flags, False))
     if isinstance(adapter, from_equinox):
+        _require_own_shapes(adapter, variables)
         eqx = adapter._eqx
         module = eqx.nn.inference_mode(eqx.combine(variables["params"], adapter.static))
         return _evaluating(module, flag_values(adapter.flags, False))
@@ -162,3 +163,15 @@ def _require_collections(adapter: Any, variables: Any) -> None:
         f"{' and '.join(repr(k) for k in needed)} as state.params does: pass the State "
         f"from run, or state.params"
     )
+
+
+def _require_own_shapes(adapter: from_equinox, variables: Any) -> None:
+    """Raises where `variables` are not arrays of the equinox module's own shapes (a
+    head of another width), which `eqx.combine` fails on with a tree's metadata."""
+    difference = first_difference(variables, adapter.init(None, None))
+    if difference:
+        raise ValueError(
+            f"state_or_variables: they are not this model's variables.{difference} Pass "
+            f"the State of a run of this model (or its state.params), or build the model "
+            f"as the one they were trained with"
+        )
