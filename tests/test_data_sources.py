@@ -116,6 +116,35 @@ def test_reiterable_bounded_by_iterations_closes_each_unfinished_pass(fuse):
     _assert_same_run(state, LOOP.run(BATCHES[:5], epochs=3, fuse=fuse))
 
 
+class EpochOrdered(Reiterable):
+    """A loader whose order is set per epoch (torch's `DistributedSampler.set_epoch`)."""
+
+    epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        order = np.random.default_rng(self.epoch).permutation(len(self.batches))
+        return iter([self.batches[i] for i in order])
+
+
+@pytest.mark.parametrize("fuse", FUSES)
+def test_a_first_epoch_reads_a_pass_opened_after_its_epoch_started_handlers(fuse):
+    """The run's first epoch read the pass its first batch came from, opened before the
+    `epoch_started` handlers ran: a list shuffled in place there, or a loader's epoch set
+    there, reached every epoch but a run's first (a resumed run's first: a stale order)."""
+    order = list(BATCHES)
+    reversing = LOOP.handle_event("epoch_started", lambda s: order.reverse())
+    reversed_once = LOOP.run(BATCHES[::-1], epochs=1, fuse=fuse)
+    _assert_same_run(reversing.run(order, epochs=1, fuse=fuse), reversed_once)
+    loader = EpochOrdered(BATCHES)
+    loop = LOOP.handle_event("epoch_started", lambda s: loader.set_epoch(s.epoch))
+    whole = loop.run(loader, epochs=3, fuse=fuse)
+    half = loop.run(loader, epochs=2, fuse=fuse)  # (the loader is left at epoch 2)
+    _assert_same_run(loop.run(loader, half, epochs=3, fuse=fuse), whole)
+
+
 @pytest.mark.parametrize("fuse", FUSES)
 def test_callable_is_called_once_per_epoch(fuse):
     calls: list[int] = []

@@ -326,9 +326,12 @@ class Run:
     def _iterator(self, epoch: int) -> Any:
         if self._epoch_loop.opened_for(epoch):
             return None  # opened early, with its own iterator
-        return (
-            self.first_iterator if epoch == self.start_epoch else self.source.epoch_iterator(epoch)
-        )
+        # A list's or re-iterable's first epoch opens anew after `started` and
+        # `epoch_started` handlers, which may change it (docs/data.md); others keep theirs.
+        handled = self.bus.has(Event.STARTED) or self.bus.has(Event.EPOCH_STARTED)
+        if epoch != self.start_epoch or (handled and self.source.kind == "reiterable"):
+            return self.source.epoch_iterator(epoch)
+        return self.first_iterator
 
     def _ahead(self, epoch: int) -> tuple[int, Any, int | None] | None:
         """What `EpochLoop.run` needs to open `epoch` ahead of the ending epoch's last
@@ -366,11 +369,8 @@ class Run:
         metrics = dict(state.metrics)
         final = self.carry.epoch_metrics()  # Host read (in Carry): the epoch's end
         replay = self._epoch_loop.replay if stepped else None  # None: halted at its start
-        handler_wrote_last = (
-            replay is not None and replay.steps > 0 and replay.merged_through == replay.steps - 1
-        )
-        if not handler_wrote_last:
-            metrics.update(final)
+        if replay is None or replay.steps == 0 or replay.merged_through != replay.steps - 1:
+            metrics.update(final)  # no handler wrote after the loop last computed them
         seconds = time.perf_counter() - began  # the epoch's wall time, its last step done
         self.stats["epoch_time"][epoch] = seconds
         return state.replace(metrics=metrics, times={**state.times, epoch: seconds})
