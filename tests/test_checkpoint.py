@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ import optax
 import pytest
 
 import fuseloop as fl
+from conftest import make_batches, trainer
 from fuseloop._checkpoint import is_save
 from fuseloop.handlers.checkpoint import Checkpointer, list_checkpoints
 
@@ -207,13 +209,26 @@ def test_a_loop_run_again_saves_its_own_final_state_and_reads_the_directory_afre
     )
     loop = halting.checkpoint(tmp_path / "ck", filter={"after": 10})
     first = loop.run([(0, 0)], {"n": jnp.int32(0)}, epochs=5)
-    second = loop.run([(0, 0)], {"n": jnp.int32(100)}, epochs=5)
+    with pytest.warns(UserWarning, match=r"already holds 1 checkpoint\(s\) this run did not"):
+        second = loop.run([(0, 0)], {"n": jnp.int32(100)}, epochs=5)
     assert (first.epoch, second.epoch) == (1, 1)
     assert int(fl.load_state(tmp_path / "ck").step_state["n"]) == 102
     for save in list_checkpoints(tmp_path / "ck"):
         shutil.rmtree(save)
     loop.run([(0, 0)], {"n": jnp.int32(200)}, epochs=5)
     assert [p.name for p in list_checkpoints(tmp_path / "ck")] == ["checkpoint_000001_epoch_1"]
+
+
+def test_a_fresh_run_into_another_runs_checkpoints_is_warned_a_resumed_one_is_not(tmp_path):
+    """A script run again, or another model, into the same directory: its saves were
+    numbered after the earlier run's and `keep` removed those, without a word."""
+    loop = trainer().checkpoint(tmp_path / "ck", keep=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = loop.run(make_batches(), epochs=2)
+        loop.run(make_batches(), state, epochs=3)  # resumed: its own run's saves
+    with pytest.warns(UserWarning, match=r"holds 2 checkpoint.*keep=2 removes the oldest"):
+        loop.run(make_batches(), epochs=1)
 
 
 def test_a_signal_still_writes_a_checkpoint(tmp_path):

@@ -24,6 +24,7 @@ from .._checkpoint_paths import TRASH, EpochNames, HiddenTemporaryPath, checkpoi
 from .._events import event_total
 from .._state import State
 from .._types import Status
+from .._warn import warn
 from ..engine.population_monitors import checkpoint_members
 from ._monitor_record import resolve_mode
 from .monitor import Monitor
@@ -120,6 +121,7 @@ class Checkpointer:
         self._last_saved: tuple[int, int] | None = None
         self.members: dict[int, Checkpointer] = {}  # a population's per-member best saves
         self._numbered = 0  # the last number skipped since the last written save
+        self._resumed = False  # whether the run resumed a State (`begin`)
 
     @property
     def on_device(self) -> str | None:
@@ -178,6 +180,7 @@ class Checkpointer:
         for member in self.members.values():
             member.begin(state)
         self._last_saved, self._numbered = None, 0
+        self._resumed = bool(state.history)  # a fresh run is told of saves it did not make
 
     def on_halted(self, state: State) -> None:
         """Saves the final State of a halted run (early stopping, a signal, a NaN).
@@ -205,7 +208,10 @@ class Checkpointer:
         # A State that cannot be saved is refused before orbax's manager opens: an open
         # manager left behind by the error printed a traceback at interpreter exit.
         args = save_args(state)
+        opening = self._manager is None
         manager = self._open()
+        if opening and not self._resumed:
+            self._warn_of_earlier_saves(manager)
         step = self._next_number(manager)
         self._numbered = 0  # skipped numbers only matter until the next written save
         self._names.next_epoch(step, state.epoch)
@@ -215,6 +221,27 @@ class Checkpointer:
         self._last_saved = _position(state)
         self._empty_trash()
         return self.path / self._names.build_name(step)
+
+    def _warn_of_earlier_saves(self, manager: Any) -> None:
+        """Warns where a run that resumed nothing finds saves in its directory.
+
+        They are an earlier run's (a script run again): this run's saves are numbered
+        after them, `keep` removes theirs first, and `fl.load_state` on the directory
+        reads the newest of either.
+        """
+        steps = manager.all_steps()
+        if not steps:
+            return
+        prunes = (
+            f", and keep={self.keep} removes the oldest of both as it saves" if self.keep else ""
+        )
+        warn(
+            f"checkpoint: {str(self.path)!r} already holds {len(steps)} checkpoint(s) this "
+            f"run did not resume from; its saves are numbered after them{prunes}; "
+            f"fl.load_state on the directory reads the newest of either run. To resume the "
+            f"earlier run, pass fl.load_state(path) to run; to keep the runs apart, give "
+            f"this one another directory"
+        )
 
     def _next_number(self, manager: Any) -> int:
         return max(max(manager.all_steps(), default=0), self._numbered) + 1
