@@ -211,7 +211,7 @@ def _chunks(x: Any, sizes: list[int], per_chunk: int) -> Any:
     32 batches of 256); those are run apart, and their outputs dropped."""
     start = 0
     for size, count in _runs([size for size in sizes if size]):  # an empty batch: no rows
-        held = per_chunk if count >= per_chunk else 1 << (count - 1).bit_length()
+        held = min(per_chunk, 1 << (count - 1).bit_length())
         for first in range(0, count, held):
             rows = min(held, count - first) * size
             cut = functools.partial(_batches, start=start, rows=rows, batches=(held, size))

@@ -6,8 +6,9 @@ default to evaluation is given it through a subclass of the module's own class w
 `__call__` passes the flag (`_subclass`), so the result keeps the module's attributes,
 fields and other methods, a linen module its variables' paths, and an nnx module its
 state paths (`nnx.update(module, nnx.state(trained))` writes the weights
-back). A flag passed in a call wins, by keyword or by position. It pickles as the
-module's own class and is made an evaluating one again when loaded; the equinox adapter
+back). A flag passed in a call wins, by keyword or by position. An nnx or equinox one
+pickles as the module's own class and is made an evaluating one again when loaded (a
+bound linen module does not pickle); the equinox adapter
 takes it as the module's own class (`_equinox.plain_module`), whose pytree a State holds.
 """
 
