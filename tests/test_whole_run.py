@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import io
+import warnings
 from typing import Any
 
 import jax
@@ -464,3 +465,32 @@ def test_an_error_in_a_dispatchs_replay_leaves_a_state_that_says_its_step_state_
     with pytest.warns(RuntimeWarning, match=rf"from epoch 2, iteration {reached[1]} \(a dispatch"):
         resumed = loop.run(data, state, epochs=3, fuse=fuse)
     assert "_step_state_reached" not in resumed.handler_metadata  # said once, not carried on
+
+
+def test_a_dispatch_stopped_mid_epoch_is_resumed_with_one_warning_saying_where_its_state_is():
+    """An observer raising mid-epoch inside a multi-epoch dispatch: the resume also warned
+    that the State "stopped inside epoch 1 after stepping 4 of its batches", counting the
+    events replayed, while its step state is the dispatch's end."""
+    rng = np.random.default_rng(0)
+    data = fl.data.arrays(
+        rng.normal(size=(56, 4)).astype(np.float32),
+        rng.integers(0, 3, 56).astype(np.int32),
+        8,
+        device=True,
+    )
+    raising = [True]
+
+    def fails_once(state: fl.State) -> None:
+        if raising[0] and (state.epoch, state.iteration) == (1, 3):
+            raise RuntimeError("a full disk")
+
+    loop = fl.trainer(fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy", "sgd")
+    loop = loop.observe("iteration_completed", fails_once)
+    with pytest.raises(RuntimeError, match="a full disk") as caught:
+        loop.run(data, epochs=4, fuse="run")
+    raising[0] = False
+    with warnings.catch_warnings(record=True) as caught_warnings:
+        warnings.simplefilter("always")
+        loop.run(data, caught.value.fuseloop_state, epochs=4, fuse="run")
+    said = [str(w.message) for w in caught_warnings if w.category is RuntimeWarning]
+    assert len(said) == 1 and "step state is from epoch 3, iteration 6" in said[0], said

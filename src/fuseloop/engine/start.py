@@ -329,7 +329,9 @@ def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:
     clean = given.handler_metadata.get(RESTORED_KEY) == start_epoch - 1
     # A halted State, or one saved while running (a checkpoint at iteration_completed).
     inside = given.status != "completed" and given.epoch == start_epoch and stepped > 0
-    if inside and not clean:
+    # A multi-epoch dispatch's step state ran past the epoch: the warning below says where.
+    ahead = given.handler_metadata.get(AHEAD_KEY)
+    if inside and not clean and ahead is None:
         warn(
             f"init_state stopped inside epoch {start_epoch} (status {given.status!r}) after "
             f"stepping {stepped} of its batches (its "
@@ -341,7 +343,6 @@ def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:
             f"its default)",
             RuntimeWarning,
         )
-    ahead = given.handler_metadata.get(AHEAD_KEY)
     if ahead is not None:
         warn(
             f"init_state's step state is from epoch {ahead[0]}, iteration {ahead[1]} (a "
