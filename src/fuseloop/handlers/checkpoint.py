@@ -208,10 +208,7 @@ class Checkpointer:
         # A State that cannot be saved is refused before orbax's manager opens: an open
         # manager left behind by the error printed a traceback at interpreter exit.
         args = save_args(state)
-        opening = self._manager is None
         manager = self._open()
-        if opening and not self._resumed:
-            self._warn_of_earlier_saves(manager)
         step = self._next_number(manager)
         self._numbered = 0  # skipped numbers only matter until the next written save
         self._names.next_epoch(step, state.epoch)
@@ -266,6 +263,8 @@ class Checkpointer:
             )
             self._manager = ocp.CheckpointManager(self.path, options=options)
             self._empty_trash()
+            if not self._resumed:
+                self._warn_of_earlier_saves(self._manager)
         return self._manager
 
     def _empty_trash(self) -> None:
