@@ -374,6 +374,18 @@ class _TrainsByDefault(nn.Module):
         return self.drop(self.encode(x), deterministic=not train)
 
 
+@pytest.mark.parametrize("lift", [nn.remat, nn.jit])
+def test_a_linen_module_lifted_whole_with_its_flag_static_trains_and_evaluates(lift):
+    """nn.remat or nn.jit of the whole module, its flag among static_argnums: fuseloop
+    passed the flag by keyword, which static_argnums does not cover, and the run failed
+    blaming x (remat) or with JAX's TracerBoolConversionError (jit)."""
+    lifted = lift(_TrainsByDefault, static_argnums=(2,))()
+    runs = [fl.trainer(lifted, SPARSE, "adam").run(DATA, fuse=fuse) for fuse in (False, 2)]
+    assert_tree_equal(runs[0].step_state, runs[1].step_state)
+    evaluated = lifted.apply(runs[0].params, DATA[0][0], False)
+    np.testing.assert_allclose(fl.predict(lifted, runs[0], DATA[0][0]), evaluated, atol=1e-6)
+
+
 def test_trained_refuses_what_is_not_the_models_variables_when_called():
     # The params alone, a string or a custom loop's State failed later, inside flax.
     model = make_linen("training", True)

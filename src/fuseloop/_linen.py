@@ -5,6 +5,7 @@ Re-exported from `fuseloop.models` (as `fl.models.linen`).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from typing import Any
@@ -193,18 +194,37 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
         """The flag arguments for training (`train=True`) or evaluation."""
         return flag_values(self.flags, train)
 
+    @functools.cached_property
+    def _flag_by_position(self) -> bool:
+        """Whether the one flag is `__call__`'s parameter right after x, so passed by
+        position: a module lifted whole by nn.remat or nn.jit with the flag among its
+        `static_argnums` counts positions only (by keyword the flag is traced)."""
+        after_x = list(inspect.signature(type(self.module).__call__).parameters.values())[2:3]
+        return (
+            len(self.flags) == 1
+            and bool(after_x)
+            and after_x[0].name in self.flags
+            and after_x[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+        )
+
+    def _flag_args(self, train: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The flag for training or evaluation as `(positional, keyword)` arguments."""
+        flags = self.mode(train)
+        return (tuple(flags.values()), {}) if self._flag_by_position else ((), flags)
+
     def init(self, rng: Any, x: Any) -> Any:
         try:
-            flags: dict[str, Any] = self.mode(False)  # keyword flags, not init's options
-            return dict(self.module.init(rng, x, **flags))
+            args, flags = self._flag_args(False)  # keyword flags, not init's options
+            return dict(self.module.init(rng, x, *args, **flags))
         except flax.errors.InvalidRngError as error:
             self._refuse_without_flag(error)
             raise
 
     def apply(self, variables: Any, x: Any, **kwargs: Any) -> Any:
-        for name, value in self.mode(False).items():
-            kwargs.setdefault(name, value)
-        return self.module.apply(variables, x, **kwargs)
+        if any(name in kwargs for name in self.flags):  # the caller's flag wins
+            return self.module.apply(variables, x, **kwargs)
+        args, flags = self._flag_args(False)
+        return self.module.apply(variables, x, *args, **flags, **kwargs)
 
     def forward(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
         mutable = [k for k in variables if k != "params"]
@@ -223,11 +243,11 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
         if not train:
             return self.apply(variables, x), None
         rngs = {"dropout": rng}
-        flags: dict[str, Any] = self.mode(True)  # keyword flags, not apply's options
+        args, flags = self._flag_args(True)  # keyword flags, not apply's options
         if mutable:
-            y, updates = self.module.apply(variables, x, rngs=rngs, mutable=mutable, **flags)
+            y, updates = self.module.apply(variables, x, *args, rngs=rngs, mutable=mutable, **flags)
             return y, dict(updates)
-        return self.module.apply(variables, x, rngs=rngs, **flags), None
+        return self.module.apply(variables, x, *args, rngs=rngs, **flags), None
 
     def _apply_refusing_dropout(self, variables: Any, x: Any) -> Any:
         """A training forward pass of a module without a flag. A Dropout inside would keep
