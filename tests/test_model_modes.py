@@ -384,6 +384,8 @@ def test_a_linen_module_lifted_whole_with_its_flag_static_trains_and_evaluates(l
     assert_tree_equal(runs[0].step_state, runs[1].step_state)
     evaluated = lifted.apply(runs[0].params, DATA[0][0], False)
     np.testing.assert_allclose(fl.predict(lifted, runs[0], DATA[0][0]), evaluated, atol=1e-6)
+    trained = fl.models.trained(lifted, runs[0])  # its flag defaults to training: passed
+    np.testing.assert_array_equal(trained(DATA[0][0]), evaluated)
 
 
 def test_trained_refuses_what_is_not_the_models_variables_when_called():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import flax
@@ -18,6 +19,7 @@ __all__ = [
     "ModelConventionError",
     "ModelModeError",
     "call_flags",
+    "flag_after_x",
     "flag_values",
     "flags_among",
     "linen",
@@ -96,6 +98,19 @@ def _rng_stream(error: BaseException) -> str | None:
     """The rng stream a flax InvalidRngError names (None: it names none)."""
     found = re.search(r'PRNG for "([^"]+)"', str(error))
     return found.group(1) if found else None
+
+
+def flag_after_x(cls: Any, flags: Mapping[str, Any]) -> bool:
+    """Whether the one flag of `flags` is `cls.__call__`'s parameter right after x, so
+    passed by position: a module lifted whole by nn.remat or nn.jit with the flag among its
+    `static_argnums` counts positions only (by keyword the flag is traced)."""
+    after_x = list(inspect.signature(cls.__call__).parameters.values())[2:3]
+    return (
+        len(flags) == 1
+        and bool(after_x)
+        and after_x[0].name in flags
+        and after_x[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    )
 
 
 def flag_values(flags: dict[str, bool], train: bool) -> dict[str, bool]:
@@ -196,16 +211,7 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
 
     @functools.cached_property
     def _flag_by_position(self) -> bool:
-        """Whether the one flag is `__call__`'s parameter right after x, so passed by
-        position: a module lifted whole by nn.remat or nn.jit with the flag among its
-        `static_argnums` counts positions only (by keyword the flag is traced)."""
-        after_x = list(inspect.signature(type(self.module).__call__).parameters.values())[2:3]
-        return (
-            len(self.flags) == 1
-            and bool(after_x)
-            and after_x[0].name in self.flags
-            and after_x[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-        )
+        return flag_after_x(type(self.module), self.flags)
 
     def _flag_args(self, train: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The flag for training or evaluation as `(positional, keyword)` arguments."""
