@@ -220,7 +220,7 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
 
     def init(self, rng: Any, x: Any) -> Any:
         try:
-            args, flags = self._flag_args(False)  # keyword flags, not init's options
+            args, flags = self._flag_args(False)  # the flag, not init's options
             return dict(self.module.init(rng, x, *args, **flags))
         except flax.errors.InvalidRngError as error:
             self._refuse_without_flag(error)
@@ -249,7 +249,7 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
         if not train:
             return self.apply(variables, x), None
         rngs = {"dropout": rng}
-        args, flags = self._flag_args(True)  # keyword flags, not apply's options
+        args, flags = self._flag_args(True)  # the flag, not apply's options
         if mutable:
             y, updates = self.module.apply(variables, x, *args, rngs=rngs, mutable=mutable, **flags)
             return y, dict(updates)
