@@ -12,6 +12,7 @@ from ._arg_types import check_seed_bits, is_int, refuse_deleted_arrays, refuse_s
 from ._metrics import ACCUMULATORS, ALIASES, METRICS
 from ._population import refuse_population
 from ._state import State
+from ._step_state_check import _TRAINER_KEYS
 from ._warn import warn
 
 __all__ = [
@@ -156,7 +157,7 @@ def check_init_state(init_state: Any, kind: str = "custom", population: Any = No
         refuse_population(init_state, "init_state", instead)
 
 
-_STEP_STATE = {"params", "opt_state", "rng", "step"}  # a trainer's step state's keys
+_STEP_STATE = {"params", *_TRAINER_KEYS}  # a trainer's step state's keys
 _STARTS_FROM = {
     "trainer": "a trainer starts from the model's variables (model.init(...)) or a State; "
     "a trainer's seed is fl.trainer(..., seed=...)",

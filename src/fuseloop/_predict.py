@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections.abc
 import functools
+import itertools
 import types
 from typing import Any
 
@@ -210,7 +211,8 @@ def _chunks(x: Any, sizes: list[int], per_chunk: int) -> Any:
     (so a few sizes of input compile a few programs, and 300 examples are not padded to
     32 batches of 256); those are run apart, and their outputs dropped."""
     start = 0
-    for size, count in _runs([size for size in sizes if size]):  # an empty batch: no rows
+    sized = (size for size in sizes if size)  # an empty batch: no rows
+    for size, count in ((size, len(list(run))) for size, run in itertools.groupby(sized)):
         held = min(per_chunk, 1 << (count - 1).bit_length())
         for first in range(0, count, held):
             rows = min(held, count - first) * size
@@ -226,17 +228,6 @@ def _batches(leaf: np.ndarray, start: int, rows: int, batches: tuple[int, int]) 
     padded = np.zeros((held * size,) + leaf.shape[1:], leaf.dtype)
     padded[:rows] = leaf[start : start + rows]
     return padded.reshape((held, size) + leaf.shape[1:])
-
-
-def _runs(sizes: list[int]) -> list[tuple[int, int]]:
-    """`sizes` as (size, how many in a row) pairs, in order."""
-    runs: list[tuple[int, int]] = []
-    for size in sizes:
-        if runs and runs[-1][0] == size:
-            runs[-1] = (size, runs[-1][1] + 1)
-        else:
-            runs.append((size, 1))
-    return runs
 
 
 def predict(
