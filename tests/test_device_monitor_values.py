@@ -90,3 +90,24 @@ def test_early_stop_with_a_min_delta_ends_a_whole_run_where_the_host_run_ends():
     for state in runs:  # 0.9 beats 1.0 by more than 0.1 in float64: epoch 1 improves
         assert state.status == "halted" and sorted(state.history) == [0, 1, 2]
         assert state.handler_metadata["early_stop:score"]["best_epoch"] == 1
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+@pytest.mark.parametrize("min_delta", [0.1, 1e-3, 1e-12])
+def test_under_x64_an_improvement_is_decided_in_float64_as_the_host_decides(mode, min_delta):
+    # Metrics read in float64: the host's `best -/+ min_delta` rounded to float64, not the
+    # float32 two-sum's exact difference (which would decide otherwise at the threshold).
+    monitor = Monitor("loss", mode, 1, min_delta, "key")
+    rng = np.random.default_rng(1)
+    bests = rng.normal(size=64) * 10.0 ** rng.integers(-2, 3, 64)
+    near = bests + (-1.0 if mode == "min" else 1.0) * min_delta
+    values = np.stack([np.nextafter(near, -np.inf), near, np.nextafter(near, np.inf)])
+    best_grid = np.broadcast_to(bests, values.shape)
+
+    def beats(value, best):
+        return _beats(monitor, value, {"best": best, "has_best": jnp.bool_(True)})
+
+    with jax.enable_x64(True):
+        device = np.asarray(jax.jit(beats)(values, best_grid))
+    host = np.vectorize(lambda v, b: monitor.improves(float(v), float(b)))(values, best_grid)
+    np.testing.assert_array_equal(device, host)

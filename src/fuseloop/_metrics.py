@@ -19,7 +19,7 @@ import optax
 
 from ._arg_types import refuse_signature
 from ._outputs import require_arrays
-from ._sums import Mean, accumulate, accumulated, empty_accumulator, mean_of
+from ._sums import Mean, accumulate, accumulated, accumulator_dtype, empty_accumulator, mean_of
 from ._target_shapes import refusing_cross_broadcast
 
 __all__ = [
@@ -304,15 +304,16 @@ class MetricSpec:
                 f"batch. Give each value its own metric, e.g. loop.metric(fn_a, name='a')"
                 f".metric(fn_b, name='b')"
             )
+        dtype = accumulator_dtype()
         if isinstance(value, Mean):
-            total = jnp.asarray(value.total, jnp.float32)
-            count = jnp.asarray(value.count, jnp.float32)
+            total = jnp.asarray(value.total, dtype)
+            count = jnp.asarray(value.count, dtype)
         elif jnp.ndim(value) > 0:  # per-example values: a mean over examples
             total, count = mean_of(value)
         else:
-            total, count = jnp.asarray(value, jnp.float32), jnp.ones((), jnp.float32)
+            total, count = jnp.asarray(value, dtype), jnp.ones((), dtype)
         if self.accumulate == "running_sum":
-            count = jnp.ones((), jnp.float32)
+            count = jnp.ones((), dtype)
         if self.accumulate == "last":  # the value of the latest step (a learning rate)
             return {**self.init(), "sum": total, "count": count}
         return accumulate(acc, total, count)
@@ -342,8 +343,8 @@ def loss_mean(loss: Any) -> Callable[[Array, Array, Any], tuple[Array, Mean]]:
         value = fn(y_true, y_pred)
         # A batch without targets (an autoencoder's `(x, None)`) counts its inputs' rows.
         counted = y_true if jax.tree.leaves(y_true) else x
-        n = jnp.asarray(batch_size(counted), jnp.float32)
-        return value, Mean(jnp.asarray(value, jnp.float32) * n, n)
+        n = jnp.asarray(batch_size(counted), accumulator_dtype())
+        return value, Mean(jnp.asarray(value, n.dtype) * n, n)
 
     if each is None:
         return weighted
@@ -388,7 +389,8 @@ def _aliases_of(names: dict[str, Any]) -> str:
 
 def read_metric(spec: MetricSpec, acc: dict[str, np.ndarray]) -> float:
     """The host-side value of an accumulator that was already read to the host."""
-    total, count = accumulated({key: np.float32(value) for key, value in acc.items()})
+    # Numpy scalars of the accumulator's dtype: the device's roundings (`device_value`).
+    total, count = accumulated({key: np.asarray(value)[()] for key, value in acc.items()})
     if spec.accumulate in ("running_sum", "last"):
         return float(total)
     if count <= 0:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
     "Mean",
     "accumulate",
+    "accumulator_dtype",
     "accumulated",
     "compensated_add",
     "empty_accumulator",
@@ -24,18 +27,31 @@ class Mean(NamedTuple):
     and how many examples it holds. Accumulating these (sums and counts, no division
     until the host reads them) weighs a ragged last batch by its size."""
 
-    total: Array  # float32 scalar: sum over the batch's examples (elements)
-    count: Array  # float32 scalar: number of examples (elements) summed
+    total: Array  # scalar of `accumulator_dtype()`: sum over the batch's examples (elements)
+    count: Array  # scalar of `accumulator_dtype()`: number of examples (elements) summed
+
+
+def accumulator_dtype() -> np.dtype[Any]:
+    """The dtype metrics are summed, counted and read in: float32, or float64 while JAX's
+    64-bit mode (`jax_enable_x64`) is on. A float64 model's loss read through float32
+    would keep 7 digits and read `inf` beyond 3.4e38 or 0 below 1e-38 (docs/design.md §2).
+
+    Example:
+        >>> accumulator_dtype()  # 64-bit mode is off by default
+        dtype('float32')
+    """
+    return np.dtype(np.float64 if jax.config.read("jax_enable_x64") else np.float32)
 
 
 def mean_of(values: Array) -> Mean:
-    values = jnp.asarray(values, jnp.float32)
-    return Mean(pairwise_sum(values), jnp.asarray(values.size, jnp.float32))
+    dtype = accumulator_dtype()
+    values = jnp.asarray(values, dtype)
+    return Mean(pairwise_sum(values), jnp.asarray(values.size, dtype))
 
 
 def pairwise_sum(values: Array) -> Array:
-    """The float32 sum of every element, added in one fixed order: pairs, then pairs of
-    pairs (the array padded with zeros to a power of two).
+    """The sum of every element (in `accumulator_dtype()`), added in one fixed order:
+    pairs, then pairs of pairs (the array padded with zeros to a power of two).
 
     XLA:CPU chooses how a `jnp.sum` is reduced by the program around it: a sequential loop
     in one program, vector lanes in another, and the last bits follow. A metric's sum is
@@ -48,9 +64,10 @@ def pairwise_sum(values: Array) -> Array:
         >>> float(pairwise_sum(np.arange(5, dtype=np.float32)))
         10.0
     """
-    flat = jnp.ravel(jnp.asarray(values, jnp.float32))
+    dtype = accumulator_dtype()
+    flat = jnp.ravel(jnp.asarray(values, dtype))
     if flat.size == 0:
-        return jnp.zeros((), jnp.float32)
+        return jnp.zeros((), dtype)
     width = 1 << (flat.size - 1).bit_length()
     flat = jnp.pad(flat, (0, width - flat.size))
     while flat.size > 1:
@@ -60,7 +77,7 @@ def pairwise_sum(values: Array) -> Array:
 
 
 def compensated_add(total: Array, error: Array, value: Array) -> tuple[Array, Array]:
-    """`total + value` in float32, Kahan's compensated way: `error` holds what the additions
+    """`total + value` in `total`'s dtype, Kahan's compensated way: `error` holds what the additions
     so far rounded away, and is added to the next value first. The running sum is
     `total + error`.
 
@@ -78,19 +95,20 @@ def compensated_add(total: Array, error: Array, value: Array) -> tuple[Array, Ar
         >>> float(total + error) - 2.0**24
         4.0
     """
-    corrected = jnp.asarray(value, jnp.float32) + error
+    corrected = jnp.asarray(value, jnp.result_type(total)) + error
     added = total + corrected
     lost = corrected - (added - total)  # what `added` rounded away
-    return added, jnp.where(jnp.isfinite(added), lost, jnp.float32(0))
+    return added, jnp.where(jnp.isfinite(added), lost, jnp.zeros_like(lost))
 
 
 # A metric's accumulator: compensated sums of its values and counts, each an error term
-# beside it (`compensated_add`), all float32 scalars.
+# beside it (`compensated_add`), all scalars of `accumulator_dtype()`.
 _ACCUMULATOR = ("sum", "count", "sum_error", "count_error")
 
 
 def empty_accumulator() -> dict[str, Array]:
-    return {key: jnp.zeros((), jnp.float32) for key in _ACCUMULATOR}
+    dtype = accumulator_dtype()
+    return {key: jnp.zeros((), dtype) for key in _ACCUMULATOR}
 
 
 def accumulate(acc: dict[str, Array], total: Array, count: Array) -> dict[str, Array]:
@@ -101,6 +119,6 @@ def accumulate(acc: dict[str, Array], total: Array, count: Array) -> dict[str, A
 
 
 def accumulated(acc: dict[str, Any]) -> tuple[Any, Any]:
-    """The float32 sum and count an accumulator holds, on the device or (read to numpy) on
-    the host: the same two float32 additions either way."""
+    """The sum and count an accumulator holds, on the device or (read to numpy) on the
+    host: the same two additions, in the accumulator's dtype, either way."""
     return acc["sum"] + acc["sum_error"], acc["count"] + acc["count_error"]

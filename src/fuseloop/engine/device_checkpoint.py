@@ -1,7 +1,7 @@
 """`checkpoint(criteria=...)` inside a multi-epoch dispatch (docs/design.md §9).
 
 On the device, each epoch whose monitored metric improves (the same comparison as the
-host's `Monitor`, on the same float32 value) copies the step state into a ring of kept
+host's `Monitor`, on the same value) copies the step state into a ring of kept
 states. After the dispatch the host replays the checkpoint handler on each epoch: it runs
 the host monitor (the reference; a disagreement is a FusionError) and, at each improvement,
 writes the State of that epoch with the step state the device kept for it. The dispatch's

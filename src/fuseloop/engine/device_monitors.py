@@ -31,7 +31,7 @@ from .._fusion import make_chunk_fn
 from .._metrics import VALIDATION_PREFIX
 from .._optim import _is_inject_state, find_learning_rates
 from .._step import init_tail, make_carry_step
-from .._sums import accumulated
+from .._sums import accumulated, accumulator_dtype
 from .device_checkpoint import keep_best, kept_start
 from .programs import MIN_SLOTS
 
@@ -165,8 +165,8 @@ def _rates(step_state: Any) -> list[Any]:
 
 # --------------------------------------------------------------------- device side
 def device_value(spec: Any, acc: dict[str, Any]) -> Any:
-    """`_metrics.read_metric` in float32 on the device."""
-    total, count = accumulated({key: value.astype(jnp.float32) for key, value in acc.items()})
+    """`_metrics.read_metric` on the device, in the accumulators' dtype."""
+    total, count = accumulated(acc)
     if spec.accumulate in ("running_sum", "last"):
         return total
     # XLA rewrites a division by a constant or a broadcast scalar (a validation set's
@@ -174,10 +174,10 @@ def device_value(spec: Any, acc: dict[str, Any]) -> Any:
     # correctly rounded: 39/44 came out one ulp above the host's value, and a tie read as
     # an improvement. The barrier hides the divisor, so the division stays a division, as
     # the host's (`_metrics.read_metric`) is (a barrier on a constant alone is dropped).
-    divisor = jnp.broadcast_to(jnp.where(count > 0, count, jnp.float32(1)), jnp.shape(total))
+    divisor = jnp.broadcast_to(jnp.where(count > 0, count, jnp.ones_like(count)), jnp.shape(total))
     total, divisor = lax.optimization_barrier((total, divisor))
     mean = total / divisor
-    return jnp.where(count <= 0, jnp.nan, jnp.where(count < 1, jnp.float32(0), mean))
+    return jnp.where(count <= 0, jnp.nan, jnp.where(count < 1, jnp.zeros_like(mean), mean))
 
 
 def epoch_end_fn(work: DeviceWork, segments: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -290,13 +290,13 @@ def _watch(
 def _beats(monitor: Any, value: Any, record: Any) -> Any:
     """`Monitor.improves` on the device. The host compares `value` with `best - min_delta`
     (mode "max": `+`) in float64; rounded to float32, 1.0 - 0.1 is 0.9f, which 0.9f does not
-    beat. So the difference is kept unrounded, as a float32 sum `s + t` (Knuth's two-sum;
-    min_delta split in two float32s), and `value - s`, exact near the threshold, is
-    compared with `t`."""
-    best = record["best"]
-    sign = -1.0 if monitor.mode == "min" else 1.0
-    if monitor.min_delta == 0:
-        beats = value < best if monitor.mode == "min" else value > best
+    beat. So a float32 difference is kept unrounded, as a sum `s + t` (Knuth's two-sum;
+    min_delta split in two float32s), and `value - s`, exact near the threshold, is compared
+    with `t`; a float64 one (64-bit mode) is rounded as the host's is."""
+    best, sign = record["best"], (-1.0 if monitor.mode == "min" else 1.0)
+    if monitor.min_delta == 0 or value.dtype == jnp.float64:
+        bar = best + np.float64(sign * monitor.min_delta) if monitor.min_delta else best
+        beats = value < bar if monitor.mode == "min" else value > bar
     else:
         high = np.float32(sign * monitor.min_delta)
         low = np.float32(sign * monitor.min_delta - float(high))
@@ -309,7 +309,7 @@ def _beats(monitor: Any, value: Any, record: Any) -> Any:
 
 
 def _stop_update(monitor: Any, record: Any, value: Any) -> tuple[Any, Any, Any]:
-    """`Monitor.update` and the early-stop rule, in float32 (verified on the host)."""
+    """`Monitor.update` and the early-stop rule, on the device (verified on the host)."""
     improved = _beats(monitor, value, record)
     wait = jnp.where(improved, 0, record["wait"] + 1)
     stop = ~jnp.isfinite(value) | ((wait > 0) & (wait >= monitor.patience))
@@ -324,7 +324,7 @@ def _stop_update(monitor: Any, record: Any, value: Any) -> tuple[Any, Any, Any]:
 def _plateau_update(
     handler: Any, record: Any, value: Any, state: Any, rates: Any, runs: Any
 ) -> tuple[Any, Any]:
-    """`ReduceLROnPlateau.decide` in float32 (verified on the host); a reduction sets the
+    """`ReduceLROnPlateau.decide` on the device (verified on the host); a reduction sets the
     next rate of the host's table (`rates[k]`, computed as `set_learning_rate` does).
     """
     rate_table, at_floor = rates
@@ -372,7 +372,7 @@ def monitor_start(work: DeviceWork, state: Any) -> dict[str, Any]:
         record = w.handler.monitor.record(state)
         best = record["best"]
         out[w.kind] = {
-            "best": np.float32(0.0 if best is None else best),
+            "best": np.asarray(0.0 if best is None else best, accumulator_dtype()),
             "has_best": np.bool_(best is not None),
             "wait": np.int32(record["wait"]),
         }

@@ -85,8 +85,8 @@ def replayed_handlers(
 def _disagree(name: str, monitor: Any, epoch: int) -> FusionError:
     return FusionError(
         f"{name}({monitor.monitor!r}): the device monitor and the host monitor disagree at "
-        f"epoch {epoch} (min_delta={monitor.min_delta}, values compared in float32 on the "
-        f"device); "
+        f"epoch {epoch} (min_delta={monitor.min_delta}, values compared on the device in "
+        f"the metrics' dtype); "
         f"run with fuse=K at most the epoch's length to monitor on the host"
     )
 

@@ -1,8 +1,8 @@
 """A population's metric accumulators, packed into one buffer per dtype (docs/design.md §8).
 
-Each metric keeps a few float32 scalars per member (a sum and a count, each with its
-compensation: `_sums.accumulate`). Kept apart, every
-one of them is its own small array: on XLA's CPU backend each accumulator update and each
+Each metric keeps a few float32 (float64 under x64) scalars per member (a sum and a
+count, each with its compensation: `_sums.accumulate`). Kept apart, every one of them is
+its own small array: on XLA's CPU backend each accumulator update and each
 records write is then a separate kernel per step, which costs more than the vmapped step
 of a tiny model. Packed, a member's accumulators are one vector per dtype, updated by one
 fused kernel and written into the records by one in-place update per step.
@@ -10,7 +10,7 @@ fused kernel and written into the records by one in-place update per step.
 `PackedAcc` is a pytree (its leaves are the buffers) and a read-only mapping that looks
 like the unpacked accumulators (`acc[name][key]`), so the host code that reads metrics
 (`HostReads`, `member_metrics`) reads it unchanged. Packing only moves values: the sums
-are the same float32 additions, so a packed run is bitwise the unpacked one.
+are the same additions, so a packed run is bitwise the unpacked one.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ import numpy as np
 from .._events import CONTINUE, HALT_LOOP, Registration
 from .._metrics import VALIDATION_PREFIX
 from .._population import population_record, silence_stopped
+from .._sums import accumulator_dtype
 from .device_monitors import _rates
 from .device_replay import _disagree, _Substitutes
 from .packing import segment_of
@@ -103,7 +104,7 @@ class PopulationWholeRun(WholeRun):
             lists = state.handler_metadata.get(w.handler.monitor.key) or {}
             best = lists.get("best", [None] * size)
             out[w.kind] = {
-                "best": np.asarray([0.0 if b is None else b for b in best], np.float32),
+                "best": np.asarray([0.0 if b is None else b for b in best], accumulator_dtype()),
                 "has_best": np.asarray([b is not None for b in best], np.bool_),
                 "wait": np.asarray(lists.get("wait", [0] * size), np.int32),
             }

@@ -22,6 +22,7 @@ from .._fusion import make_chunk_fn
 from .._placement import default_device_key, device_key
 from .._shards import take_rows
 from .._step import make_carry_step
+from .._sums import accumulator_dtype
 from . import conv_layout, shared_programs
 from .packing import copying, pack_leaves
 from .population import masked_step, member_carry_step, member_chunk
@@ -68,6 +69,9 @@ class ProgramCache:
             partitionable) the programs were traced under. A raw key means another
             generator under another kind of the same key shape, which jax's own caches do
             not tell apart, so a change starts the cache afresh.
+        metrics_dtype: The dtype the metrics accumulate in (`accumulator_dtype()`: float64
+            under x64); kept accumulators and the programs' carries follow it, so a
+            change starts the cache afresh too.
     """
 
     traces: int = 0
@@ -86,11 +90,12 @@ class ProgramCache:
     populations: dict[int, Any] = field(default_factory=dict)  # member count -> its cache
     whole_run: dict[Any, Any] = field(default_factory=dict)
     prng: tuple[str, bool] = field(default_factory=prng_config)
+    metrics_dtype: Any = field(default_factory=accumulator_dtype)
 
     def for_current_prng(self) -> ProgramCache:
         """This cache, emptied of programs (not of its trace count) if the PRNG
-        configuration in force is not the one they were traced under."""
-        if self.prng != prng_config():
+        configuration or the metrics' dtype in force is not the one they were made under."""
+        if self.prng != prng_config() or self.metrics_dtype != accumulator_dtype():
             self.__dict__.update(ProgramCache(traces=self.traces).__dict__)
         return self
 

@@ -1,0 +1,60 @@
+"""64-bit mode: a float64 run's metrics are summed and read in float64, not through float32
+(whose range would read a finite loss as inf or 0, and whose 7 digits would hide what a
+float64 model's monitors compare), fused and unfused alike."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fuseloop as fl
+
+
+def _linear() -> tuple:
+    def init(rng, x):
+        return {"w": jnp.ones((x.shape[-1],), x.dtype)}
+
+    return init, lambda params, x: x @ params["w"]
+
+
+@pytest.mark.parametrize("scale", [1e25, 1e-25])  # squares beyond float32's range
+@pytest.mark.parametrize("fuse", [False, 4, "run"])
+def test_a_float64_loss_beyond_float32s_range_reads_its_float64_value(scale, fuse):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 3)) * scale
+    y = np.zeros(16)
+    with jax.enable_x64(True):
+        loop = fl.trainer(_linear(), "mean_squared_error", optax.sgd(0.0))
+        loop = loop.early_stop("loss", patience=5)
+        state = loop.run(fl.data.arrays(x, y, 4, shuffle=False), epochs=2, fuse=fuse)
+    expected = np.mean(x.sum(1) ** 2)
+    assert state.status == "completed" and sorted(state.history) == [0, 1]
+    np.testing.assert_allclose(state.metrics["loss"], expected, rtol=1e-13)
+
+
+def test_early_stop_under_x64_decides_on_float64_values_as_the_host_does():
+    # The score falls by 1e-9 an epoch: below float32's resolution at 1.0 (6e-8), so read
+    # through float32 it would not move and the run would halt after one epoch of patience.
+    def init(batch, _):
+        return {"step": jnp.zeros((), jnp.int32), "score": jnp.zeros((), jnp.float64)}
+
+    def step(batch, state):
+        epoch = state["step"] // 2
+        score = 1.0 - 1e-9 * jnp.minimum(epoch, 3).astype(jnp.float64)
+        return {"step": state["step"] + 1, "score": score}
+
+    with jax.enable_x64(True):
+        loop = fl.loop(step, init).metric("score").early_stop("score", patience=1, min_delta=5e-10)
+        x = np.zeros((8, 2))
+        runs = [
+            loop.run(fl.data.arrays(x, x[:, 0], 4, device=True), 0, epochs=8, fuse=fuse)
+            for fuse in (False, 2, "run")
+        ]
+    for state in runs:  # epochs 1-3 improve by 1e-9 > 5e-10; epoch 4 does not
+        assert state.status == "halted" and sorted(state.history) == [0, 1, 2, 3, 4]
+        assert state.handler_metadata["early_stop:score"]["best_epoch"] == 3
+        assert state.history[3]["score"] == 1.0 - 3e-9
+    assert runs[0].history == runs[1].history == runs[2].history
