@@ -206,3 +206,38 @@ def test_an_equinox_model_with_a_dtype_and_a_default_field_saves_loads_and_resum
     assert jax.tree.structure(loaded.params) == jax.tree.structure(state.params)
     resumed = loop.run(batches, loaded, epochs=2)
     assert_tree_equal(resumed.params, loop.run(batches, epochs=2).params)
+
+
+def test_a_custom_loops_equinox_params_kept_as_a_module_validate_predict_and_rebuild():
+    # eqx.partition's array half as step_state["params"]: the evaluator took it, but
+    # validate, predict given the State and fl.models.trained blamed x or refused it.
+    model = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.PRNGKey(0))
+    weights, static = eqx.partition(model, eqx.is_inexact_array)
+    tx = optax.sgd(0.1)
+
+    def init_fn(batch, _):
+        return {"params": weights, "opt_state": tx.init(weights), "y_pred": batch[1]}
+
+    def step_fn(batch, state):
+        x, y = batch
+
+        def loss(p):
+            y_pred = jax.vmap(eqx.combine(p, static))(x)
+            return jnp.mean((y_pred - y) ** 2), y_pred
+
+        grads, y_pred = jax.grad(loss, has_aux=True)(state["params"])
+        updates, opt_state = tx.update(grads, state["opt_state"])
+        params = optax.apply_updates(state["params"], updates)
+        return {"params": params, "opt_state": opt_state, "y_pred": y_pred}
+
+    data = _regression()
+    loop = fl.loop(step_fn, init_fn).metric("mean_squared_error").validate(model, data)
+    state = loop.run(data, 0, epochs=2)
+    hand = eqx.combine(state.params, static)
+    expected = np.asarray(jax.vmap(hand)(data[0][0]))
+    np.testing.assert_array_equal(np.asarray(fl.predict(model, state, data[0][0])), expected)
+    rebuilt = fl.models.trained(model, state)
+    np.testing.assert_array_equal(np.asarray(jax.vmap(rebuilt)(data[0][0])), expected)
+    evaluator = fl.evaluator(model).metric("mean_squared_error")
+    validated = evaluator.run(data, state.params).metrics["mean_squared_error"]
+    assert state.metrics["validation_mean_squared_error"] == validated

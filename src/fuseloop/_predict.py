@@ -26,7 +26,7 @@ from ._narrowing import Narrowing, native_order
 from ._predict_inputs import host, inputs_of_source
 from ._variables_diff import member_axis
 from .engine.conv_layout import named
-from .models import as_model, weights_of_module
+from .models import as_model, variables_given
 
 __all__ = ["predict"]
 
@@ -260,8 +260,7 @@ def predict(
         >>> predict(model, variables, np.zeros((10, 3), np.float32), batch_size=4).shape
         (10, 2)
     """
-    variables_or_state = weights_of_module(variables_or_state, "variables_or_state")
-    variables = getattr(variables_or_state, "params", variables_or_state)
+    variables = variables_given(variables_or_state, "variables_or_state")
     if variables is None:
         raise ValueError(
             "variables_or_state: the State holds no params"

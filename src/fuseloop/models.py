@@ -249,6 +249,20 @@ def weights_of_module(value: Any, argument: str) -> Any:
     return value
 
 
+def variables_given(value: Any, argument: str) -> Any:
+    """The variables `value` gives: a State's params, or `value` itself.
+
+    An nnx or equinox module among them (a custom loop may keep one as its params) is
+    read as its weights (`weights_of_module`).
+
+    Example:
+        >>> variables_given({"params": {"w": 1.0}}, "variables")
+        {'params': {'w': 1.0}}
+    """
+    value = weights_of_module(value, argument)
+    return weights_of_module(getattr(value, "params", value), argument)
+
+
 @functools.cache
 def _module_adapters() -> dict[type, Callable[[Any], ModelAdapter]]:
     """Each module base class `as_model` accepts instances of, with its adapter.
@@ -300,7 +314,7 @@ def trained(model: Any, state_or_variables: Any) -> Any:
         >>> fl.models.trained(model, variables)(jnp.zeros((5, 3))).shape
         (5, 2)
     """
-    variables = getattr(state_or_variables, "params", state_or_variables)
+    variables = variables_given(state_or_variables, "state_or_variables")
     if variables is None:
         held = (
             "is None"

@@ -21,6 +21,7 @@ from .._population import silence_stopped
 from .._state import State
 from .._types import Status
 from .._variables_diff import UNWRAPPED
+from ..models import variables_given
 
 __all__ = ["Validator", "check_validation", "evaluable_metrics", "validation_names"]
 
@@ -191,7 +192,7 @@ class Validator:
         when the validation runs; a population's members are checked then too.
         """
         first = _first_batch(self.data)
-        params = state.params
+        params = variables_given(state, "init_state")  # an equinox module kept as params too
         if first is None or params is None or state.population is not None:
             return
         arrays = self.data if _in_arrays(self.data) else None
