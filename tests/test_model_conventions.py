@@ -241,3 +241,27 @@ def test_a_custom_loops_equinox_params_kept_as_a_module_validate_predict_and_reb
     evaluator = fl.evaluator(model).metric("mean_squared_error")
     validated = evaluator.run(data, state.params).metrics["mean_squared_error"]
     assert state.metrics["validation_mean_squared_error"] == validated
+
+
+class _ScaledLinear(eqx.Module):
+    linear: eqx.nn.Linear
+    activation: object = eqx.field(static=True)
+
+    def __call__(self, x):
+        return self.activation(self.linear(x))
+
+
+def test_a_lambda_activation_field_is_refused_by_a_checkpoint_before_training_naming_def(
+    tmp_path,
+):
+    model = _ScaledLinear(eqx.nn.Linear(4, 2, key=jax.random.PRNGKey(0)), lambda z: z * 2)
+    epochs: list[int] = []
+    loop = fl.trainer(model, "mean_squared_error", "sgd").handle_event(
+        "epoch_completed", lambda state: epochs.append(state.epoch)
+    )
+    with pytest.raises(ValueError, match=r"\.activation=function .* define it with def"):
+        loop.checkpoint(tmp_path / "ckpt").run(_regression(), epochs=2)
+    assert epochs == []  # refused at the start, not after an epoch's work
+    state = loop.run(_regression(), epochs=1)  # trains; only its save is refused
+    with pytest.raises(ValueError, match=r"define it with def at a module's top level"):
+        fl.save_state(state, tmp_path / "state")

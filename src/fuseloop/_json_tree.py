@@ -108,8 +108,18 @@ def encode(value: Any, arrays: list[Any], where: str = "value") -> Any:
         f"{where}={type(value).__name__} cannot be saved without pickle: a save holds "
         f"numbers, strings, bools, None, lists, tuples, dicts with str/int keys, numpy/jax "
         f"arrays, pytree nodes (NamedTuples, dataclass pytrees), dtypes and module-level "
-        f"functions and types. "
-        f"Convert it (e.g. to a dict of those) before saving"
+        f"functions and types. " + _fix_for(value)
+    )
+
+
+def _fix_for(value: Any) -> str:
+    if not callable(value):
+        return "Convert it (e.g. to a dict of those) before saving"
+    # A model's activation field (an equinox static field) is saved with its params.
+    return (
+        "A lambda, a nested function or a functools.partial has no name to import it by: "
+        "define it with def at a module's top level (for a partial, a function calling "
+        "the other with those arguments), e.g. in a model's activation field"
     )
 
 

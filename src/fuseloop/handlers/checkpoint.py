@@ -13,13 +13,14 @@ saved too, unless the last checkpoint already holds it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from .._arg_types import is_int, require_room, user_path
-from .._checkpoint import is_save, save_args
+from .._checkpoint import is_save, save_args, to_payload
 from .._checkpoint_paths import TRASH, EpochNames, HiddenTemporaryPath, checkpoint_dirs
 from .._events import event_total
 from .._state import State
@@ -177,6 +178,8 @@ class Checkpointer:
         afresh at the first save (it may have changed in between).
         """
         self.close()
+        if state.step_state is not None:  # refused now, not after an epoch of training
+            to_payload(dataclasses.replace(state, history={}, handler_metadata={}))
         for member in self.members.values():
             member.begin(state)
         self._last_saved, self._numbered = None, 0
