@@ -218,3 +218,54 @@ def test_a_resume_from_a_guard_halt_does_not_carry_its_non_finite_note():
         warnings.simplefilter("ignore")
         again = loop.run(fl.data.arrays(x, y, 8), halted, epochs=1)
     assert "_nonfinite_at" not in again.handler_metadata
+
+
+def _interrupted_at(epoch: int, batch: int):
+    """A callable source of 6 batches an epoch whose `epoch` raises KeyboardInterrupt
+    while its `batch` is pulled (a Ctrl-C in the loader)."""
+    batches, opened = make_batches(6), [-1]
+
+    def source():
+        opened[0] += 1
+        for i, b in enumerate(batches):
+            if opened[0] == epoch and i == batch:
+                raise KeyboardInterrupt("Ctrl-C in the loader")
+            yield b
+
+    return source
+
+
+@pytest.mark.parametrize("fuse", [False, 2, 4])
+def test_a_resume_from_a_keyboard_interrupts_state_says_the_steps_it_repeats(fuse):
+    # Fused, the chunk launched before the interrupt ran whole, though never replayed: its
+    # State counted none of its steps, and a resume trained them twice without a word.
+    with pytest.raises(KeyboardInterrupt) as caught:
+        trainer().run(_interrupted_at(1, 3), epochs=3, fuse=fuse)
+    state = caught.value.fuseloop_state
+    stepped = int(state.step_state["step"])
+    assert stepped > 6 * len(state.history)  # steps beyond the epochs completed
+    with pytest.warns(RuntimeWarning, match=r"stopped inside epoch \d .* after stepping"):
+        trainer().run(make_batches(6), state, epochs=3, fuse=fuse)
+
+
+def test_a_resume_from_an_epoch_end_handlers_failure_says_what_did_not_finish():
+    # The State an epoch_completed handler raised on has that epoch in its history: a
+    # resume starts at the next epoch, so the handlers after it never ran for this one.
+    seen: list[int] = []
+
+    def flaky(state):
+        if state.epoch == 1 and not seen:
+            seen.append(state.epoch)
+            raise OSError("the validation files are on a network share that went away")
+
+    loop = trainer().handle_event("epoch_completed", flaky)
+    with pytest.raises(OSError) as caught:
+        loop.run(make_batches(4), epochs=3)
+    state = caught.value.fuseloop_state
+    assert sorted(state.history) == [0, 1]
+    with pytest.warns(RuntimeWarning, match=r"did not finish epoch 1 .* checkpoint of epoch 0"):
+        resumed = loop.run(make_batches(4), state, epochs=3)
+    assert sorted(resumed.history) == [0, 1, 2]
+    with warnings.catch_warnings():  # its own States say nothing of it again
+        warnings.simplefilter("error")
+        loop.run(make_batches(4), resumed, epochs=4)

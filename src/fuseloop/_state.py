@@ -18,6 +18,7 @@ __all__ = [
     "AHEAD_KEY",
     "HELD_KEY",
     "NONFINITE_KEY",
+    "UNFINISHED_KEY",
     "RunStatus",
     "State",
     "attach_to_error",
@@ -36,6 +37,9 @@ AHEAD_KEY = "_step_state_reached"
 HELD_KEY = "_epoch_steps_held"
 # ... and where the guard (`terminate_on_nan`) met a non-finite loss: {"epoch", "iteration"}.
 NONFINITE_KEY = "_nonfinite_at"
+# ... and the epoch whose `epoch_completed` handlers a raising handler left unfinished (the
+# State it was given): {"epoch", "handler"}; a resume from it starts at the next epoch.
+UNFINISHED_KEY = "_epoch_end_unfinished"
 
 RunStatus: TypeAlias = Literal["running", "completed", "halted"]
 """`State.status`: a run in progress, one that ran all its epochs, or one that halted."""

@@ -24,7 +24,7 @@ from .._events import (
     Registration,
     parse_result,
 )
-from .._state import State
+from .._state import UNFINISHED_KEY, State
 
 __all__ = ["EventBus"]
 
@@ -169,7 +169,13 @@ class EventBus:
                     continue
                 result = registration.handler(state)
             except BaseException as error:
-                self.failed_state = state  # what the run reports as the State reached
+                # What the run reports as the State reached; at an epoch's end it notes
+                # the handlers left unfinished, which a resume from it does not redo.
+                self.failed_state = (
+                    _unfinished(state, registration.label)
+                    if event == Event.EPOCH_COMPLETED
+                    else state
+                )
                 error.add_note(
                     f"fuseloop: raised by handler {registration.label} on event "
                     f"'{event.value}' (epoch {state.epoch}, iteration {state.iteration}; "
@@ -386,3 +392,8 @@ def _refuse_layout_changes(before: Any, after: Any, label: str) -> None:
 
 def _paths(tree: Any) -> set[str]:
     return {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _unfinished(state: State, label: str) -> State:
+    note = {"epoch": state.epoch, "handler": label}
+    return state.replace(handler_metadata={**state.handler_metadata, UNFINISHED_KEY: note})

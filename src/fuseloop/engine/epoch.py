@@ -193,6 +193,8 @@ class EpochLoop:
         """Replays `current` and launches the next chunk: `(status, state, last, next)`."""
         feed = self.feed
         nxt, failed = None, None
+        # Launched, its steps are the carry's: a State leaving from here on says so.
+        self.held = current.end
         if feed.ahead and not current.exhausted:
             # Overlap: the host prepares the next chunk while the device runs this one.
             nxt, failed = self._prepare(current.end)
@@ -215,15 +217,16 @@ class EpochLoop:
             # no copy.
             rollback = self.carry.snapshot()
             speculative = feed.launch(self.carry, nxt)
+            self.held = speculative.end
             if feed.depth > 1 and not speculative.exhausted:
                 # And the chunk after it, so that once the replay's wait ends the host
                 # only has to launch it before the device runs out of work.
                 self.stashed = (speculative.end, *self._prepare(speculative.end))
-        self.held = current.end  # a halt or an error in its replay rolls back to its end
         try:
             status, state, last = self._replay.chunk(state, current)
         except BaseException as error:
             self._undo(rollback, opened_ahead, wait=not isinstance(error, KeyboardInterrupt))
+            self.held = current.end  # rolled back to its end
             raise
         self.latest, self.latest_iteration = state, last
         if status != CONTINUE or self.signals.requested:
@@ -231,6 +234,7 @@ class EpochLoop:
             # An epoch halted at its end lets the next epoch open ahead as it did.
             if not (opened_ahead and status == HALT_EPOCH and not self.signals.requested):
                 self._undo(rollback, opened_ahead)
+            self.held = current.end
             return status, state, last, None
         if failed is not None:
             return self._failed(state, last, failed)

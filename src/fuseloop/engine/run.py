@@ -33,14 +33,9 @@ from .population_run import PopulationHost
 from .programs import Programs
 from .replay import show_nonfinite_halt, warn_nonfinite
 from .resident_start import first_resident_batch, place_dataset
+from .resume import resumed_metadata, warn_on_resume
 from .signals import SignalGuard
-from .start import (
-    agree_across_processes,
-    agree_on_mesh,
-    initial_step_state,
-    resumed_metadata,
-    warn_on_resume,
-)
+from .start import agree_across_processes, agree_on_mesh, initial_step_state
 from .whole_run import WholeRun
 
 __all__ = ["Run"]

@@ -41,9 +41,7 @@ from .._placement import (
     signature_of,
     tree_bytes,
 )
-from .._state import AHEAD_KEY, HELD_KEY, NONFINITE_KEY, POPULATION_KEY, RESTORED_KEY
 from .._variables_diff import warn_other_dtype
-from .._warn import warn
 from .conv_layout import named
 from .population import population_init, require_distinct_members
 from .programs import Programs
@@ -55,8 +53,6 @@ __all__ = [
     "agree_on_mesh",
     "initial_step_state",
     "private_copy",
-    "resumed_metadata",
-    "warn_on_resume",
 ]
 
 
@@ -306,86 +302,3 @@ def _values_of(data: Any) -> str:
     """An in-memory dataset's digest (each process takes its rows of the whole); other
     sources hold each process's own share, so their values differ by design."""
     return source_digest(data) if is_dataset(data) else "per process"
-
-
-def resumed_metadata(given: Any) -> dict[str, Any]:
-    """The handler metadata a run resumed from the State `given` starts with: without what
-    `given` said of its own step state (`warn_on_resume` has said it), which a later State
-    of the resumed run would otherwise repeat."""
-    said = (AHEAD_KEY, RESTORED_KEY, HELD_KEY, NONFINITE_KEY)
-    return {k: v for k, v in given.handler_metadata.items() if k not in said}
-
-
-def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:
-    """Warns where resuming from the State `given` cannot continue as one uninterrupted
-    run: it stopped inside an epoch after stepping some of it (the run repeats that epoch
-    from its first batch, on parameters that already took those steps), or it already ran
-    the `epochs` asked for (nothing is trained)."""
-    done = given.event_counts.get("iteration_completed", {})
-    stepped = done.get("epoch", 0) if isinstance(done, dict) else 0
-    stepped = max(stepped, given.handler_metadata.get(HELD_KEY, 0))  # a fused chunk's rest
-    # restore_best handed back the end of the epoch before the one that resumes (a run
-    # halted inside the epoch after its best): the resumed run starts from there cleanly.
-    clean = given.handler_metadata.get(RESTORED_KEY) == start_epoch - 1
-    # A halted State, or one saved while running (a checkpoint at iteration_completed).
-    inside = given.status != "completed" and given.epoch == start_epoch and stepped > 0
-    # A multi-epoch dispatch's step state ran past the epoch: the warning below says where.
-    ahead = given.handler_metadata.get(AHEAD_KEY)
-    if inside and not clean and ahead is None:
-        warn(
-            f"init_state stopped inside epoch {start_epoch} (status {given.status!r}) after "
-            f"stepping {stepped} of its batches (its "
-            f"last iteration fired: {given.iteration}; both counted from 0, the log's Epoch "
-            f"{start_epoch + 1}, iteration {given.iteration + 1}; a fused run steps a "
-            f"chunk whole); the resumed run starts epoch {start_epoch} again from its "
-            f"first batch, so the batches already stepped train twice. For a run equal to an "
-            f"uninterrupted one, resume from an epoch's end (a Loop.checkpoint at epoch_completed, "
-            f"its default)",
-            RuntimeWarning,
-        )
-    if ahead is not None:
-        warn(
-            f"init_state's step state is from epoch {ahead[0]}, iteration {ahead[1]} (a "
-            f"dispatch of several epochs ran there before its replay raised in epoch "
-            f"{given.epoch}); resuming from epoch {start_epoch} trains those epochs again. "
-            f"Resume from a checkpoint written at an epoch's end, or rerun from the start",
-            RuntimeWarning,
-        )
-    restored = None if clean else _restored_phrase(_running_members_note(given))
-    if restored is not None and start_epoch < epochs:
-        warn(
-            f"{restored} (early_stop's restore_best), while its history runs to epoch "
-            f"{start_epoch - 1}: the resumed run trains epoch {start_epoch} on from those "
-            f"weights, unlike the run it continues. To continue that run, resume from its "
-            f"last epoch's checkpoint (Loop.checkpoint); to fine-tune the best weights, "
-            f"pass state.params as new variables",
-            RuntimeWarning,
-        )
-    if start_epoch >= epochs:
-        warn(
-            f"init_state already ran {start_epoch} epochs and epochs={epochs}: nothing is "
-            f"trained. epochs counts from the first epoch (as Keras's fit with "
-            f"initial_epoch), so pass epochs > {start_epoch} to train more",
-            RuntimeWarning,
-        )
-
-
-def _running_members_note(given: Any) -> Any:
-    """`given`'s note of a restored best epoch; for a population, its running members'
-    only (a halted member stays frozen when the run resumes: nothing trains on from it)."""
-    restored = given.handler_metadata.get(RESTORED_KEY)
-    population = given.handler_metadata.get(POPULATION_KEY)
-    if not isinstance(restored, list) or population is None:
-        return restored
-    return [None if halted else e for e, halted in zip(restored, population["halted"], strict=True)]
-
-
-def _restored_phrase(restored: Any) -> str | None:
-    """What a State says of the best epoch's step state it holds: an epoch (a solo run's)
-    or one per member (None: that member holds its last epoch's)."""
-    if restored is None:
-        return None
-    if not isinstance(restored, list):
-        return f"init_state holds epoch {restored}'s step state"
-    held = [f"member {i} holds epoch {e}'s" for i, e in enumerate(restored) if e is not None]
-    return f"init_state's {', '.join(held)} step state" if held else None

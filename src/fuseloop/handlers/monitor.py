@@ -163,7 +163,7 @@ class EarlyStopping:
             return state
         record = self.monitor.record(state)
         # Which epoch's step state the State holds, where it is not its last epoch's: a
-        # run resumed from it would go on from there (engine/start.py `warn_on_resume`).
+        # run resumed from it would go on from there (engine/resume.py `warn_on_resume`).
         metadata = {k: v for k, v in state.handler_metadata.items() if k != RESTORED_KEY}
         if self._best is None or self._best[0] != (record["best_epoch"], record["best"]):
             if record["best_epoch"] is not None and record["best_epoch"] != state.epoch:
