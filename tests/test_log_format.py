@@ -158,6 +158,21 @@ def test_off_a_terminal_progress_is_one_plain_line_per_epoch(capsys):
     assert lines[2].endswith(format_metrics(state.history[2]))
 
 
+def test_a_source_of_unknown_length_shorter_than_iterations_shows_its_own_length(capsys):
+    # A callable's 6 batches under iterations=10: "6/10" every epoch, as if 4 were missing.
+    loop = fl.trainer(MODEL, LOSS, "adam")
+    loop.run(lambda: iter(list(TRAIN)), epochs=3, iterations=10, progress=True, fuse=2)
+    totals = [line.split(" - ")[1] for line in capsys.readouterr().err.splitlines()]
+    assert totals == ["6/10", "6/6", "6/6"]  # bounded by iterations until an epoch ends
+
+
+def test_a_populations_bar_shows_each_members_metrics(monkeypatch):
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    fl.trainer(MODEL, LOSS, "adam").run(TRAIN, epochs=1, progress=True, population=2)
+    assert re.search(r"loss=\[\d\.\d{4}, \d\.\d{4}\]", terminal.getvalue())
+
+
 @pytest.mark.parametrize("fuse", [False, 4])
 def test_off_a_terminal_an_epoch_ended_by_halt_epoch_is_marked_stopped(capsys, fuse):
     def end_epoch(state):
@@ -260,7 +275,7 @@ def _fake_state(epoch: int, max_iteration: int | None = None) -> State:
 def test_the_bar_knows_its_total_when_the_source_knows_its_length():
     assert epoch_length_of(TRAIN) == 6 and epoch_length_of(TRAIN, iterations=4) == 4
     assert epoch_length_of(iter([(0, 0)])) is None and epoch_length_of(lambda: iter([])) is None
-    assert epoch_length_of(lambda: iter([]), iterations=3) == 3
+    assert epoch_length_of(lambda: iter([]), iterations=3) is None  # at most 3: unknown
     terminal = Terminal()
     bar = ProgressBar.for_data(TRAIN, stream=terminal)
     bar.on_event(Event.EPOCH_STARTED, _fake_state(0))

@@ -6,6 +6,7 @@ import csv
 import io
 import struct
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -210,6 +211,38 @@ def test_csv_adds_a_column_when_a_metric_appears(tmp_path):
     with open(tmp_path / "m.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert [r["extra"] for r in rows] == ["", "2.5", ""]
+
+
+def test_a_metric_named_as_a_csv_column_is_refused_not_written_over_it(tmp_path):
+    # Its value overwrote the epoch column, and a resume then failed reading the file.
+    with pytest.raises(ValueError, match=r"a metric is named 'epoch'.* name='epoch_value'"):
+        _counter_loop().metric(lambda y, p: p, name="epoch").csv_log(tmp_path / "m.csv")
+
+    def named_step(state):
+        return "continue", state.replace(metrics={**state.metrics, "step": 0.5})
+
+    start = {"n": jnp.float32(0.0), "loss": jnp.float32(0.0)}
+    loop = _counter_loop().handle_event("epoch_completed", named_step)
+    with pytest.raises(ValueError, match=r"a metric is named 'step'"):
+        loop.csv_log(tmp_path / "m.csv").run([(0, 0)], start, epochs=2)
+
+
+def test_a_second_csv_writer_on_one_file_is_refused_and_a_shared_logdir_warns_on_resume(
+    tmp_path,
+):
+    # Two CSV writers rewrote each other's rows. Two TensorBoard writers of one logdir:
+    # a resume's purge (at the epoch's step) hid the iteration writer's earlier points.
+    loop = _counter_loop().csv_log(tmp_path / "m.csv")
+    with pytest.raises(ValueError, match=r"another csv_log of this loop writes that file"):
+        loop.csv_log(tmp_path / "." / "m.csv", event="iteration_completed")
+    start = {"n": jnp.float32(0.0), "loss": jnp.float32(0.0)}
+    shared = _counter_loop().tensorboard(tmp_path / "tb")
+    shared = shared.tensorboard(tmp_path / "tb", event="iteration_completed")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fresh run writes both as asked
+        saved = shared.run([(0, 0)] * 2, start, epochs=2)
+    with pytest.warns(UserWarning, match=r"count steps apart .* own logdir"):
+        shared.run([(0, 0)] * 2, saved, epochs=3)
 
 
 def test_writer_arguments_are_checked():

@@ -16,6 +16,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+import numpy as np
+
 from .._events import Event
 from .log import _unwritable, write_above_bars  # the display and the log share them
 
@@ -39,9 +41,9 @@ def epoch_length_of(data: Any, iterations: int | None = None) -> int | None:
         # A tf.data dataset of unknown length, a torch IterableDataset's loader: TypeError.
         with contextlib.suppress(TypeError):
             length = len(data)
-    if iterations is not None:
-        return iterations if length is None else min(length, iterations)
-    return length
+    if iterations is not None and length is not None:
+        return min(length, iterations)
+    return length  # unknown: the display caps it by `iterations` and learns it (`_open`)
 
 
 def _interactive(stream: TextIO) -> bool:
@@ -117,9 +119,10 @@ class ProgressBar:
         stream = self.stream if self.stream is not None else sys.stderr
         if _unwritable(stream):  # no stderr to draw on (pythonw, a daemon): no display
             return
-        total = state.max_iteration or self.epoch_length or self.last_length
-        if state.max_iteration and self.epoch_length:
-            total = min(state.max_iteration, self.epoch_length)
+        known = self.epoch_length or self.last_length  # a source's length, or the last epoch's
+        total = state.max_iteration or known
+        if state.max_iteration and known:
+            total = min(state.max_iteration, known)
         label = epoch_label(state.epoch, state.max_epoch)
         if _interactive(stream):
             from tqdm.auto import tqdm
@@ -149,10 +152,12 @@ class ProgressBar:
     def _show(self, metrics: dict[str, Any]) -> None:
         shown = {}
         for name, value in metrics.items():
-            try:
-                shown[name] = f"{float(value):.4f}"
+            try:  # a population's metrics are arrays, one value per member
+                array = np.asarray(value, dtype=np.float64)
             except (TypeError, ValueError):
                 continue
+            values = ", ".join(f"{v:.4f}" for v in array.ravel())
+            shown[name] = f"[{values}]" if array.ndim else values
         self.bar.set_postfix(shown, refresh=False)
 
     def _write_plain(self, metrics: dict[str, Any], note: str) -> None:

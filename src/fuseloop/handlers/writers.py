@@ -24,6 +24,7 @@ from .._distributed import main_process_only
 from .._events import ITERATION_EVENTS, Event, Filter, closes_on_error, make_filter, normalize_event
 from .._population import population_record
 from .._state import POPULATION_KEY, State
+from .._warn import warn
 
 
 class _Registers(Protocol):
@@ -145,8 +146,10 @@ class CSVWriter:
             "iteration": str(state.iteration),
             "step": str(_step(state, self.event)),
         }
+        metrics = scalar_metrics(state.metrics)
+        _refuse_index_names(metrics, self.path)  # a handler's metric, added after attaching
         # repr is the shortest text that reads back as the same float.
-        row.update({k: repr(v) for k, v in scalar_metrics(state.metrics).items()})
+        row.update({k: repr(v) for k, v in metrics.items()})
         self.written = state.epoch
         new = [name for name in row if name not in self.columns]
         if new:
@@ -204,6 +207,7 @@ class TensorBoardWriter:
             raise ValueError(f"prefix={prefix!r} must be a string")
         self.prefix = prefix
         self._summary_writer()  # a missing tensorboardX is reported at attach time
+        self.beside: Event | None = None  # the event of another writer of the logdir
         self.writer: Any = None
         self.written: int | None = None  # the epoch last written (`catch_up_on_halt`)
 
@@ -228,6 +232,16 @@ class TensorBoardWriter:
         self.written = None
         suffix = f".{os.getpid()}.{next(_writer_ids)}"  # two runs in one second: two files
         purge = _first_step(state, self.event) if state.history else None
+        if purge is not None and self.beside not in (None, self.event):
+            warn(
+                f"tensorboard({str(self.logdir)!r}): this logdir's writers count steps "
+                f"apart ({self.event.value}, {self.beside.value}); a resumed run hides each "
+                f"one's earlier points from the first step it redraws, and TensorBoard "
+                f"hides them in every tag of the logdir, so each hides points of the other "
+                f"that are not redrawn. Give each writer its own logdir, e.g. tb/epoch and "
+                f"tb/iteration",
+                UserWarning,
+            )
         self.writer = self._summary_writer()(
             str(self.logdir), filename_suffix=suffix, purge_step=purge
         )
@@ -267,6 +281,9 @@ def attach_writer(
         >>> [r.name for r in writing.registrations]
         ['csv:start', 'csv', 'csv:close', 'csv:halted', 'csv:close']
     """
+    _check_shared_target(loop, writer, name)
+    if isinstance(writer, CSVWriter):
+        _refuse_index_names([m.name for m in getattr(loop, "metrics", ())], writer.path)
     start = main_process_only(writer.start)
     close = closes_on_error(main_process_only(writer.close))  # a run that raises closes it too
     loop = loop.handle_event("started", start, name=f"{name}:start")
@@ -300,3 +317,41 @@ def catch_up_on_halt(writer: Any, spec: Filter) -> Callable[[State], None]:
         writer(ended)
 
     return write_missed
+
+
+def _refuse_index_names(names: Any, path: Path) -> None:
+    """Refuses a metric named as a CSV index column.
+
+    Its value would overwrite the column (and a resume would read the file's epochs wrong).
+    """
+    for name in names:
+        if name in _INDEX_COLUMNS:
+            raise ValueError(
+                f"csv_log({str(path)!r}): a metric is named {name!r}, as the file's own "
+                f"{name!r} column is, which its value would overwrite; give the metric "
+                f"another name, e.g. loop.metric(fn, name='{name}_value')"
+            )
+
+
+def _check_shared_target(loop: Any, writer: CSVWriter | TensorBoardWriter, name: str) -> None:
+    """Refuses a second CSV writer on one file; notes a TensorBoard writer's neighbour.
+
+    Two CSV writers rewrite each other's rows; a TensorBoard resume's purge hides the other
+    writer's points (TensorBoard purges every tag of a logdir from the step a file gives).
+    """
+    target = _target(writer)
+    for registration in loop.registrations:
+        other = getattr(registration.handler, "__wrapped__", None)
+        if type(other) is not type(writer) or _target(other) != target:
+            continue
+        if isinstance(writer, TensorBoardWriter):
+            writer.beside = other.event  # said when a resume purges (`TensorBoardWriter.start`)
+            continue
+        raise ValueError(
+            f"{name}({str(target)!r}): another {name} of this loop writes that file already "
+            f"(on {other.event.value}); give each writer its own file"
+        )
+
+
+def _target(writer: Any) -> Path:
+    return Path(writer.path if isinstance(writer, CSVWriter) else writer.logdir).resolve()
