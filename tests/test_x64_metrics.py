@@ -58,3 +58,22 @@ def test_early_stop_under_x64_decides_on_float64_values_as_the_host_does():
         assert state.handler_metadata["early_stop:score"]["best_epoch"] == 3
         assert state.history[3]["score"] == 1.0 - 3e-9
     assert runs[0].history == runs[1].history == runs[2].history
+
+
+@pytest.mark.parametrize("fuse", [False, "run"])
+def test_the_learning_rate_under_x64_reads_the_float64_rate_the_optimizer_holds(fuse):
+    x = np.ones((8, 3))
+    with jax.enable_x64(True):
+        loop = fl.trainer(_linear(), "mean_squared_error", "sgd")  # its rate: 0.01
+        state = loop.run(fl.data.arrays(x, x[:, 0], 4), epochs=1, fuse=fuse)
+    assert state.metrics["learning_rate"] == 0.01  # not float32's 0.009999999776
+
+
+def test_a_float64_state_continued_without_x64_is_refused_naming_the_mode():
+    # It was narrowed to float32 and refused as a change the step made, blaming the step.
+    x = np.ones((8, 3))
+    with jax.enable_x64(True):
+        loop = fl.trainer(_linear(), "mean_squared_error", "sgd")
+        state = loop.run(fl.data.arrays(x, x[:, 0], 4), epochs=1)
+    with pytest.raises(ValueError, match=r"as float64, made in JAX's 64-bit mode, which is off"):
+        loop.run(fl.data.arrays(x.astype(np.float32), x[:, 0], 4), state, epochs=2)

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ._sums import accumulator_dtype
+
 __all__ = [
     "OPTIMIZERS",
     "resolve_optimizer",
@@ -327,8 +329,9 @@ def learning_rate_of(tx: Any, opt_state: Any) -> Any | None:
     """The learning rate the last update of `tx` used, read from its new state; None when
     the optimizer does not expose it (jit-able)."""
     rates = find_learning_rates(opt_state)
+    dtype = accumulator_dtype()  # the metric's: float64 under x64, not rounded to float32
     if rates:
-        return jnp.asarray(rates[0], jnp.float32) * _plateau_scale(opt_state)
+        return jnp.asarray(rates[0], dtype) * _plateau_scale(opt_state)
     found = [s for s in _schedules(getattr(tx, "update", None), opt_state) if s.rate]
     if not found:
         return None
@@ -337,7 +340,7 @@ def learning_rate_of(tx: Any, opt_state: Any) -> Any | None:
         node = node[i]
     # scale_by_schedule counts updates; the last one used the count before it advanced.
     # optax folds the descent sign into the scale, so the rate is its magnitude.
-    rate = jnp.abs(jnp.asarray(found[0].schedule(node.count - 1), jnp.float32))
+    rate = jnp.abs(jnp.asarray(found[0].schedule(node.count - 1), dtype))
     return rate * _plateau_scale(opt_state)
 
 
@@ -345,10 +348,10 @@ def _plateau_scale(opt_state: Any) -> Any:
     """The product of the scales of `optax.contrib.reduce_on_plateau` in `opt_state`: it
     multiplies every update, so the rate the step applies is the rate times it (as Keras
     reports the rate its ReduceLROnPlateau lowered)."""
-    scale = jnp.ones((), jnp.float32)
+    scale = jnp.ones((), accumulator_dtype())
     for node in jax.tree.leaves(opt_state, is_leaf=_is_plateau_state):
         if _is_plateau_state(node):
-            scale = scale * jnp.asarray(node.scale, jnp.float32)
+            scale = scale * jnp.asarray(node.scale, scale.dtype)
     return scale
 
 

@@ -99,6 +99,24 @@ def first_difference(given: Any, fresh: Any) -> str:
     return ""
 
 
+def refuse_narrowed_state(step_state: Any) -> None:
+    """Refuses a resumed State's step state holding 64-bit leaves while JAX's 64-bit mode
+    is off (a State of a run under x64, continued after it was turned off): they would be
+    narrowed to 32 bits, as `fl.load_state` refuses to load them."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(step_state)[0]:
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or np.dtype(dtype).kind not in "fiuc":
+            continue
+        if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+            raise ValueError(
+                f"init_state: the State holds step_state{jax.tree_util.keystr(path)} as "
+                f"{dtype}, made in JAX's 64-bit mode, which is off now: continued, it would "
+                f"be narrowed to 32 bits. Turn the mode on to continue it "
+                f"(jax.config.update('jax_enable_x64', True)), or start from its params "
+                f"cast to 32 bits with a fresh optimizer state"
+            )
+
+
 def warn_other_dtype(given: Any, fresh: Any) -> None:
     """Warns where a resumed State holds a param in another dtype than the model makes it
     (a bfloat16 State resumed by a model now built with float32 params): the run goes on

@@ -41,7 +41,7 @@ from .._placement import (
     signature_of,
     tree_bytes,
 )
-from .._variables_diff import warn_other_dtype
+from .._variables_diff import refuse_narrowed_state, warn_other_dtype
 from .conv_layout import named
 from .population import population_init, require_distinct_members
 from .programs import Programs
@@ -241,6 +241,7 @@ def initial_step_state(
     if program.kind == "evaluator":  # not donated: the caller's params are only read
         return Start(program.init(first, user_state))
     if resuming:
+        refuse_narrowed_state(user_state)
         if fit is not None and fit.checked and isinstance(user_state, dict):
             warn_other_dtype(user_state.get("params"), fit.fresh)
         return Start(private_copy(user_state))
