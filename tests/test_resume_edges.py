@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import warnings
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -269,3 +271,25 @@ def test_a_resume_from_an_epoch_end_handlers_failure_says_what_did_not_finish():
     with warnings.catch_warnings():  # its own States say nothing of it again
         warnings.simplefilter("error")
         loop.run(make_batches(4), resumed, epochs=4)
+
+
+@pytest.mark.parametrize("fuse", [False, 2])
+def test_a_custom_loop_holding_a_typed_key_resumes(fuse):
+    # A check of a resumed State's 64-bit leaves read every leaf's numpy dtype; a typed
+    # key (jax.random.key) has none, and the resume failed with a TypeError.
+    def init_fn(batch, _):
+        return {"key": jax.random.key(0), "step": jnp.zeros((), jnp.int32)}
+
+    def step_fn(batch, state):
+        key, _ = jax.random.split(state["key"])
+        return {"key": key, "step": state["step"] + 1}
+
+    loop = fl.loop(step_fn, init_fn)
+    batches = [(np.zeros((2, 1), np.float32), np.zeros(2, np.float32))] * 3
+    whole = loop.run(batches, 0, epochs=2, fuse=fuse)
+    resumed = loop.run(batches, loop.run(batches, 0, epochs=1, fuse=fuse), epochs=2, fuse=fuse)
+    assert int(resumed.step_state["step"]) == int(whole.step_state["step"]) == 6
+    same = jax.random.key_data(resumed.step_state["key"]) == jax.random.key_data(
+        whole.step_state["key"]
+    )
+    assert bool(np.all(same))

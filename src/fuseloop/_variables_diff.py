@@ -105,7 +105,9 @@ def refuse_narrowed_state(step_state: Any) -> None:
     narrowed to 32 bits, as `fl.load_state` refuses to load them."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(step_state)[0]:
         dtype = getattr(leaf, "dtype", None)
-        if dtype is None or np.dtype(dtype).kind not in "fiuc":
+        if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+            continue  # a typed PRNG key (jax.random.key) has no numpy dtype, nor 64 bits
+        if np.dtype(dtype).kind not in "fiuc":
             continue
         if jax.dtypes.canonicalize_dtype(dtype) != dtype:
             raise ValueError(
