@@ -315,6 +315,35 @@ def test_a_pairwise_loss_and_metric_of_a_column_output_run_and_a_crossing_where_
         fl.trainer(fl.models.mlp([8, 1]), crossing, "sgd").run([(x, y)])
 
 
+def test_a_loss_and_metric_marked_pairwise_compare_every_target_with_every_prediction():
+    # A retrieval score and a contrastive loss between predicted and target embeddings
+    # broadcast one against the other on purpose: refused with no way out, while the same
+    # metric written with a matmul ran.
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(16, 4)).astype(np.float32)
+    y = (x @ rng.normal(size=(4, 4))).astype(np.float32)
+
+    def retrieval_at_1(t, p):
+        distance = jnp.sum((p[:, None, :] - t[None, :, :]) ** 2, -1)
+        return (jnp.argmin(distance, -1) == jnp.arange(t.shape[0])).astype(jnp.float32)
+
+    def contrastive(t, p):
+        logits = -jnp.sum((p[:, None, :] - t[None, :, :]) ** 2, -1)
+        labels = jnp.arange(t.shape[0])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    model = fl.models.mlp([8, 4])
+    with pytest.raises(ValueError, match=r"pass fl.pairwise\(retrieval_at_1\) instead"):
+        fl.trainer(model, "mean_squared_error", "sgd").metric(retrieval_at_1).run([(x, y)])
+    loop = fl.trainer(model, fl.pairwise(contrastive), "sgd").metric(fl.pairwise(retrieval_at_1))
+    state = loop.run([(x, y)], epochs=2)
+    p = np.asarray(fl.predict(model, state, x))
+    nearest = np.argmin(((p[:, None, :] - y[None, :, :]) ** 2).sum(-1), -1)
+    evaluated = fl.evaluator(model).metric(fl.pairwise(retrieval_at_1)).run([(x, y)], state)
+    assert evaluated.metrics["retrieval_at_1"] == np.mean(nearest == np.arange(16))
+    assert np.isfinite(state.metrics["loss"]) and "retrieval_at_1" in state.history[1]
+
+
 @pytest.mark.parametrize("batch", [1, 6])
 def test_a_time_step_distance_shaped_like_the_cross_at_this_batch_size_is_not_refused(batch):
     """(B, T) targets and a (B, T, 1) output broadcast to (B, B, T); a (B, T, T) distance

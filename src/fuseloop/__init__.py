@@ -24,6 +24,7 @@ from ._distributed import all_processes, is_main_process, main_process_only
 from ._events import Event
 from ._fusion import FusionError
 from ._loop import Loop, evaluator, loop, trainer
+from ._pairwise import pairwise
 from ._predict import predict
 from ._state import State
 from .handlers.plot import plot_history
@@ -45,6 +46,7 @@ __all__ = [
     "loop",
     "main_process_only",
     "models",
+    "pairwise",
     "plot_history",
     "predict",
     "save_state",

@@ -1,14 +1,12 @@
 """A user's loss or metric function, called with the targets and outputs as they are.
 
-A hand-written optax loop hands `loss(y_true, y_pred)` the batch's targets and the model's
-output as they come, so that is what fuseloop hands a user's function. Keras instead makes
-them one rank first ((B,) targets against a (B, 1) output become (B, 1) and (B, 1)); either
-convention silently breaks code written for the other: `y_pred - y_true` broadcasts (B,)
-against (B, 1) to (B, B), and `y_pred[:, 0] - y_true` does the same once Keras has expanded
-the targets. So the function is traced on each new signature, and an operation that
-broadcasts a value computed from a target against one computed from the outputs across
-examples stops the run with an error that names the fix (docs/design.md §5); a pairwise
-loss, whose (B, B) arrays come from the targets alone and the outputs alone, runs. A cross
+A hand-written optax loop hands `loss(y_true, y_pred)` the targets and outputs as they
+come, and so does fuseloop; Keras makes them one rank first. Either convention silently
+breaks code written for the other (`y_pred - y_true` of (B, 1) and (B,) is (B, B)), so the
+function is traced on each new signature, and an operation that broadcasts a value computed
+from a target against one computed from the outputs across examples stops the run with an
+error that names the fix (docs/design.md §5). A pairwise loss whose (B, B) arrays come from
+the targets alone and the outputs alone runs, as does one marked `fl.pairwise`. A cross
 found is traced again at another batch size, so a shape that only looks like one at this
 batch's size (a (B, T, T) distance where B is T) is not refused. Where the leaves share no
 batch axis, an array of the leaves' cross shape built from both is refused instead.
@@ -25,6 +23,8 @@ import jax
 import numpy as np
 import optax
 
+from ._pairwise import is_pairwise
+
 __all__ = ["refusing_cross_broadcast"]
 
 Shape = tuple[int, ...]
@@ -36,7 +36,6 @@ def refusing_cross_broadcast(fn: Callable[..., Any], kind: str, name: str) -> Ca
     prediction (`kind`: "loss" or "metric", `name`: its name, for the message).
 
     Example:
-        >>> import numpy as np
         >>> per_example = refusing_cross_broadcast(lambda t, p: p[:, 0] - t, "loss", "l")
         >>> per_example(np.zeros(4), np.zeros((4, 1))).shape
         (4,)
@@ -48,6 +47,8 @@ def refusing_cross_broadcast(fn: Callable[..., Any], kind: str, name: str) -> Ca
     """
     _refuse_optax_order(fn, kind)
     checked: set[Any] = set()
+    if is_pairwise(fn):  # every target against every prediction, on purpose
+        return fn
 
     @functools.wraps(fn)
     def called(y_true: Any, y_pred: Any) -> Any:
@@ -61,8 +62,7 @@ def refusing_cross_broadcast(fn: Callable[..., Any], kind: str, name: str) -> Ca
 
 
 def _signature(y_true: Any, y_pred: Any) -> Any:
-    """The structures, shapes and dtypes of the targets and outputs (None where a leaf is
-    not an array)."""
+    """The targets' and outputs' structures, shapes and dtypes (None: a leaf is no array)."""
     described = []
     for tree in (y_true, y_pred):
         leaves, structure = jax.tree.flatten(tree)
@@ -331,8 +331,8 @@ def _cross_message(pair: _Crossed, kind: str, name: str, inside: bool = False) -
         f"target against every prediction, which a {kind} rarely means. fuseloop passes "
         f"both as they are (as a hand-written optax loop does; Keras would first make them "
         f"one rank). Make them one shape inside the {kind} {fix}, or in the model's output "
-        f"or the data's y. (A pairwise {kind} runs where it builds its (B, B) terms from "
-        f"the targets alone and from the outputs alone, then combines them.)"
+        f"or the data's y. If every target against every prediction is meant (a retrieval "
+        f"score, a contrastive {kind}), pass fl.pairwise({name}) instead"
     )
 
 
