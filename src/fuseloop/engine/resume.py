@@ -30,8 +30,9 @@ def resumed_metadata(given: Any) -> dict[str, Any]:
 def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:
     """Warns where resuming from the State `given` cannot continue as one uninterrupted
     run: it stopped inside an epoch after stepping some of it (the run repeats that epoch
-    from its first batch, on parameters that already took those steps), or it already ran
-    the `epochs` asked for (nothing is trained)."""
+    from its first batch, on parameters that already took those steps), an epoch's end
+    handlers did not finish on it (the run does not redo them), or it already ran the
+    `epochs` asked for (nothing is trained)."""
     done = given.event_counts.get("iteration_completed", {})
     stepped = done.get("epoch", 0) if isinstance(done, dict) else 0
     stepped = max(stepped, given.handler_metadata.get(HELD_KEY, 0))  # a fused chunk's rest
