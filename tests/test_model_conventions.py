@@ -265,3 +265,42 @@ def test_a_lambda_activation_field_is_refused_by_a_checkpoint_before_training_na
     state = loop.run(_regression(), epochs=1)  # trains; only its save is refused
     with pytest.raises(ValueError, match=r"define it with def at a module's top level"):
         fl.save_state(state, tmp_path / "state")
+
+
+def test_an_nnx_module_changed_after_the_trainer_took_it_is_named_not_blamed_on_x():
+    # A new head or a changed dropout rate was reported as "x does not fit the model".
+    model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.Dropout(0.1))
+    loop = fl.trainer(model, "mean_squared_error", "sgd")
+    model.layers[1].rate = 0.5
+    with pytest.raises(fl.models.ModelConventionError, match=r"^the nnx module changed"):
+        loop.run(_regression())
+
+
+def test_an_evaluator_given_no_variables_names_an_nnx_module_as_its_own():
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    evaluator = fl.evaluator(model, "mean_squared_error")
+    with pytest.raises(ValueError, match=r"a module built with its weights is one: \.run"):
+        evaluator.run(_regression())
+    assert np.isfinite(evaluator.run(_regression(), model).metrics["loss"])
+
+
+class _Sowing(nnx.Module):
+    def __init__(self):
+        self.linear = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        self.sow(nnx.Intermediate, "features", x)
+        return self.linear(x)
+
+
+def test_what_a_shape_check_sowed_is_refused_by_a_trainer_naming_nnx_pop():
+    # A `model(x)` before training left a sown tuple the trainer carried and grew: the
+    # run failed on a step-state structure change.
+    checked = _Sowing()
+    checked(jnp.ones((2, 4)))
+    with pytest.raises(fl.models.ModelConventionError, match=r"nnx.pop\(model, nnx.Interm"):
+        fl.trainer(checked, "mean_squared_error", "sgd").run(_regression())
+    nnx.pop(checked, nnx.Intermediate)  # the fix it names
+    popped = fl.trainer(checked, "mean_squared_error", "sgd").run(_regression())
+    fresh = fl.trainer(_Sowing(), "mean_squared_error", "sgd").run(_regression())
+    assert_tree_equal(popped.params, fresh.params)

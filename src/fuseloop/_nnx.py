@@ -12,13 +12,15 @@ from typing import Any
 
 import jax
 
-from ._linen import TRAIN_FLAGS, call_flags, flag_values
+from ._linen import TRAIN_FLAGS, ModelConventionError, call_flags, flag_values
 from ._nnx_checks import (
     eval_flags,
     output_reads_inputs,
+    raw_value,
     refuse_eval_draws,
     refuse_other_shapes,
     refuse_param_writes,
+    refuse_sown_before,
     rng_counts,
 )
 from ._warn import warn
@@ -88,7 +90,7 @@ class from_nnx:  # noqa: N801
             [1.0, 1.0]
         """
         self.check_structure()
-        values = [_raw_value(v) for v in self._graph.variables]
+        values = [raw_value(v) for v in self._graph.variables]
         if self._read is not None and all(map(operator.is_, values, self._read[0])):
             return self._read[1]
         _, params, *others = self._nnx.split(self.module, self._nnx.Param, ...)
@@ -159,7 +161,7 @@ class from_nnx:  # noqa: N801
             >>> model.check_structure()
             Traceback (most recent call last):
             ...
-            ValueError: the nnx module changed structure after fuseloop took it: kernel ...
+            fuseloop._linen.ModelConventionError: the nnx module changed structure ... kernel ...
         """
         if not self._graph.unchanged():
             self._graph = self._graph.rebuilt()  # a Variable or submodule was replaced
@@ -192,6 +194,8 @@ class from_nnx:  # noqa: N801
 
     def _run(self, variables: Any, x: Any, train: bool) -> tuple[Any, Any]:
         nnx = self._nnx
+        if train:
+            refuse_sown_before(self._held, self.module)
         module = self._merged(variables, train)
         # Training must not write Params; evaluation must not draw random numbers.
         before = _param_values(module) if train else rng_counts(module)
@@ -279,7 +283,7 @@ class _Graph:
         """The module's graph now; a ValueError if its structure is not the one traced."""
         fresh = _Graph(self.module)
         if fresh.layout != self.layout:
-            raise ValueError(_changed_structure(self.layout, fresh.layout))
+            raise ModelConventionError(_changed_structure(self.layout, fresh.layout))
         return fresh
 
 
@@ -306,7 +310,7 @@ def _layout(nodes: dict[Any, Any]) -> dict[Any, Any]:
         if path and (path[-1] in _MODE_ATTRIBUTES or _internal(path)):
             continue
         if isinstance(node, nnx.Variable):
-            value = _raw_value(node)
+            value = raw_value(node)
             shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
             layout[path] = (type(node), shape, dtype)
         elif nnx.graph.is_graph_node(node):
@@ -354,13 +358,7 @@ def _param_values(module: Any) -> dict[Any, Any]:
     from flax import nnx
 
     nodes = nnx.iter_graph(module)
-    return {path: _raw_value(node) for path, node in nodes if isinstance(node, nnx.Param)}
-
-
-def _raw_value(variable: Any) -> Any:
-    """What a Variable holds, without the checks of `.value` (older flax: `raw_value`)."""
-    get = getattr(variable, "get_raw_value", None)
-    return get() if get is not None else variable.raw_value
+    return {path: raw_value(node) for path, node in nodes if isinstance(node, nnx.Param)}
 
 
 def set_nnx_mode(module: Any, train: bool) -> None:

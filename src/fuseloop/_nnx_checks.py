@@ -15,9 +15,11 @@ from ._linen import TRAIN_FLAGS, ModelConventionError
 __all__ = [
     "eval_flags",
     "output_reads_inputs",
+    "raw_value",
     "refuse_eval_draws",
     "refuse_other_shapes",
     "refuse_param_writes",
+    "refuse_sown_before",
     "rng_counts",
 ]
 
@@ -138,3 +140,24 @@ def output_reads_inputs(closed: Any, inputs: int) -> bool:
         if any(isinstance(v, Var) and v in read for v in equation.invars):
             read.update(equation.outvars)
     return any(isinstance(v, Var) and v in read for v in jaxpr.outvars)
+
+
+def raw_value(variable: Any) -> Any:
+    """What a Variable holds, without the checks of `.value` (older flax: `raw_value`)."""
+    get = getattr(variable, "get_raw_value", None)
+    return get() if get is not None else variable.raw_value
+
+
+def refuse_sown_before(held: set[Any], module: Any) -> None:
+    """Refuses values an earlier call sowed (a shape check, `model(x)`, before the trainer
+    took the module): held as the module's own, each training call would add to them."""
+    from flax import nnx
+
+    nodes = nnx.iter_graph(module)
+    sown = [p for p, n in nodes if tuple(p) in held and isinstance(raw_value(n), tuple)]
+    if sown:
+        raise ModelConventionError(
+            f"the nnx module holds what an earlier call sowed ({'.'.join(map(str, sown[0]))}, "
+            f"an nnx.Intermediate), which a trainer would carry as state and add to at every "
+            f"step: drop it before building the trainer, nnx.pop(model, nnx.Intermediate)"
+        )

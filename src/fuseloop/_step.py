@@ -246,9 +246,11 @@ def evaluator_program(model: Any, loss: Any = None) -> Program:
 
     def init(first_batch: Any, variables: Any) -> dict[str, Any]:
         if variables is None:
+            built = getattr(adapter, "initialised_when_built", None)  # nnx, equinox
             raise ValueError(
                 "init_state: an evaluator needs trained variables (or a State holding "
                 "them): evaluator(model).run(data, params)"
+                + ("; a module built with its weights is one: .run(data, model)" if built else "")
             )
         return {"params": variables}
 
