@@ -152,6 +152,8 @@ class ProgressBar:
     def _show(self, metrics: dict[str, Any]) -> None:
         shown = {}
         for name, value in metrics.items():
+            if value is None:  # not a number (np.asarray would make it nan)
+                continue
             try:  # a population's metrics are arrays, one value per member
                 array = np.asarray(value, dtype=np.float64)
             except (TypeError, ValueError):
