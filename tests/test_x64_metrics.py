@@ -4,6 +4,8 @@ float64 model's monitors compare), fused and unfused alike."""
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,3 +79,20 @@ def test_a_float64_state_continued_without_x64_is_refused_naming_the_mode():
         state = loop.run(fl.data.arrays(x, x[:, 0], 4), epochs=1)
     with pytest.raises(ValueError, match=r"as float64, made in JAX's 64-bit mode, which is off"):
         loop.run(fl.data.arrays(x.astype(np.float32), x[:, 0], 4), state, epochs=2)
+
+
+def test_a_state_of_host_float64_leaves_resumes_narrowed_as_fresh_variables_are():
+    # Only 64-bit mode makes a float64 jax array: numpy float64 params (read from a file)
+    # in a State were refused as if the State came from it.
+    x = np.ones((8, 3), np.float32)
+    loop = fl.trainer(_linear(), "mean_squared_error", "sgd")
+    state = loop.run(fl.data.arrays(x, x[:, 0], 4), epochs=1)
+    host = jax.tree.map(lambda a: np.asarray(a, np.float64), state.params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # it trains as the model makes it
+        resumed = loop.run(
+            fl.data.arrays(x, x[:, 0], 4),
+            state.replace(step_state={**state.step_state, "params": host}),
+            epochs=2,
+        )
+    assert sorted(resumed.history) == [0, 1]

@@ -100,12 +100,13 @@ def first_difference(given: Any, fresh: Any) -> str:
 
 
 def refuse_narrowed_state(step_state: Any) -> None:
-    """Refuses a resumed State's step state holding 64-bit leaves while JAX's 64-bit mode
-    is off (a State of a run under x64, continued after it was turned off): they would be
-    narrowed to 32 bits, as `fl.load_state` refuses to load them."""
+    """Refuses a resumed State's step state holding 64-bit jax arrays while JAX's 64-bit
+    mode is off (a State of a run under x64, continued after it was turned off): they would
+    be narrowed to 32 bits, as `fl.load_state` refuses to load them. Host (numpy) leaves
+    are narrowed as a fresh run's variables are: only x64 makes a 64-bit jax array."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(step_state)[0]:
         dtype = getattr(leaf, "dtype", None)
-        if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        if not isinstance(leaf, jax.Array) or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
             continue  # a typed PRNG key (jax.random.key) has no numpy dtype, nor 64 bits
         if np.dtype(dtype).kind not in "fiuc":
             continue
@@ -143,7 +144,10 @@ def warn_other_dtype(given: Any, fresh: Any) -> None:
         made: Any = theirs.get(path)
         if not (hasattr(leaf, "dtype") and hasattr(made, "dtype")):
             continue
-        if leaf.dtype != made.dtype and np.shape(leaf) == np.shape(made):
+        # (A host float64 leaf while 64-bit mode is off trains narrowed: no other dtype.)
+        extended = jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)
+        trained_in = leaf.dtype if extended else jax.dtypes.canonicalize_dtype(leaf.dtype)
+        if trained_in != made.dtype and np.shape(leaf) == np.shape(made):
             cast = (
                 f"jax.tree.map(lambda a: a.astype(jnp.{made.dtype}) if a.dtype == "
                 f"jnp.{leaf.dtype} else a, state.params)"
