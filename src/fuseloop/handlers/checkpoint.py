@@ -13,16 +13,16 @@ saved too, unless the last checkpoint already holds it.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from .._arg_types import is_int, require_room, user_path
-from .._checkpoint import is_save, save_args, to_payload
+from .._checkpoint import is_save, save_args
 from .._checkpoint_paths import TRASH, EpochNames, HiddenTemporaryPath, checkpoint_dirs
 from .._events import event_total
+from .._json_tree import encode
 from .._state import State
 from .._types import Status
 from .._warn import warn
@@ -179,7 +179,7 @@ class Checkpointer:
         """
         self.close()
         if state.step_state is not None:  # refused now, not after an epoch of training
-            to_payload(dataclasses.replace(state, history={}, handler_metadata={}))
+            encode(state.step_state, [], "step_state")  # its structure: no array is read
         for member in self.members.values():
             member.begin(state)
         self._last_saved, self._numbered = None, 0
