@@ -321,10 +321,12 @@ class Run:
     def _iterator(self, epoch: int) -> Any:
         if self._epoch_loop.opened_for(epoch):
             return None  # opened early, with its own iterator
+        if epoch != self.start_epoch:
+            return self.source.epoch_iterator(epoch)
         # A list's or re-iterable's first epoch opens anew after `started` and
         # `epoch_started` handlers, which may change it (docs/data.md); others keep theirs.
         handled = self.bus.has(Event.STARTED) or self.bus.has(Event.EPOCH_STARTED)
-        if epoch != self.start_epoch or (handled and self.source.kind == "reiterable"):
+        if handled and self.source.kind == "reiterable":
             return self.source.epoch_iterator(epoch)
         return self.first_iterator
 

@@ -171,17 +171,18 @@ class Checkpointer:
         """
         self._numbered = self._next_number(self._open())
 
-    def begin(self, state: State) -> None:
+    def begin(self, state: State, check: bool = True) -> None:
         """A run starts (a handler for "started"): the last run's saves are not its own.
 
         What the last run saved does not count as this run's, and the directory is read
-        afresh at the first save (it may have changed in between).
+        afresh at the first save (it may have changed in between). With `check`, a step
+        state no save could hold is refused now (a population's member savers skip it).
         """
         self.close()
-        if state.step_state is not None:  # refused now, not after an epoch of training
+        if check and state.step_state is not None:  # refused now, not after an epoch
             encode(state.step_state, [], "step_state")  # its structure: no array is read
         for member in self.members.values():
-            member.begin(state)
+            member.begin(state, check=False)  # the same step state, checked above
         self._last_saved, self._numbered = None, 0
         self._resumed = bool(state.history)  # a fresh run is told of saves it did not make
 
