@@ -85,7 +85,7 @@ class from_nnx:  # noqa: N801
             >>> from flax import nnx
             >>> layer = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
             >>> model = from_nnx(layer)
-            >>> layer.bias.value = layer.bias.value + 1.0
+            >>> layer.bias[...] = layer.bias[...] + 1.0
             >>> model.current_variables()["params"]["bias"].tolist()
             [1.0, 1.0]
         """
@@ -345,7 +345,7 @@ def _changed_structure(old: dict[Any, Any], new: dict[Any, Any]) -> str:
         f"or a changed static attribute). Build the loop again from the changed "
         f"module (fl.trainer(model, ...), fl.evaluator(model, ...), .validate(model, ...)); "
         f"to load weights into the same structure, assign values (nnx.update(model, state) "
-        f"or variable.value = ...)"
+        f"or variable[...] = ...)"
     )
 
 

@@ -92,7 +92,7 @@ def rng_counts(module: Any) -> dict[Any, tuple[str, Any]]:
     from flax import nnx
 
     return {
-        path: (str(getattr(node, "tag", path[-1])), getattr(node.count, "raw_value", None))
+        path: (str(getattr(node, "tag", path[-1])), raw_value(node.count))
         for path, node in nnx.iter_graph(module)
         if isinstance(node, nnx.RngStream)
     }
@@ -143,9 +143,10 @@ def output_reads_inputs(closed: Any, inputs: int) -> bool:
 
 
 def raw_value(variable: Any) -> Any:
-    """What a Variable holds, without the checks of `.value` (older flax: `raw_value`)."""
+    """What a Variable holds, without the checks of `.value` (None for what is no
+    Variable). Newer flax reads it with `get_raw_value()` and deprecates `raw_value`."""
     get = getattr(variable, "get_raw_value", None)
-    return get() if get is not None else variable.raw_value
+    return get() if get is not None else getattr(variable, "raw_value", None)
 
 
 def refuse_sown_before(held: set[Any], module: Any) -> None:
