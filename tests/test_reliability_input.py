@@ -541,6 +541,29 @@ def test_int64_values_beyond_32_bits_are_refused_not_wrapped(source, fuse):
         loop.run(data(13), epochs=1, fuse=fuse)  # in a later batch than the first
 
 
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_an_int64_leaf_after_an_int32_first_batch_is_read_too(fuse):
+    # One file's ids inferred as int32, a later one's as int64: the later values would
+    # wrap as silently (unfused), and a fused run's fix is a cast, which would wrap them.
+    ids, y = _ids(13 if fuse is False else 5)  # a fused chunk's first int64 batch: 1
+    batches = [(ids[i : i + 4], y[i : i + 4].astype(np.int32)) for i in range(0, 24, 4)]
+    batches[0] = (batches[0][0].astype(np.int32), batches[0][1])
+    at = 3 if fuse is False else 1
+    beyond = rf"epoch 0, iteration {at}: x holds int64 values beyond int32's range.*8589934599"
+    with pytest.raises(ValueError, match=beyond):
+        fl.trainer(_Buckets(), "sparse_categorical_cross_entropy", "sgd").run(batches, fuse=fuse)
+    variables = _Buckets().init(jax.random.PRNGKey(0), ids[:4])
+    with pytest.raises(ValueError, match=beyond):
+        fl.evaluator(_Buckets(), "sparse_categorical_cross_entropy").run(batches, variables)
+    batches[at] = (_ids(None)[0][4 * at : 4 * at + 4], batches[at][1])  # now in range
+    loop = fl.trainer(_Buckets(), "sparse_categorical_cross_entropy", "sgd")
+    if fuse is False:
+        loop.run(batches, fuse=fuse)  # the unfused run converts it
+    else:  # the fix is a cast, which would wrap values beyond int32: the message says so
+        with pytest.raises(fl.FusionError, match=r"astype\('int32'\)\), where values beyond"):
+            loop.run(batches, fuse=fuse)
+
+
 @pytest.mark.parametrize("leaf", ["x", "y"])
 def test_a_big_endian_array_is_refused_with_the_conversion_and_arrays_converts_it(leaf):
     x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)

@@ -43,11 +43,8 @@ __all__ = ["Checker"]
 
 
 class Checker:
-    """Checks batches as they arrive; cheap enough to run on every batch.
-
-    Args:
-        program: The loop's `Program` (its kind, model and loss decide what is checked).
-    """
+    """Checks batches as they arrive; cheap enough to run on every batch. `program`: the
+    loop's `Program` (its kind, model and loss decide what is checked)."""
 
     def __init__(self, program: Any, cache: dict[Any, Any] | None = None, jit: bool = True):
         self.program, self.jit = program, jit
@@ -174,10 +171,10 @@ class Checker:
         fused: bool,
     ) -> None:
         """A batch whose signature was not seen before: accept it, warn, or raise."""
-        where = f"data: the batch at epoch {epoch}, iteration {iteration}"
+        step = f"epoch {epoch}, iteration {iteration}"
+        at, where = f"the batch at {step}", f"data: the batch at {step}"
         error = FusionError if fused else ValueError
         if self.pairs:  # the same errors fused and unfused: checked before any fusion error
-            at = f"the batch at epoch {epoch}, iteration {iteration}"
             require_pair(batch, at)
             check_python_lists(batch, at)
             check_pair_sizes(batch, at, self.named_loss)
@@ -187,6 +184,8 @@ class Checker:
                 f"{self.treedef}; every batch must have the same structure (the same "
                 f"containers, keys and number of arrays)"
             )
+        # values a cast would wrap are refused before a mismatch, whose fix is a cast
+        self.narrowing.note_later(signature, self.names, leaves, step)
         ragged_sizes = set()
         for name, expected, actual in zip(self.names, self.expected, signature, strict=True):
             if self._same(expected, actual, fused):
@@ -274,6 +273,8 @@ class Checker:
         )
         if expected[0] == actual[0]:  # the dtype alone differs
             fix = f"cast it to {expected[1]} where the batches are made (.astype('{expected[1]}'))"
+            if isinstance(actual[1], np.dtype) and actual[1] in (np.int64, np.uint64):
+                fix += ", where values beyond its range would wrap: map them into range first"
             if unfused_takes_it:
                 fix += "; fused chunks stack one dtype per leaf (fuse=False converts)"
         elif unfused_takes_it:
@@ -296,13 +297,9 @@ class Checker:
         )
 
     def _leaf_name(self, path: tuple[Any, ...]) -> str:
-        if (
-            self.pairs
-            and path
-            and isinstance(path[0], jax.tree_util.SequenceKey)
-            and (path[0].idx in (0, 1))
-        ):
-            return ("x", "y")[path[0].idx] + jax.tree_util.keystr(path[1:])
+        head = path[0] if path else None
+        if self.pairs and isinstance(head, jax.tree_util.SequenceKey) and head.idx in (0, 1):
+            return ("x", "y")[head.idx] + jax.tree_util.keystr(path[1:])
         return "batch" + jax.tree_util.keystr(path)
 
     def dataset(self, data: Any) -> None:

@@ -38,11 +38,22 @@ class Narrowing:
 
     def note(self, expected: Sequence[tuple[Any, Any]]) -> None:
         """A run's first batch's `(shape, dtype)` per leaf: whether its batches are read."""
-        dtypes = [dtype for _, dtype in expected if isinstance(dtype, np.dtype)]
-        self.ints = not jax.config.read("jax_enable_x64") and any(
-            dtype in _WIDE_INTS for dtype in dtypes
-        )
+        self.ints = _narrowed_ints(expected)
         self.vouched = False
+
+    def note_later(
+        self,
+        signature: Sequence[tuple[Any, Any]],
+        names: Sequence[str],
+        leaves: Sequence[Any],
+        where: str,
+    ) -> None:
+        """A later batch of a new `(shape, dtype)` per leaf: its 64-bit integer leaves are
+        checked now, and the run's batches read from then on (a leaf that was int32 in the
+        first batch may come as int64 from a later file, and would wrap as silently)."""
+        if _narrowed_ints(signature):
+            self.ints = True
+            self.check_ints(names, leaves, where)
 
     @staticmethod
     def refuse_byte_order(names: Sequence[str], expected: Sequence[tuple[Any, Any]]) -> None:
@@ -139,3 +150,9 @@ def native_order(array: np.ndarray) -> np.ndarray:
 
 def _numpy_of(leaf: Any, kind: str) -> bool:
     return isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype == np.dtype(kind)
+
+
+def _narrowed_ints(signature: Sequence[tuple[Any, Any]]) -> bool:
+    """Whether JAX narrows a 64-bit integer leaf of `signature` (x64 off)."""
+    wide = any(isinstance(dtype, np.dtype) and dtype in _WIDE_INTS for _, dtype in signature)
+    return wide and not jax.config.read("jax_enable_x64")
