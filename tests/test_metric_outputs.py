@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -32,6 +33,38 @@ def test_a_metric_returning_several_values_is_refused_with_or_without_jit(metric
     loop = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "sgd")
     with pytest.raises(TypeError, match=f"metric 'm' returned a {kind}, not an array"):
         loop.metric(metric, name="m").run(fl.data.arrays(_X, _Y, batch_size=8), jit=jit)
+
+
+def _per_class_hits(y_true, y_pred):  # one count per class, not per example
+    return jnp.sum(jax.nn.one_hot(y_true, 3) * jax.nn.one_hot(jnp.argmax(y_pred, -1), 3), 0)
+
+
+def test_a_metric_of_another_leading_axis_than_the_batch_is_refused_not_averaged():
+    loop = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "sgd")
+    with pytest.raises(ValueError, match=r"metric 'hits' returned shape \(3,\) for a batch of 8"):
+        loop.metric(_per_class_hits, name="hits").run(fl.data.arrays(_X, _Y, batch_size=8))
+    # One value in a length-1 array is a per-batch scalar, as it always read.
+    one = loop.metric(lambda t, p: jnp.sum(_per_class_hits(t, p))[None], name="hits")
+    summed = loop.metric(lambda t, p: jnp.sum(_per_class_hits(t, p)), name="hits")
+    data = fl.data.arrays(_X, _Y, batch_size=8, shuffle=False)
+    assert one.run(data).history == summed.run(data).history
+
+
+def test_a_per_batch_scalar_in_the_targets_does_not_change_how_the_loss_is_weighed():
+    # A callable loss is weighed by the examples of the batch: a scalar leaf of y (its
+    # key sorting first) is not the batch.
+    def loss(y, p):
+        return jnp.mean((p - y["target"]) ** 2) * sum(v for k, v in y.items() if k != "target")
+
+    ys = _RNG.normal(size=(20, 1)).astype(np.float32)
+    model = fl.models.mlp([1])
+    variables = model.init(jax.random.PRNGKey(0), _X[:1])
+    sizes = [(0, 8), (8, 16), (16, 20)]  # a short last batch
+    for key in ("alpha", "z_alpha"):
+        batches = [(_X[a:b], {key: np.float32(1.0), "target": ys[a:b]}) for a, b in sizes]
+        got = fl.evaluator(model, loss).run(batches, variables).metrics["loss"]
+        expected = np.mean((np.asarray(model.apply(variables, _X[:20])) - ys) ** 2)
+        np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 
 def test_class_metrics_refuse_multi_hot_labels_they_would_read_as_one_class():

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._metrics import CLASSIFYING, METRICS, MetricSpec
+from ._metrics import CLASSIFYING, METRICS, MetricSpec, batch_size
 
 __all__ = ["metric_value"]
 
@@ -71,7 +71,23 @@ def metric_value(spec: MetricSpec, aux: dict[str, Any]) -> Any:
         )
     if aux.get("binary_labels") and spec.fn in CLASSIFYING:
         return spec.fn(aux["y_true"], aux["y_pred"], binary=True)
-    return spec.fn(aux["y_true"], aux["y_pred"])
+    return _per_example(spec, spec.fn(aux["y_true"], aux["y_pred"]), aux)
+
+
+def _per_example(spec: MetricSpec, value: Any, aux: dict[str, Any]) -> Any:
+    """`value`, refused where it is an array whose leading axis is not the batch's: it
+    would be averaged as if it held one value per example (a per-class count would read
+    as a mean of nothing the user asked for)."""
+    shape = np.shape(value) if isinstance(value, (jax.Array, np.ndarray)) else ()
+    rows = batch_size((aux["y_true"], aux["y_pred"]))
+    if len(shape) >= 1 and shape[0] not in (rows, 1):
+        raise ValueError(
+            f"metric {spec.name!r} returned shape {shape} for a batch of {rows} examples: a "
+            f"metric returns per-example values (the batch axis first, {rows} here) or one "
+            f"scalar per batch. Reduce it to one of them (per-class values: a metric of "
+            f"each class, e.g. loop.metric(fn_0, name='class_0'), or their sum)"
+        )
+    return value
 
 
 def _shadowed(spec: MetricSpec, why: str) -> ValueError:

@@ -320,11 +320,10 @@ class MetricSpec:
 
 
 def batch_size(tree: Any) -> int:
-    """The leading-axis size of the first array leaf of `tree` (1 for scalars)."""
-    for leaf in jax.tree.leaves(tree):
-        shape: tuple[int, ...] = getattr(leaf, "shape", ())
-        return int(shape[0]) if len(shape) >= 1 else 1
-    return 1
+    """The leading-axis size of the first leaf of `tree` that has one, else 1 (a per-batch
+    scalar beside the examples, `{"alpha": 1.0, "y": ...}`, has none)."""
+    axes = (np.shape(leaf) for leaf in jax.tree.leaves(tree))
+    return next((int(shape[0]) for shape in axes if len(shape) >= 1), 1)
 
 
 def loss_mean(loss: Any) -> Callable[[Array, Array, Any], tuple[Array, Mean]]:
@@ -342,7 +341,7 @@ def loss_mean(loss: Any) -> Callable[[Array, Array, Any], tuple[Array, Mean]]:
     def weighted(y_true: Array, y_pred: Array, x: Any = None) -> tuple[Array, Mean]:
         value = fn(y_true, y_pred)
         # A batch without targets (an autoencoder's `(x, None)`) counts its inputs' rows.
-        counted = y_true if jax.tree.leaves(y_true) else x
+        counted = y_true if any(map(jnp.ndim, jax.tree.leaves(y_true))) else x
         n = jnp.asarray(batch_size(counted), accumulator_dtype())
         return value, Mean(jnp.asarray(value, n.dtype) * n, n)
 
