@@ -78,6 +78,18 @@ def test_several_injected_rates_are_not_reported_as_one():
     assert "learning_rate" not in trainer(tx).run(DATA).metrics
 
 
+def test_an_injected_rate_beside_a_scheduled_one_is_not_reported_as_the_rate():
+    # Discriminative rates: the head's injected, the backbone's a schedule (its own state).
+    tx = optax.multi_transform(
+        {
+            "head": optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+            "body": optax.adam(SCHEDULE),
+        },
+        lambda params: jax.tree.map(lambda leaf: "head" if leaf.ndim == 1 else "body", params),
+    )
+    assert "learning_rate" not in trainer(tx).run(DATA).metrics
+
+
 @pytest.mark.parametrize("fuse", [False, 4])
 def test_optax_reduce_on_plateau_scales_the_reported_rate(fuse):
     """optax's own plateau transform multiplies the step by its scale: the reported rate is

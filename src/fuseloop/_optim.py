@@ -367,12 +367,19 @@ def exposes_learning_rate(tx: Any) -> bool:
         return False  # a structure-dependent optimizer: not exposed
     if any(not s.rate for s in _schedules(getattr(tx, "update", None), state)):
         return False  # a scale of its own multiplies the rate: no one number is it
-    if len(find_learning_rates(state)) > 1:
+    if len(find_learning_rates(state)) + _schedule_states(state) > 1:
         return False  # several rates (optax.multi_transform): no one number is it
     try:
         return jax.eval_shape(lambda s: learning_rate_of(tx, s), state) is not None
     except Exception:  # noqa: BLE001 - a state learning_rate_of cannot read: not exposed
         return False
+
+
+def _schedule_states(state: Any) -> int:
+    """How many `scale_by_schedule` states `state` holds anywhere (a multi_transform's
+    groups included, which `_schedules` does not follow): each is a rate of its own."""
+    is_schedule = lambda node: isinstance(node, optax.ScaleByScheduleState)  # noqa: E731
+    return sum(map(is_schedule, jax.tree.leaves(state, is_leaf=is_schedule)))
 
 
 def has_schedule(tx: Any) -> bool:
