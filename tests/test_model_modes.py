@@ -141,7 +141,7 @@ class AttributeDropout(nn.Module):
 @pytest.mark.parametrize(
     "module, need",
     [
-        (NoFlagBatchNorm(), "mutable collections"),
+        (NoFlagBatchNorm(), r"writes its collections \['batch_stats'\]"),
         (NoFlagDropout(), "'dropout' rng"),
         # Trained as it is, its Dropout would stay off: silently another model.
         (UnknownFlagDropout(), "contains Dropout, which would stay off while training"),
@@ -153,6 +153,48 @@ def test_linen_without_a_flag_is_refused_at_the_first_batch(module, need, fuse):
     with pytest.raises(ValueError, match=need) as info:
         fl.trainer(module, SPARSE, "sgd").run(DATA, fuse=fuse)
     assert "train_arg" in str(info.value)
+
+
+class FrozenBatchNorm(nn.Module):
+    """A fine-tuning model: its BatchNorm's statistics are frozen, it has no flag."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(nn.relu(nn.BatchNorm(use_running_average=True)(nn.Dense(8)(x))))
+
+
+class FrozenCollection(nn.Module):
+    """Pretrained weights kept apart from "params", read and never written."""
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.variable("frozen", "w", lambda: jnp.full((x.shape[-1], 8), 0.1)).value
+        return nn.Dense(3)(nn.relu(x @ w))
+
+
+@pytest.mark.parametrize("module", [FrozenBatchNorm(), FrozenCollection()])
+@pytest.mark.parametrize("fuse", [False, 2])
+def test_linen_without_a_flag_trains_collections_it_only_reads_as_a_plain_loop(module, fuse):
+    variables = module.init(jax.random.PRNGKey(0), DATA[0][0])
+    params, rest = variables["params"], {k: v for k, v in variables.items() if k != "params"}
+    tx = optax.sgd(0.1)
+    opt_state = tx.init(params)
+
+    def loss(p, x, y):
+        logits = module.apply({"params": p, **rest}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    for x, y in DATA:  # the plain loop: apply(variables, x), nothing written
+        updates, opt_state = tx.update(jax.grad(loss)(params, x, y), opt_state)
+        params = optax.apply_updates(params, updates)
+    state = fl.trainer(module, SPARSE, tx).run(DATA, variables, fuse=fuse)
+    np.testing.assert_allclose(
+        np.concatenate([np.ravel(a) for a in jax.tree.leaves(state.params["params"])]),
+        np.concatenate([np.ravel(a) for a in jax.tree.leaves(params)]),
+        rtol=1e-6,
+    )
+    for name, collection in rest.items():  # bitwise as given
+        assert jax.tree.all(jax.tree.map(np.array_equal, state.params[name], collection))
 
 
 def test_linen_dropout_under_an_unknown_flag_trains_once_it_is_named():

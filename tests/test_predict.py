@@ -75,6 +75,14 @@ def _refilled():
     yield X[18:]
 
 
+def test_inputs_of_different_sizes_are_named_leaf_by_leaf():
+    model = fl.models.mlp([2])
+    variables = model.init(jax.random.PRNGKey(0), np.zeros((1, 3), np.float32))
+    x = {"a": np.zeros((10, 3), np.float32), "b": np.zeros((9, 3), np.float32)}
+    with pytest.raises(ValueError, match=r"\(x\['a'\]: 10, x\['b'\]: 9\)"):
+        fl.predict(lambda v, x: model.apply(v, x["a"]), variables, x)
+
+
 def test_pytree_inputs_and_outputs():
     init = lambda rng, x: {"w": np.ones((5, 2), np.float32)}  # noqa: E731
     apply = lambda p, x: {"a": x["u"] @ p["w"], "b": x["v"].sum(-1)}  # noqa: E731

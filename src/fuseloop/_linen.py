@@ -235,16 +235,20 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
     def forward(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
         mutable = [k for k in variables if k != "params"]
         if not self.flags:
-            # Without "params" these are no collections (variables['params'] alone?): the
-            # model fails on them, and that failure is what the caller explains.
-            if train and mutable and "params" in variables:
-                raise self._no_flag(f"has mutable collections {mutable}")
+            # Collections it only reads (a BatchNorm frozen with use_running_average=True,
+            # pretrained weights kept apart) are carried as they are; one it writes is
+            # refused. Without "params" these are no collections (variables['params']
+            # alone?): the model fails on them, and that failure is what the caller explains.
             try:
                 if train:
                     return self._apply_refusing_dropout(variables, x), None
                 return self.module.apply(variables, x), None
             except flax.errors.InvalidRngError as error:
                 self._refuse_without_flag(error)
+                raise
+            except flax.errors.ModifyScopeVariableError as error:
+                if mutable and "params" in variables:
+                    raise self._no_flag(f"writes its collections {mutable}") from error
                 raise
         if not train:
             return self.apply(variables, x), None

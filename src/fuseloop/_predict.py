@@ -154,11 +154,13 @@ def _local(leaf: Any) -> Any:
 
 
 def _example_count(x: Any) -> int:
-    sizes = {int(np.shape(leaf)[0]) for leaf in jax.tree.leaves(x)}
+    flat = jax.tree_util.tree_flatten_with_path(x)[0]
+    sizes = {int(np.shape(leaf)[0]) for _, leaf in flat}
     if len(sizes) != 1:
+        each = ", ".join(f"x{jax.tree_util.keystr(k)}: {np.shape(leaf)[0]}" for k, leaf in flat)
         raise ValueError(
-            f"x: its arrays hold different numbers of examples {sorted(sizes)}; "
-            f"every leaf needs the same size along axis 0"
+            f"x: its arrays hold different numbers of examples ({each}); every leaf needs "
+            f"the same size along axis 0: slice them to the same number of examples"
         )
     return sizes.pop()
 
