@@ -43,10 +43,14 @@ def test_a_metric_of_another_leading_axis_than_the_batch_is_refused_not_averaged
     loop = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "sgd")
     with pytest.raises(ValueError, match=r"metric 'hits' returned shape \(3,\) for a batch of 8"):
         loop.metric(_per_class_hits, name="hits").run(fl.data.arrays(_X, _Y, batch_size=8))
+    # Per-token values flattened are per-element values: a mean over them, as before.
+    tokens = loop.metric(lambda t, p: jnp.repeat(t == jnp.argmax(p, -1), 2), name="hit")
+    plain = loop.metric(lambda t, p: t == jnp.argmax(p, -1), name="hit")
+    data = fl.data.arrays(_X, _Y, batch_size=8, shuffle=False)
+    assert tokens.run(data).history == plain.run(data).history
     # One value in a length-1 array is a per-batch scalar, as it always read.
     one = loop.metric(lambda t, p: jnp.sum(_per_class_hits(t, p))[None], name="hits")
     summed = loop.metric(lambda t, p: jnp.sum(_per_class_hits(t, p)), name="hits")
-    data = fl.data.arrays(_X, _Y, batch_size=8, shuffle=False)
     assert one.run(data).history == summed.run(data).history
 
 

@@ -75,17 +75,18 @@ def metric_value(spec: MetricSpec, aux: dict[str, Any]) -> Any:
 
 
 def _per_example(spec: MetricSpec, value: Any, aux: dict[str, Any]) -> Any:
-    """`value`, refused where it is an array whose leading axis is not the batch's: it
-    would be averaged as if it held one value per example (a per-class count would read
-    as a mean of nothing the user asked for)."""
+    """`value`, refused where it is an array whose leading axis cannot hold the batch's
+    examples (nor their elements, flattened): it would be averaged as if it held values
+    per example (a per-class count would read as a mean of nothing the user asked for)."""
     shape = np.shape(value) if isinstance(value, (jax.Array, np.ndarray)) else ()
     rows = batch_size((aux["y_true"], aux["y_pred"]))
-    if len(shape) >= 1 and shape[0] not in (rows, 1):
+    if len(shape) >= 1 and shape[0] != 1 and shape[0] % rows:
         raise ValueError(
             f"metric {spec.name!r} returned shape {shape} for a batch of {rows} examples: a "
-            f"metric returns per-example values (the batch axis first, {rows} here) or one "
-            f"scalar per batch. Reduce it to one of them (per-class values: a metric of "
-            f"each class, e.g. loop.metric(fn_0, name='class_0'), or their sum)"
+            f"metric returns per-example values (the batch axis first, {rows} here, or the "
+            f"examples' elements flattened) or one scalar per batch. Reduce it to one of "
+            f"them (per-class values: a metric of each class, e.g. "
+            f"loop.metric(fn_0, name='class_0'), or their sum)"
         )
     return value
 
