@@ -10,6 +10,7 @@ import pickle
 import shutil
 import sys
 import warnings
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -344,3 +345,46 @@ def test_a_dtype_the_array_store_cannot_hold_is_named_before_anything_is_written
     fl.save_state(fl.State(step_state={"q": jnp.arange(4).astype(jnp.int4)}), tmp_path / "s")
     loaded = fl.load_state(tmp_path / "s").step_state["q"]
     assert loaded.dtype == jnp.int4 and loaded.tolist() == [0, 1, 2, 3]
+
+
+class TopLevel(NamedTuple):
+    n: Any
+
+
+def _counter_loop_of(state_type):
+    def step(batch, s):
+        return state_type(s.n + batch[0].sum())
+
+    return fl.loop(step)
+
+
+def test_a_node_type_defined_in_a_function_is_refused_before_a_save_it_could_not_load(tmp_path):
+    class Local(NamedTuple):  # no name a load could find it by
+        n: jax.Array
+
+    data = [(np.ones(2, np.float32),)] * 3
+    loop = _counter_loop_of(Local).checkpoint(tmp_path / "ck")
+    with pytest.raises(ValueError, match=r"Local: a save names each node's type.*top level"):
+        loop.run(data, Local(jnp.float32(0)))
+    ck = tmp_path / "ck"
+    assert not ck.exists() or not list_checkpoints(ck)  # refused at the start: none written
+    with pytest.raises(ValueError, match=r"Local: a save names each node's type"):
+        fl.save_state(fl.State(step_state=Local(jnp.float32(0))), tmp_path / "s")
+    # At a module's top level it saves and loads back as itself.
+    state = _counter_loop_of(TopLevel).checkpoint(tmp_path / "top").run(data, TopLevel(0.0))
+    assert fl.load_state(tmp_path / "top").step_state == state.step_state
+
+
+def test_a_scripts_own_type_missing_where_it_is_loaded_is_named_with_the_fix(tmp_path):
+    # As a training script's own NamedTuple reads in an inference script that lacks it.
+    entry = {"node": "__main__:TrainState", "data": None, "children": []}
+    with pytest.raises(ValueError, match=r"define or import TrainState in the script that loads"):
+        fl.load_state(_crafted(tmp_path, entry))
+
+
+def test_two_checkpoint_handlers_on_one_directory_are_refused(tmp_path):
+    loop = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "sgd")
+    best = loop.checkpoint(tmp_path / "ck", criteria="loss")
+    with pytest.raises(ValueError, match=r"another checkpoint handler of this loop saves into"):
+        best.checkpoint(str(tmp_path / "ck") + "/", keep=1)
+    best.checkpoint(tmp_path / "ck_latest", keep=1)  # a directory each: fine

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 import warnings
 from typing import Any
 
@@ -31,32 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import PyTreeDef, default_registry
 
+from ._json_names import is_named, lookup, name_of, type_name
+
 __all__ = ["as_weak", "decode", "encode", "is_weak"]
 
 _SCALARS = (bool, int, float, str)
-
-
-def _name_of(obj: Any) -> str:
-    return f"{obj.__module__}:{obj.__qualname__}"
-
-
-def _lookup(name: Any, where: str) -> Any:
-    """The object called `module:qualname` in an already imported module (never imports)."""
-    if not isinstance(name, str) or ":" not in name:
-        raise ValueError(f"{where}: {name!r} is not a 'module:name' reference")
-    module_name, qualname = name.split(":", 1)
-    obj = sys.modules.get(module_name)
-    if obj is None:
-        raise ValueError(
-            f"{where}: the save refers to {name!r}, but module {module_name!r} is not "
-            f"imported; fuseloop never imports a module named by a save. Import it before "
-            f"load_state"
-        )
-    for part in qualname.split("."):
-        if part.startswith("__") or not hasattr(obj, part):
-            raise ValueError(f"{where}: {name!r} does not name an object")
-        obj = getattr(obj, part)
-    return obj
 
 
 # ----------------------------------------------------------------- encode
@@ -89,7 +67,7 @@ def encode(value: Any, arrays: list[Any], where: str = "value") -> Any:
         return array
     if dataclasses.is_dataclass(value) and not isinstance(value, type) and _is_node(value):
         return {
-            "dataclass": _name_of(type(value)),
+            "dataclass": type_name(type(value), where),
             "fields": [
                 [f.name, encode(getattr(value, f.name), arrays, f"{where}.{f.name}")]
                 for f in dataclasses.fields(value)
@@ -100,10 +78,10 @@ def encode(value: Any, arrays: list[Any], where: str = "value") -> Any:
         return _encode_node(value, arrays, where)
     if isinstance(value, np.dtype):
         return {"dtype": value.name}
-    if isinstance(value, type) and _is_named(value):
-        return {"type": _name_of(value)}  # a model's dtype field: jnp.float32, np.float32
-    if callable(value) and _is_named(value):
-        return {"function": _name_of(value)}
+    if isinstance(value, type) and is_named(value):
+        return {"type": name_of(value)}  # a model's dtype field: jnp.float32, np.float32
+    if callable(value) and is_named(value):
+        return {"function": name_of(value)}
     raise ValueError(
         f"{where}={type(value).__name__} cannot be saved without pickle: a save holds "
         f"numbers, strings, bools, None, lists, tuples, dicts with str/int keys, numpy/jax "
@@ -206,13 +184,6 @@ def _is_node(value: Any) -> bool:
     return not (treedef.num_nodes == 1 and treedef.num_leaves == 1)
 
 
-def _is_named(value: Any) -> bool:
-    try:
-        return _lookup(_name_of(value), "") is value
-    except (AttributeError, ValueError):
-        return False
-
-
 def _encode_node(value: Any, arrays: list[Any], where: str) -> dict[str, Any]:
     children, treedef = _one_level(value)
     node_type, node_data = treedef.node_data()
@@ -224,7 +195,7 @@ def _encode_node(value: Any, arrays: list[Any], where: str) -> dict[str, Any]:
             f"saved without pickle ({err})"
         ) from None
     return {
-        "node": _name_of(node_type),
+        "node": type_name(node_type, where),
         "data": data,
         "children": [encode(c, arrays, f"{where}/{i}") for i, c in enumerate(children)],
     }
@@ -325,7 +296,7 @@ def _decode_empty(encoded, arrays, where):
 
 
 def _decode_dataclass(encoded, arrays, where):
-    cls = _lookup(encoded["dataclass"], where)
+    cls = lookup(encoded["dataclass"], where)
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         raise ValueError(f"{where}: {encoded['dataclass']!r} is not a dataclass type")
     names = {f.name for f in dataclasses.fields(cls)}
@@ -341,7 +312,7 @@ def _decode_dataclass(encoded, arrays, where):
 
 
 def _decode_node(encoded, arrays, where):
-    node_type = _lookup(encoded["node"], where)
+    node_type = lookup(encoded["node"], where)
     if not isinstance(node_type, type):
         raise ValueError(f"{where}: {encoded['node']!r} is not a type")
     children = [decode(c, arrays, f"{where}/{i}") for i, c in enumerate(encoded["children"])]
@@ -359,7 +330,7 @@ def _decode_node(encoded, arrays, where):
 
 
 def _decode_type(encoded, arrays, where):
-    kind = _lookup(encoded["type"], where)
+    kind = lookup(encoded["type"], where)
     if not isinstance(kind, type):
         raise ValueError(f"{where}: {encoded['type']!r} is not a type")
     return kind
@@ -373,7 +344,7 @@ def _decode_dtype(encoded, arrays, where):
 
 
 def _decode_function(encoded, arrays, where):
-    function = _lookup(encoded["function"], where)
+    function = lookup(encoded["function"], where)
     if not callable(function) or isinstance(function, type):
         raise ValueError(f"{where}: {encoded['function']!r} is not a function")
     return function

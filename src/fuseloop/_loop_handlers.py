@@ -170,11 +170,12 @@ class HandlerBuilders:
             >>> len(fl.handlers.checkpoint.list_checkpoints(directory))
             2
         """
-        from .handlers.checkpoint import Checkpointer
+        from .handlers.checkpoint import Checkpointer, refuse_shared_directory
 
         fires = make_filter(filter)
         key = self._monitor_key("checkpoint", criteria, fires) if criteria is not None else ""
         saver = Checkpointer(path, criteria, mode, keep, key=key, asynchronous=asynchronous)
+        refuse_shared_directory(self.registrations, saver)
         # A Loop may run again: each run starts the saver afresh (`Checkpointer.begin`).
         loop = self.observe("started", all_processes(saver.begin), name="checkpoint:start")
         loop = loop.handle_event(event, saver, filter, name="checkpoint")

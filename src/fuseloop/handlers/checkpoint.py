@@ -55,6 +55,23 @@ def _position(state: State) -> tuple[int, int]:
     return state.epoch, event_total(state.event_counts, "iteration_completed")
 
 
+def refuse_shared_directory(registrations: Any, saver: Checkpointer) -> None:
+    """Refuses a second checkpoint handler of one loop on `saver`'s directory.
+
+    Each numbers and prunes its saves alone, so one's `keep` would delete the other's (the
+    best epoch's save, kept by a criteria handler) and their numbers would collide.
+    """
+    target = saver.path.resolve()
+    for registration in registrations:
+        other = getattr(registration.handler, "__wrapped__", registration.handler)
+        if isinstance(other, Checkpointer) and other.path.resolve() == target:
+            raise ValueError(
+                f"checkpoint({str(saver.path)!r}): another checkpoint handler of this loop "
+                f"saves into that directory already; give each its own, e.g. "
+                f"{str(target) + '_best'!r} for the one with criteria"
+            )
+
+
 class Checkpointer:
     """Saves the whole State under `path` when its event fires.
 
