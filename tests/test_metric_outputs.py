@@ -3,6 +3,7 @@ with the fix, never averaged into a number that means something else."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -39,19 +40,25 @@ def _per_class_hits(y_true, y_pred):  # one count per class, not per example
     return jnp.sum(jax.nn.one_hot(y_true, 3) * jax.nn.one_hot(jnp.argmax(y_pred, -1), 3), 0)
 
 
-def test_a_metric_of_another_leading_axis_than_the_batch_is_refused_not_averaged():
+def test_a_metric_of_another_leading_axis_than_the_batch_is_said_to_average_per_batch():
     loop = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "sgd")
-    with pytest.raises(ValueError, match=r"metric 'hits' returned shape \(3,\) for a batch of 8"):
-        loop.metric(_per_class_hits, name="hits").run(fl.data.arrays(_X, _Y, batch_size=8))
-    # Per-token values flattened are per-element values: a mean over them, as before.
-    tokens = loop.metric(lambda t, p: jnp.repeat(t == jnp.argmax(p, -1), 2), name="hit")
-    plain = loop.metric(lambda t, p: t == jnp.argmax(p, -1), name="hit")
     data = fl.data.arrays(_X, _Y, batch_size=8, shuffle=False)
-    assert tokens.run(data).history == plain.run(data).history
-    # One value in a length-1 array is a per-batch scalar, as it always read.
-    one = loop.metric(lambda t, p: jnp.sum(_per_class_hits(t, p))[None], name="hits")
-    summed = loop.metric(lambda t, p: jnp.sum(_per_class_hits(t, p)), name="hits")
-    assert one.run(data).history == summed.run(data).history
+    per_batch = loop.metric(lambda t, p: jnp.mean(_per_class_hits(t, p)), name="hits")
+    with pytest.warns(UserWarning, match=r"'hits' returned shape \(3,\) for a batch of 8"):
+        hits = loop.metric(_per_class_hits, name="hits").run(data)
+    assert hits.history == per_batch.run(data).history  # one value per batch, their mean
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # Summed, the counts are exact: no warning. Per-element values flattened (a
+        # multiple of the batch) average over the elements, as before.
+        summed = loop.metric(_per_class_hits, name="hits", accumulate="running_sum")
+        total = loop.metric(
+            lambda t, p: jnp.sum(_per_class_hits(t, p)), name="hits", accumulate="running_sum"
+        )
+        assert summed.run(data).history == total.run(data).history
+        tokens = loop.metric(lambda t, p: jnp.repeat(t == jnp.argmax(p, -1), 2), name="hit")
+        plain = loop.metric(lambda t, p: t == jnp.argmax(p, -1), name="hit")
+        assert tokens.run(data).history == plain.run(data).history
 
 
 def test_a_per_batch_scalar_in_the_targets_does_not_change_how_the_loss_is_weighed():

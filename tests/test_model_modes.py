@@ -114,6 +114,17 @@ class NoFlagBatchNorm(nn.Module):
         return nn.Dense(3)(nn.BatchNorm(use_running_average=False)(x))
 
 
+class GuardedWrite(nn.Module):
+    """Writes its statistics only where the collection is mutable, as flax layers do."""
+
+    @nn.compact
+    def __call__(self, x):
+        mean = self.variable("batch_stats", "mean", lambda: jnp.zeros(x.shape[-1]))
+        if self.is_mutable_collection("batch_stats"):
+            mean.value = 0.9 * mean.value + 0.1 * x.mean(0)
+        return nn.Dense(3)(x - mean.value)
+
+
 class NoFlagDropout(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -142,6 +153,7 @@ class AttributeDropout(nn.Module):
     "module, need",
     [
         (NoFlagBatchNorm(), r"writes its collections \['batch_stats'\]"),
+        (GuardedWrite(), r"writes its collections \['batch_stats'\]"),
         (NoFlagDropout(), "'dropout' rng"),
         # Trained as it is, its Dropout would stay off: silently another model.
         (UnknownFlagDropout(), "contains Dropout, which would stay off while training"),

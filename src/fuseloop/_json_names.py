@@ -47,8 +47,10 @@ def type_name(cls: type, where: str) -> str:
     except ValueError:
         raise ValueError(
             f"{where}={cls.__qualname__}: a save names each node's type to rebuild it on "
-            f"load, and no load could find {name_of(cls)!r} by that name (a type defined "
-            f"inside a function has none): define {cls.__name__} at a module's top level"
+            f"load, and no load could find {name_of(cls)!r} by that name: define "
+            f"{cls.__name__} at a module's top level (a type defined inside a function has "
+            f"no such name; one a helper makes needs its __module__ and __qualname__ set "
+            f"to where it is found)"
         ) from None
     return name_of(cls)
 

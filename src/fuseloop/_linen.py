@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import re
 from collections.abc import Mapping
 from typing import Any
 
 import flax
 import flax.linen as nn
+import jax
 
 __all__ = [
     "TRAIN_FLAGS",
@@ -240,6 +242,8 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
             # refused. Without "params" these are no collections (variables['params']
             # alone?): the model fails on them, and that failure is what the caller explains.
             try:
+                if train and mutable and "params" in variables:
+                    return self._apply_reading(variables, x, mutable), None
                 if train:
                     return self._apply_refusing_dropout(variables, x), None
                 return self.module.apply(variables, x), None
@@ -259,7 +263,20 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
             return y, dict(updates)
         return self.module.apply(variables, x, *args, rngs=rngs, **flags), None
 
-    def _apply_refusing_dropout(self, variables: Any, x: Any) -> Any:
+    def _apply_reading(self, variables: Any, x: Any, mutable: list[str]) -> Any:
+        """A training forward pass of a module without a flag that has collections besides
+        "params": refused where it writes one (a write guarded by `is_mutable_collection`
+        included: applied with them mutable, a write leaves a new value), else its output."""
+        y, after = self._apply_refusing_dropout(variables, x, mutable=mutable)
+        before = {name: variables[name] for name in after}
+        old: tuple[list[Any], Any] = jax.tree.flatten(before)
+        new: tuple[list[Any], Any] = jax.tree.flatten(after)
+        same = old[1] == new[1] and all(map(operator.is_, old[0], new[0]))
+        if not same:
+            raise self._no_flag(f"writes its collections {sorted(after)}")
+        return y
+
+    def _apply_refusing_dropout(self, variables: Any, x: Any, **options: Any) -> Any:
         """A training forward pass of a module without a flag. A Dropout inside would keep
         the mode the module's own defaults give it (off, unless it then asked for a rng),
         so training would silently run without it: refused. Looked at while the step is
@@ -275,7 +292,7 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
             return next_fun(*args, **kwargs)
 
         with nn.intercept_methods(note):
-            out = self.module.apply(variables, x)
+            out = self.module.apply(variables, x, **options)
         if dropouts:
             raise self._no_flag("contains Dropout, which would stay off while training")
         return out

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from ._metrics import CLASSIFYING, METRICS, MetricSpec, batch_size
+from ._warn import warn
 
 __all__ = ["metric_value"]
 
@@ -75,18 +76,19 @@ def metric_value(spec: MetricSpec, aux: dict[str, Any]) -> Any:
 
 
 def _per_example(spec: MetricSpec, value: Any, aux: dict[str, Any]) -> Any:
-    """`value`, refused where it is an array whose leading axis cannot hold the batch's
-    examples (nor their elements, flattened): it would be averaged as if it held values
-    per example (a per-class count would read as a mean of nothing the user asked for)."""
+    """`value`, with a warning where a running average would read an array whose leading
+    axis cannot hold the batch's examples (nor their elements, flattened) as values per
+    example: it averages them per batch, as a scalar of their mean (a per-output error
+    reduced over the batch), which a per-class count is not. Said when traced."""
     shape = np.shape(value) if isinstance(value, (jax.Array, np.ndarray)) else ()
     rows = batch_size((aux["y_true"], aux["y_pred"]))
-    if len(shape) >= 1 and shape[0] != 1 and shape[0] % rows:
-        raise ValueError(
-            f"metric {spec.name!r} returned shape {shape} for a batch of {rows} examples: a "
-            f"metric returns per-example values (the batch axis first, {rows} here, or the "
-            f"examples' elements flattened) or one scalar per batch. Reduce it to one of "
-            f"them (per-class values: a metric of each class, e.g. "
-            f"loop.metric(fn_0, name='class_0'), or their sum)"
+    if spec.accumulate == "running_average" and len(shape) >= 1 and shape[0] % rows:
+        warn(
+            f"metric {spec.name!r} returned shape {shape} for a batch of {rows} examples, "
+            f"not values per example: it reads as one value per batch, the mean of these "
+            f"{shape[0]} (accumulate='running_sum' sums them). To track each value, give it "
+            f"a metric of its own, e.g. loop.metric(fn_0, name='class_0')",
+            UserWarning,
         )
     return value
 

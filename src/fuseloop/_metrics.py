@@ -341,7 +341,7 @@ def loss_mean(loss: Any) -> Callable[[Array, Array, Any], tuple[Array, Mean]]:
     def weighted(y_true: Array, y_pred: Array, x: Any = None) -> tuple[Array, Mean]:
         value = fn(y_true, y_pred)
         # A batch without targets (an autoencoder's `(x, None)`) counts its inputs' rows.
-        counted = y_true if any(map(jnp.ndim, jax.tree.leaves(y_true))) else x
+        counted = y_true if jax.tree.leaves(y_true) else x
         n = jnp.asarray(batch_size(counted), accumulator_dtype())
         return value, Mean(jnp.asarray(value, n.dtype) * n, n)
 

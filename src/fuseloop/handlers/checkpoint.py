@@ -67,8 +67,8 @@ def refuse_shared_directory(registrations: Any, saver: Checkpointer) -> None:
         if isinstance(other, Checkpointer) and other.path.resolve() == target:
             raise ValueError(
                 f"checkpoint({str(saver.path)!r}): another checkpoint handler of this loop "
-                f"saves into that directory already; give each its own, e.g. "
-                f"{str(target) + '_best'!r} for the one with criteria"
+                f"saves into that directory already; give each handler a directory of its "
+                f"own (e.g. {str(target) + '_best'!r} for a best-only one)"
             )
 
 
