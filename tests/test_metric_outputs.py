@@ -56,6 +56,8 @@ def test_a_metric_of_another_leading_axis_than_the_batch_is_said_to_average_per_
             lambda t, p: jnp.sum(_per_class_hits(t, p)), name="hits", accumulate="running_sum"
         )
         assert summed.run(data).history == total.run(data).history
+        one = loop.metric(lambda t, p: jnp.mean(_per_class_hits(t, p))[None], name="hits")
+        assert one.run(data).history == per_batch.run(data).history  # (1,): a scalar
         tokens = loop.metric(lambda t, p: jnp.repeat(t == jnp.argmax(p, -1), 2), name="hit")
         plain = loop.metric(lambda t, p: t == jnp.argmax(p, -1), name="hit")
         assert tokens.run(data).history == plain.run(data).history

@@ -82,7 +82,8 @@ def _per_example(spec: MetricSpec, value: Any, aux: dict[str, Any]) -> Any:
     reduced over the batch), which a per-class count is not. Said when traced."""
     shape = np.shape(value) if isinstance(value, (jax.Array, np.ndarray)) else ()
     rows = batch_size((aux["y_true"], aux["y_pred"]))
-    if spec.accumulate == "running_average" and len(shape) >= 1 and shape[0] % rows:
+    averaged = spec.accumulate == "running_average" and len(shape) >= 1
+    if averaged and shape[0] != 1 and shape[0] % rows:  # (1,): one value, as a scalar
         warn(
             f"metric {spec.name!r} returned shape {shape} for a batch of {rows} examples, "
             f"not values per example: it reads as one value per batch, the mean of these "
