@@ -44,8 +44,9 @@ def test_a_metric_of_another_leading_axis_than_the_batch_is_said_to_average_per_
     loop = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "sgd")
     data = fl.data.arrays(_X, _Y, batch_size=8, shuffle=False)
     per_batch = loop.metric(lambda t, p: jnp.mean(_per_class_hits(t, p)), name="hits")
-    with pytest.warns(UserWarning, match=r"'hits' returned shape \(3,\) for a batch of 8"):
+    with pytest.warns(UserWarning, match=r"'hits' returned shape \(3,\) for a batch of 8") as said:
         hits = loop.metric(_per_class_hits, name="hits").run(data)
+    assert said[0].filename == __file__  # the run's line, not jax's tracing frames
     assert hits.history == per_batch.run(data).history  # one value per batch, their mean
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-import operator
 import re
+import threading
 from collections.abc import Mapping
 from typing import Any
 
 import flax
 import flax.linen as nn
-import jax
 
 __all__ = [
     "TRAIN_FLAGS",
@@ -27,6 +26,10 @@ __all__ = [
     "linen",
     "parameters_of",
 ]
+
+# Held while a flagless module's training pass records what it asks of flax (`linen.
+# _apply_reading`), which swaps flax's `Module.is_mutable_collection` for the trace.
+_RECORDING = threading.Lock()
 
 # `__call__` flags that switch a flax.linen module between training and evaluation, and
 # the value each takes while training.
@@ -265,18 +268,29 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
 
     def _apply_reading(self, variables: Any, x: Any, mutable: list[str]) -> Any:
         """A training forward pass of a module without a flag that has collections besides
-        "params": refused where it writes one (a write guarded by `is_mutable_collection`
-        included: applied with them mutable, a write leaves a new value), else its output."""
-        y, after = self._apply_refusing_dropout(variables, x, mutable=mutable)
-        before = {name: variables[name] for name in after}
-        old: tuple[list[Any], Any] = jax.tree.flatten(before)
-        new: tuple[list[Any], Any] = jax.tree.flatten(after)
-        same = old[1] == new[1] and all(map(operator.is_, old[0], new[0]))
-        if not same:
-            raise self._no_flag(f"writes its collections {sorted(after)}")
+        "params": refused where it writes one. A write fails in flax (the collections are
+        not mutable here); a write guarded by `is_mutable_collection`, as flax's own
+        layers guard theirs, is found by the question it asks, recorded while the step is
+        traced (a lifted transform's copies of unchanged collections are no write)."""
+        asked: list[str] = []
+        original = nn.Module.is_mutable_collection
+
+        def recording(module: Any, name: str) -> bool:
+            if name in mutable:
+                asked.append(name)
+            return bool(original(module, name))
+
+        with _RECORDING:  # one trace at a time swaps flax's method (trace time only)
+            nn.Module.is_mutable_collection = recording  # type: ignore[method-assign,assignment]
+            try:
+                y = self._apply_refusing_dropout(variables, x)
+            finally:
+                nn.Module.is_mutable_collection = original  # type: ignore[method-assign]
+        if asked:
+            raise self._no_flag(f"writes its collections {sorted(set(asked))}")
         return y
 
-    def _apply_refusing_dropout(self, variables: Any, x: Any, **options: Any) -> Any:
+    def _apply_refusing_dropout(self, variables: Any, x: Any) -> Any:
         """A training forward pass of a module without a flag. A Dropout inside would keep
         the mode the module's own defaults give it (off, unless it then asked for a rng),
         so training would silently run without it: refused. Looked at while the step is
@@ -292,7 +306,7 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
             return next_fun(*args, **kwargs)
 
         with nn.intercept_methods(note):
-            out = self.module.apply(variables, x, **options)
+            out = self.module.apply(variables, x)
         if dropouts:
             raise self._no_flag("contains Dropout, which would stay off while training")
         return out

@@ -33,8 +33,18 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
 
 
 def _depth_outside() -> int:
-    """The `stacklevel`, as `warn` passes it, of the first frame outside the package."""
+    """The `stacklevel`, as `warn` passes it, of the first frame outside the package and
+    the libraries it calls into: a warning raised while a step is traced is under jax's
+    frames, which a user's run called through fuseloop's."""
+    inside = (_PACKAGE, *_libraries())
     frame, level = sys._getframe(2), 2  # `warn`'s caller is level 2
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _libraries() -> tuple[str, ...]:
+    """The directories of the imported libraries fuseloop traces through."""
+    found = (sys.modules.get(name) for name in ("jax", "jaxlib", "flax", "optax", "equinox"))
+    files = (getattr(module, "__file__", None) for module in found if module is not None)
+    return tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in files if f)
