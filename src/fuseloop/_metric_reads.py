@@ -81,7 +81,7 @@ def _per_example(spec: MetricSpec, value: Any, aux: dict[str, Any]) -> Any:
     example: it averages them per batch, as a scalar of their mean (a per-output error
     reduced over the batch), which a per-class count is not. Said when traced."""
     shape = np.shape(value) if isinstance(value, (jax.Array, np.ndarray)) else ()
-    rows = batch_size((aux["y_true"], aux["y_pred"]))
+    rows = batch_size((aux["y_pred"], aux["y_true"]))  # a model's output leads with the batch
     averaged = spec.accumulate == "running_average" and len(shape) >= 1
     if averaged and shape[0] != 1 and shape[0] % rows:  # (1,): one value, as a scalar
         warn(
