@@ -87,8 +87,8 @@ def _per_example(spec: MetricSpec, value: Any, aux: dict[str, Any]) -> Any:
         warn(
             f"metric {spec.name!r} returned shape {shape} for a batch of {rows} examples, "
             f"not values per example: it reads as one value per batch, the mean of these "
-            f"{shape[0]} (accumulate='running_sum' sums them). To track each value, give it "
-            f"a metric of its own, e.g. loop.metric(fn_0, name='class_0')",
+            f"{shape[0]} (accumulate='running_sum' totals them all). To track each value, "
+            f"give it a metric of its own, e.g. loop.metric(fn_0, name='class_0')",
             UserWarning,
         )
     return value
