@@ -29,7 +29,7 @@ __all__ = [
 
 # Held while a flagless module's training pass records what it asks of flax (`linen.
 # _apply_reading`), which swaps flax's `Module.is_mutable_collection` for the trace.
-_RECORDING = threading.Lock()
+_RECORDING = threading.RLock()  # reentrant: a model may build another inside its call
 
 # `__call__` flags that switch a flax.linen module between training and evaluation, and
 # the value each takes while training.
