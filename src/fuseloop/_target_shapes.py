@@ -46,9 +46,9 @@ def refusing_cross_broadcast(fn: Callable[..., Any], kind: str, name: str) -> Ca
         ValueError: the loss l(y_true, y_pred) got y_true of shape (4,) and y_pred of ...
     """
     _refuse_optax_order(fn, kind)
-    checked: set[Any] = set()
     if is_pairwise(fn):  # every target against every prediction, on purpose
         return fn
+    checked: set[Any] = set()
 
     @functools.wraps(fn)
     def called(y_true: Any, y_pred: Any) -> Any:
