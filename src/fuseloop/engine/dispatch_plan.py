@@ -19,7 +19,7 @@ from .auto_chunk import choose_chunk_size, epochs_per_dispatch
 from .population_whole_run import PopulationWholeRun
 from .whole_run import WholeRun, whole_run_refusal
 
-__all__ = ["plan_dispatches", "epoch_length"]
+__all__ = ["plan_dispatches", "epoch_length", "iteration_bound"]
 
 
 def plan_dispatches(
@@ -135,3 +135,11 @@ def epoch_length(source: Any, iterations: int | None) -> int | None:
             known.append(len(source.data))
     known = [n for n in known if n > 0]  # a length of 0 that yields batches says nothing
     return min(known) if known else None
+
+
+def iteration_bound(source: Any, iterations: int | None) -> int | None:
+    """The State's `max_iteration`: `iterations`, or the epoch's length where the source
+    knows it and it is shorter (under `iterations=8` an epoch of a list of 5 ends at its
+    5th, and the log's `iteration i/N` says 5)."""
+    known = source.epoch_length
+    return iterations if iterations is None or known is None else min(iterations, known)

@@ -23,7 +23,7 @@ from .._state import NONFINITE_KEY, State, attach_to_error, new_stats
 from .._warn import warn
 from .bus import EventBus
 from .carry import Carry
-from .dispatch_plan import plan_dispatches
+from .dispatch_plan import iteration_bound, plan_dispatches
 from .epoch import EpochLoop
 from .feeds import HostFeed, ResidentFeed, epoch_counter
 from .handoff import Handoff
@@ -97,7 +97,8 @@ class Run:
         self.epoch_loop: EpochLoop | None = None
         self.whole: WholeRun | None = None  # many epochs per dispatch (whole_run.py)
         self.compiles_before = 0  # the trace count when the epochs' programs start (`_start`)
-        self.state = State(max_epoch=self.epochs, max_iteration=iterations, stats=self.stats)
+        bound = iteration_bound(self.source, iterations)
+        self.state = State(max_epoch=self.epochs, max_iteration=bound, stats=self.stats)
 
     # ----------------------------------------------------------------- the run
     def run(self) -> State:
