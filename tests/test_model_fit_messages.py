@@ -489,6 +489,31 @@ def test_a_typo_in_a_loss_raises_its_own_error_not_a_data_misfit():
     keyed = lambda y, p: y["w"].mean()  # noqa: E731
     with pytest.raises(ValueError, match=r"data: y does not fit the loss"):
         fl.trainer(fl.models.mlp([3]), keyed, "sgd").run(data)
+    # numpy indexed by a traced y (class weights kept as an np.ndarray) is the loss's code:
+    # jax's own error says to use jax.numpy, where "give y the shape" sent users to the data.
+    weights = np.array([0.5, 1.0, 2.0], np.float32)
+    weighted = lambda y, p: (weights[y] * p[:, 0]).mean()  # noqa: E731
+    with pytest.raises(jax.errors.TracerArrayConversionError) as caught:
+        fl.trainer(fl.models.mlp([3]), weighted, "sgd").run(data)
+    assert "raised by the loss '<lambda>' on the first batch" in caught.value.__notes__[-1]
+
+
+def test_a_value_shared_by_the_batch_in_y_is_named_with_the_loss_closure_as_the_fix():
+    """Class weights of shape (7,) beside (4, 5) tokens in a dict y: the message said "x
+    holds 4 examples but y holds 7" without saying which target, nor where such a value
+    belongs."""
+    x = np.zeros((4, 3), np.float32)
+    y = {"tokens": np.zeros(4, np.int32), "class_weights": np.ones(7, np.float32)}
+    message = (
+        r"x holds 4 examples but y\['class_weights'\] \(shape \(7,\)\) holds 7; .*"
+        r"belongs in the loss function, not in y: functools.partial\(my_loss, class_weights=w\)"
+    )
+    loss = lambda y, p: p.mean()  # noqa: E731
+    with pytest.raises(ValueError, match=message):
+        fl.trainer(fl.models.mlp([3]), loss, "sgd").run([(x, y)])
+    # y of one array of another size is still told as it was: no leaf to name, no hint.
+    with pytest.raises(ValueError, match=r"x holds 4 examples but y holds 7; x and y of a "):
+        fl.trainer(fl.models.mlp([3]), loss, "sgd").run([(x, np.zeros(7, np.int32))])
 
 
 class _SoftmaxIn(nn.Module):

@@ -158,9 +158,30 @@ def check_pair_sizes(batch: Any, where: str, named_loss: bool = False) -> None:
     bad = [size for size in y_sizes if size != x_sizes[0]]
     if bad:
         raise ValueError(
-            f"data: {where}: x holds {x_sizes[0]} examples but y holds {bad[0]}; x and y of a "
-            f"batch must have the same size along axis 0 (one target per example)"
+            f"data: {where}: x holds {x_sizes[0]} examples but {_odd_target(batch[1], bad[0])}; "
+            f"x and y of a batch must have the same size along axis 0 (one target per example)"
+            + _closure_hint(y_sizes, x_sizes[0])
         )
+
+
+def _odd_target(y: Any, size: int) -> str:
+    """`y holds 7`, naming the leaf of a structured y (`y['class_weights'] (shape (7,))`)."""
+    leaves = jax.tree_util.tree_flatten_with_path(y)[0]
+    if len(leaves) < 2:
+        return f"y holds {size}"
+    path, leaf = next((p, v) for p, v in leaves if np.ndim(v) >= 1 and np.shape(v)[0] == size)
+    return f"y{jax.tree_util.keystr(path)} (shape {np.shape(leaf)}) holds {size}"
+
+
+def _closure_hint(y_sizes: list[int], examples: int) -> str:
+    """Where other targets do have one row per example, the odd one is likely a value shared
+    by the whole batch (class weights, a vocabulary table): the loss's closure takes it."""
+    if examples not in y_sizes:
+        return ""
+    return (
+        ". A value shared by every example (class weights, a lookup table) belongs in the "
+        "loss function, not in y: functools.partial(my_loss, class_weights=w)"
+    )
 
 
 def held_by_no_device(dtype: Any) -> bool:

@@ -387,8 +387,11 @@ class ModelFit:
 
 def _code_fault(error: BaseException) -> bool:
     """Whether `error` is a fault of the code that raised it rather than of its inputs: a
-    name it does not define, or an attribute a module does not have (`jnp.meen`)."""
+    name it does not define, an attribute a module does not have (`jnp.meen`), or numpy or
+    Python control flow on a traced value (jax's tracer errors, whose text says the fix)."""
     if isinstance(error, (NameError, ImportError, NotImplementedError)):
+        return True
+    if isinstance(error, (jax.errors.JAXTypeError, jax.errors.JAXIndexError)):
         return True
     return isinstance(error, AttributeError) and isinstance(
         getattr(error, "obj", None), types.ModuleType
