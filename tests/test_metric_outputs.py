@@ -81,6 +81,52 @@ def test_a_per_batch_scalar_in_the_targets_does_not_change_how_the_loss_is_weigh
         np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 
+def test_targets_without_an_example_axis_weigh_the_batch_by_its_inputs_rows():
+    """A self-supervised loss beside a dummy label (`(x, 0)`) or a per-batch temperature
+    (`(x, {"tau": 0.5})`) weighed a short last batch as one example: the loss read the
+    mean over batches, where `(x, None)` and Keras weigh by x's rows."""
+    model = fl.models.mlp([1])
+    variables = model.init(jax.random.PRNGKey(0), _X[:1])
+    out = np.asarray(model.apply(variables, _X[:20]))[:, 0]
+    expected = np.mean(out**2)  # over the 20 examples, not over the 3 batches
+    sizes = [(0, 8), (8, 16), (16, 20)]
+    for y in (None, 0, np.float32(0.0), {"tau": np.float32(0.5)}):
+
+        def loss(y_true, y_pred):
+            return jnp.mean(y_pred**2)
+
+        batches = [(_X[a:b], y) for a, b in sizes]
+        got = fl.evaluator(model, loss).run(batches, variables).metrics["loss"]
+        np.testing.assert_allclose(got, expected, rtol=1e-6, err_msg=repr(y))
+
+
+def test_a_per_example_metric_is_not_warned_about_where_the_output_has_other_rows():
+    """The batch's examples were read from the model's output: a SimCLR output of both
+    views (2B rows) or a dict leading with class centres made a per-anchor metric of B
+    values look like something other than one value per example."""
+
+    def two_views(p, x):
+        z = x @ p["w"]
+        return jnp.concatenate([z, z + 1.0])  # (2B, 2)
+
+    def centres_first(p, x):
+        return {"centers": p["c"], "z": x @ p["w"]}
+
+    def anchors(y_true, y_pred):
+        z = y_pred["z"] if isinstance(y_pred, dict) else y_pred[: y_pred.shape[0] // 2]
+        return (z[:, 0] > 0).astype(jnp.float32)  # one value per anchor (example)
+
+    params = {"w": np.ones((6, 2), np.float32), "c": np.ones((5, 2), np.float32)}
+    batches = [(_X[a:b], np.zeros(b - a, np.int32)) for a, b in [(0, 16), (16, 32), (32, 38)]]
+    expected = float(np.mean((_X[:38] @ params["w"])[:, 0] > 0))
+    for apply in (two_views, centres_first):
+        model = fl.models.from_functions(lambda rng, x: params, apply)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            state = fl.evaluator(model).metric(anchors, name="hit").run(batches, params)
+        np.testing.assert_allclose(state.metrics["hit"], expected, rtol=1e-6)
+
+
 def test_class_metrics_refuse_multi_hot_labels_they_would_read_as_one_class():
     model = fl.models.mlp([3])
     state = fl.trainer(model, "binary_cross_entropy", "sgd").run(

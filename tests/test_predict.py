@@ -391,3 +391,14 @@ def test_batches_padded_to_their_own_lengths_are_named_with_the_fix(fuse):
     batches = [np.ones((4, 6), np.float32), np.ones((4, 3), np.float32)]
     with pytest.raises(ValueError, match=r"batch 1 of the source holds rows of shapes \(\(3,\),\)"):
         fl.predict(model, variables, batches, fuse=fuse)
+
+
+def test_outputs_whose_other_axes_follow_the_batch_are_named_where_batches_differ():
+    """In-batch similarities (B, B) with a short last batch: numpy's concatenate error named
+    no output and no fix; batches of one size join as they are."""
+    params = {"w": np.ones((5, 2), np.float32)}
+    model = (lambda rng, x: params, lambda p, x: (x @ p["w"]) @ (x @ p["w"]).T)
+    with pytest.raises(ValueError, match=r"output has per-example shapes \(3,\), \(4,\) in batc"):
+        predict(model, params, X, batch_size=4)  # 23 examples: a last batch of 3
+    joined = predict(model, params, X[:20], batch_size=4)
+    assert joined.shape == (20, 4)

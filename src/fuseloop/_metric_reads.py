@@ -16,8 +16,8 @@ from ._warn import warn
 __all__ = ["metric_value"]
 
 # What a step's `aux` holds besides the values a metric may read by name: the batch's
-# labels, the predictions, the whole step state, and flags (`_step`).
-_INTERNAL = frozenset({"y_true", "y_pred", "step_state", "binary_labels", "means"})
+# labels, the predictions, the whole step state, its count of examples, and flags (`_step`).
+_INTERNAL = frozenset({"y_true", "y_pred", "step_state", "binary_labels", "means", "examples"})
 _BUILT_IN = tuple(METRICS.values())
 
 
@@ -81,14 +81,16 @@ def _per_example(spec: MetricSpec, value: Any, aux: dict[str, Any]) -> Any:
     example: it averages them per batch, as a scalar of their mean (a per-output error
     reduced over the batch), which a per-class count is not. Said when traced."""
     shape = np.shape(value) if isinstance(value, (jax.Array, np.ndarray)) else ()
-    rows = batch_size((aux["y_pred"], aux["y_true"]))  # a model's output leads with the batch
+    # The trainer's and evaluator's count (y's rows, or x's); a custom step's output's rows.
+    rows = aux.get("examples") or batch_size((aux["y_pred"], aux["y_true"]))
     averaged = spec.accumulate == "running_average" and len(shape) >= 1
     if averaged and shape[0] != 1 and shape[0] % rows:  # (1,): one value, as a scalar
         warn(
             f"metric {spec.name!r} returned shape {shape} for a batch of {rows} examples, "
-            f"not values per example: it reads as one value per batch, the mean of these "
-            f"{shape[0]} (accumulate='running_sum' totals them all). To track each value, "
-            f"give it a metric of its own, e.g. loop.metric(fn_0, name='class_0')",
+            f"not values per example: the running average counts each of its {shape[0]} "
+            f"values as one example (per-class counts read as their mean per class and "
+            f"batch; accumulate='running_sum' totals them). To track each value, give it a "
+            f"metric of its own, e.g. loop.metric(fn_0, name='class_0')",
             UserWarning,
         )
     return value

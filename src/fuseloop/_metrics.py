@@ -319,10 +319,11 @@ class MetricSpec:
         return accumulate(acc, total, count)
 
 
-def batch_size(tree: Any) -> int:
-    """The leading-axis size of the first leaf of `tree` that has one, else 1 (a per-batch
-    scalar beside the examples, `{"alpha": 1.0, "y": ...}`, has none)."""
-    axes = (np.shape(leaf) for leaf in jax.tree.leaves(tree))
+def batch_size(tree: Any, fallback: Any = None) -> int:
+    """The leading-axis size of the first leaf of `tree` that has one (a per-batch scalar,
+    `{"alpha": 1.0, "y": ...}`, has none), else of `fallback`'s (x, beside targets that
+    hold no example axis: None, a dummy label 0), else 1."""
+    axes = (np.shape(leaf) for leaf in jax.tree.leaves((tree, fallback)))
     return next((int(shape[0]) for shape in axes if len(shape) >= 1), 1)
 
 
@@ -332,17 +333,15 @@ def loss_mean(loss: Any) -> Callable[[Array, Array, Any], tuple[Array, Mean]]:
     A named loss is a mean of per-element losses: the batch loss (the training objective)
     is their mean, and the `Mean` holds their sum and count. A callable returns the batch's
     loss only; it is taken as a mean over the batch's examples and weighted by their number
-    (the leading axis of y_true, or of `x` where y holds no array), as Keras weighs its
-    loss tracker.
+    (the leading axis of y_true, or of `x` where no leaf of y has one: an autoencoder's
+    `(x, None)`, a dummy label), as Keras weighs its loss tracker.
     """
     name, fn = resolve_loss(loss)
     each = PER_ELEMENT_LOSSES.get(name) if isinstance(loss, str) else None  # name: resolved
 
     def weighted(y_true: Array, y_pred: Array, x: Any = None) -> tuple[Array, Mean]:
         value = fn(y_true, y_pred)
-        # A batch without targets (an autoencoder's `(x, None)`) counts its inputs' rows.
-        counted = y_true if jax.tree.leaves(y_true) else x
-        n = jnp.asarray(batch_size(counted), accumulator_dtype())
+        n = jnp.asarray(batch_size(y_true, x), accumulator_dtype())
         return value, Mean(jnp.asarray(value, n.dtype) * n, n)
 
     if each is None:

@@ -306,7 +306,26 @@ def predict(
     settle = getattr(adapter, "settle", None)
     if settle is not None:  # a plain model object, as this call left it
         settle()
-    return jax.tree.map(lambda *parts: np.concatenate(parts, axis=lead), *outputs)
+    return _joined(outputs, lead)
+
+
+def _joined(outputs: list[Any], lead: int) -> Any:
+    """The chunks' outputs joined on the examples' axis; an output whose other axes follow
+    the batch's size (in-batch similarities of shape (B, B)) cannot be, and is named."""
+
+    def join(path: Any, *parts: Any) -> Any:
+        rest = sorted({np.shape(p)[:lead] + np.shape(p)[lead + 1 :] for p in parts})
+        if len(rest) > 1:
+            raise ValueError(
+                f"x: the model's output{jax.tree_util.keystr(path)} has per-example shapes "
+                f"{', '.join(map(str, rest))} in batches of different sizes (an axis that "
+                f"follows the batch's size, as in-batch similarities of shape (B, B) do), so "
+                f"predict cannot join them into one array. Use batches of one size (a "
+                f"batch_size that divides the examples), or call model.apply per batch"
+            )
+        return np.concatenate(parts, axis=lead)
+
+    return jax.tree_util.tree_map_with_path(join, *outputs)
 
 
 def _require_examples_axis(x: Any) -> None:

@@ -23,7 +23,7 @@ from ._batch_checks import require_pair
 from ._epoch_order import prng_config
 from ._functions import from_functions
 from ._metric_reads import metric_value
-from ._metrics import Mean, MetricSpec, loss_mean, resolve_loss
+from ._metrics import Mean, MetricSpec, batch_size, loss_mean, resolve_loss
 from ._model_fit_advice import no_params, not_floating
 from ._optim import (
     OPTIMIZERS,
@@ -217,13 +217,8 @@ def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program
 
         descended = _descend(tx, objective, params, state["opt_state"])
         loss_value, (y_pred, new_rest, mean), params, opt_state = descended
-        aux = {
-            "loss": loss_value,
-            "y_pred": y_pred,
-            "y_true": y,
-            "means": {"loss": mean},
-            "binary_labels": binary_labels,
-        }
+        aux = {**_read_by_metrics(x, y, y_pred, binary_labels), "loss": loss_value}
+        aux["means"] = {"loss": mean}
         if exposes_lr:
             aux["learning_rate"] = learning_rate_of(tx, opt_state)
         new_state = {
@@ -257,13 +252,24 @@ def evaluator_program(model: Any, loss: Any = None) -> Program:
     def step(state: dict[str, Any], batch: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         x, y = split_batch(batch)
         y_pred, _ = adapter.forward(state["params"], x, train=False, rng=None)
-        aux = {"y_pred": y_pred, "y_true": y, "binary_labels": binary_labels}
+        aux = _read_by_metrics(x, y, y_pred, binary_labels)
         if loss_fn is not None:
             aux["loss"], mean = loss_fn(y, y_pred, x)
             aux["means"] = {"loss": mean}
         return state, aux
 
     return Program(init, step, False, "evaluator", loss_name, None, adapter, loss)
+
+
+def _read_by_metrics(x: Any, y: Any, y_pred: Any, binary_labels: bool) -> dict[str, Any]:
+    """What the metrics of (y_true, y_pred) read of a step (`_metric_reads`), with the
+    batch's count of examples: y's rows, or x's where y has no example axis."""
+    return {
+        "y_pred": y_pred,
+        "y_true": y,
+        "examples": batch_size(y, x),
+        "binary_labels": binary_labels,
+    }
 
 
 def default_metrics(program: Program) -> tuple[MetricSpec, ...]:
