@@ -130,16 +130,16 @@ def test_the_looped_trainer_init_is_the_plain_program_init() -> None:
     assert isinstance(init, InlineInit)  # the suite runs on a CPU
     variables = tiny_mlp().init(jax.random.PRNGKey(5), first[0])
     for given in (variables, None):
-        looped, signature, _ = init.start(given)
-        plain = jax.jit(init.init)(given)
+        looped, signature, _ = init.start(given, first)
+        plain = jax.jit(init.init)(given, None)  # an MLP's init reads x's shapes only
         leaves, treedef = jax.tree.flatten(looped)
         assert signature == (treedef, tuple((a.shape, a.dtype) for a in leaves))
         assert_tree_equal(looped, plain, "initial step state")
         structure = jax.tree.structure(given)
-        (program,) = [p for k, (_, _, p, _) in init.programs.items() if k[0] == structure]
-        assert "while" in program.lower(given, 1).as_text()
+        (program,) = [p for k, (_, _, p, _, _) in init.programs.items() if k[0] == structure]
+        assert "while" in program.lower(given, None, 1).as_text()
     programs = len(init.programs)
-    init.start(variables)
+    init.start(variables, first)
     assert len(init.programs) == programs
 
 
@@ -150,15 +150,15 @@ def test_a_large_step_state_is_initialized_by_the_plain_program(monkeypatch) -> 
 
     from fuseloop.engine.start import InlineInit
 
-    def init(variables):
+    def init(variables, batch):
         return {f"w{i}": jnp.full((40,), i, jnp.float32) + variables for i in range(40)}
 
     for limit, looped in ((40 * 40 * 4, True), (40 * 40 * 4 - 1, False)):
         monkeypatch.setattr(InlineInit, "LOOP_BYTES", limit)
         inline = InlineInit(init)
         out, _, _ = inline.start(jnp.float32(1.0))
-        ((_, _, program, small),) = inline.programs.values()
-        assert ("while" in program.lower(jnp.float32(1.0), 1).as_text()) is looped
+        ((_, _, program, _, small),) = inline.programs.values()
+        assert ("while" in program.lower(jnp.float32(1.0), None, 1).as_text()) is looped
         assert small is looped  # only a small state is looped (and kept as a spare)
         assert [float(out[f"w{i}"][0]) for i in range(40)] == [i + 1.0 for i in range(40)]
 
@@ -253,3 +253,31 @@ def test_a_chunk_launch_enters_the_transfer_guard_context_only_under_a_guard() -
         assert not isinstance(placement.chunk_transfer(), contextlib.nullcontext)
         state = trainer().run(make_batches(4), fuse=2)
     assert state.stats["h2d_transfers"] == 2
+
+
+def test_a_fresh_init_keeps_a_spare_unless_it_reads_the_batchs_values() -> None:
+    """A fresh init whose values depend on no batch value (a model's forward pass on x
+    feeds no parameter) is made again ahead for the next run; one that reads them (an
+    ActNorm's statistics) is not: the next run's first batch may differ."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from fuseloop.engine.init_batch import abstract_batch, reads_any
+    from fuseloop.engine.start import InlineInit
+
+    def shapes_only(variables, batch):
+        batch = jnp.zeros((4, 3)) if batch is None else batch  # as _trainer_init's does
+        batch @ jnp.ones((3, 2))  # a forward pass whose result no output reads
+        return {"w": jnp.ones((batch.shape[1], 2))}
+
+    def from_values(variables, batch):
+        return {"w": jnp.ones((batch.shape[1], 2)) * batch.mean()}
+
+    first = np.ones((4, 3), np.float32)
+    shapes = abstract_batch(jax.tree.structure(first), (((4, 3), np.dtype(np.float32)),))
+    for init, spares in ((shapes_only, True), (from_values, False)):
+        _, _, spare_maker = InlineInit(init, True, shapes).start(None, first)
+        assert (spare_maker is not None) is spares, init.__name__
+        traced = jax.make_jaxpr(init)(None, first)
+        assert reads_any(traced.jaxpr, traced.jaxpr.invars) is not spares

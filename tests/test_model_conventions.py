@@ -304,3 +304,34 @@ def test_what_a_shape_check_sowed_is_refused_by_a_trainer_naming_nnx_pop():
     popped = fl.trainer(checked, "mean_squared_error", "sgd").run(_regression())
     fresh = fl.trainer(_Sowing(), "mean_squared_error", "sgd").run(_regression())
     assert_tree_equal(popped.params, fresh.params)
+
+
+class _ActNorm(nn.Module):
+    """Glow's ActNorm: its shift and scale start from the first batch's statistics."""
+
+    @nn.compact
+    def __call__(self, x):
+        shift = self.param("shift", lambda rng: -jnp.mean(x, axis=0))
+        scale = self.param("scale", lambda rng: 1.0 / (jnp.std(x, axis=0) + 1e-6))
+        return nn.Dense(3)((x + shift) * scale)
+
+
+@pytest.mark.parametrize("population", [None, 2])
+def test_a_data_dependent_init_reads_the_first_batch_as_model_init_does(population):
+    """The trainer initialised a model on a batch of zeros shaped like the first: an
+    ActNorm's scale started at 1e6 (1 / eps), where `model.init(rng, first_x)` reads the
+    data, and the loss was in the millions without a word."""
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(8, 4)) * 3 + 5).astype(np.float32)
+    data = [(x, rng.integers(0, 3, 8).astype(np.int32))]
+    model = _ActNorm()
+    loop = fl.trainer(model, "sparse_categorical_cross_entropy", optax.sgd(0.0))
+    loop.run([(x * 2, data[0][1])], population=population)  # a run before, on other data
+    state = loop.run(data, population=population)  # its fresh init is not that run's spare
+    by_hand = model.init(jax.random.PRNGKey(0), x)["params"]
+    for name in ("shift", "scale"):
+        got = np.asarray(state.params["params"][name])
+        expected = np.asarray(by_hand[name])
+        np.testing.assert_allclose(
+            got.reshape(-1, 4), np.broadcast_to(expected, got.reshape(-1, 4).shape), rtol=1e-6
+        )

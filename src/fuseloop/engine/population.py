@@ -9,6 +9,7 @@ trainer init, run with that seed) and with its own optimizer hyperparameters.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -19,6 +20,7 @@ from .._metrics import read_metric
 from .._placement import device_signature
 from .._step import init_tail, trainer_program
 from .._warn import warn
+from .init_batch import abstract_batch, batch_values, reads_batch
 from .population_acc import PackedAcc, pack, packed_like
 from .population_args import RECORD_KEY, Population, resolve_population
 
@@ -177,22 +179,6 @@ def population_init(programs: Any, population: Population, first: Any, variables
     treedef, spec = device_signature(first)
     names = tuple(name for name, _ in population.hyperparams)
     key = ("population", treedef, spec, names, variables is None)
-    cache = programs.cache.init
-    if key not in cache:
-        program = programs.loop.program
-
-        def init(variables: Any, seeds: Any, hyper: Any) -> Any:
-            zeros = jax.tree.unflatten(treedef, [jnp.zeros(s, d) for s, d in spec])
-
-            def member(seed: Any, values: Any) -> Any:
-                solo = trainer_program(program.model, program.loss, program.optimizer, seed)
-                step_state = solo.init(zeros, variables)
-                step_state["opt_state"] = _set_hyperparams(step_state["opt_state"], values)
-                return step_state
-
-            return jax.tree.map(jnp.copy, jax.vmap(member)(seeds, hyper))
-
-        cache[key] = jax.jit(programs.counted(init))
     seeds = np.asarray(population.seeds, np.int64).astype(np.int32)  # the same 32 bits
     # At full float width (float64 under x64): each member's slot rounds its value once,
     # to the slot's own dtype, as a solo run's optimizer does.
@@ -202,7 +188,31 @@ def population_init(programs: Any, population: Population, first: Any, variables
         isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(variables)
     ):
         variables = jax.device_put(variables)
-    return cache[key](variables, seeds, hyper)
+    cache = programs.cache.init
+    if key not in cache:
+        init = _members_init(programs.loop.program, treedef, spec)
+        shapes = abstract_batch(treedef, spec)
+        reads = variables is None and reads_batch(init, (variables, seeds, hyper), shapes)
+        cache[key] = (jax.jit(programs.counted(init)), reads)
+    program, reads = cache[key]
+    # A fresh init that reads the first batch's values takes them, as a solo run's does.
+    return program(variables, seeds, hyper, batch_values(first) if reads else None)
+
+
+def _members_init(program: Any, treedef: Any, spec: Any) -> Callable[..., Any]:
+    def init(variables: Any, seeds: Any, hyper: Any, batch: Any) -> Any:
+        if batch is None:  # only the first batch's shapes count (init_batch.py)
+            batch = jax.tree.unflatten(treedef, [jnp.zeros(s, d) for s, d in spec])
+
+        def member(seed: Any, values: Any) -> Any:
+            solo = trainer_program(program.model, program.loss, program.optimizer, seed)
+            step_state = solo.init(batch, variables)
+            step_state["opt_state"] = _set_hyperparams(step_state["opt_state"], values)
+            return step_state
+
+        return jax.tree.map(jnp.copy, jax.vmap(member)(seeds, hyper))
+
+    return init
 
 
 @jax.jit

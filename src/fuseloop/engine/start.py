@@ -43,6 +43,7 @@ from .._placement import (
 )
 from .._variables_diff import refuse_narrowed_state, warn_other_dtype
 from .conv_layout import named
+from .init_batch import abstract_batch, batch_values, reads_batch
 from .population import population_init, require_distinct_members
 from .programs import Programs
 
@@ -88,14 +89,17 @@ def _trainer_init(programs: Programs, first: Any) -> Any:
     if (treedef, spec) not in cache:
         program = programs.loop.program
 
-        def init(variables: Any) -> Any:
-            # Initialization depends on the batch's shapes, not its values; building zeros
-            # inside the program avoids moving the first batch to the device twice.
-            zeros = jax.tree.unflatten(treedef, [jnp.zeros(s, d) for s, d in spec])
-            return jax.tree.map(jnp.copy, program.init(zeros, variables))
+        def init(variables: Any, batch: Any) -> Any:
+            # A fresh init reads the first batch, as `model.init(rng, x)` does (an offset or
+            # a scale set from the data: ActNorm); from given variables only its shapes
+            # count, and zeros made inside the program move nothing to the device.
+            if batch is None:
+                batch = jax.tree.unflatten(treedef, [jnp.zeros(s, d) for s, d in spec])
+            return jax.tree.map(jnp.copy, program.init(batch, variables))
 
         counted = programs.counted(init)
-        cache[(treedef, spec)] = InlineInit(counted, looped=jax.default_backend() == "cpu")
+        looped = jax.default_backend() == "cpu"
+        cache[(treedef, spec)] = InlineInit(counted, looped, abstract_batch(treedef, spec))
     return cache[(treedef, spec)]
 
 
@@ -121,20 +125,24 @@ class InlineInit:
 
     LOOP_BYTES = 256 * 1024
 
-    def __init__(self, init: Any, looped: bool = True):
+    def __init__(self, init: Any, looped: bool = True, batch: Any = None):
         self.init, self.looped = init, looped
-        # By variables' signature: the state's treedef and signature, the program, and
-        # whether the state is small (only a small one is looped and kept as a spare).
-        self.programs: dict[Any, tuple[Any, Any, Any, bool]] = {}
+        self.batch = batch  # the first batch's shapes and dtypes (None: no batch read)
+        # By variables' signature: the state's treedef and signature, the program, whether
+        # it reads the first batch's values (a fresh data-dependent init, init_batch.py),
+        # and whether a spare may stand in for it (a small state that reads no batch).
+        self.programs: dict[Any, tuple[Any, Any, Any, bool, bool]] = {}
         # The spare: a step state made ahead, from the variables a run last started from,
         # while that run waited for the device (`start`'s maker, docs/design.md §6).
         self._spare: tuple[_Given, Any] | None = None
         self._lock = threading.Lock()  # one run takes a spare: the next launch donates it
 
-    def start(self, variables: Any) -> tuple[Any, Any, Callable[[], None] | None]:
-        """The step state made from `variables` (None: fresh), its signature, and what
-        makes the next run's spare (None: no spare is kept). Host arrays among the
-        variables move to the device first (arrays there stay put).
+    def start(
+        self, variables: Any, first: Any = None
+    ) -> tuple[Any, Any, Callable[[], None] | None]:
+        """The step state made from `variables` (None: fresh, from the `first` batch), its
+        signature, and what makes the next run's spare (None: no spare is kept). Host
+        arrays among the variables move to the device first (arrays there stay put).
 
         A small step state made from device arrays, which no one can change, is made
         again once this run has launched and before it waits for the device
@@ -149,39 +157,48 @@ class InlineInit:
         key = signature_of(leaves, structure)
         if key not in self.programs:
             self.programs[key] = self._program(variables)
-        treedef, signature, program, small = self.programs[key]
-        given = _Given(leaves, structure) if on_device and small else None
+        treedef, signature, program, reads, spares = self.programs[key]
+        batch = batch_values(first) if reads else None
+        given = _Given(leaves, structure) if on_device and spares else None
         with self._lock:
             spare, self._spare = self._spare, None
         if spare is not None and given is not None and spare[0].same(given):
             state = spare[1]
         else:
-            state = jax.tree.unflatten(treedef, program(variables, device_int(1)))
+            state = jax.tree.unflatten(treedef, program(variables, batch, device_int(1)))
         if given is None:
             return state, signature, None
 
         def spare_maker() -> None:
             if any(leaf.is_deleted() for leaf in given.leaves):
                 return  # the caller let its variables go during the run: nothing to reuse
-            made = jax.tree.unflatten(treedef, program(variables, device_int(1)))
+            made = jax.tree.unflatten(treedef, program(variables, None, device_int(1)))
             with self._lock:
                 self._spare = (given, made)
 
         return state, signature, spare_maker
 
-    def _program(self, variables: Any) -> tuple[Any, Any, Any, bool]:
-        shapes, treedef = jax.tree.flatten(jax.eval_shape(self.init, variables))
+    def _program(self, variables: Any) -> tuple[Any, Any, Any, bool, bool]:
+        """`(treedef, signature, program, reads, spares)` for `variables`' signature: a
+        fresh init that reads the first batch's values takes the batch (no spare stands in
+        for it: the next run's first batch differs); any other makes zeros of its shapes."""
+        fresh = variables is None and self.batch is not None
+        reads = fresh and reads_batch(self.init, (variables,), self.batch)
+        shapes, treedef = jax.tree.flatten(
+            jax.eval_shape(self.init, variables, self.batch if reads else None)
+        )
         signature = treedef, tuple((tuple(s.shape), s.dtype) for s in shapes)
         small = tree_bytes(shapes) <= self.LOOP_BYTES
         if not self.looped or not small:
-            plain = named(lambda v, _: jax.tree.leaves(self.init(v)), "init")
-            return treedef, signature, jax.jit(plain), small
+            plain = named(lambda v, b, _: jax.tree.leaves(self.init(v, b)), "init")
+            return treedef, signature, jax.jit(plain), reads, small and not reads
 
-        def looped(v: Any, trips: Any) -> list[Any]:
+        def looped(v: Any, b: Any, trips: Any) -> list[Any]:
             empty = [jnp.zeros(s.shape, s.dtype) for s in shapes]
-            return lax.fori_loop(0, trips, lambda _, __: jax.tree.leaves(self.init(v)), empty)
+            return lax.fori_loop(0, trips, lambda _, __: jax.tree.leaves(self.init(v, b)), empty)
 
-        return treedef, signature, jax.jit(named(looped, "init_looped")), small
+        program = jax.jit(named(looped, "init_looped"))
+        return treedef, signature, program, reads, not reads
 
 
 def _made_under() -> tuple[Any, ...]:
@@ -255,7 +272,7 @@ def initial_step_state(
         return Start(population_init(programs, programs.population, first, user_state))
     if program.kind == "trainer":
         init: InlineInit = _trainer_init(programs, first)
-        return Start(*init.start(user_state))
+        return Start(*init.start(user_state, first))
     return Start(private_copy(program.init(first, user_state)))
 
 
