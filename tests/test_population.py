@@ -122,17 +122,22 @@ def test_member_matches_solo_run_with_its_seed(digits):
             )
 
 
-def test_population_init_is_bitwise_the_solo_init():
+@pytest.mark.parametrize("x64", [False, True])
+def test_population_init_is_bitwise_the_solo_init(x64):
+    """Under x64 a negative seed's member drew other keys than its solo run (the seed was
+    cut to int32, whose key under x64 has a high word of 0, not all ones)."""
     from fuseloop.engine.population import Population, population_init
     from fuseloop.engine.programs import Programs
     from fuseloop.engine.start import initial_step_state
 
     x, y = _tiny(8)
-    members = Population(3, (4, 5, 6))
-    pop = population_init(Programs(_trainer(4), members), members, (x, y), None)
-    for i in range(3):
-        solo = initial_step_state(Programs(_trainer(4 + i)), None, (x, y), False).step_state
-        assert tree_equal(jax.tree.map(lambda a, i=i: a[i], pop), solo)
+    seeds = (-2, -1, 5)
+    members = Population(3, seeds)
+    with jax.enable_x64(x64):
+        pop = population_init(Programs(_trainer(-2), members), members, (x, y), None)
+        for i, seed in enumerate(seeds):
+            solo = initial_step_state(Programs(_trainer(seed)), None, (x, y), False)
+            assert tree_equal(jax.tree.map(lambda a, i=i: a[i], pop), solo.step_state), seed
 
 
 def test_member_is_a_plain_state(tmp_path):

@@ -179,7 +179,10 @@ def population_init(programs: Any, population: Population, first: Any, variables
     treedef, spec = device_signature(first)
     names = tuple(name for name, _ in population.hyperparams)
     key = ("population", treedef, spec, names, variables is None)
-    seeds = np.asarray(population.seeds, np.int64).astype(np.int32)  # the same 32 bits
+    # A member's key is its solo run's: PRNGKey of the seed as jax takes a Python int,
+    # int64 under x64 (a negative seed's high word is all ones), else its low 32 bits.
+    seeds = np.asarray(population.seeds, np.int64)
+    seeds = seeds if jax.config.read("jax_enable_x64") else seeds.astype(np.int32)
     # At full float width (float64 under x64): each member's slot rounds its value once,
     # to the slot's own dtype, as a solo run's optimizer does.
     wide = jax.dtypes.canonicalize_dtype(np.float64)
