@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import types
 
 import flax.linen as nn
 import jax
@@ -349,6 +350,49 @@ def test_a_plain_model_object_changed_in_place_is_taken_as_it_is_or_refused():
     with pytest.raises(ValueError, match=r"\(_Scaled\) changed since the loop.s last run \(scale"):
         loop.run(data)
     assert fl.trainer(model, "mean_squared_error", "sgd").run(data).status == "completed"
+
+
+class _Configured:
+    """Reads its scale from a dict, a numpy array, a config object and its class."""
+
+    factor = 1.0
+
+    def __init__(self):
+        self.cfg = {"scale": 1.0}
+        self.bias = np.zeros(2, np.float32)
+        self.options = types.SimpleNamespace(offset=0.0)
+
+    def init(self, rng, x):
+        return {"w": np.ones((x.shape[1], 2), np.float32)}
+
+    def apply(self, variables, x):
+        scaled = x @ variables["w"] * self.cfg["scale"] * self.factor
+        return scaled + self.bias + self.options.offset
+
+
+@pytest.mark.parametrize("change", ["dict", "array", "config", "class"])
+def test_a_plain_model_objects_value_changed_in_place_is_seen_too(change, monkeypatch):
+    """Only a reassigned attribute was seen: `model.cfg["scale"] = 5.0`, `model.bias[:] =
+    1`, a config object's field or the class's attribute left predict and a run of the
+    loop on the old value, in silence."""
+    model = _Configured()
+    variables = model.init(None, X)
+    loop = fl.trainer(model, "mean_squared_error", "sgd")
+    data = [(X[:8], np.zeros((8, 2), np.float32))]
+    assert loop.run(data).status == "completed"
+    predict(model, variables, X)
+    if change == "dict":
+        model.cfg["scale"] = 5.0
+    elif change == "array":
+        model.bias[:] = 1.0
+    elif change == "config":
+        model.options.offset = 1.0
+    else:
+        monkeypatch.setattr(_Configured, "factor", 5.0)
+    expected = model.apply(variables, X)
+    np.testing.assert_allclose(predict(model, variables, X), expected, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"\(_Configured\) changed since the loop.s last"):
+        loop.run(data)
 
 
 class _Lazy(_Scaled):

@@ -15,6 +15,7 @@ import flax
 import flax.linen as nn
 
 from ._linen import ModelConventionError, call_flags, flag_values, flags_among, parameters_of
+from ._object_snapshot import Snapshot
 from ._warn import warn
 
 __all__ = ["from_functions", "takes_keyword"]
@@ -85,9 +86,6 @@ def _refuse_flagged_linen(apply_fn: Any) -> None:
         )
 
 
-_MISSING = object()
-
-
 def _plain_owner(apply_fn: Any) -> Any:
     """The plain object whose method `apply_fn` is, if any: its attributes may change
     between runs. Modules of flax and equinox are not: they are immutable, or checked on
@@ -96,15 +94,6 @@ def _plain_owner(apply_fn: Any) -> Any:
     if owner is None or isinstance(owner, type) or not hasattr(owner, "__dict__"):
         return None
     return None if _not_plain(owner) else owner
-
-
-def _reassigned(owner: Any, seen: dict[str, Any]) -> list[str]:
-    """The attributes of `owner` whose value is not the one `seen` held (added, removed or
-    reassigned)."""
-    now = vars(owner)
-    return [
-        k for k in now.keys() | seen.keys() if now.get(k, _MISSING) is not seen.get(k, _MISSING)
-    ]
 
 
 def _not_plain(owner: Any) -> bool:
@@ -155,21 +144,22 @@ class from_functions:  # noqa: N801 - reads as a constructor
         # haiku's transformed apply: `apply(params, rng, *args)`.
         self.rng_second = self.rng_name is not None and list(parameters)[1:2] == [self.rng_name]
         self._owner = _plain_owner(apply_fn)
-        # The owner's attributes as the last run (or predict call) left them, the values
-        # themselves (none is freed and its id reused); None before any ran.
-        self._seen: dict[str, Any] | None = None
+        # The owner's attributes as the last run (or predict call) left them; None before
+        # any ran.
+        self._seen: Snapshot | None = None
 
     def settle(self) -> None:
         """Notes the plain object's attributes as they are after a run (or a `fl.predict`
         call) used it: what its own `init` and `apply` set while they ran (a shape noted, a
         cached part, a trace counter) is part of what the compiled programs saw."""
         if self._owner is not None:
-            self._seen = dict(vars(self._owner))
+            self._seen = Snapshot(self._owner)
 
     def check_structure(self) -> None:
         """Raises a ValueError where the plain object `apply_fn` is a method of had an
-        attribute set since a run last used it (`model.scale = 10.0`): programs compiled
-        then read the old value. Every run of a loop built on it checks, and `fl.predict`
+        attribute set or changed since a run last used it (`model.scale = 10.0`,
+        `model.cfg["scale"] = 10.0`, or on its class): programs compiled then read the old
+        value. Every run of a loop built on it checks, and `fl.predict`
         builds a new program instead. (Named as nnx's adapter names its own check.)
 
         Example:
@@ -188,12 +178,12 @@ class from_functions:  # noqa: N801 - reads as a constructor
         """
         if self._owner is None or self._seen is None:
             return
-        changed = _reassigned(self._owner, self._seen)
+        changed = Snapshot(self._owner).changed(self._seen)
         if changed:
             name = type(self._owner).__name__
             raise ValueError(
                 f"model: the object whose apply fuseloop runs ({name}) changed since the "
-                f"loop's last run ({', '.join(sorted(changed))} set): the loop's compiled "
+                f"loop's last run ({', '.join(changed)} changed): the loop's compiled "
                 f"programs read the old values. Build a new loop (fl.trainer(model, ...)) "
                 f"after changing the model"
             )

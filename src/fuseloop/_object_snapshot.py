@@ -1,0 +1,99 @@
+"""What a plain model object's `apply` may read of itself, as values to compare later.
+
+A program compiled from `obj.apply` keeps what the trace read of `obj`: its attributes'
+values at that time. Reassigning one (`obj.scale = 5.0`), changing one in place
+(`obj.cfg["temperature"] = 5.0`, `obj.bias[:] = ...`, a config object's field) or on the
+class (`Model.temperature = 5.0`) leaves the program reading the old value. A snapshot
+holds each attribute as a comparable token: plain values by value (floats by repr, so a
+NaN equals itself), containers and nested plain objects element by element, numpy arrays
+by a checksum of their bytes, and anything else (a jax array, which cannot change; a
+function) by identity, kept alive so its id is not reused.
+"""
+
+from __future__ import annotations
+
+import types
+import zlib
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Snapshot"]
+
+_SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic)
+_BUDGET = 200_000  # values visited per snapshot; past it, what is left compares by identity
+
+
+class Snapshot:
+    """`owner`'s attributes (its own and its classes' data attributes) as tokens.
+
+    Example:
+        >>> class Model:
+        ...     def __init__(self): self.cfg = {"temperature": 1.0}
+        >>> model = Model()
+        >>> before = Snapshot(model)
+        >>> model.cfg["temperature"] = 5.0
+        >>> Snapshot(model).changed(before)
+        ['cfg']
+    """
+
+    def __init__(self, owner: Any):
+        self._kept: list[Any] = []  # what an identity token names, alive while compared
+        self._budget = _BUDGET
+        self.tokens = {name: self._token(v, 0, set()) for name, v in _attributes(owner).items()}
+
+    def changed(self, earlier: Snapshot) -> list[str]:
+        """The attributes whose token differs from `earlier`'s (added and removed too)."""
+        names = self.tokens.keys() | earlier.tokens.keys()
+        return sorted(n for n in names if self.tokens.get(n) != earlier.tokens.get(n))
+
+    def _token(self, value: Any, depth: int, seen: set[int]) -> Any:
+        self._budget -= 1
+        if isinstance(value, _SCALARS):
+            return (type(value).__name__, repr(value))
+        if isinstance(value, np.ndarray) and value.dtype != object:
+            data = np.ascontiguousarray(value).view(np.uint8).reshape(-1)
+            return ("ndarray", value.dtype.str, value.shape, zlib.crc32(data.data))
+        if self._budget < 0 or depth > 8 or id(value) in seen:
+            return self._identity(value)
+        inner = seen | {id(value)}
+        if isinstance(value, (list, tuple)):
+            return (type(value), tuple(self._token(v, depth + 1, inner) for v in value))
+        if isinstance(value, dict):
+            return (type(value), self._fields(value, depth, inner))
+        if _is_plain_object(value):  # a config object: its fields, as the owner's
+            return (type(value), self._fields(vars(value), depth, inner))
+        return self._identity(value)
+
+    def _fields(self, values: dict[Any, Any], depth: int, seen: set[int]) -> tuple[Any, ...]:
+        return tuple((repr(k), self._token(v, depth + 1, seen)) for k, v in values.items())
+
+    def _identity(self, value: Any) -> Any:
+        self._kept.append(value)
+        return ("id", id(value))
+
+
+def _attributes(owner: Any) -> dict[str, Any]:
+    """The owner's data attributes by name: its classes' (a subclass's over its base's),
+    then its own over those. Methods, properties and other descriptors are code, not data."""
+    found: dict[str, Any] = {}
+    for cls in reversed(type(owner).__mro__[:-1]):  # object's own are no model's
+        for name, value in vars(cls).items():
+            if not name.startswith("__") and _is_data(value):
+                found[name] = value
+    found.update(vars(owner))
+    return found
+
+
+def _is_data(value: Any) -> bool:
+    code = (types.FunctionType, staticmethod, classmethod, property, type, types.ModuleType)
+    return not isinstance(value, code) and not hasattr(value, "__get__")
+
+
+def _is_plain_object(value: Any) -> bool:
+    """An instance of a user's class holding data (a dataclass config), not code."""
+    return (
+        hasattr(value, "__dict__")
+        and not isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType))
+        and not callable(value)
+    )
