@@ -281,3 +281,46 @@ def test_a_fresh_init_keeps_a_spare_unless_it_reads_the_batchs_values() -> None:
         assert (spare_maker is not None) is spares, init.__name__
         traced = jax.make_jaxpr(init)(None, first)
         assert reads_any(traced.jaxpr, traced.jaxpr.invars) is not spares
+
+
+def test_whether_an_init_reads_x_is_told_through_nested_programs() -> None:
+    """nn.scan's layers and nn.remat run the forward pass inside a nested program whose
+    outputs hold the parameters too: taken as a whole, an ordinary stack of layers read
+    as data-dependent (no spare; refused under several processes). A statistic of x
+    initialised inside the scan, or behind stop_gradient, is still found."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from fuseloop.engine.init_batch import reads_any
+
+    class Layer(nn.Module):
+        from_data: bool
+
+        @nn.compact
+        def __call__(self, carry, _):
+            if self.from_data:
+                scale = self.param("s", lambda rng: jax.lax.stop_gradient(1 / carry.std()))
+                carry = carry * scale
+            return nn.Dense(4)(carry), None
+
+    class Stack(nn.Module):
+        from_data: bool
+
+        @nn.compact
+        def __call__(self, x):
+            layers = nn.scan(
+                Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+            )
+            return nn.remat(nn.Dense)(3)(layers(self.from_data)(x, None)[0])
+
+    for from_data in (False, True):
+        model = Stack(from_data)
+        traced = jax.make_jaxpr(model.init)(jax.random.PRNGKey(0), jnp.ones((2, 4)))
+        assert reads_any(traced.jaxpr, traced.jaxpr.invars[1:]) is from_data
+
+    def through_the_carry(x):  # each step's output reads the carry, which sums x
+        return jax.lax.scan(lambda c, _: (c + x.mean(), c * 2), 0.0, None, length=3)[1]
+
+    traced = jax.make_jaxpr(through_the_carry)(jnp.ones(4))
+    assert reads_any(traced.jaxpr, traced.jaxpr.invars)

@@ -21,13 +21,66 @@ __all__ = ["abstract_batch", "batch_values", "reads_any", "reads_batch"]
 
 def reads_any(jaxpr: Any, inputs: list[Any]) -> bool:
     """Whether any output (or effect) of `jaxpr` depends on one of its `inputs`: a walk back
-    from the outputs, an equation needed where any of its outputs is (a nested program as a
-    whole: where it is needed, all its inputs are)."""
-    needed = {v for v in jaxpr.outvars if isinstance(v, Var)}
+    from the outputs (`_needed_inputs`)."""
+    needed = _needed_inputs(jaxpr, [True] * len(jaxpr.outvars))
+    chosen = set(inputs)
+    return any(n for v, n in zip(jaxpr.invars, needed, strict=True) if v in chosen)
+
+
+def _needed_inputs(jaxpr: Any, wanted: list[bool]) -> list[bool]:
+    """Which inputs of `jaxpr` the `wanted` outputs depend on: an equation is needed where
+    one of its outputs is (or it has an effect); a nested program (jit, remat, a custom
+    derivative, scan: nn.scan's layers) is walked through, any other counts as a whole."""
+    needed = {v for v, w in zip(jaxpr.outvars, wanted, strict=True) if w and isinstance(v, Var)}
     for eqn in reversed(jaxpr.eqns):
-        if eqn.effects or any(v in needed for v in eqn.outvars):
-            needed.update(v for v in eqn.invars if isinstance(v, Var))
-    return any(v in needed for v in inputs)
+        outs = [isinstance(v, Var) and v in needed for v in eqn.outvars]
+        if eqn.effects or any(outs):
+            ins = [True] * len(eqn.invars) if eqn.effects else _equation_inputs(eqn, outs)
+            needed.update(
+                v for v, n in zip(eqn.invars, ins, strict=True) if n and isinstance(v, Var)
+            )
+    return [isinstance(v, Var) and v in needed for v in jaxpr.invars]
+
+
+def _equation_inputs(eqn: Any, outs: list[bool]) -> list[bool]:
+    inner = _inner_jaxpr(eqn)
+    if inner is None:
+        return [True] * len(eqn.invars)
+    if eqn.primitive.name != "scan":
+        return _needed_inputs(inner, outs)
+    # A scan's carry feeds itself: a carried input needed makes its output needed too.
+    consts, carried = eqn.params["num_consts"], eqn.params["num_carry"]
+    while True:
+        ins = _needed_inputs(inner, outs)
+        fed = ins[consts : consts + carried]
+        grown = [o or i for o, i in zip(outs[:carried], fed, strict=True)]
+        if grown == outs[:carried]:
+            return ins
+        outs = grown + outs[carried:]
+
+
+# Equations that run one nested jaxpr on their own inputs to their own outputs (a scan
+# too, its carry aside); any other (a while loop's condition, a cond's branches) is taken
+# as a whole, which can only find a read where there is none, never miss one.
+_CALLS = frozenset(
+    {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "scan"}
+    | {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
+)
+
+
+def _inner_jaxpr(eqn: Any) -> Any:
+    """The nested jaxpr whose inputs and outputs are the equation's, else None."""
+    if eqn.primitive.name not in _CALLS:
+        return None
+    for value in eqn.params.values():
+        inner = getattr(value, "jaxpr", value) if hasattr(value, "consts") else value
+        if (
+            hasattr(inner, "eqns")
+            and len(inner.invars) == len(eqn.invars)
+            and len(inner.outvars) == len(eqn.outvars)
+        ):
+            return inner
+    return None
 
 
 def reads_batch(init: Callable[..., Any], leading: tuple[Any, ...], batch: Any) -> bool:
