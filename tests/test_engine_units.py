@@ -324,3 +324,18 @@ def test_whether_an_init_reads_x_is_told_through_nested_programs() -> None:
 
     traced = jax.make_jaxpr(through_the_carry)(jnp.ones(4))
     assert reads_any(traced.jaxpr, traced.jaxpr.invars)
+
+    class Branchy(nn.Module):  # nn.cond on a constant, a debug print of x: no read
+        @nn.compact
+        def __call__(self, x):
+            jax.debug.print("mean {}", x.mean())
+            return nn.cond(True, lambda m, x: m(x) * 2, lambda m, x: m(x), nn.Dense(1), x)
+
+    traced = jax.make_jaxpr(Branchy().init)(jax.random.PRNGKey(0), jnp.ones((2, 4)))
+    assert not reads_any(traced.jaxpr, traced.jaxpr.invars[1:])
+
+    def chosen_by_x(x):  # a branch taken on x's values reads them
+        return jax.lax.cond(x.sum() > 0, lambda: jnp.ones(2), lambda: jnp.zeros(2))
+
+    traced = jax.make_jaxpr(chosen_by_x)(jnp.ones(4))
+    assert reads_any(traced.jaxpr, traced.jaxpr.invars)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import logging
+import random
 import types
 
 import flax.linen as nn
@@ -393,6 +395,51 @@ def test_a_plain_model_objects_value_changed_in_place_is_seen_too(change, monkey
     np.testing.assert_allclose(predict(model, variables, X), expected, rtol=1e-6)
     with pytest.raises(ValueError, match=r"\(_Configured\) changed since the loop.s last"):
         loop.run(data)
+
+
+class _Busy(_Scaled):
+    """Holds what changes without changing what apply reads: a logger, a host RNG, a
+    trace-time cache any use of the model fills, a config dict, an array of objects."""
+
+    def __init__(self):
+        self.log = logging.getLogger("fuseloop.tests.busy")
+        self.rng = random.Random(0)
+        self.cache = {}
+        self.cfg = {"a": 1.0, "b": 2.0}
+        self.table = np.array([("x", 1.0)], dtype=[("name", "O"), ("v", "f4")])
+
+    def apply(self, variables, x):
+        self.cache.setdefault(x.shape, len(self.cache))
+        return super().apply(variables, x) * self.cfg["a"]
+
+
+def test_a_plain_model_objects_own_workings_are_no_change():
+    """Compared deeply, a logger that logged, a host RNG drawn from, a cache filled by
+    another use (predict, an evaluator) or a dict re-inserted in another order refused the
+    next run; an array of objects crashed the comparison after the run had trained."""
+    model = _Busy()
+    loop = fl.trainer(model, "mean_squared_error", "sgd")
+    data = [(X[:8], np.zeros((8, 2), np.float32))]
+    state = loop.run(data)
+    model.log.warning("epoch done")
+    model.rng.random()
+    predict(model, state, X[:5])  # traces apply for a batch of 5: a new cache entry
+    fl.evaluator(model, "mean_squared_error").run([(X[:3], np.zeros((3, 2)))], state)
+    model.cfg["a"] = model.cfg.pop("a")  # the same items, in another order
+    assert loop.run(data, state, epochs=2).status == "completed"
+
+
+def test_a_refused_change_is_refused_again_not_taken_by_the_next_run():
+    """The refused run noted the changed object as the programs' own, so the run after it
+    trained on the old value in silence."""
+    model = _Configured()
+    loop = fl.trainer(model, "mean_squared_error", "sgd")
+    data = [(X[:8], np.zeros((8, 2), np.float32))]
+    loop.run(data)
+    model.cfg["scale"] = 100.0
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"changed since the loop.s last run \(cfg"):
+            loop.run(data)
 
 
 class _Lazy(_Scaled):

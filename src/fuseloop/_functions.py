@@ -144,16 +144,25 @@ class from_functions:  # noqa: N801 - reads as a constructor
         # haiku's transformed apply: `apply(params, rng, *args)`.
         self.rng_second = self.rng_name is not None and list(parameters)[1:2] == [self.rng_name]
         self._owner = _plain_owner(apply_fn)
-        # The owner's attributes as the last run (or predict call) left them; None before
-        # any ran.
+        # The owner's attributes as the last run (or predict call) left them (None before
+        # any ran), as the current one found them, and the ones its own code changes.
         self._seen: Snapshot | None = None
+        self._at_start: Snapshot | None = None
+        self._volatile: set[str] = set()
 
     def settle(self) -> None:
         """Notes the plain object's attributes as they are after a run (or a `fl.predict`
         call) used it: what its own `init` and `apply` set while they ran (a shape noted, a
-        cached part, a trace counter) is part of what the compiled programs saw."""
-        if self._owner is not None:
-            self._seen = Snapshot(self._owner)
+        cached part, a trace counter) is part of what the compiled programs saw, and such
+        attributes are not compared again (another use may change them too). A use whose
+        check refused the object (or never ran) notes nothing: the programs keep what
+        they saw, and the next run is refused again."""
+        if self._owner is None or (self._seen is not None and self._at_start is None):
+            return
+        now = Snapshot(self._owner)
+        if self._at_start is not None:
+            self._volatile.update(now.changed(self._at_start))
+        self._seen, self._at_start = now, None
 
     def check_structure(self) -> None:
         """Raises a ValueError where the plain object `apply_fn` is a method of had an
@@ -176,9 +185,11 @@ class from_functions:  # noqa: N801 - reads as a constructor
             ...
             ValueError: model: the object whose apply fuseloop runs (Scaled) changed ...
         """
-        if self._owner is None or self._seen is None:
+        if self._owner is None:
             return
-        changed = Snapshot(self._owner).changed(self._seen)
+        now = Snapshot(self._owner)
+        changed = [] if self._seen is None else now.changed(self._seen, frozenset(self._volatile))
+        self._at_start = None if changed else now
         if changed:
             name = type(self._owner).__name__
             raise ValueError(

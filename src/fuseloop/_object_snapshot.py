@@ -5,13 +5,18 @@ values at that time. Reassigning one (`obj.scale = 5.0`), changing one in place
 (`obj.cfg["temperature"] = 5.0`, `obj.bias[:] = ...`, a config object's field) or on the
 class (`Model.temperature = 5.0`) leaves the program reading the old value. A snapshot
 holds each attribute as a comparable token: plain values by value (floats by repr, so a
-NaN equals itself), containers and nested plain objects element by element, numpy arrays
-by a checksum of their bytes, and anything else (a jax array, which cannot change; a
-function) by identity, kept alive so its id is not reused.
+NaN equals itself), containers element by element (a dict whatever its order), numpy
+arrays by a checksum of their bytes, the user's own config objects field by field, and
+anything else (a jax array, which cannot change; a logger, a lock, a library's object,
+whose inner state no trace reads as a value) by identity, kept alive so its id is not
+reused.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+import sysconfig
 import types
 import zlib
 from typing import Any
@@ -22,6 +27,9 @@ __all__ = ["Snapshot"]
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic)
 _BUDGET = 200_000  # values visited per snapshot; past it, what is left compares by identity
+_LIBRARIES = tuple(
+    {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+)
 
 
 class Snapshot:
@@ -40,18 +48,25 @@ class Snapshot:
     def __init__(self, owner: Any):
         self._kept: list[Any] = []  # what an identity token names, alive while compared
         self._budget = _BUDGET
-        self.tokens = {name: self._token(v, 0, set()) for name, v in _attributes(owner).items()}
+        self.tokens = {name: self._safe(value) for name, value in _attributes(owner).items()}
 
-    def changed(self, earlier: Snapshot) -> list[str]:
-        """The attributes whose token differs from `earlier`'s (added and removed too)."""
-        names = self.tokens.keys() | earlier.tokens.keys()
+    def changed(self, earlier: Snapshot, ignored: frozenset[str] = frozenset()) -> list[str]:
+        """The attributes whose token differs from `earlier`'s (added and removed too),
+        but for the `ignored` ones."""
+        names = (self.tokens.keys() | earlier.tokens.keys()) - ignored
         return sorted(n for n in names if self.tokens.get(n) != earlier.tokens.get(n))
+
+    def _safe(self, value: Any) -> Any:
+        try:
+            return self._token(value, 0, set())
+        except Exception:  # noqa: BLE001 - an object that cannot be read compares by identity
+            return self._identity(value)
 
     def _token(self, value: Any, depth: int, seen: set[int]) -> Any:
         self._budget -= 1
         if isinstance(value, _SCALARS):
             return (type(value).__name__, repr(value))
-        if isinstance(value, np.ndarray) and value.dtype != object:
+        if isinstance(value, np.ndarray) and not value.dtype.hasobject:
             data = np.ascontiguousarray(value).view(np.uint8).reshape(-1)
             return ("ndarray", value.dtype.str, value.shape, zlib.crc32(data.data))
         if self._budget < 0 or depth > 8 or id(value) in seen:
@@ -59,14 +74,16 @@ class Snapshot:
         inner = seen | {id(value)}
         if isinstance(value, (list, tuple)):
             return (type(value), tuple(self._token(v, depth + 1, inner) for v in value))
+        if isinstance(value, (set, frozenset)):
+            return (type(value), frozenset(self._token(v, depth + 1, inner) for v in value))
         if isinstance(value, dict):
             return (type(value), self._fields(value, depth, inner))
-        if _is_plain_object(value):  # a config object: its fields, as the owner's
+        if _is_config(value):  # the user's own config object: its fields, as the owner's
             return (type(value), self._fields(vars(value), depth, inner))
         return self._identity(value)
 
-    def _fields(self, values: dict[Any, Any], depth: int, seen: set[int]) -> tuple[Any, ...]:
-        return tuple((repr(k), self._token(v, depth + 1, seen)) for k, v in values.items())
+    def _fields(self, values: dict[Any, Any], depth: int, seen: set[int]) -> Any:
+        return frozenset((repr(k), self._token(v, depth + 1, seen)) for k, v in values.items())
 
     def _identity(self, value: Any) -> Any:
         self._kept.append(value)
@@ -87,13 +104,21 @@ def _attributes(owner: Any) -> dict[str, Any]:
 
 def _is_data(value: Any) -> bool:
     code = (types.FunctionType, staticmethod, classmethod, property, type, types.ModuleType)
-    return not isinstance(value, code) and not hasattr(value, "__get__")
+    try:
+        return not isinstance(value, code) and not hasattr(value, "__get__")
+    except Exception:  # noqa: BLE001 - a proxy whose attribute lookup raises: not compared
+        return False
 
 
-def _is_plain_object(value: Any) -> bool:
-    """An instance of a user's class holding data (a dataclass config), not code."""
-    return (
-        hasattr(value, "__dict__")
-        and not isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType))
-        and not callable(value)
-    )
+def _is_config(value: Any) -> bool:
+    """A dataclass, a SimpleNamespace, or an instance of a class of the user's own code
+    (not of the standard library or an installed package): data to compare field by field."""
+    if isinstance(value, type) or callable(value) or not hasattr(value, "__dict__"):
+        return False
+    if dataclasses.is_dataclass(value) or isinstance(value, types.SimpleNamespace):
+        return True
+    module = sys.modules.get(type(value).__module__)
+    path = getattr(module, "__file__", None)
+    if type(value).__module__ == "__main__":
+        return True
+    return isinstance(path, str) and not path.startswith(_LIBRARIES)

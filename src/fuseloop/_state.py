@@ -66,8 +66,8 @@ class State:
         max_epoch: The number of epochs the run trains for in total.
         iteration: The current iteration within the epoch (0-based).
         max_iteration: The bound on iterations per epoch: `iterations`, or the epoch's
-            length where the data (a list, `fl.data.arrays`) is shorter; `None` when
-            unbounded.
+            length where the data (a list, `fl.data.arrays`) is shorter; `None` without
+            `iterations`.
         metrics: This epoch's metrics, name -> Python float (or array).
         history: Epoch -> that epoch's metrics.
         step_state: The device-side step state (`None` inside iteration handlers of a fused

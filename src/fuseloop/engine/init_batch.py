@@ -16,6 +16,8 @@ from typing import Any
 import jax
 from jax.extend.core import Var
 
+from .._distributed import process_count
+
 __all__ = ["abstract_batch", "batch_values", "reads_any", "reads_batch"]
 
 
@@ -29,13 +31,14 @@ def reads_any(jaxpr: Any, inputs: list[Any]) -> bool:
 
 def _needed_inputs(jaxpr: Any, wanted: list[bool]) -> list[bool]:
     """Which inputs of `jaxpr` the `wanted` outputs depend on: an equation is needed where
-    one of its outputs is (or it has an effect); a nested program (jit, remat, a custom
-    derivative, scan: nn.scan's layers) is walked through, any other counts as a whole."""
+    one of its outputs is (an effect, a `jax.debug.print` of x, makes no value); a nested
+    program (jit, remat, a custom derivative, scan: nn.scan's layers, cond: nn.cond's
+    branches) is walked through, any other counts as a whole."""
     needed = {v for v, w in zip(jaxpr.outvars, wanted, strict=True) if w and isinstance(v, Var)}
     for eqn in reversed(jaxpr.eqns):
         outs = [isinstance(v, Var) and v in needed for v in eqn.outvars]
-        if eqn.effects or any(outs):
-            ins = [True] * len(eqn.invars) if eqn.effects else _equation_inputs(eqn, outs)
+        if any(outs):
+            ins = _equation_inputs(eqn, outs)
             needed.update(
                 v for v, n in zip(eqn.invars, ins, strict=True) if n and isinstance(v, Var)
             )
@@ -43,6 +46,9 @@ def _needed_inputs(jaxpr: Any, wanted: list[bool]) -> list[bool]:
 
 
 def _equation_inputs(eqn: Any, outs: list[bool]) -> list[bool]:
+    if eqn.primitive.name == "cond":  # the index, then each branch's operands
+        branches = [_needed_inputs(b.jaxpr, outs) for b in eqn.params["branches"]]
+        return [True] + [any(column) for column in zip(*branches, strict=True)]
     inner = _inner_jaxpr(eqn)
     if inner is None:
         return [True] * len(eqn.invars)
@@ -97,12 +103,9 @@ def abstract_batch(treedef: Any, spec: Any) -> Any:
 
 def batch_values(first: Any) -> Any:
     """`first` on the device, for an init that reads its values (explicit: the run moves
-    the batch again as data). Under several processes each holds only its rows of a
-    global batch, and an init from them would differ between processes: refused."""
-    if any(
-        isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
-        for leaf in jax.tree.leaves(first)
-    ):
+    the batch again as data). Under several processes each holds only its rows of the
+    first batch, and an init from them would differ between processes: refused."""
+    if process_count() > 1:
         raise ValueError(
             "model: its init reads the first batch's values (a data-dependent "
             "initializer, e.g. an offset or a scale set from the batch's statistics), and "

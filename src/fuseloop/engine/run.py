@@ -136,8 +136,12 @@ class Run:
         """The first batch, the initial step state and their checks; the carry takes the
         state. Returns the feed (None for a whole run). Only the carry keeps the initial
         state: the first launch donates it, and its arrays are let go right there, while
-        the device steps, rather than when the run returns.
-        """
+        the device steps, rather than when the run returns. First, a model changed since
+        its programs were traced (an nnx module's structure, a plain object's attributes)
+        is refused, before anything traces it again."""
+        check = getattr(self.loop.program.model, "check_structure", None)
+        if check is not None:
+            check()
         self._resume()
         agree_on_mesh(self.placement.mesh)  # before anything is placed on it
         first = self._first_batch()
@@ -158,8 +162,7 @@ class Run:
         self.carry.start(step_state, made_here=signature is not None, spare_maker=spare_maker)
         if self.members is not None:
             self.state = self.members.start(self.state)
-        # The run's compiles count from here: the init is not a step program, but the
-        # `fuse="auto"` probe in `_feed` compiles the chunk program the epochs then run.
+        # Compiles count from here: not the init, but the `fuse="auto"` probe's (`_feed`).
         self.compiles_before = self.programs.traces
         return self._feed(step_state, first)
 

@@ -249,9 +249,6 @@ def initial_step_state(
     """The step state the run starts from (see `Start`); a resumed State's params are
     compared with the dtypes the model's init makes (`fit`: the run's `ModelFit`)."""
     program = programs.loop.program
-    check_structure = getattr(program.model, "check_structure", None)
-    if check_structure is not None:  # a module changed after its loop was built
-        check_structure()
     warn_held_modes = getattr(program.model, "warn_held_modes", None)
     if warn_held_modes is not None and program.kind == "trainer":
         warn_held_modes()  # nnx layers set to evaluation mode since the trainer was built
