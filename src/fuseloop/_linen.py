@@ -40,6 +40,7 @@ TRAIN_FLAGS: dict[str, bool] = {
     "deterministic": False,
     "use_running_average": False,
     "inference": False,  # equinox's own name (eqx.nn.Dropout's)
+    "update_stats": True,  # flax's SpectralNorm: its power iteration runs while training
 }
 
 
@@ -143,18 +144,19 @@ def _takes_str(parameter: inspect.Parameter) -> bool:
 class linen:  # noqa: N801 - reads as a constructor, like the other adapters
     """Adapts a flax.linen module, naming the `__call__` flag that switches train/eval mode.
 
-    Flags named `train`, `training`, `is_training` (True while training), `deterministic`,
-    `use_running_average` or `inference` (False while training) are found by themselves;
-    name any other with `train_arg` and give `train_value`, the value it takes while
-    training, unless the name is one of those six. While training the step passes the flag,
-    a `dropout` rng and makes the non-`params` collections (e.g. `batch_stats`) mutable;
-    evaluation passes the flag's evaluation value. A module without a flag is a ValueError
-    at the first batch if it has mutable collections, needs a `dropout` rng, or holds a
-    Dropout layer (which its own defaults would leave off while training).
+    Flags named `train`, `training`, `is_training`, `update_stats` (True while training),
+    `deterministic`, `use_running_average` or `inference` (False while training) are found
+    by themselves; name any other with `train_arg` and give `train_value`, the value it
+    takes while training, unless the name is one of those seven. While training the step
+    passes the flag, a `dropout` rng and makes the non-`params` collections (e.g.
+    `batch_stats`) mutable; evaluation passes the flag's evaluation value. A module without
+    a flag is a ValueError at the first batch if it writes its other collections, needs a
+    `dropout` rng, or holds a Dropout layer (which its own defaults would leave off while
+    training); collections it only reads (a frozen BatchNorm's) are carried unchanged.
 
     Args:
         module: The flax.linen module.
-        train_arg: The name of its train/eval flag (None: find one of the six).
+        train_arg: The name of its train/eval flag (None: find one of the seven).
         train_value: The flag's value while training (None: from the name).
 
     Example:
