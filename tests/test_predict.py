@@ -493,3 +493,12 @@ def test_outputs_whose_other_axes_follow_the_batch_are_named_where_batches_diffe
         predict(model, params, X, batch_size=4)  # 23 examples: a last batch of 3
     joined = predict(model, params, X[:20], batch_size=4)
     assert joined.shape == (20, 4)
+
+
+def test_an_output_whose_first_axis_only_matches_the_batch_size_is_refused():
+    """An ensemble's (members, B, C) of 8 members in batches of 8 passed the one-row-per-
+    example check and came back as member-major pieces of the wrong rows."""
+    params = {"w": np.ones((5, 2), np.float32)}
+    ensemble = (lambda rng, x: params, lambda p, x: jax.numpy.stack([x @ p["w"]] * 8))
+    with pytest.raises(ValueError, match=r"shape \(8, 8, 2\) for a batch of 8 examples and"):
+        predict(ensemble, params, X[:16], batch_size=8)

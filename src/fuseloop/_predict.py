@@ -24,6 +24,7 @@ from ._metrics import batch_size
 from ._model_fit import ModelFit, abstract
 from ._narrowing import Narrowing, native_order
 from ._predict_inputs import host, inputs_of_source
+from ._predict_outputs import LIST_READ, joined, require_rows, require_rows_follow
 from ._variables_diff import member_axis
 from .engine.conv_layout import named
 from .models import as_model, variables_given
@@ -54,7 +55,8 @@ def _chunk_program(model: Any, members: bool = False, listed: bool = False) -> t
     def run_chunk(variables: Any, chunk: Any) -> Any:
         def one(x: Any) -> Any:
             out = adapter.forward(variables, x, train=False, rng=None)[0]
-            _require_rows(out, batch_size(x), listed)
+            require_rows(out, batch_size(x), listed)
+            require_rows_follow(adapter, variables, x, out, listed)
             return out
 
         return jax.lax.map(one, chunk)
@@ -82,34 +84,6 @@ def _unchanged(adapter: Any) -> bool:
     except ValueError:
         return False
     return True
-
-
-_LIST_READ = (
-    "A list passed as x is read as a list of batches: for a model of several inputs pass "
-    "them as a tuple (a, b) or a dict of arrays"
-)
-
-
-def _require_rows(out: Any, examples: int, listed: bool = False) -> None:
-    """Raises a ValueError unless every output leaf has one row per example of its batch
-    (checked when the program is traced); `listed`: x was a list (maybe of inputs)."""
-    paths = jax.tree_util.tree_flatten_with_path(out)[0]
-    for path, leaf in paths:
-        shape = tuple(np.shape(leaf))
-        if not shape or shape[0] != examples:
-            where = f"output{jax.tree_util.keystr(path)}" if path else "output"
-            hint = (
-                _LIST_READ
-                if listed
-                else "Predict returns one row per example: have the model return only "
-                "per-example outputs (e.g. wrap it to leave out a per-batch value), or "
-                "call model.apply yourself for other outputs"
-            )
-            raise ValueError(
-                f"x: the model's {where} for a batch of {examples} examples has shape "
-                f"{shape}, not one row per example, so predict cannot return one per "
-                f"example. {hint}"
-            )
 
 
 def _is_array(value: Any) -> bool:
@@ -306,26 +280,7 @@ def predict(
     settle = getattr(adapter, "settle", None)
     if settle is not None:  # a plain model object, as this call left it
         settle()
-    return _joined(outputs, lead)
-
-
-def _joined(outputs: list[Any], lead: int) -> Any:
-    """The chunks' outputs joined on the examples' axis; an output whose other axes follow
-    the batch's size (in-batch similarities of shape (B, B)) cannot be, and is named."""
-
-    def join(path: Any, *parts: Any) -> Any:
-        rest = sorted({np.shape(p)[:lead] + np.shape(p)[lead + 1 :] for p in parts})
-        if len(rest) > 1:
-            raise ValueError(
-                f"x: the model's output{jax.tree_util.keystr(path)} has per-example shapes "
-                f"{', '.join(map(str, rest))} in batches of different sizes (an axis that "
-                f"follows the batch's size, as in-batch similarities of shape (B, B) do), so "
-                f"predict cannot join them into one array. Use batches of one size (a "
-                f"batch_size that divides the examples), or call model.apply per batch"
-            )
-        return np.concatenate(parts, axis=lead)
-
-    return jax.tree_util.tree_map_with_path(join, *outputs)
+    return joined(outputs, lead)
 
 
 def _require_examples_axis(x: Any) -> None:
@@ -367,7 +322,7 @@ def _explain_misfit(
         if batched and isinstance(chunk, (tuple, list)) and len(chunk) > 2:
             error.add_note(_TUPLE_READ.format(n=len(chunk)))
         elif listed:
-            error.add_note(_LIST_READ)
+            error.add_note(LIST_READ)
         raise
 
 
