@@ -709,3 +709,30 @@ class _BatchNll(nn.Module):
     def __call__(self, x):
         mu = self.param("mu", nn.initializers.zeros, ())
         return jnp.mean((x - mu) ** 2)
+
+
+class _Decoding(nn.Module):
+    @nn.compact
+    def __call__(self, x, *, train: bool, decode: bool):
+        return nn.Dense(3)(x)
+
+
+class _TwoInputs(nn.Module):
+    @nn.compact
+    def __call__(self, a, b):
+        return nn.Dense(3)(a + b)
+
+
+def test_arguments_fuseloop_does_not_pass_are_named_not_blamed_on_xs_shape():
+    """A required keyword-only `decode` beside the train flag was told as "Give x the
+    shape the model expects"."""
+    data = [(np.zeros((4, 6), np.float32), np.zeros(4, np.int32))]
+    loss = "sparse_categorical_cross_entropy"
+    with pytest.raises(
+        ValueError,
+        match=r"requires 'decode', which fuseloop does not pass.*"
+        r"Give it a default \(decode=\.\.\.\)",
+    ):
+        fl.trainer(_Decoding(), loss, "sgd").run(data)
+    with pytest.raises(ValueError, match=r"calls the model with x as one argument"):
+        fl.trainer(_TwoInputs(), loss, "sgd").run(data)

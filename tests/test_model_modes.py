@@ -732,12 +732,13 @@ def test_a_model_needing_another_rng_stream_or_a_positional_only_flag_is_told_th
 
 class _SowsALoss(nn.Module):
     append: bool
+    collection: str = "losses"
 
     @nn.compact
     def __call__(self, x, train: bool = False):
         h = nn.Dense(3)(x)
         keep = {} if self.append else {"init_fn": lambda: 0.0, "reduce_fn": lambda a, b: b}
-        self.sow("losses", "l2", jnp.mean(h**2), **keep)
+        self.sow(self.collection, "l2", jnp.mean(h**2), **keep)
         return h
 
 
@@ -747,6 +748,9 @@ def test_sown_losses_are_said_to_be_outside_the_objective():
     # flax's default reduce appends a value each step: the state grows, and is named.
     with pytest.raises(ValueError, match=r"\['losses'\]\['l2'\]\[1\] appears.*init_fn"):
         fl.trainer(_SowsALoss(append=True), SPARSE, "adam").run(DATA)
+    # Into a collection of the user's own name too (the hint was for two names only).
+    with pytest.raises(ValueError, match=r"\['metrics'\]\['l2'\]\[1\] appears.*init_fn"):
+        fl.trainer(_SowsALoss(append=True, collection="metrics"), SPARSE, "adam").run(DATA)
 
 
 class _Normalised(nn.Module):

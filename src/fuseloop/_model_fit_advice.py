@@ -28,6 +28,7 @@ __all__ = [
 
 # "__call__() missing 1 required positional argument: 'b'": inputs taken separately.
 _SEPARATE_INPUTS = re.compile(r"missing \d+ required positional argument")
+_KEYWORD_ONLY = re.compile(r"missing \d+ required keyword-only arguments?: (.+)$", re.MULTILINE)
 _DTYPES = re.compile(r"same dtypes?, got|dtype mismatch|incompatible dtypes", re.IGNORECASE)
 # flax's BatchNorm(axis_name=...) reduces with a collective over a named axis.
 _AXIS_NAME = re.compile(r"unbound axis name: (\w+)")
@@ -47,6 +48,15 @@ def fix_for_x(x: Any, error: BaseException, model: Any) -> str:
             f"fuseloop calls the model with x as one argument (model(x)), so a model taking "
             f"more arguments gets only the {given}: take one argument and unpack it "
             f"(def __call__(self, x): a, b = x), or give the others defaults"
+        )
+    keyword = _KEYWORD_ONLY.search(str(error))
+    if keyword:
+        first = re.findall(r"'(\w+)'", keyword[1])[:1] or ["arg"]
+        return (
+            f"The model's call requires {keyword[1]}, which fuseloop does not pass: it calls "
+            f"the model with x and the train/eval flag it found (fl.models.TRAIN_FLAGS) "
+            f"only. Give it a default ({first[0]}=...) or bind it (functools.partial, or a "
+            f"wrapper module)"
         )
     if isinstance(model, from_equinox) and not model.batched:
         return (

@@ -192,7 +192,9 @@ def _structure_change(old: list[Any], new: list[Any]) -> str:
     parts = [f"step_state{p} appears after one step" for p in added]
     parts += [f"step_state{p} is gone after one step" for p in gone]
     said = "; ".join(parts) or "its containers change type (e.g. a tuple becomes a list)"
-    if any("'losses'" in p or "'intermediates'" in p for p in added + gone):
+    # flax's default reduce appends a sown value to a tuple: its second element appears.
+    sown = ("'losses'", "'intermediates'")
+    if any(p.endswith("[1]") or any(c in p for c in sown) for p in added + gone):
         said += (
             " (a value the model sows each step, which flax's default reduce appends: "
             "give self.sow an init_fn and a reduce_fn that keep one value, or write the step "
