@@ -339,3 +339,11 @@ def test_whether_an_init_reads_x_is_told_through_nested_programs() -> None:
 
     traced = jax.make_jaxpr(chosen_by_x)(jnp.ones(4))
     assert reads_any(traced.jaxpr, traced.jaxpr.invars)
+
+    def through_a_ref(x):  # a ref written with x's mean (an effect), read into the output
+        ref = jax.new_ref(jnp.zeros(()))
+        ref[...] = x.mean()
+        return ref[...] * jnp.ones(2)
+
+    traced = jax.make_jaxpr(through_a_ref)(jnp.ones(4))
+    assert reads_any(traced.jaxpr, traced.jaxpr.invars)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import functools
 import logging
 import random
-import types
 
 import flax.linen as nn
 import jax
@@ -362,7 +362,7 @@ class _Configured:
     def __init__(self):
         self.cfg = {"scale": 1.0}
         self.bias = np.zeros(2, np.float32)
-        self.options = types.SimpleNamespace(offset=0.0)
+        self.options = argparse.Namespace(offset=0.0)  # a library's object holds values too
 
     def init(self, rng, x):
         return {"w": np.ones((x.shape[1], 2), np.float32)}
@@ -399,7 +399,7 @@ def test_a_plain_model_objects_value_changed_in_place_is_seen_too(change, monkey
 
 class _Busy(_Scaled):
     """Holds what changes without changing what apply reads: a logger, a host RNG, a
-    trace-time cache any use of the model fills, a config dict, an array of objects."""
+    trace-time cache its own runs fill, a config dict, an array of objects."""
 
     def __init__(self):
         self.log = logging.getLogger("fuseloop.tests.busy")
@@ -414,19 +414,29 @@ class _Busy(_Scaled):
 
 
 def test_a_plain_model_objects_own_workings_are_no_change():
-    """Compared deeply, a logger that logged, a host RNG drawn from, a cache filled by
-    another use (predict, an evaluator) or a dict re-inserted in another order refused the
-    next run; an array of objects crashed the comparison after the run had trained."""
+    """Compared deeply, a logger that logged, a host RNG drawn from or a dict re-inserted
+    in another order refused the next run; an array of objects crashed the comparison
+    after the run had trained. A cache the loop's own run filled is its programs' own."""
     model = _Busy()
     loop = fl.trainer(model, "mean_squared_error", "sgd")
     data = [(X[:8], np.zeros((8, 2), np.float32))]
     state = loop.run(data)
     model.log.warning("epoch done")
     model.rng.random()
-    predict(model, state, X[:5])  # traces apply for a batch of 5: a new cache entry
-    fl.evaluator(model, "mean_squared_error").run([(X[:3], np.zeros((3, 2)))], state)
     model.cfg["a"] = model.cfg.pop("a")  # the same items, in another order
     assert loop.run(data, state, epochs=2).status == "completed"
+    # Another use that fills the cache (a batch of 5 traced) is a change to this loop,
+    # named with the fix; a new loop on the same adapter traces anew and runs.
+    predict(model, state, X[:5])
+    with pytest.raises(ValueError, match=r"\(cache changed\).*keep such state outside"):
+        loop.run(data)
+    adapter = fl.models.from_functions(model.init, model.apply)
+    first = fl.trainer(adapter, "mean_squared_error", "sgd")
+    first.run(data)
+    model.cfg["a"] = 2.0
+    with pytest.raises(ValueError, match=r"\(cfg changed\)"):
+        first.run(data)
+    assert fl.trainer(adapter, "mean_squared_error", "sgd").run(data).status == "completed"
 
 
 def test_a_refused_change_is_refused_again_not_taken_by_the_next_run():

@@ -144,32 +144,19 @@ class from_functions:  # noqa: N801 - reads as a constructor
         # haiku's transformed apply: `apply(params, rng, *args)`.
         self.rng_second = self.rng_name is not None and list(parameters)[1:2] == [self.rng_name]
         self._owner = _plain_owner(apply_fn)
-        # The owner's attributes as the last run (or predict call) left them (None before
-        # any ran), as the current one found them, and the ones its own code changes.
-        self._seen: Snapshot | None = None
-        self._at_start: Snapshot | None = None
-        self._volatile: set[str] = set()
 
-    def settle(self) -> None:
-        """Notes the plain object's attributes as they are after a run (or a `fl.predict`
-        call) used it: what its own `init` and `apply` set while they ran (a shape noted, a
-        cached part, a trace counter) is part of what the compiled programs saw, and such
-        attributes are not compared again (another use may change them too). A use whose
-        check refused the object (or never ran) notes nothing: the programs keep what
-        they saw, and the next run is refused again."""
-        if self._owner is None or (self._seen is not None and self._at_start is None):
-            return
-        now = Snapshot(self._owner)
-        if self._at_start is not None:
-            self._volatile.update(now.changed(self._at_start))
-        self._seen, self._at_start = now, None
+    def snapshot(self) -> Snapshot | None:
+        """The plain object `apply_fn` is a method of, as it is now (None: no such object):
+        a run notes it after its programs traced (`Programs.note_model`), with what the
+        object's own `init` and `apply` set while they ran (a shape noted, a cached part)."""
+        return None if self._owner is None else Snapshot(self._owner)
 
-    def check_structure(self) -> None:
-        """Raises a ValueError where the plain object `apply_fn` is a method of had an
-        attribute set or changed since a run last used it (`model.scale = 10.0`,
-        `model.cfg["scale"] = 10.0`, or on its class): programs compiled then read the old
-        value. Every run of a loop built on it checks, and `fl.predict`
-        builds a new program instead. (Named as nnx's adapter names its own check.)
+    def check_unchanged(self, seen: Snapshot | None) -> None:
+        """Raises a ValueError where the plain object `apply_fn` is a method of changed
+        since `seen` (what a loop's programs traced: None, nothing yet), reassigned or in
+        place (`model.scale = 10.0`, `model.cfg["scale"] = 10.0`, or on its class): those
+        programs read the old values. A run checks against its loop's own snapshot (a new
+        loop traces anew), `fl.predict` builds a new program instead.
 
         Example:
             >>> class Scaled:
@@ -178,25 +165,25 @@ class from_functions:  # noqa: N801 - reads as a constructor
             ...     def apply(self, params, x): return x * self.scale
             >>> obj = Scaled()
             >>> model = from_functions(obj.init, obj.apply)
-            >>> model.settle()  # as a run that used it does at its end
+            >>> seen = model.snapshot()  # as a run notes it at its end
             >>> obj.scale = 10.0
-            >>> model.check_structure()
+            >>> model.check_unchanged(seen)
             Traceback (most recent call last):
             ...
             ValueError: model: the object whose apply fuseloop runs (Scaled) changed ...
         """
-        if self._owner is None:
+        if self._owner is None or seen is None:
             return
-        now = Snapshot(self._owner)
-        changed = [] if self._seen is None else now.changed(self._seen, frozenset(self._volatile))
-        self._at_start = None if changed else now
+        changed = Snapshot(self._owner).changed(seen)
         if changed:
             name = type(self._owner).__name__
             raise ValueError(
                 f"model: the object whose apply fuseloop runs ({name}) changed since the "
                 f"loop's last run ({', '.join(changed)} changed): the loop's compiled "
                 f"programs read the old values. Build a new loop (fl.trainer(model, ...)) "
-                f"after changing the model"
+                f"after changing the model (an object whose apply changes its own attributes "
+                f"while another use traces it, a cache by shape, is refused alike: keep such "
+                f"state outside the object)"
             )
 
     def init(self, rng: Any, x: Any) -> Any:

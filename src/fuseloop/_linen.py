@@ -17,6 +17,7 @@ import flax.linen as nn
 
 __all__ = [
     "TRAIN_FLAGS",
+    "NNX_MODE_FLAGS",
     "ModelConventionError",
     "ModelModeError",
     "call_flags",
@@ -42,6 +43,8 @@ TRAIN_FLAGS: dict[str, bool] = {
     "inference": False,  # equinox's own name (eqx.nn.Dropout's)
     "update_stats": True,  # flax's SpectralNorm: its power iteration runs while training
 }
+# The flags an nnx module keeps as bool attributes (`update_stats` is a linen call's only).
+NNX_MODE_FLAGS = {name: value for name, value in TRAIN_FLAGS.items() if name != "update_stats"}
 
 
 class ModelConventionError(ValueError):

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from ._linen import TRAIN_FLAGS, ModelConventionError, call_flags, flag_values
+from ._linen import NNX_MODE_FLAGS, ModelConventionError, call_flags, flag_values
 from ._nnx_checks import (
     eval_flags,
     output_reads_inputs,
@@ -297,7 +297,7 @@ def _child(parent: Any, key: Any) -> Any:
 
 # Attributes that `.train()`/`.eval()` and `set_nnx_mode` switch: the adapter sets them
 # in every traced call, so a user switching the module's mode changes nothing traced.
-_MODE_ATTRIBUTES = frozenset(TRAIN_FLAGS)
+_MODE_ATTRIBUTES = frozenset(NNX_MODE_FLAGS)
 
 
 def _layout(nodes: dict[Any, Any]) -> dict[Any, Any]:
@@ -375,7 +375,7 @@ def set_nnx_mode(module: Any, train: bool) -> None:
     for _, sub in nnx.iter_graph(module):
         if not isinstance(sub, nnx.Module):
             continue
-        for name, train_value in TRAIN_FLAGS.items():
+        for name, train_value in NNX_MODE_FLAGS.items():
             if isinstance(getattr(sub, name, None), bool):
                 setattr(sub, name, train_value if train else not train_value)
 

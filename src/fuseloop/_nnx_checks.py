@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.extend.core import Var
 
-from ._linen import TRAIN_FLAGS, ModelConventionError
+from ._linen import NNX_MODE_FLAGS, ModelConventionError
 
 __all__ = [
     "eval_flags",
@@ -37,7 +37,7 @@ def eval_flags(module: Any) -> list[str]:
     for path, sub in nnx.iter_graph(module):
         if not isinstance(sub, nnx.Module) or not type(sub).__module__.startswith("flax."):
             continue
-        for name, train_value in TRAIN_FLAGS.items():
+        for name, train_value in NNX_MODE_FLAGS.items():
             value = getattr(sub, name, None)
             if isinstance(value, bool) and value != train_value:
                 held.append(".".join([*map(str, path), name]) + f"={value}")
@@ -116,7 +116,7 @@ def refuse_eval_draws(
         }
     )
     if drawn and output_reads_draws():
-        flags = ", ".join(f"{name}={not value}" for name, value in TRAIN_FLAGS.items())
+        flags = ", ".join(f"{name}={not value}" for name, value in NNX_MODE_FLAGS.items())
         raise ModelConventionError(
             f"model: {model} draws from its rng stream(s) {', '.join(map(repr, drawn))} in "
             f"evaluation (validation, fl.evaluator, fl.predict), after .eval(). Evaluation "

@@ -2,21 +2,17 @@
 
 A program compiled from `obj.apply` keeps what the trace read of `obj`: its attributes'
 values at that time. Reassigning one (`obj.scale = 5.0`), changing one in place
-(`obj.cfg["temperature"] = 5.0`, `obj.bias[:] = ...`, a config object's field) or on the
-class (`Model.temperature = 5.0`) leaves the program reading the old value. A snapshot
-holds each attribute as a comparable token: plain values by value (floats by repr, so a
-NaN equals itself), containers element by element (a dict whatever its order), numpy
-arrays by a checksum of their bytes, the user's own config objects field by field, and
-anything else (a jax array, which cannot change; a logger, a lock, a library's object,
-whose inner state no trace reads as a value) by identity, kept alive so its id is not
-reused.
+(`obj.cfg["temperature"] = 5.0`, `obj.bias[:] = ...`, a config object's field, a fitted
+scaler refit) or on the class (`Model.temperature = 5.0`) leaves the program reading the
+old value. A snapshot holds each attribute as a comparable token: plain values by value
+(floats by repr, so a NaN equals itself), containers element by element (a dict whatever
+its order), numpy arrays by a checksum of their bytes, other objects field by field, and
+what holds no value a trace could read (a logger, a lock, a thread, a host RNG, a jax
+array, which cannot change, a function) by identity, kept alive so its id is not reused.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import sys
-import sysconfig
 import types
 import zlib
 from typing import Any
@@ -27,8 +23,10 @@ __all__ = ["Snapshot"]
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic)
 _BUDGET = 200_000  # values visited per snapshot; past it, what is left compares by identity
-_LIBRARIES = tuple(
-    {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+# Modules whose objects hold no value a trace reads, only state that changes as they work.
+_NO_VALUES = frozenset(
+    {"logging", "threading", "_thread", "multiprocessing", "queue", "asyncio", "concurrent"}
+    | {"io", "_io", "socket", "subprocess", "weakref", "random", "tempfile", "tqdm"}
 )
 
 
@@ -50,10 +48,9 @@ class Snapshot:
         self._budget = _BUDGET
         self.tokens = {name: self._safe(value) for name, value in _attributes(owner).items()}
 
-    def changed(self, earlier: Snapshot, ignored: frozenset[str] = frozenset()) -> list[str]:
-        """The attributes whose token differs from `earlier`'s (added and removed too),
-        but for the `ignored` ones."""
-        names = (self.tokens.keys() | earlier.tokens.keys()) - ignored
+    def changed(self, earlier: Snapshot) -> list[str]:
+        """The attributes whose token differs from `earlier`'s (added and removed too)."""
+        names = self.tokens.keys() | earlier.tokens.keys()
         return sorted(n for n in names if self.tokens.get(n) != earlier.tokens.get(n))
 
     def _safe(self, value: Any) -> Any:
@@ -78,7 +75,7 @@ class Snapshot:
             return (type(value), frozenset(self._token(v, depth + 1, inner) for v in value))
         if isinstance(value, dict):
             return (type(value), self._fields(value, depth, inner))
-        if _is_config(value):  # the user's own config object: its fields, as the owner's
+        if _holds_values(value):  # a config object, a fitted scaler: its fields
             return (type(value), self._fields(vars(value), depth, inner))
         return self._identity(value)
 
@@ -110,15 +107,10 @@ def _is_data(value: Any) -> bool:
         return False
 
 
-def _is_config(value: Any) -> bool:
-    """A dataclass, a SimpleNamespace, or an instance of a class of the user's own code
-    (not of the standard library or an installed package): data to compare field by field."""
-    if isinstance(value, type) or callable(value) or not hasattr(value, "__dict__"):
+def _holds_values(value: Any) -> bool:
+    """An object whose fields may be values a trace reads (a dataclass, a namespace, a
+    fitted scaler), not code (a type, a module, a function) nor a logger, a lock or a
+    thread (`_NO_VALUES`)."""
+    if isinstance(value, (type, types.ModuleType)) or callable(value):
         return False
-    if dataclasses.is_dataclass(value) or isinstance(value, types.SimpleNamespace):
-        return True
-    module = sys.modules.get(type(value).__module__)
-    path = getattr(module, "__file__", None)
-    if type(value).__module__ == "__main__":
-        return True
-    return isinstance(path, str) and not path.startswith(_LIBRARIES)
+    return hasattr(value, "__dict__") and type(value).__module__.split(".")[0] not in _NO_VALUES

@@ -31,8 +31,9 @@ from .models import as_model, variables_given
 
 __all__ = ["predict"]
 
-# (id(model), vmapped over members, x a list) -> (model, its adapter, jitted chunk program)
-_PROGRAMS: dict[tuple[int, bool, bool], tuple[Any, Any, Any]] = {}
+# (id(model), vmapped over members, x a list) -> [model, its adapter, jitted chunk
+# program, a plain model object as that program traced it (`from_functions.snapshot`)]
+_PROGRAMS: dict[tuple[int, bool, bool], list[Any]] = {}
 _MAX_PROGRAMS = 16
 _DEFAULT_CHUNK = 32
 
@@ -48,7 +49,7 @@ def _chunk_program(model: Any, members: bool = False, listed: bool = False) -> t
     """
     key = (id(model), members, listed)  # `listed` is traced into the misfit's message
     cached = _PROGRAMS.get(key)
-    if cached is not None and cached[0] is model and _unchanged(cached[1]):
+    if cached is not None and cached[0] is model and _unchanged(cached[1], cached[3]):
         return cached[2], cached[1]
     adapter = as_model(model)
 
@@ -69,21 +70,29 @@ def _chunk_program(model: Any, members: bool = False, listed: bool = False) -> t
     _PROGRAMS.pop(key, None)
     if len(_PROGRAMS) >= _MAX_PROGRAMS:
         _PROGRAMS.pop(next(iter(_PROGRAMS)))
-    _PROGRAMS[key] = (model, adapter, program)
+    _PROGRAMS[key] = [model, adapter, program, None]
     return program, adapter
 
 
-def _unchanged(adapter: Any) -> bool:
+def _unchanged(adapter: Any, seen: Any) -> bool:
     """Whether the programs traced with `adapter` still fit its model (an nnx module's
-    structure, a plain object's attributes; linen and equinox modules cannot change)."""
-    check = getattr(adapter, "check_structure", None)
-    if check is None:
-        return True
+    structure, a plain object's attributes as `seen`; linen and equinox modules cannot
+    change)."""
     try:
-        check()
+        for check, args in (("check_structure", ()), ("check_unchanged", (seen,))):
+            if hasattr(adapter, check):
+                getattr(adapter, check)(*args)
     except ValueError:
         return False
     return True
+
+
+def _note(model: Any, members: bool, listed: bool, adapter: Any) -> None:
+    """Notes a plain model object as this call's program left it (its own trace-time
+    changes included): the next call compares with it."""
+    cached = _PROGRAMS.get((id(model), members, listed))
+    if cached is not None and cached[0] is model and hasattr(adapter, "snapshot"):
+        cached[3] = adapter.snapshot()
 
 
 def _is_array(value: Any) -> bool:
@@ -277,9 +286,7 @@ def predict(
         # Host sync: the chunk's outputs come back to the host (one read per chunk).
         host = jax.device_get(result)
         outputs.append(jax.tree.map(lambda a, live=live: _rows(a, lead, live), host))
-    settle = getattr(adapter, "settle", None)
-    if settle is not None:  # a plain model object, as this call left it
-        settle()
+    _note(model, members, isinstance(x, list), adapter)
     return joined(outputs, lead)
 
 

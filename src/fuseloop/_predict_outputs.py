@@ -44,7 +44,8 @@ def require_rows(out: Any, examples: int, listed: bool = False) -> None:
 def require_rows_follow(adapter: Any, variables: Any, x: Any, out: Any, listed: bool) -> None:
     """`require_rows` where an output's leading axis only happens to be the batch's size
     (an ensemble's (members, B, C) of 8 members in batches of 8): one example more must
-    make one row more (traced only; a model that takes no other batch size is not asked)."""
+    make one row more (traced only; a model whose trace fails for another batch size is
+    not asked, while one that reshapes a fixed batch size out of x is refused)."""
 
     def grown(leaf: Any) -> Any:
         shape = tuple(np.shape(leaf))

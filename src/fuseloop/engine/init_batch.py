@@ -29,15 +29,21 @@ def reads_any(jaxpr: Any, inputs: list[Any]) -> bool:
     return any(n for v, n in zip(jaxpr.invars, needed, strict=True) if v in chosen)
 
 
+_DEBUG = frozenset({"debug_print", "debug_callback"})  # effects that feed no value
+
+
 def _needed_inputs(jaxpr: Any, wanted: list[bool]) -> list[bool]:
     """Which inputs of `jaxpr` the `wanted` outputs depend on: an equation is needed where
-    one of its outputs is (an effect, a `jax.debug.print` of x, makes no value); a nested
-    program (jit, remat, a custom derivative, scan: nn.scan's layers, cond: nn.cond's
-    branches) is walked through, any other counts as a whole."""
+    one of its outputs is, or where it has an effect that may feed a value (a ref's write, a
+    host callback keeping state; not `jax.debug.print`'s); a nested program (jit, remat, a
+    custom derivative, scan: nn.scan's layers, cond: nn.cond's branches) is walked
+    through, any other counts as a whole."""
     needed = {v for v, w in zip(jaxpr.outvars, wanted, strict=True) if w and isinstance(v, Var)}
     for eqn in reversed(jaxpr.eqns):
         outs = [isinstance(v, Var) and v in needed for v in eqn.outvars]
-        if any(outs):
+        if eqn.effects and eqn.primitive.name not in _DEBUG:
+            needed.update(v for v in eqn.invars if isinstance(v, Var))
+        elif any(outs):
             ins = _equation_inputs(eqn, outs)
             needed.update(
                 v for v, n in zip(eqn.invars, ins, strict=True) if n and isinstance(v, Var)

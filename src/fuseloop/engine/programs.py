@@ -72,6 +72,8 @@ class ProgramCache:
         metrics_dtype: The dtype the metrics accumulate in (`accumulator_dtype()`: float64
             under x64); kept accumulators and the programs' carries follow it, so a
             change starts the cache afresh too.
+        model_seen: A plain model object as these programs traced it (`from_functions.
+            snapshot`, noted after a run); a change since refuses the next run.
     """
 
     traces: int = 0
@@ -91,6 +93,7 @@ class ProgramCache:
     whole_run: dict[Any, Any] = field(default_factory=dict)
     prng: tuple[str, bool] = field(default_factory=prng_config)
     metrics_dtype: Any = field(default_factory=accumulator_dtype)
+    model_seen: Any = None
 
     def for_current_prng(self) -> ProgramCache:
         """This cache, emptied of programs (not of its trace count) if the PRNG
@@ -117,6 +120,7 @@ class Programs:
         self.loop, self.cache = loop, loop._programs.for_current_prng()
         self.guard = loop.guard_nonfinite
         self.population = population  # a population run: programs vmapped over members
+        self.model_checked = False  # `check_model` passed a plain model object this run
         self.copies = copies
         if population is not None:
             self.cache = self.cache.populations.setdefault(population.size, ProgramCache())
@@ -124,6 +128,24 @@ class Programs:
     @property
     def traces(self) -> int:
         return self.cache.traces
+
+    def check_model(self) -> None:
+        """Refuses a model changed since these programs traced it (an nnx module's
+        structure, a plain object's attributes), before anything traces it again."""
+        model = self.loop.program.model
+        structure = getattr(model, "check_structure", None)
+        if structure is not None:
+            structure()
+        unchanged = getattr(model, "check_unchanged", None)
+        if unchanged is not None:
+            unchanged(self.cache.model_seen)
+            self.model_checked = True
+
+    def note_model(self) -> None:
+        """Notes a plain model object as the run that checked it leaves it (a refused run,
+        or one that failed before its check, notes nothing: the next is checked again)."""
+        if self.model_checked:
+            self.cache.model_seen = self.loop.program.model.snapshot()
 
     def counted(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn`, counting its traces in the cache (each trace is a compile)."""

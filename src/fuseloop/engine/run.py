@@ -126,9 +126,7 @@ class Run:
                 self.epoch_loop.close(wait=not aborted)
             self.source.close(abort=aborted)
             self.bus.close()
-            settle = getattr(self.loop.program.model, "settle", None)
-            if settle is not None:  # a plain model object, as this run left it
-                settle()
+            self.programs.note_model()  # a plain model object, as this run left it
             self.whole = None  # it holds this Run: no cycle keeps the data alive until a GC
         return self._final(state)
 
@@ -139,9 +137,7 @@ class Run:
         the device steps, rather than when the run returns. First, a model changed since
         its programs were traced (an nnx module's structure, a plain object's attributes)
         is refused, before anything traces it again."""
-        check = getattr(self.loop.program.model, "check_structure", None)
-        if check is not None:
-            check()
+        self.programs.check_model()
         self._resume()
         agree_on_mesh(self.placement.mesh)  # before anything is placed on it
         first = self._first_batch()
