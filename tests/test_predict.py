@@ -452,6 +452,67 @@ def test_a_refused_change_is_refused_again_not_taken_by_the_next_run():
             loop.run(data)
 
 
+class _Slotted:
+    """A plain model without a __dict__; its normalizer is a callable object."""
+
+    __slots__ = ("scale", "norm")
+
+    def __init__(self):
+        self.scale = 1.0
+        self.norm = _Normalizer()
+
+    def init(self, rng, x):
+        return {"w": np.ones((x.shape[1], 2), np.float32)}
+
+    def apply(self, variables, x):
+        return self.norm(x) @ variables["w"] * self.scale
+
+
+class _Normalizer:
+    def __init__(self):
+        self.mean = np.zeros(5, np.float32)
+
+    def __call__(self, x):
+        return x - self.mean
+
+
+def test_changes_in_slots_callables_a_handler_or_a_failed_predict_are_seen():
+    """A handler's change during a run was noted at its end as the programs' own; a
+    callable attribute, a __slots__ object and a failed predict's program were never
+    compared: each next use read the old value in silence."""
+    data = [(X[:8], np.zeros((8, 2), np.float32))]
+    for change in ("scale", "norm"):
+        model = _Slotted()
+        loop = fl.trainer(model, "mean_squared_error", "sgd")
+        loop.run(data)
+        if change == "scale":
+            model.scale = 10.0
+        else:
+            model.norm.mean[:] = 1.0
+        with pytest.raises(ValueError, match=rf"\({change} changed\)"):
+            loop.run(data)
+    model = _Scaled()
+    setter = lambda state: setattr(model, "scale", 10.0)  # noqa: E731
+    loop = fl.trainer(model, "mean_squared_error", "sgd").handle_event("epoch_completed", setter)
+    loop.run(data)
+    with pytest.raises(ValueError, match=r"\(scale changed\)"):
+        loop.run(data)
+    model = _EvenOnly()
+    variables = model.init(None, X)
+    with pytest.raises(ValueError, match="even batches only"):  # after a first chunk
+        predict(model, variables, X, batch_size=4)  # 23 examples: a last batch of 3
+    model.scale = 3.0
+    got = predict(model, variables, X[:20], batch_size=4)
+    np.testing.assert_allclose(got, model.apply(variables, X[:20]), rtol=1e-5)
+
+
+class _EvenOnly(_Scaled):
+    def apply(self, variables, x):
+        if x.shape[0] % 2:
+            raise ValueError("even batches only")
+        return super().apply(variables, x)
+
+
 class _Lazy(_Scaled):
     """Sets its own attributes while it runs: a width noted by init over a class default,
     a trace counter, a cached part."""
@@ -512,3 +573,26 @@ def test_an_output_whose_first_axis_only_matches_the_batch_size_is_refused():
     ensemble = (lambda rng, x: params, lambda p, x: jax.numpy.stack([x @ p["w"]] * 8))
     with pytest.raises(ValueError, match=r"shape \(8, 8, 2\) for a batch of 8 examples and"):
         predict(ensemble, params, X[:16], batch_size=8)
+
+
+class _Derived(_Scaled):
+    @functools.cached_property
+    def n_params(self):
+        return 10
+
+
+def test_a_new_loop_derived_from_a_validated_one_validates_the_changed_object():
+    """A loop derived after a change (its own programs) was refused by the validation it
+    shared with the old loop, after an epoch of training; reading a cached_property
+    between runs was a change."""
+    model = _Derived()
+    data = [(X[:8], np.zeros((8, 2), np.float32))]
+    base = fl.trainer(model, "mean_squared_error", "sgd").validate(model, data)
+    base.run(data)
+    assert model.n_params == 10
+    assert base.run(data).status == "completed"  # a value derived on reading: no change
+    model.scale = 10.0
+    derived = base.metric("mean_absolute_error")
+    fresh = fl.trainer(model, "mean_squared_error", "sgd").validate(model, data)
+    fresh = fresh.metric("mean_absolute_error").run(data)
+    assert derived.run(data).history == fresh.history

@@ -91,7 +91,8 @@ def _plain_owner(apply_fn: Any) -> Any:
     between runs. Modules of flax and equinox are not: they are immutable, or checked on
     their own."""
     owner = getattr(apply_fn, "__self__", None)
-    if owner is None or isinstance(owner, type) or not hasattr(owner, "__dict__"):
+    fields = hasattr(owner, "__dict__") or hasattr(type(owner), "__slots__")
+    if owner is None or isinstance(owner, type) or not fields:
         return None
     return None if _not_plain(owner) else owner
 

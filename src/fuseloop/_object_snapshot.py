@@ -13,6 +13,8 @@ array, which cannot change, a function) by identity, kept alive so its id is not
 
 from __future__ import annotations
 
+import functools
+import logging
 import types
 import zlib
 from typing import Any
@@ -22,12 +24,16 @@ import numpy as np
 __all__ = ["Snapshot"]
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic)
-_BUDGET = 200_000  # values visited per snapshot; past it, what is left compares by identity
+_BUDGET = 200_000  # values visited per attribute; past it, the rest compares by identity
 # Modules whose objects hold no value a trace reads, only state that changes as they work.
 _NO_VALUES = frozenset(
     {"logging", "threading", "_thread", "multiprocessing", "queue", "asyncio", "concurrent"}
     | {"io", "_io", "socket", "subprocess", "weakref", "random", "tempfile", "tqdm"}
 )
+
+
+_CODE = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial)
+_LOGGING = (logging.Logger, logging.Handler)  # a user's subclass too: its caches fill as it logs
 
 
 class Snapshot:
@@ -54,6 +60,7 @@ class Snapshot:
         return sorted(n for n in names if self.tokens.get(n) != earlier.tokens.get(n))
 
     def _safe(self, value: Any) -> Any:
+        self._budget = _BUDGET  # each attribute's own: a large one hides no other's change
         try:
             return self._token(value, 0, set())
         except Exception:  # noqa: BLE001 - an object that cannot be read compares by identity
@@ -89,14 +96,28 @@ class Snapshot:
 
 def _attributes(owner: Any) -> dict[str, Any]:
     """The owner's data attributes by name: its classes' (a subclass's over its base's),
-    then its own over those. Methods, properties and other descriptors are code, not data."""
+    then its own over those (in `__slots__` too). Methods, properties and other descriptors
+    are code, not data; a `cached_property`'s value is derived, and appears when read."""
     found: dict[str, Any] = {}
+    derived = set()
     for cls in reversed(type(owner).__mro__[:-1]):  # object's own are no model's
         for name, value in vars(cls).items():
-            if not name.startswith("__") and _is_data(value):
+            if isinstance(value, functools.cached_property):
+                derived.add(name)
+            elif not name.startswith("__") and _is_data(value):
                 found[name] = value
-    found.update(vars(owner))
+        for name in _slots(cls):
+            if hasattr(owner, name):
+                found[name] = getattr(owner, name)
+    own = getattr(owner, "__dict__", {})
+    found.update((name, value) for name, value in own.items() if name not in derived)
     return found
+
+
+def _slots(cls: type) -> tuple[str, ...]:
+    slots = vars(cls).get("__slots__", ())
+    names = (slots,) if isinstance(slots, str) else tuple(slots)
+    return tuple(name for name in names if name not in ("__dict__", "__weakref__"))
 
 
 def _is_data(value: Any) -> bool:
@@ -109,8 +130,8 @@ def _is_data(value: Any) -> bool:
 
 def _holds_values(value: Any) -> bool:
     """An object whose fields may be values a trace reads (a dataclass, a namespace, a
-    fitted scaler), not code (a type, a module, a function) nor a logger, a lock or a
-    thread (`_NO_VALUES`)."""
-    if isinstance(value, (type, types.ModuleType)) or callable(value):
+    fitted scaler, a callable normalizer), not code (a type, a module, a function) nor a
+    logger, a lock or a thread (`_NO_VALUES`)."""
+    if isinstance(value, (type, types.ModuleType, *_CODE, *_LOGGING)):
         return False
     return hasattr(value, "__dict__") and type(value).__module__.split(".")[0] not in _NO_VALUES

@@ -52,12 +52,15 @@ def _chunk_program(model: Any, members: bool = False, listed: bool = False) -> t
     if cached is not None and cached[0] is model and _unchanged(cached[1], cached[3]):
         return cached[2], cached[1]
     adapter = as_model(model)
+    entry = [model, adapter, None, None]
 
     def run_chunk(variables: Any, chunk: Any) -> Any:
         def one(x: Any) -> Any:
             out = adapter.forward(variables, x, train=False, rng=None)[0]
             require_rows(out, batch_size(x), listed)
             require_rows_follow(adapter, variables, x, out, listed)
+            if hasattr(adapter, "snapshot"):  # a plain object, as this trace left it
+                entry[3] = adapter.snapshot()
             return out
 
         return jax.lax.map(one, chunk)
@@ -70,7 +73,8 @@ def _chunk_program(model: Any, members: bool = False, listed: bool = False) -> t
     _PROGRAMS.pop(key, None)
     if len(_PROGRAMS) >= _MAX_PROGRAMS:
         _PROGRAMS.pop(next(iter(_PROGRAMS)))
-    _PROGRAMS[key] = [model, adapter, program, None]
+    entry[2] = program
+    _PROGRAMS[key] = entry
     return program, adapter
 
 
@@ -85,14 +89,6 @@ def _unchanged(adapter: Any, seen: Any) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _note(model: Any, members: bool, listed: bool, adapter: Any) -> None:
-    """Notes a plain model object as this call's program left it (its own trace-time
-    changes included): the next call compares with it."""
-    cached = _PROGRAMS.get((id(model), members, listed))
-    if cached is not None and cached[0] is model and hasattr(adapter, "snapshot"):
-        cached[3] = adapter.snapshot()
 
 
 def _is_array(value: Any) -> bool:
@@ -286,7 +282,6 @@ def predict(
         # Host sync: the chunk's outputs come back to the host (one read per chunk).
         host = jax.device_get(result)
         outputs.append(jax.tree.map(lambda a, live=live: _rows(a, lead, live), host))
-    _note(model, members, isinstance(x, list), adapter)
     return joined(outputs, lead)
 
 

@@ -72,8 +72,8 @@ class ProgramCache:
         metrics_dtype: The dtype the metrics accumulate in (`accumulator_dtype()`: float64
             under x64); kept accumulators and the programs' carries follow it, so a
             change starts the cache afresh too.
-        model_seen: A plain model object as these programs traced it (`from_functions.
-            snapshot`, noted after a run); a change since refuses the next run.
+        model_seen: A plain model object as these programs' last trace left it
+            (`from_functions.snapshot`); a change since refuses the next run.
     """
 
     traces: int = 0
@@ -120,7 +120,6 @@ class Programs:
         self.loop, self.cache = loop, loop._programs.for_current_prng()
         self.guard = loop.guard_nonfinite
         self.population = population  # a population run: programs vmapped over members
-        self.model_checked = False  # `check_model` passed a plain model object this run
         self.copies = copies
         if population is not None:
             self.cache = self.cache.populations.setdefault(population.size, ProgramCache())
@@ -131,29 +130,38 @@ class Programs:
 
     def check_model(self) -> None:
         """Refuses a model changed since these programs traced it (an nnx module's
-        structure, a plain object's attributes), before anything traces it again."""
+        structure, a plain object's attributes), before anything traces it again. An
+        evaluator takes a changed plain object as it is (its programs traced anew), as
+        `fl.predict` does: a validation inside a new trainer loop follows that loop."""
         model = self.loop.program.model
         structure = getattr(model, "check_structure", None)
         if structure is not None:
             structure()
         unchanged = getattr(model, "check_unchanged", None)
-        if unchanged is not None:
+        if unchanged is None:
+            return
+        try:
             unchanged(self.cache.model_seen)
-            self.model_checked = True
-
-    def note_model(self) -> None:
-        """Notes a plain model object as the run that checked it leaves it (a refused run,
-        or one that failed before its check, notes nothing: the next is checked again)."""
-        if self.model_checked:
-            self.cache.model_seen = self.loop.program.model.snapshot()
+        except ValueError:
+            if self.loop.program.kind != "evaluator":
+                raise
+            self.cache.__dict__.update(ProgramCache(traces=self.cache.traces).__dict__)
 
     def counted(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`fn`, counting its traces in the cache (each trace is a compile)."""
-        cache = self.cache
+        """`fn`, counting its traces in the cache (each trace is a compile). A plain model
+        object is checked to be as the cache's last trace left it, and noted as this
+        trace leaves it (what its own apply sets while traced, a counter, is its own)."""
+        cache, model = self.cache, self.loop.program.model
+        unchanged = getattr(model, "check_unchanged", None)
 
         def traced(*args: Any) -> Any:
             cache.traces += 1  # runs at trace time only
-            return fn(*args)
+            if unchanged is None:
+                return fn(*args)
+            unchanged(cache.model_seen)  # changed by a handler since an earlier trace?
+            out = fn(*args)
+            cache.model_seen = model.snapshot()
+            return out
 
         # Named as fuseloop's: its convolutions lower channel-last on CPU (conv_layout.py).
         return conv_layout.named(traced, getattr(fn, "__name__", "program").strip("_<>"))

@@ -126,7 +126,6 @@ class Run:
                 self.epoch_loop.close(wait=not aborted)
             self.source.close(abort=aborted)
             self.bus.close()
-            self.programs.note_model()  # a plain model object, as this run left it
             self.whole = None  # it holds this Run: no cycle keeps the data alive until a GC
         return self._final(state)
 
