@@ -148,8 +148,9 @@ class from_functions:  # noqa: N801 - reads as a constructor
 
     def snapshot(self) -> Snapshot | None:
         """The plain object `apply_fn` is a method of, as it is now (None: no such object):
-        a run notes it after its programs traced (`Programs.note_model`), with what the
-        object's own `init` and `apply` set while they ran (a shape noted, a cached part)."""
+        a loop notes it as each trace of its programs leaves it (`Programs.counted`), with
+        what the object's own `init` and `apply` set while traced (a shape noted, a cached
+        part)."""
         return None if self._owner is None else Snapshot(self._owner)
 
     def check_unchanged(self, seen: Snapshot | None) -> None:
@@ -166,7 +167,7 @@ class from_functions:  # noqa: N801 - reads as a constructor
             ...     def apply(self, params, x): return x * self.scale
             >>> obj = Scaled()
             >>> model = from_functions(obj.init, obj.apply)
-            >>> seen = model.snapshot()  # as a run notes it at its end
+            >>> seen = model.snapshot()  # as a loop's trace notes it
             >>> obj.scale = 10.0
             >>> model.check_unchanged(seen)
             Traceback (most recent call last):
