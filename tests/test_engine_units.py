@@ -347,3 +347,18 @@ def test_whether_an_init_reads_x_is_told_through_nested_programs() -> None:
 
     traced = jax.make_jaxpr(through_a_ref)(jnp.ones(4))
     assert reads_any(traced.jaxpr, traced.jaxpr.invars)
+
+
+def test_a_data_dependent_init_under_several_processes_is_refused_with_the_fix(monkeypatch):
+    """Each process holds only its rows of the first batch: an init from them would differ
+    between processes, so it is refused, naming the fix (pass the variables)."""
+    import numpy as np
+    import pytest
+
+    from fuseloop.engine import init_batch
+
+    first = (np.ones((4, 3), np.float32), np.zeros(4, np.int32))
+    assert init_batch.batch_values(first)[0].shape == (4, 3)  # one process: the batch
+    monkeypatch.setattr(init_batch, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"reads the first batch's values.*run\(data, model"):
+        init_batch.batch_values(first)
