@@ -14,11 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.extend.core import Var
 
 from .._distributed import process_count
 
-__all__ = ["abstract_batch", "batch_values", "reads_any", "reads_batch"]
+__all__ = ["abstract_batch", "batch_values", "reads_any", "reads_batch", "zeros_batch"]
 
 
 def reads_any(jaxpr: Any, inputs: list[Any]) -> bool:
@@ -95,16 +96,24 @@ def _inner_jaxpr(eqn: Any) -> Any:
     return None
 
 
-def reads_batch(init: Callable[..., Any], leading: tuple[Any, ...], batch: Any) -> bool:
+def reads_batch(init: Callable[..., Any], leading: tuple[Any, ...], batch: Any) -> tuple[bool, Any]:
     """Whether `init(*leading, batch)` has a value that depends on one of `batch`'s values
-    (`batch`: shapes and dtypes, `abstract_batch`); traced once, nothing is compiled."""
-    traced = jax.make_jaxpr(init)(*leading, batch)
-    return reads_any(traced.jaxpr, traced.jaxpr.invars[len(jax.tree.leaves(leading)) :])
+    (`batch`: shapes and dtypes, `abstract_batch`), and its output's shapes and dtypes (as
+    `jax.eval_shape` gives them); traced once, nothing is compiled."""
+    traced, out = jax.make_jaxpr(init, return_shape=True)(*leading, batch)
+    inputs = traced.jaxpr.invars[len(jax.tree.leaves(leading)) :]
+    return reads_any(traced.jaxpr, inputs), out
 
 
 def abstract_batch(treedef: Any, spec: Any) -> Any:
     """The first batch as shapes and dtypes, from its device signature `(treedef, spec)`."""
     return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, d) for s, d in spec])
+
+
+def zeros_batch(treedef: Any, spec: Any) -> Any:
+    """A batch of zeros of the first batch's signature, made inside an init's program (an
+    init that reads only the batch's shapes moves nothing to the device)."""
+    return jax.tree.unflatten(treedef, [jnp.zeros(s, d) for s, d in spec])
 
 
 def batch_values(first: Any) -> Any:

@@ -20,7 +20,7 @@ from .._metrics import read_metric
 from .._placement import device_signature
 from .._step import init_tail, trainer_program
 from .._warn import warn
-from .init_batch import abstract_batch, batch_values, reads_batch
+from .init_batch import abstract_batch, batch_values, reads_batch, zeros_batch
 from .population_acc import PackedAcc, pack, packed_like
 from .population_args import RECORD_KEY, Population, resolve_population
 
@@ -195,7 +195,7 @@ def population_init(programs: Any, population: Population, first: Any, variables
     if key not in cache:
         init = _members_init(programs.loop.program, treedef, spec)
         shapes = abstract_batch(treedef, spec)
-        reads = variables is None and reads_batch(init, (variables, seeds, hyper), shapes)
+        reads = variables is None and reads_batch(init, (variables, seeds, hyper), shapes)[0]
         cache[key] = (jax.jit(programs.counted(init)), reads)
     program, reads = cache[key]
     # A fresh init that reads the first batch's values takes them, as a solo run's does.
@@ -205,7 +205,7 @@ def population_init(programs: Any, population: Population, first: Any, variables
 def _members_init(program: Any, treedef: Any, spec: Any) -> Callable[..., Any]:
     def init(variables: Any, seeds: Any, hyper: Any, batch: Any) -> Any:
         if batch is None:  # only the first batch's shapes count (init_batch.py)
-            batch = jax.tree.unflatten(treedef, [jnp.zeros(s, d) for s, d in spec])
+            batch = zeros_batch(treedef, spec)
 
         def member(seed: Any, values: Any) -> Any:
             solo = trainer_program(program.model, program.loss, program.optimizer, seed)

@@ -99,8 +99,13 @@ class ProgramCache:
         """This cache, emptied of programs (not of its trace count) if the PRNG
         configuration or the metrics' dtype in force is not the one they were made under."""
         if self.prng != prng_config() or self.metrics_dtype != accumulator_dtype():
-            self.__dict__.update(ProgramCache(traces=self.traces).__dict__)
+            self.empty()
         return self
+
+    def empty(self) -> None:
+        """Lets go of every program (a Loop keeps this object: emptied in place), keeping
+        the trace count."""
+        self.__dict__.update(ProgramCache(traces=self.traces).__dict__)
 
 
 class Programs:
@@ -145,7 +150,7 @@ class Programs:
         except ValueError:
             if self.loop.program.kind != "evaluator":
                 raise
-            self.cache.__dict__.update(ProgramCache(traces=self.cache.traces).__dict__)
+            self.cache.empty()
 
     def counted(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn`, counting its traces in the cache (each trace is a compile). A plain model

@@ -43,7 +43,7 @@ from .._placement import (
 )
 from .._variables_diff import refuse_narrowed_state, warn_other_dtype
 from .conv_layout import named
-from .init_batch import abstract_batch, batch_values, reads_batch
+from .init_batch import abstract_batch, batch_values, reads_batch, zeros_batch
 from .population import population_init, require_distinct_members
 from .programs import Programs
 
@@ -94,7 +94,7 @@ def _trainer_init(programs: Programs, first: Any) -> Any:
             # a scale set from the data: ActNorm); from given variables only its shapes
             # count, and zeros made inside the program move nothing to the device.
             if batch is None:
-                batch = jax.tree.unflatten(treedef, [jnp.zeros(s, d) for s, d in spec])
+                batch = zeros_batch(treedef, spec)
             return jax.tree.map(jnp.copy, program.init(batch, variables))
 
         counted = programs.counted(init)
@@ -182,11 +182,11 @@ class InlineInit:
         """`(treedef, signature, program, reads, spares)` for `variables`' signature: a
         fresh init that reads the first batch's values takes the batch (no spare stands in
         for it: the next run's first batch differs); any other makes zeros of its shapes."""
-        fresh = variables is None and self.batch is not None
-        reads = fresh and reads_batch(self.init, (variables,), self.batch)
-        shapes, treedef = jax.tree.flatten(
-            jax.eval_shape(self.init, variables, self.batch if reads else None)
-        )
+        if variables is None and self.batch is not None:  # fresh: one trace tells both
+            reads, out = reads_batch(self.init, (variables,), self.batch)
+        else:
+            reads, out = False, jax.eval_shape(self.init, variables, None)
+        shapes, treedef = jax.tree.flatten(out)
         signature = treedef, tuple((tuple(s.shape), s.dtype) for s in shapes)
         small = tree_bytes(shapes) <= self.LOOP_BYTES
         if not self.looped or not small:
