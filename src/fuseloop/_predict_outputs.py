@@ -26,7 +26,7 @@ def require_rows(out: Any, examples: int, listed: bool = False) -> None:
     for path, leaf in paths:
         shape = tuple(np.shape(leaf))
         if not shape or shape[0] != examples:
-            where = f"output{jax.tree_util.keystr(path)}" if path else "output"
+            where = f"output{jax.tree_util.keystr(path)}"  # "output" for a single array
             hint = (
                 LIST_READ
                 if listed
@@ -66,7 +66,7 @@ def require_rows_follow(adapter: Any, variables: Any, x: Any, out: Any, listed: 
     paths = jax.tree_util.tree_flatten_with_path(out)[0]
     for (path, leaf), other in zip(paths, jax.tree.leaves(more), strict=True):
         if np.shape(other)[:1] == np.shape(leaf)[:1]:
-            where = f"output{jax.tree_util.keystr(path)}" if path else "output"
+            where = f"output{jax.tree_util.keystr(path)}"  # "output" for a single array
             raise ValueError(
                 f"x: the model's {where} has shape {np.shape(leaf)} for a batch of "
                 f"{examples} examples and {np.shape(other)} for {examples + 1}: its first "
