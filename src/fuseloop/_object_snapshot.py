@@ -51,7 +51,7 @@ class Snapshot:
 
     def __init__(self, owner: Any):
         self._kept: list[Any] = []  # what an identity token names, alive while compared
-        self._budget = _BUDGET
+        self._budget = 0  # set for each attribute (`_safe`)
         self.tokens = {name: self._safe(value) for name, value in _attributes(owner).items()}
 
     def changed(self, earlier: Snapshot) -> list[str]:
