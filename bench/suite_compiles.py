@@ -62,6 +62,8 @@ def pytest_configure(config: pytest.Config) -> None:
         # Set before pytest-xdist starts its workers, which inherit the environment.
         os.environ[_DIR_VAR] = tempfile.mkdtemp(prefix="fuseloop-suite-compiles-")
         _made_here.append(os.environ[_DIR_VAR])
+    # A directory named by the variable may not exist yet.
+    Path(os.environ[_DIR_VAR]).mkdir(parents=True, exist_ok=True)
     jax.monitoring.register_event_listener(_on_event)
     jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
