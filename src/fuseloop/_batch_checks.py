@@ -155,6 +155,9 @@ def check_pair_sizes(batch: Any, where: str, named_loss: bool = False) -> None:
         )
     if not x_sizes or not y_sizes:
         return
+    if len(set(x_sizes)) > 1:  # a graph's nodes and edges: y's rows are the examples
+        _check_rows_of_a_mixed_x(batch, where, y_sizes)
+        return
     bad = [size for size in y_sizes if size != x_sizes[0]]
     if bad:
         raise ValueError(
@@ -162,6 +165,28 @@ def check_pair_sizes(batch: Any, where: str, named_loss: bool = False) -> None:
             f"x and y of a batch must have the same size along axis 0 (one target per example)"
             + _closure_hint(y_sizes, x_sizes[0])
         )
+
+
+def _check_rows_of_a_mixed_x(batch: Any, where: str, y_sizes: list[int]) -> None:
+    """An x whose leaves hold different numbers of rows (a padded graph batch: nodes,
+    edges, a graph index per node) has no one example count of its own: y's rows are the
+    examples (nodes, edges or graphs), so y's leaves agree on them."""
+    examples = y_sizes[0]
+    odd = [size for size in y_sizes if size != examples]
+    if not odd:
+        return
+    paths = jax.tree_util.tree_flatten_with_path(batch[1])[0]
+    rows = ", ".join(
+        f"y{jax.tree_util.keystr(path)}: {np.shape(leaf)[0]}"
+        for path, leaf in paths
+        if np.ndim(leaf) >= 1
+    )
+    raise ValueError(
+        f"data: {where}: x's leaves hold different numbers of rows (as a graph's nodes and "
+        f"edges do), so y's rows are the batch's examples, but y's leaves disagree on them "
+        f"({rows}). Give y one row per example in every leaf (a per-node mask belongs in "
+        f"x when the targets are per graph)"
+    )
 
 
 def _odd_target(y: Any, size: int) -> str:

@@ -36,8 +36,8 @@ from ._fusion import FusionError
 from ._label_checks import LabelChecks
 from ._model_fit import ModelFit, abstract
 from ._narrowing import Narrowing
+from ._short_batch import ShortBatch
 from ._step_state_check import check_optimizer_fits, check_step_keeps_state, explain_step_change
-from ._warn import warn
 
 __all__ = ["Checker"]
 
@@ -57,7 +57,7 @@ class Checker:
         self.names: tuple[str, ...] = ()
         self.expected: tuple[tuple[Any, Any], ...] = ()
         self.accepted: set[tuple[Any, ...]] = set()
-        self.ragged_size: int | None = None
+        self.short = ShortBatch(program.kind)  # an unfused run's one ragged batch
         self.fit = ModelFit(program)  # x and y against the model and loss, abstractly
         self.first_batch: Any = None
         self.step_signature: Any = None  # a deferred step check's state signature
@@ -186,15 +186,15 @@ class Checker:
             )
         # values a cast would wrap are refused before a mismatch, whose fix is a cast
         self.narrowing.note_later(signature, self.names, leaves, step)
-        ragged_sizes = set()
+        short = False
         for name, expected, actual in zip(self.names, self.expected, signature, strict=True):
             if self._same(expected, actual, fused):
                 continue
             if fused or not self._differs_on_batch_axis(expected, actual):
                 raise error(self._mismatch(where, name, expected, actual, fused))
-            ragged_sizes.add(actual[0][0])
-        if ragged_sizes:
-            self._allow_ragged(ragged_sizes, where)
+            short = True
+        if short:
+            self.short.allow(self.names, self.expected, signature, where)
         self.narrowing.warn_float64(self.names, leaves)
         self.accepted.add(signature)
 
@@ -219,48 +219,6 @@ class Checker:
             and shape[1:] == other[1:]
             and self._same(((), expected[1]), ((), actual[1]), fused=False)
         )
-
-    def _allow_ragged(self, sizes: set[int], where: str) -> None:
-        """A smaller batch, e.g. the epoch's last: jit compiles for it once, with a warning."""
-        full = self._batch_size()
-        if len(sizes) > 1:
-            raise ValueError(
-                f"{where} has leaves with different batch sizes {sorted(sizes)}; every leaf "
-                f"of x and y must hold the same number of examples"
-            )
-        size = sizes.pop()
-        if self.ragged_size is None:
-            self.ragged_size = size
-            if self.program.kind == "evaluator":
-                return  # every example counts in evaluation: its short batch is expected
-            weighing = (
-                "A metric of a step state's scalar is a mean over steps (the short batch "
-                "counts as one), built-in metrics of (y_true, y_pred) weigh it by its size"
-                if self.program.kind == "custom"
-                else "The loss and per-example metrics weigh the short batch by its size (a "
-                "metric returning one scalar per batch counts it as one batch)"
-            )
-            guess = "a ragged last batch?"
-            if full is not None and size > full:  # the first batch set the batch size
-                guess = "the run's first batch sets the batch size: was it a short one?"
-            warn(
-                f"{where} has batch size {size} instead of {full} ({guess}); the step "
-                f"compiles once more for it. {weighing}. In training data, "
-                f"drop_remainder=True avoids the extra compile"
-            )
-            return
-        if size != self.ragged_size:
-            raise ValueError(
-                f"{where} has batch size {size}, after batches of {full} and {self.ragged_size}; "
-                f"only one short batch size (a ragged last batch) is allowed, because each new "
-                f"batch size recompiles the step. Use batches of equal size"
-            )
-
-    def _batch_size(self) -> int | None:
-        for shape, _ in self.expected:
-            if len(shape) >= 1:
-                return shape[0]
-        return None
 
     def _mismatch(
         self, where: str, name: str, expected: tuple[Any, Any], actual: tuple[Any, Any], fused: bool

@@ -132,14 +132,20 @@ def _local(leaf: Any) -> Any:
     )
 
 
-def _example_count(x: Any) -> int:
+def _example_count(x: Any, joined: bool = False) -> int:
+    """Rows along axis 0, which every leaf shares (`joined`: the batches given were
+    concatenated first, so the rows named are their sums)."""
     flat = jax.tree_util.tree_flatten_with_path(x)[0]
     sizes = {int(np.shape(leaf)[0]) for _, leaf in flat}
     if len(sizes) != 1:
         each = ", ".join(f"x{jax.tree_util.keystr(k)}: {np.shape(leaf)[0]}" for k, leaf in flat)
         raise ValueError(
-            f"x: its arrays hold different numbers of examples ({each}); every leaf needs "
-            f"the same size along axis 0: slice them to the same number of examples"
+            f"x: its arrays hold different numbers of rows ({each}"
+            f"{', over all the batches given' if joined else ''}); fl.predict returns one "
+            f"output row per example, so every leaf of x needs one row per example along "
+            f"axis 0. Where a leaf holds other rows (a graph batch's nodes and edges), "
+            f"predict cannot tell the examples apart: call the model on each batch "
+            f"instead, e.g. jax.jit(model.apply)(params, x)"
         )
     return sizes.pop()
 
@@ -259,7 +265,7 @@ def predict(
     else:
         inputs, sizes, pairs = inputs_of_source(x)
     inputs = _device_inputs(inputs)
-    n = _example_count(inputs)
+    n = _example_count(inputs, joined=not _is_array_tree(x))
     if n == 0:
         raise ValueError("x holds no examples; there is nothing to predict")
     batches = _batch_sizes(n, sizes) if isinstance(sizes, int) else sizes  # arrays: cut here

@@ -1,0 +1,131 @@
+"""Padded graph batches: x's leaves hold different numbers of rows (nodes, edges, a graph
+index per node), y holds one target per node or per graph, and y's rows are the examples."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fuseloop as fl
+from conftest import assert_tree_equal, host
+
+F = 3
+
+
+def graph_batch(rng: np.random.Generator, graphs: int, nodes_per_graph: int = 4) -> dict:
+    """A padded batch of `graphs` graphs: 2 edges per node, keys in jraph's spirit."""
+    nodes, edges = graphs * nodes_per_graph, 2 * graphs * nodes_per_graph
+    return {
+        "edges": rng.random((edges, 1)).astype(np.float32),  # sorts first: not the examples
+        "graph_of_node": np.repeat(np.arange(graphs, dtype=np.int32), nodes_per_graph),
+        "nodes": rng.normal(size=(nodes, F)).astype(np.float32),
+        "receivers": rng.integers(0, nodes, edges).astype(np.int32),
+        "senders": rng.integers(0, nodes, edges).astype(np.int32),
+    }
+
+
+def init(key, x):
+    return {"w": jax.random.normal(key, (F, 3)) * 0.3}
+
+
+def node_logits(params, x):
+    h = x["nodes"] @ params["w"]
+    messages = h[x["senders"]] * x["edges"]
+    return h + jax.ops.segment_sum(messages, x["receivers"], x["nodes"].shape[0])
+
+
+def graph_logits(params, x):
+    graphs = x["graph_of_node"].shape[0] // 4
+    return jax.ops.segment_sum(node_logits(params, x), x["graph_of_node"], graphs)
+
+
+def loss(y, logits):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def hand_loop(apply, data, params):
+    """Plain SGD over `data`, one jitted step per batch; the mean loss weighed by y's rows."""
+
+    @jax.jit
+    def step(params, x, y):
+        value, grads = jax.value_and_grad(lambda p: loss(y, apply(p, x)))(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
+
+    total = rows = 0.0
+    for x, y in data:
+        params, value = step(params, x, y)
+        total, rows = total + float(value) * len(y), rows + len(y)
+    return params, total / rows
+
+
+def assert_as_the_hand_loop(state, apply, data, start):
+    params, mean_loss = hand_loop(apply, data, start)
+    np.testing.assert_allclose(host(state.params["w"]), host(params["w"]), rtol=1e-5)
+    assert state.metrics["loss"] == pytest.approx(mean_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("level", ["node", "graph"])
+def test_graph_batches_train_as_a_hand_written_loop_fused_and_unfused(level):
+    rng = np.random.default_rng(0)
+    graphs = [graph_batch(rng, 2) for _ in range(4)]
+    rows = [len(x["nodes"]) if level == "node" else 2 for x in graphs]
+    data = [(x, rng.integers(0, 3, n).astype(np.int32)) for x, n in zip(graphs, rows, strict=True)]
+    apply = node_logits if level == "node" else graph_logits
+    model = fl.models.from_functions(init, apply)
+    start = init(jax.random.key(0), None)
+    unfused = fl.trainer(model, loss, optax.sgd(0.1)).run(data, start, fuse=False)
+    fused = fl.trainer(model, loss, optax.sgd(0.1)).run(data, start, fuse=2)
+    assert_tree_equal(fused.params, unfused.params, "fused against unfused params")
+    assert fused.metrics == unfused.metrics
+    assert_as_the_hand_loop(unfused, apply, data, start)
+
+
+def test_a_last_batch_of_fewer_graphs_is_weighed_by_its_graphs():
+    rng = np.random.default_rng(1)
+    data = [(graph_batch(rng, n), rng.integers(0, 3, n).astype(np.int32)) for n in (3, 3, 1)]
+    model = fl.models.from_functions(init, graph_logits)
+    start = init(jax.random.key(1), None)
+    with pytest.warns(UserWarning, match="has batch size 1 instead of 3"):
+        state = fl.trainer(model, loss, optax.sgd(0.1)).run(data, start)
+    assert_as_the_hand_loop(state, graph_logits, data, start)
+
+
+def test_a_second_padding_of_other_rows_is_refused_with_a_fixed_budget_as_the_fix():
+    rng = np.random.default_rng(2)
+    data = [(graph_batch(rng, n), rng.integers(0, 3, n).astype(np.int32)) for n in (3, 2, 1)]
+    loop = fl.trainer(fl.models.from_functions(init, graph_logits), loss, optax.sgd(0.1))
+    with (
+        pytest.warns(UserWarning, match="batch size 2 instead of 3"),
+        pytest.raises(ValueError, match=r"batch size 1, after batches of 3 and 2.*padding budget"),
+    ):
+        loop.run(data, epochs=1, fuse=False)
+
+
+def test_ys_leaves_of_other_rows_beside_a_graph_batch_are_refused_by_name():
+    rng = np.random.default_rng(3)
+    x = graph_batch(rng, 2)
+    y = {"label": np.zeros(2, np.int32), "node_mask": np.ones(8, np.float32)}
+    loop = fl.trainer(
+        fl.models.from_functions(init, graph_logits), lambda y, p: loss(y["label"], p), "sgd"
+    )
+    with pytest.raises(ValueError, match=r"y's leaves disagree.*y\['label'\]: 2.*node_mask'\]: 8"):
+        loop.run([(x, y)], epochs=1)
+
+
+def test_a_plain_batch_whose_y_has_other_rows_is_still_refused():
+    x, y = np.zeros((4, F), np.float32), np.zeros(3, np.int32)
+    loop = fl.trainer(fl.models.from_functions(init, lambda p, x: x @ p["w"]), loss, "sgd")
+    with pytest.raises(ValueError, match="x holds 4 examples but y holds 3"):
+        loop.run([(x, y)], epochs=1)
+
+
+def test_predict_on_graph_batches_says_to_call_the_model_per_batch():
+    rng = np.random.default_rng(4)
+    batches = [graph_batch(rng, 2) for _ in range(2)]
+    params = {"w": jnp.ones((F, 3))}
+    model = fl.models.from_functions(init, node_logits)
+    with pytest.raises(ValueError, match=r"over all the batches given.*call the model on each"):
+        fl.predict(model, params, batches)
