@@ -206,6 +206,13 @@ def test_resuming_with_another_optimizer_names_where_their_states_differ():
     sgd = fl.trainer(model, "sparse_categorical_cross_entropy", optax.sgd(0.1))
     with pytest.raises(ValueError, match=r"trained with another optimizer"):
         sgd.run(data, state, epochs=2)
+    # optax's adam against its adamw: the same types, one EmptyState more, no leaf apart.
+    raw = fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-2)).run(data)
+    raw_adamw = fl.trainer(model, "sparse_categorical_cross_entropy", optax.adamw(1e-2))
+    with pytest.raises(
+        ValueError, match=r"\(ScaleByAdamState, EmptyState\).*\(ScaleByAdamState, EmptyState, Empty"
+    ):
+        raw_adamw.run(data, raw, epochs=2)
 
 
 @pytest.mark.parametrize("fuse", [False, 4])

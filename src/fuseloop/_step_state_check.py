@@ -85,14 +85,26 @@ def _in_optimizer_state(path: Any) -> bool:
     return bool(path) and getattr(path[0], "key", None) == "opt_state"
 
 
-def _state_kinds(opt_state: Any) -> str:
-    """The optax state types in an optimizer state, outermost first, e.g.
-    "InjectStatefulHyperparamsState, ScaleByAdamState, EmptyState"."""
+def _kinds_apart(held: Any, made: Any) -> tuple[str, str]:
+    """The optax state types of two optimizer states, each once where that tells them
+    apart, else every occurrence (adam's against adamw's: one EmptyState more), else
+    their structures."""
+    for every in (False, True):
+        pair = _state_kinds(held, every), _state_kinds(made, every)
+        if pair[0] != pair[1]:
+            return pair
+    return str(jax.tree.structure(held))[:400], str(jax.tree.structure(made))[:400]
+
+
+def _state_kinds(opt_state: Any, every: bool = False) -> str:
+    """The optax state types in an optimizer state, outermost first, each once (`every`:
+    each time it occurs), e.g. "InjectStatefulHyperparamsState, ScaleByAdamState,
+    EmptyState"."""
     found: list[str] = []
 
     def walk(node: Any) -> None:
         if hasattr(node, "_fields"):
-            if type(node).__name__ not in found:
+            if every or type(node).__name__ not in found:
                 found.append(type(node).__name__)
             children: Any = tuple(node)
         elif isinstance(node, dict):
@@ -157,9 +169,10 @@ def check_optimizer_fits(optimizer: Any, step_state: Any) -> None:
     held = step_state["opt_state"]
     expected: object = jax.tree.structure(made)  # no stub for PyTreeDef: compare as objects
     if expected != jax.tree.structure(held):
+        held_kinds, made_kinds = _kinds_apart(held, made)
         raise ValueError(
-            f"init_state: its optimizer state ({_state_kinds(held)}) is not the one this "
-            f"trainer's optimizer makes ({_state_kinds(made)}){_paths_apart(held, made)}: "
+            f"init_state: its optimizer state ({held_kinds}) is not the one this "
+            f"trainer's optimizer makes ({made_kinds}){_paths_apart(held, made)}: "
             f"the State was trained with another optimizer. Resume with the optimizer it "
             f"was trained with, or start this one afresh from its params: "
             f"loop.run(data, state.params, ...)"
