@@ -99,7 +99,7 @@ def test_a_second_padding_of_other_rows_is_refused_with_a_fixed_budget_as_the_fi
     loop = fl.trainer(fl.models.from_functions(init, graph_logits), loss, optax.sgd(0.1))
     with (
         pytest.warns(UserWarning, match="batch size 2 instead of 3"),
-        pytest.raises(ValueError, match=r"batch size 1, after batches of 3 and 2.*padding budget"),
+        pytest.raises(ValueError, match=r"is padded to other rows.*y: 1\).*padding budget"),
     ):
         loop.run(data, epochs=1, fuse=False)
 
@@ -115,11 +115,28 @@ def test_ys_leaves_of_other_rows_beside_a_graph_batch_are_refused_by_name():
         loop.run([(x, y)], epochs=1)
 
 
-def test_a_plain_batch_whose_y_has_other_rows_is_still_refused():
-    x, y = np.zeros((4, F), np.float32), np.zeros(3, np.int32)
-    loop = fl.trainer(fl.models.from_functions(init, lambda p, x: x @ p["w"]), loss, "sgd")
+def test_batches_whose_rows_do_not_belong_together_are_still_refused():
+    loop = fl.trainer(fl.models.from_functions(init, lambda p, x: x["a"] @ p["w"]), loss, "sgd")
+    full = (
+        {"a": np.zeros((4, F), np.float32), "b": np.zeros((4, 1), np.float32)},
+        np.zeros(4, np.int32),
+    )
     with pytest.raises(ValueError, match="x holds 4 examples but y holds 3"):
-        loop.run([(x, y)], epochs=1)
+        loop.run([(full[0]["a"], np.zeros(3, np.int32))], epochs=1)
+    # x's leaves of other rows, no index array, y's rows in none of them: not a graph
+    sliced = (
+        {"a": np.zeros((4, F), np.float32), "b": np.zeros((2, 1), np.float32)},
+        np.zeros(3, np.int32),
+    )
+    with pytest.raises(ValueError, match=r"x\['b'\]: 2\) and y holds 3, which none of them"):
+        loop.run([sliced], epochs=1)
+    # a run of uniform batches: a later batch with one leaf left long is not a graph batch
+    stale = (
+        {"a": np.zeros((4, F), np.float32), "b": np.zeros((3, 1), np.float32)},
+        np.zeros(3, np.int32),
+    )
+    with pytest.raises(ValueError, match="iteration 1: x holds 4 examples but y holds 3"):
+        loop.run([full, stale], epochs=1, fuse=False)
 
 
 def test_predict_on_graph_batches_says_to_call_the_model_per_batch():

@@ -10,6 +10,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._graph_batch import check_rows_of_a_mixed_x, graph_like
+
 __all__ = [
     "check_pair_sizes",
     "check_python_lists",
@@ -132,10 +134,14 @@ def _leading_sizes(tree: Any) -> list[int]:
     return [int(np.shape(leaf)[0]) for leaf in jax.tree.leaves(tree) if np.ndim(leaf) >= 1]
 
 
-def check_pair_sizes(batch: Any, where: str, named_loss: bool = False) -> None:
+def check_pair_sizes(
+    batch: Any, where: str, named_loss: bool = False, graph: bool | None = None
+) -> bool:
     """x and y of one batch hold the same number of examples, and at least one; under a
     `named_loss` (one per example), y has an example axis (a loss of the user's own may
-    ignore y, as an autoencoder's dummy scalar)."""
+    ignore y, as an autoencoder's dummy scalar). Whether it is a graph batch, whose x's
+    leaves hold different numbers of rows (`graph`: the run's first batch's verdict; None:
+    this is the first)."""
     x_sizes, y_sizes = _leading_sizes(batch[0]), _leading_sizes(batch[1])
     if 0 in x_sizes[:1] + y_sizes[:1]:
         raise ValueError(
@@ -154,10 +160,12 @@ def check_pair_sizes(batch: Any, where: str, named_loss: bool = False) -> None:
             f"(x[i:i + b], y[i:i + b])"
         )
     if not x_sizes or not y_sizes:
-        return
-    if len(set(x_sizes)) > 1:  # a graph's nodes and edges: y's rows are the examples
-        _check_rows_of_a_mixed_x(batch, where, y_sizes)
-        return
+        return False
+    if graph is None:
+        graph = len(set(x_sizes)) > 1 and graph_like(batch, where, y_sizes[0])
+    if graph:  # a graph's nodes and edges: y's rows are the examples
+        check_rows_of_a_mixed_x(batch, where, y_sizes)
+        return True
     bad = [size for size in y_sizes if size != x_sizes[0]]
     if bad:
         raise ValueError(
@@ -165,28 +173,7 @@ def check_pair_sizes(batch: Any, where: str, named_loss: bool = False) -> None:
             f"x and y of a batch must have the same size along axis 0 (one target per example)"
             + _closure_hint(y_sizes, x_sizes[0])
         )
-
-
-def _check_rows_of_a_mixed_x(batch: Any, where: str, y_sizes: list[int]) -> None:
-    """An x whose leaves hold different numbers of rows (a padded graph batch: nodes,
-    edges, a graph index per node) has no one example count of its own: y's rows are the
-    examples (nodes, edges or graphs), so y's leaves agree on them."""
-    examples = y_sizes[0]
-    odd = [size for size in y_sizes if size != examples]
-    if not odd:
-        return
-    paths = jax.tree_util.tree_flatten_with_path(batch[1])[0]
-    rows = ", ".join(
-        f"y{jax.tree_util.keystr(path)}: {np.shape(leaf)[0]}"
-        for path, leaf in paths
-        if np.ndim(leaf) >= 1
-    )
-    raise ValueError(
-        f"data: {where}: x's leaves hold different numbers of rows (as a graph's nodes and "
-        f"edges do), so y's rows are the batch's examples, but y's leaves disagree on them "
-        f"({rows}). Give y one row per example in every leaf (a per-node mask belongs in "
-        f"x when the targets are per graph)"
-    )
+    return False
 
 
 def _odd_target(y: Any, size: int) -> str:

@@ -58,6 +58,7 @@ class Checker:
         self.expected: tuple[tuple[Any, Any], ...] = ()
         self.accepted: set[tuple[Any, ...]] = set()
         self.short = ShortBatch(program.kind)  # an unfused run's one ragged batch
+        self.graph = False  # x's leaves hold nodes and edges: y's rows are the examples
         self.fit = ModelFit(program)  # x and y against the model and loss, abstractly
         self.first_batch: Any = None
         self.step_signature: Any = None  # a deferred step check's state signature
@@ -86,7 +87,7 @@ class Checker:
             known = self._first_of_its_kind(batch, leaves, source)
             self.cache[key] = known
         else:
-            self.names, any_float64, fit = known
+            self.names, any_float64, fit, self.graph = known
             self.fit.restore(fit)
             if any_float64:  # only then are the leaves looked at
                 self.narrowing.warn_float64(self.names, leaves)
@@ -101,7 +102,7 @@ class Checker:
         if self.pairs:
             require_pair(batch, "the run's first batch", data)
             check_python_lists(batch, "the run's first batch")
-            check_pair_sizes(batch, "the run's first batch", self.named_loss)
+            self.graph = check_pair_sizes(batch, "the run's first batch", self.named_loss)
         elif self.jit:  # jit reads every leaf as an array (a trainer's checks name them)
             refuse_no_device_dtype(batch)
         paths = jax.tree_util.tree_flatten_with_path(batch)[0]
@@ -112,7 +113,7 @@ class Checker:
             self.narrowing.warn_float64(self.names, leaves)
         if self.pairs:
             self.fit.check_first(batch)
-        return self.names, any_float64, self.fit.verdict()
+        return self.names, any_float64, self.fit.verdict(), self.graph
 
     def batch(self, batch: Any, epoch: int, iteration: int) -> None:
         """Called for each unfused batch before it is moved to the device."""
@@ -177,7 +178,7 @@ class Checker:
         if self.pairs:  # the same errors fused and unfused: checked before any fusion error
             require_pair(batch, at)
             check_python_lists(batch, at)
-            check_pair_sizes(batch, at, self.named_loss)
+            check_pair_sizes(batch, at, self.named_loss, self.graph)
         if treedef != self.treedef:
             raise error(
                 f"{where} has structure {treedef}, but the run's first batch has "
@@ -194,7 +195,7 @@ class Checker:
                 raise error(self._mismatch(where, name, expected, actual, fused))
             short = True
         if short:
-            self.short.allow(self.names, self.expected, signature, where)
+            self.short.allow(self.names, self.expected, signature, where, self.graph)
         self.narrowing.warn_float64(self.names, leaves)
         self.accepted.add(signature)
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from ._arg_types import is_int, refuse_deleted_arrays
 from ._data import is_python_number
+from ._graph_batch import rows_of
 from ._metrics import batch_size
 from ._model_fit import ModelFit, abstract
 from ._narrowing import Narrowing, native_order
@@ -138,14 +139,14 @@ def _example_count(x: Any, joined: bool = False) -> int:
     flat = jax.tree_util.tree_flatten_with_path(x)[0]
     sizes = {int(np.shape(leaf)[0]) for _, leaf in flat}
     if len(sizes) != 1:
-        each = ", ".join(f"x{jax.tree_util.keystr(k)}: {np.shape(leaf)[0]}" for k, leaf in flat)
         raise ValueError(
-            f"x: its arrays hold different numbers of rows ({each}"
+            f"x: its arrays hold different numbers of rows ({rows_of(x)}"
             f"{', over all the batches given' if joined else ''}); fl.predict returns one "
             f"output row per example, so every leaf of x needs one row per example along "
-            f"axis 0. Where a leaf holds other rows (a graph batch's nodes and edges), "
-            f"predict cannot tell the examples apart: call the model on each batch "
-            f"instead, e.g. jax.jit(model.apply)(params, x)"
+            f"axis 0: slice them to the same number of examples. Where a leaf holds other "
+            f"rows by design (a graph batch's nodes and edges), predict cannot tell the "
+            f"examples apart: call the model on each batch instead, e.g. "
+            f"jax.jit(model.apply)(params, x)"
         )
     return sizes.pop()
 

@@ -16,6 +16,7 @@ from ._warn import warn
 __all__ = ["ShortBatch"]
 
 Signature = tuple[tuple[Any, Any], ...]  # (shape, dtype) per leaf
+Rows = tuple[int | None, ...]  # rows per leaf; None: no example axis
 
 
 class ShortBatch:
@@ -24,37 +25,49 @@ class ShortBatch:
 
     def __init__(self, kind: str):
         self.kind = kind
-        self.rows: tuple[int | None, ...] | None = None  # per leaf; None: no example axis
+        self.rows: Any = None  # the short batch's: its size, or a graph batch's rows per leaf
+        self.size: int | None = None  # its example count
 
-    def allow(self, names: tuple[str, ...], first: Signature, batch: Signature, where: str) -> None:
+    def allow(
+        self, names: tuple[str, ...], first: Signature, batch: Signature, where: str, graph: bool
+    ) -> None:
         """Takes `batch`, whose leaves differ from the run's `first` batch's along axis 0
-        only, as the run's short batch, or raises where it cannot be one."""
+        only, as the run's short batch, or raises where it cannot be one (`graph`: the
+        batches are graph batches, whose y's rows are their examples)."""
         first_rows, rows = _rows(first), _rows(batch)
-        mixed = len({size for size in first_rows if size is not None}) > 1
-        changed = {new for old, new in zip(first_rows, rows, strict=True) if new not in (old, None)}
-        if not mixed and len(changed) > 1:
-            raise ValueError(
-                f"{where} has leaves with different batch sizes {sorted(changed)}; every leaf "
-                f"of x and y must hold the same number of examples"
-            )
-        full, size = _examples(names, first_rows), _examples(names, rows)
+        key: Any
+        if graph:
+            full, size, key = _rows_of_y(names, first_rows), _rows_of_y(names, rows), rows
+        else:
+            changed = {n for old, n in zip(first_rows, rows, strict=True) if n not in (old, None)}
+            if len(changed) > 1:
+                raise ValueError(
+                    f"{where} has leaves with different batch sizes {sorted(changed)}; every "
+                    f"leaf of x and y must hold the same number of examples"
+                )
+            full = next((size for size in first_rows if size is not None), None)
+            size = key = changed.pop()
         if self.rows is None:
-            self.rows = rows
+            self.rows, self.size = key, size
             if self.kind != "evaluator":  # every example counts in evaluation
                 self._warn(where, full, size)
             return
-        if rows != self.rows:
-            fix = (
-                "pad every batch to the same numbers of rows (one padding budget for nodes "
-                "and edges, as jraph.pad_with_graphs takes)"
-                if mixed
-                else "Use batches of equal size"
-            )
+        if key == self.rows:
+            return
+        if graph:
             raise ValueError(
-                f"{where} has batch size {size}, after batches of {full} and "
-                f"{_examples(names, self.rows)}; only one short batch size (a ragged last "
-                f"batch) is allowed, because each new batch size recompiles the step. {fix}"
+                f"{where} is padded to other rows ({_named(names, rows)}) than the run's "
+                f"batches ({_named(names, first_rows)}) and its short batch "
+                f"({_named(names, self.rows)}); only one batch of other rows (a ragged last "
+                f"batch) is allowed, because each new padding recompiles the step. Pad every "
+                f"batch to the same numbers of rows (one padding budget for nodes and edges, "
+                f"as jraph.pad_with_graphs takes)"
             )
+        raise ValueError(
+            f"{where} has batch size {size}, after batches of {full} and {self.size}; "
+            f"only one short batch size (a ragged last batch) is allowed, because each new "
+            f"batch size recompiles the step. Use batches of equal size"
+        )
 
     def _warn(self, where: str, full: int | None, size: int | None) -> None:
         weighing = (
@@ -74,14 +87,16 @@ class ShortBatch:
         )
 
 
-def _rows(signature: Signature) -> tuple[int | None, ...]:
+def _rows(signature: Signature) -> Rows:
     return tuple(shape[0] if len(shape) >= 1 else None for shape, _ in signature)
 
 
-def _examples(names: tuple[str, ...], rows: tuple[int | None, ...]) -> int | None:
-    """The batch's example count: y's rows where it has them (a graph batch's x has no
-    one count), else the first leaf's with an example axis."""
-    with_rows = [(name, size) for name, size in zip(names, rows, strict=True) if size is not None]
-    of_y = [size for name, size in with_rows if name.startswith("y")]
-    counts = of_y or [size for _, size in with_rows]
-    return counts[0] if counts else None
+def _rows_of_y(names: tuple[str, ...], rows: Rows) -> int | None:
+    """A graph batch's example count: y's rows (its x holds nodes and edges)."""
+    return next(
+        (n for name, n in zip(names, rows, strict=True) if name.startswith("y") and n), None
+    )
+
+
+def _named(names: tuple[str, ...], rows: Rows) -> str:
+    return ", ".join(f"{name}: {n}" for name, n in zip(names, rows, strict=True) if n is not None)

@@ -87,25 +87,24 @@ def _in_optimizer_state(path: Any) -> bool:
 
 def _kinds_apart(held: Any, made: Any) -> tuple[str, str]:
     """The optax state types of two optimizer states, each once where that tells them
-    apart, else every occurrence (adam's against adamw's: one EmptyState more), else
-    their structures."""
-    for every in (False, True):
-        pair = _state_kinds(held, every), _state_kinds(made, every)
+    apart, else with how often each occurs (adam's against adamw's: "EmptyState x2"),
+    else the same kinds said to be nested otherwise (the paths apart name where)."""
+    for counted in (False, True):
+        pair = _state_kinds(held, counted), _state_kinds(made, counted)
         if pair[0] != pair[1]:
             return pair
-    return str(jax.tree.structure(held))[:400], str(jax.tree.structure(made))[:400]
+    return pair[0], f"{pair[1]}, nested otherwise"
 
 
-def _state_kinds(opt_state: Any, every: bool = False) -> str:
-    """The optax state types in an optimizer state, outermost first, each once (`every`:
-    each time it occurs), e.g. "InjectStatefulHyperparamsState, ScaleByAdamState,
-    EmptyState"."""
-    found: list[str] = []
+def _state_kinds(opt_state: Any, counted: bool = False) -> str:
+    """The optax state types in an optimizer state, outermost first, e.g.
+    "InjectStatefulHyperparamsState, ScaleByAdamState, EmptyState" (`counted`: with how
+    often each occurs where more than once, "EmptyState x2")."""
+    found: dict[str, int] = {}
 
     def walk(node: Any) -> None:
         if hasattr(node, "_fields"):
-            if every or type(node).__name__ not in found:
-                found.append(type(node).__name__)
+            found[type(node).__name__] = found.get(type(node).__name__, 0) + 1
             children: Any = tuple(node)
         elif isinstance(node, dict):
             children = tuple(node.values())
@@ -117,7 +116,8 @@ def _state_kinds(opt_state: Any, every: bool = False) -> str:
             walk(child)
 
     walk(opt_state)
-    return ", ".join(found) or "no optax state"
+    named = (f"{kind} x{n}" if counted and n > 1 else kind for kind, n in found.items())
+    return ", ".join(named) or "no optax state"
 
 
 _TRAINER_KEYS = ("opt_state", "rng", "step")  # beside "params" (`_step.trainer_program`)

@@ -131,7 +131,7 @@ def _refuse_short_batches(data: Any, fuse: Any) -> None:
                 f"validation run stacks batches of one shape; {fixes}"
             )
     if isinstance(data, (list, tuple)) and data:
-        sizes = [batch_size(batch) for batch in data]
+        sizes = [_examples(batch) for batch in data]
         odd = next((i for i, size in enumerate(sizes) if size != sizes[0]), None)
         if odd is not None:
             raise FusionError(
@@ -139,6 +139,13 @@ def _refuse_short_batches(data: Any, fuse: Any) -> None:
                 f"examples and batch 0 holds {sizes[0]}, and a fused validation run stacks "
                 f"batches of one shape; {fixes}"
             )
+
+
+def _examples(batch: Any) -> int:
+    """A pair's examples are y's rows (a graph batch's x holds nodes and edges)."""
+    if isinstance(batch, tuple) and len(batch) == 2:
+        return batch_size(batch[1], batch[0])
+    return batch_size(batch)
 
 
 def _warn_dropped_examples(data: Any) -> None:

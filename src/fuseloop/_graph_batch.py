@@ -1,0 +1,57 @@
+"""Padded graph batches (nodes, edges, a graph index per node: x's leaves hold different
+numbers of rows), told apart from x and y that do not belong together; y's rows are such a
+batch's examples (`_batch_checks.check_pair_sizes` asks, docs/data.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["check_rows_of_a_mixed_x", "graph_like", "rows_of"]
+
+
+def graph_like(batch: Any, where: str, examples: int) -> bool:
+    """Whether an x whose leaves hold different numbers of rows is a graph batch: one
+    with an index array (a graph's senders, receivers or graph ids: integers), or one of
+    whose leaves holds y's rows. Any other is refused as x and y that do not belong
+    together (a leaf sliced to other rows by mistake)."""
+    paths = jax.tree_util.tree_flatten_with_path(batch[0])[0]
+    with_rows = [(path, leaf) for path, leaf in paths if np.ndim(leaf) >= 1]
+    indexed = any("int" in str(getattr(leaf, "dtype", "")) for _, leaf in with_rows)  # torch too
+    if indexed or any(np.shape(leaf)[0] == examples for _, leaf in with_rows):
+        return True
+    raise ValueError(
+        f"data: {where}: x's leaves hold different numbers of rows ({rows_of(batch[0])}) and "
+        f"y holds {examples}, which none of them holds; x and y of a batch hold one row per "
+        f"example (a padded graph batch, whose x holds nodes and edges, has integer index "
+        f"arrays beside them). Check that x and y belong together"
+    )
+
+
+def check_rows_of_a_mixed_x(batch: Any, where: str, y_sizes: list[int]) -> None:
+    """An x whose leaves hold different numbers of rows (a padded graph batch: nodes,
+    edges, a graph index per node) has no one example count of its own: y's rows are the
+    examples (nodes, edges or graphs), so y's leaves agree on them."""
+    examples = y_sizes[0]
+    odd = [size for size in y_sizes if size != examples]
+    if not odd:
+        return
+    rows = rows_of(batch[1], "y")
+    raise ValueError(
+        f"data: {where}: x's leaves hold different numbers of rows (as a graph's nodes and "
+        f"edges do), so y's rows are the batch's examples, but y's leaves disagree on them "
+        f"({rows}). Give y one row per example in every leaf (a per-node mask belongs in "
+        f"x when the targets are per graph)"
+    )
+
+
+def rows_of(tree: Any, name: str = "x") -> str:
+    """Each leaf's rows along axis 0, by name: "x['nodes']: 16, x['edges']: 32"."""
+    paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return ", ".join(
+        f"{name}{jax.tree_util.keystr(path)}: {np.shape(leaf)[0]}"
+        for path, leaf in paths
+        if np.ndim(leaf) >= 1
+    )
