@@ -325,3 +325,11 @@ def test_bad_validation_labels_are_refused_before_the_first_epoch_trains(form):
         loop.run(DATA, epochs=2)
     assert stepped == []
     assert "validate()'s data" in "\n".join(caught.value.__notes__)
+
+
+def test_float64_validation_data_is_named_in_its_warning():
+    wide = [(x.astype(np.float64), y) for x, y in VAL]
+    loop = fl.trainer(MODEL, LOSS, "adam").validate(MODEL, wide)
+    with pytest.warns(UserWarning, match=r"^validate\(\)'s data: leaf x is float64") as caught:
+        loop.run(DATA, epochs=1)
+    assert not any(str(w.message).startswith("data:") for w in caught)

@@ -319,6 +319,11 @@ def test_a_monitored_name_validation_never_gives_is_refused_before_training(hand
     attach = ATTACH[handler]
     with pytest.raises(ValueError, match=rf"{handler}\('val_loss'\).*monitor 'validation_loss'"):
         attach(base.validate(model, _batches(2, 1)), "val_loss")
+    # Keras's other spelling of the metric: the key is the one it was added with.
+    mae = base.metric("mae").validate(model, _batches(2, 1))
+    for keras in ("val_mean_absolute_error", "validation_mean_absolute_error"):
+        with pytest.raises(ValueError, match=r"monitor 'validation_mae'"):
+            attach(mae, keras)
     sparse = base.validate(model, _batches(2, 1), filter={"every": 2})
     with pytest.raises(ValueError, match=r"validate's filter leaves some epochs without"):
         attach(sparse, "validation_loss")

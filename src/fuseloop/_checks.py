@@ -63,7 +63,7 @@ class Checker:
         self.first_batch: Any = None
         self.step_signature: Any = None  # a deferred step check's state signature
         self.labels = LabelChecks()
-        self.narrowing = Narrowing()
+        self.narrowing = Narrowing(program.data_name)
 
     # ----------------------------------------------------------------- entry points
     def first(self, batch: Any, source: Any = None) -> None:

@@ -207,7 +207,8 @@ class Loop(HandlerBuilders):
         loss = self.program.loss
         specs = evaluable_metrics(self.metrics, loss is not None)
         check_validation(model, data, fuse, specs, event)
-        evaluation = Loop(evaluator_program(model, loss), metrics=specs)
+        program = dataclasses.replace(evaluator_program(model, loss), data_name="validate()'s data")
+        evaluation = Loop(program, metrics=specs)
         refuse_validation_names({m.name for m in self.metrics}, validation_names(evaluation))
         refuse_second_validation(self._validated_names() & validation_names(evaluation))
         validator = Validator(evaluation, data, fuse)

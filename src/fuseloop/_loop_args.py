@@ -275,16 +275,16 @@ def check_monitored(
     trained: Keras's `val_<name>` where validation adds `validation_<name>`, and a
     validation metric that `validate`'s filter leaves out of epochs the handler reads it
     at (`fires`: its own Filter; None, every epoch's end)."""
-    from .handlers._monitor_record import SPELLING, keras_spelling
+    from .handlers._monitor_record import keras_spelling
     from .handlers.validate import Validator, validation_names
 
     for registration in registrations:
         if not isinstance(registration.handler, Validator):
             continue
         names = validation_names(registration.handler.loop)
-        ours = keras_spelling(monitor, names)
-        if ours is not None:
-            raise ValueError(f"{who}({monitor!r}): {SPELLING}; monitor {ours!r}")
+        spelled = keras_spelling(monitor, names)
+        if spelled is not None:
+            raise ValueError(f"{who}({monitor!r}): {spelled}")
         spec = registration.filter
         every_epoch = spec.every in (None, 1) and spec.before is None and spec.after is None
         always = every_epoch and spec.once is None and not spec.predicate

@@ -31,7 +31,8 @@ _IN_RANGE: weakref.WeakSet[Any] = weakref.WeakSet()
 class Narrowing:
     """The checks of one run's data against JAX's narrowing (x64 off)."""
 
-    def __init__(self) -> None:
+    def __init__(self, source: str = "data") -> None:
+        self.source = source  # what gave the batches, for the warnings' messages
         self.warned_float64 = False
         self.ints = False  # the run's batches have 64-bit integer leaves to read
         self.vouched = False  # ... all drawn from a dataset found in range
@@ -88,10 +89,11 @@ class Narrowing:
         self.vouched = True
 
     def warn_float64(
-        self, names: Sequence[str], leaves: Sequence[Any], source: str = "data"
+        self, names: Sequence[str], leaves: Sequence[Any], source: str | None = None
     ) -> None:
         """Warns (once per run) of the float64 numpy leaves among `leaves` (of `source`,
-        the argument that gave them, for the message)."""
+        the argument that gave them, for the message; default: the run's)."""
+        source = source or self.source
         if self.warned_float64 or jax.config.read("jax_enable_x64"):
             return
         wide = [name for name, leaf in zip(names, leaves, strict=True) if _numpy_of(leaf, "f8")]

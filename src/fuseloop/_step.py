@@ -76,6 +76,7 @@ class Program:
     model: Any = None
     loss: Any = None
     exposes_lr: bool = False  # the step's aux holds "learning_rate"
+    data_name: str = "data"  # what gives its batches, for warnings ("validate()'s data")
 
 
 def _trainable(variables: Any) -> tuple[Any, Any]:

@@ -132,9 +132,24 @@ SPELLING = "fuseloop names a validation metric validation_<name> (Keras's val_<n
 
 
 def keras_spelling(monitor: str, names: Any) -> str | None:
-    """`validation_<name>` where `monitor` is Keras's `val_<name>` and `names` hold it."""
-    ours = "validation_" + monitor.removeprefix("val_")
-    return ours if monitor.startswith("val_") and ours in names else None
+    """What to monitor instead where `monitor` names a metric among `names` by another
+    spelling: Keras's `val_<name>` (validation adds `validation_<name>`), or the metric's
+    other Keras name (`mean_absolute_error` where it was added as "mae", which keeps the
+    key it was given); None where `monitor` is among them or means none of them."""
+    if monitor in names:
+        return None
+    for prefix in ("val_", "validation_"):
+        if monitor.startswith(prefix):
+            name = monitor.removeprefix(prefix)
+            canonical = ALIASES.get(name, name)
+            spellings = [name, canonical, *(k for k, v in ALIASES.items() if v == canonical)]
+            ours = next((f"validation_{s}" for s in spellings if f"validation_{s}" in names), None)
+            if ours is None:
+                return None
+            if ours.removeprefix("validation_") != name:
+                return f"the metric keeps the key it was given; monitor {ours!r}"
+            return f"{SPELLING}; monitor {ours!r}"
+    return None
 
 
 def _not_a_mode(mode: Any) -> ValueError:
@@ -214,11 +229,11 @@ class Monitor:
         """The monitored value of this epoch, or a ValueError naming the metrics there are."""
         if self.monitor not in state.metrics:
             available = ", ".join(sorted(state.metrics)) or "(none)"
-            ours = keras_spelling(self.monitor, state.metrics)
-            if ours is not None:
+            spelled = keras_spelling(self.monitor, state.metrics)
+            if spelled is not None:
                 raise ValueError(
                     f"{self.argument}={self.monitor!r} is not among this epoch's metrics "
-                    f"({available}): {SPELLING}; monitor {ours!r}"
+                    f"({available}): {spelled}"
                 )
             name = self.monitor.removeprefix("validation_")
             validated = sorted(k for k in state.metrics if k.startswith("validation_"))
@@ -243,12 +258,6 @@ class Monitor:
     def _not_validated(self, name: str, validated: list[str], available: str) -> ValueError:
         """The error for a `validation_<name>` validation did not compute, naming why."""
         said = f"{self.argument}={self.monitor!r} is not among this epoch's metrics ({available})"
-        canonical = ALIASES.get(name, name)
-        spelled = [k for k in validated if ALIASES.get(k[11:], k[11:]) == canonical]
-        if spelled:  # .metric("acc") keeps its key: validation_acc, not validation_accuracy
-            return ValueError(
-                f"{said}: the metric keeps the key it was given; monitor {spelled[0]!r}"
-            )
         return ValueError(
             f"{said}: validation computed {', '.join(map(repr, validated))}, not {name!r}. "
             f"It computes the metrics attached before Loop.validate: attach "
