@@ -127,6 +127,22 @@ def test_a_builtin_loss_on_several_outputs_says_so(model, kind):
         fl.trainer(model, SPARSE, "sgd").run(CLASSIFICATION)
 
 
+def test_several_targets_and_losses_per_output_name_the_one_function_that_reads_them():
+    heads = [
+        (x, {"logits": y, "features": np.zeros((len(y), 4), np.float32)}) for x, y in CLASSIFICATION
+    ]
+    with pytest.raises(ValueError, match=r"y_pred\['logits'\], against y_true\['logits'\]"):
+        fl.trainer(DictOut(), SPARSE, "sgd").run(heads)
+
+    def picks_the_output_only(y_true: Any, y_pred: Any) -> Any:
+        return optax.softmax_cross_entropy_with_integer_labels(y_pred["logits"], y_true).mean()
+
+    with pytest.raises(ValueError, match=r"y holds several targets.*\(y_true\['logits'\]\)"):
+        fl.trainer(DictOut(), picks_the_output_only, "sgd").run(heads)
+    with pytest.raises(ValueError, match=r"Keras's losses per output are one function here"):
+        fl.trainer(DictOut(), {"logits": SPARSE, "features": "mse"}, "sgd")
+
+
 @pytest.mark.parametrize("metric", ["accuracy", "precision", "mean_squared_error"])
 def test_a_builtin_metric_on_several_outputs_says_so(metric):
     def loss(y: Any, out: Any) -> Any:

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from ._arg_types import refuse_signature
-from ._outputs import require_arrays
+from ._outputs import losses_per_output, require_arrays
 from ._sums import Mean, accumulate, accumulated, accumulator_dtype, empty_accumulator, mean_of
 from ._target_shapes import refusing_cross_broadcast
 
@@ -270,6 +270,7 @@ def resolve_loss(loss: Any) -> tuple[str, Callable[[Array, Array], Array]]:
         return name, refusing_cross_broadcast(loss, "loss", name)
     raise ValueError(
         f"loss={loss!r} must be a name ({', '.join(LOSSES)}) or a callable(y_true, y_pred)"
+        f"{losses_per_output(loss)}"
     )
 
 

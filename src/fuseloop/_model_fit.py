@@ -26,6 +26,7 @@ from ._model_fit_advice import (
     fix_for_x,
     held,
     scope_misuse,
+    several_targets,
     unbatched_output,
     unbound_axis,
 )
@@ -337,7 +338,7 @@ class ModelFit:
             raise ValueError(
                 f"data: y does not fit the loss {name!r}: with y ({describe(y, 'y')}) and "
                 f"{output} it fails with {first_line(error)}. Give y the shape the loss "
-                f"expects for this output"
+                f"expects for this output{several_targets(y)}"
             ) from error
         if not isinstance(value, jax.ShapeDtypeStruct):
             raise ValueError(

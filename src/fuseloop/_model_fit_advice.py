@@ -14,6 +14,7 @@ from ._functions import from_functions
 from .models import ModelConventionError, from_equinox, from_nnx
 
 __all__ = [
+    "several_targets",
     "describe",
     "first_line",
     "fix_for_x",
@@ -224,3 +225,15 @@ def held(variables: Any) -> str:
     """`variables`' repr, cut to 60 characters."""
     text = repr(variables)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def several_targets(y: Any) -> str:
+    """Advice where y holds several targets (a dict or tuple of them): a loss written for
+    one array reads the one it trains on."""
+    if isinstance(y, dict) and y:
+        entry = f"y_true[{next(iter(y))!r}]"
+    elif isinstance(y, (tuple, list)) and y:
+        entry = "y_true[0]"
+    else:
+        return ""
+    return f"; y holds several targets: does the loss read the one it needs ({entry})?"

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["describe_outputs", "require_arrays", "require_one_prediction"]
+__all__ = ["describe_outputs", "losses_per_output", "require_arrays", "require_one_prediction"]
 
 
 def describe_outputs(y_pred: Any, label: str = "output") -> str | None:
@@ -73,7 +73,8 @@ def require_one_prediction(y_pred: Any, kind: str, name: str) -> None:
     else:
         fix = (
             f"Pass a custom loss, loss(y_true, y_pred), that picks the output to train on "
-            f"(e.g. {pick})"
+            f"(e.g. {pick}, against {pick.replace('y_pred', 'y_true')} where y holds a "
+            f"target per output; a sum of each output's loss trains them all)"
         )
     raise ValueError(
         f"{kind} {name!r} takes one array of predictions, but the model returns {outputs}. "
@@ -106,4 +107,16 @@ def require_arrays(y_true: Any, y_pred: Any, kind: str, name: str) -> None:
         f"{kind} {name!r} takes y as one array of targets, but the data's y is {targets}. "
         f"{fix}, that reads the targets from it (e.g. {pick}, weighing by any weights it "
         f"holds), or make y one array"
+    )
+
+
+def losses_per_output(loss: Any) -> str:
+    """Advice where `loss` is Keras's losses per output (a dict or list of them)."""
+    if not isinstance(loss, (dict, list, tuple)):
+        return ""
+    return (
+        ". Keras's losses per output are one function here: loss(y_true, y_pred) "
+        "returning the sum of each output's loss (weighted as you like), e.g. "
+        "optax.softmax_cross_entropy_with_integer_labels(y_pred['a'], y_true['a']).mean() "
+        "+ jnp.mean((y_pred['b'] - y_true['b']) ** 2)"
     )
