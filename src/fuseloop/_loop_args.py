@@ -282,7 +282,8 @@ def check_monitored(
         if not isinstance(registration.handler, Validator):
             continue
         names = validation_names(registration.handler.loop)
-        spelled = keras_spelling(monitor, names)
+        # Keras's val_<name> alone: a name spelled otherwise may be one a handler adds.
+        spelled = keras_spelling(monitor, names, aliases=False)
         if spelled is not None:
             raise ValueError(f"{who}({monitor!r}): {spelled}")
         spec = registration.filter

@@ -338,7 +338,7 @@ class ModelFit:
             raise ValueError(
                 f"data: y does not fit the loss {name!r}: with y ({describe(y, 'y')}) and "
                 f"{output} it fails with {first_line(error)}. Give y the shape the loss "
-                f"expects for this output{several_targets(y)}"
+                f"expects for this output{several_targets(y, self.program.loss)}"
             ) from error
         if not isinstance(value, jax.ShapeDtypeStruct):
             raise ValueError(

@@ -227,13 +227,11 @@ def held(variables: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def several_targets(y: Any) -> str:
-    """Advice where y holds several targets (a dict or tuple of them): a loss written for
-    one array reads the one it trains on."""
-    if isinstance(y, dict) and y:
-        entry = f"y_true[{next(iter(y))!r}]"
-    elif isinstance(y, (tuple, list)) and y:
-        entry = "y_true[0]"
-    else:
+def several_targets(y: Any, loss: Any) -> str:
+    """Advice where y holds several targets (a dict or tuple of them) and the loss is the
+    user's: one written for one array reads the one it trains on."""
+    if isinstance(loss, str) or not isinstance(y, (dict, tuple, list)) or not y:
         return ""
-    return f"; y holds several targets: does the loss read the one it needs ({entry})?"
+    keys = list(y) if isinstance(y, dict) else list(range(len(y)))
+    entries = ", ".join(f"y_true[{key!r}]" for key in keys)
+    return f"; y holds targets {entries}: does the loss read the one it needs, not all of y?"

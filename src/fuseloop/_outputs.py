@@ -73,7 +73,7 @@ def require_one_prediction(y_pred: Any, kind: str, name: str) -> None:
     else:
         fix = (
             f"Pass a custom loss, loss(y_true, y_pred), that picks the output to train on "
-            f"(e.g. {pick}, against {pick.replace('y_pred', 'y_true')} where y holds a "
+            f"(e.g. {pick}, against {_first_output(y_pred, 'y_true')} where y holds a "
             f"target per output; a sum of each output's loss trains them all)"
         )
     raise ValueError(

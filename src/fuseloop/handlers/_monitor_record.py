@@ -131,24 +131,27 @@ def resolve_mode(mode: Any, name: Any, argument: str, who: str) -> Any:
 SPELLING = "fuseloop names a validation metric validation_<name> (Keras's val_<name>)"
 
 
-def keras_spelling(monitor: str, names: Any) -> str | None:
+def keras_spelling(monitor: Any, names: Any, aliases: bool = True) -> str | None:
     """What to monitor instead where `monitor` names a metric among `names` by another
-    spelling: Keras's `val_<name>` (validation adds `validation_<name>`), or the metric's
-    other Keras name (`mean_absolute_error` where it was added as "mae", which keeps the
-    key it was given); None where `monitor` is among them or means none of them."""
-    if monitor in names:
+    spelling: Keras's `val_<name>` (validation adds `validation_<name>`), or (`aliases`)
+    the metric's other Keras name (`mean_absolute_error` where it was added as "mae",
+    which keeps the key it was given); None where `monitor` is among them or means none
+    of them."""
+    if not isinstance(monitor, str) or monitor in names:
         return None
     for prefix in ("val_", "validation_"):
         if monitor.startswith(prefix):
             name = monitor.removeprefix(prefix)
             canonical = ALIASES.get(name, name)
-            spellings = [name, canonical, *(k for k, v in ALIASES.items() if v == canonical)]
+            others = [canonical, *(k for k, v in ALIASES.items() if v == canonical)]
+            spellings = [name, *(others if aliases else ())]
             ours = next((f"validation_{s}" for s in spellings if f"validation_{s}" in names), None)
             if ours is None:
                 return None
-            if ours.removeprefix("validation_") != name:
-                return f"the metric keeps the key it was given; monitor {ours!r}"
-            return f"{SPELLING}; monitor {ours!r}"
+            said = [SPELLING] if prefix == "val_" else []
+            if ours != f"validation_{name}":
+                said.append("the metric keeps the key it was given")
+            return f"{', and '.join(said)}; monitor {ours!r}"
     return None
 
 
