@@ -137,7 +137,9 @@ def test_several_targets_and_losses_per_output_name_the_one_function_that_reads_
     def picks_the_output_only(y_true: Any, y_pred: Any) -> Any:
         return optax.softmax_cross_entropy_with_integer_labels(y_pred["logits"], y_true).mean()
 
-    with pytest.raises(ValueError, match=r"y holds targets y_true\['logits'\], y_true\['features'\]: does the loss"):
+    with pytest.raises(
+        ValueError, match=r"y holds targets y_true\['logits'\], y_true\['features'\]: does the loss"
+    ):
         fl.trainer(DictOut(), picks_the_output_only, "sgd").run(heads)
     with pytest.raises(ValueError, match=r"Keras's losses per output are one function here"):
         fl.trainer(DictOut(), {"logits": SPARSE, "features": "mse"}, "sgd")
@@ -752,3 +754,35 @@ def test_arguments_fuseloop_does_not_pass_are_named_not_blamed_on_xs_shape():
         fl.trainer(_Decoding(), loss, "sgd").run(data)
     with pytest.raises(ValueError, match=r"calls the model with x as one argument"):
         fl.trainer(_TwoInputs(), loss, "sgd").run(data)
+
+
+# --------------------------------------------------------------------------- key arguments
+class LinenSampler(nn.Module):
+    @nn.compact
+    def __call__(self, x: Any, rng: Any = None) -> Any:
+        h = nn.Dense(CLASSES)(x)
+        return h if rng is None else h + jax.random.normal(rng, h.shape)
+
+
+class NnxSampler(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(FEATURES, CLASSES, rngs=rngs)
+
+    def __call__(self, x: Any, key: Any = None) -> Any:
+        h = self.linear(x)
+        return h if key is None else h + jax.random.normal(key, h.shape)
+
+
+def test_a_key_argument_fuseloop_never_passes_is_warned_of_when_training():
+    """A VAE sampling only when its call is given a key trained as a plain autoencoder."""
+    with pytest.warns(UserWarning, match=r"LinenSampler.__call__'s parameter 'rng'.*make_rng"):
+        fl.trainer(LinenSampler(), SPARSE, "sgd")
+    with pytest.warns(UserWarning, match=r"NnxSampler.__call__'s parameter 'key'.*nnx.Rngs"):
+        fl.trainer(NnxSampler(nnx.Rngs(0)), SPARSE, "sgd")
+    with pytest.warns(UserWarning, match=r"'rngs' reads as a PRNG key.*\{'dropout': rng\}"):
+        fl.models.from_functions(lambda r, x: PARAMS, lambda p, x, rngs=None: x @ p["w"])
+    with warnings.catch_warnings():  # evaluation keeps the key's None; module.apply its rngs
+        warnings.simplefilter("error")
+        fl.evaluator(LinenSampler())
+        module = nn.Dense(CLASSES)
+        fl.models.from_functions(module.init, module.apply)

@@ -6,7 +6,6 @@ Re-exported from `fuseloop.models` (as `fl.models.from_functions`).
 from __future__ import annotations
 
 import inspect
-import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -14,38 +13,33 @@ from typing import Any
 import flax
 import flax.linen as nn
 
+from ._key_names import RNG_NAMES, looks_like_a_key
 from ._linen import ModelConventionError, call_flags, flag_values, flags_among, parameters_of
 from ._object_snapshot import Snapshot
 from ._warn import warn
 
 __all__ = ["from_functions", "takes_keyword"]
 
+
 # The names an apply function's PRNG key goes by: flax's and haiku's `rng`, equinox's and
 # much of JAX's `key`. A function that takes one of them gets the step's key there (None
 # outside training); an unrecognised spelling would silently never see a key.
-RNG_NAMES = ("rng", "key", "rng_key", "prng_key", "dropout_rng")
-
-
-# Spellings that can only mean a key (`dropout_key`, `noise_rng`) but are none of
-# RNG_NAMES: such a parameter keeps its default, so dropout would stay off. Not `rngs`
-# (flax.linen's apply takes a dict of them, which fuseloop does not make) nor names that
-# may mean something else (`cache_key`, `random_seed`).
-_LOOKS_LIKE_A_KEY = re.compile(r"_(rng|rngs)$|^(dropout|noise|sample|init)_key$")
-
-
 def _unknown_key_names(parameters: Any) -> None:
     """A parameter of an apply function (past params and x) that reads as a PRNG key under
     a name fuseloop passes no key by: refused where it has no default (the call would
     fail), warned about where it has one (it would never receive a key)."""
     for name, parameter in list(parameters.items())[2:]:
         variadic = parameter.kind in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)
-        if variadic or not _LOOKS_LIKE_A_KEY.search(name):
+        if variadic or not looks_like_a_key(name):
             continue
+        passed = (
+            "rngs=None if rng is None else {'dropout': rng}" if name == "rngs" else f"{name}=rng"
+        )
         said = (
             f"model: apply_fn's parameter {name!r} reads as a PRNG key, but fuseloop passes "
             f"the step's key (while training; None in evaluation) only to a parameter named "
             f"{', '.join(RNG_NAMES)}: rename it to one of those, or wrap apply_fn (lambda p, "
-            f"x, rng=None: apply_fn(p, x, {name}=rng))"
+            f"x, rng=None: apply_fn(p, x, {passed}))"
         )
         if parameter.default is inspect.Parameter.empty:
             raise ValueError(said)
@@ -140,7 +134,7 @@ class from_functions:  # noqa: N801 - reads as a constructor
         parameters = parameters_of(apply_fn)
         self.flags = flags_among(parameters, "apply_fn")
         self.rng_name = next((name for name in parameters if name in RNG_NAMES), None)
-        if self.rng_name is None:
+        if self.rng_name is None and _bound_linen_module(apply_fn) is None:  # its own rngs
             _unknown_key_names(parameters)
         # haiku's transformed apply: `apply(params, rng, *args)`.
         self.rng_second = self.rng_name is not None and list(parameters)[1:2] == [self.rng_name]
