@@ -79,6 +79,7 @@ def test_population_dict_errors():
     with pytest.raises(ValueError, match=r"accepted: seed \("):
         plain.run(data, population={"learning_rate": [0.1, 0.2]})
     assert plain.run(data, population={"seed": [0, 1]}).population == 2
+    assert plain.run(data, population={"seed": range(2)}).population == 2
 
 
 # ----------------------------------------------------------------- per-member halting
@@ -210,6 +211,9 @@ def test_checkpoint_and_resume_a_population(tmp_path):
     assert tree_equal(resumed.step_state, whole.step_state)
     for epoch in whole.history:
         assert np.array_equal(resumed.history[epoch]["loss"], whole.history[epoch]["loss"])
+    # One array is the State's metric and its history's, a resumed run's too: read-only.
+    with pytest.raises(ValueError, match="read-only"):
+        half.history[1]["loss"] *= 0
     again = loop.run(data, loaded, epochs=3, fuse=4, population=3)  # the same members: fine
     assert sorted(again.history) == [0, 1, 2]
     with pytest.raises(ValueError, match="differs from the population"):

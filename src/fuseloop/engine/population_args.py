@@ -175,11 +175,12 @@ def _from_argument(population: Any, program: Any) -> Population:
             f"population={population!r} must be a member count (an int >= 1) or a dict of "
             f"per-member lists, e.g. {{'learning_rate': [1e-3, 1e-2], 'seed': [0, 1]}}"
         )
-    # A numpy or jax array of per-member values reads as its list.
+    # A numpy or jax array of per-member values reads as its list, as does a range.
     population = {
         k: np.asarray(v).tolist() if hasattr(v, "__array__") and np.ndim(v) == 1 else v
         for k, v in population.items()
     }
+    population = {k: list(v) if isinstance(v, range) else v for k, v in population.items()}
     lengths = {}
     for key, values in population.items():
         if not isinstance(values, (list, tuple)) or len(values) == 0:
