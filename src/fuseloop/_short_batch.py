@@ -1,5 +1,5 @@
 """The one batch of other rows an unfused run takes: a ragged last batch, for which jit
-compiles the step once more (`_checks.Checker` finds it; docs/design.md, input checks).
+compiles the step once more (`_checks.Checker` finds it; docs/data.md, batches).
 
 A batch whose leaves all hold one number of rows has one batch size, and its short batch
 holds fewer rows in every leaf. A padded graph batch (nodes, edges, a graph index per
