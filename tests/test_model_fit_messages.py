@@ -757,32 +757,12 @@ def test_arguments_fuseloop_does_not_pass_are_named_not_blamed_on_xs_shape():
 
 
 # --------------------------------------------------------------------------- key arguments
-class LinenSampler(nn.Module):
-    @nn.compact
-    def __call__(self, x: Any, rng: Any = None) -> Any:
-        h = nn.Dense(CLASSES)(x)
-        return h if rng is None else h + jax.random.normal(rng, h.shape)
-
-
-class NnxSampler(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.linear = nnx.Linear(FEATURES, CLASSES, rngs=rngs)
-
-    def __call__(self, x: Any, key: Any = None) -> Any:
-        h = self.linear(x)
-        return h if key is None else h + jax.random.normal(key, h.shape)
-
-
-def test_a_key_argument_fuseloop_never_passes_is_warned_of_when_training():
-    """A VAE sampling only when its call is given a key trained as a plain autoencoder."""
-    with pytest.warns(UserWarning, match=r"LinenSampler.__call__'s parameter 'rng'.*make_rng"):
-        fl.trainer(LinenSampler(), SPARSE, "sgd")
-    with pytest.warns(UserWarning, match=r"NnxSampler.__call__'s parameter 'key'.*nnx.Rngs"):
-        fl.trainer(NnxSampler(nnx.Rngs(0)), SPARSE, "sgd")
+def test_flaxs_rngs_argument_of_a_plain_apply_function_is_warned_of():
+    """fuseloop passes one key, not flax's dict of streams: `rngs=None` would stay None,
+    and a VAE sampling only when given it trained as a plain autoencoder."""
     with pytest.warns(UserWarning, match=r"'rngs' reads as a PRNG key.*\{'dropout': rng\}"):
         fl.models.from_functions(lambda r, x: PARAMS, lambda p, x, rngs=None: x @ p["w"])
-    with warnings.catch_warnings():  # evaluation keeps the key's None; module.apply its rngs
+    with warnings.catch_warnings():  # a linen module's own apply keeps its rngs handling
         warnings.simplefilter("error")
-        fl.evaluator(LinenSampler())
         module = nn.Dense(CLASSES)
         fl.models.from_functions(module.init, module.apply)

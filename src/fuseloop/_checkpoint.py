@@ -30,7 +30,7 @@ import numpy as np
 
 from ._arg_types import refuse_deleted_arrays, require_room, user_path
 from ._json_tree import decode, encode
-from ._state import State
+from ._state import State, freeze_arrays
 
 __all__ = ["FORMAT", "is_save", "load_state", "read_legacy_arrays", "save_state"]
 
@@ -105,6 +105,7 @@ def from_payload(payload: Any, arrays: list[np.ndarray], where: str) -> State:
     if not isinstance(fields, dict) or not set(fields) <= known:
         raise ValueError(f"path={where!r}: the save's State fields are damaged")
     values = {name: decode(value, arrays, name) for name, value in fields.items()}
+    freeze_arrays(values.get("metrics"), *values.get("history", {}).values())
     return State(step_state=decode(payload.get("step_state"), arrays, "step_state"), **values)
 
 

@@ -127,12 +127,6 @@ def flag_values(flags: dict[str, bool], train: bool) -> dict[str, bool]:
     return {name: (value if train else not value) for name, value in flags.items()}
 
 
-LINEN_KEY_FIX = (
-    "draw it inside with self.make_rng('dropout') (fuseloop passes the step's key as the "
-    "'dropout' stream while training), or wrap the module: fl.models.from_functions("
-    "module.init, lambda p, x, rng=None: module.apply(p, x, key=rng))"
-)
-
 _BOOL_FLAG_FIX = (
     "fuseloop gives the flag train_value while training and its negation when evaluating. "
     "For a flag that takes strings (mode='train'), wrap the module: a Module with "
@@ -176,8 +170,6 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
         ...         return nn.Dropout(0.5, deterministic=eval_mode)(nn.Dense(2)(x))
         >>> model = linen(Net(), train_arg="eval_mode", train_value=False)
     """
-
-    key_fix = LINEN_KEY_FIX  # for a __call__ taking a key (_key_names.warn_key_parameters)
 
     def __init__(
         self, module: nn.Module, train_arg: str | None = None, train_value: bool | None = None

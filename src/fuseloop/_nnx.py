@@ -48,8 +48,6 @@ class from_nnx:  # noqa: N801
         ['bias', 'kernel']
     """
 
-    key_fix = "draw from an nnx.Rngs the module holds (self.rngs = rngs; self.rngs.noise())"
-
     # Initialised when built: its seed cannot reach the weights (engine/population.py).
     initialised_when_built = "an nnx"
     # Why the trainer's seed reaches nothing of an nnx model (said when one is given).

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
+import numpy as np
+
 from ._population import POPULATION_KEY, member_state, stop_members
 
 __all__ = [
@@ -22,7 +24,9 @@ __all__ = [
     "RunStatus",
     "State",
     "attach_to_error",
+    "freeze_arrays",
     "new_stats",
+    "with_epoch_recorded",
 ]
 
 # `handler_metadata` key: the epoch whose step state `early_stop(restore_best=True)` put in
@@ -281,3 +285,21 @@ _CONSUMED = (
     "so err.fuseloop_state holds the counters and history reached but no step state to save "
     "or resume from (its arrays are deleted); Loop.checkpoint(...) keeps the last one saved"
 )
+
+
+def with_epoch_recorded(state: State, epoch: int) -> State:
+    """`state` with its metrics recorded as `epoch`'s history. A population's per-member
+    metric arrays are made read-only first: the State's metrics, its history and a run
+    resumed from it hold the same arrays, so an in-place edit of one run's table would
+    change another's."""
+    freeze_arrays(state.metrics)
+    return state.replace(history={**state.history, epoch: dict(state.metrics)})
+
+
+def freeze_arrays(*tables: Any) -> None:
+    """Makes the numpy arrays among the values of metric `tables` read-only (a loaded
+    State's too: a run resumed from it holds its history's arrays)."""
+    for table in tables:
+        for value in (table or {}).values():
+            if isinstance(value, np.ndarray):
+                value.setflags(write=False)

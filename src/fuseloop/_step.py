@@ -22,7 +22,6 @@ from ._arg_types import check_seed_bits
 from ._batch_checks import require_pair
 from ._epoch_order import prng_config
 from ._functions import from_functions
-from ._key_names import warn_key_parameters
 from ._metric_reads import metric_value
 from ._metrics import Mean, MetricSpec, batch_size, loss_mean, resolve_loss
 from ._model_fit_advice import no_params, not_floating
@@ -179,9 +178,6 @@ def _descend(tx: Any, objective: Callable[[Any], Any], params: Any, opt_state: A
 def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program:
     """The supervised training step: forward, loss, gradient and optimizer update."""
     adapter = as_model(model)
-    key_fix = getattr(adapter, "key_fix", None)  # linen and nnx: called with x and flags
-    if key_fix:  # in training only: evaluation rightly keeps a key parameter's None
-        warn_key_parameters(getattr(adapter, "module", None), key_fix)
     loss_name, _ = resolve_loss(loss)
     loss_fn = loss_mean(loss)
     # CLASSIFYING metrics read binary labels so (a callable's __name__ says nothing)

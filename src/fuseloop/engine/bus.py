@@ -24,7 +24,7 @@ from .._events import (
     Registration,
     parse_result,
 )
-from .._state import UNFINISHED_KEY, State
+from .._state import UNFINISHED_KEY, State, with_epoch_recorded
 
 __all__ = ["EventBus"]
 
@@ -202,9 +202,7 @@ class EventBus:
                 _check_returned(state, new_state, registration.label, self.fixed)
                 state = new_state
                 if mirror_history:
-                    state = state.replace(
-                        history={**state.history, state.epoch: dict(state.metrics)}
-                    )
+                    state = with_epoch_recorded(state, state.epoch)
             if status != CONTINUE:
                 break
         return status, state

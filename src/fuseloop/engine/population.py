@@ -259,7 +259,4 @@ def member_metrics(specs: Any, acc_host: dict[str, Any], size: int) -> dict[str,
             ],
             np.float64,
         )
-        # The State's metrics and its history hold this one array (a resumed run's history
-        # too): read-only, so editing one run's table in place cannot change another's.
-        out[spec.name].setflags(write=False)
     return out

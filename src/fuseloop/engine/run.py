@@ -19,7 +19,7 @@ from .._fusion import resolve_fuse
 from .._label_checks import labels_of
 from .._model_warnings import warn_about_model
 from .._placement import Placement
-from .._state import NONFINITE_KEY, State, attach_to_error, new_stats
+from .._state import NONFINITE_KEY, State, attach_to_error, new_stats, with_epoch_recorded
 from .._warn import warn
 from .bus import EventBus
 from .carry import Carry
@@ -309,7 +309,7 @@ class Run:
             # complete, so history does not record it and a resumed run redoes it.
             show_nonfinite_halt(self.bus, state)
             return state, status
-        state = state.replace(history={**state.history, epoch: dict(state.metrics)})
+        state = with_epoch_recorded(state, epoch)
         self.state = state
         event = Event.EPOCH_HALTED if status == HALT_EPOCH else Event.EPOCH_COMPLETED
         status, state = self.handoff.fire(event, state, mirror_history=True)

@@ -22,7 +22,7 @@ import numpy as np
 from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, ITERATION_EVENTS, Event
 from .._fusion import FusionError
 from .._placement import device_int, device_key
-from .._state import AHEAD_KEY, NONFINITE_KEY
+from .._state import AHEAD_KEY, NONFINITE_KEY, with_epoch_recorded
 from .device_checkpoint import BestSaves
 from .device_monitors import DeviceWork, monitor_start, plan_device_work, rate_table
 from .device_replay import hand_best, replayed_handlers
@@ -339,7 +339,7 @@ class WholeRun:
         if status == HALT_LOOP:  # halted mid-epoch: not in history
             show_nonfinite_halt(run.bus, state)
             return state, status
-        state = state.replace(history={**state.history, epoch: dict(state.metrics)})
+        state = with_epoch_recorded(state, epoch)
         run.state = state
         event = Event.EPOCH_HALTED if status == HALT_EPOCH else Event.EPOCH_COMPLETED
         substitute = None
