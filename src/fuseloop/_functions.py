@@ -6,6 +6,7 @@ Re-exported from `fuseloop.models` (as `fl.models.from_functions`).
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -13,24 +14,32 @@ from typing import Any
 import flax
 import flax.linen as nn
 
-from ._key_names import RNG_NAMES, looks_like_a_key
 from ._linen import ModelConventionError, call_flags, flag_values, flags_among, parameters_of
 from ._object_snapshot import Snapshot
 from ._warn import warn
 
 __all__ = ["from_functions", "takes_keyword"]
 
-
 # The names an apply function's PRNG key goes by: flax's and haiku's `rng`, equinox's and
 # much of JAX's `key`. A function that takes one of them gets the step's key there (None
 # outside training); an unrecognised spelling would silently never see a key.
+RNG_NAMES = ("rng", "key", "rng_key", "prng_key", "dropout_rng")
+
+
+# Spellings that can only mean a key (`dropout_key`, `noise_rng`, flax's dict of streams
+# `rngs`, which fuseloop does not make) but are none of RNG_NAMES: such a parameter keeps
+# its default, so dropout would stay off. Not names that may mean something else
+# (`cache_key`, `random_seed`).
+_LOOKS_LIKE_A_KEY = re.compile(r"^rngs$|_(rng|rngs)$|^(dropout|noise|sample|init)_key$")
+
+
 def _unknown_key_names(parameters: Any) -> None:
     """A parameter of an apply function (past params and x) that reads as a PRNG key under
     a name fuseloop passes no key by: refused where it has no default (the call would
     fail), warned about where it has one (it would never receive a key)."""
     for name, parameter in list(parameters.items())[2:]:
         variadic = parameter.kind in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)
-        if variadic or not looks_like_a_key(name):
+        if variadic or not _LOOKS_LIKE_A_KEY.search(name):
             continue
         passed = (
             "rngs=None if rng is None else {'dropout': rng}" if name == "rngs" else f"{name}=rng"

@@ -26,7 +26,6 @@ class ShortBatch:
     def __init__(self, kind: str):
         self.kind = kind
         self.rows: Any = None  # the short batch's: its size, or a graph batch's rows per leaf
-        self.size: int | None = None  # its example count
 
     def allow(
         self, names: tuple[str, ...], first: Signature, batch: Signature, where: str, graph: bool
@@ -48,7 +47,7 @@ class ShortBatch:
             full = next((size for size in first_rows if size is not None), None)
             size = key = changed.pop()
         if self.rows is None:
-            self.rows, self.size = key, size
+            self.rows = key
             if self.kind != "evaluator":  # every example counts in evaluation
                 self._warn(where, full, size)
             return
@@ -64,7 +63,7 @@ class ShortBatch:
                 f"as jraph.pad_with_graphs takes)"
             )
         raise ValueError(
-            f"{where} has batch size {size}, after batches of {full} and {self.size}; "
+            f"{where} has batch size {size}, after batches of {full} and {self.rows}; "
             f"only one short batch size (a ragged last batch) is allowed, because each new "
             f"batch size recompiles the step. Use batches of equal size"
         )
