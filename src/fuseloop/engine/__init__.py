@@ -8,10 +8,13 @@ from typing import Any
 
 from .._state import State
 from .run import Run
+from .serving import serving
 
 __all__ = ["run_loop"]
 
 
 def run_loop(loop: Any, data: Any, init_state: Any = None, **options: Any) -> State:
-    """Runs `loop` over `data` (see `Loop.run`; `observer` replaces `progress`)."""
-    return Run(loop, data, init_state, **options).run()
+    """Runs `loop` over `data` (see `Loop.run`; `observer` replaces `progress`). The
+    handlers that keep their run's state serve this run alone while it runs (`serving`)."""
+    with serving(loop.registrations):
+        return Run(loop, data, init_state, **options).run()

@@ -96,6 +96,9 @@ class Checkpointer:
         True
     """
 
+    # One run at a time: it keeps its run's save numbering and manager (engine/serving.py).
+    fuseloop_serves_one_run = True
+
     def __init__(
         self,
         path: str | os.PathLike[str],

@@ -171,6 +171,9 @@ class EpochSummary:
     or the end of the run), when every handler of that epoch has run.
     """
 
+    # One run at a time: it keeps its run's next epoch to print (engine/serving.py).
+    fuseloop_serves_one_run = True
+
     def __init__(self, stream: TextIO | None):
         self.stream = stream
         self.pending: int | None = None

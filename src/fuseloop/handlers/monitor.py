@@ -58,6 +58,9 @@ class EarlyStopping:
         >>> stop = EarlyStopping("validation_loss", patience=2, restore_best=True)
     """
 
+    # One run at a time: it keeps its run's best step state (engine/serving.py).
+    fuseloop_serves_one_run = True
+
     # The engine runs a twin of this handler on the device inside a multi-epoch dispatch
     # (engine/device_monitors.py) and checks it against this one, the reference.
     on_device = "early_stop"

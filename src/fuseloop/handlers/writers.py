@@ -106,6 +106,9 @@ class CSVWriter:
         ['0', '1']
     """
 
+    # One run at a time: it keeps its run's columns and last row written (engine/serving.py).
+    fuseloop_serves_one_run = True
+
     def __init__(self, path: str | os.PathLike[str], event: Any = "epoch_completed"):
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise ValueError(f"path={path!r} must be a file path")
@@ -190,6 +193,9 @@ class TensorBoardWriter:
         >>> len(os.listdir(logdir))  # one event file per run
         1
     """
+
+    # One run at a time: it keeps its run's open event file (engine/serving.py).
+    fuseloop_serves_one_run = True
 
     def __init__(
         self,
