@@ -167,6 +167,18 @@ def test_csv_of_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
     assert (tmp_path / "resumed.csv").read_text() == (tmp_path / "full.csv").read_text()
 
 
+def test_a_resumed_csv_that_another_run_wrote_since_is_warned_of(tmp_path):
+    path = tmp_path / "m.csv"
+    loop = TRAINER.csv_log(path)
+    first = loop.run(DATA, epochs=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # resuming its own file: no word
+        loop.run(DATA, first, epochs=3)
+    loop.run(_batches(5, 7), epochs=2)  # another run over the same file
+    with pytest.warns(UserWarning, match=r"row for epoch 0 that is not the resumed State's"):
+        loop.run(DATA, first, epochs=3)
+
+
 def test_tensorboard_of_a_resumed_run_shows_what_the_uninterrupted_one_does(tmp_path):
     """The redone epoch's points (and its iterations') are hidden, not drawn twice."""
     start = {"n": jnp.float32(0.0), "loss": jnp.float32(0.0)}

@@ -95,8 +95,10 @@ class CSVWriter:
     """Appends one row of `epoch, iteration, step, <metrics...>` per firing.
 
     A fresh run starts a new file; a run resumed from a State continues the file, dropping
-    the rows of epochs the resumed run is about to redo. A metric that appears later (e.g.
-    validation on some epochs only) adds a column and the file is rewritten with it.
+    the rows of epochs the resumed run is about to redo (and warning, for epoch rows, where
+    the rows it keeps are not that State's: another run wrote the file since). A metric
+    that appears later (e.g. validation on some epochs only) adds a column and the file is
+    rewritten with it.
 
     Example:
         >>> import csv, os, tempfile
@@ -124,6 +126,8 @@ class CSVWriter:
         rows: list[dict[str, str]] = []
         if state.history and self.path.exists():
             rows = [row for row in self._read() if int(row["epoch"]) < state.epoch]
+            if self.event not in ITERATION_EVENTS:  # its rows are the history's epochs
+                _warn_of_other_runs_rows(self.path, rows, state.history)
         self.columns = list(self._header()) if rows else []
         self._rewrite(rows)
 
@@ -165,6 +169,29 @@ class CSVWriter:
 
     def close(self, state: State) -> None:
         """Nothing stays open between rows; present for a uniform writer interface."""
+
+
+def _warn_of_other_runs_rows(path: Path, rows: list[dict[str, str]], history: Any) -> None:
+    """Warns where the rows a resumed run keeps are not its State's own epochs.
+
+    Another run wrote the file after that State was taken (one path for two runs).
+    """
+    for row in rows:
+        recorded = scalar_metrics(history.get(int(row["epoch"]), {}))
+        apart = [
+            name for name, value in recorded.items() if row.get(name, "") not in ("", repr(value))
+        ]
+        if apart:
+            name = apart[0]
+            warn(
+                f"csv_log: {str(path)!r} holds a row for epoch {row['epoch']} that is not "
+                f"the resumed State's ({name} {row[name]} in the file, "
+                f"{recorded[name]!r} in its history): another run wrote the file after "
+                "this State was taken. The earlier epochs' rows are kept as the file has "
+                "them; give each run its own file, or resume from the State of the run "
+                "that wrote it"
+            )
+            return
 
 
 def _tag(name: str) -> tuple[str, int | None]:
