@@ -98,6 +98,18 @@ def refuse_python_list(part: Any, name: str) -> None:
     )
 
 
+def refuse_sparse_matrix(leaf: Any, name: str) -> None:
+    """Refuses a scipy sparse matrix (what sklearn's one-hot and tf-idf encoders return),
+    which numpy reads as one object with no examples axis, naming the dense form."""
+    if type(leaf).__module__.startswith("scipy.sparse"):
+        raise ValueError(
+            f"{name} is a scipy sparse matrix ({type(leaf).__name__} of shape "
+            f"{getattr(leaf, 'shape', '?')}); fuseloop trains on dense arrays: convert it "
+            f"with .toarray() (one too large to densify whole can be densified batch by "
+            f"batch, by a generator of (x[i:i + b].toarray(), y[i:i + b]) batches)"
+        )
+
+
 def refuse_per_example_lists(x: Any, y: Any, sizes: dict[str, int]) -> None:
     """Where x's and y's leaves disagree on the examples because one of them is a Python
     list of per-example arrays or records (`list(x)`), says to stack it."""

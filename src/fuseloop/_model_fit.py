@@ -25,6 +25,7 @@ from ._model_fit_advice import (
     first_line,
     fix_for_x,
     held,
+    refuse_one_class_output,
     scope_misuse,
     several_targets,
     unbatched_output,
@@ -102,15 +103,14 @@ def _same_signature(a: Any, b: Any) -> bool:
 class ModelFit:
     """The abstract checks of one run's program against its first batch.
 
-    After `check_first`, `first_x` is `(x, its abstract value)`, `first_y` y's abstract
-    value and `labels` what a named loss's labels must hold (a sparse cross-entropy's class
-    count from the model's output width, a binary cross-entropy's [0, 1]), for the host's
-    label checks. `fresh` holds the abstract variables `model.init` makes
-    for that batch, and `checked` whether x, y and the loss passed with them; when they
-    did not (an evaluator's init, which the run never calls, may return anything; fresh
-    variables that the model rejects may be replaced by given ones), `check_run_variables`
-    checks x, y and the loss with the variables the run starts from, which decide.
-    `argument` and `inputs` name, for messages, the caller's argument that gave the
+    After `check_first`, `first_x` is `(x, its abstract value)`, `first_y` y's abstract value and
+    `labels` what a named loss's labels must hold (a sparse cross-entropy's class count from the
+    model's output width, a binary cross-entropy's [0, 1]), for the host's label checks. `fresh`
+    holds the abstract variables `model.init` makes for that batch, and `checked` whether x, y and
+    the loss passed with them; when they did not (an evaluator's init, which the run never calls,
+    may return anything; fresh variables that the model rejects may be replaced by given ones),
+    `check_run_variables` checks x, y and the loss with the variables the run starts from, which
+    decide. `argument` and `inputs` name, for messages, the caller's argument that gave the
     variables and the one that gave x.
     """
 
@@ -355,9 +355,10 @@ class ModelFit:
 
     def _check_named_loss(self, name: str, ys: Any, y_pred: Any, output: str) -> None:
         shape = ys.shape
+        refuse_one_class_output(name, y_pred, output)
         if name == SPARSE and jnp.issubdtype(ys.dtype, jnp.floating):
             raise ValueError(
-                f"data: y has dtype {ys.dtype}, but {name} expects integer class labels; a "
+                f"data: y holds floats, but {name} expects integer class labels; a "
                 f"float label would be truncated to a class. Cast them (y.astype(np.int32)), "
                 f"or for one-hot or probability targets use 'categorical_cross_entropy'"
             )

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
 from .._batch_checks import require_pair
-from .._data import as_source, warn_left_out
+from .._data import as_host_array, as_source, warn_left_out
 from .._evaluator_start import arrays_first_batch, check_evaluator_start
 from .._events import Event, normalize_event
 from .._fusion import FusionError, resolve_fuse
@@ -209,7 +211,8 @@ class Validator:
                 program, self._verdicts, first, params, arrays, metrics, self.data
             )
             for i, batch in enumerate(self.data[1:] if arrays is None else (), start=1):
-                checker.labels.batch(checker.fit.labels, batch, f"the validation data's batch {i}")
+                where = f"the validation data's batch {i}"
+                checker.labels.batch(checker.fit.labels, _as_run_reads(batch), where)
         except Exception as error:
             _note_validation(error, "the evaluator's start checks of")
             raise
@@ -249,8 +252,16 @@ def _first_batch(data: Any) -> Any:
     if _in_arrays(data):
         return arrays_first_batch(data)
     if isinstance(data, (list, tuple)) and data:
-        return data[0]
+        return _as_run_reads(data[0])
     return None
+
+
+def _as_run_reads(batch: Any) -> Any:
+    """`batch` with its leaves as the evaluator's run reads them.
+
+    A data frame, a torch tensor or a number becomes an array (`as_host_array`).
+    """
+    return jax.tree.map(as_host_array, batch)
 
 
 def _in_arrays(data: Any) -> bool:

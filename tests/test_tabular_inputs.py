@@ -1,0 +1,87 @@
+"""What a pandas / scikit-learn user hands fuseloop: data frames, sparse matrices, float
+labels, a one-unit binary model under a multi-class loss."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import fuseloop as fl
+
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(48, 3)).astype(np.float32)
+Y = (X[:, 0] > 0).astype(np.float32)
+MODEL = fl.models.mlp([4, 1])
+
+
+class Frame:
+    """What fuseloop sees of a pandas DataFrame or Series: `__array__`, a shape, a length,
+    iteration over its column names, and no `dtype` of its own (a frame has `dtypes`)."""
+
+    def __init__(self, values: np.ndarray):
+        self._values = values
+        self.shape = values.shape
+        self.columns = [f"c{i}" for i in range(values.shape[-1])] if values.ndim > 1 else []
+
+    def __array__(self, dtype=None, copy=None):
+        return self._values if dtype is None else self._values.astype(dtype)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __iter__(self):
+        return iter(self.columns)
+
+
+def test_validation_batches_of_data_frames_validate_as_the_evaluator_reads_them():
+    val = [(Frame(X[32:]), Frame(Y[32:]))]
+    loop = fl.trainer(MODEL, "binary_cross_entropy", "adam")
+    state = loop.validate(MODEL, val).run([(X[:32], Y[:32])], epochs=1)
+    alone = fl.evaluator(MODEL, "binary_cross_entropy").run([(X[32:], Y[32:])], state.params)
+    assert state.metrics["validation_loss"] == alone.metrics["loss"]
+
+
+def test_a_scipy_sparse_matrix_is_refused_with_its_dense_form_named():
+    sparse = pytest.importorskip("scipy.sparse")
+    x = sparse.csr_matrix(X)
+    with pytest.raises(ValueError, match=r"x is a scipy sparse matrix .*\.toarray\(\)"):
+        fl.data.arrays(x, Y, batch_size=16)
+    with pytest.raises(ValueError, match=r"x is a scipy sparse matrix"):
+        fl.predict(MODEL, MODEL.init(jax.random.PRNGKey(0), X[:1]), x)
+    loop = fl.trainer(MODEL, "binary_cross_entropy", "adam")
+    with pytest.raises(ValueError, match=r"leaf of the batch is a scipy sparse matrix"):
+        loop.run([(x[:16], Y[:16])])
+    dense = loop.run(fl.data.arrays(x.toarray(), Y, batch_size=16), epochs=1)
+    assert np.isfinite(dense.metrics["loss"])
+
+
+@pytest.mark.parametrize(
+    "loss, y",
+    [
+        ("categorical_cross_entropy", Y[:, None]),
+        ("sparse_categorical_cross_entropy", Y.astype(np.int32)),
+    ],
+)
+def test_a_one_unit_output_under_a_softmax_loss_is_refused_naming_the_binary_loss(loss, y):
+    with pytest.raises(ValueError, match=r"one class on its last axis.*binary_cross_entropy"):
+        fl.trainer(MODEL, loss, "adam").run([(X[:16], y[:16])])
+
+
+def test_a_1d_output_under_categorical_cross_entropy_is_refused():
+    def apply(params, x):
+        return x @ params["w"]
+
+    model = fl.models.from_functions(lambda key, x: {"w": np.ones((3,), np.float32)}, apply)
+    with pytest.raises(ValueError, match="no class axis: a softmax over it would run across"):
+        fl.trainer(model, "categorical_cross_entropy", "sgd").run([(X[:16], Y[:16])])
+
+
+@pytest.mark.filterwarnings("ignore:data. leaf y is float64")
+def test_float64_labels_under_sparse_cross_entropy_name_no_narrowed_dtype():
+    model = fl.models.mlp([4, 3])
+    with pytest.raises(ValueError) as refused:
+        fl.trainer(model, "sparse_categorical_cross_entropy", "sgd").run(
+            [(X[:16], (np.arange(16) % 3).astype(np.float64))]
+        )
+    assert "y holds floats" in str(refused.value) and "float32" not in str(refused.value)
