@@ -397,3 +397,29 @@ def test_a_state_that_cannot_be_saved_is_refused_before_orbax_opens_a_manager(tm
     with pytest.raises(ValueError, match=r"apply_fn"):
         saver.save(state)
     assert saver._manager is None and not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("builder", ["checkpoint", "validate"])
+@pytest.mark.parametrize("fuse", [3, "run"])
+def test_step_state_readers_on_iteration_events_refuse_a_fused_run_before_it_steps(
+    tmp_path, builder, fuse
+):
+    batches = make_batches(n=5)
+    data = fl.data.arrays(
+        np.concatenate([x for x, _ in batches]), np.concatenate([y for _, y in batches]), 4
+    )
+    if builder == "checkpoint":
+        loop = trainer().checkpoint(tmp_path, event="iteration_completed", filter={"every": 3})
+    else:
+        loop = trainer().validate(trainer().program.model, batches[:2], "iteration_completed")
+    seen = []
+    loop = loop.handle_event("started", lambda state: seen.append(state.step_state))
+    refused = f"{builder} on 'iteration_completed' reads the step state.*fuse=False"
+    with pytest.raises(fl.FusionError, match=refused):
+        loop.run(data, epochs=2, fuse=fuse)
+    assert seen == [] and list_checkpoints(tmp_path) == []  # refused before the run began
+    state = loop.run(data, epochs=2)  # unfused, each firing has its step state
+    if builder == "checkpoint":
+        assert list_checkpoints(tmp_path)
+    else:
+        assert "validation_loss" in state.metrics

@@ -23,6 +23,7 @@ __all__ = [
     "attached",
     "closes_on_error",
     "event_total",
+    "marked_objects",
     "normalize_event",
     "make_filter",
     "parse_result",
@@ -207,6 +208,20 @@ def attached(event: Event, handler: Any, filter: Filter, name: str) -> tuple[Reg
     companions = getattr(type(handler), "fuseloop_companions", None)
     extra = companions(handler, name) if callable(companions) else ()
     return (Registration(event, handler, filter, name), *extra)
+
+
+def marked_objects(handler: Any, marker: str) -> list[Any]:
+    """The objects behind `handler` whose class sets `marker` true: the handler itself, a
+    bound method's object, or one a wrapper function holds (`all_processes(saver.begin)`,
+    a writer's closures). Looked up on the type: a mock answers every attribute."""
+    found = [handler, getattr(handler, "__self__", None)]
+    for cell in getattr(handler, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # a cell not filled yet
+            continue
+        found += [value, getattr(value, "__self__", None)]
+    return [each for each in found if getattr(type(each), marker, False)]
 
 
 def closes_on_error(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:

@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from .._arg_types import is_int
+from .._events import ITERATION_EVENTS, marked_objects
+from .._fusion import FusionError
 
-__all__ = ["check_run_options"]
+__all__ = ["check_run_options", "refuse_step_state_readers"]
 
 
 def check_run_options(
@@ -34,3 +36,22 @@ def _check_count(value: Any, argument: str, allow_none: bool) -> None:
         return
     if not is_int(value) or value < 1:
         raise ValueError(f"{argument}={value!r} must be a positive int")
+
+
+def refuse_step_state_readers(registrations: Any, fuse: Any) -> None:
+    """Refuses, before anything runs, a fused run (`fuse`, as resolved: None is unfused)
+    with a fuseloop handler that reads the step state at an iteration event (`checkpoint`,
+    `validate`): a fused chunk runs whole on the device and its iteration events are
+    replayed after it with `step_state` None, so the handler would fail at its first
+    firing, after steps had trained."""
+    if fuse is None:
+        return
+    for registration in registrations:
+        readers = marked_objects(registration.handler, "fuseloop_reads_step_state")
+        if registration.event in ITERATION_EVENTS and readers:
+            raise FusionError(
+                f"{registration.label} on {registration.event.value!r} reads the step state "
+                "at that iteration, which a fused run does not keep (its chunks run whole on "
+                "the device; their iteration events are replayed with step_state None): run "
+                "with fuse=False, or attach it to an epoch event (the default)"
+            )

@@ -28,6 +28,7 @@ from .epoch import EpochLoop
 from .feeds import HostFeed, ResidentFeed, epoch_counter
 from .handoff import Handoff
 from .host import HostReads
+from .options import refuse_step_state_readers
 from .population import first_member, resolve_population
 from .population_run import PopulationHost
 from .programs import Programs
@@ -76,6 +77,7 @@ class Run:
         self.stats = new_stats()
         self.source = as_source(data, bounded=iterations is not None)
         self.fuse = resolve_fuse(fuse, jit)
+        refuse_step_state_readers(loop.registrations, self.fuse)
         self.resident = bool(getattr(self.source.data, "resident", False))
         fixed = loop.program.kind in ("trainer", "evaluator")
         self.bus = EventBus(loop.registrations, observer, fixed)

@@ -9,8 +9,7 @@ return the other's best params or write into the other's file, with no error. So
 claims every such handler it has for as long as it runs, and a second claim is refused.
 
 A handler class says it keeps its run's state with `fuseloop_serves_one_run = True`. It is
-found where it is attached: as the handler itself, as a bound method's object, or held by a
-wrapper function (`all_processes(saver.begin)`, a writer's closures).
+found where it is attached, behind the handler (`_events.marked_objects`).
 """
 
 from __future__ import annotations
@@ -20,8 +19,11 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from .._events import marked_objects
+
 __all__ = ["serving"]
 
+_MARKER = "fuseloop_serves_one_run"
 _LOCK = threading.Lock()
 # id(handler object) -> the thread whose run holds it. The run's registrations keep each
 # object alive while it is held, so its id names it.
@@ -34,7 +36,7 @@ def serving(registrations: Iterable[Any]) -> Iterator[None]:
     body (a run); raises `RuntimeError` where another run holds one."""
     owners: dict[int, str] = {}
     for registration in registrations:
-        for owner in _owners(registration.handler):
+        for owner in marked_objects(registration.handler, _MARKER):
             owners.setdefault(id(owner), registration.name or type(owner).__name__)
     thread = threading.current_thread().name
     with _LOCK:
@@ -48,19 +50,6 @@ def serving(registrations: Iterable[Any]) -> Iterator[None]:
         with _LOCK:
             for key in owners:
                 del _HELD[key]
-
-
-def _owners(handler: Any) -> list[Any]:
-    """The objects behind `handler` that serve one run at a time."""
-    found = [handler, getattr(handler, "__self__", None)]
-    for cell in getattr(handler, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:  # a cell not filled yet
-            continue
-        found += [value, getattr(value, "__self__", None)]
-    # Looked up on the type: a mock answers every attribute.
-    return [each for each in found if getattr(type(each), "fuseloop_serves_one_run", False)]
 
 
 def _busy_error(busy: dict[int, str], thread: str) -> RuntimeError:

@@ -98,6 +98,8 @@ class Checkpointer:
 
     # One run at a time: it keeps its run's save numbering and manager (engine/serving.py).
     fuseloop_serves_one_run = True
+    # It saves the step state, which a fused run's iteration events lack (engine/options.py).
+    fuseloop_reads_step_state = True
 
     def __init__(
         self,

@@ -184,6 +184,9 @@ class Validator:
         ['loss']
     """
 
+    # It evaluates the params, which a fused run's iteration events lack (engine/options.py).
+    fuseloop_reads_step_state = True
+
     # On device-resident data the engine runs this handler inside a multi-epoch dispatch
     # (engine/device_monitors.py), with the same arithmetic.
     on_device = "validate"
