@@ -175,6 +175,9 @@ def test_a_short_last_batch_that_does_not_divide_is_named_as_the_short_batch(fin
     message = findings["short-last"]
     assert "short last batch (drop_remainder=False) holds 2 examples" in message, message
     assert "batch size 2" not in message  # the user's batch size is 8
+    # No batch size keeps every example of a dataset that is not a multiple of the devices:
+    # the message says so, and names the ways that do (pad or trim, no mesh).
+    assert "only a dataset of a multiple of 4" in message and "mesh=None" in message, message
     # Host-fed, the run trained the whole epoch, then advised the batch size it had.
     message, steps = findings["short-last-host"]
     assert "short last batch (drop_remainder=False) holds 2 examples" in message, message

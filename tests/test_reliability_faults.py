@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import fuseloop as fl
-from conftest import assert_tree_equal, counter_init, counter_loop, make_batches, tiny_mlp
+from conftest import assert_tree_equal, counter_init, counter_loop, make_batches, tiny_mlp, trainer
 
 SPARSE = "sparse_categorical_cross_entropy"
 BAD_AT = 7  # the iteration whose batch holds NaN inputs
@@ -528,3 +528,14 @@ def test_a_non_finite_step_halts_before_a_later_batch_that_fails_to_load(fuse):
         state = _halving_loop().terminate_on_nan().run(data, 0, epochs=1, fuse=fuse)
     assert (state.status, state.iteration) == ("halted", 1)
     assert float(state.step_state["w"]) == 0.0  # batch 0's zeros, the bad step not applied
+
+
+@pytest.mark.parametrize("fuse", [False, 3])
+def test_a_step_state_changed_in_place_to_share_an_array_is_told_the_fix(fuse):
+    def params_from_mu(state: fl.State) -> None:
+        # The optimizer's first moments, whose arrays the optimizer state keeps too.
+        state.step_state["params"] = {"params": state.step_state["opt_state"][0].mu}
+
+    loop = trainer(optimizer=optax.adam(1e-2)).handle_event("epoch_completed", params_from_mu)
+    with pytest.raises(ValueError, match=r"holds one array in two places.*state\.replace"):
+        loop.run(make_batches(n=4), epochs=2, fuse=fuse)

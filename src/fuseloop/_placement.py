@@ -193,11 +193,16 @@ class Placement:
             return None
         if batch_size % self.n_shards:
             if short:
+                d = self.n_shards
                 raise ValueError(
                     f"mesh: the dataset's short last batch (drop_remainder=False) holds "
-                    f"{batch_size} examples, which do not divide over the {self.n_shards} "
-                    f"devices of the mesh's 'data' axis; choose a batch size that leaves a "
-                    f"multiple of {self.n_shards} examples last, or pass drop_remainder=True"
+                    f"{batch_size} examples, which do not divide over the {d} devices of the "
+                    f"mesh's 'data' axis. With batches of a multiple of {d}, the last one holds "
+                    f"the dataset's size modulo {d}: only a dataset of a multiple of {d} "
+                    f"examples keeps them all on this mesh. Trim or pad the dataset to one, "
+                    f"pass drop_remainder=True (the short batch is left out), or run without "
+                    f"the mesh (mesh=None: one device takes a batch of any size, so an "
+                    f"evaluation counts every example)"
                 )
             raise ValueError(
                 f"mesh: the dataset's batch size {batch_size} does not divide over the "

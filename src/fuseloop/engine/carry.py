@@ -92,7 +92,12 @@ class Carry:
         program's other outputs (records, steps run, ...). One dispatch. `copies`: the
         program's last output is a packed copy of the new carry (`Programs.copies`).
         """
-        out = program(self.step_state, self.tail, *args)
+        try:
+            out = program(self.step_state, self.tail, *args)
+        except ValueError as error:  # XLA's own words for it name nothing of the user's
+            if "donate the same buffer twice" in str(error):
+                raise _shared_arrays_error() from error
+            raise
         self.step_state, self.tail = out[0], out[1]
         if copies:
             self._copy, out = (out[0], out[1], out[-1]), out[:-1]
@@ -153,3 +158,15 @@ class Carry:
     def nonfinite(self) -> bool:
         # Host read: terminate_on_nan in an unfused loop checks every step.
         return bool(self.reads.get(self.tail["nonfinite"]))
+
+
+def _shared_arrays_error() -> ValueError:
+    """What a step state holding one array in two places is told: each step updates every
+    leaf in place, and one buffer cannot be updated as two."""
+    return ValueError(
+        "the step state holds one array in two places (two leaves are the same array), and "
+        "each step updates every leaf in place. A handler that changed state.step_state in "
+        "place (ss['params'] = ss['opt_state']...) makes that: return the changed State "
+        "instead, state.replace(step_state={...}), which fuseloop copies; or copy the "
+        "array, jax.tree.map(jnp.copy, tree)"
+    )
