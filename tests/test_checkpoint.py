@@ -423,3 +423,14 @@ def test_step_state_readers_on_iteration_events_refuse_a_fused_run_before_it_ste
         assert list_checkpoints(tmp_path)
     else:
         assert "validation_loss" in state.metrics
+
+
+def test_a_function_that_only_holds_a_checkpointer_is_no_step_state_reader(tmp_path):
+    saver = Checkpointer(tmp_path)
+    paths = []
+
+    def where(state: fl.State) -> None:  # reads the saver's path, never the step state
+        paths.append(saver.path)
+
+    state = trainer().handle_event("iteration_completed", where).run(make_batches(n=4), fuse=2)
+    assert state.status == "completed" and len(paths) == 4

@@ -39,7 +39,8 @@ def held_mid_run(loop: fl.Loop, data: list) -> Iterator[dict]:
         except BaseException as error:  # noqa: BLE001 - the test reads it
             out["error"] = error
 
-    thread = threading.Thread(target=work, name="first-run")
+    # Named as the test's own thread is: the holder is told apart by its identity.
+    thread = threading.Thread(target=work, name=threading.current_thread().name)
     thread.start()
     try:
         assert entered.wait(60)
@@ -101,12 +102,23 @@ def test_one_handler_object_attached_to_two_loops_serves_one_run_at_a_time(tmp_p
 
 
 def test_loops_without_such_handlers_run_in_two_threads_at_once():
-    loop, other_data = trainer(), make_batches(n=6, seed=1)
+    # early_stop without restore_best keeps its record in the State, nothing on itself.
+    loop, other_data = trainer().early_stop("loss", patience=5), make_batches(n=6, seed=1)
     with held_mid_run(loop, BATCHES) as first:
         beside = loop.run(other_data, epochs=2)  # while the first is held
-    alone, other = trainer().run(BATCHES, epochs=2), trainer().run(other_data, epochs=2)
+    alone = trainer().early_stop("loss", patience=5).run(BATCHES, epochs=2)
+    other = trainer().early_stop("loss", patience=5).run(other_data, epochs=2)
     assert_tree_equal(first["state"].step_state, alone.step_state, "first run")
     assert_tree_equal(beside.step_state, other.step_state, "run beside it")
     assert not np.array_equal(
         np.asarray(first["state"].history[1]["loss"]), np.asarray(beside.history[1]["loss"])
     )
+
+
+def test_the_refusal_names_each_handler_by_its_builder_and_what_it_keeps(tmp_path):
+    loop = _early_stopping().csv_log(tmp_path / "m.csv")
+    with held_mid_run(loop, BATCHES), pytest.raises(RuntimeError) as refused:
+        loop.run(BATCHES, epochs=2)
+    message = str(refused.value)
+    assert "the handlers csv_log, early_stop are serving a run in another thread" in message
+    assert "csv_log: its columns; early_stop: its best epoch's step state" in message

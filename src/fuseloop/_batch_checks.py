@@ -4,6 +4,7 @@ sizes, dtypes no device holds, and the signatures batches are compared by (used 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -101,12 +102,14 @@ def refuse_python_list(part: Any, name: str) -> None:
 def refuse_sparse_matrix(leaf: Any, name: str) -> None:
     """Refuses a scipy sparse matrix (what sklearn's one-hot and tf-idf encoders return),
     which numpy reads as one object with no examples axis, naming the dense form."""
-    if type(leaf).__module__.startswith("scipy.sparse"):
+    sparse = sys.modules.get("scipy.sparse")  # loaded already wherever such a leaf exists
+    if sparse is not None and sparse.issparse(leaf):
         raise ValueError(
             f"{name} is a scipy sparse matrix ({type(leaf).__name__} of shape "
             f"{getattr(leaf, 'shape', '?')}); fuseloop trains on dense arrays: convert it "
             f"with .toarray() (one too large to densify whole can be densified batch by "
-            f"batch, by a generator of (x[i:i + b].toarray(), y[i:i + b]) batches)"
+            f"batch, by a generator of (x[i:i + b].toarray(), y[i:i + b]) batches over "
+            f"x = x.tocsr())"
         )
 
 

@@ -210,18 +210,19 @@ def attached(event: Event, handler: Any, filter: Filter, name: str) -> tuple[Reg
     return (Registration(event, handler, filter, name), *extra)
 
 
-def marked_objects(handler: Any, marker: str) -> list[Any]:
-    """The objects behind `handler` whose class sets `marker` true: the handler itself, a
-    bound method's object, or one a wrapper function holds (`all_processes(saver.begin)`,
-    a writer's closures). Looked up on the type: a mock answers every attribute."""
+def marked_objects(handler: Any, marker: str, held: bool = True) -> list[Any]:
+    """The objects behind `handler` whose class sets `marker` and which keep it true: the
+    handler itself, a bound method's object, and (`held`) one a wrapper function holds
+    (`all_processes(saver.begin)`, a writer's closures). Read on the type first: a mock
+    answers every attribute."""
     found = [handler, getattr(handler, "__self__", None)]
-    for cell in getattr(handler, "__closure__", None) or ():
+    for cell in (getattr(handler, "__closure__", None) or ()) if held else ():
         try:
             value = cell.cell_contents
         except ValueError:  # a cell not filled yet
             continue
         found += [value, getattr(value, "__self__", None)]
-    return [each for each in found if getattr(type(each), marker, False)]
+    return [o for o in found if getattr(type(o), marker, False) and getattr(o, marker, False)]
 
 
 def closes_on_error(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:

@@ -239,23 +239,17 @@ def several_targets(y: Any, loss: Any) -> str:
 
 
 def refuse_one_class_output(name: str, y_pred: Any, output: str) -> None:
-    """Refuses a categorical cross-entropy over an output with no class axis, or one
-    class: a softmax over one logit is 1, so the loss is 0 and nothing trains (a Keras
-    user's binary model under the multi-class loss); over a 1-D output it would be taken
-    across the batch's examples."""
+    """Refuses a categorical cross-entropy over an output of one class on its last axis: a
+    softmax over one logit is 1, so the loss is 0 whatever the model outputs (a Keras
+    user's binary model under the multi-class loss). A 1-D output is left alone: one
+    example's class scores, or a softmax across a batch on purpose (listwise ranking)."""
     if name not in ("categorical_cross_entropy", "sparse_categorical_cross_entropy"):
         return
     shape = tuple(y_pred.shape)
-    if len(shape) >= 2 and shape[-1] > 1:
-        return
-    what = (
-        "one class on its last axis: a softmax over one logit is 1, so the loss is 0 and "
-        "nothing would train"
-        if len(shape) >= 2
-        else "no class axis: a softmax over it would run across the batch's examples"
-    )
-    raise ValueError(
-        f"loss {name!r} reads class scores on the output's last axis, and {output} has "
-        f"{what}. For a binary target, use loss='binary_cross_entropy' (one logit per "
-        f"example); for several classes, give the last layer one unit per class"
-    )
+    if len(shape) >= 2 and shape[-1] == 1:
+        raise ValueError(
+            f"loss {name!r} reads class scores on the output's last axis, and {output} has "
+            f"one class there: a softmax over one logit is 1, so the loss is 0 whatever "
+            f"the model outputs. For a binary target, use loss='binary_cross_entropy' (one "
+            f"logit per example); for several classes, give the last layer one unit per class"
+        )

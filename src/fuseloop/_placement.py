@@ -197,12 +197,13 @@ class Placement:
                 raise ValueError(
                     f"mesh: the dataset's short last batch (drop_remainder=False) holds "
                     f"{batch_size} examples, which do not divide over the {d} devices of the "
-                    f"mesh's 'data' axis. With batches of a multiple of {d}, the last one holds "
-                    f"the dataset's size modulo {d}: only a dataset of a multiple of {d} "
-                    f"examples keeps them all on this mesh. Trim or pad the dataset to one, "
-                    f"pass drop_remainder=True (the short batch is left out), or run without "
-                    f"the mesh (mesh=None: one device takes a batch of any size, so an "
-                    f"evaluation counts every example)"
+                    f"mesh's 'data' axis. With batches of a multiple of {d}, the last one "
+                    f"divides over the devices only where the dataset's size does: only a "
+                    f"dataset of a multiple of {d} examples keeps them all on this mesh. Trim "
+                    f"the dataset to one (or pad it, with the padding weighed out of the loss "
+                    f"and metrics), pass drop_remainder=True (the short batch is left out), "
+                    f"or run without the mesh (mesh=None: one device takes a batch of any "
+                    f"size, so an evaluation counts every example)"
                 )
             raise ValueError(
                 f"mesh: the dataset's batch size {batch_size} does not divide over the "

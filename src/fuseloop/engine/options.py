@@ -47,8 +47,10 @@ def refuse_step_state_readers(registrations: Any, fuse: Any) -> None:
     if fuse is None:
         return
     for registration in registrations:
-        readers = marked_objects(registration.handler, "fuseloop_reads_step_state")
-        if registration.event in ITERATION_EVENTS and readers:
+        if registration.event not in ITERATION_EVENTS or registration.observes:
+            continue
+        # The handler itself (a function holding a Checkpointer may only read its path).
+        if marked_objects(registration.handler, "fuseloop_reads_step_state", held=False):
             raise FusionError(
                 f"{registration.label} on {registration.event.value!r} reads the step state "
                 "at that iteration, which a fused run does not keep (its chunks run whole on "

@@ -79,6 +79,7 @@ class EarlyStopping:
         mode = resolve_mode(mode, monitor, "monitor", "early_stop")
         self.monitor = Monitor(monitor, mode, patience, min_delta, key or f"early_stop:{monitor}")
         self.restore_best = restore_best
+        self.fuseloop_serves_one_run = restore_best  # only its best copy is kept on it
         self._best: tuple[Any, Any] | None = None  # ((epoch, value), device copy)
         self._members: Any = None  # a population's best copies (engine/population_monitors)
         # The epoch times of the State this handler last saw (an epoch's end, a run's end):

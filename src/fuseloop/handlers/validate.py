@@ -214,8 +214,8 @@ class Validator:
                 program, self._verdicts, first, params, arrays, metrics, self.data
             )
             for i, batch in enumerate(self.data[1:] if arrays is None else (), start=1):
-                where = f"the validation data's batch {i}"
-                checker.labels.batch(checker.fit.labels, _as_run_reads(batch), where)
+                where, labels = f"the validation data's batch {i}", _labels_read(batch)
+                checker.labels.batch(checker.fit.labels, labels, where)
         except Exception as error:
             _note_validation(error, "the evaluator's start checks of")
             raise
@@ -257,6 +257,16 @@ def _first_batch(data: Any) -> Any:
     if isinstance(data, (list, tuple)) and data:
         return _as_run_reads(data[0])
     return None
+
+
+def _labels_read(batch: Any) -> Any:
+    """An `(x, y)` batch with y as the run reads it (`_as_run_reads`), x as it is.
+
+    Only the labels are checked: a CUDA tensor x is not copied to the host for nothing.
+    """
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return (batch[0], _as_run_reads(batch[1]))
+    return batch
 
 
 def _as_run_reads(batch: Any) -> Any:

@@ -187,9 +187,10 @@ def _warn_of_other_runs_rows(path: Path, rows: list[dict[str, str]], history: An
                 f"csv_log: {str(path)!r} holds a row for epoch {row['epoch']} that is not "
                 f"the resumed State's ({name} {row[name]} in the file, "
                 f"{recorded[name]!r} in its history): another run wrote the file after "
-                "this State was taken. The earlier epochs' rows are kept as the file has "
-                "them; give each run its own file, or resume from the State of the run "
-                "that wrote it"
+                f"this State was taken, or a handler attached after csv_log changed {name} "
+                "(a row holds what the writer saw). The earlier epochs' rows are kept as "
+                "the file has them; give each run its own file, or resume from the State "
+                "of the run that wrote it"
             )
             return
 
