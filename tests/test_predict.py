@@ -9,6 +9,7 @@ import random
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -596,3 +597,20 @@ def test_a_new_loop_derived_from_a_validated_one_validates_the_changed_object():
     fresh = fl.trainer(model, "mean_squared_error", "sgd").validate(model, data)
     fresh = fresh.metric("mean_absolute_error").run(data)
     assert derived.run(data).history == fresh.history
+
+
+def test_batches_of_two_inputs_read_as_pairs_are_said_so_whatever_fails_after():
+    # A model of two inputs, x = (users, items), reading them by index: given batches of
+    # (users, items) tuples, predict reads each as (x, y) and the model gets users alone,
+    # applies, and fails at its outputs; the note says how the batches were read.
+    def apply(params, x):
+        return jnp.sum(x[0] * params["w"]) + x[1]  # x[0] of users: a row; x[1]: one user
+
+    model = fl.models.from_functions(lambda key, x: {"w": jnp.ones(())}, apply)
+    users, items = np.arange(8, dtype=np.float32), np.ones(8, np.float32)
+    batches = [(users[:4], items[:4]), (users[4:], items[4:])]
+    with pytest.raises(ValueError) as refused:
+        fl.predict(model, {"w": jnp.ones(())}, batches)
+    notes = " ".join(getattr(refused.value, "__notes__", []))
+    assert "read as (x, y): only its first item went to the model" in notes
+    assert "pass them as a tuple (a, b)" not in str(refused.value)

@@ -272,7 +272,8 @@ def predict(
         raise ValueError("x holds no examples; there is nothing to predict")
     batches = _batch_sizes(n, sizes) if isinstance(sizes, int) else sizes  # arrays: cut here
     members = getattr(variables_or_state, "population", None) is not None
-    program, adapter = _chunk_program(model, members, listed=isinstance(x, list))
+    # A list of inputs (not of (x, y) pairs) may have meant a model of several inputs.
+    program, adapter = _chunk_program(model, members, listed=isinstance(x, list) and not pairs)
     lead = 1 if members else 0  # a population's outputs keep the member axis first
     outputs: list[Any] = []
     # Moved explicitly, as a run moves its batches: allowed under a transfer guard.
@@ -280,12 +281,14 @@ def predict(
     for chunk, live in _chunks(inputs, batches, per_chunk):
         try:
             result = program(variables, jax.device_put(chunk))
-        except Exception:
+        except Exception as error:
             if not outputs:  # the first chunk traces the model: say whether x misfits
                 batched = not _is_array_tree(x)  # a source (or a list) of batches
                 _explain_misfit(
                     model, variables, chunk, (pairs, batched, isinstance(x, list)), members
                 )
+                if pairs:  # the model took the first items, and failed later (its outputs)
+                    error.add_note(_PAIRS_READ)
             raise
         # Host sync: the chunk's outputs come back to the host (one read per chunk).
         host = jax.device_get(result)
