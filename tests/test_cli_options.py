@@ -92,6 +92,8 @@ def test_a_demo_plot_path_is_checked_before_training(tmp_path, capsys):
         (tmp_path, "is a folder"),
         ("", "give a file path, or --no-plot"),
         (tmp_path / "h.xyz", "matplotlib writes no .xyz files"),
+        (f"{tmp_path / 'plots'}/", "names a folder; give a file name in it"),
+        (tmp_path / ("x" * 300 + ".png"), "File name too long"),
     ):
         with pytest.raises(SystemExit) as exited:
             cli.main(["demo", "--plot", str(target)])
@@ -156,3 +158,38 @@ def test_the_demos_epoch_lines_include_the_epoch_early_stopping_halts_at(capsys)
     state = _demo_loop(model, val, progress=False).run([(x, y)], epochs=200)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Epoch")]
     assert state.status == "halted" and len(lines) == len(state.history)
+
+
+def test_a_demo_a_signal_halts_reports_its_last_validated_epoch_and_exits_130(monkeypatch, capsys):
+    # As a first SIGINT leaves it: halted within an epoch, whose validation never ran.
+    import fuseloop as fl
+    from fuseloop import _demo
+
+    def halting_run(self, data, **options):
+        state = fl.State(epoch=3, status="halted", stats={"dispatches": 9, "chunk_size": 32})
+        history = {e: {"loss": 0.5, "validation_accuracy": 0.9 + e / 100} for e in range(3)}
+        return state.replace(history=history, metrics={"loss": 0.4})
+
+    monkeypatch.setattr(fl.Loop, "run", halting_run)
+    assert _demo.demo(epochs=5, plot=False, progress=False) == 130
+    out = capsys.readouterr().out
+    assert "final validation accuracy: 0.9200" in out and "the accuracy is epoch 3's" in out
+
+
+def test_a_demo_interrupted_before_its_run_exits_130_without_a_traceback(monkeypatch, capsys):
+    from fuseloop import _demo
+
+    def interrupted(**options):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_demo, "demo", interrupted)
+    assert cli.main(["demo", "--no-plot"]) == 130
+    assert "fuseloop demo: interrupted (SIGINT)" in capsys.readouterr().err
+
+
+def test_a_plot_the_demo_cannot_write_is_said_after_training(tmp_path, capsys):
+    import fuseloop as fl
+    from fuseloop import _demo
+
+    _demo._write_plot(fl.State(history={0: {"loss": 1.0}}), tmp_path)  # a folder
+    assert "no plot:" in capsys.readouterr().out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -99,13 +100,20 @@ def test_the_command_line(tmp_path):
 
 def test_bad_coordination_options_are_refused(tmp_path, capsys):
     script = _script(tmp_path, _ECHO)
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    held = busy.getsockname()[1]
     for option, value, named in (
         ("--failure-timeout", "-1", "--failure-timeout -1 must be"),
+        ("--failure-timeout", "1000000000", "1 to 100000000"),  # jax's C int
         ("--port", "99999", "--port 99999 must be"),
+        ("--port", str(held), f"--port {held} cannot be bound here"),
     ):
         with pytest.raises(SystemExit):
             cli.main(["launch", "-n", "2", option, value, script])
         assert named in capsys.readouterr().err
+    busy.close()
     # From Python, a port or timeout that is no whole number is refused, not rounded.
     for options, named in (
         ({"port": 1234.5}, "port=1234.5"),

@@ -128,7 +128,11 @@ def demo(
     began = time.perf_counter()
     state = loop.run(train, epochs=epochs, fuse=parse_fuse(fuse), progress=progress)
     wall = time.perf_counter() - began
-    accuracy = state.metrics["validation_accuracy"]
+    validated = [e for e, row in state.history.items() if "validation_accuracy" in row]
+    if not validated:  # a signal (Ctrl-C) halted the first epoch before its validation
+        print("fuseloop demo: interrupted before the first epoch was validated")
+        return 130
+    accuracy = state.history[validated[-1]]["validation_accuracy"]
     print(
         f"final validation accuracy: {accuracy:.4f} ({state.status} after "
         f"{state.epoch + 1} epoch{'s' if state.epoch else ''}, wall time {wall:.2f} s, "
@@ -136,6 +140,9 @@ def demo(
     )
     if target is not None:
         _write_plot(state, target)
+    if "validation_accuracy" not in state.metrics:  # a signal halted an epoch part-way
+        print(f"fuseloop demo: interrupted; the accuracy is epoch {validated[-1] + 1}'s")
+        return 130
     if accuracy < 0.9:
         print("exit status 1: the validation accuracy is below the demo's bar of 0.9")
         return 1
@@ -165,5 +172,5 @@ def _write_plot(state: Any, target: Any) -> None:
     try:
         fl.plot_history(state.history, target)
         print(f"metric curves written to {target}")
-    except ImportError as error:
+    except (ImportError, OSError, ValueError) as error:  # no matplotlib; a path it cannot write
         print(f"no plot: {error}")

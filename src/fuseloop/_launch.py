@@ -204,13 +204,28 @@ def _stop_on_sigterm() -> Any:
     return signal.signal(signal.SIGTERM, terminated)
 
 
+_MAX_TIMEOUT = 10**8  # seconds (three years): jax's coordinator takes a C int of them
+
+
 def _check_coordination(port: int | None, failure_timeout: int) -> None:
     if port is not None and (not is_int(port) or not 1 <= port <= 65535):
         raise ValueError(f"port={port!r} must be a TCP port, 1 to 65535")
-    if not is_int(failure_timeout) or failure_timeout < 1:
+    if not is_int(failure_timeout) or not 1 <= failure_timeout <= _MAX_TIMEOUT:
         raise ValueError(
-            f"failure_timeout={failure_timeout!r} must be a whole number of seconds >= 1"
+            f"failure_timeout={failure_timeout!r} must be a whole number of seconds, 1 to "
+            f"{_MAX_TIMEOUT}"
         )
+    if port is not None:  # the coordinator binds it in process 0: said here, not there
+        with socket.socket() as probe:
+            # As the coordinator binds: a port left in TIME_WAIT by the last launch is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError as error:
+                raise ValueError(
+                    f"port={port} cannot be bound here ({error.strerror or error}): another "
+                    f"program holds it; choose another, or leave it out for a free one"
+                ) from None
 
 
 _PER_CORE = 8  # local processes per CPU core, at most

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from ._distributed import DEFAULT_FAILURE_TIMEOUT
@@ -158,10 +158,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(plot, str):
         from .bench._output import unplottable, unwritable
 
-        why = unwritable(str(Path(plot).expanduser())) or unplottable(plot)
+        why = unwritable(os.path.expanduser(plot)) or unplottable(plot)
         if why is not None:  # before training, not after it
             parser.error(f"--plot {plot}: {why}")
-    return run_demo(epochs=args.epochs, fuse=args.fuse, plot=plot, progress=not args.no_progress)
+    try:
+        return run_demo(
+            epochs=args.epochs, fuse=args.fuse, plot=plot, progress=not args.no_progress
+        )
+    except KeyboardInterrupt as stop:  # before the run (imports, data) or a second signal
+        print(f"fuseloop demo: interrupted ({str(stop) or 'SIGINT'})", file=sys.stderr)
+        return 130
 
 
 def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -174,6 +180,9 @@ def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return launch(
             args.nprocs, args.script, args.args, port=args.port, grace=args.grace, **options
         )
+    except KeyboardInterrupt:  # the processes were stopped (`_launch.launch`)
+        print("[launch] interrupted: the processes were stopped", file=sys.stderr)
+        return 130
     except ValueError as err:
         parser.error(_LAUNCH_NAMES.sub(lambda m: _LAUNCH_OPTIONS[m.group(1)] + " ", str(err)))
         return 2  # pragma: no cover - parser.error exits

@@ -217,9 +217,11 @@ def unwritable(path: str | None) -> str | None:
     if path is None:
         return None
     target = Path(path)
-    if target.is_dir():
-        return "is a folder; give a file name"
+    if path.endswith(("/", os.sep)):
+        return "names a folder; give a file name in it"
     try:
+        if target.is_dir():
+            return "is a folder; give a file name"
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         return f"its folder cannot be made ({error.strerror or error})"
@@ -284,6 +286,15 @@ def write_plot(report: dict[str, Any], path: str) -> str | None:
         left.set_ylabel("us / iteration (median)")
         left.set_title(f"{sweep['model']}: time per iteration vs chunk size")
         left.legend()
+    else:  # the chunk-size sweep runs on mlp-small alone: say so rather than show an empty axes
+        left.axis("off")
+        left.text(
+            0.5,
+            0.5,
+            "no chunk-size sweep:\nit runs when mlp-small is among --models",
+            ha="center",
+            va="center",
+        )
     models = report["models"]
     keys = [
         k
