@@ -165,15 +165,19 @@ def test_a_demo_a_signal_halts_reports_its_last_validated_epoch_and_exits_130(mo
     import fuseloop as fl
     from fuseloop import _demo
 
-    def halting_run(self, data, **options):
-        state = fl.State(epoch=3, status="halted", stats={"dispatches": 9, "chunk_size": 32})
-        history = {e: {"loss": 0.5, "validation_accuracy": 0.9 + e / 100} for e in range(3)}
-        return state.replace(history=history, metrics={"loss": 0.4})
-
-    monkeypatch.setattr(fl.Loop, "run", halting_run)
-    assert _demo.demo(epochs=5, plot=False, progress=False) == 130
-    out = capsys.readouterr().out
-    assert "final validation accuracy: 0.9200" in out and "the accuracy is epoch 3's" in out
+    stats = {"dispatches": 9, "chunk_size": 32, "signal": "SIGINT"}
+    history = {e: {"loss": 0.5, "validation_accuracy": 0.9 + e / 100} for e in range(3)}
+    halted = fl.State(epoch=3, status="halted", stats=stats, history=history)
+    for metrics, signal, code in (
+        ({"loss": 0.4}, "SIGINT", 130),  # halted within an epoch: never validated
+        (dict(history[2]), "SIGTERM", 143),  # halted after the validation, before its end
+    ):
+        state = halted.replace(metrics=metrics, stats={**stats, "signal": signal})
+        monkeypatch.setattr(fl.Loop, "run", lambda self, data, state=state, **options: state)
+        assert _demo.demo(epochs=5, plot=False, progress=False) == code
+        out = capsys.readouterr().out
+        assert "final validation accuracy: 0.9200" in out, out
+        assert f"interrupted by {signal}; the accuracy is epoch 3's" in out
 
 
 def test_a_demo_interrupted_before_its_run_exits_130_without_a_traceback(monkeypatch, capsys):

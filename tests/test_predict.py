@@ -613,4 +613,11 @@ def test_batches_of_two_inputs_read_as_pairs_are_said_so_whatever_fails_after():
         fl.predict(model, {"w": jnp.ones(())}, batches)
     notes = " ".join(getattr(refused.value, "__notes__", []))
     assert "read as (x, y): only its first item went to the model" in notes
-    assert "pass them as a tuple (a, b)" not in str(refused.value)
+    assert "pass them as a tuple (a, b)" not in str(refused.value) + notes
+    # Batches of ((users, items), None) are x alone: the pair note would advise them.
+    summed = fl.models.from_functions(
+        lambda key, x: {"w": jnp.ones(())}, lambda params, x: jnp.sum(x[0] * params["w"])
+    )
+    with pytest.raises(ValueError) as refused:
+        fl.predict(summed, {"w": jnp.ones(())}, [((users, items), None)])
+    assert "read as (x, y)" not in " ".join(getattr(refused.value, "__notes__", []))

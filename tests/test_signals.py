@@ -83,7 +83,7 @@ except KeyboardInterrupt as error:
 print("RESULT " + json.dumps({
     "status": state.status, "epoch": state.epoch, "iteration": state.iteration,
     "step": int(state.step_state["step"]), "pulled": pulled[0],
-    "counts": state.event_counts,
+    "counts": state.event_counts, "signal": state.stats.get("signal"),
     "int_restored": signal.getsignal(signal.SIGINT) is previous_int,
     "term_restored": signal.getsignal(signal.SIGTERM) is previous_term,
     "threads_before": threads, "threads_after": threading.active_count()}), flush=True)
@@ -156,7 +156,7 @@ def run_and_signal(mode: str, fuse: int, signum: int, workdir: Path) -> tuple[An
 )
 def test_signal_halts_at_the_next_host_boundary(tmp_path, signum, fuse):
     result, child = run_and_signal("halt", fuse, signum, tmp_path)
-    assert result["status"] == "halted"
+    assert result["status"] == "halted" and result["signal"] == signal.Signals(signum).name
     assert result["counts"]["halted"] == 1 and result["counts"]["completed"] == 0
     # Halted in epoch 1, where the signal arrived; the epoch did not complete.
     assert result["epoch"] == 1 and result["counts"]["epoch_completed"] == 1

@@ -101,7 +101,8 @@ def demo(
         progress: Show the progress display.
 
     Returns:
-        The exit status: 0 when the validation accuracy reaches 0.9.
+        The exit status: 0 when the validation accuracy reaches 0.9, 1 below it; 130 (143)
+        when Ctrl-C (SIGTERM) halted the run.
 
     Example:
         >>> demo(epochs=1, plot=False, progress=False)  # 1 epoch does not reach 0.9
@@ -131,7 +132,7 @@ def demo(
     validated = [e for e, row in state.history.items() if "validation_accuracy" in row]
     if not validated:  # a signal (Ctrl-C) halted the first epoch before its validation
         print("fuseloop demo: interrupted before the first epoch was validated")
-        return 130
+        return 143 if state.stats.get("signal") == "SIGTERM" else 130
     accuracy = state.history[validated[-1]]["validation_accuracy"]
     print(
         f"final validation accuracy: {accuracy:.4f} ({state.status} after "
@@ -140,9 +141,13 @@ def demo(
     )
     if target is not None:
         _write_plot(state, target)
-    if "validation_accuracy" not in state.metrics:  # a signal halted an epoch part-way
-        print(f"fuseloop demo: interrupted; the accuracy is epoch {validated[-1] + 1}'s")
-        return 130
+    stopped_by = state.stats.get("signal")  # Ctrl-C (SIGINT) or SIGTERM halted the run
+    if stopped_by is not None:
+        print(
+            f"fuseloop demo: interrupted by {stopped_by}; the accuracy is epoch "
+            f"{validated[-1] + 1}'s"
+        )
+        return 143 if stopped_by == "SIGTERM" else 130
     if accuracy < 0.9:
         print("exit status 1: the validation accuracy is below the demo's bar of 0.9")
         return 1

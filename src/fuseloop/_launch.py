@@ -101,15 +101,17 @@ def _stream(
 
 
 def _stop(processes: list[subprocess.Popen], grace: float) -> None:
-    """SIGTERM to every live process group, then SIGKILL to what is left after `grace`."""
+    """SIGTERM to every live process group, then SIGKILL to what is left after `grace` (at
+    once on a second Ctrl-C: an impatient user does not leave them running)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for process in processes:
             if process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):  # exited meanwhile
                     os.killpg(process.pid, sig)
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(p.poll() is None for p in processes):
-            time.sleep(_POLL_SECONDS)
+        with contextlib.suppress(KeyboardInterrupt):
+            while time.monotonic() < deadline and any(p.poll() is None for p in processes):
+                time.sleep(_POLL_SECONDS)
     for process in processes:
         process.wait()
 
@@ -223,8 +225,8 @@ def _check_coordination(port: int | None, failure_timeout: int) -> None:
                 probe.bind(("127.0.0.1", port))
             except OSError as error:
                 raise ValueError(
-                    f"port={port} cannot be bound here ({error.strerror or error}): another "
-                    f"program holds it; choose another, or leave it out for a free one"
+                    f"port={port} cannot be bound here ({error.strerror or error}): choose "
+                    f"another, or leave it out for a free one"
                 ) from None
 
 

@@ -272,8 +272,9 @@ def predict(
         raise ValueError("x holds no examples; there is nothing to predict")
     batches = _batch_sizes(n, sizes) if isinstance(sizes, int) else sizes  # arrays: cut here
     members = getattr(variables_or_state, "population", None) is not None
-    # A list of inputs (not of (x, y) pairs) may have meant a model of several inputs.
-    program, adapter = _chunk_program(model, members, listed=isinstance(x, list) and not pairs)
+    # A list of arrays may have meant the inputs of a model of several (not of batches).
+    listed = isinstance(x, list) and all(map(_is_array, x))
+    program, adapter = _chunk_program(model, members, listed=listed)
     lead = 1 if members else 0  # a population's outputs keep the member axis first
     outputs: list[Any] = []
     # Moved explicitly, as a run moves its batches: allowed under a transfer guard.
@@ -284,9 +285,7 @@ def predict(
         except Exception as error:
             if not outputs:  # the first chunk traces the model: say whether x misfits
                 batched = not _is_array_tree(x)  # a source (or a list) of batches
-                _explain_misfit(
-                    model, variables, chunk, (pairs, batched, isinstance(x, list)), members
-                )
+                _explain_misfit(model, variables, chunk, (pairs, batched, listed), members)
                 if pairs:  # the model took the first items, and failed later (its outputs)
                     error.add_note(_PAIRS_READ)
             raise
@@ -327,7 +326,7 @@ def _explain_misfit(
     """Raises the trainer's ValueError where the chunk's x does not fit the model with
     `variables` (a population's first member's), noting how x was read (`read`: whether the
     source's batches were pairs read as (x, y), whether x was a source of batches, whether
-    a list); returns when the check finds nothing."""
+    a list of arrays); returns when the check finds nothing."""
     pairs, batched, listed = read
     try:
         _check_fit(model, variables, chunk, members)

@@ -20,9 +20,10 @@ def host(leaf: Any) -> np.ndarray:
 
 def inputs_of_source(source: Any) -> tuple[Any, int | list[int], bool]:
     """All inputs of a batch source (batches `x` or `(x, y)`), concatenated in order, the
-    size of each batch, and whether they were pairs. An `fl.data.arrays` source's epochs
-    may be shuffled and drop a short last batch, so its arrays are taken as they are, cut
-    by its batch size (returned alone): one output per row of them.
+    size of each batch, and whether some were pairs with a y (read as `(x, y)`). An
+    `fl.data.arrays` source's epochs may be shuffled and drop a short last batch, so its
+    arrays are taken as they are, cut by its batch size (returned alone): one output per row
+    of them.
     """
     from .data import ArraySource  # the public module, imported when predict is called
 
@@ -38,7 +39,7 @@ def inputs_of_source(source: Any) -> tuple[Any, int | list[int], bool]:
     try:
         for batch in iterator:
             pair = isinstance(batch, (tuple, list)) and len(batch) == 2
-            pairs = pairs or pair
+            pairs = pairs or (pair and batch[1] is not None)  # (x, None) is x alone
             inputs.append(jax.tree.map(keep, batch[0] if pair else batch))
     finally:
         wrapped.close()

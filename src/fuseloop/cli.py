@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
         help="train an MLP on scikit-learn's digits",
         description="Trains an MLP on scikit-learn's digits and reports its held-out accuracy; "
         "exits 1 when that is below 0.9 (a smoke check: the default 20 epochs reach about "
-        "0.98, a few epochs may not).",
+        "0.98, a few epochs may not), 130 (143) when Ctrl-C (SIGTERM) stops it.",
     )
     demo.add_argument(
         "--epochs", type=_positive_int, default=20, help="epochs to train (default: 20)"
@@ -165,9 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_demo(
             epochs=args.epochs, fuse=args.fuse, plot=plot, progress=not args.no_progress
         )
-    except KeyboardInterrupt as stop:  # before the run (imports, data) or a second signal
+    except KeyboardInterrupt as stop:  # before the run (data, first compile) or a second signal
         print(f"fuseloop demo: interrupted ({str(stop) or 'SIGINT'})", file=sys.stderr)
-        return 130
+        return 143 if "SIGTERM" in str(stop) else 130
 
 
 def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

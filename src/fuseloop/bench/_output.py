@@ -259,17 +259,8 @@ def write_json(report: dict[str, Any], path: str) -> None:
         handle.write("\n")
 
 
-def write_plot(report: dict[str, Any], path: str) -> str | None:
-    """Writes the PNG; returns None, or why it could not (matplotlib missing)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib not installed (pip install 'fuseloop[plot]')"
-    figure, (left, right) = plt.subplots(1, 2, figsize=(14, 7))
-    sweep = report.get("sweep")
+def _sweep_panel(left: Any, sweep: dict[str, Any] | None) -> None:
+    """The plot's left panel: time per iteration against chunk size (mlp-small's sweep)."""
     if sweep:
         rows = [r for r in sweep["rows"] if r["median_us"] is not None]
         left.plot(
@@ -295,6 +286,19 @@ def write_plot(report: dict[str, Any], path: str) -> str | None:
             ha="center",
             va="center",
         )
+
+
+def write_plot(report: dict[str, Any], path: str) -> str | None:
+    """Writes the PNG; returns None, or why it could not (matplotlib missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed (pip install 'fuseloop[plot]')"
+    figure, (left, right) = plt.subplots(1, 2, figsize=(14, 7))
+    _sweep_panel(left, report.get("sweep"))
     models = report["models"]
     keys = [
         k

@@ -112,6 +112,8 @@ class Run:
                     feed, self.carry, self.handoff, self.reads, self.guard, signals
                 )
                 state = self._epochs(signals)
+            if signals.requested:  # what halted the run, for a caller's exit status
+                self.stats["signal"] = signals.signal_name
         except BaseException as caught:
             # A second signal's KeyboardInterrupt leaves at once, even from a blocked source.
             aborted = isinstance(caught, KeyboardInterrupt)
