@@ -358,9 +358,9 @@ class ModelFit:
         refuse_one_class_output(name, y_pred, output)
         if name == SPARSE and jnp.issubdtype(ys.dtype, jnp.floating):
             raise ValueError(
-                f"data: y holds floats, but {name} expects integer class labels; a "
-                f"float label would be truncated to a class. Cast them (y.astype(np.int32)), "
-                f"or for one-hot or probability targets use 'categorical_cross_entropy'"
+                f"data: y holds floats ({ys.dtype} on the device), but {name} expects "
+                f"integer class labels; a float label would be truncated to a class. Cast "
+                f"them (y.astype(np.int32)), or for one-hot targets: 'categorical_cross_entropy'"
             )
         if name == SPARSE:
             accepted = (y_pred.shape[:-1], y_pred.shape[:-1] + (1,))
