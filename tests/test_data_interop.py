@@ -193,6 +193,15 @@ def test_a_keras_style_sequence_is_read_by_batch_with_its_epoch_hooks(fuse):
     assert_runs_identical(state, reference)
 
 
+def test_auto_fuse_knows_a_sequences_length_as_a_lists():
+    x, y = _xy(24)
+    sequence = _KerasStyle(x, y, batch_size=8)  # 3 batches an epoch
+    as_list = [sequence[i] for i in range(len(sequence))]
+    by_list = trainer().run(as_list, epochs=1, fuse="auto")
+    state = trainer().run(_KerasStyle(x, y, batch_size=8), epochs=1, fuse="auto")
+    assert state.stats["chunk_size"] == by_list.stats["chunk_size"] == 3
+
+
 def test_a_sequence_epoch_ends_when_cut_short_and_across_runs():
     x, y = _xy(24)
     sequence = _KerasStyle(x, y, batch_size=8)

@@ -539,3 +539,23 @@ def test_a_step_state_changed_in_place_to_share_an_array_is_told_the_fix(fuse):
     loop = trainer(optimizer=optax.adam(1e-2)).handle_event("epoch_completed", params_from_mu)
     with pytest.raises(ValueError, match=r"holds one array in two places.*state\.replace"):
         loop.run(make_batches(n=4), epochs=2, fuse=fuse)
+
+
+@pytest.mark.filterwarnings("ignore:data. the run ended holding")  # pulled after the bad one
+@pytest.mark.parametrize("fuse", [3, True, "auto"])
+def test_a_batch_the_checks_refuse_mid_chunk_leaves_the_steps_before_it_as_unfused(fuse):
+    # Label 7 of 3 classes at batch 4: the unfused loop steps batches 0-3, then refuses it;
+    # a fused chunk holding it steps the batches before it too, then raises the same error.
+    batches = make_batches(n=7)
+    batches[4] = (batches[4][0], np.full_like(batches[4][1], 7))
+
+    def run(fuse_value: Any) -> tuple[Any, list[int]]:
+        seen: list[int] = []
+        loop = trainer().observe("iteration_completed", lambda s: seen.append(s.iteration))
+        with pytest.raises(ValueError, match="7") as refused:
+            loop.run(iter(batches), fuse=fuse_value)
+        return refused.value.fuseloop_state, seen
+
+    (unfused, seen_unfused), (fused, seen_fused) = run(False), run(fuse)
+    assert seen_fused == seen_unfused == [0, 1, 2, 3]
+    assert_tree_equal(fused.step_state, unfused.step_state, "the steps before the refused batch")

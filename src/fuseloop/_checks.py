@@ -136,6 +136,16 @@ class Checker:
         for offset, batch in enumerate(batches):
             self._check(batch, epoch, first_iteration + offset, fused=True, values=False)
 
+    def first_refused(self, batches: list[Any], epoch: int, first_iteration: int) -> int:
+        """The offset of the first of a chunk's batches that the unfused loop would refuse,
+        checked alone as it checks one (`len(batches)`: none is)."""
+        for offset, batch in enumerate(batches):
+            try:
+                self._check(batch, epoch, first_iteration + offset, fused=True)
+            except Exception:  # noqa: BLE001 - the offset is the answer
+                return offset
+        return len(batches)
+
     def stacked(self, chunk: Any, n: int, epoch: int, first_iteration: int) -> None:
         """Called with a stacked chunk of `n` live batches: its labels and 64-bit integers,
         in one pass."""

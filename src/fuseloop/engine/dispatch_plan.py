@@ -127,13 +127,19 @@ def _auto_whole_run(
         run.stats["whole_run"] = "fuse='auto': one epoch or less per dispatch (cost model)"
 
 
+_NO_COUNT = object()
+
+
 def epoch_length(source: Any, iterations: int | None) -> int | None:
     """Batches per epoch where known (a sized re-iterable source, or `iterations`)."""
-    known = [] if iterations is None else [iterations]
+    known: list[Any] = [] if iterations is None else [iterations]
     if not source.one_shot:
         with contextlib.suppress(TypeError):  # an unsized source
-            known.append(len(source.data))
-    known = [n for n in known if n > 0]  # a length of 0 that yields batches says nothing
+            # A Keras-style sequence's wrapper counts its batches (`num_batches`, None
+            # where it reads until `iterations=` ends the epoch).
+            count: Any = getattr(source.data, "num_batches", _NO_COUNT)
+            known.append(len(source.data) if count is _NO_COUNT else count)
+    known = [n for n in known if n is not None and n > 0]  # 0 that yields batches: unknown
     return min(known) if known else None
 
 

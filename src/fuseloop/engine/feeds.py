@@ -177,7 +177,24 @@ class HostFeed:
         exhausted = ran_out or (self.bound is not None and first + n >= self.bound)
         if self.live:
             return Prepared(first, 1, exhausted, batches[0])
-        return Prepared(first, n, exhausted, self._stack(batches, first))
+        try:
+            return Prepared(first, n, exhausted, self._stack(batches, first))
+        except Exception as error:  # noqa: BLE001 - raised here, or by the next pull
+            good = self._before_refused(batches, first, error)
+            return Prepared(first, good, False, self._stack(batches[:good], first))
+
+    def _before_refused(self, batches: list[Any], first: int, error: Exception) -> int:
+        """How many of a chunk's batches come before the one fuseloop's checks refuse (the
+        unfused loop steps them, then raises there): those are stepped as a short chunk and
+        `error` is raised by the next pull; the batches pulled after the refused one are
+        held back, unstepped. Raises `error` now where the first batch is refused, or none
+        alone is (the chunk as a whole failed)."""
+        good = self.checker.first_refused(batches, self.epoch, first)
+        if good in (0, len(batches)):
+            raise error
+        self.failed = error
+        self.pending, self.pending_from = batches[good + 1 :] + self.pending, self.iterator
+        return good
 
     def _stack(self, batches: list[Any], first: int) -> Any:
         """Checks and stacks a chunk into `max(K, MIN_SLOTS)` slots (a short one into its
