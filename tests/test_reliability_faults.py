@@ -559,3 +559,13 @@ def test_a_batch_the_checks_refuse_mid_chunk_leaves_the_steps_before_it_as_unfus
     (unfused, seen_unfused), (fused, seen_fused) = run(False), run(fuse)
     assert seen_fused == seen_unfused == [0, 1, 2, 3]
     assert_tree_equal(fused.step_state, unfused.step_state, "the steps before the refused batch")
+
+
+@pytest.mark.filterwarnings("ignore:data. the run ended holding")
+def test_of_two_refused_batches_in_a_chunk_the_first_ones_error_is_raised():
+    batches = make_batches(n=7)
+    batches[4] = (batches[4][0], np.full_like(batches[4][1], 7))  # the label refused first
+    batches[5] = (np.zeros((4, 5), np.float32), batches[5][1])  # then another shape
+    for fuse in (False, 3):
+        with pytest.raises(ValueError, match=r"iteration 4: y holds the label 7"):
+            trainer().run(iter(batches), fuse=fuse)

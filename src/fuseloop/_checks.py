@@ -136,15 +136,17 @@ class Checker:
         for offset, batch in enumerate(batches):
             self._check(batch, epoch, first_iteration + offset, fused=True, values=False)
 
-    def first_refused(self, batches: list[Any], epoch: int, first_iteration: int) -> int:
+    def first_refused(
+        self, batches: list[Any], epoch: int, first_iteration: int
+    ) -> tuple[int, Exception | None]:
         """The offset of the first of a chunk's batches that the unfused loop would refuse,
-        checked alone as it checks one (`len(batches)`: none is)."""
+        checked alone as it checks one, and its error (`len(batches), None`: none is)."""
         for offset, batch in enumerate(batches):
             try:
                 self._check(batch, epoch, first_iteration + offset, fused=True)
-            except Exception:  # noqa: BLE001 - the offset is the answer
-                return offset
-        return len(batches)
+            except Exception as error:  # noqa: BLE001 - the answer
+                return offset, error
+        return len(batches), None
 
     def stacked(self, chunk: Any, n: int, epoch: int, first_iteration: int) -> None:
         """Called with a stacked chunk of `n` live batches: its labels and 64-bit integers,

@@ -186,13 +186,13 @@ class HostFeed:
     def _before_refused(self, batches: list[Any], first: int, error: Exception) -> int:
         """How many of a chunk's batches come before the one fuseloop's checks refuse (the
         unfused loop steps them, then raises there): those are stepped as a short chunk and
-        `error` is raised by the next pull; the batches pulled after the refused one are
-        held back, unstepped. Raises `error` now where the first batch is refused, or none
-        alone is (the chunk as a whole failed)."""
-        good = self.checker.first_refused(batches, self.epoch, first)
-        if good in (0, len(batches)):
+        the refused batch's error is raised by the next pull; the batches pulled after it
+        are held back, unstepped. Raises `error` now where the first batch is refused, or
+        none alone is (the chunk as a whole failed)."""
+        good, refused = self.checker.first_refused(batches, self.epoch, first)
+        if refused is None or good == 0:
             raise error
-        self.failed = error
+        self.failed = refused  # that batch's own error: the chunk's may name a later one
         self.pending, self.pending_from = batches[good + 1 :] + self.pending, self.iterator
         return good
 
