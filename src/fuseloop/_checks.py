@@ -124,17 +124,11 @@ class Checker:
 
         Only the chunk's first batch is compared with the run's first (a mismatch there
         would compile the fused program again); stacking compares every other batch with
-        it (one that is not a pair fails to stack, and `explain_chunk` names it), and
+        it (one that is not a pair fails to stack, and `first_refused` names it), and
         `stacked` reads the values of the whole chunk at once (labels, 64-bit integers).
         """
         if batches[0] is not self.first_batch:  # the run's first batch: checked already
             self._check(batches[0], epoch, first_iteration, fused=True, values=False)
-
-    def explain_chunk(self, batches: list[Any], epoch: int, first_iteration: int) -> None:
-        """Checks every batch of a chunk that failed to stack, to raise the error that names
-        the leaf (`x`, `y`, `x['key']`) rather than its position."""
-        for offset, batch in enumerate(batches):
-            self._check(batch, epoch, first_iteration + offset, fused=True, values=False)
 
     def first_refused(
         self, batches: list[Any], epoch: int, first_iteration: int

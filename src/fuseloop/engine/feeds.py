@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .._fusion import FusionError, chunk_slots, short_batch_error, stack_chunk
+from .._fusion import chunk_slots, short_batch_error, stack_chunk
 from .._placement import device_int
 from .prefetch import ChunkProducer
 from .programs import MIN_SLOTS, kept_order
@@ -186,12 +186,15 @@ class HostFeed:
     def _before_refused(self, batches: list[Any], first: int, error: Exception) -> int:
         """How many of a chunk's batches come before the one fuseloop's checks refuse (the
         unfused loop steps them, then raises there): those are stepped as a short chunk and
-        the refused batch's error is raised by the next pull; the batches pulled after it
-        are held back, unstepped. Raises `error` now where the first batch is refused, or
-        none alone is (the chunk as a whole failed)."""
+        the refused batch's error (which names its leaf, where stacking names a position) is
+        raised by the next pull; the batches pulled after it are held back, unstepped.
+        Raises that error now where the first batch is refused, and `error` where none alone
+        is (the chunk as a whole failed)."""
         good, refused = self.checker.first_refused(batches, self.epoch, first)
-        if refused is None or good == 0:
+        if refused is None:
             raise error
+        if good == 0:
+            raise refused
         self.failed = refused  # that batch's own error: the chunk's may name a later one
         self.pending, self.pending_from = batches[good + 1 :] + self.pending, self.iterator
         return good
@@ -200,12 +203,8 @@ class HostFeed:
         """Checks and stacks a chunk into `max(K, MIN_SLOTS)` slots (a short one into its
         own size where the device loop steps every slot: `chunk_slots`); one transfer."""
         self.checker.chunk(batches, self.epoch, first)
-        try:
-            slots = chunk_slots(self.size or 1, len(batches))
-            stacked = stack_chunk(batches, max(slots, MIN_SLOTS), first)
-        except FusionError:
-            self.checker.explain_chunk(batches, self.epoch, first)
-            raise
+        slots = chunk_slots(self.size or 1, len(batches))
+        stacked = stack_chunk(batches, max(slots, MIN_SLOTS), first)
         self.checker.stacked(stacked, len(batches), self.epoch, first)
         return self.placement.put_chunk(stacked, len(batches))
 
