@@ -129,10 +129,12 @@ def demo(
     began = time.perf_counter()
     state = loop.run(train, epochs=epochs, fuse=parse_fuse(fuse), progress=progress)
     wall = time.perf_counter() - began
+    stopped_by = state.stats.get("signal")  # Ctrl-C (SIGINT) or SIGTERM halted the run
+    interrupted = 143 if stopped_by == "SIGTERM" else 130  # the shell's 128 + signal
     validated = [e for e, row in state.history.items() if "validation_accuracy" in row]
-    if not validated:  # a signal (Ctrl-C) halted the first epoch before its validation
+    if not validated:  # a signal halted the first epoch before its validation
         print("fuseloop demo: interrupted before the first epoch was validated")
-        return 143 if state.stats.get("signal") == "SIGTERM" else 130
+        return interrupted
     accuracy = state.history[validated[-1]]["validation_accuracy"]
     print(
         f"final validation accuracy: {accuracy:.4f} ({state.status} after "
@@ -141,13 +143,12 @@ def demo(
     )
     if target is not None:
         _write_plot(state, target)
-    stopped_by = state.stats.get("signal")  # Ctrl-C (SIGINT) or SIGTERM halted the run
     if stopped_by is not None:
         print(
             f"fuseloop demo: interrupted by {stopped_by}; the accuracy is epoch "
             f"{validated[-1] + 1}'s"
         )
-        return 143 if stopped_by == "SIGTERM" else 130
+        return interrupted
     if accuracy < 0.9:
         print("exit status 1: the validation accuracy is below the demo's bar of 0.9")
         return 1

@@ -127,20 +127,17 @@ def _auto_whole_run(
         run.stats["whole_run"] = "fuse='auto': one epoch or less per dispatch (cost model)"
 
 
-_NO_COUNT = object()
-
-
 def epoch_length(source: Any, iterations: int | None) -> int | None:
     """Batches per epoch where known (a sized re-iterable source, or `iterations`)."""
-    known: list[Any] = [] if iterations is None else [iterations]
+    known: list[int | None] = [] if iterations is None else [iterations]
+    data = source.data
     if not source.one_shot:
         with contextlib.suppress(TypeError):  # an unsized source
             # A Keras-style sequence's wrapper counts its batches (`num_batches`, None
             # where it reads until `iterations=` ends the epoch).
-            count: Any = getattr(source.data, "num_batches", _NO_COUNT)
-            known.append(len(source.data) if count is _NO_COUNT else count)
-    known = [n for n in known if n is not None and n > 0]  # 0 that yields batches: unknown
-    return min(known) if known else None
+            known.append(data.num_batches if hasattr(data, "num_batches") else len(data))
+    lengths = [n for n in known if n is not None and n > 0]  # 0 yielding batches: unknown
+    return min(lengths) if lengths else None
 
 
 def iteration_bound(source: Any, iterations: int | None) -> int | None:

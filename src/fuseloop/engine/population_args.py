@@ -161,6 +161,13 @@ def _record_of(init_state: Any) -> dict[str, Any] | None:
     return init_state.handler_metadata.get(RECORD_KEY)
 
 
+def _member_values(values: Any) -> Any:
+    """A numpy or jax array of per-member values, or a range, as its list."""
+    if isinstance(values, range) or (hasattr(values, "__array__") and np.ndim(values) == 1):
+        return np.asarray(values).tolist()
+    return values
+
+
 def _from_argument(population: Any, program: Any) -> Population:
     base = program_seed(program)
     if is_int(population):
@@ -175,12 +182,7 @@ def _from_argument(population: Any, program: Any) -> Population:
             f"population={population!r} must be a member count (an int >= 1) or a dict of "
             f"per-member lists, e.g. {{'learning_rate': [1e-3, 1e-2], 'seed': [0, 1]}}"
         )
-    # A numpy or jax array of per-member values reads as its list, as does a range.
-    population = {
-        k: np.asarray(v).tolist() if hasattr(v, "__array__") and np.ndim(v) == 1 else v
-        for k, v in population.items()
-    }
-    population = {k: list(v) if isinstance(v, range) else v for k, v in population.items()}
+    population = {k: _member_values(v) for k, v in population.items()}
     lengths = {}
     for key, values in population.items():
         if not isinstance(values, (list, tuple)) or len(values) == 0:
