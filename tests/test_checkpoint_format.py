@@ -375,6 +375,30 @@ def test_a_node_type_defined_in_a_function_is_refused_before_a_save_it_could_not
     assert fl.load_state(tmp_path / "top").step_state == state.step_state
 
 
+@jax.tree_util.register_pytree_node_class
+class Scaled:
+    """A node whose static data (beside its one array) is a numpy scalar."""
+
+    def __init__(self, w: Any, scale: Any):
+        self.w, self.scale = w, scale
+
+    def tree_flatten(self) -> tuple[tuple[Any], Any]:
+        return (self.w,), self.scale
+
+    @classmethod
+    def tree_unflatten(cls, scale: Any, children: Any) -> Scaled:
+        return cls(children[0], scale)
+
+
+@pytest.mark.parametrize("scale", [np.float32(0.5), np.int64(3), np.bool_(True)])
+def test_a_nodes_numpy_scalar_static_data_loads_back(tmp_path, scale):
+    """It was saved, then the load failed ("array index 0 is out of range")."""
+    fl.save_state(fl.State(step_state={"m": Scaled(jnp.ones(2), scale)}), tmp_path / "s")
+    loaded = fl.load_state(tmp_path / "s").step_state["m"]
+    assert type(loaded.scale) is type(scale) and loaded.scale == scale
+    assert loaded.w.tolist() == [1.0, 1.0]
+
+
 def test_a_scripts_own_type_missing_where_it_is_loaded_is_named_with_the_fix(tmp_path):
     # As a training script's own NamedTuple reads in an inference script that lacks it.
     entry = {"node": "__main__:TrainState", "data": None, "children": []}

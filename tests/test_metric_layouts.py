@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -269,6 +270,25 @@ def test_a_built_in_metric_of_a_dict_of_targets_and_weights_names_the_fix(metric
     with pytest.raises(ValueError, match=message):
         loop.run([(x, y)])
     assert fl.trainer(fl.models.mlp([2]), weighted, "sgd").run([(x, y)]).status == "completed"
+
+
+class LabelsAndWeights(NamedTuple):
+    label: Any
+    weight: Any = None
+
+
+def test_a_named_tuple_of_targets_is_described_by_the_arrays_it_holds():
+    """Its None field was counted as an array, and the fix read y_true[0]."""
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    y = LabelsAndWeights((x[:, 0] > 0).astype(np.int32))
+
+    def loss(y_true, logits):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y_true.label).mean()
+
+    loop = fl.trainer(fl.models.mlp([2]), loss, "sgd").metric("accuracy")
+    message = r"y is a LabelsAndWeights of 1 array \(y.label of shape \(16,\)\).*y_true.label,"
+    with pytest.raises(ValueError, match=message):
+        loop.run([(x, y)])
 
 
 def test_an_optax_loss_given_as_is_is_told_its_arguments_are_the_other_way_round():

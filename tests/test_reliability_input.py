@@ -597,3 +597,34 @@ def test_a_used_up_iterator_run_again_is_named_as_one():
     loop.run(batches, counter_init())
     with pytest.raises(ValueError, match=r"one-shot iterator .* already used up"):
         loop.run(batches, counter_init())
+
+
+def test_typed_prng_keys_as_data_are_refused_naming_their_raw_form():
+    """A batch leaf of `jax.random.key`s met numpy's "Cannot interpret 'key<fry>' as a data
+    type" (host batches) or jax's own TypeError (fl.data.arrays, fl.predict)."""
+    keys = jax.random.split(jax.random.key(0), 8)
+    x = np.ones((8, FEATURES), np.float32)
+    y = np.zeros(8, np.int32)
+    fix = r"\['key'\] holds typed PRNG keys .* jax\.random\.key_data\(keys\)"
+    batches = [({"x": x, "key": keys}, y)]
+
+    def step(batch: Any, s: Any) -> Any:
+        keys = jax.random.wrap_key_data(batch[0]["key"])
+        return {"n": s["n"] + 1, "u": s["u"] + jax.vmap(jax.random.uniform)(keys).sum()}
+
+    init = {"n": np.int32(0), "u": np.float32(0)}
+    for fuse in (False, 2):
+        with pytest.raises(ValueError, match=r"batch\[0\]" + fix):
+            fl.loop(step).run(batches, init, fuse=fuse)
+    for device in (False, True):
+        with pytest.raises(ValueError, match="x" + fix):
+            fl.data.arrays({"x": x, "key": keys}, y, batch_size=4, device=device)
+    model = fl.models.from_functions(lambda rng, x: {}, lambda p, x: x["x"])
+    with pytest.raises(ValueError, match="x" + fix):
+        fl.trainer(model, SPARSE, "sgd").run(batches)
+    with pytest.raises(ValueError, match=r"x holds typed PRNG keys"):
+        fl.predict(model, {}, keys, batch_size=4)
+    # Their raw data is a uint32 array like any other.
+    raw = [({"x": x, "key": jax.random.key_data(keys)}, y)] * 3
+    unfused, fused = (fl.loop(step).run(raw, init, fuse=f).step_state for f in (False, 2))
+    assert int(fused["n"]) == 3 and float(fused["u"]) == float(unfused["u"]) > 0

@@ -99,9 +99,28 @@ def refuse_python_list(part: Any, name: str) -> None:
     )
 
 
-def refuse_sparse_matrix(leaf: Any, name: str) -> None:
+def typed_keys_fix(name: str, dtype: Any) -> str:
+    """Why a leaf of typed PRNG keys (`jax.random.key`) cannot be data, and the fix."""
+    return (
+        f"{name} holds typed PRNG keys ({dtype}), which fuseloop cannot check, stack or "
+        f"slice as data (numpy holds no such dtype): pass their raw data, "
+        f"jax.random.key_data(keys), and rebuild the keys in the step with "
+        f"jax.random.wrap_key_data(data)"
+    )
+
+
+def is_typed_keys(dtype: Any) -> bool:
+    """Whether `dtype` is a typed PRNG key's (numpy has no such dtype)."""
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def refuse_unstackable(leaf: Any, name: str) -> None:
     """Refuses a scipy sparse matrix (what sklearn's one-hot and tf-idf encoders return),
-    which numpy reads as one object with no examples axis, naming the dense form."""
+    which numpy reads as one object with no examples axis, naming the dense form; and an
+    array of typed PRNG keys (`typed_keys_fix`)."""
+    dtype = getattr(leaf, "dtype", None)
+    if isinstance(leaf, jax.Array) and is_typed_keys(dtype):
+        raise ValueError(typed_keys_fix(name, dtype))
     sparse = sys.modules.get("scipy.sparse")  # loaded already wherever such a leaf exists
     if sparse is not None and sparse.issparse(leaf):
         raise ValueError(
@@ -283,6 +302,8 @@ def no_device_dtype(tree: Any, name: str, reader: str = "") -> str | None:
                 dtype = np.asarray(leaf).dtype
             except (TypeError, ValueError):  # ragged: the checks of its shape name it
                 continue
+        if is_typed_keys(dtype):
+            return typed_keys_fix(name + jax.tree_util.keystr(path), dtype)
         if held_by_no_device(dtype):
             named = name + jax.tree_util.keystr(path)
             read = f", so {reader} cannot read it" if reader else ""

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._batch_checks import refuse_sparse_matrix
+from ._batch_checks import refuse_unstackable
 from ._batch_sequence import BatchSequence, is_batch_sequence
 from ._warn import warn
 
@@ -316,7 +316,7 @@ def as_host_array(leaf: Any) -> Any:
         dtype = jax.dtypes.canonicalize_dtype(type(leaf))
         if type(leaf) is not int or np.iinfo(dtype).min <= leaf <= np.iinfo(dtype).max:
             return np.asarray(leaf, dtype)
-    refuse_sparse_matrix(leaf, "a leaf of the batch")
+    refuse_unstackable(leaf, "a leaf of the batch")
     tensor = _torch_numpy(leaf)
     return np.asarray(leaf) if tensor is None else tensor
 

@@ -188,7 +188,7 @@ def _encode_node(value: Any, arrays: list[Any], where: str) -> dict[str, Any]:
     children, treedef = _one_level(value)
     node_type, node_data = treedef.node_data()
     try:
-        data = encode(node_data, [], f"{where} (node data)")
+        data = encode(node_data, arrays, f"{where} (node data)")
     except ValueError as err:
         raise ValueError(
             f"{where}={type(value).__name__}: its pytree node data cannot be "
@@ -316,7 +316,7 @@ def _decode_node(encoded, arrays, where):
     if not isinstance(node_type, type):
         raise ValueError(f"{where}: {encoded['node']!r} is not a type")
     children = [decode(c, arrays, f"{where}/{i}") for i, c in enumerate(encoded["children"])]
-    data = decode(encoded["data"], [], where)
+    data = decode(encoded["data"], arrays, where)
     leaf = jax.tree.structure(0)
     try:
         treedef = PyTreeDef.from_node_data_and_children(

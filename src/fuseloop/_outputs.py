@@ -35,7 +35,8 @@ def describe_outputs(y_pred: Any, label: str = "output") -> str | None:
     kind = "dict" if isinstance(y_pred, Mapping) else type(y_pred).__name__
     if not leaves:
         return "None" if y_pred is None else f"an empty {kind} (no arrays)"
-    count = len(y_pred) if isinstance(y_pred, (tuple, list, Mapping)) else len(leaves)
+    items = _items(y_pred)
+    count = len(items) if items is not None else len(leaves)
     shapes = ", ".join(
         f"{label}{jax.tree_util.keystr(path)} of shape {tuple(np.shape(leaf))}"
         for path, leaf in leaves
@@ -43,11 +44,28 @@ def describe_outputs(y_pred: Any, label: str = "output") -> str | None:
     return f"a {kind} of {count} {noun}{'s' if count != 1 else ''} ({shapes})"
 
 
+def _items(y: Any) -> list[str] | None:
+    """How each top-level item of a tuple, list or dict `y` that holds an array is picked
+    (`[0]`, `['key']`, `.field` of a NamedTuple), None-valued items left out; None where
+    `y` is another container."""
+    if isinstance(y, Mapping):
+        pairs = [(f"[{key!r}]", item) for key, item in y.items()]
+    elif isinstance(y, tuple) and hasattr(y, "_fields"):  # a NamedTuple
+        pairs = [(f".{field}", getattr(y, field)) for field in y._fields]
+    elif isinstance(y, (tuple, list)):
+        pairs = [(f"[{i}]", item) for i, item in enumerate(y)]
+    else:
+        return None
+    return [pick for pick, item in pairs if jax.tree.leaves(item)]
+
+
 def _first_output(y_pred: Any, name: str = "y_pred", usual: str = "logits") -> str:
-    """How to pick the first of several outputs: `y_pred[0]` or `y_pred['key']`."""
-    if isinstance(y_pred, Mapping) and y_pred:
-        return f"{name}[{usual if usual in y_pred else next(iter(y_pred))!r}]"
-    return f"{name}[0]"
+    """How to pick the first of several outputs: `y_pred[0]`, `y_pred['key']` (`usual`
+    where there is one) or a NamedTuple's `y_pred.field`."""
+    if isinstance(y_pred, Mapping) and usual in y_pred:
+        return f"{name}[{usual!r}]"
+    items = _items(y_pred)
+    return f"{name}{items[0] if items else '[0]'}"
 
 
 def require_one_prediction(y_pred: Any, kind: str, name: str) -> None:

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from ._arg_types import is_int, refuse_deleted_arrays
-from ._batch_checks import refuse_sparse_matrix
+from ._batch_checks import refuse_unstackable
 from ._data import is_python_number
 from ._graph_batch import rows_of
 from ._metrics import batch_size
@@ -300,7 +300,7 @@ def _require_examples_axis(x: Any) -> None:
     if x is None:
         raise ValueError("x=None: pass the inputs, an array with the examples on axis 0")
     for leaf in jax.tree.leaves(x):
-        refuse_sparse_matrix(leaf, "x")
+        refuse_unstackable(leaf, "x")
     if _is_array(x) and np.ndim(x) == 0:
         raise ValueError(
             f"x: a scalar ({type(x).__name__} of shape ()) holds no examples; pass an array "

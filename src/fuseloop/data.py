@@ -26,7 +26,7 @@ from ._batch_checks import (
     no_device_dtype,
     refuse_per_example_lists,
     refuse_python_list,
-    refuse_sparse_matrix,
+    refuse_unstackable,
 )
 from ._epoch_order import EpochOrder, checked_epoch, order_key
 from ._narrowing import native_copy
@@ -58,7 +58,7 @@ def _leading_size(x: Any, y: Any) -> int:
         raise ValueError("x has no arrays; pass an array or a pytree (e.g. a dict) of arrays")
     sizes = {}
     for name, leaf in x_leaves + _named_leaves(y, "y"):
-        refuse_sparse_matrix(leaf, name)
+        refuse_unstackable(leaf, name)
         shape = np.shape(leaf)
         if len(shape) == 0:
             raise ValueError(
