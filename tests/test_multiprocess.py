@@ -81,7 +81,27 @@ _COMMON = textwrap.dedent("""
 
 
     def params(state):
-        return [np.asarray(leaf).tolist() for leaf in jax.tree.leaves(state.params)]
+        # (An nnx model's params hold its RNG streams' keys: their key data.)
+        return [np.asarray(jax.random.key_data(leaf) if jnp.issubdtype(
+                    leaf.dtype, jax.dtypes.prng_key) else leaf).tolist()
+                for leaf in jax.tree.leaves(state.params)]
+
+
+    def nnx_dropout_run(mesh=None):
+        # An nnx model keeps typed PRNG keys (its dropout stream) in the step state.
+        from flax import nnx
+
+        class Net(nnx.Module):
+            def __init__(self, rngs):
+                self.a, self.b = nnx.Linear(4, 8, rngs=rngs), nnx.Linear(8, 3, rngs=rngs)
+                self.drop = nnx.Dropout(0.3, rngs=rngs)
+
+            def __call__(self, x):
+                return self.b(self.drop(nnx.relu(self.a(x))))
+
+        net = Net(nnx.Rngs(0))
+        loop = fl.trainer(net, "sparse_categorical_cross_entropy", "adam")
+        return loop.run(train, epochs=2, fuse=2, mesh=mesh)
 """)
 
 _UNITS = textwrap.dedent("""
@@ -158,6 +178,15 @@ _UNITS = textwrap.dedent("""
         result[name] = {"params": params(trained), "status": trained.status,
                         "history": {str(k): v for k, v in trained.history.items()},
                         "held": held}
+    nnx_state = nnx_dropout_run(mesh)
+    result["nnx"] = {"params": params(nnx_state), "history": {
+        str(k): v for k, v in nnx_state.history.items()}}
+    auto = trainer.run(train, epochs=3, fuse="auto", mesh=mesh)  # the processes agree on K
+    result["auto"] = {"params": params(auto), "chunk_size": auto.stats["chunk_size"]}
+    try:  # 63 rows: a short last batch of 15, which two devices cannot split
+        trainer.run(resident_source(63, False), epochs=1, mesh=mesh)
+    except ValueError as error:
+        result["odd_short_batch"] = str(error)
     if ENGINE_ASSEMBLES:  # no mesh given: the processes still form one global mesh
         result["auto_mesh"] = params(trainer.run(train, epochs=3, fuse=2))
     with open(os.path.join(out, f"result_{dist.process_index()}.json"), "w") as handle:
@@ -315,6 +344,25 @@ def test_a_host_fed_short_last_batch_is_refused_before_its_epochs_first_batch(mo
     assert len(list(dropped.iter_epoch(0))) == 7
 
 
+def test_host_fed_validation_with_a_short_last_batch_is_refused_before_training(monkeypatch):
+    """Under several processes it was refused at the first epoch's end, after training it:
+    the validation's start checks (at `started`) refuse it as its epoch would."""
+    from fuseloop.handlers.validate import Validator
+
+    x, y = np.zeros((30, 4), np.float32), np.zeros(30, np.int32)
+    model = fl.models.mlp([3])
+    evaluator = fl.evaluator(model, "sparse_categorical_cross_entropy")
+    variables = model.init(jax.random.key(0), x[:1])
+    start = fl.State(step_state={"params": variables})
+    short = fl.data.arrays(x, y, batch_size=16, drop_remainder=False, shuffle=False)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"short last batch \(14 examples") as caught:
+        Validator(evaluator, short).begin(start)
+    assert "validate()'s data" in str(caught.value.__notes__)
+    for whole in (fl.data.arrays(x, y, 15), fl.data.arrays(x, y, 16, drop_remainder=True)):
+        Validator(evaluator, whole).begin(start)  # no short batch: nothing refused
+
+
 def test_predict_after_a_run_over_two_processes_reads_the_replicated_params(two_processes):
     _, seen = two_processes  # it raised JAX's "fully addressable" device_put error
     assert np.shape(seen[0]["predicted"]) == (5, 3)
@@ -463,6 +511,38 @@ def test_a_different_data_order_or_fixed_learning_rate_is_named_before_training(
         assert "'patience': 1}" in refused["patience"] and "'patience': 5}" in refused["patience"]
         assert "configurations: data values (process 0" in refused["values"]
         assert "mesh: under jax.distributed it must span every process" in refused["mesh"]
+
+
+def test_an_nnx_model_with_a_dropout_stream_trains_in_two_processes_as_in_one(
+    two_processes, tmp_path
+):
+    """Its typed PRNG keys met numpy in the configuration check, then device_put."""
+    _, seen = two_processes
+    first, second = (s["nnx"] for s in seen)
+    assert first == second
+    common = _common(tmp_path)
+    reference = common["nnx_dropout_run"]()
+    for mine, theirs in zip(first["params"], common["params"](reference), strict=True):
+        np.testing.assert_allclose(np.asarray(mine), np.asarray(theirs), rtol=1e-5, atol=1e-6)
+    assert list(first["history"]) == ["0", "1"]
+
+
+def test_fuse_auto_picks_one_chunk_size_for_every_process(two_processes):
+    """It timed a probe chunk on each process (and crashed placing it): now nothing is
+    timed, each takes fuse=True's chunk balanced over the epoch of 4 batches."""
+    _, seen = two_processes
+    assert [s["auto"]["chunk_size"] for s in seen] == [4, 4]
+    assert seen[0]["auto"]["params"] == seen[1]["auto"]["params"] == seen[0]["fused"]["params"]
+
+
+def test_a_short_batch_the_devices_cannot_split_is_not_told_to_drop_a_mesh_it_needs(
+    two_processes,
+):
+    _, seen = two_processes
+    for s in seen:
+        message = s["odd_short_batch"]
+        assert "holds 15 examples" in message and "drop_remainder=True" in message, message
+        assert "mesh=None" not in message  # several processes always share one mesh
 
 
 def test_without_a_mesh_the_processes_form_one(two_processes):

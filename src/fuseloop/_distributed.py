@@ -254,9 +254,17 @@ def describe_values(tree: Any) -> str:
         False
     """
     digest = hashlib.sha256()
-    for leaf in jax.device_get(jax.tree.leaves(tree)):  # host sync point: every leaf, once
+    leaves = [_key_data_if_keys(leaf) for leaf in jax.tree.leaves(tree)]
+    for leaf in jax.device_get(leaves):  # host sync point: every leaf, once
         digest.update(np.ascontiguousarray(leaf).tobytes())
     return digest.hexdigest()[:16]
+
+
+def _key_data_if_keys(leaf: Any) -> Any:
+    """Typed PRNG keys (an nnx stream's) as their raw data, which numpy can read."""
+    if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(leaf)
+    return leaf
 
 
 def describe_source(data: Any) -> str:

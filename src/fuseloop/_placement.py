@@ -167,10 +167,20 @@ class Placement:
         ):
             return tree  # already on the device: skip a Python-side device_put
         try:
+            if self._state is not None and jax.process_count() > 1:
+                return jax.tree.map(self._put_replicated, tree)
             return jax.device_put(tree, self._state)
         except TypeError as error:
             _refuse_non_arrays(tree, error)
             raise
+
+    def _put_replicated(self, leaf: Any) -> Any:
+        """One leaf replicated over a mesh of several processes: jax moves typed PRNG keys
+        there only as their raw data, wrapped again once placed."""
+        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            data = jax.device_put(jax.random.key_data(leaf), self._state)
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf))
+        return jax.device_put(leaf, self._state)
 
     @property
     def replicated(self) -> Any:
@@ -194,6 +204,13 @@ class Placement:
         if batch_size % self.n_shards:
             if short:
                 d = self.n_shards
+                # Several processes always share one global mesh: mesh=None is that one.
+                one_device = (
+                    ", or run without the mesh (mesh=None: one device takes a batch of any "
+                    "size, so an evaluation counts every example)"
+                    if jax.process_count() == 1
+                    else ""
+                )
                 raise ValueError(
                     f"mesh: the dataset's short last batch (drop_remainder=False) holds "
                     f"{batch_size} examples, which do not divide over the {d} devices of the "
@@ -201,9 +218,8 @@ class Placement:
                     f"divides over the devices only where the dataset's size does: only a "
                     f"dataset of a multiple of {d} examples keeps them all on this mesh. Trim "
                     f"the dataset to one (or pad it, with the padding weighed out of the loss "
-                    f"and metrics), pass drop_remainder=True (the short batch is left out), "
-                    f"or run without the mesh (mesh=None: one device takes a batch of any "
-                    f"size, so an evaluation counts every example)"
+                    f"and metrics) or pass drop_remainder=True (the short batch is left "
+                    f"out){one_device}"
                 )
             raise ValueError(
                 f"mesh: the dataset's batch size {batch_size} does not divide over the "

@@ -209,8 +209,10 @@ class ChunkDecision:
         wanted: The K that meets the tolerance before any cap.
         memory_cap: The largest K whose stacked chunk fits the budget.
         bound: What decided K: "tolerance", "memory budget", "max_chunk", "epoch length",
-            or "side effects" (a step with callbacks is not timed: K is `fuse=True`'s 32,
-            balanced to the epoch).
+            "side effects" (a step with callbacks is not timed: K is `fuse=True`'s 32,
+            balanced to the epoch) or "several processes" (under jax.distributed nothing
+            is timed either: each process's timing could pick another K, and every process
+            must run the same programs).
 
     Example:
         >>> step_state = loop.run(batches).step_state
@@ -267,7 +269,8 @@ def decide_chunk_size(
     timings = _timings(programs, step_state, first_batch, placement, memory_cap)
     if timings is None:  # not timed: fuse=True's chunk
         k = max(1, min(_balance(DEFAULT_CHUNK, epoch_length), cap))
-        bound = cap_name if cap < DEFAULT_CHUNK else "side effects"
+        untimed = "side effects" if jax.process_count() == 1 else "several processes"
+        bound = cap_name if cap < DEFAULT_CHUNK else untimed
         return ChunkDecision(k, None, None, DEFAULT_CHUNK, memory_cap, bound)
     step, overhead = timings
     wanted = max(1, math.ceil(overhead / (tolerance * step)))
@@ -308,7 +311,7 @@ def epochs_per_dispatch(
     if epoch_length > min(memory_cap, max_chunk):
         return 1
     timings = _timings(programs, step_state, first_batch, placement, memory_cap)
-    if timings is None:  # a step with side effects is not timed: chunks within the epoch
+    if timings is None:  # not timed (side effects, processes): chunks within the epoch
         return 1
     step, overhead = timings
     wanted = max(1, math.ceil(overhead / (tolerance * step)))
@@ -319,7 +322,9 @@ def _timings(
     programs: Programs, step_state: Any, batch: Any, placement: Any, memory_cap: int
 ) -> tuple[float, float] | None:
     """`(step_s, overhead_s)`, measured once per loop, batch signature and mesh (None: the
-    step has side effects and is not timed)."""
+    step has side effects, or the run has several processes, and is not timed)."""
+    if jax.process_count() > 1:  # each process's own timing could choose another K
+        return None
     key = (device_signature(batch), id(getattr(placement, "mesh", None)))
     if key not in programs.cache.probe:
         copies = max(2, min(PROBE_COPIES, memory_cap))

@@ -20,6 +20,7 @@ from .._events import Event, normalize_event
 from .._fusion import FusionError, resolve_fuse
 from .._metrics import VALIDATION_PREFIX, MetricSpec, batch_size
 from .._population import silence_stopped
+from .._shards import refuse_short_batch
 from .._state import State
 from .._types import Status
 from .._variables_diff import UNWRAPPED
@@ -203,6 +204,13 @@ class Validator:
         before the first epoch trains, not after it. A callable's batches are only seen
         when the validation runs; a population's members are checked then too.
         """
+        short = getattr(self.data, "short_batch", 0) if _in_arrays(self.data) else 0
+        if short and not getattr(self.data, "resident", False):
+            try:  # under several processes: what its first epoch would raise
+                refuse_short_batch(short, self.data.batch_size)
+            except ValueError as error:
+                _note_validation(error, "the evaluator's start checks of")
+                raise
         first = _first_batch(self.data)
         params = variables_given(state, "init_state")  # an equinox module kept as params too
         if first is None or params is None or state.population is not None:
