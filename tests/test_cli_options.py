@@ -144,6 +144,26 @@ def test_launch_errors_name_its_options_under_its_own_usage(argv, named, capsys)
     assert "count=" not in err and "grace=" not in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "script", "args"),
+    [
+        (["t.py", "--", "-5"], "t.py", ["--", "-5"]),  # its `--` was swallowed
+        (["t.py", "a", "--", "b"], "t.py", ["a", "--", "b"]),
+        (["--", "t.py", "-x"], "t.py", ["-x"]),  # the usual end of launch's options
+        (["t.py", "-n", "3", "--port", "5"], "t.py", ["-n", "3", "--port", "5"]),
+    ],
+)
+def test_launch_passes_the_scripts_arguments_as_they_are(argv, script, args, monkeypatch):
+    import fuseloop._launch
+
+    started = []
+    monkeypatch.setattr(
+        fuseloop._launch, "launch", lambda n, path, rest, **options: started.append((path, rest))
+    )
+    cli.main(["launch", "-n", "2", *argv])
+    assert started == [(script, args)]
+
+
 def test_the_demos_epoch_lines_include_the_epoch_early_stopping_halts_at(capsys):
     import numpy as np
 

@@ -117,8 +117,14 @@ def _add_launch(commands: Any) -> None:
         help="seconds between SIGTERM and SIGKILL when stopping the other "
         "processes after one failed (default: 5)",
     )
-    launch.add_argument("script", nargs="?", help="the Python script to run")
-    launch.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    # One REMAINDER for the script and its arguments: a `script` positional of its own
+    # swallowed a `--` that followed it (`launch -n 2 train.py -- -5` ran `train.py -5`).
+    launch.add_argument(
+        "script_and_args",
+        nargs=argparse.REMAINDER,
+        metavar="script [args ...]",
+        help="the Python script to run, then its own arguments, passed as they are",
+    )
     launch.set_defaults(subparser=launch)
 
 
@@ -173,13 +179,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from ._launch import launch
 
-    if args.script is None:
+    command = list(args.script_and_args)
+    if command[:1] == ["--"]:  # `launch -n 2 -- train.py`: the usual end of options
+        command = command[1:]
+    if not command:
         parser.error("the following arguments are required: script")
+    script, script_args = command[0], command[1:]
     options = {} if args.failure_timeout is None else {"failure_timeout": args.failure_timeout}
     try:
-        return launch(
-            args.nprocs, args.script, args.args, port=args.port, grace=args.grace, **options
-        )
+        return launch(args.nprocs, script, script_args, port=args.port, grace=args.grace, **options)
     except KeyboardInterrupt:  # the processes were stopped (`_launch.launch`)
         print("[launch] interrupted: the processes were stopped", file=sys.stderr)
         return 130
