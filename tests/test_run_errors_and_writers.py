@@ -173,6 +173,17 @@ def test_a_metric_written_at_the_last_iteration_started_is_replaced() -> None:
     assert states[0].history == plain.history
 
 
+def test_a_metric_written_at_iteration_completed_stands_at_the_next_iteration_started() -> None:
+    """No step runs between them: the next iteration_started saw the loop's loss again."""
+    seen: list[Any] = []
+    loop = BASE.handle_event("iteration_completed", _writer(lambda s: s.iteration == 3))
+    loop = loop.handle_event(
+        "iteration_started", lambda s: seen.append(s.metrics["loss"]) if s.iteration == 4 else None
+    )
+    _same(_runs(loop))
+    assert seen == [123.0] * 2 * len(FUSES)
+
+
 def test_a_new_metric_a_handler_writes_stays() -> None:
     extra = _writer(lambda s: s.iteration == 3, 7.0, key="extra")
     states = _runs(BASE.handle_event("iteration_completed", extra))

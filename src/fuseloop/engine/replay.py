@@ -113,6 +113,12 @@ class EpochReplay:
     def _fire(
         self, event: Event, state: Any, i: int, metrics: Metrics, live: bool, stamp: int
     ) -> tuple[str, Any]:
+        """Fires `event` with the metrics of step `stamp` merged into the State's, unless
+        an earlier firing merged them already (an `iteration_started` after the previous
+        step's `iteration_completed`): what its handlers wrote since stands (last writer
+        wins), as the loop has computed nothing new."""
+        if stamp <= self.merged_through:
+            metrics = _no_metrics
         status, fired = self.handoff.fire_iteration(event, state, i, metrics, live)
         if fired is not state:
             self.merged_through = stamp
