@@ -225,3 +225,11 @@ def test_a_custom_loop_given_text_or_records_names_the_leaf_and_the_fix(fuse):
     # Run eagerly, the step gets the leaves as they are (it may read them on the host).
     eager = fl.loop(step).run([(X[:8], records)] * 2, {"loss": jnp.zeros(())}, jit=False)
     assert float(eager.step_state["loss"]) == pytest.approx(2 * float(X[:8].sum()))
+
+
+def test_state_replace_of_params_names_the_step_state_it_is_read_from():
+    state = fl.State(step_state={"params": {"w": 1.0}, "opt_state": ()})
+    with pytest.raises(ValueError, match=r"unknown fields \['params'\].*step_state=\{\*\*state"):
+        state.replace(params={"w": 2.0})
+    with pytest.raises(ValueError, match=r"unknown fields \['loss'\]; accepted: [a-z_, ]+$"):
+        state.replace(loss=1.0)

@@ -83,7 +83,8 @@ def normalize_event(event: Any, argument: str = "event") -> Event:
 
 @dataclass(frozen=True)
 class Filter:
-    """When a handler fires, as a function of the event's count (1-based, per run).
+    """When a handler fires, as a function of the event's count (1-based; a resumed run
+    goes on from the saved count).
 
     `every=n` fires on counts 1, n+1, 2n+1, ...; `before=n` on counts < n; `after=n` on
     counts > n; `once=n` on count n only. Keys combine with AND. A `predicate` (a callable

@@ -134,9 +134,15 @@ class State:
         names = _field_names(type(self))
         if not names.issuperset(changes):
             unknown = sorted(set(changes) - names)
+            params = (
+                "; params is read from the step state: state.replace(step_state={"
+                "**state.step_state, 'params': new_params})"
+                if "params" in changes
+                else ""
+            )
             raise ValueError(
                 f"State.replace got unknown fields {unknown}; accepted: "
-                f"{', '.join(f.name for f in dataclasses.fields(self))}"
+                f"{', '.join(f.name for f in dataclasses.fields(self))}{params}"
             )
         # A shallow copy with the changes: what dataclasses.replace does for a State (no
         # __post_init__, no init-only fields), without re-running __init__ - the loop
