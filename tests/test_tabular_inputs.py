@@ -56,6 +56,21 @@ def test_a_scipy_sparse_matrix_is_refused_with_its_dense_form_named():
     assert np.isfinite(dense.metrics["loss"])
 
 
+def test_a_jax_sparse_array_is_refused_where_fuseloop_slices_examples():
+    """A BCOO's leaves are its non-zeros and their indices: fl.data.arrays took a diagonal
+    matrix of 48 non-zeros for 48 examples and batched its non-zeros."""
+    from jax.experimental import sparse
+
+    x = np.zeros((len(X), len(X)), np.float32)
+    np.fill_diagonal(x, 1.0)
+    bcoo = sparse.BCOO.fromdense(x)
+    assert bcoo.data.shape[0] == len(Y)  # as many non-zeros as examples: it was taken
+    with pytest.raises(ValueError, match=r"x\['ids'\] is a jax.experimental.sparse BCOO .*dense"):
+        fl.data.arrays({"ids": bcoo}, Y, batch_size=16)
+    with pytest.raises(ValueError, match=r"x is a jax.experimental.sparse BCOO"):
+        fl.predict(MODEL, MODEL.init(jax.random.PRNGKey(0), X[:1]), bcoo)
+
+
 @pytest.mark.parametrize(
     "loss, y",
     [

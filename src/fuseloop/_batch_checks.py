@@ -4,7 +4,6 @@ sizes, dtypes no device holds, and the signatures batches are compared by (used 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,6 +11,7 @@ import jax
 import numpy as np
 
 from ._graph_batch import check_rows_of_a_mixed_x, graph_like
+from ._unsliceable import is_typed_keys, typed_keys_fix
 
 __all__ = [
     "check_pair_sizes",
@@ -97,39 +97,6 @@ def refuse_python_list(part: Any, name: str) -> None:
         f"{path} is a Python {kind} of numbers; pass an array with the examples on axis 0, "
         f"e.g. np.asarray({path}, np.float32) (integer labels: np.int32)"
     )
-
-
-def typed_keys_fix(name: str, dtype: Any) -> str:
-    """Why a leaf of typed PRNG keys (`jax.random.key`) cannot be data, and the fix."""
-    return (
-        f"{name} holds typed PRNG keys ({dtype}), which fuseloop cannot check, stack or "
-        f"slice as data (numpy holds no such dtype): pass their raw data, "
-        f"jax.random.key_data(keys), and rebuild the keys in the step with "
-        f"jax.random.wrap_key_data(data)"
-    )
-
-
-def is_typed_keys(dtype: Any) -> bool:
-    """Whether `dtype` is a typed PRNG key's (numpy has no such dtype)."""
-    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def refuse_unstackable(leaf: Any, name: str) -> None:
-    """Refuses a scipy sparse matrix (what sklearn's one-hot and tf-idf encoders return),
-    which numpy reads as one object with no examples axis, naming the dense form; and an
-    array of typed PRNG keys (`typed_keys_fix`)."""
-    dtype = getattr(leaf, "dtype", None)
-    if isinstance(leaf, jax.Array) and is_typed_keys(dtype):
-        raise ValueError(typed_keys_fix(name, dtype))
-    sparse = sys.modules.get("scipy.sparse")  # loaded already wherever such a leaf exists
-    if sparse is not None and sparse.issparse(leaf):
-        raise ValueError(
-            f"{name} is a scipy sparse matrix ({type(leaf).__name__} of shape "
-            f"{getattr(leaf, 'shape', '?')}); fuseloop trains on dense arrays: convert it "
-            f"with .toarray() (one too large to densify whole can be densified batch by "
-            f"batch, by a generator of (x[i:i + b].toarray(), y[i:i + b]) batches over "
-            f"x = x.tocsr())"
-        )
 
 
 def refuse_per_example_lists(x: Any, y: Any, sizes: dict[str, int]) -> None:

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._batch_checks import refuse_unstackable
 from ._batch_sequence import BatchSequence, is_batch_sequence
+from ._unsliceable import refuse_unstackable
 from ._warn import warn
 
 __all__ = ["as_host_array", "as_source", "own_copy", "Source", "warn_left_out"]

@@ -19,7 +19,6 @@ import jax
 import numpy as np
 
 from ._arg_types import is_int, refuse_deleted_arrays
-from ._batch_checks import refuse_unstackable
 from ._data import is_python_number
 from ._graph_batch import rows_of
 from ._metrics import batch_size
@@ -27,6 +26,7 @@ from ._model_fit import ModelFit, abstract
 from ._narrowing import Narrowing, native_order
 from ._predict_inputs import host, inputs_of_source
 from ._predict_outputs import LIST_READ, joined, require_rows, require_rows_follow
+from ._unsliceable import refuse_jax_sparse, refuse_unstackable
 from ._variables_diff import member_axis
 from .engine.conv_layout import named
 from .models import as_model, variables_given
@@ -299,6 +299,7 @@ def _require_examples_axis(x: Any) -> None:
     """Raises a ValueError for an `x` that cannot hold examples: None, or a scalar."""
     if x is None:
         raise ValueError("x=None: pass the inputs, an array with the examples on axis 0")
+    refuse_jax_sparse(x, "x")
     for leaf in jax.tree.leaves(x):
         refuse_unstackable(leaf, "x")
     if _is_array(x) and np.ndim(x) == 0:

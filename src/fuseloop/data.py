@@ -22,15 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._arg_types import is_int
-from ._batch_checks import (
-    no_device_dtype,
-    refuse_per_example_lists,
-    refuse_python_list,
-    refuse_unstackable,
-)
+from ._batch_checks import no_device_dtype, refuse_per_example_lists, refuse_python_list
 from ._epoch_order import EpochOrder, checked_epoch, order_key
 from ._narrowing import native_copy
 from ._shards import local_indices, place_rows, refuse_short_batch
+from ._unsliceable import refuse_jax_sparse, refuse_unstackable
 
 __all__ = ["arrays", "ArraySource"]
 
@@ -53,6 +49,7 @@ def _leading_size(x: Any, y: Any) -> int:
     """The shared leading-axis length of every leaf of `x` and `y`, or a ValueError."""
     for name, part in (("x", x), ("y", y)):
         refuse_python_list(part, name)
+        refuse_jax_sparse(part, name)
     x_leaves = _named_leaves(x, "x")
     if not x_leaves:
         raise ValueError("x has no arrays; pass an array or a pytree (e.g. a dict) of arrays")

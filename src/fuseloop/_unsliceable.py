@@ -1,0 +1,65 @@
+"""Data fuseloop cannot slice by example or stack into a chunk, refused where it is given
+with the form that works: scipy and jax sparse matrices (their arrays hold non-zeros, not
+examples) and typed PRNG keys (numpy holds no such dtype)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import jax
+
+__all__ = ["is_typed_keys", "refuse_jax_sparse", "refuse_unstackable", "typed_keys_fix"]
+
+
+def refuse_jax_sparse(part: Any, name: str) -> None:
+    """Refuses a `jax.experimental.sparse` array (BCOO, BCSR) in data that fuseloop slices
+    by example: its leaves are its stored values and their indices, so slicing them would
+    take batches of non-zeros, not of examples."""
+    sparse = sys.modules.get("jax.experimental.sparse")  # loaded wherever such a leaf exists
+    if sparse is None:
+        return
+    found = jax.tree_util.tree_flatten_with_path(
+        part, is_leaf=lambda node: isinstance(node, sparse.JAXSparse)
+    )[0]
+    for path, leaf in found:
+        if isinstance(leaf, sparse.JAXSparse):
+            raise ValueError(
+                f"{name}{jax.tree_util.keystr(path)} is a jax.experimental.sparse "
+                f"{type(leaf).__name__} of shape {leaf.shape}, whose arrays hold its "
+                f"non-zeros, not its examples: pass it dense (.todense()), or densify it "
+                f"batch by batch in a generator of (x[i:i + b].todense(), y[i:i + b])"
+            )
+
+
+def typed_keys_fix(name: str, dtype: Any) -> str:
+    """Why a leaf of typed PRNG keys (`jax.random.key`) cannot be data, and the fix."""
+    return (
+        f"{name} holds typed PRNG keys ({dtype}), which fuseloop cannot check, stack or "
+        f"slice as data (numpy holds no such dtype): pass their raw data, "
+        f"jax.random.key_data(keys), and rebuild the keys in the step with "
+        f"jax.random.wrap_key_data(data)"
+    )
+
+
+def is_typed_keys(dtype: Any) -> bool:
+    """Whether `dtype` is a typed PRNG key's (numpy has no such dtype)."""
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def refuse_unstackable(leaf: Any, name: str) -> None:
+    """Refuses a scipy sparse matrix (what sklearn's one-hot and tf-idf encoders return),
+    which numpy reads as one object with no examples axis, naming the dense form; and an
+    array of typed PRNG keys (`typed_keys_fix`)."""
+    dtype = getattr(leaf, "dtype", None)
+    if isinstance(leaf, jax.Array) and is_typed_keys(dtype):
+        raise ValueError(typed_keys_fix(name, dtype))
+    sparse = sys.modules.get("scipy.sparse")  # loaded already wherever such a leaf exists
+    if sparse is not None and sparse.issparse(leaf):
+        raise ValueError(
+            f"{name} is a scipy sparse matrix ({type(leaf).__name__} of shape "
+            f"{getattr(leaf, 'shape', '?')}); fuseloop trains on dense arrays: convert it "
+            f"with .toarray() (one too large to densify whole can be densified batch by "
+            f"batch, by a generator of (x[i:i + b].toarray(), y[i:i + b]) batches over "
+            f"x = x.tocsr())"
+        )
