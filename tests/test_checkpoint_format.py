@@ -399,6 +399,15 @@ def test_a_nodes_numpy_scalar_static_data_loads_back(tmp_path, scale):
     assert loaded.w.tolist() == [1.0, 1.0]
 
 
+def test_an_earlier_saves_node_data_is_not_read_from_this_saves_arrays(tmp_path):
+    """An earlier version wrote a node's numpy scalar as an index into a list it dropped:
+    read from the save's own arrays, index 0 loaded another leaf as the node's data."""
+    node = f"{Scaled.__module__}:Scaled"
+    entry = {"node": node, "data": {"numpy_scalar": 0}, "children": [{"jax": 0}]}
+    with pytest.raises(ValueError, match=r"saved by an earlier fuseloop.* save the state again"):
+        fl.load_state(_crafted(tmp_path, entry))
+
+
 def test_a_scripts_own_type_missing_where_it_is_loaded_is_named_with_the_fix(tmp_path):
     # As a training script's own NamedTuple reads in an inference script that lacks it.
     entry = {"node": "__main__:TrainState", "data": None, "children": []}

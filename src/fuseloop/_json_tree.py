@@ -197,6 +197,8 @@ def _encode_node(value: Any, arrays: list[Any], where: str) -> dict[str, Any]:
     return {
         "node": type_name(node_type, where),
         "data": data,
+        # Its numpy scalars are in the save's arrays (a save without the flag dropped them).
+        "data_in_arrays": True,
         "children": [encode(c, arrays, f"{where}/{i}") for i, c in enumerate(children)],
     }
 
@@ -316,7 +318,17 @@ def _decode_node(encoded, arrays, where):
     if not isinstance(node_type, type):
         raise ValueError(f"{where}: {encoded['node']!r} is not a type")
     children = [decode(c, arrays, f"{where}/{i}") for i, c in enumerate(encoded["children"])]
-    data = decode(encoded["data"], arrays, where)
+    if encoded.get("data_in_arrays"):
+        data = decode(encoded["data"], arrays, where)
+    else:
+        try:
+            data = decode(encoded["data"], [], where)
+        except ValueError as err:
+            raise ValueError(
+                f"{where}: the static data of its {encoded['node']!r} node was saved by an "
+                f"earlier fuseloop, which wrote no array of it (a numpy scalar), so this save "
+                f"cannot rebuild the node ({err}); save the state again with this version"
+            ) from None
     leaf = jax.tree.structure(0)
     try:
         treedef = PyTreeDef.from_node_data_and_children(
