@@ -221,7 +221,7 @@ def test_report_counts_an_epoch_fused_and_unfused() -> None:
     assert result.chunk_size == 4 and result.iterations == 8
     assert result.fused["dispatches"] == 2 and result.unfused["dispatches"] == 8
     assert result.fused["h2d_transfers"] == 2
-    assert result.fused["h2d_bytes"] == 2 * (4 * size + 4)
+    assert result.fused["h2d_bytes"] == 2 * 4 * size  # a chunk's count moves no bytes
     assert result.unfused["h2d_bytes"] == result.unfused["h2d_transfers"] * size
     assert result.fused["compiles"] >= 1
     assert result.step_fusions >= 1 and result.chunk_fusions >= 1
@@ -317,6 +317,17 @@ def test_the_diagnostics_name_bad_inputs_as_a_run_does() -> None:
         diagnostics.choose_chunk_size(evaluator, None, (x, y))
 
 
+def test_an_evaluators_chunk_size_is_decided_from_what_its_run_takes():
+    """The variables it evaluates (or the State), as the refusal of None advises: they
+    were refused as not fitting the model."""
+    x, y = _batches(1)[0]
+    model = fl.models.mlp([3])
+    evaluator = fl.evaluator(model, "sparse_categorical_cross_entropy")
+    state = fl.trainer(model, "sparse_categorical_cross_entropy", "sgd").run([(x, y)])
+    for given in (state.params, state):
+        assert diagnostics.choose_chunk_size(evaluator, given, (x, y), epoch_length=3) == 3
+
+
 def test_auto_does_not_time_a_step_with_side_effects():
     """The probe behind fuse="auto" runs some 50 steps on copies of the first batch: a
     step's callback (a per-step logger) saw them as training steps. Such a step is not
@@ -334,3 +345,14 @@ def test_auto_does_not_time_a_step_with_side_effects():
     decision = fl.diagnostics.decide_chunk_size(loop, state.step_state, _batches(1)[0])
     assert (decision.bound, decision.step_us, decision.chunk_size) == ("side effects", None, 32)
     assert len(seen) == 80  # deciding ran nothing either
+
+
+def test_diagnostics_run_under_a_guard_on_host_to_device_transfers():
+    """As a run does: their own values (a fresh init's key, the accumulators) were moved
+    implicitly, and jax refused them."""
+    batches = _batches(4)
+    loop = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "sgd")
+    with jax.transfer_guard_host_to_device("disallow"):
+        decision = diagnostics.decide_chunk_size(loop, None, batches[0], epoch_length=4)
+        found = diagnostics.report(loop, batches, fuse=2, reps=1)
+    assert decision.chunk_size == 4 and found.chunk_size == 2

@@ -78,8 +78,8 @@ def decide_chunk_size(
 
     Args:
         loop: The Loop being run.
-        step_state: The initial step state (only read, never donated); None: the loop's
-            own fresh one, as `run(data)` starts from.
+        step_state: The initial step state (only read, never donated), None for the
+            loop's own fresh one; an evaluator's: the variables (or State) its run takes.
         first_batch: A batch (no data is consumed).
         placement: A run's placement (its mesh, if any, is used for the probe).
         budget_bytes: Memory budget for one stacked chunk.
@@ -150,8 +150,9 @@ class Report:
         chunk_size: K of the fused run.
         iterations: Steps per epoch.
         fused: Counters of one fused epoch: dispatches, host_syncs, h2d_transfers,
-            h2d_bytes, compiles (in the run that compiled it), us_per_iteration; over a
-            device-resident source also dataset_bytes, what its one transfer moves.
+            h2d_bytes, compiles (in the report's first run: 0 for a loop that ran before),
+            us_per_iteration; over a device-resident source also dataset_bytes, what its
+            one transfer moves (a fresh one's first batch read is one more host sync).
         unfused: The same for `fuse=False`.
         step_fusions: XLA fusions in the compiled single step.
         chunk_fusions: XLA fusions in the compiled fused chunk program.
@@ -233,7 +234,8 @@ def _program_fusions(
     lowering them again compiles nothing new.
     """
     programs = Programs(loop)
-    tail = init_tail(loop.metrics, loop.guard_nonfinite)
+    with jax.transfer_guard("allow"):  # the library's own accumulators, not the caller's data
+        tail = init_tail(loop.metrics, loop.guard_nonfinite)
     one = np.int32(1)
     step_text = programs.unfused().lower(step_state, tail, batch, one).compile().as_text()
     chunk = jax.tree.map(
@@ -332,7 +334,7 @@ def _epoch_counters(
 ) -> tuple[dict[str, float], dict[str, float]]:
     """The fused and the unfused run's counters per epoch, with the bytes they moved."""
     batch_bytes = auto_chunk.nbytes(batch)
-    fused = _counters(fused_state, k * batch_bytes + 4)  # + the chunk's int32 count
+    fused = _counters(fused_state, k * batch_bytes)  # (its count is a device scalar)
     unfused = _counters(unfused_state, batch_bytes)
     if getattr(data, "resident", False):
         # A device-resident source moves the dataset once, in whichever run first used it

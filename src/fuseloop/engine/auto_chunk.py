@@ -85,7 +85,8 @@ def checked_programs(loop: Any, step_state: Any, first_batch: Any) -> tuple[Prog
     model library's, and an empty batch is named."""
     from .._checks import Checker
 
-    if isinstance(step_state, State):
+    evaluator = loop.program.kind == "evaluator"
+    if isinstance(step_state, State) and not evaluator:
         raise ValueError(
             "step_state: expected the step state a run starts from, got a State: pass "
             "state.step_state (or None for the loop's own fresh one)"
@@ -96,7 +97,10 @@ def checked_programs(loop: Any, step_state: Any, first_batch: Any) -> tuple[Prog
         raise ValueError("first_batch: holds no examples; pass a batch of the data")
     checker = Checker(programs.loop.program, programs.cache.verdicts)
     checker.first(first_batch)
-    step_state = _fresh_if_none(loop, step_state, first_batch)
+    if evaluator:
+        step_state = _evaluated(loop, step_state, first_batch)
+    else:
+        step_state = _fresh_if_none(loop, step_state, first_batch)
     checker.variables(step_state)
     return programs, step_state
 
@@ -106,18 +110,26 @@ def _fresh_if_none(loop: Any, step_state: Any, first_batch: Any) -> Any:
     trainer's fresh variables and optimizer state; a custom loop's `init_fn`'s)."""
     if step_state is not None:
         return step_state
-    if loop.program.kind == "evaluator":
-        raise ValueError(
-            "step_state=None: an evaluator has no step state of its own; pass the trained "
-            "variables it evaluates (state.params)"
-        )
-    made = loop.program.init(first_batch, None)
+    with jax.transfer_guard("allow"):  # a fresh init's own values (its key), as a run's
+        made = loop.program.init(first_batch, None)
     if made is None:
         raise ValueError(
             "step_state=None: this loop makes no step state of its own (fl.loop without "
             "init_fn); pass the one its runs start from"
         )
     return made
+
+
+def _evaluated(loop: Any, variables: Any, first_batch: Any) -> Any:
+    """An evaluator's step state for the variables (or State) its run would be given."""
+    if isinstance(variables, State):
+        variables = variables.params
+    if variables is None:
+        raise ValueError(
+            "step_state=None: an evaluator has no step state of its own; pass the trained "
+            "variables it evaluates (state.params, or the State), as its run takes them"
+        )
+    return loop.program.init(first_batch, variables)
 
 
 def _shardings(placement: Any) -> tuple[Any, Any]:
