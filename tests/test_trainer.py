@@ -373,3 +373,21 @@ def test_max_in_flight_does_not_change_results(max_in_flight):
     assert_runs_identical(
         MLP_LOOP.run(DATA, epochs=2), MLP_LOOP.run(DATA, epochs=2, max_in_flight=max_in_flight)
     )
+
+
+@pytest.mark.parametrize("device", [False, True])
+def test_max_in_flight_makes_the_host_wait_for_queued_unfused_steps(device, monkeypatch):
+    """On device-resident data the unfused steps were never throttled."""
+    x = np.concatenate([b[0] for b in DATA])
+    y = np.concatenate([b[1] for b in DATA])
+    data = fl.data.arrays(x, y, batch_size=len(DATA[0][1]), shuffle=False, device=device)
+    waits = []
+    wait = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda tree: waits.append(1) or wait(tree))
+
+    def waited(max_in_flight: int) -> int:
+        waits.clear()
+        MLP_LOOP.run(data, max_in_flight=max_in_flight)
+        return len(waits)
+
+    assert waited(1) - waited(1000) >= len(DATA) - 1

@@ -83,7 +83,10 @@ class State:
         stats: Dispatch/sync/transfer/compile counters of the current run. `compiles`
             counts the step programs it traced (chunk, unfused step, resident, multi-epoch
             dispatch), not the small ones around them (the initial state, zeroed
-            accumulators, an epoch's order): a second run of a loop counts 0.
+            accumulators, an epoch's order): a second run of a loop counts 0. `validate`'s
+            evaluator runs (outside a multi-epoch dispatch) are runs of their own,
+            counted in none of these.
+            `h2d_transfers` counts chunks prepared (those prepared ahead of a halt too).
 
     Example:
         >>> s = State()

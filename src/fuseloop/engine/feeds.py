@@ -258,9 +258,11 @@ class ResidentFeed:
         placement: Any,
         programs: Any,
         start_epoch: int,
+        max_in_flight: int,
     ):
         self.source, self.programs = source, programs
         self.size, self.live = (1 if size is None else size), size is None
+        self.max_in_flight = max_in_flight  # unfused steps queued before the host waits
         self.ahead = not self.live
         self.depth = 2 if self.ahead else 0  # preparing a chunk only names its program
         # Over a mesh the dataset is split along its example axis and each gathered chunk
@@ -339,6 +341,7 @@ class ResidentFeed:
             name_steps(error, self.counted_epoch - 1, prepared)
             raise
         if self.live:
+            carry.throttle(self.max_in_flight)
             return ChunkResult(prepared.first, 1, None, None, prepared.exhausted)
         return ChunkResult(
             prepared.first,

@@ -238,6 +238,7 @@ class Run:
                 placement=self.placement,
                 programs=self.programs,
                 start_epoch=self.start_epoch,
+                max_in_flight=self.max_in_flight,
             )
         return HostFeed(
             self.source,
