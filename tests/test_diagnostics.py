@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import fuseloop as fl
 from fuseloop import diagnostics
@@ -326,6 +327,11 @@ def test_an_evaluators_chunk_size_is_decided_from_what_its_run_takes():
     state = fl.trainer(model, "sparse_categorical_cross_entropy", "sgd").run([(x, y)])
     for given in (state.params, state):
         assert diagnostics.choose_chunk_size(evaluator, given, (x, y), epoch_length=3) == 3
+    found = diagnostics.report(evaluator, _batches(4), "auto", init_state=state.params, reps=1)
+    assert found.auto is not None and found.auto.chunk_size == 4
+    module = nnx.Linear(FEATURES, 3, rngs=nnx.Rngs(0))  # its run takes the module itself
+    nnx_evaluator = fl.evaluator(module, "sparse_categorical_cross_entropy")
+    assert diagnostics.choose_chunk_size(nnx_evaluator, module, (x, y), epoch_length=3) == 3
 
 
 def test_auto_does_not_time_a_step_with_side_effects():
@@ -356,3 +362,8 @@ def test_diagnostics_run_under_a_guard_on_host_to_device_transfers():
         decision = diagnostics.decide_chunk_size(loop, None, batches[0], epoch_length=4)
         found = diagnostics.report(loop, batches, fuse=2, reps=1)
     assert decision.chunk_size == 4 and found.chunk_size == 2
+    # A custom loop's init_fn is the user's code: its own implicit transfer is refused, as
+    # in a run (the diagnostics allow only the trainer's).
+    custom = fl.loop(lambda b, s: s, lambda b, seed: {"n": jax.numpy.asarray(np.zeros(2))})
+    with jax.transfer_guard_host_to_device("disallow"), pytest.raises(Exception, match="ransfer"):
+        diagnostics.decide_chunk_size(custom, None, batches[0], epoch_length=4)

@@ -149,10 +149,9 @@ class Report:
     Attributes:
         chunk_size: K of the fused run.
         iterations: Steps per epoch.
-        fused: Counters of one fused epoch: dispatches, host_syncs, h2d_transfers,
-            h2d_bytes, compiles (in the report's first run: 0 for a loop that ran before),
-            us_per_iteration; over a device-resident source also dataset_bytes, what its
-            one transfer moves (a fresh one's first batch read is one more host sync).
+        fused: Counters of one fused epoch: dispatches, host_syncs, h2d_transfers, h2d_bytes,
+            compiles (0 for a loop that ran before), us_per_iteration; resident: dataset_bytes,
+            its one transfer (a fresh source's first batch read is one more host sync).
         unfused: The same for `fuse=False`.
         step_fusions: XLA fusions in the compiled single step.
         chunk_fusions: XLA fusions in the compiled fused chunk program.
@@ -296,7 +295,7 @@ def report(
     step_state = first_fused.step_state
     step_fusions, chunk_fusions, chunk = _program_fusions(loop, step_state, batch, k)
     step_s, overhead_s = _probe(loop, step_state, batch, k, chunk)
-    auto = _auto_decision(loop, step_state, batch, data, iterations) if fuse == "auto" else None
+    auto = _auto_decision(loop, first_fused, batch, data, iterations) if fuse == "auto" else None
     return Report(
         k, n_iter, fused, unfused, step_fusions, chunk_fusions, step_s * 1e6, overhead_s * 1e6, auto
     )
@@ -357,14 +356,15 @@ def _probe(loop: Any, step_state: Any, batch: Any, k: int, chunk: Any) -> tuple[
 
 
 def _auto_decision(
-    loop: Any, step_state: Any, batch: Any, data: Any, iterations: int | None
+    loop: Any, state: State, batch: Any, data: Any, iterations: int | None
 ) -> ChunkDecision:
-    """What `fuse="auto"` decides for this loop, the epoch length capped as a run caps it."""
+    """What `fuse="auto"` decides (an evaluator from its params), the epoch capped as in a run."""
     length = None
     with contextlib.suppress(TypeError):  # a source of unknown length raises from len()
         length = len(data) if hasattr(data, "__len__") else None
     known = [n for n in (iterations, length) if n]
-    return decide_chunk_size(loop, step_state, batch, epoch_length=min(known) if known else None)
+    given = state.params if loop.program.kind == "evaluator" else state.step_state
+    return decide_chunk_size(loop, given, batch, epoch_length=min(known) if known else None)
 
 
 def explain_dispatches(state: Any) -> str:

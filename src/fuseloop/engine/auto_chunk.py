@@ -24,6 +24,7 @@ how many whole epochs one dispatch covers (`epochs_per_dispatch`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -110,7 +111,10 @@ def _fresh_if_none(loop: Any, step_state: Any, first_batch: Any) -> Any:
     trainer's fresh variables and optimizer state; a custom loop's `init_fn`'s)."""
     if step_state is not None:
         return step_state
-    with jax.transfer_guard("allow"):  # a fresh init's own values (its key), as a run's
+    # A trainer's fresh init moves its own values (its key), which its run's compiled init
+    # makes on the device; a custom loop's init_fn is the user's code, guarded as in a run.
+    trainer = loop.program.kind == "trainer"
+    with jax.transfer_guard("allow") if trainer else contextlib.nullcontext():
         made = loop.program.init(first_batch, None)
     if made is None:
         raise ValueError(
@@ -122,6 +126,8 @@ def _fresh_if_none(loop: Any, step_state: Any, first_batch: Any) -> Any:
 
 def _evaluated(loop: Any, variables: Any, first_batch: Any) -> Any:
     """An evaluator's step state for the variables (or State) its run would be given."""
+    from ..models import weights_of_module  # (an nnx or equinox module: its weights)
+
     if isinstance(variables, State):
         variables = variables.params
     if variables is None:
@@ -129,7 +135,7 @@ def _evaluated(loop: Any, variables: Any, first_batch: Any) -> Any:
             "step_state=None: an evaluator has no step state of its own; pass the trained "
             "variables it evaluates (state.params, or the State), as its run takes them"
         )
-    return loop.program.init(first_batch, variables)
+    return loop.program.init(first_batch, weights_of_module(variables, "step_state"))
 
 
 def _shardings(placement: Any) -> tuple[Any, Any]:
