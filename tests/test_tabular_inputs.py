@@ -104,3 +104,29 @@ def test_float64_labels_under_sparse_cross_entropy_name_no_narrowed_dtype():
         )
     # y is float64 on the host: the dtype named is the device's, said to be.
     assert "y holds floats (float32 on the device)" in str(refused.value)
+
+
+class ValuesOnly:
+    """An xarray-like object with a shape and `.values` but no `__array__`."""
+
+    def __init__(self, values: np.ndarray):
+        self.values, self.shape, self.dtype = values, values.shape, values.dtype
+
+
+def test_a_masked_array_or_an_object_numpy_cannot_read_is_refused_where_it_is_given():
+    """A masked array (netCDF's data with a fill value) lost its mask and its fill values
+    were trained on; an object with only a shape was accepted, then failed with numpy's
+    IndexError."""
+    raw = X.copy()
+    raw[::4, 1] = 1e30
+    masked = np.ma.masked_greater(raw, 1e29)
+    fix = r"x is a numpy masked array \(12 masked entries\).*x.filled\(value\)"
+    for device in (False, True):
+        with pytest.raises(ValueError, match=fix):
+            fl.data.arrays(masked, Y, batch_size=16, device=device)
+    with pytest.raises(ValueError, match=fix):
+        fl.predict(MODEL, MODEL.init(jax.random.PRNGKey(0), X[:1]), masked)
+    with pytest.raises(ValueError, match=r"x is a numpy masked array \(4 masked entries"):
+        fl.trainer(MODEL, "binary_cross_entropy", "adam").run([(masked[:16], Y[:16])], fuse=2)
+    with pytest.raises(ValueError, match=r"x is a ValuesOnly of shape \(48, 3\) .*x.values"):
+        fl.data.arrays(ValuesOnly(X), Y, batch_size=16)

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from ._graph_batch import check_rows_of_a_mixed_x, graph_like
-from ._unsliceable import is_typed_keys, typed_keys_fix
+from ._unsliceable import is_typed_keys, masked_fix, typed_keys_fix
 
 __all__ = [
     "check_pair_sizes",
@@ -263,6 +263,9 @@ def no_device_dtype(tree: Any, name: str, reader: str = "") -> str | None:
         x['a'] has dtype <U3, which no device holds; its values are numbers written as text: ...
     """
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        masked = masked_fix(name + jax.tree_util.keystr(path), leaf)
+        if masked is not None:
+            return masked
         dtype = getattr(leaf, "dtype", None)
         if dtype is None:  # a Python list or number
             try:

@@ -8,8 +8,15 @@ import sys
 from typing import Any
 
 import jax
+import numpy as np
 
-__all__ = ["is_typed_keys", "refuse_jax_sparse", "refuse_unstackable", "typed_keys_fix"]
+__all__ = [
+    "is_typed_keys",
+    "masked_fix",
+    "refuse_jax_sparse",
+    "refuse_unstackable",
+    "typed_keys_fix",
+]
 
 
 def refuse_jax_sparse(part: Any, name: str) -> None:
@@ -47,15 +54,38 @@ def is_typed_keys(dtype: Any) -> bool:
     return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+def masked_fix(name: str, leaf: Any) -> str | None:
+    """Why a numpy masked array (what netCDF and HDF readers return for data with a fill
+    value) cannot be data, and the fix; None for any other leaf. Read as an array it
+    loses its mask: the fill values would be trained on, as jax refuses to do."""
+    if not isinstance(leaf, np.ma.MaskedArray):
+        return None
+    return (
+        f"{name} is a numpy masked array ({np.ma.count_masked(leaf)} masked entries), whose "
+        f"mask fuseloop, like jax, does not read: its masked entries' values would be used. "
+        f"Pass {name}.filled(value) (and the mask, ~{name}.mask, as an input or as weights "
+        f"where the model or loss should skip those entries)"
+    )
+
+
 def refuse_unstackable(leaf: Any, name: str) -> None:
     """Refuses a scipy sparse matrix (what sklearn's one-hot and tf-idf encoders return),
-    which numpy reads as one object with no examples axis, naming the dense form; and an
-    array of typed PRNG keys (`typed_keys_fix`)."""
+    which numpy reads as one object with no examples axis, naming the dense form; an array
+    of typed PRNG keys (`typed_keys_fix`); a masked array (`masked_fix`); and an object
+    with a shape that numpy cannot read as an array (no `__array__`)."""
     dtype = getattr(leaf, "dtype", None)
     if isinstance(leaf, jax.Array) and is_typed_keys(dtype):
         raise ValueError(typed_keys_fix(name, dtype))
-    sparse = sys.modules.get("scipy.sparse")  # loaded already wherever such a leaf exists
-    if sparse is not None and sparse.issparse(leaf):
+    masked = masked_fix(name, leaf)
+    if masked is not None:
+        raise ValueError(masked)
+    if _unreadable(leaf):
+        fix = f"np.asarray({name}.values)" if hasattr(leaf, "values") else "its values"
+        raise ValueError(
+            f"{name} is a {type(leaf).__name__} of shape {leaf.shape} without __array__, so "
+            f"numpy cannot read it as an array: pass {fix}"
+        )
+    if _sparse(leaf):
         raise ValueError(
             f"{name} is a scipy sparse matrix ({type(leaf).__name__} of shape "
             f"{getattr(leaf, 'shape', '?')}); fuseloop trains on dense arrays: convert it "
@@ -63,3 +93,17 @@ def refuse_unstackable(leaf: Any, name: str) -> None:
             f"batch, by a generator of (x[i:i + b].toarray(), y[i:i + b]) batches over "
             f"x = x.tocsr())"
         )
+
+
+def _sparse(leaf: Any) -> bool:
+    """Whether `leaf` is a scipy sparse matrix (scipy loaded already wherever one exists)."""
+    sparse = sys.modules.get("scipy.sparse")
+    return sparse is not None and bool(sparse.issparse(leaf))
+
+
+def _unreadable(leaf: Any) -> bool:
+    """An object with a shape that numpy would hold as one object (no `__array__`): an
+    xarray-like wrapper whose array is its `.values`."""
+    if not hasattr(leaf, "shape") or isinstance(leaf, (np.ndarray, np.generic, jax.Array)):
+        return False
+    return not hasattr(leaf, "__array__") and not _sparse(leaf)
