@@ -98,11 +98,13 @@ def test_an_error_the_device_raises_names_its_epoch_and_iterations(plain_loop, f
     assert hinted == ("encountered in while" in str(caught.value))
 
 
-def test_an_error_the_device_raises_in_a_whole_run_names_its_dispatch(plain_loop):
+@pytest.mark.parametrize("population", [None, 2])
+def test_an_error_the_device_raises_in_a_whole_run_names_its_dispatch(plain_loop, population):
+    """A population's dispatch had no note."""
     x, y = (np.concatenate(part) for part in zip(*poisoned(make_batches(12), BAD_AT), strict=True))
     data = fl.data.arrays(x, y, batch_size=len(y) // 12, shuffle=False, device=True)
     with jax.debug_nans(True), pytest.raises(FloatingPointError) as caught:
-        plain_loop.run(data, epochs=2, fuse="run")
+        plain_loop.run(data, epochs=2, fuse="run", population=population)
     assert "fuseloop: raised by the 24 steps of the dispatch from epoch 0, iteration 0" in (
         caught.value.__notes__
     )

@@ -9,6 +9,7 @@ the live step state — the unfused loop is that mode, not another loop.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -364,6 +365,21 @@ def name_steps(error: Exception, epoch: int, prepared: Prepared) -> None:
     steps = f"iterations {prepared.first}-{last}" if prepared.n > 1 else f"iteration {last}"
     error.add_note(f"fuseloop: raised by the steps of epoch {epoch}, {steps}")
     name_nan_op(error)
+
+
+@contextlib.contextmanager
+def noting_dispatch(steps: int, epoch: int, iteration: int) -> Iterator[None]:
+    """Notes an error raised inside with the multi-epoch dispatch's steps (`name_steps`'s
+    note for a dispatch of `steps` steps from `epoch`, `iteration`)."""
+    try:
+        yield
+    except Exception as error:
+        error.add_note(
+            f"fuseloop: raised by the {steps} steps of the dispatch from epoch {epoch}, "
+            f"iteration {iteration}"
+        )
+        name_nan_op(error)
+        raise
 
 
 def name_nan_op(error: Exception) -> None:

@@ -40,6 +40,7 @@ from .._population import population_record, silence_stopped
 from .._sums import accumulator_dtype
 from .device_monitors import _rates
 from .device_replay import _disagree, _Substitutes
+from .feeds import noting_dispatch
 from .packing import segment_of
 from .population import member_metrics
 from .population_monitors import MemberBest, _select, plateau_decisions
@@ -84,7 +85,8 @@ class PopulationWholeRun(WholeRun):
         )
         # The host read (WholeRun._advance) also holds the members active at each epoch's
         # end.
-        extra, host = self._advance(program, cursor, steps, self._monitor_start(state))
+        with noting_dispatch(steps, epoch, cursor):
+            extra, host = self._advance(program, cursor, steps, self._monitor_start(state))
         self.best_keyed = False
         saver = self.work.saver
         self.member_saves = (

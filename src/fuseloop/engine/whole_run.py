@@ -28,7 +28,7 @@ from .device_monitors import DeviceWork, monitor_start, plan_device_work, rate_t
 from .device_replay import hand_best, replayed_handlers
 from .device_validation import validation_inputs
 from .epoch import note_held
-from .feeds import name_nan_op
+from .feeds import noting_dispatch
 from .packing import segment_of, unpack_on_host
 from .programs import kept_order
 from .replay import ChunkResult, EpochReplay, show_nonfinite_halt
@@ -196,15 +196,8 @@ class WholeRun:
             self.work,
             self.replay.record,  # the records only where an iteration handler replays them
         )
-        try:
+        with noting_dispatch(steps, epoch, cursor):
             extra, host = self._advance(program, cursor, steps, monitor_start(self.work, state))
-        except Exception as error:
-            error.add_note(
-                f"fuseloop: raised by the {steps} steps of the dispatch from epoch {epoch}, "
-                f"iteration {cursor}"
-            )
-            name_nan_op(error)
-            raise
         saver, carry = self.work.saver, self.run.carry.step_state
         self.saves = (
             None
