@@ -128,5 +128,12 @@ def test_a_masked_array_or_an_object_numpy_cannot_read_is_refused_where_it_is_gi
         fl.predict(MODEL, MODEL.init(jax.random.PRNGKey(0), X[:1]), masked)
     with pytest.raises(ValueError, match=r"x is a numpy masked array \(4 masked entries"):
         fl.trainer(MODEL, "binary_cross_entropy", "adam").run([(masked[:16], Y[:16])], fuse=2)
+    with pytest.raises(ValueError, match=r"batch 1 of the chunk is a numpy masked array"):
+        batches = [(X[:16], Y[:16]), (masked[16:32], Y[16:32])]  # a later batch of a chunk
+        fl.trainer(MODEL, "binary_cross_entropy", "adam").run(batches, fuse=2)
     with pytest.raises(ValueError, match=r"x is a ValuesOnly of shape \(48, 3\) .*x.values"):
         fl.data.arrays(ValuesOnly(X), Y, batch_size=16)
+    # Nothing masked, or numpy's buffer protocol: read as arrays, as before.
+    for readable in (np.ma.array(X), memoryview(X)):
+        assert fl.data.arrays(readable, Y, batch_size=16).n == len(Y)
+        fl.trainer(MODEL, "binary_cross_entropy", "adam").run([(readable, Y)] * 2, fuse=2)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._batch_sequence import BatchSequence, is_batch_sequence
-from ._unsliceable import refuse_unstackable
+from ._unsliceable import refuse_unstackable, unmasked
 from ._warn import warn
 
 __all__ = ["as_host_array", "as_source", "own_copy", "Source", "warn_left_out"]
@@ -311,7 +311,7 @@ def as_host_array(leaf: Any) -> Any:
     unless x64 is on; an int beyond int32 as numpy makes it, for the range check to name),
     anything else through `np.asarray`."""
     if _is_array(leaf):
-        return leaf
+        return unmasked(leaf, "a leaf of the batch")
     if is_python_number(leaf):  # as jnp.asarray types it
         dtype = jax.dtypes.canonicalize_dtype(type(leaf))
         if type(leaf) is not int or np.iinfo(dtype).min <= leaf <= np.iinfo(dtype).max:

@@ -29,6 +29,7 @@ from jax import lax
 
 from ._arg_types import is_int
 from ._metrics import batch_size
+from ._unsliceable import unmasked
 
 __all__ = [
     "FusionError",
@@ -134,6 +135,10 @@ def _check_column(column: list[Any], leaf: int, expected: Any, first_index: int)
 def _stack_column(column: list[Any], size: int, shape: tuple[int, ...], dtype: Any) -> Any:
     """One leaf's batches in `size` slots (checked alike), zero-padded."""
     n = len(column)
+    if any(type(leaf) is not np.ndarray for leaf in column):  # a masked array loses its mask
+        column = [
+            unmasked(leaf, f"the leaf of batch {i} of the chunk") for i, leaf in enumerate(column)
+        ]
     buffer = np.empty((size,) + shape, dtype)
     if shape:
         # In C order, slot i of the stack holds rows i*len .. (i+1)*len of the batches laid

@@ -16,6 +16,7 @@ __all__ = [
     "refuse_jax_sparse",
     "refuse_unstackable",
     "typed_keys_fix",
+    "unmasked",
 ]
 
 
@@ -58,14 +59,23 @@ def masked_fix(name: str, leaf: Any) -> str | None:
     """Why a numpy masked array (what netCDF and HDF readers return for data with a fill
     value) cannot be data, and the fix; None for any other leaf. Read as an array it
     loses its mask: the fill values would be trained on, as jax refuses to do."""
-    if not isinstance(leaf, np.ma.MaskedArray):
-        return None
+    if not isinstance(leaf, np.ma.MaskedArray) or not np.ma.is_masked(leaf):
+        return None  # (nothing masked: its values are all there is)
+    code = name if " " not in name else "x"  # how the fix reads for a leaf with no name
     return (
         f"{name} is a numpy masked array ({np.ma.count_masked(leaf)} masked entries), whose "
         f"mask fuseloop, like jax, does not read: its masked entries' values would be used. "
-        f"Pass {name}.filled(value) (and the mask, ~{name}.mask, as an input or as weights "
+        f"Pass {code}.filled(value) (and the mask, ~{code}.mask, as an input or as weights "
         f"where the model or loss should skip those entries)"
     )
+
+
+def unmasked(leaf: Any, name: str) -> Any:
+    """`leaf`, refused where it is a masked array with entries masked (`masked_fix`)."""
+    masked = masked_fix(name, leaf) if type(leaf) is not np.ndarray else None
+    if masked is not None:
+        raise ValueError(masked)
+    return leaf
 
 
 def refuse_unstackable(leaf: Any, name: str) -> None:
@@ -76,9 +86,7 @@ def refuse_unstackable(leaf: Any, name: str) -> None:
     dtype = getattr(leaf, "dtype", None)
     if isinstance(leaf, jax.Array) and is_typed_keys(dtype):
         raise ValueError(typed_keys_fix(name, dtype))
-    masked = masked_fix(name, leaf)
-    if masked is not None:
-        raise ValueError(masked)
+    unmasked(leaf, name)
     if _unreadable(leaf):
         fix = f"np.asarray({name}.values)" if hasattr(leaf, "values") else "its values"
         raise ValueError(
@@ -106,4 +114,11 @@ def _unreadable(leaf: Any) -> bool:
     xarray-like wrapper whose array is its `.values`."""
     if not hasattr(leaf, "shape") or isinstance(leaf, (np.ndarray, np.generic, jax.Array)):
         return False
-    return not hasattr(leaf, "__array__") and not _sparse(leaf)
+    protocols = ("__array__", "__array_interface__", "__array_struct__")
+    if any(hasattr(leaf, name) for name in protocols) or _sparse(leaf):
+        return False
+    try:  # the buffer protocol (a memoryview, a Cython typed memoryview)
+        memoryview(leaf)
+    except TypeError:
+        return True
+    return False
