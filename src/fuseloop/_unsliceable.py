@@ -1,6 +1,7 @@
 """Data fuseloop cannot slice by example or stack into a chunk, refused where it is given
 with the form that works: scipy and jax sparse matrices (their arrays hold non-zeros, not
-examples) and typed PRNG keys (numpy holds no such dtype)."""
+examples), typed PRNG keys (numpy holds no such dtype), masked arrays with entries masked
+(read as arrays, they lose the mask) and objects numpy cannot read as arrays."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def refuse_unstackable(leaf: Any, name: str) -> None:
     """Refuses a scipy sparse matrix (what sklearn's one-hot and tf-idf encoders return),
     which numpy reads as one object with no examples axis, naming the dense form; an array
     of typed PRNG keys (`typed_keys_fix`); a masked array (`masked_fix`); and an object
-    with a shape that numpy cannot read as an array (no `__array__`)."""
+    with a shape that numpy cannot read as an array (`_unreadable`)."""
     dtype = getattr(leaf, "dtype", None)
     if isinstance(leaf, jax.Array) and is_typed_keys(dtype):
         raise ValueError(typed_keys_fix(name, dtype))
@@ -110,8 +111,8 @@ def _sparse(leaf: Any) -> bool:
 
 
 def _unreadable(leaf: Any) -> bool:
-    """An object with a shape that numpy would hold as one object (no `__array__`): an
-    xarray-like wrapper whose array is its `.values`."""
+    """An object with a shape that numpy would hold as one object (no array protocol, no
+    buffer): an xarray-like wrapper whose array is its `.values`."""
     if not hasattr(leaf, "shape") or isinstance(leaf, (np.ndarray, np.generic, jax.Array)):
         return False
     protocols = ("__array__", "__array_interface__", "__array_struct__")
