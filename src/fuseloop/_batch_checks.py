@@ -11,7 +11,8 @@ import jax
 import numpy as np
 
 from ._graph_batch import check_rows_of_a_mixed_x, graph_like
-from ._unsliceable import is_typed_keys, masked_fix, typed_keys_fix
+from ._prng_keys import is_typed_keys
+from ._unsliceable import masked_fix, typed_keys_fix
 
 __all__ = [
     "check_pair_sizes",

@@ -27,6 +27,7 @@ from typing import Any, ParamSpec, TypeVar
 import jax
 import numpy as np
 
+from ._prng_keys import raw_keys
 from ._shards import assemble_global, local_indices, local_rows, place_rows, process_block
 
 __all__ = [
@@ -254,17 +255,10 @@ def describe_values(tree: Any) -> str:
         False
     """
     digest = hashlib.sha256()
-    leaves = [_key_data_if_keys(leaf) for leaf in jax.tree.leaves(tree)]
+    leaves = [raw_keys(leaf) for leaf in jax.tree.leaves(tree)]  # (numpy reads no key)
     for leaf in jax.device_get(leaves):  # host sync point: every leaf, once
         digest.update(np.ascontiguousarray(leaf).tobytes())
     return digest.hexdigest()[:16]
-
-
-def _key_data_if_keys(leaf: Any) -> Any:
-    """Typed PRNG keys (an nnx stream's) as their raw data, which numpy can read."""
-    if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-        return jax.random.key_data(leaf)
-    return leaf
 
 
 def describe_source(data: Any) -> str:

@@ -31,6 +31,7 @@ import numpy as np
 from jax.tree_util import PyTreeDef, default_registry
 
 from ._json_names import is_named, lookup, name_of, type_name
+from ._prng_keys import holds_typed_keys, is_typed_keys, raw_keys
 
 __all__ = ["as_weak", "decode", "encode", "is_weak"]
 
@@ -118,9 +119,7 @@ def _key(key: Any, where: str) -> Any:
 
 
 def _encode_array(value: Any, arrays: list[Any]) -> dict[str, Any] | None:
-    is_key = isinstance(value, jax.Array) and jax.dtypes.issubdtype(
-        value.dtype, jax.dtypes.prng_key
-    )
+    is_key = holds_typed_keys(value)
     if isinstance(value, (jax.Array, np.ndarray)) and value.size == 0 and not is_key:
         # orbax writes no array of zero size: its shape and dtype are all there is to keep.
         kind = "jax" if isinstance(value, jax.Array) else "numpy"
@@ -128,8 +127,8 @@ def _encode_array(value: Any, arrays: list[Any]) -> dict[str, Any] | None:
         return {**empty, "weak": True} if is_weak(value) else empty
     if isinstance(value, jax.Array):
         arrays.append(value)
-        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
-            arrays[-1] = jax.random.key_data(value)
+        if is_key:
+            arrays[-1] = raw_keys(value)
             return {"key": len(arrays) - 1, "impl": str(jax.random.key_impl(value))}
         # Only a weak array carries the flag: a save without it (any older one) is strong.
         index = {"jax": len(arrays) - 1}
@@ -147,7 +146,7 @@ def _require_storable(value: Any, where: str) -> None:
     """Raises a ValueError naming the leaf where its dtype is one the checkpoint's array
     store (tensorstore, under orbax) has no type for (uint4, uint2, float8_e4m3): its own
     error names no leaf and leaves a half-written save behind."""
-    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+    if is_typed_keys(value.dtype):
         return  # (saved as its uint32 key data)
     dtype = np.dtype(value.dtype)
     if value.size and not _storable(dtype.name):

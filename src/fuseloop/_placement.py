@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._batch_checks import held_by_no_device
+from ._prng_keys import holds_typed_keys, raw_keys
 from ._shards import assemble_global
 
 __all__ = [
@@ -177,8 +178,8 @@ class Placement:
     def _put_replicated(self, leaf: Any) -> Any:
         """One leaf replicated over a mesh of several processes: jax moves typed PRNG keys
         there only as their raw data, wrapped again once placed."""
-        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            data = jax.device_put(jax.random.key_data(leaf), self._state)
+        if holds_typed_keys(leaf):
+            data = jax.device_put(raw_keys(leaf), self._state)
             return jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf))
         return jax.device_put(leaf, self._state)
 

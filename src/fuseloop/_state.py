@@ -255,6 +255,8 @@ def _same_tree(a: Any, b: Any) -> bool:
     import jax
     import numpy as np
 
+    from ._prng_keys import raw_keys
+
     leaves_a, tree_a = jax.tree.flatten(a)
     leaves_b, tree_b = jax.tree.flatten(b)
     structure: object = tree_a  # no stub for PyTreeDef: compare as objects
@@ -262,9 +264,7 @@ def _same_tree(a: Any, b: Any) -> bool:
         return False
 
     def plain(leaf: Any) -> Any:  # a typed PRNG key has no numpy form: its data has
-        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            leaf = jax.random.key_data(leaf)
-        return np.asarray(leaf)
+        return np.asarray(raw_keys(leaf))
 
     for x, y in zip(map(plain, leaves_a), map(plain, leaves_b), strict=True):
         nan_aware = x.dtype.kind in "fc" and y.dtype.kind in "fc"

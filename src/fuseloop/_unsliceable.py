@@ -11,8 +11,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._prng_keys import holds_typed_keys
+
 __all__ = [
-    "is_typed_keys",
     "masked_fix",
     "refuse_jax_sparse",
     "refuse_unstackable",
@@ -51,11 +52,6 @@ def typed_keys_fix(name: str, dtype: Any) -> str:
     )
 
 
-def is_typed_keys(dtype: Any) -> bool:
-    """Whether `dtype` is a typed PRNG key's (numpy has no such dtype)."""
-    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
 def masked_fix(name: str, leaf: Any) -> str | None:
     """Why a numpy masked array (what netCDF and HDF readers return for data with a fill
     value) cannot be data, and the fix; None for any other leaf. Read as an array it
@@ -84,9 +80,8 @@ def refuse_unstackable(leaf: Any, name: str) -> None:
     which numpy reads as one object with no examples axis, naming the dense form; an array
     of typed PRNG keys (`typed_keys_fix`); a masked array (`masked_fix`); and an object
     with a shape that numpy cannot read as an array (`_unreadable`)."""
-    dtype = getattr(leaf, "dtype", None)
-    if isinstance(leaf, jax.Array) and is_typed_keys(dtype):
-        raise ValueError(typed_keys_fix(name, dtype))
+    if holds_typed_keys(leaf):
+        raise ValueError(typed_keys_fix(name, leaf.dtype))
     unmasked(leaf, name)
     if _unreadable(leaf):
         fix = f"np.asarray({name}.values)" if hasattr(leaf, "values") else "its values"
