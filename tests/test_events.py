@@ -327,6 +327,19 @@ def test_event_enum_names_work_as_event_arguments():
     assert [e.value for e in fl.Event] == list(EVENTS)
 
 
+def test_a_value_given_where_an_event_goes_is_named_with_its_likely_meaning():
+    """Keras habits put labels (validate(model, x, y)) or a metric (checkpoint(path,
+    "validation_loss")) in the event slot: the message printed a whole label array."""
+    labels = np.arange(400, dtype=np.int32)
+    with pytest.raises(ValueError, match=r"event=<ndarray of int32 \(400,\)> is not an event") as e:
+        counter_loop().validate(fl.models.mlp([2]), make_batches(2), labels)
+    assert "fl.data.arrays(x, y" in str(e.value) and len(str(e.value)) < 400
+    with pytest.raises(ValueError, match=r"checkpoint\(path, criteria=\.\.\.\)"):
+        counter_loop().checkpoint("unused", "validation_loss")
+    with pytest.raises(ValueError, match=r"did you mean 'epoch_completed'\?"):
+        counter_loop().handle_event("epoch_complete", lambda s: None)
+
+
 def test_builders_return_new_loops_and_leave_the_old_unchanged():
     base = counter_loop()
     log: list = []

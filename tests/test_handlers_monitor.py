@@ -175,6 +175,17 @@ def test_missing_monitor_names_the_available_metrics():
         loop.run([(0, 0)], {"n": jnp.int32(0)}, epochs=2)
 
 
+def test_a_misspelt_monitor_is_told_the_metric_it_resembles():
+    """A typo of a metric the epoch has ("validation_los") was told to attach
+    Loop.metric('los'), which is no metric; Keras's val_ before validate was not named."""
+    typo = _scripted(_counter_loop(), [1.0, 1.0], name="validation_loss")
+    with pytest.raises(ValueError, match=r"did you mean 'validation_loss'\? Monitor"):
+        typo.early_stop("validation_los").run([(0, 0)], {"n": jnp.int32(0)}, epochs=2)
+    keras = _scripted(_counter_loop(), [1.0, 1.0]).early_stop("val_loss")
+    with pytest.raises(ValueError, match=r"\(fuseloop names a validation metric validation_"):
+        keras.run([(0, 0)], {"n": jnp.int32(0)}, epochs=2)
+
+
 def test_two_monitors_on_one_metric_keep_separate_records():
     loop = (
         _scripted(_counter_loop(), [3.0, 4.0, 5.0, 6.0])

@@ -6,6 +6,7 @@ decide which iterations need a State without building one for every iteration.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import numbers
 from collections.abc import Callable, Mapping
@@ -77,8 +78,37 @@ def normalize_event(event: Any, argument: str = "event") -> Event:
         return Event(event.value if isinstance(event, Event) else event)
     except (ValueError, TypeError):
         raise ValueError(
-            f"{argument}={event!r} is not an event; accepted values: {', '.join(EVENT_NAMES)}"
+            f"{argument}={_shown(event)} is not an event; accepted values: "
+            f"{', '.join(EVENT_NAMES)}{_meant(event)}"
         ) from None
+
+
+def _shown(value: Any) -> str:
+    """`value` for a message: an array by its dtype and shape, not its entries."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if isinstance(shape, tuple) and dtype is not None:
+        return f"<{type(value).__name__} of {dtype} {shape}>"
+    shown = repr(value)
+    return shown if len(shown) <= 80 else f"{shown[:77]}..."
+
+
+def _meant(value: Any) -> str:
+    """What a value given where an event goes was likely meant for (Keras habits put a
+    label array or a monitored metric's name in that positional slot)."""
+    if isinstance(value, str):
+        close = difflib.get_close_matches(value, EVENT_NAMES, 1, 0.8)
+        if close:
+            return f"; did you mean {close[0]!r}?"
+        return (
+            "; a metric to monitor is passed by keyword where a handler takes one, e.g. "
+            "checkpoint(path, criteria=...)"
+        )
+    if hasattr(value, "shape") or isinstance(value, (list, tuple)):
+        return (
+            ". Data is one argument: validate(model, data) takes a source such as "
+            "fl.data.arrays(x, y, batch_size=..., shuffle=False, drop_remainder=False)"
+        )
+    return ""
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ resumed run continues it exactly (`handlers.monitor` builds the handlers on it).
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections.abc import Callable
@@ -238,13 +239,20 @@ class Monitor:
                     f"{self.argument}={self.monitor!r} is not among this epoch's metrics "
                     f"({available}): {spelled}"
                 )
+            close = difflib.get_close_matches(self.monitor, sorted(state.metrics), 1, 0.8)
+            if close:  # a typo of a metric the epoch has: Loop.metric cannot add it again
+                raise ValueError(
+                    f"{self.argument}={self.monitor!r} is not among this epoch's metrics "
+                    f"({available}); did you mean {close[0]!r}? Monitor {close[0]!r}"
+                )
             name = self.monitor.removeprefix("validation_")
             validated = sorted(k for k in state.metrics if k.startswith("validation_"))
             if name != self.monitor and validated:
                 raise self._not_validated(name, validated, available)
+            keras = f" ({SPELLING})" if self.monitor.startswith("val_") else ""
             raise ValueError(
                 f"{self.argument}={self.monitor!r} is not among this epoch's metrics "
-                f"({available}). Add it with Loop.metric(...), or, for 'validation_*', "
+                f"({available}){keras}. Add it with Loop.metric(...), or, for 'validation_*', "
                 f"attach Loop.validate(...) before the handler that monitors it, validating "
                 f"at every epoch the handler runs (a validate filter such as {{'every': 2}} "
                 f"leaves the other epochs without validation metrics: validate at every "
