@@ -3,6 +3,7 @@ and how to fix it - raised before anything compiles where it can be (docs/reliab
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from typing import Any
 
@@ -595,8 +596,14 @@ def test_a_used_up_iterator_run_again_is_named_as_one():
     batches = iter(make_batches(2))
     loop = counter_loop()
     loop.run(batches, counter_init())
-    with pytest.raises(ValueError, match=r"one-shot iterator .* already used up"):
+    with pytest.raises(ValueError, match=r"one-shot iterator .* is spent: it ran out"):
         loop.run(batches, counter_init())
+    # An endless generator the first run closed was told it was "already used up".
+    endless = itertools.cycle(make_batches(2))
+    generator = (batch for batch in endless)
+    loop.run(generator, counter_init(), iterations=3)
+    with pytest.raises(ValueError, match=r"or an earlier run closed it .* an endless generator"):
+        loop.run(generator, counter_init(), iterations=3)
 
 
 def test_typed_prng_keys_as_data_are_refused_naming_their_raw_form():

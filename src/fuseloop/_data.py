@@ -114,8 +114,10 @@ class Source:
     def empty_at_start(self) -> str:
         """The error for a first epoch that yielded no batch, for this kind of source."""
         spent = (
-            "; a one-shot iterator yields its batches once, and this one was already used "
-            "up (by an earlier run?): pass a list, or a callable returning a fresh iterator"
+            "; a one-shot iterator yields its batches once, and this one is spent: it ran "
+            "out, or an earlier run closed it (a run closes every iterator it opened and "
+            "did not finish, an endless generator included): pass a list, or a callable "
+            "returning a fresh iterator"
             if self.one_shot
             else " (check batch_size against the dataset size and drop_remainder)"
         )
