@@ -6,13 +6,16 @@ from __future__ import annotations
 import gc
 import threading
 import tracemalloc
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.monitoring
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import fuseloop as fl
@@ -108,6 +111,25 @@ def test_repeated_runs_leave_no_device_arrays_behind():
         assert [live_after_run(fuse) for _ in range(3)] == [baseline] * 3
 
 
+def _scaled_sgd(scale: jax.Array) -> optax.GradientTransformation:
+    """SGD whose updates read a device array the optimizer closes over."""
+    return optax.chain(
+        optax.scale(-0.1), optax.stateless(lambda g, p: jax.tree.map(lambda t: t * scale[0], g))
+    )
+
+
+def test_a_finished_trainer_keeps_no_optimizer_alive():
+    """An optimizer closing over a device array (a preconditioner, a mask) stayed alive,
+    array and all, in a cache of the last 64 optimizers after its Loop and State were gone."""
+    tx = _scaled_sgd(jnp.full((1000,), 0.5))
+    loop = fl.trainer(tiny_mlp(), SPARSE, tx)
+    loop.run(make_batches(2), epochs=1)
+    kept = weakref.ref(tx.init)
+    del loop, tx
+    gc.collect()
+    assert kept() is None
+
+
 def test_a_run_resumed_epoch_after_epoch_on_resident_data_keeps_a_bounded_set(monkeypatch):
     # A notebook's `state = loop.run(data, state, epochs=k + 1)`: each resume starts at a
     # new epoch. Its first batch (a host copy holding device buffers on CPU) and its epoch
@@ -182,6 +204,19 @@ def generated(n: int, fail_at: int | None = None) -> Any:
             yield batch
 
     return epoch
+
+
+def test_an_asynchronous_checkpoint_leaves_no_thread_behind_its_run(tmp_path):
+    """Orbax's manager kept a thread per Loop until the Loop's next run or its collection:
+    a notebook that keeps its loops gathered one a run."""
+    before = threads()
+    loops = [counter_loop().checkpoint(tmp_path / str(i), asynchronous=True) for i in range(2)]
+    for loop in loops:
+        loop.run(make_batches(2), counter_init(), epochs=2)
+        assert threads() == before
+    halting = loops[0].handle_event("epoch_completed", lambda s: "halt_loop")
+    assert halting.run(make_batches(2), counter_init(), epochs=3).status == "halted"
+    assert threads() == before
 
 
 @pytest.mark.parametrize("fuse", [False, 2])

@@ -503,6 +503,19 @@ def test_a_typo_in_a_loss_raises_its_own_error_not_a_data_misfit():
     with pytest.raises(AttributeError, match="has no attribute 'meen'") as caught:
         fl.trainer(fl.models.mlp([3]), typo, "sgd").run(data)
     assert "raised by the loss '<lambda>' on the first batch" in caught.value.__notes__[-1]
+    # Its own exceptions (a config dict's KeyError, a failed check) were re-raised as a
+    # ValueError telling the user to reshape y: they keep their type, the shapes in a note.
+    config: dict = {}
+    own = lambda y, p: p.mean() * config["label_smoothing"]  # noqa: E731
+    with pytest.raises(KeyError, match="label_smoothing") as caught:
+        fl.trainer(fl.models.mlp([3]), own, "sgd").run(data)
+    assert "with y (y of shape (8,)" in caught.value.__notes__[-1]
+
+    def checked(y, p):
+        raise RuntimeError("the loss's own check failed")
+
+    with pytest.raises(RuntimeError, match="own check failed"):
+        fl.trainer(fl.models.mlp([3]), checked, "sgd").run(data)
     # A loss that reads y as what it is not is still the data's misfit.
     keyed = lambda y, p: y["w"].mean()  # noqa: E731
     with pytest.raises(ValueError, match=r"data: y does not fit the loss"):

@@ -114,17 +114,14 @@ class Source:
     def empty_at_start(self) -> str:
         """The error for a first epoch that yielded no batch, for this kind of source."""
         spent = (
-            "; a one-shot iterator yields its batches once, and this one is spent: it ran "
-            "out, or an earlier run closed it (a run closes every iterator it opened and "
-            "did not finish, an endless generator included): pass a list, or a callable "
-            "returning a fresh iterator"
+            " (x, y) batch; a one-shot iterator yields its batches once, and this one is "
+            "spent: it ran out, or an earlier run closed it (as it closes any it did not "
+            "finish, an endless generator included): pass a list, or a callable returning "
+            "a new one"
             if self.one_shot
-            else " (check batch_size against the dataset size and drop_remainder)"
+            else " (x, y) batch (check batch_size against the dataset size and drop_remainder)"
         )
-        return (
-            f"data is empty: the first epoch yielded no batch. Pass at least one (x, y) "
-            f"batch{spent}"
-        )
+        return f"data is empty: the first epoch yielded no batch. Pass at least one{spent}"
 
     def why_empty(self) -> str:
         """What to do about an epoch that found no batches, for this kind of source."""

@@ -8,7 +8,6 @@ message from inside flax or jax.
 from __future__ import annotations
 
 import re
-import types
 from typing import Any
 
 import flax.errors
@@ -329,8 +328,11 @@ class ModelFit:
         try:
             value = jax.eval_shape(loss_fn, ys, y_pred)
         except Exception as error:  # noqa: BLE001
-            if _code_fault(error):  # a typo in the loss, not a misfit of y: its own error
-                error.add_note(f"fuseloop: raised by the loss {name!r} on the first batch")
+            if not _misfit(error):  # the loss's own fault, not y's: its own error
+                error.add_note(
+                    f"fuseloop: raised by the loss {name!r} on the first batch, with y "
+                    f"({describe(y, 'y')}) and {output}"
+                )
                 raise
             wrong = no_device_dtype(y, "y", f"the loss {name!r}")
             if wrong is not None:
@@ -387,14 +389,11 @@ class ModelFit:
             self.labels = LabelRule(name)
 
 
-def _code_fault(error: BaseException) -> bool:
-    """Whether `error` is a fault of the code that raised it rather than of its inputs: a
-    name it does not define, an attribute a module does not have (`jnp.meen`), or numpy or
-    Python control flow on a traced value (jax's tracer errors, whose text says the fix)."""
-    if isinstance(error, (NameError, ImportError, NotImplementedError)):
-        return True
+def _misfit(error: BaseException) -> bool:
+    """Whether `error` may say the loss's inputs do not fit it: jax and numpy report a shape
+    or dtype misfit as a TypeError, ValueError or IndexError. Any other (a typo such as
+    `jnp.meen`, a failed assert, a config dict's KeyError) is the loss's own, as are jax's
+    tracer errors (their text says the fix): each keeps its type for `except` clauses."""
     if isinstance(error, (jax.errors.JAXTypeError, jax.errors.JAXIndexError)):
-        return True
-    return isinstance(error, AttributeError) and isinstance(
-        getattr(error, "obj", None), types.ModuleType
-    )
+        return False
+    return isinstance(error, (TypeError, ValueError, IndexError))

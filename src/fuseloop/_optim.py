@@ -10,8 +10,9 @@ transformation the name stands for does.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -228,18 +229,22 @@ def inject_states(opt_state: Any) -> list[Any]:
 def abstract_state(tx: Any) -> Any | None:
     """`tx`'s state for a tiny stand-in of params, found abstractly (nothing runs); None
     for an optimizer whose structure depends on the params' own (e.g. a pytree of labels).
-    Kept for the last optimizers asked about, so a population's every run does not trace
-    the optimizer's init again (an optax transformation is a hashable tuple of functions).
+    Kept while `tx.init` lives, so a population's every run does not trace the optimizer's
+    init again. Keyed weakly: an optimizer closing over device arrays (a preconditioner, a
+    mask) must not be kept alive by fuseloop once the user's own references are gone.
     """
+    init = getattr(tx, "init", None)
     try:
-        return _kept_abstract_state(tx)
-    except TypeError:  # an unhashable optimizer object of the user's own
-        return _abstract_state(tx)
+        return _ABSTRACT_STATES[init]
+    except (KeyError, TypeError):  # not asked yet, or an init no weak reference can hold
+        pass
+    found = _abstract_state(tx)
+    with contextlib.suppress(TypeError):  # an init no weak reference can hold: not kept
+        _ABSTRACT_STATES[init] = found
+    return found
 
 
-@functools.lru_cache(maxsize=64)
-def _kept_abstract_state(tx: Any) -> Any | None:
-    return _abstract_state(tx)
+_ABSTRACT_STATES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def _abstract_state(tx: Any) -> Any | None:

@@ -222,12 +222,16 @@ class Checkpointer:
         self.finish(state)
 
     def finish(self, state: State | None = None) -> None:
-        """Waits for an asynchronous write in flight (a handler for "completed"/"halted")."""
+        """Waits for writes in flight and releases the manager (a "completed"/"halted" handler).
+
+        An asynchronous manager's thread would otherwise outlive the run.
+        """
         for member in self.members.values():
             member.finish()
         if self._manager is not None:
             self._manager.wait_until_finished()
             self._empty_trash()
+            self.close()
 
     def save(self, state: State) -> Path:
         """Writes one checkpoint; orbax prunes old ones only after it is complete."""
