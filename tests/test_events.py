@@ -334,10 +334,20 @@ def test_a_value_given_where_an_event_goes_is_named_with_its_likely_meaning():
     with pytest.raises(ValueError, match=r"event=<ndarray of int32 \(400,\)> is not an event") as e:
         counter_loop().validate(fl.models.mlp([2]), make_batches(2), labels)
     assert "fl.data.arrays(x, y" in str(e.value) and len(str(e.value)) < 400
-    with pytest.raises(ValueError, match=r"checkpoint\(path, criteria=\.\.\.\)"):
+    with pytest.raises(ValueError, match=r"a metric to save the best by is criteria=\.\.\."):
         counter_loop().checkpoint("unused", "validation_loss")
-    with pytest.raises(ValueError, match=r"did you mean 'epoch_completed'\?"):
-        counter_loop().handle_event("epoch_complete", lambda s: None)
+    # Elsewhere a name is no metric: a misspelt event, another library's name for one.
+    meant = {
+        "epoch_complete": r"did you mean 'epoch_completed'\?$",
+        "on_epoch_end": r"fuseloop's name for 'on_epoch_end' is 'epoch_completed'$",
+        "train_end": r"'completed'$",
+        ("epoch_completed", "completed"): r"register the handler once for each event$",
+    }
+    for event, said in meant.items():
+        with pytest.raises(ValueError, match=said):
+            counter_loop().handle_event(event, lambda s: None)
+    with pytest.raises(ValueError, match=r"the event comes first"):
+        counter_loop().handle_event(lambda s: None, "epoch_completed")
 
 
 def test_builders_return_new_loops_and_leave_the_old_unchanged():

@@ -184,6 +184,15 @@ def test_a_misspelt_monitor_is_told_the_metric_it_resembles():
     keras = _scripted(_counter_loop(), [1.0, 1.0]).early_stop("val_loss")
     with pytest.raises(ValueError, match=r"\(fuseloop names a validation metric validation_"):
         keras.run([(0, 0)], {"n": jnp.int32(0)}, epochs=2)
+    # Names are compared within their kind: another metric's validation is no typo of it,
+    # nor a training metric of a validation name.
+    epoch = fl.State().replace(metrics={"mse": 1.0, "mae": 1.0, "validation_mse": 1.0})
+    with pytest.raises(ValueError, match=r"not 'mae'.*attach Loop.metric\('mae'\) before"):
+        Monitor("validation_mae").value(epoch)
+    trained = fl.State().replace(metrics={"loss": 1.0, "accuracy": 0.5})
+    with pytest.raises(ValueError, match=r"\(fuseloop names .*\)\. Add it") as caught:
+        Monitor("val_accuracy").value(trained)
+    assert "did you mean" not in str(caught.value)
 
 
 def test_two_monitors_on_one_metric_keep_separate_records():

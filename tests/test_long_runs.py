@@ -20,7 +20,7 @@ import pytest
 
 import fuseloop as fl
 from conftest import counter_init, counter_loop, make_batches, tiny_mlp
-from fuseloop import _placement
+from fuseloop import _optim, _placement
 
 SPARSE = "sparse_categorical_cross_entropy"
 EPOCHS = 300
@@ -126,6 +126,21 @@ def test_a_finished_trainer_keeps_no_optimizer_alive():
     loop.run(make_batches(2), epochs=1)
     kept = weakref.ref(tx.init)
     del loop, tx
+    gc.collect()
+    assert kept() is None
+    # An optimizer object with an init method (a new bound method at each read) is still
+    # asked once, and let go with its object.
+    traced: list[int] = []
+
+    class Own:
+        def init(self, params: Any) -> Any:
+            traced.append(1)
+            return {"m": jax.tree.map(jnp.zeros_like, params)}
+
+    own = Own()
+    assert [_optim.abstract_state(own) for _ in range(3)][0] is not None and traced == [1]
+    kept = weakref.ref(own)
+    del own
     gc.collect()
     assert kept() is None
 

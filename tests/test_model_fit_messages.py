@@ -516,6 +516,14 @@ def test_a_typo_in_a_loss_raises_its_own_error_not_a_data_misfit():
 
     with pytest.raises(RuntimeError, match="own check failed"):
         fl.trainer(fl.models.mlp([3]), checked, "sgd").run(data)
+    # A KeyError of a dict y, or y read by an attribute it lacks, is y's misfit still.
+    targets = [(x, {"label": np.zeros(8, np.int32)})]
+    by_key = lambda y, p: (p[:, 0] - y["target"]).mean()  # noqa: E731
+    with pytest.raises(ValueError, match=r"does not fit .* y holds targets y_true\['label'\]"):
+        fl.trainer(fl.models.mlp([3]), by_key, "sgd").run(targets)
+    by_name = lambda y, p: (p[:, 0] * y.weight).mean()  # noqa: E731
+    with pytest.raises(ValueError, match=r"does not fit the loss .*AttributeError"):
+        fl.trainer(fl.models.mlp([3]), by_name, "sgd").run(data)
     # A loss that reads y as what it is not is still the data's misfit.
     keyed = lambda y, p: y["w"].mean()  # noqa: E731
     with pytest.raises(ValueError, match=r"data: y does not fit the loss"):

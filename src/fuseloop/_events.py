@@ -72,43 +72,57 @@ def event_total(event_counts: Mapping[str, Any], event: str) -> int:
     return int(value.get("total", 0) if isinstance(value, dict) else value)
 
 
-def normalize_event(event: Any, argument: str = "event") -> Event:
-    """Returns the `Event` for a name or an `Event`, or raises a ValueError naming `argument`."""
+def normalize_event(event: Any, argument: str = "event", hint: str = "") -> Event:
+    """Returns the `Event` for a name or an `Event`, or raises a ValueError naming `argument`
+    (and `hint`, what the caller's positional slot is often mistaken for, where the value
+    is no misspelt event)."""
     try:
         return Event(event.value if isinstance(event, Event) else event)
     except (ValueError, TypeError):
         raise ValueError(
             f"{argument}={_shown(event)} is not an event; accepted values: "
-            f"{', '.join(EVENT_NAMES)}{_meant(event)}"
+            f"{', '.join(EVENT_NAMES)}{_meant(event) or hint}"
         ) from None
+
+
+# Other libraries' names for the events (Keras callbacks, Lightning hooks), less any "on_"
+# and "train_" prefix.
+_HOOKS = {
+    "begin": "started",
+    "start": "started",
+    "end": "completed",
+    "epoch_begin": "epoch_started",
+    "epoch_start": "epoch_started",
+    "epoch_end": "epoch_completed",
+    "batch_begin": "iteration_started",
+    "batch_start": "iteration_started",
+    "batch_end": "iteration_completed",
+}
 
 
 def _shown(value: Any) -> str:
     """`value` for a message: an array by its dtype and shape, not its entries."""
     shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-    if isinstance(shape, tuple) and dtype is not None:
+    if isinstance(shape, tuple) and shape and dtype is not None:
         return f"<{type(value).__name__} of {dtype} {shape}>"
     shown = repr(value)
     return shown if len(shown) <= 80 else f"{shown[:77]}..."
 
 
 def _meant(value: Any) -> str:
-    """What a value given where an event goes was likely meant for (Keras habits put a
-    label array or a monitored metric's name in that positional slot)."""
-    if isinstance(value, str):
-        close = difflib.get_close_matches(value, EVENT_NAMES, 1, 0.8)
-        if close:
-            return f"; did you mean {close[0]!r}?"
-        return (
-            "; a metric to monitor is passed by keyword where a handler takes one, e.g. "
-            "checkpoint(path, criteria=...)"
-        )
-    if hasattr(value, "shape") or isinstance(value, (list, tuple)):
-        return (
-            ". Data is one argument: validate(model, data) takes a source such as "
-            "fl.data.arrays(x, y, batch_size=..., shuffle=False, drop_remainder=False)"
-        )
-    return ""
+    """The event a value given for one likely means: a close name, or another library's
+    name for it; several names where one goes."""
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        return "; one event per call: register the handler once for each event"
+    if callable(value):
+        return "; the event comes first, then the handler: handle_event(event, handler)"
+    if not isinstance(value, str):
+        return ""
+    close = difflib.get_close_matches(value, EVENT_NAMES, 1, 0.8)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    hook = _HOOKS.get(value.removeprefix("on_").removeprefix("train_"))
+    return f"; fuseloop's name for {value!r} is {hook!r}" if hook else ""
 
 
 @dataclass(frozen=True)

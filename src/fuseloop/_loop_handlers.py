@@ -172,6 +172,7 @@ class HandlerBuilders:
         """
         from .handlers.checkpoint import Checkpointer, refuse_shared_directory
 
+        normalize_event(event, hint="; a metric to save the best by is criteria=...")
         fires = make_filter(filter)
         key = self._monitor_key("checkpoint", criteria, fires) if criteria is not None else ""
         saver = Checkpointer(path, criteria, mode, keep, key=key, asynchronous=asynchronous)

@@ -24,6 +24,7 @@ from ._model_fit_advice import (
     first_line,
     fix_for_x,
     held,
+    loss_misfit,
     refuse_one_class_output,
     scope_misuse,
     several_targets,
@@ -328,7 +329,7 @@ class ModelFit:
         try:
             value = jax.eval_shape(loss_fn, ys, y_pred)
         except Exception as error:  # noqa: BLE001
-            if not _misfit(error):  # the loss's own fault, not y's: its own error
+            if not loss_misfit(error, y):  # the loss's own fault, not y's: its own error
                 error.add_note(
                     f"fuseloop: raised by the loss {name!r} on the first batch, with y "
                     f"({describe(y, 'y')}) and {output}"
@@ -387,13 +388,3 @@ class ModelFit:
             )
         if name == _BINARY:
             self.labels = LabelRule(name)
-
-
-def _misfit(error: BaseException) -> bool:
-    """Whether `error` may say the loss's inputs do not fit it: jax and numpy report a shape
-    or dtype misfit as a TypeError, ValueError or IndexError. Any other (a typo such as
-    `jnp.meen`, a failed assert, a config dict's KeyError) is the loss's own, as are jax's
-    tracer errors (their text says the fix): each keeps its type for `except` clauses."""
-    if isinstance(error, (jax.errors.JAXTypeError, jax.errors.JAXIndexError)):
-        return False
-    return isinstance(error, (TypeError, ValueError, IndexError))

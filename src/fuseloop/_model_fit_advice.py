@@ -14,6 +14,7 @@ from ._functions import from_functions
 from .models import ModelConventionError, from_equinox, from_nnx
 
 __all__ = [
+    "loss_misfit",
     "refuse_one_class_output",
     "several_targets",
     "describe",
@@ -253,3 +254,27 @@ def refuse_one_class_output(name: str, y_pred: Any, output: str) -> None:
             f"the model outputs. For a binary target, use loss='binary_cross_entropy' (one "
             f"logit per example); for several classes, give the last layer one unit per class"
         )
+
+
+def loss_misfit(error: BaseException, y: Any) -> bool:
+    """Whether `error`, raised by a custom loss on the first batch, may say y does not fit
+    it: jax and numpy report a shape or dtype misfit as a TypeError, ValueError or
+    IndexError, a shape check as an AssertionError; a KeyError where y holds a dict, an
+    AttributeError of an array or of y's own structure (`y.weight` of a tuple). Any other
+    (a typo such as `jnp.meen`, a config dict's KeyError, a RuntimeError) is the loss's
+    own, as are jax's tracer errors (their text says the fix): each keeps its type."""
+    if isinstance(error, (jax.errors.JAXTypeError, jax.errors.JAXIndexError)):
+        return False
+    if isinstance(error, (TypeError, ValueError, IndexError, AssertionError)):
+        return True
+    if isinstance(error, KeyError):
+        return _holds_dict(y)
+    if isinstance(error, AttributeError):
+        return isinstance(getattr(error, "obj", None), (jax.Array, np.ndarray, tuple, list, dict))
+    return False
+
+
+def _holds_dict(y: Any) -> bool:
+    if isinstance(y, dict):
+        return True
+    return isinstance(y, (tuple, list)) and any(_holds_dict(v) for v in y)

@@ -156,6 +156,19 @@ def keras_spelling(monitor: Any, names: Any, aliases: bool = True) -> str | None
     return None
 
 
+def _misspelt(monitor: str, names: Any) -> str | None:
+    """The metric among `names` that `monitor` misspells, compared within its kind: a
+    validation name's part after the prefix with the validation metrics' (another
+    metric's validation, such as mae for mse, is not a typo of it), a training name with
+    the training metrics."""
+    prefix = next((p for p in ("validation_", "val_") if monitor.startswith(p)), "")
+    kind = {n.removeprefix("validation_"): n for n in names if n.startswith("validation_")}
+    if not prefix:
+        kind = {n: n for n in names if not n.startswith("validation_")}
+    close = difflib.get_close_matches(monitor.removeprefix(prefix), list(kind), 1, 0.8)
+    return kind[close[0]] if close else None
+
+
 def _not_a_mode(mode: Any) -> ValueError:
     return ValueError(f"mode={mode!r} is not a mode; accepted values: {', '.join(MODES)}, auto")
 
@@ -239,11 +252,11 @@ class Monitor:
                     f"{self.argument}={self.monitor!r} is not among this epoch's metrics "
                     f"({available}): {spelled}"
                 )
-            close = difflib.get_close_matches(self.monitor, sorted(state.metrics), 1, 0.8)
-            if close:  # a typo of a metric the epoch has: Loop.metric cannot add it again
+            close = _misspelt(self.monitor, state.metrics)
+            if close is not None:  # a typo of a metric the epoch has: no Loop.metric adds it
                 raise ValueError(
                     f"{self.argument}={self.monitor!r} is not among this epoch's metrics "
-                    f"({available}); did you mean {close[0]!r}? Monitor {close[0]!r}"
+                    f"({available}); did you mean {close!r}? Monitor {close!r}"
                 )
             name = self.monitor.removeprefix("validation_")
             validated = sorted(k for k in state.metrics if k.startswith("validation_"))
