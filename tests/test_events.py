@@ -339,15 +339,20 @@ def test_a_value_given_where_an_event_goes_is_named_with_its_likely_meaning():
     # Elsewhere a name is no metric: a misspelt event, another library's name for one.
     meant = {
         "epoch_complete": r"did you mean 'epoch_completed'\?$",
-        "on_epoch_end": r"fuseloop's name for 'on_epoch_end' is 'epoch_completed'$",
-        "train_end": r"'completed'$",
+        "on_epoch_end": r"fuseloop's name for 'on_epoch_end' is 'epoch_completed' \(an epoch",
+        "train_end": r"'completed' \(a run that halts fires 'halted' instead",
+        "on_fit_start": r"is 'started'$",
         ("epoch_completed", "completed"): r"register the handler once for each event$",
     }
     for event, said in meant.items():
         with pytest.raises(ValueError, match=said):
             counter_loop().handle_event(event, lambda s: None)
-    with pytest.raises(ValueError, match=r"the event comes first"):
+    with pytest.raises(ValueError, match=r"the event comes before the handler$"):
         counter_loop().handle_event(lambda s: None, "epoch_completed")
+    with pytest.raises(ValueError, match=r"a save every 5 epochs is filter=\{'every': 5\}$"):
+        counter_loop().checkpoint("unused", 5)
+    with pytest.raises(ValueError, match=r"accepted values: [a-z_, ]*$"):  # no data hint
+        counter_loop().validate(fl.models.mlp([2]), make_batches(2), "every_epoch")
 
 
 def test_builders_return_new_loops_and_leave_the_old_unchanged():

@@ -189,6 +189,9 @@ def test_a_misspelt_monitor_is_told_the_metric_it_resembles():
     epoch = fl.State().replace(metrics={"mse": 1.0, "mae": 1.0, "validation_mse": 1.0})
     with pytest.raises(ValueError, match=r"not 'mae'.*attach Loop.metric\('mae'\) before"):
         Monitor("validation_mae").value(epoch)
+    misspelt = fl.State().replace(metrics={"loss": 1.0, "validation_loss": 1.0})
+    with pytest.raises(ValueError, match=r"did you mean 'validation_loss'"):
+        Monitor("validaton_loss").value(misspelt)
     trained = fl.State().replace(metrics={"loss": 1.0, "accuracy": 0.5})
     with pytest.raises(ValueError, match=r"\(fuseloop names .*\)\. Add it") as caught:
         Monitor("val_accuracy").value(trained)

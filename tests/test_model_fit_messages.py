@@ -521,9 +521,14 @@ def test_a_typo_in_a_loss_raises_its_own_error_not_a_data_misfit():
     by_key = lambda y, p: (p[:, 0] - y["target"]).mean()  # noqa: E731
     with pytest.raises(ValueError, match=r"does not fit .* y holds targets y_true\['label'\]"):
         fl.trainer(fl.models.mlp([3]), by_key, "sgd").run(targets)
+    pair = [(x, (np.zeros(8, np.int32), np.ones(8, np.float32)))]
     by_name = lambda y, p: (p[:, 0] * y.weight).mean()  # noqa: E731
     with pytest.raises(ValueError, match=r"does not fit the loss .*AttributeError"):
-        fl.trainer(fl.models.mlp([3]), by_name, "sgd").run(data)
+        fl.trainer(fl.models.mlp([3]), by_name, "sgd").run(pair)
+    # A typo of a method on an array (the output's or y's) is the loss's own.
+    method = lambda y, p: (p - y[:, None]).meen()  # noqa: E731
+    with pytest.raises(AttributeError, match="meen"):
+        fl.trainer(fl.models.mlp([3]), method, "sgd").run(data)
     # A loss that reads y as what it is not is still the data's misfit.
     keyed = lambda y, p: y["w"].mean()  # noqa: E731
     with pytest.raises(ValueError, match=r"data: y does not fit the loss"):

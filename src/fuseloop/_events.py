@@ -72,31 +72,35 @@ def event_total(event_counts: Mapping[str, Any], event: str) -> int:
     return int(value.get("total", 0) if isinstance(value, dict) else value)
 
 
-def normalize_event(event: Any, argument: str = "event", hint: str = "") -> Event:
+def normalize_event(
+    event: Any, argument: str = "event", hint: Callable[[Any], str] | None = None
+) -> Event:
     """Returns the `Event` for a name or an `Event`, or raises a ValueError naming `argument`
-    (and `hint`, what the caller's positional slot is often mistaken for, where the value
-    is no misspelt event)."""
+    (and `hint(event)`, what the caller's positional slot is often mistaken for, where the
+    value is no misspelt event)."""
     try:
         return Event(event.value if isinstance(event, Event) else event)
     except (ValueError, TypeError):
+        meant = _meant(event) or (hint(event) if hint is not None else "")
         raise ValueError(
             f"{argument}={_shown(event)} is not an event; accepted values: "
-            f"{', '.join(EVENT_NAMES)}{_meant(event) or hint}"
+            f"{', '.join(EVENT_NAMES)}{meant}"
         ) from None
 
 
-# Other libraries' names for the events (Keras callbacks, Lightning hooks), less any "on_"
-# and "train_" prefix.
+_HALTS = " (a run that halts fires 'halted' instead: register for both)"
+# Other libraries' names for the events (Keras callbacks, Lightning hooks), less any
+# "on_", "train_" or "fit_" prefix.
 _HOOKS = {
-    "begin": "started",
-    "start": "started",
-    "end": "completed",
-    "epoch_begin": "epoch_started",
-    "epoch_start": "epoch_started",
-    "epoch_end": "epoch_completed",
-    "batch_begin": "iteration_started",
-    "batch_start": "iteration_started",
-    "batch_end": "iteration_completed",
+    "begin": "'started'",
+    "start": "'started'",
+    "end": f"'completed'{_HALTS}",
+    "epoch_begin": "'epoch_started'",
+    "epoch_start": "'epoch_started'",
+    "epoch_end": "'epoch_completed' (an epoch a handler halts fires 'epoch_halted')",
+    "batch_begin": "'iteration_started'",
+    "batch_start": "'iteration_started'",
+    "batch_end": "'iteration_completed'",
 }
 
 
@@ -111,18 +115,19 @@ def _shown(value: Any) -> str:
 
 def _meant(value: Any) -> str:
     """The event a value given for one likely means: a close name, or another library's
-    name for it; several names where one goes."""
+    name for it; several names where one goes; a handler where the event goes."""
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
         return "; one event per call: register the handler once for each event"
     if callable(value):
-        return "; the event comes first, then the handler: handle_event(event, handler)"
+        return "; the event comes before the handler"
     if not isinstance(value, str):
         return ""
     close = difflib.get_close_matches(value, EVENT_NAMES, 1, 0.8)
     if close:
         return f"; did you mean {close[0]!r}?"
-    hook = _HOOKS.get(value.removeprefix("on_").removeprefix("train_"))
-    return f"; fuseloop's name for {value!r} is {hook!r}" if hook else ""
+    bare = value.removeprefix("on_").removeprefix("train_").removeprefix("fit_")
+    hook = _HOOKS.get(bare)
+    return f"; fuseloop's name for {value!r} is {hook}" if hook else ""
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Self, TextIO
 
+from ._arg_types import is_int
 from ._distributed import all_processes, runs_on_all_processes
 from ._events import Event, closes_on_error, make_filter, normalize_event
 from ._loop_args import check_monitored
@@ -172,7 +173,7 @@ class HandlerBuilders:
         """
         from .handlers.checkpoint import Checkpointer, refuse_shared_directory
 
-        normalize_event(event, hint="; a metric to save the best by is criteria=...")
+        normalize_event(event, hint=_keras_checkpoint)
         fires = make_filter(filter)
         key = self._monitor_key("checkpoint", criteria, fires) if criteria is not None else ""
         saver = Checkpointer(path, criteria, mode, keep, key=key, asynchronous=asynchronous)
@@ -279,3 +280,13 @@ def _before_restores(loop: Any) -> Any:
     )
     registrations.insert(at, last)
     return loop._with(registrations=tuple(registrations))
+
+
+def _keras_checkpoint(value: Any) -> str:
+    """What checkpoint's event slot held where Keras's ModelCheckpoint(filepath, monitor)
+    or its save_freq went."""
+    if isinstance(value, str):
+        return "; a metric to save the best by is criteria=..."
+    if is_int(value):
+        return f"; a save every {value} epochs is filter={{'every': {value}}}"
+    return ""

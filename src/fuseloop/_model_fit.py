@@ -329,7 +329,7 @@ class ModelFit:
         try:
             value = jax.eval_shape(loss_fn, ys, y_pred)
         except Exception as error:  # noqa: BLE001
-            if not loss_misfit(error, y):  # the loss's own fault, not y's: its own error
+            if not loss_misfit(error, y, y_pred):  # the loss's own fault, not y's: its own error
                 error.add_note(
                     f"fuseloop: raised by the loss {name!r} on the first batch, with y "
                     f"({describe(y, 'y')}) and {output}"

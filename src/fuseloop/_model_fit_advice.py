@@ -5,6 +5,7 @@ sentences share."""
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -256,25 +257,27 @@ def refuse_one_class_output(name: str, y_pred: Any, output: str) -> None:
         )
 
 
-def loss_misfit(error: BaseException, y: Any) -> bool:
+def loss_misfit(error: BaseException, y: Any, y_pred: Any) -> bool:
     """Whether `error`, raised by a custom loss on the first batch, may say y does not fit
     it: jax and numpy report a shape or dtype misfit as a TypeError, ValueError or
-    IndexError, a shape check as an AssertionError; a KeyError where y holds a dict, an
-    AttributeError of an array or of y's own structure (`y.weight` of a tuple). Any other
-    (a typo such as `jnp.meen`, a config dict's KeyError, a RuntimeError) is the loss's
-    own, as are jax's tracer errors (their text says the fix): each keeps its type."""
+    IndexError; a KeyError where y holds a mapping and the output none; an AttributeError
+    of a tuple or list where y is one (`y.weight` of a plain tuple). Any other (a typo
+    such as `jnp.meen` or `p.meen()`, an assert, a config's KeyError, a RuntimeError) is
+    the loss's own, as are jax's tracer errors (their text says the fix): each keeps its
+    type, with the shapes in a note."""
     if isinstance(error, (jax.errors.JAXTypeError, jax.errors.JAXIndexError)):
         return False
-    if isinstance(error, (TypeError, ValueError, IndexError, AssertionError)):
+    if isinstance(error, (TypeError, ValueError, IndexError)):
         return True
     if isinstance(error, KeyError):
-        return _holds_dict(y)
+        return _holds_mapping(y) and not _holds_mapping(y_pred)
     if isinstance(error, AttributeError):
-        return isinstance(getattr(error, "obj", None), (jax.Array, np.ndarray, tuple, list, dict))
+        structure = (tuple, list)
+        return isinstance(y, structure) and isinstance(getattr(error, "obj", None), structure)
     return False
 
 
-def _holds_dict(y: Any) -> bool:
-    if isinstance(y, dict):
+def _holds_mapping(tree: Any) -> bool:
+    if isinstance(tree, Mapping):
         return True
-    return isinstance(y, (tuple, list)) and any(_holds_dict(v) for v in y)
+    return isinstance(tree, (tuple, list)) and any(_holds_mapping(v) for v in tree)

@@ -233,9 +233,7 @@ def abstract_state(tx: Any) -> Any | None:
     init again. Keyed weakly: an optimizer closing over device arrays (a preconditioner, a
     mask) must not be kept alive by fuseloop once the user's own references are gone.
     """
-    init: Any = getattr(tx, "init", None)
-    if hasattr(init, "__func__"):  # a method, made anew at each read: keyed by its object
-        init = init.__self__
+    init = getattr(tx, "init", None)  # a method is made anew at each read: never kept
     try:
         return _ABSTRACT_STATES[init]
     except (KeyError, TypeError):  # not asked yet, or an init no weak reference can hold

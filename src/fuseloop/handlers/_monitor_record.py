@@ -160,13 +160,18 @@ def _misspelt(monitor: str, names: Any) -> str | None:
     """The metric among `names` that `monitor` misspells, compared within its kind: a
     validation name's part after the prefix with the validation metrics' (another
     metric's validation, such as mae for mse, is not a typo of it), a training name with
-    the training metrics."""
+    the training metrics, then whole (a misspelt prefix: "validaton_loss")."""
     prefix = next((p for p in ("validation_", "val_") if monitor.startswith(p)), "")
     kind = {n.removeprefix("validation_"): n for n in names if n.startswith("validation_")}
     if not prefix:
         kind = {n: n for n in names if not n.startswith("validation_")}
     close = difflib.get_close_matches(monitor.removeprefix(prefix), list(kind), 1, 0.8)
-    return kind[close[0]] if close else None
+    if close:
+        return str(kind[close[0]])
+    if prefix:  # a validation name: only its own kind can be what it misspells
+        return None
+    whole: list[str] = difflib.get_close_matches(monitor, list(names), 1, 0.85)
+    return whole[0] if whole else None  # a misspelt prefix
 
 
 def _not_a_mode(mode: Any) -> ValueError:

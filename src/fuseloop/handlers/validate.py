@@ -58,11 +58,14 @@ def validation_names(evaluation: Any) -> set[str]:
     return {VALIDATION_PREFIX + m.name for m in evaluation.metrics}
 
 
-# What an array in validate's event slot means: Keras's validation_data=(x_val, y_val).
-_ONE_SOURCE = (
-    ". The data is one argument: validate(model, data) takes a source such as "
-    "fl.data.arrays(x, y, batch_size=..., shuffle=False, drop_remainder=False)"
-)
+def _one_source(value: Any) -> str:
+    """What arrays in validate's event slot mean: Keras's validation_data=(x_val, y_val)."""
+    if not (hasattr(value, "shape") or isinstance(value, (list, tuple))):
+        return ""
+    return (
+        ". The data is one argument: validate(model, data) takes a source such as "
+        "fl.data.arrays(x, y, batch_size=..., shuffle=False, drop_remainder=False)"
+    )
 
 
 def check_validation(
@@ -83,7 +86,7 @@ def check_validation(
     """
     if model is None:
         raise ValueError("model=None: validate needs the model to evaluate")
-    if event is not None and normalize_event(event, hint=_ONE_SOURCE) is Event.STARTED:
+    if event is not None and normalize_event(event, hint=_one_source) is Event.STARTED:
         raise ValueError(
             "validate(event='started'): the run's metrics start afresh with its first "
             "epoch, so a validation before it would be lost. For the score of the params "
