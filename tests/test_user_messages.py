@@ -227,6 +227,20 @@ def test_a_custom_loop_given_text_or_records_names_the_leaf_and_the_fix(fuse):
     assert float(eager.step_state["loss"]) == pytest.approx(2 * float(X[:8].sum()))
 
 
+def test_a_whole_equinox_module_in_a_step_state_is_told_to_partition_it():
+    """An equinox module carried whole holds its activation beside its arrays: the message
+    said to keep such values in the closure, not how an equinox user does that."""
+    import equinox as eqx
+    import jax
+
+    model = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0))
+    loop = fl.loop(lambda batch, s: s)
+    with pytest.raises(ValueError, match=r"\.activation is a .*eqx\.partition\(model"):
+        loop.run([(X[:8], X[:8])], {"params": model})
+    with pytest.raises(ValueError, match=r"no device holds: .*handler_metadata\)$"):
+        loop.run([(X[:8], X[:8])], {"params": {"name": "text"}})
+
+
 def test_state_replace_of_params_names_the_step_state_it_is_read_from():
     state = fl.State(step_state={"params": {"w": 1.0}, "opt_state": ()})
     with pytest.raises(ValueError, match=r"unknown fields \['params'\].*step_state=\{\*\*state"):

@@ -308,7 +308,16 @@ def _refuse_non_arrays(tree: Any, error: TypeError) -> None:
                 f"({leaf!r:.60}), which no device holds: a step state holds arrays and "
                 f"numbers only (the loop carries it on the device). Keep such values "
                 f"outside it (in the step function's closure, or state.handler_metadata)"
+                f"{_MODULE_FIX if callable(leaf) else ''}"
             ) from error
+
+
+# A function among the step state's leaves is most often an equinox module's activation.
+_MODULE_FIX = (
+    "; a whole equinox module keeps its functions beside its arrays: carry "
+    "`params, static = eqx.partition(model, eqx.is_array)`'s params and rebuild it in the "
+    "step with eqx.combine(params, static)"
+)
 
 
 def _device_holds(leaf: Any) -> bool:
