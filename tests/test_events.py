@@ -391,6 +391,20 @@ def test_a_handler_that_adds_to_a_trainers_step_state_is_named():
         with pytest.raises(ValueError, match=r"add_ema returned .*step_state adds \['ema'\]"):
             loop.run(batches(4), epochs=2, fuse=fuse)
 
+    # A float leaf set to ints (a bias reset with jnp.array([0, 0, 0])) failed at the next
+    # step inside jax.grad, naming neither the leaf nor the handler; a cast to another
+    # float (bfloat16 on purpose) is the user's to make.
+    def reset_bias(state):
+        params = state.params["params"]
+        bias = np.zeros(params["Dense_0"]["bias"].shape, np.int32)
+        reset = {"params": {"Dense_0": {**params["Dense_0"], "bias": bias}}}
+        return "continue", state.replace(step_state={**state.step_state, "params": reset})
+
+    resetting = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "sgd")
+    resetting = resetting.handle_event("epoch_completed", reset_bias)
+    with pytest.raises(ValueError, match=r"reset_bias returned .*\['bias'\] is int32 where"):
+        resetting.run(batches(4), epochs=2, fuse=2)
+
 
 def test_a_handler_filter_or_metric_that_cannot_take_its_arguments_is_refused_when_attached():
     # Each failed only when first called, with Python's TypeError from inside the run.

@@ -18,7 +18,12 @@ from ._epoch_order import abstract_key, prng_impl
 from ._model_fit import abstract
 from ._step import _trainable
 
-__all__ = ["check_optimizer_fits", "check_step_keeps_state", "explain_step_change"]
+__all__ = [
+    "check_optimizer_fits",
+    "check_step_keeps_state",
+    "explain_step_change",
+    "refuse_returned_layout",
+]
 
 
 def _state_leaf(leaf: Any) -> Any:
@@ -280,3 +285,45 @@ def explain_step_change(step: Any, signature: Any, batch: Any) -> ValueError | N
     except ValueError as found:
         return found
     return None
+
+
+def refuse_returned_layout(before: Any, after: Any, label: str) -> None:
+    """Refuses a built-in step's state a handler returned in another structure, or with a
+    leaf of another kind of number (an int or bool where a float was: a bias set to
+    `jnp.array([0, 0, 0])` failed later inside jax.grad, naming neither). Shapes and
+    other float dtypes (a cast to bfloat16 on purpose) are the step's own checks' to judge.
+    """
+    expected: object = jax.tree.structure(before)  # no stub for PyTreeDef: compare as objects
+    if expected != jax.tree.structure(after):
+        old_paths, new_paths = _paths(before), _paths(after)
+        added, missing = sorted(new_paths - old_paths)[:3], sorted(old_paths - new_paths)[:3]
+        problem = (
+            f"adds {', '.join(added) or 'nothing'} and lacks {', '.join(missing) or 'nothing'}"
+            if added or missing
+            else "has other containers (a dict in place of a NamedTuple, say)"
+        )
+        raise ValueError(
+            f"handler {label} returned a State whose step_state {problem}: the compiled "
+            f"step takes a step state of the structure it was given. Change values only "
+            f"(keep every key); keep anything else of your own in handler_metadata"
+        )
+    pairs = zip(
+        jax.tree_util.tree_flatten_with_path(after)[0], jax.tree.leaves(before), strict=True
+    )
+    for (path, new), old in pairs:
+        if _inexact(new) != _inexact(old):
+            raise ValueError(
+                f"handler {label} returned a State whose step_state"
+                f"{jax.tree_util.keystr(path)} is {jnp.result_type(new)} where the step "
+                f"gave {jnp.result_type(old)}: a float cannot become an int or bool (nor "
+                f"the reverse) between steps; build it in the dtype it had, e.g. "
+                f"jnp.zeros_like(old) or new.astype(old.dtype)"
+            )
+
+
+def _inexact(leaf: Any) -> bool:
+    return bool(jnp.issubdtype(jnp.result_type(leaf), jnp.inexact))
+
+
+def _paths(tree: Any) -> set[str]:
+    return {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}

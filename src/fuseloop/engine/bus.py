@@ -25,6 +25,7 @@ from .._events import (
     parse_result,
 )
 from .._state import UNFINISHED_KEY, State, with_epoch_recorded
+from .._step_state_check import refuse_returned_layout
 
 __all__ = ["EventBus"]
 
@@ -311,7 +312,7 @@ def _check_returned(given: State, returned: State, label: str, fixed: bool) -> N
             f"state.replace(metrics=...), which keeps the step state"
         )
     if fixed and before is not None and after is not None and after is not before:
-        _refuse_layout_changes(before, after, label)
+        refuse_returned_layout(before, after, label)
     if returned.status != given.status:
         raise ValueError(
             f"handler {label} returned a State whose status is {returned.status!r}, not "
@@ -368,28 +369,6 @@ def _refuse_bad_history(history: Any, given: dict[Any, Any], label: str) -> None
                 f"handler_metadata"
             )
         _refuse_non_numbers(metrics, label, f"history[{epoch}]")
-
-
-def _refuse_layout_changes(before: Any, after: Any, label: str) -> None:
-    expected: object = jax.tree.structure(before)  # no stub for PyTreeDef: compare as objects
-    if expected == jax.tree.structure(after):
-        return  # values, shapes and dtypes are the step's own checks' to judge
-    old_paths, new_paths = _paths(before), _paths(after)
-    added, missing = sorted(new_paths - old_paths)[:3], sorted(old_paths - new_paths)[:3]
-    problem = (
-        f"adds {', '.join(added) or 'nothing'} and lacks {', '.join(missing) or 'nothing'}"
-        if added or missing
-        else "has other containers (a dict in place of a NamedTuple, say)"
-    )
-    raise ValueError(
-        f"handler {label} returned a State whose step_state {problem}: the compiled step "
-        f"takes a step state of the structure it was given. Change values only (keep every "
-        f"key); keep anything else of your own in handler_metadata"
-    )
-
-
-def _paths(tree: Any) -> set[str]:
-    return {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _unfinished(state: State, label: str) -> State:
