@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import optax
 import pytest
 
 import fuseloop as fl
@@ -404,6 +405,18 @@ def test_a_handler_that_adds_to_a_trainers_step_state_is_named():
     resetting = resetting.handle_event("epoch_completed", reset_bias)
     with pytest.raises(ValueError, match=r"reset_bias returned .*\['bias'\] is int32 where"):
         resetting.run(batches(4), epochs=2, fuse=2)
+
+    # The optimizer state's numbers are optax's to take: a rate set to 0 (an int) trains.
+    def freeze(state):
+        inject = state.step_state["opt_state"]
+        rates = {**inject.hyperparams, "learning_rate": np.int32(0)}
+        frozen = {**state.step_state, "opt_state": inject._replace(hyperparams=rates)}
+        return "continue", state.replace(step_state=frozen)
+
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    freezing = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", tx)
+    frozen = freezing.handle_event("epoch_completed", freeze).run(batches(4), epochs=3, fuse=2)
+    assert frozen.history[1]["loss"] == frozen.history[2]["loss"]
 
 
 def test_a_handler_filter_or_metric_that_cannot_take_its_arguments_is_refused_when_attached():

@@ -237,8 +237,9 @@ def test_a_whole_equinox_module_in_a_step_state_is_told_to_partition_it():
     loop = fl.loop(lambda batch, s: s)
     with pytest.raises(ValueError, match=r"\.activation is a .*eqx\.partition\(model"):
         loop.run([(X[:8], X[:8])], {"params": model})
-    with pytest.raises(ValueError, match=r"no device holds: .*handler_metadata\)$"):
-        loop.run([(X[:8], X[:8])], {"params": {"name": "text"}})
+    for own in ({"name": "text"}, {"scale": abs}):  # a function with no module: no eqx
+        with pytest.raises(ValueError, match=r"no device holds: .*handler_metadata\)$"):
+            loop.run([(X[:8], X[:8])], {"params": own})
 
 
 def test_state_replace_of_params_names_the_step_state_it_is_read_from():

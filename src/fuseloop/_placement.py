@@ -7,6 +7,7 @@ counted in `stats["h2d_transfers"]`; moving the initial state is not counted.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -308,11 +309,19 @@ def _refuse_non_arrays(tree: Any, error: TypeError) -> None:
                 f"({leaf!r:.60}), which no device holds: a step state holds arrays and "
                 f"numbers only (the loop carries it on the device). Keep such values "
                 f"outside it (in the step function's closure, or state.handler_metadata)"
-                f"{_MODULE_FIX if callable(leaf) else ''}"
+                f"{_MODULE_FIX if callable(leaf) and _holds_equinox_module(tree) else ''}"
             ) from error
 
 
-# A function among the step state's leaves is most often an equinox module's activation.
+def _holds_equinox_module(tree: Any) -> bool:
+    eqx = sys.modules.get("equinox")
+    if eqx is None:  # never imported: no module of its can be here
+        return False
+    modules = jax.tree.leaves(tree, is_leaf=lambda node: isinstance(node, eqx.Module))
+    return any(isinstance(node, eqx.Module) for node in modules)
+
+
+# A function among an equinox module's leaves is most often its activation.
 _MODULE_FIX = (
     "; a whole equinox module keeps its functions beside its arrays: carry "
     "`params, static = eqx.partition(model, eqx.is_array)`'s params and rebuild it in the "

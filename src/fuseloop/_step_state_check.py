@@ -289,9 +289,10 @@ def explain_step_change(step: Any, signature: Any, batch: Any) -> ValueError | N
 
 def refuse_returned_layout(before: Any, after: Any, label: str) -> None:
     """Refuses a built-in step's state a handler returned in another structure, or with a
-    leaf of another kind of number (an int or bool where a float was: a bias set to
-    `jnp.array([0, 0, 0])` failed later inside jax.grad, naming neither). Shapes and
-    other float dtypes (a cast to bfloat16 on purpose) are the step's own checks' to judge.
+    float param turned int or bool (a bias set to `jnp.array([0, 0, 0])` failed later
+    inside jax.grad, naming neither). Shapes, other float dtypes (a cast to bfloat16 on
+    purpose) and the optimizer state's numbers (a learning rate set to 0, which optax
+    takes as it is) are the step's own checks' to judge.
     """
     expected: object = jax.tree.structure(before)  # no stub for PyTreeDef: compare as objects
     if expected != jax.tree.structure(after):
@@ -307,22 +308,21 @@ def refuse_returned_layout(before: Any, after: Any, label: str) -> None:
             f"step takes a step state of the structure it was given. Change values only "
             f"(keep every key); keep anything else of your own in handler_metadata"
         )
-    pairs = zip(
-        jax.tree_util.tree_flatten_with_path(after)[0], jax.tree.leaves(before), strict=True
-    )
-    for (path, new), old in pairs:
-        if _inexact(new) != _inexact(old):
+    if not (isinstance(after, Mapping) and isinstance(before, Mapping) and "params" in before):
+        return
+    old_leaves = jax.tree.leaves(before["params"])
+    new_leaves = jax.tree_util.tree_flatten_with_path(after["params"])[0]
+    for (path, new), old in zip(new_leaves, old_leaves, strict=True):
+        was, now = getattr(old, "dtype", None), getattr(new, "dtype", None)
+        if was is None or now is None or was == now:
+            continue  # a leaf no device holds is named by the run's placement
+        if jnp.issubdtype(was, jnp.inexact) and not jnp.issubdtype(now, jnp.inexact):
             raise ValueError(
-                f"handler {label} returned a State whose step_state"
-                f"{jax.tree_util.keystr(path)} is {jnp.result_type(new)} where the step "
-                f"gave {jnp.result_type(old)}: a float cannot become an int or bool (nor "
-                f"the reverse) between steps; build it in the dtype it had, e.g. "
-                f"jnp.zeros_like(old) or new.astype(old.dtype)"
+                f"handler {label} returned a State whose step_state['params']"
+                f"{jax.tree_util.keystr(path)} is {now} where the step gave {was}: a "
+                f"parameter the loop differentiates cannot become an int or bool; build it "
+                f"as a float, e.g. jnp.zeros_like(old) or jnp.asarray(new, old.dtype)"
             )
-
-
-def _inexact(leaf: Any) -> bool:
-    return bool(jnp.issubdtype(jnp.result_type(leaf), jnp.inexact))
 
 
 def _paths(tree: Any) -> set[str]:
