@@ -232,6 +232,11 @@ def test_fixed_learning_rate_is_refused_when_attached():
     loop = fl.trainer(fl.models.mlp([4, 1]), "mean_squared_error", optax.adam(1e-3))
     with pytest.raises(ValueError, match="inject_hyperparams"):
         loop.reduce_lr_on_plateau("loss")
+    # A rate given as an int is held as int32: halved, 1 became 0 and training stopped.
+    whole = optax.inject_hyperparams(optax.sgd)(learning_rate=1)
+    loop = fl.trainer(fl.models.mlp([4, 1]), "mean_squared_error", whole)
+    with pytest.raises(ValueError, match=r"as int32 .*learning_rate=1\.0\)$"):
+        loop.reduce_lr_on_plateau("loss")
     with pytest.raises(ValueError, match="trainer"):
         _counter_loop().reduce_lr_on_plateau("loss")
 

@@ -239,6 +239,14 @@ class ReduceLROnPlateau:
         shapes = abstract_state(tx)
         if shapes is not None and not find_learning_rates(shapes):  # None: checked when run
             raise _fixed_lr_error(shapes)
+        whole = [r.dtype for r in find_learning_rates(shapes or ()) if _whole_number(r)]
+        if whole:  # the rate was given as an int: a reduction would round it, 1 * 0.5 to 0
+            raise ValueError(
+                f"reduce_lr_on_plateau: this optimizer holds its learning rate as {whole[0]} "
+                f"(it was given as an int), so a reduced rate would be rounded to a whole "
+                f"number (1 * 0.5 to 0) and training would stop; give it as a float, e.g. "
+                f"optax.inject_hyperparams(optax.sgd)(learning_rate=1.0)"
+            )
 
     # The engine runs a twin of this handler on the device inside a multi-epoch dispatch
     # (engine/device_monitors.py); `decide` is the arithmetic both share.
@@ -330,6 +338,10 @@ class ReduceLROnPlateau:
         if not rates:
             raise _fixed_lr_error(step_state["opt_state"])
         return np.asarray(rates[0])  # its own dtype: `at_floor` compares in it
+
+
+def _whole_number(rate: Any) -> bool:
+    return not np.issubdtype(np.dtype(rate.dtype), np.inexact)
 
 
 def _injected_rate(tx: Any) -> bool:
