@@ -146,26 +146,6 @@ def test_a_finished_trainer_keeps_no_optimizer_alive():
     assert kept() is None
 
 
-def test_a_trainer_reused_over_folds_keeps_no_folds_validation_data():
-    """Cross-validation reuses one trainer: `base.validate(model, fold).run(...)`. The
-    multi-epoch programs, kept in the cache the derived loops share and keyed by each
-    fold's handlers, kept every fold's device dataset alive with the trainer."""
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(48, 4)).astype(np.float32), rng.integers(0, 3, 48).astype(np.int32)
-    model = tiny_mlp()
-    base = fl.trainer(model, SPARSE, "sgd")
-    train = fl.data.arrays(x[:32], y[:32], batch_size=8, device=True)
-    kept = []
-    for fold in range(2):
-        rows = slice(32 + 8 * fold, 40 + 8 * fold)
-        held_out = fl.data.arrays(x[rows], y[rows], batch_size=8, shuffle=False, device=True)
-        base.validate(model, held_out).run(train, epochs=2, fuse="run")
-        kept.append(weakref.ref(held_out))
-        del held_out
-    gc.collect()
-    assert [ref() for ref in kept] == [None, None]
-
-
 def test_a_run_resumed_epoch_after_epoch_on_resident_data_keeps_a_bounded_set(monkeypatch):
     # A notebook's `state = loop.run(data, state, epochs=k + 1)`: each resume starts at a
     # new epoch. Its first batch (a host copy holding device buffers on CPU) and its epoch

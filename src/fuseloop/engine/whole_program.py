@@ -18,7 +18,6 @@ per-epoch run leaves it.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +33,6 @@ from .programs import MIN_SLOTS, _source_key
 
 __all__ = [
     "compiled_segments",
-    "whole_run_cache",
     "whole_run_key",
     "whole_run_program",
     "segments_for",
@@ -88,32 +86,11 @@ def whole_run_program(
     feed.
     """
     key = whole_run_key(source, segments, limit, sharding, work, record)
-    cache = whole_run_cache(programs, work)
+    cache = programs.cache.whole_run
     if key not in cache:
         fn = _build(programs, source, segments, limit, sharding, work, record)
         cache[key] = programs._jit(fn)
     return cache[key]
-
-
-def whole_run_cache(programs: Any, work: Any) -> dict[Any, Any]:
-    """Where the multi-epoch programs of a run with the device's epoch-end `work` are kept.
-
-    Without device handlers, in the loop's program cache. With them, on the first handler's
-    registration, which the programs are keyed by and whose handlers (a validation and its
-    dataset) they close over: kept in the cache the loops derived from one trainer share,
-    each fold of a cross-validation (`base.validate(model, fold)`) kept its dataset alive
-    with the trainer. There, they go when no loop holds the registration any more.
-    """
-    cache = programs.cache
-    if not work.key:
-        return cache.whole_run
-    # Per program cache too: a loop derived with other metrics keeps the registration.
-    held: dict[int, Any] = work.key[0].__dict__.setdefault("_whole_run_programs", {})
-    owner, programs_of = held.get(id(cache), (None, None))
-    if owner is None or owner() is not cache:
-        owner, programs_of = weakref.ref(cache), {}
-        held[id(cache)] = (owner, programs_of)
-    return programs_of
 
 
 def compiled_segments(cache: dict[Any, Any], at_least: int, key_of: Any) -> int | None:

@@ -37,7 +37,6 @@ from .whole_program import (
     compiled_segments,
     host_outputs,
     segments_for,
-    whole_run_cache,
     whole_run_key,
     whole_run_program,
 )
@@ -243,8 +242,7 @@ class WholeRun:
         """
         if self.size is None:
             needed = 1 << (len(segments) - 1).bit_length()
-            cache = whole_run_cache(self.run.programs, self.work)
-            compiled = compiled_segments(cache, needed, self._key)
+            compiled = compiled_segments(self.run.programs.cache.whole_run, needed, self._key)
             return needed if compiled is None else compiled
         return -(-self.size // self.limit) + 1
 
