@@ -190,6 +190,10 @@ def test_resuming_from_inside_an_epoch_or_with_nothing_left_warns(tmp_path):
     # custom-loops.md passes a seed as init_state to fl.loop; a trainer's is its own.
     with pytest.raises(ValueError, match=r"init_state=0 is an integer.*seed=\.\.\."):
         loop.run(make_batches(6), 0)
+    # Keras's fit(x, y): y went where the variables go and x's rows were read as batches.
+    x, y = np.zeros((16, 3), np.float32), np.zeros(16, np.int32)
+    with pytest.raises(ValueError, match=r"run\(x, y\) passes y as the initial state"):
+        loop.run(x, y, epochs=2)
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     with pytest.raises(ValueError, match=r"is a file, so no checkpoint directory"):

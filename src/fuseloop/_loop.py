@@ -283,7 +283,7 @@ class Loop(HandlerBuilders):
             ('completed', 2, ['loss'])
         """
         check_run_options(epochs, iterations, jit, progress, max_in_flight, prefetch)
-        check_init_state(init_state, self.program.kind, population)
+        check_init_state(init_state, self.program.kind, population, data)
         if self.program.kind in ("trainer", "evaluator"):
             init_state = weights_of_module(init_state, "init_state")
         if self.program.kind == "evaluator":

@@ -114,7 +114,9 @@ def check_step_functions(step_fn: Any, init_fn: Callable[..., Any] | None) -> No
         raise ValueError(f"init_fn={init_fn!r} must be callable(first_batch, init_state)")
 
 
-def check_init_state(init_state: Any, kind: str = "custom", population: Any = None) -> None:
+def check_init_state(
+    init_state: Any, kind: str = "custom", population: Any = None, data: Any = None
+) -> None:
     """`run`'s init_state: a path is refused with the call that loads it; an integer (a
     seed, as a custom loop's init_fn may take) given to a trainer or evaluator, whose state
     is variables, is refused naming the seed's place; a population's State, where no
@@ -141,6 +143,12 @@ def check_init_state(init_state: Any, kind: str = "custom", population: Any = No
     refuse_deleted_arrays(getattr(init_state, "step_state", init_state), "init_state")
     if is_int(init_state) and kind in _STARTS_FROM:
         raise ValueError(f"init_state={init_state!r} is an integer, but {_STARTS_FROM[kind]}")
+    if kind in _STARTS_FROM and _rows(data) is not None and _rows(data) == _rows(init_state):
+        raise ValueError(  # Keras's fit(x, y): y landed where the variables go
+            f"init_state is an array of {_rows(init_state)} rows, as many as the data's: "
+            f"run(x, y) passes y as the initial state. run takes one data source: "
+            f"run(fl.data.arrays(x, y, batch_size=...), epochs=...)"
+        )
     if kind in _STARTS_FROM and isinstance(init_state, dict) and set(init_state) == _STEP_STATE:
         raise ValueError(
             f"init_state: this dict holds {sorted(_STEP_STATE)}, a trainer's step state "
@@ -155,6 +163,11 @@ def check_init_state(init_state: Any, kind: str = "custom", population: Any = No
             else ""
         )
         refuse_population(init_state, "init_state", instead)
+
+
+def _rows(value: Any) -> int | None:
+    shape = getattr(value, "shape", None)
+    return int(shape[0]) if isinstance(shape, tuple) and shape else None
 
 
 _STEP_STATE = {"params", *_TRAINER_KEYS}  # a trainer's step state's keys
