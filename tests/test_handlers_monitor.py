@@ -237,6 +237,8 @@ def test_fixed_learning_rate_is_refused_when_attached():
     loop = fl.trainer(fl.models.mlp([4, 1]), "mean_squared_error", whole)
     with pytest.raises(ValueError, match=r"as int32 .*learning_rate=1\.0\)$"):
         loop.reduce_lr_on_plateau("loss")
+    half = optax.inject_hyperparams(optax.sgd)(learning_rate=jnp.bfloat16(0.5))
+    fl.trainer(fl.models.mlp([4, 1]), "mean_squared_error", half).reduce_lr_on_plateau("loss")
     with pytest.raises(ValueError, match="trainer"):
         _counter_loop().reduce_lr_on_plateau("loss")
 

@@ -341,7 +341,7 @@ class ReduceLROnPlateau:
 
 
 def _whole_number(rate: Any) -> bool:
-    return not np.issubdtype(np.dtype(rate.dtype), np.inexact)
+    return not jnp.issubdtype(rate.dtype, jnp.inexact)  # numpy calls bfloat16 no float
 
 
 def _injected_rate(tx: Any) -> bool:
