@@ -225,14 +225,16 @@ def generated(n: int, fail_at: int | None = None) -> Any:
 def test_an_asynchronous_checkpoint_leaves_no_thread_behind_its_run(tmp_path):
     """Orbax's manager kept a thread per Loop until the Loop's next run or its collection:
     a notebook that keeps its loops gathered one a run."""
+    loops = [counter_loop().checkpoint(tmp_path / str(i), asynchronous=True) for i in range(3)]
+    # The first asynchronous save of the process starts orbax's own shared threads.
+    loops[0].run(make_batches(2), counter_init(), epochs=2)
     before = threads()
-    loops = [counter_loop().checkpoint(tmp_path / str(i), asynchronous=True) for i in range(2)]
-    for loop in loops:
+    for loop in loops[1:]:  # an earlier test's threads may end meanwhile: none is added
         loop.run(make_batches(2), counter_init(), epochs=2)
-        assert threads() == before
+        assert threads() <= before
     halting = loops[0].handle_event("epoch_completed", lambda s: "halt_loop")
     assert halting.run(make_batches(2), counter_init(), epochs=3).status == "halted"
-    assert threads() == before
+    assert threads() <= before
 
 
 @pytest.mark.parametrize("fuse", [False, 2])
