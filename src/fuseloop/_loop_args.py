@@ -143,9 +143,10 @@ def check_init_state(
     refuse_deleted_arrays(getattr(init_state, "step_state", init_state), "init_state")
     if is_int(init_state) and kind in _STARTS_FROM:
         raise ValueError(f"init_state={init_state!r} is an integer, but {_STARTS_FROM[kind]}")
-    if kind in _STARTS_FROM and _rows(data) is not None and _rows(data) == _rows(init_state):
+    rows = _rows(data) if kind in _STARTS_FROM else None
+    if rows is not None and rows == _rows(init_state):
         raise ValueError(  # Keras's fit(x, y): y landed where the variables go
-            f"init_state is an array of {_rows(init_state)} rows, as many as the data's: "
+            f"init_state is an array of {rows} rows, as many as the data's: "
             f"run(x, y) passes y as the initial state. run takes one data source: "
             f"run(fl.data.arrays(x, y, batch_size=...), epochs=...)"
         )

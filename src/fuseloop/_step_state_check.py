@@ -310,13 +310,13 @@ def refuse_returned_layout(before: Any, after: Any, label: str) -> None:
         )
     if not (isinstance(after, Mapping) and isinstance(before, Mapping) and "params" in before):
         return
-    old_leaves = jax.tree.leaves(before["params"])
-    new_leaves = jax.tree_util.tree_flatten_with_path(after["params"])[0]
-    for (path, new), old in zip(new_leaves, old_leaves, strict=True):
+    old_leaves, new_leaves = jax.tree.leaves(before["params"]), jax.tree.leaves(after["params"])
+    for i, (new, old) in enumerate(zip(new_leaves, old_leaves, strict=True)):
         was, now = getattr(old, "dtype", None), getattr(new, "dtype", None)
         if was is None or now is None or was == now:
             continue  # a leaf no device holds is named by the run's placement
         if jnp.issubdtype(was, jnp.inexact) and not jnp.issubdtype(now, jnp.inexact):
+            path = jax.tree_util.tree_flatten_with_path(after["params"])[0][i][0]  # only now
             raise ValueError(
                 f"handler {label} returned a State whose step_state['params']"
                 f"{jax.tree_util.keystr(path)} is {now} where the step gave {was}: a "
