@@ -234,3 +234,41 @@ def test_a_loops_repr_is_a_short_summary():
     assert text.startswith("Loop(trainer, loss='sparse_categorical_cross_entropy'")
     assert "'accuracy'" in text and "'early_stop'" in text and "0x" not in text
     assert len(text) < 300
+
+
+# --------------------------------------------------------------------------- other frameworks
+@pytest.mark.parametrize(
+    ("keyword", "words"),
+    [
+        ("batch_size", ("fl.data.arrays(x, y, batch_size=32)",)),
+        ("validation_data", ("loop.validate(val_data)",)),
+        ("callbacks", ("loop.early_stop(...)", "handle_event")),
+        ("verbose", ("progress=True",)),
+        ("steps_per_epoch", ("iterations=N",)),
+        ("max_epochs", ("epochs=N",)),
+        ("epoch", ("did you mean 'epochs'?",)),  # a misspelling of a keyword run() takes
+    ],
+)
+def test_a_keras_or_lightning_keyword_to_run_names_fuseloops_way(keyword, words):
+    source = CountingGenerator(DATA)
+    with pytest.raises(TypeError) as info:
+        trainer().run(source, **{keyword: 3})
+    check(info, f"Loop.run() got an unexpected keyword argument {keyword!r}", *words)
+    assert source.pulls == 0  # refused before anything was read
+
+
+def test_a_keras_compile_keyword_to_a_factory_names_fuseloops_way():
+    with pytest.raises(TypeError) as info:
+        fl.trainer(tiny_mlp(), "mse", "adam", metrics=["accuracy"])
+    check(info, "trainer() got an unexpected keyword argument 'metrics'", '.metric("accuracy")')
+    with pytest.raises(TypeError) as info:
+        fl.evaluator(tiny_mlp(), "mse", learning_rate=0.1)
+    check(info, "'learning_rate'", "optax.adam(learning_rate=1e-3)")
+    with pytest.raises(TypeError) as info:
+        fl.trainer(tiny_mlp(), "mse", "adam", size=3)  # nothing close: what it takes
+    check(info, "'size'", "log, log_stream, loss, model, optimizer, seed")
+
+
+def test_the_keyword_check_leaves_what_run_takes_alone():
+    state = trainer().run(DATA, epochs=1, iterations=2, fuse=2, progress=False)
+    assert (state.status, state.iteration) == ("completed", 1)  # the second, counted from 0

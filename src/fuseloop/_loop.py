@@ -11,6 +11,7 @@ from typing import Any, TextIO
 from ._data import warn_left_out
 from ._distributed import all_processes
 from ._events import Registration, attached, make_filter, normalize_event
+from ._foreign_keywords import FACTORY_ADVICE, RUN_ADVICE, advise_foreign_keywords
 from ._loop_args import (
     check_accumulate,
     check_handler,
@@ -234,6 +235,7 @@ class Loop(HandlerBuilders):
         return self._with(guard_nonfinite=True)
 
     # ----------------------------------------------------------------- running
+    @advise_foreign_keywords(RUN_ADVICE)
     def run(
         self,
         data: Any,
@@ -282,6 +284,8 @@ class Loop(HandlerBuilders):
             >>> state.status, state.epoch, sorted(state.metrics)
             ('completed', 2, ['loss'])
         """
+        from .handlers.progress import run_progress_bar  # the display, passed in as observer
+
         check_run_options(epochs, iterations, jit, progress, max_in_flight, prefetch)
         check_init_state(init_state, self.program.kind, population, data)
         if self.program.kind in ("trainer", "evaluator"):
@@ -302,7 +306,7 @@ class Loop(HandlerBuilders):
             iterations=iterations,
             fuse=fuse,
             jit=jit,
-            observer=_progress_bar(data, iterations) if progress else None,
+            observer=run_progress_bar(data, iterations) if progress else None,
             mesh=mesh,
             max_in_flight=max_in_flight,
             prefetch=prefetch,
@@ -310,6 +314,7 @@ class Loop(HandlerBuilders):
         )
 
 
+@advise_foreign_keywords(FACTORY_ADVICE)
 def trainer(
     model: Any,
     loss: Any,
@@ -355,6 +360,7 @@ def trainer(
     return built
 
 
+@advise_foreign_keywords(FACTORY_ADVICE)
 def evaluator(model: Any, loss: Any = None) -> Loop:
     """An evaluation loop: `evaluator(model).run(data, params_or_state)`.
 
@@ -389,12 +395,3 @@ def loop(
     """
     check_step_functions(step_fn, init_fn)
     return Loop(custom_program(step_fn, init_fn))
-
-
-def _progress_bar(data: Any, iterations: int | None) -> Any:
-    """The observer that draws `run(progress=True)`'s bar: on process 0 only, so the side
-    effect happens once; None on the other processes."""
-    from ._distributed import is_main_process
-    from .handlers.progress import ProgressBar
-
-    return ProgressBar.for_data(data, iterations) if is_main_process() else None

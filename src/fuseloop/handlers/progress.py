@@ -18,10 +18,11 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from .._distributed import is_main_process
 from .._events import Event
 from .log import _unwritable, write_above_bars  # the display and the log share them
 
-__all__ = ["ProgressBar", "epoch_length_of", "write_above_bars"]
+__all__ = ["ProgressBar", "epoch_length_of", "run_progress_bar", "write_above_bars"]
 
 
 def epoch_length_of(data: Any, iterations: int | None = None) -> int | None:
@@ -189,3 +190,15 @@ class ProgressBar:
             self.bar = None
         if self.plain is not None:
             self._write_plain(self.plain["metrics"], "stopped")
+
+
+def run_progress_bar(data: Any, iterations: int | None) -> ProgressBar | None:
+    """The observer that draws `run(progress=True)`'s bar, or None off process 0.
+
+    The bar is drawn on process 0 only, so its side effect happens once.
+
+    Example:
+        >>> run_progress_bar(batches, iterations=3).epoch_length
+        3
+    """
+    return ProgressBar.for_data(data, iterations) if is_main_process() else None

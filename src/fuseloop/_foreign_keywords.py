@@ -1,0 +1,106 @@
+"""Keyword arguments from Keras's `fit`/`compile` and Lightning's `Trainer`, answered with
+fuseloop's way of saying the same thing instead of Python's bare "unexpected keyword".
+
+The check runs before the call and costs a set comparison; a keyword the function takes
+never reaches it, so nothing a function accepts changes meaning here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import ParamSpec, TypeVar
+
+__all__ = ["RUN_ADVICE", "FACTORY_ADVICE", "advise_foreign_keywords"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_BATCH = "fuseloop batches the data before the run: pass fl.data.arrays(x, y, batch_size=32)"
+_HANDLERS = (
+    "fuseloop attaches callbacks to the loop before the run: loop.early_stop(...), "
+    "loop.checkpoint(...), loop.reduce_lr_on_plateau(...), loop.csv_log(...), or "
+    'loop.handle_event("epoch_completed", fn) for your own'
+)
+
+# Keras `fit` and Lightning `Trainer`/`fit` keywords, by what fuseloop calls them.
+RUN_ADVICE: Mapping[str, str] = {
+    "batch_size": _BATCH + " as the data",
+    "shuffle": "shuffling belongs to the data: fl.data.arrays(x, y, batch_size, shuffle=True)",
+    "x": "the data is the first argument: run(fl.data.arrays(x, y, batch_size=32))",
+    "y": "the data is the first argument: run(fl.data.arrays(x, y, batch_size=32))",
+    "validation_data": "attach validation to the loop: loop.validate(val_data).run(data)",
+    "validation_split": (
+        "hold the split out yourself and attach it: "
+        "loop.validate(fl.data.arrays(x_val, y_val, batch_size=32)).run(data)"
+    ),
+    "callbacks": _HANDLERS,
+    "verbose": (
+        "run(progress=True) shows a bar per epoch (one line per epoch off a terminal, "
+        "as Keras's verbose=2); fl.trainer(..., log=N) prints a line every N iterations"
+    ),
+    "steps_per_epoch": "iterations=N bounds each epoch's iterations",
+    "limit_train_batches": "iterations=N bounds each epoch's iterations",
+    "max_epochs": "epochs=N is the total number of epochs",
+    "initial_epoch": (
+        "resume from the State a run returned (or a checkpoint): run(data, state, epochs=N)"
+    ),
+    "ckpt_path": "resume from fl.load_checkpoint(path): run(data, state, epochs=N)",
+    "steps_per_execution": "fuse=K runs K steps per dispatch",
+    "class_weight": (
+        "per-example weights go into y, for a loss that reads them (docs/data.md, "
+        "\"A trainer's or evaluator's batch\")"
+    ),
+    "sample_weight": (
+        "per-example weights go into y, for a loss that reads them (docs/data.md, "
+        "\"A trainer's or evaluator's batch\")"
+    ),
+}
+
+# Keras `compile` keywords given to fl.trainer / fl.evaluator.
+FACTORY_ADVICE: Mapping[str, str] = {
+    "metrics": 'add each metric to the loop this returns: .metric("accuracy")',
+    "learning_rate": "give the optimizer its rate: optax.adam(learning_rate=1e-3)",
+    "lr": "give the optimizer its rate: optax.adam(learning_rate=1e-3)",
+    "epochs": "epochs go to the run: loop.run(data, epochs=N)",
+    "batch_size": _BATCH + " to run()",
+    "callbacks": _HANDLERS,
+    "jit_compile": "fuseloop compiles by default; run(..., jit=False) runs op by op to debug",
+    "steps_per_execution": "fuse=K in run() runs K steps per dispatch",
+}
+
+
+def advise_foreign_keywords(
+    advice: Mapping[str, str],
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Wraps a public function so a keyword it does not take raises a TypeError that says
+    what fuseloop calls it (from `advice`), or the close spelling it takes."""
+
+    def decorate(function: Callable[P, R]) -> Callable[P, R]:
+        accepted = frozenset(inspect.signature(function).parameters)
+        name = function.__qualname__
+
+        @functools.wraps(function)
+        def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+            if not kwargs.keys() <= accepted:
+                raise _refusal(name, sorted(kwargs.keys() - accepted), accepted, advice)
+            return function(*args, **kwargs)
+
+        return checked
+
+    return decorate
+
+
+def _refusal(
+    name: str, unknown: list[str], accepted: frozenset[str], advice: Mapping[str, str]
+) -> TypeError:
+    keyword = unknown[0]
+    if keyword in advice:
+        hint = advice[keyword]
+    else:
+        takes = sorted(accepted - {"self"})
+        close = difflib.get_close_matches(keyword, takes, n=1, cutoff=0.75)
+        hint = f"did you mean {close[0]!r}?" if close else f"it takes {', '.join(takes)}"
+    return TypeError(f"{name}() got an unexpected keyword argument {keyword!r}: {hint}")
