@@ -272,3 +272,13 @@ def test_a_keras_compile_keyword_to_a_factory_names_fuseloops_way():
 def test_the_keyword_check_leaves_what_run_takes_alone():
     state = trainer().run(DATA, epochs=1, iterations=2, fuse=2, progress=False)
     assert (state.status, state.iteration) == ("completed", 1)  # the second, counted from 0
+
+
+def test_keras_positional_fit_and_compile_arguments_name_fuseloops_way():
+    x, y = DATA[0]
+    with pytest.raises(TypeError) as info:
+        trainer().run(x, y, 4, 10)  # Keras's fit(x, y, batch_size, epochs)
+    check(info, "5 were given", "run(fl.data.arrays(x, y, batch_size=32), epochs=10)")
+    with pytest.raises(TypeError) as info:
+        fl.trainer(tiny_mlp(), "mse", "adam", ["accuracy"])  # Keras's compile(..., metrics)
+    check(info, "trainer() takes at most 3 positional arguments", '.metric("accuracy")')

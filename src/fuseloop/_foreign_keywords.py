@@ -13,7 +13,9 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import ParamSpec, TypeVar
 
-__all__ = ["RUN_ADVICE", "FACTORY_ADVICE", "advise_foreign_keywords"]
+__all__ = ["RUN_ADVICE", "FACTORY_ADVICE", "POSITIONAL", "advise_foreign_keywords"]
+
+POSITIONAL = "*"  # the advice for more positional arguments than the function takes
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -27,6 +29,11 @@ _HANDLERS = (
 
 # Keras `fit` and Lightning `Trainer`/`fit` keywords, by what fuseloop calls them.
 RUN_ADVICE: Mapping[str, str] = {
+    POSITIONAL: (
+        "run() takes the data and an initial state by position, the rest by keyword: "
+        "Keras's fit(x, y, batch_size, epochs) is "
+        "run(fl.data.arrays(x, y, batch_size=32), epochs=10)"
+    ),
     "batch_size": _BATCH + " as the data",
     "shuffle": "shuffling belongs to the data: fl.data.arrays(x, y, batch_size, shuffle=True)",
     "x": "the data is the first argument: run(fl.data.arrays(x, y, batch_size=32))",
@@ -61,6 +68,10 @@ RUN_ADVICE: Mapping[str, str] = {
 
 # Keras `compile` keywords given to fl.trainer / fl.evaluator.
 FACTORY_ADVICE: Mapping[str, str] = {
+    POSITIONAL: (
+        'metrics are added to the loop this returns (.metric("accuracy")); any other option '
+        "is given by keyword"
+    ),
     "metrics": 'add each metric to the loop this returns: .metric("accuracy")',
     "learning_rate": "give the optimizer its rate: optax.adam(learning_rate=1e-3)",
     "lr": "give the optimizer its rate: optax.adam(learning_rate=1e-3)",
@@ -79,13 +90,20 @@ def advise_foreign_keywords(
     what fuseloop calls it (from `advice`), or the close spelling it takes."""
 
     def decorate(function: Callable[P, R]) -> Callable[P, R]:
-        accepted = frozenset(inspect.signature(function).parameters)
+        parameters = inspect.signature(function).parameters
+        accepted = frozenset(parameters)
+        positional = sum(p.kind == p.POSITIONAL_OR_KEYWORD for p in parameters.values())
         name = function.__qualname__
 
         @functools.wraps(function)
         def checked(*args: P.args, **kwargs: P.kwargs) -> R:
             if not kwargs.keys() <= accepted:
                 raise _refusal(name, sorted(kwargs.keys() - accepted), accepted, advice)
+            if len(args) > positional and POSITIONAL in advice:
+                raise TypeError(
+                    f"{name}() takes at most {positional} positional arguments but "
+                    f"{len(args)} were given: {advice[POSITIONAL]}"
+                )
             return function(*args, **kwargs)
 
         return checked
