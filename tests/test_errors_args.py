@@ -3,6 +3,8 @@ anything is pulled from the data or compiled."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -241,7 +243,8 @@ def test_a_loops_repr_is_a_short_summary():
     ("keyword", "words"),
     [
         ("batch_size", ("fl.data.arrays(x, y, batch_size=32)",)),
-        ("validation_data", ("loop.validate(val_data)",)),
+        ("validation_data", ("loop.validate(model, val_data)",)),
+        ("validation_split", ("shuffle=False, drop_remainder=False",)),
         ("callbacks", ("loop.early_stop(...)", "handle_event")),
         ("verbose", ("progress=True",)),
         ("steps_per_epoch", ("iterations=N",)),
@@ -282,3 +285,15 @@ def test_keras_positional_fit_and_compile_arguments_name_fuseloops_way():
     with pytest.raises(TypeError) as info:
         fl.trainer(tiny_mlp(), "mse", "adam", ["accuracy"])  # Keras's compile(..., metrics)
     check(info, "trainer() takes at most 3 positional arguments", '.metric("accuracy")')
+
+
+def test_the_advice_for_other_frameworks_keywords_names_what_exists():
+    from fuseloop._foreign_keywords import FACTORY_ADVICE, RUN_ADVICE
+
+    for advice in (*RUN_ADVICE.values(), *FACTORY_ADVICE.values()):
+        for name in re.findall(r"\bfl\.(\w+)", advice):
+            assert hasattr(fl, name), advice
+        for name in re.findall(r"\bloop\.(\w+)\(", advice):
+            assert hasattr(fl.Loop, name), advice
+        for name in re.findall(r"\bfl\.data\.(\w+)\(", advice):
+            assert hasattr(fl.data, name), advice

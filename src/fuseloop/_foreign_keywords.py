@@ -38,10 +38,10 @@ RUN_ADVICE: Mapping[str, str] = {
     "shuffle": "shuffling belongs to the data: fl.data.arrays(x, y, batch_size, shuffle=True)",
     "x": "the data is the first argument: run(fl.data.arrays(x, y, batch_size=32))",
     "y": "the data is the first argument: run(fl.data.arrays(x, y, batch_size=32))",
-    "validation_data": "attach validation to the loop: loop.validate(val_data).run(data)",
+    "validation_data": "attach validation to the loop: loop.validate(model, val_data).run(data)",
     "validation_split": (
-        "hold the split out yourself and attach it: "
-        "loop.validate(fl.data.arrays(x_val, y_val, batch_size=32)).run(data)"
+        "hold the last part out yourself and attach it: loop.validate(model, "
+        "fl.data.arrays(x_val, y_val, batch_size=32, shuffle=False, drop_remainder=False))"
     ),
     "callbacks": _HANDLERS,
     "verbose": (
@@ -54,7 +54,7 @@ RUN_ADVICE: Mapping[str, str] = {
     "initial_epoch": (
         "resume from the State a run returned (or a checkpoint): run(data, state, epochs=N)"
     ),
-    "ckpt_path": "resume from fl.load_checkpoint(path): run(data, state, epochs=N)",
+    "ckpt_path": "resume from fl.load_state(path): run(data, state, epochs=N)",
     "steps_per_execution": "fuse=K runs K steps per dispatch",
     "class_weight": (
         "per-example weights go into y, for a loss that reads them (docs/data.md, "
