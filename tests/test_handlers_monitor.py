@@ -357,6 +357,8 @@ def test_a_monitored_name_validation_never_gives_is_refused_before_training(hand
             ValueError, match=r"keeps the key it was given; monitor 'validation_mae'"
         ):
             attach(mae, keras).run(_batches(3, 0))
+    with pytest.raises(ValueError, match=r"keeps the key it was given; monitor 'mae'"):
+        attach(mae, "mean_absolute_error").run(_batches(3, 0))  # a training metric too
     sparse = base.validate(model, _batches(2, 1), filter={"every": 2})
     with pytest.raises(ValueError, match=r"validate's filter leaves some epochs without"):
         attach(sparse, "validation_loss")

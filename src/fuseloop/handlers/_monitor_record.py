@@ -153,6 +153,12 @@ def keras_spelling(monitor: Any, names: Any, aliases: bool = True) -> str | None
             if ours != f"validation_{name}":
                 said.append("the metric keeps the key it was given")
             return f"{', and '.join(said)}; monitor {ours!r}"
+    if aliases:  # a training metric's other name: "mean_absolute_error" added as "mae"
+        canonical = ALIASES.get(monitor, monitor)
+        others = [canonical, *(k for k, v in ALIASES.items() if v == canonical)]
+        ours = next((s for s in others if s in names and s != monitor), None)
+        if ours is not None:
+            return f"the metric keeps the key it was given; monitor {ours!r}"
     return None
 
 
