@@ -248,3 +248,24 @@ def test_state_replace_of_params_names_the_step_state_it_is_read_from():
         state.replace(params={"w": 2.0})
     with pytest.raises(ValueError, match=r"unknown fields \['loss'\]; accepted: [a-z_, ]+$"):
         state.replace(loss=1.0)
+
+
+class _LastStepGRU(nn.Module):
+    @nn.compact
+    def __call__(self, x: Any) -> Any:
+        return nn.Dense(1)(nn.RNN(nn.GRUCell(4))(x)[:, -1])
+
+
+@pytest.mark.parametrize("y_shape", [(8, 1), (8,)])
+def test_windows_without_a_feature_axis_are_told_to_add_one_not_to_reshape_y(y_shape):
+    """nn.RNN reads x of shape (batch, time) as one unbatched sequence: its output has no
+    axis of the batch's examples, and the loss's refusal blamed y."""
+    y = X[:, :1].reshape((32,) + y_shape[1:])
+    batches = [(X[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
+    with pytest.raises(ValueError) as info:
+        fl.trainer(_LastStepGRU(), "mse", "adam").run(batches)
+    message = str(info.value)
+    assert "x has shape (8, 8), but the model's output of shape (1,)" in message
+    assert "x[..., None]" in message and "reshape or transpose y" not in message
+    windows = [(x[..., None], t) for x, t in batches]  # the fix the message names
+    assert fl.trainer(_LastStepGRU(), "mse", "adam").run(windows).status == "completed"
