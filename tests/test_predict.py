@@ -621,3 +621,26 @@ def test_batches_of_two_inputs_read_as_pairs_are_said_so_whatever_fails_after():
     with pytest.raises(ValueError) as refused:
         fl.predict(summed, {"w": jnp.ones(())}, [((users, items), None)])
     assert "read as (x, y)" not in " ".join(getattr(refused.value, "__notes__", []))
+
+
+def test_one_example_without_its_batch_axis_is_told_to_add_it():
+    """A flattening model's one window (T, F): its variables fit x[None], not x."""
+    windows = RNG.normal(size=(16, 4, 2)).astype(np.float32)
+    model = fl.models.mlp([8, 2])  # flattens each example's (4, 2) into 8 features
+    trained = fl.trainer(model, "mse", "sgd").run([(windows, windows[:, 0])])
+    with pytest.raises(ValueError, match=r"x of shape \(4, 2\).*one example.*x\[None\]"):
+        fl.predict(model, trained, windows[0])
+    assert fl.predict(model, trained, windows[0][None]).shape == (1, 2)
+    # Its variables fit neither x nor x[None]: the error stays the one about the variables.
+    with pytest.raises(ValueError, match="shaped unlike the data") as caught:
+        fl.predict(model, trained, windows[:, :3])
+    assert "x[None]" not in str(caught.value)
+
+
+def test_an_output_without_a_row_per_example_names_the_batch_axis_and_stacking():
+    from fuseloop._predict_outputs import require_rows
+
+    with pytest.raises(ValueError, match=r"one example, add the batch's axis: x\[None\]"):
+        require_rows(jnp.zeros(2), 8)
+    with pytest.raises(ValueError, match=r"np\.stack\(examples\)"):
+        require_rows(jnp.zeros(2), 8, listed=True)

@@ -25,6 +25,7 @@ from ._model_fit_advice import (
     fix_for_x,
     held,
     loss_misfit,
+    one_example,
     refuse_one_class_output,
     scope_misuse,
     several_targets,
@@ -209,6 +210,9 @@ class ModelFit:
                     f"{self.argument}:{difference} ({applying} with them fails with "
                     f"{first_line(error)})"
                 )
+            single = one_example(self.inputs, self.first_x, self.program.model, variables)
+            if single is not None:
+                return single
             return ValueError(
                 f"{self.inputs} does not fit the model with {whose} ({self.argument}): "
                 f"{applying} with them fails with {first_line(error)}, while the model's own "

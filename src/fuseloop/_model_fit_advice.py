@@ -11,7 +11,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._epoch_order import abstract_key
 from ._functions import from_functions
+from ._variables_diff import first_difference
 from .models import ModelConventionError, from_equinox, from_nnx
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "held",
     "named_shapes",
     "no_params",
+    "one_example",
     "not_floating",
     "scope_misuse",
     "unbatched_output",
@@ -213,6 +216,27 @@ def unbatched_output(first_x: Any, y_pred: Any) -> ValueError | None:
         f"one example. A recurrent layer (flax's nn.RNN, a scan over time) does so with x "
         f"of shape (batch, time) and no feature axis: give x one, x[..., None]; otherwise "
         f"keep the batch's axis first in the model's output"
+    )
+
+
+def one_example(inputs: str, first_x: Any, model: Any, variables: Any) -> ValueError | None:
+    """The error for x given as one example without the batch's axis (`fl.predict` of one
+    window): the variables do not fit x, but fit x with a leading axis of 1. None where
+    they would not (or the model cannot tell)."""
+    if first_x is None or model is None:
+        return None
+    one = jax.tree.map(lambda s: jax.ShapeDtypeStruct((1, *s.shape), s.dtype), first_x[1])
+    try:
+        made = jax.eval_shape(model.init, abstract_key(), one)
+    except Exception:  # noqa: BLE001 - a hint only: the caller's error stands
+        return None
+    if first_difference(variables, made):
+        return None
+    return ValueError(
+        f"{inputs.removesuffix('x')}{describe(first_x[0], 'x')} does not fit the model "
+        f"with the given variables, but would with a leading axis of 1: it looks like one "
+        f"example without "
+        f"the batch's axis. Add it, x[None] (or np.stack(examples) for several)"
     )
 
 

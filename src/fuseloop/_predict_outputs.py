@@ -15,7 +15,8 @@ __all__ = ["LIST_READ", "joined", "require_rows", "require_rows_follow"]
 
 LIST_READ = (
     "A list passed as x is read as a list of batches: for a model of several inputs pass "
-    "them as a tuple (a, b) or a dict of arrays"
+    "them as a tuple (a, b) or a dict of arrays; for a list of single examples, stack "
+    "them: np.stack(examples)"
 )
 
 
@@ -30,7 +31,8 @@ def require_rows(out: Any, examples: int, listed: bool = False) -> None:
             hint = (
                 LIST_READ
                 if listed
-                else "Predict returns one row per example: have the model return only "
+                else "If x is one example, add the batch's axis: x[None]. Otherwise, "
+                "predict returns one row per example: have the model return only "
                 "per-example outputs (e.g. wrap it to leave out a per-batch value), or "
                 "call model.apply yourself for other outputs"
             )
