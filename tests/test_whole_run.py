@@ -39,6 +39,14 @@ def _trainer(**kw: object) -> fl.Loop:
     )
 
 
+@functools.cache
+def _shared_trainer() -> fl.Loop:
+    """One `_trainer()` Loop for this file's tests that only run it (a Loop is immutable and
+    reusable; sharing it skips re-tracing and lowering its programs). `_trainer()` itself
+    stays a fresh Loop: other test files import it."""
+    return _trainer()
+
+
 def _same_tree(a: object, b: object) -> bool:
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     return len(la) == len(lb) and all(np.array_equal(x, y) for x, y in zip(la, lb, strict=True))
@@ -77,23 +85,32 @@ def _unfused_recorded() -> tuple[fl.State, tuple]:
     return _recorder(events).run(_data(), epochs=EPOCHS, fuse=False), tuple(events)
 
 
+@functools.cache
+def _fused_recorded(fuse: Any) -> tuple[fl.State, tuple]:
+    """A fused run with its observers' record, run once per fuse and shared (a State is
+    immutable)."""
+    events: list = []
+    return _recorder(events).run(_data(), epochs=EPOCHS, fuse=fuse), tuple(events)
+
+
 @pytest.mark.parametrize("fuse", ["run", 4, BATCHES, BATCHES + 1, 2 * BATCHES + 3])
 def test_fused_epochs_are_bitwise_the_unfused_run_with_observers_replayed(fuse):
-    fused_events: list = []
     plain, plain_events = _unfused_recorded()
-    fused = _recorder(fused_events).run(_data(), epochs=EPOCHS, fuse=fuse)
+    fused, fused_events = _fused_recorded(fuse)
     _assert_same_run(fused, plain)
-    assert fused_events == list(plain_events)
+    assert fused_events == plain_events
     if fuse == "run":
         assert fused.stats["dispatches"] == 1
         assert fused.stats["dispatch_splits"] == {}
 
 
 def test_dispatch_count_follows_k_across_epochs():
+    # The runs of the bitwise test above (observers replay and do not split a dispatch).
     steps = EPOCHS * BATCHES
     for k in (BATCHES + 1, 2 * BATCHES + 3):
-        state = _trainer().run(_data(), epochs=EPOCHS, fuse=k)
+        state, _ = _fused_recorded(k)
         assert state.stats["dispatches"] == -(-steps // k)
+        assert state.stats["dispatch_splits"] == {}
 
 
 def test_log_bytes_and_csv_files_match_and_do_not_split(tmp_path):
@@ -118,19 +135,16 @@ def test_log_bytes_and_csv_files_match_and_do_not_split(tmp_path):
 def test_observer_must_return_none():
     loop = _trainer().observe("epoch_completed", lambda s: "halt_loop")
     with pytest.raises(ValueError, match="observe"):
-        loop.run(_data(), epochs=2, fuse="run")
+        loop.run(_data(), epochs=1, fuse="run")
 
 
 def test_a_halting_user_handler_halts_at_its_exact_epoch():
     def stop_at_two(state):
         return "halt_loop" if state.epoch == 2 else None
 
-    plain = _trainer().handle_event("epoch_completed", stop_at_two).run(_data(), epochs=EPOCHS)
-    fused = (
-        _trainer()
-        .handle_event("epoch_completed", stop_at_two)
-        .run(_data(), epochs=EPOCHS, fuse="run")
-    )
+    loop = _trainer().handle_event("epoch_completed", stop_at_two)
+    plain = loop.run(_data(), epochs=EPOCHS)
+    fused = loop.run(_data(), epochs=EPOCHS, fuse="run")
     _assert_same_run(fused, plain)
     assert sorted(fused.history) == [0, 1, 2]
     assert fused.stats["dispatches"] == 3  # the handler sees the live State every epoch
@@ -143,18 +157,10 @@ def test_counter_filtered_handler_splits_only_where_it_fires():
     def params_at(state):
         seen.append((state.epoch, np.asarray(jax.tree.leaves(state.params)[0]).copy()))
 
-    filt = {"every": 2}
-    plain_seen = []
-    _trainer().handle_event(
-        "epoch_completed",
-        lambda s: plain_seen.append((s.epoch, np.asarray(jax.tree.leaves(s.params)[0]).copy())),
-        filter=filt,
-    ).run(_data(), epochs=EPOCHS)
-    fused = (
-        _trainer()
-        .handle_event("epoch_completed", params_at, filter=filt)
-        .run(_data(), epochs=EPOCHS, fuse="run")
-    )
+    loop = _trainer().handle_event("epoch_completed", params_at, filter={"every": 2})
+    loop.run(_data(), epochs=EPOCHS)
+    plain_seen, seen[:] = list(seen), []
+    fused = loop.run(_data(), epochs=EPOCHS, fuse="run")
     assert [e for e, _ in seen] == [0, 2, 4]
     assert all(np.array_equal(a[1], b[1]) for a, b in zip(seen, plain_seen, strict=True))
     assert sorted(fused.stats["dispatch_splits"]) == [0, 2]
@@ -165,16 +171,9 @@ def test_epoch_started_handler_splits_before_its_epoch():
     def mark(state):
         return "continue", state.replace(handler_metadata={"at": state.epoch})
 
-    plain = (
-        _trainer()
-        .handle_event("epoch_started", mark, filter={"once": 3})
-        .run(_data(), epochs=EPOCHS)
-    )
-    fused = (
-        _trainer()
-        .handle_event("epoch_started", mark, filter={"once": 3})
-        .run(_data(), epochs=EPOCHS, fuse="run")
-    )
+    loop = _trainer().handle_event("epoch_started", mark, filter={"once": 3})
+    plain = loop.run(_data(), epochs=EPOCHS)
+    fused = loop.run(_data(), epochs=EPOCHS, fuse="run")
     _assert_same_run(fused, plain)
     assert fused.stats["dispatches"] == 2
     assert list(fused.stats["dispatch_splits"]) == [1]
@@ -202,11 +201,12 @@ def test_resumed_from_a_checkpoint_mid_run(tmp_path):
     first = _trainer().checkpoint(str(tmp_path / "c")).run(_data(), epochs=2, fuse="run")
     saved = fl.load_state(str(tmp_path / "c"))
     assert saved.epoch == first.epoch
-    plain = _trainer().run(_data(), saved, epochs=EPOCHS)
-    fused = _trainer().run(_data(), saved, epochs=EPOCHS, fuse="run")
+    loop = _shared_trainer()
+    plain = loop.run(_data(), saved, epochs=EPOCHS)
+    fused = loop.run(_data(), saved, epochs=EPOCHS, fuse="run")
     _assert_same_run(fused, plain)
     assert sorted(fused.history) == list(range(EPOCHS))
-    whole = _trainer().run(_data(), epochs=EPOCHS)
+    whole = loop.run(_data(), epochs=EPOCHS)
     assert _same_tree(fused.step_state, whole.step_state)
 
 
@@ -214,10 +214,11 @@ def test_terminate_on_nan_halts_at_the_same_step():
     x, y = _xy()
     x[70] = np.nan  # batch order is shuffled per epoch: the first epoch meets it
     data = lambda: fl.data.arrays(x, y, batch_size=16, device=True, seed=1)  # noqa: E731
+    loop = _trainer().terminate_on_nan()
     with pytest.warns(RuntimeWarning, match="non-finite"):
-        plain = _trainer().terminate_on_nan().run(data(), epochs=EPOCHS)
+        plain = loop.run(data(), epochs=EPOCHS)
     with pytest.warns(RuntimeWarning, match="non-finite"):
-        fused = _trainer().terminate_on_nan().run(data(), epochs=EPOCHS, fuse="run")
+        fused = loop.run(data(), epochs=EPOCHS, fuse="run")
     _assert_same_run(fused, plain)
     assert fused.status == "halted"
 
@@ -256,13 +257,14 @@ def test_iterations_bound_and_second_run_does_not_recompile():
 def test_short_last_batch_and_host_data_keep_epoch_bounded_dispatches():
     x, y = _xy(n=90)  # 5 full batches and a short one
     short = fl.data.arrays(x, y, batch_size=16, device=True, seed=1, drop_remainder=False)
-    plain = _trainer().run(short, epochs=3)
-    fused = _trainer().run(short, epochs=3, fuse="run")
+    loop = _shared_trainer()
+    plain = loop.run(short, epochs=3)
+    fused = loop.run(short, epochs=3, fuse="run")
     _assert_same_run(fused, plain)
     assert "short batch" in fused.stats["whole_run"]
     batches = [(x[i : i + 18], y[i : i + 18]) for i in range(0, 90, 18)]
-    host = _trainer().run(batches, epochs=3, fuse="run")
-    assert _same_tree(host.step_state, _trainer().run(batches, epochs=3).step_state)
+    host = loop.run(batches, epochs=3, fuse="run")
+    assert _same_tree(host.step_state, loop.run(batches, epochs=3).step_state)
     assert host.stats["dispatches"] == 3
     assert "host-fed" in host.stats["whole_run"]
 
@@ -281,10 +283,16 @@ def _validated(patience: int = 2, restore: bool = True, min_delta: float = 0.0, 
 
 
 @functools.cache
+def _validated_loop(options: tuple) -> fl.Loop:
+    """One `_validated` Loop per options, shared by its reference run and every fuse."""
+    return _validated(**dict(options))
+
+
+@functools.cache
 def _unfused_validated(options: tuple) -> Any:
     """The unfused reference, run once per options and shared by every fuse (a State is
     immutable)."""
-    return _validated(**dict(options)).run(_data(), epochs=25, fuse=False)
+    return _validated_loop(options).run(_data(), epochs=25, fuse=False)
 
 
 @pytest.mark.parametrize("fuse", ["run", 4, BATCHES + 1, 2 * BATCHES + 3])
@@ -293,8 +301,9 @@ def _unfused_validated(options: tuple) -> Any:
     [{}, {"restore": False}, {"patience": 0}, {"patience": 1, "min_delta": 0.002}],
 )
 def test_validation_and_early_stop_on_the_device_match_the_host(fuse, options):
-    plain = _unfused_validated(tuple(sorted(options.items())))
-    fused = _validated(**options).run(_data(), epochs=25, fuse=fuse)
+    options = tuple(sorted(options.items()))
+    plain = _unfused_validated(options)
+    fused = _validated_loop(options).run(_data(), epochs=25, fuse=fuse)
     _assert_same_run(fused, plain)
     assert "validation_loss" in fused.history[0]
     if fuse == 4:  # within the epoch: the per-epoch engine, validation on the host
@@ -305,8 +314,9 @@ def test_validation_and_early_stop_on_the_device_match_the_host(fuse, options):
 
 
 def test_early_stop_halts_late_and_restores_the_best_epoch():
-    plain = _validated(patience=3).run(_data(), epochs=60, fuse=False)
-    fused = _validated(patience=3).run(_data(), epochs=60, fuse="run")
+    loop = _validated(patience=3)
+    plain = loop.run(_data(), epochs=60, fuse=False)
+    fused = loop.run(_data(), epochs=60, fuse="run")
     _assert_same_run(fused, plain)
     record = next(v for k, v in fused.handler_metadata.items() if k.startswith("early_stop"))
     assert fused.status == "halted" and record["stopped_epoch"] >= 3
@@ -329,13 +339,15 @@ def test_host_fed_validation_splits_the_dispatch_at_each_epoch():
     assert "validate" in fused.stats["dispatch_splits"][0]
 
 
-def _plateau(order: str = "plateau_first", **kw):
+@functools.cache
+def _plateau(order: str = "plateau_first") -> fl.Loop:
+    """One Loop per order, shared by the reference run and every fuse (a Loop is reusable)."""
     vx, vy = _xy(seed=5, n=48)
     model = fl.models.mlp([8, 3])
     val = fl.data.arrays(vx, vy, batch_size=16, device=True)
     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.3)
     loop = fl.trainer(model, "sparse_categorical_cross_entropy", tx).validate(model, val)
-    plateau = dict(factor=0.5, patience=1, cooldown=1, min_lr=0.02, **kw)
+    plateau = dict(factor=0.5, patience=1, cooldown=1, min_lr=0.02)
     if order == "plateau_first":
         loop = loop.reduce_lr_on_plateau("validation_loss", **plateau)
         return loop.early_stop("validation_loss", patience=6, restore_best=True)
@@ -363,15 +375,15 @@ def test_reduce_lr_on_plateau_on_the_device_gives_the_same_rates(fuse, order):
 
 
 def test_reduce_lr_on_plateau_with_checkpoints_and_resume(tmp_path):
-    def loop():
-        return _plateau("plateau_first").checkpoint(str(tmp_path / "c"), filter={"every": 4})
-
-    plain = _plateau("plateau_first").run(_data(), epochs=12)
-    first = loop().run(_data(), epochs=6, fuse="run")
+    base = _plateau("plateau_first")
+    plain = _unfused_plateau("plateau_first")  # 30 epochs; its first epochs are the same
+    first = base.checkpoint(str(tmp_path / "c"), filter={"every": 4}).run(
+        _data(), epochs=6, fuse="run"
+    )
     saved = fl.load_state(str(tmp_path / "c"))
     assert saved.epoch == 4 and first.epoch == 5  # saved at epochs 0 and 4
-    resumed = _plateau("plateau_first").run(_data(), saved, epochs=12, fuse="run")
-    whole = _plateau("plateau_first").run(_data(), saved, epochs=12)
+    resumed = base.run(_data(), saved, epochs=12, fuse="run")
+    whole = base.run(_data(), saved, epochs=12)
     _assert_same_run(resumed, whole)
     assert resumed.history[3] == plain.history[3]
 

@@ -5,6 +5,8 @@ validation metrics (per-example sums and counts) are bitwise the unfused run's.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,10 @@ import fuseloop as fl
 from test_whole_run import _assert_same_run, _data, _xy
 
 
+@functools.cache
 def _loop(n: int, per_example: bool) -> fl.Loop:
+    """One Loop per configuration, shared by this file's tests (a Loop is reusable; sharing
+    it skips re-tracing its programs)."""
     vx, vy = _xy(seed=5, n=n)
     model = fl.models.mlp([8, 3])
     val = fl.data.arrays(vx, vy, batch_size=16, device=True, drop_remainder=False)
@@ -28,8 +33,8 @@ def _loop(n: int, per_example: bool) -> fl.Loop:
 
 @pytest.mark.parametrize(("n", "per_example"), [(40, False), (41, True), (10, False)])
 def test_short_last_validation_batch_runs_on_the_device(n, per_example):
-    plain = _loop(n, per_example).run(_data(), epochs=12, fuse=False)
     loop = _loop(n, per_example)
+    plain = loop.run(_data(), epochs=12, fuse=False)
     fused = loop.run(_data(), epochs=12, fuse="run")
     _assert_same_run(fused, plain)
     assert "validation_loss" in fused.history[0]
@@ -40,9 +45,11 @@ def test_short_last_validation_batch_runs_on_the_device(n, per_example):
 
 
 def test_the_device_validation_equals_a_plain_evaluator_run():
-    loop = _loop(41, False)
+    # The Loop of test_short_last_validation_batch_runs_on_the_device[40-False] (40
+    # examples: a short last batch of 8). 3 epochs: its early stop restores no best epoch.
+    loop = _loop(40, False)
     fused = loop.run(_data(), epochs=3, fuse="run")
-    vx, vy = _xy(seed=5, n=41)
+    vx, vy = _xy(seed=5, n=40)
     scores = fl.evaluator(fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy").metric(
         "accuracy"
     )
