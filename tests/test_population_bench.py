@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
 
 from fuseloop.bench import main
-from fuseloop.bench._population import population_benchmark, population_markdown
+
+ARGS = ["--population", "--members", "2", "--reps", "1", "--models", "mlp-demo"]
 
 
-def test_population_benchmark_reports_every_system():
-    # The workload the CLI test below runs (`--members 2 --models mlp-demo`, 3 epochs), so
-    # that it reads these programs from the compilation cache instead of compiling its own.
-    report = population_benchmark(members=2, epochs=3, rounds=1, model="mlp-demo")
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """One `fuseloop bench --population` run (2 members of mlp-demo, 3 epochs, 1 round),
+    read by the tests below: its arguments, exit code, printed markdown and JSON report."""
+    path = tmp_path_factory.mktemp("bench") / "pop.json"
+    args = [*ARGS, "--json", str(path)]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(args)
+    return args, code, out.getvalue(), json.loads(path.read_text())
+
+
+def test_population_benchmark_reports_every_system(cli_run):
+    # population_benchmark's report as the CLI writes it, and population_markdown's table
+    # as it prints it.
+    _, _, text, report = cli_run
     systems = {"population", "population_run", "sequential", "floor"}
     assert set(report["median_s"]) == systems and set(report["median_cpu_s"]) == systems
     assert set(report["cpu_ratios"]) == {
@@ -22,19 +37,17 @@ def test_population_benchmark_reports_every_system():
         "population_run_over_floor",
     }
     assert report["meta"]["params_agreement"] < 1e-4
-    text = population_markdown(report)
     assert "sequential / population" in text and "population / floor" in text
     assert "wall:" in text and "CPU:" in text and "fuse='run'" in text
 
 
-def test_cli_population_flag_writes_json(tmp_path, capsys):
-    path = tmp_path / "pop.json"
-    args = ["--population", "--members", "2", "--reps", "1", "--models", "mlp-demo"]
-    assert main([*args, "--json", str(path)]) == 0
-    assert "Populations: 2 members of mlp-demo" in capsys.readouterr().out
-    meta = json.loads(path.read_text())["meta"]
+def test_cli_population_flag_writes_json(cli_run):
+    args, code, text, report = cli_run
+    assert code == 0
+    assert "Populations: 2 members of mlp-demo" in text
+    meta = report["meta"]
     assert meta["members"] == 2 and meta["model"] == "mlp-demo"
-    assert meta["command"] == "fuseloop bench " + " ".join([*args, "--json", str(path)])
+    assert meta["command"] == "fuseloop bench " + " ".join(args)
 
 
 def test_cli_population_names_the_models_it_knows(capsys):

@@ -251,9 +251,11 @@ def test_auto_crosses_epochs_for_a_population(monkeypatch):
     # The probe measures a dispatch overhead worth 1000 steps: the whole run in one.
     overhead = 1000 * auto_chunk.DEFAULT_TOLERANCE * 1e-4
     monkeypatch.setattr(auto_chunk, "_timings", lambda *args: (1e-4, overhead))
-    loop = _trainer()
-    plain = loop.run(_data(), epochs=3, fuse=False, population=2)
-    fused = loop.run(_data(), epochs=3, fuse="auto", population=2)
+    # The loop and population test_fuse_k_beyond_the_epoch_and_resume runs (its programs).
+    loop = _monitored(_trainer(), restore_best=False)
+    population = {"learning_rate": RATES}
+    plain = loop.run(_data(), epochs=3, fuse=False, population=population)
+    fused = loop.run(_data(), epochs=3, fuse="auto", population=population)
     _assert_same_run(fused, plain)
     assert fused.stats["whole_run"] == "many epochs per dispatch"
     assert fused.stats["dispatches"] == 1
