@@ -28,9 +28,15 @@ class Bf16MLP(nn.Module):
 DATA = make_batches(8)
 
 
+@functools.cache
+def bf16_trainer(name: str) -> fl.Loop:
+    """One Loop per named optimizer, shared by the tests (its programs traced once)."""
+    return fl.trainer(Bf16MLP(), "sparse_categorical_cross_entropy", name)
+
+
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
 def test_named_optimizers_train_bf16_params(name):
-    loop = fl.trainer(Bf16MLP(), "sparse_categorical_cross_entropy", name)
+    loop = bf16_trainer(name)
     unfused = loop.run(DATA, epochs=3)
     fused = loop.run(DATA, epochs=3, fuse=4)
     assert all(np.isfinite(h["loss"]) for h in unfused.history.values())
@@ -46,8 +52,7 @@ def test_named_optimizers_train_bf16_params(name):
 
 
 def test_adam_bf16_actually_learns():
-    loop = fl.trainer(Bf16MLP(), "sparse_categorical_cross_entropy", "adam")
-    state = loop.run(DATA, epochs=5)
+    state = bf16_trainer("adam").run(DATA, epochs=5)
     assert state.history[4]["loss"] < state.history[0]["loss"]
 
 
@@ -174,7 +179,7 @@ def test_soft_targets_of_bf16_logits_are_taken_as_optax_takes_them():
     # Label smoothing: 0.92/0.02 rounded to bf16 would sum to 1.002 and bias the loss.
     x, labels = DATA[0]
     soft = (np.eye(3, dtype=np.float32)[labels] * 0.9 + 0.1 / 3).astype(np.float32)
-    variables = Bf16MLP().init(jax.random.PRNGKey(0), x)
+    variables = jax.jit(Bf16MLP().init)(jax.random.PRNGKey(0), x)  # one compile, not eager ops
     tx = optax.sgd(0.1)
 
     def hand_loss(params):  # the losses of bf16 outputs are computed in float32
@@ -225,7 +230,7 @@ def test_batch_stats_widened_by_float64_inputs_are_named_with_the_fix_that_works
         with pytest.raises(ValueError, match=r"'batch_stats' collection.*float32.*float64"):
             loop.run(data, epochs=1, fuse=4)
         # The fix the message names: the statistics made float64 before the run.
-        variables = _Float64Norm().init(jax.random.key(0), x[:8])
+        variables = jax.jit(_Float64Norm().init)(jax.random.key(0), x[:8])
         stats = jax.tree.map(lambda a: a.astype("float64"), variables["batch_stats"])
         state = loop.run(data, {**variables, "batch_stats": stats}, epochs=1, fuse=4)
         assert jax.tree.leaves(state.params["batch_stats"])[0].dtype == jnp.float64

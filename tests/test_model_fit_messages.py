@@ -8,6 +8,7 @@ asking for randomness fuseloop does not supply is told so, with the fix.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -50,6 +51,11 @@ def hand_mae(params: Any) -> float:
 
 
 NO_VARIABLES = [lambda rng, x: None, lambda rng, x: {}]
+
+
+def jit_init(model: Any, *args: Any, **flags: Any) -> Any:
+    """`model.init(*args, **flags)` as one compiled program (eagerly, each op compiles)."""
+    return jax.jit(functools.partial(model.init, **flags))(*args)
 
 
 # --------------------------------------------------------------------------- given variables
@@ -202,7 +208,7 @@ def test_a_linen_model_asking_for_another_rng_stream_is_told_so():
 
 def test_a_linen_model_drawing_randomness_in_evaluation_is_told_so():
     model = AlwaysDropout()
-    params = model.init(jax.random.PRNGKey(0), X[:BATCH])
+    params = jit_init(model, jax.random.PRNGKey(0), X[:BATCH])
     with pytest.raises(
         ValueError,
         match=r"AlwaysDropout asks for the rng stream 'dropout' in evaluation, but fuseloop "
@@ -265,7 +271,7 @@ def test_an_nnx_model_whose_output_reads_none_of_its_evaluation_draws_evaluates(
     model = Recurrent(nnx.Rngs(0))
     state = fl.trainer(model, SPARSE, "adam").validate(model, CLASSIFICATION).run(CLASSIFICATION)
     trained = fl.models.trained(model, state)
-    by_hand = trained(X)
+    by_hand = nnx.jit(lambda module, x: module(x))(trained, X)  # eagerly: a compile per op
     np.testing.assert_allclose(fl.predict(model, state, X, batch_size=BATCH), by_hand, atol=1e-6)
 
 
@@ -298,7 +304,7 @@ def test_variables_given_without_their_params_wrapper_are_named_so():
             return nn.Dense(3)(nn.BatchNorm(use_running_average=not train)(nn.Dense(8)(x)))
 
     x = np.random.default_rng(0).normal(size=(16, 5)).astype(np.float32)
-    variables = Normed().init(jax.random.PRNGKey(0), x[:1])
+    variables = jit_init(Normed(), jax.random.PRNGKey(0), x[:1])
     with pytest.raises(ValueError, match=r"variables\['params'\] alone: pass the whole"):
         fl.predict(Normed(), variables["params"], x)
 
@@ -307,7 +313,7 @@ def test_a_trainer_given_params_alone_for_a_model_without_a_train_flag_says_so()
     """Its layer names are no mutable collections: no train flag is missing."""
     x = np.zeros((8, 5), np.float32)
     model = fl.models.mlp([8, 3])
-    params = model.init(jax.random.PRNGKey(0), x)["params"]
+    params = jit_init(model, jax.random.PRNGKey(0), x)["params"]
     loop = fl.trainer(model, "sparse_categorical_cross_entropy", "sgd")
     with pytest.raises(ValueError, match=r"^init_state: The given variables are the model's var"):
         loop.run([(x, np.zeros(8, np.int32))], params)
@@ -578,7 +584,7 @@ def test_probability_outputs_are_warned_about_in_bf16_populations_and_evaluators
     loss = "sparse_categorical_cross_entropy"
     with pytest.warns(UserWarning, match=r"look like probabilities.*applies softmax itself"):
         if how == "evaluator":
-            fl.evaluator(model, loss).run(data, model.init(jax.random.key(0), x))
+            fl.evaluator(model, loss).run(data, jit_init(model, jax.random.key(0), x))
         elif how == "population":
             fl.trainer(model, loss, "adam").run(data, population={"learning_rate": [0.1, 0.2]})
         else:
@@ -613,7 +619,7 @@ def test_given_variables_the_model_does_not_make_are_warned_about():
     resumed State and the trainer's own init are not warned about."""
     model = fl.models.mlp([8, CLASSES])
     loop = fl.trainer(model, SPARSE, optax.adamw(1e-2))
-    variables = model.init(jax.random.key(0), CLASSIFICATION[0][0])
+    variables = jit_init(model, jax.random.key(0), CLASSIFICATION[0][0])
     old_head = {"kernel": np.ones((8, 10), np.float32), "bias": np.ones(10, np.float32)}
     with_head = {"params": dict(variables["params"], Old_head=old_head)}
     said = r"given variables hold \['params'\]\['Old_head'\]\['bias'\] \(and 1 more\)"
@@ -622,7 +628,7 @@ def test_given_variables_the_model_does_not_make_are_warned_about():
     assert "Old_head" in state.params["params"]
     # A collection beside 'params' is carried, not trained: the warning said it was.
     flagged = fl.trainer(_DenseWithAFlag(), SPARSE, optax.adamw(1e-2, weight_decay=0.5))
-    plain = _DenseWithAFlag().init(jax.random.key(0), CLASSIFICATION[0][0])
+    plain = jit_init(_DenseWithAFlag(), jax.random.key(0), CLASSIFICATION[0][0])
     with_extra = {**plain, "extra": {"old": np.ones(4, np.float32)}}
     untrained = r"hold \['extra'\]\['old'\].*carries them unchanged \(they are not trained\)"
     with pytest.warns(UserWarning, match=untrained):
@@ -687,7 +693,7 @@ def test_a_collection_made_only_when_training_is_named_with_the_fix_that_runs():
         ValueError, match=r"reads 'steps' of the collection 'counter' in /, which its init .*x is"
     ):
         fl.trainer(_CounterInTraining(), SPARSE, "sgd").run(data)
-    variables = _CounterInTraining().init(jax.random.key(0), data[0][0], train=True)
+    variables = jit_init(_CounterInTraining(), jax.random.key(0), data[0][0], train=True)
     state = fl.trainer(_CounterInTraining(), SPARSE, "sgd").run(data, variables, epochs=2)
     assert int(state.params["counter"]["steps"]) == 1 + 4  # the init's step, then 4 steps
 
@@ -704,7 +710,7 @@ def test_linen_modules_breaking_the_train_flag_convention_are_told_so_not_blamed
     ):
         fl.trainer(_AuxHeadInTraining(), SPARSE, "sgd").run(data)
     # The fix it names runs, and its variables are not called unread (the head trains).
-    variables = _AuxHeadInTraining().init(jax.random.key(0), data[0][0], train=True)
+    variables = jit_init(_AuxHeadInTraining(), jax.random.key(0), data[0][0], train=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         state = fl.trainer(_AuxHeadInTraining(), SPARSE, "sgd").run(data, variables)

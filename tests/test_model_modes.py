@@ -86,8 +86,8 @@ def test_linen_flags_switch_dropout_and_batchnorm(flag, train_value):
     # ... and dropout made the training loss differ from the evaluation loss.
     evaluated = evaluator_with_loss(model).run(DATA, state.params)
     assert state.metrics["loss"] != pytest.approx(evaluated.metrics["loss"], rel=1e-3)
-    fused = fl.trainer(model, SPARSE, "adam").run(DATA, epochs=2, fuse=2)
-    unfused = fl.trainer(model, SPARSE, "adam").run(DATA, epochs=2)
+    loop = fl.trainer(model, SPARSE, "adam")  # one Loop, its fused and unfused programs
+    fused, unfused = loop.run(DATA, epochs=2, fuse=2), loop.run(DATA, epochs=2)
     assert fused.history == unfused.history
 
 
@@ -196,7 +196,7 @@ class RematFrozen(nn.Module):
 @pytest.mark.parametrize("module", [FrozenBatchNorm(), FrozenCollection(), RematFrozen()])
 @pytest.mark.parametrize("fuse", [False, 2])
 def test_linen_without_a_flag_trains_collections_it_only_reads_as_a_plain_loop(module, fuse):
-    variables = module.init(jax.random.PRNGKey(0), DATA[0][0])
+    variables = jax.jit(module.init)(jax.random.PRNGKey(0), DATA[0][0])
     params, rest = variables["params"], {k: v for k, v in variables.items() if k != "params"}
     tx = optax.sgd(0.1)
     opt_state = tx.init(params)
@@ -205,9 +205,13 @@ def test_linen_without_a_flag_trains_collections_it_only_reads_as_a_plain_loop(m
         logits = module.apply({"params": p, **rest}, x)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    for x, y in DATA:  # the plain loop: apply(variables, x), nothing written
+    @jax.jit  # one program, not an eager compile per operation
+    def plain_step(params, opt_state, x, y):
         updates, opt_state = tx.update(jax.grad(loss)(params, x, y), opt_state)
-        params = optax.apply_updates(params, updates)
+        return optax.apply_updates(params, updates), opt_state
+
+    for x, y in DATA:  # the plain loop: apply(variables, x), nothing written
+        params, opt_state = plain_step(params, opt_state, x, y)
     state = fl.trainer(module, SPARSE, tx).run(DATA, variables, fuse=fuse)
     np.testing.assert_allclose(
         np.concatenate([np.ravel(a) for a in jax.tree.leaves(state.params["params"])]),
@@ -262,8 +266,8 @@ def test_nnx_train_and_eval_modes():
     assert not np.allclose(np.asarray(state.params["state"]["norm"]["mean"]), 0.0)
     evaluated = evaluator_with_loss(model).run(DATA, state.params)
     assert state.metrics["loss"] != pytest.approx(evaluated.metrics["loss"], rel=1e-3)
-    fused = fl.trainer(model, SPARSE, "adam").run(DATA, epochs=2, fuse=2)
-    unfused = fl.trainer(model, SPARSE, "adam").run(DATA, epochs=2)
+    loop = fl.trainer(model, SPARSE, "adam")  # one Loop, its fused and unfused programs
+    fused, unfused = loop.run(DATA, epochs=2, fuse=2), loop.run(DATA, epochs=2)
     assert fused.history == unfused.history
     trained = fl.models.trained(model, unfused)
     np.testing.assert_array_equal(
@@ -367,8 +371,8 @@ def test_equinox_dropout_in_training_only():
     state = frozen_train_loss(model)
     evaluated = evaluator_with_loss(model).run(DATA, state.params)  # needed no key
     assert state.metrics["loss"] != pytest.approx(evaluated.metrics["loss"], rel=1e-3)
-    fused = fl.trainer(model, SPARSE, "adam").run(DATA, epochs=2, fuse=2)
-    unfused = fl.trainer(model, SPARSE, "adam").run(DATA, epochs=2)
+    loop = fl.trainer(model, SPARSE, "adam")  # one Loop, its fused and unfused programs
+    fused, unfused = loop.run(DATA, epochs=2, fuse=2), loop.run(DATA, epochs=2)
     assert fused.history == unfused.history
     trained = fl.models.trained(model, unfused)
     assert trained.drop.inference is True
@@ -802,11 +806,12 @@ def test_spectral_norms_update_stats_flag_trains_its_power_iteration_as_a_plain_
     rng = np.random.default_rng(0)
     data = [(rng.normal(size=(8, 6)).astype(np.float32), rng.integers(0, 3, 8).astype(np.int32))]
     model, tx = _SpectralNormed(), optax.sgd(0.1)
-    variables = model.init(jax.random.split(jax.random.PRNGKey(0))[0], data[0][0])
+    variables = jax.jit(model.init)(jax.random.split(jax.random.PRNGKey(0))[0], data[0][0])
     params, stats, opt = variables["params"], variables["batch_stats"], tx.init(variables["params"])
-    for x, y in data * 3:
 
-        def objective(p, x=x, y=y, stats=stats):
+    @jax.jit  # one program, not an eager compile per operation
+    def plain_step(params, stats, opt, x, y):
+        def objective(p):
             out, new = model.apply(
                 {"params": p, "batch_stats": stats}, x, update_stats=True, mutable=["batch_stats"]
             )
@@ -814,7 +819,10 @@ def test_spectral_norms_update_stats_flag_trains_its_power_iteration_as_a_plain_
 
         (_, new), grads = jax.value_and_grad(objective, has_aux=True)(params)
         updates, opt = tx.update(grads, opt, params)
-        params, stats = optax.apply_updates(params, updates), new["batch_stats"]
+        return optax.apply_updates(params, updates), new["batch_stats"], opt
+
+    for x, y in data * 3:
+        params, stats, opt = plain_step(params, stats, opt, x, y)
     state = fl.trainer(model, "sparse_categorical_cross_entropy", tx).run(data, epochs=3)
     assert_tree_close(state.params["batch_stats"], stats, rtol=1e-5)
     assert_tree_close(state.params["params"], params, rtol=1e-5, atol=1e-6)
