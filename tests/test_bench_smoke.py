@@ -1,4 +1,9 @@
-"""Smoke test of the benchmark machinery: tiny model, one repetition, no timing asserted."""
+"""Smoke test of the benchmark machinery: tiny model, one repetition, no timing asserted.
+
+The MLP benchmark runs `mlp-tiny` in the shape `fuseloop bench --quick --models mlp-tiny`
+runs it (batch 32, 100 batches), as the doctests of `fuseloop.bench` do: their programs
+are then read from the persistent compilation cache, not compiled again.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +18,9 @@ import pytest
 from fuseloop import bench
 from fuseloop.bench import _guards, _harness, _output, _peers
 from fuseloop.bench._systems import Sample, System
-from fuseloop.bench._workload import ModelSpec, Workload
+from fuseloop.bench._workload import MODELS, Workload
 
-MICRO = ModelSpec("micro", 4, (8, 3))
+TINY = MODELS["mlp-tiny"]
 JAX_SYSTEMS = (
     "floor",
     "floor_transfer",
@@ -30,16 +35,14 @@ JAX_SYSTEMS = (
 @pytest.fixture(scope="module")
 def report() -> dict:
     return bench.run_benchmark(
-        [MICRO],
+        [TINY],  # a ModelSpec, not its name (the doctests pass names)
         reps=1,
         quick=True,
-        batch_size=8,
-        n_batches=6,
         peers=False,
-        sweep_model="micro",
+        sweep_model=TINY.name,
         sweep_ks=(1, 4),
         compile_ks=(2, 4),
-        overlap_model="micro",
+        overlap_model=TINY.name,
     )
 
 
@@ -59,10 +62,11 @@ def test_json_has_every_section(report: dict, tmp_path) -> None:  # noqa: ANN001
     machine = loaded["meta"]["machine"]
     assert machine["cpu_count"] >= 1 and machine["platform"] and machine["jax_devices"]
     assert loaded["meta"]["machine"]["versions"]["jax"] == jax.__version__
-    micro = loaded["models"]["micro"]
-    assert micro["params"] == 4 * 8 + 8 + 8 * 3 + 3
-    assert set(JAX_SYSTEMS) <= set(micro["systems"])
-    assert set(micro["ratios"]) == {r[0] for r in _harness.RATIOS}
+    assert loaded["meta"]["batch_size"] == 32 and loaded["meta"]["batches_per_epoch"] == 100
+    tiny = loaded["models"]["mlp-tiny"]
+    assert tiny["params"] == 24 * 32 + 32 + 32 * 10 + 10
+    assert set(JAX_SYSTEMS) <= set(tiny["systems"])
+    assert set(tiny["ratios"]) == {r[0] for r in _harness.RATIOS}
     assert [row["K"] for row in loaded["sweep"]["rows"]] == [1, 4]
     assert [row["K"] for row in loaded["compile_vs_k"]] == [2, 4]
     overlap = loaded["overlap"]
@@ -71,10 +75,10 @@ def test_json_has_every_section(report: dict, tmp_path) -> None:  # noqa: ANN001
 
 
 def test_jax_systems_pass_their_guards(report: dict) -> None:
-    systems = report["models"]["micro"]["systems"]
+    systems = report["models"]["mlp-tiny"]["systems"]
     for key in JAX_SYSTEMS:
         assert systems[key]["status"] == "ok", (key, systems[key]["reason"])
-        epochs = report["models"]["micro"]["epochs_per_sample"]
+        epochs = report["models"]["mlp-tiny"]["epochs_per_sample"]
         # One sample of `epochs` epochs (reps=1): a fuseloop sample is one data point, the
         # mean of its epochs (the next epoch's first chunk launches ahead of the read).
         points = 1 if key.startswith("fl_") else epochs
@@ -85,7 +89,7 @@ def test_jax_systems_pass_their_guards(report: dict) -> None:
 
 def test_markdown_and_plot(report: dict, tmp_path) -> None:  # noqa: ANN001
     text = _output.markdown(report)
-    assert "| system | micro (67 params) |" in text and "Chunk-size sweep" in text
+    assert "| system | mlp-tiny (1,130 params) |" in text and "Chunk-size sweep" in text
     assert "fuseloop fuse=32" in text
     if importlib.util.find_spec("matplotlib") is not None:
         path = tmp_path / "bench.png"
@@ -125,7 +129,7 @@ class FakeSystem(System):
 
 @pytest.fixture(scope="module")
 def workload() -> Workload:
-    return Workload(MICRO, batch_size=4, n_batches=2)
+    return Workload(TINY, batch_size=32, n_batches=100)  # the report's (its params too)
 
 
 def _measure(workload: Workload, **samples: Sample) -> dict:
@@ -277,7 +281,7 @@ def test_zoo_guards_compare_batch_stats() -> None:
 
     pytest.importorskip("sklearn", reason="the zoo's cnn trains on scikit-learn's digits")
 
-    w = ZooWorkload(ZOO["cnn"], batch_size=4, n_batches=1)
+    w = ZooWorkload(ZOO["cnn"], batch_size=8, n_batches=2)  # zoo_report's shapes
     variables = w.compared(w.variables)
     assert set(variables) == {"params", "batch_stats"}
     changed = jax.tree.map(lambda a: a, variables)

@@ -53,13 +53,27 @@ def _loop(stream) -> fl.Loop:
     )
 
 
+# One Loop per configuration, shared by the tests (a new Loop traces its programs again);
+# loops that only add handlers to these share their compiled programs.
+LOG = io.StringIO()
+LOGGED = _loop(LOG)  # log lines to LOG: `_logged` empties it before each run
+PLAIN = fl.trainer(MODEL, LOSS, "adam")
+GUARDED = PLAIN.terminate_on_nan()
+
+
+def _logged(loop: fl.Loop, *args, **kwargs) -> tuple[State, str]:
+    """`loop.run(*args, **kwargs)` (a loop writing its log lines to LOG) and its log text."""
+    LOG.seek(0)
+    LOG.truncate()
+    state = loop.run(*args, **kwargs)
+    return state, LOG.getvalue()
+
+
 @pytest.mark.parametrize("iterations", [None, 4, 10])
 def test_log_lines_are_whole_lines_numbered_from_1_and_fused_equals_unfused(iterations):
     texts = {}
     for fuse in (False, 3):
-        out = io.StringIO()
-        state = _loop(out).run(TRAIN, epochs=3, fuse=fuse, iterations=iterations)
-        texts[fuse] = out.getvalue()
+        state, texts[fuse] = _logged(LOGGED, TRAIN, epochs=3, fuse=fuse, iterations=iterations)
     assert texts[3] == texts[False]
     text = texts[False]
     assert "\r" not in text and text.endswith("\n")
@@ -80,26 +94,19 @@ def test_log_lines_are_whole_lines_numbered_from_1_and_fused_equals_unfused(iter
 
 
 def test_an_early_stopped_run_summarises_every_finished_epoch():
-    out = io.StringIO()
-    loop = _loop(out).early_stop("validation_accuracy", patience=1, mode="max")
-    state = loop.run(TRAIN, epochs=30)
+    loop = LOGGED.early_stop("validation_accuracy", patience=1, mode="max")
+    state, text = _logged(loop, TRAIN, epochs=30)
     assert state.status == "halted"
-    summaries = [line for line in out.getvalue().splitlines() if " - iteration " not in line]
+    summaries = [line for line in text.splitlines() if " - iteration " not in line]
     assert [s.split(" - ")[0] for s in summaries] == [
         f"Epoch {e + 1}/30" for e in sorted(state.history)
     ]
 
 
 def test_a_resumed_run_numbers_on_and_does_not_repeat_the_last_summary():
-    out = io.StringIO()
-    loop = _loop(out)
-    first = loop.run(TRAIN, epochs=1)
-    out.seek(0)
-    out.truncate()
-    loop.run(TRAIN, first, epochs=3)
-    summaries = [
-        line.split(" - ")[0] for line in out.getvalue().splitlines() if " - iteration " not in line
-    ]
+    first, _ = _logged(LOGGED, TRAIN, epochs=1)
+    _, text = _logged(LOGGED, TRAIN, first, epochs=3)
+    summaries = [line.split(" - ")[0] for line in text.splitlines() if " - iteration " not in line]
     assert summaries == ["Epoch 2/3", "Epoch 3/3"]
 
 
@@ -148,7 +155,7 @@ def _is_bar(line: str) -> bool:
 
 
 def test_off_a_terminal_progress_is_one_plain_line_per_epoch(capsys):
-    state = _loop(io.StringIO()).run(TRAIN, epochs=3, progress=True, fuse=4)
+    state, _ = _logged(LOGGED, TRAIN, epochs=3, progress=True, fuse=4)
     err = capsys.readouterr().err
     assert "\r" not in err
     lines = err.splitlines()
@@ -160,8 +167,7 @@ def test_off_a_terminal_progress_is_one_plain_line_per_epoch(capsys):
 
 def test_a_source_of_unknown_length_shorter_than_iterations_shows_its_own_length(capsys):
     # A callable's 6 batches under iterations=10: "6/10" every epoch, as if 4 were missing.
-    loop = fl.trainer(MODEL, LOSS, "adam")
-    loop.run(lambda: iter(list(TRAIN)), epochs=3, iterations=10, progress=True, fuse=2)
+    PLAIN.run(lambda: iter(list(TRAIN)), epochs=3, iterations=10, progress=True, fuse=2)
     totals = [line.split(" - ")[1] for line in capsys.readouterr().err.splitlines()]
     assert totals == ["6/10", "6/6", "6/6"]  # bounded by iterations until an epoch ends
 
@@ -169,7 +175,7 @@ def test_a_source_of_unknown_length_shorter_than_iterations_shows_its_own_length
 def test_a_populations_bar_shows_each_members_metrics(monkeypatch):
     terminal = Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
-    fl.trainer(MODEL, LOSS, "adam").run(TRAIN, epochs=1, progress=True, population=2)
+    PLAIN.run(TRAIN, epochs=1, progress=True, population=2)
     assert re.search(r"loss=\[\d\.\d{4}, \d\.\d{4}\]", terminal.getvalue())
 
 
@@ -178,7 +184,7 @@ def test_off_a_terminal_an_epoch_ended_by_halt_epoch_is_marked_stopped(capsys, f
     def end_epoch(state):
         return "halt_epoch" if state.epoch == 0 and state.iteration == 2 else None
 
-    loop = fl.trainer(MODEL, LOSS, "adam").handle_event("iteration_completed", end_epoch)
+    loop = PLAIN.handle_event("iteration_completed", end_epoch)
     loop.run(TRAIN, epochs=2, progress=True, fuse=fuse)
     lines = capsys.readouterr().err.splitlines()
     assert " - stopped - loss: " in lines[0] and "halted" not in lines[0], lines
@@ -189,7 +195,7 @@ def test_off_a_terminal_an_epoch_halted_midway_still_gets_its_line(capsys, fuse)
     def stop(state):
         return "halt_loop" if state.epoch == 1 and state.iteration == 2 else None
 
-    loop = fl.trainer(MODEL, LOSS, "adam").handle_event("iteration_completed", stop)
+    loop = PLAIN.handle_event("iteration_completed", stop)
     state = loop.run(TRAIN, epochs=3, progress=True, fuse=fuse)
     lines = capsys.readouterr().err.splitlines()
     assert state.status == "halted" and len(lines) == 2
@@ -235,7 +241,7 @@ def test_an_epoch_of_unknown_length_is_learnt_from_a_complete_epoch_not_a_halted
     def halt_midway(state):
         return "halt_epoch" if state.epoch == 1 and state.iteration == 2 else None
 
-    loop = fl.trainer(MODEL, LOSS, "adam").handle_event("iteration_completed", halt_midway)
+    loop = PLAIN.handle_event("iteration_completed", halt_midway)
     loop.run(lambda: iter(batches), epochs=3, progress=True)  # a callable has no len
     lines = capsys.readouterr().err.splitlines()
     assert [line.split(" - ")[1] for line in lines] == ["6 iterations", "3/6", "6/6"]
@@ -247,7 +253,7 @@ def test_off_a_terminal_a_non_finite_loss_stops_the_line_where_the_unfused_loop_
 ):
     batches = [(X[i : i + 10].copy(), Y[i : i + 10]) for i in range(0, 60, 10)]
     batches[3][0][0, 0] = np.nan  # the 4th step's loss is non-finite
-    loop = fl.trainer(MODEL, LOSS, "adam").terminate_on_nan()
+    loop = GUARDED
     if handled:  # an iteration handler: the guard's flag is read per chunk, not per epoch
         loop = loop.handle_event("iteration_completed", lambda s: None, {"every": 5})
     counts, shown = [], []

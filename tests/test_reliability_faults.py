@@ -3,6 +3,7 @@ donation never touching the caller's arrays (docs/reliability.md)."""
 
 from __future__ import annotations
 
+import functools
 import traceback
 import warnings
 from collections.abc import Iterator
@@ -52,16 +53,31 @@ class Probe:
 
 
 PROBE = Probe()
-
-
-@pytest.fixture(scope="module")
-def nan_loop() -> fl.Loop:
-    return PROBE.attach(fl.trainer(tiny_mlp(), SPARSE, "adam").terminate_on_nan())
+COUNTER = counter_loop()  # one Loop for the module; handlers added to it share its programs
 
 
 @pytest.fixture(scope="module")
 def plain_loop() -> fl.Loop:
     return fl.trainer(tiny_mlp(), SPARSE, "adam")
+
+
+@pytest.fixture(scope="module")
+def debug_nans_loop() -> fl.Loop:
+    """plain_loop's configuration for the runs under jax.debug_nans: a Loop that ran under
+    it no longer donates its step state, which the donation tests below need."""
+    return fl.trainer(tiny_mlp(), SPARSE, "adam")
+
+
+@pytest.fixture(scope="module")
+def guarded_loop(plain_loop) -> fl.Loop:
+    """The guarded trainer, no handler: it reads the guard's flag once per epoch."""
+    return plain_loop.terminate_on_nan()
+
+
+@pytest.fixture(scope="module")
+def nan_loop(guarded_loop) -> fl.Loop:
+    # Handlers only: it shares guarded_loop's compiled programs.
+    return PROBE.attach(guarded_loop)
 
 
 def poisoned(batches: list[Any], at: int) -> list[Any]:
@@ -83,7 +99,9 @@ def before_nan(nan_loop) -> fl.State:
     "fuse,device,steps",
     [(False, False, "iteration 7"), (4, False, "iterations 4-7"), (4, True, "iterations 4-7")],
 )
-def test_an_error_the_device_raises_names_its_epoch_and_iterations(plain_loop, fuse, device, steps):
+def test_an_error_the_device_raises_names_its_epoch_and_iterations(
+    debug_nans_loop, fuse, device, steps
+):
     """jax.debug_nans raises where a step makes a NaN, inside fuseloop's loop ("encountered
     in while"): the note says which steps those were."""
     data = poisoned(make_batches(12), BAD_AT)
@@ -91,7 +109,7 @@ def test_an_error_the_device_raises_names_its_epoch_and_iterations(plain_loop, f
         x, y = (np.concatenate(part) for part in zip(*data, strict=True))
         data = fl.data.arrays(x, y, batch_size=len(data[0][1]), shuffle=False, device=True)
     with jax.debug_nans(True), pytest.raises(FloatingPointError) as caught:
-        plain_loop.run(data, fuse=fuse)
+        debug_nans_loop.run(data, fuse=fuse)
     assert f"fuseloop: raised by the steps of epoch 0, {steps}" in caught.value.__notes__
     # Where JAX saw the NaN leave the device loop, the note says how to have it named.
     hinted = any("run(..., fuse=False, jit=False)" in note for note in caught.value.__notes__)
@@ -99,12 +117,12 @@ def test_an_error_the_device_raises_names_its_epoch_and_iterations(plain_loop, f
 
 
 @pytest.mark.parametrize("population", [None, 2])
-def test_an_error_the_device_raises_in_a_whole_run_names_its_dispatch(plain_loop, population):
+def test_an_error_the_device_raises_in_a_whole_run_names_its_dispatch(debug_nans_loop, population):
     """A population's dispatch had no note."""
     x, y = (np.concatenate(part) for part in zip(*poisoned(make_batches(12), BAD_AT), strict=True))
     data = fl.data.arrays(x, y, batch_size=len(y) // 12, shuffle=False, device=True)
     with jax.debug_nans(True), pytest.raises(FloatingPointError) as caught:
-        plain_loop.run(data, epochs=2, fuse="run", population=population)
+        debug_nans_loop.run(data, epochs=2, fuse="run", population=population)
     assert "fuseloop: raised by the 24 steps of the dispatch from epoch 0, iteration 0" in (
         caught.value.__notes__
     )
@@ -216,19 +234,26 @@ class DenseBatchNorm(nn.Module):
         return nn.Dense(3)(x)
 
 
-@pytest.mark.parametrize("fuse", [False, 4])
-def test_the_guard_leaves_a_batchnorm_run_bitwise_alone(fuse):
+@pytest.fixture(scope="module")
+def batchnorm_loops() -> tuple[fl.Loop, fl.Loop]:
+    """The BatchNorm trainer, unguarded and guarded (one Loop each for the module)."""
     plain = fl.trainer(DenseBatchNorm(), SPARSE, "adam")
+    return plain, plain.terminate_on_nan()
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_the_guard_leaves_a_batchnorm_run_bitwise_alone(batchnorm_loops, fuse):
+    plain, guard = batchnorm_loops
     data = make_batches(12)
     reference = plain.run(data, epochs=2, fuse=fuse)
-    guarded = plain.terminate_on_nan().run(data, epochs=2, fuse=fuse)
+    guarded = guard.run(data, epochs=2, fuse=fuse)
     assert_tree_equal(guarded.step_state, reference.step_state, "step_state")
     assert guarded.history == reference.history
     # A non-finite step is undone to the step state the unguarded run had before it.
     halt_at_9 = lambda s: "halt_loop" if s.iteration == 9 else None  # noqa: E731
     before = plain.handle_event("iteration_started", halt_at_9).run(data)  # unfused: exact
     with pytest.warns(RuntimeWarning, match="iteration 9"):
-        halted = plain.terminate_on_nan().run(poisoned(data, 9), fuse=fuse)
+        halted = guard.run(poisoned(data, 9), fuse=fuse)
     assert_tree_equal(halted.step_state, before.step_state, "step_state")
 
 
@@ -265,7 +290,7 @@ def test_raising_handler_keeps_its_type_with_a_note(fuse, event, filter, where):
         finally:
             closed.append(1)
 
-    loop = counter_loop().handle_event(event, explode, filter, name="exploder")
+    loop = COUNTER.handle_event(event, explode, filter, name="exploder")
     with pytest.raises(HandlerFailure, match="kaboom") as info:
         loop.run(batches, counter_init(), epochs=3, fuse=fuse)
     notes = "\n".join(getattr(info.value, "__notes__", []))
@@ -278,7 +303,7 @@ def test_raising_handler_without_a_name_is_named_by_its_function():
     def my_broken_handler(state: fl.State) -> None:
         raise KeyError("missing")
 
-    loop = counter_loop().handle_event("epoch_completed", my_broken_handler)
+    loop = COUNTER.handle_event("epoch_completed", my_broken_handler)
     with pytest.raises(KeyError) as info:
         loop.run(make_batches(2), counter_init())
     assert "my_broken_handler" in "\n".join(info.value.__notes__)
@@ -310,7 +335,7 @@ def failing_source(fail_epoch: int, fail_at: int, closed: list[int]) -> Any:
 def test_data_iterator_raising_mid_epoch_keeps_type_traceback_and_notes(fuse):
     closed: list[int] = []
     with pytest.raises(DataFailure, match="corrupt record 4") as info:
-        counter_loop().run(failing_source(1, 4, closed), counter_init(), epochs=3, fuse=fuse)
+        COUNTER.run(failing_source(1, 4, closed), counter_init(), epochs=3, fuse=fuse)
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "data source" in notes and "epoch 1, iteration 4" in notes
     assert any(frame.name == "one_epoch" for frame in traceback.extract_tb(info.tb))
@@ -323,7 +348,7 @@ def test_one_shot_generator_raising_mid_epoch():
         raise DataFailure("disk gone")
 
     with pytest.raises(DataFailure) as info:
-        counter_loop().run(generator(), counter_init(), epochs=2)
+        COUNTER.run(generator(), counter_init(), epochs=2)
     assert "epoch 0, iteration 3" in "\n".join(info.value.__notes__)
 
 
@@ -346,7 +371,7 @@ def test_a_source_failing_mid_chunk_steps_what_it_pulled_before_raising(kind):
 
         source = generator() if kind == "one_shot" else generator
         with pytest.raises(DataFailure, match="corrupt record 13") as info:
-            counter_loop().run(source, counter_init(), epochs=2, fuse=fuse)
+            COUNTER.run(source, counter_init(), epochs=2, fuse=fuse)
         assert len(pulled) == 13
         reached[fuse] = info.value.fuseloop_state  # type: ignore[attr-defined]
     plain = reached[False]
@@ -378,7 +403,7 @@ def test_initial_variables_stay_readable(plain_loop, fuse):
 @pytest.mark.parametrize("fuse", [False, 4])
 def test_custom_loop_init_state_stays_readable(fuse):
     init = {"n": jnp.zeros((), jnp.int32), "total": jnp.zeros((), jnp.float32)}
-    state = counter_loop().run(make_batches(5), init, epochs=2, fuse=fuse)
+    state = COUNTER.run(make_batches(5), init, epochs=2, fuse=fuse)
     assert int(init["n"]) == 0 and float(init["total"]) == 0.0
     assert int(state.step_state["n"]) == 10
 
@@ -408,9 +433,9 @@ def test_evaluator_params_and_device_batches_stay_readable(plain_loop, fuse):
     readable(device_batches)
 
 
-def test_arrays_a_handler_returns_are_not_the_ones_donated():
+def test_arrays_a_handler_returns_are_not_the_ones_donated(plain_loop):
     """The State returned by run is never donated, even after a handler swapped params."""
-    loop = fl.trainer(tiny_mlp(), SPARSE, "sgd")
+    loop = plain_loop
     x = jnp.asarray(make_batches(1)[0][0])
     fresh = jax.device_put(tiny_mlp().init(jax.random.PRNGKey(9), x))
     kept = readable(fresh)
@@ -424,9 +449,10 @@ def test_arrays_a_handler_returns_are_not_the_ones_donated():
 
 
 @pytest.mark.parametrize("fuse", [False, 4])
-def test_a_state_kept_from_a_handler_is_refused_by_name_once_its_arrays_are_gone(fuse, tmp_path):
+def test_a_state_kept_from_a_handler_is_refused_by_name_once_its_arrays_are_gone(
+    plain_loop, fuse, tmp_path
+):
     kept: list[fl.State] = []
-    plain_loop = fl.trainer(tiny_mlp(), SPARSE, "adam")
     loop = plain_loop.handle_event("epoch_completed", kept.append)
     loop.run(make_batches(4), epochs=2, fuse=fuse)
     gone = kept[0]  # its arrays were donated to the next epoch's steps
@@ -448,9 +474,10 @@ def test_a_state_kept_from_a_handler_is_refused_by_name_once_its_arrays_are_gone
 # the bad step can be anywhere in a chunk, or the epoch's last.
 @pytest.mark.parametrize("bad_at", [0, 5, 7, 8, 11])
 @pytest.mark.parametrize("fuse", [4, 32])
-def test_a_guard_read_at_the_epochs_end_halts_where_the_unfused_loop_does(bad_at, fuse):
-    plain = fl.trainer(tiny_mlp(), SPARSE, "adam")
-    guarded = plain.terminate_on_nan()
+def test_a_guard_read_at_the_epochs_end_halts_where_the_unfused_loop_does(
+    guarded_loop, bad_at, fuse
+):
+    guarded = guarded_loop  # no iteration handler
     data = poisoned(make_batches(12), bad_at)
     with pytest.warns(RuntimeWarning, match=rf"epoch 0, iteration {bad_at}"):
         reference = guarded.run(data, epochs=2)
@@ -464,8 +491,9 @@ def test_a_guard_read_at_the_epochs_end_halts_where_the_unfused_loop_does(bad_at
     assert state.metrics == reference.metrics and state.history == reference.history
 
 
-@pytest.mark.parametrize("fuse", [4, "run"])
-def test_a_deferred_guard_on_device_data_halts_in_a_later_epoch(fuse):
+@pytest.fixture(scope="module")
+def diverging() -> tuple[fl.Loop, Any, fl.State]:
+    """A guarded run on device data that diverges, and its unfused run (the reference)."""
     x = np.concatenate([b[0] for b in make_batches(6)])
     y = np.concatenate([b[1] for b in make_batches(6)])
     # A learning rate this large diverges within a few epochs.
@@ -473,7 +501,14 @@ def test_a_deferred_guard_on_device_data_halts_in_a_later_epoch(fuse):
     data = fl.data.arrays(x, y, batch_size=4, shuffle=False, device=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        reference = loop.run(data, epochs=30)
+        return loop, data, loop.run(data, epochs=30)
+
+
+@pytest.mark.parametrize("fuse", [4, "run"])
+def test_a_deferred_guard_on_device_data_halts_in_a_later_epoch(diverging, fuse):
+    loop, data, reference = diverging
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
         state = loop.run(data, epochs=30, fuse=fuse)
     assert reference.status == "halted", "the reference run must meet a non-finite loss"
     assert state.handler_metadata["_nonfinite_at"] == reference.handler_metadata["_nonfinite_at"]
@@ -481,8 +516,12 @@ def test_a_deferred_guard_on_device_data_halts_in_a_later_epoch(fuse):
     assert state.event_counts == reference.event_counts and state.history == reference.history
 
 
-def _halving_loop() -> fl.Loop:
-    """A custom loop whose state follows its batches' values (a NaN batch makes it NaN)."""
+@functools.cache
+def _halving_loop(guarded: bool = False) -> fl.Loop:
+    """A custom loop whose state follows its batches' values (a NaN batch makes it NaN),
+    guarded or not; one Loop each for the module."""
+    if guarded:
+        return _halving_loop().terminate_on_nan()
 
     def step(batch, s):
         w = s["w"] * 0.5 + jnp.mean(batch[0])
@@ -527,7 +566,7 @@ def test_a_non_finite_step_halts_before_a_later_batch_that_fails_to_load(fuse):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        state = _halving_loop().terminate_on_nan().run(data, 0, epochs=1, fuse=fuse)
+        state = _halving_loop(guarded=True).run(data, 0, epochs=1, fuse=fuse)
     assert (state.status, state.iteration) == ("halted", 1)
     assert float(state.step_state["w"]) == 0.0  # batch 0's zeros, the bad step not applied
 
@@ -545,7 +584,9 @@ def test_a_step_state_changed_in_place_to_share_an_array_is_told_the_fix(fuse):
 
 @pytest.mark.filterwarnings("ignore:data. the run ended holding")  # pulled after the bad one
 @pytest.mark.parametrize("fuse", [3, True, "auto"])
-def test_a_batch_the_checks_refuse_mid_chunk_leaves_the_steps_before_it_as_unfused(fuse):
+def test_a_batch_the_checks_refuse_mid_chunk_leaves_the_steps_before_it_as_unfused(
+    plain_loop, fuse
+):
     # Label 7 of 3 classes at batch 4: the unfused loop steps batches 0-3, then refuses it;
     # a fused chunk holding it steps the batches before it too, then raises the same error.
     batches = make_batches(n=7)
@@ -553,7 +594,7 @@ def test_a_batch_the_checks_refuse_mid_chunk_leaves_the_steps_before_it_as_unfus
 
     def run(fuse_value: Any) -> tuple[Any, list[int]]:
         seen: list[int] = []
-        loop = trainer().observe("iteration_completed", lambda s: seen.append(s.iteration))
+        loop = plain_loop.observe("iteration_completed", lambda s: seen.append(s.iteration))
         with pytest.raises(ValueError, match="7") as refused:
             loop.run(iter(batches), fuse=fuse_value)
         return refused.value.fuseloop_state, seen
@@ -564,10 +605,10 @@ def test_a_batch_the_checks_refuse_mid_chunk_leaves_the_steps_before_it_as_unfus
 
 
 @pytest.mark.filterwarnings("ignore:data. the run ended holding")
-def test_of_two_refused_batches_in_a_chunk_the_first_ones_error_is_raised():
+def test_of_two_refused_batches_in_a_chunk_the_first_ones_error_is_raised(plain_loop):
     batches = make_batches(n=7)
     batches[4] = (batches[4][0], np.full_like(batches[4][1], 7))  # the label refused first
     batches[5] = (np.zeros((4, 5), np.float32), batches[5][1])  # then another shape
     for fuse in (False, 3):
         with pytest.raises(ValueError, match=r"iteration 4: y holds the label 7"):
-            trainer().run(iter(batches), fuse=fuse)
+            plain_loop.run(iter(batches), fuse=fuse)

@@ -142,11 +142,11 @@ def run_benchmark(
         log: Progress messages.
 
     Example:
-        >>> report = run_benchmark(["mlp-tiny"], reps=1, quick=True, n_batches=8, peers=False,
+        >>> report = run_benchmark(["mlp-tiny"], reps=1, quick=True, peers=False,
         ...                        sweep_model=None, overlap_model=None)
         >>> systems = report["models"]["mlp-tiny"]["systems"]
         >>> systems["floor"]["status"], report["meta"]["batches_per_epoch"]
-        ('ok', 8)
+        ('ok', 100)
     """
     if not is_int(reps) or reps < 1:
         raise ValueError(f"reps={reps!r} must be a positive int")
