@@ -269,3 +269,16 @@ def test_windows_without_a_feature_axis_are_told_to_add_one_not_to_reshape_y(y_s
     assert "x[..., None]" in message and "reshape or transpose y" not in message
     windows = [(x[..., None], t) for x, t in batches]  # the fix the message names
     assert fl.trainer(_LastStepGRU(), "mse", "adam").run(windows).status == "completed"
+
+
+def test_an_output_that_merges_the_examples_axis_keeps_the_message_about_y():
+    """Tokens flattened to (B*T, C) still hold the examples: y's shape is what misfits."""
+
+    class Tokens(nn.Module):
+        @nn.compact
+        def __call__(self, x: Any) -> Any:
+            return nn.Dense(4)(x).reshape(-1, 4)
+
+    x, y = np.zeros((8, 5, 3), np.float32), np.zeros((8, 5), np.int32)
+    with pytest.raises(ValueError, match=r"y has shape \(8, 5\).*output of shape \(40, 4\)"):
+        fl.trainer(Tokens(), SPARSE, "adam").run([(x, y)])

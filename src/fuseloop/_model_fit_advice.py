@@ -210,6 +210,8 @@ def unbatched_output(first_x: Any, y_pred: Any) -> ValueError | None:
             f"{rows} examples. For one feature per example, give x a feature axis: x[:, None] "
             f"(or x.reshape(-1, 1); fl.models.mlp adds it itself)"
         )
+    if any(size and size % rows == 0 for size in out):
+        return None  # an axis of the examples, moved or merged (tokens of (B*T, C)): y's
     return ValueError(
         f"data: x has shape {tuple(shape)}, but the model's output of shape {tuple(out)} "
         f"has no leading axis of the batch's {rows} examples: the model read the batch as "
