@@ -249,6 +249,8 @@ def test_a_loops_repr_is_a_short_summary():
         ("verbose", ("progress=True",)),
         ("steps_per_epoch", ("iterations=N",)),
         ("max_epochs", ("epochs=N",)),
+        ("metrics", ('loop.metric("accuracy")',)),  # compile's, given to fit
+        ("val_dataloaders", ("loop.validate(model, loader)",)),
         ("epoch", ("did you mean 'epochs'?",)),  # a misspelling of a keyword run() takes
     ],
 )
@@ -265,8 +267,18 @@ def test_a_keras_compile_keyword_to_a_factory_names_fuseloops_way():
         fl.trainer(tiny_mlp(), "mse", "adam", metrics=["accuracy"])
     check(info, "trainer() got an unexpected keyword argument 'metrics'", '.metric("accuracy")')
     with pytest.raises(TypeError) as info:
-        fl.evaluator(tiny_mlp(), "mse", learning_rate=0.1)
+        fl.trainer(tiny_mlp(), "mse", "adam", learning_rate=0.1)
     check(info, "'learning_rate'", "optax.adam(learning_rate=1e-3)")
+    with pytest.raises(TypeError) as info:  # Lightning's Trainer(max_epochs=...)
+        fl.trainer(tiny_mlp(), "mse", "adam", max_epochs=3)
+    check(info, "'max_epochs'", "loop.run(data, epochs=N)")
+    with pytest.raises(TypeError) as info:  # an evaluator has no optimizer to name
+        fl.evaluator(tiny_mlp(), "mse", learning_rate=0.1)
+    check(info, "'learning_rate'", "an evaluator trains nothing")
+    with pytest.raises(TypeError) as info:
+        fl.evaluator(tiny_mlp(), "mse", ["accuracy"])
+    check(info, "evaluator() takes at most 2 positional", '.metric("accuracy")')
+    assert "keyword" not in str(info.value).split(": ", 1)[1]  # it takes no other option
     with pytest.raises(TypeError) as info:
         fl.trainer(tiny_mlp(), "mse", "adam", size=3)  # nothing close: what it takes
     check(info, "'size'", "log, log_stream, loss, model, optimizer, seed")

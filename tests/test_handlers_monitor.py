@@ -357,8 +357,6 @@ def test_a_monitored_name_validation_never_gives_is_refused_before_training(hand
             ValueError, match=r"keeps the key it was given; monitor 'validation_mae'"
         ):
             attach(mae, keras).run(_batches(3, 0))
-    with pytest.raises(ValueError, match=r"keeps the key it was given; monitor 'mae'"):
-        attach(mae, "mean_absolute_error").run(_batches(3, 0))  # a training metric too
     sparse = base.validate(model, _batches(2, 1), filter={"every": 2})
     with pytest.raises(ValueError, match=r"validate's filter leaves some epochs without"):
         attach(sparse, "validation_loss")
@@ -442,3 +440,12 @@ def test_min_on_a_rising_metric_warns_with_the_fix(handler):
         attach(loop, "validation_accuracy", mode="auto")
     with pytest.raises(ValueError, match="accepted values: min, max, auto"):
         attach(loop, "loss", mode="lowest")
+
+
+@pytest.mark.parametrize("handler", ["early_stop", "reduce_lr_on_plateau", "checkpoint"])
+def test_a_training_metric_monitored_by_its_other_name_is_told_its_key(handler):
+    """Told at the first epoch's end (a handler could add a metric so named)."""
+    model = fl.models.mlp([4, 1])
+    mae = fl.trainer(model, "mean_squared_error", "sgd").metric("mae")
+    with pytest.raises(ValueError, match=r"keeps the key it was given; monitor 'mae'"):
+        ATTACH[handler](mae, "mean_absolute_error").run(_batches(3, 0))

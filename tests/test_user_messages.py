@@ -282,3 +282,34 @@ def test_an_output_that_merges_the_examples_axis_keeps_the_message_about_y():
     x, y = np.zeros((8, 5, 3), np.float32), np.zeros((8, 5), np.int32)
     with pytest.raises(ValueError, match=r"y has shape \(8, 5\).*output of shape \(40, 4\)"):
         fl.trainer(Tokens(), SPARSE, "adam").run([(x, y)])
+
+
+class _Energy(nn.Module):
+    """One value for the whole batch, on purpose (an energy, the model's own loss)."""
+
+    @nn.compact
+    def __call__(self, x: Any) -> Any:
+        return nn.Dense(1)(x).mean()
+
+
+def test_a_loss_that_returns_no_scalar_is_told_so_whatever_the_models_output():
+    def unreduced(y_true: Any, y_pred: Any) -> Any:
+        return (y_true - y_pred) ** 2  # forgot .mean()
+
+    with pytest.raises(ValueError, match=r"loss 'unreduced' returned shape \(8,\).*\.mean\(\)"):
+        fl.trainer(_Energy(), unreduced, "sgd").run([(X[:8], X[:8, 0])])
+
+
+def test_one_example_of_a_tree_or_in_a_run_is_told_the_fix_that_fits_it():
+    class Two(nn.Module):
+        @nn.compact
+        def __call__(self, x: Any) -> Any:
+            return nn.Dense(3)(x["a"].reshape(x["a"].shape[0], -1))
+
+    windows = {"a": _RNG.randn(6, 4, 2).astype(np.float32)}
+    trained = fl.trainer(Two(), SPARSE, "sgd").run([(windows, Y[:6])])
+    with pytest.raises(ValueError, match=r"jax\.tree\.map\(lambda a: a\[None\], x\)"):
+        fl.predict(Two(), trained, {"a": windows["a"][0]})
+    one_each = [({"a": w}, Y[:4]) for w in windows["a"]]  # single examples, per-step labels
+    with pytest.raises(ValueError, match=r"one example.*np\.stack\(xs\), np\.stack\(ys\)"):
+        fl.evaluator(Two(), SPARSE).run(one_each, trained.params)

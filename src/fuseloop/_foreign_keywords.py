@@ -13,7 +13,13 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import ParamSpec, TypeVar
 
-__all__ = ["RUN_ADVICE", "FACTORY_ADVICE", "POSITIONAL", "advise_foreign_keywords"]
+__all__ = [
+    "RUN_ADVICE",
+    "FACTORY_ADVICE",
+    "EVALUATOR_ADVICE",
+    "POSITIONAL",
+    "advise_foreign_keywords",
+]
 
 POSITIONAL = "*"  # the advice for more positional arguments than the function takes
 
@@ -56,6 +62,13 @@ RUN_ADVICE: Mapping[str, str] = {
     ),
     "ckpt_path": "resume from fl.load_state(path): run(data, state, epochs=N)",
     "steps_per_execution": "fuse=K runs K steps per dispatch",
+    "train_dataloaders": "the data is the first argument: run(loader)",
+    "val_dataloaders": "attach validation to the loop: loop.validate(model, loader).run(data)",
+    "datamodule": "pass the training data first, run(data), and attach validation with "
+    "loop.validate(model, val_data)",
+    "metrics": 'metrics are added to the loop before the run: loop.metric("accuracy")',
+    "learning_rate": "the optimizer holds the rate: fl.trainer(model, loss, optax.adam(1e-3))",
+    "lr": "the optimizer holds the rate: fl.trainer(model, loss, optax.adam(1e-3))",
     "class_weight": (
         "per-example weights go into y, for a loss that reads them (docs/data.md, "
         "\"A trainer's or evaluator's batch\")"
@@ -80,6 +93,21 @@ FACTORY_ADVICE: Mapping[str, str] = {
     "callbacks": _HANDLERS,
     "jit_compile": "fuseloop compiles by default; run(..., jit=False) runs op by op to debug",
     "steps_per_execution": "fuse=K in run() runs K steps per dispatch",
+    "max_epochs": "epochs go to the run: loop.run(data, epochs=N)",
+    "steps_per_epoch": "iterations go to the run: loop.run(data, iterations=N)",
+    "validation_data": "attach validation to the loop: loop.validate(model, val_data)",
+    "verbose": "run(progress=True) shows a bar per epoch",
+    "shuffle": "shuffling belongs to the data: fl.data.arrays(x, y, batch_size, shuffle=True)",
+}
+
+# Keras `compile`/`evaluate` keywords given to fl.evaluator (which trains nothing).
+EVALUATOR_ADVICE: Mapping[str, str] = {
+    POSITIONAL: 'metrics are added to the loop this returns: .metric("accuracy")',
+    "metrics": FACTORY_ADVICE["metrics"],
+    "batch_size": _BATCH + " to run()",
+    "verbose": "run(progress=True) shows a bar",
+    "steps": "iterations go to the run: loop.run(data, params, iterations=N)",
+    "learning_rate": "an evaluator trains nothing: the rate is the optimizer's, in fl.trainer",
 }
 
 

@@ -8,10 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from . import _foreign_keywords as keywords
 from ._data import warn_left_out
 from ._distributed import all_processes
 from ._events import Registration, attached, make_filter, normalize_event
-from ._foreign_keywords import FACTORY_ADVICE, RUN_ADVICE, advise_foreign_keywords
 from ._loop_args import (
     check_accumulate,
     check_handler,
@@ -235,7 +235,7 @@ class Loop(HandlerBuilders):
         return self._with(guard_nonfinite=True)
 
     # ----------------------------------------------------------------- running
-    @advise_foreign_keywords(RUN_ADVICE)
+    @keywords.advise_foreign_keywords(keywords.RUN_ADVICE)
     def run(
         self,
         data: Any,
@@ -314,7 +314,7 @@ class Loop(HandlerBuilders):
         )
 
 
-@advise_foreign_keywords(FACTORY_ADVICE)
+@keywords.advise_foreign_keywords(keywords.FACTORY_ADVICE)
 def trainer(
     model: Any,
     loss: Any,
@@ -360,7 +360,7 @@ def trainer(
     return built
 
 
-@advise_foreign_keywords(FACTORY_ADVICE)
+@keywords.advise_foreign_keywords(keywords.EVALUATOR_ADVICE)
 def evaluator(model: Any, loss: Any = None) -> Loop:
     """An evaluation loop: `evaluator(model).run(data, params_or_state)`.
 

@@ -312,7 +312,8 @@ class ModelFit:
         try:
             self._fit_loss(y, y_pred, ys)
         except ValueError as error:  # a model that read x's examples as one example's?
-            unbatched = unbatched_output(self.first_x, y_pred)
+            fitting = str(error).startswith("data: ")  # y against the output, not the loss's
+            unbatched = unbatched_output(self.first_x, y_pred) if fitting else None
             if unbatched is None:
                 raise
             raise unbatched from error

@@ -210,6 +210,8 @@ def unbatched_output(first_x: Any, y_pred: Any) -> ValueError | None:
             f"{rows} examples. For one feature per example, give x a feature axis: x[:, None] "
             f"(or x.reshape(-1, 1); fl.models.mlp adds it itself)"
         )
+    if not rows or not hasattr(first_x[1], "shape"):
+        return None  # no rows to tell by; a leaf of a tree of x, which x[..., None] is not
     if any(size and size % rows == 0 for size in out):
         return None  # an axis of the examples, moved or merged (tokens of (B*T, C)): y's
     return ValueError(
@@ -234,11 +236,16 @@ def one_example(inputs: str, first_x: Any, model: Any, variables: Any) -> ValueE
         return None
     if first_difference(variables, made):
         return None
+    if inputs != "x":  # a run's batches: y is one example's too
+        fix = "batch x and y: fl.data.arrays(np.stack(xs), np.stack(ys), batch_size=32)"
+    elif hasattr(first_x[1], "shape"):
+        fix = "add it, x[None] (or np.stack(examples) for several)"
+    else:
+        fix = "add it to each leaf, jax.tree.map(lambda a: a[None], x)"
     return ValueError(
         f"{inputs.removesuffix('x')}{describe(first_x[0], 'x')} does not fit the model "
         f"with the given variables, but would with a leading axis of 1: it looks like one "
-        f"example without "
-        f"the batch's axis. Add it, x[None] (or np.stack(examples) for several)"
+        f"example without the batch's axis. {fix[0].upper()}{fix[1:]}"
     )
 
 
