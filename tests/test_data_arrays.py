@@ -74,23 +74,23 @@ def test_scalar_leaves_and_empty_data_are_rejected():
 
 
 def test_batch_larger_than_data_without_drop_remainder_gives_one_short_batch():
-    x, y = _xy(5)
-    source = fl.data.arrays(x, y, batch_size=8, drop_remainder=False)
+    x, y = _xy()  # the file's size: its order's programs are compiled once for the module
+    source = fl.data.arrays(x, y, batch_size=N + 16, drop_remainder=False)
     batches = list(source)
-    assert len(source) == 1 and [b[1].shape for b in batches] == [(5,)]
+    assert len(source) == 1 and [b[1].shape for b in batches] == [(N,)]
 
 
 # --------------------------------------------------------------------- batching
 @pytest.mark.parametrize("drop_remainder", [True, False])
 def test_each_epoch_serves_every_example_at_most_once(drop_remainder):
-    x, y = _xy(50)
-    source = fl.data.arrays(x, np.arange(50), batch_size=8, drop_remainder=drop_remainder)
+    x, y = _xy()  # 48 = 4 x 10 + 8
+    source = fl.data.arrays(x, np.arange(N), batch_size=10, drop_remainder=drop_remainder)
     sizes = [yb.shape[0] for _, yb in source.iter_epoch(3)]
     served = np.concatenate([yb for _, yb in source.iter_epoch(3)])
     if drop_remainder:
-        assert len(source) == 6 and sizes == [8] * 6
+        assert len(source) == 4 and sizes == [10] * 4
     else:
-        assert len(source) == 7 and sizes == [8] * 6 + [2]
+        assert len(source) == 5 and sizes == [10] * 4 + [8]
     assert len(set(served.tolist())) == len(served)
     # the examples travel together: x rows match their labels
     for xb, yb in source.iter_epoch(3):
@@ -177,16 +177,16 @@ def test_device_indices_are_computed_in_jit_and_match_the_host_order():
 
 @pytest.mark.parametrize("seed", [0, 2**31, 2**32 - 1])
 def test_device_indices_from_a_python_seed_cover_the_whole_seed_range(seed):
-    x, y = _xy(16)
-    source = fl.data.arrays(x, np.arange(16), batch_size=4, seed=seed, device=True)
+    x, y = _xy()
+    source = fl.data.arrays(x, np.arange(N), batch_size=8, seed=seed, device=True)
     in_jit = jax.jit(lambda epoch: source.epoch_indices(source.seed, epoch))(jnp.int32(1))
     assert np.asarray(in_jit).tolist() == _labels(source, 1)
-    assert np.asarray(in_jit).ravel().tolist() == _expected_order(seed, 1, 16).tolist()
+    assert np.asarray(in_jit).ravel().tolist() == _expected_order(seed, 1, N).tolist()
 
 
 def test_device_indices_take_a_typed_key_and_refuse_what_is_no_key_or_epoch():
-    x, _ = _xy(16)
-    source = fl.data.arrays(x, np.arange(16), batch_size=4, seed=5)
+    x, _ = _xy()
+    source = fl.data.arrays(x, np.arange(N), batch_size=8, seed=5)
     expected = np.asarray(source.epoch_indices(5, 2))
     np.testing.assert_array_equal(source.epoch_indices(jax.random.key(5), 2), expected)
     np.testing.assert_array_equal(jax.jit(source.epoch_indices)(jax.random.key(5), 2), expected)
@@ -392,15 +392,13 @@ def test_a_loop_reused_over_many_device_sources_keeps_none_of_them_alive(fuse):
     import gc
     import weakref
 
-    x = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
-    y = (x[:, 0] > 0).astype(np.int32)
-    loop = fl.trainer(fl.models.mlp([4, 2]), "sparse_categorical_cross_entropy", "sgd")
+    x, y = _xy()
     gone = []
     gc.disable()  # a cycle would keep a source alive until the next collection
     try:
         for seed in range(3):  # a seed sweep: each seed's order program stays cached
-            source = fl.data.arrays(x, y, batch_size=16, seed=seed, device=True)
-            loop.run(source, epochs=2, fuse=fuse)
+            source = fl.data.arrays(x, y, batch_size=8, seed=seed, device=True)
+            LOOP.run(source, epochs=2, fuse=fuse)
             gone.append(weakref.ref(source))
             del source
         assert [ref() for ref in gone] == [None, None, None]

@@ -3,6 +3,7 @@ fix, and nothing trains on it silently."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import numpy as np
@@ -11,6 +12,10 @@ import pytest
 
 import fuseloop as fl
 from conftest import assert_tree_equal, make_batches, trainer
+
+# One trainer for the file: a test's runs share its compiled programs (and its tracing),
+# and a Loop that adds handlers to it shares them too. No test here counts compiles.
+LOOP = trainer()
 
 
 @pytest.mark.parametrize("where", ["last", "first", "middle"])
@@ -22,7 +27,7 @@ def test_an_empty_batch_is_refused_before_it_steps(where, fuse):
     position = {"last": len(data), "first": 0, "middle": 3}[where]
     data.insert(position, empty)
     with pytest.raises(ValueError, match=r"holds no examples .*Leave empty batches out"):
-        trainer().run(data, fuse=fuse)
+        LOOP.run(data, fuse=fuse)
 
 
 @pytest.mark.parametrize("loss", ["sparse_categorical_cross_entropy", "mean_squared_error"])
@@ -42,7 +47,14 @@ def test_a_fused_dtype_mismatch_says_to_cast_the_leaf():
     data = make_batches(4)
     data[2] = (data[2][0], data[2][1].astype(np.int64))
     with pytest.raises(fl.FusionError, match=r"iteration 2: leaf y .*cast it to int32"):
-        trainer().run(data, fuse=4)
+        LOOP.run(data, fuse=4)
+
+
+@functools.cache
+def _observed() -> tuple[fl.Loop, list[int]]:
+    """LOOP with an observer listing the iterations stepped (shared by the fuse cases)."""
+    steps: list[int] = []
+    return LOOP.observe("iteration_completed", lambda s: steps.append(s.iteration)), steps
 
 
 @pytest.mark.parametrize("fuse", [2, "run"])
@@ -50,8 +62,8 @@ def test_a_fused_run_over_arrays_with_a_short_last_batch_is_refused_before_it_st
     x = np.concatenate([b[0] for b in make_batches(3)])[:10]  # batches of 4, 4 and 2
     y = np.concatenate([b[1] for b in make_batches(3)])[:10]
     data = fl.data.arrays(x, y, batch_size=4, drop_remainder=False)
-    steps: list[int] = []
-    loop = trainer().observe("iteration_completed", lambda s: steps.append(s.iteration))
+    loop, steps = _observed()
+    steps.clear()
     with pytest.raises(fl.FusionError, match=r"last batch holds 2 of the 10 .*drop_remainder"):
         loop.run(data, fuse=fuse)
     assert steps == []  # refused up front, not after training the full batches
@@ -72,14 +84,14 @@ def _runs_dry_after_one_epoch() -> object:
 
 def test_a_callable_that_runs_dry_is_named_and_the_state_keeps_the_last_metrics():
     with pytest.warns(RuntimeWarning, match=r"epoch 1.*data callable returned an empty"):
-        state = trainer().run(_runs_dry_after_one_epoch(), epochs=3)
+        state = LOOP.run(_runs_dry_after_one_epoch(), epochs=3)
     assert state.status == "completed"
     assert state.metrics and state.metrics == state.history[0]
 
 
 def test_a_one_shot_iterator_that_runs_dry_keeps_its_advice():
     with pytest.warns(RuntimeWarning, match=r"one-shot iterator is consumed across epochs"):
-        state = trainer().run(iter(make_batches(3)), epochs=2)
+        state = LOOP.run(iter(make_batches(3)), epochs=2)
     assert state.metrics == state.history[0]
 
 
@@ -93,11 +105,11 @@ def test_an_error_opening_the_data_names_the_epoch_and_the_call():
         return iter(make_batches(2))
 
     with pytest.raises(OSError, match="shard list") as caught:
-        trainer().run(data, epochs=2)
+        LOOP.run(data, epochs=2)
     notes = " ".join(getattr(caught.value, "__notes__", []))
     assert "opening the data for epoch 1" in notes and "calling data()" in notes
     with pytest.raises(TypeError) as caught:
-        trainer().run(lambda: 5)
+        LOOP.run(lambda: 5)
     assert "must give an iterator of batches" in " ".join(caught.value.__notes__)
 
 
@@ -131,41 +143,53 @@ def test_validation_arrays_that_drop_examples_warn():
 
 
 def test_an_evaluator_warns_once_where_its_arrays_drop_examples():
-    x = np.concatenate([b[0] for b in make_batches(3)])
-    y = np.concatenate([b[1] for b in make_batches(3)])
-    model = trainer().program.model
-    variables = trainer().run(make_batches(3)).params
+    # 10 examples in batches of 4 (the file's batch size, so the programs are shared).
+    x = np.concatenate([b[0] for b in make_batches(3)])[:10]
+    y = np.concatenate([b[1] for b in make_batches(3)])[:10]
+    model = LOOP.program.model
+    variables = LOOP.run(make_batches(3)).params
     evaluator = fl.evaluator(model, "sparse_categorical_cross_entropy")
-    dropping = fl.data.arrays(x, y, batch_size=5)
-    with pytest.warns(UserWarning, match=r"evaluator run: .*2 of its 12 examples are left out"):
+    dropping = fl.data.arrays(x, y, batch_size=4)
+    with pytest.warns(UserWarning, match=r"evaluator run: .*2 of its 10 examples are left out"):
         evaluator.run(dropping, variables)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         evaluator.run(dropping, variables)  # once per dataset
-        kept = fl.data.arrays(x, y, batch_size=5, drop_remainder=False)
+        kept = fl.data.arrays(x, y, batch_size=4, drop_remainder=False)
         evaluator.run(kept, variables)
-        trainer().run(fl.data.arrays(x, y, batch_size=5))  # training may drop a remainder
+        LOOP.run(fl.data.arrays(x, y, batch_size=4))  # training may drop a remainder
 
 
 @pytest.mark.parametrize("fuse", [False, True, "run"])
 def test_float64_device_resident_data_warns_as_host_data_does(fuse):
-    x = np.concatenate([b[0] for b in make_batches(3)]).astype(np.float64)
-    y = np.concatenate([b[1] for b in make_batches(3)])
+    x, y = _skipped_xy()  # the device dataset of the test below: the same programs
     with pytest.warns(UserWarning, match=r"leaf x is float64.*cast to float32"):
-        trainer().run(fl.data.arrays(x, y, batch_size=4, device=True), fuse=fuse)
+        LOOP.run(fl.data.arrays(x.astype(np.float64), y, 4, seed=3, device=True), fuse=fuse)
+
+
+@functools.cache
+def _skipping(skipped: int) -> tuple[fl.Loop, fl.State]:
+    """LOOP halting epoch `skipped` at its start, and its run over the host source (the
+    reference every fuse mode's device run is compared with)."""
+
+    def skip(state: fl.State) -> str | None:
+        return "halt_epoch" if state.epoch == skipped else None
+
+    loop = LOOP.handle_event("epoch_started", skip)
+    return loop, loop.run(fl.data.arrays(*_skipped_xy(), batch_size=4, seed=3), epochs=3)
+
+
+def _skipped_xy() -> tuple[np.ndarray, np.ndarray]:
+    x = np.concatenate([b[0] for b in make_batches(6)])
+    y = np.concatenate([b[1] for b in make_batches(6)])
+    return x, y
 
 
 @pytest.mark.parametrize("skipped", [0, 1])  # the run's first epoch, a later one
 @pytest.mark.parametrize("fuse", [False, 4, "run"])
 def test_a_skipped_epoch_does_not_shift_a_device_datasets_order(fuse, skipped):
-    x = np.concatenate([b[0] for b in make_batches(6)])
-    y = np.concatenate([b[1] for b in make_batches(6)])
-
-    def skip(state: fl.State) -> str | None:
-        return "halt_epoch" if state.epoch == skipped else None
-
-    loop = trainer().handle_event("epoch_started", skip)
-    host = loop.run(fl.data.arrays(x, y, batch_size=4, seed=3), epochs=3)
+    x, y = _skipped_xy()
+    loop, host = _skipping(skipped)
     device = loop.run(fl.data.arrays(x, y, batch_size=4, seed=3, device=True), epochs=3, fuse=fuse)
     assert device.history[2] == host.history[2]
     assert_tree_equal(device.step_state, host.step_state, "step_state")
@@ -173,7 +197,7 @@ def test_a_skipped_epoch_does_not_shift_a_device_datasets_order(fuse, skipped):
 
 def test_resuming_from_inside_an_epoch_or_with_nothing_left_warns(tmp_path):
     halt_mid = lambda s: "halt_loop" if (s.epoch, s.iteration) == (1, 2) else None  # noqa: E731
-    loop = trainer()
+    loop = LOOP
     halted = loop.handle_event("iteration_completed", halt_mid).run(make_batches(6), epochs=3)
     with pytest.warns(
         RuntimeWarning,
@@ -201,8 +225,8 @@ def test_resuming_from_inside_an_epoch_or_with_nothing_left_warns(tmp_path):
 
 
 def test_resuming_with_another_optimizer_names_where_their_states_differ():
-    model, data = fl.models.mlp([3]), make_batches(2)
-    state = fl.trainer(model, "sparse_categorical_cross_entropy", "adam").run(data)
+    model, data = LOOP.program.model, make_batches(2)
+    state = LOOP.run(data)  # sparse cross-entropy under "adam"
     adamw = fl.trainer(model, "sparse_categorical_cross_entropy", "adamw")
     # The same optax state types, one more hyperparameter: the message names it.
     with pytest.raises(ValueError, match=r"\['weight_decay'\] only in this optimizer's"):
@@ -231,7 +255,7 @@ def test_a_source_failing_to_open_the_next_epoch_leaves_the_completed_one_record
         return iter(batches)
 
     with pytest.raises(OSError, match="shard server") as caught:
-        trainer().run(source, epochs=3, fuse=fuse)
+        LOOP.run(source, epochs=3, fuse=fuse)
     state = caught.value.fuseloop_state
     assert sorted(state.history) == [0] and state.epoch == 1
     assert int(state.step_state["step"]) == 8
@@ -252,20 +276,20 @@ class _UnknownLength:
 
 def test_a_source_of_unknown_or_zero_length_runs_with_progress_and_auto():
     batches = make_batches(4)
-    state = trainer().run(_UnknownLength(batches), epochs=2, progress=True, fuse="auto")
+    state = LOOP.run(_UnknownLength(batches), epochs=2, progress=True, fuse="auto")
     assert state.status == "completed"
-    report = fl.diagnostics.report(trainer(), _UnknownLength(batches), fuse="auto")
+    report = fl.diagnostics.report(LOOP, _UnknownLength(batches), fuse="auto")
     assert report
 
     class Zero(_UnknownLength):
         def __len__(self):
             return 0  # says nothing about the batches it yields
 
-    assert trainer().run(Zero(batches), fuse="auto").status == "completed"
+    assert LOOP.run(Zero(batches), fuse="auto").status == "completed"
 
 
 def test_string_labels_of_a_device_source_are_named_before_they_are_moved():
     x = np.concatenate([b[0] for b in make_batches(2)])
     y = np.array(["cat", "dog"])[np.arange(len(x)) % 2]
     with pytest.raises(ValueError, match=r"device=True\): y has dtype <U3.*np.unique"):
-        trainer().run(fl.data.arrays(x, y, 4, device=True))
+        LOOP.run(fl.data.arrays(x, y, 4, device=True))

@@ -74,6 +74,13 @@ def _sequence_regressor() -> fl.models.from_functions:
     return fl.models.from_functions(lambda rng, x: {"w": jnp.asarray(w)}, lambda v, x: x @ v["w"])
 
 
+@functools.cache
+def _sequence_trainer(loss: Any, metric: str | None) -> fl.Loop:
+    """One trainer per (loss, metric), shared by its fused and unfused cases."""
+    loop = fl.trainer(_sequence_regressor(), loss, "sgd")
+    return loop if metric is None else loop.metric(metric)
+
+
 @pytest.mark.parametrize("fuse", [False, 2])
 @pytest.mark.parametrize(
     ("loss", "metric"),
@@ -89,8 +96,7 @@ def test_targets_in_a_transposed_layout_are_refused_not_reshaped(loss, metric, f
     on scrambled targets. Only trailing 1s are reshaped away."""
     x = RNG.normal(size=(16, 3, 4)).astype(np.float32)
     y = (RNG.normal(size=(16, 2, 3)) > 0).astype(np.float32)
-    loop = fl.trainer(_sequence_regressor(), loss, "sgd")
-    loop = loop if metric is None else loop.metric(metric)
+    loop = _sequence_trainer(loss, metric)
     with pytest.raises(ValueError, match=r"y has shape \(8, 2, 3\).*output of shape \(8, 3, 2\)"):
         loop.run(fl.data.arrays(x, y, batch_size=8), epochs=1, fuse=fuse)
     y_column = (RNG.normal(size=(16, 3, 2, 1)) > 0).astype(np.float32)  # trailing 1: taken
@@ -109,22 +115,28 @@ def test_multi_class_precision_and_recall_are_micro_averaged():
     assert got["precision"] == got["recall"] == got["accuracy"]
 
 
+def abs_error(y_true, y_pred):
+    return jnp.abs(y_true - y_pred)[:, 0]  # one value per example
+
+
+def batch_abs_error(y_true, y_pred):
+    return jnp.mean(jnp.abs(y_true - y_pred))  # one scalar per batch
+
+
+@functools.cache
+def _abs_error_evaluator() -> fl.Loop:
+    """Shared by the fuse modes below (the same programs, traced once)."""
+    model = fl.models.from_functions(
+        lambda rng, x: {"w": jnp.asarray(W[:, :1])}, lambda v, x: x @ v["w"]
+    )
+    return fl.evaluator(model, "mean_absolute_error").metric(abs_error).metric(batch_abs_error)
+
+
 @pytest.mark.parametrize("fuse", [False, True, "run"])
 def test_a_metric_function_of_per_example_values_is_a_mean_over_examples(fuse):
     y = (X @ W[:, :1]).astype(np.float32) + 1.0
     data = fl.data.arrays(X, y, batch_size=16, shuffle=False, drop_remainder=False, device=True)
-
-    def abs_error(y_true, y_pred):
-        return jnp.abs(y_true - y_pred)[:, 0]  # one value per example
-
-    def batch_abs_error(y_true, y_pred):
-        return jnp.mean(jnp.abs(y_true - y_pred))  # one scalar per batch
-
-    model = fl.models.from_functions(
-        lambda rng, x: {"w": jnp.asarray(W[:, :1])}, lambda v, x: x @ v["w"]
-    )
-    loop = fl.evaluator(model, "mean_absolute_error").metric(abs_error)
-    loop = loop.metric(batch_abs_error)
+    loop = _abs_error_evaluator()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         got = loop.run(data, {"w": jnp.asarray(W[:, :1])}, fuse=fuse).metrics
@@ -160,28 +172,31 @@ def test_same_rank_labels_that_are_not_one_per_example_are_refused_by_accuracy()
     x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
     wide = np.eye(5, dtype=np.float32)[np.arange(16) % 5]  # one-hot of 5 classes, 3 outputs
     model = fl.models.mlp([3])
-    variables = model.init(jax.random.PRNGKey(0), x)
+    variables = jax.jit(model.init)(jax.random.PRNGKey(0), x)  # one compile, not op by op
     with pytest.raises(ValueError, match=r"y has shape \(16, 5\), but accuracy .* \(16, 3\)"):
         fl.evaluator(model).metric("accuracy").run([(x, wide)], variables)
 
 
+@functools.cache
 def _targets_and_outputs():
-    """(B,) targets of a model whose output is (B, 1), its variables and the data."""
+    """(B,) targets of a model whose output is (B, 1), its variables and the data (made
+    once, in jit; the tests compare with a tolerance)."""
     x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
     y = x[:, 0].copy()
     model = fl.models.mlp([1])
-    return model, model.init(jax.random.PRNGKey(0), x), x, y
+    return model, jax.jit(model.init)(jax.random.PRNGKey(0), x), x, y
 
 
 def test_a_users_function_gets_targets_and_outputs_as_they_are_as_a_hand_loop_does():
     model, variables, x, y = _targets_and_outputs()
     mae = lambda t, p: jnp.abs(p[:, 0] - t)  # noqa: E731 - written for the shapes as they are
     state = fl.evaluator(model).metric(mae, name="mae").run([(x, y)], variables)
-    expected = np.mean(np.abs(np.asarray(model.apply(variables, x))[:, 0] - y))
+    out = np.asarray(jax.jit(model.apply)(variables, x))[:, 0]
+    expected = np.mean(np.abs(out - y))
     assert state.metrics["mae"] == pytest.approx(float(expected), rel=1e-6)
     loss = lambda t, p: jnp.mean((p[:, 0] - t) ** 2)  # noqa: E731
     trained = fl.trainer(model, loss, "sgd").run([(x, y)], variables, fuse=False)
-    expected = np.mean((np.asarray(model.apply(variables, x))[:, 0] - y) ** 2)
+    expected = np.mean((out - y) ** 2)  # the loss of the variables before the step
     assert trained.history[0]["loss"] == pytest.approx(float(expected), rel=1e-6)
 
 
@@ -196,9 +211,14 @@ def test_a_users_function_broadcasting_every_target_against_every_output_is_refu
     message = rf"the {kind} .*y_true of shape \(16,\) and y_pred of shape \(16, 1\).*\(16, 16\)"
     with pytest.raises(ValueError, match=message):
         loop.run([(x, y)], variables)
-    # The fix the message names.
+    # The fix the message names (one evaluator for both cases).
+    assert _fixed_mae_evaluator().run([(x, y)], variables).metrics
+
+
+@functools.cache
+def _fixed_mae_evaluator() -> fl.Loop:
     fixed = lambda t, p: jnp.mean(jnp.abs(p[..., 0] - t))  # noqa: E731
-    assert fl.evaluator(model).metric(fixed, name="mae").run([(x, y)], variables).metrics
+    return fl.evaluator(_targets_and_outputs()[0]).metric(fixed, name="mae")
 
 
 @pytest.mark.parametrize("kind", ["metric", "loss"])

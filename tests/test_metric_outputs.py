@@ -3,6 +3,7 @@ with the fix, never averaged into a number that means something else."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, NamedTuple
 
@@ -40,28 +41,47 @@ def _per_class_hits(y_true, y_pred):  # one count per class, not per example
     return jnp.sum(jax.nn.one_hot(y_true, 3) * jax.nn.one_hot(jnp.argmax(y_pred, -1), 3), 0)
 
 
+def _column(state: fl.State, name: str) -> list[float]:
+    return [state.history[epoch][name] for epoch in sorted(state.history)]
+
+
 def test_a_metric_of_another_leading_axis_than_the_batch_is_said_to_average_per_batch():
+    """Each metric is compared with its reference metric in the same run (the warned case
+    in one run, the silent ones in another), so the file compiles two programs, not one
+    per metric."""
     loop = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "sgd")
     data = fl.data.arrays(_X, _Y, batch_size=8, shuffle=False)
-    per_batch = loop.metric(lambda t, p: jnp.mean(_per_class_hits(t, p)), name="hits")
+    mean_hits = lambda t, p: jnp.mean(_per_class_hits(t, p))  # noqa: E731
+    warned = loop.metric(_per_class_hits, name="hits").metric(mean_hits, name="per_batch")
     with pytest.warns(UserWarning, match=r"'hits' returned shape \(3,\) for a batch of 8") as said:
-        hits = loop.metric(_per_class_hits, name="hits").run(data)
+        hits = warned.run(data)
     assert said[0].filename == __file__  # the run's line, not jax's tracing frames
-    assert hits.history == per_batch.run(data).history  # one value per batch, their mean
+    assert _column(hits, "hits") == _column(hits, "per_batch")  # one value per batch, their mean
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         # Summed, the counts are exact: no warning. Per-element values flattened (a
         # multiple of the batch) average over the elements, as before.
-        summed = loop.metric(_per_class_hits, name="hits", accumulate="running_sum")
-        total = loop.metric(
-            lambda t, p: jnp.sum(_per_class_hits(t, p)), name="hits", accumulate="running_sum"
+        silent = (
+            loop.metric(_per_class_hits, name="summed", accumulate="running_sum")
+            .metric(lambda t, p: jnp.sum(_per_class_hits(t, p)), "total", "running_sum")
+            .metric(lambda t, p: jnp.mean(_per_class_hits(t, p))[None], name="one")
+            .metric(mean_hits, name="per_batch")
+            .metric(lambda t, p: jnp.repeat(t == jnp.argmax(p, -1), 2), name="tokens")
+            .metric(lambda t, p: t == jnp.argmax(p, -1), name="plain")
         )
-        assert summed.run(data).history == total.run(data).history
-        one = loop.metric(lambda t, p: jnp.mean(_per_class_hits(t, p))[None], name="hits")
-        assert one.run(data).history == per_batch.run(data).history  # (1,): a scalar
-        tokens = loop.metric(lambda t, p: jnp.repeat(t == jnp.argmax(p, -1), 2), name="hit")
-        plain = loop.metric(lambda t, p: t == jnp.argmax(p, -1), name="hit")
-        assert tokens.run(data).history == plain.run(data).history
+        state = silent.run(data)
+    assert _column(state, "summed") == _column(state, "total")
+    assert _column(state, "one") == _column(state, "per_batch")  # (1,): a scalar
+    assert _column(state, "tokens") == _column(state, "plain")
+
+
+@functools.cache
+def _one_output() -> tuple[Any, Any, np.ndarray]:
+    """A one-output MLP, its variables and its outputs on the first 20 examples (made in
+    jit: the references below compare with a tolerance)."""
+    model = fl.models.mlp([1])
+    variables = jax.jit(model.init)(jax.random.PRNGKey(0), _X[:1])
+    return model, variables, np.asarray(jax.jit(model.apply)(variables, _X[:20]))
 
 
 def test_a_per_batch_scalar_in_the_targets_does_not_change_how_the_loss_is_weighed():
@@ -71,13 +91,13 @@ def test_a_per_batch_scalar_in_the_targets_does_not_change_how_the_loss_is_weigh
         return jnp.mean((p - y["target"]) ** 2) * sum(v for k, v in y.items() if k != "target")
 
     ys = _RNG.normal(size=(20, 1)).astype(np.float32)
-    model = fl.models.mlp([1])
-    variables = model.init(jax.random.PRNGKey(0), _X[:1])
+    model, variables, out = _one_output()
+    evaluator = fl.evaluator(model, loss)
     sizes = [(0, 8), (8, 16), (16, 20)]  # a short last batch
     for key in ("alpha", "z_alpha"):
         batches = [(_X[a:b], {key: np.float32(1.0), "target": ys[a:b]}) for a, b in sizes]
-        got = fl.evaluator(model, loss).run(batches, variables).metrics["loss"]
-        expected = np.mean((np.asarray(model.apply(variables, _X[:20])) - ys) ** 2)
+        got = evaluator.run(batches, variables).metrics["loss"]
+        expected = np.mean((out - ys) ** 2)
         np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 
@@ -85,18 +105,17 @@ def test_targets_without_an_example_axis_weigh_the_batch_by_its_inputs_rows():
     """A self-supervised loss beside a dummy label (`(x, 0)`) or a per-batch temperature
     (`(x, {"tau": 0.5})`) weighed a short last batch as one example: the loss read the
     mean over batches, where `(x, None)` and Keras weigh by x's rows."""
-    model = fl.models.mlp([1])
-    variables = model.init(jax.random.PRNGKey(0), _X[:1])
-    out = np.asarray(model.apply(variables, _X[:20]))[:, 0]
-    expected = np.mean(out**2)  # over the 20 examples, not over the 3 batches
+    model, variables, out = _one_output()
+    expected = np.mean(out[:, 0] ** 2)  # over the 20 examples, not over the 3 batches
     sizes = [(0, 8), (8, 16), (16, 20)]
+
+    def loss(y_true, y_pred):
+        return jnp.mean(y_pred**2)
+
+    evaluator = fl.evaluator(model, loss)
     for y in (None, 0, np.float32(0.0), {"tau": np.float32(0.5)}):
-
-        def loss(y_true, y_pred):
-            return jnp.mean(y_pred**2)
-
         batches = [(_X[a:b], y) for a, b in sizes]
-        got = fl.evaluator(model, loss).run(batches, variables).metrics["loss"]
+        got = evaluator.run(batches, variables).metrics["loss"]
         np.testing.assert_allclose(got, expected, rtol=1e-6, err_msg=repr(y))
 
 
@@ -264,10 +283,11 @@ def test_class_metrics_of_a_one_output_model_refuse_targets_outside_0_and_1():
     trainer = fl.trainer(model, "mean_squared_error", "sgd").metric("accuracy")
     with pytest.raises(ValueError, match=r"regression, track .mean_absolute_error. or"):
         trainer.run(fl.data.arrays(_X, _X[:, 0] * 3, batch_size=8))
-    signs = np.where(_Y > 0, 1.0, -1.0).astype(np.float32)  # -1/+1 labels read as meant
-    fl.evaluator(model).metric("accuracy").run(fl.data.arrays(_X, signs, 8), state)
+    accuracy = fl.evaluator(model).metric("accuracy")  # one Loop for both target kinds
     binary = (_Y > 0).astype(np.float32)  # 0/1 targets are what the metric reads
-    measured = fl.evaluator(model).metric("accuracy").run(fl.data.arrays(_X, binary, 8), state)
+    measured = accuracy.run(fl.data.arrays(_X, binary, 8), state)
+    signs = np.where(_Y > 0, 1.0, -1.0).astype(np.float32)  # -1/+1 labels read as meant
+    accuracy.run(fl.data.arrays(_X, signs, 8), state)
     expected = ((np.asarray(fl.predict(model, state, _X))[:, 0] > 0) == (binary > 0.5)).mean()
     assert measured.metrics["accuracy"] == pytest.approx(expected, abs=1e-6)
 
