@@ -92,10 +92,9 @@ def test_restore_best_when_another_handler_halts_the_run():
         stop = loop.handle_event("epoch_completed", lambda s: "halt_loop" if s.epoch == 3 else None)
         return _restoring(stop)
 
-    pop = halt_at_3(_trainer()).run(data, epochs=10, fuse=4, population={"learning_rate": RATES})
-    plain = halt_at_3(_trainer()).run(
-        data, epochs=10, fuse=False, population={"learning_rate": RATES}
-    )
+    loop = halt_at_3(_trainer())  # one Loop for both runs: it traces its programs once
+    pop = loop.run(data, epochs=10, fuse=4, population={"learning_rate": RATES})
+    plain = loop.run(data, epochs=10, fuse=False, population={"learning_rate": RATES})
     assert tree_equal(pop.step_state, plain.step_state)
     for i, rate in enumerate(RATES):
         solo = _solo(rate, i, halt_at_3, epochs=10, fuse=4)

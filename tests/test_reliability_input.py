@@ -3,6 +3,7 @@ and how to fix it - raised before anything compiles where it can be (docs/reliab
 
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 from typing import Any
@@ -153,8 +154,8 @@ def test_x_that_does_not_fit_the_model_fails_before_compiling():
         fl.trainer(linear_model(), SPARSE, "sgd").run(data)
 
 
-def test_x_that_does_not_fit_given_variables_is_named():
-    params = sparse_trainer().run(make_batches(1)).params  # trained on FEATURES inputs
+def test_x_that_does_not_fit_given_variables_is_named(loop):
+    params = loop.run(make_batches(1)).params  # trained on FEATURES inputs
     data = [(np.zeros((BATCH, FEATURES + 1), np.float32), y) for _, y in make_batches(2)]
     with pytest.raises(ValueError, match=r"x does not fit the model.*given variables"):
         fl.evaluator(tiny_mlp()).run(data, params)
@@ -214,18 +215,19 @@ def test_negative_label_in_a_later_batch_names_epoch_and_iteration(loop, fuse):
         loop.run(data, fuse=fuse)
 
 
-def test_a_negative_label_already_on_the_device_is_refused_in_every_mode():
+def test_a_negative_label_already_on_the_device_is_refused_in_every_mode(loop):
     """Labels given as jax arrays are read as numpy labels are: a label of -1 (or -100, the
     padding of a Hugging Face collator) must neither wrap to the last class nor train to a
     nan loss, in training or validation data, fused or not."""
     data = make_batches(3)
-    on_device = [(jnp.asarray(x), jnp.asarray(y)) for x, y in data]
-    on_device[1] = (on_device[1][0], on_device[1][1].at[1].set(-1))
+    labels = [y.copy() for _, y in data]
+    labels[1][1] = -1  # set on the host, then moved: no eager scatter on the device
+    on_device = [(jnp.asarray(x), jnp.asarray(y)) for (x, _), y in zip(data, labels, strict=True)]
     for fuse in (False, 3):
         with pytest.raises(ValueError, match=r"iteration 1: y holds the label -1, out of range"):
-            sparse_trainer().run(on_device, fuse=fuse)
+            loop.run(on_device, fuse=fuse)
         with pytest.raises(ValueError, match=r"label -1, out of range(.|\n)*validate\(\)'s data"):
-            sparse_trainer().validate(tiny_mlp(), on_device).run(data, fuse=fuse)
+            loop.validate(tiny_mlp(), on_device).run(data, fuse=fuse)
 
 
 @pytest.mark.parametrize("device", [False, True])
@@ -248,7 +250,9 @@ def _binary_batches(n: int) -> list[tuple[np.ndarray, np.ndarray]]:
     ]
 
 
+@functools.cache
 def _binary_trainer() -> fl.Loop:
+    """One Loop for the binary tests: a new one traces and lowers its programs again."""
     return fl.trainer(fl.models.mlp([4, 1]), "binary_cross_entropy", optax.sgd(0.1))
 
 
@@ -519,6 +523,12 @@ class _Buckets(nn.Module):
         return nn.Embed(10, 3)(ids[:, 0] % 10)
 
 
+@functools.cache
+def _buckets_trainer() -> fl.Loop:
+    """One _Buckets trainer for the int64 tests (not the x64 one): a new Loop traces again."""
+    return fl.trainer(_Buckets(), "sparse_categorical_cross_entropy", "sgd")
+
+
 def _ids(wide_at: int | None) -> tuple[np.ndarray, np.ndarray]:
     ids = np.arange(24, dtype=np.int64)[:, None]  # int64, in int32's range
     if wide_at is not None:
@@ -529,7 +539,7 @@ def _ids(wide_at: int | None) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("fuse", [False, 4])
 @pytest.mark.parametrize("source", ["list", "arrays", "resident"])
 def test_int64_values_beyond_32_bits_are_refused_not_wrapped(source, fuse):
-    loop = fl.trainer(_Buckets(), "sparse_categorical_cross_entropy", "sgd")
+    loop = _buckets_trainer()
 
     def data(wide_at: int | None) -> Any:
         ids, y = _ids(wide_at)
@@ -552,17 +562,24 @@ def test_an_int64_leaf_after_an_int32_first_batch_is_read_too(fuse):
     at = 3 if fuse is False else 1
     beyond = rf"epoch 0, iteration {at}: x holds int64 values beyond int32's range.*8589934599"
     with pytest.raises(ValueError, match=beyond):
-        fl.trainer(_Buckets(), "sparse_categorical_cross_entropy", "sgd").run(batches, fuse=fuse)
-    variables = _Buckets().init(jax.random.PRNGKey(0), ids[:4])
+        _buckets_trainer().run(batches, fuse=fuse)
+    # Zeros of the variables' shapes (the data check raises first): no eager init.
+    shapes = jax.eval_shape(lambda x: _Buckets().init(jax.random.PRNGKey(0), x), ids[:4])
+    variables = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), shapes)
     with pytest.raises(ValueError, match=beyond):
         fl.evaluator(_Buckets(), "sparse_categorical_cross_entropy").run(batches, variables)
     batches[at] = (_ids(None)[0][4 * at : 4 * at + 4], batches[at][1])  # now in range
-    loop = fl.trainer(_Buckets(), "sparse_categorical_cross_entropy", "sgd")
+    loop = _buckets_trainer()
     if fuse is False:
         loop.run(batches, fuse=fuse)  # the unfused run converts it
     else:  # the fix is a cast, which would wrap values beyond int32: the message says so
         with pytest.raises(fl.FusionError, match=r"astype\('int32'\)\), where values beyond"):
             loop.run(batches, fuse=fuse)
+
+
+@functools.cache
+def _wide_trainer() -> fl.Loop:
+    return fl.trainer(fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy", "sgd")
 
 
 @pytest.mark.parametrize("leaf", ["x", "y"])
@@ -571,7 +588,7 @@ def test_a_big_endian_array_is_refused_with_the_conversion_and_arrays_converts_i
     y = (np.arange(16) % 3).astype(np.int32)
     swapped = {"x": x, "y": y}[leaf].astype({"x": ">f4", "y": ">i4"}[leaf])
     batch = (swapped, y) if leaf == "x" else (x, swapped)
-    loop = fl.trainer(fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy", "sgd")
+    loop = _wide_trainer()
     with pytest.raises(ValueError, match=rf"{leaf} is a big-endian array.*{leaf}\.astype\("):
         loop.run([batch])
     # fl.data.arrays copies its arrays anyway, into the machine's byte order: same values.

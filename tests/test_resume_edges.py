@@ -30,8 +30,14 @@ def _trainer() -> fl.Loop:
     return fl.trainer(model, "sparse_categorical_cross_entropy", "adam").metric("accuracy")
 
 
+# One Loop per configuration for the tests that need no fresh one: a new Loop traces and
+# lowers its programs again even where the compile cache holds them.
+_MLP = _trainer()
+_TINY = trainer()
+
+
 def test_a_trainer_given_an_evaluators_state_names_init_state_and_the_fix():
-    data, trainer = _data(), _trainer()
+    data, trainer = _data(), _MLP
     trained = trainer.run(data, epochs=1)
     scored = fl.evaluator(fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy").run(
         data, trained
@@ -64,22 +70,27 @@ def test_a_resume_from_an_iteration_handlers_state_in_a_fused_run_names_why(tmp_
         if state.iteration == 1 and not saved:
             saved.append(fl.save_state(state, tmp_path / "mid"))
 
-    trainer = _trainer()
+    trainer = _MLP
     trainer.handle_event("iteration_completed", save).run(_data(), epochs=1, fuse=3)
     with pytest.raises(ValueError, match=r"no step state.*iteration handler gets in a fused"):
         trainer.run(_data(), fl.load_state(saved[0]), epochs=2)
 
 
 def test_loading_a_populations_best_checkpoint_folder_names_its_members(tmp_path):
+    # The population tests' trainer, data and run (population=2, fuse=4): their programs.
+    from test_population_members import _data as _population_data
+    from test_population_members import _trainer as _population_trainer
+
     folder = tmp_path / "best"
-    _trainer().checkpoint(folder, criteria="loss").run(_data(), epochs=2, population=2)
+    best = _population_trainer().checkpoint(folder, criteria="loss")
+    best.run(_population_data(), epochs=2, fuse=4, population=2)
     with pytest.raises(ValueError, match=r"one folder per member \(member_0, member_1\)"):
         fl.load_state(folder)
     assert fl.load_state(folder / "member_0").history
 
 
 def test_a_resume_with_nothing_left_to_train_keeps_the_metrics():
-    data, trainer = _data(), _trainer()
+    data, trainer = _data(), _MLP
     done = trainer.run(data, epochs=2)
     with pytest.warns(RuntimeWarning, match="nothing is trained"):
         again = trainer.run(data, done, epochs=2)
@@ -96,7 +107,7 @@ def _shuffled() -> fl.data.ArraySource:
 
 
 def test_a_checkpoint_taken_mid_epoch_warns_and_the_resumed_run_keeps_the_counts(tmp_path):
-    loop = trainer()
+    loop = _TINY
     full = loop.run(_shuffled(), epochs=3)
     every = loop.checkpoint(tmp_path, event="iteration_completed", filter={"every": 3})
     every.run(_shuffled(), epochs=2)
@@ -115,7 +126,7 @@ def test_a_run_resumed_from_its_epoch_started_checkpoint_keeps_the_schedule(tmp_
             raise KeyError("preempted")
 
     def saving(directory: object) -> fl.Loop:
-        return trainer().checkpoint(directory, event="epoch_started", filter={"every": 3})
+        return _TINY.checkpoint(directory, event="epoch_started", filter={"every": 3})
 
     full = saving(tmp_path / "full").run(_shuffled(), epochs=7)
     with pytest.raises(KeyError, match="preempted"):
@@ -130,9 +141,9 @@ def test_a_run_resumed_from_its_epoch_started_checkpoint_keeps_the_schedule(tmp_
 
 
 def test_a_checkpoint_directory_that_is_a_save_or_under_a_file_is_refused(tmp_path):
-    saved = fl.save_state(trainer().run(_BATCHES), tmp_path / "save")
+    saved = fl.save_state(_TINY.run(_BATCHES), tmp_path / "save")
     with pytest.raises(ValueError, match=r"is a save written by fl.save_state, not a checkp"):
-        trainer().checkpoint(saved)
+        _TINY.checkpoint(saved)
     (tmp_path / "a_file").write_text("")
     with pytest.raises(ValueError, match=r"is a file, so no save can be made there"):
         fl.save_state(fl.load_state(saved), tmp_path / "a_file" / "save")
@@ -157,8 +168,8 @@ def test_a_state_in_another_dtype_than_the_model_makes_is_warned_of_with_the_fix
         return fl.trainer(Dense(param_dtype), "sparse_categorical_cross_entropy", "adam")
 
     data = _data()
-    saved = trainer(jnp.bfloat16).run(data, epochs=1)
-    wider = trainer(jnp.float32)
+    narrow, wider = trainer(jnp.bfloat16), trainer(jnp.float32)
+    saved = narrow.run(data, epochs=1)
     for _ in range(2):  # a Loop's second resume says it again
         with pytest.warns(
             RuntimeWarning,
@@ -169,7 +180,7 @@ def test_a_state_in_another_dtype_than_the_model_makes_is_warned_of_with_the_fix
         assert jax.tree.leaves(resumed.params)[0].dtype == jnp.bfloat16
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert trainer(jnp.bfloat16).run(data, saved, epochs=2).epoch == 1  # same dtypes
+        assert narrow.run(data, saved, epochs=2).epoch == 1  # same dtypes
         as_given = wider.run(data, saved.params)  # a deliberate cast: trained as given
     assert jax.tree.leaves(as_given.params)[0].dtype == jnp.bfloat16
     cast = jax.tree.map(lambda a: a.astype(jnp.float32), saved.params)  # the fix it names
@@ -188,7 +199,7 @@ def test_a_fused_halt_at_a_chunks_first_iteration_warns_on_resume(how):
         return None
 
     def halted(fuse) -> fl.State:
-        loop = _trainer().handle_event("iteration_started", stop)
+        loop = _MLP.handle_event("iteration_started", stop)
         if how == "halt_loop":
             return loop.run(_data(), epochs=3, fuse=fuse)
         with pytest.raises(RuntimeError, match="stop here") as caught:
@@ -196,10 +207,10 @@ def test_a_fused_halt_at_a_chunks_first_iteration_warns_on_resume(how):
         return caught.value.fuseloop_state
 
     with pytest.warns(RuntimeWarning, match=r"stopped inside epoch 1 .*after stepping 3 of"):
-        _trainer().run(_data(), halted(4), epochs=3, fuse=4)
+        _MLP.run(_data(), halted(4), epochs=3, fuse=4)
     with warnings.catch_warnings():  # unfused, the halt came before the step: a clean resume
         warnings.simplefilter("error")
-        _trainer().run(_data(), halted(False), epochs=3)
+        _MLP.run(_data(), halted(False), epochs=3)
 
 
 def test_a_resume_from_a_guard_halt_does_not_carry_its_non_finite_note():
@@ -210,8 +221,8 @@ def test_a_resume_from_a_guard_halt_does_not_carry_its_non_finite_note():
     bad = x.copy()
     bad[20] = np.nan  # the third batch of epoch 0
     with pytest.warns(RuntimeWarning, match="non-finite"):
-        halted = _trainer().terminate_on_nan().run(fl.data.arrays(bad, y, 8, shuffle=False))
-    loop = _trainer().handle_event("iteration_completed", lambda s: "halt_loop")
+        halted = _MLP.terminate_on_nan().run(fl.data.arrays(bad, y, 8, shuffle=False))
+    loop = _MLP.handle_event("iteration_completed", lambda s: "halt_loop")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the resume's "stopped inside"
         resumed = loop.run(fl.data.arrays(x, y, 8), halted.params, epochs=1)
@@ -242,12 +253,12 @@ def test_a_resume_from_a_keyboard_interrupts_state_says_the_steps_it_repeats(fus
     # Fused, the chunk launched before the interrupt ran whole, though never replayed: its
     # State counted none of its steps, and a resume trained them twice without a word.
     with pytest.raises(KeyboardInterrupt) as caught:
-        trainer().run(_interrupted_at(1, 3), epochs=3, fuse=fuse)
+        _TINY.run(_interrupted_at(1, 3), epochs=3, fuse=fuse)
     state = caught.value.fuseloop_state
     stepped = int(state.step_state["step"])
     assert stepped > 6 * len(state.history)  # steps beyond the epochs completed
     with pytest.warns(RuntimeWarning, match=r"stopped inside epoch \d .* after stepping"):
-        trainer().run(make_batches(6), state, epochs=3, fuse=fuse)
+        _TINY.run(make_batches(6), state, epochs=3, fuse=fuse)
 
 
 def test_a_resume_from_an_epoch_end_handlers_failure_says_what_did_not_finish():
@@ -260,7 +271,7 @@ def test_a_resume_from_an_epoch_end_handlers_failure_says_what_did_not_finish():
             seen.append(state.epoch)
             raise OSError("the validation files are on a network share that went away")
 
-    loop = trainer().handle_event("epoch_completed", flaky)
+    loop = _TINY.handle_event("epoch_completed", flaky)
     with pytest.raises(OSError) as caught:
         loop.run(make_batches(4), epochs=3)
     state = caught.value.fuseloop_state
