@@ -89,7 +89,10 @@ def test_a_population_started_from_given_variables_that_varies_only_seeds_is_ref
     """The member seeds reach a linen model's weights only through its init: given the
     variables to start from, the members trained bitwise alike (found by a user)."""
     model = fl.models.mlp([8, 3])
-    variables = model.init(jax.random.PRNGKey(0), make_batches(1)[0][0])
+    # In the shapes model.init gives, drawn on the host (an eager init compiles each op).
+    shapes = jax.eval_shape(lambda x: model.init(jax.random.PRNGKey(0), x), make_batches(1)[0][0])
+    rng = np.random.default_rng(0)
+    variables = jax.tree.map(lambda s: rng.normal(0, 0.5, s.shape).astype(s.dtype), shapes)
     loop = fl.trainer(model, SPARSE, "adam")
     with pytest.raises(ValueError, match=r"variables given as init_state.*leave init_state out"):
         loop.run(make_batches(4), variables, population=2)
@@ -100,7 +103,17 @@ def test_a_population_started_from_given_variables_that_varies_only_seeds_is_ref
 
 def test_a_population_of_an_equinox_model_that_varies_only_seeds_is_refused():
     eqx = pytest.importorskip("equinox")
-    model = eqx.nn.MLP(FEATURES, 3, 8, 1, key=jax.random.PRNGKey(0))
+    # Its arrays drawn on the host (equinox's initialisers compile a program per op).
+    shapes = eqx.filter_eval_shape(eqx.nn.MLP, FEATURES, 3, 8, 1, key=jax.random.PRNGKey(0))
+    rng = np.random.default_rng(0)
+    model = jax.tree.map(
+        lambda s: (
+            rng.normal(0, 0.5, s.shape).astype(s.dtype)
+            if isinstance(s, jax.ShapeDtypeStruct)
+            else s
+        ),
+        shapes,
+    )
     loop = fl.trainer(model, SPARSE, "adam")
     with pytest.raises(ValueError, match="equinox model is initialised when built"):
         loop.run(make_batches(4), population=3)

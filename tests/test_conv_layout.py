@@ -3,6 +3,7 @@ the same values as JAX's own lowering of a standalone program, fuseloop's progra
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -36,6 +37,16 @@ class TinyCNN(nn.Module):
         return nn.Dense(3)(x.mean(axis=(1, 2)))
 
 
+CNN_TX = optax.sgd(0.1)
+
+
+@functools.cache
+def _cnn_loop() -> Any:
+    """The two flax CNN tests' trainer: one Loop, so its programs are traced and compiled once
+    (neither test's claim depends on the optimizer)."""
+    return fl.trainer(TinyCNN(), "sparse_categorical_cross_entropy", CNN_TX)
+
+
 def _images(n_batches: int = 6, batch: int = 4) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(n_batches, batch, 6, 6, 1)).astype(np.float32)
@@ -63,7 +74,8 @@ def _kernel_gradient_loop(x: Any, w: Any, trips: Any) -> Any:
 
 
 def test_only_fuseloop_programs_get_the_channel_last_form():
-    x, w = jnp.ones((2, 5, 5, 3)), jnp.ones((3, 3, 3, 4))
+    # Host arrays: an eager jnp.ones would compile programs of its own.
+    x, w = np.ones((2, 5, 5, 3), np.float32), np.ones((3, 3, 3, 4), np.float32)
     ours = jax.jit(conv_layout.named(lambda x, w, n: _kernel_gradient_loop(x, w, n), "probe"))
     theirs = jax.jit(lambda x, w, n: _kernel_gradient_loop(x, w, n))
     assert _conv_labels(ours.lower(x, w, 1).compile().as_text()) == {CHANNEL_LAST_2D}
@@ -73,7 +85,7 @@ def test_only_fuseloop_programs_get_the_channel_last_form():
 
 
 def test_a_cnn_runs_every_convolution_channel_last_and_fused_equals_unfused():
-    loop = fl.trainer(TinyCNN(), "sparse_categorical_cross_entropy", optax.adam(1e-2))
+    loop = _cnn_loop()
     unfused = loop.run(_images(), epochs=2)
     fused = loop.run(_images(), epochs=2, fuse=4)
     assert_tree_equal(fused.step_state, unfused.step_state, "fused vs unfused step state")
@@ -87,11 +99,14 @@ def test_a_cnn_runs_every_convolution_channel_last_and_fused_equals_unfused():
 
 
 def test_a_cnn_trains_like_a_hand_written_jitted_step():
-    model, tx = TinyCNN(), optax.sgd(0.1)
-    variables = model.init(jax.random.PRNGKey(1), _images()[0][0])
-    state = fl.trainer(model, "sparse_categorical_cross_entropy", tx).run(
-        _images(), variables, fuse=3
-    )
+    loop = _cnn_loop()
+    model, tx = TinyCNN(), CNN_TX
+    # The two runs' shared starting point, drawn on the host in the shapes model.init gives
+    # (model.init itself compiles a program, eagerly one per op).
+    shapes = jax.eval_shape(lambda x: model.init(jax.random.PRNGKey(1), x), _images()[0][0])
+    rng = np.random.default_rng(1)
+    variables = jax.tree.map(lambda s: rng.normal(0, 0.3, s.shape).astype(s.dtype), shapes)
+    state = loop.run(_images(), variables, fuse=4)
 
     @jax.jit
     def step(params: Any, opt_state: Any, x: Any, y: Any) -> Any:
@@ -147,8 +162,9 @@ def test_the_rewrite_computes_the_same_convolution_and_gradients(layout, dtype):
     """Inside a fuseloop program (rewritten) against a standalone program (JAX's own)."""
     numbers, lhs_shape, rhs_shape, extra = LAYOUTS[layout]
     rng = np.random.default_rng(0)
-    lhs = jnp.asarray(rng.normal(size=lhs_shape), dtype)
-    rhs = jnp.asarray(rng.normal(size=rhs_shape), dtype)
+    # Cast on the host: an eager device cast compiles a program per shape and dtype.
+    lhs = rng.normal(size=lhs_shape).astype(dtype)
+    rhs = rng.normal(size=rhs_shape).astype(dtype)
     spatial = len(lhs_shape) - 2
     arguments = {"window_strides": (1,) * spatial, "padding": "SAME", **extra}
 
@@ -178,26 +194,31 @@ def test_the_rewrite_computes_the_same_convolution_and_gradients(layout, dtype):
 
 def test_an_equinox_channel_first_cnn_fuses_identically_and_predicts():
     eqx = pytest.importorskip("equinox")
-    keys = jax.random.split(jax.random.PRNGKey(0), 2)
 
     class Net(eqx.Module):
         conv: Any
         head: Any
 
         def __init__(self) -> None:
+            keys = jax.random.split(jax.random.PRNGKey(0), 2)
             self.conv = eqx.nn.Conv2d(1, 4, 3, padding=1, key=keys[0])
             self.head = eqx.nn.Linear(4, 3, key=keys[1])
 
         def __call__(self, x: Any) -> Any:  # one example, channel-first (1, 6, 6)
             return self.head(jax.nn.relu(self.conv(x)).mean(axis=(1, 2)))
 
+    # Built once, its weights drawn on the host (equinox's initialisers compile a program).
+    rng = np.random.default_rng(0)
+    net = jax.tree.map(
+        lambda s: rng.normal(0, 0.5, s.shape).astype(s.dtype), eqx.filter_eval_shape(Net)
+    )
     data = [(x.transpose(0, 3, 1, 2), y) for x, y in _images()]
-    loop = fl.trainer(Net(), "sparse_categorical_cross_entropy", optax.adam(1e-2))
+    loop = fl.trainer(net, "sparse_categorical_cross_entropy", optax.adam(1e-2))
     unfused = loop.run(data, epochs=2)
     fused = loop.run(data, epochs=2, fuse=4)
     assert_tree_equal(fused.step_state, unfused.step_state, "fused vs unfused step state")
-    predicted = fl.predict(Net(), fused, data[0][0])
-    trained = fl.models.trained(Net(), fused)
+    predicted = fl.predict(net, fused, data[0][0])
+    trained = fl.models.trained(net, fused)
     np.testing.assert_allclose(
-        predicted, jax.vmap(trained)(jnp.asarray(data[0][0])), rtol=1e-5, atol=1e-6
+        predicted, jax.jit(jax.vmap(trained))(data[0][0]), rtol=1e-5, atol=1e-6
     )

@@ -78,25 +78,27 @@ def _leaves_equal(a, b):
 
 @pytest.fixture(scope="module")
 def keyword_only():
+    """The module, its trainer (one Loop for the fused and unfused runs: traced once) and
+    its unfused two-epoch run."""
     module = KeywordOnlyKeyNet(jax.random.PRNGKey(0))
-    return module, fl.trainer(module, SPARSE, "adam").run(DATA, epochs=2)
+    loop = fl.trainer(module, SPARSE, "adam")
+    return module, loop, loop.run(DATA, epochs=2)
 
 
 def test_required_keyword_only_key_module_evaluates_with_predict_evaluator_and_validate(
     keyword_only,
 ):
-    module, state = keyword_only
+    module, loop, state = keyword_only
     assert fl.predict(module, state, X).shape == (32, CLASSES)
     evaluated = fl.evaluator(module, SPARSE).run(DATA, state)
     assert np.isfinite(evaluated.metrics["loss"])
-    validated = fl.trainer(module, SPARSE, "adam").validate(module, DATA).run(DATA, epochs=1)
+    validated = loop.validate(module, DATA).run(DATA, epochs=1)
     assert np.isfinite(validated.metrics["validation_loss"])
 
 
-def test_required_keyword_only_key_module_trains_fused_bitwise_equal_to_unfused():
-    module = KeywordOnlyKeyNet(jax.random.PRNGKey(1))
-    fused = fl.trainer(module, SPARSE, "adam").run(DATA, epochs=2, fuse=4)
-    unfused = fl.trainer(module, SPARSE, "adam").run(DATA, epochs=2)
+def test_required_keyword_only_key_module_trains_fused_bitwise_equal_to_unfused(keyword_only):
+    _, loop, unfused = keyword_only
+    fused = loop.run(DATA, epochs=2, fuse=4)
     _leaves_equal(fused.step_state, unfused.step_state)
     assert fused.history == unfused.history
 
@@ -104,16 +106,18 @@ def test_required_keyword_only_key_module_trains_fused_bitwise_equal_to_unfused(
 def test_required_key_predict_equals_the_trained_module_vmapped_in_inference_mode(
     keyword_only,
 ):
-    module, state = keyword_only
+    module, _, state = keyword_only
     trained = fl.models.trained(module, state)
     assert trained.drop.inference is True
-    expected = jax.vmap(lambda xi: trained(xi, key=jax.random.PRNGKey(0)))(X)
+    # One jitted program for both keys (eagerly, each op compiles its own).
+    batched = eqx.filter_jit(lambda m, key: jax.vmap(lambda xi: m(xi, key=key))(X))
+    expected = batched(trained, jax.random.PRNGKey(0))
     # Equal up to float rounding: predict runs jitted, batch by batch.
     np.testing.assert_allclose(
         np.asarray(fl.predict(module, state, X)), expected, rtol=1e-5, atol=1e-6
     )
     # In inference mode the key cannot change the output: Dropout ignores it.
-    other_key = jax.vmap(lambda xi: trained(xi, key=jax.random.PRNGKey(7)))(X)
+    other_key = batched(trained, jax.random.PRNGKey(7))
     assert np.array_equal(np.asarray(expected), np.asarray(other_key))
 
 
@@ -157,16 +161,18 @@ def test_a_dict_input_gets_one_key_per_example_and_trains_fused_as_unfused():
     expected = jax.vmap(lambda xi, k: in_training(xi, key=k))(first, jax.random.split(rng, 4))
     np.testing.assert_array_equal(np.asarray(y), np.asarray(expected))
     data = fl.data.arrays(x, Y, batch_size=4, shuffle=False)
-    unfused = fl.trainer(module, SPARSE, "adam").run(data, epochs=2)
-    fused = fl.trainer(module, SPARSE, "adam").run(data, epochs=2, fuse=4)
+    loop = fl.trainer(module, SPARSE, "adam")  # one Loop for both runs: traced once
+    unfused = loop.run(data, epochs=2)
+    fused = loop.run(data, epochs=2, fuse=4)
     assert fused.history == unfused.history
 
 
 def test_batched_module_with_dropout_trains_and_gets_the_step_key_for_the_batch():
     module = BatchedDropoutNet(jax.random.PRNGKey(0))
     model = fl.models.from_equinox(module, batched=True)
-    fused = fl.trainer(model, SPARSE, "adam").run(DATA, epochs=2, fuse=4)
-    unfused = fl.trainer(model, SPARSE, "adam").run(DATA, epochs=2)
+    loop = fl.trainer(model, SPARSE, "adam")  # one Loop for both runs: traced once
+    fused = loop.run(DATA, epochs=2, fuse=4)
+    unfused = loop.run(DATA, epochs=2)
     _leaves_equal(fused.step_state, unfused.step_state)
     assert np.isfinite(unfused.metrics["loss"])
     # One key for the whole batch: the step's key itself.

@@ -3,6 +3,7 @@ size. Fused and unfused runs still agree to the bit (sums and counts)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 
@@ -48,9 +49,29 @@ def test_mae_over_examples_not_batches():
         state = (
             fl.evaluator(identity_model())
             .metric("mean_absolute_error")
-            .run(data, {"b": jnp.zeros(())})
+            .run(data, {"b": np.zeros((), np.float32)})
         )
     assert state.metrics["mean_absolute_error"] == pytest.approx(0.2, abs=1e-7)
+
+
+def _host_init(model, x, seed=0):
+    """Variables in the shapes `model.init` gives, drawn on the host: they are only the runs'
+    inputs, and an eager `model.init` compiles a program per op."""
+    shapes = jax.eval_shape(lambda x: model.init(jax.random.PRNGKey(0), x), x)
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: rng.normal(0, 0.5, s.shape).astype(s.dtype), shapes)
+
+
+@functools.cache
+def _reference(model):
+    """The model's logits and per-example cross entropy, in one jitted program (eagerly,
+    each op compiles its own); compared with the runs' metrics within a tolerance."""
+
+    def reference(variables, x, y):
+        logits = model.apply(variables, x)
+        return logits, optax.softmax_cross_entropy_with_integer_labels(logits, y)
+
+    return jax.jit(reference)
 
 
 def _classifier_data(n=22, batch=8, seed=0):
@@ -63,7 +84,7 @@ def _classifier_data(n=22, batch=8, seed=0):
 def test_accuracy_and_loss_are_per_example_on_a_ragged_source():
     x, y, source = _classifier_data()
     model = fl.models.mlp([5, 3])
-    variables = model.init(jax.random.PRNGKey(0), x[:2])
+    variables = _host_init(model, x[:2])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         state = (
@@ -71,9 +92,9 @@ def test_accuracy_and_loss_are_per_example_on_a_ragged_source():
             .metric("accuracy")
             .run(source, variables)
         )
-    logits = np.asarray(model.apply(variables, x))
+    logits, losses = map(np.asarray, _reference(model)(variables, x, y))
     expected_acc = np.mean(np.argmax(logits, -1) == y)
-    expected_loss = np.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+    expected_loss = np.mean(losses)
     assert state.metrics["accuracy"] == pytest.approx(expected_acc, abs=1e-7)
     assert state.metrics["loss"] == pytest.approx(float(expected_loss), rel=1e-6)
 
@@ -81,15 +102,14 @@ def test_accuracy_and_loss_are_per_example_on_a_ragged_source():
 def test_trainer_loss_is_mean_over_examples():
     x, y, source = _classifier_data(n=20, batch=8)
     model = fl.models.mlp([3])
-    variables = model.init(jax.random.PRNGKey(0), x[:2])
+    variables = _host_init(model, x[:2])
     # Learning rate 0: the params never change, so the epoch loss is the data's mean loss.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         state = fl.trainer(model, "sparse_categorical_cross_entropy", optax.sgd(0.0)).run(
             source, variables
         )
-    logits = np.asarray(model.apply(variables, x))
-    expected = np.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+    expected = np.mean(np.asarray(_reference(model)(variables, x, y)[1]))
     assert state.metrics["loss"] == pytest.approx(float(expected), rel=1e-6)
 
 
@@ -104,7 +124,11 @@ def test_callable_metric_keeps_per_batch_averaging():
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        state = fl.evaluator(identity_model()).metric(batch_mae).run(data, {"b": jnp.zeros(())})
+        state = (
+            fl.evaluator(identity_model())
+            .metric(batch_mae)
+            .run(data, {"b": np.zeros((), np.float32)})
+        )
     assert state.metrics["batch_mae"] == pytest.approx(1 / 3, abs=1e-7)
 
 
@@ -115,32 +139,42 @@ def test_precision_without_positives_reads_zero():
         fl.evaluator(identity_model())
         .metric("precision")
         .metric("recall")
-        .run([(x[:3], y[:3]), (x[3:], y[3:])], {"b": jnp.zeros(())})
+        .run([(x[:3], y[:3]), (x[3:], y[3:])], {"b": np.zeros((), np.float32)})
     )
     assert state.metrics["precision"] == 0.0
     assert state.metrics["recall"] == 0.0
 
 
+VALIDATED_MODEL = fl.models.mlp([6, 3])
+
+
+@functools.cache
+def _validated_loop():
+    """One Loop for every run of the test below (fused and unfused, both fuse values): its
+    programs are traced and lowered once."""
+    _, _, val = _classifier_data(n=21, batch=8, seed=2)
+    return (
+        fl.trainer(VALIDATED_MODEL, "sparse_categorical_cross_entropy", optax.adam(1e-2))
+        .metric("accuracy")
+        .metric("precision")
+        .validate(VALIDATED_MODEL, val)
+    )
+
+
 @pytest.mark.parametrize("fuse", [2, True])
 def test_fused_equals_unfused_bitwise_with_ragged_validation(fuse):
     _, _, train = _classifier_data(n=48, batch=8, seed=1)
-    vx, vy, val = _classifier_data(n=21, batch=8, seed=2)
-    model = fl.models.mlp([6, 3])
+    vx, vy, _ = _classifier_data(n=21, batch=8, seed=2)
+    model = VALIDATED_MODEL
 
     def run(f):
-        loop = (
-            fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-2))
-            .metric("accuracy")
-            .metric("precision")
-            .validate(model, val)
-        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return loop.run(train, epochs=2, fuse=f)
+            return _validated_loop().run(train, epochs=2, fuse=f)
 
     unfused, fused = run(False), run(fuse)
     assert unfused.history == fused.history
-    logits = np.asarray(model.apply(unfused.params, vx))
+    logits = np.asarray(_reference(model)(unfused.params, vx, vy)[0])
     assert unfused.metrics["validation_accuracy"] == pytest.approx(
         np.mean(np.argmax(logits, -1) == vy), abs=1e-7
     )
@@ -150,15 +184,16 @@ def test_fused_equals_unfused_bitwise_with_ragged_validation(fuse):
 def test_a_short_last_batch_warns_in_training_only():
     x, y, source = _classifier_data(n=20, batch=8)
     model = fl.models.mlp([3])
-    variables = model.init(jax.random.PRNGKey(0), x[:2])
+    variables = _host_init(model, x[:2])
     # Evaluation data keeps its short batch (every example counts), as the README advises.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         state = fl.evaluator(model).metric("accuracy").run(source, variables)
-    logits = np.asarray(model.apply(variables, x))
+    logits = np.asarray(_reference(model)(variables, x, y)[0])
     assert state.metrics["accuracy"] == pytest.approx(np.mean(np.argmax(logits, -1) == y))
     with pytest.warns(UserWarning, match="batch size 4 instead of 8") as caught:
-        fl.trainer(model, "sparse_categorical_cross_entropy", "sgd").run(source, variables)
+        # The configuration of test_trainer_loss_is_mean_over_examples: its programs again.
+        fl.trainer(model, "sparse_categorical_cross_entropy", optax.sgd(0.0)).run(source, variables)
     assert "drop_remainder=True" in " ".join(str(w.message) for w in caught)
 
 
@@ -167,7 +202,7 @@ def test_a_loss_without_targets_weighs_each_batch_by_its_inputs_rows():
     over examples (25 rows in batches of 10, 10 and 5), as the same data with y=x does."""
     x = np.arange(75, dtype=np.float32).reshape(25, 3) / 75
     model = (lambda rng, x: {"w": jnp.eye(3)}, lambda p, x: x @ p["w"])
-    variables = {"w": jnp.eye(3)}
+    variables = {"w": np.eye(3, dtype=np.float32)}
 
     def energy(y_true, y_pred):  # needs no targets
         return jnp.mean(y_pred**2)

@@ -3,6 +3,8 @@ labels, a one-unit binary model under a multi-class loss."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -13,6 +15,15 @@ RNG = np.random.default_rng(0)
 X = RNG.normal(size=(48, 3)).astype(np.float32)
 Y = (X[:, 0] > 0).astype(np.float32)
 MODEL = fl.models.mlp([4, 1])
+
+
+@functools.cache
+def _variables():
+    """Variables for MODEL, in the shapes `MODEL.init` gives, drawn on the host (an eager
+    `MODEL.init` compiles a program per op); only given to calls refused for their x."""
+    shapes = jax.eval_shape(lambda x: MODEL.init(jax.random.PRNGKey(0), x), X[:1])
+    rng = np.random.default_rng(0)
+    return jax.tree.map(lambda s: rng.normal(0, 0.5, s.shape).astype(s.dtype), shapes)
 
 
 class Frame:
@@ -48,7 +59,7 @@ def test_a_scipy_sparse_matrix_is_refused_with_its_dense_form_named():
     with pytest.raises(ValueError, match=r"x is a scipy sparse matrix .*\.toarray\(\)"):
         fl.data.arrays(x, Y, batch_size=16)
     with pytest.raises(ValueError, match=r"x is a scipy sparse matrix"):
-        fl.predict(MODEL, MODEL.init(jax.random.PRNGKey(0), X[:1]), x)
+        fl.predict(MODEL, _variables(), x)
     loop = fl.trainer(MODEL, "binary_cross_entropy", "adam")
     with pytest.raises(ValueError, match=r"leaf of the batch is a scipy sparse matrix"):
         loop.run([(x[:16], Y[:16])])
@@ -61,14 +72,17 @@ def test_a_jax_sparse_array_is_refused_where_fuseloop_slices_examples():
     matrix of 48 non-zeros for 48 examples and batched its non-zeros."""
     from jax.experimental import sparse
 
-    x = np.zeros((len(X), len(X)), np.float32)
-    np.fill_diagonal(x, 1.0)
-    bcoo = sparse.BCOO.fromdense(x)
+    # The 48 x 48 identity, built from its non-zeros and their indices on the host
+    # (BCOO.fromdense runs some thirty eager operations, each its own compile).
+    diagonal = np.arange(len(X))
+    bcoo = sparse.BCOO(
+        (np.ones(len(X), np.float32), np.stack([diagonal, diagonal], 1)), shape=(len(X), len(X))
+    )
     assert bcoo.data.shape[0] == len(Y)  # as many non-zeros as examples: it was taken
     with pytest.raises(ValueError, match=r"x\['ids'\] is a jax.experimental.sparse BCOO .*dense"):
         fl.data.arrays({"ids": bcoo}, Y, batch_size=16)
     with pytest.raises(ValueError, match=r"x is a jax.experimental.sparse BCOO"):
-        fl.predict(MODEL, MODEL.init(jax.random.PRNGKey(0), X[:1]), bcoo)
+        fl.predict(MODEL, _variables(), bcoo)
 
 
 @pytest.mark.parametrize(
@@ -125,7 +139,7 @@ def test_a_masked_array_or_an_object_numpy_cannot_read_is_refused_where_it_is_gi
         with pytest.raises(ValueError, match=fix):
             fl.data.arrays(masked, Y, batch_size=16, device=device)
     with pytest.raises(ValueError, match=fix):
-        fl.predict(MODEL, MODEL.init(jax.random.PRNGKey(0), X[:1]), masked)
+        fl.predict(MODEL, _variables(), masked)
     with pytest.raises(ValueError, match=r"x is a numpy masked array \(4 masked entries"):
         fl.trainer(MODEL, "binary_cross_entropy", "adam").run([(masked[:16], Y[:16])], fuse=2)
     with pytest.raises(ValueError, match=r"batch 1 of the chunk is a numpy masked array"):

@@ -38,6 +38,14 @@ MLP_LOOP = trainer(optimizer=optax.adam(0.05)).metric("accuracy")
 DROPBN_LOOP = trainer(DropBN(), optax.adam(0.05), seed=3).metric("accuracy")
 
 
+def _host_variables(model, x, seed=0):
+    """Variables in the shapes `model.init` gives, drawn on the host (an eager init compiles
+    a program per op), for tests that only need a starting point."""
+    shapes = jax.eval_shape(lambda x: model.init(jax.random.PRNGKey(0), x), x)
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: rng.normal(0, 0.5, s.shape).astype(s.dtype), shapes)
+
+
 def learns(state: fl.State) -> bool:
     losses = [state.history[e]["loss"] for e in sorted(state.history)]
     return losses[-1] < losses[0] and all(np.isfinite(losses))
@@ -50,7 +58,8 @@ def test_trainer_learns_and_returns_usable_params():
     assert learns(state)
     assert state.history[2]["accuracy"] > state.history[0]["accuracy"]
     assert set(state.params) == {"params"}
-    logits = model.apply(state.params, DATA[0][0])
+    # Traced, not run: only the shape is checked (run eagerly, each op compiles its own).
+    logits = jax.eval_shape(model.apply, state.params, DATA[0][0])
     assert logits.shape == (4, CLASSES)
     assert int(state.step_state["step"]) == 36
     assert state.status == "completed"
@@ -68,7 +77,7 @@ def test_named_optimizers(name):
 def test_any_optax_transformation_and_its_state_structure():
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))
     state = trainer(optimizer=tx).run(DATA[:4])
-    expected = tx.init(state.params["params"])
+    expected = jax.eval_shape(tx.init, state.params["params"])  # its structure, not run
     assert jax.tree.structure(state.step_state["opt_state"]) == jax.tree.structure(expected)
 
 
@@ -117,13 +126,13 @@ def _hand_loss(name, y, logits):
 def test_named_losses_take_logits_and_match_a_hand_computation(name):
     data, out = _loss_case(name)
     model = fl.models.mlp([4, out])
-    variables = model.init(jax.random.PRNGKey(0), data[0][0])
+    variables = _host_variables(model, data[0][0])
     first: list = []
     loop = fl.trainer(model, name, "sgd").handle_event(
         "iteration_completed", lambda s: first.append(s.metrics["loss"]), "first"
     )
     loop.run(data, variables)
-    logits = np.asarray(model.apply(variables, data[0][0]), np.float64)
+    logits = np.asarray(jax.jit(model.apply)(variables, data[0][0]), np.float64)
     y = data[0][1]
     expected = _hand_loss(name, y if y.dtype == np.int32 else y.astype(np.float64), logits)
     assert first[0] == pytest.approx(expected, rel=1e-5)
@@ -141,7 +150,8 @@ def test_callable_loss():
 
 
 def test_user_arrays_are_never_invalidated_by_donation():
-    variables = tiny_mlp().init(jax.random.PRNGKey(4), DATA[0][0])
+    # The user's device arrays (drawn on the host: an eager init compiles each op).
+    variables = jax.device_put(_host_variables(tiny_mlp(), DATA[0][0], seed=4))
     before = jax.tree.map(np.array, variables)
     data = [(jnp.asarray(x), jnp.asarray(y)) for x, y in DATA[:4]]
     state = MLP_LOOP.run(data, variables, epochs=2)
@@ -185,22 +195,23 @@ def test_resumed_run_continues_the_rng_and_matches_an_uninterrupted_run():
 # --------------------------------------------------------------------------- BatchNorm
 def test_batchnorm_and_dropout_model_trains_and_updates_batch_stats():
     model = DropBN()
-    initial = model.init(jax.random.PRNGKey(0), DATA[0][0])  # BatchNorm starts at 0 / 1
+    # BatchNorm starts at 0 / 1 (jitted, its only output the statistics: one small program).
+    initial = jax.jit(lambda x: model.init(jax.random.PRNGKey(0), x)["batch_stats"])(DATA[0][0])
     state = DROPBN_LOOP.run(DATA, epochs=3)
     assert set(state.params) == {"params", "batch_stats"}
     stats = state.params["batch_stats"]["BatchNorm_0"]
-    assert not np.allclose(stats["mean"], initial["batch_stats"]["BatchNorm_0"]["mean"])
-    assert not np.allclose(stats["var"], initial["batch_stats"]["BatchNorm_0"]["var"])
+    assert not np.allclose(stats["mean"], initial["BatchNorm_0"]["mean"])
+    assert not np.allclose(stats["var"], initial["BatchNorm_0"]["var"])
     assert learns(state)
     # What the trainer returns is what model.apply accepts.
-    y = model.apply(state.params, DATA[0][0])
+    y = jax.jit(model.apply)(state.params, DATA[0][0])  # one program, not one per op
     assert y.shape == (4, CLASSES) and np.isfinite(np.asarray(y)).all()
     # batch_stats are not optimized: the optimizer state only covers "params".
     opt_leaves = jax.tree.leaves(state.step_state["opt_state"])
     n_params = len(jax.tree.leaves(state.params["params"]))
     assert len(opt_leaves) >= n_params
     assert jax.tree.structure(state.step_state["opt_state"]) == jax.tree.structure(
-        optax.adam(0.05).init(state.params["params"])
+        jax.eval_shape(optax.adam(0.05).init, state.params["params"])
     )
 
 
@@ -253,13 +264,14 @@ def _haiku_order_pair():
     return init, apply
 
 
+# The equinox MLP built in one jitted program (built eagerly, each initialiser op compiles).
+_EQX_MLP = eqx.filter_jit(lambda: eqx.nn.MLP(FEATURES, CLASSES, 8, 1, key=jax.random.PRNGKey(0)))
+
 ADAPTERS = {
     "mlp_tanh": lambda: fl.models.mlp([8, CLASSES], activation="tanh"),
     "nnx": lambda: fl.models.from_nnx(NnxMLP(nnx.Rngs(0))),
     "nnx_dropout_batchnorm": lambda: fl.models.from_nnx(NnxDropBN(nnx.Rngs(0))),
-    "equinox": lambda: fl.models.from_equinox(
-        eqx.nn.MLP(FEATURES, CLASSES, 8, 1, key=jax.random.PRNGKey(0))
-    ),
+    "equinox": lambda: fl.models.from_equinox(_EQX_MLP()),
     "pair": _pair,  # a bare (init_fn, apply_fn) tuple
     "haiku_order_pair": _haiku_order_pair,
 }
@@ -273,7 +285,8 @@ def test_model_adapters_train_fuse_identically_and_apply(kind):
     assert learns(unfused)
     assert_runs_identical(unfused, fused)
     adapter = fl.models.as_model(ADAPTERS[kind]())
-    y = adapter.apply(unfused.params, DATA[0][0])
+    # Traced, not run: only the shape is checked (run eagerly, each op compiles its own).
+    y = jax.eval_shape(adapter.apply, unfused.params, DATA[0][0])
     assert np.shape(y) == (4, CLASSES)
 
 
@@ -287,7 +300,7 @@ def test_a_haiku_order_apply_gets_the_key_second_and_none_outside_training():
 
 def test_models_are_recognized_without_an_explicit_adapter():
     assert isinstance(fl.models.as_model(NnxMLP(nnx.Rngs(0))), fl.models.from_nnx)
-    eqx_mlp = eqx.nn.MLP(FEATURES, CLASSES, 8, 1, key=jax.random.PRNGKey(0))
+    eqx_mlp = _EQX_MLP()
     assert isinstance(fl.models.as_model(eqx_mlp), fl.models.from_equinox)
     init, apply = _pair()
     assert isinstance(fl.models.as_model((init, apply)), fl.models.from_functions)
