@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -28,8 +29,20 @@ def _batches(n: int = N_BATCHES, seed: int = 0) -> list[tuple[np.ndarray, np.nda
     ]
 
 
+MODEL, LOSS, OPTIMIZER = fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy", optax.adam(1e-2)
+
+
+def _new_loop() -> fl.Loop:
+    """A Loop of its own (its program cache empty: the probe runs and the report compiles),
+    of the file's one configuration (its programs are read from the persistent cache)."""
+    return fl.trainer(MODEL, LOSS, OPTIMIZER)
+
+
+@functools.cache
 def _loop() -> fl.Loop:
-    return fl.trainer(fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy", optax.adam(1e-2))
+    """The file's shared trainer, for tests whose claim does not need an empty program
+    cache (a fixed K, or a timing taken once per loop): traced and lowered once."""
+    return _new_loop()
 
 
 def _batch_bytes(batch: tuple[np.ndarray, np.ndarray]) -> int:
@@ -74,7 +87,7 @@ def test_auto_run_equals_unfused_bitwise() -> None:
     assert fused.history == plain.history
 
 
-def test_auto_consumes_no_extra_batch() -> None:
+def test_auto_consumes_no_extra_batch() -> None:  # its probe runs: a loop of its own
     pulled = []
 
     def generator():  # noqa: ANN202
@@ -82,7 +95,7 @@ def test_auto_consumes_no_extra_batch() -> None:
             pulled.append(i)
             yield batch
 
-    state = _loop().run(generator(), fuse="auto")
+    state = _new_loop().run(generator(), fuse="auto")
     assert len(pulled) == 24 and state.iteration == 23
 
 
@@ -99,13 +112,13 @@ def test_auto_with_a_handler_that_may_halt_warns_that_its_halt_moves_with_the_ti
 
 # ----------------------------------------------------------------- choose_chunk_size
 def test_result_is_an_int_of_at_least_one() -> None:
-    loop, batch = _loop(), _batches(1)[0]
+    loop, batch = _new_loop(), _batches(1)[0]
     k = diagnostics.choose_chunk_size(loop, loop.program.init(batch, None), batch)
     assert type(k) is int and k >= 1
 
 
 def test_probe_leaves_the_step_state_usable() -> None:
-    loop, data = _loop(), _batches()
+    loop, data = _new_loop(), _batches()
     step_state = loop.program.init(data[0], None)
     before = jax.device_get(step_state)
     diagnostics.choose_chunk_size(loop, step_state, data[0])
@@ -113,14 +126,14 @@ def test_probe_leaves_the_step_state_usable() -> None:
 
 
 def test_a_tiny_budget_caps_k() -> None:
-    loop, batch = _loop(), _batches(1)[0]
+    loop, batch = _new_loop(), _batches(1)[0]
     state = loop.program.init(batch, None)
     k = diagnostics.choose_chunk_size(loop, state, batch, budget_bytes=3 * _batch_bytes(batch))
     assert 1 <= k <= 3
 
 
 def test_a_batch_larger_than_the_budget_gives_one() -> None:
-    loop, batch = _loop(), _batches(1)[0]
+    loop, batch = _new_loop(), _batches(1)[0]
     state = loop.program.init(batch, None)
     assert diagnostics.choose_chunk_size(loop, state, batch, budget_bytes=16) == 1
 
@@ -128,13 +141,13 @@ def test_a_batch_larger_than_the_budget_gives_one() -> None:
 def test_k_amortizes_the_overhead_to_the_tolerance(fake_probe: FakeProbe) -> None:
     # overhead 100 us, step 10 us, 2%: K >= 100 / (0.02 * 10) = 500 -> 512
     fake_probe.value = (1e-5, 1e-4)
-    loop, batch = _loop(), _batches(1)[0]
+    loop, batch = _new_loop(), _batches(1)[0]
     assert diagnostics.choose_chunk_size(loop, None, batch) == 512
     decision = diagnostics.decide_chunk_size(loop, None, batch)
     assert decision.bound == "tolerance" and decision.wanted == 500
     # a compute-bound step needs few steps per dispatch
     fake_probe.value = (1e-3, 1e-4)
-    assert diagnostics.choose_chunk_size(_loop(), None, batch) == 8
+    assert diagnostics.choose_chunk_size(_new_loop(), None, batch) == 8
 
 
 def test_caps_max_chunk_memory_and_epoch_length(fake_probe: FakeProbe) -> None:
@@ -142,18 +155,18 @@ def test_caps_max_chunk_memory_and_epoch_length(fake_probe: FakeProbe) -> None:
     batch = _batches(1)[0]
     size = _batch_bytes(batch)
     choose = diagnostics.choose_chunk_size
-    assert choose(_loop(), None, batch) == diagnostics.DEFAULT_MAX_CHUNK
-    assert choose(_loop(), None, batch, max_chunk=64) == 64
-    assert choose(_loop(), None, batch, budget_bytes=100 * size) == 100
-    assert choose(_loop(), None, batch, epoch_length=100) == 100
+    assert choose(_new_loop(), None, batch) == diagnostics.DEFAULT_MAX_CHUNK
+    assert choose(_new_loop(), None, batch, max_chunk=64) == 64
+    assert choose(_new_loop(), None, batch, budget_bytes=100 * size) == 100
+    assert choose(_new_loop(), None, batch, epoch_length=100) == 100
     # 1500 batches in chunks of at most 1024: two balanced chunks of 750
-    assert choose(_loop(), None, batch, epoch_length=1500) == 750
-    k = choose(_loop(), None, batch, budget_bytes=7 * size + size // 2)
+    assert choose(_new_loop(), None, batch, epoch_length=1500) == 750
+    k = choose(_new_loop(), None, batch, budget_bytes=7 * size + size // 2)
     assert k * size <= 7 * size + size // 2
 
 
 def test_measures_once_per_loop_and_batch_shape(fake_probe: FakeProbe) -> None:
-    loop, batch = _loop(), _batches(1)[0]
+    loop, batch = _new_loop(), _batches(1)[0]
     for _ in range(3):
         diagnostics.choose_chunk_size(loop, None, batch)
     assert fake_probe.calls == 1
@@ -217,7 +230,7 @@ def test_count_fusions_on_a_compiled_program() -> None:
 # ----------------------------------------------------------------- report
 def test_report_counts_an_epoch_fused_and_unfused() -> None:
     data = _batches(8)
-    result = diagnostics.report(_loop(), data, fuse=4, reps=1)
+    result = diagnostics.report(_new_loop(), data, fuse=4, reps=1)  # it compiles: its own
     size = _batch_bytes(data[0])
     assert result.chunk_size == 4 and result.iterations == 8
     assert result.fused["dispatches"] == 2 and result.unfused["dispatches"] == 8
@@ -265,15 +278,15 @@ def test_report_takes_a_keras_style_sequence_as_run_does() -> None:
 
 
 def test_report_auto_shows_the_decision(fake_probe: FakeProbe) -> None:
-    result = diagnostics.report(_loop(), _batches(), fuse="auto", reps=1)
+    result = diagnostics.report(_new_loop(), _batches(), fuse="auto", reps=1)
     assert result.auto is not None and result.auto.chunk_size == result.chunk_size
     assert "auto" in str(result)
 
 
 def test_report_takes_a_callable_as_run_does() -> None:
-    data = _batches(4)
-    result = diagnostics.report(_loop(), lambda: iter(data), fuse=2, reps=1)
-    assert (result.iterations, result.fused["dispatches"]) == (4, 2)
+    data = _batches(8)  # the other reports' data and K: their programs
+    result = diagnostics.report(_loop(), lambda: iter(data), fuse=4, reps=1)
+    assert (result.iterations, result.fused["dispatches"]) == (8, 2)
 
 
 def test_report_rejects_one_shot_data_and_fuse_false() -> None:
@@ -288,7 +301,7 @@ def test_report_rejects_one_shot_data_and_fuse_false() -> None:
 def test_auto_runs_under_a_transfer_guard() -> None:
     # The probe's own transfers are allowed; the user's guard still governs the run.
     with jax.transfer_guard("disallow"):
-        state = _loop().run(_batches(), fuse="auto")
+        state = _new_loop().run(_batches(), fuse="auto")  # its probe runs: a loop of its own
     assert state.stats["chunk_size"] >= 1
 
 
@@ -322,9 +335,8 @@ def test_an_evaluators_chunk_size_is_decided_from_what_its_run_takes():
     """The variables it evaluates (or the State), as the refusal of None advises: they
     were refused as not fitting the model."""
     x, y = _batches(1)[0]
-    model = fl.models.mlp([3])
-    evaluator = fl.evaluator(model, "sparse_categorical_cross_entropy")
-    state = fl.trainer(model, "sparse_categorical_cross_entropy", "sgd").run([(x, y)])
+    evaluator = fl.evaluator(MODEL, LOSS)
+    state = _loop().run([(x, y)])
     for given in (state.params, state):
         assert diagnostics.choose_chunk_size(evaluator, given, (x, y), epoch_length=3) == 3
     found = diagnostics.report(evaluator, _batches(4), "auto", init_state=state.params, reps=1)
@@ -357,11 +369,11 @@ def test_diagnostics_run_under_a_guard_on_host_to_device_transfers():
     """As a run does: their own values (a fresh init's key, the accumulators) were moved
     implicitly, and jax refused them."""
     batches = _batches(4)
-    loop = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "sgd")
+    loop = _new_loop()  # its own: the fresh init and the probe run under the guard
     with jax.transfer_guard_host_to_device("disallow"):
         decision = diagnostics.decide_chunk_size(loop, None, batches[0], epoch_length=4)
-        found = diagnostics.report(loop, batches, fuse=2, reps=1)
-    assert decision.chunk_size == 4 and found.chunk_size == 2
+        found = diagnostics.report(loop, _batches(8), fuse=4, reps=1)  # the other reports' K
+    assert decision.chunk_size == 4 and found.chunk_size == 4
     # A custom loop's init_fn is the user's code: its own implicit transfer is refused, as
     # in a run (the diagnostics allow only the trainer's).
     custom = fl.loop(lambda b, s: s, lambda b, seed: {"n": jax.numpy.asarray(np.zeros(2))})

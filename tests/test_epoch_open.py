@@ -4,6 +4,7 @@ params, history, events, errors, signals, one-shot consumption and threads."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -22,6 +23,23 @@ from fuseloop.engine import run as run_module
 
 K = 5
 BATCHES = make_batches(12)  # chunks of 5, 5, 2 an epoch
+
+
+@functools.cache
+def _trainer() -> fl.Loop:
+    """The file's one trainer: its tests add only handlers to it (sharing its compiled
+    programs), so each program is traced and lowered once for the file, not per test."""
+    return trainer()
+
+
+@functools.cache
+def _with_accuracy() -> fl.Loop:
+    return _trainer().metric("accuracy")
+
+
+@functools.cache
+def _guarded() -> fl.Loop:
+    return _trainer().terminate_on_nan()
 
 
 @pytest.fixture
@@ -52,7 +70,7 @@ def _data(kind: str) -> Any:
 
 @pytest.mark.parametrize("kind", ["host", "resident"])
 def test_the_next_epoch_opens_early_and_the_run_is_unchanged(kind, opened, monkeypatch):
-    loop = trainer().metric("accuracy")
+    loop = _with_accuracy()
     state = loop.run(_data(kind), epochs=4, fuse=K)
     assert opened == [1, 2, 3]  # every epoch but the first opened before the last was read
     unfused = loop.run(_data(kind), epochs=4, fuse=False)
@@ -69,12 +87,12 @@ def test_the_next_epoch_opens_early_and_the_run_is_unchanged(kind, opened, monke
 
 def test_an_epoch_handler_keeps_every_epoch_end_synchronous(opened):
     for event in ("epoch_started", "epoch_completed", "epoch_halted"):
-        trainer().handle_event(event, lambda s: None).run(BATCHES, epochs=3, fuse=K)
+        _trainer().handle_event(event, lambda s: None).run(BATCHES, epochs=3, fuse=K)
     assert opened == []
 
 
 def test_live_steps_do_not_open(opened):
-    trainer().run(BATCHES, epochs=3, fuse=False)
+    _trainer().run(BATCHES, epochs=3, fuse=False)
     assert opened == []
 
 
@@ -92,7 +110,7 @@ def test_a_guarded_run_opens_and_a_halt_at_the_epochs_end_rolls_the_opening_back
         poisoned[bad_at] = (np.full_like(BATCHES[bad_at][0], np.nan), BATCHES[bad_at][1])
         return iter(poisoned)
 
-    loop = trainer().terminate_on_nan()
+    loop = _guarded()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         state = loop.run(data, epochs=3, fuse=K)
@@ -114,7 +132,7 @@ def test_iteration_handlers_see_the_opened_epochs_chunks_in_unfused_order(opened
         return state.metrics.get("loss")
 
     def build() -> fl.Loop:
-        loop = trainer()
+        loop = _trainer()
         for event in ("iteration_started", "iteration_completed"):
             loop = loop.handle_event(event, recorder(log, event, loss), {"every": 4})
         return loop
@@ -144,7 +162,7 @@ class _FailsAtEpoch:
 
 
 def test_an_error_preparing_the_opened_epoch_is_raised_after_the_epoch_before_it(opened):
-    loop = trainer()
+    loop = _trainer()
     states = {}
     for fuse in (K, False):
         with pytest.raises(RuntimeError, match="pass 2 is broken") as info:
@@ -174,7 +192,7 @@ def test_a_signal_after_the_next_epoch_opened_halts_it_at_its_first_boundary(
         return original(self)
 
     monkeypatch.setattr(carry_module.Carry, where, signalled)
-    state = trainer().run(BATCHES, epochs=3, fuse=K)
+    state = _trainer().run(BATCHES, epochs=3, fuse=K)
     assert sent and opened == [1]
     assert state.status == "halted" and sorted(state.history) == [0] and state.epoch == 1
     monkeypatch.setattr(carry_module.Carry, where, original)
@@ -183,7 +201,7 @@ def test_a_signal_after_the_next_epoch_opened_halts_it_at_its_first_boundary(
         return "halt_loop" if (s.epoch, s.iteration) == (1, K - 1) else None
 
     reference = (
-        trainer()
+        _trainer()
         .handle_event("iteration_completed", halt_after_first_chunk)
         .run(BATCHES, epochs=3, fuse=K)
     )
@@ -198,7 +216,7 @@ def test_a_one_shot_iterator_is_consumed_exactly_and_runs_out_as_unfused(opened)
         source = iter(BATCHES * 2)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            state = trainer().run(source, epochs=3, fuse=fuse)
+            state = _trainer().run(source, epochs=3, fuse=fuse)
         assert any(
             "data ran out at the start of epoch 1: the run ends after 1 epoch instead of 3"
             in str(w.message)
@@ -218,7 +236,7 @@ def test_no_prefetch_thread_outlives_a_run_that_leaves_with_an_epoch_opened(open
     monkeypatch.setattr(carry_module.Carry, "epoch_metrics", fail)
     before = {t for t in threading.enumerate() if t.is_alive()}
     with pytest.raises(RuntimeError, match="reading the epoch failed"):
-        trainer().run(lambda: iter(BATCHES), epochs=3, fuse=K, prefetch=2)
+        _trainer().run(lambda: iter(BATCHES), epochs=3, fuse=K, prefetch=2)
     assert opened == [1]
     assert {t for t in threading.enumerate() if t.is_alive()} <= before
 
@@ -238,7 +256,7 @@ def _firing_in_last_chunk(action: Any = None) -> fl.Loop:
     def handler(state: fl.State) -> Any:
         return action(state) if action is not None else None
 
-    return trainer().handle_event("iteration_completed", handler, lambda s: s.iteration >= 10)
+    return _trainer().handle_event("iteration_completed", handler, lambda s: s.iteration >= 10)
 
 
 @pytest.mark.parametrize("kind", ["host", "resident"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -23,14 +24,24 @@ def attach(loop, stopper):
     return loop.handle_event("epoch_completed", stopper, name="early_stop")
 
 
-def snapshots(loop_factory, fuse):
-    """Each epoch's step state (host copies) from a run without early stopping."""
+@functools.cache
+def base_trainer():
+    """The trainer every test here runs (mlp-[4, 3] with adam(0.05)); the tests add only
+    handlers to it, so they share its compiled programs (traced and lowered once)."""
+    return fl.trainer(fl.models.mlp([4, 3]), SPARSE, optax.adam(0.05))
+
+
+@functools.cache
+def snapshots(fuse):
+    """Each epoch's step state (host copies) from a run without early stopping: computed
+    once per `fuse` (a scripted score is only a metric: the step states do not depend on
+    it). Read only."""
     kept = {}
 
     def keep(state):
         kept[state.epoch] = jax.tree.map(np.asarray, state.step_state)
 
-    loop_factory().handle_event("epoch_completed", keep).run(DATA, epochs=8, fuse=fuse)
+    base_trainer().handle_event("epoch_completed", keep).run(DATA, epochs=8, fuse=fuse)
     return kept
 
 
@@ -45,9 +56,7 @@ def scripted_metric(values):
 
 def scripted_trainer(values):
     """The trainer these tests run: mlp-[4, 3] with adam(0.05), scoring epochs by `values`."""
-    return fl.trainer(fl.models.mlp([4, 3]), SPARSE, optax.adam(0.05)).handle_event(
-        "epoch_completed", scripted_metric(values)
-    )
+    return base_trainer().handle_event("epoch_completed", scripted_metric(values))
 
 
 @pytest.mark.parametrize("fuse", [False, 3])
@@ -62,7 +71,7 @@ def test_restore_best_step_state_bitwise(fuse, values, epochs, best):
     def factory():
         return scripted_trainer(values)
 
-    kept = snapshots(factory, fuse)
+    kept = snapshots(fuse)
     stopper = EarlyStopping("score", patience=2, restore_best=True)
     state = attach(factory(), stopper).run(DATA, epochs=epochs, fuse=fuse)
     jax.tree.map(
@@ -80,7 +89,7 @@ def test_default_keeps_the_last_epoch():
     def factory():
         return scripted_trainer(values)
 
-    kept = snapshots(factory, False)
+    kept = snapshots(False)
     state = attach(factory(), EarlyStopping("score", patience=2)).run(DATA, epochs=6)
     assert state.epoch == 4
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.step_state), kept[4])
@@ -102,7 +111,7 @@ def test_a_checkpoint_after_it_holds_its_epochs_own_step_state(tmp_path, fuse, v
     def factory():
         return scripted_trainer(values)
 
-    kept = snapshots(factory, fuse)
+    kept = snapshots(fuse)
     loop = factory().early_stop("score", patience=2, restore_best=True).checkpoint(tmp_path)
     state = loop.run(DATA, epochs=epochs, fuse=fuse)
     last = max(state.history)
@@ -156,7 +165,7 @@ def test_a_run_continuing_the_last_one_in_the_same_loop_keeps_its_best_copy():
     def factory():
         return scripted_trainer(values)
 
-    kept = snapshots(factory, False)
+    kept = snapshots(False)
     loop = factory().early_stop("score", patience=10, restore_best=True)
     first = loop.run(DATA, epochs=4)
     # `first` holds epoch 2's weights: epochs 4 and 5 train on from those, as it says.
@@ -190,8 +199,7 @@ def test_another_runs_best_copy_is_never_restored_into_a_resume():
 def test_a_population_resumed_after_another_run_of_its_loop_starts():
     # A population's history holds one value per member (arrays): telling the State the
     # last run ended with from another must not compare them.
-    loop = fl.trainer(fl.models.mlp([4, 3]), SPARSE, optax.adam(0.05))
-    loop = loop.early_stop("loss", patience=5, restore_best=True)
+    loop = base_trainer().early_stop("loss", patience=5, restore_best=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         first = loop.run(DATA, epochs=2, population=2)
@@ -237,11 +245,7 @@ def test_a_run_halted_inside_the_epoch_after_its_best_resumes_without_a_false_wa
         bad = (DATA[1][0] * np.nan, DATA[1][1])
         return iter([DATA[0], bad, *DATA[2:]])
 
-    loop = (
-        fl.trainer(fl.models.mlp([8, 3]), SPARSE, "sgd")
-        .early_stop("loss", patience=3, restore_best=True)
-        .terminate_on_nan()
-    )
+    loop = base_trainer().early_stop("loss", patience=3, restore_best=True).terminate_on_nan()
     with pytest.warns(RuntimeWarning, match="non-finite at epoch 1, iteration 1"):
         halted = loop.run(data, epochs=3)
     assert (halted.status, halted.epoch, sorted(halted.history)) == ("halted", 1, [0])

@@ -5,6 +5,7 @@ every save on disk holds what the unfused run's save holds.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -36,14 +37,25 @@ def _assert_same_saves(fused_dir: Path, plain_dir: Path) -> None:
         assert a.event_counts == b.event_counts
 
 
-def _on_loss(path: Path, keep: int | None = None) -> fl.Loop:
-    return _trainer().checkpoint(str(path), criteria="loss", keep=keep)
+@functools.cache
+def _base() -> fl.Loop:
+    """One `_trainer()` Loop for the runs here that need no fresh program cache: a
+    checkpoint is a handler, so every `_base().checkpoint(...)` shares its programs (traced
+    and lowered once; a shorter whole-run dispatch may take a longer program compiled
+    already, as any reused Loop does)."""
+    return _trainer()
+
+
+def _on_loss(path: Path, keep: int | None = None, fresh: bool = False) -> fl.Loop:
+    """A best-loss checkpoint into `path`; `fresh`: on a Loop of its own (its compiles
+    counted), else on `_base()`."""
+    return (_trainer() if fresh else _base()).checkpoint(str(path), criteria="loss", keep=keep)
 
 
 @pytest.mark.parametrize("keep", [None, 1, 3])
 def test_best_checkpoint_does_not_split_and_writes_the_same_saves(tmp_path, keep):
     plain = _on_loss(tmp_path / "a", keep).run(_data(), epochs=EPOCHS)
-    loop = _on_loss(tmp_path / "b", keep)
+    loop = _on_loss(tmp_path / "b", keep, fresh=True)  # its own: a second run compiles nothing
     fused = loop.run(_data(), epochs=EPOCHS, fuse="run")
     _assert_same_run(fused, plain)
     _assert_same_saves(tmp_path / "b", tmp_path / "a")
@@ -55,8 +67,10 @@ def test_best_checkpoint_does_not_split_and_writes_the_same_saves(tmp_path, keep
 
 
 def test_best_checkpoint_with_validation_early_stop_and_k_beyond_the_epoch(tmp_path):
+    validated = _validated(patience=3)  # one Loop for both runs: traced once
+
     def loop(path: Path) -> fl.Loop:
-        return _validated(patience=3).checkpoint(str(path), criteria="validation_loss", keep=2)
+        return validated.checkpoint(str(path), criteria="validation_loss", keep=2)
 
     plain = loop(tmp_path / "a").run(_data(), epochs=40)
     fused = loop(tmp_path / "b").run(_data(), epochs=40, fuse=2 * 6 + 3)
@@ -85,7 +99,7 @@ def test_a_full_ring_ends_the_dispatch_and_loses_no_save(tmp_path, monkeypatch):
 def test_periodic_checkpoint_still_splits_where_it_fires(tmp_path):
     def loop(path: Path) -> fl.Loop:
         return (
-            _trainer()
+            _base()
             .checkpoint(str(path / "best"), criteria="loss", keep=1)
             .checkpoint(str(path / "every"), filter={"every": 3})
         )
@@ -107,7 +121,7 @@ def test_resumed_from_a_best_checkpoint(tmp_path):
     fused = _on_loss(tmp_path / "b").run(_data(), saved, epochs=EPOCHS, fuse="run")
     _assert_same_run(fused, plain)
     _assert_same_saves(tmp_path / "b", tmp_path / "a")
-    whole = _trainer().run(_data(), epochs=EPOCHS)
+    whole = _base().run(_data(), epochs=EPOCHS)
     assert _same_tree(fused.step_state, whole.step_state)
 
 
@@ -118,13 +132,14 @@ def test_plateau_before_the_best_checkpoint_is_in_its_saves(tmp_path):
     val = fl.data.arrays(vx, vy, batch_size=16, device=True)
     tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.3)
 
+    on_plateau = (  # one Loop for both runs: traced once
+        fl.trainer(model, "sparse_categorical_cross_entropy", tx)
+        .validate(model, val)
+        .reduce_lr_on_plateau("validation_loss", factor=0.5, patience=1, min_lr=0.02)
+    )
+
     def loop(path: Path) -> fl.Loop:
-        return (
-            fl.trainer(model, "sparse_categorical_cross_entropy", tx)
-            .validate(model, val)
-            .reduce_lr_on_plateau("validation_loss", factor=0.5, patience=1, min_lr=0.02)
-            .checkpoint(str(path), criteria="loss", keep=2)
-        )
+        return on_plateau.checkpoint(str(path), criteria="loss", keep=2)
 
     plain = loop(tmp_path / "a").run(_data(), epochs=20)
     fused = loop(tmp_path / "b").run(_data(), epochs=20, fuse="run")
