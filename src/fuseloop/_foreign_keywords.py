@@ -32,6 +32,13 @@ _HANDLERS = (
     "loop.checkpoint(...), loop.reduce_lr_on_plateau(...), loop.csv_log(...), or "
     'loop.handle_event("epoch_completed", fn) for your own'
 )
+_DATA_FIRST = "the data is the first argument: run(fl.data.arrays(x, y, batch_size=32))"
+_ITERATIONS = "iterations=N bounds each epoch's iterations"
+_RATE = "the optimizer holds the rate: fl.trainer(model, loss, optax.adam(1e-3))"
+_WEIGHTS = (
+    "per-example weights go into y, for a loss that reads them (docs/data.md, "
+    "\"A trainer's or evaluator's batch\")"
+)
 
 # Keras `fit` and Lightning `Trainer`/`fit` keywords, by what fuseloop calls them.
 RUN_ADVICE: Mapping[str, str] = {
@@ -42,8 +49,8 @@ RUN_ADVICE: Mapping[str, str] = {
     ),
     "batch_size": _BATCH + " as the data",
     "shuffle": "shuffling belongs to the data: fl.data.arrays(x, y, batch_size, shuffle=True)",
-    "x": "the data is the first argument: run(fl.data.arrays(x, y, batch_size=32))",
-    "y": "the data is the first argument: run(fl.data.arrays(x, y, batch_size=32))",
+    "x": _DATA_FIRST,
+    "y": _DATA_FIRST,
     "validation_data": "attach validation to the loop: loop.validate(model, val_data).run(data)",
     "validation_split": (
         "hold the last part out yourself and attach it: loop.validate(model, "
@@ -54,8 +61,8 @@ RUN_ADVICE: Mapping[str, str] = {
         "run(progress=True) shows a bar per epoch (one line per epoch off a terminal, "
         "as Keras's verbose=2); fl.trainer(..., log=N) prints a line every N iterations"
     ),
-    "steps_per_epoch": "iterations=N bounds each epoch's iterations",
-    "limit_train_batches": "iterations=N bounds each epoch's iterations",
+    "steps_per_epoch": _ITERATIONS,
+    "limit_train_batches": _ITERATIONS,
     "max_epochs": "epochs=N is the total number of epochs",
     "initial_epoch": (
         "resume from the State a run returned (or a checkpoint): run(data, state, epochs=N)"
@@ -67,16 +74,10 @@ RUN_ADVICE: Mapping[str, str] = {
     "datamodule": "pass the training data first, run(data), and attach validation with "
     "loop.validate(model, val_data)",
     "metrics": 'metrics are added to the loop before the run: loop.metric("accuracy")',
-    "learning_rate": "the optimizer holds the rate: fl.trainer(model, loss, optax.adam(1e-3))",
-    "lr": "the optimizer holds the rate: fl.trainer(model, loss, optax.adam(1e-3))",
-    "class_weight": (
-        "per-example weights go into y, for a loss that reads them (docs/data.md, "
-        "\"A trainer's or evaluator's batch\")"
-    ),
-    "sample_weight": (
-        "per-example weights go into y, for a loss that reads them (docs/data.md, "
-        "\"A trainer's or evaluator's batch\")"
-    ),
+    "learning_rate": _RATE,
+    "lr": _RATE,
+    "class_weight": _WEIGHTS,
+    "sample_weight": _WEIGHTS,
 }
 
 # Keras `compile` keywords given to fl.trainer / fl.evaluator.

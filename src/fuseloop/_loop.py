@@ -284,8 +284,6 @@ class Loop(HandlerBuilders):
             >>> state.status, state.epoch, sorted(state.metrics)
             ('completed', 2, ['loss'])
         """
-        from .handlers.progress import run_progress_bar  # the display, passed in as observer
-
         check_run_options(epochs, iterations, jit, progress, max_in_flight, prefetch)
         check_init_state(init_state, self.program.kind, population, data)
         if self.program.kind in ("trainer", "evaluator"):
@@ -298,6 +296,11 @@ class Loop(HandlerBuilders):
                 "pass fl.data.arrays(..., drop_remainder=False) to evaluate every example "
                 "(with device=True for a fused run: the short batch runs as a step of its own)",
             )
+        observer = None
+        if progress:  # the display, imported only when asked for and passed in as observer
+            from .handlers.progress import run_progress_bar
+
+            observer = run_progress_bar(data, iterations)
         return run_loop(
             self,
             data,
@@ -306,7 +309,7 @@ class Loop(HandlerBuilders):
             iterations=iterations,
             fuse=fuse,
             jit=jit,
-            observer=run_progress_bar(data, iterations) if progress else None,
+            observer=observer,
             mesh=mesh,
             max_in_flight=max_in_flight,
             prefetch=prefetch,

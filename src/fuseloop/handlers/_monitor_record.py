@@ -143,9 +143,7 @@ def keras_spelling(monitor: Any, names: Any, aliases: bool = True) -> str | None
     for prefix in ("val_", "validation_"):
         if monitor.startswith(prefix):
             name = monitor.removeprefix(prefix)
-            canonical = ALIASES.get(name, name)
-            others = [canonical, *(k for k, v in ALIASES.items() if v == canonical)]
-            spellings = [name, *(others if aliases else ())]
+            spellings = [name, *(_other_names(name) if aliases else ())]
             ours = next((f"validation_{s}" for s in spellings if f"validation_{s}" in names), None)
             if ours is None:
                 return None
@@ -154,12 +152,16 @@ def keras_spelling(monitor: Any, names: Any, aliases: bool = True) -> str | None
                 said.append("the metric keeps the key it was given")
             return f"{', and '.join(said)}; monitor {ours!r}"
     if aliases:  # a training metric's other name: "mean_absolute_error" added as "mae"
-        canonical = ALIASES.get(monitor, monitor)
-        others = [canonical, *(k for k, v in ALIASES.items() if v == canonical)]
-        ours = next((s for s in others if s in names and s != monitor), None)
+        ours = next((s for s in _other_names(monitor) if s in names and s != monitor), None)
         if ours is not None:
             return f"the metric keeps the key it was given; monitor {ours!r}"
     return None
+
+
+def _other_names(name: str) -> list[str]:
+    """A metric's names: the canonical one, then each Keras alias of it."""
+    canonical = ALIASES.get(name, name)
+    return [canonical, *(k for k, v in ALIASES.items() if v == canonical)]
 
 
 def _misspelt(monitor: str, names: Any) -> str | None:
