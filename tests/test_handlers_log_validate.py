@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import sys
+import warnings
 from typing import Any
 
 import jax
@@ -339,5 +340,9 @@ def test_float64_validation_data_is_named_in_its_warning():
     wide = [(x.astype(np.float64), y) for x, y in VAL]
     loop = fl.trainer(MODEL, LOSS, "adam").validate(MODEL, wide)
     with pytest.warns(UserWarning, match=r"^validate\(\)'s data: leaf x is float64") as caught:
-        loop.run(DATA, epochs=1)
+        warnings.simplefilter("always")  # each warning seen, however often it repeats
+        loop.run(DATA, epochs=3)
     assert not any(str(w.message).startswith("data:") for w in caught)
+    # Once per run, as the training data's: it was said again at every epoch's validation.
+    said = [w for w in caught if "float64" in str(w.message)]
+    assert len(said) == 1

@@ -175,6 +175,19 @@ def test_missing_monitor_names_the_available_metrics():
         loop.run([(0, 0)], {"n": jnp.int32(0)}, epochs=2)
 
 
+def test_a_monitor_naming_the_loss_by_its_name_is_told_it_is_kept_as_loss():
+    """`early_stop("mse")` under loss="mse" was told to add the metric with Loop.metric(...)
+    and nothing of the loss, which Keras and fuseloop keep as "loss" whichever it is."""
+    loop = _scripted(_counter_loop(), [1.0, 1.0], name="loss").early_stop("mse")
+    with pytest.raises(ValueError, match=r"kept as 'loss'.*monitor 'loss', or add Loop.metric"):
+        loop.run([(0, 0)], {"n": jnp.int32(0)}, epochs=2)
+    validated = fl.State().replace(metrics={"loss": 1.0, "validation_loss": 1.0})
+    with pytest.raises(ValueError, match=r"monitor 'validation_loss'$"):  # no such metric
+        Monitor("val_binary_crossentropy").value(validated)
+    with pytest.raises(ValueError, match=r"Add it with Loop.metric"):  # not a loss's name
+        Monitor("accuracy").value(validated)
+
+
 def test_a_misspelt_monitor_is_told_the_metric_it_resembles():
     """A typo of a metric the epoch has ("validation_los") was told to attach
     Loop.metric('los'), which is no metric; Keras's val_ before validate was not named."""

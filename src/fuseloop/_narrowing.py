@@ -11,8 +11,10 @@ the conversion that fixes it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -20,12 +22,32 @@ import numpy as np
 
 from ._warn import warn
 
-__all__ = ["Narrowing", "native_copy", "native_order"]
+__all__ = ["Narrowing", "native_copy", "native_order", "warnings_of_one_run"]
 
 _WIDE_INTS = {np.dtype(np.int64): np.int32, np.dtype(np.uint64): np.uint32}
 # In-memory datasets (`fl.data.arrays`) found in range: they hold private copies of their
 # arrays, so a later run over one need not read them again.
 _IN_RANGE: weakref.WeakSet[Any] = weakref.WeakSet()
+# The float64 warnings already given in the enclosing run, where runs nest: a training
+# run's validation evaluates the same data at every epoch (`warnings_of_one_run`).
+_GIVEN: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("_GIVEN", default=None)
+
+
+@contextlib.contextmanager
+def warnings_of_one_run(given: set[str]) -> Iterator[None]:
+    """Runs started inside share `given`, the float64 warnings said so far: a nested run
+    (validation's evaluator, once per epoch) warns of its data once per enclosing run.
+
+    Example:
+        >>> given: set[str] = set()
+        >>> with warnings_of_one_run(given):
+        ...     pass
+    """
+    token = _GIVEN.set(given)
+    try:
+        yield
+    finally:
+        _GIVEN.reset(token)
 
 
 class Narrowing:
@@ -97,16 +119,22 @@ class Narrowing:
         if self.warned_float64 or jax.config.read("jax_enable_x64"):
             return
         wide = [name for name, leaf in zip(names, leaves, strict=True) if _numpy_of(leaf, "f8")]
-        if wide:
-            self.warned_float64 = True
-            which = f"leaf {wide[0]} is" if len(wide) == 1 else f"leaves {', '.join(wide)} are"
-            warn(
-                f"{source}: {which} float64, but JAX runs with 64-bit mode off, so "
-                f"{'it is' if len(wide) == 1 else 'they are'} cast to float32 on the device. "
-                f"Convert with .astype(np.float32) to silence this warning (or enable "
-                f"jax_enable_x64 for float64 math)",
-                UserWarning,
-            )
+        if not wide:
+            return
+        self.warned_float64 = True
+        which = f"leaf {wide[0]} is" if len(wide) == 1 else f"leaves {', '.join(wide)} are"
+        message = (
+            f"{source}: {which} float64, but JAX runs with 64-bit mode off, so "
+            f"{'it is' if len(wide) == 1 else 'they are'} cast to float32 on the device. "
+            f"Convert with .astype(np.float32) to silence this warning (or enable "
+            f"jax_enable_x64 for float64 math)"
+        )
+        given = _GIVEN.get()
+        if given is not None:
+            if message in given:
+                return
+            given.add(message)
+        warn(message, UserWarning)
 
     @staticmethod
     def check_ints(

@@ -18,7 +18,7 @@ import numpy as np
 
 from .._arg_types import is_int
 from .._events import event_total
-from .._metrics import ALIASES
+from .._metrics import ALIASES, LOSSES, METRICS
 from .._state import State
 from .._warn import warn
 
@@ -164,6 +164,27 @@ def _other_names(name: str) -> list[str]:
     return [canonical, *(k for k, v in ALIASES.items() if v == canonical)]
 
 
+def _loss_tracked_as(monitor: str, names: Any) -> str | None:
+    """Where `monitor` names a built-in loss ("mse", "val_binary_crossentropy"), what to
+    monitor instead: the loss is kept as "loss" (and "validation_loss") whichever loss it
+    is, as in Keras; None for any other name, or one a training metric has (validation
+    left it out: another message says why)."""
+    prefix = next((p for p in ("validation_", "val_") if monitor.startswith(p)), "")
+    name = monitor.removeprefix(prefix)
+    if ALIASES.get(name, name) not in LOSSES or name in names:  # a metric of that name
+        return None
+    ours = "validation_loss" if prefix else "loss"
+    if ours not in names:
+        return None
+    also = ""
+    if ALIASES.get(name, name) in METRICS:
+        also = f", or add Loop.metric({name!r}) to keep it under that name as well"
+    return (
+        f"a trainer's loss is kept as 'loss' (and 'validation_loss' in validation), "
+        f"whichever loss it is; monitor {ours!r}{also}"
+    )
+
+
 def _misspelt(monitor: str, names: Any) -> str | None:
     """The metric among `names` that `monitor` misspells, compared within its kind: a
     validation name's part after the prefix with the validation metrics' (another
@@ -270,6 +291,12 @@ class Monitor:
                 raise ValueError(
                     f"{self.argument}={self.monitor!r} is not among this epoch's metrics "
                     f"({available}); did you mean {close!r}? Monitor {close!r}"
+                )
+            tracked_as = _loss_tracked_as(self.monitor, state.metrics)
+            if tracked_as is not None:
+                raise ValueError(
+                    f"{self.argument}={self.monitor!r} is not among this epoch's metrics "
+                    f"({available}): {tracked_as}"
                 )
             name = self.monitor.removeprefix("validation_")
             validated = sorted(k for k in state.metrics if k.startswith("validation_"))
