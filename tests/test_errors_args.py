@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -227,6 +228,34 @@ def test_a_custom_loop_run_without_a_step_state_says_so():
     with pytest.raises(TypeError) as info:
         fl.loop(lambda batch, s: {"n": s["n"] + 1}).run(DATA)
     assert any("step state is None: give it to run" in note for note in info.value.__notes__)
+
+
+def test_a_custom_steps_signature_is_checked_when_the_loop_is_built():
+    """Lightning's training_step(batch, batch_idx) failed at the first step, with a note
+    about swapped arguments; an init_fn of one parameter got no note at all."""
+    with pytest.raises(ValueError, match=r"step_fn=.*cannot be called as step_fn\(batch, ") as info:
+        fl.loop(lambda batch, state, batch_idx: state)
+    assert any("passes no batch index" in note for note in info.value.__notes__)
+    with pytest.raises(ValueError, match=r"cannot be called as init_fn\(first_batch, init_state"):
+        fl.loop(lambda batch, state: state, lambda seed: {"n": seed})
+    fl.loop(lambda batch, state, index=0: state)  # a default: called with two, it runs
+    fl.loop(lambda *args: args[1])
+
+
+def test_only_the_errors_of_swapped_arguments_are_told_of_the_order():
+    """Every TypeError or ValueError of a step got the note, a plain shape error too."""
+
+    def shape_bug(batch, state):
+        return {"w": state["w"] @ jnp.ones((5,))}  # (3,) @ (5,)
+
+    def swapped(state, batch):
+        return {"w": state["w"]}  # state is the batch tuple here
+
+    for step, told in ((shape_bug, False), (swapped, True)):
+        with pytest.raises((TypeError, ValueError)) as info:
+            fl.loop(step).run([(0.0, 0.0)], {"w": jnp.zeros(3)})
+        notes = getattr(info.value, "__notes__", [])
+        assert any("arguments are swapped" in note for note in notes) is told
 
 
 def test_a_loops_repr_is_a_short_summary():

@@ -112,6 +112,18 @@ def check_step_functions(step_fn: Any, init_fn: Callable[..., Any] | None) -> No
         raise ValueError(f"step_fn={step_fn!r} must be callable(batch, step_state)")
     if init_fn is not None and not callable(init_fn):
         raise ValueError(f"init_fn={init_fn!r} must be callable(first_batch, init_state)")
+    try:
+        refuse_signature(step_fn, "step_fn", "step_fn(batch, step_state)")
+    except ValueError as error:
+        if "missing" in str(error):  # Lightning's training_step(batch, batch_idx) habit
+            error.add_note(
+                "fuseloop: fl.loop passes no batch index; count the steps in the step "
+                "state (e.g. {**state, 'step': state['step'] + 1}), or read "
+                "state.iteration in a handler"
+            )
+        raise
+    if init_fn is not None:
+        refuse_signature(init_fn, "init_fn", "init_fn(first_batch, init_state)")
 
 
 def check_init_state(

@@ -9,6 +9,7 @@ optional non-finite guard; that wrapped function is the one thing both loops exe
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -302,6 +303,14 @@ def _check_returned_state(state: Any, new_state: Any) -> None:
         )
 
 
+# The errors a step raises where its batch and step state came the other way round:
+# `x, y = batch` on a state dict, `state["w"]` on a tuple batch, jnp on a dict or tuple.
+_SWAPPED = re.compile(
+    r"values to unpack|indices must be|string ind|not a valid JAX type|unsupported operand"
+    r"|not subscriptable"
+)
+
+
 def custom_program(step_fn: Callable[[Any, Any], Any], init_fn: Callable | None) -> Program:
     """A user loop: `step_fn(batch, step_state) -> step_state`."""
 
@@ -313,15 +322,17 @@ def custom_program(step_fn: Callable[[Any, Any], Any], init_fn: Callable | None)
     def step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
         try:
             new_state = step_fn(batch, state)
-        except (TypeError, ValueError) as error:  # often the arguments the other way round
-            # (`x, y = batch` on a state dict raises ValueError: too many values to unpack)
-            error.add_note(
-                "fuseloop: the step state is None: give it to run, loop.run(data, "
-                "init_state), or return it from fl.loop(step_fn, init_fn)'s init_fn"
-                if state is None
-                else "fuseloop: in case the arguments are swapped: fl.loop calls "
-                "step_fn(batch, step_state), the batch first, then the step state"
-            )
+        except (TypeError, ValueError) as error:
+            if state is None:
+                error.add_note(
+                    "fuseloop: the step state is None: give it to run, loop.run(data, "
+                    "init_state), or return it from fl.loop(step_fn, init_fn)'s init_fn"
+                )
+            elif _SWAPPED.search(str(error)):  # what a batch and a state dict swapped raise
+                error.add_note(
+                    "fuseloop: in case the arguments are swapped: fl.loop calls "
+                    "step_fn(batch, step_state), the batch first, then the step state"
+                )
             raise
         _check_returned_state(state, new_state)
         aux: dict[str, Any] = {"step_state": new_state}
