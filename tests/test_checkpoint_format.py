@@ -71,7 +71,7 @@ def test_handler_metadata_arrays_round_trip_and_other_objects_are_refused(tmp_pa
         "jax": {"w": jnp.ones((2, 2))},
         "scalar": np.float32(1.5),
     }
-    fl.save_state(fl.State(handler_metadata=metadata), tmp_path / "ok")
+    fl.save_state(fl.State(step_state={"w": 1.0}, handler_metadata=metadata), tmp_path / "ok")
     loaded = fl.load_state(tmp_path / "ok").handler_metadata
     assert loaded["np"].dtype == np.int16 and loaded["scalar"].dtype == np.float32
     np.testing.assert_array_equal(loaded["jax"]["w"], np.ones((2, 2)))

@@ -18,11 +18,11 @@ from conftest import make_batches, trainer
 from fuseloop.handlers.checkpoint import list_checkpoints
 
 
-def _data() -> fl.data.ArraySource:
+def _data(device: bool = False) -> fl.data.ArraySource:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(24, 5)).astype(np.float32)
     y = rng.integers(0, 3, 24).astype(np.int32)
-    return fl.data.arrays(x, y, batch_size=8)
+    return fl.data.arrays(x, y, batch_size=8, device=device)
 
 
 def _trainer() -> fl.Loop:
@@ -61,19 +61,27 @@ def test_a_trainer_given_an_evaluators_state_names_init_state_and_the_fix():
         trainer.run(data, fl.State(), epochs=2)
 
 
-def test_a_resume_from_an_iteration_handlers_state_in_a_fused_run_names_why(tmp_path):
-    # Mid-chunk the step state is on the device: the handler's State has none, and its
-    # resume once blamed only Ctrl-C.
-    saved = []
+def test_a_save_of_a_state_without_its_step_state_is_refused_naming_why(tmp_path):
+    """Mid-chunk the step state is on the device, and after a dispatch of several epochs
+    an observer's State has none either: a save of one wrote a checkpoint no run could
+    resume from, and only the resume said so (blaming Ctrl-C or the iteration handler)."""
+    refused = []
 
     def save(state: fl.State) -> None:
-        if state.iteration == 1 and not saved:
-            saved.append(fl.save_state(state, tmp_path / "mid"))
+        try:
+            fl.save_state(state, tmp_path / f"s{len(refused)}")
+        except ValueError as error:
+            refused.append(str(error))
 
-    trainer = _MLP
-    trainer.handle_event("iteration_completed", save).run(_data(), epochs=1, fuse=3)
-    with pytest.raises(ValueError, match=r"no step state.*iteration handler gets in a fused"):
-        trainer.run(_data(), fl.load_state(saved[0]), epochs=2)
+    trainer, data = _MLP, _data()
+    trainer.handle_event("iteration_completed", save, filter={"once": 1}).run(data, fuse=3)
+    trainer.observe("epoch_completed", save).run(_data(device=True), epochs=2, fuse="run")
+    assert len(refused) == 2 and all("holds no step state" in e for e in refused)
+    assert "Loop.handle_event" in refused[0] and "Loop.checkpoint(path)" in refused[0]
+    # Written: only the dispatch's last epoch, which fires live, with its step state.
+    assert [path.name for path in tmp_path.iterdir()] == ["s2"]
+    with pytest.raises(ValueError, match=r"no step state.*an observer after a dispatch"):
+        trainer.run(data, fl.State(epoch=1), epochs=2)
 
 
 def test_loading_a_populations_best_checkpoint_folder_names_its_members(tmp_path):

@@ -20,6 +20,7 @@ __all__ = [
     "is_int",
     "refuse_deleted_arrays",
     "refuse_signature",
+    "refuse_stateless_save",
     "user_path",
 ]
 
@@ -167,3 +168,27 @@ def require_room(path: Path, given: str, wanted: str, noun: str | None = None) -
             f"{given}: {str(taken)!r} is a file, so no {noun or wanted} can be made there; "
             f"give a {wanted} path"
         )
+
+
+def refuse_stateless_save(state: Any) -> None:
+    """Raises a ValueError for a State without a step state given to a save: no run could
+    resume from it, and a handler saving one would only learn so at the resume.
+
+    Example:
+        >>> import fuseloop as fl
+        >>> refuse_stateless_save(fl.State(step_state={"w": 1.0}))
+        >>> refuse_stateless_save(fl.State(epoch=3))
+        Traceback (most recent call last):
+        ...
+        ValueError: state: this State holds no step state, so no run could resume from ...
+    """
+    if getattr(state, "step_state", None) is not None:
+        return
+    raise ValueError(
+        "state: this State holds no step state, so no run could resume from its save. "
+        "Inside a run, an observer (Loop.observe) replayed after a dispatch of several "
+        "epochs (fuse='run', or a chunk across an epoch's end) and an iteration handler "
+        "of a fused run are given a State without it: save at 'epoch_completed' from a "
+        "handler attached with Loop.handle_event (a dispatch ends at each epoch it fires "
+        "in), or attach Loop.checkpoint(path), which saves there itself"
+    )

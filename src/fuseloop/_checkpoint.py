@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._arg_types import refuse_deleted_arrays, require_room, user_path
+from ._arg_types import refuse_deleted_arrays, refuse_stateless_save, require_room, user_path
 from ._json_tree import decode, encode
 from ._state import State, freeze_arrays
 
@@ -113,7 +113,8 @@ def save_args(state: State) -> Any:
     """orbax `Composite` arguments that save `state` (its arrays already on the host)."""
     import orbax.checkpoint as ocp
 
-    payload, arrays = to_payload(state)
+    payload, arrays = to_payload(state)  # its errors name a field: before the next one's
+    refuse_stateless_save(state)
     items = {_STATE: ocp.args.JsonSave(payload)}
     if arrays:
         items[_ARRAYS] = ocp.args.PyTreeSave({f"leaf_{i:06d}": a for i, a in enumerate(arrays)})
@@ -292,9 +293,8 @@ def save_state(state: State, path: str | os.PathLike[str]) -> Path:
     `jax.distributed` every process calls it (the save is collective) with the same path.
 
     Args:
-        state: The State to save (e.g. what `run` returned, or a handler's State; an
-            iteration handler's State in a fused run holds no step state, so a run
-            cannot resume from it: save at `epoch_completed` for that).
+        state: The State to save (what `run` returned, or a handler's State at
+            `epoch_completed`; one without a step state, which no run resumes, is refused).
         path: The directory to write.
 
     Returns:
@@ -302,7 +302,8 @@ def save_state(state: State, path: str | os.PathLike[str]) -> Path:
 
     Raises:
         ValueError: for a value in the State that cannot be saved without pickle (the
-            message names its field and key), or a `path` holding something else.
+            message names its field and key), a State without a step state, or a `path`
+            holding something else.
 
     Example:
         >>> import tempfile, jax.numpy as jnp, fuseloop as fl
@@ -356,7 +357,7 @@ def load_state(path: str | os.PathLike[str]) -> State:
     Example:
         >>> import tempfile, jax.numpy as jnp, fuseloop as fl
         >>> folder = tempfile.mkdtemp()
-        >>> _ = fl.save_state(fl.State(history={0: {"loss": 1.5}}), folder + "/s")
+        >>> _ = fl.save_state(fl.State(step_state=1.0, history={0: {"loss": 1.5}}), folder + "/s")
         >>> fl.load_state(folder + "/s").history
         {0: {'loss': 1.5}}
     """

@@ -149,8 +149,10 @@ def check_init_state(
         raise ValueError(
             "init_state: this State holds no step state (a run stopped before its first "
             "step, by Ctrl-C or an error while it started, leaves none, and so does the "
-            "State an iteration handler gets in a fused run): run without it to start "
-            "afresh, or resume from a State saved at an epoch's end"
+            "State an iteration handler gets in a fused run, or an observer after a "
+            "dispatch of several epochs): run without it to start afresh, or resume from "
+            "a State saved at an epoch's end by a handler (Loop.handle_event) or "
+            "Loop.checkpoint"
         )
     refuse_deleted_arrays(getattr(init_state, "step_state", init_state), "init_state")
     if is_int(init_state) and kind in _STARTS_FROM:
