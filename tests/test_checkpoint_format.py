@@ -421,3 +421,16 @@ def test_two_checkpoint_handlers_on_one_directory_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"another checkpoint handler of this loop saves into"):
         best.checkpoint(str(tmp_path / "ck") + "/", keep=1)
     best.checkpoint(tmp_path / "ck_latest", keep=1)  # a directory each: fine
+
+
+def test_flax_train_states_functions_are_refused_with_the_fix_that_works(tmp_path):
+    """TrainState keeps apply_fn and tx as static fields: the refusal told the user to
+    define them at a module's top level, which no one can do for optax's closures."""
+    from flax.training import train_state
+
+    params = {"w": jnp.ones(2)}
+    ts = train_state.TrainState.create(apply_fn=jnp.dot, params=params, tx=optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"\.tx: a static field of TrainState .*'opt_state'"):
+        fl.save_state(fl.State(step_state={"ts": ts}), tmp_path / "ts")
+    fix = {"params": ts.params, "opt_state": ts.opt_state, "step": ts.step}  # what it names
+    assert fl.load_state(fl.save_state(fl.State(step_state=fix), tmp_path / "ok")).step_state

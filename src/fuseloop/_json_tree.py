@@ -70,7 +70,7 @@ def encode(value: Any, arrays: list[Any], where: str = "value") -> Any:
         return {
             "dataclass": type_name(type(value), where),
             "fields": [
-                [f.name, encode(getattr(value, f.name), arrays, f"{where}.{f.name}")]
+                [f.name, _encode_field(value, f, arrays, where)]
                 for f in dataclasses.fields(value)
                 if _holds(value, f.name)
             ],
@@ -89,6 +89,25 @@ def encode(value: Any, arrays: list[Any], where: str = "value") -> Any:
         f"arrays, pytree nodes (NamedTuples, dataclass pytrees), dtypes and module-level "
         f"functions and types. " + _fix_for(value)
     )
+
+
+def _encode_field(value: Any, field: dataclasses.Field[Any], arrays: list[Any], where: str) -> Any:
+    """A dataclass pytree's field, encoded; a function in a flax struct's static field
+    (flax's TrainState keeps apply_fn and tx so) is refused with the fix that works, since
+    optax's transformations are closures that no definition at a module's top level makes."""
+    try:
+        return encode(getattr(value, field.name), arrays, f"{where}.{field.name}")
+    except ValueError as error:
+        if field.metadata.get("pytree_node", True) or not str(error).startswith(where):
+            raise
+        kind = type(value).__name__
+        raise ValueError(
+            f"{where}.{field.name}: a static field of {kind} holding a function (flax's "
+            f"TrainState keeps apply_fn and tx so), which a save cannot hold: it holds a "
+            f"step state's arrays, not its functions. Keep the arrays as the step state, "
+            f"e.g. {{'params': ts.params, 'opt_state': ts.opt_state, 'step': ts.step}}, and "
+            f"the functions outside it, closed over by the step"
+        ) from None
 
 
 def _fix_for(value: Any) -> str:
