@@ -311,6 +311,21 @@ def test_a_keras_compile_keyword_to_a_factory_names_fuseloops_way():
     with pytest.raises(TypeError) as info:
         fl.trainer(tiny_mlp(), "mse", "adam", size=3)  # nothing close: what it takes
     check(info, "'size'", "log, log_stream, loss, model, optimizer, seed")
+    with pytest.raises(TypeError) as info:
+        fl.trainer(tiny_mlp(), "mse", "adam", loss_weights=[1.0, 0.5])
+    check(info, "'loss_weights'", "a loss of your own")
+
+
+def test_keras_fit_keywords_given_to_arrays_name_fuseloops_way():
+    """fl.data.arrays stands for fit(x, y, batch_size=...): its weights went unanswered."""
+    x, y = DATA[0]
+    for keyword in ("sample_weight", "class_weight"):
+        with pytest.raises(TypeError) as info:
+            fl.data.arrays(x, y, 2, **{keyword: np.ones(len(y))})
+        check(info, f"arrays() got an unexpected keyword argument {keyword!r}", "go into y")
+    with pytest.raises(TypeError, match=r"did you mean 'batch_size'\?"):
+        fl.data.arrays(x, y, batchsize=2)
+    assert len(fl.data.arrays(x, y, 2)) == len(y) // 2  # what it takes is left alone
 
 
 def test_the_keyword_check_leaves_what_run_takes_alone():
@@ -329,9 +344,9 @@ def test_keras_positional_fit_and_compile_arguments_name_fuseloops_way():
 
 
 def test_the_advice_for_other_frameworks_keywords_names_what_exists():
-    from fuseloop._foreign_keywords import FACTORY_ADVICE, RUN_ADVICE
+    from fuseloop._foreign_keywords import ARRAYS_ADVICE, FACTORY_ADVICE, RUN_ADVICE
 
-    for advice in (*RUN_ADVICE.values(), *FACTORY_ADVICE.values()):
+    for advice in (*RUN_ADVICE.values(), *FACTORY_ADVICE.values(), *ARRAYS_ADVICE.values()):
         for name in re.findall(r"\bfl\.(\w+)", advice):
             assert hasattr(fl, name), advice
         for name in re.findall(r"\bloop\.(\w+)\(", advice):

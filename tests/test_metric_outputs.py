@@ -241,6 +241,12 @@ def test_a_second_run_of_a_loop_holds_its_own_data_to_the_class_metrics_rule():
     with pytest.raises(ValueError, match=r"a row of y sums to 2"):
         loop.run(fl.data.arrays(_X, np.concatenate([y for _, y in _one_hot_batches(1)]), 8))
     loop.run(good)  # (the dataset found to hold keeps its verdict)
+    # An all-zero row is the one-hot of padding, not multi-hot: it was told to pass
+    # binary_cross_entropy, which would train the padded rows as "no class".
+    padded = np.eye(3, dtype=np.float32)[_Y]
+    padded[5] = 0.0
+    with pytest.raises(ValueError, match=r"all zeros \(a padded position\?\).*running_sum"):
+        loop.run(fl.data.arrays(_X, padded, batch_size=8))
     # The rule depends on the labels' shape, so a run over integer labels has none.
     either = lambda y, p: jnp.mean(  # noqa: E731
         optax.softmax_cross_entropy(p, y)

@@ -422,8 +422,12 @@ def test_probability_outputs_under_a_logit_loss_are_warned_about_once(final, out
     x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
     data = [(x, np.zeros(16, np.int32))]
     loop = fl.trainer(_EndsIn(final, outputs), loss, "sgd")
-    with pytest.warns(UserWarning, match=rf"look like probabilities.*applies {final} itself"):
+    with pytest.warns(UserWarning, match=rf"look like probabilities.*applies {final} itself") as w:
         loop.run(data)
+    # Accuracy thresholds one output per example as a logit; a class's argmax is the same
+    # on probabilities, so the softmax warning does not say accuracy would suffer.
+    said = str(next(x for x in w if "probabilities" in str(x.message)).message)
+    assert ("accuracy would threshold" in said) is (final == "sigmoid")
     with warnings.catch_warnings():  # once per Loop: a second run does not check again
         warnings.simplefilter("error")
         loop.run(data)

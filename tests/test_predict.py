@@ -125,6 +125,16 @@ def test_bad_arguments(state):
         predict(Net(), state, X, batch_size=0)
     with pytest.raises(ValueError, match="no batch"):
         predict(Net(), state, [])
+    # A custom loop's State keeping its variables under another key: it was told only
+    # "the State holds no params".
+    custom = fl.State(step_state={"theta": state.params, "opt": ()})
+    with pytest.raises(ValueError, match=r"without one \(its keys: \['opt', 'theta'\]\)"):
+        predict(Net(), custom, X)
+    np.testing.assert_array_equal(
+        predict(Net(), custom.step_state["theta"], X), predict(Net(), state, X)
+    )  # the fix it names
+    with pytest.raises(ValueError, match=r"holds no step state .*the State the run returned"):
+        predict(Net(), fl.State(epoch=1), X)
 
 
 def test_second_call_does_not_recompile(state):

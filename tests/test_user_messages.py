@@ -181,6 +181,10 @@ def test_a_model_taking_separate_inputs_is_told_how_x_is_passed_and_the_fix_trai
     data = fl.data.arrays((X[:, :4], X[:, 4:]), Y, batch_size=8)
     with pytest.raises(ValueError, match=r"missing 1 required.*model\(x\).*a, b = x"):
         fl.trainer(_TwoInputs(), SPARSE, "adam").run(data)
+    # A dict unpacks to its keys: the fix indexes it (`a, b = x` gave the key strings).
+    named = fl.data.arrays({"tokens": X[:, :4], "mask": X[:, 4:]}, Y, batch_size=8)
+    with pytest.raises(ValueError, match=r"mask, tokens = x\['mask'\], x\['tokens'\]"):
+        fl.trainer(_TwoInputs(), SPARSE, "adam").run(named)
     state = fl.trainer(_OneTuple(), SPARSE, "adam").run(data)
     assert state.status == "completed" and np.isfinite(state.metrics["loss"])
 

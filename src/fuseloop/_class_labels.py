@@ -27,6 +27,12 @@ __all__ = ["ClassLabels", "class_label_rule", "readable"]
 _TOLERANCE = 1e-3  # how far from 1 a row of float32 probabilities may sum
 
 
+_PADDING_FIX = (
+    "To leave padded labels out, track the correct count and the count of real labels as "
+    "two metrics of your own with accumulate='running_sum' and divide them (README)"
+)
+
+
 @dataclass(frozen=True)
 class ClassLabels:
     """The labels class metrics read as meant: rows that sum to 1 (one-hot or
@@ -68,6 +74,13 @@ class ClassLabels:
         listed = ", ".join(repr(name) for name in self.metrics)
         if self.per_row:
             row_sum = values.sum(axis=-1)[bad].flat[0]
+            if row_sum == 0:  # a one-hot of padding: no class at all
+                raise ValueError(
+                    f"data: {where}: y has the model's output shape {self.output}, read by "
+                    f"{listed} as one class per example (one-hot), but a row of y is all "
+                    f"zeros (a padded position?): {listed} would score it as class 0 by "
+                    f"its argmax, not leave it out. {_PADDING_FIX}"
+                )
             raise ValueError(
                 f"data: {where}: y has the model's output shape {self.output}, read by "
                 f"{listed} as one class per example (one-hot or probabilities, each row "
@@ -82,10 +95,8 @@ class ClassLabels:
                 f"data: {where}: y holds {values[bad].flat[0]:g}, but {listed} read y as "
                 f"class indices of the model's {self.classes} outputs (0 to "
                 f"{self.classes - 1}): a label outside them (padding, an ignore index such "
-                f"as -100) would be scored as a wrong prediction, not left out. To leave "
-                f"padded labels out, track the correct count and the count of real labels "
-                f"as two metrics of your own with accumulate='running_sum' and divide them "
-                f"(README); to score every label, give the model an output per class"
+                f"as -100) would be scored as a wrong prediction, not left out. "
+                f"{_PADDING_FIX}; to score every label, give the model an output per class"
             )
         raise ValueError(
             f"data: {where}: the model gives one output per example (shape {self.output}), "

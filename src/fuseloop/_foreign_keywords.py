@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import ParamSpec, TypeVar
 
 __all__ = [
+    "ARRAYS_ADVICE",
     "RUN_ADVICE",
     "FACTORY_ADVICE",
     "EVALUATOR_ADVICE",
@@ -99,6 +100,20 @@ FACTORY_ADVICE: Mapping[str, str] = {
     "validation_data": "attach validation to the loop: loop.validate(model, val_data)",
     "verbose": "run(progress=True) shows a bar per epoch",
     "shuffle": "shuffling belongs to the data: fl.data.arrays(x, y, batch_size, shuffle=True)",
+    "loss_weights": (
+        "weigh several outputs' losses in a loss of your own: loss(y_true, y_pred) -> "
+        "w1 * loss1 + w2 * loss2, for dict or tuple outputs"
+    ),
+    "weighted_metrics": "per-example weights go into y, for metrics of your own that read them",
+    "sample_weight": _WEIGHTS,
+}
+
+# Keras `fit` keywords given to fl.data.arrays, which stands for fit(x, y, batch_size=...).
+ARRAYS_ADVICE: Mapping[str, str] = {
+    "sample_weight": _WEIGHTS,
+    "class_weight": _WEIGHTS + ", a class's weight looked up by the label: weights[y]",
+    "epochs": "epochs go to the run: loop.run(data, epochs=N)",
+    "validation_split": RUN_ADVICE["validation_split"],
 }
 
 # Keras `compile`/`evaluate` keywords given to fl.evaluator (which trains nothing).

@@ -338,7 +338,7 @@ def trainer(
             "sparse_categorical_crossentropy", ...) or `callable(y_true, y_pred) -> scalar`;
             cross-entropies take logits.
         optimizer: An optax transformation, or "sgd", "adam", "adamw".
-        log: Print a line every `log` iterations (0: silent).
+        log: Print a line every `log` iterations, and one at each epoch's end (0: silent).
         seed: Seeds parameter initialization and dropout (a flax.linen model's; an
             equinox model's dropout; an nnx model draws both from its own nnx.Rngs) as
             `init, drop = jax.random.split(jax.random.PRNGKey(seed))`: `init` initializes,

@@ -51,10 +51,18 @@ def fix_for_x(x: Any, error: BaseException, model: Any) -> str:
     arguments, how fuseloop calls it (one x); for an equinox module, how it is applied."""
     if _SEPARATE_INPUTS.search(str(error)):
         given = type(x).__name__ if isinstance(x, (tuple, list, dict)) else "x"
+        unpack = "a, b = x"  # a dict unpacks to its keys: index it by them instead
+        if isinstance(x, dict) and len(x) >= 2:
+            keys = list(x)[:2]
+            names = [
+                k if isinstance(k, str) and k.isidentifier() else "ab"[i]
+                for i, k in enumerate(keys)
+            ]
+            unpack = f"{', '.join(names)} = {', '.join(f'x[{k!r}]' for k in keys)}"
         return (
             f"fuseloop calls the model with x as one argument (model(x)), so a model taking "
             f"more arguments gets only the {given}: take one argument and unpack it "
-            f"(def __call__(self, x): a, b = x), or give the others defaults"
+            f"(def __call__(self, x): {unpack}), or give the others defaults"
         )
     keyword = _KEYWORD_ONLY.search(str(error))
     if keyword:

@@ -182,15 +182,18 @@ _OWN_ACCURACY = (
 
 
 def _warn_loss(loss: str, applies: str) -> None:
+    # A binary metric thresholds the output at 0 as a logit; a class's argmax is the
+    # same on probabilities (softmax keeps the order), so only sigmoid's metrics suffer.
+    binary = applies != "softmax"
     warn(
         f"model: its outputs look like probabilities (a final {applies}"
-        f"{', each row summing to 1' if applies == 'softmax' else ''}), but the built-in "
+        f"{'' if binary else ', each row summing to 1'}), but the built-in "
         f"loss '{loss}' takes logits, as optax's losses do: it applies {applies} itself, so "
-        f"the loss would see {applies}({applies}(...)) and accuracy would threshold "
-        f"probabilities as logits. Remove the model's final {applies} (apply "
-        f"jax.nn.{applies} to fl.predict's outputs instead), or pass a loss of your own that "
-        f"takes probabilities (and, for one output per example, a metric of your own: "
-        f"{_OWN_ACCURACY})",
+        f"the loss would see {applies}({applies}(...))"
+        f"{' and accuracy would threshold probabilities as logits' if binary else ''}. "
+        f"Remove the model's final {applies} (apply jax.nn.{applies} to fl.predict's "
+        f"outputs instead), or pass a loss of your own that takes probabilities"
+        f"{f' (and a metric of your own: {_OWN_ACCURACY})' if binary else ''}",
         UserWarning,
     )
 

@@ -251,11 +251,7 @@ def predict(
     """
     variables = variables_given(variables_or_state, "variables_or_state")
     if variables is None:
-        raise ValueError(
-            "variables_or_state: the State holds no params"
-            if variables_or_state is not None
-            else "variables_or_state=None: pass the trained variables, or the State a run returned"
-        )
+        raise ValueError(_no_variables(variables_or_state))
     refuse_deleted_arrays(variables, "variables_or_state")
     _require_examples_axis(x)
     per_chunk = _chunk_size(fuse)
@@ -362,3 +358,24 @@ def _rows(a: np.ndarray, lead: int, live: int) -> np.ndarray:
     rest...)`, the padding dropped."""
     flat = a.reshape(a.shape[:lead] + (-1,) + a.shape[lead + 2 :])
     return flat[(slice(None),) * lead + (slice(0, live),)]
+
+
+def _no_variables(given: Any) -> str:
+    """Why `given` (None, or a State) holds no variables to predict with, and the fix."""
+    if given is None:
+        return "variables_or_state=None: pass the trained variables, or the State a run returned"
+    step_state = getattr(given, "step_state", None)
+    if step_state is None:
+        return (
+            "variables_or_state: the State holds no step state (an iteration handler's "
+            "State in a fused run, or an observer's after a dispatch of several epochs); "
+            "predict with the State the run returned"
+        )
+    keys = f" (its keys: {sorted(map(str, step_state))})" if isinstance(step_state, dict) else ""
+    return (
+        f"variables_or_state: fl.predict reads the model's variables from "
+        f"step_state['params'], and this State's step state is a "
+        f"{type(step_state).__name__} without one{keys}: pass the variables themselves, "
+        f"fl.predict(model, state.step_state[...], x), or keep them under "
+        f"step_state['params'], as fl.trainer does"
+    )

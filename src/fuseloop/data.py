@@ -24,6 +24,7 @@ import numpy as np
 from ._arg_types import is_int
 from ._batch_checks import no_device_dtype, refuse_per_example_lists, refuse_python_list
 from ._epoch_order import EpochOrder, checked_epoch, order_key
+from ._foreign_keywords import ARRAYS_ADVICE, advise_foreign_keywords
 from ._narrowing import native_copy
 from ._shards import local_indices, place_rows, refuse_short_batch
 from ._unsliceable import refuse_jax_sparse, refuse_unstackable
@@ -337,6 +338,7 @@ class ArraySource:
         return jax.tree.map(take, x), jax.tree.map(take, y)
 
 
+@advise_foreign_keywords(ARRAYS_ADVICE)
 def arrays(
     x: Any,
     y: Any,
