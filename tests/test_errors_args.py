@@ -240,6 +240,9 @@ def test_a_custom_steps_signature_is_checked_when_the_loop_is_built():
         fl.loop(lambda batch, state: state, lambda seed: {"n": seed})
     fl.loop(lambda batch, state, index=0: state)  # a default: called with two, it runs
     fl.loop(lambda *args: args[1])
+    with pytest.raises(ValueError, match=r"missing a required argument: 'lr'") as info:
+        fl.loop(lambda batch, state, *, lr: state)  # not a batch index: no such note
+    assert not getattr(info.value, "__notes__", [])
 
 
 def test_only_the_errors_of_swapped_arguments_are_told_of_the_order():
@@ -251,7 +254,10 @@ def test_only_the_errors_of_swapped_arguments_are_told_of_the_order():
     def swapped(state, batch):
         return {"w": state["w"]}  # state is the batch tuple here
 
-    for step, told in ((shape_bug, False), (swapped, True)):
+    def swapped_mean(state, batch):
+        return {"w": jnp.mean(batch) * jnp.ones(3)}  # batch is the state dict here
+
+    for step, told in ((shape_bug, False), (swapped, True), (swapped_mean, True)):
         with pytest.raises((TypeError, ValueError)) as info:
             fl.loop(step).run([(0.0, 0.0)], {"w": jnp.zeros(3)})
         notes = getattr(info.value, "__notes__", [])

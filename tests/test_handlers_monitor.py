@@ -179,11 +179,16 @@ def test_a_monitor_naming_the_loss_by_its_name_is_told_it_is_kept_as_loss():
     """`early_stop("mse")` under loss="mse" was told to add the metric with Loop.metric(...)
     and nothing of the loss, which Keras and fuseloop keep as "loss" whichever it is."""
     loop = _scripted(_counter_loop(), [1.0, 1.0], name="loss").early_stop("mse")
-    with pytest.raises(ValueError, match=r"kept as 'loss'.*monitor 'loss', or add Loop.metric"):
+    told = r"where 'mse' is the trainer's loss, it is kept as 'loss'.*monitor 'loss'; to track"
+    with pytest.raises(ValueError, match=told + r" it as well, attach Loop.metric\('mse'\)"):
         loop.run([(0, 0)], {"n": jnp.int32(0)}, epochs=2)
+    # The monitor does not know the loss: under loss="mae" monitoring "mse" must not read
+    # as "monitor 'loss'" alone; a validation metric is attached before validate.
     validated = fl.State().replace(metrics={"loss": 1.0, "validation_loss": 1.0})
-    with pytest.raises(ValueError, match=r"monitor 'validation_loss'$"):  # no such metric
-        Monitor("val_binary_crossentropy").value(validated)
+    with pytest.raises(ValueError, match=r"attach Loop.metric\('mse'\) before Loop.validate"):
+        Monitor("val_mse").value(validated)
+    with pytest.raises(ValueError, match=r"'validation_loss'; for another loss, track it"):
+        Monitor("val_binary_crossentropy").value(validated)  # no metric of that name
     with pytest.raises(ValueError, match=r"Add it with Loop.metric"):  # not a loss's name
         Monitor("accuracy").value(validated)
 

@@ -247,6 +247,12 @@ def test_a_second_run_of_a_loop_holds_its_own_data_to_the_class_metrics_rule():
     padded[5] = 0.0
     with pytest.raises(ValueError, match=r"all zeros \(a padded position\?\).*running_sum"):
         loop.run(fl.data.arrays(_X, padded, batch_size=8))
+    from fuseloop._class_labels import ClassLabels  # a row summing to 0 is not all zeros
+
+    with pytest.raises(ValueError, match=r"sums to 0 \(multi-hot"):
+        ClassLabels(("accuracy",), (2, 3), per_row=True).check(
+            np.array([[1, 0, 0], [1, -1, 0]]), "b"
+        )
     # The rule depends on the labels' shape, so a run over integer labels has none.
     either = lambda y, p: jnp.mean(  # noqa: E731
         optax.softmax_cross_entropy(p, y)

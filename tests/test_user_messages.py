@@ -185,6 +185,14 @@ def test_a_model_taking_separate_inputs_is_told_how_x_is_passed_and_the_fix_trai
     named = fl.data.arrays({"tokens": X[:, :4], "mask": X[:, 4:]}, Y, batch_size=8)
     with pytest.raises(ValueError, match=r"mask, tokens = x\['mask'\], x\['tokens'\]"):
         fl.trainer(_TwoInputs(), SPARSE, "adam").run(named)
+    # Keys that are no variable names (a keyword, a repeated one) are read into others.
+    from fuseloop._model_fit_advice import fix_for_x
+
+    missing = TypeError("__call__() missing 1 required positional argument: 'b'")
+    assert "input_0, to = x['from'], x['to']" in fix_for_x({"from": 1, "to": 2}, missing, None)
+    assert "(def __call__(self, x): tokens = x['tokens'])" in fix_for_x(
+        {"tokens": 1}, missing, None
+    )
     state = fl.trainer(_OneTuple(), SPARSE, "adam").run(data)
     assert state.status == "completed" and np.isfinite(state.metrics["loss"])
 

@@ -74,7 +74,7 @@ class ClassLabels:
         listed = ", ".join(repr(name) for name in self.metrics)
         if self.per_row:
             row_sum = values.sum(axis=-1)[bad].flat[0]
-            if row_sum == 0:  # a one-hot of padding: no class at all
+            if not values[bad][0].any():  # a one-hot of padding: no class at all
                 raise ValueError(
                     f"data: {where}: y has the model's output shape {self.output}, read by "
                     f"{listed} as one class per example (one-hot), but a row of y is all "

@@ -3,6 +3,7 @@ that names the argument and what it accepts."""
 
 from __future__ import annotations
 
+import inspect
 import io
 import os
 from collections.abc import Callable
@@ -115,7 +116,7 @@ def check_step_functions(step_fn: Any, init_fn: Callable[..., Any] | None) -> No
     try:
         refuse_signature(step_fn, "step_fn", "step_fn(batch, step_state)")
     except ValueError as error:
-        if "missing" in str(error):  # Lightning's training_step(batch, batch_idx) habit
+        if _required_positionals(step_fn) == 3:  # Lightning's (batch, batch_idx) habit
             error.add_note(
                 "fuseloop: fl.loop passes no batch index; count the steps in the step "
                 "state (e.g. {**state, 'step': state['step'] + 1}), or read "
@@ -124,6 +125,17 @@ def check_step_functions(step_fn: Any, init_fn: Callable[..., Any] | None) -> No
         raise
     if init_fn is not None:
         refuse_signature(init_fn, "init_fn", "init_fn(first_batch, init_state)")
+
+
+def _required_positionals(fn: Any) -> int | None:
+    """How many positional parameters `fn` requires (None where its signature is not
+    readable)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in positional and p.default is p.empty for p in parameters)
 
 
 def check_init_state(

@@ -4,6 +4,7 @@ sentences share."""
 
 from __future__ import annotations
 
+import keyword
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -46,19 +47,23 @@ _NO_PARAM = re.compile(r'Could not find parameter named "(\w+)" in scope "([^"]*
 _NO_COLLECTION = re.compile(r'Tried to access "(\w+)" from collection "(\w+)" in "([^"]*)"')
 
 
+def _dict_unpacking(x: dict[Any, Any]) -> str:
+    """The line that takes a dict x's entries apart (unpacking a dict gives its keys):
+    `tokens, mask = x['tokens'], x['mask']`, a key that is no variable's name read into
+    input_<i>."""
+    names: list[str] = []
+    for i, key in enumerate(x):
+        usable = isinstance(key, str) and key.isidentifier() and not keyword.iskeyword(key)
+        names.append(key if usable and key not in names else f"input_{i}")
+    return f"{', '.join(names)} = {', '.join(f'x[{key!r}]' for key in x)}"
+
+
 def fix_for_x(x: Any, error: BaseException, model: Any) -> str:
     """The advice for an x the model rejects: its shape, or, where the model wanted more
     arguments, how fuseloop calls it (one x); for an equinox module, how it is applied."""
     if _SEPARATE_INPUTS.search(str(error)):
         given = type(x).__name__ if isinstance(x, (tuple, list, dict)) else "x"
-        unpack = "a, b = x"  # a dict unpacks to its keys: index it by them instead
-        if isinstance(x, dict) and len(x) >= 2:
-            keys = list(x)[:2]
-            names = [
-                k if isinstance(k, str) and k.isidentifier() else "ab"[i]
-                for i, k in enumerate(keys)
-            ]
-            unpack = f"{', '.join(names)} = {', '.join(f'x[{k!r}]' for k in keys)}"
+        unpack = _dict_unpacking(x) if isinstance(x, dict) and x else "a, b = x"
         return (
             f"fuseloop calls the model with x as one argument (model(x)), so a model taking "
             f"more arguments gets only the {given}: take one argument and unpack it "

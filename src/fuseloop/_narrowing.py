@@ -28,22 +28,25 @@ _WIDE_INTS = {np.dtype(np.int64): np.int32, np.dtype(np.uint64): np.uint32}
 # In-memory datasets (`fl.data.arrays`) found in range: they hold private copies of their
 # arrays, so a later run over one need not read them again.
 _IN_RANGE: weakref.WeakSet[Any] = weakref.WeakSet()
-# The float64 warnings already given in the enclosing run, where runs nest: a training
+# The float64 warnings already given in the outermost run, where runs nest: a training
 # run's validation evaluates the same data at every epoch (`warnings_of_one_run`).
 _GIVEN: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("_GIVEN", default=None)
 
 
 @contextlib.contextmanager
-def warnings_of_one_run(given: set[str]) -> Iterator[None]:
-    """Runs started inside share `given`, the float64 warnings said so far: a nested run
-    (validation's evaluator, once per epoch) warns of its data once per enclosing run.
+def warnings_of_one_run() -> Iterator[None]:
+    """The float64 warnings said in a run, shared with the runs nested in it (validation's
+    evaluator, once per epoch): the same data is warned of once per outermost run. Each
+    thread's run has its own (a new thread starts with no context).
 
     Example:
-        >>> given: set[str] = set()
-        >>> with warnings_of_one_run(given):
+        >>> with warnings_of_one_run():
         ...     pass
     """
-    token = _GIVEN.set(given)
+    if _GIVEN.get() is not None:  # a nested run: the enclosing run's warnings stand
+        yield
+        return
+    token = _GIVEN.set(set())
     try:
         yield
     finally:

@@ -307,7 +307,7 @@ def _check_returned_state(state: Any, new_state: Any) -> None:
 # `x, y = batch` on a state dict, `state["w"]` on a tuple batch, jnp on a dict or tuple.
 _SWAPPED = re.compile(
     r"values to unpack|indices must be|string ind|not a valid JAX type|unsupported operand"
-    r"|not subscriptable"
+    r"|not subscriptable|requires ndarray or scalar arguments|Error interpreting argument"
 )
 
 

@@ -166,9 +166,10 @@ def _other_names(name: str) -> list[str]:
 
 def _loss_tracked_as(monitor: str, names: Any) -> str | None:
     """Where `monitor` names a built-in loss ("mse", "val_binary_crossentropy"), what to
-    monitor instead: the loss is kept as "loss" (and "validation_loss") whichever loss it
-    is, as in Keras; None for any other name, or one a training metric has (validation
-    left it out: another message says why)."""
+    monitor instead: a trainer keeps its loss as "loss" (and "validation_loss") whichever
+    loss it is, as Keras does; None for any other name, or one a training metric has
+    (validation left it out: another message says why). The monitor does not know the
+    trainer's loss, so the advice says which case is which."""
     prefix = next((p for p in ("validation_", "val_") if monitor.startswith(p)), "")
     name = monitor.removeprefix(prefix)
     if ALIASES.get(name, name) not in LOSSES or name in names:  # a metric of that name
@@ -176,13 +177,14 @@ def _loss_tracked_as(monitor: str, names: Any) -> str | None:
     ours = "validation_loss" if prefix else "loss"
     if ours not in names:
         return None
-    also = ""
-    if ALIASES.get(name, name) in METRICS:
-        also = f", or add Loop.metric({name!r}) to keep it under that name as well"
-    return (
-        f"a trainer's loss is kept as 'loss' (and 'validation_loss' in validation), "
-        f"whichever loss it is; monitor {ours!r}{also}"
+    said = (
+        f"where {name!r} is the trainer's loss, it is kept as 'loss' (and "
+        f"'validation_loss' in validation) whichever loss it is: monitor {ours!r}"
     )
+    if ALIASES.get(name, name) not in METRICS:
+        return f"{said}; for another loss, track it with a metric of your own"
+    before = " before Loop.validate(...)" if prefix else ""
+    return f"{said}; to track it as well, attach Loop.metric({name!r}){before}"
 
 
 def _misspelt(monitor: str, names: Any) -> str | None:

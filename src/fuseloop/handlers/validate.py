@@ -19,7 +19,6 @@ from .._evaluator_start import arrays_first_batch, check_evaluator_start
 from .._events import Event, normalize_event
 from .._fusion import FusionError, resolve_fuse
 from .._metrics import VALIDATION_PREFIX, MetricSpec, batch_size
-from .._narrowing import warnings_of_one_run
 from .._population import silence_stopped
 from .._shards import refuse_short_batch
 from .._state import State
@@ -206,7 +205,6 @@ class Validator:
     def __init__(self, loop: Any, data: Any, fuse: Any = False):
         self.loop, self.data, self.fuse = loop, data, fuse
         self._verdicts: dict[Any, Any] = {}  # the start checks' model verdicts, per signature
-        self._warned: set[str] = set()  # the float64 warnings of the training run so far
 
     def begin(self, state: State) -> None:
         """At the training run's start, checks the validation data as the evaluator would.
@@ -216,7 +214,6 @@ class Validator:
         before the first epoch trains, not after it. A callable's batches are only seen
         when the validation runs; a population's members are checked then too.
         """
-        self._warned = set()  # a new training run: its data's warnings are said again
         short = getattr(self.data, "short_batch", 0) if _in_arrays(self.data) else 0
         if short and not getattr(self.data, "resident", False):
             try:  # under several processes: what its first epoch would raise
@@ -231,10 +228,9 @@ class Validator:
         arrays = self.data if _in_arrays(self.data) else None
         try:
             program, metrics = self.loop.program, self.loop.metrics
-            with warnings_of_one_run(self._warned):
-                checker = check_evaluator_start(
-                    program, self._verdicts, first, params, arrays, metrics, self.data
-                )
+            checker = check_evaluator_start(
+                program, self._verdicts, first, params, arrays, metrics, self.data
+            )
             for i, batch in enumerate(self.data[1:] if arrays is None else (), start=1):
                 where, labels = f"the validation data's batch {i}", _labels_read(batch)
                 checker.labels.batch(checker.fit.labels, labels, where)
@@ -252,8 +248,8 @@ class Validator:
         # defer to the outermost one), which halts at its next host boundary.
         members = {} if population is None else {"population": population}
         try:
-            with warnings_of_one_run(self._warned):  # its data warned of once per run
-                result = self.loop.run(self.data, params, fuse=self.fuse, **members)
+            # A nested run: its data's warnings are said once per training run (_narrowing).
+            result = self.loop.run(self.data, params, fuse=self.fuse, **members)
         except Exception as error:
             _note_validation(error, "the evaluator's run over")
             raise
