@@ -95,10 +95,12 @@ def _encode_field(value: Any, field: dataclasses.Field[Any], arrays: list[Any], 
     """A dataclass pytree's field, encoded; a function in a flax struct's static field
     (flax's TrainState keeps apply_fn and tx so) is refused with the fix that works, since
     optax's transformations are closures that no definition at a module's top level makes."""
+    held = getattr(value, field.name)
     try:
-        return encode(getattr(value, field.name), arrays, f"{where}.{field.name}")
-    except ValueError as error:
-        if field.metadata.get("pytree_node", True) or not str(error).startswith(where):
+        return encode(held, arrays, f"{where}.{field.name}")
+    except ValueError:
+        functions = any(callable(leaf) for leaf in jax.tree.leaves(held))
+        if field.metadata.get("pytree_node", True) or not functions:
             raise
         kind = type(value).__name__
         raise ValueError(
