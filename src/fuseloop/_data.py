@@ -121,7 +121,7 @@ class Source:
             if self.one_shot
             else " (x, y) batch (check batch_size against the dataset size and drop_remainder)"
         )
-        return f"data is empty: the first epoch yielded no batch. Pass at least one{spent}"
+        return f"data is empty: the run's first epoch yielded no batch. Pass at least one{spent}"
 
     def why_empty(self) -> str:
         """What to do about an epoch that found no batches, for this kind of source."""
