@@ -83,6 +83,12 @@ def test_a_population_of_an_nnx_model_varying_a_rate_starts_every_member_from_th
     frozen, moved = state.member(0), state.member(1)
     np.testing.assert_array_equal(_first_kernel(frozen), module.layers[0].kernel[...])
     assert not np.array_equal(_first_kernel(moved), _first_kernel(frozen))
+    # Seeds varied beside the rate reach nothing of an nnx model: members alike but for
+    # their seeds trained identically, without a word (a solo run's seed= warns).
+    grid = {"learning_rate": [0.0, 1e-2, 0.0, 1e-2], "seed": [0, 0, 1, 1]}
+    with pytest.warns(UserWarning, match=r"member seeds \[0, 0, 1, 1\] have no effect"):
+        twins = loop.run(make_batches(4), population=grid)
+    np.testing.assert_array_equal(_first_kernel(twins.member(1)), _first_kernel(twins.member(3)))
 
 
 def test_a_population_started_from_given_variables_that_varies_only_seeds_is_refused():

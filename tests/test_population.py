@@ -196,7 +196,7 @@ def test_population_argument_errors():
     loop = _trainer()
     with pytest.raises(ValueError, match="population=0"):
         loop.run(data, population=0)
-    with pytest.raises(ValueError, match="trainer"):
+    with pytest.raises(ValueError, match=r"needs a trainer loop.*jax\.vmap the step over it"):
         fl.loop(lambda batch, s: s).run(data, {"n": 0}, population=2)
     with pytest.raises(ValueError, match="leading axes"):
         fl.evaluator(fl.models.mlp([2])).run(data, {"params": {}}, population=2)

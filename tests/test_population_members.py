@@ -42,6 +42,10 @@ def test_learning_rate_sweep_matches_solo_runs():
     rates = [0.01, 0.1, 0.5]
     pop = _trainer().run(data, epochs=2, fuse=4, population={"learning_rate": rates})
     np.testing.assert_allclose(pop.metrics["learning_rate"], rates, rtol=1e-7)
+    # 0-d arrays stand for numbers (list(jnp.logspace(...)) gives them): they were refused.
+    zero_d = [np.asarray(rates[0]), jnp.asarray(rates[1]), np.float32(rates[2])]
+    again = _trainer().run(data, epochs=2, fuse=4, population={"learning_rate": zero_d})
+    np.testing.assert_allclose(again.metrics["learning_rate"], rates, rtol=1e-7)
     for i, rate in enumerate(rates):
         solo = _trainer(_named_sgd(rate), seed=i).run(data, epochs=2, fuse=4)
         for a, b in zip(_leaves(pop.member(i).params), _leaves(solo.params), strict=True):

@@ -350,6 +350,9 @@ def test_plot_history_writes_the_format_its_path_names_and_takes_one_metric_name
     assert fl.plot_history(history, tmp_path / "h.pdf").read_bytes()[:4] == b"%PDF"
     assert b"<svg" in fl.plot_history(history, tmp_path / "h.svg").read_bytes()[:400]
     assert fl.plot_history(history, tmp_path / "one.png", metrics="accuracy").exists()
+    # A population's metric (one value per member) was refused by its own name.
+    members = {e: {"loss": np.array([1.0, 2.0]) / (e + 1)} for e in range(3)}
+    assert fl.plot_history(members, tmp_path / "members.png", metrics="loss").exists()
     with pytest.raises(ValueError, match=r"writes no \.xyz files.*\.png"):
         fl.plot_history(history, tmp_path / "h.xyz")
     with pytest.raises(ValueError, match="is a folder; give a file name"):

@@ -143,6 +143,8 @@ def require_distinct_members(model: Any, population: Population, given: bool) ->
     else: the run was given variables to start from (`given`), or the model is built
     initialised (nnx, equinox), so the member seeds cannot reach the weights, and no
     hyperparameter varies."""
+    if population.hyperparams:
+        _warn_unused_seeds(model, population)
     if population.hyperparams or population.size < 2:
         return
     kind = getattr(model, "initialised_when_built", None)  # e.g. "an nnx" (model)
@@ -169,6 +171,20 @@ def require_distinct_members(model: Any, population: Population, given: bool) ->
         f"{list(population.seeds)} cannot give the members different weights: they would "
         f"all start from the same ones, and differ at most in dropout masks. Vary a "
         f"hyperparameter (e.g. population={{'learning_rate': [...]}}), or {other}"
+    )
+
+
+def _warn_unused_seeds(model: Any, population: Population) -> None:
+    """Warns where members differ in their seeds as well as in a hyperparameter but the
+    model takes no seed (nnx's): members alike but for their seeds train identically."""
+    why = getattr(model, "seed_unused", None)
+    if why is None or len(set(population.seeds)) < 2:
+        return
+    warn(
+        f"population: the member seeds {list(population.seeds)} have no effect on this "
+        f"model: {why}. Members that differ only in their seed train identically (the same "
+        f"weights, the same dropout masks); vary the hyperparameters alone, or train each "
+        f"seed as its own run of a model built with nnx.Rngs(seed)"
     )
 
 

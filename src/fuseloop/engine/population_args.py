@@ -82,7 +82,9 @@ def resolve_population(
     if program.kind != "trainer":
         raise ValueError(
             f"population={population!r} needs a trainer loop (fl.trainer(...)): a population "
-            f"trains N members of one trainer"
+            f"trains N members of one trainer. For a custom loop, keep the members in the "
+            f"step state with a leading axis and jax.vmap the step over it, or train each "
+            f"member as its own run"
         )
     if mesh is not None:
         raise ValueError(
@@ -260,7 +262,16 @@ _STRUCTURAL = (
 )
 
 
+def _scalar(value: Any) -> Any:
+    """A 0-d numpy or jax array as its number (`list(jnp.logspace(...))` gives those);
+    anything else as it is."""
+    if isinstance(value, (np.ndarray, jax.Array)) and value.shape == ():
+        return value.item()
+    return value
+
+
 def _seed(value: Any, where: str = "population['seed']") -> int:
+    value = _scalar(value)
     if not is_int(value):
         raise ValueError(f"{where}: {value!r} must be an int")
     # A member's key is drawn on the device from the seed's 32 bits, as a solo run's is
@@ -275,6 +286,7 @@ def _seed(value: Any, where: str = "population['seed']") -> int:
 
 
 def _number(key: str, value: Any) -> float:
+    value = _scalar(value)
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ValueError(f"population[{key!r}]: {value!r} must be a number")
     if not np.isfinite(value):

@@ -62,7 +62,8 @@ def plot_history(
             extension (".pdf", ".svg", ...).
         metrics: The metric names to plot, or one name (default: every scalar metric in
             the history). A name's panel shows its training and validation values;
-            `"validation_<name>"` plots the validation values alone.
+            `"validation_<name>"` plots the validation values alone; a population's
+            metric gets a panel per member (`"loss"` plots `loss[0]`, `loss[1]`, ...).
         title: A title over the figure.
 
     Returns:
@@ -133,6 +134,8 @@ def _panels(
             if "validation" in splits
         }
         choices = {**panels, **one_split}
+        # A population's metric is plotted per member: "loss" asks for loss[0], loss[1], ...
+        metrics = [each for m in metrics for each in (_members(m, choices) or [m])]
         unknown = [m for m in metrics if m not in choices]
         if unknown:
             raise ValueError(
@@ -143,6 +146,12 @@ def _panels(
     if not panels:
         raise ValueError("history holds no scalar metric to plot")
     return panels
+
+
+def _members(name: str, choices: Mapping[str, Any]) -> list[str]:
+    """A population metric's per-member panels, `name[0]`, `name[1]`, ... (none: [])."""
+    found = [c for c in choices if c.startswith(name + "[") and c[len(name) + 1 : -1].isdigit()]
+    return sorted(found, key=lambda c: int(c[len(name) + 1 : -1]))
 
 
 def _figure(panels: dict[str, dict[str, list[tuple[int, float]]]]) -> Any:
