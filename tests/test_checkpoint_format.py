@@ -12,6 +12,7 @@ import sys
 import warnings
 from typing import Any, NamedTuple
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -423,6 +424,12 @@ def test_two_checkpoint_handlers_on_one_directory_are_refused(tmp_path):
     best.checkpoint(tmp_path / "ck_latest", keep=1)  # a directory each: fine
 
 
+@flax.struct.dataclass
+class _Static:
+    w: Any
+    static: Any = flax.struct.field(pytree_node=False, default=None)
+
+
 def test_flax_train_states_functions_are_refused_with_the_fix_that_works(tmp_path):
     """TrainState keeps apply_fn and tx as static fields: the refusal told the user to
     define them at a module's top level, which no one can do for optax's closures."""
@@ -432,5 +439,8 @@ def test_flax_train_states_functions_are_refused_with_the_fix_that_works(tmp_pat
     ts = train_state.TrainState.create(apply_fn=jnp.dot, params=params, tx=optax.sgd(0.1))
     with pytest.raises(ValueError, match=r"\.tx: a static field of TrainState .*'opt_state'"):
         fl.save_state(fl.State(step_state={"ts": ts}), tmp_path / "ts")
+    # A static field whose trouble is not a closure keeps its own refusal (a set here).
+    with pytest.raises(ValueError, match=r"\.static\[1\]=set cannot be saved without pickle"):
+        fl.save_state(fl.State(step_state=_Static(jnp.ones(2), (jnp.tanh, {1}))), tmp_path / "x")
     fix = {"params": ts.params, "opt_state": ts.opt_state, "step": ts.step}  # what it names
     assert fl.load_state(fl.save_state(fl.State(step_state=fix), tmp_path / "ok")).step_state

@@ -196,6 +196,9 @@ def test_population_argument_errors():
     loop = _trainer()
     with pytest.raises(ValueError, match="population=0"):
         loop.run(data, population=0)
+    keys = list(jax.random.split(jax.random.key(0), 2))  # 0-d, but no number
+    with pytest.raises(ValueError, match=r"(?s)population\['seed'\]: .* must be an int"):
+        loop.run(data, population={"seed": keys})
     with pytest.raises(ValueError, match=r"needs a trainer loop.*jax\.vmap the step over it"):
         fl.loop(lambda batch, s: s).run(data, {"n": 0}, population=2)
     with pytest.raises(ValueError, match="leading axes"):

@@ -353,6 +353,11 @@ def test_plot_history_writes_the_format_its_path_names_and_takes_one_metric_name
     # A population's metric (one value per member) was refused by its own name.
     members = {e: {"loss": np.array([1.0, 2.0]) / (e + 1)} for e in range(3)}
     assert fl.plot_history(members, tmp_path / "members.png", metrics="loss").exists()
+    from fuseloop.handlers.plot import _panels
+
+    assert list(_panels(members, ["loss"])) == ["loss[0]", "loss[1]"]
+    both = {0: {"loss": 1.0, "loss[0]": 2.0, "loss[1]": 3.0}}  # a name of its own wins
+    assert list(_panels(both, ["loss"])) == ["loss"]
     with pytest.raises(ValueError, match=r"writes no \.xyz files.*\.png"):
         fl.plot_history(history, tmp_path / "h.xyz")
     with pytest.raises(ValueError, match="is a folder; give a file name"):

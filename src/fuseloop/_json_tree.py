@@ -92,30 +92,32 @@ def encode(value: Any, arrays: list[Any], where: str = "value") -> Any:
 
 
 def _encode_field(value: Any, field: dataclasses.Field[Any], arrays: list[Any], where: str) -> Any:
-    """A dataclass pytree's field, encoded; a function in a flax struct's static field
-    (flax's TrainState keeps apply_fn and tx so) is refused with the fix that works, since
-    optax's transformations are closures that no definition at a module's top level makes."""
+    """A dataclass pytree's field, encoded. Closures in a flax struct's static field
+    (TrainState's apply_fn and optax's tx) are refused with the fix that works."""
     held = getattr(value, field.name)
     try:
         return encode(held, arrays, f"{where}.{field.name}")
     except ValueError:
-        functions = any(callable(leaf) for leaf in jax.tree.leaves(held))
-        if field.metadata.get("pytree_node", True) or not functions:
+        if field.metadata.get("pytree_node", True) or not _closures_in(held):
             raise
-        kind = type(value).__name__
         raise ValueError(
-            f"{where}.{field.name}: a static field of {kind} holding a function (flax's "
-            f"TrainState keeps apply_fn and tx so), which a save cannot hold: it holds a "
-            f"step state's arrays, not its functions. Keep the arrays as the step state, "
-            f"e.g. {{'params': ts.params, 'opt_state': ts.opt_state, 'step': ts.step}}, and "
-            f"the functions outside it, closed over by the step"
+            f"{where}.{field.name}: a static field of {type(value).__name__} holding a "
+            f"function (as flax's TrainState keeps apply_fn and tx), which a save cannot hold."
+            f" Keep the arrays as the step state, {{'params': ts.params, 'opt_state': "
+            f"ts.opt_state, 'step': ts.step}}, and let the step close over the functions"
         ) from None
+
+
+def _closures_in(held: Any) -> bool:
+    try:  # a tree jax cannot flatten: its own refusal stands
+        return any(callable(a) and not is_named(a) for a in jax.tree.leaves(held))
+    except Exception:
+        return False
 
 
 def _fix_for(value: Any) -> str:
     if not callable(value):
         return "Convert it (e.g. to a dict of those) before saving"
-    # A model's activation field (an equinox static field) is saved with its params.
     return (
         "A lambda, a nested function or a functools.partial has no name to import it by: "
         "define it with def at a module's top level (for a partial, a function calling "

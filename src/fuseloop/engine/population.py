@@ -175,11 +175,15 @@ def require_distinct_members(model: Any, population: Population, given: bool) ->
 
 
 def _warn_unused_seeds(model: Any, population: Population) -> None:
-    """Warns where members differ in their seeds as well as in a hyperparameter but the
-    model takes no seed (nnx's): members alike but for their seeds train identically."""
+    """Warns where two members differ in their seeds alone but the model takes no seed
+    (nnx's): they train identically."""
     why = getattr(model, "seed_unused", None)
-    if why is None or len(set(population.seeds)) < 2:
-        return
+    seeds_of: dict[tuple[float, ...], set[int]] = {}  # hyperparameter values -> seeds
+    for i, seed in enumerate(population.seeds):
+        values = tuple(each[i] for _, each in population.hyperparams)
+        seeds_of.setdefault(values, set()).add(seed)
+    if why is None or all(len(seeds) < 2 for seeds in seeds_of.values()):
+        return  # no two members differ in their seeds alone
     warn(
         f"population: the member seeds {list(population.seeds)} have no effect on this "
         f"model: {why}. Members that differ only in their seed train identically (the same "

@@ -266,7 +266,10 @@ def _scalar(value: Any) -> Any:
     """A 0-d numpy or jax array as its number (`list(jnp.logspace(...))` gives those);
     anything else as it is."""
     if isinstance(value, (np.ndarray, jax.Array)) and value.shape == ():
-        return value.item()
+        try:  # a typed key or a traced value has no number: refused as it is
+            return value.item()
+        except Exception:
+            return value
     return value
 
 

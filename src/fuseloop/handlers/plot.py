@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -135,7 +136,9 @@ def _panels(
         }
         choices = {**panels, **one_split}
         # A population's metric is plotted per member: "loss" asks for loss[0], loss[1], ...
-        metrics = [each for m in metrics for each in (_members(m, choices) or [m])]
+        metrics = [
+            each for m in metrics for each in ([m] if m in choices else _members(m, choices) or [m])
+        ]
         unknown = [m for m in metrics if m not in choices]
         if unknown:
             raise ValueError(
@@ -150,8 +153,9 @@ def _panels(
 
 def _members(name: str, choices: Mapping[str, Any]) -> list[str]:
     """A population metric's per-member panels, `name[0]`, `name[1]`, ... (none: [])."""
-    found = [c for c in choices if c.startswith(name + "[") and c[len(name) + 1 : -1].isdigit()]
-    return sorted(found, key=lambda c: int(c[len(name) + 1 : -1]))
+    member = re.compile(re.escape(name) + r"\[([0-9]+)\]")
+    found = [(int(m[1]), c) for c in choices if (m := member.fullmatch(c))]
+    return [c for _, c in sorted(found)]
 
 
 def _figure(panels: dict[str, dict[str, list[tuple[int, float]]]]) -> Any:
