@@ -128,7 +128,8 @@ def test_bad_arguments(state):
     # A custom loop's State keeping its variables under another key: it was told only
     # "the State holds no params".
     custom = fl.State(step_state={"theta": state.params, "opt": ()})
-    with pytest.raises(ValueError, match=r"without one \(its keys: \['opt', 'theta'\]\)"):
+    keys = r"without a 'params' entry \(its keys: \['opt', 'theta'\]\)"
+    with pytest.raises(ValueError, match=keys):
         predict(Net(), custom, X)
     np.testing.assert_array_equal(
         predict(Net(), custom.step_state["theta"], X), predict(Net(), state, X)

@@ -29,7 +29,7 @@ from ._predict_outputs import LIST_READ, joined, require_rows, require_rows_foll
 from ._unsliceable import refuse_jax_sparse, refuse_unstackable
 from ._variables_diff import member_axis
 from .engine.conv_layout import named
-from .models import as_model, variables_given
+from .models import as_model, variables_given, without_params
 
 __all__ = ["predict"]
 
@@ -371,11 +371,9 @@ def _no_variables(given: Any) -> str:
             "State in a fused run, or an observer's after a dispatch of several epochs); "
             "predict with the State the run returned"
         )
-    keys = f" (its keys: {sorted(map(str, step_state))})" if isinstance(step_state, dict) else ""
     return (
         f"variables_or_state: fl.predict reads the model's variables from "
-        f"step_state['params'], and this State's step state is a "
-        f"{type(step_state).__name__} without one{keys}: pass the variables themselves, "
-        f"fl.predict(model, state.step_state[...], x), or keep them under "
-        f"step_state['params'], as fl.trainer does"
+        f"step_state['params'], and this State's step state is {without_params(step_state)}"
+        f": pass the variables themselves, fl.predict(model, state.step_state[...], x), or "
+        f"keep them under step_state['params'], as fl.trainer does"
     )

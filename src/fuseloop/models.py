@@ -263,6 +263,19 @@ def variables_given(value: Any, argument: str) -> Any:
     return weights_of_module(getattr(value, "params", value), argument)
 
 
+def without_params(step_state: Any) -> str:
+    """A step state that holds no 'params' entry, described for a message.
+
+    Its type and, for a dict, its keys.
+
+    Example:
+        >>> without_params({"theta": 1.0})
+        "a dict without a 'params' entry (its keys: ['theta'])"
+    """
+    keys = f" (its keys: {sorted(map(str, step_state))})" if isinstance(step_state, dict) else ""
+    return f"a {type(step_state).__name__} without a 'params' entry{keys}"
+
+
 @functools.cache
 def _module_adapters() -> dict[type, Callable[[Any], ModelAdapter]]:
     """Each module base class `as_model` accepts instances of, with its adapter.

@@ -24,7 +24,7 @@ from .._shards import refuse_short_batch
 from .._state import State
 from .._types import Status
 from .._variables_diff import UNWRAPPED
-from ..models import variables_given
+from ..models import variables_given, without_params
 
 __all__ = ["Validator", "check_validation", "evaluable_metrics", "validation_names"]
 
@@ -322,9 +322,8 @@ def _no_params(step_state: Any) -> str:
             "loop, step_state is None); validate on an epoch event (the default), or use "
             "fuse=False"
         )
-    keys = f" (its keys: {sorted(map(str, step_state))})" if isinstance(step_state, dict) else ""
     return (
-        f"validate: it evaluates step_state['params'], and this loop's step state is a "
-        f"{type(step_state).__name__} without a 'params' entry{keys}; keep the model's "
-        f"variables under step_state['params'] (a dict step state), as fl.trainer does"
+        f"validate: it evaluates step_state['params'], and this loop's step state is "
+        f"{without_params(step_state)}; keep the model's variables under "
+        f"step_state['params'] (a dict step state), as fl.trainer does"
     )
