@@ -35,6 +35,8 @@ _HANDLERS = (
 )
 _DATA_FIRST = "the data is the first argument: run(fl.data.arrays(x, y, batch_size=32))"
 _ITERATIONS = "iterations=N bounds each epoch's iterations"
+_EPOCHS = "epochs go to the run: loop.run(data, epochs=N)"
+_SHUFFLE = "shuffling belongs to the data: fl.data.arrays(x, y, batch_size, shuffle=True)"
 _RATE = "the optimizer holds the rate: fl.trainer(model, loss, optax.adam(1e-3))"
 _WEIGHTS = (
     "per-example weights go into y, for a loss that reads them (docs/data.md, "
@@ -49,7 +51,7 @@ RUN_ADVICE: Mapping[str, str] = {
         "run(fl.data.arrays(x, y, batch_size=32), epochs=10)"
     ),
     "batch_size": _BATCH + " as the data",
-    "shuffle": "shuffling belongs to the data: fl.data.arrays(x, y, batch_size, shuffle=True)",
+    "shuffle": _SHUFFLE,
     "x": _DATA_FIRST,
     "y": _DATA_FIRST,
     "validation_data": "attach validation to the loop: loop.validate(model, val_data).run(data)",
@@ -90,16 +92,16 @@ FACTORY_ADVICE: Mapping[str, str] = {
     "metrics": 'add each metric to the loop this returns: .metric("accuracy")',
     "learning_rate": "give the optimizer its rate: optax.adam(learning_rate=1e-3)",
     "lr": "give the optimizer its rate: optax.adam(learning_rate=1e-3)",
-    "epochs": "epochs go to the run: loop.run(data, epochs=N)",
+    "epochs": _EPOCHS,
     "batch_size": _BATCH + " to run()",
     "callbacks": _HANDLERS,
     "jit_compile": "fuseloop compiles by default; run(..., jit=False) runs op by op to debug",
     "steps_per_execution": "fuse=K in run() runs K steps per dispatch",
-    "max_epochs": "epochs go to the run: loop.run(data, epochs=N)",
+    "max_epochs": _EPOCHS,
     "steps_per_epoch": "iterations go to the run: loop.run(data, iterations=N)",
     "validation_data": "attach validation to the loop: loop.validate(model, val_data)",
     "verbose": "run(progress=True) shows a bar per epoch",
-    "shuffle": "shuffling belongs to the data: fl.data.arrays(x, y, batch_size, shuffle=True)",
+    "shuffle": _SHUFFLE,
     "loss_weights": (
         "weigh several outputs' losses in a loss of your own: loss(y_true, y_pred) -> "
         "w1 * loss1 + w2 * loss2, for dict or tuple outputs"
@@ -112,7 +114,7 @@ FACTORY_ADVICE: Mapping[str, str] = {
 ARRAYS_ADVICE: Mapping[str, str] = {
     "sample_weight": _WEIGHTS,
     "class_weight": _WEIGHTS + ", a class's weight looked up by the label: weights[y]",
-    "epochs": "epochs go to the run: loop.run(data, epochs=N)",
+    "epochs": _EPOCHS,
     "validation_split": RUN_ADVICE["validation_split"],
 }
 

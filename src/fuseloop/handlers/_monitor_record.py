@@ -164,13 +164,18 @@ def _other_names(name: str) -> list[str]:
     return [canonical, *(k for k, v in ALIASES.items() if v == canonical)]
 
 
+def _validation_prefix(monitor: str) -> str:
+    """The validation prefix `monitor` starts with: fuseloop's, Keras's, or none ("")."""
+    return next((p for p in ("validation_", "val_") if monitor.startswith(p)), "")
+
+
 def _loss_tracked_as(monitor: str, names: Any) -> str | None:
     """Where `monitor` names a built-in loss ("mse", "val_binary_crossentropy"), what to
     monitor instead: a trainer keeps its loss as "loss" (and "validation_loss") whichever
     loss it is, as Keras does; None for any other name, or one a training metric has
     (validation left it out: another message says why). The monitor does not know the
     trainer's loss, so the advice says which case is which."""
-    prefix = next((p for p in ("validation_", "val_") if monitor.startswith(p)), "")
+    prefix = _validation_prefix(monitor)
     name = monitor.removeprefix(prefix)
     if ALIASES.get(name, name) not in LOSSES or name in names:  # a metric of that name
         return None
@@ -192,7 +197,7 @@ def _misspelt(monitor: str, names: Any) -> str | None:
     validation name's part after the prefix with the validation metrics' (another
     metric's validation, such as mae for mse, is not a typo of it), a training name with
     the training metrics, then whole (a misspelt prefix: "validaton_loss")."""
-    prefix = next((p for p in ("validation_", "val_") if monitor.startswith(p)), "")
+    prefix = _validation_prefix(monitor)
     kind = {n.removeprefix("validation_"): n for n in names if n.startswith("validation_")}
     if not prefix:
         kind = {n: n for n in names if not n.startswith("validation_")}
