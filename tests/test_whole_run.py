@@ -104,6 +104,26 @@ def test_fused_epochs_are_bitwise_the_unfused_run_with_observers_replayed(fuse):
         assert fused.stats["dispatch_splits"] == {}
 
 
+@pytest.mark.parametrize("fuse", ["run", 3])
+def test_an_optimizer_whose_arithmetic_xla_simplifies_by_context_stays_bitwise(fuse):
+    """`optax.polyak_sgd` negates the gradient (an `sgd(1.0)`) and takes its step size
+    from the updates' squared global norm. With loop-invariant code motion on, XLA:CPU
+    computed that norm otherwise in the step loop nested in the segment loop than in a
+    per-epoch program: one float32 ulp by epoch 6, which the step size then amplifies."""
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1, 1, size=(256, 2)).astype(np.float32)
+    y = (np.sin(np.pi * x[:, :1]) * x[:, 1:2]).astype(np.float32)
+    loop = fl.trainer(fl.models.mlp([16, 1]), "mse", optax.polyak_sgd(max_learning_rate=1.0))
+
+    def run(fuse: Any) -> fl.State:
+        data = fl.data.arrays(x, y, batch_size=128, shuffle=False, device=True)
+        return loop.run(data, epochs=10, fuse=fuse)
+
+    fused = run(fuse)
+    assert fused.stats["whole_run"] == "many epochs per dispatch"
+    _assert_same_run(fused, run(False))
+
+
 def test_dispatch_count_follows_k_across_epochs():
     # The runs of the bitwise test above (observers replay and do not split a dispatch).
     steps = EPOCHS * BATCHES
