@@ -67,18 +67,49 @@ def test_a_population_of_a_scheduled_hyperparameter_is_refused_by_name():
         fl.trainer(MODEL, LOSS, many).run(DATA, population={"learning_rate": [1e-3, 1e-2]})
 
 
+_FROZEN_FIRST = {name: ("frozen" if name == "Dense_0" else "head") for name in VARIABLES["params"]}
+
+
+def _frozen_first(learning_rate, labels):
+    """A fine-tuning optimizer: the first layer frozen, the rest trained by an injected
+    adam. Its state depends on the params' structure (a tree of labels, or a function that
+    names the layers), so no stand-in of params shows its hyperparameters."""
+    head = optax.inject_hyperparams(optax.adam)(learning_rate=learning_rate)
+    return optax.multi_transform({"head": head, "frozen": optax.set_to_zero()}, labels)
+
+
 @pytest.mark.parametrize(
-    "labels",
-    [
-        jax.tree.map(lambda _: "all", VARIABLES["params"]),
-        lambda params: {name: "all" for name in VARIABLES["params"]},  # names the layers
-    ],
+    "labels", [_FROZEN_FIRST, lambda params: _FROZEN_FIRST], ids=["tree", "naming-function"]
 )
-def test_a_population_of_a_structure_dependent_optimizer_is_told_why_it_exposes_nothing(labels):
-    tx = optax.multi_transform({"all": optax.inject_hyperparams(optax.adam)(1e-2)}, labels)
-    fix = r"a function that works on any params tree .*one that names the model's layers"
-    with pytest.raises(ValueError, match=fix):
-        fl.trainer(MODEL, LOSS, tx).run(DATA, VARIABLES, population={"learning_rate": [1, 2]})
+def test_a_population_of_a_structure_dependent_optimizer_is_checked_on_the_runs_params(labels):
+    rates = [1e-2, 5e-2]
+    loop = fl.trainer(MODEL, LOSS, _frozen_first(1e-3, labels))
+    population = loop.run(DATA, VARIABLES, epochs=2, population={"learning_rate": rates})
+    for i, rate in enumerate(rates):
+        member = population.member(i).params["params"]
+        solo = fl.trainer(MODEL, LOSS, _frozen_first(rate, labels)).run(DATA, VARIABLES, epochs=2)
+        frozen = VARIABLES["params"]["Dense_0"]
+        assert all(np.array_equal(member["Dense_0"][k], frozen[k]) for k in frozen)
+        for got, want in zip(
+            jax.tree.leaves(member), jax.tree.leaves(solo.params["params"]), strict=True
+        ):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # vmap: a few ulps
+    again = loop.run(DATA, VARIABLES, epochs=2, population={"learning_rate": rates[::-1]})
+    assert again.stats["compiles"] == 0
+
+
+def test_a_structure_dependent_optimizers_population_is_refused_where_its_state_says_so():
+    labels = jax.tree.map(lambda _: "all", VARIABLES["params"])
+    adam = optax.multi_transform({"all": optax.inject_hyperparams(optax.adam)(1e-2)}, labels)
+    accepted = r"'momentum' is not .* accepted: seed, b1, b2, eps, eps_root, learning_rate "
+    with pytest.raises(ValueError, match=accepted):
+        fl.trainer(MODEL, LOSS, adam).run(DATA, population={"momentum": [0.8, 0.9]})
+    scheduled = optax.multi_transform({"all": _injected()}, labels)
+    with pytest.raises(ValueError, match=r"population: 'learning_rate' is recomputed by a sch"):
+        fl.trainer(MODEL, LOSS, scheduled).run(DATA, population={"learning_rate": [0.1, 0.2]})
+    whole = optax.multi_transform({"all": optax.inject_hyperparams(optax.sgd)(1)}, labels)
+    with pytest.raises(ValueError, match=r"keeps learning_rate as int32 .* 0.5 would be cut"):
+        fl.trainer(MODEL, LOSS, whole).run(DATA, population={"learning_rate": [0.5, 1.0]})
 
 
 def test_an_injected_hyperparameter_that_is_a_tree_trains():

@@ -11,6 +11,7 @@ alone) to the optimizer it applies.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -25,10 +26,14 @@ __all__ = ["rate_is_scheduled", "scheduled_hyperparams"]
 _MARKER = 0.123456789
 
 
-def scheduled_hyperparams(tx: Any, params: Any = None) -> frozenset[str] | None:
+def scheduled_hyperparams(
+    tx: Any, params: Any = None, compiled: bool = False
+) -> frozenset[str] | None:
     """The names of `tx`'s injected hyperparameters that an update recomputes, probed on
     `params` (default: a tiny stand-in); None when the probe cannot run (an optimizer whose
-    structure depends on the params, probed without them).
+    structure depends on the params, probed without them). `compiled`: the probe runs as
+    one jitted program rather than op by op (a model's params: one compile rather than an
+    eager dispatch of every op of the update on every leaf).
 
     Example:
         >>> import optax
@@ -41,16 +46,9 @@ def scheduled_hyperparams(tx: Any, params: Any = None) -> frozenset[str] | None:
     tx = _applying(tx)
     if params is None:
         params = {"w": jnp.zeros((1,), jnp.float32)}
+    probe = functools.partial(_probe, tx)
     try:
-        marked = jax.tree.map(_mark, tx.init(params), is_leaf=_is_inject_state)
-        _, after = optimizer_update(
-            tx,
-            jax.tree.map(jnp.zeros_like, params),
-            marked,
-            params,
-            jnp.zeros((), jnp.float32),
-            lambda p: jnp.zeros((), jnp.float32),
-        )
+        marked, after = (jax.jit(probe) if compiled else probe)(params)
     except Exception:  # noqa: BLE001 - structure-dependent optimizers cannot be probed
         return None
     changed: set[str] = set()
@@ -61,6 +59,21 @@ def scheduled_hyperparams(tx: Any, params: Any = None) -> frozenset[str] | None:
             ):
                 changed.add(name)
     return frozenset(changed)
+
+
+def _probe(tx: Any, params: Any) -> tuple[Any, Any]:
+    """`tx`'s state with a marker in every injected hyperparameter, and that state after
+    one update of zero gradients."""
+    marked = jax.tree.map(_mark, tx.init(params), is_leaf=_is_inject_state)
+    _, after = optimizer_update(
+        tx,
+        jax.tree.map(jnp.zeros_like, params),
+        marked,
+        params,
+        jnp.zeros((), jnp.float32),
+        lambda p: jnp.zeros((), jnp.float32),
+    )
+    return marked, after
 
 
 def rate_is_scheduled(tx: Any) -> bool | None:

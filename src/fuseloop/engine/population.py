@@ -17,12 +17,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._metrics import read_metric
+from .._optim import abstract_state
 from .._placement import device_signature
+from .._step import _trainable as trainable
 from .._step import init_tail, trainer_program
 from .._warn import warn
 from .init_batch import abstract_batch, batch_values, reads_batch, zeros_batch
 from .population_acc import PackedAcc, pack, packed_like
-from .population_args import RECORD_KEY, Population, resolve_population
+from .population_args import (
+    RECORD_KEY,
+    Population,
+    check_hyperparams_on,
+    exposed_on,
+    resolve_population,
+)
 
 __all__ = [
     "Population",
@@ -211,6 +219,8 @@ def population_init(programs: Any, population: Population, first: Any, variables
         isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(variables)
     ):
         variables = jax.device_put(variables)
+    if population.hyperparams and abstract_state(programs.loop.program.optimizer) is None:
+        _check_on_run_params(programs, population, treedef, spec, variables)
     cache = programs.cache.init
     if key not in cache:
         init = _members_init(programs.loop.program, treedef, spec)
@@ -220,6 +230,25 @@ def population_init(programs: Any, population: Population, first: Any, variables
     program, reads = cache[key]
     # A fresh init that reads the first batch's values takes them, as a solo run's does.
     return program(variables, seeds, hyper, batch_values(first) if reads else None)
+
+
+def _check_on_run_params(
+    programs: Any, population: Population, treedef: Any, spec: Any, variables: Any
+) -> None:
+    """Checks the varied hyperparameters of an optimizer whose state depends on the params'
+    structure against the state it makes for this run's params (found abstractly, then
+    kept with the programs, so a second run traces and compiles nothing for it)."""
+    leaves, given = jax.tree.flatten(variables)
+    shapes = tuple((np.shape(leaf), str(jnp.result_type(leaf))) for leaf in leaves)
+    key = ("population hyperparams", treedef, spec, given, shapes)
+    cache, program = programs.cache.init, programs.loop.program
+    if key not in cache:
+        solo = trainer_program(program.model, program.loss, program.optimizer, 0)
+        made = jax.eval_shape(solo.init, abstract_batch(treedef, spec), variables)
+        params, _ = trainable(made["params"])
+        opt_state = made["opt_state"]
+        cache[key] = (exposed_on(program.optimizer, opt_state, params), opt_state)
+    check_hyperparams_on(population, *cache[key])
 
 
 def _members_init(program: Any, treedef: Any, spec: Any) -> Callable[..., Any]:

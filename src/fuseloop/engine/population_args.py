@@ -198,31 +198,22 @@ def _from_argument(population: Any, program: Any) -> Population:
         )
     n = next(iter(lengths.values()))
     seeds = tuple(_seed(s) for s in population.get("seed", [base + i for i in range(n)]))
-    accepted = hyperparameter_names(program.optimizer)
     varied = set(population) - {"seed"}  # hyperparameters: read from the optimizer's state
     optimizer_state = abstract_state(program.optimizer) if varied else None
+    # An optimizer whose state depends on the params' structure (None here) is checked
+    # once the run's params are known (`check_hyperparams_on`, at the members' init).
+    exposed = None
+    if optimizer_state is not None:
+        exposed = _Exposed.of(optimizer_state, scheduled_hyperparams(program.optimizer))
     hyper = []
     for key, values in population.items():
         if key == "seed":
             continue
-        if key not in accepted and key in (scheduled_hyperparams(program.optimizer) or ()):
-            raise ValueError(
-                f"population: {key!r} is recomputed by a schedule in this optimizer, so a "
-                f"member's value would be overwritten at its first step; inject a number "
-                f"(e.g. optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)) to give "
-                f"each member its own, or vary the schedule's own parameters in separate runs"
-            )
-        if key not in accepted:
-            names = ", ".join(["seed", *accepted])
-            raise ValueError(
-                f"population: {key!r} is not a hyperparameter the optimizer exposes; accepted: "
-                f"{names} (an optimizer built with optax.inject_hyperparams exposes those "
-                f"it was given: optax.inject_hyperparams(optax.sgd)(learning_rate=0.01, "
-                f"momentum=0.9) exposes momentum, the named 'sgd' does not"
-                f"{_STRUCTURAL if optimizer_state is None else ''})"
-            )
+        if exposed is not None:
+            exposed.refuse_unexposed(key)
         numbers = tuple(_number(key, v) for v in values)
-        _require_one_float_slot(optimizer_state, key, numbers)
+        if optimizer_state is not None:
+            _require_one_float_slot(optimizer_state, key, numbers)
         hyper.append((key, numbers))
     return Population(n, seeds, tuple(hyper))
 
@@ -253,13 +244,65 @@ def _require_one_float_slot(state: Any, key: str, values: tuple[float, ...]) -> 
             )
 
 
-# Why an optimizer built with inject_hyperparams may still expose nothing.
-_STRUCTURAL = (
-    "; this one's state depends on the params' structure (e.g. optax.multi_transform or "
-    "optax.masked given a pytree of labels), so its hyperparameters cannot be seen before "
-    "the run: give the labels as a function that works on any params tree (e.g. "
-    "jax.tree.map over the params; one that names the model's layers is probed as a tree)"
-)
+@dataclass(frozen=True)
+class _Exposed:
+    """The hyperparameters an optimizer state exposes to a population: those it injects,
+    less those a schedule recomputes at each update (`scheduled`)."""
+
+    accepted: tuple[str, ...]
+    scheduled: frozenset[str]
+
+    @staticmethod
+    def of(state: Any, scheduled: frozenset[str] | None) -> _Exposed:
+        names: list[str] = []
+        for node in inject_states(state):
+            names += [n for n in node.hyperparams if n not in names]
+        scheduled = scheduled or frozenset()
+        return _Exposed(tuple(n for n in names if n not in scheduled), scheduled)
+
+    def refuse_unexposed(self, key: str) -> None:
+        if key in self.accepted:
+            return
+        if key in self.scheduled:
+            raise ValueError(
+                f"population: {key!r} is recomputed by a schedule in this optimizer, so a "
+                f"member's value would be overwritten at its first step; inject a number "
+                f"(e.g. optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)) to give "
+                f"each member its own, or vary the schedule's own parameters in separate runs"
+            )
+        names = ", ".join(["seed", *self.accepted])
+        raise ValueError(
+            f"population: {key!r} is not a hyperparameter the optimizer exposes; accepted: "
+            f"{names} (an optimizer built with optax.inject_hyperparams exposes those "
+            f"it was given: optax.inject_hyperparams(optax.sgd)(learning_rate=0.01, "
+            f"momentum=0.9) exposes momentum, the named 'sgd' does not)"
+        )
+
+
+def exposed_on(tx: Any, opt_state: Any, params: Any) -> _Exposed:
+    """What `tx` exposes in `opt_state`, the (abstract) state it makes for the run's own
+    `params`: for an optimizer whose state depends on the params' structure
+    (`optax.multi_transform` or `optax.masked` given a tree of labels), which
+    `resolve_population` cannot probe on a stand-in. Which hyperparameters a schedule
+    recomputes is probed by one jitted update of zero gradients on zeros shaped as
+    `params`."""
+    zeros = jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), params)
+    scheduled = scheduled_hyperparams(tx, zeros, compiled=True)
+    if scheduled is None:
+        raise ValueError(
+            "population: the optimizer's update could not be probed on the model's params, so "
+            "which of its hyperparameters a schedule recomputes (and would overwrite at a "
+            "member's first step) is unknown; train the members as solo runs"
+        )
+    return _Exposed.of(opt_state, scheduled)
+
+
+def check_hyperparams_on(population: Population, exposed: _Exposed, opt_state: Any) -> None:
+    """Refuses a varied hyperparameter `exposed` (from `exposed_on`) does not hold, or one
+    `opt_state` injects in several transformations or keeps as an integer."""
+    for key, numbers in population.hyperparams:
+        exposed.refuse_unexposed(key)
+        _require_one_float_slot(opt_state, key, numbers)
 
 
 def _scalar(value: Any) -> Any:
@@ -318,13 +361,10 @@ def program_seed(program: Any) -> int:
 
 def hyperparameter_names(tx: Any) -> list[str]:
     """The numeric hyperparameters `tx` keeps in its state (optax.inject_hyperparams), in
-    order; those a schedule recomputes at each step are left out.
+    order; those a schedule recomputes at each step are left out. Probed on a stand-in of
+    params: an optimizer whose state depends on the params' structure exposes none here.
     """
     state = abstract_state(tx)
     if state is None:
-        return []  # a structure-dependent optimizer exposes none
-    names: list[str] = []
-    for node in inject_states(state):
-        names += [n for n in node.hyperparams if n not in names]
-    scheduled = scheduled_hyperparams(tx) if names else frozenset()
-    return [name for name in names if name not in (scheduled or ())]
+        return []
+    return list(_Exposed.of(state, scheduled_hyperparams(tx)).accepted)
