@@ -214,6 +214,12 @@ def test_resuming_from_inside_an_epoch_or_with_nothing_left_warns(tmp_path):
     # custom-loops.md passes a seed as init_state to fl.loop; a trainer's is its own.
     with pytest.raises(ValueError, match=r"init_state=0 is an integer.*seed=\.\.\."):
         loop.run(make_batches(6), 0)
+    # A hand loop's flax TrainState: it was blamed on x not fitting the model.
+    from flax.training import train_state
+
+    ts = train_state.TrainState.create(apply_fn=np.dot, params={"w": np.ones(2)}, tx=optax.sgd(1))
+    with pytest.raises(ValueError, match=r"TrainState is a hand loop's .*\{'params': ts.params\}"):
+        loop.run(make_batches(6), ts)
     # Keras's fit(x, y): y went where the variables go and x's rows were read as batches.
     x, y = np.zeros((16, 3), np.float32), np.zeros(16, np.int32)
     with pytest.raises(ValueError, match=r"run\(x, y\) passes y as the initial state"):

@@ -176,6 +176,15 @@ def check_init_state(
             f"run(x, y) passes y as the initial state. run takes one data source: "
             f"run(fl.data.arrays(x, y, batch_size=...), epochs=...)"
         )
+    if kind in _STARTS_FROM and all(hasattr(init_state, a) for a in _TRAIN_STATE):
+        fresh = "; its optimizer state starts afresh" if kind == "trainer" else ""
+        raise ValueError(
+            f"init_state: {type(init_state).__name__} is a hand loop's train state (flax's "
+            f"TrainState: params, opt_state, step, apply_fn, tx), and an fl.{kind}() run "
+            f"starts from the model's variables or a fuseloop State: pass its variables, "
+            f"{{'params': ts.params}} (or ts.params where it already holds {{'params': ...}})"
+            f"{fresh}"
+        )
     if kind in _STARTS_FROM and isinstance(init_state, dict) and set(init_state) == _STEP_STATE:
         raise ValueError(
             f"init_state: this dict holds {sorted(_STEP_STATE)}, a trainer's step state "
@@ -198,6 +207,7 @@ def _rows(value: Any) -> int | None:
 
 
 _STEP_STATE = {"params", *_TRAINER_KEYS}  # a trainer's step state's keys
+_TRAIN_STATE = ("params", "opt_state", "apply_fn", "tx")  # flax's TrainState and its kind
 _STARTS_FROM = {
     "trainer": "a trainer starts from the model's variables (model.init(...)) or a State; "
     "a trainer's seed is fl.trainer(..., seed=...)",
