@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fuseloop import cli
+from fuseloop import cli, diagnostics
 from fuseloop._demo import _plot_target, default_plot_path, parse_fuse
 
 
@@ -113,8 +113,6 @@ def test_a_demo_plot_path_is_checked_before_training(tmp_path, capsys):
         (["--whole-run", "--models", "mlp-tiny"], "--models does not apply"),
         (["--population", "--plot", "h.png"], "--plot does not apply to --population"),
         (["--whole-run", "--no-peers"], "--no-peers does not apply to --whole-run"),
-        (["--report", "--reps", "2"], "do not apply to --report"),
-        (["--report", "--quick"], "do not apply to --report"),
         (["--population", "--models", "mlp-large"], "with --population, pick from mlp-tiny"),
     ],
 )
@@ -123,6 +121,18 @@ def test_bench_options_that_do_not_go_together_are_usage_errors(argv, named, cap
         cli.main(["bench", *argv])
     assert exited.value.code == 2
     assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "reps"), [([], 3), (["--quick"], 1), (["--reps", "5"], 5)])
+def test_bench_report_times_the_epochs_its_options_ask_for(argv, reps, monkeypatch, capsys):
+    """--report times epochs (fl.diagnostics.report's reps); --reps and --quick were refused
+    as if it timed nothing."""
+    asked = []
+    monkeypatch.setattr(
+        diagnostics, "report", lambda loop, data, fuse, reps: asked.append(reps) or "text"
+    )
+    assert cli.main(["bench", "--report", "--models", "mlp-tiny", *argv]) == 0
+    assert asked == [reps] and "## mlp-tiny" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

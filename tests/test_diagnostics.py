@@ -173,6 +173,10 @@ def test_measures_once_per_loop_and_batch_shape(fake_probe: FakeProbe) -> None:
     wider = (np.zeros((BATCH * 2, FEATURES), np.float32), np.zeros(BATCH * 2, np.int32))
     diagnostics.choose_chunk_size(loop, None, wider)
     assert fake_probe.calls == 2
+    # A run's mesh is a probe of its own (it was taken only as a run's internal placement).
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
+    diagnostics.choose_chunk_size(loop, None, batch, placement=mesh)
+    assert fake_probe.calls == 3
 
 
 @pytest.mark.parametrize(
@@ -183,6 +187,7 @@ def test_measures_once_per_loop_and_batch_shape(fake_probe: FakeProbe) -> None:
         ("tolerance", 0.0),
         ("tolerance", float("nan")),
         ("epoch_length", 0),
+        ("placement", "data"),  # anything but a mesh was ignored: the probe ran on one device
     ],
 )
 def test_bad_arguments_name_themselves(argument: str, value: float) -> None:

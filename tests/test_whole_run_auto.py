@@ -60,3 +60,14 @@ def test_auto_keeps_epoch_bounded_chunks_on_host_data(monkeypatch):
     batches = [(xs[i : i + 16], ys[i : i + 16]) for i in range(0, 96, 16)]
     state = _trainer().run(batches, epochs=2, fuse="auto")
     assert state.stats["dispatches"] == 2
+
+
+def test_auto_says_why_it_stays_within_the_epoch_when_nothing_was_timed(monkeypatch):
+    """A step with side effects is not timed (K is fuse=True's); the stat said the cost
+    model had chosen."""
+    monkeypatch.setattr(auto_chunk, "_timings", lambda *args: None)
+    state = _trainer().run(_data(), epochs=2, fuse="auto")
+    assert state.stats["whole_run"] == (
+        "fuse='auto': one epoch or less per dispatch (not timed: the step has side effects)"
+    )
+    assert state.stats["dispatches"] == 2

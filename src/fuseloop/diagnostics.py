@@ -81,7 +81,7 @@ def decide_chunk_size(
         step_state: The initial step state (only read, never donated), None for the
             loop's own fresh one; an evaluator's: the variables (or State) its run takes.
         first_batch: A batch (no data is consumed).
-        placement: A run's placement (its mesh, if any, is used for the probe).
+        placement: The run's mesh (a jax.sharding.Mesh, as run(mesh=) takes), or None.
         budget_bytes: Memory budget for one stacked chunk.
         max_chunk: Upper bound on K.
         tolerance: Acceptable dispatch overhead as a fraction of the step time.
@@ -103,7 +103,7 @@ def decide_chunk_size(
         programs,
         step_state,
         first_batch,
-        placement=placement,
+        placement=auto_chunk.as_placement(placement),
         budget_bytes=budget_bytes,
         max_chunk=max_chunk,
         tolerance=tolerance,

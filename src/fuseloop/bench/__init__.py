@@ -250,14 +250,14 @@ def _add_sweep(
     out["compile_model"] = model
 
 
-def _diagnostics(specs: list[Spec], fuse: Any, batch_size: int, n_batches: int) -> dict[str, Any]:
+def _diagnostics(specs: list[Spec], fuse: Any, batch: int, n: int, reps: int) -> dict[str, Any]:
     from .. import diagnostics, trainer
 
     reports = {}
     for spec in specs:
-        w = _workload(spec, batch_size, n_batches)
+        w = _workload(spec, batch, n)
         loop = trainer(w.module, "sparse_categorical_cross_entropy", w.tx)
-        reports[spec.name] = diagnostics.report(loop, w.batches, fuse=fuse)
+        reports[spec.name] = diagnostics.report(loop, w.batches, fuse=fuse, reps=reps)
     return reports
 
 
@@ -302,7 +302,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--report",
         action="store_true",
-        help="print fl.diagnostics.report(fuse=32) per model, no benchmark",
+        help="print fl.diagnostics.report(fuse=32) per model (timing --reps epochs of "
+        "each kind: 3, 1 with --quick), no benchmark",
     )
     parser.add_argument("--no-peers", action="store_true", help="leave out Keras and PyTorch")
     parser.add_argument(
@@ -377,7 +378,8 @@ def _main(args: Any, parser: Any, argv: Sequence[str] | None, reps: int) -> int:
             write_json(result, args.json)
         return 0
     if args.report:
-        reports = _diagnostics(specs, MAIN_FUSE, 32, 100)
+        timed = args.reps or (1 if args.quick else 3)  # epochs of each kind it times
+        reports = _diagnostics(specs, MAIN_FUSE, 32, 100, timed)
         for name, report in reports.items():
             print(f"## {name}\n\n```\n{report}\n```\n")
         if args.json:

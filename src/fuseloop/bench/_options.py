@@ -42,8 +42,6 @@ def check_modes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     ):
         if given and modes:  # the figure and the peers are the main benchmark's
             parser.error(f"{option} does not apply to {modes[0]}")
-    if args.report and (getattr(args, "reps", None) is not None or getattr(args, "quick", False)):
-        parser.error("--reps and --quick do not apply to --report (it times nothing)")
     if args.members is not None and not args.population:
         parser.error("--members applies only with --population")
     if args.models is not None and not [m for m in args.models.split(",") if m.strip()]:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._fusion import DEFAULT_CHUNK
-from .._placement import device_signature
+from .._placement import Placement, device_signature
 from .._state import State
 from .programs import Programs
 
@@ -44,6 +44,7 @@ __all__ = [
     "decide_chunk_size",
     "choose_chunk_size",
     "epochs_per_dispatch",
+    "as_placement",
     "probe",
     "DEFAULT_BUDGET_BYTES",
     "DEFAULT_MAX_CHUNK",
@@ -136,6 +137,20 @@ def _evaluated(loop: Any, variables: Any, first_batch: Any) -> Any:
             "variables it evaluates (state.params, or the State), as its run takes them"
         )
     return loop.program.init(first_batch, weights_of_module(variables, "step_state"))
+
+
+def as_placement(placement: Any) -> Any:
+    """A public function's `placement=`: None (one device), a run's mesh (a
+    `jax.sharding.Mesh`, as `run(mesh=...)` takes) or a run's own placement; anything else
+    is refused (it would be ignored, and the probe would run on one device)."""
+    if placement is None or isinstance(placement, Placement):
+        return placement
+    if isinstance(placement, jax.sharding.Mesh):
+        return Placement(placement, {})
+    raise ValueError(
+        f"placement={placement!r} must be the run's mesh, a jax.sharding.Mesh with a 'data' "
+        f"axis (as run(mesh=...) takes), or None for one device"
+    )
 
 
 def _shardings(placement: Any) -> tuple[Any, Any]:
@@ -315,9 +330,10 @@ def epochs_per_dispatch(
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
     max_chunk: int = DEFAULT_MAX_CHUNK,
     tolerance: float = DEFAULT_TOLERANCE,
-) -> int:
+) -> tuple[int, str]:
     """Whole epochs per dispatch for `run(fuse="auto")` on a run that may cross epochs
-    (device-resident data; docs/design.md §9). 1 keeps chunks within the epoch.
+    (device-resident data; docs/design.md §9), and what decided it (for
+    `stats["whole_run"]`). 1 keeps chunks within the epoch.
 
     The cost model above, applied across epochs: when the K that meets the tolerance
     exceeds the epoch, a dispatch covers `ceil(K / epoch_length)` whole epochs. A dispatch
@@ -327,13 +343,15 @@ def epochs_per_dispatch(
     check_positive(epoch_length, "epoch_length")
     memory_cap = max(1, budget_bytes // max(nbytes(first_batch), 1))
     if epoch_length > min(memory_cap, max_chunk):
-        return 1
+        return 1, "an epoch's batches exceed the memory budget or max_chunk"
     timings = _timings(programs, step_state, first_batch, placement, memory_cap)
-    if timings is None:  # not timed (side effects, processes): chunks within the epoch
-        return 1
+    if timings is None:  # not timed: chunks within the epoch
+        if jax.process_count() > 1:
+            return 1, "not timed under several processes"
+        return 1, "not timed: the step has side effects"
     step, overhead = timings
     wanted = max(1, math.ceil(overhead / (tolerance * step)))
-    return 1 if wanted <= epoch_length else math.ceil(wanted / epoch_length)
+    return (1 if wanted <= epoch_length else math.ceil(wanted / epoch_length)), "cost model"
 
 
 def _timings(

@@ -117,14 +117,14 @@ def _auto_whole_run(
     """
     if length is None:
         return
-    per = epochs_per_dispatch(
+    per, why = epochs_per_dispatch(
         run.programs, step_state, first, placement=run.placement, epoch_length=length
     )
     if per > 1:
         whole = None if per >= run.epochs - run.start_epoch else per * length
         _whole_run(run, whole, length, warn_nonfinite)
     else:
-        run.stats["whole_run"] = "fuse='auto': one epoch or less per dispatch (cost model)"
+        run.stats["whole_run"] = f"fuse='auto': one epoch or less per dispatch ({why})"
 
 
 def epoch_length(source: Any, iterations: int | None) -> int | None:
