@@ -104,20 +104,35 @@ def test_fused_epochs_are_bitwise_the_unfused_run_with_observers_replayed(fuse):
         assert fused.stats["dispatch_splits"] == {}
 
 
-@pytest.mark.parametrize("fuse", ["run", 3])
-def test_an_optimizer_whose_arithmetic_xla_simplifies_by_context_stays_bitwise(fuse):
-    """`optax.polyak_sgd` negates the gradient (an `sgd(1.0)`) and takes its step size
-    from the updates' squared global norm. With loop-invariant code motion on, XLA:CPU
-    computed that norm otherwise in the step loop nested in the segment loop than in a
-    per-epoch program: one float32 ulp by epoch 6, which the step size then amplifies."""
+def _sine(n: int, features: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
-    x = rng.uniform(-1, 1, size=(256, 2)).astype(np.float32)
-    y = (np.sin(np.pi * x[:, :1]) * x[:, 1:2]).astype(np.float32)
-    loop = fl.trainer(fl.models.mlp([16, 1]), "mse", optax.polyak_sgd(max_learning_rate=1.0))
+    x = rng.uniform(-1, 1, size=(n, features)).astype(np.float32)
+    y = np.sin(np.pi * x[:, :1]) * x[:, 1:2] + (x[:, 2:3] ** 2 if features > 2 else 0)
+    return x, y.astype(np.float32)
+
+
+# Optimizers whose arithmetic XLA:CPU simplified by the step loop's context (docs/design.md
+# §9, "Where one loop body is not enough"): optax.polyak_sgd negates the gradient (an
+# sgd(1.0)) and takes its step size from the updates' squared global norm; the named "adam"
+# reads its rate from its injected hyperparameters. With loop-invariant code motion on in
+# the multi-epoch programs only, polyak came out one float32 ulp apart by epoch 6 (the step
+# size then amplifies it), and with it off there only, the named adam did.
+_CONTEXT_CASES = {
+    "polyak": (optax.polyak_sgd(max_learning_rate=1.0), [16, 1], 256, 2, 128, 10, False),
+    "named-adam": ("adam", [16, 16, 1], 200, 3, 40, 12, True),
+}
+
+
+@pytest.mark.parametrize("fuse", ["run", 7])
+@pytest.mark.parametrize("case", sorted(_CONTEXT_CASES))
+def test_an_optimizer_whose_arithmetic_xla_simplifies_by_context_stays_bitwise(case, fuse):
+    optimizer, widths, n, features, batch, epochs, shuffle = _CONTEXT_CASES[case]
+    x, y = _sine(n, features)
+    loop = fl.trainer(fl.models.mlp(widths), "mse", optimizer)
 
     def run(fuse: Any) -> fl.State:
-        data = fl.data.arrays(x, y, batch_size=128, shuffle=False, device=True)
-        return loop.run(data, epochs=10, fuse=fuse)
+        data = fl.data.arrays(x, y, batch_size=batch, shuffle=shuffle, seed=3, device=True)
+        return loop.run(data, epochs=epochs, fuse=fuse)
 
     fused = run(fuse)
     assert fused.stats["whole_run"] == "many epochs per dispatch"

@@ -32,6 +32,7 @@ from ._metrics import batch_size
 from ._unsliceable import unmasked
 
 __all__ = [
+    "LOOP_OPTIONS",
     "FusionError",
     "stack_chunk",
     "make_chunk_fn",
@@ -43,6 +44,12 @@ __all__ = [
 ]
 
 DEFAULT_CHUNK = 32
+# Every program with the device loop compiles with XLA's loop-invariant code motion off. It
+# lifts out of the step loop what a step computes from constants alone, which comes back as
+# a constant at a program's top level but stays an opaque loop input out of a loop nested
+# in another (a multi-epoch dispatch): there XLA simplified the step otherwise, an ulp
+# apart (docs/design.md §9, "Where one loop body is not enough").
+LOOP_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
 
 class FusionError(ValueError):

@@ -31,13 +31,7 @@ from .device_monitors import DeviceWork, Validation, epoch_end_fn, validation_lo
 from .packing import pack_leaves
 from .population import member_carry_step, member_chunk, population_tail
 from .programs import MIN_SLOTS, _source_key
-from .whole_program import (
-    host_outputs,
-    jit_multi_epoch,
-    record_buffers,
-    slot_rows,
-    write_segment,
-)
+from .whole_program import host_outputs, record_buffers, slot_rows, write_segment
 
 __all__ = ["population_whole_key", "population_whole_program"]
 
@@ -68,7 +62,7 @@ def population_whole_program(
     if key not in cache:
         size = programs.population.size
         fn = _build(programs, source, segments, limit, work, size, record)
-        cache[key] = jit_multi_epoch(programs, fn)
+        cache[key] = programs._jit(fn)
     return cache[key]
 
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from .._epoch_order import EpochOrder, prng_config
-from .._fusion import make_chunk_fn
+from .._fusion import LOOP_OPTIONS, make_chunk_fn
 from .._placement import default_device_key, device_key
 from .._shards import take_rows
 from .._step import make_carry_step
@@ -171,11 +171,11 @@ class Programs:
         # Named as fuseloop's: its convolutions lower channel-last on CPU (conv_layout.py).
         return conv_layout.named(traced, getattr(fn, "__name__", "program").strip("_<>"))
 
-    def _jit(self, fn: Callable[..., Any], copies: bool = False, **kwargs: Any) -> Any:
+    def _jit(self, fn: Callable[..., Any], copies: bool = False) -> Any:
         donate = (0, 1) if self.loop.program.donate_state else (1,)
         if copies:
             fn = copying(fn, self.COPY_BYTES)
-        return jax.jit(self.counted(fn), donate_argnums=donate, **kwargs)
+        return jax.jit(self.counted(fn), donate_argnums=donate, compiler_options=LOOP_OPTIONS)
 
     def _device_loop(self, fetch: Callable[[Any], Any] | None = None) -> Callable[..., Any]:
         """The one device loop every program runs (records always on: the body must not

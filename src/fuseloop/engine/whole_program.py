@@ -41,16 +41,9 @@ __all__ = [
     "put_at",
     "record_buffers",
     "write_segment",
-    "jit_multi_epoch",
 ]
 
 KEPT_RECORDS = "kept_records"  # the last segment's records, kept but never read
-# XLA:CPU's loop-invariant code motion is off in the multi-epoch programs: it lifts what a
-# step computes from constants alone out of the step loop. At a program's top level that
-# value is folded and sunk back into the loop as a constant; out of a step loop nested in
-# the segment loop it stays an opaque input of the loop, and XLA then simplifies the step's
-# arithmetic otherwise than in a per-epoch program (docs/design.md §9).
-_NESTED_LOOP_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
 
 def segments_for(cursor: int, steps: int, limit: int) -> list[tuple[int, int]]:
@@ -96,14 +89,8 @@ def whole_run_program(
     cache = programs.cache.whole_run
     if key not in cache:
         fn = _build(programs, source, segments, limit, sharding, work, record)
-        cache[key] = jit_multi_epoch(programs, fn)
+        cache[key] = programs._jit(fn)
     return cache[key]
-
-
-def jit_multi_epoch(programs: Any, fn: Callable[..., Any]) -> Any:
-    """`fn`, a multi-epoch program (a solo or a population one), jitted as the program
-    cache jits every program, with the step loop kept as a per-epoch program has it."""
-    return programs._jit(fn, compiler_options=_NESTED_LOOP_OPTIONS)
 
 
 def compiled_segments(cache: dict[Any, Any], at_least: int, key_of: Any) -> int | None:
