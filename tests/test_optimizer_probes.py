@@ -65,6 +65,13 @@ def test_a_population_of_a_scheduled_hyperparameter_is_refused_by_name():
     many = optax.MultiSteps(_injected(), every_k_schedule=2)
     with pytest.raises(ValueError, match=r"'learning_rate' is recomputed by a schedule"):
         fl.trainer(MODEL, LOSS, many).run(DATA, population={"learning_rate": [1e-3, 1e-2]})
+    # Nested in a chain or a group, MultiSteps applies its inner update (where the schedule
+    # writes) only at its k-th update: the probe's one update did not reach it.
+    nested = optax.MultiSteps(_injected(), every_k_schedule=3).gradient_transformation()
+    labels = jax.tree.map(lambda _: "all", VARIABLES["params"])
+    for tx in (optax.chain(nested), optax.multi_transform({"all": nested}, labels)):
+        with pytest.raises(ValueError, match=r"'learning_rate' is recomputed by a schedule"):
+            fl.trainer(MODEL, LOSS, tx).run(DATA, population={"learning_rate": [1e-3, 1e-2]})
 
 
 _FROZEN_FIRST = {name: ("frozen" if name == "Dense_0" else "head") for name in VARIABLES["params"]}

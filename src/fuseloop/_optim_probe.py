@@ -6,7 +6,8 @@ is recomputed at every update and would overwrite what was written, silently. On
 on a tiny probe finds them: each injected value is set to a marker, and a schedule replaces
 its marker. The probe passes what a trainer's update passes (`_optim.optimizer_update`),
 and looks through `optax.MultiSteps` (whose accumulating updates leave the inner state
-alone) to the optimizer it applies.
+alone) to the optimizer it applies; one nested in a chain or a group is updated until it
+has applied its inner update once.
 """
 
 from __future__ import annotations
@@ -46,9 +47,21 @@ def scheduled_hyperparams(
     tx = _applying(tx)
     if params is None:
         params = {"w": jnp.zeros((1,), jnp.float32)}
-    probe = functools.partial(_probe, tx)
+    init: Any = functools.partial(_marked_init, tx)
+    update: Any = functools.partial(_update, tx)
+    if compiled:
+        init, update = jax.jit(init), jax.jit(update)
     try:
-        marked, after = (jax.jit(probe) if compiled else probe)(params)
+        marked = init(params)
+        after = update(marked, params)
+        # An optax.MultiSteps inside the optimizer (a chain's or a group's) applies its
+        # inner update, where a schedule rewrites its value, only every k-th update.
+        for _ in range(_MOST_ACCUMULATED):
+            if not _accumulating(after):
+                break
+            after = update(after, params)
+        else:
+            return None  # it never applied: nothing can be told
     except Exception:  # noqa: BLE001 - structure-dependent optimizers cannot be probed
         return None
     changed: set[str] = set()
@@ -61,19 +74,33 @@ def scheduled_hyperparams(
     return frozenset(changed)
 
 
-def _probe(tx: Any, params: Any) -> tuple[Any, Any]:
-    """`tx`'s state with a marker in every injected hyperparameter, and that state after
-    one update of zero gradients."""
-    marked = jax.tree.map(_mark, tx.init(params), is_leaf=_is_inject_state)
+def _marked_init(tx: Any, params: Any) -> Any:
+    """`tx`'s state with a marker in every injected hyperparameter."""
+    return jax.tree.map(_mark, tx.init(params), is_leaf=_is_inject_state)
+
+
+def _update(tx: Any, state: Any, params: Any) -> Any:
+    """`state` after one update of zero gradients, passed as a trainer's update passes them."""
     _, after = optimizer_update(
         tx,
         jax.tree.map(jnp.zeros_like, params),
-        marked,
+        state,
         params,
         jnp.zeros((), jnp.float32),
         lambda p: jnp.zeros((), jnp.float32),
     )
-    return marked, after
+    return after
+
+
+_MOST_ACCUMULATED = 1024  # updates a nested MultiSteps may accumulate before it applies
+
+
+def _accumulating(state: Any) -> bool:
+    """Whether some `optax.MultiSteps` in `state` is part-way through accumulating (its
+    inner update has not run since its last application)."""
+    is_multi = lambda node: isinstance(node, optax.MultiStepsState)  # noqa: E731
+    nodes = [n for n in jax.tree.leaves(state, is_leaf=is_multi) if is_multi(n)]
+    return any(int(n.mini_step) != 0 for n in nodes)
 
 
 def rate_is_scheduled(tx: Any) -> bool | None:
