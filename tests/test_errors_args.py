@@ -334,6 +334,28 @@ def test_keras_fit_keywords_given_to_arrays_name_fuseloops_way():
     assert len(fl.data.arrays(x, y, 2)) == len(y) // 2  # what it takes is left alone
 
 
+@pytest.mark.parametrize(
+    ("builder", "keyword", "words"),
+    [
+        ("early_stop", "restore_best_weights", "restore_best=True"),
+        ("early_stop", "baseline", "'halt_loop'"),
+        ("checkpoint", "monitor", "criteria='validation_loss'"),
+        ("checkpoint", "save_best_only", "keep=1"),
+        ("checkpoint", "save_weights_only", "fl.load_state(path).params"),
+        ("reduce_lr_on_plateau", "epsilon", "min_delta="),
+        ("csv_log", "append", "keeps the file's rows"),
+        ("validate", "validation_freq", 'filter={"every": N}'),
+        ("early_stop", "pateince", "did you mean 'patience'?"),
+        ("tensorboard", "log_dir", "did you mean 'logdir'?"),
+    ],
+)
+def test_a_keras_callback_keyword_to_a_builder_names_fuseloops_way(builder, keyword, words):
+    """The builders a Keras user reaches for after run() raised Python's bare error."""
+    with pytest.raises(TypeError) as info:
+        getattr(trainer(), builder)(**{keyword: 1})
+    check(info, f"Loop.{builder}() got an unexpected keyword argument {keyword!r}", words)
+
+
 def test_the_keyword_check_leaves_what_run_takes_alone():
     state = trainer().run(DATA, epochs=1, iterations=2, fuse=2, progress=False)
     assert (state.status, state.iteration) == ("completed", 1)  # the second, counted from 0

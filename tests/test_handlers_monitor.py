@@ -376,7 +376,8 @@ def test_a_monitored_name_validation_never_gives_is_refused_before_training(hand
         ):
             attach(mae, keras).run(_batches(3, 0))
     sparse = base.validate(model, _batches(2, 1), filter={"every": 2})
-    with pytest.raises(ValueError, match=r"validate's filter leaves some epochs without"):
+    fix = "handle_event" if handler != "checkpoint" else r"loop.checkpoint\(\.\.\., filter="
+    with pytest.raises(ValueError, match=rf"validate's filter leaves some epochs .*{fix}"):
         attach(sparse, "validation_loss")
     assert attach(sparse, "loss").run(_batches(3, 0), epochs=2).status == "completed"
     if handler == "checkpoint":  # its own filter, validate's: it reads only validated epochs

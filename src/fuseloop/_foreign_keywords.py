@@ -15,6 +15,7 @@ from typing import ParamSpec, TypeVar
 
 __all__ = [
     "ARRAYS_ADVICE",
+    "HANDLER_ADVICE",
     "RUN_ADVICE",
     "FACTORY_ADVICE",
     "EVALUATOR_ADVICE",
@@ -129,17 +130,64 @@ EVALUATOR_ADVICE: Mapping[str, str] = {
 }
 
 
+_VERBOSE = "run(progress=True) shows a bar, and loop.log(...) writes lines"
+_OWN_HANDLER = (
+    "a handler of your own can: loop.handle_event('epoch_completed', fn), fn returning "
+    "'halt_loop' to stop"
+)
+_NO_FILE_NAME = "the path is the first argument: {method}(path)"
+
+# Keras callbacks' keywords given to the Loop's builders, by builder.
+HANDLER_ADVICE: Mapping[str, Mapping[str, str]] = {
+    "early_stop": {
+        "restore_best_weights": "restore_best=True ends the run with the best epoch's weights",
+        "baseline": "early_stop judges improvement against the best value seen; " + _OWN_HANDLER,
+        "start_from_epoch": "early_stop watches every epoch; " + _OWN_HANDLER,
+        "verbose": _VERBOSE,
+    },
+    "reduce_lr_on_plateau": {"epsilon": "it is min_delta= here", "verbose": _VERBOSE},
+    "checkpoint": {
+        "monitor": "criteria='validation_loss' (and mode=) saves where that metric improves",
+        "save_best_only": "criteria='<metric>' with keep=1 keeps only the best save",
+        "save_weights_only": (
+            "a save holds the whole State (weights, optimizer state, counters, history); "
+            "fl.load_state(path).params are the weights"
+        ),
+        "save_freq": 'filter={"every": N} saves every N epochs',
+        "filepath": _NO_FILE_NAME.format(method="checkpoint"),
+        "verbose": _VERBOSE,
+    },
+    "csv_log": {
+        "filename": _NO_FILE_NAME.format(method="csv_log"),
+        "append": (
+            "a run resumed from a State keeps the file's rows of its earlier epochs and "
+            "goes on; a fresh run writes the file anew"
+        ),
+        "separator": "the file is comma-separated",
+    },
+    "validate": {
+        "validation_freq": 'filter={"every": N} validates every N epochs',
+        "batch_size": (
+            "the validation data is batched before: fl.data.arrays(x_val, y_val, "
+            "batch_size=32, shuffle=False, drop_remainder=False)"
+        ),
+        "validation_steps": "iterations are the data's: give the validation data you want",
+    },
+}
+
+
 def advise_foreign_keywords(
-    advice: Mapping[str, str],
+    advice: Mapping[str, str], owner: str | None = None
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Wraps a public function so a keyword it does not take raises a TypeError that says
-    what fuseloop calls it (from `advice`), or the close spelling it takes."""
+    what fuseloop calls it (from `advice`), or the close spelling it takes. `owner`: the
+    class a method is called on (`Loop` for a builder its base class defines)."""
 
     def decorate(function: Callable[P, R]) -> Callable[P, R]:
         parameters = inspect.signature(function).parameters
         accepted = frozenset(parameters)
         positional = sum(p.kind == p.POSITIONAL_OR_KEYWORD for p in parameters.values())
-        name = function.__qualname__
+        name = function.__qualname__ if owner is None else f"{owner}.{function.__name__}"
 
         @functools.wraps(function)
         def checked(*args: P.args, **kwargs: P.kwargs) -> R:

@@ -162,13 +162,13 @@ class Loop(HandlerBuilders):
 
     def _as_observers(self, before: int) -> Loop:
         """This loop with the registrations after the first `before` marked as observers
-        (the writers attached by csv_log and tensorboard only look).
-        """
+        (the writers attached by csv_log and tensorboard only look)."""
         marked = self.registrations[:before] + tuple(
             dataclasses.replace(r, observes=True) for r in self.registrations[before:]
         )
         return self._with(registrations=marked)
 
+    @keywords.advise_foreign_keywords(keywords.HANDLER_ADVICE["validate"], owner="Loop")
     def validate(
         self,
         model: Any,

@@ -346,7 +346,7 @@ def check_monitored(
                 f"'epoch_completed', fl.handlers.monitor.{handler}({monitor!r}, ...), "
                 f"filter=...)"
                 if handler
-                else ""
+                else f", or give it validate's filter: loop.{who}(..., filter=...)"
             )
             raise ValueError(
                 f"{who}({monitor!r}): validate's filter leaves some epochs without "

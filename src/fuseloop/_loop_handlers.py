@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Self, TextIO
 from ._arg_types import is_int
 from ._distributed import all_processes, runs_on_all_processes
 from ._events import Event, closes_on_error, make_filter, normalize_event
+from ._foreign_keywords import HANDLER_ADVICE, advise_foreign_keywords
 from ._loop_args import check_monitored
 from ._state import State
 from ._types import EventLike, FilterLike, Mode
@@ -48,6 +49,7 @@ class HandlerBuilders:
 
         def _with(self, **changes: Any) -> Self: ...
 
+    @advise_foreign_keywords({}, owner="Loop")
     def log(
         self,
         fn: Callable[[State], str],
@@ -73,6 +75,7 @@ class HandlerBuilders:
             writer = all_processes(writer)
         return self.observe(event, writer, filter, name="log")
 
+    @advise_foreign_keywords(HANDLER_ADVICE["early_stop"], owner="Loop")
     def early_stop(
         self,
         monitor: str,
@@ -105,6 +108,7 @@ class HandlerBuilders:
         # With restore_best, its start and end handlers come along (`fuseloop_companions`).
         return self.handle_event("epoch_completed", stopper, name="early_stop")
 
+    @advise_foreign_keywords(HANDLER_ADVICE["reduce_lr_on_plateau"], owner="Loop")
     def reduce_lr_on_plateau(
         self,
         monitor: str,
@@ -137,6 +141,7 @@ class HandlerBuilders:
         handler.check_optimizer(self.program)
         return self.handle_event("epoch_completed", handler, name="reduce_lr_on_plateau")
 
+    @advise_foreign_keywords(HANDLER_ADVICE["checkpoint"], owner="Loop")
     def checkpoint(
         self,
         path: str | os.PathLike[str],
@@ -191,6 +196,7 @@ class HandlerBuilders:
             loop = loop.handle_event("halted", finish, name="checkpoint:finish")
         return loop
 
+    @advise_foreign_keywords(HANDLER_ADVICE["csv_log"], owner="Loop")
     def csv_log(
         self,
         path: str | os.PathLike[str],
@@ -213,6 +219,7 @@ class HandlerBuilders:
         built = attach_writer(self, CSVWriter(path, event), event, filter, "csv_log")
         return built._as_observers(before)
 
+    @advise_foreign_keywords({}, owner="Loop")
     def tensorboard(
         self,
         logdir: str | os.PathLike[str],
