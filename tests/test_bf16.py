@@ -139,13 +139,16 @@ def _float64_regression() -> tuple[nn.Dense, fl.data.ArraySource, dict]:
 def test_named_optimizers_keep_float64_params_in_float64(name):
     """Under jax_enable_x64 the named optimizers train float64 params in float64, state and
     rate included, as the optax transformation they name does (their float32 widening is for
-    bfloat16 and float16 only: it had narrowed float64 to float32)."""
+    bfloat16 and float16 only: it had narrowed float64 to float32). A named optimizer keeps
+    its rate in its state (optax.inject_hyperparams), so it is compared with that: a rate
+    that is a constant of the program rounds otherwise (an ulp in adam's update)."""
     factory = {"sgd": optax.sgd, "adam": optax.adam, "adamw": optax.adamw}[name]
     rate = {"sgd": 0.01, "adam": 1e-3, "adamw": 1e-3}[name]
     with jax.enable_x64(True):
         model, data, start = _float64_regression()
         named = fl.trainer(model, "mean_squared_error", name).run(data, start, epochs=3)
-        hand = fl.trainer(model, "mean_squared_error", factory(rate)).run(data, start, epochs=3)
+        injected = optax.inject_hyperparams(factory)(learning_rate=rate)
+        hand = fl.trainer(model, "mean_squared_error", injected).run(data, start, epochs=3)
         floats = [
             leaf.dtype
             for leaf in jax.tree.leaves(named.step_state["opt_state"])

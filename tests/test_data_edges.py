@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Any
 
 import numpy as np
 import optax
@@ -220,6 +221,18 @@ def test_resuming_from_inside_an_epoch_or_with_nothing_left_warns(tmp_path):
     ts = train_state.TrainState.create(apply_fn=np.dot, params={"w": np.ones(2)}, tx=optax.sgd(1))
     with pytest.raises(ValueError, match=r"TrainState is a hand loop's .*\{'params': ts.params\}"):
         loop.run(make_batches(6), ts)
+
+    class WithStats(train_state.TrainState):  # flax's BatchNorm recipe
+        batch_stats: Any
+        key: Any
+
+    stats = WithStats.create(
+        apply_fn=np.dot, params={}, tx=optax.sgd(1), batch_stats={"m": np.ones(2)}, key=np.ones(2)
+    )
+    with pytest.raises(
+        ValueError, match=r"\{'params': ts.params, 'batch_stats': ts.batch_stats\} "
+    ):
+        loop.run(make_batches(6), stats)
     # Keras's fit(x, y): y went where the variables go and x's rows were read as batches.
     x, y = np.zeros((16, 3), np.float32), np.zeros(16, np.int32)
     with pytest.raises(ValueError, match=r"run\(x, y\) passes y as the initial state"):

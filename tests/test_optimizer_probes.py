@@ -13,6 +13,7 @@ import optax
 import pytest
 
 import fuseloop as fl
+from fuseloop._optim import inject_states
 
 LOSS = "sparse_categorical_cross_entropy"
 _rng = np.random.default_rng(0)
@@ -67,11 +68,19 @@ def test_a_population_of_a_scheduled_hyperparameter_is_refused_by_name():
         fl.trainer(MODEL, LOSS, many).run(DATA, population={"learning_rate": [1e-3, 1e-2]})
     # Nested in a chain or a group, MultiSteps applies its inner update (where the schedule
     # writes) only at its k-th update: the probe's one update did not reach it.
-    nested = optax.MultiSteps(_injected(), every_k_schedule=3).gradient_transformation()
+    # Accumulating over thousands of updates: probed on the device, in one dispatch.
     labels = jax.tree.map(lambda _: "all", VARIABLES["params"])
-    for tx in (optax.chain(nested), optax.multi_transform({"all": nested}, labels)):
-        with pytest.raises(ValueError, match=r"'learning_rate' is recomputed by a schedule"):
-            fl.trainer(MODEL, LOSS, tx).run(DATA, population={"learning_rate": [1e-3, 1e-2]})
+    for k in (3, 2000):
+        nested = optax.MultiSteps(_injected(), every_k_schedule=k).gradient_transformation()
+        for tx in (optax.chain(nested), optax.multi_transform({"all": nested}, labels)):
+            with pytest.raises(ValueError, match=r"'learning_rate' is recomputed by a sch"):
+                fl.trainer(MODEL, LOSS, tx).run(DATA, population={"learning_rate": [0.1, 0.2]})
+    fixed = optax.MultiSteps(_injected(1e-2), every_k_schedule=2000).gradient_transformation()
+    grouped = optax.multi_transform({"all": fixed}, labels)
+    rates = [0.1, 0.2]
+    state = fl.trainer(MODEL, LOSS, grouped).run(DATA, population={"learning_rate": rates})
+    held = [n.hyperparams["learning_rate"] for n in inject_states(state.step_state["opt_state"])]
+    np.testing.assert_allclose(np.ravel(held), rates)
 
 
 _FROZEN_FIRST = {name: ("frozen" if name == "Dense_0" else "head") for name in VARIABLES["params"]}

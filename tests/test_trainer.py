@@ -404,3 +404,37 @@ def test_max_in_flight_makes_the_host_wait_for_queued_unfused_steps(device, monk
         return len(waits)
 
     assert waited(1) - waited(1000) >= len(DATA) - 1
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [optax.adam(1e-3), optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)],
+    ids=["adam", "injected-adam"],
+)
+def test_a_run_is_bitwise_a_hand_written_jitted_optax_step(tx):
+    """The loop a user would write: one jitted step per batch. An injected adam came out an
+    ulp apart while XLA lifted work out of fuseloop's step loop (docs/design.md §9)."""
+    import flax.linen as nn
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype(np.float32)
+    y = x @ np.array([[1.0], [-2.0], [0.5], [3.0]], np.float32)
+    model = nn.Dense(1)
+    start = model.init(jax.random.PRNGKey(0), x[:1])
+    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
+
+    @jax.jit
+    def step(params, opt_state, xb, yb):
+        loss = lambda p: jnp.mean((model.apply(p, xb) - yb) ** 2)  # noqa: E731
+        updates, opt_state = tx.update(jax.grad(loss)(params), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params, opt_state = start, tx.init(start)
+    for _ in range(3):
+        for xb, yb in batches:
+            params, opt_state = step(params, opt_state, xb, yb)
+    loop = fl.trainer(model, "mean_squared_error", tx)
+    for fuse in (False, 4):
+        state = loop.run(batches, start, epochs=3, fuse=fuse)
+        for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -182,8 +182,8 @@ def check_init_state(
             f"init_state: {type(init_state).__name__} is a hand loop's train state (flax's "
             f"TrainState: params, opt_state, step, apply_fn, tx), and an fl.{kind}() run "
             f"starts from the model's variables or a fuseloop State: pass its variables, "
-            f"{{'params': ts.params}} (or ts.params where it already holds {{'params': ...}})"
-            f"{fresh}"
+            f"{_variables_of(init_state)} (or ts.params where it already holds "
+            f"{{'params': ...}}){fresh}"
         )
     if kind in _STARTS_FROM and isinstance(init_state, dict) and set(init_state) == _STEP_STATE:
         raise ValueError(
@@ -199,6 +199,18 @@ def check_init_state(
             else ""
         )
         refuse_population(init_state, "init_state", instead)
+
+
+def _variables_of(train_state: Any) -> str:
+    """The variables dict a train state holds, as code: its params, and the collections it
+    keeps beside them (flax's BatchNorm recipe adds `batch_stats`; a dict field is one)."""
+    fields = getattr(train_state, "__dataclass_fields__", {})
+    others = [
+        name
+        for name in fields
+        if name not in (*_TRAIN_STATE, "step") and isinstance(getattr(train_state, name), dict)
+    ]
+    return "{" + ", ".join(f"{n!r}: ts.{n}" for n in ("params", *others)) + "}"
 
 
 def _rows(value: Any) -> int | None:

@@ -49,19 +49,17 @@ def scheduled_hyperparams(
         params = {"w": jnp.zeros((1,), jnp.float32)}
     init: Any = functools.partial(_marked_init, tx)
     update: Any = functools.partial(_update, tx)
-    if compiled:
-        init, update = jax.jit(init), jax.jit(update)
     try:
-        marked = init(params)
-        after = update(marked, params)
-        # An optax.MultiSteps inside the optimizer (a chain's or a group's) applies its
-        # inner update, where a schedule rewrites its value, only every k-th update.
-        for _ in range(_MOST_ACCUMULATED):
-            if not _accumulating(after):
-                break
-            after = update(after, params)
+        marked = (jax.jit(init) if compiled else init)(params)
+        if _multi_steps(marked):
+            # An optax.MultiSteps inside the optimizer (a chain's or a group's) applies its
+            # inner update, where a schedule rewrites its value, only every k-th update:
+            # updated on the device until each one has applied once.
+            after, applied = jax.jit(functools.partial(_until_applied, tx))(marked, params)
+            if not applied:
+                return None  # some never applied within the cap: nothing can be told
         else:
-            return None  # it never applied: nothing can be told
+            after = (jax.jit(update) if compiled else update)(marked, params)
     except Exception:  # noqa: BLE001 - structure-dependent optimizers cannot be probed
         return None
     changed: set[str] = set()
@@ -92,15 +90,33 @@ def _update(tx: Any, state: Any, params: Any) -> Any:
     return after
 
 
-_MOST_ACCUMULATED = 1024  # updates a nested MultiSteps may accumulate before it applies
+_MOST_ACCUMULATED = 1 << 16  # updates a nested MultiSteps may take before it applies
 
 
-def _accumulating(state: Any) -> bool:
-    """Whether some `optax.MultiSteps` in `state` is part-way through accumulating (its
-    inner update has not run since its last application)."""
+def _multi_steps(state: Any) -> list[Any]:
+    """The `optax.MultiSteps` states inside `state`."""
     is_multi = lambda node: isinstance(node, optax.MultiStepsState)  # noqa: E731
-    nodes = [n for n in jax.tree.leaves(state, is_leaf=is_multi) if is_multi(n)]
-    return any(int(n.mini_step) != 0 for n in nodes)
+    return [n for n in jax.tree.leaves(state, is_leaf=is_multi) if is_multi(n)]
+
+
+def _until_applied(tx: Any, state: Any, params: Any) -> tuple[Any, Any]:
+    """`state` updated (zero gradients) until each MultiSteps in it has applied its inner
+    update once (its gradient step counted one), at most `_MOST_ACCUMULATED` times; and
+    whether each did."""
+
+    def applied(now: Any) -> Any:
+        return jnp.all(jnp.stack([n.gradient_step > 0 for n in _multi_steps(now)]))
+
+    def more(carry: tuple[Any, Any]) -> Any:
+        done, now = carry
+        return (done < _MOST_ACCUMULATED) & ~applied(now)
+
+    def step(carry: tuple[Any, Any]) -> tuple[Any, Any]:
+        done, now = carry
+        return done + 1, _update(tx, now, params)
+
+    _, after = jax.lax.while_loop(more, step, (jnp.int32(1), _update(tx, state, params)))
+    return after, applied(after)
 
 
 def rate_is_scheduled(tx: Any) -> bool | None:

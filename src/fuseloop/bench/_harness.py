@@ -309,7 +309,7 @@ def compile_vs_k(workload: Any, ks: tuple[int, ...]) -> list[dict[str, Any]]:
     unrolled, so the program (and its compile time) should not grow with K.
     """
     from .. import trainer
-    from .._fusion import make_chunk_fn
+    from .._fusion import LOOP_OPTIONS, make_chunk_fn
     from .._step import init_tail, make_carry_step
     from ..diagnostics import count_fusions
     from ..engine import conv_layout
@@ -321,8 +321,9 @@ def compile_vs_k(workload: Any, ks: tuple[int, ...]) -> list[dict[str, Any]]:
     rows = []
     for k in ks:
         chunk = _abstract_chunk(workload.batches[0], k)
-        # As the run builds it (named as fuseloop's: conv_layout.py).
-        program = jax.jit(conv_layout.named(make_chunk_fn(carry_step, True, False), "chunk"))
+        # As the run builds and compiles it (named as fuseloop's: conv_layout.py).
+        chunk_fn = conv_layout.named(make_chunk_fn(carry_step, True, False), "chunk")
+        program = jax.jit(chunk_fn, compiler_options=LOOP_OPTIONS)
         began = time.perf_counter()
         lowered = program.lower(state, tail, chunk, jax.ShapeDtypeStruct((), "int32"))
         lowered_at = time.perf_counter()

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._metrics import read_metric
-from .._optim import abstract_state
 from .._placement import device_signature
 from .._step import _trainable as trainable
 from .._step import init_tail, trainer_program
@@ -219,7 +218,7 @@ def population_init(programs: Any, population: Population, first: Any, variables
         isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(variables)
     ):
         variables = jax.device_put(variables)
-    if population.hyperparams and abstract_state(programs.loop.program.optimizer) is None:
+    if population.deferred:
         _check_on_run_params(programs, population, treedef, spec, variables)
     cache = programs.cache.init
     if key not in cache:

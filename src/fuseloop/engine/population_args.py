@@ -7,7 +7,7 @@ ValueError naming what is wrong.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -33,11 +33,15 @@ class Population:
         seeds: Member i's trainer seed.
         hyperparams: `(name, per-member values)` pairs set in the optimizer's injected
             hyperparameters after init.
+        deferred: The hyperparameters are checked on the run's own params, at the members'
+            init (`check_hyperparams_on`): a stand-in of params shows neither the
+            optimizer's state nor its schedules (`resolve_population` checks the others).
     """
 
     size: int
     seeds: tuple[int, ...]
     hyperparams: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    deferred: bool = field(default=False, compare=False)
 
     def record(self) -> dict[str, Any]:
         """The JSON-able record a population State keeps (and a checkpoint saves)."""
@@ -200,11 +204,10 @@ def _from_argument(population: Any, program: Any) -> Population:
     seeds = tuple(_seed(s) for s in population.get("seed", [base + i for i in range(n)]))
     varied = set(population) - {"seed"}  # hyperparameters: read from the optimizer's state
     optimizer_state = abstract_state(program.optimizer) if varied else None
-    # An optimizer whose state depends on the params' structure (None here) is checked
-    # once the run's params are known (`check_hyperparams_on`, at the members' init).
-    exposed = None
-    if optimizer_state is not None:
-        exposed = _Exposed.of(optimizer_state, scheduled_hyperparams(program.optimizer))
+    scheduled = None if optimizer_state is None else scheduled_hyperparams(program.optimizer)
+    # Where a stand-in of params shows neither (an optimizer whose state or schedules
+    # follow the params' structure), they are checked on the run's params, at init.
+    exposed = None if scheduled is None else _Exposed.of(optimizer_state, scheduled)
     hyper = []
     for key, values in population.items():
         if key == "seed":
@@ -212,10 +215,10 @@ def _from_argument(population: Any, program: Any) -> Population:
         if exposed is not None:
             exposed.refuse_unexposed(key)
         numbers = tuple(_number(key, v) for v in values)
-        if optimizer_state is not None:
+        if exposed is not None:
             _require_one_float_slot(optimizer_state, key, numbers)
         hyper.append((key, numbers))
-    return Population(n, seeds, tuple(hyper))
+    return Population(n, seeds, tuple(hyper), deferred=bool(hyper) and exposed is None)
 
 
 def _require_one_float_slot(state: Any, key: str, values: tuple[float, ...]) -> None:
