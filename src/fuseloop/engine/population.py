@@ -234,9 +234,10 @@ def population_init(programs: Any, population: Population, first: Any, variables
 def _check_on_run_params(
     programs: Any, population: Population, treedef: Any, spec: Any, variables: Any
 ) -> None:
-    """Checks the varied hyperparameters of an optimizer whose state depends on the params'
-    structure against the state it makes for this run's params (found abstractly, then
-    kept with the programs, so a second run traces and compiles nothing for it)."""
+    """Checks the varied hyperparameters of an optimizer whose state (or schedules) a
+    stand-in of params cannot show against the state it makes for this run's params (found
+    abstractly, then kept with the programs, so a second run traces and compiles nothing
+    for it)."""
     leaves, given = jax.tree.flatten(variables)
     shapes = tuple((np.shape(leaf), str(jnp.result_type(leaf))) for leaf in leaves)
     key = ("population hyperparams", treedef, spec, given, shapes)
