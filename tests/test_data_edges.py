@@ -216,6 +216,7 @@ def test_resuming_from_inside_an_epoch_or_with_nothing_left_warns(tmp_path):
     with pytest.raises(ValueError, match=r"init_state=0 is an integer.*seed=\.\.\."):
         loop.run(make_batches(6), 0)
     # A hand loop's flax TrainState: it was blamed on x not fitting the model.
+    from flax.core import freeze  # a FrozenDict is no dict
     from flax.training import train_state
 
     ts = train_state.TrainState.create(apply_fn=np.dot, params={"w": np.ones(2)}, tx=optax.sgd(1))
@@ -227,7 +228,7 @@ def test_resuming_from_inside_an_epoch_or_with_nothing_left_warns(tmp_path):
         key: Any
 
     stats = WithStats.create(
-        apply_fn=np.dot, params={}, tx=optax.sgd(1), batch_stats={"m": np.ones(2)}, key=np.ones(2)
+        apply_fn=np.dot, params={}, tx=optax.sgd(1), batch_stats=freeze({"m": 1}), key=np.ones(2)
     )
     with pytest.raises(
         ValueError, match=r"\{'params': ts.params, 'batch_stats': ts.batch_stats\} "

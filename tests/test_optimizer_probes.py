@@ -72,7 +72,12 @@ def test_a_population_of_a_scheduled_hyperparameter_is_refused_by_name():
     labels = jax.tree.map(lambda _: "all", VARIABLES["params"])
     for k in (3, 2000):
         nested = optax.MultiSteps(_injected(), every_k_schedule=k).gradient_transformation()
-        for tx in (optax.chain(nested), optax.multi_transform({"all": nested}, labels)):
+        twice = optax.MultiSteps(optax.chain(nested), every_k_schedule=2)  # in another's
+        for tx in (
+            optax.chain(nested),
+            optax.multi_transform({"all": nested}, labels),
+            optax.chain(twice.gradient_transformation()),
+        ):
             with pytest.raises(ValueError, match=r"'learning_rate' is recomputed by a sch"):
                 fl.trainer(MODEL, LOSS, tx).run(DATA, population={"learning_rate": [0.1, 0.2]})
     fixed = optax.MultiSteps(_injected(1e-2), every_k_schedule=2000).gradient_transformation()

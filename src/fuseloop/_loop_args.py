@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import io
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ._arg_types import check_seed_bits, is_int, refuse_deleted_arrays, refuse_signature
@@ -203,12 +203,12 @@ def check_init_state(
 
 def _variables_of(train_state: Any) -> str:
     """The variables dict a train state holds, as code: its params, and the collections it
-    keeps beside them (flax's BatchNorm recipe adds `batch_stats`; a dict field is one)."""
+    keeps beside them (flax's BatchNorm recipe adds `batch_stats`; a mapping field is one)."""
     fields = getattr(train_state, "__dataclass_fields__", {})
     others = [
         name
         for name in fields
-        if name not in (*_TRAIN_STATE, "step") and isinstance(getattr(train_state, name), dict)
+        if name not in (*_TRAIN_STATE, "step") and isinstance(getattr(train_state, name), Mapping)
     ]
     return "{" + ", ".join(f"{n!r}: ts.{n}" for n in ("params", *others)) + "}"
 

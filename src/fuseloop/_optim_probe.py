@@ -94,9 +94,13 @@ _MOST_ACCUMULATED = 1 << 16  # updates a nested MultiSteps may take before it ap
 
 
 def _multi_steps(state: Any) -> list[Any]:
-    """The `optax.MultiSteps` states inside `state`."""
+    """The `optax.MultiSteps` states inside `state`, those nested in another's included."""
     is_multi = lambda node: isinstance(node, optax.MultiStepsState)  # noqa: E731
-    return [n for n in jax.tree.leaves(state, is_leaf=is_multi) if is_multi(n)]
+    found = []
+    for node in jax.tree.leaves(state, is_leaf=is_multi):
+        if is_multi(node):
+            found += [node, *_multi_steps(node.inner_opt_state)]
+    return found
 
 
 def _until_applied(tx: Any, state: Any, params: Any) -> tuple[Any, Any]:

@@ -293,9 +293,11 @@ def exposed_on(tx: Any, opt_state: Any, params: Any) -> _Exposed:
     scheduled = scheduled_hyperparams(tx, zeros, compiled=True)
     if scheduled is None:
         raise ValueError(
-            "population: the optimizer's update could not be probed on the model's params, so "
-            "which of its hyperparameters a schedule recomputes (and would overwrite at a "
-            "member's first step) is unknown; train the members as solo runs"
+            "population: fuseloop's probe of the optimizer (updates of zero gradients on the "
+            "model's params, until each optax.MultiSteps in it has applied) failed or never "
+            "applied, so which hyperparameters a schedule recomputes (and would overwrite at "
+            "a member's first step) is unknown; check that a solo run with this optimizer "
+            "trains, and if it does, train the members as solo runs"
         )
     return _Exposed.of(opt_state, scheduled)
 
