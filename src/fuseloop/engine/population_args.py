@@ -19,7 +19,7 @@ from .._epoch_order import prng_impl
 from .._optim import abstract_state, inject_states
 from .._optim_probe import scheduled_hyperparams
 
-__all__ = ["Population", "RECORD_KEY", "resolve_population", "hyperparameter_names"]
+__all__ = ["Population", "RECORD_KEY", "resolve_population"]
 
 RECORD_KEY = "_population"  # where a population State keeps its record (handler_metadata)
 
@@ -362,14 +362,3 @@ def program_seed(program: Any) -> int:
     if seed is None:
         raise ValueError("population: the trainer's seed could not be found")
     return int(seed)
-
-
-def hyperparameter_names(tx: Any) -> list[str]:
-    """The numeric hyperparameters `tx` keeps in its state (optax.inject_hyperparams), in
-    order; those a schedule recomputes at each step are left out. Probed on a stand-in of
-    params: an optimizer whose state depends on the params' structure exposes none here.
-    """
-    state = abstract_state(tx)
-    if state is None:
-        return []
-    return list(_Exposed.of(state, scheduled_hyperparams(tx)).accepted)
