@@ -94,6 +94,51 @@ SCRIPT = textwrap.dedent(
         counts = error.fuseloop_state.event_counts["iteration_completed"]
         out["short-last-host"] = [str(error), counts.get("total", 0)]
 
+    # Fused from the host, the mesh's refusal comes first: the fused run's own fixes
+    # (device=True, fuse=False) would meet it next.
+    try:
+        loop.run(fl.data.arrays(x[:42], y[:42], 8, drop_remainder=False), fuse=4, mesh=mesh)
+        out["short-last-host-fused"] = "no error"
+    except ValueError as error:
+        out["short-last-host-fused"] = str(error)
+
+    # A mesh run's params (committed to every device) with a new head put on one device:
+    # every entry point takes the tree as it takes the same values from the host.
+    trained = loop.run(batches, mesh=mesh).params["params"]
+    head = loop.run(batches[:1]).params["params"]["Dense_1"]
+    mixed = {"params": {**trained, "Dense_1": jax.device_put(head, jax.devices()[1])}}
+    host = jax.tree.map(np.asarray, mixed)
+    evaluator = fl.evaluator(fl.models.mlp([8, 2]), "sparse_categorical_cross_entropy")
+
+    def same_params(a, b):
+        return all(np.array_equal(u, v) for u, v in
+                   zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True))
+
+    def new_head(state):
+        if state.epoch == 0:
+            params = {"params": {**state.params["params"], "Dense_1": mixed["params"]["Dense_1"]}}
+            return "continue", state.replace(step_state={**state.step_state, "params": params})
+
+    swapping = loop.handle_event("epoch_completed", new_head)
+    mixed_cases = {
+        "train": lambda m: same_params(loop.run(batches, mixed, fuse=4, mesh=m),
+                                       loop.run(batches, host, fuse=4, mesh=m)),
+        "evaluate": lambda m: evaluator.run(batches, mixed, mesh=m).metrics
+        == evaluator.run(batches, host, mesh=m).metrics,
+        "predict": lambda m: np.array_equal(fl.predict(loop.program.model, mixed, x),
+                                            fl.predict(loop.program.model, host, x)),
+        "population": lambda m: same_params(
+            loop.run(batches, mixed, population={"seed": [0, 0]}),
+            loop.run(batches, host, population={"seed": [0, 0]})),
+        "handler": lambda m: swapping.run(batches, epochs=2, mesh=m).status == "completed",
+    }
+    for case, check in mixed_cases.items():
+        for where, m in (("mesh", mesh), ("one-device", None)):
+            try:
+                out[f"mixed-{case}-{where}"] = bool(check(m))
+            except Exception as error:
+                out[f"mixed-{case}-{where}"] = f"{type(error).__name__}: {error}"
+
     # Inside the compiled step, the batch is split over the "data" axis.
     seen = []
 
@@ -182,6 +227,23 @@ def test_a_short_last_batch_that_does_not_divide_is_named_as_the_short_batch(fin
     message, steps = findings["short-last-host"]
     assert "short last batch (drop_remainder=False) holds 2 examples" in message, message
     assert steps == 0
+
+
+def test_a_fused_host_run_names_the_mesh_before_its_own_fixes(findings):
+    """A fused run over host data with a short last batch is told to use device=True or
+    fuse=False; on a mesh that the short batch does not divide over, both fail too, so the
+    mesh's refusal, whose fixes work, comes first."""
+    message = findings["short-last-host-fused"]
+    assert "short last batch (drop_remainder=False) holds 2 examples" in message, message
+    assert "mesh=None" in message and "device=True" not in message, message
+
+
+@pytest.mark.parametrize("where", ["mesh", "one-device"])
+@pytest.mark.parametrize("case", ["train", "evaluate", "predict", "population", "handler"])
+def test_variables_committed_to_different_devices_are_taken_as_from_the_host(findings, case, where):
+    """A mesh run's params with a new layer put on one device: jit refuses arrays of several
+    device sets together, and its message named fuseloop's internal programs."""
+    assert findings[f"mixed-{case}-{where}"] is True, findings[f"mixed-{case}-{where}"]
 
 
 def test_mesh_without_a_data_axis_is_rejected(findings):

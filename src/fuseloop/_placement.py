@@ -26,6 +26,7 @@ __all__ = [
     "device_dtype",
     "device_int",
     "device_signature",
+    "on_one_device_set",
     "signature_of",
     "tree_bytes",
 ]
@@ -82,6 +83,27 @@ def default_device_key() -> Any:
     """Where `device_put` and a program without arguments put their output now (the
     default device, None: jax's own choice)."""
     return getattr(jax.config, "jax_default_device", None)
+
+
+def on_one_device_set(tree: Any) -> Any:
+    """`tree` with its device arrays moved to the default device where they are committed
+    to different sets of devices (a mesh run's params with a new layer put on one device),
+    which no program takes together; the run then places them as any state. Otherwise
+    `tree` itself (a tree spanning processes too: it cannot be gathered here).
+
+    Example:
+        >>> tree = {"w": jax.device_put(np.ones(2), jax.devices()[0])}
+        >>> on_one_device_set(tree) is tree
+        True
+    """
+    arrays = [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)]
+    placed = {frozenset(leaf.sharding.device_set) for leaf in arrays if leaf.committed}
+    if len(placed) <= 1 or not all(leaf.is_fully_addressable for leaf in arrays):
+        return tree
+    device = default_device_key()
+    if not isinstance(device, jax.Device):
+        device = jax.local_devices()[0]
+    return jax.device_put(tree, device)
 
 
 def tree_bytes(tree: Any) -> int:

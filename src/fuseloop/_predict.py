@@ -24,6 +24,7 @@ from ._graph_batch import rows_of
 from ._metrics import batch_size
 from ._model_fit import ModelFit, abstract
 from ._narrowing import Narrowing, native_order
+from ._placement import on_one_device_set
 from ._predict_inputs import host, inputs_of_source
 from ._predict_outputs import LIST_READ, joined, require_rows, require_rows_follow
 from ._unsliceable import refuse_jax_sparse, refuse_unstackable
@@ -274,7 +275,7 @@ def predict(
     lead = 1 if members else 0  # a population's outputs keep the member axis first
     outputs: list[Any] = []
     # Moved explicitly, as a run moves its batches: allowed under a transfer guard.
-    variables = jax.device_put(jax.tree.map(_local, variables))
+    variables = on_one_device_set(jax.device_put(jax.tree.map(_local, variables)))
     for chunk, live in _chunks(inputs, batches, per_chunk):
         try:
             result = program(variables, jax.device_put(chunk))

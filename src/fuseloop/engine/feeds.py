@@ -111,9 +111,10 @@ class HostFeed:
         short = getattr(data, "short_batch", 0)
         if not (reaches_end and short):
             return
+        # The mesh's refusal first: the fused run's names fixes that fail on a mesh too.
+        self.placement.chunk_sharding(short, short=True)
         if not self.live and data.n > data.batch_size:
             raise short_batch_error(data.n, data.batch_size, short)
-        self.placement.chunk_sharding(short, short=True)
 
     def end(self, wait: bool = True) -> None:
         """Ends the epoch's pulling ahead; `wait=False` (an abort) leaves a pull under way

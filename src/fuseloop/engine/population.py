@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._metrics import read_metric
-from .._placement import device_signature
+from .._placement import device_signature, on_one_device_set
 from .._step import _trainable as trainable
 from .._step import init_tail, trainer_program
 from .._warn import warn
@@ -218,6 +218,7 @@ def population_init(programs: Any, population: Population, first: Any, variables
         isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(variables)
     ):
         variables = jax.device_put(variables)
+    variables = on_one_device_set(variables)  # a population's init is not on a hot path
     if population.deferred:
         _check_on_run_params(programs, population, treedef, spec, variables)
     cache = programs.cache.init

@@ -38,6 +38,7 @@ from .._placement import (
     default_device_key,
     device_int,
     device_signature,
+    on_one_device_set,
     signature_of,
     tree_bytes,
 )
@@ -76,10 +77,22 @@ def private_copy(tree: Any) -> Any:
     if not all(isinstance(leaf, jax.Array) for leaf in to_copy):
         # Explicit transfer of host arrays (an initial state: not counted as data transfer).
         to_copy = jax.device_put(to_copy)
-    copied = _copy_arrays(to_copy)
+    copied = _gathering_call(_copy_arrays, to_copy)
     for i, leaf in zip(arrays, copied, strict=True):
         leaves[i] = leaf
     return jax.tree.unflatten(treedef, leaves)
+
+
+def _gathering_call(program: Any, tree: Any, *args: Any) -> Any:
+    """`program(tree, *args)`, or where jit refuses `tree` because its arrays are committed
+    to different sets of devices, the same call with them on one (`on_one_device_set`)."""
+    try:
+        return program(tree, *args)
+    except ValueError:
+        gathered = on_one_device_set(tree)
+        if gathered is tree:
+            raise
+        return program(gathered, *args)
 
 
 def _trainer_init(programs: Programs, first: Any) -> Any:
@@ -165,14 +178,17 @@ class InlineInit:
         if spare is not None and given is not None and spare[0].same(given):
             state = spare[1]
         else:
-            state = jax.tree.unflatten(treedef, program(variables, batch, device_int(1)))
+            made = _gathering_call(program, variables, batch, device_int(1))
+            state = jax.tree.unflatten(treedef, made)
         if given is None:
             return state, signature, None
 
         def spare_maker() -> None:
             if any(leaf.is_deleted() for leaf in given.leaves):
                 return  # the caller let its variables go during the run: nothing to reuse
-            made = jax.tree.unflatten(treedef, program(variables, None, device_int(1)))
+            made = jax.tree.unflatten(
+                treedef, _gathering_call(program, variables, None, device_int(1))
+            )
             with self._lock:
                 self._spare = (given, made)
 
@@ -253,7 +269,7 @@ def initial_step_state(
     if warn_held_modes is not None and program.kind == "trainer":
         warn_held_modes()  # nnx layers set to evaluation mode since the trainer was built
     if program.kind == "evaluator":  # not donated: the caller's params are only read
-        return Start(program.init(first, user_state))
+        return Start(on_one_device_set(program.init(first, user_state)))
     if resuming:
         refuse_narrowed_state(user_state)
         if fit is not None and fit.checked and isinstance(user_state, dict):
