@@ -88,6 +88,46 @@ def test_a_population_of_a_scheduled_hyperparameter_is_refused_by_name():
     np.testing.assert_allclose(np.ravel(held), rates)
 
 
+def _skips_zero_gradients(updates, gradient_step, params):
+    """A MultiSteps' `should_skip_update_fn` that skips a batch whose gradients are all zero
+    (a padded or empty micro-batch)."""
+    zero = jax.numpy.all(jax.numpy.stack([jax.numpy.all(u == 0) for u in jax.tree.leaves(updates)]))
+    return zero, {}
+
+
+def _zero_skipping(schedule):
+    """A MultiSteps skipping zero gradients, nested in a chain: the schedule probe only sees
+    its inner update once it has applied."""
+    steps = optax.MultiSteps(_injected(schedule), 2, should_skip_update_fn=_skips_zero_gradients)
+    return optax.chain(optax.clip(1.0), steps.gradient_transformation())
+
+
+def test_a_multisteps_that_skips_zero_gradients_is_probed_as_any_other():
+    """The probe's gradients are small, not zero: one skipping zero gradients never applied
+    under it, so a constant rate's population was refused and reduce_lr_on_plateau took a
+    schedule it would have overwritten."""
+    rates = [0.1, 0.2]
+    loop = fl.trainer(MODEL, LOSS, _zero_skipping(1e-2))
+    state = loop.run(DATA, VARIABLES, population={"learning_rate": rates})
+    held = [n.hyperparams["learning_rate"] for n in inject_states(state.step_state["opt_state"])]
+    np.testing.assert_allclose(np.ravel(held), rates)
+    assert loop.reduce_lr_on_plateau("loss").run(DATA, VARIABLES).status == "completed"
+    scheduled = fl.trainer(MODEL, LOSS, _zero_skipping(SCHEDULE))
+    with pytest.raises(ValueError, match="optax schedule, recomputed at every step"):
+        scheduled.reduce_lr_on_plateau("loss").run(DATA, VARIABLES)
+    with pytest.raises(ValueError, match=r"'learning_rate' is recomputed by a schedule"):
+        scheduled.run(DATA, VARIABLES, population={"learning_rate": rates})
+
+
+def test_reduce_lr_on_plateau_refuses_an_optimizer_its_probe_cannot_see_apply():
+    """A nested MultiSteps that skips every update never applies its inner one: whether a
+    schedule there rewrites the rate is unknown, and a reduction could vanish in silence."""
+    always = optax.MultiSteps(_injected(1e-2), 2, should_skip_update_fn=lambda u, s, p: (True, {}))
+    loop = fl.trainer(MODEL, LOSS, optax.chain(always.gradient_transformation()))
+    with pytest.raises(ValueError, match="probe of the optimizer .* failed or never applied"):
+        loop.reduce_lr_on_plateau("loss").run(DATA, VARIABLES)
+
+
 _FROZEN_FIRST = {name: ("frozen" if name == "Dense_0" else "head") for name in VARIABLES["params"]}
 
 

@@ -77,11 +77,24 @@ def _marked_init(tx: Any, params: Any) -> Any:
     return jax.tree.map(_mark, tx.init(params), is_leaf=_is_inject_state)
 
 
+# The probe's gradient, in every floating leaf: small (a MultiSteps' should_skip_update_fn
+# that skips large updates takes it) but not zero (nor does one that skips zero gradients,
+# where the probe would never see its inner update apply), and a normal float16 number.
+_PROBE_GRADIENT = 1e-4
+
+
+def _gradient(leaf: Any) -> Any:
+    if jnp.issubdtype(leaf.dtype, jnp.inexact):
+        return jnp.full_like(leaf, _PROBE_GRADIENT)
+    return jnp.zeros_like(leaf)
+
+
 def _update(tx: Any, state: Any, params: Any) -> Any:
-    """`state` after one update of zero gradients, passed as a trainer's update passes them."""
+    """`state` after one update of small gradients (`_PROBE_GRADIENT`), passed as a
+    trainer's update passes them."""
     _, after = optimizer_update(
         tx,
-        jax.tree.map(jnp.zeros_like, params),
+        jax.tree.map(_gradient, params),
         state,
         params,
         jnp.zeros((), jnp.float32),
@@ -104,7 +117,7 @@ def _multi_steps(state: Any) -> list[Any]:
 
 
 def _until_applied(tx: Any, state: Any, params: Any) -> tuple[Any, Any]:
-    """`state` updated (zero gradients) until each MultiSteps in it has applied its inner
+    """`state` updated (`_update`) until each MultiSteps in it has applied its inner
     update once (its gradient step counted one), at most `_MOST_ACCUMULATED` times; and
     whether each did."""
 

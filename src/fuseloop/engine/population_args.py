@@ -287,13 +287,13 @@ def exposed_on(tx: Any, opt_state: Any, params: Any) -> _Exposed:
     `params`: for an optimizer whose state depends on the params' structure
     (`optax.multi_transform` or `optax.masked` given a tree of labels), which
     `resolve_population` cannot probe on a stand-in. Which hyperparameters a schedule
-    recomputes is probed by one jitted update of zero gradients on zeros shaped as
-    `params`."""
+    recomputes is probed by one jitted update of small gradients on zeros shaped as
+    `params` (`_optim_probe`)."""
     zeros = jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), params)
     scheduled = scheduled_hyperparams(tx, zeros, compiled=True)
     if scheduled is None:
         raise ValueError(
-            "population: fuseloop's probe of the optimizer (updates of zero gradients on the "
+            "population: fuseloop's probe of the optimizer (updates of small gradients on the "
             "model's params, until each optax.MultiSteps in it has applied) failed or never "
             "applied, so which hyperparameters a schedule recomputes (and would overwrite at "
             "a member's first step) is unknown; check that a solo run with this optimizer "

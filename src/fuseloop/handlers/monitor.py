@@ -323,7 +323,16 @@ class ReduceLROnPlateau:
             raise _fixed_lr_error(step_state["opt_state"])
         trainable, _ = _trainable(step_state["params"])  # what the trainer's init gives tx.init
         scheduled = scheduled_hyperparams(tx, trainable)
-        if scheduled is not None and "learning_rate" in scheduled:
+        if scheduled is None:  # a rate it would write might be overwritten in silence
+            raise ValueError(
+                "reduce_lr_on_plateau: fuseloop's probe of the optimizer (updates of small "
+                "gradients on the model's params, until each optax.MultiSteps in it has "
+                "applied) failed or never applied, so whether a schedule recomputes its "
+                "learning rate (overwriting a reduced one) is unknown; check that a run "
+                "without reduce_lr_on_plateau trains, and if it does, reduce the rate by "
+                "hand: resume from the State with a lower injected learning_rate"
+            )
+        if "learning_rate" in scheduled:
             raise _scheduled_lr_error()
         self._unprobed = None  # probed once (eager work on the params) and found fine
 
