@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
     """
     import json
     import jax, numpy as np, optax
-    from jax.sharding import Mesh
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
     import fuseloop as fl
 
     assert len(jax.devices()) == 4, jax.devices()
@@ -94,50 +94,64 @@ SCRIPT = textwrap.dedent(
         counts = error.fuseloop_state.event_counts["iteration_completed"]
         out["short-last-host"] = [str(error), counts.get("total", 0)]
 
-    # Fused from the host, the mesh's refusal comes first: the fused run's own fixes
-    # (device=True, fuse=False) would meet it next.
+    # Fused from the host: the fused run's refusal names only fixes that work on the mesh.
     try:
         loop.run(fl.data.arrays(x[:42], y[:42], 8, drop_remainder=False), fuse=4, mesh=mesh)
         out["short-last-host-fused"] = "no error"
     except ValueError as error:
-        out["short-last-host-fused"] = str(error)
+        out["short-last-host-fused"] = [type(error).__name__, str(error)]
 
-    # A mesh run's params (committed to every device) with a new head put on one device:
-    # every entry point takes the tree as it takes the same values from the host.
+    # A mesh run's params (committed to every device) with a new head put on one device,
+    # or on the mesh's devices in another order: every entry point takes the tree as it
+    # takes the same values from the host.
     trained = loop.run(batches, mesh=mesh).params["params"]
     head = loop.run(batches[:1]).params["params"]["Dense_1"]
-    mixed = {"params": {**trained, "Dense_1": jax.device_put(head, jax.devices()[1])}}
-    host = jax.tree.map(np.asarray, mixed)
+    reversed_mesh = Mesh(np.array(jax.devices()[::-1]), ("data",))
+    placed = {
+        "one": jax.device_put(head, jax.devices()[1]),
+        "reordered": jax.device_put(head, NamedSharding(reversed_mesh, PartitionSpec())),
+    }
     evaluator = fl.evaluator(fl.models.mlp([8, 2]), "sparse_categorical_cross_entropy")
 
     def same_params(a, b):
         return all(np.array_equal(u, v) for u, v in
                    zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True))
 
-    def new_head(state):
-        if state.epoch == 0:
-            params = {"params": {**state.params["params"], "Dense_1": mixed["params"]["Dense_1"]}}
-            return "continue", state.replace(step_state={**state.step_state, "params": params})
+    def swapping(new_head):
+        def swap(state):
+            if state.epoch == 0:
+                params = {"params": {**state.params["params"], "Dense_1": new_head}}
+                return "continue", state.replace(step_state={**state.step_state, "params": params})
+        return loop.handle_event("epoch_completed", swap)
 
-    swapping = loop.handle_event("epoch_completed", new_head)
-    mixed_cases = {
-        "train": lambda m: same_params(loop.run(batches, mixed, fuse=4, mesh=m),
-                                       loop.run(batches, host, fuse=4, mesh=m)),
-        "evaluate": lambda m: evaluator.run(batches, mixed, mesh=m).metrics
-        == evaluator.run(batches, host, mesh=m).metrics,
-        "predict": lambda m: np.array_equal(fl.predict(loop.program.model, mixed, x),
-                                            fl.predict(loop.program.model, host, x)),
-        "population": lambda m: same_params(
-            loop.run(batches, mixed, population={"seed": [0, 0]}),
-            loop.run(batches, host, population={"seed": [0, 0]})),
-        "handler": lambda m: swapping.run(batches, epochs=2, mesh=m).status == "completed",
-    }
-    for case, check in mixed_cases.items():
-        for where, m in (("mesh", mesh), ("one-device", None)):
-            try:
-                out[f"mixed-{case}-{where}"] = bool(check(m))
-            except Exception as error:
-                out[f"mixed-{case}-{where}"] = f"{type(error).__name__}: {error}"
+    def mixed_cases(mixed, host):
+        return {
+            "train": lambda m: same_params(loop.run(batches, mixed, fuse=4, mesh=m),
+                                           loop.run(batches, host, fuse=4, mesh=m)),
+            "evaluate": lambda m: evaluator.run(batches, mixed, mesh=m).metrics
+            == evaluator.run(batches, host, mesh=m).metrics,
+            "handler": lambda m: same_params(
+                swapping(mixed["params"]["Dense_1"]).run(batches, epochs=2, mesh=m),
+                swapping(host["params"]["Dense_1"]).run(batches, epochs=2, mesh=m)),
+            "predict": lambda m: np.array_equal(fl.predict(loop.program.model, mixed, x),
+                                                fl.predict(loop.program.model, host, x)),
+            "population": lambda m: same_params(
+                loop.run(batches, mixed, population={"seed": [0, 0]}),
+                loop.run(batches, host, population={"seed": [0, 0]})),
+        }
+
+    for how, new_head in placed.items():
+        mixed = {"params": {**trained, "Dense_1": new_head}}
+        host = jax.tree.map(np.asarray, mixed)
+        for case, check in mixed_cases(mixed, host).items():
+            # predict and a population take no mesh: they run once.
+            places = (("one-device", None),) if case in ("predict", "population") else (
+                ("mesh", mesh), ("one-device", None))
+            for where, m in places:
+                try:
+                    out[f"mixed-{how}-{case}-{where}"] = bool(check(m))
+                except Exception as error:
+                    out[f"mixed-{how}-{case}-{where}"] = f"{type(error).__name__}: {error}"
 
     # Inside the compiled step, the batch is split over the "data" axis.
     seen = []
@@ -229,21 +243,33 @@ def test_a_short_last_batch_that_does_not_divide_is_named_as_the_short_batch(fin
     assert steps == 0
 
 
-def test_a_fused_host_run_names_the_mesh_before_its_own_fixes(findings):
+def test_a_fused_host_runs_short_batch_refusal_names_fixes_that_work_on_the_mesh(findings):
     """A fused run over host data with a short last batch is told to use device=True or
-    fuse=False; on a mesh that the short batch does not divide over, both fail too, so the
-    mesh's refusal, whose fixes work, comes first."""
-    message = findings["short-last-host-fused"]
-    assert "short last batch (drop_remainder=False) holds 2 examples" in message, message
-    assert "mesh=None" in message and "device=True" not in message, message
+    fuse=False; on a mesh that the short batch does not divide over, both fail next, so
+    the refusal says so and names the fixes that work there."""
+    kind, message = findings["short-last-host-fused"]
+    assert kind == "FusionError", (kind, message)
+    assert "divide over the 4 devices" in message and "drop_remainder=True" in message
+    assert "multiple of 4 examples" in message and "mesh=None" not in message, message
 
 
-@pytest.mark.parametrize("where", ["mesh", "one-device"])
-@pytest.mark.parametrize("case", ["train", "evaluate", "predict", "population", "handler"])
-def test_variables_committed_to_different_devices_are_taken_as_from_the_host(findings, case, where):
-    """A mesh run's params with a new layer put on one device: jit refuses arrays of several
-    device sets together, and its message named fuseloop's internal programs."""
-    assert findings[f"mixed-{case}-{where}"] is True, findings[f"mixed-{case}-{where}"]
+_MIXED = [
+    (how, case, where)
+    for how in ("one", "reordered")
+    for case in ("train", "evaluate", "handler", "predict", "population")
+    for where in (("one-device",) if case in ("predict", "population") else ("mesh", "one-device"))
+]
+
+
+@pytest.mark.parametrize(("how", "case", "where"), _MIXED)
+def test_variables_committed_to_different_devices_are_taken_as_from_the_host(
+    findings, how, case, where
+):
+    """A mesh run's params with a new layer put on one device, or on the same devices in
+    another order: jit refuses such arrays together, and its message named fuseloop's
+    internal programs."""
+    got = findings[f"mixed-{how}-{case}-{where}"]
+    assert got is True, got
 
 
 def test_mesh_without_a_data_axis_is_rejected(findings):

@@ -344,7 +344,7 @@ def test_a_host_fed_short_last_batch_is_refused_before_its_epochs_first_batch(mo
     assert len(list(dropped.iter_epoch(0))) == 7
 
 
-def test_host_fed_validation_with_a_short_last_batch_is_refused_before_training(monkeypatch):
+def test_validation_data_the_processes_cannot_feed_is_refused_before_training(monkeypatch):
     """Under several processes it was refused at the first epoch's end, after training it:
     the validation's start checks (at `started`) refuse it as its epoch would."""
     from fuseloop.handlers.validate import Validator
@@ -361,6 +361,17 @@ def test_host_fed_validation_with_a_short_last_batch_is_refused_before_training(
     assert "validate()'s data" in str(caught.value.__notes__)
     for whole in (fl.data.arrays(x, y, 15), fl.data.arrays(x, y, 16, drop_remainder=True)):
         Validator(evaluator, whole).begin(start)  # no short batch: nothing refused
+    # On the device, the processes validate over their global mesh (4 devices here): a
+    # batch must divide over it, the short one too.
+    monkeypatch.setattr(jax, "device_count", lambda: 4)
+    resident = fl.data.arrays(x, y, batch_size=16, drop_remainder=False, device=True)
+    with pytest.raises(ValueError, match=r"short last batch .* holds 14 examples") as caught:
+        Validator(evaluator, resident).begin(start)
+    assert "validate()'s data" in str(caught.value.__notes__)
+    with pytest.raises(ValueError, match=r"batch size 15 does not divide over the 4 devices"):
+        Validator(evaluator, fl.data.arrays(x, y, 15, device=True)).begin(start)
+    x, y = np.zeros((28, 4), np.float32), np.zeros(28, np.int32)  # a short batch of 12
+    Validator(evaluator, fl.data.arrays(x, y, 16, drop_remainder=False, device=True)).begin(start)
 
 
 def test_predict_after_a_run_over_two_processes_reads_the_replicated_params(two_processes):

@@ -37,7 +37,6 @@ __all__ = [
     "stack_chunk",
     "make_chunk_fn",
     "chunk_slots",
-    "short_batch_error",
     "static_trip_count",
     "DEFAULT_CHUNK",
     "resolve_fuse",
@@ -179,18 +178,6 @@ def _raise_mismatch(
         f"{expected[0]} dtype {expected[1]}, got shape {actual[0]} dtype {actual[1]}; fused "
         f"chunks need uniform batches: use fuse=False, drop_remainder=True, or "
         f"fl.data.arrays(..., device=True) (a short last batch runs as a step of its own)"
-    )
-
-
-def short_batch_error(n: int, batch_size: int, short: int) -> FusionError:
-    """The refusal of a fused run over host batches whose last one is short (`short` of
-    `n` examples): known before the first step, where an `fl.data.arrays` source says so."""
-    return FusionError(
-        f"data: the last batch holds {short} of the {n} examples, not batch_size="
-        f"{batch_size}, and a fused run stacks batches of one shape (it compiles once for "
-        f"it); use fl.data.arrays(..., device=True), which runs a short last batch as a step "
-        f"of its own, fuse=False, or in training data drop_remainder=True (padding would "
-        f"count as examples)"
     )
 
 

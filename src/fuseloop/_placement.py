@@ -27,6 +27,7 @@ __all__ = [
     "device_int",
     "device_signature",
     "on_one_device_set",
+    "require_divides",
     "signature_of",
     "tree_bytes",
 ]
@@ -87,9 +88,10 @@ def default_device_key() -> Any:
 
 def on_one_device_set(tree: Any) -> Any:
     """`tree` with its device arrays moved to the default device where they are committed
-    to different sets of devices (a mesh run's params with a new layer put on one device),
-    which no program takes together; the run then places them as any state. Otherwise
-    `tree` itself (a tree spanning processes too: it cannot be gathered here).
+    to different devices, or the same in another order (a mesh run's params with a new
+    layer put on one device), which no program takes together; the run then places them
+    as any state. Otherwise `tree` itself (a tree spanning processes too: it cannot be
+    gathered here).
 
     Example:
         >>> tree = {"w": jax.device_put(np.ones(2), jax.devices()[0])}
@@ -97,13 +99,24 @@ def on_one_device_set(tree: Any) -> Any:
         True
     """
     arrays = [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)]
-    placed = {frozenset(leaf.sharding.device_set) for leaf in arrays if leaf.committed}
+    placed = {_device_order(leaf.sharding) for leaf in arrays if leaf.committed}
     if len(placed) <= 1 or not all(leaf.is_fully_addressable for leaf in arrays):
         return tree
     device = default_device_key()
+    if isinstance(device, str):  # a platform's name: its first device here
+        device = jax.local_devices(backend=device)[0]
     if not isinstance(device, jax.Device):
         device = jax.local_devices()[0]
     return jax.device_put(tree, device)
+
+
+def _device_order(sharding: Any) -> Any:
+    """The devices a program taking an array of `sharding` runs on, in the order it
+    compares them (a mesh's order), where the sharding tells it."""
+    mesh = getattr(sharding, "mesh", None)
+    if isinstance(mesh, Mesh):
+        return tuple(mesh.devices.flat)
+    return tuple(sorted(sharding.device_set, key=lambda device: device.id))
 
 
 def tree_bytes(tree: Any) -> int:
@@ -186,10 +199,10 @@ class Placement:
         """The step state (or metric tail) on the device; replicated over a mesh.
         `made_here`: a compiled program's output (on the device already, so on one device
         nothing is looked at)."""
-        if self._state is None and (
-            made_here or all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(tree))
-        ):
-            return tree  # already on the device: skip a Python-side device_put
+        if self._state is None and made_here:
+            return tree  # a program's output, on the device already
+        if self._state is None and all(isinstance(x, jax.Array) for x in jax.tree.leaves(tree)):
+            return on_one_device_set(tree)  # on the device: no Python-side device_put
         try:
             if self._state is not None and jax.process_count() > 1:
                 return jax.tree.map(self._put_replicated, tree)
@@ -225,32 +238,15 @@ class Placement:
         the mesh's "data" axis."""
         if self._chunk is None:
             return None
-        if batch_size % self.n_shards:
-            if short:
-                d = self.n_shards
-                # Several processes always share one global mesh: mesh=None is that one.
-                one_device = (
-                    ", or run without the mesh (mesh=None: one device takes a batch of any "
-                    "size, so an evaluation counts every example)"
-                    if jax.process_count() == 1
-                    else ""
-                )
-                raise ValueError(
-                    f"mesh: the dataset's short last batch (drop_remainder=False) holds "
-                    f"{batch_size} examples, which do not divide over the {d} devices of the "
-                    f"mesh's 'data' axis. With batches of a multiple of {d}, the last one "
-                    f"divides over the devices only where the dataset's size does: only a "
-                    f"dataset of a multiple of {d} examples keeps them all on this mesh. Trim "
-                    f"the dataset to one (or pad it, with the padding weighed out of the loss "
-                    f"and metrics) or pass drop_remainder=True (the short batch is left "
-                    f"out){one_device}"
-                )
-            raise ValueError(
-                f"mesh: the dataset's batch size {batch_size} does not divide over the "
-                f"{self.n_shards} devices of the mesh's 'data' axis; use a batch size that is "
-                f"a multiple of {self.n_shards}"
-            )
+        require_divides(batch_size, self.n_shards, short)
         return self._chunk
+
+    def indivisible(self, batch_size: int) -> int | None:
+        """The devices of the mesh's "data" axis where a batch of `batch_size` examples
+        does not divide over them; None where it does, or on one device."""
+        if self._chunk is None or batch_size % self.n_shards == 0:
+            return None
+        return int(self.n_shards)
 
     def chunk_transfer(self) -> Any:
         """The context in which a fused dispatch may move its host chunk to the device
@@ -319,6 +315,40 @@ def _check_spans_processes(mesh: Mesh) -> None:
             f"0-{len(held) - 1}): build it over jax.devices(), e.g. Mesh(jax.devices(), "
             f"('data',)), not jax.local_devices(); or pass mesh=None, which is that global mesh"
         )
+
+
+def require_divides(batch_size: int, devices: int, short: bool = False) -> None:
+    """Refuses a batch of `batch_size` examples (`short`: the dataset's short last batch)
+    that does not divide over the `devices` of a mesh's "data" axis.
+
+    Example:
+        >>> require_divides(32, 4)  # 8 examples on each device
+    """
+    if batch_size % devices == 0:
+        return
+    if not short:
+        raise ValueError(
+            f"mesh: the dataset's batch size {batch_size} does not divide over the "
+            f"{devices} devices of the mesh's 'data' axis; use a batch size that is a "
+            f"multiple of {devices}"
+        )
+    # Several processes always share one global mesh: mesh=None is that one.
+    one_device = (
+        ", or run without the mesh (mesh=None: one device takes a batch of any size, so an "
+        "evaluation counts every example)"
+        if jax.process_count() == 1
+        else ""
+    )
+    d = devices
+    raise ValueError(
+        f"mesh: the dataset's short last batch (drop_remainder=False) holds {batch_size} "
+        f"examples, which do not divide over the {d} devices of the mesh's 'data' axis. With "
+        f"batches of a multiple of {d}, the last one divides over the devices only where the "
+        f"dataset's size does: only a dataset of a multiple of {d} examples keeps them all on "
+        f"this mesh. Trim the dataset to one (or pad it, with the padding weighed out of the "
+        f"loss and metrics) or pass drop_remainder=True (the short batch is left out)"
+        f"{one_device}"
+    )
 
 
 def _refuse_non_arrays(tree: Any, error: TypeError) -> None:

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .._fusion import chunk_slots, short_batch_error, stack_chunk
+from .._fused_short_batch import short_batch_error
+from .._fusion import chunk_slots, stack_chunk
 from .._placement import device_int
 from .prefetch import ChunkProducer
 from .programs import MIN_SLOTS, kept_order
@@ -104,17 +105,16 @@ class HostFeed:
         self.depth = 0 if not self.ahead else 1 if threaded else max(1, self.prefetch)
 
     def _check_short_batch(self, reaches_end: bool) -> None:
-        """An `fl.data.arrays` source's short last batch, which a fused chunk cannot stack
-        with full ones and, over a mesh, must divide over the "data" axis: refused before
-        the epoch's first step (as a resident source's is), not after training up to it."""
+        """Refuses an `fl.data.arrays` source's short last batch, which a fused chunk cannot
+        stack and a mesh must divide, before the epoch's first step rather than at it."""
         data = self.source.data
         short = getattr(data, "short_batch", 0)
         if not (reaches_end and short):
             return
-        # The mesh's refusal first: the fused run's names fixes that fail on a mesh too.
-        self.placement.chunk_sharding(short, short=True)
         if not self.live and data.n > data.batch_size:
-            raise short_batch_error(data.n, data.batch_size, short)
+            over = self.placement.indivisible(short)  # its fixes must work on the mesh too
+            raise short_batch_error(data.n, data.batch_size, short, over)
+        self.placement.chunk_sharding(short, short=True)
 
     def end(self, wait: bool = True) -> None:
         """Ends the epoch's pulling ahead; `wait=False` (an abort) leaves a pull under way

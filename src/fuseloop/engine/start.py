@@ -88,8 +88,8 @@ def _gathering_call(program: Any, tree: Any, *args: Any) -> Any:
     to different sets of devices, the same call with them on one (`on_one_device_set`)."""
     try:
         return program(tree, *args)
-    except ValueError:
-        gathered = on_one_device_set(tree)
+    except ValueError as error:
+        gathered = on_one_device_set(tree) if "incompatible devices" in str(error) else tree
         if gathered is tree:
             raise
         return program(gathered, *args)
@@ -269,7 +269,7 @@ def initial_step_state(
     if warn_held_modes is not None and program.kind == "trainer":
         warn_held_modes()  # nnx layers set to evaluation mode since the trainer was built
     if program.kind == "evaluator":  # not donated: the caller's params are only read
-        return Start(on_one_device_set(program.init(first, user_state)))
+        return Start(program.init(first, user_state))
     if resuming:
         refuse_narrowed_state(user_state)
         if fit is not None and fit.checked and isinstance(user_state, dict):

@@ -19,6 +19,7 @@ from .._evaluator_start import arrays_first_batch, check_evaluator_start
 from .._events import Event, normalize_event
 from .._fusion import FusionError, resolve_fuse
 from .._metrics import VALIDATION_PREFIX, MetricSpec, batch_size
+from .._placement import require_divides
 from .._population import silence_stopped
 from .._shards import refuse_short_batch
 from .._state import State
@@ -214,13 +215,11 @@ class Validator:
         before the first epoch trains, not after it. A callable's batches are only seen
         when the validation runs; a population's members are checked then too.
         """
-        short = getattr(self.data, "short_batch", 0) if _in_arrays(self.data) else 0
-        if short and not getattr(self.data, "resident", False):
-            try:  # under several processes: what its first epoch would raise
-                refuse_short_batch(short, self.data.batch_size)
-            except ValueError as error:
-                _note_validation(error, "the evaluator's start checks of")
-                raise
+        try:
+            _refuse_what_processes_cannot_feed(self.data)
+        except ValueError as error:
+            _note_validation(error, "the evaluator's start checks of")
+            raise
         first = _first_batch(self.data)
         params = variables_given(state, "init_state")  # an equinox module kept as params too
         if first is None or params is None or state.population is not None:
@@ -264,6 +263,25 @@ class Validator:
         metrics = dict(state.metrics)
         metrics.update({VALIDATION_PREFIX + name: value for name, value in measured.items()})
         return "continue", state.replace(metrics=metrics)
+
+
+def _refuse_what_processes_cannot_feed(data: Any) -> None:
+    """Refuses now what the first validation would under several processes.
+
+    That is a short last batch fed from the host (each process feeds an equal share), or on
+    the device a batch that does not divide over the global mesh (every device) the
+    processes validate on.
+    """
+    if jax.process_count() == 1 or not _in_arrays(data):
+        return
+    short = getattr(data, "short_batch", 0)
+    if not getattr(data, "resident", False):
+        if short:
+            refuse_short_batch(short, data.batch_size)
+        return
+    require_divides(data.batch_size, jax.device_count())
+    if short:
+        require_divides(short, jax.device_count(), short=True)
 
 
 def _first_batch(data: Any) -> Any:
