@@ -264,6 +264,26 @@ def test_only_the_errors_of_swapped_arguments_are_told_of_the_order():
         assert any("arguments are swapped" in note for note in notes) is told
 
 
+def test_a_key_error_of_swapped_arguments_is_told_of_the_order():
+    """flax's train_step(state, batch) habit on dict batches raises a KeyError (the state's
+    key looked up in the batch), which got no note; a key missing from both does not."""
+    batches = [{"image": np.ones((2, 3), np.float32), "label": np.zeros(2, np.float32)}]
+    init = {"w": jnp.zeros(3)}
+
+    def swapped(state, batch):
+        return {"w": state["w"] + batch["image"].sum()}  # state is the batch dict here
+
+    def misspelt(batch, state):
+        return {"w": state["w"] + batch["images"].sum()}  # in neither argument
+
+    for step, told in ((swapped, True), (misspelt, False)):
+        for fuse in (False, 2):
+            with pytest.raises(KeyError) as info:
+                fl.loop(step).run(batches, init, fuse=fuse)
+            notes = getattr(info.value, "__notes__", [])
+            assert any("arguments are swapped" in note for note in notes) is told, notes
+
+
 def test_a_loops_repr_is_a_short_summary():
     # A notebook cell ending in a builder echoed 2,600 characters of dataclass fields.
     loop = trainer().metric("accuracy").early_stop("loss").terminate_on_nan()

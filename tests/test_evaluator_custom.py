@@ -174,6 +174,79 @@ def test_a_step_state_leaf_that_changes_shape_is_named_with_the_fix(fuse):
         loop.run(ragged, init, fuse=fuse)
 
 
+def _linear_step(batch, s):
+    """Builds its step state by name: a key a handler added is dropped, a dtype it changed
+    is cast back."""
+    x, y = batch
+    w = s["w"].astype(jnp.float32)
+    loss, grad = jax.value_and_grad(lambda w: jnp.mean((x @ w - y[:, None]) ** 2))(w)
+    return {"w": w - 0.1 * grad, "loss": loss}
+
+
+@pytest.mark.parametrize("fuse", [False, 2, "run"])
+@pytest.mark.parametrize(
+    ("change", "told"),
+    [
+        ({"lr": jnp.float32(0.05)}, r"step_state\['lr'\] is gone after one step"),
+        ({"w": jnp.zeros((3, 1), jnp.bfloat16)}, r"\['w'\]: bfloat16\[3, 1\] -> float32\[3, 1\]"),
+    ],
+    ids=["key-added", "dtype-changed"],
+)
+def test_a_step_state_a_handler_returned_that_the_step_cannot_keep_is_blamed_on_it(
+    fuse, change, told
+):
+    """The step's refusal named a leaf count and blamed the step; it names the key, and a
+    note names the handler's event and epoch."""
+
+    def changing(state):
+        return "continue", state.replace(step_state={**state.step_state, **change})
+
+    x = np.concatenate([b[0] for b in DATA]).astype(np.float32)
+    y = np.concatenate([b[1] for b in DATA]).astype(np.float32)
+    data = fl.data.arrays(x, y, batch_size=4, shuffle=False, device=fuse == "run")
+    init = {"w": jnp.zeros((3, 1), jnp.float32), "loss": jnp.zeros((), jnp.float32)}
+    loop = fl.loop(_linear_step).metric("loss").handle_event("epoch_completed", changing)
+    with pytest.raises(ValueError, match=told) as caught:
+        loop.run(data, init, epochs=2, fuse=fuse)
+    handed = "the step started from the step state a handler of epoch_completed at epoch 0"
+    assert any(handed in note for note in caught.value.__notes__), caught.value.__notes__
+    assert (
+        loop.run(data, init, epochs=1, fuse=fuse).status == "completed"
+    )  # its state is never stepped
+
+
+def test_a_step_branching_on_a_python_bool_of_its_state_is_told_it_is_traced():
+    """An equinox module kept whole in the step state (its Dropout's `inference` flag), or
+    a plain bool, raised jax's TracerBoolConversionError alone."""
+
+    def step(batch, s):
+        scale = 0.5 if s["training"] else 1.0  # a Python branch on a step state leaf
+        return {**s, "w": s["w"] * scale}
+
+    init = {"w": jnp.ones(3), "training": True}
+    with pytest.raises(jax.errors.TracerBoolConversionError) as caught:
+        fl.loop(step).run(DATA, init)
+    assert any("cannot branch on one in Python" in note for note in caught.value.__notes__)
+
+    def closure_bug(batch, s):  # a tracer of the batch: not the step state's
+        return {**s, "w": s["w"] * (2.0 if batch[0].sum() > 0 else 1.0)}
+
+    with pytest.raises(jax.errors.TracerBoolConversionError) as caught:
+        fl.loop(closure_bug).run(DATA, init)
+    assert not any("branch on one" in n for n in getattr(caught.value, "__notes__", []))
+
+
+def test_an_init_fn_failing_on_the_init_state_run_did_not_get_is_told_to_give_one():
+    def init_fn(batch, seed):
+        return {"key": jax.random.PRNGKey(seed)}  # run(data) gives no seed: None
+
+    loop = fl.loop(lambda batch, s: s, init_fn)
+    with pytest.raises(Exception, match="None") as caught:
+        loop.run(DATA)
+    assert any("e.g. loop.run(data, 0) for a seed" in n for n in caught.value.__notes__)
+    assert loop.run(DATA, 0).status == "completed"
+
+
 def test_custom_metric_of_a_missing_scalar_is_a_clear_error():
     loop = counter_loop().metric("loss")
     with pytest.raises(ValueError, match="loss"):

@@ -337,12 +337,17 @@ def _changed_leaves(carry_step: Any, state: Any, tail: Any, batch: Any) -> list[
     """The step state's leaves whose shape or dtype one step changes, as 'path: in -> out'."""
     out_state, _ = jax.eval_shape(carry_step, state, tail, batch)
     before = jax.tree_util.tree_flatten_with_path(state)[0]
-    after = jax.tree.leaves(out_state)
-    if len(before) != len(after):
-        return [f"the step state's structure ({len(before)} leaves in, {len(after)} out)"]
+    after = jax.tree_util.tree_flatten_with_path(out_state)[0]
+    if len(before) != len(after) or [p for p, _ in before] != [p for p, _ in after]:
+        paths_in = [jax.tree_util.keystr(path) for path, _ in before]
+        paths_out = [jax.tree_util.keystr(path) for path, _ in after]
+        named = [f"step_state{p} is gone after one step" for p in paths_in if p not in paths_out]
+        named += [f"step_state{p} is new after one step" for p in paths_out if p not in paths_in]
+        structure = f"the step state's structure ({len(before)} leaves in, {len(after)} out)"
+        return named or [structure]
     return [
         f"{jax.tree_util.keystr(path)}: {_spec(old)} -> {_spec(new)}"
-        for (path, old), new in zip(before, after, strict=True)
+        for (path, old), (_, new) in zip(before, after, strict=True)
         if (jnp.shape(old), jnp.result_type(old)) != (new.shape, new.dtype)
     ]
 

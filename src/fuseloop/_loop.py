@@ -1,5 +1,4 @@
-"""`Loop`: the immutable builder and `Loop.run`, and the `trainer`/`evaluator`/`loop` factories
-(fuseloop's own handlers' builders are in `_loop_handlers`, argument checks in `_loop_args`)."""
+"""`Loop`, its `run` and the `trainer`/`evaluator`/`loop` factories (handlers: `_loop_handlers`)."""
 
 from __future__ import annotations
 
@@ -9,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from . import _foreign_keywords as keywords
+from ._custom_step import custom_program
 from ._data import warn_left_out
 from ._distributed import all_processes
 from ._events import Registration, attached, make_filter, normalize_event
@@ -29,7 +29,7 @@ from ._loop_args import (
 from ._loop_handlers import HandlerBuilders
 from ._metrics import MetricSpec, resolve_metric
 from ._state import State
-from ._step import Program, custom_program, default_metrics, evaluator_program, trainer_program
+from ._step import Program, default_metrics, evaluator_program, trainer_program
 from ._types import Accumulate, EventLike, FilterLike, Fuse, Handler
 from .engine import run_loop
 from .engine.options import check_run_options

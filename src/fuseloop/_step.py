@@ -9,7 +9,6 @@ optional non-finite guard; that wrapped function is the one thing both loops exe
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +40,6 @@ __all__ = [
     "Program",
     "trainer_program",
     "evaluator_program",
-    "custom_program",
     "make_carry_step",
     "default_metrics",
     "OPTIMIZERS",
@@ -284,68 +282,6 @@ def default_metrics(program: Program) -> tuple[MetricSpec, ...]:
     if program.exposes_lr:
         specs.append(MetricSpec("learning_rate", None, accumulate="last", source="learning_rate"))
     return tuple(specs)
-
-
-def _check_returned_state(state: Any, new_state: Any) -> None:
-    """Refuses what a JAX user's step often returns instead of the new step state."""
-    if new_state is None and state is not None:
-        raise TypeError(
-            "step_fn returned None: fl.loop's step returns the new step state (JAX arrays "
-            "cannot be changed in place: build the new state and return it)"
-        )
-    pair = isinstance(new_state, tuple) and len(new_state) == 2
-    given: object = jax.tree.structure(state)  # no stub for PyTreeDef: compare as objects
-    if pair and given == jax.tree.structure(new_state[0]):
-        raise TypeError(
-            "step_fn returned a pair (step state, something else): fl.loop's step returns "
-            "the step state alone. Keep a metric as an entry of a dict step state, e.g. "
-            "{**state, 'loss': loss}, and track it with Loop.metric('loss')"
-        )
-
-
-# The errors a step raises where its batch and step state came the other way round:
-# `x, y = batch` on a state dict, `state["w"]` on a tuple batch, jnp on a dict or tuple.
-_SWAPPED = re.compile(
-    r"values to unpack|indices must be|string ind|not a valid JAX type|unsupported operand"
-    r"|not subscriptable|requires ndarray or scalar arguments|Error interpreting argument"
-)
-
-
-def custom_program(step_fn: Callable[[Any, Any], Any], init_fn: Callable | None) -> Program:
-    """A user loop: `step_fn(batch, step_state) -> step_state`."""
-
-    def init(first_batch: Any, init_state: Any) -> Any:
-        if init_fn is None:
-            return init_state
-        return init_fn(first_batch, init_state)
-
-    def step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
-        try:
-            new_state = step_fn(batch, state)
-        except (TypeError, ValueError) as error:
-            if state is None:
-                error.add_note(
-                    "fuseloop: the step state is None: give it to run, loop.run(data, "
-                    "init_state), or return it from fl.loop(step_fn, init_fn)'s init_fn"
-                )
-            elif _SWAPPED.search(str(error)):  # what a batch and a state dict swapped raise
-                error.add_note(
-                    "fuseloop: in case the arguments are swapped: fl.loop calls "
-                    "step_fn(batch, step_state), the batch first, then the step state"
-                )
-            raise
-        _check_returned_state(state, new_state)
-        aux: dict[str, Any] = {"step_state": new_state}
-        if isinstance(batch, (tuple, list)) and len(batch) == 2:
-            aux["y_true"] = batch[1]
-        if isinstance(new_state, dict):
-            if "y_pred" in new_state:
-                aux["y_pred"] = new_state["y_pred"]
-            if "loss" in new_state:
-                aux["loss"] = new_state["loss"]
-        return new_state, aux
-
-    return Program(init, step, True, "custom")
 
 
 def init_tail(metrics: tuple[MetricSpec, ...], guard_nonfinite: bool) -> dict[str, Any]:

@@ -34,6 +34,8 @@ class Carry:
         # `(step state, tail, packed copy of them)` from the last launch of a program that
         # copies its carry (`Programs.copies`): the snapshot while that carry is current.
         self._copy: tuple[Any, Any, Any] | None = None
+        # Which handler returned the step state no step has taken yet (`adopt`), or None.
+        self._adopted_from: str | None = None
 
     def start(
         self,
@@ -80,12 +82,14 @@ class Carry:
 
         self.tail = deactivate(self.tail, stopped)
 
-    def adopt(self, step_state: Any) -> None:
+    def adopt(self, step_state: Any, returned_by: str = "a handler") -> None:
         """Takes a step state a handler returned; it is copied, since the next step donates
-        it and the handler may still hold its arrays.
+        it and the handler may still hold its arrays. `returned_by` names the handler's
+        event, for an error of the next step that the new state causes.
         """
         if step_state is not None and step_state is not self.step_state:
             self.step_state = self.placement.put_state(private_copy(step_state))
+            self._adopted_from = returned_by
 
     def advance(self, program: Any, *args: Any, copies: bool = False) -> tuple[Any, ...]:
         """Runs `program(step_state, tail, *args)`, keeps the new carry, and returns the
@@ -97,7 +101,10 @@ class Carry:
         except ValueError as error:  # XLA's own words for it name nothing of the user's
             if "donate the same buffer twice" in str(error):
                 raise _shared_arrays_error() from error
+            if self._adopted_from is not None and _CHANGED_LEAVES in str(error):
+                error.add_note(_handed_back_note(self._adopted_from))
             raise
+        self._adopted_from = None  # the step took the state a handler returned
         self.step_state, self.tail = out[0], out[1]
         if copies:
             self._copy, out = (out[0], out[1], out[-1]), out[:-1]
@@ -169,4 +176,17 @@ def _shared_arrays_error() -> ValueError:
         "place (ss['params'] = ss['opt_state']...) makes that: return the changed State "
         "instead, state.replace(step_state={...}), which fuseloop copies; or copy the "
         "array, jax.tree.map(jnp.copy, tree)"
+    )
+
+
+# How `_fusion`'s refusal of a step that changes its step state's leaves begins.
+_CHANGED_LEAVES = "the step changed its step state's leaves"
+
+
+def _handed_back_note(returned_by: str) -> str:
+    return (
+        f"fuseloop: the step started from the step state {returned_by} returned, whose "
+        f"leaves differ from those the step returns: that handler should return a step "
+        f"state of the step's own structure, shapes and dtypes (e.g. "
+        f"{{**state.step_state, 'w': new_w.astype(old_w.dtype)}}, no new or dropped keys)"
     )

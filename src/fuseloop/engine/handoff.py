@@ -27,7 +27,7 @@ class Handoff:
             return self.bus.fire(event, state, mirror_history)
         state = state.replace(step_state=self.carry.step_state)
         status, state = self.bus.fire(event, state, mirror_history, substitute)
-        self.carry.adopt(state.step_state)
+        self.carry.adopt(state.step_state, f"a handler of {event.value} at epoch {state.epoch}")
         return status, state
 
     def fire_iteration(
@@ -42,7 +42,8 @@ class Handoff:
         if fired is state:  # no handler fired
             return status, fired
         if live:
-            self.carry.adopt(fired.step_state)
+            at = f"epoch {fired.epoch}, iteration {iteration}"
+            self.carry.adopt(fired.step_state, f"a handler of {event.value} at {at}")
         elif fired.step_state is not None and not self._told_discarded:  # it was given None
             self._told_discarded = True  # once per run: the same handler fires again
             warn(_discarded(event))

@@ -1,0 +1,125 @@
+"""The program of a user's own step, `fl.loop(step_fn, init_fn)`: `step_fn(batch,
+step_state) -> step_state`, with what a JAX user's step often gets wrong told by name (a
+pair or None returned, the arguments swapped, no step state given)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from ._step import Program
+
+__all__ = ["custom_program"]
+
+
+def _check_returned_state(state: Any, new_state: Any) -> None:
+    """Refuses what a JAX user's step often returns instead of the new step state."""
+    if new_state is None and state is not None:
+        raise TypeError(
+            "step_fn returned None: fl.loop's step returns the new step state (JAX arrays "
+            "cannot be changed in place: build the new state and return it)"
+        )
+    pair = isinstance(new_state, tuple) and len(new_state) == 2
+    given: object = jax.tree.structure(state)  # no stub for PyTreeDef: compare as objects
+    if pair and given == jax.tree.structure(new_state[0]):
+        raise TypeError(
+            "step_fn returned a pair (step state, something else): fl.loop's step returns "
+            "the step state alone. Keep a metric as an entry of a dict step state, e.g. "
+            "{**state, 'loss': loss}, and track it with Loop.metric('loss')"
+        )
+
+
+# The errors a step raises where its batch and step state came the other way round:
+# `x, y = batch` on a state dict, `state["w"]` on a tuple batch, jnp on a dict or tuple.
+_SWAPPED = re.compile(
+    r"values to unpack|indices must be|string ind|not a valid JAX type|unsupported operand"
+    r"|not subscriptable|requires ndarray or scalar arguments|Error interpreting argument"
+)
+
+
+_SWAPPED_NOTE = (
+    "fuseloop: in case the arguments are swapped: fl.loop calls step_fn(batch, step_state), "
+    "the batch first, then the step state"
+)
+
+
+def _key_of_the_other(error: KeyError, batch: Any, state: Any) -> bool:
+    """Whether the key a step missed is one of the other argument's alone: `batch["params"]`
+    on a dict batch, where the step state holds "params" (the arguments swapped)."""
+    key = error.args[0] if len(error.args) == 1 else None
+    try:
+        in_batch = isinstance(batch, dict) and key in batch
+        in_state = isinstance(state, dict) and key in state
+    except TypeError:  # an unhashable key
+        return False
+    return in_batch != in_state
+
+
+def custom_program(step_fn: Callable[[Any, Any], Any], init_fn: Callable | None) -> Program:
+    """A user loop: `step_fn(batch, step_state) -> step_state`."""
+
+    def init(first_batch: Any, init_state: Any) -> Any:
+        if init_fn is None:
+            return init_state
+        try:
+            return init_fn(first_batch, init_state)
+        except Exception as error:
+            if init_state is None:
+                error.add_note(_NO_INIT_STATE)
+            raise
+
+    def step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
+        try:
+            new_state = step_fn(batch, state)
+        except (TypeError, ValueError, KeyError) as error:
+            note = _note_on(error, batch, state)
+            if note is not None:
+                error.add_note(note)
+            raise
+        _check_returned_state(state, new_state)
+        aux: dict[str, Any] = {"step_state": new_state}
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+            aux["y_true"] = batch[1]
+        if isinstance(new_state, dict):
+            if "y_pred" in new_state:
+                aux["y_pred"] = new_state["y_pred"]
+            if "loss" in new_state:
+                aux["loss"] = new_state["loss"]
+        return new_state, aux
+
+    return Program(init, step, True, "custom")
+
+
+_NO_INIT_STATE = (
+    "fuseloop: init_fn was called with init_state=None, since run was given none: "
+    "loop.run(data, init_state) passes its init_state to init_fn(first_batch, init_state), "
+    "e.g. loop.run(data, 0) for a seed"
+)
+_TRACED_STATE = (
+    "fuseloop: every leaf of the step state is traced in the loop's compiled program, a "
+    "Python bool or number in it too (an equinox module's `inference` flag): a step cannot "
+    "branch on one in Python. Keep such values out of the step state (in the step's "
+    "closure), branch with jax.lax.cond or jnp.where, or for an equinox module carry "
+    "eqx.partition(model, eqx.is_array)'s arrays and eqx.combine them with the rest in the "
+    "step"
+)
+
+
+def _note_on(error: Exception, batch: Any, state: Any) -> str | None:
+    """What a step's error is told of its likely cause, or None."""
+    if isinstance(error, KeyError):
+        return _SWAPPED_NOTE if _key_of_the_other(error, batch, state) else None
+    if state is None:
+        return (
+            "fuseloop: the step state is None: give it to run, loop.run(data, init_state), "
+            "or return it from fl.loop(step_fn, init_fn)'s init_fn"
+        )
+    if isinstance(error, jax.errors.ConcretizationTypeError):
+        # jax names the argument: carry_step's `state`, the step state.
+        return _TRACED_STATE if "argument state" in str(error) else None
+    if _SWAPPED.search(str(error)):  # what a batch and a state dict swapped raise
+        return _SWAPPED_NOTE
+    return None
