@@ -215,6 +215,28 @@ def test_a_step_state_a_handler_returned_that_the_step_cannot_keep_is_blamed_on_
     )  # its state is never stepped
 
 
+def test_a_handler_returning_a_state_of_the_same_leaves_is_not_blamed_for_a_ragged_batch():
+    """An unfused iteration handler that hands back a step state of the step's own leaves
+    at every step; the ragged last batch's refusal is about the batch, not the handler."""
+
+    def step(batch, s):
+        return {"y_pred": batch[0], "n": s["n"] + 1}
+
+    def same_leaves(state):
+        return "continue", state.replace(step_state={**state.step_state})
+
+    x = np.concatenate([b[0] for b in DATA])[:14]
+    y = np.concatenate([b[1] for b in DATA])[:14]
+    ragged = fl.data.arrays(x, y, batch_size=4, shuffle=False, drop_remainder=False)
+    init = {"y_pred": jnp.zeros((4, x.shape[1]), x.dtype), "n": jnp.int32(0)}
+    loop = fl.loop(step).handle_event("iteration_completed", same_leaves)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the ragged batch's own warning
+        with pytest.raises(ValueError, match=r"\['y_pred'\]: float32\[4, 3\]") as caught:
+            loop.run(ragged, init)
+    assert not any("a handler of" in note for note in caught.value.__notes__)
+
+
 def test_a_step_branching_on_a_python_bool_of_its_state_is_told_it_is_traced():
     """An equinox module kept whole in the step state (its Dropout's `inference` flag), or
     a plain bool, raised jax's TracerBoolConversionError alone."""
