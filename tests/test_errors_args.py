@@ -276,12 +276,20 @@ def test_a_key_error_of_swapped_arguments_is_told_of_the_order():
     def misspelt(batch, state):
         return {"w": state["w"] + batch["images"].sum()}  # in neither argument
 
-    for step, told in ((swapped, True), (misspelt, False)):
-        for fuse in (False, 2):
-            with pytest.raises(KeyError) as info:
-                fl.loop(step).run(batches, init, fuse=fuse)
-            notes = getattr(info.value, "__notes__", [])
-            assert any("arguments are swapped" in note for note in notes) is told, notes
+    config = {"lr": 0.1}
+
+    def config_lookup(batch, state):  # the user's own dict misses a key the state has
+        return {"w": state["w"] * config["w"]}
+
+    for step, told in ((swapped, True), (misspelt, False), (config_lookup, False)):
+        for data in (batches, [(b["image"], b["label"]) for b in batches]):
+            if step is not config_lookup and isinstance(data[0], tuple):
+                continue  # a tuple batch looked up by a key raises a TypeError
+            for fuse in (False, 2):
+                with pytest.raises(KeyError) as info:
+                    fl.loop(step).run(data, init, fuse=fuse)
+                notes = getattr(info.value, "__notes__", [])
+                assert any("arguments are swapped" in note for note in notes) is told, notes
 
 
 def test_a_loops_repr_is_a_short_summary():

@@ -250,12 +250,27 @@ def test_a_step_branching_on_a_python_bool_of_its_state_is_told_it_is_traced():
         fl.loop(step).run(DATA, init)
     assert any("cannot branch on one in Python" in note for note in caught.value.__notes__)
 
-    def closure_bug(batch, s):  # a tracer of the batch: not the step state's
+    @jax.jit
+    def threshold(state):  # a helper of the user's whose argument is called state
+        return 2.0 if state > 0 else 1.0
+
+    def batch_branch(batch, s):  # a tracer of the batch: not the step state's
         return {**s, "w": s["w"] * (2.0 if batch[0].sum() > 0 else 1.0)}
 
-    with pytest.raises(jax.errors.TracerBoolConversionError) as caught:
-        fl.loop(closure_bug).run(DATA, init)
-    assert not any("branch on one" in n for n in getattr(caught.value, "__notes__", []))
+    def helper_branch(batch, s):
+        return {**s, "w": s["w"] * threshold(batch[0].sum())}
+
+    for step in (batch_branch, helper_branch):
+        with pytest.raises(jax.errors.TracerBoolConversionError) as caught:
+            fl.loop(step).run(DATA, init)
+        assert not any("branch on one" in n for n in getattr(caught.value, "__notes__", []))
+
+    def loops_over(batch, s):  # range() of a traced int
+        return {**s, "w": s["w"] * sum(1.0 for _ in range(s["n"]))}
+
+    with pytest.raises(jax.errors.TracerIntegerConversionError) as caught:
+        fl.loop(loops_over).run(DATA, {"w": jnp.ones(3), "n": 2})
+    assert any("cannot branch on one in Python" in note for note in caught.value.__notes__)
 
 
 def test_an_init_fn_failing_on_the_init_state_run_did_not_get_is_told_to_give_one():
@@ -263,10 +278,17 @@ def test_an_init_fn_failing_on_the_init_state_run_did_not_get_is_told_to_give_on
         return {"key": jax.random.PRNGKey(seed)}  # run(data) gives no seed: None
 
     loop = fl.loop(lambda batch, s: s, init_fn)
-    with pytest.raises(Exception, match="None") as caught:
+    with pytest.raises(ValueError, match="None is not a valid value") as caught:
         loop.run(DATA)
     assert any("e.g. loop.run(data, 0) for a seed" in n for n in caught.value.__notes__)
     assert loop.run(DATA, 0).status == "completed"
+
+    def own_bug(batch, _):  # ignores init_state, and fails for a reason of its own
+        return {"w": batch["x"]}  # a tuple batch
+
+    with pytest.raises(TypeError) as caught:
+        fl.loop(lambda batch, s: s, own_bug).run(DATA)
+    assert not any("for a seed" in n for n in getattr(caught.value, "__notes__", []))
 
 
 def test_custom_metric_of_a_missing_scalar_is_a_clear_error():

@@ -119,6 +119,25 @@ def test_a_multisteps_that_skips_zero_gradients_is_probed_as_any_other():
         scheduled.run(DATA, VARIABLES, population={"learning_rate": rates})
 
 
+def test_a_multisteps_that_skips_large_updates_is_probed_on_the_runs_params():
+    """The probe's small gradients add up, over a model's params, to a norm that a spike
+    guard of a MultiSteps may skip: it then probes with zeros, which any norm passes (a
+    constant rate was refused, reduce_lr_on_plateau too)."""
+
+    def skips_large(updates, gradient_step, params):  # the probe's norm^2 here: 7.5e-7
+        return optax.skip_large_updates(updates, gradient_step, params, 1e-7)
+
+    steps = optax.MultiSteps(_injected(1e-2), 2, should_skip_update_fn=skips_large)
+    labels = jax.tree.map(lambda _: "all", VARIABLES["params"])  # probed on the run's params
+    tx = optax.multi_transform({"all": steps.gradient_transformation()}, labels)
+    loop = fl.trainer(MODEL, LOSS, tx)
+    assert loop.reduce_lr_on_plateau("loss").run(DATA, VARIABLES).status == "completed"
+    rates = [0.1, 0.2]
+    state = loop.run(DATA, VARIABLES, population={"learning_rate": rates})
+    held = [n.hyperparams["learning_rate"] for n in inject_states(state.step_state["opt_state"])]
+    np.testing.assert_allclose(np.ravel(held), rates)
+
+
 def test_reduce_lr_on_plateau_refuses_an_optimizer_its_probe_cannot_see_apply():
     """A nested MultiSteps that skips every update never applies its inner one: whether a
     schedule there rewrites the rate is unknown, and a reduction could vanish in silence."""

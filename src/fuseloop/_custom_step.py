@@ -4,6 +4,7 @@ pair or None returned, the arguments swapped, no step state given)."""
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any
@@ -48,14 +49,15 @@ _SWAPPED_NOTE = (
 
 def _key_of_the_other(error: KeyError, batch: Any, state: Any) -> bool:
     """Whether the key a step missed is one of the other argument's alone: `batch["params"]`
-    on a dict batch, where the step state holds "params" (the arguments swapped)."""
+    on a dict batch, where the step state holds "params" (the arguments swapped); both are
+    dicts, or a lookup of the other would not have raised a KeyError."""
     key = error.args[0] if len(error.args) == 1 else None
+    if not (isinstance(batch, dict) and isinstance(state, dict)):
+        return False  # a key looked up in a tuple raises a TypeError: another lookup failed
     try:
-        in_batch = isinstance(batch, dict) and key in batch
-        in_state = isinstance(state, dict) and key in state
+        return (key in batch) != (key in state)
     except TypeError:  # an unhashable key
         return False
-    return in_batch != in_state
 
 
 def custom_program(step_fn: Callable[[Any, Any], Any], init_fn: Callable | None) -> Program:
@@ -67,15 +69,17 @@ def custom_program(step_fn: Callable[[Any, Any], Any], init_fn: Callable | None)
         try:
             return init_fn(first_batch, init_state)
         except Exception as error:
-            if init_state is None:
+            if init_state is None and "None" in str(error):  # init_fn read what it did not get
                 error.add_note(_NO_INIT_STATE)
             raise
+
+    batch_first = _names_the_batch_first(step_fn)
 
     def step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
         try:
             new_state = step_fn(batch, state)
         except (TypeError, ValueError, KeyError) as error:
-            note = _note_on(error, batch, state)
+            note = _note_on(error, batch, state, batch_first)
             if note is not None:
                 error.add_note(note)
             raise
@@ -108,18 +112,34 @@ _TRACED_STATE = (
 )
 
 
-def _note_on(error: Exception, batch: Any, state: Any) -> str | None:
+_TRACED_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError)
+# jax names the traced argument and the function it traced: `state` of fuseloop's own step
+# or chunk function is the step state (a user's jitted helper may call its argument state).
+_STEP_STATE_TRACED = re.compile(r"tracing the function \w+ at \S*fuseloop\S* .*argument state")
+
+
+def _names_the_batch_first(step_fn: Any) -> bool:
+    """Whether `step_fn`'s first parameter is named for a batch (`batch`, `x`, ...): its
+    author took fl.loop's order, so its errors are not of swapped arguments."""
+    try:
+        first = next(iter(inspect.signature(step_fn).parameters), "")
+    except (TypeError, ValueError):  # no signature to read
+        return False
+    return "batch" in first.lower() or first in ("b", "x", "xy", "data", "inputs", "example")
+
+
+def _note_on(error: Exception, batch: Any, state: Any, batch_first: bool) -> str | None:
     """What a step's error is told of its likely cause, or None."""
     if isinstance(error, KeyError):
-        return _SWAPPED_NOTE if _key_of_the_other(error, batch, state) else None
+        swapped = not batch_first and _key_of_the_other(error, batch, state)
+        return _SWAPPED_NOTE if swapped else None
     if state is None:
         return (
             "fuseloop: the step state is None: give it to run, loop.run(data, init_state), "
             "or return it from fl.loop(step_fn, init_fn)'s init_fn"
         )
-    if isinstance(error, jax.errors.ConcretizationTypeError):
-        # jax names the argument: carry_step's `state`, the step state.
-        return _TRACED_STATE if "argument state" in str(error) else None
-    if _SWAPPED.search(str(error)):  # what a batch and a state dict swapped raise
+    if isinstance(error, _TRACED_ERRORS):
+        return _TRACED_STATE if _STEP_STATE_TRACED.search(str(error)) else None
+    if not batch_first and _SWAPPED.search(str(error)):  # a batch and a state dict swapped
         return _SWAPPED_NOTE
     return None

@@ -4,6 +4,8 @@ may not divide over either)."""
 
 from __future__ import annotations
 
+import jax
+
 from ._fusion import FusionError
 
 __all__ = ["short_batch_error"]
@@ -25,9 +27,12 @@ def short_batch_error(
             f"a step of its own, fuse=False, or in training data drop_remainder=True "
             f"(padding would count as examples)"
         )
+    # Several processes always share one global mesh: mesh=None is that one.
+    no_mesh = ", or run without the mesh (mesh=None)," if jax.process_count() == 1 else ""
     return FusionError(
         f"{head}; nor do {short} examples divide over the {devices} devices of the mesh's "
-        f"'data' axis. Pass drop_remainder=True (the short batch is left out), or trim the "
-        f"dataset to a multiple of {devices} examples and use fl.data.arrays(..., "
-        f"device=True), which runs a short last batch as a step of its own, or fuse=False"
+        f"'data' axis. Trim the dataset to a multiple of {devices} examples{no_mesh} and use "
+        f"fl.data.arrays(..., device=True), which runs a short last batch as a step of its "
+        f"own, or fuse=False; or in training data pass drop_remainder=True (the short "
+        f"batch is left out)"
     )

@@ -55,7 +55,7 @@ def scheduled_hyperparams(
             # An optax.MultiSteps inside the optimizer (a chain's or a group's) applies its
             # inner update, where a schedule rewrites its value, only every k-th update:
             # updated on the device until each one has applied once.
-            after, applied = jax.jit(functools.partial(_until_applied, tx))(marked, params)
+            after, applied = _applied_by_either(tx, marked, params)
             if not applied:
                 return None  # some never applied within the cap: nothing can be told
         else:
@@ -83,18 +83,18 @@ def _marked_init(tx: Any, params: Any) -> Any:
 _PROBE_GRADIENT = 1e-4
 
 
-def _gradient(leaf: Any) -> Any:
-    if jnp.issubdtype(leaf.dtype, jnp.inexact):
+def _gradient(leaf: Any, small: bool = True) -> Any:
+    if small and jnp.issubdtype(leaf.dtype, jnp.inexact):
         return jnp.full_like(leaf, _PROBE_GRADIENT)
     return jnp.zeros_like(leaf)
 
 
-def _update(tx: Any, state: Any, params: Any) -> Any:
-    """`state` after one update of small gradients (`_PROBE_GRADIENT`), passed as a
-    trainer's update passes them."""
+def _update(tx: Any, state: Any, params: Any, small: bool = True) -> Any:
+    """`state` after one update of small gradients (`_PROBE_GRADIENT`; zeros where not
+    `small`), passed as a trainer's update passes them."""
     _, after = optimizer_update(
         tx,
-        jax.tree.map(_gradient, params),
+        jax.tree.map(functools.partial(_gradient, small=small), params),
         state,
         params,
         jnp.zeros((), jnp.float32),
@@ -116,7 +116,18 @@ def _multi_steps(state: Any) -> list[Any]:
     return found
 
 
-def _until_applied(tx: Any, state: Any, params: Any) -> tuple[Any, Any]:
+def _applied_by_either(tx: Any, state: Any, params: Any) -> tuple[Any, Any]:
+    """`_until_applied` with small gradients, or where some MultiSteps never applied them
+    (a `should_skip_update_fn` that skips a large norm: a large model's small gradients
+    add up to one), with zero gradients."""
+    for small in (True, False):
+        after, applied = jax.jit(functools.partial(_until_applied, tx, small=small))(state, params)
+        if applied:
+            break
+    return after, applied
+
+
+def _until_applied(tx: Any, state: Any, params: Any, small: bool = True) -> tuple[Any, Any]:
     """`state` updated (`_update`) until each MultiSteps in it has applied its inner
     update once (its gradient step counted one), at most `_MOST_ACCUMULATED` times; and
     whether each did."""
@@ -130,9 +141,10 @@ def _until_applied(tx: Any, state: Any, params: Any) -> tuple[Any, Any]:
 
     def step(carry: tuple[Any, Any]) -> tuple[Any, Any]:
         done, now = carry
-        return done + 1, _update(tx, now, params)
+        return done + 1, _update(tx, now, params, small)
 
-    _, after = jax.lax.while_loop(more, step, (jnp.int32(1), _update(tx, state, params)))
+    first = _update(tx, state, params, small)
+    _, after = jax.lax.while_loop(more, step, (jnp.int32(1), first))
     return after, applied(after)
 
 

@@ -204,7 +204,7 @@ def _paths_only_in(first: list[Any], second: list[Any]) -> tuple[list[str], list
     return [p for p in a if p not in in_b][:2], [p for p in b if p not in in_a][:2]
 
 
-def _structure_change(old: list[Any], new: list[Any]) -> str:
+def structure_change(old: list[Any], new: list[Any]) -> str:
     """The first leaf paths one step adds or drops, and what a sown value's growth means."""
     added, gone = _paths_only_in(new, old)
     parts = [f"step_state{p} appears after one step" for p in added]
@@ -240,7 +240,7 @@ def check_step_keeps_state(step: Any, step_state: Any, batch: Any) -> None:
     if expected != new_def:
         raise ValueError(
             f"the step changes the structure of the step state: "
-            f"{_structure_change(old, new)}. A step must return a state with the same "
+            f"{structure_change(old, new)}. A step must return a state with the same "
             f"structure, dtypes and shapes it was given"
         )
     for (path, a), (_, b) in zip(old, new, strict=True):

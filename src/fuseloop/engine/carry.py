@@ -92,7 +92,8 @@ class Carry:
         if step_state is not None and step_state is not self.step_state:
             if _signature(step_state) != _signature(self.step_state):
                 self._adopted_from = returned_by  # a ragged batch's refusal is not its
-            self.step_state = self.placement.put_state(private_copy(step_state))
+            # The copy is a program's output, on one device set (`private_copy` gathers).
+            self.step_state = self.placement.put_state(private_copy(step_state), True)
 
     def advance(self, program: Any, *args: Any, copies: bool = False) -> tuple[Any, ...]:
         """Runs `program(step_state, tail, *args)`, keeps the new carry, and returns the
@@ -143,7 +144,7 @@ class Carry:
         count).
         """
         carry = self.programs.unpack(snapshot, (self.step_state, self.tail))
-        self.step_state, self.tail = self.placement.put_state(carry)
+        self.step_state, self.tail = self.placement.put_state(carry, made_here=True)
         self._metrics = None
         # A snapshot is taken before any opening of the next epoch (`open_epoch`), so the
         # restored tail is the ending epoch's own: nothing is set aside any more.
