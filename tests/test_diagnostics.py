@@ -250,6 +250,19 @@ def test_report_counts_an_epoch_fused_and_unfused() -> None:
     assert "dispatches/epoch   2 (unfused 8)" in text
 
 
+def test_report_from_a_state_runs_an_epoch_on_from_it() -> None:
+    """A notebook profiles from where its State is: `run`'s default epochs=1 trained
+    nothing past a State's two epochs, and the report was of no step at all."""
+    data, loop = _batches(8), _loop()
+    state = loop.run(data, epochs=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "nothing is trained" was warned
+        result = diagnostics.report(loop, data, fuse=4, reps=1, init_state=state)
+    assert result.iterations == 8
+    assert result.fused["dispatches"] == 2 and result.unfused["dispatches"] == 8
+    assert result.fused["us_per_iteration"] > 0 and result.unfused["us_per_iteration"] > 0
+
+
 def test_a_resident_sources_one_transfer_is_not_charged_to_an_epoch() -> None:
     # On a fresh source the fused run, run first, placed the dataset: its one transfer
     # read as the fused epoch's, so a second report on the same source disagreed.

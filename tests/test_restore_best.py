@@ -180,20 +180,52 @@ def test_a_run_continuing_the_last_one_in_the_same_loop_keeps_its_best_copy():
 def test_another_runs_best_copy_is_never_restored_into_a_resume():
     # One Loop, two runs of the same scripted curve (the same best epoch and value): the
     # copy the handler holds is the second run's, so a resume of the first must not take
-    # it; it keeps its own last epoch's weights, and says so.
+    # it; it keeps its own best, the step state `first` holds (restored to epoch 1).
     values = [5, 3, 4, 6, 7, 8]
     loop = scripted_trainer(values).early_stop("score", patience=10, restore_best=True)
     first = loop.run(DATA, epochs=3)
     second = loop.run(list(reversed(DATA)), epochs=3)  # other batches: other weights
     assert first.handler_metadata["early_stop:score"] == second.handler_metadata["early_stop:score"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the resume's own warning of epoch 1's weights
-        with pytest.warns(RuntimeWarning, match=r"best epoch \(1\) ran in an earlier run"):
-            resumed = loop.run(DATA, first, epochs=4)
+    with pytest.warns(RuntimeWarning, match=r"holds epoch 1's step state") as caught:
+        resumed = loop.run(DATA, first, epochs=4)
+    assert not any("ran in an earlier run" in str(w.message) for w in caught)
     leaves = lambda s: jax.tree.leaves(jax.tree.map(np.asarray, s.step_state))  # noqa: E731
     assert not all(
         np.array_equal(a, b) for a, b in zip(leaves(resumed), leaves(second), strict=True)
     )
+    assert all(np.array_equal(a, b) for a, b in zip(leaves(resumed), leaves(first), strict=True))
+
+
+def test_a_restored_state_resumed_in_another_loop_keeps_its_best_step_state(tmp_path):
+    """A notebook restarts: the State a restoring run returned, saved and loaded into a new
+    Loop, holds its best epoch's step state; the resumed run that finds no better epoch
+    returns it, as the same Loop does (it returned the last epoch's and said the best ran in
+    an earlier run). A later epoch's State does not claim to hold it."""
+    values = [5, 3, 4, 6, 7, 8]  # best epoch 1
+
+    def loop():
+        return scripted_trainer(values).early_stop("score", patience=10, restore_best=True)
+
+    first = loop().run(DATA, epochs=3)
+    assert first.handler_metadata["_restored_best_epoch"] == 1
+    fl.save_state(first, tmp_path / "first")
+    for fuse in (False, 2):
+        with pytest.warns(RuntimeWarning, match=r"holds epoch 1's step state") as caught:
+            resumed = loop().run(DATA, fl.load_state(tmp_path / "first"), epochs=5, fuse=fuse)
+        assert not any("ran in an earlier run" in str(w.message) for w in caught)
+        jax.tree.map(
+            np.testing.assert_array_equal,
+            jax.tree.map(np.asarray, resumed.step_state),
+            jax.tree.map(np.asarray, first.step_state),
+        )
+        assert resumed.handler_metadata["_restored_best_epoch"] == 1
+    epochs_seen = []
+
+    def note(state):
+        epochs_seen.append(state.handler_metadata.get("_restored_best_epoch"))
+
+    loop().handle_event("epoch_completed", note).run(DATA, first, epochs=5)
+    assert epochs_seen == [None, None]  # epochs 3 and 4 step on: their own step states
 
 
 def test_a_population_resumed_after_another_run_of_its_loop_starts():

@@ -4,10 +4,9 @@
 how often it dispatches, synchronizes and transfers per epoch, what XLA fused, and how much
 of each iteration is dispatch overhead rather than compute.
 
-`decide_chunk_size` / `choose_chunk_size` expose the cost model behind `run(fuse="auto")`
-(described in `fuseloop.engine.auto_chunk`): enough steps per dispatch that the dispatch
-overhead stays below a tolerance of the step time, capped by a memory budget, `max_chunk`
-and the epoch length.
+`decide_chunk_size` / `choose_chunk_size` expose `run(fuse="auto")`'s cost model
+(`fuseloop.engine.auto_chunk`): enough steps per dispatch that the dispatch overhead stays
+below a tolerance of the step time, capped by a memory budget, `max_chunk`, the epoch.
 
 Example:
     >>> import fuseloop as fl, numpy as np, optax
@@ -267,7 +266,7 @@ def report(
         loop: The Loop to diagnose.
         data: Re-iterable data, or a callable returning an iterator.
         fuse: The chunk size to report (a positive int, True for 32, or "auto").
-        init_state: Passed to `run` (an evaluator needs its params).
+        init_state: Passed to `run` (an evaluator needs its params); a State runs on.
         reps: Timed epochs of each kind; the median is reported.
         iterations: Bound on iterations per epoch.
 
@@ -280,9 +279,10 @@ def report(
         (2, 4, 2)
     """
     _check_report_arguments(loop, data, fuse, reps)
+    epochs = max(init_state.history, default=-1) + 2 if isinstance(init_state, State) else 1
 
     def run(k: Any) -> Any:
-        return loop.run(data, init_state, fuse=k, iterations=iterations)
+        return loop.run(data, init_state, fuse=k, iterations=iterations, epochs=epochs)
 
     first_fused, first_unfused = run(fuse), run(False)
     n_iter = max(first_unfused.stats["dispatches"], 1)  # one dispatch per step unfused

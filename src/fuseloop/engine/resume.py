@@ -16,15 +16,28 @@ from .._state import (
 )
 from .._warn import warn
 
-__all__ = ["resumed_metadata", "warn_on_resume"]
+__all__ = ["opening", "resumed_metadata", "warn_on_resume"]
 
 
 def resumed_metadata(given: Any) -> dict[str, Any]:
     """The handler metadata a run resumed from the State `given` starts with: without what
     `given` said of its own step state (`warn_on_resume` has said it), which a later State
-    of the resumed run would otherwise repeat."""
-    said = (AHEAD_KEY, RESTORED_KEY, HELD_KEY, NONFINITE_KEY, UNFINISHED_KEY)
+    of the resumed run would otherwise repeat. Which epoch's step state a restoring
+    early_stop handed back stays until the first epoch opens (`opening`): the run's
+    `started` handlers (early_stop's own) see the step state it names."""
+    said = (AHEAD_KEY, HELD_KEY, NONFINITE_KEY, UNFINISHED_KEY)
     return {k: v for k, v in given.handler_metadata.items() if k not in said}
+
+
+def opening(state: Any, epoch: int) -> Any:
+    """`state` as `epoch` opens: no step of it taken, no metric, and no longer holding a
+    restored best epoch's step state (the steps go on from it)."""
+    metadata = state.handler_metadata
+    if RESTORED_KEY in metadata:
+        metadata = {k: v for k, v in metadata.items() if k != RESTORED_KEY}
+    return state.replace(
+        epoch=epoch, iteration=0, metrics={}, status="running", handler_metadata=metadata
+    )
 
 
 def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:

@@ -34,7 +34,7 @@ from .population_run import PopulationHost
 from .programs import Programs
 from .replay import show_nonfinite_halt, warn_nonfinite
 from .resident_start import first_resident_batch, place_dataset
-from .resume import resumed_metadata, warn_on_resume
+from .resume import opening, resumed_metadata, warn_on_resume
 from .signals import SignalGuard
 from .start import agree_across_processes, agree_on_mesh, initial_step_state
 from .whole_run import WholeRun
@@ -283,7 +283,7 @@ class Run:
         loop = self._epoch_loop
         if not loop.opens(epoch):  # an epoch opened early already steps on fresh ones
             self.carry.reset_metrics()
-        state = state.replace(epoch=epoch, iteration=0, metrics={}, status="running")
+        state = opening(state, epoch)
         self.state = state
         status, state = self.handoff.fire(Event.EPOCH_STARTED, state)
         self.state, stepped = state, status == CONTINUE

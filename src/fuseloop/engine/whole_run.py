@@ -32,6 +32,7 @@ from .feeds import noting_dispatch
 from .packing import segment_of, unpack_on_host
 from .programs import kept_order
 from .replay import ChunkResult, EpochReplay, show_nonfinite_halt
+from .resume import opening
 from .signals import wait_interruptibly
 from .whole_program import (
     compiled_segments,
@@ -156,7 +157,7 @@ class WholeRun:
     def _begin(self, state: Any, epoch: int, live: bool) -> tuple[str, Any]:
         run = self.run
         run.bus.new_epoch()
-        state = state.replace(epoch=epoch, iteration=0, metrics={}, status="running")
+        state = opening(state, epoch)
         if live:  # the host starts the epoch: fresh accumulators, the epoch's order
             run.carry.reset_metrics()
             self.order, self.counter = self._epoch_order(epoch)

@@ -133,7 +133,8 @@ class EarlyStopping:
 
         A run that continues the last one (from the State it ended with, whose record's
         best is the copy this handler kept) keeps that copy; a run resumed from its best
-        epoch's own State (the checkpoint that epoch wrote) holds the best step state from
+        epoch's own State (the checkpoint that epoch wrote), or from the State a restoring
+        run returned (in another Loop, or loaded from disk), holds the best step state from
         its start; any other start has none yet.
         """
         if not self.restore_best or state.step_state is None:
@@ -148,12 +149,11 @@ class EarlyStopping:
             return
         self._best = None
         last = max(state.history, default=None)
-        if (
-            record["best_epoch"] is not None
-            and record["best_epoch"] == last
-            and at_epoch_end(state)
-        ):
-            self._best = ((last, record["best"]), jax.tree.map(jnp.copy, state.step_state))
+        best = record["best_epoch"]
+        # A State a restoring run returned holds its best epoch's step state (RESTORED_KEY).
+        restored = best is not None and state.handler_metadata.get(RESTORED_KEY) == best
+        if restored or (best is not None and best == last and at_epoch_end(state)):
+            self._best = ((best, record["best"]), jax.tree.map(jnp.copy, state.step_state))
 
     def on_end(self, state: State) -> tuple[Status, State]:
         """For the "completed" and "halted" events: the best epoch's step state."""
