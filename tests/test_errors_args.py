@@ -299,6 +299,10 @@ def test_a_loops_repr_is_a_short_summary():
     assert text.startswith("Loop(trainer, loss='sparse_categorical_cross_entropy'")
     assert "'accuracy'" in text and "'early_stop'" in text and "0x" not in text
     assert len(text) < 300
+    # A notebook cell run again attaches its handler again: the repr shows both.
+    twice = loop.reduce_lr_on_plateau("loss").reduce_lr_on_plateau("loss")
+    assert "'reduce_lr_on_plateau x2'" in repr(twice), repr(twice)
+    assert "x2" not in text
 
 
 # --------------------------------------------------------------------------- other frameworks

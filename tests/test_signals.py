@@ -209,6 +209,7 @@ def test_signal_lets_an_attached_checkpoint_write_the_final_state(tmp_path):
     saved = fl.load_state(tmp_path / "ckpts")  # the latest complete checkpoint
     assert int(saved.step_state["step"]) == result["step"]
     assert saved.epoch == result["epoch"]
+    assert saved.stats.get("signal") == "SIGTERM"  # a restarted notebook can tell why
 
 
 @pytest.mark.parametrize("fuse", [False, 20, 32, "run"])

@@ -287,12 +287,16 @@ def describe_loop(loop: Any) -> str:
         parts.append(f"loss={loop.program.loss_name!r}")
     if loop.metrics:
         parts.append(f"metrics={[m.name for m in loop.metrics]}")
-    handlers: dict[str, list[str]] = {}
+    counts: dict[str, dict[str, int]] = {}
     for registration in loop.registrations:
-        labels = handlers.setdefault(registration.event.value, [])
+        labels = counts.setdefault(registration.event.value, {})
         label = registration.label.rsplit(".", 1)[-1]
-        if label not in labels:
-            labels.append(label)
+        labels[label] = labels.get(label, 0) + 1
+    # A handler attached twice (a notebook cell run again) shows its count: it acts twice.
+    handlers = {
+        event: [label if n == 1 else f"{label} x{n}" for label, n in labels.items()]
+        for event, labels in counts.items()
+    }
     if handlers:
         parts.append(f"handlers={handlers}")
     if loop.guard_nonfinite:

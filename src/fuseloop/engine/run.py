@@ -112,8 +112,6 @@ class Run:
                     feed, self.carry, self.handoff, self.reads, self.guard, signals
                 )
                 state = self._epochs(signals)
-            if signals.requested:  # what halted the run, for a caller's exit status
-                self.stats["signal"] = signals.signal_name
         except BaseException as caught:
             # A second signal's KeyboardInterrupt leaves at once, even from a blocked source.
             aborted = isinstance(caught, KeyboardInterrupt)
@@ -271,6 +269,8 @@ class Run:
             opened = self.epoch_loop is not None and self.epoch_loop.opened_for(epoch)
             halted = status == HALT_LOOP or (signals.requested and not opened)
         self.stats["compiles"] = self.programs.traces - self.compiles_before
+        if signals.requested:  # what halted the run (a caller's exit status; its checkpoint)
+            self.stats["signal"] = signals.signal_name
         ended = "halted" if halted else "completed"
         state = state.replace(status=ended)
         _, state = self.handoff.fire(Event.HALTED if halted else Event.COMPLETED, state)
