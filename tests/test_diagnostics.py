@@ -261,6 +261,10 @@ def test_report_from_a_state_runs_an_epoch_on_from_it() -> None:
     assert result.iterations == 8
     assert result.fused["dispatches"] == 2 and result.unfused["dispatches"] == 8
     assert result.fused["us_per_iteration"] > 0 and result.unfused["us_per_iteration"] > 0
+    # An evaluator takes only a State's params and runs from epoch 0: one epoch, as before.
+    evaluator = fl.evaluator(MODEL, LOSS)
+    found = diagnostics.report(evaluator, data, fuse=4, reps=1, init_state=state)
+    assert found.iterations == 8 and found.fused["dispatches"] == 2
 
 
 def test_a_resident_sources_one_transfer_is_not_charged_to_an_epoch() -> None:

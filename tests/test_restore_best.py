@@ -196,6 +196,22 @@ def test_another_runs_best_copy_is_never_restored_into_a_resume():
     assert all(np.array_equal(a, b) for a, b in zip(leaves(resumed), leaves(first), strict=True))
 
 
+def test_a_handler_that_replaces_the_restored_step_state_drops_the_note_of_its_epoch():
+    """A `completed` handler after early_stop's restore that swaps the step state (averaged
+    weights): the State noted the best epoch still, and a resume in another Loop took the
+    swapped weights for that epoch's."""
+    values = [5, 3, 4, 6]  # best epoch 1, restored at the end
+
+    def averaged(state):  # any other step state than the restored one
+        halved = jax.tree.map(lambda a: a * 0 if a.dtype.kind == "f" else a, state.step_state)
+        return "continue", state.replace(step_state=halved)
+
+    loop = scripted_trainer(values).early_stop("score", patience=10, restore_best=True)
+    assert loop.run(DATA, epochs=3).handler_metadata["_restored_best_epoch"] == 1
+    swapped = loop.handle_event("completed", averaged).run(DATA, epochs=3)
+    assert "_restored_best_epoch" not in swapped.handler_metadata
+
+
 def test_a_restored_state_resumed_in_another_loop_keeps_its_best_step_state(tmp_path):
     """A notebook restarts: the State a restoring run returned, saved and loaded into a new
     Loop, holds its best epoch's step state; the resumed run that finds no better epoch

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import fuseloop as fl
-from conftest import with_compilation_cache
+from conftest import make_batches, with_compilation_cache
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
@@ -210,6 +210,25 @@ def test_signal_lets_an_attached_checkpoint_write_the_final_state(tmp_path):
     assert int(saved.step_state["step"]) == result["step"]
     assert saved.epoch == result["epoch"]
     assert saved.stats.get("signal") == "SIGTERM"  # a restarted notebook can tell why
+
+
+@pytest.mark.parametrize("event", ["completed", "halted"])
+def test_a_signal_during_the_final_handlers_is_named_in_the_stats(event):
+    """The stats name a signal as it arrives: one during the run's last handlers (its final
+    checkpoint) was named, and the State that handlers at `halted` saw named one before."""
+    seen = []
+
+    def signal_now(state: fl.State) -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # SIGINT: a missing guard fails the test
+        seen.append(state.stats.get("signal"))
+
+    loop = fl.trainer(fl.models.mlp([4, 3]), "sparse_categorical_cross_entropy", "adam")
+    loop = loop.handle_event(event, signal_now)
+    if event == "halted":
+        loop = loop.handle_event("epoch_completed", lambda s: "halt_loop")
+    state = loop.run(make_batches(4), epochs=2)
+    assert state.status == event and state.stats["signal"] == "SIGINT"
+    assert seen == ["SIGINT"]
 
 
 @pytest.mark.parametrize("fuse", [False, 20, 32, "run"])

@@ -292,7 +292,8 @@ def describe_loop(loop: Any) -> str:
         labels = counts.setdefault(registration.event.value, {})
         label = registration.label.rsplit(".", 1)[-1]
         labels[label] = labels.get(label, 0) + 1
-    # A handler attached twice (a notebook cell run again) shows its count: it acts twice.
+    # A label attached more than once shows its count: a notebook cell run again attaches
+    # its handler again, and both act.
     handlers = {
         event: [label if n == 1 else f"{label} x{n}" for label, n in labels.items()]
         for event, labels in counts.items()

@@ -255,8 +255,7 @@ def report(
 ) -> Report:
     """Runs one epoch of `loop` fused and unfused and reports what each costs.
 
-    Beside `reps` timed epochs of each, it reports dispatches, host syncs, transfers,
-    compiles, XLA fusions and dispatch overhead.
+    Beside `reps` timed epochs of each: dispatches, syncs, transfers, compiles, fusions.
 
     The loop runs as built, handlers included. `data` must be re-iterable (a list, an
     `fl.data.arrays` source) or a callable returning an iterator: each run starts a fresh
@@ -279,7 +278,8 @@ def report(
         (2, 4, 2)
     """
     _check_report_arguments(loop, data, fuse, reps)
-    epochs = max(init_state.history, default=-1) + 2 if isinstance(init_state, State) else 1
+    resumes = isinstance(init_state, State) and loop.program.kind != "evaluator"
+    epochs = max(init_state.history, default=-1) + 2 if resumes else 1  # one more than it ran
 
     def run(k: Any) -> Any:
         return loop.run(data, init_state, fuse=k, iterations=iterations, epochs=epochs)

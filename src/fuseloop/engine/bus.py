@@ -24,7 +24,7 @@ from .._events import (
     Registration,
     parse_result,
 )
-from .._state import UNFINISHED_KEY, State, with_epoch_recorded
+from .._state import RESTORED_KEY, UNFINISHED_KEY, State, with_epoch_recorded
 from .._step_state_check import refuse_returned_layout
 
 __all__ = ["EventBus"]
@@ -201,6 +201,8 @@ class EventBus:
                         f"(use state.replace(...))"
                     )
                 _check_returned(state, new_state, registration.label, self.fixed)
+                if new_state.step_state is not state.step_state:
+                    new_state = _without_restored_note(new_state, registration.handler)
                 state = new_state
                 if mirror_history:
                     state = with_epoch_recorded(state, state.epoch)
@@ -374,3 +376,13 @@ def _refuse_bad_history(history: Any, given: dict[Any, Any], label: str) -> None
 def _unfinished(state: State, label: str) -> State:
     note = {"epoch": state.epoch, "handler": label}
     return state.replace(handler_metadata={**state.handler_metadata, UNFINISHED_KEY: note})
+
+
+def _without_restored_note(state: State, handler: Any) -> State:
+    """`state`, a handler's, that replaced the step state: without the note that it holds
+    a restored best epoch's (RESTORED_KEY), unless the handler is the one that restores it
+    (early_stop's `on_end`): the note would name an epoch whose step state it is not."""
+    if RESTORED_KEY not in state.handler_metadata or getattr(handler, "restores_best", False):
+        return state
+    metadata = {k: v for k, v in state.handler_metadata.items() if k != RESTORED_KEY}
+    return state.replace(handler_metadata=metadata)

@@ -92,8 +92,7 @@ class Carry:
         if step_state is not None and step_state is not self.step_state:
             if _signature(step_state) != _signature(self.step_state):
                 self._adopted_from = returned_by  # a ragged batch's refusal is not its
-            # The copy is a program's output, on one device set (`private_copy` gathers).
-            self.step_state = self.placement.put_state(private_copy(step_state), True)
+            self.step_state = self.placement.put_state(private_copy(step_state))
 
     def advance(self, program: Any, *args: Any, copies: bool = False) -> tuple[Any, ...]:
         """Runs `program(step_state, tail, *args)`, keeps the new carry, and returns the

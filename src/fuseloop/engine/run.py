@@ -107,7 +107,7 @@ class Run:
         aborted = False
         try:
             feed = self._start()
-            with SignalGuard() as signals:
+            with SignalGuard(self.stats) as signals:  # it names a signal in the stats
                 self.epoch_loop = EpochLoop(
                     feed, self.carry, self.handoff, self.reads, self.guard, signals
                 )
@@ -269,8 +269,6 @@ class Run:
             opened = self.epoch_loop is not None and self.epoch_loop.opened_for(epoch)
             halted = status == HALT_LOOP or (signals.requested and not opened)
         self.stats["compiles"] = self.programs.traces - self.compiles_before
-        if signals.requested:  # what halted the run (a caller's exit status; its checkpoint)
-            self.stats["signal"] = signals.signal_name
         ended = "halted" if halted else "completed"
         state = state.replace(status=ended)
         _, state = self.handoff.fire(Event.HALTED if halted else Event.COMPLETED, state)

@@ -30,10 +30,13 @@ class SignalGuard:
     does nothing.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stats: dict[str, Any] | None = None) -> None:
         self.requested = False
         self.signal_name: str | None = None
         self._previous: dict[int, Any] = {}
+        # The run's stats, which name the signal as it arrives: what a halted State (and
+        # the checkpoint its `halted` handlers write) says stopped it, for an exit status.
+        self._stats = stats
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested:
@@ -41,6 +44,8 @@ class SignalGuard:
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: aborting the run")
         self.requested = True
         self.signal_name = signal.Signals(signum).name
+        if self._stats is not None:
+            self._stats["signal"] = self.signal_name
 
     def __enter__(self) -> SignalGuard:
         global _outermost

@@ -162,6 +162,8 @@ class EarlyStopping:
             return "continue", restore_members(self, state)
         return "continue", self._restored(state)
 
+    on_end.restores_best = True  # type: ignore[attr-defined]  # it sets RESTORED_KEY (bus.py)
+
     def _restored(self, state: State) -> State:
         if not self.restore_best:
             return state
