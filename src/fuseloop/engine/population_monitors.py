@@ -144,8 +144,9 @@ def early_stop_members(stopper: Any, state: Any) -> tuple[Status, Any]:
 
 def begin_members(stopper: Any, state: Any, at_end: bool) -> None:
     """At a run's start (`EarlyStopping.begin`): a member whose best epoch is the State's
-    last (a resume from that epoch's own State), or that stopped (frozen with its best
-    restored), holds its best step state from the start, as its solo run does. A run that
+    last (a resume from that epoch's own State), whose best a restoring run handed back, or
+    that stopped (frozen with its best restored), holds its best step state from the start,
+    as its solo run does. A run that
     continues the last one keeps the copies it has. `at_end`: the State left off at an
     epoch's end (`_monitor_record.at_epoch_end`)."""
     record = state.handler_metadata.get(stopper.monitor.key)
@@ -158,7 +159,11 @@ def begin_members(stopper: Any, state: Any, at_end: bool) -> None:
     if len(held_keys) == size and all(k is None or k == keys[i] for i, k in enumerate(held_keys)):
         return
     last, halted = max(state.history, default=None), population_record(state)["halted"]
-    take = [k[0] is not None and (k[0] == last or halted[i]) for i, k in enumerate(keys)]
+    # A member whose best epoch's step state a restoring run handed back (RESTORED_KEY).
+    restored = state.handler_metadata.get(RESTORED_KEY)
+    restored = restored if isinstance(restored, (list, tuple)) else [None] * size
+    held_best = [k[0] in (last, restored[i]) or halted[i] for i, k in enumerate(keys)]
+    take = [k[0] is not None and held for k, held in zip(keys, held_best, strict=True)]
     stopper._members = MemberBest([k if t else None for k, t in zip(keys, take, strict=True)])
     if any(take):
         stopper._members.tree = jax.tree.map(jnp.copy, state.step_state)
