@@ -17,6 +17,7 @@ from ._population import POPULATION_KEY, member_state, stop_members
 __all__ = [
     "POPULATION_KEY",
     "RESTORED_KEY",
+    "without_restored",
     "AHEAD_KEY",
     "HELD_KEY",
     "NONFINITE_KEY",
@@ -59,6 +60,14 @@ def new_stats() -> dict[str, Any]:
         "chunk_size": 1,
         "epoch_time": {},
     }
+
+
+def without_restored(metadata: dict[str, Any]) -> dict[str, Any]:
+    """Handler metadata without the note of a restored best epoch's step state
+    (RESTORED_KEY); `metadata` itself where it holds none."""
+    if RESTORED_KEY not in metadata:
+        return metadata
+    return {k: v for k, v in metadata.items() if k != RESTORED_KEY}
 
 
 @dataclass(frozen=True, eq=False, repr=False)

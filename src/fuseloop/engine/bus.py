@@ -24,7 +24,7 @@ from .._events import (
     Registration,
     parse_result,
 )
-from .._state import RESTORED_KEY, UNFINISHED_KEY, State, with_epoch_recorded
+from .._state import UNFINISHED_KEY, State, with_epoch_recorded, without_restored
 from .._step_state_check import refuse_returned_layout
 
 __all__ = ["EventBus"]
@@ -382,7 +382,7 @@ def _without_restored_note(state: State, handler: Any) -> State:
     """`state`, a handler's, that replaced the step state: without the note that it holds
     a restored best epoch's (RESTORED_KEY), unless the handler is the one that restores it
     (early_stop's `on_end`): the note would name an epoch whose step state it is not."""
-    if RESTORED_KEY not in state.handler_metadata or getattr(handler, "restores_best", False):
+    metadata = without_restored(state.handler_metadata)
+    if metadata is state.handler_metadata or getattr(handler, "restores_best", False):
         return state
-    metadata = {k: v for k, v in state.handler_metadata.items() if k != RESTORED_KEY}
     return state.replace(handler_metadata=metadata)

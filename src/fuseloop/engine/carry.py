@@ -12,9 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
-from .._placement import device_dtype
+from .._placement import device_signature
 from .start import private_copy
 
 __all__ = ["Carry"]
@@ -90,7 +89,7 @@ class Carry:
         event, for an error of the next step that the new state causes.
         """
         if step_state is not None and step_state is not self.step_state:
-            if _signature(step_state) != _signature(self.step_state):
+            if device_signature(step_state) != device_signature(self.step_state):
                 self._adopted_from = returned_by  # a ragged batch's refusal is not its
             self.step_state = self.placement.put_state(private_copy(step_state))
 
@@ -180,12 +179,6 @@ def _shared_arrays_error() -> ValueError:
         "instead, state.replace(step_state={...}), which fuseloop copies; or copy the "
         "array, jax.tree.map(jnp.copy, tree)"
     )
-
-
-def _signature(tree: Any) -> Any:
-    """`tree`'s structure, and each leaf's shape and dtype as a program takes it."""
-    leaves, structure = jax.tree.flatten(tree)
-    return structure, [(np.shape(leaf), device_dtype(leaf)) for leaf in leaves]
 
 
 # How `_fusion`'s refusal of a step that changes its step state's leaves begins.

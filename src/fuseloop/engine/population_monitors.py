@@ -31,7 +31,7 @@ import numpy as np
 
 from .._optim import _is_inject_state, find_learning_rates
 from .._population import halt_members, per_member, population_record
-from .._state import RESTORED_KEY
+from .._state import RESTORED_KEY, without_restored
 from .._types import Status
 from .._warn import warn
 
@@ -244,7 +244,7 @@ def _note_restored(state: Any, record: dict[str, Any], taken: np.ndarray) -> Any
         int(best[i]) if taken[i] and best[i] not in (None, own_last[i]) else None
         for i in range(size)
     ]
-    metadata = {k: v for k, v in state.handler_metadata.items() if k != RESTORED_KEY}
+    metadata = without_restored(state.handler_metadata)
     if all(epoch is None for epoch in restored):
         return state.replace(handler_metadata=metadata)
     state = state.replace(handler_metadata={**metadata, RESTORED_KEY: restored})

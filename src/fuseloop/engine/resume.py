@@ -13,6 +13,7 @@ from .._state import (
     POPULATION_KEY,
     RESTORED_KEY,
     UNFINISHED_KEY,
+    without_restored,
 )
 from .._warn import warn
 
@@ -32,9 +33,7 @@ def resumed_metadata(given: Any) -> dict[str, Any]:
 def opening(state: Any, epoch: int) -> Any:
     """`state` as `epoch` opens: no step of it taken, no metric, and no longer holding a
     restored best epoch's step state (the steps go on from it)."""
-    metadata = state.handler_metadata
-    if RESTORED_KEY in metadata:
-        metadata = {k: v for k, v in metadata.items() if k != RESTORED_KEY}
+    metadata = without_restored(state.handler_metadata)
     return state.replace(
         epoch=epoch, iteration=0, metrics={}, status="running", handler_metadata=metadata
     )

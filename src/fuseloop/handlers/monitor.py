@@ -24,7 +24,7 @@ from .._optim import (
     set_learning_rate,
 )
 from .._optim_probe import rate_is_scheduled, scheduled_hyperparams
-from .._state import RESTORED_KEY, State
+from .._state import RESTORED_KEY, State, without_restored
 from .._step import _trainable
 from .._types import Status
 from .._warn import warn
@@ -170,7 +170,7 @@ class EarlyStopping:
         record = self.monitor.record(state)
         # Which epoch's step state the State holds, where it is not its last epoch's: a
         # run resumed from it would go on from there (engine/resume.py `warn_on_resume`).
-        metadata = {k: v for k, v in state.handler_metadata.items() if k != RESTORED_KEY}
+        metadata = dict(without_restored(state.handler_metadata))  # written below
         if self._best is None or self._best[0] != (record["best_epoch"], record["best"]):
             if record["best_epoch"] is not None and record["best_epoch"] != state.epoch:
                 warn(
