@@ -652,3 +652,33 @@ def test_typed_prng_keys_as_data_are_refused_naming_their_raw_form():
     raw = [({"x": x, "key": jax.random.key_data(keys)}, y)] * 3
     unfused, fused = (fl.loop(step).run(raw, init, fuse=f).step_state for f in (False, 2))
     assert int(fused["n"]) == 3 and float(fused["u"]) == float(unfused["u"]) > 0
+
+
+@pytest.mark.parametrize("device", [False, True])
+def test_a_missing_binary_target_is_named_as_missing_with_its_index(device):
+    x = np.concatenate([b[0] for b in _binary_batches(4)])
+    y = (x[:, :1] > 0).astype(np.float32)
+    y[5, 0] = np.nan  # a missing label, as a left join leaves it
+    data = fl.data.arrays(x, y, BATCH, device=device)
+    with pytest.raises(ValueError, match=r"target nan, .*index \(5, 0\)\. A NaN target is a miss"):
+        _binary_trainer().run(data, fuse=2)
+
+
+def test_binary_labels_of_two_other_classes_are_told_how_to_map_them():
+    x = np.concatenate([b[0] for b in _binary_batches(4)])
+    y = (x[:, :1] > 0).astype(np.float32) + 1.0  # classes 1 and 2
+    with pytest.raises(ValueError, match=r"Map the two classes' labels 1.0/2.0 to 0/1"):
+        _binary_trainer().run(fl.data.arrays(x, y, BATCH), fuse=2)
+
+
+def test_a_nan_label_cast_to_an_integer_is_named_as_a_missing_label():
+    x = np.concatenate([b[0] for b in _binary_batches(4)])
+    y = np.where(x[:, 0] > 0, 1.0, 2.0).astype(np.float32)
+    y[3] = np.nan
+    loop = fl.trainer(fl.models.mlp([4, 3]), "sparse_categorical_cross_entropy", optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"once any missing \(NaN\) label is dropped or filled"):
+        loop.run(fl.data.arrays(x, y, BATCH), fuse=2)
+    with np.errstate(invalid="ignore"):
+        cast = y.astype(np.int32)  # what the advice would give without dropping the NaN
+    with pytest.raises(ValueError, match=r"what a missing \(NaN\) float label becomes"):
+        loop.run(fl.data.arrays(x, cast, BATCH), fuse=2)

@@ -5,6 +5,7 @@ the label, the loss and the fix. `_label_checks` applies the rule to a run's lab
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -52,6 +53,11 @@ def check_label_range(labels: np.ndarray, classes: int, loss: str, where: str) -
         if low < 0
         else f"Fix the labels, or give the model's last layer at least {int(high) + 1} units"
     )
+    if labels.dtype.kind == "i" and low == np.iinfo(labels.dtype).min:
+        fix = (
+            f"{low} is what a missing (NaN) float label becomes when cast to "
+            f"{labels.dtype}: drop or fill the missing labels before the cast"
+        )
     raise ValueError(
         f"data: {where}: y holds the label {low if low < 0 else high}, out of range for "
         f"{loss} with a model output of {classes} classes (labels must be "
@@ -110,10 +116,32 @@ class LabelRule:
         if self.classes is not None:
             check_label_range(labels, self.classes, self.loss, where)
         elif not self.holds(labels):
-            value = labels[self.bad(labels)].flat[0]
+            index = tuple(int(i) for i in np.argwhere(self.bad(labels))[0])
+            value = labels[index]
             raise ValueError(
                 f"data: {where}: y holds the target {value}, out of range for {self.loss} "
                 f"(targets are probabilities in [0, 1]: 1 for the positive class, 0 for the "
-                f"negative). Map labels of -1/1 to 0/1; for more than two classes use "
-                f"'sparse_categorical_cross_entropy' with integer labels"
+                f"negative), first at index {index}. {_target_fix(labels, value)}"
             )
+
+
+def _target_fix(labels: np.ndarray, value: Any) -> str:
+    """The fix for a binary target out of [0, 1], from what the targets hold."""
+    if np.isnan(value):
+        return (
+            "A NaN target is a missing label: drop those examples, or fill them, before "
+            "training (a NaN target makes the loss NaN)"
+        )
+    kept = labels[~np.isnan(labels)] if labels.dtype.kind == "f" else labels
+    if set(np.unique(kept).tolist()) <= {-1, 0, 1}:
+        return "Map labels of -1/1 to 0/1, e.g. y = (y == 1)"
+    distinct = np.unique(kept)
+    if distinct.size == 2:
+        return (
+            f"Map the two classes' labels {distinct[0]}/{distinct[1]} to 0/1, e.g. "
+            f"y = (y == {distinct[1]})"
+        )
+    return (
+        "For more than two classes use 'sparse_categorical_cross_entropy' with integer "
+        "labels; for targets of another range use a loss of your own"
+    )

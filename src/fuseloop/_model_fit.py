@@ -368,7 +368,8 @@ class ModelFit:
             raise ValueError(
                 f"data: y holds floats ({ys.dtype} on the device), but {name} expects "
                 f"integer class labels; a float label would be truncated to a class. Cast "
-                f"them (y.astype(np.int32)), or for one-hot targets: 'categorical_cross_entropy'"
+                f"them (y.astype(np.int32)) once any missing (NaN) label is dropped or "
+                f"filled, or for one-hot targets: 'categorical_cross_entropy'"
             )
         if name == SPARSE:
             accepted = (y_pred.shape[:-1], y_pred.shape[:-1] + (1,))
