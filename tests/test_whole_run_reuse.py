@@ -89,3 +89,18 @@ def test_a_resumed_whole_run_takes_the_program_compiled_for_more_epochs():
     assert resumed.stats["compiles"] == 0 and resumed.stats["dispatches"] == 1
     assert resumed.stats["chunk_size"] == 2 * steps_per_epoch
     _assert_same_run(resumed, _trainer().run(_data(), epochs=5))
+
+
+def test_runs_of_other_iteration_bounds_take_the_program_of_the_first():
+    # The bound is the program's input: runs of 5, 3 and 6 steps an epoch, many epochs per
+    # dispatch, compile one program between them, each the unfused run of its bound.
+    data, loop = _data(), _validated(patience=3)
+    loop.run(data, epochs=3, fuse="run")  # the full epochs' program
+    compiles = []
+    for bound in (5, 3, 6):
+        with jax_compiles() as compiled:
+            bounded = loop.run(data, epochs=3, fuse="run", iterations=bound)
+        compiles.append(len(compiled))
+        assert bounded.stats["whole_run"] and (bounded.epoch, bounded.iteration) == (2, bound - 1)
+        _assert_same_run(bounded, _validated(patience=3).run(_data(), epochs=3, iterations=bound))
+    assert compiles == [0, 0, 0]

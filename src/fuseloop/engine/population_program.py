@@ -30,21 +30,19 @@ from .._step import make_carry_step
 from .device_monitors import DeviceWork, Validation, epoch_end_fn, validation_loop
 from .packing import pack_leaves
 from .population import member_carry_step, member_chunk, population_tail
-from .programs import MIN_SLOTS, _source_key
-from .whole_program import host_outputs, record_buffers, slot_rows, write_segment
+from .programs import _source_key
+from .whole_program import epoch_slots, host_outputs, record_buffers, slot_rows, write_segment
 
 __all__ = ["population_whole_key", "population_whole_program"]
 
 
-def population_whole_key(
-    source: Any, segments: int, limit: int, work: Any, record: bool
-) -> tuple[Any, ...]:
+def population_whole_key(source: Any, segments: int, work: Any, record: bool) -> tuple[Any, ...]:
     """What a population's multi-epoch program is cached by."""
-    return ("population", _source_key(source).layout, segments, limit, work.key, record)
+    return ("population", _source_key(source).layout, segments, work.key, record)
 
 
 def population_whole_program(
-    programs: Any, source: Any, segments: int, limit: int, work: DeviceWork, record: bool = True
+    programs: Any, source: Any, segments: int, work: DeviceWork, record: bool = True
 ) -> Any:
     """The cached multi-epoch program of a population (`programs` is the population's).
 
@@ -57,11 +55,11 @@ def population_whole_program(
     `inputs["rates"]` is each member's rate table. `record=False` leaves the per-step
     records out, and the host's read is packed (`out["packed"]`), as in the solo program.
     """
-    key = population_whole_key(source, segments, limit, work, record)
+    key = population_whole_key(source, segments, work, record)
     cache = programs.cache.whole_run
     if key not in cache:
         size = programs.population.size
-        fn = _build(programs, source, segments, limit, work, size, record)
+        fn = _build(programs, source, segments, work, size, record)
         cache[key] = programs._jit(fn)
     return cache[key]
 
@@ -70,12 +68,11 @@ def _build(
     programs: Any,
     source: Any,
     segments: int,
-    limit: int,
     work: DeviceWork,
     size: int,
     record: bool,
 ) -> Callable[..., Any]:
-    slots = max(limit, MIN_SLOTS)
+    slots = epoch_slots(source)
     epoch_end = _MemberEpochEnd(work, segments, size)
     metrics, guard, layout = programs.loop.metrics, programs.guard, _source_key(source).layout
 
@@ -98,7 +95,7 @@ def _build(
         body = programs.resident_loop(data)  # each step gathers its batch
         boundary = _boundary(metrics, guard, layout, size, inputs["order_key"])
         parts = (body, slot_rows(slots), boundary, epoch_end)
-        step = _segment_step(parts, inputs, shapes, limit, size, record)
+        step = _segment_step(parts, inputs, shapes, size, record)
         zero = jnp.zeros((), jnp.int32)
         carry = (zero, steps, state, tail, order, epoch, cursor, out, extra)
         carry = lax.while_loop(_going(segments), step, carry)
@@ -128,11 +125,12 @@ def _keep(tail: Any, order: Any, epoch: Any, cursor: Any) -> tuple[Any, ...]:
 
 
 def _segment_step(
-    parts: tuple[Any, ...], inputs: Any, shapes: Any, limit: int, size: int, record: bool
+    parts: tuple[Any, ...], inputs: Any, shapes: Any, size: int, record: bool
 ) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
     """One trip of the dispatch's loop: an epoch piece for every member and, at its
     epoch's end, the members' epoch-end work."""
     body, rows, boundary, epoch_end = parts
+    limit = inputs["limit"]  # the epoch's steps under the run's bound (an input)
     running = epoch_end.running(shapes)
 
     def step(carry: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -33,6 +33,7 @@ from .programs import MIN_SLOTS, _source_key
 
 __all__ = [
     "compiled_segments",
+    "epoch_slots",
     "whole_run_key",
     "whole_run_program",
     "segments_for",
@@ -67,12 +68,13 @@ def whole_run_program(
     programs: Any,
     source: Any,
     segments: int,
-    limit: int,
     sharding: Any,
     work: Any,
     record: bool = True,
 ) -> Any:
-    """The cached multi-epoch program for `segments` epoch pieces of at most `limit` steps,
+    """The cached multi-epoch program for `segments` epoch pieces, each of at most an
+    epoch's steps (`inputs["limit"]`: the epoch's length under the run's `iterations=`
+    bound, an input, so every bound takes the same program),
     with the device's epoch-end `work` (`device_monitors.DeviceWork`); `record=False` (no
     iteration handler replays the records) leaves `records` out of `out`, so XLA drops
     their writes from the loop (the loop body itself is unchanged).
@@ -85,10 +87,10 @@ def whole_run_program(
     the device epoch counter (the next epoch whose order is computed), as in the resident
     feed.
     """
-    key = whole_run_key(source, segments, limit, sharding, work, record)
+    key = whole_run_key(source, segments, sharding, work, record)
     cache = programs.cache.whole_run
     if key not in cache:
-        fn = _build(programs, source, segments, limit, sharding, work, record)
+        fn = _build(programs, source, segments, sharding, work, record)
         cache[key] = programs._jit(fn)
     return cache[key]
 
@@ -112,22 +114,21 @@ _LARGER = 16
 
 
 def whole_run_key(
-    source: Any, segments: int, limit: int, sharding: Any, work: Any, record: bool
+    source: Any, segments: int, sharding: Any, work: Any, record: bool
 ) -> tuple[Any, ...]:
     """What a solo run's multi-epoch program is cached by."""
-    return (_source_key(source).layout, segments, limit, sharding, work.key, record)
+    return (_source_key(source).layout, segments, sharding, work.key, record)
 
 
 def _build(
     programs: Any,
     source: Any,
     segments: int,
-    limit: int,
     sharding: Any,
     work: Any,
     record: bool,
 ) -> Callable[..., Any]:
-    slots, guard = max(limit, MIN_SLOTS), programs.guard
+    slots, guard = epoch_slots(source), programs.guard
     start_work, end_work = epoch_end_fn(work, segments)
     metrics, layout = programs.loop.metrics, _source_key(source).layout
 
@@ -148,6 +149,7 @@ def _build(
         epoch_end = _epoch_end(end_work, inputs, shapes)
         boundary = _boundary(metrics, guard, layout, inputs["order_key"])
         body = programs.resident_loop(data, sharding)  # each step gathers its batch
+        limit = inputs["limit"]
         step = _segment_step(body, slot_rows(slots), boundary, epoch_end, limit, guard, record)
 
         zero = jnp.zeros((), jnp.int32)
@@ -191,7 +193,7 @@ def _epoch_end(end_work: Any, inputs: Any, shapes: Any) -> Callable[..., tuple[A
 
 
 def _segment_step(
-    body: Any, rows: Any, boundary: Any, epoch_end: Any, limit: int, guard: bool, record: bool
+    body: Any, rows: Any, boundary: Any, epoch_end: Any, limit: Any, guard: bool, record: bool
 ) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
     """One trip of the dispatch's loop: an epoch piece and, at its epoch's end, the
     device's epoch-end work.
@@ -215,6 +217,12 @@ def _segment_step(
         return s + 1, remaining - n_run, state, tail, order, epoch, cursor, out, extra, stopped
 
     return step
+
+
+def epoch_slots(source: Any) -> int:
+    """The step slots of one epoch piece: a whole epoch's batches (an `iterations=` bound
+    runs fewer of them; the bound is the program's input, not its shape)."""
+    return max(source.num_batches, MIN_SLOTS)
 
 
 def slot_rows(slots: int) -> Callable[..., Any]:

@@ -192,7 +192,6 @@ class WholeRun:
             run.programs,
             self.source,
             slots,
-            self.limit,
             self.sharding,
             self.work,
             self.replay.record,  # the records only where an iteration handler replays them
@@ -221,7 +220,12 @@ class WholeRun:
                 np.int32(cursor),
                 np.int32(steps),
                 monitor,
-                {"validation": self.validation, "rates": self.rates, "order_key": self.order_key},
+                {
+                    "validation": self.validation,
+                    "rates": self.rates,
+                    "order_key": self.order_key,
+                    "limit": np.int32(self.limit),
+                },
             )
         extra = out["extra"]
         self.best_state = extra.get("best_state")
@@ -249,9 +253,7 @@ class WholeRun:
 
     def _key(self, segments: int) -> Any:
         """The cache key of this run's program of `segments` slots."""
-        return whole_run_key(
-            self.source, segments, self.limit, self.sharding, self.work, self.replay.record
-        )
+        return whole_run_key(self.source, segments, self.sharding, self.work, self.replay.record)
 
     def _dispatch(
         self, state: Any, epoch: int, cursor: int, signals: Any
