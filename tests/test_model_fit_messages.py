@@ -475,6 +475,19 @@ def test_a_layers_output_is_logits_even_where_its_first_values_look_like_probabi
         fl.trainer(model, "sparse_categorical_cross_entropy", "sgd").run(make_batches(2))
 
 
+def test_an_equinox_linear_ending_the_model_is_a_layer_too():
+    # Under jax.vmap, equinox's `W @ x` becomes a dot_general and a transpose before the
+    # bias: the transpose only moves values, so the output is still the layer's logits.
+    eqx = pytest.importorskip("equinox")
+    linear = eqx.nn.Linear(3, 3, key=jax.random.key(0))
+    linear = eqx.tree_at(
+        lambda m: (m.weight, m.bias), linear, (jnp.zeros((3, 3)), jnp.full((3,), 1 / 3))
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fl.trainer(linear, "sparse_categorical_cross_entropy", "sgd").run(make_batches(2))
+
+
 class _MixesProbabilities(nn.Module):
     """Ends in a layer over probabilities: softmax(h) @ T (a noise-transition layer)."""
 

@@ -47,9 +47,10 @@ _APPLIES = {
 _SPARSE = ("sparse_categorical_cross_entropy",)
 _CHECKED = "probabilities checked"
 _OPTIMIZER_CHECKED = "optimizer checked"  # schedule-free, narrow hyperparameters
-# Operations that pass a value on unchanged but for its layout or precision.
+# Operations that pass a value on unchanged but for its layout or precision (a transpose:
+# a vmapped `W @ x`, as equinox's Linear under jax.vmap makes it).
 _PASSING = frozenset(
-    {"reshape", "squeeze", "expand_dims", "convert_element_type", "copy", "copy_p"}
+    {"reshape", "squeeze", "expand_dims", "transpose", "convert_element_type", "copy", "copy_p"}
 )
 _CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")  # where a nested call keeps its jaxpr
 # What a dense or convolutional layer ends with: its output is unbounded (logits).
