@@ -84,6 +84,24 @@ def test_evaluator_and_custom_loop_do_not_recompile():
         assert compiled == []
 
 
+def test_a_validation_attached_again_compiles_nothing_and_a_run_counts_its_compiles():
+    # A sweep rebuilds `base.validate(model, val).early_stop(...)` for each setting: the
+    # evaluator built for the same model and metrics the first time is taken again.
+    model, val = tiny_mlp(), make_batches(3, seed=5)
+    base = trainer().metric("accuracy")
+    base.run(DATA, epochs=1)  # the trainer's own programs
+    first = base.validate(model, val).early_stop("validation_loss", patience=2).run(DATA)
+    assert first.stats["compiles"] == 1  # the evaluator's program, counted by its run
+    with jax_compiles() as compiled:
+        for patience in (3, 4):
+            swept = base.validate(model, val).early_stop("validation_loss", patience=patience)
+            assert swept.run(DATA).stats["compiles"] == 0
+    assert compiled == []
+    # Another model object is another evaluator, compiled anew and counted.
+    other = base.validate(tiny_mlp(), val).run(DATA)
+    assert other.stats["compiles"] == 1 and other.metrics == first.metrics
+
+
 def test_a_first_auto_run_counts_the_chunk_program_its_probe_compiled():
     # The probe times a chunk before the first epoch, compiling it then: the count once
     # began after it, so a first fuse="auto" run reported 0 compiles.

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
 from . import _foreign_keywords as keywords
@@ -20,6 +19,7 @@ from ._loop_args import (
     check_step_functions,
     check_trainer_options,
     describe_loop,
+    kept_evaluation,
     known_metrics,
     refuse_loss_metric,
     refuse_second_validation,
@@ -58,9 +58,8 @@ class Loop(HandlerBuilders):
     def _with(self, **changes: Any) -> Loop:
         # Compiled programs depend on the step, the metrics and the guard, not on handlers:
         # a loop that only gains handlers shares its parent's program cache.
-        shares_programs = set(changes) <= {"registrations"}
-        programs = self._programs if shares_programs else ProgramCache()
-        return dataclasses.replace(self, _programs=programs, **changes)
+        programs = self._programs if set(changes) <= {"registrations"} else ProgramCache()
+        return replace(self, _programs=programs, **changes)
 
     __repr__ = describe_loop
 
@@ -164,7 +163,7 @@ class Loop(HandlerBuilders):
         """This loop with the registrations after the first `before` marked as observers
         (the writers attached by csv_log and tensorboard only look)."""
         marked = self.registrations[:before] + tuple(
-            dataclasses.replace(r, observes=True) for r in self.registrations[before:]
+            replace(r, observes=True) for r in self.registrations[before:]
         )
         return self._with(registrations=marked)
 
@@ -180,8 +179,8 @@ class Loop(HandlerBuilders):
         """Evaluates on `data` and adds `validation_<name>` for the loss and each metric.
 
         Attach it after `metric(...)` calls (it evaluates the metrics the loop has then) and
-        before handlers that monitor `validation_*`. The evaluation loop is built once here,
-        so it compiles once; it reads the params and never changes them.
+        before handlers that monitor `validation_*`. The evaluation loop is built once (and
+        found again for the same model and metrics), so it compiles once; it only reads params.
 
         Args:
             model: The model to evaluate (usually the trainer's).
@@ -189,9 +188,8 @@ class Loop(HandlerBuilders):
             event: When to validate (default: at the end of each epoch).
             filter: Which firings validate, e.g. `{"every": 5}`.
             fuse: The validation run's `fuse`: False, True or a chunk size. Fused host
-                batches must share one shape: host data with a short last batch is
-                refused (a `FusionError`) unless `fuse=False` or the source is
-                `fl.data.arrays(..., device=True)`.
+                batches share one shape: a short last batch is refused (a `FusionError`)
+                unless `fuse=False` or the source is `fl.data.arrays(..., device=True)`.
 
         Example:
             >>> state = loop.metric("accuracy").validate(model, val_batches).run(batches)
@@ -208,8 +206,7 @@ class Loop(HandlerBuilders):
         loss = self.program.loss
         specs = evaluable_metrics(self.metrics, loss is not None)
         check_validation(model, data, fuse, specs, event)
-        program = dataclasses.replace(evaluator_program(model, loss), data_name="validate()'s data")
-        evaluation = Loop(program, metrics=specs)
+        evaluation = kept_evaluation(self._programs, model, loss, specs, Loop)
         refuse_validation_names({m.name for m in self.metrics}, validation_names(evaluation))
         refuse_second_validation(self._validated_names() & validation_names(evaluation))
         validator = Validator(evaluation, data, fuse)

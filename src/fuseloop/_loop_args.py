@@ -7,12 +7,14 @@ import inspect
 import io
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from ._arg_types import check_seed_bits, is_int, refuse_deleted_arrays, refuse_signature
 from ._metrics import ACCUMULATORS, ALIASES, METRICS
 from ._population import refuse_population
 from ._state import State
+from ._step import evaluator_program
 from ._step_state_check import _TRAINER_KEYS
 from ._warn import warn
 
@@ -29,6 +31,7 @@ __all__ = [
     "refuse_loss_metric",
     "refuse_validation_names",
     "refuse_second_validation",
+    "kept_evaluation",
 ]
 
 
@@ -370,3 +373,16 @@ def check_monitored(
                 f"{monitor}, which {who} reads at every epoch's end its own filter passes. "
                 f"Validate at every epoch{same_filter}"
             )
+
+
+def kept_evaluation(cache: Any, model: Any, loss: Any, specs: tuple[Any, ...], loop: Any) -> Any:
+    """The evaluator `loop` (the Loop class) `Loop.validate` builds for `model`, the
+    trainer's `loss` and `specs`, kept in the trainer's program `cache`: a validation
+    attached again (a sweep over a handler's settings) takes its compiled programs. Keyed
+    by identity (a metric may be an unhashable callable); the entry keeps them alive."""
+    key = (id(model), tuple((m.name, id(m.fn), m.accumulate, m.source) for m in specs))
+    made = cache.evaluations.get(key, (None, None))
+    if made[0] is not model:
+        program = replace(evaluator_program(model, loss), data_name="validate()'s data")
+        made = cache.evaluations[key] = (model, loop(program, metrics=specs))
+    return made[1]

@@ -92,9 +92,9 @@ class State:
         stats: Dispatch/sync/transfer/compile counters of the current run. `compiles`
             counts the step programs it traced (chunk, unfused step, resident, multi-epoch
             dispatch), not the small ones around them (the initial state, zeroed
-            accumulators, an epoch's order): a second run of a loop counts 0. `validate`'s
-            evaluator runs (outside a multi-epoch dispatch) are runs of their own,
-            counted in none of these.
+            accumulators, an epoch's order), its `validate` evaluator's included: a second
+            run of a loop counts 0. The evaluator's runs (outside a multi-epoch dispatch)
+            are runs of their own, counted in none of the other counters.
             `h2d_transfers` counts chunks prepared (those prepared ahead of a halt too).
 
     Example:

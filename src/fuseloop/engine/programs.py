@@ -31,8 +31,8 @@ __all__ = ["ProgramCache", "Programs", "MIN_SLOTS", "kept_order"]
 
 MIN_SLOTS = 2
 _SPARE_LOCK = threading.Lock()
-# A resident source's epoch orders on the device, by source (dropped with it), a few
-# epochs each (`kept_order`); its first batches as well (`resident_start.first_resident_batch`).
+# A resident source's epoch orders on the device, by source (dropped with it), a few epochs
+# each (`kept_order`); its first batches too (`resident_start.first_resident_batch`).
 _ORDERS: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
 KEPT_EPOCHS = 4
 
@@ -41,10 +41,9 @@ KEPT_EPOCHS = 4
 class ProgramCache:
     """Compiled programs and measurements of one Loop, one named field per kind.
 
-    Loops that differ only in their handlers share one cache (handlers do not change a
-    program); any other change starts a fresh one. The epoch order, first batch, fresh
-    tail, pack and unpack programs depend on no Loop: every Loop names the same ones
-    (`shared_programs`).
+    Loops that differ only in their handlers share one cache (handlers change no program);
+    any other change starts a fresh one. The epoch order, first batch, fresh tail, pack
+    and unpack programs depend on no Loop: every Loop names the same (`shared_programs`).
 
     Attributes:
         traces: How many times a program of the loop was traced (each trace is a compile).
@@ -53,11 +52,9 @@ class ProgramCache:
         resident: Resident chunk programs by `(slots, live, rows, sharding, copies)`.
         epoch_order: Resident epoch-order programs by the order's layout (size, batch size,
             shuffle, drop_remainder); the seed's key is their input.
-        first_batch: Resident first-batch programs by the short batch's size and the
-            batch's sharding.
-        fresh_tail: Builds zeroed metric accumulators.
-        spare_tail: `(default device, accumulators)` made ahead for the next epoch start
-            (`Programs.epoch_tail`; a value, not a program: taken once).
+        first_batch: Resident first-batch programs by the short batch's size and sharding.
+        fresh_tail: Builds zeroed metric accumulators; `spare_tail`, `(default device,
+            accumulators)` made ahead for the next epoch start (a value, taken once).
         init: The trainer's jitted initialization by first-batch signature.
         verdicts: Model-fit checks already passed, by the shapes checked (`_checks.Checker`).
         probe: `fuse="auto"` probe timings `(step_s, overhead_s)` by batch signature and mesh.
@@ -65,15 +62,15 @@ class ProgramCache:
         unpack: Unpacks such a snapshot, by the carry's structure, shapes and dtypes.
         populations: The programs of population runs (a member axis), one cache per size.
         whole_run: Multi-epoch resident programs (`whole_run.py`), by their static shape.
-        prng: The PRNG configuration (`prng_config()`: the kind and whether threefry is
-            partitionable) the programs were traced under. A raw key means another
-            generator under another kind of the same key shape, which jax's own caches do
-            not tell apart, so a change starts the cache afresh.
-        metrics_dtype: The dtype the metrics accumulate in (`accumulator_dtype()`: float64
-            under x64); kept accumulators and the programs' carries follow it, so a
-            change starts the cache afresh too.
+        prng: The PRNG configuration the programs were traced under (`prng_config()`:
+            the kind, whether threefry is partitionable): a raw key means another
+            generator under another kind, which jax's caches do not tell apart, so a
+            change starts the cache afresh; as does one of `metrics_dtype`, the
+            accumulators' dtype (`accumulator_dtype()`: float64 under x64).
         model_seen: A plain model object as these programs' last trace left it
             (`from_functions.snapshot`); a change since refuses the next run.
+        evaluations: `(model, evaluator Loop)` that `Loop.validate` built, by the model's
+            identity and the metrics: a validation attached again keeps its programs.
     """
 
     traces: int = 0
@@ -94,6 +91,7 @@ class ProgramCache:
     prng: tuple[str, bool] = field(default_factory=prng_config)
     metrics_dtype: Any = field(default_factory=accumulator_dtype)
     model_seen: Any = None
+    evaluations: dict[Any, Any] = field(default_factory=dict)
 
     def for_current_prng(self) -> ProgramCache:
         """This cache, emptied of programs (not of its trace count) if the PRNG
@@ -103,8 +101,7 @@ class ProgramCache:
         return self
 
     def empty(self) -> None:
-        """Lets go of every program (a Loop keeps this object: emptied in place), keeping
-        the trace count."""
+        """Lets go of every program (emptied in place: a Loop keeps it), not the trace count."""
         self.__dict__.update(ProgramCache(traces=self.traces).__dict__)
 
 
@@ -131,7 +128,10 @@ class Programs:
 
     @property
     def traces(self) -> int:
-        return self.cache.traces
+        """This cache's traces and those of its validations' evaluators (a run's compiles)."""
+        nested = [e._programs for _, e in self.loop._programs.evaluations.values()]
+        nested += [p for c in nested for p in c.populations.values()]
+        return self.cache.traces + sum(c.traces for c in nested)
 
     def check_model(self) -> None:
         """Refuses a model changed since these programs traced it (an nnx module's
