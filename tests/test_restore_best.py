@@ -301,3 +301,21 @@ def test_a_run_halted_inside_the_epoch_after_its_best_resumes_without_a_false_wa
         warnings.simplefilter("error")
         resumed = loop.run(data, halted, epochs=3)
     assert resumed.status == "completed" and sorted(resumed.history) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("fuse", [False, "run"])
+def test_the_best_step_state_is_kept_by_one_copy_program_not_one_per_leaf_shape(fuse):
+    # Leaf shapes no other test makes: an eager copy per leaf would compile one per shape.
+    from test_compile import jax_compiles
+
+    x = np.random.default_rng(3).normal(size=(48, 5)).astype(np.float32)
+    data = fl.data.arrays(x, (x[:, 0] > 0).astype(np.int32), batch_size=8, device=True)
+    hidden = 11 if fuse is False else 17
+    model = fl.models.mlp([hidden, hidden + 2, 2])
+    loop = fl.trainer(model, "sparse_categorical_cross_entropy", optax.adam(1e-2))
+    loop = loop.early_stop("loss", patience=5, restore_best=True)
+    with jax_compiles() as compiled:
+        state = loop.run(data, epochs=3, fuse=fuse)
+    assert state.status == "completed"
+    copies = [name for name in compiled if "copy" in name]
+    assert len(copies) <= 1, compiled

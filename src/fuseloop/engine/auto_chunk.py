@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from .._copies import private_copy
 from .._fusion import DEFAULT_CHUNK
 from .._placement import Placement, device_signature
 from .._state import State
@@ -204,9 +204,7 @@ def probe(
     def seconds(n_valid: int) -> float:
         # Private copies (untimed): a donating program consumes them, the real state stays.
         carry = jax.block_until_ready(
-            jax.device_put(
-                jax.tree.map(lambda a: jnp.array(a, copy=True), (step_state, tail)), state_sharding
-            )
+            jax.device_put(private_copy((step_state, tail)), state_sharding)
         )
         began = time.perf_counter()
         jax.block_until_ready(program(*carry, chunk, counts[n_valid]))

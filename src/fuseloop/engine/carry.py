@@ -13,8 +13,8 @@ from typing import Any
 
 import jax
 
+from .._copies import private_copy
 from .._placement import device_signature
-from .start import private_copy
 
 __all__ = ["Carry"]
 

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._copies import private_copy
 from .._optim import _is_inject_state, find_learning_rates
 from .._population import halt_members, per_member, population_record
 from .._state import RESTORED_KEY, without_restored
@@ -102,7 +103,7 @@ class MemberBest:
 
     def keep(self, step_state: Any, improved: np.ndarray, keys: list[Any]) -> None:
         if self.tree is None:
-            self.tree = jax.tree.map(jnp.copy, step_state)
+            self.tree = private_copy(step_state)
         else:
             self.tree = _select(jnp.asarray(improved), step_state, self.tree)
         for i in np.flatnonzero(improved):
@@ -166,7 +167,7 @@ def begin_members(stopper: Any, state: Any, at_end: bool) -> None:
     take = [k[0] is not None and held for k, held in zip(keys, held_best, strict=True)]
     stopper._members = MemberBest([k if t else None for k, t in zip(keys, take, strict=True)])
     if any(take):
-        stopper._members.tree = jax.tree.map(jnp.copy, state.step_state)
+        stopper._members.tree = private_copy(state.step_state)
 
 
 def _keep_best(stopper: Any, state: Any, improved: np.ndarray, lists: dict[str, list]) -> Any:

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._copies import private_copy
 from .._events import CONTINUE, HALT_LOOP, Registration
 from .._metrics import VALIDATION_PREFIX
 from .._population import population_record, silence_stopped
@@ -126,11 +127,11 @@ class PopulationWholeRun(WholeRun):
         record = state.handler_metadata.get(handler.monitor.key)
         best: MemberBest | None = handler._members
         if record is None or best is None or best.tree is None or len(best.keys) != size:
-            fresh = jax.tree.map(jnp.copy, self.run.carry.step_state)
+            fresh = private_copy(self.run.carry.step_state)
             return fresh, np.zeros(size, np.bool_)
         keys = list(zip(record["best_epoch"], record["best"], strict=True))
         holds = np.asarray([best.keys[i] == keys[i] for i in range(size)], np.bool_)
-        return jax.tree.map(jnp.copy, best.tree), holds
+        return private_copy(best.tree), holds
 
     def _rate_tables(self, epochs: int) -> tuple[np.ndarray, np.ndarray]:
         """Each member's learning rates after 0, 1, ... `epochs` reductions, computed on

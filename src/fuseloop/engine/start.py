@@ -15,7 +15,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from .._config_digest import (
@@ -25,6 +24,7 @@ from .._config_digest import (
     is_dataset,
     source_digest,
 )
+from .._copies import gathering_call, private_copy
 from .._distributed import (
     check_same_config,
     describe,
@@ -38,7 +38,6 @@ from .._placement import (
     default_device_key,
     device_int,
     device_signature,
-    on_one_device_set,
     signature_of,
     tree_bytes,
 )
@@ -54,45 +53,7 @@ __all__ = [
     "agree_across_processes",
     "agree_on_mesh",
     "initial_step_state",
-    "private_copy",
 ]
-
-
-@jax.jit
-def _copy_arrays(tree: Any) -> Any:
-    return jax.tree.map(jnp.copy, tree)
-
-
-def _is_array(value: Any) -> bool:
-    return isinstance(value, (jax.Array, np.ndarray, np.generic))
-
-
-def private_copy(tree: Any) -> Any:
-    """A device copy of every array leaf (other leaves are kept as they are), made by one
-    cached program; launched asynchronously like any other.
-    """
-    leaves, treedef = jax.tree.flatten(tree)
-    arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
-    to_copy = [leaves[i] for i in arrays]
-    if not all(isinstance(leaf, jax.Array) for leaf in to_copy):
-        # Explicit transfer of host arrays (an initial state: not counted as data transfer).
-        to_copy = jax.device_put(to_copy)
-    copied = _gathering_call(_copy_arrays, to_copy)
-    for i, leaf in zip(arrays, copied, strict=True):
-        leaves[i] = leaf
-    return jax.tree.unflatten(treedef, leaves)
-
-
-def _gathering_call(program: Any, tree: Any, *args: Any) -> Any:
-    """`program(tree, *args)`, or where jit refuses `tree` because its arrays are committed
-    to different sets of devices, the same call with them on one (`on_one_device_set`)."""
-    try:
-        return program(tree, *args)
-    except ValueError as error:
-        gathered = on_one_device_set(tree) if "incompatible devices" in str(error) else tree
-        if gathered is tree:
-            raise
-        return program(gathered, *args)
 
 
 def _trainer_init(programs: Programs, first: Any) -> Any:
@@ -178,7 +139,7 @@ class InlineInit:
         if spare is not None and given is not None and spare[0].same(given):
             state = spare[1]
         else:
-            made = _gathering_call(program, variables, batch, device_int(1))
+            made = gathering_call(program, variables, batch, device_int(1))
             state = jax.tree.unflatten(treedef, made)
         if given is None:
             return state, signature, None
@@ -187,7 +148,7 @@ class InlineInit:
             if any(leaf.is_deleted() for leaf in given.leaves):
                 return  # the caller let its variables go during the run: nothing to reuse
             made = jax.tree.unflatten(
-                treedef, _gathering_call(program, variables, None, device_int(1))
+                treedef, gathering_call(program, variables, None, device_int(1))
             )
             with self._lock:
                 self._spare = (given, made)

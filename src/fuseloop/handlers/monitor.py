@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._copies import private_copy
 from .._distributed import all_processes
 from .._events import Event, Registration
 from .._optim import (
@@ -117,7 +117,7 @@ class EarlyStopping:
         record, improved = self.monitor.update(previous, value, state.epoch)
         if improved and self.restore_best and state.step_state is not None:
             # A device copy (no host sync): the live arrays are donated by the next step.
-            self._best = ((state.epoch, value), jax.tree.map(jnp.copy, state.step_state))
+            self._best = ((state.epoch, value), private_copy(state.step_state))
         stop = not math.isfinite(value) or (
             record["wait"] > 0 and record["wait"] >= self.monitor.patience
         )
@@ -153,7 +153,7 @@ class EarlyStopping:
         # A State a restoring run returned holds its best epoch's step state (RESTORED_KEY).
         restored = best is not None and state.handler_metadata.get(RESTORED_KEY) == best
         if restored or (best is not None and best == last and at_epoch_end(state)):
-            self._best = ((best, record["best"]), jax.tree.map(jnp.copy, state.step_state))
+            self._best = ((best, record["best"]), private_copy(state.step_state))
 
     def on_end(self, state: State) -> tuple[Status, State]:
         """For the "completed" and "halted" events: the best epoch's step state."""
@@ -185,9 +185,7 @@ class EarlyStopping:
         # step state is then that epoch's end, from which a resumed run starts cleanly.
         if best_epoch != max(state.history, default=best_epoch) or not at_epoch_end(state):
             metadata[RESTORED_KEY] = int(best_epoch)
-        return state.replace(
-            step_state=jax.tree.map(jnp.copy, self._best[1]), handler_metadata=metadata
-        )
+        return state.replace(step_state=private_copy(self._best[1]), handler_metadata=metadata)
 
 
 class ReduceLROnPlateau:
