@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import fuseloop as fl
-from conftest import CLASSES, make_batches, tiny_mlp
+from conftest import CLASSES, make_batches, tiny_mlp, trainer
 
 DATA = make_batches(6)
 
@@ -229,3 +229,16 @@ def test_a_mean_over_a_long_epoch_does_not_drift(fuse):
     data = fl.data.arrays(x, y, batch_size=1, shuffle=False, device=True)
     state = loop.run(data, {"y_pred": jnp.zeros((1, 1), jnp.float32)}, fuse=fuse)
     assert state.metrics["mean_absolute_error"] == pytest.approx(np.float32(0.7), rel=1e-7)
+
+
+def test_a_second_built_in_metric_given_as_the_name_is_refused_not_used_as_a_key():
+    # Keras's metrics=["accuracy", "mse"] split over .metric's two arguments: the accuracy
+    # was kept under "mse".
+    loop = trainer()
+    with pytest.raises(ValueError, match=r"'mse' is another built-in metric.*\.metric\('mse'\)"):
+        loop.metric("accuracy", "mse")
+    with pytest.raises(ValueError, match=r"'accuracy' is another built-in metric"):
+        loop.metric("mae", name="accuracy")
+    # Its own Keras spelling, or a name of one's own, is a rename.
+    assert loop.metric("accuracy", "acc").metrics[-1].name == "acc"
+    assert loop.metric("accuracy", "top1").metrics[-1].name == "top1"

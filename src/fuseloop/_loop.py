@@ -89,7 +89,7 @@ class Loop(HandlerBuilders):
             >>> sorted(state.metrics)
             ['accuracy', 'loss']
         """
-        check_metric_name(name)
+        check_metric_name(name, metric)
         refuse_loss_metric(metric, self.program.kind, any(m.name == "loss" for m in self.metrics))
         if (
             self.program.kind == "custom"

@@ -50,12 +50,22 @@ def check_accumulate(accumulate: str) -> str:
     return accumulate
 
 
-def check_metric_name(name: Any) -> None:
-    """`metric(name=...)`: None (the metric's own name) or a non-empty str."""
+def check_metric_name(name: Any, metric: Any = None) -> None:
+    """`metric(metric, name=...)`: None (the metric's own name) or a non-empty str, which
+    is not another built-in metric's name (`.metric("accuracy", "mse")`, Keras's metric
+    list split over the two arguments, would report the accuracy as "mse")."""
     if name is not None and (not isinstance(name, str) or not name):
         raise ValueError(
             f"name={name!r} must be a non-empty str (the key in state.metrics) or None "
             f"for the metric's own name"
+        )
+    known = ALIASES.get(metric, metric) if isinstance(metric, str) else None
+    renamed_to = ALIASES.get(name, name) if isinstance(name, str) else None
+    if known in METRICS and renamed_to in METRICS and renamed_to != known:
+        raise ValueError(
+            f"metric({metric!r}, {name!r}): the second argument is name=, the key the metric "
+            f"is kept under, and {name!r} is another built-in metric, so {metric!r} would be "
+            f"reported as {name!r}. Add one metric per call: .metric({metric!r}).metric({name!r})"
         )
 
 
