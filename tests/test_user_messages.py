@@ -325,3 +325,16 @@ def test_one_example_of_a_tree_or_in_a_run_is_told_the_fix_that_fits_it():
     one_each = [({"a": w}, Y[:4]) for w in windows["a"]]  # single examples, per-step labels
     with pytest.raises(ValueError, match=r"one example.*np\.stack\(xs\), np\.stack\(ys\)"):
         fl.evaluator(Two(), SPARSE).run(one_each, trained.params)
+
+
+def test_a_beginners_mix_ups_of_the_builders_arguments_are_each_told_the_fix():
+    model, loss = fl.models.mlp([3]), "sparse_categorical_cross_entropy"
+    with pytest.raises(ValueError, match=r"fl.models.mlp makes a model: call it"):
+        fl.trainer(fl.models.mlp, loss, "adam")
+    with pytest.raises(ValueError, match=r"adam looks like a function that makes one: call it"):
+        fl.trainer(model, loss, optax.adam)
+    with pytest.raises(ValueError, match=r"it is an optimizer: the order is fl.trainer\(model, lo"):
+        fl.trainer(model, optax.adam(1e-3), loss)
+    data = [(np.ones((2, 3), np.float32), np.zeros(2, np.int32))]
+    with pytest.raises(ValueError, match=r"For 10 epochs, pass it by name: run\(data, epochs=10"):
+        fl.trainer(model, loss, "adam").run(data, 10)

@@ -51,9 +51,8 @@ def check_accumulate(accumulate: str) -> str:
 
 
 def check_metric_name(name: Any, metric: Any = None) -> None:
-    """`metric(metric, name=...)`: None (the metric's own name) or a non-empty str, which
-    is not another built-in metric's name (`.metric("accuracy", "mse")`, Keras's metric
-    list split over the two arguments, would report the accuracy as "mse")."""
+    """`metric(metric, name=...)`: None or a non-empty str, not another built-in metric's
+    (`.metric("accuracy", "mse")`, Keras's list split in two, kept accuracy as "mse")."""
     if name is not None and (not isinstance(name, str) or not name):
         raise ValueError(
             f"name={name!r} must be a non-empty str (the key in state.metrics) or None "
@@ -181,7 +180,10 @@ def check_init_state(
         )
     refuse_deleted_arrays(getattr(init_state, "step_state", init_state), "init_state")
     if is_int(init_state) and kind in _STARTS_FROM:
-        raise ValueError(f"init_state={init_state!r} is an integer, but {_STARTS_FROM[kind]}")
+        raise ValueError(
+            f"init_state={init_state!r} is an integer, but {_STARTS_FROM[kind]}. For "
+            f"{init_state} epochs, pass it by name: run(data, epochs={init_state})"
+        )
     rows = _rows(data) if kind in _STARTS_FROM else None
     if rows is not None and rows == _rows(init_state):
         raise ValueError(  # Keras's fit(x, y): y landed where the variables go

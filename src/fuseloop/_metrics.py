@@ -204,10 +204,9 @@ def _binary_counts(
     return true_pos, jnp.sum(predicted.astype(jnp.float32)), jnp.sum(true.astype(jnp.float32))
 
 
-# Precision is true positives over predicted positives, summed over the epoch. A batch
-# with no predicted positive still adds this tiny count, so an epoch without any reads as
-# 0.0 (as Keras reports it) instead of vanishing; it is far below half a unit in the last
-# place of any count >= 1, so a real count of positives is stored exactly.
+# Precision is true positives over predicted positives, summed over the epoch. A batch with
+# no predicted positive still adds this tiny count, so an epoch without any reads 0.0 (as in
+# Keras), not nothing; far below half an ulp of any count >= 1, a real count stays exact.
 _PRESENT = 2.0**-100
 
 
@@ -268,9 +267,11 @@ def resolve_loss(loss: Any) -> tuple[str, Callable[[Array, Array], Array]]:
         refuse_signature(loss, "loss", "loss(y_true, y_pred)")
         name = getattr(loss, "__name__", "loss")
         return name, refusing_cross_broadcast(loss, "loss", name)
+    order = "; it is an optimizer: the order is fl.trainer(model, loss, optimizer)"
+    optimizer = hasattr(loss, "init") and hasattr(loss, "update")  # (model, optimizer, loss)
     raise ValueError(
         f"loss={loss!r} must be a name ({', '.join(LOSSES)}) or a callable(y_true, y_pred)"
-        f"{losses_per_output(loss)}"
+        f"{order if optimizer else losses_per_output(loss)}"
     )
 
 

@@ -117,9 +117,15 @@ def resolve_optimizer(optimizer: Any) -> optax.GradientTransformation:
     ):
         _refuse_lookahead(optimizer)
         return optimizer
+    maker = (
+        f"; {getattr(optimizer, '__name__', 'it')} looks like a function that makes one: "
+        f"call it, e.g. optimizer=optax.adam(1e-3)"
+        if callable(optimizer)
+        else ""
+    )
     raise ValueError(
         f"optimizer={optimizer!r} must be a name ({', '.join(OPTIMIZERS)}) or an "
-        f"optax.GradientTransformation"
+        f"optax.GradientTransformation{maker}"
     )
 
 
