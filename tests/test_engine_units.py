@@ -362,3 +362,24 @@ def test_a_data_dependent_init_under_several_processes_is_refused_with_the_fix(m
     monkeypatch.setattr(init_batch, "process_count", lambda: 2)
     with pytest.raises(ValueError, match=r"reads the first batch's values.*run\(data, model"):
         init_batch.batch_values(first)
+
+
+def test_an_epoch_pieces_slots_follow_the_bound_only_where_its_records_come_back():
+    # Without records every bound takes one program (the whole epoch's slots, the bound an
+    # input); with them the host reads every slot back, so the slots follow the bound
+    # (rounded up to a power of two) and not a large epoch's length.
+    import numpy as np
+
+    import fuseloop as fl
+    from fuseloop.engine.whole_program import piece_steps
+
+    x = np.zeros((2000, 1), np.float32)
+    source = fl.data.arrays(x, np.zeros(2000, np.int32), batch_size=2)  # 1000 batches
+    assert {piece_steps(source, bound, False) for bound in (1, 3, 1000)} == {1000}
+    assert [piece_steps(source, bound, True) for bound in (1, 3, 5, 600, 1000)] == [
+        2,
+        4,
+        8,
+        1000,
+        1000,
+    ]

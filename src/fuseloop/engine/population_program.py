@@ -31,18 +31,20 @@ from .device_monitors import DeviceWork, Validation, epoch_end_fn, validation_lo
 from .packing import pack_leaves
 from .population import member_carry_step, member_chunk, population_tail
 from .programs import _source_key
-from .whole_program import epoch_slots, host_outputs, record_buffers, slot_rows, write_segment
+from .whole_program import host_outputs, record_buffers, slot_rows, write_segment
 
 __all__ = ["population_whole_key", "population_whole_program"]
 
 
-def population_whole_key(source: Any, segments: int, work: Any, record: bool) -> tuple[Any, ...]:
+def population_whole_key(
+    source: Any, segments: int, piece: int, work: Any, record: bool
+) -> tuple[Any, ...]:
     """What a population's multi-epoch program is cached by."""
-    return ("population", _source_key(source).layout, segments, work.key, record)
+    return ("population", _source_key(source).layout, segments, piece, work.key, record)
 
 
 def population_whole_program(
-    programs: Any, source: Any, segments: int, work: DeviceWork, record: bool = True
+    programs: Any, source: Any, segments: int, piece: int, work: DeviceWork, record: bool = True
 ) -> Any:
     """The cached multi-epoch program of a population (`programs` is the population's).
 
@@ -55,11 +57,11 @@ def population_whole_program(
     `inputs["rates"]` is each member's rate table. `record=False` leaves the per-step
     records out, and the host's read is packed (`out["packed"]`), as in the solo program.
     """
-    key = population_whole_key(source, segments, work, record)
+    key = population_whole_key(source, segments, piece, work, record)
     cache = programs.cache.whole_run
     if key not in cache:
         size = programs.population.size
-        fn = _build(programs, source, segments, work, size, record)
+        fn = _build(programs, source, segments, piece, work, size, record)
         cache[key] = programs._jit(fn)
     return cache[key]
 
@@ -68,11 +70,11 @@ def _build(
     programs: Any,
     source: Any,
     segments: int,
+    slots: int,
     work: DeviceWork,
     size: int,
     record: bool,
 ) -> Callable[..., Any]:
-    slots = epoch_slots(source)
     epoch_end = _MemberEpochEnd(work, segments, size)
     metrics, guard, layout = programs.loop.metrics, programs.guard, _source_key(source).layout
 

@@ -65,7 +65,9 @@ class PopulationWholeRun(WholeRun):
 
     # ----------------------------------------------------------------- the dispatch
     def _key(self, segments: int) -> Any:
-        return population_whole_key(self.source, segments, self.work, self.replay.record)
+        return population_whole_key(
+            self.source, segments, self._piece(), self.work, self.replay.record
+        )
 
     def _launch(self, state: Any, epoch: int, cursor: int) -> tuple[list[tuple[int, int]], Any]:
         run = self.run
@@ -78,6 +80,7 @@ class PopulationWholeRun(WholeRun):
             run.programs,
             self.source,
             slots,
+            self._piece(),
             self.work,
             self.replay.record,  # the records only where an iteration handler replays them
         )

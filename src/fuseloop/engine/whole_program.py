@@ -33,7 +33,7 @@ from .programs import MIN_SLOTS, _source_key
 
 __all__ = [
     "compiled_segments",
-    "epoch_slots",
+    "piece_steps",
     "whole_run_key",
     "whole_run_program",
     "segments_for",
@@ -68,13 +68,14 @@ def whole_run_program(
     programs: Any,
     source: Any,
     segments: int,
+    piece: int,
     sharding: Any,
     work: Any,
     record: bool = True,
 ) -> Any:
-    """The cached multi-epoch program for `segments` epoch pieces, each of at most an
-    epoch's steps (`inputs["limit"]`: the epoch's length under the run's `iterations=`
-    bound, an input, so every bound takes the same program),
+    """The cached multi-epoch program for `segments` epoch pieces of `piece` step slots
+    (`piece_steps`; `inputs["limit"]`, the epoch's length under the run's `iterations=`
+    bound, is an input, so bounds that share the slots share the program),
     with the device's epoch-end `work` (`device_monitors.DeviceWork`); `record=False` (no
     iteration handler replays the records) leaves `records` out of `out`, so XLA drops
     their writes from the loop (the loop body itself is unchanged).
@@ -87,10 +88,10 @@ def whole_run_program(
     the device epoch counter (the next epoch whose order is computed), as in the resident
     feed.
     """
-    key = whole_run_key(source, segments, sharding, work, record)
+    key = whole_run_key(source, segments, piece, sharding, work, record)
     cache = programs.cache.whole_run
     if key not in cache:
-        fn = _build(programs, source, segments, sharding, work, record)
+        fn = _build(programs, source, segments, piece, sharding, work, record)
         cache[key] = programs._jit(fn)
     return cache[key]
 
@@ -114,21 +115,22 @@ _LARGER = 16
 
 
 def whole_run_key(
-    source: Any, segments: int, sharding: Any, work: Any, record: bool
+    source: Any, segments: int, piece: int, sharding: Any, work: Any, record: bool
 ) -> tuple[Any, ...]:
     """What a solo run's multi-epoch program is cached by."""
-    return (_source_key(source).layout, segments, sharding, work.key, record)
+    return (_source_key(source).layout, segments, piece, sharding, work.key, record)
 
 
 def _build(
     programs: Any,
     source: Any,
     segments: int,
+    slots: int,
     sharding: Any,
     work: Any,
     record: bool,
 ) -> Callable[..., Any]:
-    slots, guard = epoch_slots(source), programs.guard
+    guard = programs.guard
     start_work, end_work = epoch_end_fn(work, segments)
     metrics, layout = programs.loop.metrics, _source_key(source).layout
 
@@ -219,9 +221,14 @@ def _segment_step(
     return step
 
 
-def epoch_slots(source: Any) -> int:
-    """The step slots of one epoch piece: a whole epoch's batches (an `iterations=` bound
-    runs fewer of them; the bound is the program's input, not its shape)."""
+def piece_steps(source: Any, limit: int, record: bool) -> int:
+    """The step slots of one epoch piece, for an epoch of `limit` steps (the run's
+    `iterations=` bound, the program's input): a whole epoch's batches, so a run of any
+    bound takes the program; where the steps' records come back to the host (`record`),
+    the bound rounded up to a power of two, so that read grows with the bound, not with
+    the epoch."""
+    if record:
+        return max(min(source.num_batches, 1 << (limit - 1).bit_length()), MIN_SLOTS)
     return max(source.num_batches, MIN_SLOTS)
 
 

@@ -37,6 +37,7 @@ from .signals import wait_interruptibly
 from .whole_program import (
     compiled_segments,
     host_outputs,
+    piece_steps,
     segments_for,
     whole_run_key,
     whole_run_program,
@@ -192,6 +193,7 @@ class WholeRun:
             run.programs,
             self.source,
             slots,
+            self._piece(),
             self.sharding,
             self.work,
             self.replay.record,  # the records only where an iteration handler replays them
@@ -253,7 +255,12 @@ class WholeRun:
 
     def _key(self, segments: int) -> Any:
         """The cache key of this run's program of `segments` slots."""
-        return whole_run_key(self.source, segments, self.sharding, self.work, self.replay.record)
+        piece, record = self._piece(), self.replay.record
+        return whole_run_key(self.source, segments, piece, self.sharding, self.work, record)
+
+    def _piece(self) -> int:
+        """The step slots of the program's epoch pieces (`piece_steps`)."""
+        return piece_steps(self.source, self.limit, self.replay.record)
 
     def _dispatch(
         self, state: Any, epoch: int, cursor: int, signals: Any
