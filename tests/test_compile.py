@@ -100,6 +100,11 @@ def test_a_validation_attached_again_compiles_nothing_and_a_run_counts_its_compi
     # Another model object is another evaluator, compiled anew and counted.
     other = base.validate(tiny_mlp(), val).run(DATA)
     assert other.stats["compiles"] == 1 and other.metrics == first.metrics
+    # A metric added after validate makes a new trainer program and keeps the evaluator:
+    # both count.
+    hits = lambda y, p: (p.argmax(-1) == y).astype(np.float32)  # noqa: E731
+    later = base.validate(tiny_mlp(), val).metric(hits, name="hits").run(DATA)
+    assert later.stats["compiles"] == 2
 
 
 def test_a_first_auto_run_counts_the_chunk_program_its_probe_compiled():

@@ -388,13 +388,13 @@ def check_monitored(
 
 
 def kept_evaluation(cache: Any, model: Any, loss: Any, specs: tuple[Any, ...], loop: Any) -> Any:
-    """The evaluator `loop` (the Loop class) `Loop.validate` builds for `model`, the
-    trainer's `loss` and `specs`, kept in the trainer's program `cache`: a validation
-    attached again (a sweep over a handler's settings) takes its compiled programs. Keyed
-    by identity (a metric may be an unhashable callable); the entry keeps them alive."""
+    """The evaluator `loop` (the Loop class) `Loop.validate` builds for `model`, the loss and
+    `specs`, kept in the trainer's `cache`, by identity (a metric may be unhashable)."""
     key = (id(model), tuple((m.name, id(m.fn), m.accumulate, m.source) for m in specs))
     made = cache.evaluations.get(key, (None, None))
     if made[0] is not model:
         program = replace(evaluator_program(model, loss), data_name="validate()'s data")
+        for old in list(cache.evaluations)[:-7]:  # the last 8 kept (a model made per call)
+            del cache.evaluations[old]
         made = cache.evaluations[key] = (model, loop(program, metrics=specs))
     return made[1]

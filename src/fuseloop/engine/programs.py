@@ -69,8 +69,7 @@ class ProgramCache:
             accumulators' dtype (`accumulator_dtype()`: float64 under x64).
         model_seen: A plain model object as these programs' last trace left it
             (`from_functions.snapshot`); a change since refuses the next run.
-        evaluations: `(model, evaluator Loop)` that `Loop.validate` built, by the model's
-            identity and the metrics: a validation attached again keeps its programs.
+        evaluations: The evaluator Loops `Loop.validate` built, by model and metrics.
     """
 
     traces: int = 0
@@ -128,9 +127,10 @@ class Programs:
 
     @property
     def traces(self) -> int:
-        """This cache's traces and those of its validations' evaluators (a run's compiles)."""
-        nested = [e._programs for _, e in self.loop._programs.evaluations.values()]
-        nested += [p for c in nested for p in c.populations.values()]
+        """This cache's traces and those of the loop's validation evaluators (its compiles)."""
+        loops = [getattr(r.handler, "loop", None) for r in self.loop.registrations]
+        nested = {e._programs for e in loops if isinstance(e, type(self.loop))}
+        nested |= {p for c in nested for p in c.populations.values()}
         return self.cache.traces + sum(c.traces for c in nested)
 
     def check_model(self) -> None:
