@@ -669,6 +669,9 @@ def test_binary_labels_of_two_other_classes_are_told_how_to_map_them():
     y = (x[:, :1] > 0).astype(np.float32) + 1.0  # classes 1 and 2
     with pytest.raises(ValueError, match=r"Map the two classes' labels 1.0/2.0 to 0/1"):
         _binary_trainer().run(fl.data.arrays(x, y, BATCH), fuse=2)
+    y[0] = 0.0  # three values: a third class, or a stray target
+    with pytest.raises(ValueError, match=r"3 distinct value\(s\) \(0.0, 1.0, 2.0\): for more"):
+        _binary_trainer().run(fl.data.arrays(x, y, BATCH), fuse=2)
 
 
 def test_a_nan_label_cast_to_an_integer_is_named_as_a_missing_label():
@@ -676,8 +679,11 @@ def test_a_nan_label_cast_to_an_integer_is_named_as_a_missing_label():
     y = np.where(x[:, 0] > 0, 1.0, 2.0).astype(np.float32)
     y[3] = np.nan
     loop = fl.trainer(fl.models.mlp([4, 3]), "sparse_categorical_cross_entropy", optax.sgd(0.1))
-    with pytest.raises(ValueError, match=r"once any missing \(NaN\) label is dropped or filled"):
+    with pytest.raises(ValueError, match=r"Cast them .* once NaN labels are dropped, or for one"):
         loop.run(fl.data.arrays(x, y, BATCH), fuse=2)
+    one_hot = np.eye(3, dtype=np.float32)[np.nan_to_num(y).astype(np.int32)]
+    with pytest.raises(ValueError, match=r"to a class: for one-hot targets use 'categorical_cr"):
+        loop.run(fl.data.arrays(x, one_hot, BATCH), fuse=2)
     with np.errstate(invalid="ignore"):
         cast = y.astype(np.int32)  # what the advice would give without dropping the NaN
     with pytest.raises(ValueError, match=r"what a missing \(NaN\) float label becomes"):

@@ -133,15 +133,17 @@ def _target_fix(labels: np.ndarray, value: Any) -> str:
             "training (a NaN target makes the loss NaN)"
         )
     kept = labels[~np.isnan(labels)] if labels.dtype.kind == "f" else labels
-    if set(np.unique(kept).tolist()) <= {-1, 0, 1}:
-        return "Map labels of -1/1 to 0/1, e.g. y = (y == 1)"
     distinct = np.unique(kept)
+    if set(distinct.tolist()) == {-1, 1}:
+        return "Map labels of -1/1 to 0/1, e.g. y = (y == 1)"
     if distinct.size == 2:
         return (
             f"Map the two classes' labels {distinct[0]}/{distinct[1]} to 0/1, e.g. "
             f"y = (y == {distinct[1]})"
         )
+    shown = ", ".join(str(v) for v in distinct[:5]) + (", ..." if distinct.size > 5 else "")
     return (
-        "For more than two classes use 'sparse_categorical_cross_entropy' with integer "
-        "labels; for targets of another range use a loss of your own"
+        f"y holds {distinct.size} distinct value(s) ({shown}): for more than two classes use "
+        f"'sparse_categorical_cross_entropy' with integer labels; otherwise fix the targets "
+        f"out of [0, 1], or use a loss of your own for targets of another range"
     )

@@ -365,11 +365,12 @@ class ModelFit:
         shape = ys.shape
         refuse_one_class_output(name, y_pred, output)
         if name == SPARSE and jnp.issubdtype(ys.dtype, jnp.floating):
+            fix = "for one-hot targets use 'categorical_cross_entropy'"
+            if shape != y_pred.shape:  # else y has the output's shape: one-hot targets
+                fix = f"Cast them (y.astype(np.int32)) once NaN labels are dropped, or {fix}"
             raise ValueError(
-                f"data: y holds floats ({ys.dtype} on the device), but {name} expects "
-                f"integer class labels; a float label would be truncated to a class. Cast "
-                f"them (y.astype(np.int32)) once any missing (NaN) label is dropped or "
-                f"filled, or for one-hot targets: 'categorical_cross_entropy'"
+                f"data: y holds floats ({ys.dtype} on the device), but {name} expects integer "
+                f"class labels; a float label would be truncated to a class: {fix}"
             )
         if name == SPARSE:
             accepted = (y_pred.shape[:-1], y_pred.shape[:-1] + (1,))
