@@ -6,6 +6,7 @@ a loss returning a tuple, and a population State where one member's is needed.""
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 import flax.linen as nn
@@ -338,3 +339,37 @@ def test_a_beginners_mix_ups_of_the_builders_arguments_are_each_told_the_fix():
     data = [(np.ones((2, 3), np.float32), np.zeros(2, np.int32))]
     with pytest.raises(ValueError, match=r"For 10 epochs, pass it by name: run\(data, epochs=10"):
         fl.trainer(model, loss, "adam").run(data, 10)
+
+
+def test_a_keras_callback_method_as_a_handler_is_refused_when_attached():
+    loop = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "adam")
+
+    def on_epoch_end(epoch, logs=None):  # Keras's: it would get the State as `epoch`
+        print(epoch + 1)
+
+    with pytest.raises(ValueError, match=r"on_epoch_end\(epoch, logs=None\) is a Keras callb"):
+        loop.handle_event("epoch_completed", on_epoch_end)
+    with pytest.raises(ValueError, match=r"gets one State: def fn\(state\)"):
+        loop.observe("epoch_completed", lambda batch, logs=None: None)
+
+
+def test_a_loss_or_metric_naming_the_prediction_first_is_warned_and_its_failure_says_why():
+    loop = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "adam")
+
+    def hits(y_pred, y_true):  # optax's order: argmax of the labels, silently
+        return (jnp.argmax(y_pred, -1) == y_true).astype(jnp.float32)
+
+    with pytest.warns(UserWarning, match=r"metric hits\(y_pred, y_true\): fuseloop calls me"):
+        loop.metric(hits)
+
+    def swapped(logits, labels):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    with pytest.warns(UserWarning, match=r"its first parameter, 'logits', is named for the pr"):
+        trainer = fl.trainer(fl.models.mlp([3]), swapped, "adam")
+    data = [(np.ones((4, 3), np.float32), np.zeros(4, np.int32))]
+    with pytest.raises(ValueError, match=r"first parameter is 'logits', but fuseloop calls loss"):
+        trainer.run(data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loop.metric(lambda y_true, y_pred: y_pred, name="as_named")

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import inspect
 import os
+import weakref
 from pathlib import Path
 from typing import Any, TypeGuard
 
 import jax
 import numpy as np
+
+from ._warn import warn
 
 __all__ = [
     "require_room",
@@ -95,6 +98,40 @@ def refuse_signature(fn: Any, argument: str, form: str) -> None:
         raise ValueError(
             f"{argument}={name}{signature} cannot be called as {form} ({error}). {fix}"
         ) from None
+    first, *rest = [*signature.parameters, None]
+    named = form.endswith("(y_true, y_pred)") and _predicted(first) and not _predicted(rest[0])
+    if named and _first_time(fn):  # once per function: a loss is read again at the run
+        warn(  # optax's order, (logits, labels): a loss or metric reading them swapped
+            f"{argument} {getattr(fn, '__name__', type(fn).__name__)}{signature}: fuseloop "
+            f"calls {form}, and its first parameter, {first!r}, is named for the prediction: "
+            f"swap them if it reads them as optax's losses do, (logits, labels)"
+        )
+    if form.endswith("(state)") and first in ("epoch", "batch") and "logs" in signature.parameters:
+        raise ValueError(  # Keras's on_epoch_end(epoch, logs=None): it would get the State
+            f"{argument}={getattr(fn, '__name__', type(fn).__name__)}{signature} is a Keras "
+            f"callback's method; a fuseloop handler gets one State: def {form}: ... with "
+            f"state.epoch, state.iteration and state.metrics (Keras's logs)"
+        )
+
+
+_WARNED_ORDER: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _first_time(fn: Any) -> bool:
+    """Whether `fn` is warned about for the first time (one that takes no weak reference:
+    every time)."""
+    try:
+        seen = fn in _WARNED_ORDER
+        _WARNED_ORDER.add(fn)
+    except TypeError:
+        return True
+    return not seen
+
+
+def _predicted(name: Any) -> bool:
+    """Whether a parameter's name says it takes the model's prediction."""
+    words = ("pred", "logit", "output", "score")
+    return isinstance(name, str) and any(w in name.lower() for w in words)
 
 
 def refuse_deleted_arrays(tree: Any, argument: str) -> None:

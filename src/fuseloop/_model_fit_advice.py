@@ -4,6 +4,7 @@ sentences share."""
 
 from __future__ import annotations
 
+import inspect
 import keyword
 import re
 from collections.abc import Mapping
@@ -290,10 +291,25 @@ def several_targets(y: Any, loss: Any) -> str:
     """Advice where y holds several targets (a dict or tuple of them) and the loss is the
     user's: one written for one array reads the one it trains on."""
     if isinstance(loss, str) or not isinstance(y, (dict, tuple, list)) or not y:
-        return ""
+        return _prediction_first(loss)
     keys = list(y) if isinstance(y, dict) else list(range(len(y)))
     entries = ", ".join(f"y_true[{key!r}]" for key in keys)
     return f"; y holds targets {entries}: does the loss read the one it needs, not all of y?"
+
+
+def _prediction_first(loss: Any) -> str:
+    """Advice where the user's loss names its first parameter for the prediction (optax's
+    order, `(logits, labels)`): fuseloop calls `loss(y_true, y_pred)`."""
+    try:
+        first = next(iter(inspect.signature(loss).parameters))
+    except (TypeError, ValueError, StopIteration):
+        return ""
+    if not any(word in first.lower() for word in ("pred", "logit", "output", "score")):
+        return ""
+    return (
+        f"; the loss's first parameter is {first!r}, but fuseloop calls loss(y_true, y_pred) "
+        f"(optax's losses take (logits, labels)): swap them"
+    )
 
 
 def refuse_one_class_output(name: str, y_pred: Any, output: str) -> None:
