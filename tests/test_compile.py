@@ -106,6 +106,14 @@ def test_a_validation_attached_again_compiles_nothing_and_a_run_counts_its_compi
     later = base.validate(tiny_mlp(), val).metric(hits, name="hits").run(DATA)
     assert later.stats["compiles"] == 2
 
+    class KeepsItsLoop:  # a user's handler holding its own Loop: not an evaluator
+        def __call__(self, state):
+            return None
+
+    holder, fresh = KeepsItsLoop(), trainer()
+    holder.loop = fresh  # shares the run's program cache: it was counted twice
+    assert fresh.handle_event("epoch_completed", holder).run(DATA).stats["compiles"] == 1
+
 
 def test_a_first_auto_run_counts_the_chunk_program_its_probe_compiled():
     # The probe times a chunk before the first epoch, compiling it then: the count once

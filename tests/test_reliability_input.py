@@ -283,6 +283,11 @@ def test_labels_of_minus_one_and_one_for_a_binary_loss_are_refused(device):
     data = fl.data.arrays(x, y, BATCH, device=device)
     with pytest.raises(ValueError, match=r"target -1.0, out of range.*Map labels of -1/1"):
         _binary_trainer().run(data, fuse=2)
+    # A sorted dataset's first batch may hold only -1: the same advice.
+    order = np.argsort(y[:, 0], kind="stable")
+    data = fl.data.arrays(x[order], y[order], BATCH, shuffle=False, device=device)
+    with pytest.raises(ValueError, match=r"target -1.0, out of range.*Map labels of -1/1"):
+        _binary_trainer().run(data, fuse=2)
 
 
 # --------------------------------------------------------------------------- dtypes

@@ -337,7 +337,7 @@ def test_a_beginners_mix_ups_of_the_builders_arguments_are_each_told_the_fix():
     with pytest.raises(ValueError, match=r"it is an optimizer: the order is fl.trainer\(model, lo"):
         fl.trainer(model, optax.adam(1e-3), loss)
     data = [(np.ones((2, 3), np.float32), np.zeros(2, np.int32))]
-    with pytest.raises(ValueError, match=r"For 10 epochs, pass it by name: run\(data, epochs=10"):
+    with pytest.raises(ValueError, match=r"For 10 epochs: run\(data, epochs=10\)"):
         fl.trainer(model, loss, "adam").run(data, 10)
 
 
@@ -373,3 +373,17 @@ def test_a_loss_or_metric_naming_the_prediction_first_is_warned_and_its_failure_
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loop.metric(lambda y_true, y_pred: y_pred, name="as_named")
+        loop.metric(lambda ground_truth_score, y_hat: y_hat, name="truth_first")
+        loop.metric(lambda predecessor_labels, y: y, name="a_word_not_pred")
+        with pytest.raises(ValueError, match=r"optax's losses take"):  # refused, not warned
+            fl.trainer(fl.models.mlp([3]), optax.softmax_cross_entropy_with_integer_labels, "sgd")
+
+
+def test_other_callables_in_the_model_or_optimizer_place_get_no_call_it_hint():
+    loss = "sparse_categorical_cross_entropy"
+    with pytest.raises(ValueError, match=r"is not a model") as refused:
+        fl.trainer(fl.data.arrays, loss, "adam")
+    assert "call it" not in str(refused.value)
+    with pytest.raises(ValueError, match=r"must be a name") as refused:
+        fl.trainer(fl.models.mlp([3]), loss, optax.exponential_decay(0.1, 10, 0.5))
+    assert "call it" not in str(refused.value)

@@ -5,6 +5,7 @@ it will get: a handler's State, a metric's `(y_true, y_pred)`)."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import weakref
@@ -17,6 +18,7 @@ import numpy as np
 from ._warn import warn
 
 __all__ = [
+    "prediction_first",
     "require_room",
     "check_seed_bits",
     "concrete_deleted",
@@ -99,8 +101,9 @@ def refuse_signature(fn: Any, argument: str, form: str) -> None:
             f"{argument}={name}{signature} cannot be called as {form} ({error}). {fix}"
         ) from None
     first, *rest = [*signature.parameters, None]
-    named = form.endswith("(y_true, y_pred)") and _predicted(first) and not _predicted(rest[0])
-    if named and _first_time(fn):  # once per function: a loss is read again at the run
+    optax_own = getattr(fn, "__module__", "").startswith("optax")  # refused by _metrics
+    named = form.endswith("(y_true, y_pred)") and prediction_first([first, *rest])
+    if named and not optax_own and _first_time(fn):  # once: a loss is read again at the run
         warn(  # optax's order, (logits, labels): a loss or metric reading them swapped
             f"{argument} {getattr(fn, '__name__', type(fn).__name__)}{signature}: fuseloop "
             f"calls {form}, and its first parameter, {first!r}, is named for the prediction: "
@@ -114,24 +117,37 @@ def refuse_signature(fn: Any, argument: str, form: str) -> None:
         )
 
 
-_WARNED_ORDER: weakref.WeakSet[Any] = weakref.WeakSet()
+_WARNED_ORDER: dict[int, Any] = {}  # id -> a weak reference to the function warned about
+_PREDICTED = {"pred", "preds", "predicted", "prediction", "predictions", "logit", "logits"}
+_PREDICTED |= {"output", "outputs", "score", "scores", "hat"}
+_TARGET = {"true", "truth", "target", "targets", "label", "labels", "gold", "expected"}
 
 
 def _first_time(fn: Any) -> bool:
     """Whether `fn` is warned about for the first time (one that takes no weak reference:
     every time)."""
-    try:
-        seen = fn in _WARNED_ORDER
-        _WARNED_ORDER.add(fn)
-    except TypeError:
-        return True
-    return not seen
+    key = id(fn)
+    ref = _WARNED_ORDER.get(key)
+    if ref is not None and ref() is fn:
+        return False
+
+    def forget(_: Any) -> None:
+        _WARNED_ORDER.pop(key, None)
+
+    with contextlib.suppress(TypeError):
+        _WARNED_ORDER[key] = weakref.ref(fn, forget)
+    return True
 
 
-def _predicted(name: Any) -> bool:
-    """Whether a parameter's name says it takes the model's prediction."""
-    words = ("pred", "logit", "output", "score")
-    return isinstance(name, str) and any(w in name.lower() for w in words)
+def prediction_first(names: list[Any]) -> bool:
+    """Whether parameters `names` read (prediction, target): the first named for the
+    prediction (`y_pred`, `logits`), the second not (optax's losses take (logits, labels))."""
+
+    def predicted(name: Any) -> bool:
+        words = set(name.lower().replace("-", "_").split("_")) if isinstance(name, str) else set()
+        return bool(words & _PREDICTED) and not words & _TARGET
+
+    return len(names) >= 2 and predicted(names[0]) and not predicted(names[1])
 
 
 def refuse_deleted_arrays(tree: Any, argument: str) -> None:

@@ -134,7 +134,7 @@ def _target_fix(labels: np.ndarray, value: Any) -> str:
         )
     kept = labels[~np.isnan(labels)] if labels.dtype.kind == "f" else labels
     distinct = np.unique(kept)
-    if set(distinct.tolist()) == {-1, 1}:
+    if -1 in distinct and set(distinct.tolist()) <= {-1, 1}:  # a batch may hold only -1
         return "Map labels of -1/1 to 0/1, e.g. y = (y == 1)"
     if distinct.size == 2:
         return (
@@ -143,7 +143,8 @@ def _target_fix(labels: np.ndarray, value: Any) -> str:
         )
     shown = ", ".join(str(v) for v in distinct[:5]) + (", ..." if distinct.size > 5 else "")
     return (
-        f"y holds {distinct.size} distinct value(s) ({shown}): for more than two classes use "
+        f"The targets checked hold {distinct.size} distinct values ({shown}): for more than "
+        f"two classes use "
         f"'sparse_categorical_cross_entropy' with integer labels; otherwise fix the targets "
         f"out of [0, 1], or use a loss of your own for targets of another range"
     )

@@ -180,9 +180,9 @@ def check_init_state(
         )
     refuse_deleted_arrays(getattr(init_state, "step_state", init_state), "init_state")
     if is_int(init_state) and kind in _STARTS_FROM:
+        epochs = f". For {init_state} epochs: run(data, epochs={init_state})" * bool(init_state > 0)
         raise ValueError(
-            f"init_state={init_state!r} is an integer, but {_STARTS_FROM[kind]}. For "
-            f"{init_state} epochs, pass it by name: run(data, epochs={init_state})"
+            f"init_state={init_state!r} is an integer, but {_STARTS_FROM[kind]}{epochs}"
         )
     rows = _rows(data) if kind in _STARTS_FROM else None
     if rows is not None and rows == _rows(init_state):

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._arg_types import prediction_first
 from ._epoch_order import abstract_key
 from ._functions import from_functions
 from ._variables_diff import first_difference
@@ -301,11 +302,12 @@ def _prediction_first(loss: Any) -> str:
     """Advice where the user's loss names its first parameter for the prediction (optax's
     order, `(logits, labels)`): fuseloop calls `loss(y_true, y_pred)`."""
     try:
-        first = next(iter(inspect.signature(loss).parameters))
-    except (TypeError, ValueError, StopIteration):
+        names = list(inspect.signature(loss).parameters)
+    except (TypeError, ValueError):
         return ""
-    if not any(word in first.lower() for word in ("pred", "logit", "output", "score")):
+    if not prediction_first(names):
         return ""
+    first = names[0]
     return (
         f"; the loss's first parameter is {first!r}, but fuseloop calls loss(y_true, y_pred) "
         f"(optax's losses take (logits, labels)): swap them"

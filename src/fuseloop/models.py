@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -207,8 +208,8 @@ def _pair_hint(model: Any, adapters: dict[type, Any]) -> str:
     That is nnx.split's (graphdef, state), or equinox's (model, state) from
     eqx.nn.make_with_state.
     """
-    if callable(model) and getattr(model, "__module__", "").startswith("fuseloop"):
-        return f". fl.models.{model.__name__} makes a model: call it, e.g. fl.models.mlp([64, 10])"
+    if inspect.isfunction(model) and model.__name__ == "mlp":  # fl.models.mlp, uncalled
+        return ". fl.models.mlp makes a model: call it, e.g. fl.models.mlp([64, 10])"
     if not isinstance(model, tuple) or not model:
         return ""
     names = {type(part).__module__.split(".")[0] for part in model}

@@ -128,8 +128,8 @@ class Programs:
     @property
     def traces(self) -> int:
         """This cache's traces and those of the loop's validation evaluators (its compiles)."""
-        loops = [getattr(r.handler, "loop", None) for r in self.loop.registrations]
-        nested = {e._programs for e in loops if isinstance(e, type(self.loop))}
+        handlers = [r.handler for r in self.loop.registrations]  # validate's: its evaluator
+        nested = {h.loop._programs for h in handlers if getattr(h, "on_device", 0) == "validate"}
         nested |= {p for c in nested for p in c.populations.values()}
         return self.cache.traces + sum(c.traces for c in nested)
 
