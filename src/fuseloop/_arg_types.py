@@ -69,7 +69,9 @@ def refuse_signature(fn: Any, argument: str, form: str) -> None:
     """Raises a ValueError where `fn`'s signature cannot take the call `form` shows (e.g.
     "handler(state)"): refused when it is attached, not when first called (after hours of
     training, maybe). A class given for its instance is named; a callable without a
-    readable signature is let be.
+    readable signature is let be. A handler written as a Keras callback method,
+    `(epoch, logs=None)`, is refused; a loss or metric naming the prediction first
+    (optax's `(logits, labels)` order) is warned about, once per function.
 
     Example:
         >>> refuse_signature(lambda y_true, y_pred: 0, "metric", "metric(y_true, y_pred)")

@@ -144,7 +144,6 @@ def _target_fix(labels: np.ndarray, value: Any) -> str:
     shown = ", ".join(str(v) for v in distinct[:5]) + (", ..." if distinct.size > 5 else "")
     return (
         f"The targets checked hold {distinct.size} distinct values ({shown}): for more than "
-        f"two classes use "
-        f"'sparse_categorical_cross_entropy' with integer labels; otherwise fix the targets "
-        f"out of [0, 1], or use a loss of your own for targets of another range"
+        f"two classes use 'sparse_categorical_cross_entropy' with integer labels; otherwise "
+        f"fix the targets out of [0, 1], or use a loss of your own for another range"
     )
