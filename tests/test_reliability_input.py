@@ -675,7 +675,7 @@ def test_binary_labels_of_two_other_classes_are_told_how_to_map_them():
     with pytest.raises(ValueError, match=r"Map the two classes' labels 1.0/2.0 to 0/1"):
         _binary_trainer().run(fl.data.arrays(x, y, BATCH), fuse=2)
     y[0] = 0.0  # three values: a third class, or a stray target
-    with pytest.raises(ValueError, match=r"3 distinct value\(s\) \(0.0, 1.0, 2.0\): for more"):
+    with pytest.raises(ValueError, match=r"hold 3 distinct values \(0.0, 1.0, 2.0\): for more"):
         _binary_trainer().run(fl.data.arrays(x, y, BATCH), fuse=2)
 
 

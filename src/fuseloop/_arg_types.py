@@ -103,7 +103,7 @@ def refuse_signature(fn: Any, argument: str, form: str) -> None:
             f"{argument}={name}{signature} cannot be called as {form} ({error}). {fix}"
         ) from None
     first, *rest = [*signature.parameters, None]
-    optax_own = getattr(fn, "__module__", "").startswith("optax")  # refused by _metrics
+    optax_own = str(getattr(fn, "__module__", None)).startswith("optax")  # refused there
     named = form.endswith("(y_true, y_pred)") and prediction_first([first, *rest])
     if named and not optax_own and _first_time(fn):  # once: a loss is read again at the run
         warn(  # optax's order, (logits, labels): a loss or metric reading them swapped

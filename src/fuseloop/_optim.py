@@ -120,7 +120,7 @@ def resolve_optimizer(optimizer: Any) -> optax.GradientTransformation:
     maker = (
         f"; {getattr(optimizer, '__name__', 'it')} looks like a function that makes one: "
         f"call it, e.g. optimizer=optax.adam(1e-3)"
-        if getattr(optimizer, "__module__", "").startswith(("optax._src.alias", "optax.contrib"))
+        if str(getattr(optimizer, "__module__", None)).startswith(("optax._src.alias", "optax.c"))
         else ""
     )
     raise ValueError(
