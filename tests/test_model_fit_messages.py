@@ -815,3 +815,65 @@ def test_flaxs_rngs_argument_of_a_plain_apply_function_is_warned_of():
         warnings.simplefilter("error")
         module = nn.Dense(CLASSES)
         fl.models.from_functions(module.init, module.apply)
+
+
+class _UndefinedName(nn.Module):
+    @nn.compact
+    def __call__(self, x: Any) -> Any:
+        return nn.Dense(CLASSES)(x) * undefined_scale  # type: ignore[name-defined]  # noqa: F821
+
+
+class _NotCompact(nn.Module):
+    def __call__(self, x: Any) -> Any:
+        return nn.Dense(CLASSES)(x)
+
+
+class _MisspeltLayer(nn.Module):
+    def setup(self) -> None:
+        self.dense = nn.Dense(CLASSES)
+
+    def __call__(self, x: Any) -> Any:
+        return self.dence(x)
+
+
+class _MisspeltFunction(nn.Module):
+    @nn.compact
+    def __call__(self, x: Any) -> Any:
+        return jnp.relu(nn.Dense(CLASSES)(x))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("model", "raised"),
+    [
+        (_UndefinedName(), "NameError"),
+        (_NotCompact(), "AssignSubModuleError"),
+        (_MisspeltLayer(), "AttributeError"),
+        (_MisspeltFunction(), "AttributeError"),
+    ],
+)
+def test_a_bug_in_the_models_code_is_not_blamed_on_x(model: nn.Module, raised: str) -> None:
+    with pytest.raises(ValueError, match=f"model: initializing it .* fails with {raised}") as got:
+        fl.trainer(model, SPARSE, "sgd").run(CLASSIFICATION)
+    assert "the model's own code" in str(got.value) and "does not fit" not in str(got.value)
+    assert type(got.value.__cause__).__name__ == raised
+
+
+def test_a_bug_in_the_models_code_is_named_when_evaluating_too() -> None:
+    dense = nn.Sequential([nn.Dense(CLASSES)])  # {"params": {"layers_0": ...}}
+    variables = {
+        "params": {"Dense_0": jit_init(dense, jax.random.PRNGKey(0), X)["params"]["layers_0"]}
+    }
+    with pytest.raises(ValueError, match="model: applying .* AttributeError.* model's own code"):
+        fl.evaluator(_MisspeltFunction()).run(CLASSIFICATION, variables)
+
+
+class _ReadsAField(nn.Module):
+    @nn.compact
+    def __call__(self, x: Any) -> Any:
+        return nn.Dense(CLASSES)(x.image)
+
+
+def test_an_attribute_missing_from_x_still_says_x_does_not_fit() -> None:
+    data = [({"pixels": x}, y) for x, y in CLASSIFICATION]
+    with pytest.raises(ValueError, match="data: x does not fit the model.*'dict' object"):
+        fl.trainer(_ReadsAField(), SPARSE, "sgd").run(data)

@@ -19,6 +19,7 @@ from ._batch_checks import no_device_dtype
 from ._epoch_order import abstract_key
 from ._label_rule import LabelRule
 from ._metrics import fits_output, resolve_loss
+from ._model_code import model_code_error
 from ._model_fit_advice import (
     describe,
     first_line,
@@ -188,6 +189,7 @@ class ModelFit:
             return self._rng_error(error, applying)
         fresh, training = whose == FRESH, self.program.kind == "trainer"
         advice = unbound_axis(error, applying) or scope_misuse(error, applying, fresh, training)
+        advice = advice or model_code_error(error, applying)
         if advice is not None:
             return advice
         if not jax.tree.leaves(variables):
@@ -290,9 +292,9 @@ class ModelFit:
                 raise self._rng_error(
                     error, f"initializing the model on the first batch's x ({describe(x, 'x')})"
                 ) from error
-            raise ValueError(
-                f"data: x does not fit the model: initializing it on the first batch's x "
-                f"({describe(x, 'x')}) fails with {first_line(error)}. "
+            initializing = f"initializing it on the first batch's x ({describe(x, 'x')})"
+            raise model_code_error(error, initializing) or ValueError(
+                f"data: x does not fit the model: {initializing} fails with {first_line(error)}. "
                 f"{fix_for_x(x, error, self.program.model)}"
             ) from error
         self.fresh = variables
