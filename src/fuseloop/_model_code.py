@@ -53,8 +53,10 @@ def model_code_error(error: BaseException, doing: str) -> ValueError | None:
     blamed on x's shape); None for other errors.
 
     Example:
-        >>> str(model_code_error(NameError("name 'scale' is not defined"), "applying it"))[:58]
-        "model: applying it fails with NameError: name 'scale' is "
+        >>> error = model_code_error(NameError("name 'scale' is not defined"), "applying it")
+        >>> str(error).startswith("model: applying it fails with NameError: name 'scale'")
+        True
+        >>> model_code_error(TypeError("dot_general requires contracting dims"), "applying it")
     """
     if not _in_model_code(error):
         return None
