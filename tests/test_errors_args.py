@@ -403,6 +403,17 @@ def test_keras_positional_fit_and_compile_arguments_name_fuseloops_way():
     check(info, "trainer() takes at most 3 positional arguments", '.metric("accuracy")')
 
 
+def test_validate_given_only_the_data_names_the_model_it_also_takes():
+    """A Keras user passes the validation data alone, as fit's validation_data."""
+    with pytest.raises(TypeError) as info:
+        trainer().validate(DATA)
+    check(info, "Loop.validate() is missing 'data'", "loop.validate(model, val_data)")
+    with pytest.raises(TypeError) as info:
+        trainer().validate(data=DATA)
+    check(info, "Loop.validate() is missing 'model'")
+    assert "validation_loss" in trainer().validate(data=DATA, model=tiny_mlp()).run(DATA).metrics
+
+
 def test_the_advice_for_other_frameworks_keywords_names_what_exists():
     from fuseloop._foreign_keywords import ARRAYS_ADVICE, FACTORY_ADVICE, RUN_ADVICE
 

@@ -59,6 +59,21 @@ def test_a_scheduled_rate_found_only_with_the_runs_params_is_refused_at_its_firs
         loop.run(DATA, VARIABLES, epochs=3)
 
 
+def test_a_plateau_handler_attached_by_handle_event_is_checked_as_the_builder_checks_it():
+    """As docs/handlers.md attaches it beside validate(filter=...): a scheduled rate ran,
+    every reduction overwritten at the next step; a fixed rate failed at its first one."""
+    from fuseloop.handlers.monitor import ReduceLROnPlateau
+
+    for tx, refusal in ((_injected(), "optax schedule"), (optax.adam(1e-2), "fixed inside")):
+        with pytest.raises(ValueError, match=f"learning rate: it is (an )?{refusal}"):
+            fl.trainer(MODEL, LOSS, tx).handle_event(
+                "epoch_completed", ReduceLROnPlateau("loss", patience=0), filter={"every": 2}
+            )
+    # A custom loop's step state may hold an injected rate: checked when it runs, as before.
+    custom = fl.loop(lambda batch, s: s).handle_event("epoch_completed", ReduceLROnPlateau("n"))
+    assert isinstance(custom, fl.Loop)
+
+
 def test_a_population_of_a_scheduled_hyperparameter_is_refused_by_name():
     tx = _injected(1e-2, b1=optax.linear_schedule(0.8, 0.95, 20))
     with pytest.raises(ValueError, match=r"population: 'b1' is recomputed by a schedule"):

@@ -113,3 +113,22 @@ def test_a_bad_validation_label_is_refused_on_the_device_as_on_the_host(populati
     for fuse in (False, "run"):
         with pytest.raises(ValueError, match="y holds the label 3, out of range .* 4 units"):
             loop.run(_data(), epochs=3, fuse=fuse, **members)
+
+
+@pytest.mark.parametrize("population", [None, 2])
+def test_an_early_stop_on_a_nan_validation_loss_warns_on_the_device_as_on_the_host(population):
+    """A NaN in the validation data makes validation_loss NaN while the training loss is
+    finite; the early stop halts at once, which was silent."""
+    vx, vy = _xy(seed=5, n=40)
+    vx = vx.copy()
+    vx[3, 1] = np.nan
+    model = fl.models.mlp([8, 3])
+    val = fl.data.arrays(vx, vy, batch_size=16, device=True, drop_remainder=False)
+    loop = fl.trainer(model, "sparse_categorical_cross_entropy", optax.sgd(0.05))
+    loop = loop.validate(model, val).early_stop("validation_loss", patience=2)
+    members = {} if population is None else {"population": population}
+    said = " for members \\[0, 1\\]" if population else ""
+    for fuse in (False, "run"):
+        with pytest.warns(RuntimeWarning, match=f"validation_loss is nan at epoch 0{said}, not"):
+            state = loop.run(_data(), epochs=3, fuse=fuse, **members)
+        assert state.status == "halted" and list(state.history) == [0]

@@ -20,10 +20,12 @@ __all__ = [
     "FACTORY_ADVICE",
     "EVALUATOR_ADVICE",
     "POSITIONAL",
+    "TOO_FEW",
     "advise_foreign_keywords",
 ]
 
 POSITIONAL = "*"  # the advice for more positional arguments than the function takes
+TOO_FEW = "-"  # the advice for fewer arguments than the function requires
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -172,6 +174,10 @@ HANDLER_ADVICE: Mapping[str, Mapping[str, str]] = {
             "batch_size=32, shuffle=False, drop_remainder=False)"
         ),
         "validation_steps": "iterations are the data's: give the validation data you want",
+        TOO_FEW: (
+            "it takes the model to evaluate, then the validation data (Keras's "
+            "validation_data): loop.validate(model, val_data), usually the trainer's model"
+        ),
     },
 }
 
@@ -187,6 +193,7 @@ def advise_foreign_keywords(
         parameters = inspect.signature(function).parameters
         accepted = frozenset(parameters)
         positional = sum(p.kind == p.POSITIONAL_OR_KEYWORD for p in parameters.values())
+        required = [n for n, p in parameters.items() if p.default is p.empty and n != "self"]
         name = function.__qualname__ if owner is None else f"{owner}.{function.__name__}"
 
         @functools.wraps(function)
@@ -198,6 +205,11 @@ def advise_foreign_keywords(
                     f"{name}() takes at most {positional} positional arguments but "
                     f"{len(args)} were given: {advice[POSITIONAL]}"
                 )
+            if TOO_FEW in advice:
+                given = set(required[: len(args) - ("self" in parameters)]) | kwargs.keys()
+                missing = [n for n in required if n not in given]
+                if missing:
+                    raise TypeError(f"{name}() is missing {missing[0]!r}: {advice[TOO_FEW]}")
             return function(*args, **kwargs)
 
         return checked

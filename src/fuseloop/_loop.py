@@ -127,6 +127,8 @@ class Loop(HandlerBuilders):
         """
         event = normalize_event(event)
         check_handler(handler, "handler", "None | status | (status, state)", self.registrations)
+        if hasattr(handler, "check_optimizer") and self.program.kind == "trainer":
+            handler.check_optimizer(self.program)  # ReduceLROnPlateau, however it is attached
         added = attached(event, handler, make_filter(filter), name)
         return self._with(registrations=self.registrations + added)
 

@@ -132,6 +132,10 @@ def early_stop_members(stopper: Any, state: Any) -> tuple[Status, Any]:
         if stop[i]:
             lists["stopped_epoch"][i] = state.epoch
     state = _store(state, monitor.key, lists)
+    broken = np.flatnonzero(running & ~np.isfinite(values))
+    if broken.size:
+        shown = values[broken[0]]
+        monitor.warn_not_finite(shown, state.epoch, f" for members {broken.tolist()}")
     if stopper.restore_best:
         state = _keep_best(stopper, state, improved, lists)
         # A member that stops is frozen from here on, with its best epoch's step state. One

@@ -366,6 +366,17 @@ class Monitor:
         record["wait"] += 1
         return record, False
 
+    def warn_not_finite(self, value: float, epoch: int, members: str = "") -> None:
+        """The warning of an early stop on a NaN or inf value, which halts at once: a
+        metric that is finite while the training loss is usually reads data holding one."""
+        warn(
+            f"early_stop: {self.monitor} is {value} at epoch {epoch}{members}, not a finite "
+            f"number, so the run halts {'those members ' if members else ''}at once. If the "
+            f"training loss is finite, look for NaN or inf in the data {self.monitor} is "
+            f"computed on (np.isfinite(x).all() is False there)",
+            RuntimeWarning,
+        )
+
     def store(self, state: State, record: dict[str, Any]) -> State:
         """`state` with `record` kept in its handler metadata under this monitor's key."""
         return state.replace(handler_metadata={**state.handler_metadata, self.key: record})

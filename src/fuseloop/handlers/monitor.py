@@ -123,6 +123,8 @@ class EarlyStopping:
         )
         if stop:
             record["stopped_epoch"] = state.epoch
+        if not math.isfinite(value):
+            self.monitor.warn_not_finite(value, state.epoch)
         # The best step state comes back when the run ends (`on_end`), not here: the
         # handlers after this one (a checkpoint) see this epoch's own step state, so a run
         # resumed from its checkpoint is the run that went on.
