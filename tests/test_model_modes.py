@@ -826,3 +826,80 @@ def test_spectral_norms_update_stats_flag_trains_its_power_iteration_as_a_plain_
     state = fl.trainer(model, "sparse_categorical_cross_entropy", tx).run(data, epochs=3)
     assert_tree_close(state.params["batch_stats"], stats, rtol=1e-5)
     assert_tree_close(state.params["params"], params, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------- flags of names fuseloop does not pass
+class _NnxFlagged(nnx.Module):
+    """BatchNorm and Dropout switched by a flag of a name fuseloop does not pass."""
+
+    def __init__(self, default: bool, dropout: bool = True):
+        rngs = nnx.Rngs(params=0, dropout=1)
+        self.default, self.dense = default, nnx.Linear(5, 8, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.drop = nnx.Dropout(0.5 if dropout else 0.0, rngs=rngs)
+        self.head = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x, is_train: bool = False):
+        h = self.bn(self.dense(x), use_running_average=not is_train)
+        return self.head(self.drop(nnx.relu(h), deterministic=not is_train))
+
+
+class _NnxFlaggedOn(_NnxFlagged):
+    def __call__(self, x, is_train: bool = True):  # BatchNorm only (dropout=False)
+        return self.head(nnx.relu(self.bn(self.dense(x), use_running_average=not is_train)))
+
+
+class _EqxFlagged(eqx.Module):
+    dense: eqx.nn.Linear
+    drop: eqx.nn.Dropout
+
+    def __init__(self):
+        self.dense, self.drop = eqx.nn.Linear(5, 3, key=jax.random.PRNGKey(0)), eqx.nn.Dropout(0.5)
+
+    def __call__(self, x, *, key=None, use_dropout: bool = False):
+        return self.drop(self.dense(x), key=key, inference=not use_dropout)
+
+
+class _EqxFlaggedOn(_EqxFlagged):
+    def __call__(self, x, *, key, use_dropout: bool = True):
+        return self.drop(self.dense(x), key=key, inference=not use_dropout)
+
+
+class _EqxOtherFlag(_EqxFlagged):
+    def __call__(self, x, *, key, logits: bool = True):  # a bool that is no mode flag
+        y = self.drop(self.dense(x), key=key)
+        return y if logits else jax.nn.softmax(y)
+
+
+def test_an_unrecognised_flag_that_keeps_layers_in_evaluation_while_training_is_refused():
+    """The flag stayed at its default, so BatchNorm never updated and Dropout never
+    dropped: a silently different model (linen refuses its own analogue)."""
+    for model, layers in (
+        (_NnxFlagged(default=False), "BatchNorm bn left its running statistics .* Dropout drop"),
+        (_EqxFlagged(), "its Dropout drew no mask"),
+    ):
+        flag = "is_train=False" if isinstance(model, nnx.Module) else "use_dropout=False"
+        with pytest.raises(fl.models.ModelModeError, match=f"takes {flag}, .*training, {layers}"):
+            fl.trainer(model, SPARSE, "sgd").run(DATA)
+
+
+def test_an_unrecognised_flag_that_keeps_layers_training_is_refused_when_evaluating():
+    """Trained correctly (the default is the training value), then fl.predict normalised
+    with each batch's statistics, or dropped: outputs that depend on the batch or a key."""
+    x = DATA[0][0]
+    for model, layers in (
+        (_NnxFlaggedOn(default=True, dropout=False), "BatchNorm bn normalised with the batch's"),
+        (_EqxFlaggedOn(), "its Dropout drew a mask"),
+    ):
+        state = fl.trainer(model, SPARSE, "sgd").run(DATA)
+        with pytest.raises(fl.models.ModelModeError, match=f"in evaluation, {layers}"):
+            fl.predict(model, state, x)
+
+
+def test_a_bool_argument_that_is_no_mode_flag_trains_and_evaluates_as_before():
+    model = _EqxOtherFlag()
+    loop = fl.trainer(model, SPARSE, "sgd").validate(model, DATA)
+    state = loop.run(DATA, epochs=2)
+    assert fl.predict(model, state, DATA[0][0]).shape == (8, 3)
+    plain = loop.run(DATA, epochs=2, fuse=2)  # the modes checked once per adapter
+    assert_tree_equal(plain.params, state.params)

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 
 from ._linen import NNX_MODE_FLAGS, ModelConventionError, call_flags, flag_values
+from ._mode_follow import nnx_mode_watch, refuse_unfollowed, unrecognised_flags
 from ._nnx_checks import (
     eval_flags,
     output_reads_inputs,
@@ -61,6 +62,7 @@ class from_nnx:  # noqa: N801
 
         self._nnx, self.module = nnx, module
         self.flags = call_flags(module)  # `__call__`'s own train/eval flags, if any
+        self.unknown_flags = unrecognised_flags(module)  # flags of other names (_mode_follow)
         self._held_warned: list[str] | None = None  # the layers held in evaluation mode
         self.graphdef, params, *others = nnx.split(module, nnx.Param, ...)
         (rest,) = others  # the two filters, Param and `...`, split the module in two
@@ -199,7 +201,9 @@ class from_nnx:  # noqa: N801
         module = self._merged(variables, train)
         # Training must not write Params; evaluation must not draw random numbers.
         before = _param_values(module) if train else rng_counts(module)
+        watch = nnx_mode_watch(module) if self.unknown_flags else None
         y = module(x, **flag_values(self.flags, train))
+        refuse_unfollowed(watch, module, self.unknown_flags, train)
         if train:
             refuse_param_writes(before, _param_values(module))
         else:
