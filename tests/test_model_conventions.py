@@ -309,6 +309,29 @@ def test_what_a_shape_check_sowed_is_refused_by_a_trainer_naming_nnx_pop():
     assert_tree_equal(popped.params, fresh.params)
 
 
+class _Total(nnx.Variable):
+    pass
+
+
+class _SowingAVariable(nnx.Module):
+    """Sows a running total into a Variable type of its own, not declared in __init__."""
+
+    def __init__(self):
+        self.linear = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        self.sow(_Total, "total", x.sum(), init_fn=lambda: jnp.zeros(()), reduce_fn=jnp.add)
+        return self.linear(x)
+
+
+def test_a_variable_an_nnx_call_makes_anew_is_told_to_be_made_in_init():
+    """The step's structure changed; the message named neither nnx nor the fix."""
+    with pytest.raises(
+        ValueError, match=r"\['total'\] appears after .* make the Variable in __init"
+    ):
+        fl.trainer(_SowingAVariable(), "mean_squared_error", "sgd").run(_regression())
+
+
 class _ActNorm(nn.Module):
     """Glow's ActNorm: its shift and scale start from the first batch's statistics."""
 

@@ -218,6 +218,13 @@ def structure_change(old: list[Any], new: list[Any]) -> str:
             "give self.sow an init_fn and a reduce_fn that keep one value, or write the step "
             "with fl.loop; fuseloop's trainer does not add sown losses to its objective)"
         )
+    if any(p.startswith("['params']['state']") for p in added):  # an nnx module's rest
+        said += (
+            " (an nnx module that makes a Variable in its call that it did not hold before, "
+            "as self.sow(VariableType, ...) does for a type other than nnx.Intermediate: "
+            "make the Variable in __init__, e.g. self.total = VariableType(jnp.zeros(())), "
+            "or sow into nnx.Intermediate, which fuseloop drops as an output of the call)"
+        )
     return said
 
 
