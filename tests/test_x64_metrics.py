@@ -96,3 +96,25 @@ def test_a_state_of_host_float64_leaves_resumes_narrowed_as_fresh_variables_are(
             epochs=2,
         )
     assert sorted(resumed.history) == [0, 1]
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_a_named_optimizer_keeps_each_params_width_where_float32_and_float64_mix(optimizer):
+    """Under x64 flax still makes float32 params; with a float64 head beside them, the
+    named optimizers' float64 hyperparameters widened the float32 params' moments, and the
+    run was refused as a step that changes dtypes (optax.adam runs it)."""
+
+    def init(rng, x):
+        return {"narrow": jnp.ones((3,), jnp.float32), "wide": jnp.ones((3,), jnp.float64)}
+
+    def apply(params, x):
+        return x.astype(jnp.float32) @ params["narrow"] + x @ params["wide"]
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 3)), rng.normal(size=16)
+    with jax.enable_x64(True):
+        named = fl.trainer((init, apply), "mean_squared_error", optimizer)
+        state = named.run(fl.data.arrays(x, y, 4, shuffle=False), epochs=2, fuse=2)
+    moments = state.step_state["opt_state"].inner_state[0]
+    assert {k: v.dtype for k, v in moments.mu.items()} == {"narrow": "float32", "wide": "float64"}
+    assert np.isfinite(state.metrics["loss"])

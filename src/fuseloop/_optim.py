@@ -89,9 +89,10 @@ def in_float32(
     def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         wide_params = None if params is None else _to_float32(params)
         chosen = wide if _any_float64(grads) else inner
-        updates, state = chosen.update(_to_float32(grads), state, wide_params)
+        updates, new = chosen.update(_to_float32(grads), state, wide_params)
         updates = jax.tree.map(lambda u, g: u.astype(jnp.result_type(g)), updates, grads)
-        return updates, state
+        # float64 hyperparameters widen the state of float32 leaves beside float64 ones.
+        return updates, jax.tree.map(lambda n, o: n.astype(jnp.result_type(o)), new, state)
 
     return optax.GradientTransformation(init, update)
 
