@@ -319,6 +319,8 @@ def test_a_loops_repr_is_a_short_summary():
         ("metrics", ('loop.metric("accuracy")',)),  # compile's, given to fit
         ("val_dataloaders", ("loop.validate(model, loader)",)),
         ("epoch", ("did you mean 'epochs'?",)),  # a misspelling of a keyword run() takes
+        ("validation_freq", ('loop.validate(model, val_data, filter={"every": N})',)),
+        ("workers", ("transfers the next chunk",)),
     ],
 )
 def test_a_keras_or_lightning_keyword_to_run_names_fuseloops_way(keyword, words):
@@ -352,6 +354,9 @@ def test_a_keras_compile_keyword_to_a_factory_names_fuseloops_way():
     with pytest.raises(TypeError) as info:
         fl.trainer(tiny_mlp(), "mse", "adam", loss_weights=[1.0, 0.5])
     check(info, "'loss_weights'", "a loss of your own")
+    with pytest.raises(TypeError) as info:
+        fl.trainer(tiny_mlp(), "sparse_categorical_cross_entropy", "adam", from_logits=True)
+    check(info, "'from_logits'", "take logits", "end the model without one")
 
 
 def test_keras_fit_keywords_given_to_arrays_name_fuseloops_way():

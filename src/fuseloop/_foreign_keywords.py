@@ -84,6 +84,12 @@ RUN_ADVICE: Mapping[str, str] = {
     "lr": _RATE,
     "class_weight": _WEIGHTS,
     "sample_weight": _WEIGHTS,
+    "validation_freq": (
+        'attach validation with a filter: loop.validate(model, val_data, filter={"every": N})'
+    ),
+    "validation_steps": "iterations are the validation data's: give the batches you want",
+    "workers": "fuseloop stacks and transfers the next chunk while the device runs this one",
+    "use_multiprocessing": "fuseloop stacks and transfers the next chunk while the device runs",
 }
 
 # Keras `compile` keywords given to fl.trainer / fl.evaluator.
@@ -110,6 +116,10 @@ FACTORY_ADVICE: Mapping[str, str] = {
         "w1 * loss1 + w2 * loss2, for dict or tuple outputs"
     ),
     "weighted_metrics": "per-example weights go into y, for metrics of your own that read them",
+    "from_logits": (
+        "the built-in cross-entropy losses take logits (the model's output before a softmax "
+        "or sigmoid), as optax's do; end the model without one"
+    ),
     "sample_weight": _WEIGHTS,
 }
 
