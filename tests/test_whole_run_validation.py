@@ -111,8 +111,10 @@ def test_a_bad_validation_label_is_refused_on_the_device_as_on_the_host(populati
     loop = loop.validate(model, val).early_stop("validation_loss", patience=2)
     members = {} if population is None else {"population": population}
     for fuse in (False, "run"):
-        with pytest.raises(ValueError, match="y holds the label 3, out of range .* 4 units"):
+        with pytest.raises(ValueError, match="y holds the label 3, out of range .* 4 units") as got:
             loop.run(_data(), epochs=3, fuse=fuse, **members)
+        # Named as the validation data's, not the training data's (its message says "data:").
+        assert "validate()'s data" in "".join(getattr(got.value, "__notes__", []))
 
 
 @pytest.mark.parametrize("population", [None, 2])

@@ -16,8 +16,9 @@ import jax
 from ._checks import Checker
 from ._label_checks import labels_of
 from ._model_warnings import warn_about_model
+from ._variables_diff import UNWRAPPED
 
-__all__ = ["arrays_first_batch", "check_evaluator_start"]
+__all__ = ["arrays_first_batch", "check_evaluator_start", "note_validation"]
 
 
 def arrays_first_batch(source: Any) -> Any:
@@ -51,3 +52,18 @@ def check_evaluator_start(
             rule = warn_about_model(program, {"params": params}, first, verdicts, metrics)
         checker.labels.classes(rule, labels_of(data), first)
     return checker
+
+
+def note_validation(error: BaseException, what: str) -> None:
+    """Notes on `error` that `what` (e.g. "the evaluator's start checks of") raised it
+    for validate()'s data, not the training data its "data:" would otherwise suggest."""
+    error.add_note(
+        f"fuseloop: raised by {what} validate()'s data: a 'data:' above is the validation "
+        f"data, its epoch and iteration the evaluator run's own"
+    )
+    if UNWRAPPED.strip() in str(error):  # "init_state" above: the loop's params
+        error.add_note(
+            "fuseloop: validate gives the evaluator the training loop's "
+            "step_state['params']: a custom loop must keep the model's whole variables "
+            "there ({'params': ...}, as model.init returns them), not variables['params']"
+        )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._evaluator_start import arrays_first_batch, check_evaluator_start
+from .._evaluator_start import arrays_first_batch, check_evaluator_start, note_validation
 from .._placement import device_int
 from .population import first_member
 from .programs import Programs, kept_order
@@ -47,4 +47,8 @@ def _check(v: Any, run: Any) -> None:
         return  # validate itself refuses a State without params at the first epoch's end
     first = arrays_first_batch(v.source)  # every label is checked on the host copy
     program, verdicts, metrics = v.loop.program, Programs(v.loop).cache.verdicts, v.loop.metrics
-    check_evaluator_start(program, verdicts, first, params, v.source, metrics, v.source)
+    try:
+        check_evaluator_start(program, verdicts, first, params, v.source, metrics, v.source)
+    except Exception as error:
+        note_validation(error, "the evaluator's start checks of")
+        raise

@@ -15,7 +15,7 @@ import jax
 
 from .._batch_checks import require_pair
 from .._data import as_host_array, as_source, warn_left_out
-from .._evaluator_start import arrays_first_batch, check_evaluator_start
+from .._evaluator_start import arrays_first_batch, check_evaluator_start, note_validation
 from .._events import Event, normalize_event
 from .._fusion import FusionError, resolve_fuse
 from .._metrics import VALIDATION_PREFIX, MetricSpec, batch_size
@@ -24,7 +24,6 @@ from .._population import silence_stopped
 from .._shards import refuse_short_batch
 from .._state import State
 from .._types import Status
-from .._variables_diff import UNWRAPPED
 from ..models import variables_given, without_params
 
 __all__ = ["Validator", "check_validation", "evaluable_metrics", "validation_names"]
@@ -218,7 +217,7 @@ class Validator:
         try:
             _refuse_what_processes_cannot_feed(self.data)
         except ValueError as error:
-            _note_validation(error, "the evaluator's start checks of")
+            note_validation(error, "the evaluator's start checks of")
             raise
         first = _first_batch(self.data)
         params = variables_given(state, "init_state")  # an equinox module kept as params too
@@ -234,7 +233,7 @@ class Validator:
                 where, labels = f"the validation data's batch {i}", _labels_read(batch)
                 checker.labels.batch(checker.fit.labels, labels, where)
         except Exception as error:
-            _note_validation(error, "the evaluator's start checks of")
+            note_validation(error, "the evaluator's start checks of")
             raise
 
     def evaluate(self, params: Any, population: int | None = None) -> dict[str, Any]:
@@ -250,7 +249,7 @@ class Validator:
             # A nested run: its data's warnings are said once per training run (_narrowing).
             result = self.loop.run(self.data, params, fuse=self.fuse, **members)
         except Exception as error:
-            _note_validation(error, "the evaluator's run over")
+            note_validation(error, "the evaluator's run over")
             raise
         return dict(result.metrics)
 
@@ -317,19 +316,6 @@ def _as_run_reads(batch: Any) -> Any:
 def _in_arrays(data: Any) -> bool:
     """Whether `data` is an `fl.data.arrays` source (its labels can be read at once)."""
     return getattr(data, "host_labels", None) is not None and hasattr(data, "batch_size")
-
-
-def _note_validation(error: BaseException, what: str) -> None:
-    error.add_note(
-        f"fuseloop: raised by {what} validate()'s data: a 'data:' above is the validation "
-        f"data, its epoch and iteration the evaluator run's own"
-    )
-    if UNWRAPPED.strip() in str(error):  # "init_state" above: the loop's params
-        error.add_note(
-            "fuseloop: validate gives the evaluator the training loop's "
-            "step_state['params']: a custom loop must keep the model's whole variables "
-            "there ({'params': ...}, as model.init returns them), not variables['params']"
-        )
 
 
 def _no_params(step_state: Any) -> str:
