@@ -871,15 +871,35 @@ class _EqxOtherFlag(_EqxFlagged):
         return y if logits else jax.nn.softmax(y)
 
 
+class _NnxFrozenNorm(_NnxFlagged):
+    """Fine-tuning: BatchNorm frozen on purpose, a recognised flag for the Dropout, and a
+    bool argument of another name that sets no layer's mode."""
+
+    def __call__(self, x, train: bool = False, return_features: bool = False):
+        h = self.drop(
+            nnx.relu(self.bn(self.dense(x), use_running_average=True)), deterministic=not train
+        )
+        return h if return_features else self.head(h)
+
+
+class _EqxBranchy(_EqxFlagged):
+    aux: eqx.nn.Dropout = eqx.nn.Dropout(0.9)
+
+    def __call__(self, x, *, key, with_aux: bool = False):  # aux runs only when asked
+        y = self.drop(self.dense(x), key=key)
+        return self.aux(y, key=key) if with_aux else y
+
+
 def test_an_unrecognised_flag_that_keeps_layers_in_evaluation_while_training_is_refused():
     """The flag stayed at its default, so BatchNorm never updated and Dropout never
     dropped: a silently different model (linen refuses its own analogue)."""
-    for model, layers in (
-        (_NnxFlagged(default=False), "BatchNorm bn left its running statistics .* Dropout drop"),
-        (_EqxFlagged(), "its Dropout drew no mask"),
+    for model, flag, layers in (
+        (_NnxFlagged(default=False), "is_train", "BatchNorm bn runs with use_running_average=True"),
+        (_EqxFlagged(), "use_dropout", "Dropout drop runs with inference=True"),
     ):
-        flag = "is_train=False" if isinstance(model, nnx.Module) else "use_dropout=False"
-        with pytest.raises(fl.models.ModelModeError, match=f"takes {flag}, .*training, {layers}"):
+        with pytest.raises(
+            fl.models.ModelModeError, match=f"takes {flag}=False, .*training: {layers}"
+        ):
             fl.trainer(model, SPARSE, "sgd").run(DATA)
 
 
@@ -888,18 +908,23 @@ def test_an_unrecognised_flag_that_keeps_layers_training_is_refused_when_evaluat
     with each batch's statistics, or dropped: outputs that depend on the batch or a key."""
     x = DATA[0][0]
     for model, layers in (
-        (_NnxFlaggedOn(default=True, dropout=False), "BatchNorm bn normalised with the batch's"),
-        (_EqxFlaggedOn(), "its Dropout drew a mask"),
+        (
+            _NnxFlaggedOn(default=True, dropout=False),
+            "BatchNorm bn runs with use_running_average=False",
+        ),
+        (_EqxFlaggedOn(), "Dropout drop runs with inference=False"),
     ):
         state = fl.trainer(model, SPARSE, "sgd").run(DATA)
-        with pytest.raises(fl.models.ModelModeError, match=f"in evaluation, {layers}"):
+        with pytest.raises(fl.models.ModelModeError, match=f"out of evaluation: {layers}"):
             fl.predict(model, state, x)
 
 
-def test_a_bool_argument_that_is_no_mode_flag_trains_and_evaluates_as_before():
-    model = _EqxOtherFlag()
+@pytest.mark.parametrize("model", [_EqxOtherFlag(), _NnxFrozenNorm(default=False), _EqxBranchy()])
+def test_a_bool_argument_that_sets_no_layers_mode_trains_and_evaluates_as_before(model):
+    """Layers out of the mode that the flag does not set (a BatchNorm frozen for
+    fine-tuning), or that only its other value calls, are the model's own choice."""
     loop = fl.trainer(model, SPARSE, "sgd").validate(model, DATA)
     state = loop.run(DATA, epochs=2)
     assert fl.predict(model, state, DATA[0][0]).shape == (8, 3)
-    plain = loop.run(DATA, epochs=2, fuse=2)  # the modes checked once per adapter
-    assert_tree_equal(plain.params, state.params)
+    fused = loop.run(DATA, epochs=2, fuse=2)
+    assert_tree_equal(fused.params, state.params) and fused.stats["compiles"] == 0

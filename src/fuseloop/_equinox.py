@@ -13,8 +13,7 @@ import jax
 from ._functions import takes_keyword
 from ._linen import call_flags, flag_values
 from ._metrics import batch_size
-from ._mode_follow import unfollowed_mode, unrecognised_flags
-from ._nnx_checks import output_reads_inputs
+from ._mode_follow import run_following_modes, unrecognised_flags
 from ._warn import warn
 
 __all__ = ["from_equinox", "plain_module"]
@@ -152,13 +151,6 @@ class from_equinox:  # noqa: N801
             if isinstance(leaf, eqx.nn.Dropout)
         ]
         self.unknown_flags = unrecognised_flags(module)  # flags of other names (_mode_follow)
-        self._dropping = any(
-            getattr(leaf, "p", 0)
-            for leaf in jax.tree.leaves(
-                module, is_leaf=lambda node: isinstance(node, eqx.nn.Dropout)
-            )
-        )
-        self._modes_seen: set[bool] = set()  # modes whose calls were checked
         if dropouts and not self.takes_key:
             raise ValueError(
                 f"model: {type(module).__name__} has eqx.nn.Dropout (at model"
@@ -231,9 +223,12 @@ class from_equinox:  # noqa: N801
             self._eqx.combine(variables["params"], self.static), value=not train
         )
         key, flags = self._key(train, rng), flag_values(self.flags, train)
-        if self.unknown_flags and self._dropping and key is not None:
-            self._check_mode(module, x, key, flags, train)
-        return self._call(module, x, key, flags, train), None
+
+        def fresh() -> tuple[Any, Any]:  # for a call with a flag flipped (_mode_follow)
+            return module, lambda extra: self._call(module, x, key, {**flags, **extra}, train)
+
+        call = lambda: self._call(module, x, key, flags, train)  # noqa: E731
+        return run_following_modes(module, call, fresh, self.unknown_flags, train), None
 
     def _call(self, module: Any, x: Any, key: Any, flags: dict[str, bool], train: bool) -> Any:
         """The module's output on the batch `x`, with `key` (None: none) as `forward` says."""
@@ -245,20 +240,6 @@ class from_equinox:  # noqa: N801
             keys = jax.random.split(key, batch_size(x))  # x may be a dict or tuple
             return jax.vmap(lambda xi, k: module(xi, key=k, **flags))(x, keys)
         return jax.vmap(lambda xi: module(xi, key=key, **flags))(x)
-
-    def _check_mode(
-        self, module: Any, x: Any, key: Any, flags: dict[str, bool], train: bool
-    ) -> None:
-        """Refuses a module with Dropout and a flag fuseloop does not pass, whose output
-        does not read the key while training (no mask drawn) or reads it in evaluation
-        (a mask drawn): the flag, at its default, set the Dropout's mode (_mode_follow)."""
-        if train in self._modes_seen:
-            return
-        closed = jax.make_jaxpr(lambda k: self._call(module, x, k, flags, train))(key)
-        if output_reads_inputs(closed, len(jax.tree.leaves(key))) != train:
-            drew = "its Dropout drew no mask" if train else "its Dropout drew a mask"
-            raise unfollowed_mode(module, self.unknown_flags, [drew], train)
-        self._modes_seen.add(train)
 
     def _key(self, train: bool, rng: Any) -> Any:
         """The key for this call (None: call the module without `key`)."""

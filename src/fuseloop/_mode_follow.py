@@ -1,106 +1,183 @@
-"""Layers that did not follow the training or evaluation mode fuseloop set, in a module
-whose `__call__` takes a flag of its own that fuseloop does not recognise (nnx, equinox).
+"""A flag of an nnx or equinox module's `__call__` that fuseloop does not pass, found
+setting its Dropout or BatchNorm out of the mode fuseloop runs it in.
 
 fuseloop switches an nnx module with `.train()`/`.eval()` and an equinox one with
-`eqx.nn.inference_mode`, and passes the recognised flags (`TRAIN_FLAGS`) by name. A flag
-of another name (`is_train`, `use_dropout`) stays at its default, and when the call hands
-it on to Dropout or BatchNorm (`deterministic=not is_train`) those layers do what the
-default says in training and in evaluation alike: a silent change of the model. Only a
-module with such a flag is watched, and only while its step is traced (a compiled step
-pays nothing): a layer whose mode the call set on purpose (a BatchNorm frozen for
-fine-tuning) in a module without one is the user's choice.
+`eqx.nn.inference_mode`, and passes the flags it recognises (`TRAIN_FLAGS`) by name. A flag
+of another name (`is_train`, `use_dropout`) stays at its default; when the call hands it on
+to a layer (`deterministic=not is_train`), the layer does what the default says in training
+and in evaluation alike: a silently different model. So, while a module that takes such a
+flag is traced, the mode each Dropout, BatchNorm and attention layer runs in is recorded.
+Only where one runs out of the mode is each such flag flipped, in an abstract call, to see
+whether it is what set that layer: a layer held out of the mode on purpose (a BatchNorm
+frozen for fine-tuning), or one only another value of the flag would call, is the user's
+choice. A compiled step pays nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
+import sys
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
+
 from ._linen import TRAIN_FLAGS, ModelModeError
-from ._nnx_checks import raw_value, rng_counts
 
-__all__ = ["nnx_mode_watch", "refuse_unfollowed", "unfollowed_mode", "unrecognised_flags"]
+__all__ = ["run_following_modes", "unrecognised_flags"]
+
+# A layer's own mode arguments, each True in evaluation (False while training).
+_LAYER_FLAGS = ("deterministic", "use_running_average", "inference")
+# One recording at a time patches the layer classes' `__call__` (trace time only).
+_PATCHING = threading.RLock()
+_RECORDS = threading.local()
 
 
-def unrecognised_flags(module: Any) -> list[str]:
-    """`name=default` for each parameter of `module`'s `__call__` after x with a bool
-    default that is not a flag fuseloop passes (`TRAIN_FLAGS`).
+def unrecognised_flags(module: Any) -> dict[str, bool]:
+    """Each parameter of `module`'s `__call__` after x with a bool default that is not a
+    flag fuseloop passes (`TRAIN_FLAGS`), with that default.
 
     Example:
         >>> class Net:
         ...     def __call__(self, x, is_train: bool = False, train: bool = False): ...
         >>> unrecognised_flags(Net())
-        ['is_train=False']
+        {'is_train': False}
     """
     try:
         parameters = list(inspect.signature(type(module).__call__).parameters.values())[2:]
     except (TypeError, ValueError):
-        return []
-    return [
-        f"{p.name}={p.default}"
+        return {}
+    return {
+        p.name: p.default
         for p in parameters
         if isinstance(p.default, bool) and p.name not in TRAIN_FLAGS
-    ]
+    }
 
 
-def unfollowed_mode(
-    module: Any, flags: list[str], layers: list[str], train: bool
+def run_following_modes(
+    root: Any,
+    call: Callable[[], Any],
+    fresh: Callable[[], tuple[Any, Callable[[dict[str, bool]], Any]]],
+    flags: dict[str, bool],
+    train: bool,
+) -> Any:
+    """`call()`, the call of the module `root`, refused with a ModelModeError where one of
+    `flags` (unrecognised, at their defaults) set a layer out of `train`'s mode.
+
+    `fresh()` gives `(a module like root, a call of it with extra keyword arguments)` for
+    the abstract calls with a flag flipped (an nnx module changes as it is called).
+    """
+    if not flags:
+        return call()
+    with _recording(root) as seen:
+        out = call()
+    wrong = {where: mode for where, mode in seen.items() if any(v != (not train) for v in mode)}
+    for name, default in flags.items() if wrong else ():
+        other: dict[tuple[str, str], list[bool]] = {}
+        try:  # traced abstractly, the module made inside (nnx: at the trace's level)
+            jax.eval_shape(functools.partial(_flipped, fresh, {name: not default}, other))
+        except Exception:  # noqa: BLE001 - cannot tell what the flag sets: not refused
+            continue
+        set_by_flag = [w for w in wrong if w in other and other[w] != wrong[w]]
+        if set_by_flag:
+            raise _refusal(root, name, default, {w: wrong[w] for w in set_by_flag}, train)
+    return out
+
+
+def _flipped(fresh: Callable[[], Any], extra: dict[str, bool], seen: dict[Any, Any]) -> Any:
+    """A fresh module's call with `extra` flags, its layers' modes recorded into `seen`."""
+    root, call = fresh()
+    with _recording(root) as recorded:
+        out = call(extra)
+    seen.update(recorded)
+    return out
+
+
+def _refusal(
+    root: Any, name: str, default: bool, layers: dict[tuple[str, str], list[bool]], train: bool
 ) -> ModelModeError:
-    """The ModelModeError for `layers` that did not follow the mode of `train`."""
+    said = "; ".join(
+        f"{where} runs with {flag}={mode[0]}" for (where, flag), mode in layers.items()
+    )
     mode = "training" if train else "evaluation"
     return ModelModeError(
-        f"model: {type(module).__name__}.__call__ takes {', '.join(flags)}, a flag fuseloop "
-        f"does not recognise, so it calls the module without it; called so in {mode}, "
-        f"{'; '.join(layers)}. Name the flag one fuseloop passes (train, training, "
+        f"model: {type(root).__name__}.__call__ takes {name}={default}, a flag fuseloop does "
+        f"not pass, and at that default it sets layers out of {mode}: {said} ({name}="
+        f"{not default} switches them). Name the flag one fuseloop passes (train, training, "
         f"is_training, deterministic, use_running_average or inference: e.g. `def "
         f"__call__(self, x, train: bool = False)`), or let the layers follow the mode "
-        f"fuseloop sets (.train()/.eval(), eqx.nn.inference_mode) by not passing them a "
-        f"mode in the call"
+        f"fuseloop sets (.train()/.eval(), eqx.nn.inference_mode) by not passing them one"
     )
 
 
-def nnx_mode_watch(module: Any) -> dict[str, Any]:
-    """What an nnx module's Dropout and BatchNorm layers hold before a call: each
-    BatchNorm's running statistics (as objects: a write replaces them) and mode, the
-    paths of Dropout layers set to drop, and every rng stream's count."""
-    from flax import nnx
-
-    norms, drops = {}, []
-    for path, sub in nnx.iter_graph(module):
-        name = ".".join(map(str, path)) or "the module"
-        if isinstance(sub, nnx.BatchNorm):
-            stats = (raw_value(sub.mean), raw_value(sub.var))
-            norms[name] = (sub, stats, sub.use_running_average)
-        elif isinstance(sub, nnx.Dropout) and sub.rate:
-            drops.append((name, sub.deterministic))
-    return {"norms": norms, "drops": drops, "counts": rng_counts(module)}
-
-
-def refuse_unfollowed(
-    watch: dict[str, Any] | None, module: Any, flags: list[str], train: bool
-) -> None:
-    """Raises `unfollowed_mode` where a layer of `watch` (None: not watched) did not follow
-    `train`'s mode in the call just made."""
-    ignored = [] if watch is None else _nnx_unfollowed(watch, module, train)
-    if ignored:
-        raise unfollowed_mode(module, flags, ignored, train)
+@contextlib.contextmanager
+def _recording(root: Any) -> Iterator[dict[tuple[str, str], list[bool]]]:
+    """Records, for each call on this thread of a Dropout, BatchNorm or attention layer
+    of `root`, the mode it runs in: `{(layer, its flag): [True in evaluation, ...]}`."""
+    paths, seen = _layer_paths(root), dict[tuple[str, str], list[bool]]()
+    with _PATCHING:
+        originals = {cls: cls.__dict__["__call__"] for cls in _layer_classes()}
+        outer = getattr(_RECORDS, "active", None)
+        _RECORDS.active = (threading.get_ident(), paths, seen)
+        for cls, original in originals.items():
+            cls.__call__ = _recorder(original)  # type: ignore[method-assign]
+        try:
+            yield seen
+        finally:
+            for cls, original in originals.items():
+                cls.__call__ = original  # type: ignore[method-assign]
+            _RECORDS.active = outer
 
 
-def _nnx_unfollowed(watch: dict[str, Any], module: Any, train: bool) -> list[str]:
-    """The layers of `watch` (taken before the call) that did not follow `train`'s mode."""
-    out = []
-    for name, (sub, stats, running) in watch["norms"].items():
-        now = (raw_value(sub.mean), raw_value(sub.var))
-        written = any(a is not b for a, b in zip(now, stats, strict=True))
-        if train and running is False and not written:
-            out.append(f"BatchNorm {name} left its running statistics as they were")
-        elif not train and written:
-            out.append(f"BatchNorm {name} normalised with the batch's own statistics")
-    counts = rng_counts(module)
-    drew = any(counts[p][1] is not c for p, (_, c) in watch["counts"].items() if p in counts)
-    dropping = [name for name, held in watch["drops"] if held is False]
-    if train and dropping and not drew:
-        out.append(f"Dropout {dropping[0]} drew no mask")
-    elif not train and watch["drops"] and drew:
-        out.append(f"Dropout {watch['drops'][0][0]} drew a mask")
-    return out
+def _recorder(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    def recording(layer: Any, *args: Any, **kwargs: Any) -> Any:
+        active = getattr(_RECORDS, "active", None)
+        if active is not None and active[0] == threading.get_ident() and _drops(layer):
+            given = signature.bind(layer, *args, **kwargs).arguments
+            for flag in _LAYER_FLAGS:
+                value = given.get(flag)
+                value = getattr(layer, flag, None) if value is None else value
+                where = f"{type(layer).__name__} {active[1].get(id(layer), '?')}"
+                if isinstance(value, bool) and (flag in given or hasattr(layer, flag)):
+                    active[2].setdefault((where, flag), []).append(value)
+        return original(layer, *args, **kwargs)
+
+    recording.__wrapped__ = original  # type: ignore[attr-defined]
+    return recording
+
+
+def _drops(layer: Any) -> bool:
+    """Whether the layer's mode changes what it computes (a Dropout of rate 0 does not)."""
+    rate = getattr(layer, "rate", getattr(layer, "p", getattr(layer, "dropout_rate", None)))
+    return rate is None or bool(rate)
+
+
+def _layer_classes() -> list[type]:
+    """The layer classes whose mode is recorded, of the libraries imported."""
+    classes: list[type] = []
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None:
+        classes += [nnx.Dropout, nnx.BatchNorm, nnx.MultiHeadAttention]
+    eqx = sys.modules.get("equinox")
+    if eqx is not None:
+        classes += [eqx.nn.Dropout]  # eqx.nn.MultiheadAttention calls one
+    return classes
+
+
+def _layer_paths(root: Any) -> dict[int, str]:
+    """`id(layer) -> its path in root` for every submodule of an nnx or equinox `root`."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and isinstance(root, nnx.Module):
+        return {id(node): ".".join(map(str, path)) for path, node in nnx.iter_graph(root)}
+    eqx = sys.modules.get("equinox")
+    if eqx is None:
+        return {}
+    found = jax.tree_util.tree_flatten_with_path(
+        root, is_leaf=lambda node: isinstance(node, eqx.nn.Dropout)
+    )[0]
+    return {id(node): jax.tree_util.keystr(path).lstrip(".") for path, node in found}

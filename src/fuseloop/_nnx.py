@@ -13,7 +13,7 @@ from typing import Any
 import jax
 
 from ._linen import NNX_MODE_FLAGS, ModelConventionError, call_flags, flag_values
-from ._mode_follow import nnx_mode_watch, refuse_unfollowed, unrecognised_flags
+from ._mode_follow import run_following_modes, unrecognised_flags
 from ._nnx_checks import (
     eval_flags,
     output_reads_inputs,
@@ -131,13 +131,9 @@ class from_nnx:  # noqa: N801
         a user's own) and the optimizer `tx` freezes none of its params: a trainer trains
         every Param, as `nnx.Optimizer(wrt=nnx.Param)` does, so the weights a LoRA adapts
         would train too."""
-        kinds = sorted(
-            {
-                type(v).__name__
-                for _, v in self._nnx.iter_graph(self.module)
-                if isinstance(v, self._nnx.Param) and type(v) is not self._nnx.Param
-            }
-        )
+        nnx = self._nnx
+        found = (type(v) for _, v in nnx.iter_graph(self.module) if isinstance(v, nnx.Param))
+        kinds = sorted({kind.__name__ for kind in found if kind is not nnx.Param})
         if kinds and not _freezes_some(tx, self.current_variables()["params"]):
             warn(
                 f"the nnx module holds {', '.join(kinds)} variables: fuseloop trains every "
@@ -198,12 +194,11 @@ class from_nnx:  # noqa: N801
         nnx = self._nnx
         if train:
             refuse_sown_before(self._held, self.module)
-        module = self._merged(variables, train)
+        fresh = functools.partial(self._fresh_call, variables, x, train)
+        module, call = fresh()
         # Training must not write Params; evaluation must not draw random numbers.
         before = _param_values(module) if train else rng_counts(module)
-        watch = nnx_mode_watch(module) if self.unknown_flags else None
-        y = module(x, **flag_values(self.flags, train))
-        refuse_unfollowed(watch, module, self.unknown_flags, train)
+        y = run_following_modes(module, lambda: call({}), fresh, self.unknown_flags, train)
         if train:
             refuse_param_writes(before, _param_values(module))
         else:
@@ -214,6 +209,11 @@ class from_nnx:  # noqa: N801
         nnx.pop(module, lambda path, node: _sown(node, path, self._held, nnx.Intermediate))
         _, _, rest = nnx.split(module, nnx.Param, ...)
         return y, nnx.to_pure_dict(rest)
+
+    def _fresh_call(self, variables: Any, x: Any, train: bool) -> tuple[Any, Any]:
+        """A module holding `variables`, and its call given extra keywords."""
+        module = self._merged(variables, train)
+        return module, lambda extra: module(x, **flag_values(self.flags, train), **extra)
 
     def _output_reads_draws(self, variables: Any, x: Any) -> bool:
         """Whether an evaluation call's output reads the numbers it draws: nnx.RNN draws a
