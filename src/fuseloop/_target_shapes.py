@@ -206,11 +206,10 @@ def _spread(shape: Shape, params: Any, out: Shape) -> Shape:
 
 
 def _shared_batch(leaves: list[Any]) -> int | None:
-    """The size of the leading axis every leaf has (None: some leaf has none, or they
-    differ)."""
-    if any(len(leaf.shape) == 0 for leaf in leaves) or len({leaf.shape[0] for leaf in leaves}) != 1:
-        return None
-    return int(leaves[0].shape[0])
+    """The leading axis every leaf but a scalar has (None: they differ, or all are scalars):
+    a scalar (an output's regulariser, a target's weight for the batch) crosses nothing."""
+    sizes = {leaf.shape[0] for leaf in leaves if len(leaf.shape)}
+    return int(sizes.pop()) if len(sizes) == 1 else None
 
 
 def _across(a: Shape, b: Shape, batch: int) -> bool:
@@ -278,10 +277,11 @@ def _at_another_size(y_true: Any, y_pred: Any) -> tuple[Any, Any] | None:
     leaves = jax.tree.leaves((y_true, y_pred))
     if _shared_batch(leaves) is None:
         return None
-    other = 2 + max(max(leaf.shape) for leaf in leaves)
+    other = 2 + max(max(leaf.shape, default=0) for leaf in leaves)
 
-    def resized(tree: Any) -> Any:
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((other, *a.shape[1:]), a.dtype), tree)
+    def resized(tree: Any) -> Any:  # a scalar stays one
+        sized = lambda a: jax.ShapeDtypeStruct((other, *a.shape[1:]) if a.shape else (), a.dtype)  # noqa: E731
+        return jax.tree.map(sized, tree)
 
     return resized(y_true), resized(y_pred)
 
