@@ -12,6 +12,7 @@ import functools
 import warnings
 from typing import Any
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -250,7 +251,8 @@ def test_an_nnx_model_drawing_randomness_in_evaluation_is_told_so():
         fl.evaluator(model, SPARSE).run(CLASSIFICATION, model)
     flagged = DropoutUnderItsOwnFlag(nnx.Rngs(params=0, dropout=1))
     loop = fl.trainer(flagged, SPARSE, "adam").validate(flagged, CLASSIFICATION)
-    with pytest.raises(ValueError, match=r"stream\(s\) 'dropout'.*deterministic=eval_mode"):
+    unknown = r"takes eval_mode=False, a flag fuseloop does not pass.*deterministic=False"
+    with pytest.raises(fl.models.ModelModeError, match=unknown):
         loop.run(CLASSIFICATION)
     assert fl.trainer(flagged, SPARSE, "adam").run(CLASSIFICATION).epoch == 0  # training is fine
 
@@ -873,7 +875,13 @@ class _ReadsAField(nn.Module):
         return nn.Dense(CLASSES)(x.image)
 
 
+@flax.struct.dataclass
+class _Batch:
+    pixels: Any
+
+
 def test_an_attribute_missing_from_x_still_says_x_does_not_fit() -> None:
-    data = [({"pixels": x}, y) for x, y in CLASSIFICATION]
-    with pytest.raises(ValueError, match="data: x does not fit the model.*'dict' object"):
-        fl.trainer(_ReadsAField(), SPARSE, "sgd").run(data)
+    for make, kind in ((lambda x: {"pixels": x}, "dict"), (_Batch, "_Batch")):
+        data = [(make(x), y) for x, y in CLASSIFICATION]
+        with pytest.raises(ValueError, match=f"data: x does not fit the model.*'{kind}' object"):
+            fl.trainer(_ReadsAField(), SPARSE, "sgd").run(data)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -32,10 +33,11 @@ _MODULE_CODE_ERRORS = frozenset(
 _MODULE_ATTRIBUTE = re.compile(r'^"\w+" object has no attribute "\w+"')
 
 
-def _in_model_code(error: BaseException) -> bool:
+def _in_model_code(error: BaseException, x: Any) -> bool:
     """Whether `error` comes from the model's code whatever x holds: a name it never
     defined, an import it lacks, a flax module used against linen's rules, or an attribute
-    missing from a module or a library (not from x or one of its containers)."""
+    missing from a module or a library (not from x or one of its containers: an array, a
+    dict, a tuple, or a pytree node of x's own types, a flax struct or an equinox batch)."""
     if isinstance(error, (NameError, ImportError)):
         return True
     if type(error).__name__ in _MODULE_CODE_ERRORS and "flax" in type(error).__module__:
@@ -45,12 +47,26 @@ def _in_model_code(error: BaseException) -> bool:
     owner = getattr(error, "obj", None)  # set by Python, not by flax's own AttributeError
     if owner is None:
         return bool(_MODULE_ATTRIBUTE.match(str(error)))
-    return not isinstance(owner, (np.ndarray, np.generic, jax.Array, Mapping, list, tuple))
+    containers = (np.ndarray, np.generic, jax.Array, Mapping, list, tuple)
+    return not isinstance(owner, containers) and type(owner) not in _node_types(x)
 
 
-def model_code_error(error: BaseException, doing: str) -> ValueError | None:
+def _node_types(tree: Any) -> set[type]:
+    """The types of `tree`'s pytree nodes (its containers), nested ones included."""
+    found: set[type] = set()
+    pending: list[Any] = [jax.tree_util.tree_structure(tree)]  # this jaxlib has no stub for it
+    while pending:
+        node = pending.pop()
+        data = node.node_data()
+        if data is not None:
+            found.add(data[0])
+        pending.extend(node.children())
+    return found
+
+
+def model_code_error(error: BaseException, doing: str, x: Any = None) -> ValueError | None:
     """The ValueError for an error in the model's own code met while `doing` (so not
-    blamed on x's shape); None for other errors.
+    blamed on x's shape, `x` the batch's x); None for other errors.
 
     Example:
         >>> error = model_code_error(NameError("name 'scale' is not defined"), "applying it")
@@ -58,7 +74,7 @@ def model_code_error(error: BaseException, doing: str) -> ValueError | None:
         True
         >>> model_code_error(TypeError("dot_general requires contracting dims"), "applying it")
     """
-    if not _in_model_code(error):
+    if not _in_model_code(error, x):
         return None
     return ValueError(
         f"model: {doing} fails with {first_line(error)}, an error in the model's own code "

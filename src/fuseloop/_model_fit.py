@@ -189,7 +189,7 @@ class ModelFit:
             return self._rng_error(error, applying)
         fresh, training = whose == FRESH, self.program.kind == "trainer"
         advice = unbound_axis(error, applying) or scope_misuse(error, applying, fresh, training)
-        advice = advice or model_code_error(error, applying)
+        advice = advice or model_code_error(error, applying, x)
         if advice is not None:
             return advice
         if not jax.tree.leaves(variables):
@@ -293,7 +293,7 @@ class ModelFit:
                     error, f"initializing the model on the first batch's x ({describe(x, 'x')})"
                 ) from error
             initializing = f"initializing it on the first batch's x ({describe(x, 'x')})"
-            raise model_code_error(error, initializing) or ValueError(
+            raise model_code_error(error, initializing, x) or ValueError(
                 f"data: x does not fit the model: {initializing} fails with {first_line(error)}. "
                 f"{fix_for_x(x, error, self.program.model)}"
             ) from error

@@ -223,7 +223,9 @@ def structure_change(old: list[Any], new: list[Any]) -> str:
             " (an nnx module that makes a Variable in its call that it did not hold before, "
             "as self.sow(VariableType, ...) does for a type other than nnx.Intermediate: "
             "make the Variable in __init__, e.g. self.total = VariableType(jnp.zeros(())), "
-            "or sow into nnx.Intermediate, which fuseloop drops as an output of the call)"
+            "and give self.sow an init_fn and a reduce_fn that keep one value (its default "
+            "appends to a tuple), or sow into nnx.Intermediate, which fuseloop drops as an "
+            "output of the call)"
         )
     return said
 

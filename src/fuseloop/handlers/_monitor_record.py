@@ -371,9 +371,14 @@ class Monitor:
         metric that is finite while the training loss is usually reads data holding one."""
         warn(
             f"early_stop: {self.monitor} is {value} at epoch {epoch}{members}, not a finite "
-            f"number, so the run halts {'those members ' if members else ''}at once. If the "
-            f"training loss is finite, look for NaN or inf in the data {self.monitor} is "
-            f"computed on (np.isfinite(x).all() is False there)",
+            f"number, so the run halts {'those members ' if members else ''}at once. "
+            + (
+                f"If the training loss is finite, look for NaN or inf in the data "
+                f"{self.monitor} is computed on (np.isfinite(x).all() is False there)"
+                if self.monitor.startswith("validation_")
+                else "Training diverged or its data holds NaN or inf: try a lower learning "
+                "rate, and loop.terminate_on_nan() to stop at the first such step"
+            ),
             RuntimeWarning,
         )
 
