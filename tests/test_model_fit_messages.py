@@ -885,3 +885,11 @@ def test_an_attribute_missing_from_x_still_says_x_does_not_fit() -> None:
         data = [(make(x), y) for x, y in CLASSIFICATION]
         with pytest.raises(ValueError, match=f"data: x does not fit the model.*'{kind}' object"):
             fl.trainer(_ReadsAField(), SPARSE, "sgd").run(data)
+
+
+def test_a_function_models_variables_given_in_flaxs_wrapper_are_told_to_be_unwrapped() -> None:
+    """Blamed on x, with a missing key named that was not the one the model read."""
+    loop = fl.trainer((good_init, apply), "mean_squared_error", "sgd")
+    with pytest.raises(ValueError, match=r"init_state: The given variables hold the model's own"):
+        loop.run(REGRESSION, {"params": PARAMS})
+    assert loop.run(REGRESSION, PARAMS).status == "completed"

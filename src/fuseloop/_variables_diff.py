@@ -33,10 +33,14 @@ NNX_STATE = (
     " (nnx.update(module, state)) and pass the module itself as the variables (a trainer's"
     " run may leave them out: it starts from the module's weights as they are then)."
 )
+WRAPPED = (
+    " The given variables hold the model's own under 'params' (flax's wrapper), which this"
+    " model's init does not make: pass variables['params'], shaped as its init returns them."
+)
 _MEMBERS = " These variables have a leading axis of"
 # Sentences that say the variables are given in a form fuseloop does not read: x is not
 # the problem, whatever the model said.
-NOT_X = (UNWRAPPED, NNX_STATE)
+NOT_X = (UNWRAPPED, WRAPPED, NNX_STATE)
 
 
 def names_the_form(difference: str) -> bool:
@@ -85,6 +89,10 @@ def first_difference(given: Any, fresh: Any) -> str:
         inner = dict(jax.tree_util.tree_flatten_with_path(fresh.get("params", {}))[0])
         if inner and inner.keys() == mine.keys():
             return UNWRAPPED
+    if isinstance(given, dict) and given.keys() == {"params"} and isinstance(fresh, dict):
+        inner = dict(jax.tree_util.tree_flatten_with_path(given["params"])[0])
+        if "params" not in fresh and inner and inner.keys() == theirs.keys():
+            return WRAPPED
     for path in sorted(mine.keys() | theirs.keys(), key=str):
         name = jax.tree_util.keystr(path)
         if path not in theirs:
