@@ -493,7 +493,7 @@ def test_weights_in_a_column_crossing_a_per_example_loss_inside_the_function_are
     assert attach(supervised_contrastive).run([(x, y)]).status == "completed"
 
 
-@pytest.mark.parametrize("scalar_in", ["y_pred", "y_true"])
+@pytest.mark.parametrize("scalar_in", ["y_pred", "y_pred (1,)", "y_true"])
 def test_a_crossing_beside_a_scalar_output_or_target_is_refused(scalar_in):
     """One scalar leaf (an output's regulariser, a target's weight for the batch) has no
     batch axis, and the check stood aside for every leaf: a column of weights times a
@@ -503,24 +503,24 @@ def test_a_crossing_beside_a_scalar_output_or_target_is_refused(scalar_in):
 
     def apply(p, x):
         logits = x @ p["c"]
-        return (
-            {"cls": logits, "aux": 0.01 * jnp.mean(logits**2)} if scalar_in == "y_pred" else logits
-        )
+        aux = 0.01 * jnp.mean(logits**2)  # a regulariser: () or (1,)
+        aux = aux[None] if scalar_in == "y_pred (1,)" else aux
+        return {"cls": logits, "aux": aux} if scalar_in.startswith("y_pred") else logits
 
     model = fl.models.from_functions(lambda rng, x: {"c": jnp.zeros((4, 3))}, apply)
 
     def weighted(column):
         def fn(t, p):
-            logits = p["cls"] if scalar_in == "y_pred" else p
+            logits = p["cls"] if scalar_in.startswith("y_pred") else p
             per_example = optax.softmax_cross_entropy_with_integer_labels(logits, t["y"])
             weight = t["weight"] if column else t["weight"][..., 0]
-            extra = p["aux"] if scalar_in == "y_pred" else t["alpha"]
+            extra = jnp.sum(p["aux"]) if scalar_in.startswith("y_pred") else t["alpha"]
             return jnp.mean(weight * per_example) + extra
 
         return fn
 
     y = {"y": labels, "weight": np.ones((16, 1), np.float32)}
-    data = [(x, y if scalar_in == "y_pred" else {**y, "alpha": np.float32(0.5)})]
+    data = [(x, y if scalar_in.startswith("y_pred") else {**y, "alpha": np.float32(0.5)})]
     with pytest.raises(ValueError, match=r"y_true\['weight'\]\[\.\.\., 0\]"):
         fl.trainer(model, weighted(True), "sgd").run(data)
     assert fl.trainer(model, weighted(False), "sgd").run(data).status == "completed"

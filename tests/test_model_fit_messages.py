@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax
 import flax.linen as nn
@@ -251,7 +251,7 @@ def test_an_nnx_model_drawing_randomness_in_evaluation_is_told_so():
         fl.evaluator(model, SPARSE).run(CLASSIFICATION, model)
     flagged = DropoutUnderItsOwnFlag(nnx.Rngs(params=0, dropout=1))
     loop = fl.trainer(flagged, SPARSE, "adam").validate(flagged, CLASSIFICATION)
-    unknown = r"takes eval_mode=False, a flag fuseloop does not pass.*deterministic=False"
+    unknown = r"takes eval_mode=False, not a flag fuseloop passes.*deterministic=False"
     with pytest.raises(fl.models.ModelModeError, match=unknown):
         loop.run(CLASSIFICATION)
     assert fl.trainer(flagged, SPARSE, "adam").run(CLASSIFICATION).epoch == 0  # training is fine
@@ -893,3 +893,20 @@ def test_a_function_models_variables_given_in_flaxs_wrapper_are_told_to_be_unwra
     with pytest.raises(ValueError, match=r"init_state: The given variables hold the model's own"):
         loop.run(REGRESSION, {"params": PARAMS})
     assert loop.run(REGRESSION, PARAMS).status == "completed"
+
+
+class _Config(NamedTuple):
+    scale: float
+
+
+class _ReadsItsConfig(nn.Module):
+    config: _Config = _Config(2.0)
+
+    @nn.compact
+    def __call__(self, x: Any) -> Any:
+        return nn.Dense(CLASSES)(x) * self.config.sacle  # type: ignore[attr-defined]
+
+
+def test_a_typo_in_the_models_own_named_tuple_is_not_blamed_on_an_array_x() -> None:
+    with pytest.raises(ValueError, match="'_Config' object has no .* the model's own code"):
+        fl.trainer(_ReadsItsConfig(), SPARSE, "sgd").run(CLASSIFICATION)

@@ -927,4 +927,26 @@ def test_a_bool_argument_that_sets_no_layers_mode_trains_and_evaluates_as_before
     state = loop.run(DATA, epochs=2)
     assert fl.predict(model, state, DATA[0][0]).shape == (8, 3)
     fused = loop.run(DATA, epochs=2, fuse=2)
-    assert_tree_equal(fused.params, state.params) and fused.stats["compiles"] == 0
+    assert_tree_equal(fused.params, state.params)
+    assert loop.run(DATA, epochs=2, fuse=2).stats["compiles"] == 0  # checked when traced only
+
+
+class _NnxTwoFlags(_NnxFlagged):
+    def __call__(self, x, is_train: bool = False, use_dropout: bool = False):
+        h = nnx.relu(self.bn(self.dense(x)))
+        return self.head(self.drop(h, deterministic=not (is_train and use_dropout)))
+
+
+class _NnxAugmented(_NnxFlagged):
+    def __call__(self, x, tta: bool = False):  # the frozen BatchNorm runs twice under tta
+        h = self.bn(self.dense(x), use_running_average=True)
+        if tta:
+            h = (h + self.bn(self.dense(-x), use_running_average=True)) / 2
+        return self.head(nnx.relu(h))
+
+
+def test_flags_that_set_a_layer_together_are_flipped_together_and_a_call_count_is_no_mode():
+    with pytest.raises(fl.models.ModelModeError, match="is_train=False, use_dropout=False, not"):
+        fl.trainer(_NnxTwoFlags(default=False), SPARSE, "sgd").run(DATA)
+    augmented = _NnxAugmented(default=False)
+    assert fl.trainer(augmented, SPARSE, "sgd").run(DATA).status == "completed"

@@ -75,15 +75,21 @@ def run_following_modes(
     with _recording(root) as seen:
         out = call()
     wrong = {where: mode for where, mode in seen.items() if any(v != (not train) for v in mode)}
-    for name, default in flags.items() if wrong else ():
+    # Each flag flipped alone, then all together (a layer set by `is_train and use_dropout`).
+    flips = [{name: not default} for name, default in flags.items()] if wrong else []
+    flips += [{name: not default for name, default in flags.items()}] if len(flips) > 1 else []
+    for flipped in flips:
         other: dict[tuple[str, str], list[bool]] = {}
         try:  # traced abstractly, the module made inside (nnx: at the trace's level)
-            jax.eval_shape(functools.partial(_flipped, fresh, {name: not default}, other))
+            jax.eval_shape(functools.partial(_flipped, fresh, flipped, other))
         except Exception:  # noqa: BLE001 - cannot tell what the flag sets: not refused
             continue
-        set_by_flag = [w for w in wrong if w in other and other[w] != wrong[w]]
+        # The modes a layer runs in, not how often it runs (a flag calling it twice).
+        set_by_flag = [w for w in wrong if w in other and set(other[w]) != set(wrong[w])]
         if set_by_flag:
-            raise _refusal(root, name, default, {w: wrong[w] for w in set_by_flag}, train)
+            layers = {w: [v for v in wrong[w] if v != (not train)] for w in set_by_flag}
+            defaults = {name: not value for name, value in flipped.items()}
+            raise _refusal(root, defaults, layers, train)
     return out
 
 
@@ -97,17 +103,19 @@ def _flipped(fresh: Callable[[], Any], extra: dict[str, bool], seen: dict[Any, A
 
 
 def _refusal(
-    root: Any, name: str, default: bool, layers: dict[tuple[str, str], list[bool]], train: bool
+    root: Any, defaults: dict[str, bool], layers: dict[tuple[str, str], list[bool]], train: bool
 ) -> ModelModeError:
+    """The ModelModeError for `layers` set out of `train`'s mode by flags at `defaults`."""
     said = "; ".join(
         f"{where} runs with {flag}={mode[0]}" for (where, flag), mode in layers.items()
     )
-    mode = "training" if train else "evaluation"
+    given = ", ".join(f"{name}={value}" for name, value in defaults.items())
+    flipped = ", ".join(f"{name}={not value}" for name, value in defaults.items())
     return ModelModeError(
-        f"model: {type(root).__name__}.__call__ takes {name}={default}, a flag fuseloop does "
-        f"not pass, and at that default it sets layers out of {mode}: {said} ({name}="
-        f"{not default} switches them). Name the flag one fuseloop passes (train, training, "
-        f"is_training, deterministic, use_running_average or inference: e.g. `def "
+        f"model: {type(root).__name__}.__call__ takes {given}, not a flag fuseloop passes, "
+        f"and at that default it sets layers out of {'training' if train else 'evaluation'}: "
+        f"{said} ({flipped} switches them). Name the flag one fuseloop passes (train, "
+        f"training, is_training, deterministic, use_running_average or inference: e.g. `def "
         f"__call__(self, x, train: bool = False)`), or let the layers follow the mode "
         f"fuseloop sets (.train()/.eval(), eqx.nn.inference_mode) by not passing them one"
     )
@@ -138,7 +146,10 @@ def _recorder(original: Callable[..., Any]) -> Callable[..., Any]:
     def recording(layer: Any, *args: Any, **kwargs: Any) -> Any:
         active = getattr(_RECORDS, "active", None)
         if active is not None and active[0] == threading.get_ident() and _drops(layer):
-            given = signature.bind(layer, *args, **kwargs).arguments
+            try:
+                given = signature.bind(layer, *args, **kwargs).arguments
+            except TypeError:  # the call below raises Python's own error for it
+                return original(layer, *args, **kwargs)
             for flag in _LAYER_FLAGS:
                 value = given.get(flag)
                 value = getattr(layer, flag, None) if value is None else value

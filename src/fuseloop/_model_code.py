@@ -4,7 +4,6 @@ linen's rules), told apart from x that does not fit it: no reshaping of x would 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -36,8 +35,8 @@ _MODULE_ATTRIBUTE = re.compile(r'^"\w+" object has no attribute "\w+"')
 def _in_model_code(error: BaseException, x: Any) -> bool:
     """Whether `error` comes from the model's code whatever x holds: a name it never
     defined, an import it lacks, a flax module used against linen's rules, or an attribute
-    missing from a module or a library (not from x or one of its containers: an array, a
-    dict, a tuple, or a pytree node of x's own types, a flax struct or an equinox batch)."""
+    missing from a module or a library (not from an array, nor from a container of x's
+    own types: its dict, tuple, flax struct or equinox batch)."""
     if isinstance(error, (NameError, ImportError)):
         return True
     if type(error).__name__ in _MODULE_CODE_ERRORS and "flax" in type(error).__module__:
@@ -47,8 +46,8 @@ def _in_model_code(error: BaseException, x: Any) -> bool:
     owner = getattr(error, "obj", None)  # set by Python, not by flax's own AttributeError
     if owner is None:
         return bool(_MODULE_ATTRIBUTE.match(str(error)))
-    containers = (np.ndarray, np.generic, jax.Array, Mapping, list, tuple)
-    return not isinstance(owner, containers) and type(owner) not in _node_types(x)
+    arrays = (np.ndarray, np.generic, jax.Array)  # x's own containers are x's node types
+    return not isinstance(owner, arrays) and type(owner) not in _node_types(x)
 
 
 def _node_types(tree: Any) -> set[type]:

@@ -6,11 +6,9 @@ breaks code written for the other (`y_pred - y_true` of (B, 1) and (B,) is (B, B
 function is traced on each new signature, and an operation that broadcasts a value computed
 from a target against one computed from the outputs across examples stops the run with an
 error that names the fix (docs/design.md §5). A pairwise loss whose (B, B) arrays come from
-the targets alone and the outputs alone runs, as does one marked `fl.pairwise`. A cross
-found is traced again at another batch size, so a shape that only looks like one at this
-batch's size (a (B, T, T) distance where B is T) is not refused. Where the leaves share no
-batch axis, an array of the leaves' cross shape built from both is refused instead.
-"""
+the targets or the outputs alone runs, as does one marked `fl.pairwise`; a cross found is
+traced again at another batch size (a (B, T, T) distance where B is T is no cross). Leaves
+sharing no batch axis: an array of their cross shape built from both is refused."""
 
 from __future__ import annotations
 
@@ -137,10 +135,12 @@ def _mixed_crosses(fn: Callable[..., Any], y_true: Any, y_pred: Any) -> list[_Cr
         return None
     targets = jax.tree_util.tree_flatten_with_path(y_true)[0]
     outputs = jax.tree_util.tree_flatten_with_path(y_pred)[0]
-    batch = _shared_batch([leaf for _, leaf in targets + outputs])
+    leaves = [leaf for _, leaf in targets + outputs]
+    batch = _shared_batch(leaves)
     if batch is None or batch < 2:
         return []  # no batch axis shared by every leaf, or one example: nothing to cross
-    sources = [frozenset([k]) for k in range(len(traced.jaxpr.invars))]
+    # A scalar crosses nothing: an operand that reads one is named by its other leaves.
+    sources = [frozenset([k] if leaves[k].shape else []) for k in range(len(leaves))]
     found: list[_Crossed] = []
     for i, j, cross, spread in _broadcasts_between(traced.jaxpr, sources, len(targets), batch, {}):
         (t_path, target), (p_path, output) = targets[i], outputs[j]
@@ -206,9 +206,9 @@ def _spread(shape: Shape, params: Any, out: Shape) -> Shape:
 
 
 def _shared_batch(leaves: list[Any]) -> int | None:
-    """The leading axis every leaf but a scalar has (None: they differ, or all are scalars):
-    a scalar (an output's regulariser, a target's weight for the batch) crosses nothing."""
+    """The leading axis of every leaf but a scalar or a (1,) (crossing nothing); or None."""
     sizes = {leaf.shape[0] for leaf in leaves if len(leaf.shape)}
+    sizes = sizes - {1} if len(sizes) == 2 else sizes  # a (1,) regulariser beside (B, ...)
     return int(sizes.pop()) if len(sizes) == 1 else None
 
 
@@ -275,13 +275,13 @@ def _built_crosses(
 def _at_another_size(y_true: Any, y_pred: Any) -> tuple[Any, Any] | None:
     """The targets and outputs, abstract, at a batch size unlike any other axis, or None."""
     leaves = jax.tree.leaves((y_true, y_pred))
-    if _shared_batch(leaves) is None:
+    if (batch := _shared_batch(leaves)) is None:
         return None
     other = 2 + max(max(leaf.shape, default=0) for leaf in leaves)
 
-    def resized(tree: Any) -> Any:  # a scalar stays one
-        sized = lambda a: jax.ShapeDtypeStruct((other, *a.shape[1:]) if a.shape else (), a.dtype)  # noqa: E731
-        return jax.tree.map(sized, tree)
+    def resized(tree: Any) -> Any:  # a scalar, or a (1,) beside the batch, stays as it is
+        new = lambda a: (other, *a.shape[1:]) if a.shape[:1] == (batch,) else a.shape  # noqa: E731
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(new(a), a.dtype), tree)
 
     return resized(y_true), resized(y_pred)
 
