@@ -117,7 +117,9 @@ def _refusal(
         f"{said} ({flipped} switches them). Name the flag one fuseloop passes (train, "
         f"training, is_training, deterministic, use_running_average or inference: e.g. `def "
         f"__call__(self, x, train: bool = False)`), or let the layers follow the mode "
-        f"fuseloop sets (.train()/.eval(), eqx.nn.inference_mode) by not passing them one"
+        f"fuseloop sets (.train()/.eval(), eqx.nn.inference_mode) by not passing them one; "
+        f"to hold a layer out of it on purpose (a frozen BatchNorm), pass its mode as a "
+        f"constant in the call (use_running_average=True), not through a flag"
     )
 
 
