@@ -367,8 +367,9 @@ class Monitor:
         return record, False
 
     def warn_not_finite(self, value: float, epoch: int, members: str = "") -> None:
-        """The warning of an early stop on a NaN or inf value, which halts at once: a
-        metric that is finite while the training loss is usually reads data holding one."""
+        """The warning of an early stop on a NaN or inf value, which halts at once. A
+        validation metric that is not finite while the training loss is usually reads
+        validation data holding NaN or inf."""
         warn(
             f"early_stop: {self.monitor} is {value} at epoch {epoch}{members}, not a finite "
             f"number, so the run halts {'those members ' if members else ''}at once. "
