@@ -366,7 +366,12 @@ def test_a_monitored_name_validation_never_gives_is_refused_before_training(hand
     model = fl.models.mlp([4, 1])
     base = fl.trainer(model, "mean_squared_error", "sgd")
     attach = ATTACH[handler]
-    with pytest.raises(ValueError, match=rf"{handler}\('val_loss'\).*monitor 'validation_loss'"):
+    said = (
+        r"checkpoint\(path, criteria='val_loss'\).*criteria='validation_loss'"
+        if handler == "checkpoint"
+        else rf"{handler}\('val_loss'\).*monitor 'validation_loss'"
+    )
+    with pytest.raises(ValueError, match=said):
         attach(base.validate(model, _batches(2, 1)), "val_loss")
     # Keras's other spelling of the metric (a handler could add a metric so named: it is
     # told when the epoch lacks it): the key is the one the metric was added with.

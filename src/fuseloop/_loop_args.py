@@ -353,21 +353,21 @@ _MONITOR_CLASSES = {"early_stop": "EarlyStopping", "reduce_lr_on_plateau": "Redu
 def check_monitored(
     registrations: tuple[Any, ...], monitor: str, who: str, fires: Any = None
 ) -> None:
-    """Refuses, when a monitoring handler is attached, what would fail only after epochs
-    trained: Keras's `val_<name>` where validation adds `validation_<name>`, and a
-    validation metric that `validate`'s filter leaves out of epochs the handler reads it
-    at (`fires`: its own Filter; None, every epoch's end)."""
+    """Refuses on attaching what failed only after training: Keras's `val_<name>`, and a
+    validation metric validate's filter leaves out of epochs read (`fires`: the Filter)."""
     from .handlers._monitor_record import keras_spelling
     from .handlers.validate import Validator, validation_names
 
+    checkpoint = who == "checkpoint"  # it takes the name as criteria=, after its path
+    call = f"checkpoint(path, criteria={monitor!r})" if checkpoint else f"{who}({monitor!r})"
     for registration in registrations:
         if not isinstance(registration.handler, Validator):
             continue
         names = validation_names(registration.handler.loop)
-        # Keras's val_<name> alone: a name spelled otherwise may be one a handler adds.
-        spelled = keras_spelling(monitor, names, aliases=False)
-        if spelled is not None:
-            raise ValueError(f"{who}({monitor!r}): {spelled}")
+        spelled = keras_spelling(monitor, names, aliases=False)  # val_<name> alone
+        if spelled is not None:  # (another spelling may be a name a handler adds)
+            said = spelled.replace("; monitor ", "; criteria=") if checkpoint else spelled
+            raise ValueError(f"{call}: {said}")
         spec = registration.filter
         every_epoch = spec.every in (None, 1) and spec.before is None and spec.after is None
         always = every_epoch and spec.once is None and not spec.predicate
@@ -381,15 +381,15 @@ def check_monitored(
                 else f", or give it validate's filter: loop.{who}(..., filter=...)"
             )
             raise ValueError(
-                f"{who}({monitor!r}): validate's filter leaves some epochs without "
-                f"{monitor}, which {who} reads at every epoch's end its own filter passes. "
-                f"Validate at every epoch{same_filter}"
+                f"{call}: validate's filter leaves some epochs without {monitor}, which "
+                f"{who} reads at every epoch's end its own filter passes. Validate at every "
+                f"epoch{same_filter}"
             )
 
 
 def kept_evaluation(cache: Any, model: Any, loss: Any, specs: tuple[Any, ...], loop: Any) -> Any:
-    """The evaluator `loop` (the Loop class) `Loop.validate` builds for `model`, the loss and
-    `specs`, kept in the trainer's `cache`, by identity (a metric may be unhashable)."""
+    """The evaluator Loop `Loop.validate` builds for `model`, the loss and `specs`, kept in
+    the trainer's `cache` by identity (a metric may be unhashable); `loop`: the Loop class."""
     key = (id(model), tuple((m.name, id(m.fn), m.accumulate, m.source) for m in specs))
     made = cache.evaluations.get(key, (None, None))
     if made[0] is not model:
