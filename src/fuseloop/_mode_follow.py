@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 
-from ._linen import TRAIN_FLAGS, ModelModeError
+from ._linen import NNX_MODE_FLAGS, TRAIN_FLAGS, ModelModeError
 
 __all__ = ["run_following_modes", "unrecognised_flags"]
 
@@ -114,12 +114,12 @@ def _refusal(
     return ModelModeError(
         f"model: {type(root).__name__}.__call__ takes {given}, not a flag fuseloop passes, "
         f"and at that default it sets layers out of {'training' if train else 'evaluation'}: "
-        f"{said} ({flipped} switches them). Name the flag one fuseloop passes (train, "
-        f"training, is_training, deterministic, use_running_average or inference: e.g. `def "
-        f"__call__(self, x, train: bool = False)`), or let the layers follow the mode "
-        f"fuseloop sets (.train()/.eval(), eqx.nn.inference_mode) by not passing them one; "
-        f"to hold a layer out of it on purpose (a frozen BatchNorm), pass its mode as a "
-        f"constant in the call (use_running_average=True), not through a flag"
+        f"{said} ({flipped} switches them). Name the flag one fuseloop passes "
+        f"({', '.join(NNX_MODE_FLAGS)}: e.g. `def __call__(self, x, train: bool = False)`), "
+        f"or let the layers follow the mode fuseloop sets (.train()/.eval(), "
+        f"eqx.nn.inference_mode) by not passing them one; to hold a layer out of it on "
+        f"purpose (a frozen BatchNorm), pass its mode as a constant in the call "
+        f"(use_running_average=True), not through a flag"
     )
 
 
