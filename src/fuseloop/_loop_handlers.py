@@ -138,7 +138,9 @@ class HandlerBuilders:
         handler = ReduceLROnPlateau(
             monitor, factor, patience, mode, min_delta, min_lr, cooldown, key=key
         )
-        handler.check_optimizer(self.program)
+        # A trainer's optimizer is checked by handle_event; any other loop is refused here.
+        if self.program.kind != "trainer":
+            handler.check_optimizer(self.program)
         return self.handle_event("epoch_completed", handler, name="reduce_lr_on_plateau")
 
     @advise_foreign_keywords(HANDLER_ADVICE["checkpoint"], owner="Loop")
