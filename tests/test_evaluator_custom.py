@@ -374,6 +374,29 @@ def test_a_metric_of_a_non_scalar_entry_and_keras_spellings_on_a_custom_loop():
     assert state.metrics["mae"] == pytest.approx(1.0)
 
 
+def test_a_loss_spelt_as_keras_does_is_read_from_a_custom_steps_state():
+    # "binary_crossentropy" is Keras's spelling of a loss, not a built-in metric: like
+    # "binary_cross_entropy", a custom loop reads the step state's own entry of that name.
+    def step(batch, s):
+        return {key: s[key] + 1.0 for key in s}
+
+    keys = ("binary_crossentropy", "binary_cross_entropy", "sparse_categorical_crossentropy")
+    built = fl.loop(step)
+    for key in keys:
+        built = built.metric(key)
+    state = built.run(DATA[:3], {key: jnp.float32(i) for i, key in enumerate(keys)})
+    assert state.metrics == pytest.approx({key: i + 2.0 for i, key in enumerate(keys)})
+
+
+def test_a_loop_built_directly_from_a_step_function_names_the_factories():
+    def step(batch, s):
+        return s
+
+    with pytest.raises(TypeError, match=r"Use fl.loop\(step_fn, init_fn\).*fl.trainer"):
+        fl.Loop(step)
+    assert fl.Loop(fl.loop(step).program).program.kind == "custom"
+
+
 def test_a_step_taking_its_arguments_the_other_way_round_is_told_the_order():
     def step(s, batch):
         return {"n": s["n"] + 1}

@@ -10,6 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "fuseloop"
 # What the engine may not import: the public layer above it.
 ABOVE_ENGINE = (
     "fuseloop._loop",
+    "fuseloop._factories",
     "fuseloop.handlers",
     "fuseloop.diagnostics",
     "fuseloop.data",

@@ -22,8 +22,9 @@ from . import data, diagnostics, handlers, models, types
 from ._checkpoint import load_state, save_state
 from ._distributed import all_processes, is_main_process, main_process_only
 from ._events import Event
+from ._factories import evaluator, loop, trainer
 from ._fusion import FusionError
-from ._loop import Loop, evaluator, loop, trainer
+from ._loop import Loop
 from ._pairwise import pairwise
 from ._predict import predict
 from ._state import State

@@ -11,7 +11,6 @@ from dataclasses import replace
 from typing import Any
 
 from ._arg_types import check_seed_bits, is_int, refuse_deleted_arrays, refuse_signature
-from ._metrics import ACCUMULATORS, ALIASES, METRICS
 from ._population import refuse_population
 from ._state import State
 from ._step import evaluator_program
@@ -19,53 +18,16 @@ from ._step_state_check import _TRAINER_KEYS
 from ._warn import warn
 
 __all__ = [
-    "known_metrics",
-    "check_accumulate",
-    "check_metric_name",
     "check_trainer_options",
     "check_text_stream",
     "check_step_functions",
     "check_init_state",
     "check_handler",
     "warn_unused_seed",
-    "refuse_loss_metric",
     "refuse_validation_names",
     "refuse_second_validation",
     "kept_evaluation",
 ]
-
-
-def known_metrics() -> tuple[str, ...]:
-    """The names of the built-in metrics, and their Keras spellings ("mae", "acc", ...)."""
-    return (*METRICS, *ALIASES)
-
-
-def check_accumulate(accumulate: str) -> str:
-    """`accumulate` itself, when it names an accumulator."""
-    if accumulate not in ACCUMULATORS:
-        raise ValueError(
-            f"accumulate={accumulate!r} is not an accumulator; accepted values: "
-            f"{', '.join(ACCUMULATORS)}"
-        )
-    return accumulate
-
-
-def check_metric_name(name: Any, metric: Any = None) -> None:
-    """`metric(metric, name=...)`: None or a non-empty str, not another built-in metric's
-    (`.metric("accuracy", "mse")`, Keras's list split in two, kept accuracy as "mse")."""
-    if name is not None and (not isinstance(name, str) or not name):
-        raise ValueError(
-            f"name={name!r} must be a non-empty str (the key in state.metrics) or None "
-            f"for the metric's own name"
-        )
-    known = ALIASES.get(metric, metric) if isinstance(metric, str) else None
-    renamed_to = ALIASES.get(name, name) if isinstance(name, str) else None
-    if known in METRICS and renamed_to in METRICS and renamed_to != known:
-        raise ValueError(
-            f"metric({metric!r}, {name!r}): the second argument is name=, the key the metric "
-            f"is kept under, and {name!r} is another built-in metric, so {metric!r} would be "
-            f"reported as {name!r}. Add one metric per call: .metric({metric!r}).metric({name!r})"
-        )
 
 
 def check_trainer_options(log: Any, seed: Any, log_stream: Any = None) -> tuple[int, int]:
@@ -329,22 +291,6 @@ def warn_unused_seed(model: Any, seed: int) -> None:
             f"nnx.Rngs({seed}) to change its initial weights and dropout masks",
             UserWarning,
         )
-
-
-def refuse_loss_metric(metric: Any, kind: str, tracked: bool) -> None:
-    """`.metric("loss")` on a trainer or an evaluator (`tracked`: it tracks "loss" itself):
-    a ValueError that says where the loss already is, or how to have it."""
-    if metric != "loss" or kind not in ("trainer", "evaluator"):
-        return
-    if tracked:
-        raise ValueError(
-            f"metric='loss': this {kind} already tracks its loss as state.metrics['loss']; "
-            f"to track another loss too, pass it as a callable with a name of its own, "
-            f"e.g. .metric(fn, name='mse')"
-        )
-    raise ValueError(
-        "metric='loss': an evaluator tracks a loss once it is given one: fl.evaluator(model, loss)"
-    )
 
 
 _MONITOR_CLASSES = {"early_stop": "EarlyStopping", "reduce_lr_on_plateau": "ReduceLROnPlateau"}

@@ -45,6 +45,7 @@ __all__ = [
     "OPTIMIZERS",
     "resolve_optimizer",
     "warn_sown_losses",
+    "check_loop_program",
 ]
 
 
@@ -76,6 +77,19 @@ class Program:
     loss: Any = None
     exposes_lr: bool = False  # the step's aux holds "learning_rate"
     data_name: str = "data"  # what gives its batches, for warnings ("validate()'s data")
+
+
+def check_loop_program(program: Any) -> None:
+    """A `Loop` is built by `fl.trainer`, `fl.evaluator` or `fl.loop`, which make its
+    Program; a step function or model handed to `fl.Loop(...)` itself is refused here,
+    rather than failing later on a missing attribute."""
+    if not isinstance(program, Program):
+        raise TypeError(
+            f"Loop: got {type(program).__name__} {program!r:.60}; a Loop is not built "
+            "directly. Use fl.loop(step_fn, init_fn) for a step function of your own, "
+            "fl.trainer(model, loss, optimizer) to train a model, or fl.evaluator(model) "
+            "to evaluate one"
+        )
 
 
 def _trainable(variables: Any) -> tuple[Any, Any]:

@@ -27,7 +27,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from .._loop import trainer
+from .._factories import trainer
 from .._optim import resolve_optimizer
 from ..data import arrays
 from ._output import write_json
