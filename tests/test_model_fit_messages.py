@@ -910,3 +910,36 @@ class _ReadsItsConfig(nn.Module):
 def test_a_typo_in_the_models_own_named_tuple_is_not_blamed_on_an_array_x() -> None:
     with pytest.raises(ValueError, match="'_Config' object has no .* the model's own code"):
         fl.trainer(_ReadsItsConfig(), SPARSE, "sgd").run(CLASSIFICATION)
+
+
+class _OwnError(Exception):
+    """An exception class of the user's (or of another library)."""
+
+
+class _Raises(nn.Module):
+    error: type[Exception] = RuntimeError
+    on_init: bool = True  # False: initializes, then raises when applied
+
+    @nn.compact
+    def __call__(self, x: Any) -> Any:
+        y = nn.Dense(CLASSES)(x)
+        if self.on_init or not self.is_initializing():
+            raise self.error("the model's own check")
+        return y
+
+
+@pytest.mark.parametrize("error", [RuntimeError, NotImplementedError, _OwnError])
+@pytest.mark.parametrize("on_init", [True, False])
+def test_an_error_that_says_nothing_of_shapes_is_kept_as_the_model_raised_it(
+    error: type[Exception], on_init: bool
+) -> None:
+    """Whether it is about x, fuseloop cannot tell: the error keeps its type and message
+    (a caller's `except` still catches it), noted with what fuseloop was doing."""
+    doing = "initializing it on" if on_init else "applying the model to"
+    with pytest.raises(error) as got:
+        fl.trainer(_Raises(error, on_init), SPARSE, "sgd").run(CLASSIFICATION)
+    assert got.value.args == ("the model's own check",)
+    assert f"while {doing} the first batch's x (x of shape (4, 3))" in " ".join(
+        getattr(got.value, "__notes__", [])
+    )
+    assert got.value.__cause__ is None

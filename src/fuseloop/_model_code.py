@@ -4,14 +4,14 @@ linen's rules), told apart from x that does not fit it: no reshaping of x would 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import numpy as np
 
 from ._model_fit_advice import first_line
 
-__all__ = ["model_code_error"]
+__all__ = ["model_code_error", "raise_from"]
 
 # flax.linen's errors for a module's own code (a layer made outside `setup` or `@compact`,
 # an attribute set where modules forbid it, a name used twice): never the data's doing.
@@ -63,9 +63,29 @@ def _node_types(tree: Any) -> set[type]:
     return found
 
 
-def model_code_error(error: BaseException, doing: str, x: Any = None) -> ValueError | None:
+# The libraries whose exceptions fuseloop reads as a shape's doing (JAX's and numpy's
+# TypeError and ValueError of a misfit, flax's ScopeParamShapeError, ...).
+_SHAPE_ERROR_LIBRARIES = frozenset({"builtins", "jax", "jaxlib", "flax", "numpy", "equinox"})
+
+
+def _says_nothing_of_shapes(error: BaseException) -> bool:
+    """A RuntimeError (NotImplementedError among them), or an exception class of the
+    user's or of another library: it may or may not be about x's shape."""
+    if isinstance(error, RuntimeError):
+        return True
+    return type(error).__module__.split(".")[0] not in _SHAPE_ERROR_LIBRARIES
+
+
+def raise_from(problem: BaseException, error: BaseException) -> NoReturn:
+    """Raises `problem` from `error`, or `error` itself (kept as the model raised it)."""
+    raise problem from (None if problem is error else error)
+
+
+def model_code_error(error: BaseException, doing: str, x: Any = None) -> BaseException | None:
     """The ValueError for an error in the model's own code met while `doing` (so not
-    blamed on x's shape, `x` the batch's x); None for other errors.
+    blamed on x's shape, `x` the batch's x); `error` itself, with a note of what fuseloop
+    was doing, for an error that says nothing of shapes (fuseloop cannot tell whether x
+    is its cause, so it neither blames x nor changes the error's type); None for others.
 
     Example:
         >>> error = model_code_error(NameError("name 'scale' is not defined"), "applying it")
@@ -73,6 +93,12 @@ def model_code_error(error: BaseException, doing: str, x: Any = None) -> ValueEr
         True
         >>> model_code_error(TypeError("dot_general requires contracting dims"), "applying it")
     """
+    if _says_nothing_of_shapes(error):
+        error.add_note(
+            f"fuseloop: the model raised this while {doing}; if it is about x, give x the "
+            f"shape the model expects (the batch axis first)"
+        )
+        return error
     if not _in_model_code(error, x):
         return None
     return ValueError(

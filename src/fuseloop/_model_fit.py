@@ -2,8 +2,7 @@
 
 Checked once per run on the first batch, abstractly (`jax.eval_shape`: nothing runs on the
 device), so a shape mistake is a clear error before anything compiles rather than a raw
-message from inside flax or jax.
-"""
+message from inside flax or jax."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from ._batch_checks import no_device_dtype
 from ._epoch_order import abstract_key
 from ._label_rule import LabelRule
 from ._metrics import fits_output, resolve_loss
-from ._model_code import model_code_error
+from ._model_code import model_code_error, raise_from
 from ._model_fit_advice import (
     describe,
     first_line,
@@ -155,7 +154,7 @@ class ModelFit:
         except ModelConventionError:
             raise
         except Exception as error:  # noqa: BLE001 - re-raised with context
-            raise self._misfit(error, variables, whose) from error
+            raise_from(self._misfit(error, variables, whose), error)
 
     def check_run_variables(self, variables: Any) -> None:
         """x - and, unless `check_first` checked them with fresh variables, y and the loss -
@@ -181,14 +180,15 @@ class ModelFit:
         if self.program.loss is not None and self.first_y is not None:
             self._check_loss(self.first_y, y_pred, self.first_y)
 
-    def _misfit(self, error: BaseException, variables: Any, whose: str) -> ValueError:
+    def _misfit(self, error: BaseException, variables: Any, whose: str) -> BaseException:
         """The ValueError for a model that fails on the first batch's x with `variables`."""
         x = self.first_x[0] if self.first_x is not None else None
         applying = f"applying the model to the first batch's x ({describe(x, 'x')})"
         if needs_rng(error):
             return self._rng_error(error, applying)
         fresh, training = whose == FRESH, self.program.kind == "trainer"
-        advice = unbound_axis(error, applying) or scope_misuse(error, applying, fresh, training)
+        advice: BaseException | None = unbound_axis(error, applying)
+        advice = advice or scope_misuse(error, applying, fresh, training)
         advice = advice or model_code_error(error, applying, x)
         if advice is not None:
             return advice
@@ -293,10 +293,11 @@ class ModelFit:
                     error, f"initializing the model on the first batch's x ({describe(x, 'x')})"
                 ) from error
             initializing = f"initializing it on the first batch's x ({describe(x, 'x')})"
-            raise model_code_error(error, initializing, x) or ValueError(
+            problem = model_code_error(error, initializing, x) or ValueError(
                 f"data: x does not fit the model: {initializing} fails with {first_line(error)}. "
                 f"{fix_for_x(x, error, self.program.model)}"
-            ) from error
+            )
+            raise_from(problem, error)
         self.fresh = variables
         try:
             y_pred = self._forward(variables)
