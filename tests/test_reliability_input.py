@@ -62,7 +62,9 @@ def loop() -> fl.Loop:
 @pytest.mark.parametrize("kind", ["trainer", "evaluator"])
 def test_first_batch_not_a_pair(loop, kind, bad):
     data = [bad(b) for b in make_batches(2)]
-    with pytest.raises(ValueError, match=r"first batch .*pair \(x, y\).*fl\.loop"):
+    # x alone (a torch TensorDataset(x)'s items) is told the unlabelled form, (x, None)
+    unlabelled = r"unlabelled data.*: \(x, None\), or fl\.data\.arrays\(x, None"
+    with pytest.raises(ValueError, match=rf"first batch .*pair \(x, y\).*{unlabelled}.*fl\.loop"):
         if kind == "trainer":
             loop.run(data)
         else:

@@ -161,6 +161,8 @@ def check_pair_sizes(
             f"on axis 0 of every leaf: pass fl.data.arrays(x, y, batch_size=32), or yield "
             f"(x[i:i + b], y[i:i + b])"
         )
+    if not y_sizes and len(set(x_sizes)) > 1:
+        raise ValueError(_rows_unknown(batch[0], where))
     if not x_sizes or not y_sizes:
         return False
     if graph is None:
@@ -176,6 +178,25 @@ def check_pair_sizes(
             + _closure_hint(y_sizes, x_sizes[0])
         )
     return False
+
+
+def _rows_unknown(x: Any, where: str) -> str:
+    """The refusal of an x whose leaves hold different numbers of rows beside a y with none
+    (unlabelled data): the loss and metrics weigh a batch by its examples, and no leaf says
+    which rows they are (the first in key order would be taken, by chance)."""
+    paths = jax.tree_util.tree_flatten_with_path(x)[0]
+    rows = ", ".join(
+        f"x{jax.tree_util.keystr(path)} {np.shape(leaf)[0]}"
+        for path, leaf in paths
+        if np.ndim(leaf) >= 1
+    )
+    return (
+        f"data: {where}: y holds no examples, so they are counted on x, but x's leaves hold "
+        f"different numbers of rows ({rows}), and fuseloop cannot tell which are the "
+        f"examples it weighs the loss and metrics by. Keep what is not one row per example "
+        f"(weights, a lookup table) out of x: close over it in the model or the loss, or "
+        f"give y a leaf with one row per example (e.g. (x, np.zeros(n)) for n examples)"
+    )
 
 
 def _odd_target(y: Any, size: int) -> str:
@@ -361,6 +382,7 @@ def require_pair(batch: Any, where: str = "a batch", data: Any = None) -> None:
         )
     raise ValueError(
         f"data: {where} is a {kind}{size}, but a trainer or evaluator batch must be a "
-        f"pair (x, y).{hint} Yield (inputs, targets) tuples, or use fl.loop(step_fn) for "
-        f"other batch structures"
+        f"pair (x, y).{hint} Yield (inputs, targets) tuples (unlabelled data, for an "
+        f"autoencoder or a contrastive loss: (x, None), or fl.data.arrays(x, None, "
+        f"batch_size=...)), or use fl.loop(step_fn) for other batch structures"
     )
