@@ -244,7 +244,8 @@ def test_an_nnx_model_drawing_randomness_in_evaluation_is_told_so():
     # Evaluation does not carry the Rngs from batch to batch: every batch drew the same
     # noise, and a Dropout kept on by an unknown flag validated in training mode.
     model = NoisyInEval(nnx.Rngs(params=0, noise=1))
-    draws = r"NoisyInEval draws from its rng stream\(s\) 'noise' in evaluation.*same numbers"
+    draws = r"NoisyInEval draws from its rng stream\(s\) 'noise' in evaluation.*in model \(No.*"
+    draws += "same numbers"
     with pytest.raises(ValueError, match=draws):
         fl.predict(model, model, X, batch_size=BATCH)
     with pytest.raises(ValueError, match=draws):
@@ -267,6 +268,29 @@ class Recurrent(nnx.Module):
 
     def __call__(self, x: Any) -> Any:
         return self.linear(self.rnn(x[..., None])[:, -1])
+
+
+class RandomCarry(nnx.Module):
+    """An nnx.RNN whose cell draws its initial carry (`carry_init`) at every call."""
+
+    def __init__(self, rngs: nnx.Rngs, carry_init: Any):
+        cell = nnx.GRUCell(1, 4, carry_init=carry_init, rngs=rngs)
+        self.rnn = nnx.RNN(cell, rngs=rngs)
+        self.linear = nnx.Linear(4, CLASSES, rngs=rngs)
+
+    def __call__(self, x: Any) -> Any:
+        return self.linear(self.rnn(x[..., None])[:, -1])
+
+
+def test_an_nnx_rnn_drawing_its_initial_carry_in_evaluation_names_the_layer_and_the_fix():
+    with pytest.warns(UserWarning, match="carry_init"):  # flax's own, of its graphdefs
+        model = RandomCarry(nnx.Rngs(0), nnx.initializers.normal(1.0))
+    fix = r"in model\.rnn \(RNN\).*carry_init=nnx\.initializers\.zeros_init\(\)"
+    with pytest.raises(fl.models.ModelConventionError, match=fix):
+        fl.predict(model, model, X, batch_size=BATCH)
+    with pytest.warns(UserWarning, match="carry_init"):
+        fixed = RandomCarry(nnx.Rngs(0), nnx.initializers.zeros_init())
+    assert fl.predict(fixed, fixed, X, batch_size=BATCH).shape == (len(X), CLASSES)
 
 
 def test_an_nnx_model_whose_output_reads_none_of_its_evaluation_draws_evaluates():

@@ -203,7 +203,7 @@ class from_nnx:  # noqa: N801
             refuse_param_writes(before, _param_values(module))
         else:
             reads = functools.partial(self._output_reads_draws, variables, x)
-            refuse_eval_draws(before, rng_counts(module), type(module).__name__, reads)
+            refuse_eval_draws(before, rng_counts(module), module, reads)
         # What the call sowed (`self.sow(nnx.Intermediate, ...)`) is an output of the call,
         # not state to carry: dropped, as linen's sow does nothing unless asked for.
         nnx.pop(module, lambda path, node: _sown(node, path, self._held, nnx.Intermediate))

@@ -101,33 +101,51 @@ def rng_counts(module: Any) -> dict[Any, tuple[str, Any]]:
 def refuse_eval_draws(
     before: dict[Any, tuple[str, Any]],
     after: dict[Any, tuple[str, Any]],
-    model: str,
+    module: Any,
     output_reads_draws: Callable[[], bool],
 ) -> None:
-    """A ModelConventionError naming the rng streams an evaluation call drew from, where
-    its output reads what they drew (`output_reads_draws`, asked only then): an evaluation
-    does not carry the module's Rngs from batch to batch (nor does linen's, which is given
-    none), so every batch would draw the same numbers."""
-    drawn = sorted(
-        {
-            name
-            for path, (name, count) in after.items()
-            if count is not before.get(path, ("", None))[1]
-        }
+    """A ModelConventionError naming the rng streams an evaluation call drew from and the
+    layers that hold them, where its output reads what they drew (`output_reads_draws`,
+    asked only then): an evaluation does not carry the module's Rngs from batch to batch
+    (nor does linen's, which is given none), so every batch would draw the same numbers."""
+    paths = [path for path, (_, count) in after.items() if count is not before.get(path, ("",))[-1]]
+    if not paths or not output_reads_draws():
+        return
+    drawn = sorted({after[path][0] for path in paths})
+    owners = [_owner(module, path) for path in paths]
+    flags = ", ".join(f"{name}={not value}" for name, value in NNX_MODE_FLAGS.items())
+    recurrent = any(type(owner).__name__ == "RNN" for _, owner in owners)
+    carry = (
+        "; an nnx.RNN whose cell has a random carry_init draws its initial carry at every "
+        "call: give the cell carry_init=nnx.initializers.zeros_init(), or pass initial_carry"
+        if recurrent
+        else ""
     )
-    if drawn and output_reads_draws():
-        flags = ", ".join(f"{name}={not value}" for name, value in NNX_MODE_FLAGS.items())
-        raise ModelConventionError(
-            f"model: {model} draws from its rng stream(s) {', '.join(map(repr, drawn))} in "
-            f"evaluation (validation, fl.evaluator, fl.predict), after .eval(). Evaluation "
-            f"does not carry an nnx model's Rngs from one batch to the next, so every batch "
-            f"would draw the same numbers. If a layer stays random because __call__ passes "
-            f"it a mode flag of its own (e.g. nnx.Dropout(...)(x, deterministic=eval_mode)), "
-            f"name that argument one fuseloop sets ({flags} in evaluation) or let the layer "
-            f"follow the module's mode (.eval() turns nnx.Dropout off); a model that samples "
-            f"on purpose in evaluation (MC dropout, a VAE's z) is evaluated with a loop of "
-            f"your own"
-        )
+    raise ModelConventionError(
+        f"model: {type(module).__name__} draws from its rng stream(s) "
+        f"{', '.join(map(repr, drawn))} in evaluation (validation, fl.evaluator, "
+        f"fl.predict), after .eval(), in {', '.join(sorted({name for name, _ in owners}))}. "
+        f"Evaluation does not carry an nnx model's Rngs from one batch to the next, so "
+        f"every batch would draw the same numbers{carry}. If a layer stays random because "
+        f"__call__ passes it a mode flag of its own (e.g. nnx.Dropout(...)(x, "
+        f"deterministic=eval_mode)), name that argument one fuseloop sets ({flags} in "
+        f"evaluation) or let the layer follow the module's mode (.eval() turns nnx.Dropout "
+        f"off); a model that samples on purpose in evaluation (MC dropout, a VAE's z) is "
+        f"evaluated with a loop of your own"
+    )
+
+
+def _owner(module: Any, path: tuple[Any, ...]) -> tuple[str, Any]:
+    """`("model.rnn (RNN)", the layer)`: the innermost module on an rng stream's path."""
+    from flax import nnx
+
+    nodes = dict(nnx.iter_graph(module))
+    depth = max(
+        (n for n in range(len(path)) if isinstance(nodes.get(tuple(path[:n])), nnx.Module)),
+        default=0,
+    )
+    layer = nodes.get(tuple(path[:depth]), module)
+    return f"{'.'.join(['model', *map(str, path[:depth])])} ({type(layer).__name__})", layer
 
 
 def output_reads_inputs(closed: Any, inputs: int) -> bool:
