@@ -44,13 +44,14 @@ def _run_scripted(values, **early_stop) -> fl.State:
 
 
 def _keras_stop(values, patience, mode="min", min_delta=0.0):
-    """Reference: the epoch after which Keras' EarlyStopping stops (None: never)."""
+    """Reference: the epoch after which Keras' EarlyStopping stops (None: never), its
+    `monitor_op(value - min_delta, best)` with min_delta negated in mode "min"."""
     best, wait = None, 0
     for epoch, value in enumerate(values):
         if not math.isfinite(value):
             return epoch
         better = best is None or (
-            value < best - min_delta if mode == "min" else value > best + min_delta
+            value + min_delta < best if mode == "min" else value - min_delta > best
         )
         if better:
             best, wait = value, 0
@@ -129,6 +130,12 @@ def test_improvement_rules():
     high = Monitor("m", mode="max")
     assert high.improves(2.0, 1.0) and not high.improves(1.0, 1.0)
     assert not low.improves(float("nan"), None) and not high.improves(float("inf"), 1.0)
+    # early_stop rounds `value + min_delta` (Keras's EarlyStopping), reduce_lr_on_plateau
+    # `best - min_delta` (Keras's ReduceLROnPlateau): they differ at a float boundary.
+    plateau, stopping = Monitor("m", min_delta=0.5), Monitor("m", min_delta=0.5, on_value=True)
+    assert plateau.improves(3.9, 4.4) and not stopping.improves(3.9, 4.4)
+    assert EarlyStopping("m", min_delta=0.5).monitor.on_value
+    assert not ReduceLROnPlateau("m", min_delta=0.5).monitor.on_value
 
 
 # ----------------------------------------------------------------- early stopping
@@ -143,6 +150,10 @@ def test_improvement_rules():
         ([1.0, 2.0, 3.0, 2.5, 2.9, 3.5], 1, "max", 0.0),
         ([3.0, 2.0, 1.0, 0.5], 3, "min", 0.0),  # never stops
         ([3.0, 3.0, 3.0], 0, "min", 0.0),  # patience 0: the first plateau stops
+        # By exactly min_delta: 3.9 + 0.5 == 4.4 is no improvement (4.4 - 0.5 would round
+        # to 3.9000000000000004, which 3.9 beats), nor in mode "max" the other way round.
+        ([5.0, 4.4, 3.9, 3.8, 3.7], 1, "min", 0.5),
+        ([-1.0, 0.3, 0.8, 0.7, 0.6], 1, "max", 0.5),
     ],
 )
 def test_early_stop_patience_on_a_scripted_metric(values, patience, mode, min_delta):

@@ -33,6 +33,7 @@ from .._optim import _is_inject_state, find_learning_rates
 from .._step import init_tail, make_carry_step
 from .._sums import accumulated, accumulator_dtype
 from .device_checkpoint import keep_best, kept_start
+from .device_compare import beats_best
 from .programs import MIN_SLOTS
 
 __all__ = ["DeviceWork", "plan_device_work"]
@@ -287,30 +288,9 @@ def _watch(
     return state, extra, flags
 
 
-def _beats(monitor: Any, value: Any, record: Any) -> Any:
-    """`Monitor.improves` on the device. The host compares `value` with `best - min_delta`
-    (mode "max": `+`) in float64; rounded to float32, 1.0 - 0.1 is 0.9f, which 0.9f does not
-    beat. So a float32 difference is kept unrounded, as a sum `s + t` (Knuth's two-sum;
-    min_delta split in two float32s), and `value - s`, exact near the threshold, is compared
-    with `t`; a float64 one (64-bit mode) is rounded as the host's is."""
-    best, sign = record["best"], (-1.0 if monitor.mode == "min" else 1.0)
-    if monitor.min_delta == 0 or value.dtype == jnp.float64:
-        bar = best + np.float64(sign * monitor.min_delta) if monitor.min_delta else best
-        beats = value < bar if monitor.mode == "min" else value > bar
-    else:
-        high = np.float32(sign * monitor.min_delta)
-        low = np.float32(sign * monitor.min_delta - float(high))
-        s = best + high
-        bent = s - best  # two-sum: s + e == best + high exactly
-        e = (best - (s - bent)) + (high - bent)
-        t = e + low
-        beats = value - s < t if monitor.mode == "min" else value - s > t
-    return jnp.isfinite(value) & (~record["has_best"] | beats)
-
-
 def _stop_update(monitor: Any, record: Any, value: Any) -> tuple[Any, Any, Any]:
     """`Monitor.update` and the early-stop rule, on the device (verified on the host)."""
-    improved = _beats(monitor, value, record)
+    improved = beats_best(monitor, value, record)
     wait = jnp.where(improved, 0, record["wait"] + 1)
     stop = ~jnp.isfinite(value) | ((wait > 0) & (wait >= monitor.patience))
     best = jnp.where(improved, value, record["best"])
@@ -331,7 +311,7 @@ def _plateau_update(
     cooling = record["cooldown"] > 0
     cooldown = jnp.where(cooling, record["cooldown"] - 1, record["cooldown"])
     wait = jnp.where(cooling, 0, record["wait"])
-    improved = _beats(handler.monitor, value, record)
+    improved = beats_best(handler.monitor, value, record)
     wait = jnp.where(improved, 0, wait + 1)
     quiet = improved | (cooldown > 0)
     wait = jnp.where(quiet & ~improved, 0, wait)

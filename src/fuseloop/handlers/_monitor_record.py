@@ -269,6 +269,7 @@ class Monitor:
     min_delta: float = 0.0
     key: str = ""
     argument: str = "monitor"  # the handler's name for it, in messages ("criteria")
+    on_value: bool = False  # min_delta moves the value (Keras's EarlyStopping), not best
 
     def __post_init__(self) -> None:
         if not isinstance(self.monitor, str) or not self.monitor:
@@ -351,9 +352,10 @@ class Monitor:
             return False
         if best is None:
             return True
-        if self.mode == "min":
-            return value < best - self.min_delta
-        return value > best + self.min_delta
+        delta = self.min_delta if self.mode == "max" else -self.min_delta
+        if self.on_value:  # `value + min_delta < best`, rounded as Keras's EarlyStopping is
+            value, delta = value - delta, 0.0
+        return value > best + delta if self.mode == "max" else value < best + delta
 
     def update(
         self, record: dict[str, Any], value: float, epoch: int | None = None
