@@ -148,27 +148,32 @@ def test_predict_on_graph_batches_says_to_call_the_model_per_batch():
         fl.predict(model, params, batches)
 
 
-def test_unlabelled_batches_whose_x_leaves_hold_other_rows_are_refused():
-    """Without y's rows, no leaf of x says which rows are the examples: a per-batch table
-    beside the inputs (a teacher's weights) would weigh the loss by whichever leaf sorts
-    first, so it is refused, naming the leaves, rather than guessed."""
+def test_unlabelled_batches_of_mixed_rows_run_until_a_batch_of_other_shapes():
+    """Without y's rows, no leaf of x says which rows are the examples. Batches of the first
+    one's shapes weigh alike whichever it is, so they run; a batch shaped otherwise (a short
+    last one beside a teacher's table) would be weighed by whichever leaf sorts first, so it
+    is refused, naming the leaves, rather than guessed."""
     model = fl.models.from_functions(init, lambda p, x: x["x"] @ x["table"] @ p["w"])
     own = lambda y, out: jnp.mean(out**2)  # noqa: E731 - an unsupervised loss of its own
     rng = np.random.default_rng(0)
 
-    def batch(n, table_rows=F):
-        x = rng.normal(size=(n, table_rows)).astype(np.float32)
-        return {"table": np.eye(table_rows, F, dtype=np.float32), "x": x}, None
+    def batch(n):
+        x = rng.normal(size=(n, F)).astype(np.float32)
+        return {"table": np.eye(F, dtype=np.float32), "x": x}, None
 
-    for data, where in (
-        ([batch(8), batch(8)], "the run's first batch"),
-        ([batch(3), batch(2)], "the batch at epoch 0, iteration 1"),  # the first: 3 and 3
-    ):
-        for loop in (fl.trainer(model, own, "sgd"), fl.evaluator(model, own)):
-            params = {"w": np.ones((F, 3), np.float32)}
-            with pytest.raises(ValueError, match=rf"{where}: y holds no examples") as got:
-                loop.run(data, None if loop.program.kind == "trainer" else params)
-            assert "x['table'] 3, x['x'] " in str(got.value)
+    params = {"w": np.ones((F, 3), np.float32)}
+    uniform = [batch(8), batch(8)]
+    for loop in (fl.trainer(model, own, "sgd"), fl.evaluator(model, own)):
+        start = None if loop.program.kind == "trainer" else params
+        assert loop.run(uniform, start).status == "completed"
+        for last in (2, F):  # the table's rows (3, 3) then, though the first batch's differ
+            with pytest.raises(ValueError, match="iteration 2: y holds no examples") as got:
+                loop.run([*uniform, batch(last)], start)
+            assert f"x['table']: 3, x['x']: {last}" in str(got.value)
+    # Uniform leaves at first, mixed later: the later batch is refused too.
+    with pytest.raises(ValueError, match=r"iteration 1: y holds .* x\['x'\]: 2\)"):
+        fl.trainer(model, own, "sgd").run([batch(F), batch(2)])
     # y with one row per example says which: the loss is weighed by its rows
-    labelled = [(batch(8)[0], np.zeros(8, np.int32)) for _ in range(2)]
-    assert fl.trainer(model, own, "sgd").run(labelled).status == "completed"
+    labelled = [(x, np.zeros(len(x["x"]), np.int32)) for x, _ in (*uniform, batch(2))]
+    with pytest.warns(UserWarning, match="ragged last batch"):
+        assert fl.trainer(model, own, "sgd").run(labelled).status == "completed"

@@ -948,7 +948,7 @@ class _Raises(nn.Module):
     def __call__(self, x: Any) -> Any:
         y = nn.Dense(CLASSES)(x)
         if self.on_init or not self.is_initializing():
-            raise self.error("the model's own check")
+            raise self.error("the model's own check") from KeyError("width")
         return y
 
 
@@ -957,8 +957,9 @@ class _Raises(nn.Module):
 def test_an_error_that_says_nothing_of_shapes_is_kept_as_the_model_raised_it(
     error: type[Exception], on_init: bool
 ) -> None:
-    """Whether it is about x, fuseloop cannot tell: the error keeps its type and message
-    (a caller's `except` still catches it), noted with what fuseloop was doing."""
+    """Whether it is about x, fuseloop cannot tell: the error keeps its type, message and
+    cause (a caller's `except` still catches it), noted with what fuseloop was doing; so
+    does fl.predict's, raised once."""
     doing = "initializing it on" if on_init else "applying the model to"
     with pytest.raises(error) as got:
         fl.trainer(_Raises(error, on_init), SPARSE, "sgd").run(CLASSIFICATION)
@@ -966,4 +967,31 @@ def test_an_error_that_says_nothing_of_shapes_is_kept_as_the_model_raised_it(
     assert f"while {doing} the first batch's x (x of shape (4, 3))" in " ".join(
         getattr(got.value, "__notes__", [])
     )
-    assert got.value.__cause__ is None
+    assert repr(got.value.__cause__) == "KeyError('width')"
+    variables = jit_init(nn.Dense(CLASSES), jax.random.PRNGKey(0), X)
+    with pytest.raises(error) as got:
+        fl.predict(_Raises(error, on_init), {"params": {"Dense_0": variables["params"]}}, X)
+    assert got.value.__context__ is None and repr(got.value.__cause__) == "KeyError('width')"
+    notes = getattr(got.value, "__notes__", [])
+    assert sum("the model raised this while applying" in note for note in notes) == 1
+
+
+def _unpacking_apply(params: Any, x: Any) -> Any:
+    """Unpacks its kernel into two heads, raising a RuntimeError of its own (as einops's
+    EinopsError is one) where the kernel's width is odd."""
+    w = params["w"]
+    if w.shape[1] % 2:
+        raise RuntimeError(f"cannot unpack a kernel of width {w.shape[1]} into two heads")
+    return (x @ w).reshape(x.shape[0], 2, -1).mean(axis=1)
+
+
+def test_variables_at_fault_are_named_though_the_model_raises_a_runtime_error() -> None:
+    model = fl.models.from_functions(
+        lambda rng, x: {"w": jnp.ones((FEATURES, 6))}, _unpacking_apply
+    )
+    other = {"w": np.ones((FEATURES, 5), np.float32)}  # another model's: of width 5
+    named = r"given variables .* hold \['w'\] of shape \(3, 5\) where the model makes \(3, 6\)"
+    with pytest.raises(ValueError, match=named):
+        fl.evaluator(model, SPARSE).run(CLASSIFICATION, other)
+    with pytest.raises(ValueError, match=named):
+        fl.trainer(model, SPARSE, "sgd").run(CLASSIFICATION, other)

@@ -6,6 +6,7 @@ import argparse
 import functools
 import logging
 import random
+import warnings
 
 import flax.linen as nn
 import jax
@@ -64,10 +65,12 @@ def test_batch_sources(state):
     pairs = [(X[i : i + 6], Y[i : i + 6]) for i in range(0, 23, 6)]
     inputs = [X[i : i + 6] for i in range(0, 23, 6)]
     ordered = fl.data.arrays(X, Y, batch_size=6, shuffle=False, drop_remainder=False)
-    for source in (pairs, inputs, iter(pairs), lambda: iter(inputs), ordered, _refilled):
-        np.testing.assert_allclose(
-            predict(Net(), state, source), expected(state), rtol=1e-5, atol=1e-6
-        )
+    generated = (x for x in inputs)
+    for source in (pairs, inputs, iter(pairs), lambda: iter(inputs), ordered, _refilled, generated):
+        with warnings.catch_warnings():  # an iterator is not read as a pytree (JAX warns)
+            warnings.simplefilter("error")
+            got = predict(Net(), state, source)
+        np.testing.assert_allclose(got, expected(state), rtol=1e-5, atol=1e-6)
 
 
 def _refilled():

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._graph_batch import check_rows_of_a_mixed_x, graph_like
+from ._graph_batch import check_rows_of_a_mixed_x, graph_like, rows_of
 from ._prng_keys import is_typed_keys
 from ._unsliceable import masked_fix, typed_keys_fix
 
@@ -136,14 +136,20 @@ def _leading_sizes(tree: Any) -> list[int]:
     return [int(np.shape(leaf)[0]) for leaf in jax.tree.leaves(tree) if np.ndim(leaf) >= 1]
 
 
+# The first batch's verdict on unlabelled data (y without rows) whose x's leaves hold
+# different numbers of rows: its batches weigh alike while they share its shapes.
+UNLABELLED_MIXED = "unlabelled, x of mixed rows"
+
+
 def check_pair_sizes(
-    batch: Any, where: str, named_loss: bool = False, graph: bool | None = None
-) -> bool:
+    batch: Any, where: str, named_loss: bool = False, graph: bool | str | None = None
+) -> bool | str:
     """x and y of one batch hold the same number of examples, and at least one; under a
     `named_loss` (one per example), y has an example axis (a loss of the user's own may
     ignore y, as an autoencoder's dummy scalar). Whether it is a graph batch, whose x's
     leaves hold different numbers of rows (`graph`: the run's first batch's verdict; None:
-    this is the first)."""
+    this is the first), or `UNLABELLED_MIXED`. A later batch reaches here only where its
+    shapes differ from the first's."""
     x_sizes, y_sizes = _leading_sizes(batch[0]), _leading_sizes(batch[1])
     if 0 in x_sizes[:1] + y_sizes[:1]:
         raise ValueError(
@@ -161,9 +167,12 @@ def check_pair_sizes(
             f"on axis 0 of every leaf: pass fl.data.arrays(x, y, batch_size=32), or yield "
             f"(x[i:i + b], y[i:i + b])"
         )
-    if not y_sizes and len(set(x_sizes)) > 1:
-        raise ValueError(_rows_unknown(batch[0], where))
-    if not x_sizes or not y_sizes:
+    if not y_sizes:  # x's rows are the examples: no leaf says which, where they differ
+        mixed = len(set(x_sizes)) > 1
+        if graph is not None and (mixed or graph == UNLABELLED_MIXED):
+            raise ValueError(_rows_unknown(batch[0], where))
+        return UNLABELLED_MIXED if mixed and graph is None else False
+    if not x_sizes:
         return False
     if graph is None:
         graph = len(set(x_sizes)) > 1 and graph_like(batch, where, y_sizes[0])
@@ -181,21 +190,19 @@ def check_pair_sizes(
 
 
 def _rows_unknown(x: Any, where: str) -> str:
-    """The refusal of an x whose leaves hold different numbers of rows beside a y with none
-    (unlabelled data): the loss and metrics weigh a batch by its examples, and no leaf says
-    which rows they are (the first in key order would be taken, by chance)."""
-    paths = jax.tree_util.tree_flatten_with_path(x)[0]
-    rows = ", ".join(
-        f"x{jax.tree_util.keystr(path)} {np.shape(leaf)[0]}"
-        for path, leaf in paths
-        if np.ndim(leaf) >= 1
-    )
+    """The refusal of a batch of unlabelled data (y without rows) shaped unlike the run's
+    first, where x's leaves hold different numbers of rows in either: the loss and metrics
+    weigh a batch by its examples, and no leaf says which rows they are (the first in key
+    order would be taken, by chance). Batches that all share the first's shapes weigh alike
+    whichever it is, so they run."""
     return (
         f"data: {where}: y holds no examples, so they are counted on x, but x's leaves hold "
-        f"different numbers of rows ({rows}), and fuseloop cannot tell which are the "
-        f"examples it weighs the loss and metrics by. Keep what is not one row per example "
-        f"(weights, a lookup table) out of x: close over it in the model or the loss, or "
-        f"give y a leaf with one row per example (e.g. (x, np.zeros(n)) for n examples)"
+        f"different numbers of rows ({rows_of(x)}) in this batch or the run's first, and "
+        f"fuseloop cannot tell which are the examples it weighs this batch's loss and "
+        f"metrics by. Keep what is not one row per example (weights, a lookup table) out "
+        f"of x: close over it in the model or the loss; or give y a leaf with one row per "
+        f"example (e.g. (x, np.zeros(n)) for n examples); or make every batch the same "
+        f"shape (drop_remainder=True, or pad the last one)"
     )
 
 

@@ -58,7 +58,8 @@ class Checker:
         self.expected: tuple[tuple[Any, Any], ...] = ()
         self.accepted: set[tuple[Any, ...]] = set()
         self.short = ShortBatch(program.kind)  # an unfused run's one ragged batch
-        self.graph = False  # x's leaves hold nodes and edges: y's rows are the examples
+        # x's leaves hold nodes and edges: y's rows are the examples (or UNLABELLED_MIXED)
+        self.graph: bool | str = False
         self.fit = ModelFit(program)  # x and y against the model and loss, abstractly
         self.first_batch: Any = None
         self.step_signature: Any = None  # a deferred step check's state signature

@@ -11,7 +11,7 @@ import numpy as np
 
 from ._model_fit_advice import first_line
 
-__all__ = ["model_code_error", "raise_from"]
+__all__ = ["kept_as_raised", "model_code_error", "model_error", "raise_from"]
 
 # flax.linen's errors for a module's own code (a layer made outside `setup` or `@compact`,
 # an attribute set where modules forbid it, a name used twice): never the data's doing.
@@ -70,22 +70,39 @@ _SHAPE_ERROR_LIBRARIES = frozenset({"builtins", "jax", "jaxlib", "flax", "numpy"
 
 def _says_nothing_of_shapes(error: BaseException) -> bool:
     """A RuntimeError (NotImplementedError among them), or an exception class of the
-    user's or of another library: it may or may not be about x's shape."""
+    user's or of another library (einops's, about shapes, is one): by its type, it may or
+    may not be about x's shape."""
     if isinstance(error, RuntimeError):
         return True
     return type(error).__module__.split(".")[0] not in _SHAPE_ERROR_LIBRARIES
 
 
 def raise_from(problem: BaseException, error: BaseException) -> NoReturn:
-    """Raises `problem` from `error`, or `error` itself (kept as the model raised it)."""
-    raise problem from (None if problem is error else error)
+    """Raises `problem` from `error`, or `error` itself (kept as the model raised it: its own
+    cause and context stay)."""
+    if problem is error:
+        raise error
+    raise problem from error
 
 
-def model_code_error(error: BaseException, doing: str, x: Any = None) -> BaseException | None:
+def kept_as_raised(error: BaseException, doing: str) -> BaseException | None:
+    """`error` itself, noted with what fuseloop was `doing`, for an error of a kind that
+    says nothing of x's shape by its type (a RuntimeError, a NotImplementedError, an
+    exception class of the user's or of another library, whose message may): fuseloop
+    cannot tell whether x is its cause, so it neither blames x nor changes the error's
+    type. None for other errors."""
+    if not _says_nothing_of_shapes(error):
+        return None
+    error.add_note(
+        f"fuseloop: the model raised this while {doing}; if it is about x, give x the "
+        f"shape the model expects (the batch axis first)"
+    )
+    return error
+
+
+def model_code_error(error: BaseException, doing: str, x: Any = None) -> ValueError | None:
     """The ValueError for an error in the model's own code met while `doing` (so not
-    blamed on x's shape, `x` the batch's x); `error` itself, with a note of what fuseloop
-    was doing, for an error that says nothing of shapes (fuseloop cannot tell whether x
-    is its cause, so it neither blames x nor changes the error's type); None for others.
+    blamed on x's shape, `x` the batch's x); None for other errors.
 
     Example:
         >>> error = model_code_error(NameError("name 'scale' is not defined"), "applying it")
@@ -93,12 +110,6 @@ def model_code_error(error: BaseException, doing: str, x: Any = None) -> BaseExc
         True
         >>> model_code_error(TypeError("dot_general requires contracting dims"), "applying it")
     """
-    if _says_nothing_of_shapes(error):
-        error.add_note(
-            f"fuseloop: the model raised this while {doing}; if it is about x, give x the "
-            f"shape the model expects (the batch axis first)"
-        )
-        return error
     if not _in_model_code(error, x):
         return None
     return ValueError(
@@ -106,3 +117,8 @@ def model_code_error(error: BaseException, doing: str, x: Any = None) -> BaseExc
         f"that no shape of x would avoid (the traceback above shows where). Fix the model "
         f"and run again"
     )
+
+
+def model_error(error: BaseException, doing: str, x: Any = None) -> BaseException | None:
+    """`model_code_error`'s ValueError, else `kept_as_raised`'s error, else None."""
+    return model_code_error(error, doing, x) or kept_as_raised(error, doing)

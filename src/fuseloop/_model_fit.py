@@ -2,7 +2,8 @@
 
 Checked once per run on the first batch, abstractly (`jax.eval_shape`: nothing runs on the
 device), so a shape mistake is a clear error before anything compiles rather than a raw
-message from inside flax or jax."""
+message from inside flax or jax.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from ._batch_checks import no_device_dtype
 from ._epoch_order import abstract_key
 from ._label_rule import LabelRule
 from ._metrics import fits_output, resolve_loss
-from ._model_code import model_code_error, raise_from
+from ._model_code import kept_as_raised, model_code_error, model_error, raise_from
 from ._model_fit_advice import (
     describe,
     first_line,
@@ -187,8 +188,7 @@ class ModelFit:
         if needs_rng(error):
             return self._rng_error(error, applying)
         fresh, training = whose == FRESH, self.program.kind == "trainer"
-        advice: BaseException | None = unbound_axis(error, applying)
-        advice = advice or scope_misuse(error, applying, fresh, training)
+        advice = unbound_axis(error, applying) or scope_misuse(error, applying, fresh, training)
         advice = advice or model_code_error(error, applying, x)
         if advice is not None:
             return advice
@@ -223,7 +223,7 @@ class ModelFit:
                 f"from another model (a State saved from a different one?): pass x shaped "
                 f"as in training, or variables of this model"
             )
-        return ValueError(
+        return kept_as_raised(error, applying) or ValueError(
             f"{self.inputs} does not fit the model: applying it with {whose} to the first "
             f"batch's x ({describe(x, 'x')}) fails with {first_line(error)}. "
             f"{fix_for_x(x, error, self.program.model)}, or pass matching variables"
@@ -293,7 +293,7 @@ class ModelFit:
                     error, f"initializing the model on the first batch's x ({describe(x, 'x')})"
                 ) from error
             initializing = f"initializing it on the first batch's x ({describe(x, 'x')})"
-            problem = model_code_error(error, initializing, x) or ValueError(
+            problem = model_error(error, initializing, x) or ValueError(
                 f"data: x does not fit the model: {initializing} fails with {first_line(error)}. "
                 f"{fix_for_x(x, error, self.program.model)}"
             )

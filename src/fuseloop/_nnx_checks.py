@@ -112,9 +112,9 @@ def refuse_eval_draws(
     if not paths or not output_reads_draws():
         return
     drawn = sorted({after[path][0] for path in paths})
-    owners = [_owner(module, path) for path in paths]
+    holders = _holders(module, paths)
     flags = ", ".join(f"{name}={not value}" for name, value in NNX_MODE_FLAGS.items())
-    recurrent = any(type(owner).__name__ == "RNN" for _, owner in owners)
+    recurrent = any(_holds_an_rnn(layer) for layer in holders.values())
     carry = (
         "; an nnx.RNN whose cell has a random carry_init draws its initial carry at every "
         "call: give the cell carry_init=nnx.initializers.zeros_init(), or pass initial_carry"
@@ -124,7 +124,7 @@ def refuse_eval_draws(
     raise ModelConventionError(
         f"model: {type(module).__name__} draws from its rng stream(s) "
         f"{', '.join(map(repr, drawn))} in evaluation (validation, fl.evaluator, "
-        f"fl.predict), after .eval(), in {', '.join(sorted({name for name, _ in owners}))}. "
+        f"fl.predict), after .eval(), in {' or '.join(sorted(holders))}. "
         f"Evaluation does not carry an nnx model's Rngs from one batch to the next, so "
         f"every batch would draw the same numbers{carry}. If a layer stays random because "
         f"__call__ passes it a mode flag of its own (e.g. nnx.Dropout(...)(x, "
@@ -135,17 +135,30 @@ def refuse_eval_draws(
     )
 
 
-def _owner(module: Any, path: tuple[Any, ...]) -> tuple[str, Any]:
-    """`("model.rnn (RNN)", the layer)`: the innermost module on an rng stream's path."""
+def _holders(module: Any, paths: list[tuple[Any, ...]]) -> dict[str, Any]:
+    """`{"model.rnn (RNN)": the layer}` for each module that holds one of the rng streams
+    at `paths`, itself or in its nnx.Rngs (a stream shared by several layers is on one
+    path only, and which of them drew cannot be told: each is named)."""
     from flax import nnx
 
     nodes = dict(nnx.iter_graph(module))
-    depth = max(
-        (n for n in range(len(path)) if isinstance(nodes.get(tuple(path[:n])), nnx.Module)),
-        default=0,
-    )
-    layer = nodes.get(tuple(path[:depth]), module)
-    return f"{'.'.join(['model', *map(str, path[:depth])])} ({type(layer).__name__})", layer
+    streams = {id(nodes[path]) for path in paths if path in nodes}
+    found = {}
+    for path, node in nodes.items():
+        if not isinstance(node, nnx.Module):
+            continue
+        held = [v for v in vars(node).values() if isinstance(v, (nnx.Rngs, nnx.RngStream))]
+        held += [s for rngs in held if isinstance(rngs, nnx.Rngs) for s in vars(rngs).values()]
+        if any(id(value) in streams for value in held):
+            found[f"{'.'.join(['model', *map(str, path)])} ({type(node).__name__})"] = node
+    return found or {f"model ({type(module).__name__})": module}
+
+
+def _holds_an_rnn(layer: Any) -> bool:
+    """Whether `layer` is or holds an nnx.RNN (nnx.Bidirectional holds two)."""
+    from flax import nnx
+
+    return any(isinstance(node, nnx.RNN) for _, node in nnx.iter_graph(layer))
 
 
 def output_reads_inputs(closed: Any, inputs: int) -> bool:

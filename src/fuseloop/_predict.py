@@ -263,6 +263,8 @@ def predict(
         inputs, sizes, pairs = x, int(batch_size), False
     else:
         inputs, sizes, pairs = inputs_of_source(x)
+        if not isinstance(x, (list, tuple)):  # an iterator's or a callable's batches, read
+            _require_examples_axis(inputs)
     inputs = _device_inputs(inputs)
     n = _example_count(inputs, joined=not _is_array_tree(x))
     if n == 0:
@@ -282,7 +284,8 @@ def predict(
         except Exception as error:
             if not outputs:  # the first chunk traces the model: say whether x misfits
                 batched = not _is_array_tree(x)  # a source (or a list) of batches
-                _explain_misfit(model, variables, chunk, (pairs, batched, listed), members)
+                read = (pairs, batched, listed)
+                _explain_misfit(model, variables, chunk, read, members, error)
                 if pairs:  # the model took the first items, and failed later (its outputs)
                     error.add_note(_PAIRS_READ)
             raise
@@ -296,6 +299,8 @@ def _require_examples_axis(x: Any) -> None:
     """Raises a ValueError for an `x` that cannot hold examples: None, or a scalar."""
     if x is None:
         raise ValueError("x=None: pass the inputs, an array with the examples on axis 0")
+    if isinstance(x, collections.abc.Iterator):  # its batches are checked once read
+        return
     refuse_jax_sparse(x, "x")
     for leaf in jax.tree.leaves(x):
         refuse_unstackable(leaf, "x")
@@ -319,23 +324,38 @@ def _require_examples_axis(x: Any) -> None:
 
 
 def _explain_misfit(
-    model: Any, variables: Any, chunk: Any, read: tuple[bool, bool, bool], members: bool
+    model: Any,
+    variables: Any,
+    chunk: Any,
+    read: tuple[bool, bool, bool],
+    members: bool,
+    raised: BaseException,
 ) -> None:
     """Raises the trainer's ValueError where the chunk's x does not fit the model with
     `variables` (a population's first member's), noting how x was read (`read`: whether the
     source's batches were pairs read as (x, y), whether x was a source of batches, whether
-    a list of arrays); returns when the check finds nothing."""
+    a list of arrays); returns when the check finds nothing, or finds the model's own error
+    of a kind kept as raised, which then notes the error the program `raised` (the caller
+    raises it: one error, not the check's copy of it)."""
     pairs, batched, listed = read
     try:
         _check_fit(model, variables, chunk, members)
+        return
     except ValueError as error:
-        if pairs:
-            error.add_note(_PAIRS_READ)
-        if batched and isinstance(chunk, (tuple, list)) and len(chunk) > 2:
-            error.add_note(_TUPLE_READ.format(n=len(chunk)))
-        elif listed:
-            error.add_note(LIST_READ)
-        raise
+        noted: BaseException = error
+    except Exception as error:  # noqa: BLE001 - the model's own, met again abstractly
+        if type(error) is not type(raised):
+            raise
+        noted = raised
+        raised.add_note(getattr(error, "__notes__", [""])[-1])  # what fuseloop was doing
+    if pairs and noted is not raised:  # the caller notes its own error
+        noted.add_note(_PAIRS_READ)
+    if batched and isinstance(chunk, (tuple, list)) and len(chunk) > 2:
+        noted.add_note(_TUPLE_READ.format(n=len(chunk)))
+    elif listed:
+        noted.add_note(LIST_READ)
+    if noted is not raised:
+        raise noted
 
 
 def _check_fit(model: Any, variables: Any, chunk: Any, members: bool) -> None:

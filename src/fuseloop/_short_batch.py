@@ -28,14 +28,19 @@ class ShortBatch:
         self.rows: Any = None  # the short batch's: its size, or a graph batch's rows per leaf
 
     def allow(
-        self, names: tuple[str, ...], first: Signature, batch: Signature, where: str, graph: bool
+        self,
+        names: tuple[str, ...],
+        first: Signature,
+        batch: Signature,
+        where: str,
+        graph: bool | str,
     ) -> None:
         """Takes `batch`, whose leaves differ from the run's `first` batch's along axis 0
         only, as the run's short batch, or raises where it cannot be one (`graph`: the
         batches are graph batches, whose y's rows are their examples)."""
         first_rows, rows = _rows(first), _rows(batch)
         key: Any
-        if graph:
+        if graph is True:
             full, size, key = _rows_of_y(names, first_rows), _rows_of_y(names, rows), rows
         else:
             changed = {n for old, n in zip(first_rows, rows, strict=True) if n not in (old, None)}
