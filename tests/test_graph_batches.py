@@ -3,6 +3,8 @@ index per node), y holds one target per node or per graph, and y's rows are the 
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -170,6 +172,17 @@ def test_unlabelled_batches_of_mixed_rows_run_until_a_batch_of_other_shapes():
             with pytest.raises(ValueError, match="iteration 2: y holds no examples") as got:
                 loop.run([*uniform, batch(last)], start)
             assert f"x['table']: 3, x['x']: {last}" in str(got.value)
+    # Of the first batch's rows, a later batch runs: float64 (cast, with its warning), and a
+    # per-example metric of the output's rows is not said to be per class.
+    wide = [uniform[0], ({**uniform[1][0], "x": uniform[1][0]["x"].astype(np.float64)}, None)]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "data: .* float64")
+        warnings.filterwarnings("error", "metric .* not values per example")
+        each = fl.trainer(model, own, "sgd").metric(lambda y, out: jnp.mean(out**2, -1), "each")
+        assert each.run(wide, fuse=False).status == "completed"
+    # A later batch without the table is told its structure, not its rows.
+    with pytest.raises(ValueError, match="iteration 1 has structure"):
+        fl.trainer(model, own, "sgd").run([uniform[0], ({"x": uniform[1][0]["x"]}, None)])
     # Uniform leaves at first, mixed later: the later batch is refused too.
     with pytest.raises(ValueError, match=r"iteration 1: y holds .* x\['x'\]: 2\)"):
         fl.trainer(model, own, "sgd").run([batch(F), batch(2)])

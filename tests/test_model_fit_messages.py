@@ -940,6 +940,10 @@ class _OwnError(Exception):
     """An exception class of the user's (or of another library)."""
 
 
+class _OwnValueError(ValueError):
+    """A ValueError of the user's own, which fuseloop's checks must not take for theirs."""
+
+
 class _Raises(nn.Module):
     error: type[Exception] = RuntimeError
     on_init: bool = True  # False: initializes, then raises when applied
@@ -952,7 +956,7 @@ class _Raises(nn.Module):
         return y
 
 
-@pytest.mark.parametrize("error", [RuntimeError, NotImplementedError, _OwnError])
+@pytest.mark.parametrize("error", [RuntimeError, NotImplementedError, _OwnError, _OwnValueError])
 @pytest.mark.parametrize("on_init", [True, False])
 def test_an_error_that_says_nothing_of_shapes_is_kept_as_the_model_raised_it(
     error: type[Exception], on_init: bool

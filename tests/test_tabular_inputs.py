@@ -83,6 +83,11 @@ def test_a_jax_sparse_array_is_refused_where_fuseloop_slices_examples():
         fl.data.arrays({"ids": bcoo}, Y, batch_size=16)
     with pytest.raises(ValueError, match=r"x is a jax.experimental.sparse BCOO"):
         fl.predict(MODEL, _variables(), bcoo)
+    # A generator's (or a callable's) batch is named as the batch of the source it is.
+    dense = np.eye(len(X), dtype=np.float32)[:16]
+    for source in ((b for b in (dense, bcoo)), lambda: iter([bcoo])):
+        with pytest.raises(ValueError, match=r"x \(batch \d of the source\) is a jax.exp"):
+            fl.predict(MODEL, _variables(), source)
 
 
 @pytest.mark.parametrize(

@@ -5,12 +5,12 @@ sizes, dtypes no device holds, and the signatures batches are compared by (used 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from ._graph_batch import check_rows_of_a_mixed_x, graph_like, rows_of
+from ._graph_batch import check_rows_of_a_mixed_x, graph_like, rows_unknown
 from ._prng_keys import is_typed_keys
 from ._unsliceable import masked_fix, typed_keys_fix
 
@@ -136,20 +136,23 @@ def _leading_sizes(tree: Any) -> list[int]:
     return [int(np.shape(leaf)[0]) for leaf in jax.tree.leaves(tree) if np.ndim(leaf) >= 1]
 
 
-# The first batch's verdict on unlabelled data (y without rows) whose x's leaves hold
-# different numbers of rows: its batches weigh alike while they share its shapes.
-UNLABELLED_MIXED = "unlabelled, x of mixed rows"
+class MixedRows(NamedTuple):
+    """The first batch's verdict on unlabelled data (y without rows) whose x's leaves hold
+    different numbers of rows (`rows`, in leaf order): batches of those rows weigh alike
+    whichever leaf holds the examples."""
+
+    rows: tuple[int, ...]
 
 
 def check_pair_sizes(
-    batch: Any, where: str, named_loss: bool = False, graph: bool | str | None = None
-) -> bool | str:
+    batch: Any, where: str, named_loss: bool = False, graph: bool | MixedRows | None = None
+) -> bool | MixedRows:
     """x and y of one batch hold the same number of examples, and at least one; under a
     `named_loss` (one per example), y has an example axis (a loss of the user's own may
     ignore y, as an autoencoder's dummy scalar). Whether it is a graph batch, whose x's
     leaves hold different numbers of rows (`graph`: the run's first batch's verdict; None:
-    this is the first), or `UNLABELLED_MIXED`. A later batch reaches here only where its
-    shapes differ from the first's."""
+    this is the first), or a `MixedRows`. A later batch reaches here only where its
+    signature differs from the first's."""
     x_sizes, y_sizes = _leading_sizes(batch[0]), _leading_sizes(batch[1])
     if 0 in x_sizes[:1] + y_sizes[:1]:
         raise ValueError(
@@ -169,9 +172,13 @@ def check_pair_sizes(
         )
     if not y_sizes:  # x's rows are the examples: no leaf says which, where they differ
         mixed = len(set(x_sizes)) > 1
-        if graph is not None and (mixed or graph == UNLABELLED_MIXED):
-            raise ValueError(_rows_unknown(batch[0], where))
-        return UNLABELLED_MIXED if mixed and graph is None else False
+        if graph is None:
+            return MixedRows(tuple(x_sizes)) if mixed else False
+        first = graph.rows if isinstance(graph, MixedRows) else None
+        changed = mixed if first is None else first != tuple(x_sizes)
+        if changed and (first is None or len(first) == len(x_sizes)):  # else: the structure's
+            raise ValueError(rows_unknown(batch[0], where))
+        return graph
     if not x_sizes:
         return False
     if graph is None:
@@ -187,23 +194,6 @@ def check_pair_sizes(
             + _closure_hint(y_sizes, x_sizes[0])
         )
     return False
-
-
-def _rows_unknown(x: Any, where: str) -> str:
-    """The refusal of a batch of unlabelled data (y without rows) shaped unlike the run's
-    first, where x's leaves hold different numbers of rows in either: the loss and metrics
-    weigh a batch by its examples, and no leaf says which rows they are (the first in key
-    order would be taken, by chance). Batches that all share the first's shapes weigh alike
-    whichever it is, so they run."""
-    return (
-        f"data: {where}: y holds no examples, so they are counted on x, but x's leaves hold "
-        f"different numbers of rows ({rows_of(x)}) in this batch or the run's first, and "
-        f"fuseloop cannot tell which are the examples it weighs this batch's loss and "
-        f"metrics by. Keep what is not one row per example (weights, a lookup table) out "
-        f"of x: close over it in the model or the loss; or give y a leaf with one row per "
-        f"example (e.g. (x, np.zeros(n)) for n examples); or make every batch the same "
-        f"shape (drop_remainder=True, or pad the last one)"
-    )
 
 
 def _odd_target(y: Any, size: int) -> str:

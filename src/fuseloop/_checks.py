@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from ._batch_checks import (
+    MixedRows,
     check_pair_sizes,
     check_python_lists,
     leaf_signature,
@@ -58,8 +59,8 @@ class Checker:
         self.expected: tuple[tuple[Any, Any], ...] = ()
         self.accepted: set[tuple[Any, ...]] = set()
         self.short = ShortBatch(program.kind)  # an unfused run's one ragged batch
-        # x's leaves hold nodes and edges: y's rows are the examples (or UNLABELLED_MIXED)
-        self.graph: bool | str = False
+        # x's leaves hold nodes and edges: y's rows are the examples (or MixedRows)
+        self.graph: bool | MixedRows = False
         self.fit = ModelFit(program)  # x and y against the model and loss, abstractly
         self.first_batch: Any = None
         self.step_signature: Any = None  # a deferred step check's state signature

@@ -1,6 +1,7 @@
 """Padded graph batches (nodes, edges, a graph index per node: x's leaves hold different
 numbers of rows), told apart from x and y that do not belong together; y's rows are such a
-batch's examples (`_batch_checks.check_pair_sizes` asks, docs/data.md)."""
+batch's examples (`_batch_checks.check_pair_sizes` asks, docs/data.md). Without y's rows
+(unlabelled data), such an x is refused where a batch is shaped otherwise (`rows_unknown`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["check_rows_of_a_mixed_x", "graph_like", "rows_of"]
+__all__ = ["check_rows_of_a_mixed_x", "graph_like", "rows_of", "rows_unknown"]
 
 
 def graph_like(batch: Any, where: str, examples: int) -> bool:
@@ -54,4 +55,21 @@ def rows_of(tree: Any, name: str = "x") -> str:
         f"{name}{jax.tree_util.keystr(path)}: {np.shape(leaf)[0]}"
         for path, leaf in paths
         if np.ndim(leaf) >= 1
+    )
+
+
+def rows_unknown(x: Any, where: str) -> str:
+    """The refusal of a batch of unlabelled data (y without rows) shaped unlike the run's
+    first, where x's leaves hold different numbers of rows in either: the loss and metrics
+    weigh a batch by its examples, and no leaf says which rows they are (the first in key
+    order would be taken, by chance). Batches that all share the first's shapes weigh alike
+    whichever it is, so they run."""
+    return (
+        f"data: {where}: y holds no examples, so they are counted on x, but x's leaves hold "
+        f"different numbers of rows ({rows_of(x)}) in this batch or the run's first, and "
+        f"fuseloop cannot tell which are the examples it weighs this batch's loss and "
+        f"metrics by. Keep what is not one row per example (weights, a lookup table) out "
+        f"of x: close over it in the model or the loss; or give y a leaf with one row per "
+        f"example (e.g. (x, np.zeros(n)) for n examples); or make every batch the same "
+        f"shape (drop_remainder=True, or pad the last one)"
     )

@@ -81,10 +81,12 @@ def _per_example(spec: MetricSpec, value: Any, aux: dict[str, Any]) -> Any:
     example: it averages them per batch, as a scalar of their mean (a per-output error
     reduced over the batch), which a per-class count is not. Said when traced."""
     shape = np.shape(value) if isinstance(value, (jax.Array, np.ndarray)) else ()
-    # The trainer's and evaluator's count (y's rows, or x's); a custom step's output's rows.
-    rows = aux.get("examples") or batch_size((aux["y_pred"], aux["y_true"]))
+    # The trainer's and evaluator's count (y's rows, or x's); the output's rows, which tell
+    # the examples where x's leaves hold other rows beside a y without any (a table).
+    outputs = batch_size((aux["y_pred"], aux["y_true"]))
+    rows = aux.get("examples") or outputs
     averaged = spec.accumulate == "running_average" and len(shape) >= 1
-    if averaged and shape[0] != 1 and shape[0] % rows:  # (1,): one value, as a scalar
+    if averaged and shape[0] != 1 and shape[0] % rows and shape[0] % outputs:  # (1,): a scalar
         warn(
             f"metric {spec.name!r} returned shape {shape} for a batch of {rows} examples, "
             f"not values per example: the running average counts each of its {shape[0]} "

@@ -11,7 +11,7 @@ import numpy as np
 
 from ._model_fit_advice import first_line
 
-__all__ = ["kept_as_raised", "model_code_error", "model_error", "raise_from"]
+__all__ = ["KEPT", "kept_as_raised", "model_code_error", "model_error", "raise_from"]
 
 # flax.linen's errors for a module's own code (a layer made outside `setup` or `@compact`,
 # an attribute set where modules forbid it, a name used twice): never the data's doing.
@@ -77,6 +77,10 @@ def _says_nothing_of_shapes(error: BaseException) -> bool:
     return type(error).__module__.split(".")[0] not in _SHAPE_ERROR_LIBRARIES
 
 
+# How the note of an error kept as the model raised it begins.
+KEPT = "fuseloop: the model raised this while"
+
+
 def raise_from(problem: BaseException, error: BaseException) -> NoReturn:
     """Raises `problem` from `error`, or `error` itself (kept as the model raised it: its own
     cause and context stay)."""
@@ -94,8 +98,8 @@ def kept_as_raised(error: BaseException, doing: str) -> BaseException | None:
     if not _says_nothing_of_shapes(error):
         return None
     error.add_note(
-        f"fuseloop: the model raised this while {doing}; if it is about x, give x the "
-        f"shape the model expects (the batch axis first)"
+        f"{KEPT} {doing}; if it is about x, give x the shape the model expects (the batch "
+        f"axis first)"
     )
     return error
 

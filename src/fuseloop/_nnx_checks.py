@@ -155,10 +155,11 @@ def _holders(module: Any, paths: list[tuple[Any, ...]]) -> dict[str, Any]:
 
 
 def _holds_an_rnn(layer: Any) -> bool:
-    """Whether `layer` is or holds an nnx.RNN (nnx.Bidirectional holds two)."""
+    """Whether `layer`, holding a drawing stream, is an nnx.RNN or an nnx.Bidirectional of
+    two (a module of the user's holding an RNN may draw for its own ends)."""
     from flax import nnx
 
-    return any(isinstance(node, nnx.RNN) for _, node in nnx.iter_graph(layer))
+    return isinstance(layer, (nnx.RNN, getattr(nnx, "Bidirectional", nnx.RNN)))
 
 
 def output_reads_inputs(closed: Any, inputs: int) -> bool:

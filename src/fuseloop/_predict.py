@@ -22,6 +22,7 @@ from ._arg_types import is_int, refuse_deleted_arrays
 from ._data import is_python_number
 from ._graph_batch import rows_of
 from ._metrics import batch_size
+from ._model_code import KEPT
 from ._model_fit import ModelFit, abstract
 from ._narrowing import Narrowing, native_order
 from ._placement import on_one_device_set
@@ -262,9 +263,7 @@ def predict(
         sizes: int | list[int]
         inputs, sizes, pairs = x, int(batch_size), False
     else:
-        inputs, sizes, pairs = inputs_of_source(x)
-        if not isinstance(x, (list, tuple)):  # an iterator's or a callable's batches, read
-            _require_examples_axis(inputs)
+        inputs, sizes, pairs = inputs_of_source(x)  # each batch checked as it is read
     inputs = _device_inputs(inputs)
     n = _example_count(inputs, joined=not _is_array_tree(x))
     if n == 0:
@@ -332,22 +331,21 @@ def _explain_misfit(
     raised: BaseException,
 ) -> None:
     """Raises the trainer's ValueError where the chunk's x does not fit the model with
-    `variables` (a population's first member's), noting how x was read (`read`: whether the
-    source's batches were pairs read as (x, y), whether x was a source of batches, whether
-    a list of arrays); returns when the check finds nothing, or finds the model's own error
-    of a kind kept as raised, which then notes the error the program `raised` (the caller
-    raises it: one error, not the check's copy of it)."""
+    `variables` (a population's first member's), noting how x was read (`read`: pairs read
+    as (x, y), a source of batches, a list of arrays); returns when the check finds nothing,
+    or the model's own error kept as raised: then `raised`, the program's, is noted."""
     pairs, batched, listed = read
     try:
         _check_fit(model, variables, chunk, members)
         return
-    except ValueError as error:
+    except Exception as error:  # noqa: BLE001 - the check's, or the model's own met again
         noted: BaseException = error
-    except Exception as error:  # noqa: BLE001 - the model's own, met again abstractly
-        if type(error) is not type(raised):
+        kept = [n for n in getattr(error, "__notes__", []) if n.startswith(KEPT)]
+        if kept and type(error) is type(raised):  # the model's own: the one raised, noted
+            noted = raised
+            raised.add_note(kept[-1])
+        elif not isinstance(error, ValueError):
             raise
-        noted = raised
-        raised.add_note(getattr(error, "__notes__", [""])[-1])  # what fuseloop was doing
     if pairs and noted is not raised:  # the caller notes its own error
         noted.add_note(_PAIRS_READ)
     if batched and isinstance(chunk, (tuple, list)) and len(chunk) > 2:

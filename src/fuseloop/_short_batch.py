@@ -33,7 +33,7 @@ class ShortBatch:
         first: Signature,
         batch: Signature,
         where: str,
-        graph: bool | str,
+        graph: object,
     ) -> None:
         """Takes `batch`, whose leaves differ from the run's `first` batch's along axis 0
         only, as the run's short batch, or raises where it cannot be one (`graph`: the
@@ -58,7 +58,7 @@ class ShortBatch:
             return
         if key == self.rows:
             return
-        if graph:
+        if graph is True:
             raise ValueError(
                 f"{where} is padded to other rows ({_named(names, rows)}) than the run's "
                 f"batches ({_named(names, first_rows)}) and its short batch "

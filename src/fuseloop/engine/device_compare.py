@@ -12,22 +12,24 @@ __all__ = ["beats_best"]
 
 
 def beats_best(monitor: Any, value: Any, record: Any) -> Any:
-    """`Monitor.improves` on the device. The host compares `value` with `best - min_delta`
-    (mode "max": `+`; early_stop: `value + min_delta` with `best`) in float64; rounded to
-    float32, 1.0 - 0.1 is 0.9f, which 0.9f does not beat. So a float32 difference is kept
-    unrounded, as a sum `s + t` (Knuth's two-sum; min_delta split in two float32s), and
-    `value - s`, exact near the threshold, is compared with `t`; a float64 one (64-bit
-    mode) is rounded as the host's is."""
+    """`Monitor.improves` on the device. The host compares `value + min_delta` with `best`
+    (mode "max": `value - min_delta`) in float64, as Keras 3 does; rounded to float32,
+    0.9 + 0.1 is 1.0f, which then does not beat 1.0f. So a float32 threshold is kept
+    unrounded, as a sum `s + t` (Knuth's two-sum; min_delta split in two float32s, best
+    minus it), and `value - s`, exact near the threshold, is compared with `t`: the exact
+    comparison, which the host's rounded one matches but within a few float64 ulps of the
+    threshold (there the host's replay raises a FusionError, never a silent difference); a
+    float64 one (64-bit mode) is rounded as the host's is."""
     best, sign = record["best"], (-1.0 if monitor.mode == "min" else 1.0)
     if monitor.min_delta == 0:
         beats = value < best if monitor.mode == "min" else value > best
     elif value.dtype == jnp.float64:
-        delta = np.float64(sign * monitor.min_delta)
-        moved, bar = (value - delta, best) if monitor.on_value else (value, best + delta)
-        beats = moved < bar if monitor.mode == "min" else moved > bar
+        moved = value - np.float64(sign * monitor.min_delta)
+        beats = moved < best if monitor.mode == "min" else moved > best
     else:
-        high = np.float32(sign * monitor.min_delta)
-        low = np.float32(sign * monitor.min_delta - float(high))
+        with np.errstate(over="ignore"):  # a min_delta past float32's range: no value beats
+            high = np.float32(sign * monitor.min_delta)
+            low = np.float32(sign * monitor.min_delta - float(high))
         s = best + high
         bent = s - best  # two-sum: s + e == best + high exactly
         e = (best - (s - bent)) + (high - bent)

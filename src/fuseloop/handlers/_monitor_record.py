@@ -252,7 +252,8 @@ class Monitor:
         monitor: The metric's name, e.g. "validation_loss".
         mode: "min" (lower is better) or "max" (`resolve_mode` reads "auto").
         patience: Epochs without improvement a handler tolerates (>= 0).
-        min_delta: The smallest change that counts as an improvement (>= 0).
+        min_delta: The smallest change that counts as an improvement (>= 0), as Keras 3
+            compares it: `value + min_delta < best` (mode "max": `value - min_delta > best`).
         key: Where the record lives in `state.handler_metadata`.
         argument: The handler argument that named the metric, for messages.
 
@@ -269,7 +270,6 @@ class Monitor:
     min_delta: float = 0.0
     key: str = ""
     argument: str = "monitor"  # the handler's name for it, in messages ("criteria")
-    on_value: bool = False  # min_delta moves the value (Keras's EarlyStopping), not best
 
     def __post_init__(self) -> None:
         if not isinstance(self.monitor, str) or not self.monitor:
@@ -352,10 +352,10 @@ class Monitor:
             return False
         if best is None:
             return True
-        delta = self.min_delta if self.mode == "max" else -self.min_delta
-        if self.on_value:  # `value + min_delta < best`, rounded as Keras's EarlyStopping is
-            value, delta = value - delta, 0.0
-        return value > best + delta if self.mode == "max" else value < best + delta
+        # Keras 3's `monitor_op(value - min_delta, best)`, min_delta negated in mode "min"
+        if self.mode == "min":
+            return value + self.min_delta < best
+        return value - self.min_delta > best
 
     def update(
         self, record: dict[str, Any], value: float, epoch: int | None = None

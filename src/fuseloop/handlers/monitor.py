@@ -77,8 +77,7 @@ class EarlyStopping:
         if not isinstance(restore_best, bool):
             raise ValueError(f"restore_best={restore_best!r} must be True or False")
         mode = resolve_mode(mode, monitor, "monitor", "early_stop")
-        key = key or f"early_stop:{monitor}"
-        self.monitor = Monitor(monitor, mode, patience, min_delta, key, on_value=True)
+        self.monitor = Monitor(monitor, mode, patience, min_delta, key or f"early_stop:{monitor}")
         self.restore_best = restore_best
         self.fuseloop_serves_one_run = restore_best  # only its best copy is kept on it
         self._best: tuple[Any, Any] | None = None  # ((epoch, value), device copy)
