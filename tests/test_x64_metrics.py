@@ -118,3 +118,38 @@ def test_a_named_optimizer_keeps_each_params_width_where_float32_and_float64_mix
     moments = state.step_state["opt_state"].inner_state[0]
     assert {k: v.dtype for k, v in moments.mu.items()} == {"narrow": "float32", "wide": "float64"}
     assert np.isfinite(state.metrics["loss"])
+
+
+@pytest.mark.parametrize("fuse", [False, 4, "run"])
+def test_a_weakly_typed_coefficient_computes_in_float64_from_the_first_step(fuse):
+    """`{"k": 1.0}` is weakly typed: beside float32 weights a plain loop's first step
+    computes in float32, and its update makes k a float64 array. The run takes k as that
+    array from the start, so every step, fused or not, computes in float64 (a device loop
+    carried the weak k and computed every step in float32)."""
+    x = np.full((16, 1), 1.0e4, np.float32)
+    y = np.full(16, 1.0e4 * (1.0 + 1e-7), np.float64)
+
+    def init(rng, x):
+        return {"w": jnp.ones((1,), jnp.float32), "k": jnp.array(1.0 + 1e-7)}
+
+    def apply(params, x):
+        return params["k"] * (x @ params["w"])
+
+    with jax.enable_x64(True):
+        loop = fl.trainer((init, apply), "mean_squared_error", optax.sgd(0.0))
+        seen: list[float] = []
+        watched = loop.observe("iteration_completed", lambda s: seen.append(s.metrics["loss"]))
+        data = fl.data.arrays(x, y, 4, shuffle=False, device=fuse == "run")
+        state = watched.run(data, epochs=2, fuse=fuse)
+        assert not state.params["k"].weak_type and state.params["k"].dtype == jnp.float64
+    # Every step's output in float64: the error of k's last digits, not float32's 5.5e-10.
+    assert len(seen) == 8 and len(set(seen)) == 1 and seen[0] < 1e-20
+
+
+def test_a_weakly_typed_counter_the_step_keeps_weak_stays_so():
+    def step(batch, s):
+        return {"n": s["n"] + 1, "scale": s["scale"]}
+
+    state = fl.loop(step).run([(0, 0)] * 3, {"n": 0, "scale": 0.5}, fuse=2)
+    assert int(state.step_state["n"]) == 3
+    assert state.step_state["n"].weak_type and state.step_state["scale"].weak_type

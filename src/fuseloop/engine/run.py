@@ -37,6 +37,7 @@ from .resident_start import first_resident_batch, place_dataset
 from .resume import opening, resumed_metadata, warn_on_resume
 from .signals import SignalGuard
 from .start import agree_across_processes, agree_on_mesh, initial_step_state
+from .weak_leaves import strengthen_weak_leaves
 from .whole_run import WholeRun
 
 __all__ = ["Run"]
@@ -146,8 +147,9 @@ class Run:
         step_state, signature, spare_maker = initial_step_state(
             self.programs, self.user_state, first, isinstance(self.init_state, State), fit
         )
-        member = step_state if self.members is None else first_member(step_state)
+        step_state = strengthen_weak_leaves(self, step_state, first)  # weak_leaves.py
         verdicts = self.programs.cache.verdicts
+        member = step_state if self.members is None else first_member(step_state)
         classes = warn_about_model(self.loop.program, member, first, verdicts, self.loop.metrics)
         self.checker.labels.classes(classes, labels_of(self.source.data), first)
         if self.members is None:
