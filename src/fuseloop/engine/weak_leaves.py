@@ -37,7 +37,10 @@ def strengthen_weak_leaves(run: Any, step_state: Any, batch: Any) -> Any:
     weak = tuple(_weak(leaf) for leaf in leaves)
     if not any(weak):
         return step_state
-    shapes = tuple((np.shape(leaf), jax.numpy.result_type(leaf)) for leaf in leaves)
+    try:
+        shapes = tuple((np.shape(leaf), jax.numpy.result_type(leaf)) for leaf in leaves)
+    except TypeError:  # a leaf that is not an array: the run's checks name it
+        return step_state
     key = ("weak leaves", treedef, shapes, weak)
     if key not in verdicts:
         verdicts[key] = _made_strong(step, treedef, shapes, weak, batch)
@@ -61,10 +64,10 @@ def _made_strong(
         for (shape, dtype), w in zip(shapes, weak, strict=True)
     ]
     state = jax.tree.unflatten(treedef, given)
-    abstract = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(np.shape(a), jax.numpy.result_type(a)), batch
-    )
     try:
+        abstract = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(np.shape(a), jax.numpy.result_type(a)), batch
+        )
         after = jax.eval_shape(lambda s, b: step(s, b)[0], state, abstract)
     except Exception:  # noqa: BLE001 - the run raises its own, more specific error
         return None
