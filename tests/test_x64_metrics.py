@@ -146,6 +146,49 @@ def test_a_weakly_typed_coefficient_computes_in_float64_from_the_first_step(fuse
     assert len(seen) == 8 and len(set(seen)) == 1 and seen[0] < 1e-20
 
 
+@pytest.mark.parametrize("fuse", [False, 2, "run"])
+def test_a_weak_number_in_a_custom_state_takes_the_dtype_its_step_returns(fuse):
+    """A weakly typed float the step makes a float32 array (`.astype`), and one it makes
+    bfloat16 (an average of bfloat16 values), keep those dtypes from the first step:
+    neither is widened to float64 (refused as a dtype the step changes) nor carried weak."""
+
+    def step(batch, s):
+        x = batch[0]
+        return {
+            "k": (s["k"] * 0.5).astype(jnp.float32),
+            "ema": 0.5 * s["ema"] + 0.5 * jnp.mean(x.astype(jnp.bfloat16)),
+        }
+
+    x = np.full((4, 2), 1.03, np.float32)
+    data = fl.data.arrays(x, x[:, 0], 4, shuffle=False, device=fuse == "run")
+    with jax.enable_x64(True):
+        weak = {"k": jnp.array(1.0), "ema": jnp.array(1.0)}  # weakly typed float64
+        state = fl.loop(step).run(data, weak, epochs=3, fuse=fuse)
+    assert state.step_state["k"].dtype == jnp.float32 and float(state.step_state["k"]) == 0.125
+    assert state.step_state["ema"].dtype == jnp.bfloat16
+
+
+def test_a_python_float_in_a_custom_state_computes_alike_fused_and_unfused():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 3)).astype(np.float32) * 1e3, rng.normal(size=16)
+
+    def step(batch, s):  # the float64 update makes k strong; the weak k met float32 x
+        loss = jnp.mean((s["k"] * (batch[0] @ s["w"]) - batch[1]) ** 2)
+        return {"w": s["w"], "k": s["k"] - jnp.float64(1e-9) * loss}
+
+    data = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 16, 4)]
+    with jax.enable_x64(True):
+        ends = {
+            np.asarray(
+                fl.loop(step)
+                .run(data, {"w": jnp.ones(3, jnp.float32), "k": 1.0}, epochs=3, fuse=fuse)
+                .step_state["k"]
+            ).tobytes()
+            for fuse in (False, 2, "run")
+        }
+    assert len(ends) == 1
+
+
 def test_a_weakly_typed_counter_the_step_keeps_weak_stays_so():
     def step(batch, s):
         return {"n": s["n"] + 1, "scale": s["scale"]}

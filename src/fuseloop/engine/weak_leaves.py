@@ -5,9 +5,9 @@ a float32 array under x64, or a bfloat16 one, it takes the array's dtype, while 
 strongly typed array an optimizer's update returns for it keeps its own. A plain loop's
 first step then computes in the narrower dtype and its later steps in the leaf's, and a
 device loop carrying the leaf would compute every step as the first. Such a leaf, which
-one step makes strongly typed, is made so before the first step, fused or not: every step
-computes as the plain loop's second does. A leaf the step keeps weakly typed (a counter
-`n + 1`) stays as it is.
+the step makes strongly typed, is made the array the step returns (its dtype) before the
+first step, fused or not: every step computes as the plain loop's second does. A leaf the
+step keeps weakly typed (a counter `n + 1`) stays as it is.
 """
 
 from __future__ import annotations
@@ -22,56 +22,73 @@ __all__ = ["strengthen_weak_leaves"]
 
 
 def _weak(leaf: Any) -> bool:
-    return bool(getattr(leaf, "weak_type", False))
+    """A weakly typed array, or a Python number (jit takes it weakly typed; not a bool)."""
+    plain = isinstance(leaf, (int, float, complex)) and not isinstance(leaf, bool)
+    return plain or bool(getattr(leaf, "weak_type", False))
+
+
+def _signature(tree: Any) -> tuple[Any, tuple[Any, ...]]:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((np.shape(leaf), jax.numpy.result_type(leaf)) for leaf in leaves)
 
 
 def strengthen_weak_leaves(run: Any, step_state: Any, batch: Any) -> Any:
     """`step_state` with each weakly typed leaf that the `run`'s step returns strongly typed
-    made a strongly typed array of its dtype (found abstractly, once per signature, in the
-    loop's verdicts); the state itself where no leaf is weakly typed, the step cannot be
-    traced so, or the run trains a population (whose members' step is another program)."""
+    made a strongly typed array of the dtype it returns (found abstractly, once per state
+    and batch signature, in the loop's verdicts); the state itself where no leaf is weakly
+    typed, a leaf or the step cannot be read so, or the run trains a population (whose
+    members' step is another program)."""
     if run.members is not None:
         return step_state
-    step, verdicts = run.loop.program.step, run.programs.cache.verdicts
-    leaves, treedef = jax.tree.flatten(step_state)
+    leaves = jax.tree.leaves(step_state)
     weak = tuple(_weak(leaf) for leaf in leaves)
     if not any(weak):
         return step_state
     try:
-        shapes = tuple((np.shape(leaf), jax.numpy.result_type(leaf)) for leaf in leaves)
+        (treedef, shapes), batch_signature = _signature(step_state), _signature(batch)
     except TypeError:  # a leaf that is not an array: the run's checks name it
         return step_state
-    key = ("weak leaves", treedef, shapes, weak)
+    key = ("weak leaves", treedef, shapes, weak, batch_signature)
+    verdicts = run.programs.cache.verdicts
     if key not in verdicts:
-        verdicts[key] = _made_strong(step, treedef, shapes, weak, batch)
-    strong = verdicts[key]
-    if strong is None or not any(strong):
+        verdicts[key] = _returned_dtypes(run.loop.program.step, treedef, shapes, weak, batch)
+    dtypes = verdicts[key]
+    if dtypes is None or not any(dtype is not None for dtype in dtypes):
         return step_state
     made = [
-        lax.convert_element_type(leaf, dtype) if s else leaf
-        for leaf, s, (_, dtype) in zip(leaves, strong, shapes, strict=True)
+        leaf if dtype is None else lax.convert_element_type(leaf, dtype)
+        for leaf, dtype in zip(leaves, dtypes, strict=True)
     ]
     return jax.tree.unflatten(treedef, made)
 
 
-def _made_strong(
+def _returned_dtypes(
     step: Any, treedef: Any, shapes: tuple[Any, ...], weak: tuple[bool, ...], batch: Any
-) -> tuple[bool, ...] | None:
-    """Which weakly typed leaves one step returns strongly typed; None where the step
-    cannot be traced abstractly or changes the state's structure (the run's checks say)."""
-    given = [
-        jax.ShapeDtypeStruct(shape, dtype, weak_type=w)
-        for (shape, dtype), w in zip(shapes, weak, strict=True)
-    ]
-    state = jax.tree.unflatten(treedef, given)
-    try:
-        abstract = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(np.shape(a), jax.numpy.result_type(a)), batch
-        )
-        after = jax.eval_shape(lambda s, b: step(s, b)[0], state, abstract)
-    except Exception:  # noqa: BLE001 - the run raises its own, more specific error
-        return None
-    out, out_def = jax.tree.flatten(after)
-    if out_def != treedef:
-        return None
-    return tuple(w and not _weak(o) for w, o in zip(weak, out, strict=True))
+) -> tuple[Any, ...] | None:
+    """For each weakly typed leaf one step returns strongly typed, the dtype it returns
+    (None for the others). Repeated with those leaves made so until nothing changes, since
+    one leaf's strong type may make another's (at most one round per leaf). None where the
+    step cannot be traced abstractly or changes the state's structure (the run's checks
+    say so)."""
+    held, dtypes = list(weak), [None] * len(weak)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(*_signature(a)[1][0]), batch)
+    for _ in weak:
+        given = [
+            jax.ShapeDtypeStruct(shape, dtype if made is None else made, weak_type=w)
+            for (shape, dtype), made, w in zip(shapes, dtypes, held, strict=True)
+        ]
+        try:
+            after = jax.eval_shape(
+                lambda s, b: step(s, b)[0], jax.tree.unflatten(treedef, given), abstract
+            )
+        except Exception:  # noqa: BLE001 - the run raises its own, more specific error
+            return None
+        out, out_def = jax.tree.flatten(after)
+        if out_def != treedef:
+            return None
+        turned = [i for i, o in enumerate(out) if held[i] and not o.weak_type]
+        if not turned:
+            break
+        for i in turned:
+            held[i], dtypes[i] = False, out[i].dtype
+    return tuple(dtypes)
