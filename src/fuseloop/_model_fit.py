@@ -182,7 +182,7 @@ class ModelFit:
             self._check_loss(self.first_y, y_pred, self.first_y)
 
     def _misfit(self, error: BaseException, variables: Any, whose: str) -> BaseException:
-        """The ValueError for a model that fails on the first batch's x with `variables`."""
+        """The ValueError (or the model's own error, kept) where the first batch's x fails."""
         x = self.first_x[0] if self.first_x is not None else None
         applying = f"applying the model to the first batch's x ({describe(x, 'x')})"
         if needs_rng(error):
