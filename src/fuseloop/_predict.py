@@ -28,7 +28,7 @@ from ._narrowing import Narrowing, native_order
 from ._placement import on_one_device_set
 from ._predict_inputs import host, inputs_of_source
 from ._predict_outputs import LIST_READ, joined, require_rows, require_rows_follow
-from ._unsliceable import refuse_jax_sparse, refuse_unstackable
+from ._unsliceable import refuse_unsliceable
 from ._variables_diff import member_axis
 from .engine.conv_layout import named
 from .models import as_model, variables_given, without_params
@@ -300,9 +300,7 @@ def _require_examples_axis(x: Any) -> None:
         raise ValueError("x=None: pass the inputs, an array with the examples on axis 0")
     if isinstance(x, collections.abc.Iterator):  # its batches are checked once read
         return
-    refuse_jax_sparse(x, "x")
-    for leaf in jax.tree.leaves(x):
-        refuse_unstackable(leaf, "x")
+    refuse_unsliceable(x, "x")
     if _is_array(x) and np.ndim(x) == 0:
         raise ValueError(
             f"x: a scalar ({type(x).__name__} of shape ()) holds no examples; pass an array "

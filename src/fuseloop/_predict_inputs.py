@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from ._data import as_host_array, as_source, own_copy
-from ._unsliceable import refuse_jax_sparse, refuse_unstackable
+from ._unsliceable import refuse_unsliceable
 
 __all__ = ["host", "inputs_of_source"]
 
@@ -42,8 +42,9 @@ def inputs_of_source(source: Any) -> tuple[Any, int | list[int], bool]:
         for batch in iterator:
             pair = isinstance(batch, (tuple, list)) and len(batch) == 2
             pairs = pairs or (pair and batch[1] is not None)  # (x, None) is x alone
-            _refuse_unsliceable(batch[0] if pair else batch, len(inputs))
-            inputs.append(jax.tree.map(keep, batch[0] if pair else batch))
+            x = batch[0] if pair else batch
+            refuse_unsliceable(x, f"x (batch {len(inputs)} of the source)")
+            inputs.append(jax.tree.map(keep, x))
     finally:
         wrapped.close()
     if not inputs:
@@ -83,12 +84,3 @@ def _require_alike(inputs: list[Any]) -> None:
                 f"{first[1:]} (or their structures differ); predict joins the batches' rows "
                 f"into one array: pad every batch to one length, or call fl.predict on each batch"
             )
-
-
-def _refuse_unsliceable(x: Any, index: int) -> None:
-    """A batch's x that fuseloop cannot cut by example (a sparse array, typed keys, a
-    masked array), refused as the batch of the source it is."""
-    name = f"x (batch {index} of the source)"
-    refuse_jax_sparse(x, name)
-    for leaf in jax.tree.leaves(x):
-        refuse_unstackable(leaf, name)

@@ -16,6 +16,7 @@ from ._prng_keys import holds_typed_keys
 __all__ = [
     "masked_fix",
     "refuse_jax_sparse",
+    "refuse_unsliceable",
     "refuse_unstackable",
     "typed_keys_fix",
     "unmasked",
@@ -97,6 +98,14 @@ def refuse_unstackable(leaf: Any, name: str) -> None:
             f"batch, by a generator of (x[i:i + b].toarray(), y[i:i + b]) batches over "
             f"x = x.tocsr())"
         )
+
+
+def refuse_unsliceable(part: Any, name: str) -> None:
+    """`refuse_jax_sparse` of `part`, then `refuse_unstackable` of each of its leaves, all
+    named `name` (the inputs `fl.predict` is given or reads from a source)."""
+    refuse_jax_sparse(part, name)
+    for leaf in jax.tree.leaves(part):
+        refuse_unstackable(leaf, name)
 
 
 def _sparse(leaf: Any) -> bool:

@@ -27,9 +27,13 @@ def _weak(leaf: Any) -> bool:
     return plain or bool(getattr(leaf, "weak_type", False))
 
 
+def _shape_and_dtype(leaf: Any) -> tuple[Any, Any]:
+    return np.shape(leaf), jax.numpy.result_type(leaf)
+
+
 def _signature(tree: Any) -> tuple[Any, tuple[Any, ...]]:
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((np.shape(leaf), jax.numpy.result_type(leaf)) for leaf in leaves)
+    return treedef, tuple(_shape_and_dtype(leaf) for leaf in leaves)
 
 
 def strengthen_weak_leaves(run: Any, step_state: Any, batch: Any) -> Any:
@@ -71,7 +75,7 @@ def _returned_dtypes(
     step cannot be traced abstractly or changes the state's structure (the run's checks
     say so)."""
     held, dtypes = list(weak), [None] * len(weak)
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(*_signature(a)[1][0]), batch)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(*_shape_and_dtype(a)), batch)
     for _ in weak:
         given = [
             jax.ShapeDtypeStruct(shape, dtype if made is None else made, weak_type=w)
