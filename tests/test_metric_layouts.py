@@ -423,7 +423,12 @@ def test_targets_spread_over_an_output_axis_as_long_as_the_batch_are_refused():
     x = rng.normal(size=(batch, 4)).astype(np.float32)
     model = fl.models.mlp([8, batch])
     spread = lambda t, p: jnp.mean((p - t) ** 2)  # noqa: E731
-    with pytest.raises(ValueError, match=r"broadcasts y_true's examples along an axis of y_pred"):
+    # Where y_pred is a (B, B) score of every pair (an in-batch softmax), the fix is fl.pairwise.
+    with pytest.raises(
+        ValueError,
+        match=r"broadcasts y_true's examples along an axis of y_pred.*"
+        r"score for every pair of examples.*pass fl.pairwise\(<lambda>\) instead",
+    ):
         fl.trainer(model, spread, "sgd").run([(x, x[:, 0])])
 
     def per_example(t, p):  # each example's target against each of its outputs

@@ -388,8 +388,27 @@ def test_ragged_last_batch_fused_raises_fusion_error(loop, fuse):
         fl.FusionError,
         match=r"iteration 3: leaf x has shape \(2, 3\).*"
         r"drop_remainder=True",
-    ):
+    ) as raised:
         loop.run(data, fuse=fuse)
+    # A list shows its last batch: refused before the epoch's first step, not after it.
+    assert raised.value.fuseloop_state.stats["dispatches"] == 0
+
+
+@pytest.mark.parametrize("container", [list, tuple, lambda b: lambda: iter(b)])
+def test_short_last_batch_of_a_sequence_is_refused_before_the_first_step(container):
+    """A list's or tuple's short last batch is known up front; a callable's only when it
+    comes, after the chunks before it stepped; a bound short of it never reaches it."""
+    batches = make_batches(5)
+    batches.append((batches[0][0][:2], batches[0][1][:2]))
+    data = container(batches)
+    with pytest.raises(
+        fl.FusionError, match=r"iteration 5: leaf batch\[0\] has shape \(2, 3\)"
+    ) as raised:
+        traced_loop([0]).run(data, {"n": 0}, fuse=2)
+    dispatches = raised.value.fuseloop_state.stats["dispatches"]
+    assert dispatches == (0 if isinstance(data, (list, tuple)) else 3)
+    state = traced_loop([0]).run(data, {"n": 0}, fuse=2, iterations=5, epochs=2)
+    assert int(state.step_state["n"]) == 10
 
 
 # --------------------------------------------------------------------------- empty data

@@ -144,6 +144,26 @@ class Checker:
                 return offset, error
         return len(batches), None
 
+    def refuse_short(self, batch: Any, epoch: int, iteration: int) -> None:
+        """Raises the `FusionError` a fused chunk would raise at `batch` (a list's last, at
+        `iteration`) where only its batch axis sets it apart from the run's first batch: the
+        unfused loop takes such a batch, a fused chunk cannot stack it, and saying so before
+        the epoch's first step spares the steps before it. Any other batch is checked where
+        its chunk is stacked, after the steps before it, as the unfused loop checks it."""
+        leaves, treedef = jax.tree.flatten(batch)
+        if treedef != self.treedef or not all(
+            isinstance(leaf, (np.ndarray, jax.Array)) for leaf in leaves
+        ):
+            return
+        signature = tuple(leaf_signature(leaf) for leaf in leaves)
+        if signature in self.accepted:
+            return
+        pairs = tuple(zip(self.expected, signature, strict=True))
+        if all(e == a or self._differs_on_batch_axis(e, a) for e, a in pairs) and any(
+            e[0] != a[0] for e, a in pairs
+        ):
+            self._diagnose(batch, leaves, treedef, signature, epoch, iteration, fused=True)
+
     def stacked(self, chunk: Any, n: int, epoch: int, first_iteration: int) -> None:
         """Called with a stacked chunk of `n` live batches: its labels and 64-bit integers,
         in one pass."""
@@ -245,11 +265,15 @@ class Checker:
             if unfused_takes_it:
                 fix += "; fused chunks stack one dtype per leaf (fuse=False converts)"
         elif unfused_takes_it:
-            dropping = "" if self.program.kind == "evaluator" else ", or drop_remainder=True"
+            dropping = (
+                ""
+                if self.program.kind == "evaluator"
+                else ", or leave it out (drop_remainder=True; a torch DataLoader's drop_last=True)"
+            )
             fix = (
                 "fused chunks compile once for one batch shape: use fuse=False, or "
                 "fl.data.arrays(..., device=True), which runs a short last batch as a step "
-                f"of its own{dropping} (padding would count as examples)"
+                f"of its own{dropping}; padding it would count the padding as examples"
             )
         else:
             fix = (

@@ -1,14 +1,17 @@
 """What a fused run over host batches tells of a short last batch, which it cannot stack
 with full ones: the fixes that work where it runs (one device, or a mesh the short batch
-may not divide over either)."""
+may not divide over either), said before the epoch's first step where the source shows
+its last batch (a list, a tuple, `fl.data.arrays`)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 
 from ._fusion import FusionError
 
-__all__ = ["short_batch_error"]
+__all__ = ["refuse_short_batch", "short_batch_error"]
 
 
 def short_batch_error(
@@ -36,3 +39,26 @@ def short_batch_error(
         f"own, or fuse=False; or in training data pass drop_remainder=True (the short "
         f"batch is left out)"
     )
+
+
+def refuse_short_batch(
+    data: Any, placement: Any, checker: Any, reaches_end: bool, epoch: int, live: bool
+) -> None:
+    """Refuses, as an epoch begins, a short last batch that a fused chunk cannot stack, and
+    one a mesh cannot divide, rather than after the steps before it: an `fl.data.arrays`
+    source's, or the last batch of a list or tuple that only its batch axis sets apart
+    (`Checker.refuse_short`). `reaches_end`: the epoch steps its last batch; `live`: an
+    unfused run, which takes a short batch as a step of its own."""
+    if not reaches_end:
+        return
+    if isinstance(data, (list, tuple)):
+        if not live and len(data) > 1:
+            checker.refuse_short(data[-1], epoch, len(data) - 1)
+        return
+    short = getattr(data, "short_batch", 0)
+    if not short:
+        return
+    if not live and data.n > data.batch_size:
+        over = placement.indivisible(short)  # its fixes must work on the mesh too
+        raise short_batch_error(data.n, data.batch_size, short, over)
+    placement.chunk_sharding(short, short=True)

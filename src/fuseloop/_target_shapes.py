@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-import optax
 
+from ._optax_order import refuse_optax_order
 from ._pairwise import is_pairwise
 
 __all__ = ["refusing_cross_broadcast"]
@@ -43,7 +43,7 @@ def refusing_cross_broadcast(fn: Callable[..., Any], kind: str, name: str) -> Ca
         ...
         ValueError: the loss l(y_true, y_pred) got y_true of shape (4,) and y_pred of ...
     """
-    _refuse_optax_order(fn, kind)
+    refuse_optax_order(fn, kind)
     if is_pairwise(fn):  # every target against every prediction, on purpose
         return fn
     checked: set[Any] = set()
@@ -312,11 +312,13 @@ def _cross_message(pair: _Crossed, kind: str, name: str, inside: bool = False) -
         return (
             f"the {kind} {name}(y_true, y_pred) got {t} of shape {pair.target_shape} and {p} "
             f"of shape {pair.output_shape}, and it broadcasts {t}'s examples along an axis "
-            f"of {p} that holds as many values as the batch (at another batch size they "
-            f"would not broadcast): every target against every prediction. Give each "
-            f"example's target its own axis inside the {kind} (e.g. {t}[..., None], "
-            f"against each of that example's outputs), or make the model output one value "
-            f"per example"
+            f"of {p} that holds as many values as the batch: every target against every "
+            f"prediction. If that axis holds classes or outputs that only number the batch "
+            f"size here (at another batch size they would not broadcast), give each "
+            f"example's target its own axis inside the {kind} (e.g. {t}[..., None], against "
+            f"each of that example's outputs), or make the model output one value per "
+            f"example. If {p} holds a score for every pair of examples (a retrieval score, "
+            f"an in-batch softmax), pass fl.pairwise({name}) instead"
         )
     them = f"a value computed from {t} against one computed from {p}" if inside else "them"
     fix = (
@@ -368,33 +370,3 @@ def _inner_jaxprs(param: Any) -> Iterator[Any]:
     elif isinstance(param, (tuple, list)):
         for item in param:
             yield from _inner_jaxprs(item)
-
-
-def _refuse_optax_order(fn: Any, kind: str) -> None:
-    """An optax loss given as is: optax's losses take `(predictions, targets)` and return
-    one value per example, where fuseloop calls `fn(y_true, y_pred)` (a loss for a scalar,
-    a metric for per-example values), so the arguments would be swapped (and a shape
-    error, or a `.mean()` added after one, would hide it). The message's wrapper keeps a
-    partial's arguments and names the function where optax exports it."""
-    keywords: dict[str, Any] = {}
-    while isinstance(fn, functools.partial):  # partial(optax.sigmoid_focal_loss, gamma=2)
-        keywords = {**fn.keywords, **keywords}
-        fn = fn.func
-    module = str(getattr(fn, "__module__", "") or "")
-    if module != "optax" and not module.startswith("optax."):
-        return
-    name = getattr(fn, "__name__", "loss")
-    path = f"optax.{name}" if getattr(optax, name, None) is fn else f"optax.losses.{name}"
-    extra = "".join(f", {k}={v!r}" for k, v in keywords.items())
-    call = f"{path}(y_pred, y_true{extra})"
-    fix = (
-        f"lambda y_true, y_pred: {call}.mean(), or pass a built-in name such as "
-        f"'sparse_categorical_cross_entropy'"
-        if kind == "loss"
-        else f"lambda y_true, y_pred: {call} (one value per example, which the metric "
-        f"averages over the epoch's examples)"
-    )
-    raise ValueError(
-        f"{kind}={path}: optax's losses take (predictions, targets), while fuseloop calls "
-        f"a {kind} as {kind}(y_true, y_pred). Wrap it: {fix}"
-    )

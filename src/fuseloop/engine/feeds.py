@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .._fused_short_batch import short_batch_error
+from .._fused_short_batch import refuse_short_batch
 from .._fusion import chunk_slots, stack_chunk
 from .._placement import device_int
 from .prefetch import ChunkProducer
@@ -85,7 +85,9 @@ class HostFeed:
         length = self.source.epoch_length
         if length is not None:  # the epoch's last step is known to be its last
             bound = length if bound is None else min(bound, length)
-            self._check_short_batch(bound == length)
+            refuse_short_batch(
+                self.source.data, self.placement, self.checker, bound == length, epoch, self.live
+            )
         if iterator is not getattr(self, "iterator", None):
             self.failed = None  # an error pulled ahead in a pass an earlier epoch left
         self.epoch, self.iterator, self.bound = epoch, iterator, bound
@@ -103,18 +105,6 @@ class HostFeed:
         # already holds `prefetch` chunks (and counts the last one handed out), one more
         # taken from it would pull past that bound.
         self.depth = 0 if not self.ahead else 1 if threaded else max(1, self.prefetch)
-
-    def _check_short_batch(self, reaches_end: bool) -> None:
-        """Refuses an `fl.data.arrays` source's short last batch, which a fused chunk cannot
-        stack and a mesh must divide, before the epoch's first step rather than at it."""
-        data = self.source.data
-        short = getattr(data, "short_batch", 0)
-        if not (reaches_end and short):
-            return
-        if not self.live and data.n > data.batch_size:
-            over = self.placement.indivisible(short)  # its fixes must work on the mesh too
-            raise short_batch_error(data.n, data.batch_size, short, over)
-        self.placement.chunk_sharding(short, short=True)
 
     def end(self, wait: bool = True) -> None:
         """Ends the epoch's pulling ahead; `wait=False` (an abort) leaves a pull under way
