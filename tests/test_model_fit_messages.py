@@ -565,11 +565,21 @@ def test_a_typo_in_a_loss_raises_its_own_error_not_a_data_misfit():
 
     with pytest.raises(RuntimeError, match="own check failed"):
         fl.trainer(fl.models.mlp([3]), checked, "sgd").run(data)
-    # A KeyError of a dict y, or y read by an attribute it lacks, is y's misfit still.
+    # A KeyError of a dict y, or y read by an attribute it lacks, is y's misfit still: a
+    # key y lacks is named with the keys it holds (a misspelt key is no matter of shape).
     targets = [(x, {"label": np.zeros(8, np.int32)})]
     by_key = lambda y, p: (p[:, 0] - y["target"]).mean()  # noqa: E731
-    with pytest.raises(ValueError, match=r"does not fit .* y holds targets y_true\['label'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"the loss '<lambda>' reads the key 'target', which y does not hold: y holds "
+        r"y\['label'\] of shape \(8,\)\. Correct the key in the loss",
+    ):
         fl.trainer(fl.models.mlp([3]), by_key, "sgd").run(targets)
+    # ... but a KeyError of a key y holds comes from another dict: the loss's own.
+    options: dict = {}
+    other_dict = lambda y, p: (p[:, 0] - y["label"]).mean() * options["label"]  # noqa: E731
+    with pytest.raises(KeyError, match="label"):
+        fl.trainer(fl.models.mlp([3]), other_dict, "sgd").run(targets)
     pair = [(x, (np.zeros(8, np.int32), np.ones(8, np.float32)))]
     by_name = lambda y, p: (p[:, 0] * y.weight).mean()  # noqa: E731
     with pytest.raises(ValueError, match=r"does not fit the loss .*AttributeError"):

@@ -26,10 +26,10 @@ from ._model_fit_advice import (
     fix_for_x,
     held,
     loss_misfit,
+    loss_misfit_error,
     one_example,
     refuse_one_class_output,
     scope_misuse,
-    several_targets,
     unbatched_output,
     unbound_axis,
 )
@@ -346,11 +346,7 @@ class ModelFit:
             wrong = no_device_dtype(y, "y", f"the loss {name!r}")
             if wrong is not None:
                 raise ValueError(f"data: {wrong}") from error
-            raise ValueError(
-                f"data: y does not fit the loss {name!r}: with y ({describe(y, 'y')}) and "
-                f"{output} it fails with {first_line(error)}. Give y the shape the loss "
-                f"expects for this output{several_targets(y, self.program.loss)}"
-            ) from error
+            raise loss_misfit_error(error, name, y, output, self.program.loss) from error
         if not isinstance(value, jax.ShapeDtypeStruct):
             raise ValueError(
                 f"loss {name!r} returned {type(value).__name__} "

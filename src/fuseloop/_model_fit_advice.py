@@ -343,15 +343,40 @@ def loss_misfit(error: BaseException, y: Any, y_pred: Any) -> bool:
         return False
     if isinstance(error, (TypeError, ValueError, IndexError)):
         return True
-    if isinstance(error, KeyError):
-        return _holds_mapping(y) and not _holds_mapping(y_pred)
+    if isinstance(error, KeyError):  # not one of y's keys: another dict's is the loss's own
+        missing = error.args[0] if error.args else None
+        return _holds_mapping(y) and not _holds_mapping(y_pred) and not _has_key(y, missing)
     if isinstance(error, AttributeError):
         structure = (tuple, list)
         return isinstance(y, structure) and isinstance(getattr(error, "obj", None), structure)
     return False
 
 
+def _has_key(tree: Any, key: Any) -> bool:
+    """Whether a mapping in `tree` (y) holds `key`, at any depth."""
+    if isinstance(tree, Mapping):
+        return key in tree or any(_has_key(v, key) for v in tree.values())
+    return isinstance(tree, (tuple, list)) and any(_has_key(v, key) for v in tree)
+
+
 def _holds_mapping(tree: Any) -> bool:
     if isinstance(tree, Mapping):
         return True
     return isinstance(tree, (tuple, list)) and any(_holds_mapping(v) for v in tree)
+
+
+def loss_misfit_error(error: BaseException, name: str, y: Any, output: str, loss: Any) -> Exception:
+    """The `ValueError` for a custom loss that `loss_misfit` says y does not fit. A key y
+    lacks is more often a key misspelt in the loss than a y built without it: both are
+    named, with the keys y holds, rather than y's shape."""
+    if isinstance(error, KeyError) and error.args:
+        return ValueError(
+            f"data: the loss {name!r} reads the key {error.args[0]!r}, which y does not "
+            f"hold: y holds {describe(y, 'y')}. Correct the key in the loss, or give y an "
+            f"entry of that name"
+        )
+    return ValueError(
+        f"data: y does not fit the loss {name!r}: with y ({describe(y, 'y')}) and "
+        f"{output} it fails with {first_line(error)}. Give y the shape the loss "
+        f"expects for this output{several_targets(y, loss)}"
+    )
