@@ -409,6 +409,12 @@ def test_short_last_batch_of_a_sequence_is_refused_before_the_first_step(contain
     assert dispatches == (0 if isinstance(data, (list, tuple)) else 3)
     state = traced_loop([0]).run(data, {"n": 0}, fuse=2, iterations=5, epochs=2)
     assert int(state.step_state["n"]) == 10
+    # A short first batch is the reference: the full ones after it are refused where they
+    # come, after the steps before them, as the unfused loop meets them.
+    data = container(batches[-1:] + batches[:-1])
+    with pytest.raises(fl.FusionError, match=r"iteration 1: leaf batch\[0\]") as raised:
+        traced_loop([0]).run(data, {"n": 0}, fuse=2)
+    assert raised.value.fuseloop_state.stats["dispatches"] == 1
 
 
 # --------------------------------------------------------------------------- empty data

@@ -146,10 +146,11 @@ class Checker:
 
     def refuse_short(self, batch: Any, epoch: int, iteration: int) -> None:
         """Raises the `FusionError` a fused chunk would raise at `batch` (a list's last, at
-        `iteration`) where only its batch axis sets it apart from the run's first batch: the
-        unfused loop takes such a batch, a fused chunk cannot stack it, and saying so before
-        the epoch's first step spares the steps before it. Any other batch is checked where
-        its chunk is stacked, after the steps before it, as the unfused loop checks it."""
+        `iteration`) where only a shorter batch axis sets it apart from the run's first
+        batch: the unfused loop takes such a batch, a fused chunk cannot stack it, and
+        saying so before the epoch's first step spares the steps before it. Any other batch
+        is checked where its chunk is stacked, after the steps before it, as the unfused
+        loop checks it."""
         leaves, treedef = jax.tree.flatten(batch)
         if treedef != self.treedef or not all(
             isinstance(leaf, (np.ndarray, jax.Array)) for leaf in leaves
@@ -159,9 +160,10 @@ class Checker:
         if signature in self.accepted:
             return
         pairs = tuple(zip(self.expected, signature, strict=True))
-        if all(e == a or self._differs_on_batch_axis(e, a) for e, a in pairs) and any(
-            e[0] != a[0] for e, a in pairs
-        ):
+        if not all(e == a or self._differs_on_batch_axis(e, a) for e, a in pairs):
+            return
+        fewer_rows = [a[0][0] < e[0][0] for e, a in pairs if e[0] != a[0]]  # a short batch
+        if fewer_rows and all(fewer_rows):
             self._diagnose(batch, leaves, treedef, signature, epoch, iteration, fused=True)
 
     def stacked(self, chunk: Any, n: int, epoch: int, first_iteration: int) -> None:
