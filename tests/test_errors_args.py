@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -329,6 +330,16 @@ def test_a_keras_or_lightning_keyword_to_run_names_fuseloops_way(keyword, words)
         trainer().run(source, **{keyword: 3})
     check(info, f"Loop.run() got an unexpected keyword argument {keyword!r}", *words)
     assert source.pulls == 0  # refused before anything was read
+
+
+@pytest.mark.parametrize("keyword", ["train", "deterministic", "rngs", "mc_dropout"])
+def test_a_dropout_keyword_to_predict_names_the_trained_models_training_mode(keyword):
+    """Monte Carlo dropout: Python's bare error said nothing of how to get samples."""
+    model = tiny_mlp()
+    variables = model.init(jax.random.PRNGKey(0), DATA[0][0])
+    with pytest.raises(TypeError) as info:
+        fl.predict(model, variables, DATA[0][0], **{keyword: True})
+    check(info, f"predict() got an unexpected keyword argument {keyword!r}", "m.train() for nnx")
 
 
 def test_a_keras_compile_keyword_to_a_factory_names_fuseloops_way():

@@ -428,8 +428,9 @@ def test_targets_spread_over_an_output_axis_as_long_as_the_batch_are_refused():
         ValueError,
         match=r"broadcasts y_true's examples along an axis of y_pred.*"
         r"score for every pair of examples.*pass fl.pairwise\(<lambda>\) instead",
-    ):
+    ) as refused:
         fl.trainer(model, spread, "sgd").run([(x, x[:, 0])])
+    assert str(refused.value).endswith("instead")  # not told, after, to reshape y
 
     def per_example(t, p):  # each example's target against each of its outputs
         return jnp.mean((p - t[:, None]) ** 2)
@@ -529,3 +530,29 @@ def test_a_crossing_beside_a_scalar_output_or_target_is_refused(scalar_in):
     with pytest.raises(ValueError, match=r"y_true\['weight'\]\[\.\.\., 0\]"):
         fl.trainer(model, weighted(True), "sgd").run(data)
     assert fl.trainer(model, weighted(False), "sgd").run(data).status == "completed"
+
+
+def test_the_reshape_the_refusal_suggests_drops_the_axis_of_one_on_the_side_holding_it():
+    """y_true (B, 1) against a (B,) output leaf: the advice was `y_pred[..., 0]`, which
+    turns (B,) into example 0's prediction alone, and trained in silence."""
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    loss = lambda t, p: jnp.mean((p["mean"] - t) ** 2)  # noqa: E731
+    for shape, y, fix in (
+        ((4,), x[:, :1], r"y_true\[\.\.\., 0\] or y_pred\['mean'\]\[\.\.\., None\]"),
+        ((4, 1), x[:, 0], r"y_pred\['mean'\]\[\.\.\., 0\] or y_true\[\.\.\., None\]"),
+    ):
+        head = fl.models.from_functions(
+            lambda rng, x, shape=shape: {"w": jnp.ones(shape)},
+            lambda p, x: {"mean": x @ p["w"]},
+        )
+        with pytest.raises(ValueError, match=fix):
+            fl.trainer(head, loss, "sgd").run([(x, y)])
+
+
+def test_a_built_in_metric_of_one_target_against_several_outputs_is_told_to_pick_one():
+    """A (B, 2) mean-and-log-variance head under "mae": reshaping y cannot help."""
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    nll = lambda t, p: jnp.mean(p[:, 1] + (t - p[:, 0]) ** 2 * jnp.exp(-p[:, 1]))  # noqa: E731
+    loop = fl.trainer(fl.models.mlp([2]), nll, "sgd").metric("mae")
+    with pytest.raises(ValueError, match=r"reads the one to compare \(y_pred\[:, 0\] against"):
+        loop.run([(x, x[:, 0])])

@@ -571,11 +571,16 @@ def test_a_typo_in_a_loss_raises_its_own_error_not_a_data_misfit():
     by_key = lambda y, p: (p[:, 0] - y["target"]).mean()  # noqa: E731
     with pytest.raises(
         ValueError,
-        match=r"the loss '<lambda>' reads the key 'target', which y does not hold: y holds "
-        r"y\['label'\] of shape \(8,\)\. Correct the key in the loss",
+        match=r"the loss '<lambda>' reads a key 'target' where y does not hold it: y holds "
+        r"y\['label'\] of shape \(8,\)\. Correct the key",
     ):
         fl.trainer(fl.models.mlp([3]), by_key, "sgd").run(targets)
-    # ... but a KeyError of a key y holds comes from another dict: the loss's own.
+    # A key y holds at another level is shown where it is.
+    nested = [(x, {"label": np.zeros(8, np.int32), "aux": {"weight": np.ones(8, np.float32)}})]
+    top = lambda y, p: (p[:, 0] * y["weight"]).mean()  # noqa: E731
+    with pytest.raises(ValueError, match=r"reads a key 'weight' .* y\['aux'\]\['weight'\]"):
+        fl.trainer(fl.models.mlp([3]), top, "sgd").run(nested)
+    # ... but a KeyError of a key every dict of y holds comes from another dict: its own.
     options: dict = {}
     other_dict = lambda y, p: (p[:, 0] - y["label"]).mean() * options["label"]  # noqa: E731
     with pytest.raises(KeyError, match="label"):

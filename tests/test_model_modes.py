@@ -383,6 +383,40 @@ def test_equinox_dropout_in_training_only():
     )
 
 
+class NnxFlagNet(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(5, 3, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x, deterministic: bool = False):
+        return self.drop(self.dense(x), deterministic=deterministic)
+
+
+def test_the_libraries_own_switch_to_training_wins_over_trained_evaluation():
+    """Monte Carlo dropout: equinox's `inference_mode(m, False)` and nnx's `.train()` on
+    the trained model put it in training mode; the flag `trained` passed for evaluation
+    silently overrode them (the samples equalled the evaluation's)."""
+    model = EqxInferenceFlag(jax.random.PRNGKey(0))  # its flag defaults to training
+    state = fl.trainer(model, SPARSE, "sgd").run(DATA)
+    evaluating = fl.models.trained(model, state)
+    x, keys = DATA[0][0], jax.random.split(jax.random.PRNGKey(1), len(DATA[0][0]))
+    evaluated = jax.vmap(evaluating)(x)
+    sampling = eqx.nn.inference_mode(evaluating, False)
+    sampled = jax.vmap(lambda xi, k: sampling(xi, key=k))(x, keys)
+    by_flag = jax.vmap(lambda xi, k: evaluating(xi, key=k, inference=False))(x, keys)
+    np.testing.assert_array_equal(sampled, by_flag)
+    assert not np.array_equal(sampled, evaluated)
+    np.testing.assert_array_equal(jax.vmap(eqx.nn.inference_mode(sampling))(x), evaluated)
+
+    module = NnxFlagNet(nnx.Rngs(0))
+    evaluating = fl.models.trained(module, fl.trainer(module, SPARSE, "sgd").run(DATA))
+    evaluated = evaluating(x)
+    evaluating.train()
+    assert not np.array_equal(evaluating(x), evaluated)
+    evaluating.eval()
+    np.testing.assert_array_equal(evaluating(x), evaluated)
+
+
 class EqxBatchNorm(eqx.Module):
     dense: eqx.nn.Linear
     norm: eqx.nn.BatchNorm

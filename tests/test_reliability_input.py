@@ -415,6 +415,17 @@ def test_short_last_batch_of_a_sequence_is_refused_before_the_first_step(contain
     with pytest.raises(fl.FusionError, match=r"iteration 1: leaf batch\[0\]") as raised:
         traced_loop([0]).run(data, {"n": 0}, fuse=2)
     assert raised.value.fuseloop_state.stats["dispatches"] == 1
+    # A batch between them that differs is refused first, where it comes.
+    data = container([batches[0], (batches[1][0][:3], batches[1][1][:3]), *batches[2:]])
+    with pytest.raises(fl.FusionError, match=r"iteration 1: leaf batch\[0\]"):
+        traced_loop([0]).run(data, {"n": 0}, fuse=2)
+    # An iteration handler may halt the epoch before the short batch: it runs as unfused.
+    halting = traced_loop([0]).handle_event(
+        "iteration_completed", lambda s: "halt_loop" if s.iteration >= 3 else None
+    )
+    for fuse in (False, 1, 2):
+        state = halting.run(container(batches), {"n": 0}, fuse=fuse)
+        assert (state.status, int(state.step_state["n"])) == ("halted", 4), fuse
 
 
 # --------------------------------------------------------------------------- empty data

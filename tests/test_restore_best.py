@@ -168,8 +168,12 @@ def test_a_run_continuing_the_last_one_in_the_same_loop_keeps_its_best_copy():
     kept = snapshots(False)
     loop = factory().early_stop("score", patience=10, restore_best=True)
     first = loop.run(DATA, epochs=4)
-    # `first` holds epoch 2's weights: epochs 4 and 5 train on from those, as it says.
-    with pytest.warns(RuntimeWarning, match=r"holds epoch 2's step state"):
+    # `first` holds epoch 2's step state: epochs 4 and 5 train on from it, as it says,
+    # its optimizer state too (unlike Keras's restore_best_weights: the warning says so).
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"holds epoch 2's step state.*its optimizer state too.*restores the weights alone",
+    ):
         later = loop.run(DATA, first, epochs=6)
     for state in (first, later):
         jax.tree.map(

@@ -19,6 +19,7 @@ checked in `_narrowing.py`: float64 warns once per run, an int64 beyond 32 bits 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -63,6 +64,7 @@ class Checker:
         self.graph: bool | MixedRows = False
         self.fit = ModelFit(program)  # x and y against the model and loss, abstractly
         self.first_batch: Any = None
+        self.short_checked: Any = None  # a list's last batch, checked once (`refuse_short`)
         self.step_signature: Any = None  # a deferred step check's state signature
         self.labels = LabelChecks()
         self.narrowing = Narrowing(program.data_name)
@@ -144,27 +146,35 @@ class Checker:
                 return offset, error
         return len(batches), None
 
-    def refuse_short(self, batch: Any, epoch: int, iteration: int) -> None:
-        """Raises the `FusionError` a fused chunk would raise at `batch` (a list's last, at
-        `iteration`) where only a shorter batch axis sets it apart from the run's first
-        batch: the unfused loop takes such a batch, a fused chunk cannot stack it, and
-        saying so before the epoch's first step spares the steps before it. Any other batch
-        is checked where its chunk is stacked, after the steps before it, as the unfused
-        loop checks it."""
+    def refuse_short(self, batches: Sequence[Any], epoch: int) -> None:
+        """Raises, before the epoch's first step, the `FusionError` a fused chunk would
+        raise at the last of a list's `batches` where only a shorter batch axis sets it
+        apart and every batch before it is like the first (any other is refused where it
+        comes, as the unfused loop meets it). Once per run."""
+        last, seen = batches[-1], self.short_checked
+        self.short_checked = last
+        if last is seen or not self._short_batch(last):
+            return
+        if all(self._signature(batch) in self.accepted for batch in batches[1:-1]):
+            leaves, treedef = jax.tree.flatten(last)
+            where = (epoch, len(batches) - 1)
+            self._diagnose(last, leaves, treedef, self._signature(last), *where, fused=True)
+
+    def _short_batch(self, batch: Any) -> bool:
+        """Whether only a shorter batch axis sets `batch`, of arrays, apart from the first."""
         leaves, treedef = jax.tree.flatten(batch)
-        if treedef != self.treedef or not all(
-            isinstance(leaf, (np.ndarray, jax.Array)) for leaf in leaves
-        ):
-            return
-        signature = tuple(leaf_signature(leaf) for leaf in leaves)
-        if signature in self.accepted:
-            return
-        pairs = tuple(zip(self.expected, signature, strict=True))
+        arrays = all(isinstance(leaf, (np.ndarray, jax.Array)) for leaf in leaves)
+        if treedef != self.treedef or not arrays:
+            return False
+        pairs = tuple(zip(self.expected, self._signature(batch), strict=True))
         if not all(e == a or self._differs_on_batch_axis(e, a) for e, a in pairs):
-            return
-        fewer_rows = [a[0][0] < e[0][0] for e, a in pairs if e[0] != a[0]]  # a short batch
-        if fewer_rows and all(fewer_rows):
-            self._diagnose(batch, leaves, treedef, signature, epoch, iteration, fused=True)
+            return False
+        fewer_rows = [a[0][0] < e[0][0] for e, a in pairs if e[0] != a[0]]
+        return bool(fewer_rows) and all(fewer_rows)
+
+    @staticmethod
+    def _signature(batch: Any) -> tuple[Any, ...]:
+        return tuple(leaf_signature(leaf) for leaf in jax.tree.leaves(batch))
 
     def stacked(self, chunk: Any, n: int, epoch: int, first_iteration: int) -> None:
         """Called with a stacked chunk of `n` live batches: its labels and 64-bit integers,

@@ -192,6 +192,23 @@ HANDLER_ADVICE: Mapping[str, Mapping[str, str]] = {
 }
 
 
+_MC_DROPOUT = (
+    "predict evaluates (dropout off, BatchNorm's running statistics); for samples with "
+    "dropout on (Monte Carlo dropout) call the trained model in training mode: "
+    "m = fl.models.trained(model, state), then m.train() for nnx, "
+    "eqx.nn.inference_mode(m, False) for equinox (give it a key), or for linen "
+    "model.apply(state.params, x, train=True, rngs={'dropout': key})"
+)
+PREDICT_ADVICE: Mapping[str, str] = {
+    **dict.fromkeys(
+        ("train", "training", "is_training", "deterministic", "inference", "mode"), _MC_DROPOUT
+    ),
+    **dict.fromkeys(("rngs", "rng", "key", "dropout_rng", "mc_dropout"), _MC_DROPOUT),
+    "verbose": "predict prints nothing",
+    "steps": "predict reads every example of x: give it the rows to predict (x[:n])",
+}
+
+
 def advise_foreign_keywords(
     advice: Mapping[str, str], owner: str | None = None
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:

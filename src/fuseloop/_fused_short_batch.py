@@ -42,18 +42,26 @@ def short_batch_error(
 
 
 def refuse_short_batch(
-    data: Any, placement: Any, checker: Any, reaches_end: bool, epoch: int, live: bool
+    data: Any,
+    placement: Any,
+    checker: Any,
+    reaches_end: bool,
+    epoch: int,
+    live: bool,
+    may_halt: bool,
 ) -> None:
     """Refuses, as an epoch begins, a short last batch that a fused chunk cannot stack, and
     one a mesh cannot divide, rather than after the steps before it: an `fl.data.arrays`
-    source's, or the last batch of a list or tuple that only its batch axis sets apart
-    (`Checker.refuse_short`). `reaches_end`: the epoch steps its last batch; `live`: an
-    unfused run, which takes a short batch as a step of its own."""
+    source's, or the last batch of a list or tuple that only a shorter batch axis sets
+    apart (`Checker.refuse_short`). `reaches_end`: the epoch steps its last batch unless
+    it halts first; `live`: an unfused run, which takes a short batch as a step of its
+    own; `may_halt`: an iteration handler or the guard may halt the epoch before its last
+    batch, which a list's is then refused at, only if it comes (as the unfused loop)."""
     if not reaches_end:
         return
     if isinstance(data, (list, tuple)):
-        if not live and len(data) > 1:
-            checker.refuse_short(data[-1], epoch, len(data) - 1)
+        if not (live or may_halt) and len(data) > 1:
+            checker.refuse_short(data, epoch)
         return
     short = getattr(data, "short_batch", 0)
     if not short:

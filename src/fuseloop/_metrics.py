@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from ._arg_types import refuse_signature
-from ._outputs import losses_per_output, require_arrays
+from ._outputs import losses_per_output, require_arrays, targets_misfit
 from ._sums import Mean, accumulate, accumulated, accumulator_dtype, empty_accumulator, mean_of
 from ._target_shapes import refusing_cross_broadcast
 
@@ -87,11 +87,7 @@ def fits_output(shape: tuple[int, ...], output: tuple[int, ...]) -> bool:
 
 def _like_output(y_true: Array, y_pred: Array, name: str) -> Array:
     if not fits_output(jnp.shape(y_true), jnp.shape(y_pred)):
-        raise ValueError(
-            f"data: y has shape {jnp.shape(y_true)}, but {name} with the model's output of "
-            f"shape {jnp.shape(y_pred)} expects targets of that shape (trailing 1s aside); "
-            f"reshape or transpose y, or change the model's last layer"
-        )
+        raise ValueError(targets_misfit(jnp.shape(y_true), jnp.shape(y_pred), name))
     return jnp.reshape(y_true, y_pred.shape)
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from ._arg_types import prediction_first
 from ._epoch_order import abstract_key
 from ._functions import from_functions
+from ._target_shapes import CrossBroadcastError
 from ._variables_diff import first_difference
 from .models import ModelConventionError, from_equinox, from_nnx
 
@@ -334,29 +335,32 @@ def refuse_one_class_output(name: str, y_pred: Any, output: str) -> None:
 def loss_misfit(error: BaseException, y: Any, y_pred: Any) -> bool:
     """Whether `error`, raised by a custom loss on the first batch, may say y does not fit
     it: jax and numpy report a shape or dtype misfit as a TypeError, ValueError or
-    IndexError; a KeyError where y holds a mapping and the output none; an AttributeError
-    of a tuple or list where y is one (`y.weight` of a plain tuple). Any other (a typo
-    such as `jnp.meen` or `p.meen()`, an assert, a config's KeyError, a RuntimeError) is
-    the loss's own, as are jax's tracer errors (their text says the fix): each keeps its
-    type, with the shapes in a note."""
-    if isinstance(error, (jax.errors.JAXTypeError, jax.errors.JAXIndexError)):
+    IndexError; a KeyError where y holds a mapping and the output none, of a key some
+    mapping of y lacks; an AttributeError of a tuple or list where y is one (`y.weight`
+    of a plain tuple). Any other (a typo such as `jnp.meen` or `p.meen()`, an assert, a
+    KeyError of a key every mapping of y holds: a config's, a RuntimeError) is the loss's
+    own, as are jax's tracer errors and a cross broadcast's refusal (their text says the
+    fix): each keeps its type, with the shapes in a note."""
+    if isinstance(error, (jax.errors.JAXTypeError, jax.errors.JAXIndexError, CrossBroadcastError)):
         return False
     if isinstance(error, (TypeError, ValueError, IndexError)):
         return True
-    if isinstance(error, KeyError):  # not one of y's keys: another dict's is the loss's own
+    if isinstance(error, KeyError):  # a key every dict of y holds: another dict's (a config's)
         missing = error.args[0] if error.args else None
-        return _holds_mapping(y) and not _holds_mapping(y_pred) and not _has_key(y, missing)
+        return _holds_mapping(y) and not _holds_mapping(y_pred) and not _every_has(y, missing)
     if isinstance(error, AttributeError):
         structure = (tuple, list)
         return isinstance(y, structure) and isinstance(getattr(error, "obj", None), structure)
     return False
 
 
-def _has_key(tree: Any, key: Any) -> bool:
-    """Whether a mapping in `tree` (y) holds `key`, at any depth."""
+def _every_has(tree: Any, key: Any) -> bool:
+    """Whether every mapping in `tree` (y, holding one) holds `key`."""
     if isinstance(tree, Mapping):
-        return key in tree or any(_has_key(v, key) for v in tree.values())
-    return isinstance(tree, (tuple, list)) and any(_has_key(v, key) for v in tree)
+        return key in tree and all(_every_has(v, key) for v in tree.values())
+    if isinstance(tree, (tuple, list)):
+        return all(_every_has(v, key) for v in tree)
+    return True
 
 
 def _holds_mapping(tree: Any) -> bool:
@@ -366,14 +370,15 @@ def _holds_mapping(tree: Any) -> bool:
 
 
 def loss_misfit_error(error: BaseException, name: str, y: Any, output: str, loss: Any) -> Exception:
-    """The `ValueError` for a custom loss that `loss_misfit` says y does not fit. A key y
-    lacks is more often a key misspelt in the loss than a y built without it: both are
-    named, with the keys y holds, rather than y's shape."""
+    """The `ValueError` for a custom loss that `loss_misfit` says y does not fit. A key
+    missing where the loss reads it is more often misspelt, or read at the wrong level of
+    y, than left out of y: the key is named with every key y holds, not y's shape."""
     if isinstance(error, KeyError) and error.args:
         return ValueError(
-            f"data: the loss {name!r} reads the key {error.args[0]!r}, which y does not "
-            f"hold: y holds {describe(y, 'y')}. Correct the key in the loss, or give y an "
-            f"entry of that name"
+            f"data: the loss {name!r} reads a key {error.args[0]!r} where y does not hold "
+            f"it: y holds {describe(y, 'y')}. Correct the key or where the loss reads it, "
+            f"or give y that entry (where the loss reads it from a dict of its own, that "
+            f"dict lacks it)"
         )
     return ValueError(
         f"data: y does not fit the loss {name!r}: with y ({describe(y, 'y')}) and "

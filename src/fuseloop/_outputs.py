@@ -3,13 +3,20 @@ or an error that describes the tuple or dict it returned and how to pick from it
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["describe_outputs", "losses_per_output", "require_arrays", "require_one_prediction"]
+__all__ = [
+    "describe_outputs",
+    "losses_per_output",
+    "require_arrays",
+    "require_one_prediction",
+    "targets_misfit",
+]
 
 
 def describe_outputs(y_pred: Any, label: str = "output") -> str | None:
@@ -137,4 +144,25 @@ def losses_per_output(loss: Any) -> str:
         "returning the sum of each output's loss (weighted as you like), e.g. "
         "optax.softmax_cross_entropy_with_integer_labels(y_pred['a'], y_true['a']).mean() "
         "+ jnp.mean((y_pred['b'] - y_true['b']) ** 2)"
+    )
+
+
+def targets_misfit(y_shape: tuple[int, ...], out_shape: tuple[int, ...], name: str) -> str:
+    """The message for targets of `y_shape` that the built-in `name`, reading one target
+    per output, cannot compare with an output of `out_shape`. One target per example
+    against several outputs per example (a mean and a log-variance, quantiles) is told to
+    pick the output the metric compares."""
+    one_per_example = math.prod(y_shape[1:]) == 1 and len(y_shape) >= 1
+    several = len(out_shape) == 2 and out_shape[-1] > 1 and out_shape[:1] == y_shape[:1]
+    pick = (
+        "; where the output holds several values per example (a mean and a log-variance), "
+        "pass a loss or metric function of your own that reads the one to compare "
+        "(y_pred[:, 0] against y_true)"
+        if one_per_example and several
+        else ""
+    )
+    return (
+        f"data: y has shape {y_shape}, but {name} with the model's output of shape "
+        f"{out_shape} expects targets of that shape (trailing 1s aside); reshape or "
+        f"transpose y, or change the model's last layer{pick}"
     )

@@ -20,6 +20,7 @@ import numpy as np
 
 from ._arg_types import is_int, refuse_deleted_arrays
 from ._data import is_python_number
+from ._foreign_keywords import PREDICT_ADVICE, advise_foreign_keywords
 from ._graph_batch import rows_of
 from ._metrics import batch_size
 from ._model_code import KEPT
@@ -221,6 +222,7 @@ def _batches(leaf: np.ndarray, start: int, rows: int, batches: tuple[int, int]) 
     return padded.reshape((held, size) + leaf.shape[1:])
 
 
+@advise_foreign_keywords(PREDICT_ADVICE)
 def predict(
     model: Any, variables_or_state: Any, x: Any, *, batch_size: int = 256, fuse: bool | int = True
 ) -> Any:

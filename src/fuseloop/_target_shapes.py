@@ -23,9 +23,16 @@ import numpy as np
 from ._optax_order import refuse_optax_order
 from ._pairwise import is_pairwise
 
-__all__ = ["refusing_cross_broadcast"]
+__all__ = ["CrossBroadcastError", "refusing_cross_broadcast"]
 
 Shape = tuple[int, ...]
+
+
+class CrossBroadcastError(ValueError):
+    """A loss or metric function broadcasts every target against every prediction; its
+    message names the fixes, so it is raised as it is, not as y's misfit."""
+
+
 _Built = dict[Shape, list[frozenset[int]]]  # a shape -> what each array of it reads
 
 
@@ -41,7 +48,7 @@ def refusing_cross_broadcast(fn: Callable[..., Any], kind: str, name: str) -> Ca
         >>> crossed(np.zeros(4), np.zeros((4, 1)))
         Traceback (most recent call last):
         ...
-        ValueError: the loss l(y_true, y_pred) got y_true of shape (4,) and y_pred of ...
+        fuseloop._target_shapes.CrossBroadcastError: the loss l(y_true, y_pred) got y_true of ...
     """
     refuse_optax_order(fn, kind)
     if is_pairwise(fn):  # every target against every prediction, on purpose
@@ -109,7 +116,7 @@ def _refuse_cross(fn: Callable[..., Any], y_true: Any, y_pred: Any, kind: str, n
     if (_shared_batch(jax.tree.leaves((y_true, y_pred))) or 0) < 2:  # none, or one example
         hits = _built_crosses(fn, y_true, y_pred, crossed)
         if hits and not _coincidental(fn, y_true, y_pred):
-            raise ValueError(_cross_message(hits[0], kind, name))
+            raise CrossBroadcastError(_cross_message(hits[0], kind, name))
         return
     mixed = _mixed_crosses(fn, y_true, y_pred) or []
     crosses = [c for c in mixed if not c.spread]
@@ -122,7 +129,9 @@ def _refuse_cross(fn: Callable[..., Any], y_true: Any, y_pred: Any, kind: str, n
         found = crosses[0]
         # The target and the output themselves cross: make them one shape.
         leaves = next((c for c in crossed if c[:2] == found[:2]), None)
-        raise ValueError(_cross_message(leaves or found, kind, name, inside=leaves is None))
+        raise CrossBroadcastError(
+            _cross_message(leaves or found, kind, name, inside=leaves is None)
+        )
 
 
 def _mixed_crosses(fn: Callable[..., Any], y_true: Any, y_pred: Any) -> list[_Crossed] | None:
@@ -325,6 +334,8 @@ def _cross_message(pair: _Crossed, kind: str, name: str, inside: bool = False) -
         f"(e.g. {t}[..., 0] where it holds one value per example in a column, as Keras "
         f"reshapes a sample_weight)"
         if inside
+        else f"(e.g. {t}[..., 0] or {p}[..., None])"
+        if pair.target_shape[-1:] == (1,) and pair.output_shape[-1:] != (1,)
         else f"(e.g. {p}[..., 0] or {t}[..., None])"
     )
     return (

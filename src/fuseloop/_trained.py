@@ -6,7 +6,9 @@ default to evaluation is given it through a subclass of the module's own class w
 `__call__` passes the flag (`_subclass`), so the result keeps the module's attributes,
 fields and other methods, a linen module its variables' paths, and an nnx module its
 state paths (`nnx.update(module, nnx.state(trained))` writes the weights
-back). A flag passed in a call wins, by keyword or by position. An nnx or equinox one
+back). A flag passed in a call wins, by keyword or by position, and so does the library's
+own switch to training mode (nnx's `.train()`, equinox's `inference_mode(m, False)`: for
+Monte Carlo dropout), which leaves the call's own defaults. An nnx or equinox one
 pickles as the module's own class and is made an evaluating one again when loaded (a
 bound linen module does not pickle); the equinox adapter
 takes it as the module's own class (`_equinox.plain_module`), whose pytree a State holds.
@@ -22,6 +24,7 @@ from typing import Any
 
 from ._equinox import from_equinox, plain_module
 from ._linen import flag_after_x, flag_values, linen
+from ._mode_switch import switched_to_training
 from ._nnx import from_nnx, set_nnx_mode
 from ._variables_diff import first_difference, is_nnx_state
 
@@ -106,6 +109,8 @@ def _make_subclass(cls: Any, flags: tuple[tuple[str, bool], ...], pickles: bool)
 
     @functools.wraps(call)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+        if pickles and switched_to_training(self):  # its call's own defaults decide
+            return call(self, *args, **kwargs)
         given = _unbound(call, flags, *args, **kwargs)
         if by_position and len(args) == 1 and flags[0][0] not in kwargs:
             return call(self, args[0], given.pop(flags[0][0]), **given)

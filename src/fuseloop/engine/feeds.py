@@ -85,9 +85,9 @@ class HostFeed:
         length = self.source.epoch_length
         if length is not None:  # the epoch's last step is known to be its last
             bound = length if bound is None else min(bound, length)
-            refuse_short_batch(
-                self.source.data, self.placement, self.checker, bound == length, epoch, self.live
-            )
+            data, halts = self.source.data, replay_reads
+            at_end = bound == length
+            refuse_short_batch(data, self.placement, self.checker, at_end, epoch, self.live, halts)
         if iterator is not getattr(self, "iterator", None):
             self.failed = None  # an error pulled ahead in a pass an earlier epoch left
         self.epoch, self.iterator, self.bound = epoch, iterator, bound

@@ -80,9 +80,12 @@ def warn_on_resume(given: Any, start_epoch: int, epochs: int) -> None:
     if restored is not None and start_epoch < epochs:
         warn(
             f"{restored} (early_stop's restore_best), while its history runs to epoch "
-            f"{start_epoch - 1}: the resumed run trains epoch {start_epoch} on from those "
-            f"weights, unlike the run it continues. To continue that run, resume from its "
-            f"last epoch's checkpoint (Loop.checkpoint); to fine-tune the best weights, "
+            f"{start_epoch - 1}: the resumed run trains epoch {start_epoch} on from that "
+            f"step state, unlike the run it continues: its weights, and its optimizer "
+            f"state too (a schedule's step count, a learning rate reduce_lr_on_plateau cut "
+            f"later is back as it was; Keras's restore_best_weights restores the weights "
+            f"alone). To continue that run, resume from its last epoch's checkpoint "
+            f"(Loop.checkpoint); to fine-tune the best weights with a fresh optimizer, "
             f"pass state.params as new variables",
             RuntimeWarning,
         )
