@@ -339,7 +339,7 @@ def test_a_dropout_keyword_to_predict_names_the_trained_models_training_mode(key
     variables = model.init(jax.random.PRNGKey(0), DATA[0][0])
     with pytest.raises(TypeError) as info:
         fl.predict(model, variables, DATA[0][0], **{keyword: True})
-    check(info, f"predict() got an unexpected keyword argument {keyword!r}", "m.train() for nnx")
+    check(info, f"predict() got an unexpected keyword argument {keyword!r}", "set_attributes(")
 
 
 def test_a_keras_compile_keyword_to_a_factory_names_fuseloops_way():

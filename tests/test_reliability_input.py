@@ -426,6 +426,12 @@ def test_short_last_batch_of_a_sequence_is_refused_before_the_first_step(contain
     for fuse in (False, 1, 2):
         state = halting.run(container(batches), {"n": 0}, fuse=fuse)
         assert (state.status, int(state.step_state["n"])) == ("halted", 4), fuse
+    # An observer (as `log=` attaches) cannot halt: the list's is refused up front still.
+    observed = traced_loop([0]).observe("iteration_completed", lambda s: None)
+    with pytest.raises(fl.FusionError, match="iteration 5") as raised:
+        observed.run(container(batches), {"n": 0}, fuse=2)
+    up_front = isinstance(container(batches), (list, tuple))
+    assert raised.value.fuseloop_state.stats["dispatches"] == (0 if up_front else 3)
 
 
 # --------------------------------------------------------------------------- empty data

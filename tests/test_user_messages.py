@@ -284,6 +284,21 @@ def test_windows_without_a_feature_axis_are_told_to_add_one_not_to_reshape_y(y_s
     assert fl.trainer(_LastStepGRU(), "mse", "adam").run(windows).status == "completed"
 
 
+def test_a_custom_loss_crossing_an_output_without_the_examples_axis_is_told_of_x():
+    """x of shape (B,) into a Dense: its output (3,) crosses y (B, 1) in a loss of the
+    user's own, whose cross-broadcast refusal hid that x lacks a feature axis."""
+
+    class Head(nn.Module):
+        @nn.compact
+        def __call__(self, x: Any) -> Any:
+            return nn.Dense(3)(x)
+
+    x, y = X[:8, 0], X[:8, :1]
+    loss = lambda t, p: jnp.mean((p - t) ** 2)  # noqa: E731
+    with pytest.raises(ValueError, match=r"x has shape \(8,\), one axis.*give x a feature axis"):
+        fl.trainer(Head(), loss, "sgd").run([(x, y)])
+
+
 def test_an_output_that_merges_the_examples_axis_keeps_the_message_about_y():
     """Tokens flattened to (B*T, C) still hold the examples: y's shape is what misfits."""
 

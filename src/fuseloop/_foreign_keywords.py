@@ -194,10 +194,11 @@ HANDLER_ADVICE: Mapping[str, Mapping[str, str]] = {
 
 _MC_DROPOUT = (
     "predict evaluates (dropout off, BatchNorm's running statistics); for samples with "
-    "dropout on (Monte Carlo dropout) call the trained model in training mode: "
-    "m = fl.models.trained(model, state), then m.train() for nnx, "
-    "eqx.nn.inference_mode(m, False) for equinox (give it a key), or for linen "
-    "model.apply(state.params, x, train=True, rngs={'dropout': key})"
+    "dropout on (Monte Carlo dropout) switch the trained model's dropout on its library's "
+    "way: m = fl.models.trained(model, state), then m.set_attributes(deterministic=False) "
+    "for nnx (m.eval() switches back), eqx.nn.inference_mode(m, False) for equinox (called "
+    "with a key, under eqx.filter_jit), or pass the model's own flag in the call; for linen, "
+    "model.apply(state.params, x, <its dropout flag>, rngs={'dropout': key})"
 )
 PREDICT_ADVICE: Mapping[str, str] = {
     **dict.fromkeys(

@@ -35,6 +35,7 @@ from ._model_fit_advice import (
 )
 from ._outputs import require_one_prediction
 from ._placement import device_dtype
+from ._target_shapes import CrossBroadcastError
 from ._variables_diff import first_difference, names_the_form, warn_unread
 from .models import ModelConventionError, from_nnx, linen
 
@@ -315,7 +316,8 @@ class ModelFit:
         try:
             self._fit_loss(y, y_pred, ys)
         except ValueError as error:  # a model that read x's examples as one example's?
-            fitting = str(error).startswith("data: ")  # y against the output, not the loss's
+            # y against the output, or a cross broadcast, not the loss's own error
+            fitting = str(error).startswith("data: ") or isinstance(error, CrossBroadcastError)
             unbatched = unbatched_output(self.first_x, y_pred) if fitting else None
             if unbatched is None:
                 raise

@@ -335,32 +335,32 @@ def refuse_one_class_output(name: str, y_pred: Any, output: str) -> None:
 def loss_misfit(error: BaseException, y: Any, y_pred: Any) -> bool:
     """Whether `error`, raised by a custom loss on the first batch, may say y does not fit
     it: jax and numpy report a shape or dtype misfit as a TypeError, ValueError or
-    IndexError; a KeyError where y holds a mapping and the output none, of a key some
-    mapping of y lacks; an AttributeError of a tuple or list where y is one (`y.weight`
+    IndexError; a KeyError where y holds a mapping and the output none, of a key a
+    mapping at y's top lacks; an AttributeError of a tuple or list where y is one (`y.weight`
     of a plain tuple). Any other (a typo such as `jnp.meen` or `p.meen()`, an assert, a
-    KeyError of a key every mapping of y holds: a config's, a RuntimeError) is the loss's
+    KeyError of a key y's top mappings hold: a config's, a RuntimeError) is the loss's
     own, as are jax's tracer errors and a cross broadcast's refusal (their text says the
     fix): each keeps its type, with the shapes in a note."""
     if isinstance(error, (jax.errors.JAXTypeError, jax.errors.JAXIndexError, CrossBroadcastError)):
         return False
     if isinstance(error, (TypeError, ValueError, IndexError)):
         return True
-    if isinstance(error, KeyError):  # a key every dict of y holds: another dict's (a config's)
+    if isinstance(error, KeyError):  # a key y's top dicts hold: another dict's (a config's)
         missing = error.args[0] if error.args else None
-        return _holds_mapping(y) and not _holds_mapping(y_pred) and not _every_has(y, missing)
+        return _holds_mapping(y) and not _holds_mapping(y_pred) and not _top_has(y, missing)
     if isinstance(error, AttributeError):
         structure = (tuple, list)
         return isinstance(y, structure) and isinstance(getattr(error, "obj", None), structure)
     return False
 
 
-def _every_has(tree: Any, key: Any) -> bool:
-    """Whether every mapping in `tree` (y, holding one) holds `key`."""
-    if isinstance(tree, Mapping):
-        return key in tree and all(_every_has(v, key) for v in tree.values())
-    if isinstance(tree, (tuple, list)):
-        return all(_every_has(v, key) for v in tree)
-    return True
+def _top_has(y: Any, key: Any) -> bool:
+    """Whether every mapping at y's top (y, or each item of a tuple or list y) holds `key`:
+    a loss reads y's keys there (`y["w"]`, `y[0]["w"]`). False where y's mappings are all
+    deeper."""
+    items = y if isinstance(y, (tuple, list)) else (y,)
+    tops = [item for item in items if isinstance(item, Mapping)]
+    return all(key in top for top in tops) if tops else False
 
 
 def _holds_mapping(tree: Any) -> bool:

@@ -82,6 +82,10 @@ class EventBus:
         self.observer = observer
         self.failed_state: State | None = None
         self.iteration_handlers = any(self.by_event.get(e) for e in ITERATION_EVENTS)
+        # ... of which some may halt the epoch part-way (an observer, `log=`, cannot)
+        self.may_halt_in_epoch = any(
+            not r.observes for e in ITERATION_EVENTS for r in self.by_event.get(e, ())
+        )
 
     def check_start(self, step_state: Any) -> None:
         """Lets each handler with a `check_start(step_state)` refuse the run's initial step

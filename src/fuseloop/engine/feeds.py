@@ -57,8 +57,10 @@ class HostFeed:
         programs: Any,
         prefetch: int,
         max_in_flight: int,
+        halts: bool = False,
     ):
         self.source, self.placement, self.checker = source, placement, checker
+        self.halts = halts  # a handler or the guard may halt an epoch before its end
         self.size, self.live = size, size is None
         self.prefetch, self.max_in_flight = prefetch, max_in_flight
         self.pending = [first_batch]  # pulled to initialize: it is the first step's batch
@@ -85,9 +87,10 @@ class HostFeed:
         length = self.source.epoch_length
         if length is not None:  # the epoch's last step is known to be its last
             bound = length if bound is None else min(bound, length)
-            data, halts = self.source.data, replay_reads
-            at_end = bound == length
-            refuse_short_batch(data, self.placement, self.checker, at_end, epoch, self.live, halts)
+            data, at_end = self.source.data, bound == length
+            refuse_short_batch(
+                data, self.placement, self.checker, at_end, epoch, self.live, self.halts
+            )
         if iterator is not getattr(self, "iterator", None):
             self.failed = None  # an error pulled ahead in a pass an earlier epoch left
         self.epoch, self.iterator, self.bound = epoch, iterator, bound

@@ -251,6 +251,7 @@ class Run:
             programs=self.programs,
             prefetch=self.prefetch,
             max_in_flight=self.max_in_flight,
+            halts=self.guard or self.bus.may_halt_in_epoch,  # before a list's last batch?
         )
 
     # ----------------------------------------------------------------- epochs
@@ -327,10 +328,9 @@ class Run:
             return None  # opened early, with its own iterator
         if epoch != self.start_epoch:
             return self.source.epoch_iterator(epoch)
-        # A list's or re-iterable's first epoch opens anew after `started` and
-        # `epoch_started` handlers, which may change it (docs/data.md); others keep theirs.
+        # A re-iterable's (a list's) first epoch opens anew after handlers that may change it
         handled = self.bus.has(Event.STARTED) or self.bus.has(Event.EPOCH_STARTED)
-        if handled and self.source.kind == "reiterable":
+        if handled and self.source.kind == "reiterable":  # docs/data.md; others keep theirs
             return self.source.epoch_iterator(epoch)
         return self.first_iterator
 
