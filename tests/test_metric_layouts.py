@@ -556,3 +556,17 @@ def test_a_built_in_metric_of_one_target_against_several_outputs_is_told_to_pick
     loop = fl.trainer(fl.models.mlp([2]), nll, "sgd").metric("mae")
     with pytest.raises(ValueError, match=r"reads the one to compare \(y_pred\[:, 0\] against"):
         loop.run([(x, x[:, 0])])
+
+
+def test_an_error_a_metric_function_raises_names_the_metric_and_what_it_got():
+    """A metric written for a dict output, on a model returning one array: the error came
+    with a note naming only the step (a loss's says what it got)."""
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    by_key = lambda t, p: jnp.mean(jnp.argmax(p["logits"], -1) == t)  # noqa: E731
+    loss = "sparse_categorical_cross_entropy"
+    loop = fl.trainer(fl.models.mlp([3]), loss, "sgd").metric(by_key, name="token_accuracy")
+    with pytest.raises((TypeError, IndexError)) as raised:
+        loop.run([(x, np.zeros(8, np.int32))])
+    notes = "\n".join(raised.value.__notes__)
+    assert "raised by the metric 'token_accuracy', called as fn(y_true, y_pred): " in notes
+    assert "y_true of shape (8,), y_pred of shape (8, 3)" in notes

@@ -587,6 +587,12 @@ def test_a_typo_in_a_loss_raises_its_own_error_not_a_data_misfit():
         fl.trainer(fl.models.mlp([3]), other_dict, "sgd").run(targets)
     with pytest.raises(KeyError, match="label"):  # a dict deeper in y lacks it: no matter
         fl.trainer(fl.models.mlp([3]), other_dict, "sgd").run(nested)
+
+    def unhashable(y, p):  # pandas raises KeyError of a list of missing columns
+        raise KeyError(["a", "b"])
+
+    with pytest.raises(KeyError, match=r"\['a', 'b'\]"):
+        fl.trainer(fl.models.mlp([3]), unhashable, "sgd").run(targets)
     pair = [(x, (np.zeros(8, np.int32), np.ones(8, np.float32)))]
     by_name = lambda y, p: (p[:, 0] * y.weight).mean()  # noqa: E731
     with pytest.raises(ValueError, match=r"does not fit the loss .*AttributeError"):

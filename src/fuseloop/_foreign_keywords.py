@@ -194,11 +194,13 @@ HANDLER_ADVICE: Mapping[str, Mapping[str, str]] = {
 
 _MC_DROPOUT = (
     "predict evaluates (dropout off, BatchNorm's running statistics); for samples with "
-    "dropout on (Monte Carlo dropout) switch the trained model's dropout on its library's "
-    "way: m = fl.models.trained(model, state), then m.set_attributes(deterministic=False) "
-    "for nnx (m.eval() switches back), eqx.nn.inference_mode(m, False) for equinox (called "
-    "with a key, under eqx.filter_jit), or pass the model's own flag in the call; for linen, "
-    "model.apply(state.params, x, <its dropout flag>, rngs={'dropout': key})"
+    "dropout on (Monte Carlo dropout) use the trained model, m = fl.models.trained(model, "
+    "state): where its layers read their own mode, switch dropout alone, "
+    "m.set_attributes(deterministic=False) for nnx (m.eval() switches back), "
+    "eqx.nn.inference_mode(m, False) for equinox (called with a key, under eqx.filter_jit); "
+    "where its __call__ takes a train flag, pass it (it switches every layer it drives, "
+    "BatchNorm too: give dropout a flag of its own); for linen, model.apply(state.params, "
+    "x, rngs={'dropout': key}) with the module's dropout flag"
 )
 PREDICT_ADVICE: Mapping[str, str] = {
     **dict.fromkeys(

@@ -72,7 +72,27 @@ def metric_value(spec: MetricSpec, aux: dict[str, Any]) -> Any:
         )
     if aux.get("binary_labels") and spec.fn in CLASSIFYING:
         return spec.fn(aux["y_true"], aux["y_pred"], binary=True)
-    return _per_example(spec, spec.fn(aux["y_true"], aux["y_pred"]), aux)
+    if spec.fn in _BUILT_IN:
+        return _per_example(spec, spec.fn(aux["y_true"], aux["y_pred"]), aux)
+    try:
+        value = spec.fn(aux["y_true"], aux["y_pred"])
+    except Exception as error:
+        error.add_note(_called_with(spec.name, aux["y_true"], aux["y_pred"]))
+        raise
+    return _per_example(spec, value, aux)
+
+
+def _called_with(name: str, y_true: Any, y_pred: Any) -> str:
+    """A note for an error a metric function raised while traced: its name and what it got
+    (a loss's errors are checked on the first batch and say as much; a metric's come from
+    inside the step, which names only the step)."""
+    got = [
+        f"{label}{jax.tree_util.keystr(path)} of shape {tuple(getattr(leaf, 'shape', ()))}"
+        for label, tree in (("y_true", y_true), ("y_pred", y_pred))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
+    called = f"fuseloop: raised by the metric {name!r}, called as fn(y_true, y_pred)"
+    return f"{called}: {', '.join(got)}"
 
 
 def _per_example(spec: MetricSpec, value: Any, aux: dict[str, Any]) -> Any:

@@ -360,7 +360,10 @@ def _top_has(y: Any, key: Any) -> bool:
     deeper."""
     items = y if isinstance(y, (tuple, list)) else (y,)
     tops = [item for item in items if isinstance(item, Mapping)]
-    return all(key in top for top in tops) if tops else False
+    try:
+        return all(key in top for top in tops) if tops else False
+    except TypeError:  # an unhashable key (pandas' KeyError of a list) is no key of y's
+        return True
 
 
 def _holds_mapping(tree: Any) -> bool:
