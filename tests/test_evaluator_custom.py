@@ -339,6 +339,24 @@ def test_custom_loop_jit_false_matches_jit_true():
 
 
 @pytest.mark.parametrize("fuse", [False, 3])
+def test_a_metric_function_reads_the_labels_a_step_keeps_with_its_predictions(fuse):
+    """A step that flips its inputs (augmentation) keeps the flipped labels as "y_true"
+    beside its "y_pred": a metric of (y_true, y_pred) compared the flipped predictions
+    with the batch's own labels, and counted the wrong pixels in silence."""
+
+    def step(batch, s):
+        x, y = batch
+        return {"y_true": y[:, ::-1], "y_pred": x[:, ::-1]}
+
+    x = np.arange(24, dtype=np.float32).reshape(6, 4)
+    data = [(x, x)] * 3  # y_pred == y_true only where both are flipped
+    init = {"y_true": jnp.zeros_like(x), "y_pred": jnp.zeros_like(x)}
+    same = lambda t, p: jnp.mean(t == p, axis=-1)  # noqa: E731
+    state = fl.loop(step).metric(same, name="same").run(data, init, fuse=fuse)
+    assert state.metrics["same"] == 1.0
+
+
+@pytest.mark.parametrize("fuse", [False, 3])
 def test_a_metric_named_like_the_loops_own_entries_reads_the_step_state(fuse):
     # The loop also keeps the batch's labels as "y_true" and the state as "step_state":
     # a step state's own keys of those names are the user's, and are what is read.

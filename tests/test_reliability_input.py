@@ -203,7 +203,12 @@ def test_label_out_of_range_in_first_batch():
     data[0] = (data[0][0], np.full((BATCH,), CLASSES + 2, np.int32))
     with pytest.raises(
         ValueError, match=rf"first batch: y holds the label {CLASSES + 2}.*{CLASSES} classes"
-    ):
+    ) as raised:
+        sparse_trainer().run(data)
+    assert "ignore" not in str(raised.value)
+    # 255, segmentation's ignore index, is told the masking loss beside more units.
+    data[0] = (data[0][0], np.array([0, 255, 1, 255], np.uint8))
+    with pytest.raises(ValueError, match=r"label 255.*255 marks pixels to ignore.*mask"):
         sparse_trainer().run(data)
 
 

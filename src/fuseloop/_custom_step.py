@@ -88,6 +88,8 @@ def custom_program(step_fn: Callable[[Any, Any], Any], init_fn: Callable | None)
         if isinstance(batch, (tuple, list)) and len(batch) == 2:
             aux["y_true"] = batch[1]
         if isinstance(new_state, dict):
+            if "y_true" in new_state:  # labels the step made (augmented) go with its y_pred
+                aux["y_true"] = new_state["y_true"]
             if "y_pred" in new_state:
                 aux["y_pred"] = new_state["y_pred"]
             if "loss" in new_state:

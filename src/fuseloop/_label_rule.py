@@ -53,6 +53,11 @@ def check_label_range(labels: np.ndarray, classes: int, loss: str, where: str) -
         if low < 0
         else f"Fix the labels, or give the model's last layer at least {int(high) + 1} units"
     )
+    if low >= 0 and high == 255 and classes < 255:  # segmentation's usual ignore index
+        fix += (
+            "; where 255 marks pixels to ignore, as in VOC or Cityscapes masks, a loss of "
+            "your own that masks them (y as (labels, mask), or labels != 255)"
+        )
     if labels.dtype.kind == "i" and low == np.iinfo(labels.dtype).min:
         fix = (
             f"{low} is what a missing (NaN) float label becomes when cast to "
