@@ -355,6 +355,18 @@ def test_a_metric_function_reads_the_labels_a_step_keeps_with_its_predictions(fu
     state = fl.loop(step).metric(same, name="same").run(data, init, fuse=fuse)
     assert state.metrics["same"] == 1.0
 
+    # A scalar "y_true", a counter of the step's own, is no labels: the batch's are read.
+    def counting(batch, s):
+        x, _ = batch
+        return {"y_true": s["y_true"] + 1.0, "y_pred": x[:, 0]}
+
+    init = {"y_true": jnp.float32(0), "y_pred": jnp.zeros(6, jnp.float32)}
+    data = [(x, x[:, 0] + 1.0)] * 3
+    gap = lambda t, p: jnp.abs(t - p)  # noqa: E731
+    loop = fl.loop(counting).metric(gap, name="gap").metric("mae").metric("y_true")
+    state = loop.run(data, init, fuse=fuse)
+    assert state.metrics == {"gap": 1.0, "mae": 1.0, "y_true": 2.0}
+
 
 @pytest.mark.parametrize("fuse", [False, 3])
 def test_a_metric_named_like_the_loops_own_entries_reads_the_step_state(fuse):

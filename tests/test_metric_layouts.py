@@ -570,3 +570,10 @@ def test_an_error_a_metric_function_raises_names_the_metric_and_what_it_got():
     notes = "\n".join(raised.value.__notes__)
     assert "raised by the metric 'token_accuracy', called as fn(y_true, y_pred): " in notes
     assert "y_true of shape (8,), y_pred of shape (8, 3)" in notes
+    shown = raised.value.__context__ is None or raised.value.__suppress_context__
+    assert shown  # no second copy printed from a trace made to explain it
+    # fuseloop's own cross-broadcast refusal names both already: no note repeats them.
+    crossed = fl.trainer(fl.models.mlp([1]), "mse", "sgd").metric(lambda t, p: p - t, name="d")
+    with pytest.raises(ValueError, match="broadcasts them") as raised:
+        crossed.run([(x, np.zeros(8, np.float32))])
+    assert "raised by the metric" not in "\n".join(getattr(raised.value, "__notes__", []))

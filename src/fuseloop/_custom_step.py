@@ -88,7 +88,7 @@ def custom_program(step_fn: Callable[[Any, Any], Any], init_fn: Callable | None)
         if isinstance(batch, (tuple, list)) and len(batch) == 2:
             aux["y_true"] = batch[1]
         if isinstance(new_state, dict):
-            if "y_true" in new_state:  # labels the step made (augmented) go with its y_pred
+            if _labels_of_its_own(new_state):  # labels the step made (augmented)
                 aux["y_true"] = new_state["y_true"]
             if "y_pred" in new_state:
                 aux["y_pred"] = new_state["y_pred"]
@@ -97,6 +97,19 @@ def custom_program(step_fn: Callable[[Any, Any], Any], init_fn: Callable | None)
         return new_state, aux
 
     return Program(init, step, True, "custom")
+
+
+def _labels_of_its_own(state: dict[str, Any]) -> bool:
+    """Whether the step state's "y_true" holds labels for its "y_pred": every leaf with an
+    examples axis of y_pred's rows (a scalar "y_true", a counter, is a value of its own that
+    `Loop.metric("y_true")` reads, not labels)."""
+    if "y_true" not in state or "y_pred" not in state:
+        return False
+    rows = {
+        leaf.shape[0] if getattr(leaf, "ndim", 0) >= 1 else None
+        for leaf in jax.tree.leaves((state["y_true"], state["y_pred"]))
+    }
+    return len(rows) == 1 and None not in rows
 
 
 _NO_INIT_STATE = (

@@ -209,7 +209,10 @@ def make_chunk_fn(
         try:
             return form(state, tail, chunk, n_valid)
         except TypeError as error:  # the carry changed type: say which leaf, and why
-            changed = _changed_leaves(carry_step, state, tail, _index(chunk, 0))
+            try:
+                changed = _changed_leaves(carry_step, state, tail, _index(chunk, 0))
+            except Exception as again:  # the step itself fails: its error, traced outside
+                raise again from None  # the loop, stands alone (one copy of its notes)
             if not changed:
                 raise
             raise ValueError(_carry_message(changed, batch_size(_index(chunk, 0)))) from error

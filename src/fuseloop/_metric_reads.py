@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from ._metrics import CLASSIFYING, METRICS, MetricSpec, batch_size
+from ._target_shapes import CrossBroadcastError
 from ._warn import warn
 
 __all__ = ["metric_value"]
@@ -62,8 +63,9 @@ def metric_value(spec: MetricSpec, aux: dict[str, Any]) -> Any:
             )
         raise ValueError(
             f"metric {spec.name!r} needs y_true and y_pred: a custom loop's step must return "
-            f"a dict step state with a 'y_pred' entry and take (x, y) batches, or name a "
-            f"scalar of its step state with Loop.metric(name, ...)"
+            f"a dict step state with a 'y_pred' entry and take (x, y) batches (or keep its "
+            f"own 'y_true' entry), or name a scalar of its step state with Loop.metric(name, "
+            f"...)"
         )
     if own and spec.fn in _BUILT_IN:  # two values answer to the name: neither is taken
         raise _shadowed(
@@ -76,6 +78,8 @@ def metric_value(spec: MetricSpec, aux: dict[str, Any]) -> Any:
         return _per_example(spec, spec.fn(aux["y_true"], aux["y_pred"]), aux)
     try:
         value = spec.fn(aux["y_true"], aux["y_pred"])
+    except CrossBroadcastError:  # fuseloop's own refusal, which names both already
+        raise
     except Exception as error:
         error.add_note(_called_with(spec.name, aux["y_true"], aux["y_pred"]))
         raise
@@ -88,8 +92,10 @@ def _called_with(name: str, y_true: Any, y_pred: Any) -> str:
     inside the step, which names only the step)."""
     got = [
         f"{label}{jax.tree_util.keystr(path)} of shape {tuple(getattr(leaf, 'shape', ()))}"
+        if path or hasattr(leaf, "shape")
+        else f"{label}={leaf!r}"
         for label, tree in (("y_true", y_true), ("y_pred", y_pred))
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] or [((), tree)]
     ]
     called = f"fuseloop: raised by the metric {name!r}, called as fn(y_true, y_pred)"
     return f"{called}: {', '.join(got)}"

@@ -362,7 +362,7 @@ def _top_has(y: Any, key: Any) -> bool:
     tops = [item for item in items if isinstance(item, Mapping)]
     try:
         return all(key in top for top in tops) if tops else False
-    except TypeError:  # an unhashable key (pandas' KeyError of a list) is no key of y's
+    except TypeError:  # an unhashable key (pandas' KeyError of a list): the loss's own
         return True
 
 
