@@ -355,6 +355,15 @@ def test_a_metric_function_reads_the_labels_a_step_keeps_with_its_predictions(fu
     state = fl.loop(step).metric(same, name="same").run(data, init, fuse=fuse)
     assert state.metrics["same"] == 1.0
 
+    def with_temperature(batch, s):  # y_pred with a scalar leaf beside its (B, F) one
+        x, y = batch
+        return {"y_true": y[:, ::-1], "y_pred": {"out": x[:, ::-1], "temp": jnp.float32(1)}}
+
+    init = {"y_true": jnp.zeros_like(x), "y_pred": {"out": jnp.zeros_like(x), "temp": 0.0}}
+    by_out = lambda t, p: jnp.mean(t == p["out"], axis=-1)  # noqa: E731
+    state = fl.loop(with_temperature).metric(by_out, name="same").run(data, init, fuse=fuse)
+    assert state.metrics["same"] == 1.0
+
     # A scalar "y_true", a counter of the step's own, is no labels: the batch's are read.
     def counting(batch, s):
         x, _ = batch

@@ -100,16 +100,11 @@ def custom_program(step_fn: Callable[[Any, Any], Any], init_fn: Callable | None)
 
 
 def _labels_of_its_own(state: dict[str, Any]) -> bool:
-    """Whether the step state's "y_true" holds labels for its "y_pred": every leaf with an
-    examples axis of y_pred's rows (a scalar "y_true", a counter, is a value of its own that
-    `Loop.metric("y_true")` reads, not labels)."""
-    if "y_true" not in state or "y_pred" not in state:
-        return False
-    rows = {
-        leaf.shape[0] if getattr(leaf, "ndim", 0) >= 1 else None
-        for leaf in jax.tree.leaves((state["y_true"], state["y_pred"]))
-    }
-    return len(rows) == 1 and None not in rows
+    """Whether the step state's "y_true" holds labels (those of its "y_pred"): any leaf with
+    an axis. A "y_true" of scalars alone (a counter) is a value of its own, which
+    `Loop.metric("y_true")` reads, not labels."""
+    leaves = jax.tree.leaves(state.get("y_true"))
+    return "y_pred" in state and any(getattr(leaf, "ndim", 0) >= 1 for leaf in leaves)
 
 
 _NO_INIT_STATE = (

@@ -211,8 +211,10 @@ def make_chunk_fn(
         except TypeError as error:  # the carry changed type: say which leaf, and why
             try:
                 changed = _changed_leaves(carry_step, state, tail, _index(chunk, 0))
-            except Exception as again:  # the step itself fails: its error, traced outside
-                raise again from None  # the loop, stands alone (one copy of its notes)
+            except Exception as again:  # the step itself fails, traced outside the loop
+                if type(again) is type(error):  # the same failure: one copy of its notes
+                    again.__suppress_context__ = True
+                raise
             if not changed:
                 raise
             raise ValueError(_carry_message(changed, batch_size(_index(chunk, 0)))) from error
