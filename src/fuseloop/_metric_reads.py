@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from ._metrics import CLASSIFYING, METRICS, MetricSpec, batch_size
+from ._model_fit_advice import describe
 from ._target_shapes import CrossBroadcastError
 from ._warn import warn
 
@@ -91,11 +92,8 @@ def _called_with(name: str, y_true: Any, y_pred: Any) -> str:
     (a loss's errors are checked on the first batch and say as much; a metric's come from
     inside the step, which names only the step)."""
     got = [
-        f"{label}{jax.tree_util.keystr(path)} of shape {tuple(getattr(leaf, 'shape', ()))}"
-        if path or hasattr(leaf, "shape")
-        else f"{label}={leaf!r}"
+        describe(tree, label) if jax.tree.leaves(tree) else f"{label}={tree!r}"
         for label, tree in (("y_true", y_true), ("y_pred", y_pred))
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] or [((), tree)]
     ]
     called = f"fuseloop: raised by the metric {name!r}, called as fn(y_true, y_pred)"
     return f"{called}: {', '.join(got)}"
