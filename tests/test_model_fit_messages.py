@@ -820,6 +820,37 @@ def test_one_feature_per_example_without_its_axis_is_blamed_on_x_not_y():
     assert fitted.status == "completed"
 
 
+def _mse(y_true, y_pred):
+    return jnp.mean((y_true - y_pred) ** 2)
+
+
+def test_a_custom_loss_broadcasting_an_unbatched_output_over_y_is_refused():
+    # A custom loss broadcast Dense(1)'s one output, shape (1,), over the batch's 5 targets
+    # and trained a wrong model in silence; the built-in loss was refused already.
+    x = np.random.default_rng(0).normal(size=20).astype(np.float32)
+    data = fl.data.arrays(x, 3 * x + 1, batch_size=5)
+    fix = r"x has shape \(5,\), one axis.*x\[:, None\].*loss '_mse'.*y of shape \(5,\)"
+    with pytest.raises(ValueError, match=fix):
+        fl.trainer(nn.Dense(1), _mse, "sgd").run(data)
+    with pytest.raises(ValueError, match=r"x\[:, None\].*loss '_mse'"):
+        fl.evaluator(nn.Dense(1), _mse).run(data, nn.Dense(1).init(jax.random.key(0), x[:5]))
+    # With the feature axis it trains; so does a loss that never reads y (the model's own
+    # loss terms, an output with an axis but not the examples').
+    given = fl.data.arrays(x[:, None], 3 * x + 1, batch_size=5)
+    assert fl.trainer(nn.Dense(1), lambda y, p: _mse(y, p[:, 0]), "sgd").run(given).status == (
+        "completed"
+    )
+    terms = fl.trainer(_BatchTerms(), lambda y, t: t.sum(), "sgd").run(data)
+    assert terms.status == "completed"
+
+
+class _BatchTerms(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        mu = self.param("mu", nn.initializers.zeros, ())
+        return jnp.stack([jnp.mean((x - mu) ** 2), mu**2])
+
+
 class _BatchNll(nn.Module):
     @nn.compact
     def __call__(self, x):

@@ -30,13 +30,13 @@ from ._model_fit_advice import (
     one_example,
     refuse_one_class_output,
     scope_misuse,
-    unbatched_output,
     unbound_axis,
 )
 from ._outputs import require_one_prediction
 from ._placement import device_dtype
 from ._target_shapes import CrossBroadcastError
-from ._variables_diff import first_difference, names_the_form, warn_unread
+from ._unbatched import refuse_broadcast_over_examples, unbatched_output
+from ._variables_diff import first_difference, names_the_form, same_signature, warn_unread
 from .models import ModelConventionError, from_nnx, linen
 
 __all__ = ["ModelFit", "SPARSE", "abstract", "needs_rng"]
@@ -89,17 +89,6 @@ def needs_rng(error: BaseException) -> bool:
     return any(
         isinstance(e, flax.errors.InvalidRngError) or _RNG_WORDS.search(str(e))
         for e in _errors(error)
-    )
-
-
-def _same_signature(a: Any, b: Any) -> bool:
-    """Whether two (abstract) variable trees have the same structure, shapes and dtypes."""
-    leaves_a, treedef_a = jax.tree.flatten(a)
-    leaves_b, treedef_b = jax.tree.flatten(b)
-    expected: object = treedef_a  # this jaxlib has no stub for PyTreeDef: compare as objects
-    return expected == treedef_b and all(
-        (np.shape(x), getattr(x, "dtype", type(x))) == (np.shape(y), getattr(y, "dtype", type(y)))
-        for x, y in zip(leaves_a, leaves_b, strict=True)
     )
 
 
@@ -163,7 +152,7 @@ class ModelFit:
         against the (abstract) variables the run starts from: the caller's, or the trainer's
         own init. Fresh variables of the same signature as those `check_first` passed are
         not traced again."""
-        fresh = self.fresh is not _UNKNOWN and _same_signature(variables, self.fresh)
+        fresh = self.fresh is not _UNKNOWN and same_signature(variables, self.fresh)
         if not fresh and self.checked and self.program.kind == "trainer":  # fresh ones fit
             warn_unread(variables, self.fresh)
         if self.checked:
@@ -322,6 +311,10 @@ class ModelFit:
             if unbatched is None:
                 raise
             raise unbatched from error
+        if not isinstance(self.program.loss, str):  # a built-in loss's checks refuse it
+            refuse_broadcast_over_examples(
+                self.first_x, ys, y_pred, *resolve_loss(self.program.loss)
+            )
 
     def _fit_loss(self, y: Any, y_pred: Any, ys: Any) -> None:
         name, loss_fn = resolve_loss(self.program.loss)

@@ -33,7 +33,6 @@ __all__ = [
     "one_example",
     "not_floating",
     "scope_misuse",
-    "unbatched_output",
     "unbound_axis",
 ]
 
@@ -202,40 +201,6 @@ def not_floating(adapter: Any, where: str, dtype: Any) -> ModelConventionError:
     return ModelConventionError(
         f"model: the weight params{where} has dtype {dtype}; a trainer differentiates every "
         f"weight it trains, so each must be floating point. {fix}"
-    )
-
-
-def unbatched_output(first_x: Any, y_pred: Any) -> ValueError | None:
-    """The error for a model that read a batch's x as one example (a plain `nn.Dense` on
-    x of shape (B,), a recurrent layer on x of shape (B, T) without a feature axis): its
-    output has no leading axis of the batch's examples, and a loss failing on it would
-    otherwise blame y. None where that is not what happened. Asked only once the loss
-    has failed: a loss may take an unbatched output on purpose."""
-    leaves = jax.tree.leaves(first_x[1]) if first_x is not None else []
-    out = getattr(y_pred, "shape", None)
-    if len(leaves) != 1 or len(np.shape(leaves[0])) < 1 or out is None:
-        return None
-    shape = np.shape(leaves[0])
-    rows = shape[0]
-    if len(out) >= 1 and out[0] == rows:
-        return None
-    if len(shape) == 1:
-        return ValueError(
-            f"data: x has shape ({rows},), one axis, which the model reads as one example's "
-            f"{rows} features: its output of shape {tuple(out)} has no axis of the batch's "
-            f"{rows} examples. For one feature per example, give x a feature axis: x[:, None] "
-            f"(or x.reshape(-1, 1); fl.models.mlp adds it itself)"
-        )
-    if not rows or not hasattr(first_x[1], "shape"):
-        return None  # no rows to tell by; a leaf of a tree of x, which x[..., None] is not
-    if any(size and size % rows == 0 for size in out):
-        return None  # an axis of the examples, moved or merged (tokens of (B*T, C)): y's
-    return ValueError(
-        f"data: x has shape {tuple(shape)}, but the model's output of shape {tuple(out)} "
-        f"has no leading axis of the batch's {rows} examples: the model read the batch as "
-        f"one example. A recurrent layer (flax's nn.RNN, a scan over time) does so with x "
-        f"of shape (batch, time) and no feature axis: give x one, x[..., None]; otherwise "
-        f"keep the batch's axis first in the model's output"
     )
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "is_nnx_state",
     "member_axis",
     "names_the_form",
+    "same_signature",
     "warn_other_dtype",
     "warn_unread",
 ]
@@ -41,6 +42,17 @@ _MEMBERS = " These variables have a leading axis of"
 # Sentences that say the variables are given in a form fuseloop does not read: x is not
 # the problem, whatever the model said.
 NOT_X = (UNWRAPPED, WRAPPED, NNX_STATE)
+
+
+def same_signature(a: Any, b: Any) -> bool:
+    """Whether two (abstract) variable trees have the same structure, shapes and dtypes."""
+    leaves_a, treedef_a = jax.tree.flatten(a)
+    leaves_b, treedef_b = jax.tree.flatten(b)
+    expected: object = treedef_a  # this jaxlib has no stub for PyTreeDef: compare as objects
+    return expected == treedef_b and all(
+        (np.shape(x), getattr(x, "dtype", type(x))) == (np.shape(y), getattr(y, "dtype", type(y)))
+        for x, y in zip(leaves_a, leaves_b, strict=True)
+    )
 
 
 def names_the_form(difference: str) -> bool:
