@@ -829,10 +829,10 @@ def test_a_custom_loss_broadcasting_an_unbatched_output_over_y_is_refused():
     # and trained a wrong model in silence; the built-in loss was refused already.
     x = np.random.default_rng(0).normal(size=20).astype(np.float32)
     data = fl.data.arrays(x, 3 * x + 1, batch_size=5)
-    fix = r"x has shape \(5,\), one axis.*x\[:, None\].*loss '_mse'.*y of shape \(5,\)"
+    fix = r"x has shape \(5,\), one axis.*loss '_mse'.*y of shape \(5,\).*x\[:, None\]"
     with pytest.raises(ValueError, match=fix):
         fl.trainer(nn.Dense(1), _mse, "sgd").run(data)
-    with pytest.raises(ValueError, match=r"x\[:, None\].*loss '_mse'"):
+    with pytest.raises(ValueError, match=r"loss '_mse'.*x\[:, None\]"):
         fl.evaluator(nn.Dense(1), _mse).run(data, nn.Dense(1).init(jax.random.key(0), x[:5]))
     # With the feature axis it trains; so does a loss that never reads y (the model's own
     # loss terms, an output with an axis but not the examples').
@@ -840,8 +840,35 @@ def test_a_custom_loss_broadcasting_an_unbatched_output_over_y_is_refused():
     assert fl.trainer(nn.Dense(1), lambda y, p: _mse(y, p[:, 0]), "sgd").run(given).status == (
         "completed"
     )
-    terms = fl.trainer(_BatchTerms(), lambda y, t: t.sum(), "sgd").run(data)
-    assert terms.status == "completed"
+    for model, loss in (
+        (_BatchTerms(), jax.jit(lambda y, t: t.sum())),  # the model's own loss terms
+        (_Quantiles(), lambda y, q: jnp.mean(jnp.abs(q - y))),  # (3, B): the examples second
+        (_Constant(), _mse),  # a baseline that reads no x
+    ):
+        assert fl.trainer(model, loss, "sgd").run(data).status == "completed"
+    # y and the output as one-leaf trees, x as a dict of one leaf: the same broadcast.
+    keyed = fl.data.arrays({"f": x}, {"t": 3 * x + 1}, batch_size=5)
+    dense = fl.models.linen(_KeyedDense())
+    with pytest.raises(ValueError, match=r"x\['f'\] has shape \(5,\).*x\['f'\]\[:, None\]"):
+        fl.trainer(dense, lambda y, p: _mse(y["t"], p["p"]), "sgd").run(keyed)
+
+
+class _Quantiles(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(x[:, None]).T
+
+
+class _Constant(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return self.param("c", nn.initializers.zeros, (1,))
+
+
+class _KeyedDense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return {"p": nn.Dense(1)(x["f"])}
 
 
 class _BatchTerms(nn.Module):

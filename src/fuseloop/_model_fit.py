@@ -123,18 +123,19 @@ class ModelFit:
     def restore(self, verdict: tuple[Any, ...]) -> None:
         self.first_x, self.first_y, self.labels, self.fresh, self.checked = verdict
 
-    def _forward(self, variables: Any) -> Any:
-        """The model's abstract output on the first batch's x with abstract `variables`."""
+    def _forward(self, variables: Any, traced: bool = False) -> Any:
+        """The model's abstract output on the first batch's x with abstract `variables`
+        (`traced`: the call's ClosedJaxpr instead, x its first input)."""
         if self.first_x is None:
             raise RuntimeError("check_variables: no batch has been seen yet (internal error)")
         model, xs = self.program.model, self.first_x[1]
         train = self.program.kind == "trainer"
-        key = abstract_key()
 
-        def forward(variables: Any, x: Any, key: Any) -> Any:
+        def forward(x: Any, variables: Any, key: Any) -> Any:
             return model.forward(variables, x, train=train, rng=key if train else None)[0]
 
-        return jax.eval_shape(forward, variables, xs, key)
+        args = (xs, variables, abstract_key())
+        return jax.make_jaxpr(forward)(*args) if traced else jax.eval_shape(forward, *args)
 
     def check_variables(self, variables: Any, whose: str) -> Any:
         """The model's abstract output on the first batch's x with `variables` (abstract
@@ -169,7 +170,7 @@ class ModelFit:
             whose = "the variables the run starts from"
         y_pred = self.check_variables(variables, whose)
         if self.program.loss is not None and self.first_y is not None:
-            self._check_loss(self.first_y, y_pred, self.first_y)
+            self._check_loss(self.first_y, y_pred, self.first_y, variables)
 
     def _misfit(self, error: BaseException, variables: Any, whose: str) -> BaseException:
         """The ValueError (or the model's own error, kept) where the first batch's x fails."""
@@ -298,10 +299,10 @@ class ModelFit:
                 raise self._misfit(error, variables, FRESH) from error
             return  # the run's variables decide (check_run_variables)
         if self.program.loss is not None:
-            self._check_loss(y, y_pred, self.first_y)
+            self._check_loss(y, y_pred, self.first_y, variables)
         self.checked = True
 
-    def _check_loss(self, y: Any, y_pred: Any, ys: Any) -> None:
+    def _check_loss(self, y: Any, y_pred: Any, ys: Any, variables: Any) -> None:
         try:
             self._fit_loss(y, y_pred, ys)
         except ValueError as error:  # a model that read x's examples as one example's?
@@ -312,9 +313,8 @@ class ModelFit:
                 raise
             raise unbatched from error
         if not isinstance(self.program.loss, str):  # a built-in loss's checks refuse it
-            refuse_broadcast_over_examples(
-                self.first_x, ys, y_pred, *resolve_loss(self.program.loss)
-            )
+            x_flow = lambda: self._forward(variables, traced=True)  # noqa: E731 - if asked
+            refuse_broadcast_over_examples(self.first_x, ys, y_pred, self.program.loss, x_flow)
 
     def _fit_loss(self, y: Any, y_pred: Any, ys: Any) -> None:
         name, loss_fn = resolve_loss(self.program.loss)

@@ -12,11 +12,11 @@ from typing import Any
 
 import jax
 
+from ._data_flow import output_reads_inputs
 from ._linen import NNX_MODE_FLAGS, ModelConventionError, call_flags, flag_values
 from ._mode_follow import run_following_modes, unrecognised_flags
 from ._nnx_checks import (
     eval_flags,
-    output_reads_inputs,
     raw_value,
     refuse_eval_draws,
     refuse_other_shapes,

@@ -8,13 +8,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend.core import Var
 
 from ._linen import NNX_MODE_FLAGS, ModelConventionError
 
 __all__ = [
     "eval_flags",
-    "output_reads_inputs",
     "raw_value",
     "refuse_eval_draws",
     "refuse_other_shapes",
@@ -160,18 +158,6 @@ def _holds_an_rnn(layer: Any) -> bool:
     from flax import nnx
 
     return isinstance(layer, (nnx.RNN, getattr(nnx, "Bidirectional", nnx.RNN)))
-
-
-def output_reads_inputs(closed: Any, inputs: int) -> bool:
-    """Whether an output of the traced function `closed` (a ClosedJaxpr) is computed from
-    one of its first `inputs` inputs. Conservative: every output of an operation that
-    reads such a value (a loop, a call) counts as computed from it."""
-    jaxpr = closed.jaxpr
-    read = set(jaxpr.invars[:inputs])
-    for equation in jaxpr.eqns:
-        if any(isinstance(v, Var) and v in read for v in equation.invars):
-            read.update(equation.outvars)
-    return any(isinstance(v, Var) and v in read for v in jaxpr.outvars)
 
 
 def raw_value(variable: Any) -> Any:
