@@ -345,3 +345,36 @@ def test_a_loader_refilling_one_buffer_steps_every_batch(kind, fuse, prefetch):
     # The same run on distinct arrays: a chunk or a prefetched batch that kept a reference
     # to the refilled buffer would have stepped the last batch in place of earlier ones.
     _assert_same_run(state, LOOP.run(BATCHES, epochs=epochs, fuse=fuse))
+
+
+def _rollout_step(batch: Any, s: dict[str, Any]) -> dict[str, Any]:
+    """A step that makes its own data (an environment's draw); the batch holds no arrays."""
+    assert not jax.tree.leaves(batch)
+    draw = jax.random.normal(jax.random.fold_in(s["key"], s["step"]))
+    return {**s, "step": s["step"] + 1, "ret": s["ret"] + draw, "loss": draw}
+
+
+@pytest.mark.parametrize("empty", [None, (), {}], ids=["None", "tuple", "dict"])
+def test_batches_holding_no_arrays_run_compiled_fused_and_unfused_as_a_hand_loop(empty):
+    # They were stacked into a chunk without a leading axis, whose length the device loop
+    # read from its first array: an IndexError, compiled runs only.
+    init = {
+        "key": jax.random.PRNGKey(0),
+        "step": np.int32(0),
+        "ret": np.float32(0),
+        "loss": np.float32(0),
+    }
+    hand, draws = init, []
+    for _ in range(10):
+        hand = jax.jit(_rollout_step)(empty, hand)
+        draws.append(hand["loss"])
+    loop = fl.loop(_rollout_step).metric("loss")
+    unfused = loop.run([empty] * 5, init, fuse=False, epochs=2)
+    np.testing.assert_allclose(unfused.history[1]["loss"], np.mean(draws[5:]), rtol=1e-6)
+    for fuse in (False, 4, "auto"):
+        state = loop.run([empty] * 5, init, fuse=fuse, epochs=2)
+        assert int(state.step_state["step"]) == 10
+        np.testing.assert_array_equal(state.step_state["ret"], hand["ret"])
+        assert state.history == unfused.history
+    cut = loop.run(iter([empty] * 9), init, fuse=4, iterations=7)  # a short last chunk
+    assert int(cut.step_state["step"]) == 7

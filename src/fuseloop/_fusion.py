@@ -28,6 +28,7 @@ import numpy as np
 from jax import lax
 
 from ._arg_types import is_int
+from ._leafless import Leafless, chunk_size, slot_of
 from ._metrics import batch_size
 from ._unsliceable import unmasked
 
@@ -106,6 +107,10 @@ def stack_chunk(batches: Sequence[Any], size: int, first_index: int) -> Any:
     """
     treedef: Any  # this jaxlib has no stub for PyTreeDef
     leaves0, treedef = jax.tree.flatten(batches[0])
+    if not leaves0:  # no arrays to stack (a step that makes its own data)
+        for slot_index, batch in enumerate(batches):
+            _check_structure(batch, treedef, first_index + slot_index)
+        return Leafless(size, treedef)
     expected = [_signature(leaf) for leaf in leaves0]
     columns = _columns(batches, treedef, first_index)
     for j, column in enumerate(columns):
@@ -181,10 +186,6 @@ def _raise_mismatch(
     )
 
 
-def _index(tree: Any, i: Any) -> Any:
-    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
-
-
 def make_chunk_fn(
     carry_step: Callable[[Any, Any, Any], tuple[Any, Any]],
     record: bool,
@@ -210,14 +211,14 @@ def make_chunk_fn(
             return form(state, tail, chunk, n_valid)
         except TypeError as error:  # the carry changed type: say which leaf, and why
             try:
-                changed = _changed_leaves(carry_step, state, tail, _index(chunk, 0))
+                changed = _changed_leaves(carry_step, state, tail, slot_of(chunk, 0))
             except Exception as again:  # the step itself fails, traced outside the loop
                 if type(again) is type(error):  # the same failure: one copy of its notes
                     again.__suppress_context__ = True
                 raise
             if not changed:
                 raise
-            raise ValueError(_carry_message(changed, batch_size(_index(chunk, 0)))) from error
+            raise ValueError(_carry_message(changed, batch_size(slot_of(chunk, 0)))) from error
 
     return chunk_fn
 
@@ -230,7 +231,7 @@ def _looped_chunk_fn(
     """`make_chunk_fn`'s program as a while loop over the live slots (the CPU's form)."""
 
     def chunk_fn(state: Any, tail: Any, chunk: Any, n_valid: Any) -> tuple[Any, Any, Any, Any]:
-        size = jax.tree.leaves(chunk)[0].shape[0]
+        size = chunk_size(chunk)
         records = (
             jax.tree.map(lambda a: jnp.zeros((size,) + a.shape, a.dtype), tail["acc"])
             if record
@@ -246,7 +247,7 @@ def _looped_chunk_fn(
 
         def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
             i, state, tail, records = carry
-            state, tail = carry_step(state, tail, _index(chunk, i))
+            state, tail = carry_step(state, tail, slot_of(chunk, i))
             if record:
                 records = jax.tree.map(
                     lambda buf, value: lax.dynamic_update_index_in_dim(buf, value, i, 0),
@@ -311,14 +312,14 @@ def _masked_chunk_fn(
     record is the accumulators before it."""
 
     def chunk_fn(state: Any, tail: Any, chunk: Any, n_valid: Any) -> tuple[Any, Any, Any, Any]:
-        size = jax.tree.leaves(chunk)[0].shape[0]
+        size = chunk_size(chunk)
 
         def body(carry: tuple[Any, Any], i: Any) -> tuple[tuple[Any, Any], Any]:
             state, tail = carry
             live = i < n_valid
             if guard_nonfinite:
                 live = live & ~tail["nonfinite"]
-            new_state, new_tail = carry_step(state, tail, _index(chunk, i))
+            new_state, new_tail = carry_step(state, tail, slot_of(chunk, i))
             commit = live & ~new_tail["nonfinite"] if guard_nonfinite else live
             keep = lambda new, old: lax.select(commit, new, old)  # noqa: E731
             state = jax.tree.map(keep, new_state, state)

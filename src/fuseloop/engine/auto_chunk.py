@@ -35,6 +35,7 @@ import numpy as np
 
 from .._copies import private_copy
 from .._fusion import DEFAULT_CHUNK
+from .._leafless import repeated
 from .._placement import Placement, device_signature
 from .._state import State
 from .programs import Programs
@@ -187,7 +188,7 @@ def probe(
     """
     if program is None:
         program = programs.chunk()
-    stacked = jax.tree.map(lambda a: np.repeat(np.asarray(a)[None], copies, axis=0), batch)
+    stacked = repeated(batch, copies)
     state_sharding, chunk_sharding = _shardings(placement)
     try:
         chunk = jax.device_put(stacked, chunk_sharding)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from .._epoch_order import EpochOrder, prng_config
 from .._fusion import LOOP_OPTIONS, make_chunk_fn
+from .._leafless import widened
 from .._placement import default_device_key, device_key
 from .._shards import take_rows
 from .._step import make_carry_step
@@ -247,9 +248,7 @@ class Programs:
             body = self._device_loop()
 
             def program(state: Any, tail: Any, batch: Any, n_valid: Any) -> tuple[Any, ...]:
-                chunk = jax.tree.map(
-                    lambda a: jnp.broadcast_to(a[None], (MIN_SLOTS,) + a.shape), batch
-                )
+                chunk = widened(batch, MIN_SLOTS)
                 state, tail, records, _ = body(state, tail, chunk, n_valid)
                 return state, tail, pack_leaves(records)  # a buffer per dtype, not a leaf each
 
