@@ -314,6 +314,12 @@ def test_a_named_tuple_of_targets_is_described_by_the_arrays_it_holds():
 def test_an_optax_loss_given_as_is_is_told_its_arguments_are_the_other_way_round():
     with pytest.raises(ValueError, match=r"optax's losses take \(predictions, targets\).*Wrap"):
         fl.trainer(fl.models.mlp([2]), optax.softmax_cross_entropy_with_integer_labels, "sgd")
+    # The built-in named is the one the optax loss is, where there is one (it was always
+    # the sparse cross-entropy).
+    with pytest.raises(ValueError, match=r"the built-in 'binary_cross_entropy', which is"):
+        fl.trainer(fl.models.mlp([3]), optax.sigmoid_binary_cross_entropy, "sgd")
+    with pytest.raises(ValueError, match=r"\.mean\(\)$"):
+        fl.trainer(fl.models.mlp([1]), optax.huber_loss, "sgd")
     # A metric's wrapper returns per-example values (a .mean() made it a mean of batches).
     per_example = r"optax.sigmoid_binary_cross_entropy\(y_pred, y_true\) \(one value per example"
     with pytest.raises(

@@ -247,6 +247,11 @@ def test_a_second_run_of_a_loop_holds_its_own_data_to_the_class_metrics_rule():
     padded[5] = 0.0
     with pytest.raises(ValueError, match=r"all zeros \(a padded position\?\).*running_sum"):
         loop.run(fl.data.arrays(_X, padded, batch_size=8))
+    # Multi-hot labels with rare positives hold all-zero rows too: a row of two labels
+    # after one of none is told as multi-hot, not as padding.
+    padded[6] = [1.0, 1.0, 0.0]
+    with pytest.raises(ValueError, match=r"a row of y sums to 2 \(multi-hot"):
+        loop.run(fl.data.arrays(_X, padded, batch_size=8))
     from fuseloop._class_labels import ClassLabels  # a row summing to 0 is not all zeros
 
     with pytest.raises(ValueError, match=r"sums to 0 \(multi-hot"):

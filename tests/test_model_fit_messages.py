@@ -447,13 +447,13 @@ class _EndsIn(nn.Module):
 def test_probability_outputs_under_a_logit_loss_are_warned_about_once(final, outputs, loss):
     x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
     data = [(x, np.zeros(16, np.int32))]
-    loop = fl.trainer(_EndsIn(final, outputs), loss, "sgd")
+    loop = fl.trainer(_EndsIn(final, outputs), loss, "sgd").metric("accuracy")
     with pytest.warns(UserWarning, match=rf"look like probabilities.*applies {final} itself") as w:
         loop.run(data)
     # Accuracy thresholds one output per example as a logit; a class's argmax is the same
     # on probabilities, so the softmax warning does not say accuracy would suffer.
     said = str(next(x for x in w if "probabilities" in str(x.message)).message)
-    assert ("accuracy would threshold" in said) is (final == "sigmoid")
+    assert ("'accuracy' would threshold" in said) is (final == "sigmoid")
     with warnings.catch_warnings():  # once per Loop: a second run does not check again
         warnings.simplefilter("error")
         loop.run(data)
@@ -461,6 +461,16 @@ def test_probability_outputs_under_a_logit_loss_are_warned_about_once(final, out
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fl.trainer(fl.models.mlp([8, outputs]), loss, "sgd").run(data)
+
+
+def test_a_softmax_under_a_binary_cross_entropy_is_named_as_a_softmax():
+    # It was called "a final sigmoid", and accuracy was named with no accuracy metric.
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    labels = (np.random.default_rng(1).random((16, 3)) < 0.3).astype(np.float32)
+    loop = fl.trainer(_EndsIn("softmax", 3), "binary_cross_entropy", "sgd")
+    with pytest.warns(UserWarning, match=r"final softmax.*sigmoid\(softmax.*compete") as w:
+        loop.run([(x, labels)])
+    assert not any("threshold" in str(x.message) for x in w)
 
 
 def _probability_loss(y_true: Any, y_pred: Any) -> Any:

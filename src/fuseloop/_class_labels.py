@@ -73,8 +73,10 @@ class ClassLabels:
         values = np.asarray(labels, np.float64)
         listed = ", ".join(repr(name) for name in self.metrics)
         if self.per_row:
-            row_sum = values.sum(axis=-1)[bad].flat[0]
-            if not values[bad][0].any():  # a one-hot of padding: no class at all
+            sums = values.sum(axis=-1)[bad]
+            several = sums > 1.0 + _TOLERANCE  # a multi-hot row says more than a padded one
+            row_sum = sums[several].flat[0] if several.any() else sums.flat[0]
+            if not several.any() and not values[bad][0].any():  # a one-hot of padding
                 raise ValueError(
                     f"data: {where}: y has the model's output shape {self.output}, read by "
                     f"{listed} as one class per example (one-hot), but a row of y is all "

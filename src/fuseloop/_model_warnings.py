@@ -97,7 +97,7 @@ def warn_about_model(
         if final == applies or (
             final != "layer" and _outputs_look_like(program.model, params, x, applies)
         ):
-            _warn_loss(program.loss, applies)
+            _warn_loss(program.loss, applies, final, classifying)
     elif final in ("sigmoid", "softmax") and (len(shape) < 2 or shape[-1] == 1):
         _warn_metrics(classifying, final)  # one output per example, read as a binary logit
     return class_label_rule(reading, shape, y, indices)
@@ -182,19 +182,30 @@ _OWN_ACCURACY = (
 )
 
 
-def _warn_loss(loss: str, applies: str) -> None:
+def _warn_loss(loss: str, applies: str, final: Any, classifying: Sequence[str]) -> None:
+    """Warns of probabilities into a loss that takes logits; `final` names the model's
+    own last function where it was found (a softmax under a binary cross-entropy), else
+    the loss's own is taken to be it (outputs that look so)."""
+    has = final if final in ("sigmoid", "softmax") else applies
     # A binary metric thresholds the output at 0 as a logit; a class's argmax is the
     # same on probabilities (softmax keeps the order), so only sigmoid's metrics suffer.
-    binary = applies != "softmax"
+    binary = applies != "softmax" and bool(classifying)
+    listed = ", ".join(repr(name) for name in classifying)
+    competing = (
+        ". For several labels per example, each label's own sigmoid is its probability: a "
+        "softmax makes the labels compete for one"
+        if (has, applies) == ("softmax", "sigmoid")
+        else ""
+    )
     warn(
-        f"model: its outputs look like probabilities (a final {applies}"
-        f"{'' if binary else ', each row summing to 1'}), but the built-in "
+        f"model: its outputs look like probabilities (a final {has}"
+        f"{', each row summing to 1' if has == 'softmax' else ''}), but the built-in "
         f"loss '{loss}' takes logits, as optax's losses do: it applies {applies} itself, so "
-        f"the loss would see {applies}({applies}(...))"
-        f"{' and accuracy would threshold probabilities as logits' if binary else ''}. "
-        f"Remove the model's final {applies} (apply jax.nn.{applies} to fl.predict's "
-        f"outputs instead), or pass a loss of your own that takes probabilities"
-        f"{f' (and a metric of your own: {_OWN_ACCURACY})' if binary else ''}",
+        f"the loss would see {applies}({has}(...))"
+        f"{f' and {listed} would threshold probabilities as logits' if binary else ''}. "
+        f"Remove the model's final {has} (apply jax.nn.{applies} to fl.predict's outputs "
+        f"instead), or pass a loss of your own that takes probabilities"
+        f"{f' (and a metric of your own: {_OWN_ACCURACY})' if binary else ''}{competing}",
         UserWarning,
     )
 

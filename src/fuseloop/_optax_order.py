@@ -10,6 +10,14 @@ import optax
 
 __all__ = ["refuse_optax_order"]
 
+# The optax losses a built-in loss computes as it is (their mean over the examples).
+_BUILT_IN = {
+    "softmax_cross_entropy_with_integer_labels": "sparse_categorical_cross_entropy",
+    "softmax_cross_entropy": "categorical_cross_entropy",
+    "sigmoid_binary_cross_entropy": "binary_cross_entropy",
+    "squared_error": "mean_squared_error",
+}
+
 
 def refuse_optax_order(fn: Any, kind: str) -> None:
     """An optax loss given as is: optax's losses take `(predictions, targets)` and return
@@ -28,9 +36,10 @@ def refuse_optax_order(fn: Any, kind: str) -> None:
     path = f"optax.{name}" if getattr(optax, name, None) is fn else f"optax.losses.{name}"
     extra = "".join(f", {k}={v!r}" for k, v in keywords.items())
     call = f"{path}(y_pred, y_true{extra})"
+    builtin = _BUILT_IN.get(name) if not keywords else None
     fix = (
-        f"lambda y_true, y_pred: {call}.mean(), or pass a built-in name such as "
-        f"'sparse_categorical_cross_entropy'"
+        f"lambda y_true, y_pred: {call}.mean()"
+        f"{f', or pass the built-in {builtin!r}, which is that loss' if builtin else ''}"
         if kind == "loss"
         else f"lambda y_true, y_pred: {call} (one value per example, which the metric "
         f"averages over the epoch's examples)"
