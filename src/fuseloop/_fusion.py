@@ -99,7 +99,8 @@ def _signature(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
 
 
 def stack_chunk(batches: Sequence[Any], size: int, first_index: int) -> Any:
-    """Stacks `batches` leaf by leaf along a new leading axis, zero-padded to `size` slots.
+    """Stacks `batches` leaf by leaf along a new leading axis, zero-padded to `size` slots
+    (batches holding no arrays: a `Leafless` chunk of `size` slots).
 
     Raises:
         FusionError: a batch differs in structure, shape or dtype from the chunk's first,

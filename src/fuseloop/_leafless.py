@@ -46,7 +46,8 @@ def chunk_size(chunk: Any) -> int:
 
 
 def slot_of(chunk: Any, i: Any) -> Any:
-    """The batch in slot `i` of a stacked chunk (`i` may be traced)."""
+    """The batch in slot `i` of a stacked chunk, a leafless one's included (`i` may be
+    traced)."""
     if isinstance(chunk, Leafless):
         return jax.tree.unflatten(chunk.treedef, [])
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), chunk)
