@@ -8,6 +8,7 @@ import functools
 import warnings
 from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -583,3 +584,38 @@ def test_an_error_a_metric_function_raises_names_the_metric_and_what_it_got():
     with pytest.raises(ValueError, match="broadcasts them") as raised:
         crossed.run([(x, np.zeros(8, np.float32))])
     assert "raised by the metric" not in "\n".join(getattr(raised.value, "__notes__", []))
+
+
+class _Centroids(nn.Module):
+    """k-means by gradient descent: the model's output is its 8 centroids, not one row per
+    example, whatever the batch."""
+
+    @nn.compact
+    def __call__(self, x):
+        return self.param("c", nn.initializers.normal(1.0), (8, 2))
+
+
+def _distortion(y_true, centroids):
+    return ((y_true[:, None, :] - centroids[None]) ** 2).sum(-1).min(-1).mean()
+
+
+def _distortion_metric(y_true, centroids):
+    return ((y_true[:, None, :] - centroids[None]) ** 2).sum(-1).min(-1)
+
+
+def test_an_output_whose_rows_equal_the_batch_size_by_chance_is_no_cross():
+    # A batch of 8 examples against 8 centroids was refused as every target against every
+    # prediction (the centroids taken to follow the batch, at the other size too): from the
+    # first batch, or mid-run at a ragged last batch of 8.
+    x = np.random.default_rng(0).normal(size=(56, 2)).astype(np.float32)
+    loop = fl.trainer(_Centroids(), _distortion, optax.adam(0.1)).metric(_distortion_metric)
+    ragged = fl.data.arrays(x, x, batch_size=16, shuffle=False, drop_remainder=False)
+    unfused = loop.run(ragged, epochs=2)
+    resident = fl.data.arrays(x, x, 16, shuffle=False, drop_remainder=False, device=True)
+    assert loop.run(resident, epochs=2, fuse=4).history == unfused.history
+    assert loop.run(fl.data.arrays(x, x, batch_size=8), fuse=4).status == "completed"
+    # A (B, 1) output against (B,) targets still crosses at every batch size.
+    with pytest.raises(ValueError, match=r"every target against every prediction"):
+        fl.trainer(fl.models.mlp([1]), lambda t, p: jnp.mean((p - t) ** 2), "sgd").run(
+            [(x, x[:, 0])]
+        )

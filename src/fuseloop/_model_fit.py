@@ -33,6 +33,7 @@ from ._model_fit_advice import (
     unbound_axis,
 )
 from ._outputs import require_one_prediction
+from ._outputs_at import model_outputs_at, outputs_at
 from ._placement import device_dtype
 from ._target_shapes import CrossBroadcastError
 from ._unbatched import refuse_broadcast_over_examples, unbatched_output
@@ -304,7 +305,9 @@ class ModelFit:
 
     def _check_loss(self, y: Any, y_pred: Any, ys: Any, variables: Any) -> None:
         try:
-            self._fit_loss(y, y_pred, ys)
+            xs = self.first_x[1] if self.first_x is not None else None
+            with model_outputs_at(outputs_at(self.program.model, variables, xs)):
+                self._fit_loss(y, y_pred, ys)
         except ValueError as error:  # a model that read x's examples as one example's?
             # y against the output, or a cross broadcast, not the loss's own error
             fitting = str(error).startswith("data: ") or isinstance(error, CrossBroadcastError)

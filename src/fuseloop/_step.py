@@ -33,6 +33,7 @@ from ._optim import (
     optimizer_update,
     resolve_optimizer,
 )
+from ._outputs_at import model_outputs_at, outputs_at
 from ._warn import warn
 from .models import as_model
 
@@ -226,7 +227,8 @@ def trainer_program(model: Any, loss: Any, optimizer: Any, seed: int) -> Program
 
         def objective(p: Any) -> tuple[Any, tuple[Any, Any, Mean]]:
             y_pred, new_rest = adapter.forward(_merge(p, rest), x, train=True, rng=key)
-            value, mean = loss_fn(y, y_pred, x)
+            with model_outputs_at(outputs_at(adapter, state["params"], x)):
+                value, mean = loss_fn(y, y_pred, x)
             return value, (y_pred, new_rest, mean)
 
         descended = _descend(tx, objective, params, state["opt_state"])
@@ -268,7 +270,8 @@ def evaluator_program(model: Any, loss: Any = None) -> Program:
         y_pred, _ = adapter.forward(state["params"], x, train=False, rng=None)
         aux = _read_by_metrics(x, y, y_pred, binary_labels)
         if loss_fn is not None:
-            aux["loss"], mean = loss_fn(y, y_pred, x)
+            with model_outputs_at(outputs_at(adapter, state["params"], x)):
+                aux["loss"], mean = loss_fn(y, y_pred, x)
             aux["means"] = {"loss": mean}
         return state, aux
 
@@ -306,6 +309,14 @@ def init_tail(metrics: tuple[MetricSpec, ...], guard_nonfinite: bool) -> dict[st
     return tail
 
 
+def _outputs_of(program: Program, state: Any, batch: Any) -> Any:
+    """The model's outputs at another batch size, for a trainer's or an evaluator's
+    metrics (`_outputs_at.py`); None for a custom step, whose outputs fuseloop cannot make."""
+    if program.model is None or not isinstance(state, dict) or "params" not in state:
+        return None
+    return outputs_at(program.model, state["params"], split_batch(batch)[0])
+
+
 def make_carry_step(
     program: Program,
     metrics: tuple[MetricSpec, ...],
@@ -325,7 +336,8 @@ def make_carry_step(
 
     def carry_step(state: Any, tail: dict[str, Any], batch: Any) -> tuple[Any, dict[str, Any]]:
         new_state, aux = program.step(state, batch)
-        acc = {m.name: m.update(tail["acc"][m.name], metric_value(m, aux)) for m in metrics}
+        with model_outputs_at(_outputs_of(program, state, batch)):
+            acc = {m.name: m.update(tail["acc"][m.name], metric_value(m, aux)) for m in metrics}
         if not guard_nonfinite:
             return new_state, {"acc": acc}
         if "loss" not in aux:

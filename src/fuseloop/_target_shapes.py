@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from ._optax_order import refuse_optax_order
+from ._outputs_at import model_made
 from ._pairwise import is_pairwise
 
 __all__ = ["CrossBroadcastError", "refusing_cross_broadcast"]
@@ -122,8 +123,8 @@ def _refuse_cross(fn: Callable[..., Any], y_true: Any, y_pred: Any, kind: str, n
     crosses = [c for c in mixed if not c.spread]
     if crosses and _coincidental(fn, y_true, y_pred, _mixed_crosses):
         crosses = []
-    again = _at_another_size(y_true, y_pred)
-    if not crosses and mixed and again is not None and _traced(fn, *again) is None:
+    again = _at_another_size(y_true, y_pred) if not crosses and mixed else None
+    if again is not None and _traced(fn, *again) is None:
         crosses = mixed  # spread over an axis as long as the batch, which fails elsewhere
     if crosses:
         found = crosses[0]
@@ -292,7 +293,8 @@ def _at_another_size(y_true: Any, y_pred: Any) -> tuple[Any, Any] | None:
         new = lambda a: (other, *a.shape[1:]) if a.shape[:1] == (batch,) else a.shape  # noqa: E731
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(new(a), a.dtype), tree)
 
-    return resized(y_true), resized(y_pred)
+    made = model_made(batch, other, y_pred)  # the model's own, where the step knows them
+    return resized(y_true), made if made is not None else resized(y_pred)
 
 
 def _coincidental(
