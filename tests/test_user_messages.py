@@ -402,3 +402,14 @@ def test_other_callables_in_the_model_or_optimizer_place_get_no_call_it_hint():
     with pytest.raises(ValueError, match=r"must be a name") as refused:
         fl.trainer(fl.models.mlp([3]), loss, optax.exponential_decay(0.1, 10, 0.5))
     assert "call it" not in str(refused.value)
+
+
+def test_a_built_in_loss_or_metric_on_data_without_targets_is_told_to_give_some():
+    # They were told to read "y_true[0]" of a None y, the loss wrapped in "Give y the shape".
+    x = np.random.default_rng(0).normal(size=(16, 6)).astype(np.float32)
+    data = fl.data.arrays(x, None, batch_size=8)
+    fix = r"the data holds none \(y is None\).*fl.data.arrays\(x, x, \.\.\.\)"
+    with pytest.raises(ValueError, match=fix + r".*\.metric\(lambda"):
+        fl.trainer(fl.models.mlp([6]), lambda y, r: (r**2).mean(), "sgd").metric("mae").run(data)
+    with pytest.raises(ValueError, match=r"^loss 'mean_squared_error' .*" + fix):
+        fl.trainer(fl.models.mlp([6]), "mse", "sgd").run(data)

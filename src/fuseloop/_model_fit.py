@@ -32,7 +32,7 @@ from ._model_fit_advice import (
     scope_misuse,
     unbound_axis,
 )
-from ._outputs import require_one_prediction
+from ._outputs import NoTargetsError, require_one_prediction
 from ._outputs_at import model_outputs_at, outputs_at
 from ._placement import device_dtype
 from ._target_shapes import CrossBroadcastError
@@ -334,6 +334,8 @@ class ModelFit:
             self._check_named_loss(name, ys, y_pred, output)
         try:
             value = jax.eval_shape(loss_fn, ys, y_pred)
+        except NoTargetsError:
+            raise
         except Exception as error:  # noqa: BLE001
             if not loss_misfit(error, y, y_pred):  # the loss's own fault, not y's: its own error
                 error.add_note(

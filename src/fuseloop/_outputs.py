@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 __all__ = [
+    "NoTargetsError",
     "describe_outputs",
     "losses_per_output",
     "require_arrays",
@@ -107,6 +108,11 @@ def require_one_prediction(y_pred: Any, kind: str, name: str) -> None:
     )
 
 
+class NoTargetsError(ValueError):
+    """A built-in loss or metric given data without targets (`(x, None)`): raised as it
+    is, not as y's misfit."""
+
+
 def require_arrays(y_true: Any, y_pred: Any, kind: str, name: str) -> None:
     """`require_one_prediction`, and a ValueError where the targets `y_true` are not one
     array either (a dict of labels and weights, which only the user's function can read).
@@ -120,6 +126,18 @@ def require_arrays(y_true: Any, y_pred: Any, kind: str, name: str) -> None:
         ValueError: metric 'accuracy' takes y as one array of targets, but the data's y is ...
     """
     require_one_prediction(y_pred, kind, name)
+    if not jax.tree.leaves(y_true):  # (x, None): data without labels
+        own = (
+            f".metric(lambda y_true, y_pred: ..., name={name!r})"
+            if kind == "metric"
+            else "loss=lambda y_true, y_pred: ..."
+        )
+        raise NoTargetsError(
+            f"{kind} {name!r} compares predictions with targets, but the data holds none "
+            f"(y is {y_true!r}). For a model that rebuilds x (an autoencoder), give x as the "
+            f"targets too, fl.data.arrays(x, x, ...); otherwise pass a {kind} function of "
+            f"the predictions alone, e.g. {own}"
+        )
     targets = describe_outputs(y_true, label="y")
     if targets is None:
         return
