@@ -190,3 +190,50 @@ def test_unlabelled_batches_of_mixed_rows_run_until_a_batch_of_other_shapes():
     labelled = [(x, np.zeros(len(x["x"]), np.int32)) for x, _ in (*uniform, batch(2))]
     with pytest.warns(UserWarning, match="ragged last batch"):
         assert fl.trainer(model, own, "sgd").run(labelled).status == "completed"
+
+
+def padded(rng: np.random.Generator, graphs: int, nodes: int, edges: int) -> dict:
+    """`graph_batch`'s keys for `graphs` graphs of 4 nodes, padded to `nodes` and `edges`
+    rows (padding edges join padding node 0 to itself with weight 0)."""
+    real = graph_batch(rng, graphs)
+    n, e = len(real["nodes"]), len(real["edges"])
+    pad = {"nodes": nodes - n, "graph_of_node": nodes - n}
+    out = {
+        k: np.concatenate([v, np.zeros((pad[k], *v.shape[1:]), v.dtype)])
+        for k, v in real.items()
+        if k in pad
+    }
+    for key in ("edges", "receivers", "senders"):
+        out[key] = np.concatenate(
+            [real[key], np.zeros((edges - e, *real[key].shape[1:]), real[key].dtype)]
+        )
+    return out
+
+
+def test_graph_batches_padded_to_one_budget_for_nodes_and_edges_are_graph_batches():
+    # With as many edge rows as node rows, every leaf of x held one number of rows, and
+    # the batch was taken for plain data: per-graph labels were refused, and a last batch
+    # padded to smaller budgets was refused as leaves of different batch sizes.
+    rng = np.random.default_rng(5)
+
+    def graph_logits(params, x):  # two graphs a batch, their padding nodes in graph 0
+        return jax.ops.segment_sum(node_logits(params, x), x["graph_of_node"], 2)
+
+    per_graph = [(padded(rng, 2, 16, 16), rng.integers(0, 3, 2).astype(np.int32)) for _ in range(3)]
+    model = fl.models.from_functions(init, graph_logits)
+    start = init(jax.random.key(2), None)
+    for fuse in (False, 3):
+        state = fl.trainer(model, loss, optax.sgd(0.1)).run(per_graph, start, fuse=fuse)
+        assert_as_the_hand_loop(state, graph_logits, per_graph, start)
+    per_node = [(padded(rng, 4, 32, 32), rng.integers(0, 3, 32).astype(np.int32)) for _ in range(2)]
+    per_node.append((padded(rng, 1, 4, 12), rng.integers(0, 3, 4).astype(np.int32)))
+    node_model = fl.models.from_functions(init, node_logits)
+    with pytest.warns(UserWarning, match="has batch size 4 instead of 32"):
+        state = fl.trainer(node_model, loss, optax.sgd(0.1)).run(per_node, start, fuse=False)
+    assert_as_the_hand_loop(state, node_logits, per_node, start)
+    with pytest.raises(fl.FusionError, match="pad every graph batch to the run's budget"):
+        fl.trainer(node_model, loss, optax.sgd(0.1)).run(per_node, start, fuse=3)
+    # As many graphs padded to another edge budget: no "batch size 2 instead of 2".
+    wider = per_graph[:2] + [(padded(rng, 2, 16, 24), per_graph[2][1])]
+    with pytest.warns(UserWarning, match=r"padded to other rows .*with as many examples"):
+        fl.trainer(model, loss, optax.sgd(0.1)).run(wider, start, fuse=False)

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ._graph_batch import check_rows_of_a_mixed_x, graph_like, rows_unknown
+from ._graph_batch import check_rows_of_a_mixed_x, graph_like, indexes_its_rows, rows_unknown
 from ._prng_keys import is_typed_keys
 from ._unsliceable import masked_fix, typed_keys_fix
 
@@ -181,8 +181,11 @@ def check_pair_sizes(
         return graph
     if not x_sizes:
         return False
+    mixed = len(set(x_sizes)) > 1
     if graph is None:
-        graph = len(set(x_sizes)) > 1 and graph_like(batch, where, y_sizes[0])
+        graph = mixed and graph_like(batch, where, y_sizes[0])
+    if not graph and (mixed or y_sizes[0] != x_sizes[0]) and indexes_its_rows(batch[0]):
+        graph = True  # padded to one budget for nodes and edges: y's rows tell the examples
     if graph:  # a graph's nodes and edges: y's rows are the examples
         check_rows_of_a_mixed_x(batch, where, y_sizes)
         return True

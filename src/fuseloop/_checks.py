@@ -36,6 +36,7 @@ from ._batch_checks import (
 )
 from ._fusion import FusionError
 from ._label_checks import LabelChecks
+from ._mismatch_advice import mismatch_fix
 from ._model_fit import ModelFit, abstract
 from ._narrowing import Narrowing
 from ._short_batch import ShortBatch
@@ -218,7 +219,7 @@ class Checker:
         if self.pairs:  # the same errors fused and unfused: checked before any fusion error
             require_pair(batch, at)
             check_python_lists(batch, at)
-            check_pair_sizes(batch, at, self.named_loss, self.graph)
+            self.graph = check_pair_sizes(batch, at, self.named_loss, self.graph)
         if treedef != self.treedef:
             raise error(
                 f"{where} has structure {treedef}, but the run's first batch has "
@@ -270,30 +271,7 @@ class Checker:
             self._same(expected, actual, fused=False)
             or self._differs_on_batch_axis(expected, actual)
         )
-        if expected[0] == actual[0]:  # the dtype alone differs
-            fix = f"cast it to {expected[1]} where the batches are made (.astype('{expected[1]}'))"
-            if isinstance(actual[1], np.dtype) and actual[1] in (np.int64, np.uint64):
-                fix += ", where values beyond its range would wrap: map them into range first"
-            if unfused_takes_it:
-                fix += "; fused chunks stack one dtype per leaf (fuse=False converts)"
-        elif unfused_takes_it:
-            dropping = (
-                ""
-                if self.program.kind == "evaluator"
-                else ", or leave it out (drop_remainder=True; a torch DataLoader's drop_last=True)"
-            )
-            fix = (
-                "fused chunks compile once for one batch shape: use fuse=False, or "
-                "fl.data.arrays(..., device=True), which runs a short last batch as a step "
-                f"of its own{dropping}; padding it would count the padding as examples"
-            )
-        else:
-            fix = (
-                "every batch must have the shapes and dtypes of the run's first batch, fused or "
-                "not (only the batch axis of a ragged last batch may differ); make the batches "
-                "uniform: pad sequences to one length (padding='max_length', masked in the "
-                "loss), or reshape or cast them"
-            )
+        fix = mismatch_fix(expected, actual, unfused_takes_it, self.program.kind, self.graph)
         return (
             f"{where}: leaf {name} has shape {actual[0]} dtype {actual[1]}, expected "
             f"shape {expected[0]} dtype {expected[1]} like the run's first batch; {fix}"

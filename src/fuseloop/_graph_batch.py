@@ -10,7 +10,13 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["check_rows_of_a_mixed_x", "graph_like", "rows_of", "rows_unknown"]
+__all__ = [
+    "check_rows_of_a_mixed_x",
+    "graph_like",
+    "indexes_its_rows",
+    "rows_of",
+    "rows_unknown",
+]
 
 
 def graph_like(batch: Any, where: str, examples: int) -> bool:
@@ -29,6 +35,25 @@ def graph_like(batch: Any, where: str, examples: int) -> bool:
         f"example (a padded graph batch, whose x holds nodes and edges, has integer index "
         f"arrays beside them). Check that x and y belong together"
     )
+
+
+def indexes_its_rows(x: Any) -> bool:
+    """Whether `x` reads as a padded graph batch even where its leaves hold one number of
+    rows (nodes and edges padded to one budget): beside leaves of other kinds, it holds a
+    vector of integers that index its rows (senders, receivers, graph ids), every value in
+    [0, rows). A categorical column's codes would have to stay below the batch size too.
+    Asked only where x alone cannot say: a batch that would be refused otherwise."""
+    leaves = [leaf for leaf in jax.tree.leaves(x) if np.ndim(leaf) >= 1]
+    rows = max((np.shape(leaf)[0] for leaf in leaves), default=0)
+
+    def indexes(leaf: Any) -> bool:
+        if np.ndim(leaf) != 1 or "int" not in str(getattr(leaf, "dtype", "")):
+            return False
+        values = np.asarray(leaf)
+        return bool(values.size) and int(values.min()) >= 0 and int(values.max()) < rows
+
+    index_leaves = [leaf for leaf in leaves if indexes(leaf)]
+    return bool(index_leaves) and len(index_leaves) < len(leaves)
 
 
 def check_rows_of_a_mixed_x(batch: Any, where: str, y_sizes: list[int]) -> None:

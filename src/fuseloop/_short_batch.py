@@ -53,15 +53,24 @@ class ShortBatch:
             size = key = changed.pop()
         if self.rows is None:
             self.rows = key
-            if self.kind != "evaluator":  # every example counts in evaluation
-                self._warn(where, full, size)
+            if self.kind == "evaluator":  # every example counts in evaluation
+                return
+            if graph is True and size == full:  # as many examples, padded otherwise
+                warn(
+                    f"{where} is padded to other rows ({_named(names, rows)}) than the run's "
+                    f"first batch ({_named(names, first_rows)}), with as many examples; the "
+                    f"step compiles once more for it. Pad every batch to one budget for "
+                    f"nodes and edges (as jraph.pad_with_graphs takes) to compile once"
+                )
+                return
+            self._warn(where, full, size)
             return
         if key == self.rows:
             return
         if graph is True:
             raise ValueError(
                 f"{where} is padded to other rows ({_named(names, rows)}) than the run's "
-                f"batches ({_named(names, first_rows)}) and its short batch "
+                f"batches ({_named(names, first_rows)}) and the one batch padded otherwise "
                 f"({_named(names, self.rows)}); only one batch of other rows (a ragged last "
                 f"batch) is allowed, because each new padding recompiles the step. Pad every "
                 f"batch to the same numbers of rows (one padding budget for nodes and edges, "
