@@ -102,8 +102,8 @@ def _called_with(name: str, y_true: Any, y_pred: Any) -> str:
 def _per_example(spec: MetricSpec, value: Any, aux: dict[str, Any]) -> Any:
     """`value`, with a warning where a running average would read an array whose leading
     axis cannot hold the batch's examples (nor their elements, flattened) as values per
-    example: it averages them per batch, as a scalar of their mean (a per-output error
-    reduced over the batch), which a per-class count is not. Said when traced."""
+    example: it counts each of its values as one example (a per-output error reduced over
+    the batch reads right so), which a per-class count is not. Said when traced."""
     shape = np.shape(value) if isinstance(value, (jax.Array, np.ndarray)) else ()
     # The trainer's and evaluator's count (y's rows, or x's); the output's rows, which tell
     # the examples where x's leaves hold other rows beside a y without any (a table).
