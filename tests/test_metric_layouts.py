@@ -614,8 +614,20 @@ def test_an_output_whose_rows_equal_the_batch_size_by_chance_is_no_cross():
     resident = fl.data.arrays(x, x, 16, shuffle=False, drop_remainder=False, device=True)
     assert loop.run(resident, epochs=2, fuse=4).history == unfused.history
     assert loop.run(fl.data.arrays(x, x, batch_size=8), fuse=4).status == "completed"
-    # A (B, 1) output against (B,) targets still crosses at every batch size.
+    # A (B, 1) output against (B,) targets still crosses at every batch size, also beside
+    # an output of 8 rows that does not follow the batch (review64).
     with pytest.raises(ValueError, match=r"every target against every prediction"):
         fl.trainer(fl.models.mlp([1]), lambda t, p: jnp.mean((p - t) ** 2), "sgd").run(
             [(x, x[:, 0])]
         )
+    crossing = lambda t, p: jnp.mean((p["pred"] - t) ** 2)  # noqa: E731
+    with pytest.raises(ValueError, match=r"every target against every prediction"):
+        fl.trainer(fl.models.linen(_CentroidsAndHead()), crossing, "sgd").run(
+            fl.data.arrays(x, x[:, 0], batch_size=8)
+        )
+
+
+class _CentroidsAndHead(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return {"centroids": _Centroids()(x), "pred": nn.Dense(1)(x)}

@@ -11,17 +11,14 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 __all__ = ["output_reads_inputs"]
 
 # The operations that call a function of their own once (`jit` was `pjit` in older jax).
-_CALLS = frozenset(
-    {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call"}
-)
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint"})
 
 
 def output_reads_inputs(closed: Any, inputs: int) -> bool:
     """Whether an output of the traced function `closed` (a ClosedJaxpr) is computed from
     one of its first `inputs` inputs. A call of a function of its own (`jax.jit`,
-    `jax.checkpoint`, `jax.custom_jvp`) is followed inside; every other operation (a loop,
-    a cond, a `jax.custom_vjp`) counts each of its outputs as computed from every input
-    it reads.
+    `jax.checkpoint`) is followed inside; every other operation (a loop, a cond, a custom
+    derivative) counts each of its outputs as computed from every input it reads.
 
     Example:
         >>> import jax
@@ -53,10 +50,10 @@ def _flows(jaxpr: Jaxpr, reading: list[bool]) -> list[bool]:
 
 def _called(equation: Any) -> Jaxpr | None:
     """The function a call operation runs on its own inputs and outputs one for one (a
-    jit, a checkpoint, a custom derivative's primal), or None for any other operation.
-    Known calls alone: a loop's body has the same arity and would be followed through one
-    pass, missing what it carries from one pass to the next; and a custom_vjp is left out,
-    its backward pass may read what its primal drops."""
+    jit, a checkpoint), or None for any other operation. Known calls alone: a loop's body
+    has the same arity and would be followed through one pass, missing what it carries
+    from one pass to the next; and a custom derivative's rule (`jax.custom_jvp`,
+    `jax.custom_vjp`) may read what its primal drops (a surrogate objective's gradient)."""
     if equation.primitive.name not in _CALLS:
         return None
     for value in equation.params.values():

@@ -191,12 +191,17 @@ def _warn_loss(loss: str, applies: str, final: Any, classifying: Sequence[str]) 
     # same on probabilities (softmax keeps the order), so only sigmoid's metrics suffer.
     binary = applies != "softmax" and bool(classifying)
     listed = ", ".join(repr(name) for name in classifying)
-    competing = (
-        ". For several labels per example, each label's own sigmoid is its probability: a "
-        "softmax makes the labels compete for one"
-        if (has, applies) == ("softmax", "sigmoid")
-        else ""
-    )
+    if (has, applies) == ("softmax", "sigmoid"):  # several labels: no loss of one's own
+        other = (
+            ". For several labels per example, each label's own sigmoid is its "
+            "probability: a softmax makes the labels compete for one"
+        )
+    else:
+        own = _OWN_ACCURACY if "accuracy" in classifying else "one that thresholds at 0.5"
+        other = (
+            f", or pass a loss of your own that takes probabilities"
+            f"{f' (and a metric of your own: {own})' if binary else ''}"
+        )
     warn(
         f"model: its outputs look like probabilities (a final {has}"
         f"{', each row summing to 1' if has == 'softmax' else ''}), but the built-in "
@@ -204,8 +209,7 @@ def _warn_loss(loss: str, applies: str, final: Any, classifying: Sequence[str]) 
         f"the loss would see {applies}({has}(...))"
         f"{f' and {listed} would threshold probabilities as logits' if binary else ''}. "
         f"Remove the model's final {has} (apply jax.nn.{applies} to fl.predict's outputs "
-        f"instead), or pass a loss of your own that takes probabilities"
-        f"{f' (and a metric of your own: {_OWN_ACCURACY})' if binary else ''}{competing}",
+        f"instead){other}",
         UserWarning,
     )
 

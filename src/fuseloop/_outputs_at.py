@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["model_made", "model_outputs_at", "outputs_at"]
+__all__ = ["model_outputs_there", "model_outputs_at", "outputs_at"]
 
 # `(batch, other) -> abstract outputs or None`, set while a step calls a loss or metric.
 _OUTPUTS_AT: contextvars.ContextVar[Callable[[int, int], Any] | None] = contextvars.ContextVar(
@@ -53,7 +53,7 @@ def outputs_at(model: Any, variables: Any, x: Any) -> Callable[[int, int], Any]:
     return at
 
 
-def model_made(batch: int, other: int, y_pred: Any) -> Any:
+def model_outputs_there(batch: int, other: int, y_pred: Any) -> Any:
     """The model's abstract outputs at `other` rows for `batch`, where the step calling
     the check gave their source and they are shaped as `y_pred` is (None otherwise)."""
     at = _OUTPUTS_AT.get()

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from ._optax_order import refuse_optax_order
-from ._outputs_at import model_made
+from ._outputs_at import model_outputs_there
 from ._pairwise import is_pairwise
 
 __all__ = ["CrossBroadcastError", "refusing_cross_broadcast"]
@@ -116,15 +116,15 @@ def _refuse_cross(fn: Callable[..., Any], y_true: Any, y_pred: Any, kind: str, n
     crossed = _crossed_pairs(y_true, y_pred)
     if (_shared_batch(jax.tree.leaves((y_true, y_pred))) or 0) < 2:  # none, or one example
         hits = _built_crosses(fn, y_true, y_pred, crossed)
-        if hits and not _coincidental(fn, y_true, y_pred):
+        if hits and not _coincidental(fn, _at_another_size(y_true, y_pred)):
             raise CrossBroadcastError(_cross_message(hits[0], kind, name))
         return
     mixed = _mixed_crosses(fn, y_true, y_pred) or []
     crosses = [c for c in mixed if not c.spread]
-    if crosses and _coincidental(fn, y_true, y_pred, _mixed_crosses):
+    again = _at_another_size(y_true, y_pred) if mixed else None  # (traces the model)
+    if crosses and _coincidental(fn, again, _mixed_crosses):
         crosses = []
-    again = _at_another_size(y_true, y_pred) if not crosses and mixed else None
-    if again is not None and _traced(fn, *again) is None:
+    if not crosses and mixed and again is not None and _traced(fn, *again) is None:
         crosses = mixed  # spread over an axis as long as the batch, which fails elsewhere
     if crosses:
         found = crosses[0]
@@ -293,24 +293,26 @@ def _at_another_size(y_true: Any, y_pred: Any) -> tuple[Any, Any] | None:
         new = lambda a: (other, *a.shape[1:]) if a.shape[:1] == (batch,) else a.shape  # noqa: E731
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(new(a), a.dtype), tree)
 
-    made = model_made(batch, other, y_pred)  # the model's own, where the step knows them
+    made = model_outputs_there(batch, other, y_pred)  # the model's own, where the step knows them
     return resized(y_true), made if made is not None else resized(y_pred)
 
 
 def _coincidental(
-    fn: Callable[..., Any], y_true: Any, y_pred: Any, finder: Callable[..., Any] | None = None
+    fn: Callable[..., Any], again: tuple[Any, Any] | None, finder: Callable[..., Any] | None = None
 ) -> bool:
     """Whether the crosses found are a coincidence of this batch's size: traced again with
-    a batch size unlike any other axis, the function builds none (a function that fixes
+    a batch size unlike any other axis (`again`, `_at_another_size`'s targets and outputs;
+    None where there is none), the function builds none (a function that fixes
     its batch size, by an array it closes over, cannot be asked). (B, T) targets against a
     (B, T, 1) output broadcast to (B, B, T) where B is 1 or T, the shape a (B, T, T)
     distance between time steps has; a true cross, `y_pred - y_true` of (B,) against
     (B, 1), builds one at every batch size.)"""
-    again = _at_another_size(y_true, y_pred)
     if again is None:
         return False
-    if finder is not None:  # `_mixed_crosses`
-        return finder(fn, *again) == []
+    if finder is not None and _shared_batch(jax.tree.leaves(again)) is not None:
+        return finder(fn, *again) == []  # `_mixed_crosses`
+    # (the model's own outputs there may share no batch axis with the targets, as a
+    # (K, D) output beside a per-example one: the older rule judges)
     crossed = _crossed_pairs(*again)
     # A function that fails at the other size (`y_pred - y_true` of (1, T, 1) and (1, T),
     # a cross at B = 1 only) is judged by the batch it was given.
