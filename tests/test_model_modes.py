@@ -125,6 +125,17 @@ class GuardedWrite(nn.Module):
         return nn.Dense(3)(x - mean.value)
 
 
+class SowsItsStatistic(nn.Module):
+    """Keeps the last batch's mean activation by `sow`, which flax drops in silence where
+    the collection is not mutable: its statistic stayed at init's value."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(4)(x)
+        self.sow("stats", "mean", h.mean(), init_fn=lambda: jnp.zeros(()), reduce_fn=lambda a, b: b)
+        return nn.Dense(3)(h)
+
+
 class NoFlagDropout(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -154,6 +165,7 @@ class AttributeDropout(nn.Module):
     [
         (NoFlagBatchNorm(), r"writes its collections \['batch_stats'\]"),
         (GuardedWrite(), r"writes its collections \['batch_stats'\]"),
+        (SowsItsStatistic(), r"writes its collections \['stats'\]"),
         (NoFlagDropout(), "'dropout' rng"),
         # Trained as it is, its Dropout would stay off: silently another model.
         (UnknownFlagDropout(), "contains Dropout, which would stay off while training"),

@@ -275,22 +275,30 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
         """A training forward pass of a module without a flag that has collections besides
         "params": refused where it writes one. A write fails in flax (the collections are
         not mutable here); a write guarded by `is_mutable_collection`, as flax's own
-        layers guard theirs, is found by the question it asks, recorded while the step is
-        traced (a lifted transform's copies of unchanged collections are no write)."""
+        layers guard theirs, is found by the question it asks, and a `sow` by its call,
+        recorded while the step is traced (a lifted transform's copies of unchanged
+        collections are no write)."""
         asked: list[str] = []
-        original = nn.Module.is_mutable_collection
+        original, original_sow = nn.Module.is_mutable_collection, nn.Module.sow
 
         def recording(module: Any, name: str) -> bool:
             if name in mutable:
                 asked.append(name)
             return bool(original(module, name))
 
-        with _RECORDING:  # one trace at a time swaps flax's method (trace time only)
+        def sowing(module: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+            if name in mutable:  # (flax's sow asks its scope, not the module, and drops
+                asked.append(name)  # the value in silence where the collection is fixed)
+            return original_sow(module, name, *args, **kwargs)
+
+        with _RECORDING:  # one trace at a time swaps flax's methods (trace time only)
             nn.Module.is_mutable_collection = recording  # type: ignore[method-assign,assignment]
+            nn.Module.sow = sowing  # type: ignore[method-assign,assignment]
             try:
                 y = self._apply_refusing_dropout(variables, x)
             finally:
                 nn.Module.is_mutable_collection = original  # type: ignore[method-assign]
+                nn.Module.sow = original_sow  # type: ignore[method-assign]
         if asked:
             raise self._no_flag(f"writes its collections {sorted(set(asked))}")
         return y
