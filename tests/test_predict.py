@@ -119,6 +119,36 @@ def test_a_list_of_inputs_that_misfits_the_model_is_told_how_a_list_is_read():
     with pytest.raises(ValueError, match="does not fit the model") as caught:
         predict((init, apply), params, [X[:, :3], X[:, 1:4]])
     assert any("read as a list of batches" in note for note in caught.value.__notes__)
+    # Inputs of other widths were refused as batches to pad, with no note (hunt151).
+    with pytest.raises(ValueError, match="pad every batch to one length") as caught:
+        predict((init, apply), params, [X[:, :3], X[:, :2]])
+    assert any("read as a list of batches" in note for note in caught.value.__notes__)
+
+
+def test_a_bound_linen_module_gives_its_weights_and_a_called_nnx_module_is_told_to_pop():
+    # fl.models.trained's bound module was refused as a linen module with no weights.
+    model = fl.models.mlp([4, 2])
+    variables = model.init(jax.random.key(0), X[:2])
+    bound = fl.models.trained(model, variables)
+    np.testing.assert_array_equal(predict(model, bound, X), predict(model, variables, X))
+    # An nnx module called once (a shape check) holds what it sowed, which the template
+    # lacks: it was blamed on x.
+    from flax import nnx
+
+    class Sows(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(X.shape[1], 2, rngs=rngs)
+
+        def __call__(self, x):
+            self.sow(nnx.Intermediate, "h", x)
+            return self.linear(x)
+
+    called = Sows(nnx.Rngs(1))
+    called(X[:2])
+    with pytest.raises(ValueError, match=r"sowed \(h, an nnx.Intermediate\).*nnx.pop"):
+        predict(Sows(nnx.Rngs(0)), called, X)
+    nnx.pop(called, nnx.Intermediate)
+    assert predict(Sows(nnx.Rngs(0)), called, X).shape == (len(X), 2)
 
 
 def test_bad_arguments(state):

@@ -18,6 +18,7 @@ __all__ = [
     "refuse_other_shapes",
     "refuse_param_writes",
     "refuse_sown_before",
+    "refuse_sown_weights",
     "rng_counts",
 ]
 
@@ -179,4 +180,25 @@ def refuse_sown_before(held: set[Any], module: Any) -> None:
             f"the nnx module holds what an earlier call sowed ({'.'.join(map(str, sown[0]))}, "
             f"an nnx.Intermediate), which a trainer would carry as state and add to at every "
             f"step: drop it before building the trainer, nnx.pop(model, nnx.Intermediate)"
+        )
+
+
+def refuse_sown_weights(module: Any, argument: str) -> None:
+    """Refuses an nnx module given as weights (`argument`) that holds what a call sowed (a
+    shape check, `model(x)`): an nnx.Intermediate is the call's output, no weight, and the
+    module the run was built from has none of it. Anything else is left alone."""
+    from flax import nnx
+
+    if not isinstance(module, nnx.Module):
+        return
+    sown = [
+        path
+        for path, node in nnx.iter_graph(module)
+        if isinstance(node, nnx.Intermediate) and isinstance(raw_value(node), tuple)
+    ]
+    if sown:
+        raise ModelConventionError(
+            f"{argument}: the nnx module holds what an earlier call sowed "
+            f"({'.'.join(map(str, sown[0]))}, an nnx.Intermediate), which is no weight: drop "
+            f"it first, nnx.pop(module, nnx.Intermediate)"
         )

@@ -27,12 +27,12 @@ from ._model_code import KEPT
 from ._model_fit import ModelFit, abstract
 from ._narrowing import Narrowing, native_order
 from ._placement import on_one_device_set
-from ._predict_inputs import host, inputs_of_source
+from ._predict_inputs import host, inputs_of_source, no_variables
 from ._predict_outputs import LIST_READ, joined, require_rows, require_rows_follow
 from ._unsliceable import refuse_unsliceable
 from ._variables_diff import member_axis
 from .engine.conv_layout import named
-from .models import as_model, variables_given, without_params
+from .models import as_model, variables_given
 
 __all__ = ["predict"]
 
@@ -255,25 +255,30 @@ def predict(
     """
     variables = variables_given(variables_or_state, "variables_or_state")
     if variables is None:
-        raise ValueError(_no_variables(variables_or_state))
+        raise ValueError(no_variables(variables_or_state))
     refuse_deleted_arrays(variables, "variables_or_state")
     _require_examples_axis(x)
     per_chunk = _chunk_size(fuse)
+    # A list of arrays may have meant the inputs of a model of several (not of batches).
+    listed = isinstance(x, list) and all(map(_is_array, x))
     if _is_array_tree(x):
         if not is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be a positive int")
         sizes: int | list[int]
         inputs, sizes, pairs = x, int(batch_size), False
     else:
-        inputs, sizes, pairs = inputs_of_source(x)  # each batch checked as it is read
+        try:
+            inputs, sizes, pairs = inputs_of_source(x)  # each batch checked as it is read
+        except ValueError as error:  # batches of other shapes: a model's several inputs?
+            if listed:
+                error.add_note(LIST_READ)
+            raise
     inputs = _device_inputs(inputs)
     n = _example_count(inputs, joined=not _is_array_tree(x))
     if n == 0:
         raise ValueError("x holds no examples; there is nothing to predict")
     batches = _batch_sizes(n, sizes) if isinstance(sizes, int) else sizes  # arrays: cut here
     members = getattr(variables_or_state, "population", None) is not None
-    # A list of arrays may have meant the inputs of a model of several (not of batches).
-    listed = isinstance(x, list) and all(map(_is_array, x))
     program, adapter = _chunk_program(model, members, listed=listed)
     lead = 1 if members else 0  # a population's outputs keep the member axis first
     outputs: list[Any] = []
@@ -377,22 +382,3 @@ def _rows(a: np.ndarray, lead: int, live: int) -> np.ndarray:
     rest...)`, the padding dropped."""
     flat = a.reshape(a.shape[:lead] + (-1,) + a.shape[lead + 2 :])
     return flat[(slice(None),) * lead + (slice(0, live),)]
-
-
-def _no_variables(given: Any) -> str:
-    """Why `given` (None, or a State) holds no variables to predict with, and the fix."""
-    if given is None:
-        return "variables_or_state=None: pass the trained variables, or the State a run returned"
-    step_state = getattr(given, "step_state", None)
-    if step_state is None:
-        return (
-            "variables_or_state: the State holds no step state (an iteration handler's "
-            "State in a fused run, or an observer's after a dispatch of several epochs); "
-            "predict with the State the run returned"
-        )
-    return (
-        f"variables_or_state: fl.predict reads the model's variables from "
-        f"step_state['params'], and this State's step state is {without_params(step_state)}"
-        f": pass the variables themselves, fl.predict(model, state.step_state[...], x), or "
-        f"keep them under step_state['params'], as fl.trainer does"
-    )

@@ -10,8 +10,9 @@ import numpy as np
 
 from ._data import as_host_array, as_source, own_copy
 from ._unsliceable import refuse_unsliceable
+from .models import without_params
 
-__all__ = ["host", "inputs_of_source"]
+__all__ = ["host", "inputs_of_source", "no_variables"]
 
 
 def host(leaf: Any) -> np.ndarray:
@@ -84,3 +85,22 @@ def _require_alike(inputs: list[Any]) -> None:
                 f"{first[1:]} (or their structures differ); predict joins the batches' rows "
                 f"into one array: pad every batch to one length, or call fl.predict on each batch"
             )
+
+
+def no_variables(given: Any) -> str:
+    """Why `given` (None, or a State) holds no variables to predict with, and the fix."""
+    if given is None:
+        return "variables_or_state=None: pass the trained variables, or the State a run returned"
+    step_state = getattr(given, "step_state", None)
+    if step_state is None:
+        return (
+            "variables_or_state: the State holds no step state (an iteration handler's "
+            "State in a fused run, or an observer's after a dispatch of several epochs); "
+            "predict with the State the run returned"
+        )
+    return (
+        f"variables_or_state: fl.predict reads the model's variables from "
+        f"step_state['params'], and this State's step state is {without_params(step_state)}"
+        f": pass the variables themselves, fl.predict(model, state.step_state[...], x), or "
+        f"keep them under step_state['params'], as fl.trainer does"
+    )

@@ -22,6 +22,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
+import flax.core
 import flax.linen as nn
 
 from ._arg_types import is_int
@@ -29,6 +30,7 @@ from ._equinox import from_equinox
 from ._functions import from_functions
 from ._linen import TRAIN_FLAGS, ModelConventionError, ModelModeError, linen
 from ._nnx import from_nnx
+from ._nnx_checks import refuse_sown_weights
 from ._population import refuse_population
 from ._trained import trained_form
 
@@ -231,7 +233,8 @@ def weights_of_module(value: Any, argument: str) -> Any:
     """`value` as given, or a module's own weights as fuseloop's variables.
 
     An nnx or equinox module is built with its weights: they are what `state.params` holds
-    for it. A linen module holds none and is refused, naming what to pass.
+    for it (not what a call sowed, refused). A linen module holds none and is refused,
+    naming what to pass, unless bound to them (as `fl.models.trained` returns it).
 
     Example:
         >>> from flax import nnx
@@ -243,11 +246,15 @@ def weights_of_module(value: Any, argument: str) -> Any:
         if isinstance(value, base):
             adapted = adapter(value)
             if getattr(adapted, "initialised_when_built", None) is None:  # linen
+                bound: Any = value  # fl.models.trained's, bound to its weights
+                if getattr(bound, "scope", None) is not None:
+                    return flax.core.unfreeze(bound.variables)
                 raise ValueError(
                     f"{argument}: a flax.linen module ({type(value).__name__}) holds no "
                     f"weights; pass its variables (module.init(key, x)), a State's params "
                     f"(state.params), or the State"
                 )
+            refuse_sown_weights(value, argument)
             return adapted.init(None, None)
     return value
 
