@@ -165,7 +165,7 @@ class AttributeDropout(nn.Module):
     [
         (NoFlagBatchNorm(), r"writes its collections \['batch_stats'\]"),
         (GuardedWrite(), r"writes its collections \['batch_stats'\]"),
-        (SowsItsStatistic(), r"writes its collections \['stats'\]"),
+        (SowsItsStatistic(), r"sows into its collections \['stats'\]"),
         (NoFlagDropout(), "'dropout' rng"),
         # Trained as it is, its Dropout would stay off: silently another model.
         (UnknownFlagDropout(), "contains Dropout, which would stay off while training"),

@@ -411,5 +411,8 @@ def test_a_built_in_loss_or_metric_on_data_without_targets_is_told_to_give_some(
     fix = r"the data holds none \(y is None\).*fl.data.arrays\(x, x, \.\.\.\)"
     with pytest.raises(ValueError, match=fix + r".*\.metric\(lambda"):
         fl.trainer(fl.models.mlp([6]), lambda y, r: (r**2).mean(), "sgd").metric("mae").run(data)
-    with pytest.raises(ValueError, match=r"^loss 'mean_squared_error' .*" + fix):
+    with pytest.raises(ValueError, match=r"^data: loss 'mean_squared_error' .*" + fix):
         fl.trainer(fl.models.mlp([6]), "mse", "sgd").run(data)
+    labels = r"holds none.*give the data its labels, fl.data.arrays\(x, y, \.\.\.\)"
+    with pytest.raises(ValueError, match=labels):
+        fl.trainer(fl.models.mlp([6]), "sparse_categorical_cross_entropy", "sgd").run(data)

@@ -10,7 +10,13 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ._graph_batch import check_rows_of_a_mixed_x, graph_like, indexes_its_rows, rows_unknown
+from ._graph_batch import (
+    ONE_BUDGET,
+    check_rows_of_a_mixed_x,
+    graph_like,
+    indexes_its_rows,
+    rows_unknown,
+)
 from ._prng_keys import is_typed_keys
 from ._unsliceable import masked_fix, typed_keys_fix
 
@@ -181,11 +187,10 @@ def check_pair_sizes(
         return graph
     if not x_sizes:
         return False
-    mixed = len(set(x_sizes)) > 1
     if graph is None:
-        graph = mixed and graph_like(batch, where, y_sizes[0])
-    if not graph and (mixed or y_sizes[0] != x_sizes[0]) and indexes_its_rows(batch[0]):
-        graph = True  # padded to one budget for nodes and edges: y's rows tell the examples
+        graph = len(set(x_sizes)) > 1 and graph_like(batch, where, y_sizes[0])
+        # Nodes and edges padded to one budget, per-graph targets: y's rows tell the examples.
+        graph = graph or (y_sizes[0] != x_sizes[0] and indexes_its_rows(batch[0], y_sizes[0]))
     if graph:  # a graph's nodes and edges: y's rows are the examples
         check_rows_of_a_mixed_x(batch, where, y_sizes)
         return True
@@ -195,6 +200,7 @@ def check_pair_sizes(
             f"data: {where}: x holds {x_sizes[0]} examples but {_odd_target(batch[1], bad[0])}; "
             f"x and y of a batch must have the same size along axis 0 (one target per example)"
             + _closure_hint(y_sizes, x_sizes[0])
+            + (ONE_BUDGET if len(set(x_sizes)) > 1 else "")
         )
     return False
 

@@ -219,7 +219,7 @@ class Checker:
         if self.pairs:  # the same errors fused and unfused: checked before any fusion error
             require_pair(batch, at)
             check_python_lists(batch, at)
-            self.graph = check_pair_sizes(batch, at, self.named_loss, self.graph)
+            check_pair_sizes(batch, at, self.named_loss, self.graph)
         if treedef != self.treedef:
             raise error(
                 f"{where} has structure {treedef}, but the run's first batch has "

@@ -11,12 +11,20 @@ import jax
 import numpy as np
 
 __all__ = [
+    "ONE_BUDGET",
     "check_rows_of_a_mixed_x",
     "graph_like",
     "indexes_its_rows",
     "rows_of",
     "rows_unknown",
 ]
+
+
+# Why a later graph batch of other rows is refused where the run's first read as plain data.
+ONE_BUDGET = (
+    " (graph batches whose first held as many node rows as edge rows, with a target per "
+    "node, read as plain data: pad every batch to that one budget)"
+)
 
 
 def graph_like(batch: Any, where: str, examples: int) -> bool:
@@ -37,22 +45,23 @@ def graph_like(batch: Any, where: str, examples: int) -> bool:
     )
 
 
-def indexes_its_rows(x: Any) -> bool:
-    """Whether `x` reads as a padded graph batch even where its leaves hold one number of
-    rows (nodes and edges padded to one budget): beside leaves of other kinds, it holds a
-    vector of integers that index its rows (senders, receivers, graph ids), every value in
-    [0, rows). A categorical column's codes would have to stay below the batch size too.
-    Asked only where x alone cannot say: a batch that would be refused otherwise."""
+def indexes_its_rows(x: Any, examples: int) -> bool:
+    """Whether a first batch's `x` whose leaves all hold one number of rows (nodes and
+    edges padded to one budget) is a padded graph batch of `examples` graphs, y's rows:
+    beside leaves of other kinds, it holds each node's graph index, a vector of integers
+    in [0, examples), in order (padding nodes in the last graph, as jraph.pad_with_graphs
+    puts them). A categorical column's codes beside a y of other rows (a slicing mistake)
+    would have to be sorted and below y's rows too. Asked only of a batch refused otherwise."""
     leaves = [leaf for leaf in jax.tree.leaves(x) if np.ndim(leaf) >= 1]
-    rows = max((np.shape(leaf)[0] for leaf in leaves), default=0)
 
-    def indexes(leaf: Any) -> bool:
+    def graph_ids(leaf: Any) -> bool:
         if np.ndim(leaf) != 1 or "int" not in str(getattr(leaf, "dtype", "")):
             return False
         values = np.asarray(leaf)
-        return bool(values.size) and int(values.min()) >= 0 and int(values.max()) < rows
+        ordered = bool(np.all(values[1:] >= values[:-1]))
+        return bool(values.size) and ordered and values[0] >= 0 and values[-1] < examples
 
-    index_leaves = [leaf for leaf in leaves if indexes(leaf)]
+    index_leaves = [leaf for leaf in leaves if graph_ids(leaf)]
     return bool(index_leaves) and len(index_leaves) < len(leaves)
 
 

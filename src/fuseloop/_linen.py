@@ -279,19 +279,24 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
         recorded while the step is traced (a lifted transform's copies of unchanged
         collections are no write)."""
         asked: list[str] = []
-        original, original_sow = nn.Module.is_mutable_collection, nn.Module.sow
-
-        def recording(module: Any, name: str) -> bool:
-            if name in mutable:
-                asked.append(name)
-            return bool(original(module, name))
-
-        def sowing(module: Any, name: str, *args: Any, **kwargs: Any) -> Any:
-            if name in mutable:  # (flax's sow asks its scope, not the module, and drops
-                asked.append(name)  # the value in silence where the collection is fixed)
-            return original_sow(module, name, *args, **kwargs)
+        sown: list[str] = []
 
         with _RECORDING:  # one trace at a time swaps flax's methods (trace time only)
+            original, original_sow = nn.Module.is_mutable_collection, nn.Module.sow
+
+            def recording(module: Any, name: str) -> bool:
+                if name in mutable:
+                    asked.append(name)
+                return bool(original(module, name))
+
+            def sowing(module: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+                # flax's sow asks its scope, not the module, and drops the value in silence
+                # where the collection is fixed; flax's own inspection and auxiliary-loss
+                # collections are carried unchanged, as the run start warns.
+                if name in mutable and name not in ("intermediates", "losses"):
+                    sown.append(name)
+                return original_sow(module, name, *args, **kwargs)
+
             nn.Module.is_mutable_collection = recording  # type: ignore[method-assign,assignment]
             nn.Module.sow = sowing  # type: ignore[method-assign,assignment]
             try:
@@ -301,6 +306,8 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
                 nn.Module.sow = original_sow  # type: ignore[method-assign]
         if asked:
             raise self._no_flag(f"writes its collections {sorted(set(asked))}")
+        if sown:
+            raise self._no_flag_sow(sorted(set(sown)))
         return y
 
     def _apply_refusing_dropout(self, variables: Any, x: Any) -> Any:
@@ -330,6 +337,18 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
         fuseloop never supplies: the caller re-raises `error` (`_model_fit` names it)."""
         if _rng_stream(error) in (None, "dropout"):
             raise self._no_flag("needs a 'dropout' rng") from error
+
+    def _no_flag_sow(self, names: list[str]) -> ModelModeError:
+        name = type(self.module).__name__
+        return ModelModeError(
+            f"model: {name} sows into its collections {names}, which a module without a "
+            f"train flag fuseloop recognises ({', '.join(TRAIN_FLAGS)}) is applied with as "
+            f"they are while training, so flax would drop every value sown and the "
+            f"collection stay as init made it. Add a flag (`def __call__(self, x, train: bool "
+            f"= False)`, or name yours with fl.models.linen(module, train_arg=...)) and keep "
+            f"one value per step (sow(..., init_fn=..., reduce_fn=lambda old, new: new)); or "
+            f"leave the collection out of the variables a run starts from"
+        )
 
     def _no_flag(self, need: str) -> ModelModeError:
         name = type(self.module).__name__

@@ -132,11 +132,17 @@ def require_arrays(y_true: Any, y_pred: Any, kind: str, name: str) -> None:
             if kind == "metric"
             else "loss=lambda y_true, y_pred: ..."
         )
+        rebuilds = name in ("mean_squared_error", "mean_absolute_error", "mse", "mae")
+        given = (
+            "for a model that rebuilds x (an autoencoder), give x as the targets too, "
+            "fl.data.arrays(x, x, ...)"
+            if rebuilds
+            else "give the data its labels, fl.data.arrays(x, y, ...)"
+        )
         raise NoTargetsError(
-            f"{kind} {name!r} compares predictions with targets, but the data holds none "
-            f"(y is {y_true!r}). For a model that rebuilds x (an autoencoder), give x as the "
-            f"targets too, fl.data.arrays(x, x, ...); otherwise pass a {kind} function of "
-            f"the predictions alone, e.g. {own}"
+            f"data: {kind} {name!r} compares predictions with targets, but the data holds "
+            f"none (y is {y_true!r}): {given}; or pass a {kind} function of the predictions "
+            f"alone, e.g. {own}"
         )
     targets = describe_outputs(y_true, label="y")
     if targets is None:

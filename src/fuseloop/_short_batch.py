@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._graph_batch import ONE_BUDGET
 from ._warn import warn
 
 __all__ = ["ShortBatch"]
@@ -47,7 +48,7 @@ class ShortBatch:
             if len(changed) > 1:
                 raise ValueError(
                     f"{where} has leaves with different batch sizes {sorted(changed)}; every "
-                    f"leaf of x and y must hold the same number of examples"
+                    f"leaf of x and y must hold the same number of examples{ONE_BUDGET}"
                 )
             full = next((size for size in first_rows if size is not None), None)
             size = key = changed.pop()
