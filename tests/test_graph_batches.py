@@ -213,11 +213,10 @@ def padded(rng: np.random.Generator, graphs: int, nodes: int, edges: int) -> dic
 
 def test_graph_batches_padded_to_one_budget_for_nodes_and_edges_are_graph_batches():
     # With as many edge rows as node rows, every leaf of x held one number of rows, and
-    # the batch was taken for plain data: per-graph labels were refused, and a last batch
-    # padded to smaller budgets was refused as leaves of different batch sizes.
+    # the batch was taken for plain data: per-graph labels were refused.
     rng = np.random.default_rng(5)
 
-    def graph_logits(params, x):  # two graphs a batch, their padding nodes in graph 0
+    def graph_logits(params, x):  # two graphs a batch, their padding nodes in the last
         return jax.ops.segment_sum(node_logits(params, x), x["graph_of_node"], 2)
 
     per_graph = [(padded(rng, 2, 16, 16), rng.integers(0, 3, 2).astype(np.int32)) for _ in range(3)]

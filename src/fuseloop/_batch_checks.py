@@ -11,8 +11,8 @@ import jax
 import numpy as np
 
 from ._graph_batch import (
-    ONE_BUDGET,
     check_rows_of_a_mixed_x,
+    graph_hint,
     graph_like,
     indexes_its_rows,
     rows_unknown,
@@ -187,6 +187,7 @@ def check_pair_sizes(
         return graph
     if not x_sizes:
         return False
+    first_batch = graph is None
     if graph is None:
         graph = len(set(x_sizes)) > 1 and graph_like(batch, where, y_sizes[0])
         # Nodes and edges padded to one budget, per-graph targets: y's rows tell the examples.
@@ -200,7 +201,7 @@ def check_pair_sizes(
             f"data: {where}: x holds {x_sizes[0]} examples but {_odd_target(batch[1], bad[0])}; "
             f"x and y of a batch must have the same size along axis 0 (one target per example)"
             + _closure_hint(y_sizes, x_sizes[0])
-            + (ONE_BUDGET if len(set(x_sizes)) > 1 else "")
+            + graph_hint(batch[0], first_batch)
         )
     return False
 

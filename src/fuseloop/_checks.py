@@ -82,7 +82,8 @@ class Checker:
         leaves, treedef = jax.tree.flatten(batch)
         expected = tuple(leaf_signature(leaf) for leaf in leaves)
         # What depends on the batch's structure, shapes and types alone is checked once per
-        # signature (a later run of the same data pays one lookup); labels are values. Only
+        # signature (a later run of the same data pays one lookup); labels are values, and
+        # so are a one-budget graph batch's ids, read with the first run's batch only. Only
         # a custom loop's verdict depends on jit (`_first_of_its_kind`).
         key = ("first_batch", treedef, expected, None if self.pairs else self.jit)
         known = self.cache.get(key)

@@ -12,6 +12,7 @@ import numpy as np
 
 __all__ = [
     "ONE_BUDGET",
+    "graph_hint",
     "check_rows_of_a_mixed_x",
     "graph_like",
     "indexes_its_rows",
@@ -25,6 +26,26 @@ ONE_BUDGET = (
     " (graph batches whose first held as many node rows as edge rows, with a target per "
     "node, read as plain data: pad every batch to that one budget)"
 )
+# What makes a first batch of one budget with fewer targets than rows a graph batch.
+GRAPH_IDS = (
+    " (a graph batch padded to one budget for nodes and edges, with a target per graph, "
+    "gives x each node's graph index in order and below y's rows, its padding nodes in the "
+    "padding graph, the last, as jraph.pad_with_graphs makes it, y holding a row for it)"
+)
+
+
+def graph_hint(x: Any, first: bool) -> str:
+    """ONE_BUDGET for a later batch, GRAPH_IDS for a first, where `x` may be a graph batch:
+    it holds a vector of integers (an index) beside other leaves; else nothing."""
+    leaves = [leaf for leaf in jax.tree.leaves(x) if np.ndim(leaf) >= 1]
+    vectors = [leaf for leaf in leaves if np.ndim(leaf) == 1 and _integers(leaf)]
+    if not vectors or len(vectors) == len(leaves):
+        return ""
+    return GRAPH_IDS if first else ONE_BUDGET
+
+
+def _integers(leaf: Any) -> bool:
+    return "int" in str(getattr(leaf, "dtype", ""))
 
 
 def graph_like(batch: Any, where: str, examples: int) -> bool:

@@ -341,13 +341,12 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
     def _no_flag_sow(self, names: list[str]) -> ModelModeError:
         name = type(self.module).__name__
         return ModelModeError(
-            f"model: {name} sows into its collections {names}, which a module without a "
-            f"train flag fuseloop recognises ({', '.join(TRAIN_FLAGS)}) is applied with as "
-            f"they are while training, so flax would drop every value sown and the "
-            f"collection stay as init made it. Add a flag (`def __call__(self, x, train: bool "
-            f"= False)`, or name yours with fl.models.linen(module, train_arg=...)) and keep "
-            f"one value per step (sow(..., init_fn=..., reduce_fn=lambda old, new: new)); or "
-            f"leave the collection out of the variables a run starts from"
+            f"model: {name} sows into its collections {names} but has no train flag "
+            f"fuseloop recognises ({', '.join(TRAIN_FLAGS)}); such a module is trained with "
+            f"its collections fixed, so flax drops every sown value and {names[0]!r} stays "
+            f"as init made it. Add a flag (`def __call__(self, x, train: bool = False)`, or "
+            f"name yours with fl.models.linen(module, train_arg=...)) and keep one value per "
+            f"step (sow(..., init_fn=..., reduce_fn=lambda old, new: new)), or remove the sow"
         )
 
     def _no_flag(self, need: str) -> ModelModeError:

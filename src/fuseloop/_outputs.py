@@ -132,10 +132,10 @@ def require_arrays(y_true: Any, y_pred: Any, kind: str, name: str) -> None:
             if kind == "metric"
             else "loss=lambda y_true, y_pred: ..."
         )
-        rebuilds = name in ("mean_squared_error", "mean_absolute_error", "mse", "mae")
+        rebuilds = name in ("mean_squared_error", "mean_absolute_error", "binary_cross_entropy")
         given = (
             "for a model that rebuilds x (an autoencoder), give x as the targets too, "
-            "fl.data.arrays(x, x, ...)"
+            "fl.data.arrays(x, x, ...), and otherwise the data its labels"
             if rebuilds
             else "give the data its labels, fl.data.arrays(x, y, ...)"
         )

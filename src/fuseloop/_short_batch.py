@@ -48,7 +48,8 @@ class ShortBatch:
             if len(changed) > 1:
                 raise ValueError(
                     f"{where} has leaves with different batch sizes {sorted(changed)}; every "
-                    f"leaf of x and y must hold the same number of examples{ONE_BUDGET}"
+                    f"leaf of x and y must hold the same number of examples"
+                    f"{ONE_BUDGET if _indexed(names, first) else ''}"
                 )
             full = next((size for size in first_rows if size is not None), None)
             size = key = changed.pop()
@@ -99,6 +100,17 @@ class ShortBatch:
             f"compiles once more for it. {weighing}. In training data, "
             f"drop_remainder=True avoids the extra compile"
         )
+
+
+def _indexed(names: tuple[str, ...], signature: Signature) -> bool:
+    """Whether x held a vector of integers beside other leaves: a graph batch, perhaps."""
+    x = [
+        (shape, str(dtype))
+        for name, (shape, dtype) in zip(names, signature, strict=True)
+        if name.startswith("x")
+    ]
+    vectors = [1 for shape, dtype in x if len(shape) == 1 and "int" in dtype]
+    return bool(vectors) and len(vectors) < len(x)
 
 
 def _rows(signature: Signature) -> Rows:
