@@ -45,7 +45,7 @@ def graph_hint(x: Any, first: bool) -> str:
 
 
 def _integers(leaf: Any) -> bool:
-    return "int" in str(getattr(leaf, "dtype", ""))
+    return "int" in str(getattr(leaf, "dtype", ""))  # a torch tensor's dtype too
 
 
 def graph_like(batch: Any, where: str, examples: int) -> bool:
@@ -55,7 +55,7 @@ def graph_like(batch: Any, where: str, examples: int) -> bool:
     together (a leaf sliced to other rows by mistake)."""
     paths = jax.tree_util.tree_flatten_with_path(batch[0])[0]
     with_rows = [(path, leaf) for path, leaf in paths if np.ndim(leaf) >= 1]
-    indexed = any("int" in str(getattr(leaf, "dtype", "")) for _, leaf in with_rows)  # torch too
+    indexed = any(_integers(leaf) for _, leaf in with_rows)
     if indexed or any(np.shape(leaf)[0] == examples for _, leaf in with_rows):
         return True
     raise ValueError(
@@ -76,7 +76,7 @@ def indexes_its_rows(x: Any, examples: int) -> bool:
     leaves = [leaf for leaf in jax.tree.leaves(x) if np.ndim(leaf) >= 1]
 
     def graph_ids(leaf: Any) -> bool:
-        if np.ndim(leaf) != 1 or "int" not in str(getattr(leaf, "dtype", "")):
+        if np.ndim(leaf) != 1 or not _integers(leaf):
             return False
         values = np.asarray(leaf)
         ordered = bool(np.all(values[1:] >= values[:-1]))
