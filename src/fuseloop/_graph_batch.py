@@ -15,6 +15,7 @@ __all__ = [
     "graph_hint",
     "check_rows_of_a_mixed_x",
     "graph_like",
+    "holds_an_index",
     "indexes_its_rows",
     "rows_of",
     "rows_unknown",
@@ -35,17 +36,27 @@ GRAPH_IDS = (
 
 
 def graph_hint(x: Any, first: bool) -> str:
-    """ONE_BUDGET for a later batch, GRAPH_IDS for a first, where `x` may be a graph batch:
-    it holds a vector of integers (an index) beside other leaves; else nothing."""
+    """ONE_BUDGET for a later batch, GRAPH_IDS for a first, where `x` may be a graph batch
+    (`holds_an_index` of its leaves with rows); else nothing."""
     leaves = [leaf for leaf in jax.tree.leaves(x) if np.ndim(leaf) >= 1]
-    vectors = [leaf for leaf in leaves if np.ndim(leaf) == 1 and _integers(leaf)]
-    if not vectors or len(vectors) == len(leaves):
+    if not holds_an_index([(np.shape(leaf), getattr(leaf, "dtype", "")) for leaf in leaves]):
         return ""
     return GRAPH_IDS if first else ONE_BUDGET
 
 
+def holds_an_index(leaves: list[tuple[tuple[int, ...], Any]]) -> bool:
+    """Whether, among x's leaves as `(shape, dtype)`, a vector of integers (an index: a
+    graph's senders, receivers or graph ids) stands beside leaves of other kinds."""
+    vectors = [1 for shape, dtype in leaves if len(shape) == 1 and _integer(dtype)]
+    return bool(vectors) and len(vectors) < len(leaves)
+
+
+def _integer(dtype: Any) -> bool:
+    return "int" in str(dtype)  # a torch tensor's dtype too
+
+
 def _integers(leaf: Any) -> bool:
-    return "int" in str(getattr(leaf, "dtype", ""))  # a torch tensor's dtype too
+    return _integer(getattr(leaf, "dtype", ""))
 
 
 def graph_like(batch: Any, where: str, examples: int) -> bool:

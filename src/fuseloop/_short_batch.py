@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._graph_batch import ONE_BUDGET
+from ._graph_batch import ONE_BUDGET, holds_an_index
 from ._warn import warn
 
 __all__ = ["ShortBatch"]
@@ -104,13 +104,8 @@ class ShortBatch:
 
 def _indexed(names: tuple[str, ...], signature: Signature) -> bool:
     """Whether x held a vector of integers beside other leaves: a graph batch, perhaps."""
-    x = [
-        (shape, str(dtype))
-        for name, (shape, dtype) in zip(names, signature, strict=True)
-        if name.startswith("x")
-    ]
-    vectors = [1 for shape, dtype in x if len(shape) == 1 and "int" in dtype]
-    return bool(vectors) and len(vectors) < len(x)
+    x = [leaf for name, leaf in zip(names, signature, strict=True) if name.startswith("x")]
+    return holds_an_index(x)
 
 
 def _rows(signature: Signature) -> Rows:
