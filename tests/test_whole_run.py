@@ -409,6 +409,26 @@ def test_reduce_lr_on_plateau_on_the_device_gives_the_same_rates(fuse, order):
         assert fused.stats["dispatches"] == 1
 
 
+def _never_improves(y_true: Any, y_pred: Any) -> Any:
+    return jax.numpy.float32(1.0)
+
+
+def test_reduce_lr_on_plateau_at_min_lr_keeps_counting_on_the_device():
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    loop = (
+        fl.trainer(fl.models.mlp([8, 3]), "sparse_categorical_cross_entropy", tx)
+        .metric(_never_improves, "flat")
+        .reduce_lr_on_plateau("flat", factor=0.1, patience=1, min_lr=0.05)
+    )
+    plain = loop.run(_data(), epochs=5, fuse=False)
+    fused = loop.run(_data(), epochs=5, fuse="run")
+    _assert_same_run(fused, plain)
+    assert fused.stats["dispatches"] == 1
+    # Reduced to the floor after epoch 1; epochs 2 to 4 each add one to the wait, as Keras.
+    record = plain.handler_metadata["reduce_lr_on_plateau:flat"]
+    assert (record["reductions"], record["wait"]) == (1, 3)
+
+
 def test_reduce_lr_on_plateau_with_checkpoints_and_resume(tmp_path):
     base = _plateau("plateau_first")
     plain = _unfused_plateau("plateau_first")  # 30 epochs; its first epochs are the same

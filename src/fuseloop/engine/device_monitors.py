@@ -316,8 +316,8 @@ def _plateau_update(
     quiet = improved | (cooldown > 0)
     wait = jnp.where(quiet & ~improved, 0, wait)
     due = ~quiet & (wait >= handler.monitor.patience)
-    wait = jnp.where(due, 0, wait)
     k = record["k"]
+    wait = jnp.where(due & ~at_floor[k], 0, wait)  # at min_lr it goes on growing, as Keras's
     reduce = due & ~at_floor[k] & runs
     k = jnp.where(reduce, k + 1, k)
     cooldown = jnp.where(reduce, handler.cooldown, cooldown)

@@ -198,7 +198,8 @@ class ReduceLROnPlateau:
     takes effect from the next step (the next chunk when fused). Keras semantics: after a
     reduction the wait count restarts and `cooldown` counts down from the next epoch, the
     epoch that brings it to 0 already counting (so `cooldown=N` leaves N - 1 epochs out);
-    the rate never goes below `min_lr`.
+    the rate never goes below `min_lr`, and once there the wait count goes on growing
+    (no reduction restarts it).
 
     Example:
         >>> plateau = ReduceLROnPlateau("validation_loss", factor=0.5, patience=2)
@@ -274,10 +275,9 @@ class ReduceLROnPlateau:
             return record, False
         if record["wait"] < self.monitor.patience:
             return record, False
-        current = rate()
-        record["wait"] = 0
-        if self.at_floor(current):
+        if self.at_floor(rate()):  # Keras's rule: the wait count goes on growing there
             return record, False
+        record["wait"] = 0
         record["cooldown"] = self.cooldown
         record["reductions"] += 1
         return record, True
