@@ -473,6 +473,23 @@ def test_a_softmax_under_a_binary_cross_entropy_is_named_as_a_softmax():
     assert not any("threshold" in str(x.message) for x in w)
 
 
+@pytest.mark.parametrize("loss", ["sparse_categorical_cross_entropy", "categorical_cross_entropy"])
+def test_a_sigmoid_under_a_categorical_cross_entropy_is_warned_about(loss):
+    # Sigmoid outputs in (0, 1) taken as logits: the loss's softmax of them can never be
+    # confident, and training went on without a word.
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    labels = np.arange(16) % 3
+    y = (
+        labels.astype(np.int32)
+        if loss.startswith("sparse")
+        else np.eye(3, dtype=np.float32)[labels]
+    )
+    loop = fl.trainer(_EndsIn("sigmoid", 3), loss, "sgd").metric("accuracy")
+    said = r"final sigmoid\), .*softmax\(sigmoid\(\.\.\.\)\).*several labels.*binary_cross"
+    with pytest.warns(UserWarning, match=said):
+        loop.run([(x, y)])
+
+
 def _probability_loss(y_true: Any, y_pred: Any) -> Any:
     p = jnp.clip(y_pred, 1e-7, 1 - 1e-7)
     return -jnp.mean(y_true * jnp.log(p) + (1 - y_true) * jnp.log(1 - p))

@@ -93,8 +93,9 @@ def warn_about_model(
     verdicts[_CHECKED] = (reading, shape)
     if applies is not None:
         # A layer's output is logits: only another final operation needs the model run
-        # (eagerly, op by op, so costly on a large model) to see what it returns.
-        if final == applies or (
+        # (eagerly, op by op, so costly on a large model) to see what it returns. A final
+        # sigmoid or softmax is never logits, whichever one the loss applies.
+        if final in ("sigmoid", "softmax") or (
             final != "layer" and _outputs_look_like(program.model, params, x, applies)
         ):
             _warn_loss(program.loss, applies, final, classifying)
@@ -195,6 +196,11 @@ def _warn_loss(loss: str, applies: str, final: Any, classifying: Sequence[str]) 
         other = (
             ". For several labels per example, each label's own sigmoid is its "
             "probability: a softmax makes the labels compete for one"
+        )
+    elif (has, applies) == ("sigmoid", "softmax"):  # one class per example, or several?
+        other = (
+            ". For several labels per example (multi-hot targets), keep one logit per label "
+            "and train with loss='binary_cross_entropy', which applies each one's sigmoid"
         )
     else:
         own = _OWN_ACCURACY if "accuracy" in classifying else "one that thresholds at 0.5"
