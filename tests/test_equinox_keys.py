@@ -238,3 +238,42 @@ def test_a_trained_module_reused_inside_a_larger_model_trains_with_its_dropout()
     reused = fl.trainer(Classifier(pretrained, head), SPARSE, "sgd").run(DATA)
     expected = fl.trainer(as_built, SPARSE, "sgd").run(DATA)
     assert reused.history == expected.history
+
+
+class _NoiseUnder(eqx.Module):
+    """Draws noise while training from a key parameter named other than `key`."""
+
+    dense: eqx.nn.Linear
+
+    def __init__(self):
+        self.dense = eqx.nn.Linear(FEATURES, CLASSES, key=jax.random.PRNGKey(0))
+
+
+class DefaultRngNet(_NoiseUnder):
+    def __call__(self, x, rng=None):
+        noise = 0.0 if rng is None else jax.random.normal(rng, x.shape)
+        return self.dense(x + noise)
+
+
+class DropoutKeyNet(_NoiseUnder):
+    def __call__(self, x, dropout_key=None):
+        keep = 1.0 if dropout_key is None else jax.random.bernoulli(dropout_key, 0.5, x.shape)
+        return self.dense(x * keep)
+
+
+class RequiredRngNet(_NoiseUnder):
+    def __call__(self, x, *, rng):
+        return self.dense(x + jax.random.normal(rng, x.shape))
+
+
+@pytest.mark.parametrize("net, name", [(DefaultRngNet, "rng"), (DropoutKeyNet, "dropout_key")])
+def test_a_key_parameter_of_another_name_is_warned_about_as_never_given(net, name):
+    # Equinox modules get their key as `key` only: one named otherwise kept its default,
+    # and the module trained without its noise, in silence.
+    with pytest.warns(UserWarning, match=rf"parameter '{name}' reads as a PRNG key.*`key`"):
+        fl.trainer(net(), SPARSE, "sgd")
+
+
+def test_a_required_key_parameter_of_another_name_is_refused_naming_key():
+    with pytest.raises(ValueError, match=r"RequiredRngNet.__call__'s parameter 'rng'.*to `key`"):
+        fl.trainer(RequiredRngNet(), SPARSE, "sgd")

@@ -10,8 +10,8 @@ from typing import Any
 
 import jax
 
-from ._functions import takes_keyword
-from ._linen import call_flags, flag_values
+from ._functions import key_like, refuse_unpassed_key, takes_keyword
+from ._linen import call_flags, flag_values, parameters_of
 from ._metrics import batch_size
 from ._mode_follow import run_following_modes, unrecognised_flags
 from ._warn import warn
@@ -50,6 +50,19 @@ def _requires_keyword(fn: Any, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+def _refuse_other_key_names(cls: type) -> None:
+    """A `__call__` parameter that reads as a PRNG key under another name than `key`
+    (`rng`, `dropout_key`) would never receive one: the module would train without its
+    dropout or noise."""
+    for name, parameter in key_like(parameters_of(cls.__call__), 2, ("key",)):
+        refuse_unpassed_key(
+            parameter,
+            f"model: {cls.__name__}.__call__'s parameter {name!r} reads as a PRNG key, but "
+            f"fuseloop passes an equinox module its key as `key` only (one per example "
+            f"while training, as equinox's layers take it): rename {name!r} to `key`",
+        )
 
 
 def plain_module(module: Any) -> Any:
@@ -143,6 +156,8 @@ class from_equinox:  # noqa: N801
         self.flags = call_flags(module)  # `__call__`'s own train/eval flags (`inference`)
         self.takes_key = takes_keyword(type(module).__call__, "key")
         self.requires_key = self.takes_key and _requires_keyword(type(module).__call__, "key")
+        if not self.takes_key:  # equinox's convention: the key is `key`, and only that
+            _refuse_other_key_names(type(module))
         dropouts = [
             path
             for path, leaf in jax.tree_util.tree_flatten_with_path(

@@ -18,7 +18,7 @@ from ._linen import ModelConventionError, call_flags, flag_values, flags_among, 
 from ._object_snapshot import Snapshot
 from ._warn import warn
 
-__all__ = ["from_functions", "takes_keyword"]
+__all__ = ["from_functions", "key_like", "refuse_unpassed_key", "takes_keyword"]
 
 # The names an apply function's PRNG key goes by: flax's and haiku's `rng`, equinox's and
 # much of JAX's `key`. A function that takes one of them gets the step's key there (None
@@ -37,22 +37,38 @@ def _unknown_key_names(parameters: Any) -> None:
     """A parameter of an apply function (past params and x) that reads as a PRNG key under
     a name fuseloop passes no key by: refused where it has no default (the call would
     fail), warned about where it has one (it would never receive a key)."""
-    for name, parameter in list(parameters.items())[2:]:
-        variadic = parameter.kind in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)
-        if variadic or not _LOOKS_LIKE_A_KEY.search(name):
-            continue
+    for name, parameter in key_like(parameters, 2, RNG_NAMES):
         passed = (
             "rngs=None if rng is None else {'dropout': rng}" if name == "rngs" else f"{name}=rng"
         )
-        said = (
+        refuse_unpassed_key(
+            parameter,
             f"model: apply_fn's parameter {name!r} reads as a PRNG key, but fuseloop passes "
             f"the step's key (while training; None in evaluation) only to a parameter named "
             f"{', '.join(RNG_NAMES)}: rename it to one of those, or wrap apply_fn (lambda p, "
-            f"x, rng=None: apply_fn(p, x, {passed}))"
+            f"x, rng=None: apply_fn(p, x, {passed}))",
         )
-        if parameter.default is inspect.Parameter.empty:
-            raise ValueError(said)
-        warn(f"{said}; as it is, it keeps its default (dropout or noise off)", UserWarning)
+
+
+def key_like(parameters: Any, skip: int, passed: tuple[str, ...]) -> list[tuple[str, Any]]:
+    """The parameters past the first `skip` whose names read as a PRNG key (one of
+    RNG_NAMES, or a spelling only a key has) but are none of `passed`, the names the
+    adapter passes a key by."""
+    return [
+        (name, parameter)
+        for name, parameter in list(parameters.items())[skip:]
+        if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)
+        and name not in passed
+        and (name in RNG_NAMES or _LOOKS_LIKE_A_KEY.search(name))
+    ]
+
+
+def refuse_unpassed_key(parameter: Any, said: str) -> None:
+    """Refuses a key parameter fuseloop never fills where it has no default (the call
+    would fail), warns where it has one (it keeps it: dropout or noise off)."""
+    if parameter.default is inspect.Parameter.empty:
+        raise ValueError(said)
+    warn(f"{said}; as it is, it keeps its default (dropout or noise off)", UserWarning)
 
 
 def _bound_linen_module(apply_fn: Any) -> nn.Module | None:
