@@ -3,6 +3,9 @@ exact consumption (pull counts == steps) and closing."""
 
 from __future__ import annotations
 
+import gc
+import io
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -143,6 +146,114 @@ def test_a_first_epoch_reads_a_pass_opened_after_its_epoch_started_handlers(fuse
     whole = loop.run(loader, epochs=3, fuse=fuse)
     half = loop.run(loader, epochs=2, fuse=fuse)  # (the loader is left at epoch 2)
     _assert_same_run(loop.run(loader, half, epochs=3, fuse=fuse), whole)
+
+
+class Shuffling(Reiterable):
+    """A loader drawing each pass's order from its own generator (a seeded torch
+    DataLoader): every pass opened moves the order of the passes after it."""
+
+    def __init__(self, batches: list[Any]):
+        super().__init__(batches)
+        self.rng = np.random.default_rng(7)
+
+    def __iter__(self) -> Iterator[Any]:
+        order = self.rng.permutation(len(self.batches))
+        self.passes += 1
+        return iter([self.batches[i] for i in order])
+
+
+def _own_handlers(loop: fl.Loop, path: Any) -> list[fl.Loop]:
+    val = _batches(2, seed=5)
+    return [
+        loop.validate(loop.program.model, val),
+        loop.csv_log(str(path / "m.csv")),
+        loop.checkpoint(str(path / "c")),
+        loop.early_stop("loss", patience=5, restore_best=True),
+        fl.trainer(
+            fl.models.mlp([4, CLASSES]),
+            "sparse_categorical_cross_entropy",
+            optax.sgd(0.1),
+            log=100,
+            log_stream=io.StringIO(),
+        ).metric("accuracy"),
+    ]
+
+
+@pytest.mark.parametrize("fuse", FUSES)
+def test_fuseloops_own_start_handlers_do_not_open_the_first_pass_again(fuse, tmp_path):
+    # validate, a log, a writer, a checkpoint and restore_best attach "started" handlers
+    # of their own: the run opened its first pass again for them, one more draw of a
+    # seeded loader's order, and trained on other batches than without them.
+    plain = LOOP.run(Shuffling(BATCHES), epochs=2, fuse=fuse)
+    for loop in _own_handlers(LOOP, tmp_path):
+        loader = Shuffling(BATCHES)
+        state = loop.run(loader, epochs=2, fuse=fuse)
+        assert loader.passes == 2
+        _assert_same_params(state, plain)
+    opened_again = Shuffling(BATCHES)  # a handler of the user's still opens it again
+    LOOP.observe("started", lambda s: None).run(opened_again, epochs=2, fuse=fuse)
+    assert opened_again.passes == 3
+
+
+class Persistent(Reiterable):
+    """A loader handing out the same iterator object each pass, reset (torch's
+    `persistent_workers=True`)."""
+
+    def __init__(self, batches: list[Any]):
+        super().__init__(batches)
+        self.iterator = _Resettable(batches)
+
+    def __iter__(self) -> Iterator[Any]:
+        self.passes += 1
+        self.iterator.at = 0
+        return self.iterator
+
+
+class _Resettable:
+    def __init__(self, batches: list[Any]):
+        self.batches, self.at = batches, 0
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        if self.at == len(self.batches):
+            raise StopIteration
+        self.at += 1
+        return self.batches[self.at - 1]
+
+
+@pytest.mark.parametrize("fuse", FUSES)
+def test_a_pass_opened_again_as_the_same_iterator_does_not_step_the_first_batch_twice(fuse):
+    # The batch pulled to initialize was kept for the pass opened again after a user's
+    # epoch_started handler, since the loader returned the same iterator: epoch 0 ran
+    # N + 1 steps, its first batch twice.
+    loop = LOOP.handle_event("epoch_started", lambda s: None)
+    state = loop.run(Persistent(BATCHES), epochs=2, fuse=fuse)
+    assert _steps(state) == 2 * N_BATCHES
+    _assert_same_run(state, LOOP.run(BATCHES, epochs=2, fuse=fuse))
+
+
+def test_the_first_pass_is_let_go_when_the_run_opens_it_again():
+    # A loader's worker processes live as long as its pass: the one opened for the first
+    # batch stayed referenced, its workers running, for the whole run.
+    passes: list[weakref.ref] = []
+
+    class Tracked(Reiterable):
+        def __iter__(self) -> Iterator[Any]:
+            iterator = super().__iter__()
+            passes.append(weakref.ref(iterator))
+            return iterator
+
+    alive: list[bool] = []
+
+    def first_step(state: fl.State) -> None:
+        gc.collect()
+        alive.append(passes[0]() is not None)
+
+    loop = LOOP.observe("iteration_started", first_step, {"once": 1})
+    loop.observe("started", lambda s: None).run(Tracked(BATCHES), epochs=1)
+    assert len(passes) == 2 and alive == [False]
 
 
 @pytest.mark.parametrize("fuse", FUSES)

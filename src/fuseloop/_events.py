@@ -235,7 +235,10 @@ def make_filter(spec: Any, argument: str = "filter") -> Filter:
 @dataclass(frozen=True)
 class Registration:
     """One handler attached to one event. An `observes` handler (`Loop.observe`) only
-    looks: it must return None, so a multi-epoch dispatch never has to end for it.
+    looks: it must return None, so a multi-epoch dispatch never has to end for it. An
+    `own` one was attached by one of fuseloop's builders (validate, checkpoint, a log or
+    writer, a monitor's companions): it never touches the run's data, so a `started`
+    handler of its kind does not make a run open its first pass again (docs/data.md).
     """
 
     event: Event
@@ -243,6 +246,7 @@ class Registration:
     filter: Filter = ALWAYS
     name: str = ""
     observes: bool = False
+    own: bool = False
 
     @property
     def label(self) -> str:

@@ -56,7 +56,7 @@ def trainer(
     if log:
         from .handlers.log import attach_trainer_log
 
-        built = attach_trainer_log(built, log, log_stream)
+        built = attach_trainer_log(built, log, log_stream)._own_since(built)
     return built
 
 

@@ -157,6 +157,14 @@ class Loop(HandlerBuilders):
         registration = Registration(event, fn, make_filter(filter), name, observes=True)
         return self._with(registrations=self.registrations + (registration,))
 
+    def _own_since(self, before: Loop) -> Loop:
+        """This loop with the registrations `before` lacks marked as fuseloop's own
+        (`Registration.own`): what one of its builders attached (a builder may move an
+        earlier one, `_before_restores`, so they are told apart by identity)."""
+        had = {id(r) for r in before.registrations}
+        marked = tuple(r if id(r) in had else replace(r, own=True) for r in self.registrations)
+        return self._with(registrations=marked)
+
     def _as_observers(self, before: int) -> Loop:
         """This loop with the registrations after the first `before` marked as observers
         (the writers attached by csv_log and tensorboard only look)."""
@@ -210,7 +218,7 @@ class Loop(HandlerBuilders):
         validator = Validator(evaluation, data, fuse)
         begin = all_processes(validator.begin)  # each process checks its own validation
         built = self.observe("started", begin, name="validate:begin")
-        return built.handle_event(event, validator, filter, name="validate")
+        return built.handle_event(event, validator, filter, name="validate")._own_since(self)
 
     def terminate_on_nan(self) -> Loop:
         """Halts at the first non-finite loss, checked on the device (even inside a chunk).

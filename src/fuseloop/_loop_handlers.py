@@ -6,6 +6,7 @@ reduction, checkpoints and metric writers.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Self, TextIO
@@ -24,6 +25,16 @@ if TYPE_CHECKING:
     from ._types import Handler
 
 __all__ = ["HandlerBuilders"]
+
+
+def _builds_own(builder: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks what `builder` attaches as fuseloop's own handlers (`Registration.own`)."""
+
+    @functools.wraps(builder)
+    def building(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return builder(self, *args, **kwargs)._own_since(self)
+
+    return building
 
 
 class HandlerBuilders:
@@ -46,6 +57,8 @@ class HandlerBuilders:
         ) -> Self: ...
 
         def _as_observers(self, before: int) -> Self: ...
+
+        def _own_since(self, before: Self) -> Self: ...
 
         def _with(self, **changes: Any) -> Self: ...
 
@@ -76,6 +89,7 @@ class HandlerBuilders:
         return self.observe(event, writer, filter, name="log")
 
     @advise_foreign_keywords(HANDLER_ADVICE["early_stop"], owner="Loop")
+    @_builds_own
     def early_stop(
         self,
         monitor: str,
@@ -109,6 +123,7 @@ class HandlerBuilders:
         return self.handle_event("epoch_completed", stopper, name="early_stop")
 
     @advise_foreign_keywords(HANDLER_ADVICE["reduce_lr_on_plateau"], owner="Loop")
+    @_builds_own
     def reduce_lr_on_plateau(
         self,
         monitor: str,
@@ -144,6 +159,7 @@ class HandlerBuilders:
         return self.handle_event("epoch_completed", handler, name="reduce_lr_on_plateau")
 
     @advise_foreign_keywords(HANDLER_ADVICE["checkpoint"], owner="Loop")
+    @_builds_own
     def checkpoint(
         self,
         path: str | os.PathLike[str],
@@ -199,6 +215,7 @@ class HandlerBuilders:
         return loop
 
     @advise_foreign_keywords(HANDLER_ADVICE["csv_log"], owner="Loop")
+    @_builds_own
     def csv_log(
         self,
         path: str | os.PathLike[str],
@@ -222,6 +239,7 @@ class HandlerBuilders:
         return built._as_observers(before)
 
     @advise_foreign_keywords({}, owner="Loop")
+    @_builds_own
     def tensorboard(
         self,
         logdir: str | os.PathLike[str],

@@ -126,6 +126,10 @@ class HostFeed:
     def unlaunch(self) -> None:
         """The last launch was dropped; its batches count as pulled ahead."""
 
+    def drop_first_batch(self) -> None:
+        """The first pass is opened again (`Run._iterator`): its batch is not the new's."""
+        self.pending, self.pending_from = [], None
+
     def put_back(self, prepared: Prepared) -> None:
         """A live step its `iteration_started` halted never ran: its batch is handed out
         first again, so a one-shot iterator's next epoch starts with it (a re-iterable's
@@ -350,6 +354,9 @@ class ResidentFeed:
     def unlaunch(self) -> None:
         """The last launch was dropped: its place in the epoch is given back."""
         self.cursor = self._before
+
+    def drop_first_batch(self) -> None:  # nothing is pulled to initialize
+        pass
 
 
 def name_steps(error: Exception, epoch: int, prepared: Prepared) -> None:

@@ -210,7 +210,7 @@ class Run:
         )
 
     def _first_batch(self) -> Any:
-        self.first_iterator = self.source.epoch_iterator(self.start_epoch)
+        self.first_iterator: Any = self.source.epoch_iterator(self.start_epoch)
         if self.resident:
             self.dataset = place_dataset(self.source.data, self.placement, self.stats)
             # One shared device scalar per starting epoch (feeds.epoch_counter): no transfer
@@ -328,9 +328,11 @@ class Run:
             return None  # opened early, with its own iterator
         if epoch != self.start_epoch:
             return self.source.epoch_iterator(epoch)
-        # A re-iterable's (a list's) first epoch opens anew after handlers that may change it
-        handled = self.bus.has(Event.STARTED) or self.bus.has(Event.EPOCH_STARTED)
-        if handled and self.source.kind == "reiterable":  # docs/data.md; others keep theirs
+        # A re-iterable's first pass opens anew after the user's handlers (docs/data.md).
+        handled = self.bus.users_handle(Event.STARTED, Event.EPOCH_STARTED)
+        if handled and self.source.kind == "reiterable":  # others keep theirs
+            self.first_iterator = None  # (a loader's workers stop)
+            self._epoch_loop.feed.drop_first_batch()
             return self.source.epoch_iterator(epoch)
         return self.first_iterator
 
@@ -364,9 +366,7 @@ class Run:
         return self.epoch_loop
 
     def _epoch_metrics(self, state: State, epoch: int, began: float, stepped: bool) -> State:
-        """The epoch's metrics: the accumulators' final values (one host read), unless a
-        handler wrote after the loop last computed them (last writer wins).
-        """
+        """The accumulators' final values (one host read), unless a handler wrote later."""
         metrics = dict(state.metrics)
         final = self.carry.epoch_metrics()  # Host read (in Carry): the epoch's end
         replay = self._epoch_loop.replay if stepped else None  # None: halted at its start
