@@ -36,6 +36,7 @@ def test_a_packed_snapshot_unpacks_to_the_same_carry() -> None:
             "mask": jnp.array([True, False]),
             "empty": jnp.zeros((0, 4)),
             "half": jnp.ones(3, jnp.bfloat16),
+            "scale": jnp.asarray(1024.0),  # weakly typed: it must come back so
         },
         {"acc": {"loss": {"sum": jnp.float32(2.5), "count": jnp.float32(4.0)}}},
     )
@@ -44,6 +45,7 @@ def test_a_packed_snapshot_unpacks_to_the_same_carry() -> None:
     assert jax.tree.structure(back) == jax.tree.structure(expected)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(expected), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
+        assert getattr(a, "weak_type", False) == getattr(b, "weak_type", False)
     assert jnp.array_equal(
         jax.random.key_data(back[0]["key"]), jax.random.key_data(expected[0]["key"])
     )

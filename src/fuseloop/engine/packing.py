@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .._json_tree import as_weak
 from .._placement import tree_bytes
 
 __all__ = ["copying", "pack_leaves", "segment_of", "unpack_on_host", "unpacker"]
@@ -82,24 +83,27 @@ def pack_leaves(carry: Any) -> tuple[list[Any], list[Any]]:
     return [jnp.concatenate(parts) for parts in groups.values()], whole
 
 
-def unpacker(treedef: Any, spec: tuple[tuple[Any, Any], ...]) -> Callable[..., Any]:
+def unpacker(treedef: Any, spec: tuple[tuple[Any, Any, bool], ...]) -> Callable[..., Any]:
     """The inverse of `pack_leaves` (inside a program) for carries with this structure
-    (`treedef`) and these leaves' `(shape, dtype)`."""
+    (`treedef`) and these leaves' `(shape, dtype, weak_type)`: a weakly typed leaf (a loss
+    scale given as a Python float) comes back weakly typed, as the step keeps it, or the
+    steps after a rollback would promote otherwise than the plain loop's."""
 
     def unpack(packed: tuple[list[Any], list[Any]]) -> Any:
         buffers, whole = packed
-        order = list(dict.fromkeys(d for _, d in spec if _packable(d)))
+        order = list(dict.fromkeys(d for _, d, _ in spec if _packable(d)))
         offsets = dict.fromkeys(order, 0)
         whole_iter = iter(whole)
         leaves = []
-        for shape, dtype in spec:
+        for shape, dtype, weak in spec:
             if not _packable(dtype):
                 leaves.append(next(whole_iter))
                 continue
             size = math.prod(shape)
             start = offsets[dtype]
             flat = buffers[order.index(dtype)]
-            leaves.append(jax.lax.slice(flat, (start,), (start + size,)).reshape(shape))
+            leaf = jax.lax.slice(flat, (start,), (start + size,)).reshape(shape)
+            leaves.append(as_weak(leaf) if weak else leaf)
             offsets[dtype] = start + size
         return jax.tree.unflatten(treedef, leaves)
 

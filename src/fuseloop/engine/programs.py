@@ -312,7 +312,8 @@ class Programs:
     def unpack(self, packed: Any, like: Any) -> Any:
         """The carry `packed` holds, shaped like `like` (a carry of the same structure)."""
         leaves, treedef = jax.tree.flatten(like)
-        layout = (treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
+        spec = tuple((a.shape, a.dtype, getattr(a, "weak_type", False)) for a in leaves)
+        layout = (treedef, spec)
         if layout not in self.cache.unpack:
             self.cache.unpack[layout] = shared_programs.unpack(*layout)
         return self.cache.unpack[layout](packed)

@@ -63,8 +63,9 @@ def pack() -> Callable[[Any], Any]:
 
 
 @functools.lru_cache(maxsize=256)
-def unpack(treedef: Any, spec: tuple[tuple[Any, Any], ...]) -> Callable[[Any], Any]:
-    """The tree of `treedef` with leaves of `spec`, `((shape, dtype), ...)`, from its pack."""
+def unpack(treedef: Any, spec: tuple[tuple[Any, Any, bool], ...]) -> Callable[[Any], Any]:
+    """The tree of `treedef` with leaves of `spec`, `((shape, dtype, weak_type), ...)`,
+    from its pack."""
     return jax.jit(unpacker(treedef, spec))
 
 
