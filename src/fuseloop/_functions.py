@@ -50,6 +50,40 @@ def _unknown_key_names(parameters: Any) -> None:
         )
 
 
+def _warn_unread_signature(parameters: Any) -> None:
+    """An apply function whose signature names no x (`(*args, **kwargs)`, a decorator
+    without functools.wraps): a train flag or a key it takes cannot be seen, so it would
+    get neither, training in its default mode."""
+    kinds = [p.kind for p in list(parameters.values())[:2]]
+    if inspect.Parameter.VAR_POSITIONAL in kinds:
+        warn(
+            "model: apply_fn's signature names no x (it takes *args), as a wrapper without "
+            "functools.wraps shows it: fuseloop cannot see a train flag or a key parameter "
+            "there, so it passes neither and the model trains and evaluates in its default "
+            "mode. Decorate the wrapper with functools.wraps(apply_fn), or name the "
+            "parameters (lambda params, x, train: wrapped(params, x, train))",
+            UserWarning,
+        )
+
+
+def _required(parameter: Any) -> bool:
+    return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+def _refuse_separate_state(parameters: Any) -> None:
+    """An apply function taking a state beside its params (haiku's
+    `hk.transform_with_state`: `apply(params, state, rng, x) -> (out, state)`): this adapter
+    has no place for a state that each step updates (BatchNorm's statistics)."""
+    if list(parameters)[1:2] == ["state"]:
+        raise ModelConventionError(
+            "model: apply_fn takes (params, state, ...) and returns (out, state), as haiku's "
+            "hk.transform_with_state makes it: fuseloop's adapter for an (init, apply) pair "
+            "passes params alone and has no place for a state each step updates (BatchNorm's "
+            "statistics). Use hk.transform where the model keeps no state, or write the step "
+            "with fl.loop(step_fn), carrying the state in the step state"
+        )
+
+
 def key_like(parameters: Any, skip: int, passed: tuple[str, ...]) -> list[tuple[str, Any]]:
     """The parameters past the first `skip` whose names read as a PRNG key (one of
     RNG_NAMES, or a spelling only a key has) but are none of `passed`, the names the
@@ -157,10 +191,16 @@ class from_functions:  # noqa: N801 - reads as a constructor
         self.init_fn, self.apply_fn = init_fn, apply_fn
         _refuse_flagged_linen(apply_fn)
         parameters = parameters_of(apply_fn)
+        _refuse_separate_state(parameters)
         self.flags = flags_among(parameters, "apply_fn")
+        # A flag init_fn requires (haiku's `f(x, is_training)`) gets its evaluation value.
+        taken = parameters_of(init_fn)
+        needed = {n: v for n, v in self.flags.items() if _required(taken.get(n))}
+        self.init_flags = flag_values(needed, train=False)
         self.rng_name = next((name for name in parameters if name in RNG_NAMES), None)
         if self.rng_name is None and _bound_linen_module(apply_fn) is None:  # its own rngs
             _unknown_key_names(parameters)
+            _warn_unread_signature(parameters)
         # haiku's transformed apply: `apply(params, rng, *args)`.
         self.rng_second = self.rng_name is not None and list(parameters)[1:2] == [self.rng_name]
         self._owner = _plain_owner(apply_fn)
@@ -216,7 +256,7 @@ class from_functions:  # noqa: N801 - reads as a constructor
             >>> model.init(None, jnp.ones((1, 2)))["b"].shape
             (2,)
         """
-        return self.init_fn(rng, x)
+        return self.init_fn(rng, x, **self.init_flags)
 
     def apply(self, variables: Any, x: Any) -> Any:
         """`apply_fn(variables, x)` in evaluation mode (`train=False`, or the flag it takes).

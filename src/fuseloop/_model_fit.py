@@ -35,10 +35,11 @@ from ._model_fit_advice import (
 from ._outputs import NoTargetsError, require_one_prediction
 from ._outputs_at import model_outputs_at, outputs_at
 from ._placement import device_dtype
+from ._rng_advice import rng_error
 from ._target_shapes import CrossBroadcastError
 from ._unbatched import refuse_broadcast_over_examples, unbatched_output
 from ._variables_diff import first_difference, names_the_form, same_signature, warn_unread
-from .models import ModelConventionError, from_nnx, linen
+from .models import ModelConventionError
 
 __all__ = ["ModelFit", "SPARSE", "abstract", "needs_rng"]
 
@@ -178,7 +179,7 @@ class ModelFit:
         x = self.first_x[0] if self.first_x is not None else None
         applying = f"applying the model to the first batch's x ({describe(x, 'x')})"
         if needs_rng(error):
-            return self._rng_error(error, applying)
+            return rng_error(self.program, error, applying)
         fresh, training = whose == FRESH, self.program.kind == "trainer"
         advice = unbound_axis(error, applying) or scope_misuse(error, applying, fresh, training)
         advice = advice or model_code_error(error, applying, x)
@@ -221,41 +222,6 @@ class ModelFit:
             f"{fix_for_x(x, error, self.program.model)}, or pass matching variables"
         )
 
-    def _rng_error(self, error: BaseException, applying: str) -> ValueError:
-        """The ValueError for a model that asks for randomness fuseloop does not supply."""
-        model = self.program.model
-        name = type(getattr(model, "module", model)).__name__
-        failure = f"{applying} fails with {first_line(error)}. x is not the problem"
-        if isinstance(model, linen):
-            found = re.search(r'PRNG for "([^"]+)"', str(error))
-            stream = f"the rng stream {found.group(1)!r}" if found else "an rng stream"
-            if self.program.kind == "trainer":
-                return ValueError(
-                    f"model: {name} asks for {stream}, but fuseloop's trainer passes only "
-                    f"the 'dropout' stream: {failure}; draw that randomness from the "
-                    f"'dropout' stream (self.make_rng('dropout')), or write the step "
-                    f"yourself with fl.loop to pass other streams"
-                )
-            return ValueError(
-                f"model: {name} asks for {stream} in evaluation, but fuseloop passes no rng "
-                f"when it evaluates (the model's train flag off): {failure}; make the model "
-                f"deterministic when the flag is off (e.g. nn.Dropout(rate, "
-                f"deterministic=not train)), or evaluate with fl.loop"
-            )
-        if isinstance(model, from_nnx):
-            return ValueError(
-                f"model: {name} needs an rng it was not given: {failure}; fuseloop passes no "
-                f"rng to an nnx module, whose layers draw from the nnx.Rngs they were built "
-                f"with, so give the layer rngs= when you build it (e.g. nnx.Dropout(0.3, "
-                f"rngs=rngs))"
-            )
-        return ValueError(
-            f"model: {name} needs a random key that fuseloop does not supply: {failure}; "
-            f"fuseloop passes a key only while training (an apply_fn with an `rng` keyword "
-            f"receives it), so draw the randomness from that key, or write the step with "
-            f"fl.loop"
-        )
-
     def check_first(self, batch: Any) -> None:
         """x fits the model and y fits its output and the loss (abstractly, nothing runs).
 
@@ -281,8 +247,10 @@ class ModelFit:
                 # an init that needs concrete values cannot be checked abstractly.
                 return
             if needs_rng(error):
-                raise self._rng_error(
-                    error, f"initializing the model on the first batch's x ({describe(x, 'x')})"
+                raise rng_error(
+                    self.program,
+                    error,
+                    f"initializing the model on the first batch's x ({describe(x, 'x')})",
                 ) from error
             initializing = f"initializing it on the first batch's x ({describe(x, 'x')})"
             problem = model_error(error, initializing, x) or ValueError(

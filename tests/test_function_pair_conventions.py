@@ -1,0 +1,78 @@
+"""Conventions of a plain `(init_fn, apply_fn)` pair that fuseloop cannot see through, or
+used to misread: haiku's stateful transform, a flag init requires, randomness drawn in
+evaluation, and a signature a wrapper hides."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+
+import fuseloop as fl
+from conftest import CLASSES, make_batches
+
+DATA = make_batches(6)
+SPARSE = "sparse_categorical_cross_entropy"
+
+
+def _init(rng: Any, x: Any) -> dict[str, Any]:
+    return {"w": jax.random.normal(jax.random.PRNGKey(0), (x.shape[1], CLASSES)) * 0.5}
+
+
+def test_a_separate_state_as_haikus_transform_with_state_makes_it_is_refused_by_name():
+    # It was refused as needing a key fuseloop does not supply, or as x misfitting.
+    def apply(params, state, rng, x):
+        return x @ params["w"], state
+
+    with pytest.raises(fl.models.ModelConventionError, match=r"transform_with_state.*fl\.loop"):
+        fl.trainer((_init, apply), SPARSE, "sgd")
+
+
+def test_a_flag_init_requires_gets_its_evaluation_value():
+    # haiku's usual `f(x, is_training)`: init takes the flag too, and was called without it.
+    flags_at_init: list[bool] = []
+
+    def init(rng, x, is_training):
+        flags_at_init.append(is_training)
+        return _init(rng, x)
+
+    def apply(params, rng, x, is_training):
+        if is_training:
+            x = x * jax.random.bernoulli(rng, 0.5, x.shape) * 2.0
+        return x @ params["w"]
+
+    loop = fl.trainer((init, apply), SPARSE, "sgd")
+    unfused = loop.run(DATA, epochs=2)
+    fused = loop.run(DATA, epochs=2, fuse=3)
+    assert flags_at_init and not any(flags_at_init)
+    np.testing.assert_array_equal(fused.params["w"], unfused.params["w"])
+    # Dropout was on while training: the params differ from a run that never drew it.
+    steady = fl.trainer((init, lambda p, rng, x, is_training: x @ p["w"]), SPARSE, "sgd")
+    assert not np.array_equal(steady.run(DATA, epochs=2).params["w"], unfused.params["w"])
+
+
+def _always_noisy(params: Any, x: Any, rng: Any = None) -> Any:
+    return (x + jax.random.normal(rng, x.shape)) @ params["w"]
+
+
+def test_randomness_drawn_in_evaluation_is_told_to_stay_behind_the_train_flag():
+    state = fl.trainer((_init, _always_noisy), SPARSE, "sgd").run(DATA)
+    with pytest.raises(ValueError, match=r"draws randomness in evaluation.*only while training"):
+        fl.predict((_init, _always_noisy), state.params, DATA[0][0])
+
+
+def test_an_apply_whose_signature_a_wrapper_hides_is_warned_about():
+    def apply(params, x, train=False):
+        return x @ params["w"]
+
+    def logged(*args, **kwargs):  # no functools.wraps: the signature reads (*args, **kwargs)
+        return apply(*args, **kwargs)
+
+    with pytest.warns(UserWarning, match=r"names no x.*functools\.wraps"):
+        fl.trainer((_init, logged), SPARSE, "sgd")
+    with warnings.catch_warnings():  # the same apply, its signature readable
+        warnings.simplefilter("error")
+        fl.trainer((_init, apply), SPARSE, "sgd")
