@@ -106,6 +106,10 @@ def test_a_population_state_points_to_member():
     assert fl.models.trained(model(), state.member(1))(X[:2]).shape == (2, 3)
     with pytest.raises(ValueError, match=r"leading axis of 2 .*population's State itself"):
         fl.predict(model(), state.params, X)  # the params without their State
+    # An evaluator given the params is told the form that works for it (not the State alone).
+    with pytest.raises(ValueError, match=r"run\(data, state, population=2\)"):
+        fl.evaluator(model(), SPARSE).run(BATCHES, state.params)
+    assert fl.evaluator(model(), SPARSE).run(BATCHES, state, population=2).status == "completed"
     assert fl.predict(model(), state, X).shape == (2, 32, 3)
 
 

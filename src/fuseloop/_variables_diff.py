@@ -90,7 +90,9 @@ def first_difference(given: Any, fresh: Any) -> str:
     if size is not None:
         return (
             f"{_MEMBERS} {size} over the model's own (a population's params, one per "
-            f"member): pass the population's State itself, or state.member(i) for one member."
+            f"member): pass the population's State itself (an evaluator's run takes it with "
+            f"population={size}: run(data, state, population={size})), or state.member(i) "
+            f"for one member."
         )
     try:
         mine = dict(jax.tree_util.tree_flatten_with_path(given)[0])
