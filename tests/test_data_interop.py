@@ -110,6 +110,17 @@ def test_predict_reads_tensors_as_training_does():
         np.testing.assert_array_equal(fl.predict(model, state.params, given), reference)
 
 
+@pytest.mark.usefixtures("fake_torch")
+def test_in_memory_arrays_of_tensors_are_read_as_batches_are():
+    # fl.data.arrays copied tensors through numpy's __array__ (a warning per call under
+    # numpy 2; bfloat16 and tensors requiring grad failed).
+    batches = make_batches(4)
+    x, y = (np.concatenate(part) for part in zip(*batches, strict=True))
+    reference = trainer().run(fl.data.arrays(x, y, batch_size=4, shuffle=False))
+    given = fl.data.arrays(_Tensor(x), _Tensor(y, "int32"), batch_size=4, shuffle=False)
+    assert_tree_equal(trainer().run(given).step_state, reference.step_state, "step_state")
+
+
 def test_real_torch_tensors_bfloat16_and_requiring_grad_train():
     torch = pytest.importorskip("torch")
     batches = make_batches(4)

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import collections.abc
 import itertools
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ._batch_sequence import BatchSequence, is_batch_sequence
+from ._narrowing import torch_numpy
 from ._unsliceable import refuse_unstackable, unmasked
 from ._warn import warn
 
@@ -306,7 +305,7 @@ def is_python_number(value: Any) -> bool:
 
 def as_host_array(leaf: Any) -> Any:
     """`leaf` as an array: jax and numpy arrays as they are, a torch tensor by its values
-    (`_torch_numpy`), a Python number in JAX's default dtype for it (float32, int32 or bool
+    (`torch_numpy`), a Python number in JAX's default dtype for it (float32, int32 or bool
     unless x64 is on; an int beyond int32 as numpy makes it, for the range check to name),
     anything else through `np.asarray`."""
     if _is_array(leaf):
@@ -316,7 +315,7 @@ def as_host_array(leaf: Any) -> Any:
         if type(leaf) is not int or np.iinfo(dtype).min <= leaf <= np.iinfo(dtype).max:
             return np.asarray(leaf, dtype)
     refuse_unstackable(leaf, "a leaf of the batch")
-    tensor = _torch_numpy(leaf)
+    tensor = torch_numpy(leaf)
     return np.asarray(leaf) if tensor is None else tensor
 
 
@@ -325,22 +324,6 @@ def own_copy(leaf: Any) -> Any:
     (numpy, torch, Python numbers) is copied into a fresh numpy array."""
     array = as_host_array(leaf)
     return array if isinstance(array, jax.Array) else np.array(array)
-
-
-def _torch_numpy(leaf: Any) -> np.ndarray | None:
-    """A torch tensor's values as numpy (sharing its memory where torch can), else None.
-
-    Through `Tensor.numpy()`, not numpy's `__array__` protocol, which warns under numpy 2
-    (a DeprecationWarning per leaf and batch) and fails for a tensor that requires grad
-    (its values are what a batch holds: detached) or holds bfloat16 (read as JAX's
-    bfloat16, bit for bit)."""
-    torch = sys.modules.get("torch")  # a tensor means torch is imported: never import it
-    if torch is None or not isinstance(leaf, torch.Tensor):
-        return None
-    tensor = leaf.detach().cpu().resolve_conj().resolve_neg()
-    if tensor.dtype == torch.bfloat16:
-        return np.asarray(tensor.view(torch.int16).numpy().view(jnp.bfloat16))
-    return np.asarray(tensor.numpy())
 
 
 def _converted(batch: Any, source: Source, iteration: int, convert: Any = None) -> Any:

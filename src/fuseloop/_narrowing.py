@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._warn import warn
 
-__all__ = ["Narrowing", "native_copy", "native_order", "warnings_of_one_run"]
+__all__ = ["Narrowing", "native_copy", "native_order", "torch_numpy", "warnings_of_one_run"]
 
 _WIDE_INTS = {np.dtype(np.int64): np.int32, np.dtype(np.uint64): np.uint32}
 # In-memory datasets (`fl.data.arrays`) found in range: they hold private copies of their
@@ -129,7 +131,8 @@ class Narrowing:
         message = (
             f"{source}: {which} float64, but JAX runs with 64-bit mode off, so "
             f"{'it is' if len(wide) == 1 else 'they are'} cast to float32 on the device. "
-            f"Convert with .astype(np.float32) to silence this warning (or enable "
+            f"Convert with .astype(np.float32) (a torch tensor: .float()) to silence this "
+            f"warning (or enable "
             f"jax_enable_x64 for float64 math)"
         )
         given = _GIVEN.get()
@@ -169,8 +172,25 @@ class Narrowing:
 
 def native_copy(leaf: Any) -> np.ndarray:
     """A copy of `leaf` in the machine's byte order (the same values; JAX takes no
-    big-endian array)."""
-    return native_order(np.array(leaf))
+    big-endian array); a torch tensor's values through `torch_numpy`."""
+    tensor = torch_numpy(leaf)
+    return native_order(np.array(leaf if tensor is None else tensor))
+
+
+def torch_numpy(leaf: Any) -> np.ndarray | None:
+    """A torch tensor's values as numpy (sharing its memory where torch can), else None.
+
+    Through `Tensor.numpy()`, not numpy's `__array__` protocol, which warns under numpy 2
+    (a DeprecationWarning per leaf and batch) and fails for a tensor that requires grad
+    (its values are what a batch holds: detached) or holds bfloat16 (read as JAX's
+    bfloat16, bit for bit)."""
+    torch = sys.modules.get("torch")  # a tensor means torch is imported: never import it
+    if torch is None or not isinstance(leaf, torch.Tensor):
+        return None
+    tensor = leaf.detach().cpu().resolve_conj().resolve_neg()
+    if tensor.dtype == torch.bfloat16:
+        return np.asarray(tensor.view(torch.int16).numpy().view(jnp.bfloat16))
+    return np.asarray(tensor.numpy())
 
 
 def native_order(array: np.ndarray) -> np.ndarray:
