@@ -190,6 +190,11 @@ def test_fuseloops_own_start_handlers_do_not_open_the_first_pass_again(fuse, tmp
         state = loop.run(loader, epochs=2, fuse=fuse)
         assert loader.passes == 2
         _assert_same_params(state, plain)
+    # fuseloop's handler object attached by the user does what its builder does.
+    stopper = fl.handlers.monitor.EarlyStopping("loss", patience=5, restore_best=True)
+    loader = Shuffling(BATCHES)
+    LOOP.handle_event("epoch_completed", stopper).run(loader, epochs=2, fuse=fuse)
+    assert loader.passes == 2
     opened_again = Shuffling(BATCHES)  # a handler of the user's still opens it again
     LOOP.observe("started", lambda s: None).run(opened_again, epochs=2, fuse=fuse)
     assert opened_again.passes == 3
@@ -232,6 +237,16 @@ def test_a_pass_opened_again_as_the_same_iterator_does_not_step_the_first_batch_
     state = loop.run(Persistent(BATCHES), epochs=2, fuse=fuse)
     assert _steps(state) == 2 * N_BATCHES
     _assert_same_run(state, LOOP.run(BATCHES, epochs=2, fuse=fuse))
+
+
+@pytest.mark.parametrize("fuse", FUSES)
+def test_a_validation_on_the_training_data_itself_reopens_the_first_pass(fuse):
+    # It reads the run's own loader at epoch_started: where the loader hands out one
+    # iterator, the validation drains the pass the first batch came from.
+    loader = Persistent(BATCHES)
+    loop = LOOP.validate(LOOP.program.model, loader, event="epoch_started")
+    state = loop.run(loader, epochs=2, fuse=fuse)
+    assert _steps(state) == 2 * N_BATCHES
 
 
 def test_the_first_pass_is_let_go_when_the_run_opens_it_again():

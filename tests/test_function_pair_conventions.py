@@ -7,6 +7,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -29,6 +30,30 @@ def test_a_separate_state_as_haikus_transform_with_state_makes_it_is_refused_by_
 
     with pytest.raises(fl.models.ModelConventionError, match=r"transform_with_state.*fl\.loop"):
         fl.trainer((_init, apply), SPARSE, "sgd")
+
+
+def test_an_input_named_state_is_no_haiku_state():
+    # An agent's observation: apply(params, state) trains, as before.
+    loop = fl.trainer((_init, lambda params, state: state @ params["w"]), SPARSE, "sgd")
+    assert loop.run(DATA).status == "completed"
+
+
+def test_a_linen_apply_under_jit_is_read_as_the_modules_own():
+    # jax.jit keeps flax's (variables, *args) signature: it was warned about as a wrapper
+    # hiding x, and a module with a train flag went through in evaluation mode.
+    plain = fl.models.mlp([4, CLASSES])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fl.trainer((plain.init, jax.jit(plain.apply)), SPARSE, "sgd")
+    flagged = _Dropping()
+    with pytest.raises(fl.models.ModelConventionError, match=r"_Dropping\(\.\.\.\)"):
+        fl.trainer((flagged.init, jax.jit(flagged.apply)), SPARSE, "sgd")
+
+
+class _Dropping(nn.Module):
+    @nn.compact
+    def __call__(self, x: Any, train: bool = False) -> Any:
+        return nn.Dense(CLASSES)(nn.Dropout(0.5, deterministic=not train)(x))
 
 
 def test_a_flag_init_requires_gets_its_evaluation_value():
@@ -76,3 +101,20 @@ def test_an_apply_whose_signature_a_wrapper_hides_is_warned_about():
     with warnings.catch_warnings():  # the same apply, its signature readable
         warnings.simplefilter("error")
         fl.trainer((_init, apply), SPARSE, "sgd")
+
+
+def _dropping(params: Any, x: Any, training: bool = False, rng: Any = None) -> Any:
+    if training:
+        x = x * jax.random.bernoulli(rng, 0.5, x.shape) * 2.0
+    return x @ params["w"]
+
+
+def test_a_flag_made_static_by_position_is_passed_by_position():
+    # jax.checkpoint's static_argnums count positions: passed by keyword, the flag was
+    # traced and the run refused as x misfitting the model.
+    checkpointed = jax.checkpoint(_dropping, static_argnums=(2,))
+    loop = fl.trainer((_init, checkpointed), SPARSE, "sgd")
+    unfused = loop.run(DATA, epochs=2)
+    np.testing.assert_array_equal(loop.run(DATA, epochs=2, fuse=3).params["w"], unfused.params["w"])
+    plain = fl.trainer((_init, _dropping), SPARSE, "sgd").run(DATA, epochs=2)
+    np.testing.assert_allclose(unfused.params["w"], plain.params["w"], rtol=1e-6)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import enum
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -28,6 +28,7 @@ __all__ = [
     "normalize_event",
     "make_filter",
     "parse_result",
+    "reopens_first_pass",
 ]
 
 
@@ -327,3 +328,18 @@ def parse_result(result: Any, label: str) -> tuple[str, Any]:
         f"handler {label} returned {type(result).__name__}; a handler returns None, a status "
         f"({', '.join(STATUSES)}) or (status, new_state)"
     )
+
+
+def reopens_first_pass(registrations: Iterable[Registration], data: Any) -> bool:
+    """Whether a run over `data` opens its first epoch's pass again after the `started`
+    and `epoch_started` handlers (docs/data.md): some handler there may change the data,
+    one of the user's, or one of fuseloop's own that reads `data` itself (a validation on
+    the training data). Read from all the loop's registrations, so every process decides
+    alike (an observer runs on process 0 only)."""
+    for r in registrations:
+        if r.event not in (Event.STARTED, Event.EPOCH_STARTED):
+            continue
+        readers = marked_objects(r.handler, "fuseloop_reads_data")
+        if not r.own or any(reader.data is data for reader in readers):
+            return True
+    return False

@@ -5,6 +5,7 @@ Re-exported from `fuseloop.models` (as `fl.models.from_functions`).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import sys
@@ -54,8 +55,8 @@ def _warn_unread_signature(parameters: Any) -> None:
     """An apply function whose signature names no x (`(*args, **kwargs)`, a decorator
     without functools.wraps): a train flag or a key it takes cannot be seen, so it would
     get neither, training in its default mode."""
-    kinds = [p.kind for p in list(parameters.values())[:2]]
-    if inspect.Parameter.VAR_POSITIONAL in kinds:
+    first = list(parameters.values())[:1]
+    if first and first[0].kind == inspect.Parameter.VAR_POSITIONAL:
         warn(
             "model: apply_fn's signature names no x (it takes *args), as a wrapper without "
             "functools.wraps shows it: fuseloop cannot see a train flag or a key parameter "
@@ -66,15 +67,27 @@ def _warn_unread_signature(parameters: Any) -> None:
         )
 
 
+def _flag_at(parameters: Any, index: int, flags: dict[str, bool]) -> str | None:
+    """The flag at position `index` of the signature where it is the only one and may be
+    passed by position, else None."""
+    named = list(parameters.values())[index : index + 1]
+    if len(flags) != 1 or not named or named[0].name not in flags:
+        return None
+    return named[0].name if named[0].kind == inspect.Parameter.POSITIONAL_OR_KEYWORD else None
+
+
 def _required(parameter: Any) -> bool:
     return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
-def _refuse_separate_state(parameters: Any) -> None:
+def _refuse_separate_state(parameters: Any, apply_fn: Any) -> None:
     """An apply function taking a state beside its params (haiku's
     `hk.transform_with_state`: `apply(params, state, rng, x) -> (out, state)`): this adapter
-    has no place for a state that each step updates (BatchNorm's statistics)."""
-    if list(parameters)[1:2] == ["state"]:
+    has no place for a state that each step updates (BatchNorm's statistics). Not an input
+    named `state` (an agent's observation): haiku's own apply, or `state` before `rng`."""
+    names = list(parameters)
+    haikus = getattr(apply_fn, "__module__", None) or ""
+    if names[1:2] == ["state"] and (names[2:3] == ["rng"] or haikus.startswith("haiku")):
         raise ModelConventionError(
             "model: apply_fn takes (params, state, ...) and returns (out, state), as haiku's "
             "hk.transform_with_state makes it: fuseloop's adapter for an (init, apply) pair "
@@ -106,10 +119,17 @@ def refuse_unpassed_key(parameter: Any, said: str) -> None:
 
 
 def _bound_linen_module(apply_fn: Any) -> nn.Module | None:
-    """The flax.linen module whose own `apply` `apply_fn` is (`module.apply`), else None."""
-    module = getattr(apply_fn, "__self__", None)
-    same = getattr(apply_fn, "__func__", None) is nn.Module.apply
-    return module if isinstance(module, nn.Module) and same else None
+    """The flax.linen module whose own `apply` `apply_fn` is (`module.apply`, also under
+    `jax.jit`, a functools.wraps wrapper or a `functools.partial`), else None."""
+    for _ in range(8):  # a few layers of wrapping
+        module = getattr(apply_fn, "__self__", None)
+        if isinstance(module, nn.Module):
+            return module if getattr(apply_fn, "__func__", None) is nn.Module.apply else None
+        inner = apply_fn.func if isinstance(apply_fn, functools.partial) else None
+        apply_fn = inner or getattr(apply_fn, "__wrapped__", None)
+        if apply_fn is None:
+            return None
+    return None
 
 
 def _pass_the_module(module: nn.Module, why: str) -> ModelConventionError:
@@ -191,7 +211,7 @@ class from_functions:  # noqa: N801 - reads as a constructor
         self.init_fn, self.apply_fn = init_fn, apply_fn
         _refuse_flagged_linen(apply_fn)
         parameters = parameters_of(apply_fn)
-        _refuse_separate_state(parameters)
+        _refuse_separate_state(parameters, apply_fn)
         self.flags = flags_among(parameters, "apply_fn")
         # A flag init_fn requires (haiku's `f(x, is_training)`) gets its evaluation value.
         taken = parameters_of(init_fn)
@@ -203,6 +223,7 @@ class from_functions:  # noqa: N801 - reads as a constructor
             _warn_unread_signature(parameters)
         # haiku's transformed apply: `apply(params, rng, *args)`.
         self.rng_second = self.rng_name is not None and list(parameters)[1:2] == [self.rng_name]
+        self.flag_after_x = _flag_at(parameters, 3 if self.rng_second else 2, self.flags)
         self._owner = _plain_owner(apply_fn)
 
     def snapshot(self) -> Snapshot | None:
@@ -290,8 +311,10 @@ class from_functions:  # noqa: N801 - reads as a constructor
 
     def _call(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
         kwargs: dict[str, Any] = flag_values(self.flags, train)
-        if self.rng_second:
-            return self.apply_fn(variables, rng, x, **kwargs), None
-        if self.rng_name is not None:
+        leading = (variables, rng, x) if self.rng_second else (variables, x)
+        # A flag right after x goes by position: jax.checkpoint's static_argnums (as
+        # nn.remat's) count positions, and by keyword the flag would be traced.
+        after_x = [kwargs.pop(self.flag_after_x)] if self.flag_after_x in kwargs else []
+        if self.rng_name is not None and not self.rng_second:
             kwargs[self.rng_name] = rng
-        return self.apply_fn(variables, x, **kwargs), None
+        return self.apply_fn(*leading, *after_x, **kwargs), None

@@ -212,10 +212,11 @@ def _pair_hint(model: Any, adapters: dict[type, Any]) -> str:
     """
     if inspect.isfunction(model) and model.__name__ == "mlp":  # fl.models.mlp, uncalled
         return ". fl.models.mlp makes a model: call it, e.g. fl.models.mlp([64, 10])"
-    if type(model).__module__.split(".")[0] == "keras":
+    if any(c.__module__.split(".")[0] == "keras" for c in type(model).__mro__):
         return (
-            ". A Keras model is not adapted as is: under KERAS_BACKEND=jax, one without "
-            "non-trainable variables (BatchNorm's) or dropout trains as the pair (lambda rng, "
+            ". A Keras model is not adapted as is: under KERAS_BACKEND=jax, a built one "
+            "without non-trainable variables (BatchNorm's) or dropout trains as the pair "
+            "(lambda rng, "
             "x: [v.value for v in model.trainable_variables], lambda p, x: "
             "model.stateless_call(p, [], x)[0]); for others, write the step with fl.loop"
         )

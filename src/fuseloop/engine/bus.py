@@ -134,11 +134,6 @@ class EventBus:
     def has(self, event: Event) -> bool:
         return bool(self.by_event.get(event))
 
-    def users_handle(self, *events: Event) -> bool:
-        """Whether a handler of the user's (not one of fuseloop's builders',
-        `Registration.own`) is attached to one of `events`."""
-        return any(not r.own for e in events for r in self.by_event.get(e, ()))
-
     @property
     def has_iteration_handlers(self) -> bool:
         return self.iteration_handlers

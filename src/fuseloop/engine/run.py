@@ -14,7 +14,7 @@ from typing import Any
 
 from .._checks import Checker
 from .._data import as_source
-from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, Event
+from .._events import CONTINUE, HALT_EPOCH, HALT_LOOP, Event, reopens_first_pass
 from .._fusion import resolve_fuse
 from .._label_checks import labels_of
 from .._model_warnings import warn_about_model
@@ -329,7 +329,7 @@ class Run:
         if epoch != self.start_epoch:
             return self.source.epoch_iterator(epoch)
         # A re-iterable's first pass opens anew after the user's handlers (docs/data.md).
-        handled = self.bus.users_handle(Event.STARTED, Event.EPOCH_STARTED)
+        handled = reopens_first_pass(self.loop.registrations, self.source.data)
         if handled and self.source.kind == "reiterable":  # others keep theirs
             self.first_iterator = None  # (a loader's workers stop)
             self._epoch_loop.feed.drop_first_batch()

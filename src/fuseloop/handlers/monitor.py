@@ -100,9 +100,9 @@ class EarlyStopping:
         label = name or "early_stop"
         begin = all_processes(self.begin)
         return (
-            Registration(Event.STARTED, begin, name=f"{label}:begin", observes=True),
-            Registration(Event.COMPLETED, self.on_end, name=f"{label}:restore"),
-            Registration(Event.HALTED, self.on_end, name=f"{label}:restore"),
+            Registration(Event.STARTED, begin, name=f"{label}:begin", observes=True, own=True),
+            Registration(Event.COMPLETED, self.on_end, name=f"{label}:restore", own=True),
+            Registration(Event.HALTED, self.on_end, name=f"{label}:restore", own=True),
         )
 
     def __call__(self, state: State) -> tuple[Status, State]:

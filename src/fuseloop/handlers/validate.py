@@ -197,6 +197,9 @@ class Validator:
 
     # It evaluates the params, which a fused run's iteration events lack (engine/options.py).
     fuseloop_reads_step_state = True
+    # It reads `self.data`: where that is the run's own, it may change the run's pass
+    # (engine/bus.py, `reopens_first_pass`).
+    fuseloop_reads_data = True
 
     # On device-resident data the engine runs this handler inside a multi-epoch dispatch
     # (engine/device_monitors.py), with the same arithmetic.
