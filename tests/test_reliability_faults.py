@@ -448,6 +448,27 @@ def test_arrays_a_handler_returns_are_not_the_ones_donated(plain_loop):
     readable(result.step_state)
 
 
+@pytest.mark.parametrize("event", ["epoch_completed", "iteration_completed"])
+def test_arrays_a_handler_writes_into_the_step_state_in_place_are_not_donated(plain_loop, event):
+    # `state.step_state["params"] = fresh`, returning None: the change was taken as the
+    # carry's own, and the next step donated the user's arrays (deleted after the run).
+    x = jnp.asarray(make_batches(1)[0][0])
+    fresh = jax.device_put(tiny_mlp().init(jax.random.PRNGKey(9), x))
+    kept = readable(fresh)
+
+    def reset(state: fl.State) -> None:
+        state.step_state["params"] = fresh
+
+    swapped = plain_loop.handle_event(event, reset, {"once": 1}).run(make_batches(3), epochs=2)
+    assert_tree_equal(readable(fresh), kept, "arrays a handler wrote in place")
+
+    def returned(state: fl.State) -> Any:  # the documented form: the same run
+        return "continue", state.replace(step_state={**state.step_state, "params": fresh})
+
+    same = plain_loop.handle_event(event, returned, {"once": 1}).run(make_batches(3), epochs=2)
+    assert_tree_equal(swapped.step_state, same.step_state)
+
+
 @pytest.mark.parametrize("fuse", [False, 4])
 def test_a_state_kept_from_a_handler_is_refused_by_name_once_its_arrays_are_gone(
     plain_loop, fuse, tmp_path
@@ -572,14 +593,24 @@ def test_a_non_finite_step_halts_before_a_later_batch_that_fails_to_load(fuse):
 
 
 @pytest.mark.parametrize("fuse", [False, 3])
-def test_a_step_state_changed_in_place_to_share_an_array_is_told_the_fix(fuse):
+def test_a_step_state_changed_in_place_to_share_an_array_runs_as_the_returned_form(fuse):
+    # It was refused (one buffer donated twice); a change made in place is copied now, as
+    # a returned State's is, so the two leaves no longer share their arrays.
     def params_from_mu(state: fl.State) -> None:
         # The optimizer's first moments, whose arrays the optimizer state keeps too.
         state.step_state["params"] = {"params": state.step_state["opt_state"][0].mu}
 
-    loop = trainer(optimizer=optax.adam(1e-2)).handle_event("epoch_completed", params_from_mu)
-    with pytest.raises(ValueError, match=r"holds one array in two places.*state\.replace"):
-        loop.run(make_batches(n=4), epochs=2, fuse=fuse)
+    def returned(state: fl.State) -> Any:
+        mu = {"params": state.step_state["opt_state"][0].mu}
+        return "continue", state.replace(step_state={**state.step_state, "params": mu})
+
+    base = trainer(optimizer=optax.adam(1e-2))
+    in_place = base.handle_event("epoch_completed", params_from_mu)
+    ran = in_place.run(make_batches(n=4), epochs=2, fuse=fuse)
+    same = base.handle_event("epoch_completed", returned).run(
+        make_batches(n=4), epochs=2, fuse=fuse
+    )
+    assert_tree_equal(ran.step_state, same.step_state)
 
 
 @pytest.mark.filterwarnings("ignore:data. the run ended holding")  # pulled after the bad one

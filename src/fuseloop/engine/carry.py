@@ -83,12 +83,18 @@ class Carry:
 
         self.tail = deactivate(self.tail, stopped)
 
-    def adopt(self, step_state: Any, returned_by: str = "a handler") -> None:
-        """Takes a step state a handler returned; it is copied, since the next step donates
-        it and the handler may still hold its arrays. `returned_by` names the handler's
-        event, for an error of the next step that the new state causes.
+    def adopt(
+        self, step_state: Any, returned_by: str = "a handler", in_place: bool = False
+    ) -> None:
+        """Takes a step state a handler returned, or changed in place (`in_place`: the
+        carry's own, written into); it is copied, since the next step donates it and the
+        handler may still hold its arrays. `returned_by` names the handler's event, for an
+        error of the next step that the new state causes.
         """
-        if step_state is not None and step_state is not self.step_state:
+        if in_place:  # its old layout is gone: the next step's error names the handler
+            self._adopted_from = returned_by
+            self.step_state = self.placement.put_state(private_copy(step_state))
+        elif step_state is not None and step_state is not self.step_state:
             if device_signature(step_state) != device_signature(self.step_state):
                 self._adopted_from = returned_by  # a ragged batch's refusal is not its
             self.step_state = self.placement.put_state(private_copy(step_state))
@@ -174,10 +180,9 @@ def _shared_arrays_error() -> ValueError:
     leaf in place, and one buffer cannot be updated as two."""
     return ValueError(
         "the step state holds one array in two places (two leaves are the same array), and "
-        "each step updates every leaf in place. A handler that changed state.step_state in "
-        "place (ss['params'] = ss['opt_state']...) makes that: return the changed State "
-        "instead, state.replace(step_state={...}), which fuseloop copies; or copy the "
-        "array, jax.tree.map(jnp.copy, tree)"
+        "each step updates every leaf in place. A step that returns one array at two leaves "
+        "makes that: return a copy at one of them (jnp.copy(x)); fuseloop copies what a "
+        "handler hands back or writes into state.step_state"
     )
 
 

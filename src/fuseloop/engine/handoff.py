@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
 from .._events import Event
 from .._warn import warn
 
@@ -25,9 +27,16 @@ class Handoff:
         """A run or epoch event: handlers see (and may replace) the live step state."""
         if not self.bus.has(event):  # counted and observed; no handler can change a thing
             return self.bus.fire(event, state, mirror_history)
-        state = state.replace(step_state=self.carry.step_state)
-        status, state = self.bus.fire(event, state, mirror_history, substitute)
-        self.carry.adopt(state.step_state, f"a handler of {event.value} at epoch {state.epoch}")
+        given = self.carry.step_state
+        before = _leaf_ids(given)
+        status, state = self.bus.fire(
+            event, state.replace(step_state=given), mirror_history, substitute
+        )
+        self.carry.adopt(
+            state.step_state,
+            f"a handler of {event.value} at epoch {state.epoch}",
+            in_place=state.step_state is given and _leaf_ids(given) != before,
+        )
         return status, state
 
     def fire_iteration(
@@ -38,16 +47,25 @@ class Handoff:
         (the steps after it already ran).
         """
         step_state = self.carry.step_state if live else None
+        before = _leaf_ids(step_state) if live else None
         status, fired = self.bus.fire_iteration(event, state, iteration, metrics, step_state)
         if fired is state:  # no handler fired
             return status, fired
         if live:
             at = f"epoch {fired.epoch}, iteration {iteration}"
-            self.carry.adopt(fired.step_state, f"a handler of {event.value} at {at}")
+            in_place = fired.step_state is step_state and _leaf_ids(step_state) != before
+            self.carry.adopt(fired.step_state, f"a handler of {event.value} at {at}", in_place)
         elif fired.step_state is not None and not self._told_discarded:  # it was given None
             self._told_discarded = True  # once per run: the same handler fires again
             warn(_discarded(event))
         return status, fired
+
+
+def _leaf_ids(step_state: Any) -> list[int]:
+    """Which arrays `step_state` holds: a handler that writes into it in place (`state.
+    step_state["lr"] = lr`, returning None) changes them, and the arrays it wrote are the
+    user's, to be copied before the next step donates them (`Carry.adopt`)."""
+    return [id(leaf) for leaf in jax.tree.leaves(step_state)]
 
 
 def _discarded(event: Event) -> str:
