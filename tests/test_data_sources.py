@@ -240,6 +240,14 @@ def test_a_pass_opened_again_as_the_same_iterator_does_not_step_the_first_batch_
 
 
 @pytest.mark.parametrize("fuse", FUSES)
+def test_a_validation_of_the_training_data_at_epoch_end_opens_nothing_again(fuse):
+    # Its start check reads no loader: only a validation at epoch_started reads the pass.
+    loader = Shuffling(BATCHES)
+    LOOP.validate(LOOP.program.model, loader).run(loader, epochs=2, fuse=fuse)
+    assert loader.passes == 2 + 2  # each epoch's training pass and its validation's
+
+
+@pytest.mark.parametrize("fuse", FUSES)
 def test_a_validation_on_the_training_data_itself_reopens_the_first_pass(fuse):
     # It reads the run's own loader at epoch_started: where the loader hands out one
     # iterator, the validation drains the pass the first batch came from.

@@ -4,6 +4,7 @@ evaluation, and a signature a wrapper hides."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -33,9 +34,11 @@ def test_a_separate_state_as_haikus_transform_with_state_makes_it_is_refused_by_
 
 
 def test_an_input_named_state_is_no_haiku_state():
-    # An agent's observation: apply(params, state) trains, as before.
+    # An agent's observation: apply(params, state) and a policy's (params, state, rng) train.
     loop = fl.trainer((_init, lambda params, state: state @ params["w"]), SPARSE, "sgd")
     assert loop.run(DATA).status == "completed"
+    policy = lambda params, state, rng=None: state @ params["w"]  # noqa: E731
+    assert fl.trainer((_init, policy), SPARSE, "sgd").run(DATA).status == "completed"
 
 
 def test_a_linen_apply_under_jit_is_read_as_the_modules_own():
@@ -118,3 +121,20 @@ def test_a_flag_made_static_by_position_is_passed_by_position():
     np.testing.assert_array_equal(loop.run(DATA, epochs=2, fuse=3).params["w"], unfused.params["w"])
     plain = fl.trainer((_init, _dropping), SPARSE, "sgd").run(DATA, epochs=2)
     np.testing.assert_allclose(unfused.params["w"], plain.params["w"], rtol=1e-6)
+
+
+def test_a_wrapper_taking_the_flag_by_name_gets_it_by_name():
+    # A functools.wraps wrapper `(params, x, **kw)` shows the flag after x, but takes it
+    # by name only: passed by position it failed as x misfitting the model.
+    seen: list[bool] = []
+
+    def apply(params: Any, x: Any, train: bool = False) -> Any:
+        seen.append(train)
+        return x @ params["w"]
+
+    @functools.wraps(apply)
+    def wrapper(params: Any, x: Any, **kw: Any) -> Any:
+        return apply(params, x, **kw)
+
+    fl.trainer((_init, wrapper), SPARSE, "sgd").run(DATA)
+    assert True in seen and False in seen

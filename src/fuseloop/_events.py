@@ -339,7 +339,8 @@ def reopens_first_pass(registrations: Iterable[Registration], data: Any) -> bool
     for r in registrations:
         if r.event not in (Event.STARTED, Event.EPOCH_STARTED):
             continue
-        readers = marked_objects(r.handler, "fuseloop_reads_data")
+        # The handler itself (validate's, not its start check, which reads no loader).
+        readers = marked_objects(r.handler, "fuseloop_reads_data", held=False)
         if not r.own or any(reader.data is data for reader in readers):
             return True
     return False

@@ -55,8 +55,8 @@ def _warn_unread_signature(parameters: Any) -> None:
     """An apply function whose signature names no x (`(*args, **kwargs)`, a decorator
     without functools.wraps): a train flag or a key it takes cannot be seen, so it would
     get neither, training in its default mode."""
-    first = list(parameters.values())[:1]
-    if first and first[0].kind == inspect.Parameter.VAR_POSITIONAL:
+    kinds = [p.kind for p in list(parameters.values())[:2]]
+    if inspect.Parameter.VAR_POSITIONAL in kinds:
         warn(
             "model: apply_fn's signature names no x (it takes *args), as a wrapper without "
             "functools.wraps shows it: fuseloop cannot see a train flag or a key parameter "
@@ -67,13 +67,23 @@ def _warn_unread_signature(parameters: Any) -> None:
         )
 
 
-def _flag_at(parameters: Any, index: int, flags: dict[str, bool]) -> str | None:
-    """The flag at position `index` of the signature where it is the only one and may be
-    passed by position, else None."""
-    named = list(parameters.values())[index : index + 1]
+def _flag_at(apply_fn: Any, index: int, flags: dict[str, bool]) -> str | None:
+    """The flag at position `index` of `apply_fn`'s signature where it is the only one
+    and the callable itself (not the function a `functools.wraps` wrapper names) takes
+    that many positional arguments, else None."""
+    named = list(parameters_of(apply_fn).values())[index : index + 1]
     if len(flags) != 1 or not named or named[0].name not in flags:
         return None
-    return named[0].name if named[0].kind == inspect.Parameter.POSITIONAL_OR_KEYWORD else None
+    if named[0].kind != inspect.Parameter.POSITIONAL_OR_KEYWORD:
+        return None
+    try:  # a wrapper `(params, x, **kw)` takes the flag by name only
+        outer = list(inspect.signature(apply_fn, follow_wrapped=False).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    takes = any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in outer)
+    takes = takes or sum(p.kind in positional for p in outer) > index
+    return named[0].name if takes else None
 
 
 def _required(parameter: Any) -> bool:
@@ -84,16 +94,17 @@ def _refuse_separate_state(parameters: Any, apply_fn: Any) -> None:
     """An apply function taking a state beside its params (haiku's
     `hk.transform_with_state`: `apply(params, state, rng, x) -> (out, state)`): this adapter
     has no place for a state that each step updates (BatchNorm's statistics). Not an input
-    named `state` (an agent's observation): haiku's own apply, or `state` before `rng`."""
+    named `state` (an agent's observation): haiku's own apply, or `state, rng, x`."""
     names = list(parameters)
-    haikus = getattr(apply_fn, "__module__", None) or ""
-    if names[1:2] == ["state"] and (names[2:3] == ["rng"] or haikus.startswith("haiku")):
+    haikus = (getattr(apply_fn, "__module__", None) or "").startswith("haiku")
+    if names[1:2] == ["state"] and (haikus or (names[2:3] == ["rng"] and len(names) > 3)):
         raise ModelConventionError(
-            "model: apply_fn takes (params, state, ...) and returns (out, state), as haiku's "
-            "hk.transform_with_state makes it: fuseloop's adapter for an (init, apply) pair "
-            "passes params alone and has no place for a state each step updates (BatchNorm's "
+            "model: apply_fn reads as (params, state, rng, x) -> (out, state), haiku's "
+            "hk.transform_with_state: fuseloop's adapter for an (init, apply) pair passes "
+            "params alone and has no place for a state each step updates (BatchNorm's "
             "statistics). Use hk.transform where the model keeps no state, or write the step "
-            "with fl.loop(step_fn), carrying the state in the step state"
+            "with fl.loop(step_fn), carrying the state in the step state (where `state` is "
+            "your input, rename that parameter)"
         )
 
 
@@ -120,14 +131,17 @@ def refuse_unpassed_key(parameter: Any, said: str) -> None:
 
 def _bound_linen_module(apply_fn: Any) -> nn.Module | None:
     """The flax.linen module whose own `apply` `apply_fn` is (`module.apply`, also under
-    `jax.jit`, a functools.wraps wrapper or a `functools.partial`), else None."""
+    JAX's transformations, `jax.jit`, or a `functools.partial` binding no `method`), else
+    None. A user's own wrapper may pass the flag itself: it is not looked through."""
     for _ in range(8):  # a few layers of wrapping
         module = getattr(apply_fn, "__self__", None)
         if isinstance(module, nn.Module):
             return module if getattr(apply_fn, "__func__", None) is nn.Module.apply else None
-        inner = apply_fn.func if isinstance(apply_fn, functools.partial) else None
-        apply_fn = inner or getattr(apply_fn, "__wrapped__", None)
-        if apply_fn is None:
+        if isinstance(apply_fn, functools.partial):
+            apply_fn = None if "method" in apply_fn.keywords else apply_fn.func
+        elif type(apply_fn).__module__.split(".")[0] in ("jax", "jaxlib"):
+            apply_fn = getattr(apply_fn, "__wrapped__", None)
+        else:
             return None
     return None
 
@@ -223,7 +237,7 @@ class from_functions:  # noqa: N801 - reads as a constructor
             _warn_unread_signature(parameters)
         # haiku's transformed apply: `apply(params, rng, *args)`.
         self.rng_second = self.rng_name is not None and list(parameters)[1:2] == [self.rng_name]
-        self.flag_after_x = _flag_at(parameters, 3 if self.rng_second else 2, self.flags)
+        self.flag_after_x = _flag_at(apply_fn, 3 if self.rng_second else 2, self.flags)
         self._owner = _plain_owner(apply_fn)
 
     def snapshot(self) -> Snapshot | None:
