@@ -42,7 +42,8 @@ def _programs(loop: Any, carry: Any) -> tuple[Any, Any, Any, Any]:
     programs = Programs(loop)
     body = programs._device_loop()
     leaves, treedef = jax.tree.flatten(carry)
-    unpack = unpacker(treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
+    spec = tuple((a.shape, a.dtype, getattr(a, "weak_type", False)) for a in leaves)
+    unpack = unpacker(treedef, spec)
 
     def packed_chunk(packed: Any, chunk: Any, n: Any) -> tuple[Any, ...]:
         state, tail, records, n_run = body(*unpack(packed), chunk, n)

@@ -37,7 +37,7 @@ def test_an_input_named_state_is_no_haiku_state():
     # An agent's observation: apply(params, state) and a policy's (params, state, rng) train.
     loop = fl.trainer((_init, lambda params, state: state @ params["w"]), SPARSE, "sgd")
     assert loop.run(DATA).status == "completed"
-    policy = lambda params, state, rng=None: state @ params["w"]  # noqa: E731
+    policy = lambda params, state, rng=None, training=False: state @ params["w"]  # noqa: E731
     assert fl.trainer((_init, policy), SPARSE, "sgd").run(DATA).status == "completed"
 
 
@@ -49,8 +49,9 @@ def test_a_linen_apply_under_jit_is_read_as_the_modules_own():
         warnings.simplefilter("error")
         fl.trainer((plain.init, jax.jit(plain.apply)), SPARSE, "sgd")
     flagged = _Dropping()
-    with pytest.raises(fl.models.ModelConventionError, match=r"_Dropping\(\.\.\.\)"):
-        fl.trainer((flagged.init, jax.jit(flagged.apply)), SPARSE, "sgd")
+    for wrapped in (jax.jit(flagged.apply), jax.checkpoint(flagged.apply)):
+        with pytest.raises(fl.models.ModelConventionError, match=r"_Dropping\(\.\.\.\)"):
+            fl.trainer((flagged.init, wrapped), SPARSE, "sgd")
 
 
 class _Dropping(nn.Module):

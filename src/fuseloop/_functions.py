@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from typing import Any
 
 import flax
 import flax.linen as nn
+import jax
 
 from ._linen import ModelConventionError, call_flags, flag_values, flags_among, parameters_of
 from ._object_snapshot import Snapshot
@@ -97,7 +99,9 @@ def _refuse_separate_state(parameters: Any, apply_fn: Any) -> None:
     named `state` (an agent's observation): haiku's own apply, or `state, rng, x`."""
     names = list(parameters)
     haikus = (getattr(apply_fn, "__module__", None) or "").startswith("haiku")
-    if names[1:2] == ["state"] and (haikus or (names[2:3] == ["rng"] and len(names) > 3)):
+    x = list(parameters.values())[3:4]  # haiku's x: a required positional parameter
+    given_x = bool(x) and x[0].kind == x[0].POSITIONAL_OR_KEYWORD and _required(x[0])
+    if names[1:2] == ["state"] and (haikus or (names[2:3] == ["rng"] and given_x)):
         raise ModelConventionError(
             "model: apply_fn reads as (params, state, rng, x) -> (out, state), haiku's "
             "hk.transform_with_state: fuseloop's adapter for an (init, apply) pair passes "
@@ -129,6 +133,18 @@ def refuse_unpassed_key(parameter: Any, said: str) -> None:
     warn(f"{said}; as it is, it keeps its default (dropout or noise off)", UserWarning)
 
 
+def _made_by_jax(fn: Any) -> bool:
+    """A JAX transformation's wrapper: a compiled function (`jax.jit`), or a function
+    JAX defines (`jax.checkpoint`'s functools.wraps wrapper)."""
+    if type(fn).__module__.split(".")[0] in ("jax", "jaxlib"):
+        return True
+    code = getattr(fn, "__code__", None)
+    return code is not None and code.co_filename.startswith(_JAX_DIR)
+
+
+_JAX_DIR = os.path.dirname(jax.__file__) + os.sep
+
+
 def _bound_linen_module(apply_fn: Any) -> nn.Module | None:
     """The flax.linen module whose own `apply` `apply_fn` is (`module.apply`, also under
     JAX's transformations, `jax.jit`, or a `functools.partial` binding no `method`), else
@@ -139,7 +155,7 @@ def _bound_linen_module(apply_fn: Any) -> nn.Module | None:
             return module if getattr(apply_fn, "__func__", None) is nn.Module.apply else None
         if isinstance(apply_fn, functools.partial):
             apply_fn = None if "method" in apply_fn.keywords else apply_fn.func
-        elif type(apply_fn).__module__.split(".")[0] in ("jax", "jaxlib"):
+        elif _made_by_jax(apply_fn):
             apply_fn = getattr(apply_fn, "__wrapped__", None)
         else:
             return None

@@ -180,9 +180,8 @@ def _shared_arrays_error() -> ValueError:
     leaf in place, and one buffer cannot be updated as two."""
     return ValueError(
         "the step state holds one array in two places (two leaves are the same array), and "
-        "each step updates every leaf in place. A step that returns one array at two leaves "
-        "makes that: return a copy at one of them (jnp.copy(x)); fuseloop copies what a "
-        "handler hands back or writes into state.step_state"
+        "each step updates every leaf in place: give each leaf an array of its own "
+        "(jax.tree.map(jnp.copy, tree) copies them)"
     )
 
 

@@ -28,14 +28,14 @@ class Handoff:
         if not self.bus.has(event):  # counted and observed; no handler can change a thing
             return self.bus.fire(event, state, mirror_history)
         given = self.carry.step_state
-        before = _leaf_ids(given)
+        before = jax.tree.leaves(given)  # held, not their ids (a freed id is reused)
         status, state = self.bus.fire(
             event, state.replace(step_state=given), mirror_history, substitute
         )
         self.carry.adopt(
             state.step_state,
             f"a handler of {event.value} at epoch {state.epoch}",
-            in_place=state.step_state is given and _leaf_ids(given) != before,
+            in_place=state.step_state is given and _changed(given, before),
         )
         return status, state
 
@@ -47,13 +47,14 @@ class Handoff:
         (the steps after it already ran).
         """
         step_state = self.carry.step_state if live else None
-        before = _leaf_ids(step_state) if live else None
+        # Only where a handler of this event may fire: an unfused step walks no tree else.
+        before = jax.tree.leaves(step_state) if live and self.bus.has(event) else []
         status, fired = self.bus.fire_iteration(event, state, iteration, metrics, step_state)
         if fired is state:  # no handler fired
             return status, fired
         if live:
             at = f"epoch {fired.epoch}, iteration {iteration}"
-            in_place = fired.step_state is step_state and _leaf_ids(step_state) != before
+            in_place = fired.step_state is step_state and _changed(step_state, before)
             self.carry.adopt(fired.step_state, f"a handler of {event.value} at {at}", in_place)
         elif fired.step_state is not None and not self._told_discarded:  # it was given None
             self._told_discarded = True  # once per run: the same handler fires again
@@ -61,11 +62,13 @@ class Handoff:
         return status, fired
 
 
-def _leaf_ids(step_state: Any) -> list[int]:
-    """Which arrays `step_state` holds: a handler that writes into it in place (`state.
-    step_state["lr"] = lr`, returning None) changes them, and the arrays it wrote are the
-    user's, to be copied before the next step donates them (`Carry.adopt`)."""
-    return [id(leaf) for leaf in jax.tree.leaves(step_state)]
+def _changed(step_state: Any, before: list[Any]) -> bool:
+    """Whether `step_state`, the carry's own, holds other arrays than `before` (its leaves
+    before the handlers fired): a handler wrote into it in place (`state.step_state["lr"] =
+    lr`, returning None), and the arrays it wrote are the user's, to be copied before the
+    next step donates them (`Carry.adopt`)."""
+    after = jax.tree.leaves(step_state)
+    return len(after) != len(before) or any(a is not b for a, b in zip(after, before, strict=True))
 
 
 def _discarded(event: Event) -> str:
