@@ -238,8 +238,9 @@ class Registration:
     """One handler attached to one event. An `observes` handler (`Loop.observe`) only
     looks: it must return None, so a multi-epoch dispatch never has to end for it. An
     `own` one was attached by one of fuseloop's builders (validate, checkpoint, a log or
-    writer, a monitor's companions): it never touches the run's data, so a `started`
-    handler of its kind does not make a run open its first pass again (docs/data.md).
+    writer, a monitor's companions): it changes none of the run's data, so a `started`
+    handler of its kind makes a run open its first pass again only where it reads that
+    data itself (`reopens_first_pass`, docs/data.md).
     """
 
     event: Event
