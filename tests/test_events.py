@@ -240,6 +240,37 @@ def test_a_handler_may_add_a_number_to_the_metrics_and_history():
     assert state.metrics["extra"] == 1
 
 
+def _written(s: fl.State) -> None:  # Keras's habit: logs["my"] = value, returning None
+    s.metrics["my"] = 0.5 + s.epoch
+
+
+def _logged(s: fl.State) -> None:
+    s.history[s.epoch]["mine"] = 2.5 + s.epoch
+
+
+def _returned(s: fl.State) -> tuple[str, fl.State]:
+    metrics = {**s.metrics, "my": 0.5 + s.epoch, "mine": 2.5 + s.epoch}
+    return "continue", s.replace(metrics=metrics)
+
+
+@pytest.mark.parametrize("fuse", [False, 2])
+def test_metrics_and_history_written_in_place_at_epoch_end_are_taken_as_returned(fuse):
+    # A write into state.metrics reached the metrics and the CSV but not the history; one
+    # into state.history[epoch] the history alone, and a later handler returning a State
+    # erased it.
+    base = counter_loop()
+    later = lambda s: ("continue", s)  # noqa: E731 - returns a State: history is recorded anew
+    loop = base.handle_event("epoch_completed", _written).handle_event("epoch_completed", _logged)
+    ran = loop.handle_event("epoch_completed", later).run(
+        make_batches(2), counter_init(), epochs=2, fuse=fuse
+    )
+    same = base.handle_event("epoch_completed", _returned).run(
+        make_batches(2), counter_init(), epochs=2, fuse=fuse
+    )
+    assert ran.history == same.history and ran.metrics == same.metrics
+    assert [ran.history[e]["mine"] for e in (0, 1)] == [2.5, 3.5]
+
+
 def test_other_return_types_are_rejected():
     loop = counter_loop().handle_event("epoch_completed", lambda s: 3)
     with pytest.raises(ValueError, match="returned int"):

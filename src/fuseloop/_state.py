@@ -27,7 +27,9 @@ __all__ = [
     "attach_to_error",
     "freeze_arrays",
     "new_stats",
+    "records_of",
     "with_epoch_recorded",
+    "written_in_place",
 ]
 
 # `handler_metadata` key: the epoch whose step state `early_stop(restore_best=True)` put in
@@ -321,3 +323,24 @@ def freeze_arrays(*tables: Any) -> None:
         for value in (table or {}).values():
             if isinstance(value, np.ndarray):
                 value.setflags(write=False)
+
+
+def records_of(state: State) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What an epoch-end handler may write into in place: the State's metrics and its
+    epoch's history entry (shallow copies, to compare with after the handler)."""
+    return dict(state.metrics), dict(state.history.get(state.epoch) or {})
+
+
+def written_in_place(state: State, records: tuple[dict[str, Any], dict[str, Any]]) -> Any:
+    """`state` with what a handler wrote into `state.metrics` or `state.history[epoch]` in
+    place taken as a returned `state.replace(metrics=...)` would be (metrics and history
+    agree), or None where it wrote nothing."""
+    metrics, entry = records
+    now = state.history.get(state.epoch) or {}
+    written = {k: v for k, v in now.items() if k not in entry or entry[k] is not v}
+    changed = metrics.keys() != state.metrics.keys() or any(
+        state.metrics[k] is not v for k, v in metrics.items()
+    )
+    if not written and not changed:
+        return None
+    return state.replace(metrics={**state.metrics, **written})

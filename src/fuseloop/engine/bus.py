@@ -1,10 +1,8 @@
 """The event bus: counters, filters and handler calls.
 
-Counters live here as plain ints, so an iteration whose handlers do not fire costs a few
-integer operations and no State is built for it. Iteration events of a fused chunk are
-replayed (`replay.py`) through the same `fire_iteration` the unfused loop calls live, which
-is what makes their event streams identical.
-"""
+Counters are plain ints: an iteration whose handlers do not fire builds no State. A fused
+chunk's iteration events are replayed (`replay.py`) through the `fire_iteration` the
+unfused loop calls live, which makes their event streams identical."""
 
 from __future__ import annotations
 
@@ -24,7 +22,14 @@ from .._events import (
     Registration,
     parse_result,
 )
-from .._state import UNFINISHED_KEY, State, with_epoch_recorded, without_restored
+from .._state import (
+    UNFINISHED_KEY,
+    State,
+    records_of,
+    with_epoch_recorded,
+    without_restored,
+    written_in_place,
+)
 from .._step_state_check import refuse_returned_layout
 
 __all__ = ["EventBus"]
@@ -172,6 +177,7 @@ class EventBus:
             try:
                 if not registration.filter.admits(state):
                     continue
+                records = records_of(state) if mirror_history else None
                 result = registration.handler(state)
             except BaseException as error:
                 # What the run reports as the State reached; at an epoch's end it notes
@@ -197,6 +203,8 @@ class EventBus:
                     f"change the State"
                 )
             status, new_state = parse_result(result, registration.label)
+            if records is not None and (new_state is None or new_state is state):
+                new_state = written_in_place(state, records) or new_state  # Keras's logs[k] = v
             if new_state is not None:
                 if not isinstance(new_state, State):
                     raise ValueError(
