@@ -5,12 +5,11 @@ Re-exported from `fuseloop.models` (as `fl.models.from_equinox`).
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import jax
 
-from ._functions import key_like, refuse_unpassed_key, takes_keyword
+from ._functions import key_like, refuse_unpassed_key, required, takes_keyword
 from ._linen import call_flags, flag_values, parameters_of
 from ._metrics import batch_size
 from ._mode_follow import run_following_modes, unrecognised_flags
@@ -45,11 +44,7 @@ _INFERENCE_KEY_SEED = 0
 def _requires_keyword(fn: Any, name: str) -> bool:
     """Whether `fn`'s signature has a parameter `name` without a default (False when its
     signature cannot be read)."""
-    try:
-        parameter = inspect.signature(fn).parameters.get(name)
-    except (TypeError, ValueError):
-        return False
-    return parameter is not None and parameter.default is inspect.Parameter.empty
+    return required(parameters_of(fn).get(name))
 
 
 def _refuse_other_key_names(cls: type) -> None:

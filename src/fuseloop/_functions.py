@@ -21,7 +21,7 @@ from ._linen import ModelConventionError, call_flags, flag_values, flags_among, 
 from ._object_snapshot import Snapshot
 from ._warn import warn
 
-__all__ = ["from_functions", "key_like", "refuse_unpassed_key", "takes_keyword"]
+__all__ = ["from_functions", "key_like", "refuse_unpassed_key", "required", "takes_keyword"]
 
 # The names an apply function's PRNG key goes by: flax's and haiku's `rng`, equinox's and
 # much of JAX's `key`. A function that takes one of them gets the step's key there (None
@@ -69,11 +69,11 @@ def _warn_unread_signature(parameters: Any) -> None:
         )
 
 
-def _flag_at(apply_fn: Any, index: int, flags: dict[str, bool]) -> str | None:
-    """The flag at position `index` of `apply_fn`'s signature where it is the only one
-    and the callable itself (not the function a `functools.wraps` wrapper names) takes
-    that many positional arguments, else None."""
-    named = list(parameters_of(apply_fn).values())[index : index + 1]
+def _flag_at(apply_fn: Any, parameters: Any, index: int, flags: dict[str, bool]) -> str | None:
+    """The flag at position `index` of `apply_fn`'s signature (`parameters`) where it is
+    the only one and the callable itself (not the function a `functools.wraps` wrapper
+    names) takes that many positional arguments, else None."""
+    named = list(parameters.values())[index : index + 1]
     if len(flags) != 1 or not named or named[0].name not in flags:
         return None
     if named[0].kind != inspect.Parameter.POSITIONAL_OR_KEYWORD:
@@ -88,7 +88,8 @@ def _flag_at(apply_fn: Any, index: int, flags: dict[str, bool]) -> str | None:
     return named[0].name if takes else None
 
 
-def _required(parameter: Any) -> bool:
+def required(parameter: Any) -> bool:
+    """Whether a signature's `parameter` (None: absent) has no default."""
     return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
@@ -100,7 +101,7 @@ def _refuse_separate_state(parameters: Any, apply_fn: Any) -> None:
     names = list(parameters)
     haikus = (getattr(apply_fn, "__module__", None) or "").startswith("haiku")
     x = list(parameters.values())[3:4]  # haiku's x: a required positional parameter
-    given_x = bool(x) and x[0].kind == x[0].POSITIONAL_OR_KEYWORD and _required(x[0])
+    given_x = bool(x) and x[0].kind == x[0].POSITIONAL_OR_KEYWORD and required(x[0])
     if names[1:2] == ["state"] and (haikus or (names[2:3] == ["rng"] and given_x)):
         raise ModelConventionError(
             "model: apply_fn reads as (params, state, rng, x) -> (out, state), haiku's "
@@ -128,7 +129,7 @@ def key_like(parameters: Any, skip: int, passed: tuple[str, ...]) -> list[tuple[
 def refuse_unpassed_key(parameter: Any, said: str) -> None:
     """Refuses a key parameter fuseloop never fills where it has no default (the call
     would fail), warns where it has one (it keeps it: dropout or noise off)."""
-    if parameter.default is inspect.Parameter.empty:
+    if required(parameter):
         raise ValueError(said)
     warn(f"{said}; as it is, it keeps its default (dropout or noise off)", UserWarning)
 
@@ -245,7 +246,7 @@ class from_functions:  # noqa: N801 - reads as a constructor
         self.flags = flags_among(parameters, "apply_fn")
         # A flag init_fn requires (haiku's `f(x, is_training)`) gets its evaluation value.
         taken = parameters_of(init_fn)
-        needed = {n: v for n, v in self.flags.items() if _required(taken.get(n))}
+        needed = {n: v for n, v in self.flags.items() if required(taken.get(n))}
         self.init_flags = flag_values(needed, train=False)
         self.rng_name = next((name for name in parameters if name in RNG_NAMES), None)
         if self.rng_name is None and _bound_linen_module(apply_fn) is None:  # its own rngs
@@ -253,7 +254,7 @@ class from_functions:  # noqa: N801 - reads as a constructor
             _warn_unread_signature(parameters)
         # haiku's transformed apply: `apply(params, rng, *args)`.
         self.rng_second = self.rng_name is not None and list(parameters)[1:2] == [self.rng_name]
-        self.flag_after_x = _flag_at(apply_fn, 3 if self.rng_second else 2, self.flags)
+        self.flag_after_x = _flag_at(apply_fn, parameters, 3 if self.rng_second else 2, self.flags)
         self._owner = _plain_owner(apply_fn)
 
     def snapshot(self) -> Snapshot | None:

@@ -91,13 +91,13 @@ class Carry:
         handler may still hold its arrays. `returned_by` names the handler's event, for an
         error of the next step that the new state causes.
         """
-        if in_place:  # its old layout is gone: the next step's error names the handler
+        if step_state is None or (step_state is self.step_state and not in_place):
+            return
+        # A ragged batch's refusal is not the handler's; a change in place left no old
+        # layout to compare, so the next step's error names the handler.
+        if in_place or device_signature(step_state) != device_signature(self.step_state):
             self._adopted_from = returned_by
-            self.step_state = self.placement.put_state(private_copy(step_state))
-        elif step_state is not None and step_state is not self.step_state:
-            if device_signature(step_state) != device_signature(self.step_state):
-                self._adopted_from = returned_by  # a ragged batch's refusal is not its
-            self.step_state = self.placement.put_state(private_copy(step_state))
+        self.step_state = self.placement.put_state(private_copy(step_state))
 
     def advance(self, program: Any, *args: Any, copies: bool = False) -> tuple[Any, ...]:
         """Runs `program(step_state, tail, *args)`, keeps the new carry, and returns the
