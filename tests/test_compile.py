@@ -205,3 +205,13 @@ def test_another_iterations_bound_on_device_data_does_not_recompile(fuse):
             state = loop.run(data, iterations=bound, fuse=fuse)
             assert state.stats["compiles"] == 0 and state.iteration == (bound or 12) - 1
     assert compiled == []
+
+
+@pytest.mark.parametrize("fuse", [False, 5])
+def test_epoch_handlers_read_the_compiles_so_far(fuse):
+    # `stats["compiles"]` is brought up to date at each epoch's end, not only the run's.
+    seen: list[int] = []
+    loop = trainer().handle_event("epoch_completed", lambda s: seen.append(s.stats["compiles"]))
+    loop.run(DATA, epochs=2, fuse=fuse)
+    loop.run(DATA, epochs=2, fuse=fuse)
+    assert seen == [1, 1, 0, 0]

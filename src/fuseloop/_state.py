@@ -95,8 +95,9 @@ class State:
             counts the step programs it traced (chunk, unfused step, resident, multi-epoch
             dispatch), not the small ones around them (the initial state, zeroed
             accumulators, an epoch's order), its `validate` evaluator's included: a second
-            run of a loop counts 0. The evaluator's runs (outside a multi-epoch dispatch)
-            are runs of their own, counted in none of the other counters.
+            run of a loop counts 0; an epoch-end handler reads the count so far. The
+            evaluator's runs (outside a multi-epoch dispatch) are runs of their own,
+            counted in none of the other counters.
             `h2d_transfers` counts chunks prepared (those prepared ahead of a halt too).
 
     Example:

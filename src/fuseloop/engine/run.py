@@ -92,11 +92,8 @@ class Run:
         self.checker = Checker(loop.program, self.programs.cache.verdicts, self.jit)
         self.carry = Carry(self.placement, self.programs, self.reads, self.stats)
         self.handoff = Handoff(self.bus, self.carry)
-        self.members = (
-            None
-            if self.population is None
-            else PopulationHost(self.population, self.carry, self.reads, loop.guard_nonfinite)
-        )
+        host = None if self.population is None else (self.population, self.carry, self.reads)
+        self.members = None if host is None else PopulationHost(*host, loop.guard_nonfinite)
         self.epoch_loop: EpochLoop | None = None
         self.whole: WholeRun | None = None  # many epochs per dispatch (whole_run.py)
         self.compiles_before = 0  # the trace count when the epochs' programs start (`_start`)
@@ -133,12 +130,10 @@ class Run:
         return self._final(state)
 
     def _start(self) -> Any:
-        """The first batch, the initial step state and their checks; the carry takes the
-        state. Returns the feed (None for a whole run). Only the carry keeps the initial
-        state: the first launch donates it, and its arrays are let go right there, while
-        the device steps, rather than when the run returns. First, a model changed since
-        its programs were traced (an nnx module's structure, a plain object's attributes)
-        is refused, before anything traces it again."""
+        """The first batch, the initial step state and their checks; returns the feed (None
+        for a whole run). Only the carry keeps the initial state, so the first launch's
+        donation lets its arrays go while the device steps. First, a model changed since
+        its programs traced it (an nnx module's structure) is refused."""
         self.programs.check_model()
         self._resume()
         agree_on_mesh(self.placement.mesh)  # before anything is placed on it
@@ -373,8 +368,13 @@ class Run:
         if replay is None or replay.steps == 0 or replay.merged_through != replay.steps - 1:
             metrics.update(final)  # no handler wrote after the loop last computed them
         seconds = time.perf_counter() - began  # the epoch's wall time, its last step done
-        self.stats["epoch_time"][epoch] = seconds
+        self.epoch_ended(epoch, seconds)
         return state.replace(metrics=metrics, times={**state.times, epoch: seconds})
+
+    def epoch_ended(self, epoch: int, seconds: float) -> None:
+        """Stats at an epoch's end: its time, and the compiles so far (for its handlers)."""
+        self.stats["epoch_time"][epoch] = seconds
+        self.stats["compiles"] = self.programs.traces - self.compiles_before
 
     def _ran_out(self, epoch: int) -> bool:
         """A one-shot iterator that had nothing left for this epoch ends the run (as Keras

@@ -336,7 +336,7 @@ class WholeRun:
         if not wrote_last:  # last writer wins (docs/design.md §2)
             metrics.update(final)
         seconds = self.spent  # the epoch's wall time: its share of dispatches, its replay
-        run.stats["epoch_time"][epoch] = seconds
+        run.epoch_ended(epoch, seconds)
         state = state.replace(metrics=metrics, times={**state.times, epoch: seconds})
         state, status = self._members_end(state, epoch, status, segment)
         if status == HALT_LOOP:  # halted mid-epoch: not in history
