@@ -312,3 +312,20 @@ def test_a_custom_loop_holding_a_typed_key_resumes(fuse):
         whole.step_state["key"]
     )
     assert bool(np.all(same))
+
+
+def test_a_resumed_run_leaves_the_given_states_handler_metadata_as_it_was():
+    # The docs' idiom: copy the metadata dict, append to a list kept in it.
+    def mark_epoch(state):
+        meta = dict(state.handler_metadata)
+        meta.setdefault("mine", {"epochs": []})["epochs"].append(state.epoch)
+        return "continue", state.replace(handler_metadata=meta)
+
+    loop = trainer().handle_event("epoch_started", mark_epoch)
+    data = make_batches(3)
+    first = loop.run(data, epochs=1)
+    again = loop.run(data, first, epochs=2)
+    once_more = loop.run(data, first, epochs=3)
+    assert first.handler_metadata["mine"] == {"epochs": [0]}
+    assert again.handler_metadata["mine"] == {"epochs": [0, 1]}
+    assert once_more.handler_metadata["mine"] == {"epochs": [0, 1, 2]}

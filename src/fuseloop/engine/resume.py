@@ -27,7 +27,19 @@ def resumed_metadata(given: Any) -> dict[str, Any]:
     early_stop handed back stays until the first epoch opens (`opening`): the run's
     `started` handlers (early_stop's own) see the step state it names."""
     said = (AHEAD_KEY, HELD_KEY, NONFINITE_KEY, UNFINISHED_KEY)
-    return {k: v for k, v in given.handler_metadata.items() if k not in said}
+    kept = {k: v for k, v in given.handler_metadata.items() if k not in said}
+    return _fresh_containers(kept)
+
+
+def _fresh_containers(value: Any) -> Any:
+    """`value` with its dicts, lists, sets and tuples copied at every depth and the rest
+    (arrays, a held step state) shared: a handler appending to a list it keeps there must
+    not change the State the run resumed from (resuming it again would see the appends)."""
+    if type(value) is dict:
+        return {k: _fresh_containers(v) for k, v in value.items()}
+    if type(value) in (list, tuple, set):
+        return type(value)(_fresh_containers(v) for v in value)
+    return value
 
 
 def opening(state: Any, epoch: int) -> Any:
