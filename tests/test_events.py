@@ -450,6 +450,29 @@ def test_a_handler_that_adds_to_a_trainers_step_state_is_named():
     assert frozen.history[1]["loss"] == frozen.history[2]["loss"]
 
 
+@pytest.mark.parametrize("event", ["epoch_completed", "iteration_completed"])
+def test_a_step_state_written_in_place_is_judged_as_a_returned_one(event):
+    # Written into in place (returning None), the int bias failed at the next step inside
+    # jax.grad, naming neither the leaf nor the handler; an added key failed there too.
+    from conftest import make_batches as batches
+
+    def reset_bias(state):
+        params = state.step_state["params"]["params"]
+        params["Dense_0"]["bias"] = np.zeros(params["Dense_0"]["bias"].shape, np.int32)
+
+    def add_ema(state):
+        state.step_state["ema"] = 0.0
+
+    base = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "sgd")
+    expected = {
+        reset_bias: rf"handler of {event} at epoch 0.* in place: .*\['bias'\] is int32 where",
+        add_ema: rf"handler of {event} at epoch 0.* in place: .*step_state adds \['ema'\]",
+    }
+    for handler, message in expected.items():
+        with pytest.raises(ValueError, match=message):
+            base.handle_event(event, handler).run(batches(4), epochs=2, fuse=False)
+
+
 def test_a_handler_filter_or_metric_that_cannot_take_its_arguments_is_refused_when_attached():
     # Each failed only when first called, with Python's TypeError from inside the run.
     class Counter:

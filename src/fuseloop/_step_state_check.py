@@ -296,12 +296,13 @@ def explain_step_change(step: Any, signature: Any, batch: Any) -> ValueError | N
     return None
 
 
-def refuse_returned_layout(before: Any, after: Any, label: str) -> None:
+def refuse_returned_layout(before: Any, after: Any, subject: str) -> None:
     """Refuses a built-in step's state a handler returned in another structure, or with a
     float param turned int or bool (a bias set to `jnp.array([0, 0, 0])` failed later
     inside jax.grad, naming neither). Shapes, other float dtypes (a cast to bfloat16 on
     purpose) and the optimizer state's numbers (a learning rate set to 0, which optax
-    takes as it is) are the step's own checks' to judge.
+    takes as it is) are the step's own checks' to judge. `subject` names the step state
+    and who handed it back (returned, or written into in place), for the message.
     """
     expected: object = jax.tree.structure(before)  # no stub for PyTreeDef: compare as objects
     if expected != jax.tree.structure(after):
@@ -313,8 +314,8 @@ def refuse_returned_layout(before: Any, after: Any, label: str) -> None:
             else "has other containers (a dict in place of a NamedTuple, say)"
         )
         raise ValueError(
-            f"handler {label} returned a State whose step_state {problem}: the compiled "
-            f"step takes a step state of the structure it was given. Change values only "
+            f"{subject} {problem}: the compiled step takes a step state of the "
+            f"structure it was given. Change values only "
             f"(keep every key); keep anything else of your own in handler_metadata"
         )
     if not (isinstance(after, Mapping) and isinstance(before, Mapping) and "params" in before):
@@ -327,10 +328,10 @@ def refuse_returned_layout(before: Any, after: Any, label: str) -> None:
         if jnp.issubdtype(was, jnp.inexact) and not jnp.issubdtype(now, jnp.inexact):
             path = jax.tree_util.tree_flatten_with_path(after["params"])[0][i][0]  # only now
             raise ValueError(
-                f"handler {label} returned a State whose step_state['params']"
-                f"{jax.tree_util.keystr(path)} is {now} where the step gave {was}: a "
-                f"parameter the loop differentiates cannot become an int or bool; build it "
-                f"as a float, e.g. jnp.zeros_like(old) or jnp.asarray(new, old.dtype)"
+                f"{subject}['params']{jax.tree_util.keystr(path)} is {now} where the step "
+                f"gave {was}: a parameter the loop differentiates cannot become an int or "
+                f"bool; build it as a float, e.g. jnp.zeros_like(old) or "
+                f"jnp.asarray(new, old.dtype)"
             )
 
 

@@ -326,7 +326,7 @@ def _check_returned(given: State, returned: State, label: str, fixed: bool) -> N
             f"state.replace(metrics=...), which keeps the step state"
         )
     if fixed and before is not None and after is not None and after is not before:
-        refuse_returned_layout(before, after, label)
+        refuse_returned_layout(before, after, f"handler {label} returned a State whose step_state")
     if returned.status != given.status:
         raise ValueError(
             f"handler {label} returned a State whose status is {returned.status!r}, not "

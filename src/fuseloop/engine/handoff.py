@@ -9,6 +9,7 @@ from typing import Any
 import jax
 
 from .._events import Event
+from .._step_state_check import refuse_returned_layout
 from .._warn import warn
 
 __all__ = ["Handoff"]
@@ -28,15 +29,11 @@ class Handoff:
         if not self.bus.has(event):  # counted and observed; no handler can change a thing
             return self.bus.fire(event, state, mirror_history)
         given = self.carry.step_state
-        before = jax.tree.leaves(given)  # held, not their ids (a freed id is reused)
+        before = jax.tree.flatten(given)  # its leaves held, not their ids (a freed id is reused)
         status, state = self.bus.fire(
             event, state.replace(step_state=given), mirror_history, substitute
         )
-        self.carry.adopt(
-            state.step_state,
-            f"a handler of {event.value} at epoch {state.epoch}",
-            in_place=state.step_state is given and _changed(given, before),
-        )
+        self._adopt(state.step_state, given, before, f"of {event.value} at epoch {state.epoch}")
         return status, state
 
     def fire_iteration(
@@ -48,18 +45,29 @@ class Handoff:
         """
         step_state = self.carry.step_state if live else None
         # Only where a handler of this event may fire: an unfused step walks no tree else.
-        before = jax.tree.leaves(step_state) if live and self.bus.has(event) else []
+        before = jax.tree.flatten(step_state) if live and self.bus.has(event) else ([], None)
         status, fired = self.bus.fire_iteration(event, state, iteration, metrics, step_state)
         if fired is state:  # no handler fired
             return status, fired
         if live:
-            at = f"epoch {fired.epoch}, iteration {iteration}"
-            in_place = fired.step_state is step_state and _changed(step_state, before)
-            self.carry.adopt(fired.step_state, f"a handler of {event.value} at {at}", in_place)
+            at = f"of {event.value} at epoch {fired.epoch}, iteration {iteration}"
+            self._adopt(fired.step_state, step_state, before, at)
         elif fired.step_state is not None and not self._told_discarded:  # it was given None
             self._told_discarded = True  # once per run: the same handler fires again
             warn(_discarded(event))
         return status, fired
+
+    def _adopt(self, step_state: Any, given: Any, before: tuple[list[Any], Any], at: str) -> None:
+        """Hands the carry the step state the handlers left: one returned, or the one given
+        (`given`, whose leaves and structure were `before`) written into in place, which a
+        built-in step's checks judge as they judge a returned one (`refuse_returned_layout`).
+        """
+        in_place = step_state is given and _changed(given, before[0])
+        if in_place and self.bus.fixed:
+            was = jax.tree.unflatten(before[1], before[0])
+            subject = f"a handler {at} wrote into the step state in place: state.step_state"
+            refuse_returned_layout(was, step_state, subject)
+        self.carry.adopt(step_state, f"a handler {at}", in_place)
 
 
 def _changed(step_state: Any, before: list[Any]) -> bool:
