@@ -225,16 +225,32 @@ def test_a_handler_returning_a_state_of_the_same_leaves_is_not_blamed_for_a_ragg
     def same_leaves(state):
         return "continue", state.replace(step_state={**state.step_state})
 
+    def same_leaves_in_place(state):  # new arrays, written in; the same layout
+        state.step_state["n"] = state.step_state["n"] + 0
+
     x = np.concatenate([b[0] for b in DATA])[:14]
     y = np.concatenate([b[1] for b in DATA])[:14]
     ragged = fl.data.arrays(x, y, batch_size=4, shuffle=False, drop_remainder=False)
     init = {"y_pred": jnp.zeros((4, x.shape[1]), x.dtype), "n": jnp.int32(0)}
-    loop = fl.loop(step).handle_event("iteration_completed", same_leaves)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the ragged batch's own warning
-        with pytest.raises(ValueError, match=r"\['y_pred'\]: float32\[4, 3\]") as caught:
-            loop.run(ragged, init)
-    assert not any("a handler of" in note for note in caught.value.__notes__)
+    for handler in (same_leaves, same_leaves_in_place):
+        loop = fl.loop(step).handle_event("iteration_completed", handler)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the ragged batch's own warning
+            with pytest.raises(ValueError, match=r"\['y_pred'\]: float32\[4, 3\]") as caught:
+                loop.run(ragged, init)
+        assert not any("a handler of" in note for note in caught.value.__notes__), handler
+
+
+def test_a_step_state_a_handler_wrote_into_in_place_that_the_step_cannot_keep_is_blamed():
+    def add_rate(state):  # a custom step's structure is its own: the step refuses it
+        state.step_state["lr"] = jnp.float32(0.05)
+
+    init = {"w": jnp.zeros((3, 1), jnp.float32), "loss": jnp.zeros((), jnp.float32)}
+    loop = fl.loop(_linear_step).handle_event("epoch_completed", add_rate)
+    with pytest.raises(ValueError, match=r"step_state\['lr'\] is gone") as caught:
+        loop.run(DATA, init, epochs=2, fuse=False)
+    handed = "the step started from the step state a handler of epoch_completed at epoch 0"
+    assert any(handed in note for note in caught.value.__notes__), caught.value.__notes__
 
 
 def test_a_step_branching_on_a_python_bool_of_its_state_is_told_it_is_traced():

@@ -83,19 +83,16 @@ class Carry:
 
         self.tail = deactivate(self.tail, stopped)
 
-    def adopt(
-        self, step_state: Any, returned_by: str = "a handler", in_place: bool = False
-    ) -> None:
-        """Takes a step state a handler returned, or changed in place (`in_place`: the
-        carry's own, written into); it is copied, since the next step donates it and the
-        handler may still hold its arrays. `returned_by` names the handler's event, for an
-        error of the next step that the new state causes.
+    def adopt(self, step_state: Any, returned_by: str = "a handler", was: Any = None) -> None:
+        """Takes a step state a handler returned, or wrote into in place (the carry's own,
+        changed: `was` is what it held before); it is copied, since the next step donates
+        it and the handler may still hold its arrays. `returned_by` names the handler's
+        event, for an error of the next step that a new layout causes.
         """
-        if step_state is None or (step_state is self.step_state and not in_place):
+        if step_state is None or (step_state is self.step_state and was is None):
             return
-        # A ragged batch's refusal is not the handler's; a change in place left no old
-        # layout to compare, so the next step's error names the handler.
-        if in_place or device_signature(step_state) != device_signature(self.step_state):
+        old = self.step_state if was is None else was
+        if device_signature(step_state) != device_signature(old):  # not a ragged batch's
             self._adopted_from = returned_by
         self.step_state = self.placement.put_state(private_copy(step_state))
 

@@ -63,11 +63,11 @@ class Handoff:
         built-in step's checks judge as they judge a returned one (`refuse_returned_layout`).
         """
         in_place = step_state is given and _changed(given, before[0])
+        was = jax.tree.unflatten(before[1], before[0]) if in_place else None
         if in_place and self.bus.fixed:
-            was = jax.tree.unflatten(before[1], before[0])
             subject = f"a handler {at} wrote into the step state in place: state.step_state"
             refuse_returned_layout(was, step_state, subject)
-        self.carry.adopt(step_state, f"a handler {at}", in_place)
+        self.carry.adopt(step_state, f"a handler {at}", was)
 
 
 def _changed(step_state: Any, before: list[Any]) -> bool:
