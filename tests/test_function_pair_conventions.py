@@ -49,7 +49,13 @@ def test_a_linen_apply_under_jit_is_read_as_the_modules_own():
         warnings.simplefilter("error")
         fl.trainer((plain.init, jax.jit(plain.apply)), SPARSE, "sgd")
     flagged = _Dropping()
-    for wrapped in (jax.jit(flagged.apply), jax.checkpoint(flagged.apply)):
+    wrappers = (
+        jax.jit(flagged.apply),
+        jax.checkpoint(flagged.apply),
+        functools.partial(flagged.apply, method=_Dropping.__call__),
+        functools.partial(flagged.apply, method="__call__"),
+    )
+    for wrapped in wrappers:
         with pytest.raises(fl.models.ModelConventionError, match=r"_Dropping\(\.\.\.\)"):
             fl.trainer((flagged.init, wrapped), SPARSE, "sgd")
 

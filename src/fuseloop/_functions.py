@@ -148,14 +148,17 @@ _JAX_DIR = os.path.dirname(jax.__file__) + os.sep
 
 def _bound_linen_module(apply_fn: Any) -> nn.Module | None:
     """The flax.linen module whose own `apply` `apply_fn` is (`module.apply`, also under
-    JAX's transformations, `jax.jit`, or a `functools.partial` binding no `method`), else
-    None. A user's own wrapper may pass the flag itself: it is not looked through."""
+    JAX's transformations, `jax.jit`, or a `functools.partial` binding no `method` but
+    `__call__`), else None. A user's own wrapper may pass the flag itself: it is not
+    looked through."""
     for _ in range(8):  # a few layers of wrapping
         module = getattr(apply_fn, "__self__", None)
         if isinstance(module, nn.Module):
             return module if getattr(apply_fn, "__func__", None) is nn.Module.apply else None
         if isinstance(apply_fn, functools.partial):
-            apply_fn = None if "method" in apply_fn.keywords else apply_fn.func
+            method = apply_fn.keywords.get("method")
+            called = method in (None, "__call__") or getattr(method, "__name__", "") == "__call__"
+            apply_fn = apply_fn.func if called else None
         elif _made_by_jax(apply_fn):
             apply_fn = getattr(apply_fn, "__wrapped__", None)
         else:
