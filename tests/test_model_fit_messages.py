@@ -390,6 +390,17 @@ def test_a_module_handed_over_with_its_state_is_named_shortly_with_the_fix():
     assert "looks like" not in str(linen_pair.value)
 
 
+def test_a_keras_model_is_told_its_pair_also_where_it_is_an_nnx_module():
+    # Under KERAS_NNX_ENABLED=true a Keras model subclasses nnx.Module: it was adapted as
+    # one and refused with "hold the weights in nnx.Param", a fix a Keras user cannot make.
+    # Stand-ins of Keras's classes (keras is a benchmark extra, not a test dependency).
+    plain = type("Sequential", (), {"__module__": "keras.src.models.sequential"})
+    nnx_mode = type("Sequential", (nnx.Module,), {"__module__": "keras.src.models.sequential"})
+    for model in (plain(), nnx_mode()):
+        with pytest.raises(ValueError, match=r"A Keras model .*stateless_call.*fl\.loop"):
+            fl.trainer(model, SPARSE, optax.sgd(0.1))
+
+
 def test_an_x_of_another_dtype_than_the_weights_is_told_to_cast_not_reshape():
     def init(rng, x):
         return {"w": jax.random.normal(rng, (3, x.shape[1], 3, 3))}

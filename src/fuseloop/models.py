@@ -182,18 +182,23 @@ def as_model(model: Any) -> ModelAdapter:
             f"model={model.__name__} is a module class, not a module: pass an instance, "
             f"e.g. {model.__name__}() (with its constructor's arguments)"
         )
+    keras = _is_keras(model)  # under KERAS_NNX_ENABLED a Keras model is an nnx.Module
     for base, adapter in adapters.items():
-        if isinstance(model, base):
+        if isinstance(model, base) and not keras:
             return adapter(model)
     if isinstance(model, tuple) and len(model) == 2 and all(map(callable, model)):
         return from_functions(*model)
-    if hasattr(model, "init") and hasattr(model, "apply"):
+    if hasattr(model, "init") and hasattr(model, "apply") and not keras:
         return from_functions(model.init, model.apply)
     raise ValueError(
         f"model={_short(model)} is not a model: pass a flax.linen module, a flax.nnx or "
         f"equinox module, an (init_fn, apply_fn) pair, or any object with .init(rng, x) and "
         f".apply(variables, x){_pair_hint(model, adapters)}"
     )
+
+
+def _is_keras(model: Any) -> bool:
+    return any(c.__module__.split(".")[0] == "keras" for c in type(model).__mro__)
 
 
 def _short(value: Any, limit: int = 120) -> str:
@@ -212,7 +217,7 @@ def _pair_hint(model: Any, adapters: dict[type, Any]) -> str:
     """
     if inspect.isfunction(model) and model.__name__ == "mlp":  # fl.models.mlp, uncalled
         return ". fl.models.mlp makes a model: call it, e.g. fl.models.mlp([64, 10])"
-    if any(c.__module__.split(".")[0] == "keras" for c in type(model).__mro__):
+    if _is_keras(model):
         return (
             ". A Keras model is not adapted as is: under KERAS_BACKEND=jax, a built one "
             "without non-trainable variables (BatchNorm's) or dropout trains as the pair "
