@@ -88,6 +88,13 @@ def test_a_flag_init_requires_gets_its_evaluation_value():
     steady = fl.trainer((init, lambda p, rng, x, is_training: x @ p["w"]), SPARSE, "sgd")
     assert not np.array_equal(steady.run(DATA, epochs=2).params["w"], unfused.params["w"])
 
+    # By position, as for apply: a flag static by position was traced given by keyword.
+    def branching_init(rng, x, is_training):
+        return _init(rng, x * 2.0 if is_training else x)
+
+    static = jax.checkpoint(branching_init, static_argnums=(2,))
+    assert fl.trainer((static, apply), SPARSE, "sgd").run(DATA).status == "completed"
+
 
 def _always_noisy(params: Any, x: Any, rng: Any = None) -> Any:
     return (x + jax.random.normal(rng, x.shape)) @ params["w"]

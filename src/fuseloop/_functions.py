@@ -251,6 +251,7 @@ class from_functions:  # noqa: N801 - reads as a constructor
         taken = parameters_of(init_fn)
         needed = {n: v for n, v in self.flags.items() if required(taken.get(n))}
         self.init_flags = flag_values(needed, train=False)
+        self.init_flag_after_x = _flag_at(init_fn, taken, 2, needed)  # as apply's, below
         self.rng_name = next((name for name in parameters if name in RNG_NAMES), None)
         if self.rng_name is None and _bound_linen_module(apply_fn) is None:  # its own rngs
             _unknown_key_names(parameters)
@@ -311,6 +312,8 @@ class from_functions:  # noqa: N801 - reads as a constructor
             >>> model.init(None, jnp.ones((1, 2)))["b"].shape
             (2,)
         """
+        if self.init_flag_after_x is not None:  # by position (jax.checkpoint's static_argnums)
+            return self.init_fn(rng, x, self.init_flags[self.init_flag_after_x])
         return self.init_fn(rng, x, **self.init_flags)
 
     def apply(self, variables: Any, x: Any) -> Any:
