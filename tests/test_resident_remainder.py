@@ -3,6 +3,7 @@ dropped, or (drop_remainder=False) run as a short last batch, exactly as the hos
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -83,3 +84,16 @@ def test_an_iterations_bound_below_the_short_batch_leaves_it_out() -> None:
     host = LOOP.run(_source(False, False), epochs=2, iterations=3)
     resident = LOOP.run(_source(True, False), epochs=2, iterations=3, fuse=2)
     _same_run(resident, host)
+
+
+@pytest.mark.parametrize("fuse", [False, 3])
+def test_a_short_last_batch_is_warned_of_as_the_host_warns(fuse: Any) -> None:
+    # The host never sees a resident batch: the run warned of none, where the host
+    # source's unfused run warns of the short batch's compile and weighing.
+    with pytest.warns(UserWarning, match=r"last batch of each epoch has batch size 6 instead"):
+        LOOP.run(_source(True, False), epochs=2, fuse=fuse)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LOOP.run(_source(True, False), epochs=2, iterations=4, fuse=fuse)  # not reached
+        evaluator = fl.evaluator(fl.models.mlp([8, 3])).metric("accuracy")  # expected there
+        evaluator.run(_source(True, False, shuffle=False), LOOP.run(_source(True, True)).params)

@@ -284,15 +284,18 @@ class Checker:
             return ("x", "y")[head.idx] + jax.tree_util.keystr(path[1:])
         return "batch" + jax.tree_util.keystr(path)
 
-    def dataset(self, data: Any) -> None:
+    def dataset(self, data: Any, iterations: int | None = None) -> None:
         """Called once per run with the data source: the labels of a whole in-memory
         dataset (`fl.data.arrays`, device-resident or not) are range-checked here on the
         host, so a fused and an unfused run over device-resident data (whose batches the
         host never sees) reject a bad label alike; found in range, they vouch for every
         batch drawn from them (`LabelChecks`). Where the rule is known only with the run's
-        variables, `variables` checks them."""
-        if getattr(data, "resident", False):  # the host never sees its batches' dtypes
+        variables, `variables` checks them. A resident dataset's short last batch, which
+        the run reaches (`iterations` per epoch, None: all), is warned about here."""
+        if getattr(data, "resident", False):  # the host never sees its batches
             self.narrowing.warn_float64(self.names, jax.tree.leaves((data.x, data.y)))
+            if data.short_batch and (iterations is None or iterations >= len(data)):
+                self.short.warn_resident(data.batch_size, data.short_batch)
         self.narrowing.dataset(self.names, data)
         self.labels.use(data)
         self.labels.dataset(self.fit.labels)

@@ -84,7 +84,15 @@ class ShortBatch:
             f"batch size recompiles the step. Use batches of equal size"
         )
 
-    def _warn(self, where: str, full: int | None, size: int | None) -> None:
+    def warn_resident(self, full: int, size: int) -> None:
+        """A device-resident dataset's short last batch (`drop_remainder=False`): the host
+        never sees it, so the run warns at its start, as an unfused run does on meeting one
+        (an evaluator's is expected)."""
+        if self.kind != "evaluator":
+            where = "data: the dataset's last batch of each epoch"
+            self._warn(where, full, size, "drop_remainder=False")
+
+    def _warn(self, where: str, full: int | None, size: int | None, guess: str = "") -> None:
         weighing = (
             "A metric of a step state's scalar is a mean over steps (the short batch "
             "counts as one), built-in metrics of (y_true, y_pred) weigh it by its size"
@@ -92,7 +100,7 @@ class ShortBatch:
             else "The loss and per-example metrics weigh the short batch by its size (a "
             "metric returning one scalar per batch counts it as one batch)"
         )
-        guess = "a ragged last batch?"
+        guess = guess or "a ragged last batch?"
         if full is not None and size is not None and size > full:
             guess = "the run's first batch sets the batch size: was it a short one?"
         warn(

@@ -217,7 +217,7 @@ class Run:
         if not first:
             raise ValueError(self.source.empty_at_start())
         self.checker.first(first[0], self.source.data)
-        self.checker.dataset(self.source.data)
+        self.checker.dataset(self.source.data, self.iterations)
         return first[0]
 
     def _feed(self, step_state: Any, first: Any) -> Any:
