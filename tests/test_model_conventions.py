@@ -77,6 +77,76 @@ def test_an_nnx_module_writing_its_own_params_is_refused_with_the_path():
         loop.run(_regression(), epochs=1)
 
 
+class _Rematted(nnx.Module):
+    """A checkpointed block (`nnx.remat`), optionally clipping its own kernel inside it."""
+
+    def __init__(self, rngs, clip=False):
+        self.hidden, self.out, self.clip = (
+            nnx.Linear(4, 8, rngs=rngs),
+            nnx.Linear(8, 2, rngs=rngs),
+            clip,
+        )
+
+    def __call__(self, x):
+        def block(layer, x):
+            if self.clip:
+                layer.kernel[...] = jnp.clip(layer.kernel[...], -0.3, 0.3)
+            return nnx.relu(layer(x))
+
+        return self.out(nnx.remat(block)(self.hidden, x))
+
+
+def test_an_nnx_remat_block_trains_as_an_nnx_optimizer_loop():
+    # nnx.remat writes every Variable back as a new value: it was refused as a Param write.
+    model = _Rematted(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+        grads = nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+
+    for x, y in _regression():
+        step(model, optimizer, x, y)
+    for fuse in (False, 2):
+        state = fl.trainer(_Rematted(nnx.Rngs(0)), "mse", optax.sgd(0.1)).run(
+            _regression(), epochs=1, fuse=fuse
+        )
+        expected = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        assert_tree_equal(state.params["params"], expected)
+    with pytest.raises(fl.models.ModelConventionError, match=r"Param\(s\) \(hidden.kernel\)"):
+        fl.trainer(_Rematted(nnx.Rngs(0), clip=True), "mse", "sgd").run(_regression())
+
+
+def test_an_nnx_scan_over_rematted_layers_evaluates_without_drawing():
+    # In evaluation its Dropout draws nothing; the count nnx.remat hands back inside the
+    # scan was taken for a draw and fl.predict refused the model.
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.lin, self.drop = nnx.Linear(4, 4, rngs=rngs), nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(nnx.relu(self.lin(x)))
+
+    class Stack(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=3)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return Block(rngs)
+
+            self.blocks = make(rngs)
+
+        def __call__(self, x):
+            body = nnx.remat(lambda h, block: block(h))
+            return nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.blocks)
+
+    model = Stack(nnx.Rngs(0, dropout=1))
+    x = _regression()[0][0]
+    model.eval()
+    np.testing.assert_array_equal(fl.predict(model, model, x), model(x))
+
+
 def test_an_nnx_module_without_params_is_refused_naming_its_variable_kinds():
     class Weight(nnx.Variable):
         pass

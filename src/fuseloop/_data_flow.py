@@ -1,6 +1,7 @@
 """Which outputs of a traced function are computed from which of its inputs, read from its
 jaxpr: whether a loss reads y at all, whether a model's output reads x, whether an nnx
-module's output reads the numbers it draws."""
+module's output reads the numbers it draws, and which outputs hand an input on unchanged
+(an nnx Variable that `nnx.remat` writes back as a new value)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 
-__all__ = ["output_reads_inputs"]
+__all__ = ["output_reads_inputs", "passed_on"]
 
 # The operations that call a function of their own once (`jit` was `pjit` in older jax).
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint"})
@@ -46,6 +47,53 @@ def _flows(jaxpr: Jaxpr, reading: list[bool]) -> list[bool]:
         outs = _flows(inner, flags)
         read.update(v for v, flag in zip(equation.outvars, outs, strict=True) if flag)
     return [isinstance(v, Var) and v in read for v in jaxpr.outvars]
+
+
+def passed_on(closed: Any) -> list[int | None]:
+    """For each output of the traced function `closed` (a ClosedJaxpr), the index of the
+    input it hands on unchanged, else None. Followed through calls of a function of their
+    own (`jax.jit`, `jax.checkpoint`) and through a scan's body (a carry handed back as it
+    came, a scanned input handed out as the stacked output); any other operation's outputs
+    are new values.
+
+    Example:
+        >>> import jax
+        >>> passed_on(jax.make_jaxpr(jax.checkpoint(lambda a, b: (b, a * 2)))(1.0, 1.0))
+        [1, None]
+    """
+    return _passed_on(closed.jaxpr)
+
+
+def _passed_on(jaxpr: Jaxpr) -> list[int | None]:
+    origin: dict[Var, int] = {v: i for i, v in enumerate(jaxpr.invars)}
+    for equation in jaxpr.eqns:
+        for out, source in _handed_through(equation):
+            given = equation.invars[source]
+            if isinstance(given, Var) and given in origin:
+                origin[out] = origin[given]
+    return [origin.get(v) if isinstance(v, Var) else None for v in jaxpr.outvars]
+
+
+def _handed_through(equation: Any) -> list[tuple[Var, int]]:
+    """`(output, index of the operation's input it is)` for each output `equation` hands
+    on unchanged (a call's, a scan's; none of any other operation)."""
+    inner = _called(equation)
+    if inner is not None:
+        pairs = enumerate(_passed_on(inner))
+        return [(equation.outvars[i], j) for i, j in pairs if j is not None]
+    if equation.primitive.name != "scan":
+        return []
+    consts, carried = equation.params["num_consts"], equation.params["num_carry"]
+    body = equation.params["jaxpr"].jaxpr
+    found: list[tuple[Var, int]] = []
+    for i, j in enumerate(_passed_on(body)):
+        if j is None:
+            continue
+        carry_kept = i < carried and j == consts + i
+        scanned = i >= carried and j >= consts + carried  # an xs, sliced, stacked again
+        if carry_kept or scanned:
+            found.append((equation.outvars[i], j))
+    return found
 
 
 def _called(equation: Any) -> Jaxpr | None:

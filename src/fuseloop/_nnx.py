@@ -11,8 +11,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from ._data_flow import output_reads_inputs
+from ._data_flow import output_reads_inputs, passed_on
 from ._linen import NNX_MODE_FLAGS, ModelConventionError, call_flags, flag_values
 from ._mode_follow import run_following_modes, unrecognised_flags
 from ._nnx_checks import (
@@ -199,11 +200,12 @@ class from_nnx:  # noqa: N801
         # Training must not write Params; evaluation must not draw random numbers.
         before = _param_values(module) if train else rng_counts(module)
         y = run_following_modes(module, lambda: call({}), fresh, self.unknown_flags, train)
+        passed_on = functools.partial(self._passed_on, variables, x, train)
         if train:
-            refuse_param_writes(before, _param_values(module))
+            refuse_param_writes(before, _param_values(module), passed_on)
         else:
             reads = functools.partial(self._output_reads_draws, variables, x)
-            refuse_eval_draws(before, rng_counts(module), module, reads)
+            refuse_eval_draws(before, rng_counts(module), module, reads, passed_on)
         # What the call sowed (`self.sow(nnx.Intermediate, ...)`) is an output of the call,
         # not state to carry: dropped, as linen's sow does nothing unless asked for.
         nnx.pop(module, lambda path, node: _sown(node, path, self._held, nnx.Intermediate))
@@ -226,6 +228,24 @@ class from_nnx:  # noqa: N801
             return nnx.merge(graphdef, draws, rest)(x, **flag_values(self.flags, False))
 
         return output_reads_inputs(jax.make_jaxpr(call)(draws, rest), len(jax.tree.leaves(draws)))
+
+    def _passed_on(self, variables: Any, x: Any, train: bool) -> set[Any]:
+        """The paths of the Params (`train`) or rng counts (evaluation) a call hands back
+        unchanged though not as the values it was given: `nnx.remat` (and `nnx.jit`) writes
+        every Variable back as a new value (traced again; asked only where one changed)."""
+        values = _param_values if train else _rng_count_values
+        inputs: dict[Any, int] = {}  # each Variable's path: the index of its input leaf
+
+        def call(variables: Any) -> list[Any]:
+            module = self._merged(variables, train)
+            index = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(variables))}
+            inputs.update({p: index.get(id(v), -1) for p, v in values(module).items()})
+            module(x, **flag_values(self.flags, train))
+            now = values(module)
+            return [now.get(path, jnp.zeros(())) for path in inputs]  # one output each
+
+        handed = passed_on(jax.make_jaxpr(call)(variables))
+        return {path for path, i in zip(inputs, handed, strict=True) if i == inputs[path]}
 
     def apply(self, variables: Any, x: Any) -> Any:
         """The module's output on `x` in `.eval()` mode.
@@ -355,6 +375,11 @@ def _changed_structure(old: dict[Any, Any], new: dict[Any, Any]) -> str:
 
 def _sown(node: Any, path: Any, held: set[Any], kind: type) -> bool:
     return isinstance(node, kind) and tuple(path) not in held
+
+
+def _rng_count_values(module: Any) -> dict[Any, Any]:
+    """What each rng stream's count of `module` holds, by path."""
+    return {path: count for path, (_, count) in rng_counts(module).items()}
 
 
 def _param_values(module: Any) -> dict[Any, Any]:

@@ -66,11 +66,17 @@ def refuse_other_shapes(module_values: Any, given: Any, part: str) -> None:
         )
 
 
-def refuse_param_writes(given: dict[Any, Any], now: dict[Any, Any]) -> None:
+def refuse_param_writes(
+    given: dict[Any, Any], now: dict[Any, Any], passed_on: Callable[[], set[Any]]
+) -> None:
     """A ModelConventionError naming the Params the module's training call wrote: a trainer
     changes params by their gradients alone and would drop the write, where nnx.Optimizer
-    keeps it."""
+    keeps it. A Param holding another value than it was given may hold the same one: one
+    `passed_on()` names (asked only then) went through `nnx.remat` unchanged."""
     written = [path for path, value in given.items() if now.get(path) is not value]
+    if written:
+        kept = passed_on()
+        written = [path for path in written if path not in kept]
     if written:
         names = ", ".join(".".join(str(key) for key in path) for path in written)
         raise ModelConventionError(
@@ -102,12 +108,17 @@ def refuse_eval_draws(
     after: dict[Any, tuple[str, Any]],
     module: Any,
     output_reads_draws: Callable[[], bool],
+    passed_on: Callable[[], set[Any]],
 ) -> None:
     """A ModelConventionError naming the rng streams an evaluation call drew from and the
     layers that hold them, where its output reads what they drew (`output_reads_draws`,
     asked only then): an evaluation does not carry the module's Rngs from batch to batch
-    (nor does linen's, which is given none), so every batch would draw the same numbers."""
+    (nor does linen's, which is given none), so every batch would draw the same numbers.
+    A count `passed_on()` names went through `nnx.remat` unchanged: nothing was drawn."""
     paths = [path for path, (_, count) in after.items() if count is not before.get(path, ("",))[-1]]
+    if paths:
+        kept = passed_on()
+        paths = [path for path in paths if path not in kept]
     if not paths or not output_reads_draws():
         return
     drawn = sorted({after[path][0] for path in paths})
