@@ -11,13 +11,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-from ._data_flow import output_reads_inputs, passed_on
+from ._data_flow import output_reads_inputs
 from ._linen import NNX_MODE_FLAGS, ModelConventionError, call_flags, flag_values
 from ._mode_follow import run_following_modes, unrecognised_flags
 from ._nnx_checks import (
+    count_values,
     eval_flags,
+    handed_back,
+    param_values,
     raw_value,
     refuse_eval_draws,
     refuse_other_shapes,
@@ -192,22 +194,22 @@ class from_nnx:  # noqa: N801
         return module
 
     def _run(self, variables: Any, x: Any, train: bool) -> tuple[Any, Any]:
-        nnx = self._nnx
         if train:
             refuse_sown_before(self._held, self.module)
         fresh = functools.partial(self._fresh_call, variables, x, train)
         module, call = fresh()
         # Training must not write Params; evaluation must not draw random numbers.
-        before = _param_values(module) if train else rng_counts(module)
+        before = param_values(module) if train else rng_counts(module)
         y = run_following_modes(module, lambda: call({}), fresh, self.unknown_flags, train)
-        passed_on = functools.partial(self._passed_on, variables, x, train)
+        passed_on = functools.partial(self._passed_on, variables, x, train)  # asked if needed
         if train:
-            refuse_param_writes(before, _param_values(module), passed_on)
+            refuse_param_writes(before, param_values(module), passed_on)
         else:
             reads = functools.partial(self._output_reads_draws, variables, x)
             refuse_eval_draws(before, rng_counts(module), module, reads, passed_on)
         # What the call sowed (`self.sow(nnx.Intermediate, ...)`) is an output of the call,
         # not state to carry: dropped, as linen's sow does nothing unless asked for.
+        nnx = self._nnx
         nnx.pop(module, lambda path, node: _sown(node, path, self._held, nnx.Intermediate))
         _, _, rest = nnx.split(module, nnx.Param, ...)
         return y, nnx.to_pure_dict(rest)
@@ -230,22 +232,10 @@ class from_nnx:  # noqa: N801
         return output_reads_inputs(jax.make_jaxpr(call)(draws, rest), len(jax.tree.leaves(draws)))
 
     def _passed_on(self, variables: Any, x: Any, train: bool) -> set[Any]:
-        """The paths of the Params (`train`) or rng counts (evaluation) a call hands back
-        unchanged though not as the values it was given: `nnx.remat` (and `nnx.jit`) writes
-        every Variable back as a new value (traced again; asked only where one changed)."""
-        values = _param_values if train else _rng_count_values
-        inputs: dict[Any, int] = {}  # each Variable's path: the index of its input leaf
-
-        def call(variables: Any) -> list[Any]:
-            module = self._merged(variables, train)
-            index = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(variables))}
-            inputs.update({p: index.get(id(v), -1) for p, v in values(module).items()})
-            module(x, **flag_values(self.flags, train))
-            now = values(module)
-            return [now.get(path, jnp.zeros(())) for path in inputs]  # one output each
-
-        handed = passed_on(jax.make_jaxpr(call)(variables))
-        return {path for path, i in zip(inputs, handed, strict=True) if i == inputs[path]}
+        """The Params (`train`) or rng counts a call hands back unchanged (`handed_back`)."""
+        merged = functools.partial(self._merged, train=train)
+        call = lambda module: module(x, **flag_values(self.flags, train))  # noqa: E731
+        return handed_back(variables, merged, call, param_values if train else count_values)
 
     def apply(self, variables: Any, x: Any) -> Any:
         """The module's output on `x` in `.eval()` mode.
@@ -377,25 +367,9 @@ def _sown(node: Any, path: Any, held: set[Any], kind: type) -> bool:
     return isinstance(node, kind) and tuple(path) not in held
 
 
-def _rng_count_values(module: Any) -> dict[Any, Any]:
-    """What each rng stream's count of `module` holds, by path."""
-    return {path: count for path, (_, count) in rng_counts(module).items()}
-
-
-def _param_values(module: Any) -> dict[Any, Any]:
-    """What each nnx.Param of `module` holds, by path (traced values: compared by identity)."""
-    from flax import nnx
-
-    nodes = nnx.iter_graph(module)
-    return {path: raw_value(node) for path, node in nodes if isinstance(node, nnx.Param)}
-
-
 def set_nnx_mode(module: Any, train: bool) -> None:
-    """Sets an nnx module to training or evaluation mode.
-
-    First nnx's own switch (`.train()`/`.eval()`: Dropout's `deterministic`, BatchNorm's
-    `use_running_average`), then any of the recognised flag attributes a user's module
-    keeps as a plain bool (e.g. `self.training`).
+    """Sets an nnx module to training or evaluation mode: nnx's own switch (`.train()` or
+    `.eval()`), then the recognised flag attributes kept as plain bools (`self.training`).
     """
     from flax import nnx
 

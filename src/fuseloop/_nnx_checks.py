@@ -7,12 +7,17 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from ._data_flow import passed_on
 from ._linen import NNX_MODE_FLAGS, ModelConventionError
 
 __all__ = [
+    "count_values",
     "eval_flags",
+    "handed_back",
+    "param_values",
     "raw_value",
     "refuse_eval_draws",
     "refuse_other_shapes",
@@ -89,6 +94,42 @@ def refuse_param_writes(
             f"optax.projections has common ones), or hold a value that is not trained in "
             f"another nnx.Variable (e.g. nnx.BatchStat)"
         )
+
+
+def param_values(module: Any) -> dict[Any, Any]:
+    """What each nnx.Param of `module` holds, by path (traced values: compared by identity)."""
+    from flax import nnx
+
+    nodes = nnx.iter_graph(module)
+    return {path: raw_value(node) for path, node in nodes if isinstance(node, nnx.Param)}
+
+
+def count_values(module: Any) -> dict[Any, Any]:
+    """What each rng stream's count of `module` holds, by path."""
+    return {path: count for path, (_, count) in rng_counts(module).items()}
+
+
+def handed_back(
+    variables: Any,
+    merged: Callable[[Any], Any],
+    call: Callable[[Any], Any],
+    values: Callable[[Any], dict[Any, Any]],
+) -> set[Any]:
+    """The paths among `values(module)` that `call(module)`, on the module `merged` makes of
+    `variables`, hands back unchanged though perhaps as new values: `nnx.remat` and
+    `nnx.jit` write every Variable back (traced once more; read from the jaxpr)."""
+    inputs: dict[Any, int] = {}  # each Variable's path: the index of its input leaf
+
+    def traced(variables: Any) -> list[Any]:
+        module = merged(variables)
+        index = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(variables))}
+        inputs.update({path: index.get(id(v), -1) for path, v in values(module).items()})
+        call(module)
+        now = values(module)
+        return [now.get(path, jnp.zeros(())) for path in inputs]  # one output each
+
+    handed = passed_on(jax.make_jaxpr(traced)(variables))
+    return {path for path, i in zip(inputs, handed, strict=True) if i == inputs[path]}
 
 
 def rng_counts(module: Any) -> dict[Any, tuple[str, Any]]:
