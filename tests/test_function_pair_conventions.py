@@ -66,6 +66,21 @@ class _Dropping(nn.Module):
         return nn.Dense(CLASSES)(nn.Dropout(0.5, deterministic=not train)(x))
 
 
+def test_a_static_flag_after_the_key_goes_by_position():
+    # `apply(params, x, rng=None, train=False)` under static_argnums=(3,): rng and the
+    # flag went by keyword, and jax.checkpoint refused the call (blamed on x's shape).
+    def apply(params, x, rng=None, train=False):
+        if train:
+            x = x * jax.random.bernoulli(rng, 0.5, x.shape) * 2.0
+        return x @ params["w"]
+
+    static = jax.checkpoint(apply, static_argnums=(3,))
+    runs = [fl.trainer((_init, static), SPARSE, "sgd").run(DATA, fuse=f) for f in (False, 3)]
+    plain = fl.trainer((_init, apply), SPARSE, "sgd").run(DATA)
+    np.testing.assert_array_equal(runs[0].params["w"], plain.params["w"])
+    np.testing.assert_array_equal(runs[1].params["w"], plain.params["w"])
+
+
 def test_a_flag_init_requires_gets_its_evaluation_value():
     # haiku's usual `f(x, is_training)`: init takes the flag too, and was called without it.
     flags_at_init: list[bool] = []

@@ -10,14 +10,22 @@ import inspect
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import flax
 import flax.linen as nn
 import jax
 
-from ._linen import ModelConventionError, call_flags, flag_values, flags_among, parameters_of
+from ._linen import (
+    ModelConventionError,
+    call_flags,
+    flag_values,
+    flags_among,
+    parameters_of,
+    positional_through,
+    split_positional,
+)
 from ._object_snapshot import Snapshot
 from ._warn import warn
 
@@ -69,23 +77,24 @@ def _warn_unread_signature(parameters: Any) -> None:
         )
 
 
-def _flag_at(apply_fn: Any, parameters: Any, index: int, flags: dict[str, bool]) -> str | None:
-    """The flag at position `index` of `apply_fn`'s signature (`parameters`) where it is
-    the only one and the callable itself (not the function a `functools.wraps` wrapper
-    names) takes that many positional arguments, else None."""
-    named = list(parameters.values())[index : index + 1]
-    if len(flags) != 1 or not named or named[0].name not in flags:
-        return None
-    if named[0].kind != inspect.Parameter.POSITIONAL_OR_KEYWORD:
-        return None
+def _flags_at(
+    fn: Any, parameters: Any, index: int, passed: Collection[str], flags: Collection[str]
+) -> tuple[inspect.Parameter, ...]:
+    """The parameters of `fn`'s signature (`parameters`) from position `index` through its
+    last flag, to pass by position (`positional_through`), where the callable itself (not
+    the function a `functools.wraps` wrapper names) takes that many positional arguments;
+    empty: by keyword."""
+    through = positional_through(list(parameters.values())[index:], passed, flags)
+    if not through:
+        return ()
     try:  # a wrapper `(params, x, **kw)` takes the flag by name only
-        outer = list(inspect.signature(apply_fn, follow_wrapped=False).parameters.values())
+        outer = list(inspect.signature(fn, follow_wrapped=False).parameters.values())
     except (TypeError, ValueError):
-        return None
+        return ()
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     takes = any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in outer)
-    takes = takes or sum(p.kind in positional for p in outer) > index
-    return named[0].name if takes else None
+    takes = takes or sum(p.kind in positional for p in outer) >= index + len(through)
+    return through if takes else ()
 
 
 def required(parameter: Any) -> bool:
@@ -251,14 +260,16 @@ class from_functions:  # noqa: N801 - reads as a constructor
         taken = parameters_of(init_fn)
         needed = {n: v for n, v in self.flags.items() if required(taken.get(n))}
         self.init_flags = flag_values(needed, train=False)
-        self.init_flag_after_x = _flag_at(init_fn, taken, 2, needed)  # as apply's, below
+        self.init_by_position = _flags_at(init_fn, taken, 2, needed, needed)  # as apply's
         self.rng_name = next((name for name in parameters if name in RNG_NAMES), None)
         if self.rng_name is None and _bound_linen_module(apply_fn) is None:  # its own rngs
             _unknown_key_names(parameters)
             _warn_unread_signature(parameters)
         # haiku's transformed apply: `apply(params, rng, *args)`.
         self.rng_second = self.rng_name is not None and list(parameters)[1:2] == [self.rng_name]
-        self.flag_after_x = _flag_at(apply_fn, parameters, 3 if self.rng_second else 2, self.flags)
+        passed = {*self.flags, *([self.rng_name] if self.rng_name else [])}
+        after_x = 3 if self.rng_second else 2
+        self.by_position = _flags_at(apply_fn, parameters, after_x, passed, self.flags)
         self._owner = _plain_owner(apply_fn)
 
     def snapshot(self) -> Snapshot | None:
@@ -312,9 +323,8 @@ class from_functions:  # noqa: N801 - reads as a constructor
             >>> model.init(None, jnp.ones((1, 2)))["b"].shape
             (2,)
         """
-        if self.init_flag_after_x is not None:  # by position (jax.checkpoint's static_argnums)
-            return self.init_fn(rng, x, self.init_flags[self.init_flag_after_x])
-        return self.init_fn(rng, x, **self.init_flags)
+        positional, keyword = split_positional(self.init_by_position, self.init_flags)
+        return self.init_fn(rng, x, *positional, **keyword)
 
     def apply(self, variables: Any, x: Any) -> Any:
         """`apply_fn(variables, x)` in evaluation mode (`train=False`, or the flag it takes).
@@ -349,9 +359,9 @@ class from_functions:  # noqa: N801 - reads as a constructor
     def _call(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
         kwargs: dict[str, Any] = flag_values(self.flags, train)
         leading = (variables, rng, x) if self.rng_second else (variables, x)
-        # A flag right after x goes by position: jax.checkpoint's static_argnums (as
-        # nn.remat's) count positions, and by keyword the flag would be traced.
-        after_x = [kwargs.pop(self.flag_after_x)] if self.flag_after_x in kwargs else []
         if self.rng_name is not None and not self.rng_second:
             kwargs[self.rng_name] = rng
+        # Flags go by position where they can: jax.checkpoint's static_argnums (as
+        # nn.remat's) count positions, and by keyword a flag would be traced.
+        after_x, kwargs = split_positional(self.by_position, kwargs)
         return self.apply_fn(*leading, *after_x, **kwargs), None

@@ -9,7 +9,7 @@ import functools
 import inspect
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import flax
@@ -26,6 +26,8 @@ __all__ = [
     "flags_among",
     "linen",
     "parameters_of",
+    "positional_through",
+    "split_positional",
 ]
 
 # Held while a flagless module's training pass records what it asks of flax (`linen.
@@ -109,17 +111,39 @@ def _rng_stream(error: BaseException) -> str | None:
     return found.group(1) if found else None
 
 
-def flag_after_x(cls: Any, flags: Mapping[str, Any]) -> bool:
-    """Whether the one flag of `flags` is `cls.__call__`'s parameter right after x, so
-    passed by position: a module lifted whole by nn.remat or nn.jit with the flag among its
-    `static_argnums` counts positions only (by keyword the flag is traced)."""
-    after_x = list(inspect.signature(cls.__call__).parameters.values())[2:3]
-    return (
-        len(flags) == 1
-        and bool(after_x)
-        and after_x[0].name in flags
-        and after_x[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-    )
+def flag_after_x(cls: Any, flags: Mapping[str, Any]) -> tuple[inspect.Parameter, ...]:
+    """The parameters of `cls.__call__` after x to pass by position so that its flags go
+    by position (`positional_through`); empty: by keyword."""
+    after_x = list(inspect.signature(cls.__call__).parameters.values())[2:]
+    return positional_through(after_x, flags, flags)
+
+
+def positional_through(
+    after_x: list[inspect.Parameter], passed: Collection[str], flags: Collection[str]
+) -> tuple[inspect.Parameter, ...]:
+    """The parameters `after_x` up to the last of `flags`, to pass by position: a function
+    lifted by jax.checkpoint, nn.remat or nn.jit with a flag among its `static_argnums`
+    counts positions only (by keyword the flag is traced). Each between goes as the caller
+    `passed` it or as its default. Empty where they cannot all go so (one keyword-only, or
+    neither passed nor defaulted): then by keyword."""
+    last = max((i for i, p in enumerate(after_x) if p.name in flags), default=-1)
+    through = tuple(after_x[: last + 1])
+    for parameter in through:
+        if parameter.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            return ()
+        if parameter.name not in passed and parameter.default is inspect.Parameter.empty:
+            return ()
+    return through
+
+
+def split_positional(
+    through: tuple[inspect.Parameter, ...], given: dict[str, Any]
+) -> tuple[list[Any], dict[str, Any]]:
+    """`given` keyword arguments as `(positional, keyword)`: those `through` names (or
+    their defaults) by position, in order, the rest by keyword."""
+    positional = [given.get(p.name, p.default) for p in through]
+    names = {p.name for p in through}
+    return positional, {k: v for k, v in given.items() if k not in names}
 
 
 def flag_values(flags: dict[str, bool], train: bool) -> dict[str, bool]:
@@ -220,13 +244,12 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
         return flag_values(self.flags, train)
 
     @functools.cached_property
-    def _flag_by_position(self) -> bool:
+    def _flag_by_position(self) -> tuple[inspect.Parameter, ...]:
         return flag_after_x(type(self.module), self.flags)
 
-    def _flag_args(self, train: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def _flag_args(self, train: bool) -> tuple[list[Any], dict[str, Any]]:
         """The flag for training or evaluation as `(positional, keyword)` arguments."""
-        flags = self.mode(train)
-        return (tuple(flags.values()), {}) if self._flag_by_position else ((), flags)
+        return split_positional(self._flag_by_position, self.mode(train))
 
     def init(self, rng: Any, x: Any) -> Any:
         try:

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._equinox import from_equinox, plain_module
-from ._linen import flag_after_x, flag_values, linen
+from ._linen import flag_after_x, flag_values, linen, split_positional
 from ._mode_switch import switched_to_training
 from ._nnx import from_nnx, set_nnx_mode
 from ._variables_diff import first_difference, is_nnx_state
@@ -105,15 +105,16 @@ def _subclass(cls: Any, flags: tuple[tuple[str, bool], ...], pickles: bool = Tru
 
 def _make_subclass(cls: Any, flags: tuple[tuple[str, bool], ...], pickles: bool) -> type:
     call = cls.__call__
-    by_position = flag_after_x(cls, dict(flags))  # (as the adapters pass it)
+    by_position = flag_after_x(cls, dict(flags))  # (as the adapters pass them)
 
     @functools.wraps(call)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
         if pickles and switched_to_training(self):  # its call's own defaults decide
             return call(self, *args, **kwargs)
         given = _unbound(call, flags, *args, **kwargs)
-        if by_position and len(args) == 1 and flags[0][0] not in kwargs:
-            return call(self, args[0], given.pop(flags[0][0]), **given)
+        if by_position and len(args) == 1:
+            positional, keyword = split_positional(by_position, given)
+            return call(self, args[0], *positional, **keyword)
         return call(self, *args, **given)
 
     def __reduce__(self: Any) -> tuple[Any, ...]:
