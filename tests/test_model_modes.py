@@ -823,6 +823,28 @@ def test_sown_losses_are_said_to_be_outside_the_objective():
         fl.trainer(_SowsALoss(append=True, collection="metrics"), SPARSE, "adam").run(DATA)
 
 
+class _SowsWhileTraining(nn.Module):
+    collection: str = "monitor"
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h = nn.Dense(3)(x)
+        if train:  # init (evaluation mode) makes no such collection
+            self.sow(
+                self.collection, "mean", h.mean(), init_fn=lambda: 0.0, reduce_fn=lambda a, b: b
+            )
+        return h
+
+
+def test_a_value_sown_only_while_training_into_a_collection_init_did_not_make_is_refused():
+    # flax dropped it in silence: the State held no such collection.
+    with pytest.raises(ValueError, match=r"sows into \['monitor'\] while training.*train=True"):
+        fl.trainer(_SowsWhileTraining(), SPARSE, "adam").run(DATA)
+    for dropped in ("intermediates", "losses"):  # dropped as flax drops them
+        state = fl.trainer(_SowsWhileTraining(dropped), SPARSE, "adam").run(DATA)
+        assert list(state.params) == ["params"]
+
+
 class _Normalised(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = False):

@@ -8,12 +8,13 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-import threading
 from collections.abc import Collection, Mapping
 from typing import Any
 
 import flax
 import flax.linen as nn
+
+from ._linen_sows import RECORDING, recording_sows, train_only_sows
 
 __all__ = [
     "TRAIN_FLAGS",
@@ -30,9 +31,6 @@ __all__ = [
     "split_positional",
 ]
 
-# Held while a flagless module's training pass records what it asks of flax (`linen.
-# _apply_reading`), which swaps flax's `Module.is_mutable_collection` for the trace.
-_RECORDING = threading.RLock()  # reentrant: a model may build another inside its call
 
 # `__call__` flags that switch a flax.linen module between training and evaluation, and
 # the value each takes while training.
@@ -289,10 +287,19 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
             return self.apply(variables, x), None
         rngs = {"dropout": rng}
         args, flags = self._flag_args(True)  # the flag, not apply's options
-        if mutable:
-            y, updates = self.module.apply(variables, x, *args, rngs=rngs, mutable=mutable, **flags)
-            return y, dict(updates)
-        return self.module.apply(variables, x, *args, rngs=rngs, **flags), None
+        # A sow into a collection init did not make would be dropped (flax's inspection
+        # and auxiliary-loss collections are dropped as flax drops them).
+        unmade = lambda name: name not in (*mutable, "intermediates", "losses")  # noqa: E731
+        with recording_sows(unmade) as sown:
+            if mutable:
+                y, updates = self.module.apply(
+                    variables, x, *args, rngs=rngs, mutable=mutable, **flags
+                )
+            else:
+                y, updates = self.module.apply(variables, x, *args, rngs=rngs, **flags), None
+        if sown:
+            raise ModelConventionError(train_only_sows(self.module, sorted(set(sown))))
+        return y, None if updates is None else dict(updates)
 
     def _apply_reading(self, variables: Any, x: Any, mutable: list[str]) -> Any:
         """A training forward pass of a module without a flag that has collections besides
@@ -302,31 +309,22 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
         recorded while the step is traced (a lifted transform's copies of unchanged
         collections are no write)."""
         asked: list[str] = []
-        sown: list[str] = []
-
-        with _RECORDING:  # one trace at a time swaps flax's methods (trace time only)
-            original, original_sow = nn.Module.is_mutable_collection, nn.Module.sow
+        # flax's own inspection and auxiliary-loss collections are carried unchanged, as
+        # the run start warns.
+        counted = lambda name: name in mutable and name not in ("intermediates", "losses")  # noqa: E731
+        with RECORDING, recording_sows(counted) as sown:  # trace time only
+            original = nn.Module.is_mutable_collection
 
             def recording(module: Any, name: str) -> bool:
                 if name in mutable:
                     asked.append(name)
                 return bool(original(module, name))
 
-            def sowing(module: Any, name: str, *args: Any, **kwargs: Any) -> Any:
-                # flax's sow asks its scope, not the module, and drops the value in silence
-                # where the collection is fixed; flax's own inspection and auxiliary-loss
-                # collections are carried unchanged, as the run start warns.
-                if name in mutable and name not in ("intermediates", "losses"):
-                    sown.append(name)
-                return original_sow(module, name, *args, **kwargs)
-
             nn.Module.is_mutable_collection = recording  # type: ignore[method-assign,assignment]
-            nn.Module.sow = sowing  # type: ignore[method-assign,assignment]
             try:
                 y = self._apply_refusing_dropout(variables, x)
             finally:
                 nn.Module.is_mutable_collection = original  # type: ignore[method-assign]
-                nn.Module.sow = original_sow  # type: ignore[method-assign]
         if asked:
             raise self._no_flag(f"writes its collections {sorted(set(asked))}")
         if sown:

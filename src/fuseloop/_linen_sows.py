@@ -1,0 +1,52 @@
+"""What a flax.linen module sows while a training step is traced, where flax would drop
+the value in silence: `sow` asks its scope, not the module, whether the collection may
+change, and returns False where it may not. fuseloop trains with the collections the
+module's init made, so a value sown into another stays unseen (docs/models.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import flax.linen as nn
+
+__all__ = ["RECORDING", "recording_sows", "train_only_sows"]
+
+# Held while a training pass records what it asks of flax; it swaps flax's methods.
+RECORDING = threading.RLock()  # reentrant: a model may build another inside its call
+
+
+@contextlib.contextmanager
+def recording_sows(counted: Callable[[str], bool]) -> Iterator[list[str]]:
+    """The collection of each `sow` the block makes that `counted` picks, in a list the
+    block fills (trace time only; one recording at a time)."""
+    sown: list[str] = []
+    with RECORDING:
+        original = nn.Module.sow
+
+        def sowing(module: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+            if counted(name):
+                sown.append(name)
+            return original(module, name, *args, **kwargs)
+
+        nn.Module.sow = sowing  # type: ignore[method-assign,assignment]
+        try:
+            yield sown
+        finally:
+            nn.Module.sow = original  # type: ignore[method-assign]
+
+
+def train_only_sows(module: Any, names: list[str]) -> str:
+    """What is wrong with a module with a train flag that sows, while training only, into
+    collections its init (run in evaluation mode) did not make, and the fix."""
+    return (
+        f"model: {type(module).__name__} sows into {names} while training, collections its "
+        f"init (run by fuseloop with the train flag off) did not make: the run trains with "
+        f"the collections init made, so flax would drop every value sown there. Sow on both "
+        f"paths (the value unused when not training), or initialise the variables yourself "
+        f"in training mode and pass them: run(data, module.init({{'params': key, "
+        f"'dropout': key}}, x, train=True)); keep one value per step "
+        f"(sow(..., init_fn=..., reduce_fn=lambda old, new: new))"
+    )
