@@ -128,6 +128,23 @@ def test_later_x_of_another_shape_names_leaf_expected_and_actual(loop, fuse):
         assert isinstance(info.value, fl.FusionError)
 
 
+def test_a_refused_batch_starts_no_iteration_at_any_chunk_size(loop):
+    # The unfused loop fired iteration_started for the refused batch, a fused one did not.
+    data = make_batches(7)
+    data[5] = (np.zeros((BATCH, FEATURES + 2), np.float32), data[5][1])
+    seen = {}
+    for fuse in (False, 1, 4):
+        started: list[int] = []
+        watched = loop.handle_event(
+            "iteration_started", lambda s, log=started: log.append(s.iteration)
+        )
+        with pytest.raises(ValueError, match="epoch 0, iteration 5") as info:
+            watched.run(data, fuse=fuse)
+        counts = info.value.fuseloop_state.event_counts
+        seen[fuse] = (started, counts["iteration_started"], counts["iteration_completed"])
+    assert seen[False] == seen[1] == seen[4] == ([0, 1, 2, 3, 4], *[{"total": 5, "epoch": 5}] * 2)
+
+
 def test_pytree_leaf_is_named_by_its_path():
     loop = fl.trainer(
         fl.models.from_functions(

@@ -174,7 +174,8 @@ class HostFeed:
         n = len(batches)
         ran_out = n < requested and self.failed is None  # not a chunk cut short by an error
         exhausted = ran_out or (self.bound is not None and first + n >= self.bound)
-        if self.live:
+        if self.live:  # checked before its iteration_started, as a chunk's when stacked
+            self.checker.batch(batches[0], self.epoch, first)
             return Prepared(first, 1, exhausted, batches[0])
         try:
             return Prepared(first, n, exhausted, self._stack(batches, first))
@@ -228,7 +229,6 @@ class HostFeed:
 
     def _launch_step(self, carry: Any, prepared: Prepared) -> ChunkResult:
         batch, i = prepared.payload, prepared.first
-        self.checker.batch(batch, self.epoch, i)
         try:
             if self.jit:
                 with self.placement.chunk_transfer():  # the step's batch: its one transfer
