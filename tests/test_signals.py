@@ -322,6 +322,42 @@ def test_a_signal_after_an_epochs_last_batch_completes_that_epoch(fuse):
     assert int(resumed.step_state["step"]) == int(whole.step_state["step"]) == 24
 
 
+class _SignallingIterator:
+    """A one-shot iterator without `close()`: a SIGINT arrives as its 6th batch is pulled."""
+
+    def __init__(self, batches: list[Any]):
+        self.batches, self.pulled = iter(batches), 0
+
+    def __iter__(self) -> _SignallingIterator:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.batches)
+        self.pulled += 1
+        if self.pulled == 6:
+            os.kill(os.getpid(), signal.SIGINT)
+        return batch
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_batches_a_signal_leaves_pulled_ahead_from_an_iterator_are_warned_of(fuse):
+    # A fused run pulls the next chunks' batches ahead; the signal's halt dropped them in
+    # silence, so a later run over the iterator started after them.
+    source = _SignallingIterator(make_batches(24))
+    loop = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "sgd")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = loop.run(source, epochs=1, fuse=fuse)
+    lost = source.pulled - int(state.step_state["step"])
+    held = [str(w.message) for w in caught if "did not step" in str(w.message)]
+    assert state.status == "halted"
+    if fuse:
+        assert lost > 0 and len(held) == 1, held
+        assert held[0].startswith(f"data: the run ended holding {lost} batches")
+    else:
+        assert lost == 0 and not held
+
+
 def test_a_run_in_another_thread_leaves_the_main_threads_run_its_signals():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(24, 3)).astype(np.float32)

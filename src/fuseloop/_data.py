@@ -25,6 +25,24 @@ from ._warn import warn
 
 __all__ = ["as_host_array", "as_source", "own_copy", "Source", "warn_left_out"]
 
+# Why a run ended holding batches it pulled and did not step, and what avoids it.
+_UNSTEPPED = {
+    "halt": (
+        "a halt at the first epoch_started or at iteration_started comes after the pull; "
+        "a run with nothing left to train pulls one to check the data",
+        "or halt from iteration_completed",
+    ),
+    "nan": (
+        "terminate_on_nan halted the fused chunk they were in at its non-finite step",
+        "or fuse=False",
+    ),
+    "signal": (
+        "the signal halted the fused run at a chunk's end, after the next chunks' batches "
+        "were pulled ahead",
+        "or fuse=False",
+    ),
+}
+
 
 def warn_left_out(data: Any, who: str, where: str, fix: str) -> None:
     """Warns, once per dataset, where an `fl.data.arrays` dataset that drops its short last
@@ -218,33 +236,23 @@ class Source:
     def _detached(self, batch: Any) -> Any:
         return _converted(batch, self, self.epoch_pulled, _detached)
 
-    def warn_unstepped(self, count: int, nonfinite: bool = False) -> None:
+    def warn_unstepped(self, count: int, why: str = "halt") -> None:
         """Warns where a run ends holding `count` batches it pulled from a one-shot iterator
-        and never stepped: a halt at the run's first `epoch_started` or at an unfused
-        `iteration_started` comes after the pull that tells whether the epoch has a next
-        batch; a run with nothing left to train pulls its first batch for the checks; the
-        guard's halt (`nonfinite`) ends a fused chunk at its non-finite step, and the
-        chunk's later batches were pulled with it. An iterator cannot take them back, so a
-        later run over it would start after them without a word; a generator (one with
-        `close()`) is closed by the run anyway."""
+        and never stepped (`why`, a key of `_UNSTEPPED`): a halt at the run's first
+        `epoch_started` or at an unfused `iteration_started` comes after the pull that tells
+        whether the epoch has a next batch, and a run with nothing left to train pulls its
+        first batch for the checks; the guard's halt ends a fused chunk at its non-finite
+        step, and the chunk's later batches were pulled with it; a signal halts a fused run
+        at a chunk's end, with the next chunks' batches pulled ahead. An iterator cannot
+        take them back, so a later run over it would start after them without a word; a
+        generator (one with `close()`) is closed by the run anyway."""
         if count <= 0 or not self.one_shot or hasattr(self.data, "close"):
             return
         them = "them" if count > 1 else "it"
-        why, fix = (
-            (
-                "terminate_on_nan halted the fused chunk they were in at its non-finite step",
-                "or fuse=False",
-            )
-            if nonfinite
-            else (
-                "a halt at the first epoch_started or at iteration_started comes after the "
-                "pull; a run with nothing left to train pulls one to check the data",
-                "or halt from iteration_completed",
-            )
-        )
+        cause, fix = _UNSTEPPED[why]
         warn(
             f"data: the run ended holding {count} batch{'es' if count > 1 else ''} it "
-            f"pulled from the one-shot iterator but did not step ({why}); an iterator "
+            f"pulled from the one-shot iterator but did not step ({cause}); an iterator "
             f"cannot take {them} back, so a later run over the same iterator starts after "
             f"{them}. To resume exactly, pass a list or a callable returning a fresh "
             f"iterator, {fix}",

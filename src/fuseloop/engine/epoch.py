@@ -117,6 +117,11 @@ class EpochLoop:
         """`state` noting how many of its epoch's steps the carry holds (`note_held`)."""
         return note_held(state, self.held, self.handoff.bus)
 
+    def pulled_ahead(self, pulled: int) -> int:
+        """Of the `pulled` batches of the epoch, those neither stepped (the carry holds their
+        steps) nor kept to be handed out again (`HostFeed.leave` warns of those)."""
+        return pulled - self.held - len(getattr(self.feed, "pending", ()))
+
     def reached(self) -> Any:
         """The State reached within the epoch under way (None: none is), with its last
         fired iteration."""

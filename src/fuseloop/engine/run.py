@@ -293,13 +293,13 @@ class Run:
             if may_open and not signals.requested and self._may_open(epoch + 1):
                 following = functools.partial(self.source.epoch_iterator, epoch + 1)
                 loop.open_next(epoch + 1, following, self.iterations)
-        # A signal after the next epoch opened reaches it, at its first boundary.
-        opened_next = loop.opened_for(epoch + 1)
+        opened_next = loop.opened_for(epoch + 1)  # a signal then reaches the next epoch
         if status == HALT_LOOP and state.handler_metadata.get(NONFINITE_KEY) is not None:
             warn_nonfinite(state)  # a fused chunk's batches after the non-finite step:
-            self.source.warn_unstepped(self.source.epoch_pulled - state.iteration - 1, True)
+            self.source.warn_unstepped(self.source.epoch_pulled - state.iteration - 1, "nan")
         if signals.requested and not opened_next and loop.cut_short:
             status = HALT_LOOP  # a signal before the epoch's end: it is not complete
+            self.source.warn_unstepped(loop.pulled_ahead(self.source.epoch_pulled), "signal")
         state = self._epoch_metrics(state, epoch, began, stepped)
         if self.members is not None:
             state, every_member_halted = self.members.epoch_end(state, epoch)
