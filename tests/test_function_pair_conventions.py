@@ -80,6 +80,16 @@ def test_a_static_flag_after_the_key_goes_by_position():
     np.testing.assert_array_equal(runs[0].params["w"], plain.params["w"])
     np.testing.assert_array_equal(runs[1].params["w"], plain.params["w"])
 
+    # A default between x and the flag stays unpassed: jax.jit, which names its static
+    # arguments, would trace it given by position.
+    def deep(params, x, depth=2, train=False):
+        for _ in range(depth):
+            x = x * 1.0
+        return apply(params, x)
+
+    named = jax.jit(deep, static_argnames=("train",))
+    assert fl.trainer((_init, named), SPARSE, "sgd").run(DATA).status == "completed"
+
 
 def test_a_flag_init_requires_gets_its_evaluation_value():
     # haiku's usual `f(x, is_training)`: init takes the flag too, and was called without it.

@@ -121,15 +121,15 @@ def positional_through(
 ) -> tuple[inspect.Parameter, ...]:
     """The parameters `after_x` up to the last of `flags`, to pass by position: a function
     lifted by jax.checkpoint, nn.remat or nn.jit with a flag among its `static_argnums`
-    counts positions only (by keyword the flag is traced). Each between goes as the caller
-    `passed` it or as its default. Empty where they cannot all go so (one keyword-only, or
-    neither passed nor defaulted): then by keyword."""
+    counts positions only (by keyword the flag is traced). Each between must be one fuseloop
+    `passed` (a key): a default passed by position would be traced by a `jax.jit` that
+    names its static arguments. Empty where they cannot all go so: then by keyword."""
     last = max((i for i, p in enumerate(after_x) if p.name in flags), default=-1)
     through = tuple(after_x[: last + 1])
     for parameter in through:
         if parameter.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
             return ()
-        if parameter.name not in passed and parameter.default is inspect.Parameter.empty:
+        if parameter.name not in passed:
             return ()
     return through
 
@@ -137,9 +137,9 @@ def positional_through(
 def split_positional(
     through: tuple[inspect.Parameter, ...], given: dict[str, Any]
 ) -> tuple[list[Any], dict[str, Any]]:
-    """`given` keyword arguments as `(positional, keyword)`: those `through` names (or
-    their defaults) by position, in order, the rest by keyword."""
-    positional = [given.get(p.name, p.default) for p in through]
+    """`given` keyword arguments as `(positional, keyword)`: those `through` names by
+    position, in order, the rest by keyword."""
+    positional = [given[p.name] for p in through]
     names = {p.name for p in through}
     return positional, {k: v for k, v in given.items() if k not in names}
 

@@ -114,6 +114,13 @@ def model_code_error(error: BaseException, doing: str, x: Any = None) -> ValueEr
         True
         >>> model_code_error(TypeError("dot_general requires contracting dims"), "applying it")
     """
+    if "static_argnums" in str(error):  # jax.checkpoint's or nn.remat's, of positions
+        return ValueError(
+            f"model: {doing} fails with {first_line(error)}: the model is lifted with "
+            f"static_argnums (jax.checkpoint, nn.remat), which count positions, and "
+            f"fuseloop passes the train flag by position only where it follows x (or the "
+            f"key it passes) directly: put the flag right after x in the signature"
+        )
     if not _in_model_code(error, x):
         return None
     return ValueError(
