@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import pickle
+import threading
 import warnings
 from collections import OrderedDict
 
@@ -838,6 +839,31 @@ def test_a_value_sown_only_while_training_into_a_collection_init_did_not_make_is
     for dropped in ("intermediates", "losses"):  # dropped as flax drops them
         state = fl.trainer(_SowsWhileTraining(dropped), SPARSE, "adam").run(DATA)
         assert list(state.params) == ["params"]
+
+
+class _Probe(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        self.sow("probe", "mean", x.mean())
+        return x
+
+
+class _AppliesAnotherModuleInAThread(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        probe = lambda: _Probe().apply({}, np.ones(3), mutable=["probe"])  # noqa: E731
+        thread = threading.Thread(target=probe)
+        thread.start()  # while this module is traced: its sow is not this module's
+        thread.join()
+        return nn.Dense(3)(x)
+
+
+def test_a_sow_of_another_thread_while_a_model_is_traced_is_not_the_models():
+    # The recording patches flax for the process: another thread's sow was refused as the
+    # model's own, 5 times out of 5.
+    assert fl.trainer(_AppliesAnotherModuleInAThread(), SPARSE, "adam").run(DATA).status == (
+        "completed"
+    )
 
 
 class _Normalised(nn.Module):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import threading
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -313,10 +314,10 @@ class linen:  # noqa: N801 - reads as a constructor, like the other adapters
         # the run start warns.
         counted = lambda name: name in mutable and name not in ("intermediates", "losses")  # noqa: E731
         with RECORDING, recording_sows(counted) as sown:  # trace time only
-            original = nn.Module.is_mutable_collection
+            original, recorder = nn.Module.is_mutable_collection, threading.get_ident()
 
             def recording(module: Any, name: str) -> bool:
-                if name in mutable:
+                if name in mutable and threading.get_ident() == recorder:
                     asked.append(name)
                 return bool(original(module, name))
 

@@ -21,13 +21,14 @@ RECORDING = threading.RLock()  # reentrant: a model may build another inside its
 @contextlib.contextmanager
 def recording_sows(counted: Callable[[str], bool]) -> Iterator[list[str]]:
     """The collection of each `sow` the block makes that `counted` picks, in a list the
-    block fills (trace time only; one recording at a time)."""
+    block fills (trace time only; one recording at a time, of this thread's sows alone:
+    the patch is the process's, and another thread may be applying a module of its own)."""
     sown: list[str] = []
     with RECORDING:
-        original = nn.Module.sow
+        original, recorder = nn.Module.sow, threading.get_ident()
 
         def sowing(module: Any, name: str, *args: Any, **kwargs: Any) -> Any:
-            if counted(name):
+            if threading.get_ident() == recorder and counted(name):
                 sown.append(name)
             return original(module, name, *args, **kwargs)
 
@@ -39,14 +40,14 @@ def recording_sows(counted: Callable[[str], bool]) -> Iterator[list[str]]:
 
 
 def train_only_sows(module: Any, names: list[str]) -> str:
-    """What is wrong with a module with a train flag that sows, while training only, into
-    collections its init (run in evaluation mode) did not make, and the fix."""
+    """What is wrong with a module with a train flag that sows, while training, into
+    collections the variables it trains with do not hold, and the fix."""
     return (
-        f"model: {type(module).__name__} sows into {names} while training, collections its "
-        f"init (run by fuseloop with the train flag off) did not make: the run trains with "
-        f"the collections init made, so flax would drop every value sown there. Sow on both "
-        f"paths (the value unused when not training), or initialise the variables yourself "
-        f"in training mode and pass them: run(data, module.init({{'params': key, "
-        f"'dropout': key}}, x, train=True)); keep one value per step "
-        f"(sow(..., init_fn=..., reduce_fn=lambda old, new: new))"
+        f"model: {type(module).__name__} sows into {names} while training, collections "
+        f"the variables it trains with do not hold (fuseloop's init runs the model with the "
+        f"train flag off; variables you pass may lack them too): flax would drop every value "
+        f"sown there. Sow on both paths (the value unused when not training), or pass "
+        f"variables that hold them, e.g. run(data, module.init({{'params': key, 'dropout': "
+        f"key}}, x, train=True)); keep one value per step (sow(..., init_fn=..., "
+        f"reduce_fn=lambda old, new: new))"
     )
