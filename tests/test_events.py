@@ -463,9 +463,15 @@ def test_a_step_state_written_in_place_is_judged_as_a_returned_one(event):
     def add_ema(state):
         state.step_state["ema"] = 0.0
 
+    def reset_bias_then_copy(state):  # the copy was compared with the written state
+        reset_bias(state)
+        return "continue", state.replace(step_state=dict(state.step_state))
+
     base = fl.trainer(fl.models.mlp([3]), "sparse_categorical_cross_entropy", "sgd")
+    int_bias = rf"handler of {event} at epoch 0.* in place: .*\['bias'\] is int32 where"
     expected = {
-        reset_bias: rf"handler of {event} at epoch 0.* in place: .*\['bias'\] is int32 where",
+        reset_bias: int_bias,
+        reset_bias_then_copy: int_bias,
         add_ema: rf"handler of {event} at epoch 0.* in place: .*step_state adds \['ema'\]",
     }
     for handler, message in expected.items():

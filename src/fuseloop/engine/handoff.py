@@ -63,11 +63,15 @@ class Handoff:
         built-in step's checks judge as they judge a returned one (`refuse_returned_layout`).
         """
         in_place = step_state is given and _changed(given, before[0])
-        was = jax.tree.unflatten(before[1], before[0]) if in_place else None
-        if in_place and self.bus.fixed:
+        # Written into, then handed back in a copy: the bus compared the copy with the
+        # written state, so the check is made here against the leaves from before.
+        returned = step_state is not given and step_state is not None
+        copied = self.bus.fixed and returned and _changed(given, before[0])
+        was = jax.tree.unflatten(before[1], before[0]) if in_place or copied else None
+        if was is not None and self.bus.fixed:
             subject = f"a handler {at} wrote into the step state in place: state.step_state"
             refuse_returned_layout(was, step_state, subject)
-        self.carry.adopt(step_state, f"a handler {at}", was)
+        self.carry.adopt(step_state, f"a handler {at}", was if in_place else None)
 
 
 def _changed(step_state: Any, before: list[Any]) -> bool:
