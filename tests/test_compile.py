@@ -215,3 +215,12 @@ def test_epoch_handlers_read_the_compiles_so_far(fuse):
     loop.run(DATA, epochs=2, fuse=fuse)
     loop.run(DATA, epochs=2, fuse=fuse)
     assert seen == [1, 1, 0, 0]
+    # A validation before it counts its evaluator's compiles of that epoch.
+    seen.clear()
+    checked = (
+        trainer()
+        .validate(tiny_mlp(), DATA[:3])
+        .handle_event("epoch_completed", lambda s: seen.append(s.stats["compiles"]))
+    )
+    final = checked.run(DATA, epochs=2, fuse=fuse).stats["compiles"]
+    assert seen == [final, final] and final > 1

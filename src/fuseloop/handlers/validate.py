@@ -208,6 +208,7 @@ class Validator:
     def __init__(self, loop: Any, data: Any, fuse: Any = False):
         self.loop, self.data, self.fuse = loop, data, fuse
         self._verdicts: dict[Any, Any] = {}  # the start checks' model verdicts, per signature
+        self.compiled = 0  # the programs the evaluator's last run compiled
 
     def begin(self, state: State) -> None:
         """At the training run's start, checks the validation data as the evaluator would.
@@ -254,6 +255,7 @@ class Validator:
         except Exception as error:
             note_validation(error, "the evaluator's run over")
             raise
+        self.compiled = result.stats["compiles"]
         return dict(result.metrics)
 
     def __call__(self, state: State) -> tuple[Status, State]:
@@ -262,6 +264,9 @@ class Validator:
         if params is None:
             raise ValueError(_no_params(state.step_state))
         measured = silence_stopped(state, self.evaluate(params, state.population))
+        # The training run's count so far, as the next epoch-end handler reads it (the run
+        # counts its evaluators' compiles again at its end: the same total).
+        state.stats["compiles"] = state.stats.get("compiles", 0) + self.compiled
         metrics = dict(state.metrics)
         metrics.update({VALIDATION_PREFIX + name: value for name, value in measured.items()})
         return "continue", state.replace(metrics=metrics)
