@@ -6,6 +6,7 @@ checkpoint."""
 
 from __future__ import annotations
 
+import collections
 import warnings
 
 import jax
@@ -321,11 +322,18 @@ def test_a_resumed_run_leaves_the_given_states_handler_metadata_as_it_was():
         meta.setdefault("mine", {"epochs": []})["epochs"].append(state.epoch)
         return "continue", state.replace(handler_metadata=meta)
 
+    def mark_in_a_defaultdict(state):  # a dict of another kind: a defaultdict
+        meta = dict(state.handler_metadata)
+        meta.setdefault("kept", collections.defaultdict(list))["epochs"].append(state.epoch)
+        return "continue", state.replace(handler_metadata=meta)
+
     loop = trainer().handle_event("epoch_started", mark_epoch)
+    loop = loop.handle_event("epoch_started", mark_in_a_defaultdict)
     data = make_batches(3)
     first = loop.run(data, epochs=1)
     again = loop.run(data, first, epochs=2)
     once_more = loop.run(data, first, epochs=3)
-    assert first.handler_metadata["mine"] == {"epochs": [0]}
-    assert again.handler_metadata["mine"] == {"epochs": [0, 1]}
-    assert once_more.handler_metadata["mine"] == {"epochs": [0, 1, 2]}
+    for key in ("mine", "kept"):
+        assert first.handler_metadata[key] == {"epochs": [0]}
+        assert again.handler_metadata[key] == {"epochs": [0, 1]}
+        assert once_more.handler_metadata[key] == {"epochs": [0, 1, 2]}

@@ -4,6 +4,7 @@ starts with."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from .._state import (
@@ -32,13 +33,23 @@ def resumed_metadata(given: Any) -> dict[str, Any]:
 
 
 def _fresh_containers(value: Any) -> Any:
-    """`value` with its dicts, lists, sets and tuples copied at every depth and the rest
-    (arrays, a held step state) shared: a handler appending to a list it keeps there must
-    not change the State the run resumed from (resuming it again would see the appends)."""
-    if type(value) is dict:
-        return {k: _fresh_containers(v) for k, v in value.items()}
-    if type(value) in (list, tuple, set):
-        return type(value)(_fresh_containers(v) for v in value)
+    """`value` with its dicts, lists, sets and tuples (a `defaultdict`, an `OrderedDict`, a
+    NamedTuple too) copied at every depth and the rest (arrays, a held step state) shared:
+    a handler appending to a list it keeps there must not change the State the run resumed
+    from (resuming it again would see the appends)."""
+    if isinstance(value, dict):
+        mapping = copy.copy(value)  # its kind and its defaults (a defaultdict's factory)
+        mapping.update((k, _fresh_containers(v)) for k, v in value.items())
+        return mapping
+    if isinstance(value, list):
+        sequence = copy.copy(value)
+        sequence[:] = [_fresh_containers(v) for v in value]
+        return sequence
+    if isinstance(value, set):
+        return copy.copy(value)  # its members are hashable: not containers to append to
+    if isinstance(value, tuple):
+        items = [_fresh_containers(v) for v in value]
+        return value._make(items) if hasattr(value, "_make") else type(value)(items)
     return value
 
 
