@@ -90,6 +90,29 @@ def test_an_injected_rate_beside_a_scheduled_one_is_not_reported_as_the_rate():
     assert "learning_rate" not in trainer(tx).run(DATA).metrics
 
 
+def test_an_injected_rate_beside_a_fixed_one_is_neither_reported_nor_reduced():
+    # The fixed group left nothing in the state to count: the injected rate was reported
+    # as the run's, and reduce_lr_on_plateau lowered that group's alone.
+    labels = lambda params: jax.tree.map(lambda leaf: "a" if leaf.ndim == 1 else "b", params)  # noqa: E731
+    injected = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+    beside_fixed = [
+        optax.multi_transform({"a": injected, "b": optax.adam(1e-1)}, labels),
+        optax.partition({"a": injected, "b": optax.sgd(0.5)}, labels),
+        optax.chain(
+            optax.masked(injected, lambda p: jax.tree.map(lambda v: v.ndim == 1, p)),
+            optax.masked(optax.adam(1e-1), lambda p: jax.tree.map(lambda v: v.ndim != 1, p)),
+        ),
+    ]
+    for tx in beside_fixed:
+        assert "learning_rate" not in trainer(tx).run(DATA).metrics
+        with pytest.raises(ValueError, match="part of the params descend at a rate fixed"):
+            trainer(tx).reduce_lr_on_plateau("loss")
+    # A frozen part has no rate: the injected one is the run's.
+    frozen = optax.multi_transform({"a": injected, "b": optax.set_to_zero()}, labels)
+    assert trainer(frozen).run(DATA).metrics["learning_rate"] == pytest.approx(1e-3)
+    trainer(frozen).reduce_lr_on_plateau("loss")
+
+
 @pytest.mark.parametrize("fuse", [False, 4])
 def test_optax_reduce_on_plateau_scales_the_reported_rate(fuse):
     """optax's own plateau transform multiplies the step by its scale: the reported rate is

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ._rate_groups import fixed_rate_groups
 from ._sums import accumulator_dtype
 
 __all__ = [
@@ -374,12 +375,11 @@ def _is_plateau_state(node: Any) -> bool:
 def exposes_learning_rate(tx: Any) -> bool:
     """Whether `learning_rate_of` finds a rate for `tx` (checked on a tiny abstract probe;
     an optimizer whose state depends on the params' structure is taken as not exposing)."""
-    state = abstract_state(tx)
-    if state is None:
+    if (state := abstract_state(tx)) is None:
         return False  # a structure-dependent optimizer: not exposed
     if any(not s.rate for s in _schedules(getattr(tx, "update", None), state)):
         return False  # a scale of its own multiplies the rate: no one number is it
-    if len(find_learning_rates(state)) + _schedule_states(state) > 1:
+    if len(find_learning_rates(state)) + _schedule_states(state) + fixed_rate_groups(state) > 1:
         return False  # several rates (optax.multi_transform): no one number is it
     try:
         return jax.eval_shape(lambda s: learning_rate_of(tx, s), state) is not None
@@ -388,8 +388,7 @@ def exposes_learning_rate(tx: Any) -> bool:
 
 
 def _schedule_states(state: Any) -> int:
-    """How many `scale_by_schedule` states `state` holds anywhere (a multi_transform's
-    groups included, which `_schedules` does not follow): each is a rate of its own."""
+    """How many `scale_by_schedule` states `state` holds anywhere, groups included."""
     is_schedule = lambda node: isinstance(node, optax.ScaleByScheduleState)  # noqa: E731
     return sum(map(is_schedule, jax.tree.leaves(state, is_leaf=is_schedule)))
 

@@ -24,6 +24,7 @@ from .._optim import (
     set_learning_rate,
 )
 from .._optim_probe import rate_is_scheduled, scheduled_hyperparams
+from .._rate_groups import fixed_rate_groups, several_rates_error
 from .._state import RESTORED_KEY, State, without_restored
 from .._step import _trainable
 from .._types import Status
@@ -242,6 +243,8 @@ class ReduceLROnPlateau:
         shapes = abstract_state(tx)
         if shapes is not None and not find_learning_rates(shapes):  # None: checked when run
             raise _fixed_lr_error(shapes)
+        if shapes is not None and fixed_rate_groups(shapes):
+            raise several_rates_error()
         whole = [r.dtype for r in find_learning_rates(shapes or ()) if _whole_number(r)]
         if whole:  # the rate was given as an int: a reduction would round it, 1 * 0.5 to 0
             raise ValueError(
@@ -323,6 +326,8 @@ class ReduceLROnPlateau:
             return
         if "opt_state" in step_state and not find_learning_rates(step_state["opt_state"]):
             raise _fixed_lr_error(step_state["opt_state"])
+        if fixed_rate_groups(step_state.get("opt_state", ())):
+            raise several_rates_error()
         trainable, _ = _trainable(step_state["params"])  # what the trainer's init gives tx.init
         scheduled = scheduled_hyperparams(tx, trainable)
         if scheduled is None:  # a rate it would write might be overwritten in silence

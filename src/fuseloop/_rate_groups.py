@@ -1,0 +1,75 @@
+"""Groups of an optax state that descend at a rate the state does not hold.
+
+`optax.multi_transform` (or `optax.partition`) and `optax.masked` give parts of the params
+transformations of their own. Where one part's rate is injected (`inject_hyperparams`) or
+scheduled and another part has a fixed rate (`optax.adam(1e-1)` beside it), no one number
+is the run's learning rate, and lowering the injected one leaves the other part's as it
+was. A part whose state is empty (`optax.set_to_zero()`, a frozen part) has no rate.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+__all__ = ["fixed_rate_groups", "several_rates_error"]
+
+_PARTS = (optax.MultiTransformState, optax.MaskedState)  # optax.partition's is the first
+
+
+def fixed_rate_groups(opt_state: Any) -> int:
+    """How many parts of `opt_state` descend at a rate it does not hold.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> injected = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+        >>> labels = lambda p: {"w": "a", "v": "b"}
+        >>> params = {"w": jnp.zeros(1), "v": jnp.zeros(1)}
+        >>> frozen = optax.multi_transform({"a": injected, "b": optax.set_to_zero()}, labels)
+        >>> fixed_rate_groups(frozen.init(params))
+        0
+        >>> fixed = optax.multi_transform({"a": injected, "b": optax.adam(1e-1)}, labels)
+        >>> fixed_rate_groups(fixed.init(params))
+        1
+    """
+    found = 0
+    for node in jax.tree.leaves(opt_state, is_leaf=_is_part):
+        if isinstance(node, optax.MaskedState):
+            found += _fixed(node.inner_state)
+        elif _is_part(node):
+            found += sum(_fixed(group) for group in node.inner_states.values())
+    return found
+
+
+def _is_part(node: Any) -> bool:
+    return isinstance(node, _PARTS) or type(node).__name__ == "PartitionState"
+
+
+def _fixed(group: Any) -> int:
+    """1 where `group` (a part's state) descends at a rate it does not hold."""
+    while isinstance(group, optax.MaskedState):
+        group = group.inner_state
+    if isinstance(group, optax.EmptyState):
+        return 0
+    return 0 if any(map(_rate_held, jax.tree.leaves(group, is_leaf=_rate_held))) else 1
+
+
+def _rate_held(node: Any) -> bool:
+    """An injected learning rate (`inject_hyperparams`'s state) or a schedule's state."""
+    held = getattr(node, "hyperparams", None)
+    return isinstance(node, optax.ScaleByScheduleState) or (
+        isinstance(held, dict) and "learning_rate" in held
+    )
+
+
+def several_rates_error() -> ValueError:
+    """reduce_lr_on_plateau's refusal of an optimizer with a part of a fixed rate."""
+    return ValueError(
+        "reduce_lr_on_plateau: part of the params descend at a rate fixed inside this "
+        "optimizer (a group of optax.multi_transform or optax.partition, or an optax.masked "
+        "branch, without optax.inject_hyperparams), so lowering the injected rate would "
+        "leave theirs as it is. Inject learning_rate in every part, freeze a part with "
+        "optax.set_to_zero(), or lower the rates in a handler of your own"
+    )
