@@ -170,6 +170,22 @@ SCRIPT = textwrap.dedent(
             "total_gap": abs(float(summed.step_state["total"]) - float(x.sum())),
         }
 
+    # A per-batch scalar beside the examples (a temperature): replicated, not split.
+    def scaled_step(batch, state):
+        return {"total": state["total"] + (batch[0] * batch[1]).sum()}
+
+    scaled = [(b[0], np.float32(0.5 + i)) for i, b in enumerate(batches)]
+    for fuse in (False, 4):
+        try:
+            totals = [
+                float(fl.loop(scaled_step).run(scaled, {"total": np.float32(0)}, fuse=fuse,
+                                               mesh=m).step_state["total"])
+                for m in (mesh, None)
+            ]
+            out[f"scalar-leaf-{fuse}"] = abs(totals[0] - totals[1]) / abs(totals[1])
+        except Exception as error:
+            out[f"scalar-leaf-{fuse}"] = f"{type(error).__name__}: {error}"
+
     try:
         loop.run(batches, mesh=Mesh(np.array(jax.devices()), ("model",)))
         out["no-data-axis"] = "no error"
@@ -271,6 +287,12 @@ def test_variables_committed_to_different_devices_are_taken_as_from_the_host(
     internal programs."""
     got = findings[f"mixed-{how}-{case}-{where}"]
     assert got is True, got
+
+
+@pytest.mark.parametrize("fuse", [False, 4])
+def test_a_per_batch_scalar_is_replicated_over_the_mesh(findings, fuse):
+    # It was put with the batch axis's sharding, and JAX refused a rank-0 value.
+    assert findings[f"scalar-leaf-{fuse}"] < 1e-6
 
 
 def test_mesh_without_a_data_axis_is_rejected(findings):

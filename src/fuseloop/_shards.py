@@ -144,8 +144,18 @@ def assemble_global(local_tree: Any, sharding: jax.sharding.Sharding) -> Any:
         (4, 2)
     """
     if jax.process_count() == 1:
-        return jax.device_put(local_tree, sharding)
-    return jax.tree.map(lambda leaf: _assemble_leaf(leaf, sharding), local_tree)
+        return jax.device_put(local_tree, jax.tree.map(lambda x: _of(x, sharding), local_tree))
+    return jax.tree.map(lambda leaf: _assemble_leaf(leaf, _of(leaf, sharding)), local_tree)
+
+
+def _of(leaf: Any, sharding: Any) -> Any:
+    """`sharding`, or a replicated one for a leaf without the batch axis it splits (a
+    per-batch scalar; in a chunk, a vector of one per batch), which every device holds."""
+    spec = getattr(sharding, "spec", None)
+    axis = next((i for i, name in enumerate(spec or ()) if name is not None), None)
+    if axis is None or np.ndim(leaf) > axis:
+        return sharding
+    return jax.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
 
 
 def _assemble_leaf(leaf: Any, sharding: jax.sharding.Sharding) -> jax.Array:
