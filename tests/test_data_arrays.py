@@ -233,6 +233,22 @@ def test_device_placement_names_the_dtype_and_the_cast_for_numbers_held_as_objec
         fl.data.arrays(x, np.array(["cat", "dog"])[y % 2], batch_size=8, device=True).put()
 
 
+def test_strings_beside_the_targets_or_in_a_list_are_named_with_the_fix():
+    # Ids kept in y, which a loss of the user's own never reads: JAX's bare TypeError; a
+    # Python list of strings was called "a list of numbers", cast with np.float32.
+    x, y = _xy()
+    ids = np.array([f"img_{i}" for i in range(len(y))])
+    loss = lambda y_true, y_pred: jnp.mean((y_pred[:, 0] - y_true["t"]) ** 2)  # noqa: E731
+    loop = fl.trainer(fl.models.mlp([4, 1]), loss, optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"y\['id'\] has dtype <U\d+, which no device holds"):
+        loop.run(fl.data.arrays(x, {"t": y.astype(np.float32), "id": ids}, batch_size=8))
+    listed = {"a": x, "ids": ids.tolist()}
+    with pytest.raises(ValueError, match=r"x\['ids'\] is a Python list of strings, which no"):
+        fl.data.arrays(listed, y, batch_size=8)
+    with pytest.raises(ValueError, match=r"x\['ids'\] is a Python list of strings, which no"):
+        loop.run([({"a": x[:8], "ids": ids[:8].tolist()}, {"t": y[:8]})])
+
+
 # --------------------------------------------------------------------- in a run
 def _loop():
     return fl.trainer(

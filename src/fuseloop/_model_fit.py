@@ -233,6 +233,8 @@ class ModelFit:
             return
         # Before anything is traced: JAX's own error would name only the dtype.
         wrong = no_device_dtype(x, "x", "the model")
+        if wrong is None and not isinstance(self.program.loss, str):  # a named loss's rule
+            wrong = no_device_dtype(y, "y", "the step")  # says more of its labels' strings
         if wrong is not None:  # `inputs` is "data: x" in a run, "x" in fl.predict
             raise ValueError(f"{self.inputs.removesuffix('x')}{wrong}")
         self.first_x = (x, jax.tree.map(abstract, x))
