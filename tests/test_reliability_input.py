@@ -145,6 +145,21 @@ def test_a_refused_batch_starts_no_iteration_at_any_chunk_size(loop):
     assert seen[False] == seen[1] == seen[4] == ([0, 1, 2, 3, 4], *[{"total": 5, "epoch": 5}] * 2)
 
 
+@pytest.mark.parametrize("fuse", [False, 2])
+def test_a_per_batch_weight_first_given_as_an_int_is_told_to_be_a_float(fuse):
+    # `1`, then `0.5`: the advice was to cast 0.5 to int32, which trains on 0 in silence.
+    def loss(y_true, y_pred):
+        return jnp.mean((y_pred[:, 0] - y_true["t"]) ** 2) * y_true["scale"]
+
+    batches = [
+        (x, {"t": y.astype(np.float32), "scale": s})
+        for (x, y), s in zip(make_batches(4), (1, 0.5, 0.25, 1.0))
+    ]
+    loop = fl.trainer(fl.models.mlp([4, 1]), loss, optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"scale.*gave it as an integer.*float in every batch"):
+        loop.run(batches, fuse=fuse)
+
+
 def test_pytree_leaf_is_named_by_its_path():
     loop = fl.trainer(
         fl.models.from_functions(

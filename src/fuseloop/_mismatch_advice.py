@@ -24,6 +24,12 @@ def mismatch_fix(
     axis); `kind`: the program's ("evaluator" keeps every example); `graph`: the run's
     batches are padded graph batches."""
     if expected[0] == actual[0]:  # the dtype alone differs
+        if _narrows(actual[1], expected[1]):  # a first batch's `1` made the leaf int32
+            return (
+                f"the run's first batch gave it as an integer (a Python 1 becomes int32) and "
+                f"this one as a {actual[1]}: a cast to {expected[1]} would cut its fraction "
+                f"off. Give it as a float in every batch (1.0, or .astype('{actual[1]}'))"
+            )
         fix = f"cast it to {expected[1]} where the batches are made (.astype('{expected[1]}'))"
         if isinstance(actual[1], np.dtype) and actual[1] in (np.int64, np.uint64):
             fix += ", where values beyond its range would wrap: map them into range first"
@@ -54,3 +60,11 @@ def mismatch_fix(
         "uniform: pad sequences to one length (padding='max_length', masked in the "
         "loss), or reshape or cast them"
     )
+
+
+def _narrows(actual: Any, expected: Any) -> bool:
+    """Whether a cast from `actual` to `expected` drops a fraction (a float to an int)."""
+    try:
+        return bool(np.issubdtype(actual, np.inexact) and np.issubdtype(expected, np.integer))
+    except TypeError:  # a dtype numpy does not know (a typed key): not a number cast
+        return False
