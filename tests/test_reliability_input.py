@@ -153,7 +153,7 @@ def test_a_per_batch_weight_first_given_as_an_int_is_told_to_be_a_float(fuse):
 
     batches = [
         (x, {"t": y.astype(np.float32), "scale": s})
-        for (x, y), s in zip(make_batches(4), (1, 0.5, 0.25, 1.0))
+        for (x, y), s in zip(make_batches(4), (1, 0.5, 0.25, 1.0), strict=True)
     ]
     loop = fl.trainer(fl.models.mlp([4, 1]), loss, optax.sgd(0.1))
     with pytest.raises(ValueError, match=r"scale.*gave it as an integer.*float in every batch"):
