@@ -307,6 +307,10 @@ def test_outputs_without_a_row_per_example_and_inputs_without_examples_are_named
     for number in (np.float32(2.0), 2.0):
         with pytest.raises(ValueError, match=r"^x\['t'\] is a scalar \(shape \(\)\).*np\.full"):
             predict(pair, {}, {"a": X, "t": number})
+        # So is it in a list of batches (numpy's "cannot be concatenated" named nothing).
+        batches = [({"a": X[:4], "t": number}, None), ({"a": X[4:8], "t": number}, None)]
+        with pytest.raises(ValueError, match=r"^x\['t'\] is a scalar .*batches.*np\.full"):
+            predict(pair, {}, batches)
 
 
 def test_keras_triples_and_a_populations_params_are_named_as_such(state):

@@ -64,6 +64,15 @@ def inputs_of_source(source: Any) -> tuple[Any, int | list[int], bool]:
             f"x: the batch source's batches have no batch axis; yield arrays (or (x, y) "
             f"pairs) with the examples on axis 0{listed}"
         )
+    leaves = jax.tree_util.tree_flatten_with_path(inputs[0])[0]
+    scalar = next((path for path, leaf in leaves if np.ndim(leaf) == 0), None)
+    if scalar is not None:  # a per-batch value (a temperature): no examples to join
+        raise ValueError(
+            f"x{jax.tree_util.keystr(scalar)} is a scalar (shape ()) in the source's "
+            f"batches, while predict joins every input's examples along axis 0: give it one "
+            f"value per example (np.full(n, value)), or let the model hold a value shared "
+            f"by all of them"
+        )
     _require_alike(inputs)
     joined = jax.tree.map(lambda *parts: np.concatenate(list(map(host, parts))), *inputs)
     sizes = [int(np.shape(jax.tree.leaves(x)[0])[0]) for x in inputs]
