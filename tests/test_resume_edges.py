@@ -327,8 +327,15 @@ def test_a_resumed_run_leaves_the_given_states_handler_metadata_as_it_was():
         meta.setdefault("kept", collections.defaultdict(list))["epochs"].append(state.epoch)
         return "continue", state.replace(handler_metadata=meta)
 
+    def count_epochs(state):  # a Counter: copied as a dict, its values set, not counted
+        meta = dict(state.handler_metadata)
+        meta["counted"] = collections.Counter(meta.get("counted", {}))
+        meta["counted"]["epochs"] += 1
+        return "continue", state.replace(handler_metadata=meta)
+
     loop = trainer().handle_event("epoch_started", mark_epoch)
     loop = loop.handle_event("epoch_started", mark_in_a_defaultdict)
+    loop = loop.handle_event("epoch_started", count_epochs)
     data = make_batches(3)
     first = loop.run(data, epochs=1)
     again = loop.run(data, first, epochs=2)
@@ -337,3 +344,6 @@ def test_a_resumed_run_leaves_the_given_states_handler_metadata_as_it_was():
         assert first.handler_metadata[key] == {"epochs": [0]}
         assert again.handler_metadata[key] == {"epochs": [0, 1]}
         assert once_more.handler_metadata[key] == {"epochs": [0, 1, 2]}
+    assert [s.handler_metadata["counted"] for s in (first, again, once_more)] == [
+        {"epochs": n} for n in (1, 2, 3)
+    ]

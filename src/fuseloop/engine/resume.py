@@ -37,9 +37,17 @@ def _fresh_containers(value: Any) -> Any:
     NamedTuple too) copied at every depth and the rest (arrays, a held step state) shared:
     a handler appending to a list it keeps there must not change the State the run resumed
     from (resuming it again would see the appends)."""
+    try:
+        return _fresh(value)
+    except Exception:  # noqa: BLE001 - a kind that cannot be rebuilt so: shared, as before
+        return value
+
+
+def _fresh(value: Any) -> Any:
     if isinstance(value, dict):
         mapping = copy.copy(value)  # its kind and its defaults (a defaultdict's factory)
-        mapping.update((k, _fresh_containers(v)) for k, v in value.items())
+        for key, item in value.items():  # set, not `update`: a Counter's adds
+            dict.__setitem__(mapping, key, _fresh_containers(item))
         return mapping
     if isinstance(value, list):
         sequence = copy.copy(value)
