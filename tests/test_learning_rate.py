@@ -107,10 +107,24 @@ def test_an_injected_rate_beside_a_fixed_one_is_neither_reported_nor_reduced():
         assert "learning_rate" not in trainer(tx).run(DATA).metrics
         with pytest.raises(ValueError, match="part of the params descend at a rate fixed"):
             trainer(tx).reduce_lr_on_plateau("loss")
-    # A frozen part has no rate: the injected one is the run's.
-    frozen = optax.multi_transform({"a": injected, "b": optax.set_to_zero()}, labels)
-    assert trainer(frozen).run(DATA).metrics["learning_rate"] == pytest.approx(1e-3)
-    trainer(frozen).reduce_lr_on_plateau("loss")
+    # A frozen part has no rate, and parts inside an injected rate descend at it: the
+    # injected rate is the run's.
+    zero_grads = optax.GradientTransformation(
+        lambda params: (), lambda updates, state, params=None: (optax.tree.zeros_like(updates), ())
+    )
+    one_rate = [
+        optax.multi_transform({"a": injected, "b": optax.set_to_zero()}, labels),
+        optax.multi_transform({"a": injected, "b": optax.chain(optax.set_to_zero())}, labels),
+        optax.multi_transform({"a": injected, "b": zero_grads}, labels),
+        optax.inject_hyperparams(
+            lambda learning_rate: optax.multi_transform(
+                {"a": optax.adam(learning_rate), "b": optax.sgd(learning_rate)}, labels
+            )
+        )(learning_rate=1e-3),
+    ]
+    for tx in one_rate:
+        assert trainer(tx).run(DATA).metrics["learning_rate"] == pytest.approx(1e-3)
+        trainer(tx).reduce_lr_on_plateau("loss")
 
 
 @pytest.mark.parametrize("fuse", [False, 4])

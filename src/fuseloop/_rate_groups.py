@@ -4,7 +4,10 @@
 transformations of their own. Where one part's rate is injected (`inject_hyperparams`) or
 scheduled and another part has a fixed rate (`optax.adam(1e-1)` beside it), no one number
 is the run's learning rate, and lowering the injected one leaves the other part's as it
-was. A part whose state is empty (`optax.set_to_zero()`, a frozen part) has no rate.
+was. A part whose state is empty (`optax.set_to_zero()`, alone or in a chain, or a
+zero-gradient transformation of the user's own with state `()`: a frozen part) has no
+rate; a part inside an injected rate's state descends at that rate. A part that only
+scales (`optax.scale(k)`) has an empty state too, so it is taken as frozen.
 """
 
 from __future__ import annotations
@@ -35,24 +38,28 @@ def fixed_rate_groups(opt_state: Any) -> int:
         1
     """
     found = 0
-    for node in jax.tree.leaves(opt_state, is_leaf=_is_part):
+    for node in jax.tree.leaves(opt_state, is_leaf=_part_or_rate):
         if isinstance(node, optax.MaskedState):
             found += _fixed(node.inner_state)
         elif _is_part(node):
             found += sum(_fixed(group) for group in node.inner_states.values())
-    return found
+    return found  # parts inside an injected rate's state descend at that rate: not walked
 
 
 def _is_part(node: Any) -> bool:
     return isinstance(node, _PARTS) or type(node).__name__ == "PartitionState"
 
 
+def _part_or_rate(node: Any) -> bool:
+    return _is_part(node) or _rate_held(node)
+
+
 def _fixed(group: Any) -> int:
     """1 where `group` (a part's state) descends at a rate it does not hold."""
     while isinstance(group, optax.MaskedState):
         group = group.inner_state
-    if isinstance(group, optax.EmptyState):
-        return 0
+    if group == () or isinstance(group, optax.EmptyState) or group == (optax.EmptyState(),):
+        return 0  # set_to_zero(), alone or in a chain, or a zero_grads() of its own
     return 0 if any(map(_rate_held, jax.tree.leaves(group, is_leaf=_rate_held))) else 1
 
 
