@@ -89,6 +89,10 @@ def test_a_static_flag_after_the_key_goes_by_position():
 
     named = jax.jit(deep, static_argnames=("train",))
     assert fl.trainer((_init, named), SPARSE, "sgd").run(DATA).status == "completed"
+    # static_argnums past the arguments given: jax's refusal is told as the model's.
+    beyond = jax.checkpoint(apply, static_argnums=(5,))
+    with pytest.raises(ValueError, match=r"^model: .*check static_argnums against the sig"):
+        fl.trainer((_init, beyond), SPARSE, "sgd").run(DATA)
 
 
 def test_a_flag_init_requires_gets_its_evaluation_value():

@@ -509,12 +509,15 @@ class _ScaledTrainsByDefault(nn.Module):
         return nn.Dropout(0.5, deterministic=not train)(nn.Dense(3)(x) * scale)
 
 
-def test_a_lifted_linen_modules_static_flag_after_another_argument_is_told_where_to_go():
-    # Its flag goes by keyword (a default passed by position would be traced by a jit):
-    # the static_argnums refusal was blamed on x's shape.
+def test_a_lifted_linen_modules_flag_after_another_argument_goes_by_position():
+    # The flag went by keyword unless right after x, so static_argnums=(3,) failed.
     lifted = nn.remat(_ScaledTrainsByDefault, static_argnums=(3,))()
-    with pytest.raises(ValueError, match=r"^model: .*static_argnums.*right after x"):
-        fl.trainer(lifted, SPARSE, "adam").run(DATA)
+    runs = [fl.trainer(lifted, SPARSE, "adam").run(DATA, fuse=fuse) for fuse in (False, 2)]
+    assert_tree_equal(runs[0].step_state, runs[1].step_state)
+    evaluated = lifted.apply(runs[0].params, DATA[0][0], 1.0, False)
+    np.testing.assert_allclose(fl.predict(lifted, runs[0], DATA[0][0]), evaluated, atol=1e-6)
+    trained = fl.models.trained(lifted, runs[0])
+    np.testing.assert_array_equal(trained(DATA[0][0]), evaluated)
 
 
 def test_trained_refuses_what_is_not_the_models_variables_when_called():

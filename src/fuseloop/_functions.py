@@ -84,7 +84,9 @@ def _flags_at(
     last flag, to pass by position (`positional_through`), where the callable itself (not
     the function a `functools.wraps` wrapper names) takes that many positional arguments;
     empty: by keyword."""
-    through = positional_through(list(parameters.values())[index:], passed, flags)
+    # A jax.jit (it has `.lower`) would trace a default given by position.
+    defaults = not hasattr(fn, "lower")
+    through = positional_through(list(parameters.values())[index:], passed, flags, defaults)
     if not through:
         return ()
     try:  # a wrapper `(params, x, **kw)` takes the flag by name only

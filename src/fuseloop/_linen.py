@@ -110,27 +110,34 @@ def _rng_stream(error: BaseException) -> str | None:
     return found.group(1) if found else None
 
 
-def flag_after_x(cls: Any, flags: Mapping[str, Any]) -> tuple[inspect.Parameter, ...]:
+def flag_after_x(
+    cls: Any, flags: Mapping[str, Any], defaults: bool = True
+) -> tuple[inspect.Parameter, ...]:
     """The parameters of `cls.__call__` after x to pass by position so that its flags go
     by position (`positional_through`); empty: by keyword."""
     after_x = list(inspect.signature(cls.__call__).parameters.values())[2:]
-    return positional_through(after_x, flags, flags)
+    return positional_through(after_x, flags, flags, defaults)
 
 
 def positional_through(
-    after_x: list[inspect.Parameter], passed: Collection[str], flags: Collection[str]
+    after_x: list[inspect.Parameter],
+    passed: Collection[str],
+    flags: Collection[str],
+    defaults: bool = True,
 ) -> tuple[inspect.Parameter, ...]:
     """The parameters `after_x` up to the last of `flags`, to pass by position: a function
     lifted by jax.checkpoint, nn.remat or nn.jit with a flag among its `static_argnums`
-    counts positions only (by keyword the flag is traced). Each between must be one fuseloop
-    `passed` (a key): a default passed by position would be traced by a `jax.jit` that
-    names its static arguments. Empty where they cannot all go so: then by keyword."""
+    counts positions only (by keyword the flag is traced). Each between is one fuseloop
+    `passed` (a key) or, with `defaults`, goes as its default: not for a `jax.jit` that
+    names its static arguments, which would trace it. Empty where they cannot all go so:
+    then by keyword."""
     last = max((i for i, p in enumerate(after_x) if p.name in flags), default=-1)
     through = tuple(after_x[: last + 1])
     for parameter in through:
         if parameter.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
             return ()
-        if parameter.name not in passed:
+        given = parameter.name in passed
+        if not (given or (defaults and parameter.default is not inspect.Parameter.empty)):
             return ()
     return through
 
@@ -138,9 +145,9 @@ def positional_through(
 def split_positional(
     through: tuple[inspect.Parameter, ...], given: dict[str, Any]
 ) -> tuple[list[Any], dict[str, Any]]:
-    """`given` keyword arguments as `(positional, keyword)`: those `through` names by
-    position, in order, the rest by keyword."""
-    positional = [given[p.name] for p in through]
+    """`given` keyword arguments as `(positional, keyword)`: those `through` names (or
+    their defaults) by position, in order, the rest by keyword."""
+    positional = [given.get(p.name, p.default) for p in through]
     names = {p.name for p in through}
     return positional, {k: v for k, v in given.items() if k not in names}
 

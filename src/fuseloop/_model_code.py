@@ -116,10 +116,11 @@ def model_code_error(error: BaseException, doing: str, x: Any = None) -> ValueEr
     """
     if "static_argnums" in str(error):  # jax.checkpoint's or nn.remat's, of positions
         return ValueError(
-            f"model: {doing} fails with {first_line(error)}: the model is lifted with "
-            f"static_argnums (jax.checkpoint, nn.remat), which count positions, and "
-            f"fuseloop passes the train flag by position only where it follows x (or the "
-            f"key it passes) directly: put the flag right after x in the signature"
+            f"model: {doing} fails with {first_line(error)}: the model is wrapped with "
+            f"static_argnums (jax.checkpoint, nn.remat), which count positions. fuseloop "
+            f"passes x, then a train flag and a key where the signature names them, by "
+            f"position as far as the last flag, the rest by keyword: check static_argnums "
+            f"against the signature"
         )
     if not _in_model_code(error, x):
         return None

@@ -22,6 +22,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import flax.linen as nn
+
 from ._equinox import from_equinox, plain_module
 from ._linen import flag_after_x, flag_values, linen, split_positional
 from ._mode_switch import switched_to_training
@@ -105,7 +107,8 @@ def _subclass(cls: Any, flags: tuple[tuple[str, bool], ...], pickles: bool = Tru
 
 def _make_subclass(cls: Any, flags: tuple[tuple[str, bool], ...], pickles: bool) -> type:
     call = cls.__call__
-    by_position = flag_after_x(cls, dict(flags))  # (as the adapters pass them)
+    # As the adapters pass them; an nnx or equinox call may be jitted by name (nnx.jit).
+    by_position = flag_after_x(cls, dict(flags), defaults=issubclass(cls, nn.Module))
 
     @functools.wraps(call)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
