@@ -311,6 +311,12 @@ def test_outputs_without_a_row_per_example_and_inputs_without_examples_are_named
         batches = [({"a": X[:4], "t": number}, None), ({"a": X[4:8], "t": number}, None)]
         with pytest.raises(ValueError, match=r"^x\['t'\] is a scalar .*batches.*np\.full"):
             predict(pair, {}, batches)
+        # Sorted first among x's keys, or in a later batch only (review71).
+        first = [({"a": number, "b": X[:4]}, None)]
+        later = [({"a": X[:4], "t": X[:4, 0]}, None), ({"a": X[4:8], "t": number}, None)]
+        for found, source in (("a", first), ("t", later)):
+            with pytest.raises(ValueError, match=rf"^x\['{found}'\] is a scalar .*batches"):
+                predict(pair, {}, source)
 
 
 def test_keras_triples_and_a_populations_params_are_named_as_such(state):

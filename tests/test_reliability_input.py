@@ -158,6 +158,9 @@ def test_a_per_batch_weight_first_given_as_an_int_is_told_to_be_a_float(fuse):
     loop = fl.trainer(fl.models.mlp([4, 1]), loss, optax.sgd(0.1))
     with pytest.raises(ValueError, match=r"scale.*gave it as an integer.*float in every batch"):
         loop.run(batches, fuse=fuse)
+    batches[1] = (batches[1][0], {**batches[1][1], "scale": jnp.bfloat16(0.5)})  # jnp's float
+    with pytest.raises(ValueError, match=r"scale.*gave it as an integer.*float in every batch"):
+        loop.run(batches, fuse=fuse)
 
 
 def test_pytree_leaf_is_named_by_its_path():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["mismatch_fix"]
@@ -64,7 +65,8 @@ def mismatch_fix(
 
 def _narrows(actual: Any, expected: Any) -> bool:
     """Whether a cast from `actual` to `expected` drops a fraction (a float to an int)."""
-    try:
-        return bool(np.issubdtype(actual, np.inexact) and np.issubdtype(expected, np.integer))
-    except TypeError:  # a dtype numpy does not know (a typed key): not a number cast
+    try:  # jnp's: bfloat16 is a float there; a bool keeps no fraction either
+        whole = jnp.issubdtype(expected, jnp.integer) or jnp.issubdtype(expected, jnp.bool_)
+        return bool(jnp.issubdtype(actual, jnp.inexact) and whole)
+    except TypeError:  # a dtype jax does not know: not a number cast
         return False

@@ -50,6 +50,16 @@ def inputs_of_source(source: Any) -> tuple[Any, int | list[int], bool]:
         wrapped.close()
     if not inputs:
         raise ValueError("x: the batch source yielded no batch; there is nothing to predict")
+    for x in inputs:  # a per-batch value (a temperature): no examples to join
+        leaves = jax.tree_util.tree_flatten_with_path(x)[0]
+        scalar = next((path for path, leaf in leaves if np.ndim(leaf) == 0), None)
+        if scalar is not None and any(np.ndim(leaf) >= 1 for _, leaf in leaves):
+            raise ValueError(
+                f"x{jax.tree_util.keystr(scalar)} is a scalar (shape ()) in the source's "
+                f"batches, while predict joins every input's examples along axis 0: give it "
+                f"one value per example (np.full(n, value)), or let the model hold a value "
+                f"shared by all of them"
+            )
     first = jax.tree.leaves(inputs[0])
     size = int(np.shape(first[0])[0]) if first and np.ndim(first[0]) >= 1 else 0
     if size == 0:
@@ -63,15 +73,6 @@ def inputs_of_source(source: Any) -> tuple[Any, int | list[int], bool]:
         raise ValueError(
             f"x: the batch source's batches have no batch axis; yield arrays (or (x, y) "
             f"pairs) with the examples on axis 0{listed}"
-        )
-    leaves = jax.tree_util.tree_flatten_with_path(inputs[0])[0]
-    scalar = next((path for path, leaf in leaves if np.ndim(leaf) == 0), None)
-    if scalar is not None:  # a per-batch value (a temperature): no examples to join
-        raise ValueError(
-            f"x{jax.tree_util.keystr(scalar)} is a scalar (shape ()) in the source's "
-            f"batches, while predict joins every input's examples along axis 0: give it one "
-            f"value per example (np.full(n, value)), or let the model hold a value shared "
-            f"by all of them"
         )
     _require_alike(inputs)
     joined = jax.tree.map(lambda *parts: np.concatenate(list(map(host, parts))), *inputs)
