@@ -1,7 +1,7 @@
 """What a flax.linen module sows while a training step is traced, where flax would drop
 the value in silence: `sow` asks its scope, not the module, whether the collection may
 change, and returns False where it may not. fuseloop trains with the collections the
-module's init made, so a value sown into another stays unseen (docs/models.md)."""
+module's init made, so a value sown into another stays unseen (the README's tour: collections)."""
 
 from __future__ import annotations
 
