@@ -861,12 +861,30 @@ class _AppliesAnotherModuleInAThread(nn.Module):
         return nn.Dense(3)(x)
 
 
-def test_a_sow_of_another_thread_while_a_model_is_traced_is_not_the_models():
+class _AsksToWrite(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        self.is_mutable_collection("batch_stats")  # as flax's own layers ask before a write
+        return x
+
+
+class _FrozenWhileAnotherThreadAsks(nn.Module):
+    """No flag, a frozen BatchNorm: its collection is read, never written."""
+
+    @nn.compact
+    def __call__(self, x):
+        ask = lambda: _AsksToWrite().apply({}, np.ones(3), mutable=["batch_stats"])  # noqa: E731
+        thread = threading.Thread(target=ask)
+        thread.start()
+        thread.join()
+        return nn.BatchNorm(use_running_average=True)(nn.Dense(3)(x))
+
+
+def test_a_sow_or_write_of_another_thread_while_a_model_is_traced_is_not_the_models():
     # The recording patches flax for the process: another thread's sow was refused as the
-    # model's own, 5 times out of 5.
-    assert fl.trainer(_AppliesAnotherModuleInAThread(), SPARSE, "adam").run(DATA).status == (
-        "completed"
-    )
+    # model's own, 5 times out of 5, and so was its question before a write.
+    for model in (_AppliesAnotherModuleInAThread(), _FrozenWhileAnotherThreadAsks()):
+        assert fl.trainer(model, SPARSE, "adam").run(DATA).status == "completed"
 
 
 class _Normalised(nn.Module):
