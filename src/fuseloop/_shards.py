@@ -10,6 +10,7 @@ See docs/distributed.md.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -143,19 +144,22 @@ def assemble_global(local_tree: Any, sharding: jax.sharding.Sharding) -> Any:
         >>> assemble_global({"x": np.ones((4, 2))}, sharding)["x"].shape
         (4, 2)
     """
+    of = _per_leaf(sharding)
     if jax.process_count() == 1:
-        return jax.device_put(local_tree, jax.tree.map(lambda x: _of(x, sharding), local_tree))
-    return jax.tree.map(lambda leaf: _assemble_leaf(leaf, _of(leaf, sharding)), local_tree)
+        return jax.device_put(local_tree, jax.tree.map(of, local_tree))
+    return jax.tree.map(lambda leaf: _assemble_leaf(leaf, of(leaf)), local_tree)
 
 
-def _of(leaf: Any, sharding: Any) -> Any:
-    """`sharding`, or a replicated one for a leaf without the batch axis it splits (a
-    per-batch scalar; in a chunk, a vector of one per batch), which every device holds."""
+def _per_leaf(sharding: Any) -> Callable[[Any], Any]:
+    """A leaf's sharding: `sharding`, or a replicated one for a leaf without the batch axis
+    it splits (a per-batch scalar; in a chunk, a vector of one per batch), which every
+    device holds. The axis is read from `sharding` once, not once per leaf."""
     spec = getattr(sharding, "spec", None)
     axis = next((i for i, name in enumerate(spec or ()) if name is not None), None)
-    if axis is None or np.ndim(leaf) > axis:
-        return sharding
-    return jax.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    if axis is None:
+        return lambda leaf: sharding
+    replicated = jax.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return lambda leaf: sharding if np.ndim(leaf) > axis else replicated
 
 
 def _assemble_leaf(leaf: Any, sharding: jax.sharding.Sharding) -> jax.Array:
