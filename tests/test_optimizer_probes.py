@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import fuseloop as fl
-from fuseloop._optim import inject_states
+from fuseloop._rate_groups import inject_states
 
 LOSS = "sparse_categorical_cross_entropy"
 _rng = np.random.default_rng(0)

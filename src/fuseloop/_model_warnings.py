@@ -32,7 +32,7 @@ import numpy as np
 
 from ._class_labels import ClassLabels, class_label_rule
 from ._metrics import CLASSIFYING
-from ._optim import inject_states
+from ._rate_groups import inject_states
 from ._step import split_batch, warn_sown_losses
 from ._warn import warn
 

@@ -79,9 +79,7 @@ def refuse_param_writes(
     keeps it. A Param holding another value than it was given may hold the same one: one
     `passed_on()` names (asked only then) went through `nnx.remat` unchanged."""
     written = [path for path, value in given.items() if now.get(path) is not value]
-    if written:
-        kept = passed_on()
-        written = [path for path in written if path not in kept]
+    written = _not_passed_on(written, passed_on)
     if written:
         names = ", ".join(".".join(str(key) for key in path) for path in written)
         raise ModelConventionError(
@@ -94,6 +92,16 @@ def refuse_param_writes(
             f"optax.projections has common ones), or hold a value that is not trained in "
             f"another nnx.Variable (e.g. nnx.BatchStat)"
         )
+
+
+def _not_passed_on(changed: list[Any], passed_on: Callable[[], set[Any]]) -> list[Any]:
+    """`changed` (paths holding another value than before the call) less those `passed_on()`
+    names: handed back unchanged by `nnx.remat` or `nnx.jit`. Asked only if any changed,
+    as it traces the call once more."""
+    if not changed:
+        return changed
+    kept = passed_on()
+    return [path for path in changed if path not in kept]
 
 
 def param_values(module: Any) -> dict[Any, Any]:
@@ -157,9 +165,7 @@ def refuse_eval_draws(
     (nor does linen's, which is given none), so every batch would draw the same numbers.
     A count `passed_on()` names went through `nnx.remat` unchanged: nothing was drawn."""
     paths = [path for path, (_, count) in after.items() if count is not before.get(path, ("",))[-1]]
-    if paths:
-        kept = passed_on()
-        paths = [path for path in paths if path not in kept]
+    paths = _not_passed_on(paths, passed_on)
     if not paths or not output_reads_draws():
         return
     drawn = sorted({after[path][0] for path in paths})

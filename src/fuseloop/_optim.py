@@ -21,15 +21,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._rate_groups import fixed_rate_groups
+from ._rate_groups import (
+    find_learning_rates,
+    fixed_rate_groups,
+    map_injected_rates,
+    schedule_states,
+)
 from ._sums import accumulator_dtype
 
 __all__ = [
     "OPTIMIZERS",
     "resolve_optimizer",
     "abstract_state",
-    "find_learning_rates",
-    "inject_states",
     "learning_rate_of",
     "exposes_learning_rate",
     "set_learning_rate",
@@ -43,15 +46,6 @@ OPTIMIZERS: dict[str, tuple[Callable[..., optax.GradientTransformation], float]]
     "adam": (optax.adam, 1e-3),
     "adamw": (optax.adamw, 1e-3),
 }
-
-_INJECT_STATES = tuple(
-    cls
-    for cls in (
-        getattr(optax, "InjectHyperparamsState", None),
-        getattr(optax, "InjectStatefulHyperparamsState", None),
-    )
-    if cls is not None
-)
 
 
 def _to_float32(tree: Any) -> Any:
@@ -223,17 +217,6 @@ def _extra_args_error(error: TypeError) -> BaseException:
     return error
 
 
-def _is_inject_state(node: Any) -> bool:
-    return isinstance(node, _INJECT_STATES)
-
-
-def inject_states(opt_state: Any) -> list[Any]:
-    """The `optax.inject_hyperparams` states inside an optax state, in order (chains,
-    groups and wrappers included)."""
-    leaves = jax.tree.leaves(opt_state, is_leaf=_is_inject_state)
-    return [node for node in leaves if _is_inject_state(node)]
-
-
 def abstract_state(tx: Any) -> Any | None:
     """`tx`'s state for a tiny stand-in of params, found abstractly (nothing runs); None
     for an optimizer whose structure depends on the params' own (e.g. a pytree of labels).
@@ -262,36 +245,15 @@ def _abstract_state(tx: Any) -> Any | None:
         return None
 
 
-def find_learning_rates(opt_state: Any) -> list[Any]:
-    """The `learning_rate` hyperparameters found in an optax state (chains included).
-
-    Example:
-        >>> import optax, jax.numpy as jnp
-        >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)
-        >>> [float(lr) for lr in find_learning_rates(tx.init(jnp.zeros(2)))]
-        [0.5]
-    """
-    return [
-        n.hyperparams["learning_rate"]
-        for n in inject_states(opt_state)
-        if "learning_rate" in n.hyperparams
-    ]
-
-
 def set_learning_rate(opt_state: Any, scale: float, floor: float) -> Any:
     """`opt_state` with every injected learning rate set to max(lr * scale, floor)."""
 
-    def change(node: Any) -> Any:
-        if not (_is_inject_state(node) and "learning_rate" in node.hyperparams):
-            return node
-        old = node.hyperparams["learning_rate"]
+    def change(old: Any) -> Any:
         # Computed on the host in float64 and cast once, so the result is a pure function
         # of the old value: the same in a fused and an unfused run.
-        new = max(float(np.asarray(old)) * scale, floor)
-        hyperparams = {**node.hyperparams, "learning_rate": jnp.asarray(new, old.dtype)}
-        return node._replace(hyperparams=hyperparams)
+        return jnp.asarray(max(float(np.asarray(old)) * scale, floor), old.dtype)
 
-    return jax.tree.map(change, opt_state, is_leaf=_is_inject_state)
+    return map_injected_rates(opt_state, change)
 
 
 class _Schedule(NamedTuple):
@@ -379,18 +341,12 @@ def exposes_learning_rate(tx: Any) -> bool:
         return False  # a structure-dependent optimizer: not exposed
     if any(not s.rate for s in _schedules(getattr(tx, "update", None), state)):
         return False  # a scale of its own multiplies the rate: no one number is it
-    if len(find_learning_rates(state)) + _schedule_states(state) + fixed_rate_groups(state) > 1:
+    if len(find_learning_rates(state)) + schedule_states(state) + fixed_rate_groups(state) > 1:
         return False  # several rates (optax.multi_transform): no one number is it
     try:
         return jax.eval_shape(lambda s: learning_rate_of(tx, s), state) is not None
     except Exception:  # noqa: BLE001 - a state learning_rate_of cannot read: not exposed
         return False
-
-
-def _schedule_states(state: Any) -> int:
-    """How many `scale_by_schedule` states `state` holds anywhere, groups included."""
-    is_schedule = lambda node: isinstance(node, optax.ScaleByScheduleState)  # noqa: E731
-    return sum(map(is_schedule, jax.tree.leaves(state, is_leaf=is_schedule)))
 
 
 def has_schedule(tx: Any) -> bool:

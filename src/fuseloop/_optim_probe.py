@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._optim import _is_inject_state, inject_states, optimizer_update
+from ._optim import optimizer_update
+from ._rate_groups import inject_states, is_inject_state
 
 __all__ = ["rate_is_scheduled", "scheduled_hyperparams"]
 
@@ -74,7 +75,7 @@ def scheduled_hyperparams(
 
 def _marked_init(tx: Any, params: Any) -> Any:
     """`tx`'s state with a marker in every injected hyperparameter."""
-    return jax.tree.map(_mark, tx.init(params), is_leaf=_is_inject_state)
+    return jax.tree.map(_mark, tx.init(params), is_leaf=is_inject_state)
 
 
 # The probe's gradient, in every floating leaf: small (a MultiSteps' should_skip_update_fn
@@ -171,7 +172,7 @@ def _applying(tx: Any) -> Any:
 
 
 def _mark(node: Any) -> Any:
-    if not _is_inject_state(node):
+    if not is_inject_state(node):
         return node
     marked = {
         name: jnp.asarray(_MARKER, value.dtype)

@@ -1,4 +1,11 @@
-"""Groups of an optax state that descend at a rate the state does not hold.
+"""Where an optax state holds its learning rate, and the parts that descend at one it
+does not hold.
+
+A rate is held by `optax.inject_hyperparams`'s state (its `hyperparams["learning_rate"]`)
+or by a schedule's (`ScaleByScheduleState`); every reader and writer of the rate (the
+`learning_rate` metric, `reduce_lr_on_plateau` solo, on the device and per member, a
+population's hyperparameters) finds it through the functions here, so they agree on
+what counts.
 
 `optax.multi_transform` (or `optax.partition`) and `optax.masked` give parts of the params
 transformations of their own. Where one part's rate is injected (`inject_hyperparams`) or
@@ -12,12 +19,91 @@ scales (`optax.scale(k)`) has an empty state too, so it is taken as frozen.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import optax
 
-__all__ = ["fixed_rate_groups", "several_rates_error"]
+__all__ = [
+    "find_learning_rates",
+    "fixed_rate_groups",
+    "holds_injected_rate",
+    "inject_states",
+    "is_inject_state",
+    "map_injected_rates",
+    "schedule_states",
+    "several_rates_error",
+]
+
+_INJECT_STATES = tuple(
+    cls
+    for cls in (
+        getattr(optax, "InjectHyperparamsState", None),
+        getattr(optax, "InjectStatefulHyperparamsState", None),
+    )
+    if cls is not None
+)
+
+
+def is_inject_state(node: Any) -> bool:
+    """Whether `node` is an `optax.inject_hyperparams` state (whatever it injects)."""
+    return isinstance(node, _INJECT_STATES)
+
+
+def holds_injected_rate(node: Any) -> bool:
+    """Whether `node` is an `optax.inject_hyperparams` state injecting `learning_rate`."""
+    return is_inject_state(node) and "learning_rate" in node.hyperparams
+
+
+def inject_states(opt_state: Any) -> list[Any]:
+    """The `optax.inject_hyperparams` states inside an optax state, in order (chains,
+    groups and wrappers included)."""
+    leaves = jax.tree.leaves(opt_state, is_leaf=is_inject_state)
+    return [node for node in leaves if is_inject_state(node)]
+
+
+def find_learning_rates(opt_state: Any) -> list[Any]:
+    """The `learning_rate` hyperparameters found in an optax state (chains included).
+
+    Example:
+        >>> import optax, jax.numpy as jnp
+        >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)
+        >>> [float(lr) for lr in find_learning_rates(tx.init(jnp.zeros(2)))]
+        [0.5]
+    """
+    return [
+        n.hyperparams["learning_rate"]
+        for n in inject_states(opt_state)
+        if "learning_rate" in n.hyperparams
+    ]
+
+
+def map_injected_rates(opt_state: Any, change: Callable[[Any], Any]) -> Any:
+    """`opt_state` with each injected learning rate `old` replaced by `change(old)`.
+
+    Example:
+        >>> import optax, jax.numpy as jnp
+        >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)
+        >>> halved = map_injected_rates(tx.init(jnp.zeros(2)), lambda old: old / 2)
+        >>> [float(lr) for lr in find_learning_rates(halved)]
+        [0.25]
+    """
+
+    def replace(node: Any) -> Any:
+        if not holds_injected_rate(node):
+            return node
+        new = change(node.hyperparams["learning_rate"])
+        return node._replace(hyperparams={**node.hyperparams, "learning_rate": new})
+
+    return jax.tree.map(replace, opt_state, is_leaf=is_inject_state)
+
+
+def schedule_states(state: Any) -> int:
+    """How many `scale_by_schedule` states `state` holds anywhere, groups included."""
+    is_schedule = lambda node: isinstance(node, optax.ScaleByScheduleState)  # noqa: E731
+    return sum(map(is_schedule, jax.tree.leaves(state, is_leaf=is_schedule)))
+
 
 _PARTS = (optax.MultiTransformState, optax.MaskedState)  # optax.partition's is the first
 
@@ -65,10 +151,7 @@ def _fixed(group: Any) -> int:
 
 def _rate_held(node: Any) -> bool:
     """An injected learning rate (`inject_hyperparams`'s state) or a schedule's state."""
-    held = getattr(node, "hyperparams", None)
-    return isinstance(node, optax.ScaleByScheduleState) or (
-        isinstance(held, dict) and "learning_rate" in held
-    )
+    return isinstance(node, optax.ScaleByScheduleState) or holds_injected_rate(node)
 
 
 def several_rates_error() -> ValueError:

@@ -29,7 +29,7 @@ from jax import lax
 from .._events import ALWAYS, ITERATION_EVENTS, Event, Registration
 from .._fusion import make_chunk_fn
 from .._metrics import VALIDATION_PREFIX
-from .._optim import _is_inject_state, find_learning_rates
+from .._rate_groups import find_learning_rates, map_injected_rates
 from .._step import init_tail, make_carry_step
 from .._sums import accumulated, accumulator_dtype
 from .device_checkpoint import keep_best, kept_start
@@ -334,14 +334,7 @@ def _plateau_update(
 
 
 def _with_rate(state: Any, rate: Any) -> Any:
-    def change(node: Any) -> Any:
-        if not (_is_inject_state(node) and "learning_rate" in node.hyperparams):
-            return node
-        old = node.hyperparams["learning_rate"]
-        hyperparams = {**node.hyperparams, "learning_rate": rate.astype(old.dtype)}
-        return node._replace(hyperparams=hyperparams)
-
-    opt_state = jax.tree.map(change, state["opt_state"], is_leaf=_is_inject_state)
+    opt_state = map_injected_rates(state["opt_state"], lambda old: rate.astype(old.dtype))
     return {**state, "opt_state": opt_state}
 
 

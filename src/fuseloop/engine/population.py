@@ -18,6 +18,7 @@ import numpy as np
 
 from .._metrics import read_metric
 from .._placement import device_signature, on_one_device_set
+from .._rate_groups import is_inject_state
 from .._step import _trainable as trainable
 from .._step import init_tail, trainer_program
 from .._warn import warn
@@ -46,10 +47,8 @@ __all__ = [
 
 
 def _set_hyperparams(opt_state: Any, values: dict[str, Any]) -> Any:
-    from .._optim import _is_inject_state
-
     def change(node: Any) -> Any:
-        if not _is_inject_state(node):
+        if not is_inject_state(node):
             return node
         hyper = dict(node.hyperparams)
         for name, value in values.items():
@@ -57,7 +56,7 @@ def _set_hyperparams(opt_state: Any, values: dict[str, Any]) -> Any:
                 hyper[name] = jnp.asarray(value, jnp.result_type(hyper[name]))
         return node._replace(hyperparams=hyper)
 
-    return jax.tree.map(change, opt_state, is_leaf=_is_inject_state)
+    return jax.tree.map(change, opt_state, is_leaf=is_inject_state)
 
 
 # ----------------------------------------------------------------- device programs

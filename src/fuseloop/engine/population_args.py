@@ -16,8 +16,9 @@ import numpy as np
 
 from .._arg_types import is_int
 from .._epoch_order import prng_impl
-from .._optim import abstract_state, inject_states
+from .._optim import abstract_state
 from .._optim_probe import scheduled_hyperparams
+from .._rate_groups import inject_states
 
 __all__ = ["Population", "RECORD_KEY", "resolve_population"]
 

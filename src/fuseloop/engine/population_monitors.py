@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._copies import private_copy
-from .._optim import _is_inject_state, find_learning_rates
 from .._population import halt_members, per_member, population_record
+from .._rate_groups import find_learning_rates, map_injected_rates
 from .._state import RESTORED_KEY, without_restored
 from .._types import Status
 from .._warn import warn
@@ -312,18 +312,13 @@ def _set_member_rates(opt_state: Any, reduce: np.ndarray, handler: Any) -> Any:
     """`opt_state` with the learning rate of the members in `reduce` lowered once, each as
     `set_learning_rate` lowers a solo run's (on the host in float64, cast once)."""
 
-    def change(node: Any) -> Any:
-        if not (_is_inject_state(node) and "learning_rate" in node.hyperparams):
-            return node
-        old = node.hyperparams["learning_rate"]
+    def change(old: Any) -> Any:
         # Host read: the rates being lowered (an epoch with a reduction due).
         host = np.asarray(old)
         lowered = np.maximum(host.astype(np.float64) * handler.factor, handler.min_lr)
-        new = np.where(reduce, lowered.astype(host.dtype), host)
-        hyperparams = {**node.hyperparams, "learning_rate": jnp.asarray(new, old.dtype)}
-        return node._replace(hyperparams=hyperparams)
+        return jnp.asarray(np.where(reduce, lowered.astype(host.dtype), host), old.dtype)
 
-    return jax.tree.map(change, opt_state, is_leaf=_is_inject_state)
+    return map_injected_rates(opt_state, change)
 
 
 # ----------------------------------------------------------------- checkpoint(criteria=)

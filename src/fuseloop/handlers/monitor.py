@@ -16,15 +16,14 @@ import numpy as np
 from .._copies import private_copy
 from .._distributed import all_processes
 from .._events import Event, Registration
-from .._optim import (
-    abstract_state,
-    find_learning_rates,
-    has_schedule,
-    inject_states,
-    set_learning_rate,
-)
+from .._optim import abstract_state, has_schedule, set_learning_rate
 from .._optim_probe import rate_is_scheduled, scheduled_hyperparams
-from .._rate_groups import fixed_rate_groups, several_rates_error
+from .._rate_groups import (
+    find_learning_rates,
+    fixed_rate_groups,
+    inject_states,
+    several_rates_error,
+)
 from .._state import RESTORED_KEY, State, without_restored
 from .._step import _trainable
 from .._types import Status

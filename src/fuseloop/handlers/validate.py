@@ -208,7 +208,6 @@ class Validator:
     def __init__(self, loop: Any, data: Any, fuse: Any = False):
         self.loop, self.data, self.fuse = loop, data, fuse
         self._verdicts: dict[Any, Any] = {}  # the start checks' model verdicts, per signature
-        self.compiled = 0  # the programs the evaluator's last run compiled
 
     def begin(self, state: State) -> None:
         """At the training run's start, checks the validation data as the evaluator would.
@@ -246,27 +245,31 @@ class Validator:
         With `population`, params carry a leading member axis and each metric is an array
         of one value per member.
         """
+        return dict(self._run(params, population).metrics)
+
+    def _run(self, params: Any, population: int | None) -> State:
+        """The evaluator's run on `params`, its compile count in its stats."""
         # A signal arriving meanwhile is caught by the training run's guard (nested runs
         # defer to the outermost one), which halts at its next host boundary.
         members = {} if population is None else {"population": population}
         try:
             # A nested run: its data's warnings are said once per training run (_narrowing).
-            result = self.loop.run(self.data, params, fuse=self.fuse, **members)
+            result: State = self.loop.run(self.data, params, fuse=self.fuse, **members)
         except Exception as error:
             note_validation(error, "the evaluator's run over")
             raise
-        self.compiled = result.stats["compiles"]
-        return dict(result.metrics)
+        return result
 
     def __call__(self, state: State) -> tuple[Status, State]:
         """Evaluates the State's params and adds the validation metrics to its history."""
         params = state.params
         if params is None:
             raise ValueError(_no_params(state.step_state))
-        measured = silence_stopped(state, self.evaluate(params, state.population))
+        result = self._run(params, state.population)
+        measured = silence_stopped(state, dict(result.metrics))
         # The training run's count so far, as the next epoch-end handler reads it (the run
         # counts its evaluators' compiles again at its end: the same total).
-        state.stats["compiles"] = state.stats.get("compiles", 0) + self.compiled
+        state.stats["compiles"] = state.stats.get("compiles", 0) + result.stats["compiles"]
         metrics = dict(state.metrics)
         metrics.update({VALIDATION_PREFIX + name: value for name, value in measured.items()})
         return "continue", state.replace(metrics=metrics)
