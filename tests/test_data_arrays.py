@@ -249,6 +249,21 @@ def test_strings_beside_the_targets_or_in_a_list_are_named_with_the_fix():
         loop.run([({"a": x[:8], "ids": ids[:8].tolist()}, {"t": y[:8]})])
 
 
+def test_a_list_mixing_strings_and_numbers_is_named_as_such():
+    # It was taken as a pytree of scalars: "y[0] is a scalar; every leaf ... needs a
+    # leading (example) axis", which says nothing of the string.
+    x, y = _xy()
+    mixed = [1, "a"] * (len(y) // 2)
+    said = r"y is a Python list of strings mixed with numbers \(e\.g\. 'a'\), which no"
+    with pytest.raises(ValueError, match=said):
+        fl.data.arrays(x, mixed, batch_size=8)
+    loop = fl.trainer(
+        fl.models.mlp([4, CLASSES]), "sparse_categorical_cross_entropy", optax.sgd(0.1)
+    )
+    with pytest.raises(ValueError, match=said):
+        loop.run([(x[:8], mixed[:8])])
+
+
 # --------------------------------------------------------------------- in a run
 def _loop():
     return fl.trainer(

@@ -53,16 +53,23 @@ def number_lists(tree: Any, name: str) -> list[tuple[str, Any]]:
 def refuse_text_list(part: Any, name: str, where: str = "") -> None:
     """x or y holding a Python list of strings (ids, file names): no device holds them."""
     for path, texts in _text_lists(part, name)[:1]:
+        leaves = jax.tree.leaves(texts)
+        text = np.asarray(next(filter(_text, leaves))).item()  # a 0-d array in a batch
+        held = (
+            "strings" if all(map(_text, leaves)) else f"strings mixed with numbers (e.g. {text!r})"
+        )
         raise ValueError(
-            f"{where}{path} is a Python {type(texts).__name__} of strings, which no device "
+            f"{where}{path} is a Python {type(texts).__name__} of {held}, which no device "
             f"holds: map them to numbers first (e.g. ids, codes = np.unique({path}, "
             f"return_inverse=True)), or keep them outside the data"
         )
 
 
 def _text_lists(tree: Any, name: str) -> list[tuple[str, Any]]:
+    """`(path, list)` of each outermost list or tuple in `tree` of scalars, some strings."""
     leaves = jax.tree.leaves(tree)
-    if isinstance(tree, (list, tuple)) and leaves and all(map(_text, leaves)):
+    scalars = leaves and all(np.ndim(leaf) == 0 for leaf in leaves)
+    if isinstance(tree, (list, tuple)) and scalars and any(map(_text, leaves)):
         return [(name, tree)]
     return [found for path, child in _children(tree, name) for found in _text_lists(child, path)]
 
