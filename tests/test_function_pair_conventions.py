@@ -5,6 +5,7 @@ evaluation, and a signature a wrapper hides."""
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from typing import Any
 
@@ -181,3 +182,97 @@ def test_a_wrapper_taking_the_flag_by_name_gets_it_by_name():
 
     fl.trainer((_init, wrapper), SPARSE, "sgd").run(DATA)
     assert True in seen and False in seen
+
+
+def _dropout(params: Any, x: Any, on: bool, rng: Any) -> Any:
+    h = x @ params["w"]
+    if on:
+        h = h * jax.random.bernoulli(rng, 0.5, h.shape) * 2.0
+    return h
+
+
+@pytest.mark.parametrize("name, default", [("is_train", False), ("frozen", True)])
+def test_a_train_flag_of_another_name_is_refused_where_it_would_keep_dropout_off(name, default):
+    # It was never passed: every step trained with dropout off, with no word.
+    def apply(params, x, rng=None, **flag):
+        on = flag.get(name, default) != default
+        return _dropout(params, x, on and rng is not None, rng)
+
+    apply.__signature__ = _signature_with(apply, name, default)
+    loop = fl.trainer((_init, apply), SPARSE, "sgd")
+    wrap = "train" if default is False else "not train"
+    with pytest.raises(fl.models.ModelModeError, match=rf"{name}={default}.*{name}={wrap}, rng"):
+        loop.run(DATA, fuse=False)
+
+
+def _signature_with(fn: Any, name: str, default: bool) -> Any:
+    """`fn`'s signature as `(params, x, rng=None, <name>=<default>)`."""
+    parameter = inspect.Parameter
+    return inspect.Signature(
+        [
+            parameter("params", parameter.POSITIONAL_OR_KEYWORD),
+            parameter("x", parameter.POSITIONAL_OR_KEYWORD),
+            parameter("rng", parameter.POSITIONAL_OR_KEYWORD, default=None),
+            parameter(name, parameter.KEYWORD_ONLY, default=default),
+        ]
+    )
+
+
+def test_a_bool_option_that_draws_nothing_more_is_no_train_flag():
+    # An option of the model's own (here, a bias) changes no draws: trained as given.
+    def apply(params, x, rng=None, train=False, bias=False):
+        return _dropout(params, x, train, rng) + (1.0 if bias else 0.0)
+
+    assert fl.trainer((_init, apply), SPARSE, "sgd").run(DATA).status == "completed"
+
+
+def test_a_wrapper_passing_the_rest_on_after_x_is_warned_of():
+    # (params, x, *args, **kwargs) hid the flag as (params, *args) does, but went unsaid.
+    def inner(params, x, train=False, rng=None):
+        return _dropout(params, x, train, rng)
+
+    def apply(params, x, *args, **kwargs):
+        return inner(params, x / 2, *args, **kwargs)
+
+    with pytest.warns(UserWarning, match=r"names nothing after x"):
+        fl.trainer((_init, apply), SPARSE, "sgd")
+
+
+def test_a_state_returned_beside_the_output_while_training_is_refused():
+    # A custom loss picking y_pred[0] (the tuple-output advice) trained, and the returned
+    # BatchNorm statistics were dropped: params["bn"] trained by gradients instead.
+    def init(rng, x):
+        return {**_init(rng, x), "bn": {"mean": np.zeros(CLASSES, np.float32)}}
+
+    def apply(params, x, train=False):
+        h = x @ params["w"]
+        if not train:
+            return h - params["bn"]["mean"]
+        return h - h.mean(0), {"bn": {"mean": 0.9 * params["bn"]["mean"] + 0.1 * h.mean(0)}}
+
+    loss = lambda y, y_pred: fl.losses.sparse_categorical_cross_entropy(y, y_pred[0])  # noqa: E731
+    loop = fl.trainer((init, apply), loss, "sgd")
+    with pytest.raises(fl.models.ModelConventionError, match=r"returns \(out, state\).*fl\.loop"):
+        loop.run(DATA)
+
+
+def test_a_state_parameter_before_x_is_refused_as_a_separate_state():
+    # apply(params, state, x, train) was told x does not fit, with linen's advice.
+    def apply(params, state, x, train=False):
+        return x @ params["w"], state
+
+    with pytest.raises(fl.models.ModelConventionError, match=r"\(params, state, x, train\)"):
+        fl.trainer((_init, apply), SPARSE, "sgd")
+
+
+def test_a_jitted_apply_whose_flag_is_traced_is_told_to_make_it_static():
+    # It was blamed on x's shape ("Give x the shape the model expects").
+    def apply(params, x, train=False, rng=None):
+        return _dropout(params, x, train, rng)
+
+    loop = fl.trainer((_init, jax.jit(apply)), SPARSE, "sgd")
+    with pytest.raises(ValueError, match=r"static_argnames=\('train',\)") as caught:
+        loop.run(DATA)
+    assert "shape the model expects" not in str(caught.value)
+    static = fl.trainer((_init, jax.jit(apply, static_argnames="train")), SPARSE, "sgd")
+    assert static.run(DATA).status == "completed"

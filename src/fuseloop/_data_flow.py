@@ -1,7 +1,8 @@
 """Which outputs of a traced function are computed from which of its inputs, read from its
 jaxpr: whether a loss reads y at all, whether a model's output reads x, whether an nnx
 module's output reads the numbers it draws, and which outputs hand an input on unchanged
-(an nnx Variable that `nnx.remat` writes back as a new value)."""
+(an nnx Variable that `nnx.remat` writes back as a new value); and how many times it
+draws random bits (a plain function's flag that turns its dropout on)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 
-__all__ = ["output_reads_inputs", "passed_on"]
+__all__ = ["draws", "output_reads_inputs", "passed_on"]
 
 # The operations that call a function of their own once (`jit` was `pjit` in older jax).
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint"})
@@ -114,3 +115,28 @@ def _called(equation: Any) -> Jaxpr | None:
         ):
             return inner
     return None
+
+
+def draws(closed: Any) -> int:
+    """How many times the traced function `closed` (a ClosedJaxpr) draws random bits
+    (`random_bits` operations), in calls, loops and branches too, each counted once.
+
+    Example:
+        >>> import jax
+        >>> key = jax.random.PRNGKey(0)
+        >>> draws(jax.make_jaxpr(lambda k: jax.random.normal(k) + jax.random.uniform(k))(key))
+        2
+    """
+    return _draws(closed.jaxpr)
+
+
+def _draws(jaxpr: Jaxpr) -> int:
+    found = 0
+    for equation in jaxpr.eqns:
+        found += equation.primitive.name == "random_bits"
+        for value in equation.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                inner = inner.jaxpr if isinstance(inner, ClosedJaxpr) else inner
+                if isinstance(inner, Jaxpr):
+                    found += _draws(inner)
+    return found

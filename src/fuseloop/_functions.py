@@ -17,6 +17,14 @@ import flax
 import flax.linen as nn
 import jax
 
+from ._function_checks import (
+    hidden_flags,
+    refuse_hidden_flags,
+    refuse_returned_state,
+    refuse_separate_state,
+    required,
+    warn_unread_signature,
+)
 from ._linen import (
     ModelConventionError,
     call_flags,
@@ -61,22 +69,6 @@ def _unknown_key_names(parameters: Any) -> None:
         )
 
 
-def _warn_unread_signature(parameters: Any) -> None:
-    """An apply function whose signature names no x (`(*args, **kwargs)`, a decorator
-    without functools.wraps): a train flag or a key it takes cannot be seen, so it would
-    get neither, training in its default mode."""
-    kinds = [p.kind for p in list(parameters.values())[:2]]
-    if inspect.Parameter.VAR_POSITIONAL in kinds:
-        warn(
-            "model: apply_fn's signature names no x (it takes *args), as a wrapper without "
-            "functools.wraps shows it: fuseloop cannot see a train flag or a key parameter "
-            "there, so it passes neither and the model trains and evaluates in its default "
-            "mode. Decorate the wrapper with functools.wraps(apply_fn), or name the "
-            "parameters (lambda params, x, train: wrapped(params, x, train))",
-            UserWarning,
-        )
-
-
 def _flags_at(
     fn: Any, parameters: Any, index: int, passed: Collection[str], flags: Collection[str]
 ) -> tuple[inspect.Parameter, ...]:
@@ -97,31 +89,6 @@ def _flags_at(
     takes = any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in outer)
     takes = takes or sum(p.kind in positional for p in outer) >= index + len(through)
     return through if takes else ()
-
-
-def required(parameter: Any) -> bool:
-    """Whether a signature's `parameter` (None: absent) has no default."""
-    return parameter is not None and parameter.default is inspect.Parameter.empty
-
-
-def _refuse_separate_state(parameters: Any, apply_fn: Any) -> None:
-    """An apply function taking a state beside its params (haiku's
-    `hk.transform_with_state`: `apply(params, state, rng, x) -> (out, state)`): this adapter
-    has no place for a state that each step updates (BatchNorm's statistics). Not an input
-    named `state` (an agent's observation): haiku's own apply, or `state, rng, x`."""
-    names = list(parameters)
-    haikus = (getattr(apply_fn, "__module__", None) or "").startswith("haiku")
-    x = list(parameters.values())[3:4]  # haiku's x: a required positional parameter
-    given_x = bool(x) and x[0].kind == x[0].POSITIONAL_OR_KEYWORD and required(x[0])
-    if names[1:2] == ["state"] and (haikus or (names[2:3] == ["rng"] and given_x)):
-        raise ModelConventionError(
-            "model: apply_fn reads as (params, state, rng, x) -> (out, state), haiku's "
-            "hk.transform_with_state: fuseloop's adapter for an (init, apply) pair passes "
-            "params alone and has no place for a state each step updates (BatchNorm's "
-            "statistics). Use hk.transform where the model keeps no state, or write the step "
-            "with fl.loop(step_fn), carrying the state in the step state (where `state` is "
-            "your input, rename that parameter)"
-        )
 
 
 def key_like(parameters: Any, skip: int, passed: tuple[str, ...]) -> list[tuple[str, Any]]:
@@ -256,7 +223,7 @@ class from_functions:  # noqa: N801 - reads as a constructor
         self.init_fn, self.apply_fn = init_fn, apply_fn
         _refuse_flagged_linen(apply_fn)
         parameters = parameters_of(apply_fn)
-        _refuse_separate_state(parameters, apply_fn)
+        refuse_separate_state(parameters, apply_fn, RNG_NAMES)
         self.flags = flags_among(parameters, "apply_fn")
         # A flag init_fn requires (haiku's `f(x, is_training)`) gets its evaluation value.
         taken = parameters_of(init_fn)
@@ -266,12 +233,17 @@ class from_functions:  # noqa: N801 - reads as a constructor
         self.rng_name = next((name for name in parameters if name in RNG_NAMES), None)
         if self.rng_name is None and _bound_linen_module(apply_fn) is None:  # its own rngs
             _unknown_key_names(parameters)
-            _warn_unread_signature(parameters)
+            warn_unread_signature(parameters)
         # haiku's transformed apply: `apply(params, rng, *args)`.
         self.rng_second = self.rng_name is not None and list(parameters)[1:2] == [self.rng_name]
         passed = {*self.flags, *([self.rng_name] if self.rng_name else [])}
         after_x = 3 if self.rng_second else 2
         self.by_position = _flags_at(apply_fn, parameters, after_x, passed, self.flags)
+        # Flags of other names (`is_train`), checked at the first training call; not one
+        # passed by position with its default (`positional_through`).
+        named = {*passed, *(p.name for p in self.by_position)}
+        self.hidden = hidden_flags(parameters, dict.fromkeys(named)) if self.rng_name else {}
+        self._training_checked = False
         self._owner = _plain_owner(apply_fn)
 
     def snapshot(self) -> Snapshot | None:
@@ -359,11 +331,39 @@ class from_functions:  # noqa: N801 - reads as a constructor
             raise _pass_the_module(module, "to which fuseloop cannot pass an rng") from error
 
     def _call(self, variables: Any, x: Any, *, train: bool, rng: Any) -> tuple[Any, Any]:
-        kwargs: dict[str, Any] = flag_values(self.flags, train)
+        out = self._apply(variables, x, train, rng, {})
+        if train and not self._training_checked:
+            self._check_training(variables, x, rng, out)
+            self._training_checked = True
+        return out, None
+
+    def _apply(self, variables: Any, x: Any, train: bool, rng: Any, extra: dict[str, Any]) -> Any:
+        """`apply_fn` on `variables` and `x` in `train`'s mode, keywords `extra` added."""
+        kwargs: dict[str, Any] = {**flag_values(self.flags, train), **extra}
         leading = (variables, rng, x) if self.rng_second else (variables, x)
         if self.rng_name is not None and not self.rng_second:
             kwargs[self.rng_name] = rng
         # Flags go by position where they can: jax.checkpoint's static_argnums (as
         # nn.remat's) count positions, and by keyword a flag would be traced.
         after_x, kwargs = split_positional(self.by_position, kwargs)
-        return self.apply_fn(*leading, *after_x, **kwargs), None
+        return self.apply_fn(*leading, *after_x, **kwargs)
+
+    def _check_training(self, variables: Any, x: Any, rng: Any, out: Any) -> None:
+        """At the first training call: a train flag of another name left at its default
+        (`refuse_hidden_flags`), a state returned beside the output (`refuse_returned_state`).
+        Each traces the call again, abstractly; a variant the function cannot run (a flag
+        flipped that needs more) is not judged."""
+        if self.hidden and rng is not None:
+
+            def call(key: Any, extra: dict[str, bool]) -> Any:
+                return self._apply(variables, x, True, key, extra)
+
+            refuse_hidden_flags(call, self.hidden, rng)
+        if self.flags and isinstance(out, (tuple, list)):
+            try:
+                evaluated = jax.eval_shape(
+                    lambda v, b: self._apply(v, b, False, None, {}), variables, x
+                )
+            except Exception:  # noqa: BLE001 - evaluation's own failure is met where it runs
+                return
+            refuse_returned_state(out, evaluated, variables)

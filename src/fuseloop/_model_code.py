@@ -77,6 +77,13 @@ def _says_nothing_of_shapes(error: BaseException) -> bool:
     return type(error).__module__.split(".")[0] not in _SHAPE_ERROR_LIBRARIES
 
 
+# JAX's errors for a traced value read as a Python one (`if` on an array, `int()` of one).
+_TRACED_AS_PYTHON = (
+    jax.errors.ConcretizationTypeError,  # TracerBoolConversionError among them
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerArrayConversionError,
+)
+
 # How the note of an error kept as the model raised it begins.
 KEPT = "fuseloop: the model raised this while"
 
@@ -121,6 +128,15 @@ def model_code_error(error: BaseException, doing: str, x: Any = None) -> ValueEr
             f"passes x, then a train flag and a key where the signature names them, by "
             f"position as far as the last flag, the rest by keyword: check static_argnums "
             f"against the signature"
+        )
+    if isinstance(error, _TRACED_AS_PYTHON):
+        return ValueError(
+            f"model: {doing} fails with {first_line(error)}: the model reads a traced "
+            f"value as a Python one (an `if` on an array, int() or np.asarray of one), which "
+            f"no shape of x avoids. Where it is a flag reaching a jax.jit (fuseloop passes "
+            f"train/eval flags by keyword), mark it static: jax.jit(apply, "
+            f"static_argnames=('train',)); where it is a number held in the batch, keep it "
+            f"out of the batch (close over it); else use jnp.where or jax.lax.cond"
         )
     if not _in_model_code(error, x):
         return None
