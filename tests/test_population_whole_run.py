@@ -205,6 +205,26 @@ def _assert_same_saves(fused: Path, plain: Path, members: int) -> None:
             assert (x.epoch, x.status) == (y.epoch, y.status)
 
 
+def test_a_best_checkpoint_before_the_plateau_saves_each_members_rate_before_its_cut(tmp_path):
+    # An epoch handler after them makes every epoch the last of its dispatch, fired live
+    # with the carry, which the device's plateau had cut already: each member's save held
+    # the lowered rate where the unfused save holds the rate before the cut. The plateau's
+    # min_delta makes an epoch that improves the loss a little both save and cut.
+    runs = {}
+    for fuse in (False, "run"):
+        loop = (
+            _trainer()
+            .checkpoint(str(tmp_path / f"{fuse}"), criteria="loss")
+            .reduce_lr_on_plateau("loss", factor=0.5, patience=0, min_delta=0.05)
+            .handle_event("epoch_completed", lambda s: None)
+        )
+        runs[fuse] = loop.run(_data(), epochs=4, fuse=fuse, population={"learning_rate": RATES})
+    _assert_same_run(runs["run"], runs[False])
+    _assert_same_saves(tmp_path / "run", tmp_path / "False", len(RATES))
+    cuts = runs[False].handler_metadata["reduce_lr_on_plateau:loss"]["reductions"]
+    assert any(cuts) and runs["run"].stats["dispatches"] == 4
+
+
 # ----------------------------------------------------------------- validation
 def _validation(drop_remainder: bool) -> Any:
     rng = np.random.RandomState(3)

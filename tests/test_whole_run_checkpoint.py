@@ -150,6 +150,38 @@ def test_plateau_before_the_best_checkpoint_is_in_its_saves(tmp_path):
     assert jax.tree.leaves(fused.step_state)  # the carry is whole after the saves
 
 
+@pytest.mark.parametrize("observer", [False, True])
+def test_a_best_checkpoint_before_the_plateau_saves_the_rate_before_its_cut(tmp_path, observer):
+    # The dispatch's last epoch fires live, with the carry's step state, which the device's
+    # plateau (after the checkpoint in the order) had already cut: that epoch's save held
+    # the lowered rate where the unfused save holds the rate before the cut. An epoch
+    # handler attached after them makes every epoch the last of its dispatch.
+    vx = np.random.default_rng(5).normal(size=(48, 5)).astype(np.float32)
+    vy = np.random.default_rng(6).integers(0, 3, 48).astype(np.int32)
+    model = fl.models.mlp([8, 3])
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.3)
+    base = fl.trainer(model, "sparse_categorical_cross_entropy", tx).validate(
+        model, fl.data.arrays(vx, vy, batch_size=16, device=True)
+    )
+
+    def loop(path: Path) -> fl.Loop:
+        saving = base.checkpoint(str(path), criteria="loss").reduce_lr_on_plateau(
+            "validation_loss", factor=0.5, patience=1, min_lr=0.02
+        )
+        return saving.handle_event("epoch_completed", lambda s: None) if observer else saving
+
+    reference = loop(tmp_path / "r").run(_data(), epochs=12)
+    rates = [reference.history[e]["learning_rate"] for e in sorted(reference.history)]
+    saved = {fl.load_state(str(tmp_path / "r" / n)).epoch for n in _saves(tmp_path / "r")}
+    cut_at = {e for e in range(len(rates) - 1) if rates[e + 1] < rates[e]}
+    both = min(saved & cut_at)  # an epoch both saved and cut: the run's last below
+    plain = loop(tmp_path / "a").run(_data(), epochs=both + 1)
+    fused = loop(tmp_path / "b").run(_data(), epochs=both + 1, fuse="run")
+    _assert_same_run(fused, plain)
+    _assert_same_saves(tmp_path / "b", tmp_path / "a")
+    assert (fused.stats["dispatches"] > 1) == observer
+
+
 def test_best_saves_kept_on_the_device_keep_a_python_floats_weak_type(tmp_path):
     # The device ring holds strong copies; a save from it must hold the leaf weak, as the
     # unfused run's save does, or a resume from it promotes differently.

@@ -4,8 +4,9 @@ On the device, each epoch whose monitored metric improves (the same comparison a
 host's `Monitor`, on the same value) copies the step state into a ring of kept
 states. After the dispatch the host replays the checkpoint handler on each epoch: it runs
 the host monitor (the reference; a disagreement is a FusionError) and, at each improvement,
-writes the State of that epoch with the step state the device kept for it. The dispatch's
-last epoch fires live, so its save is the ordinary one.
+writes the State of that epoch with the step state the device kept for it. So does the
+dispatch's last epoch, which fires live: its step state is the carry's, which the
+device-run handlers after the checkpoint (a plateau's cut) have changed already.
 
 The ring holds `min(segments, keep, what fits in RING_BUDGET_BYTES)` states. With
 `keep=N`, an improvement that N later ones of the same dispatch would prune is numbered
@@ -82,17 +83,13 @@ class BestSaves:
         self.weak = jax.tree.map(is_weak, carry)
         self.seen = 0  # improvements replayed so far in this dispatch
 
-    def replayed(self, device_saved: bool, live: bool) -> Callable[[Any], Any]:
-        """The checkpoint handler of one epoch's replay (`live`: the dispatch's last
-        epoch, whose step state is the carry's).
-        """
+    def replayed(self, device_saved: bool) -> Callable[[Any], Any]:
+        """The checkpoint handler of one epoch's replay."""
 
         def verified(state: Any) -> Any:
-            if live:
-                status, changed = self._judged(state, device_saved)
-                if status == "improved":
-                    self.handler.save(changed)
-                return CONTINUE, changed
+            # The live epoch's step state is the carry's, which the device-run handlers
+            # after the checkpoint (a plateau's cut) changed already: its save, too, is
+            # the copy the device kept at the checkpoint's place in the order.
             status, changed = self._judged(state, device_saved)
             if status == "improved":
                 k = self.seen - 1

@@ -74,7 +74,7 @@ def replayed_handlers(
             handler = _verified_stop(w.handler, bool(host["stop"][segment]), live)
         elif w.kind == "checkpoint":
             assert saves is not None  # made by the dispatch when a saver runs on the device
-            handler = saves.replayed(bool(host["saved"][segment]), live)
+            handler = saves.replayed(bool(host["saved"][segment]))
         else:
             reduced = bool(host["reduced"][segment])
             handler = _verified_plateau(w.handler, reduced, live, rate)

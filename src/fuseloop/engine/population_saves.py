@@ -8,8 +8,9 @@ reference; a disagreement is a FusionError) and, for each member that improved, 
 `state.member(i)` under `<path>/member_<i>/` with the step state the device kept for that
 improvement, as the unfused population run saves it. With `keep=N`, an improvement of a
 member that N later ones of the same member in the same dispatch prune is numbered but not
-written, as for a solo run (`device_checkpoint.py`). The dispatch's last epoch fires live
-and saves the ordinary way.
+written, as for a solo run (`device_checkpoint.py`). The dispatch's last epoch, which fires
+live, saves the kept copy too: the carry has the cuts of the device-run handlers after the
+checkpoint already.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 
 from .._events import CONTINUE
 from .._fusion import FusionError
+from .._json_tree import as_weak, is_weak
 from .population_monitors import member_improvements, member_saver
 
 __all__ = ["MemberSaves"]
@@ -38,7 +40,7 @@ class MemberSaves:
 
     def replayed(self, device_saved: np.ndarray, live: bool) -> Callable[[Any], Any]:
         """The checkpoint handler of one epoch's replay (`live`: the dispatch's last
-        epoch, whose step state is the carry's).
+        epoch, whose step state is the carry's: its leaves' weak types are kept).
         """
 
         def verified(state: Any) -> Any:
@@ -59,12 +61,12 @@ class MemberSaves:
 
     def _save(self, state: Any, i: int, live: bool) -> None:
         saver = member_saver(self.saver, i)
-        if live:
-            saver.save(state.member(i))
-            return
         k = int(self.seen[i]) - 1
         if k < self.kept[i] - self.size:  # a later save of this dispatch prunes it
             saver.skip()
             return
         kept = jax.tree.map(lambda a: a[i, k % self.size], self.ring)
+        if live:  # as the carry's leaves are: a Python float's weak type kept
+            weak = jax.tree.map(is_weak, state.member(i).step_state)
+            kept = jax.tree.map(lambda a, w: as_weak(a) if w else a, kept, weak)
         saver.save(state.replace(step_state=None).member(i).replace(step_state=kept))
