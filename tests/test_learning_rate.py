@@ -3,7 +3,10 @@ exposes it; reduce_lr_on_plateau refuses a schedule at attach time."""
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -90,6 +93,21 @@ def test_an_injected_rate_beside_a_scheduled_one_is_not_reported_as_the_rate():
     assert "learning_rate" not in trainer(tx).run(DATA).metrics
 
 
+class _OwnInjectState(NamedTuple):
+    hyperparams: dict[str, Any]
+
+
+def _own_injected_sgd(rate: float) -> optax.GradientTransformation:
+    def init(params: Any) -> _OwnInjectState:
+        return _OwnInjectState({"learning_rate": jnp.asarray(rate)})
+
+    def update(updates: Any, state: _OwnInjectState, params: Any = None) -> Any:
+        step = state.hyperparams["learning_rate"]
+        return jax.tree.map(lambda g: -step * g, updates), state
+
+    return optax.GradientTransformation(init, update)
+
+
 def test_an_injected_rate_beside_a_fixed_one_is_neither_reported_nor_reduced():
     # The fixed group left nothing in the state to count: the injected rate was reported
     # as the run's, and reduce_lr_on_plateau lowered that group's alone.
@@ -97,6 +115,9 @@ def test_an_injected_rate_beside_a_fixed_one_is_neither_reported_nor_reduced():
     injected = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
     beside_fixed = [
         optax.multi_transform({"a": injected, "b": optax.adam(1e-1)}, labels),
+        # A state of the user's own holding hyperparams["learning_rate"]: neither read nor
+        # lowered by fuseloop (not optax's inject state), so a rate it fixes.
+        optax.multi_transform({"a": injected, "b": _own_injected_sgd(0.5)}, labels),
         optax.partition({"a": injected, "b": optax.sgd(0.5)}, labels),
         optax.chain(
             optax.masked(injected, lambda p: jax.tree.map(lambda v: v.ndim == 1, p)),

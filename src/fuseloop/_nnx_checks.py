@@ -77,7 +77,7 @@ def refuse_param_writes(
     """A ModelConventionError naming the Params the module's training call wrote: a trainer
     changes params by their gradients alone and would drop the write, where nnx.Optimizer
     keeps it. A Param holding another value than it was given may hold the same one: one
-    `passed_on()` names (asked only then) went through `nnx.remat` unchanged."""
+    `passed_on()` names (asked only then) went through `nnx.remat` or `nnx.jit` unchanged."""
     written = [path for path, value in given.items() if now.get(path) is not value]
     written = _not_passed_on(written, passed_on)
     if written:
@@ -163,7 +163,8 @@ def refuse_eval_draws(
     layers that hold them, where its output reads what they drew (`output_reads_draws`,
     asked only then): an evaluation does not carry the module's Rngs from batch to batch
     (nor does linen's, which is given none), so every batch would draw the same numbers.
-    A count `passed_on()` names went through `nnx.remat` unchanged: nothing was drawn."""
+    A count `passed_on()` names went through `nnx.remat` or `nnx.jit` unchanged: nothing
+    was drawn."""
     paths = [path for path, (_, count) in after.items() if count is not before.get(path, ("",))[-1]]
     paths = _not_passed_on(paths, passed_on)
     if not paths or not output_reads_draws():

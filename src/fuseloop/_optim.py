@@ -25,7 +25,7 @@ from ._rate_groups import (
     find_learning_rates,
     fixed_rate_groups,
     map_injected_rates,
-    schedule_states,
+    schedule_count,
 )
 from ._sums import accumulator_dtype
 
@@ -341,7 +341,7 @@ def exposes_learning_rate(tx: Any) -> bool:
         return False  # a structure-dependent optimizer: not exposed
     if any(not s.rate for s in _schedules(getattr(tx, "update", None), state)):
         return False  # a scale of its own multiplies the rate: no one number is it
-    if len(find_learning_rates(state)) + schedule_states(state) + fixed_rate_groups(state) > 1:
+    if len(find_learning_rates(state)) + schedule_count(state) + fixed_rate_groups(state) > 1:
         return False  # several rates (optax.multi_transform): no one number is it
     try:
         return jax.eval_shape(lambda s: learning_rate_of(tx, s), state) is not None

@@ -1,11 +1,11 @@
 """Where an optax state holds its learning rate, and the parts that descend at one it
 does not hold.
 
-A rate is held by `optax.inject_hyperparams`'s state (its `hyperparams["learning_rate"]`)
-or by a schedule's (`ScaleByScheduleState`); every reader and writer of the rate (the
-`learning_rate` metric, `reduce_lr_on_plateau` solo, on the device and per member, a
-population's hyperparameters) finds it through the functions here, so they agree on
-what counts.
+A rate is held by `optax.inject_hyperparams`'s state (its `hyperparams["learning_rate"]`;
+not a state of another class holding such a dict, which nothing here lowers) or by a
+schedule's (`ScaleByScheduleState`). The injected rate is found and written through the
+functions here (the `learning_rate` metric, `reduce_lr_on_plateau` solo, on the device
+and per member); `_optim` reads a schedule's rate through the schedule it finds.
 
 `optax.multi_transform` (or `optax.partition`) and `optax.masked` give parts of the params
 transformations of their own. Where one part's rate is injected (`inject_hyperparams`) or
@@ -32,7 +32,7 @@ __all__ = [
     "inject_states",
     "is_inject_state",
     "map_injected_rates",
-    "schedule_states",
+    "schedule_count",
     "several_rates_error",
 ]
 
@@ -72,11 +72,8 @@ def find_learning_rates(opt_state: Any) -> list[Any]:
         >>> [float(lr) for lr in find_learning_rates(tx.init(jnp.zeros(2)))]
         [0.5]
     """
-    return [
-        n.hyperparams["learning_rate"]
-        for n in inject_states(opt_state)
-        if "learning_rate" in n.hyperparams
-    ]
+    held = filter(holds_injected_rate, inject_states(opt_state))
+    return [node.hyperparams["learning_rate"] for node in held]
 
 
 def map_injected_rates(opt_state: Any, change: Callable[[Any], Any]) -> Any:
@@ -99,7 +96,7 @@ def map_injected_rates(opt_state: Any, change: Callable[[Any], Any]) -> Any:
     return jax.tree.map(replace, opt_state, is_leaf=is_inject_state)
 
 
-def schedule_states(state: Any) -> int:
+def schedule_count(state: Any) -> int:
     """How many `scale_by_schedule` states `state` holds anywhere, groups included."""
     is_schedule = lambda node: isinstance(node, optax.ScaleByScheduleState)  # noqa: E731
     return sum(map(is_schedule, jax.tree.leaves(state, is_leaf=is_schedule)))
