@@ -218,12 +218,22 @@ def _signature_with(fn: Any, name: str, default: bool) -> Any:
     )
 
 
-def test_a_bool_option_that_draws_nothing_more_is_no_train_flag():
-    # An option of the model's own (here, a bias) changes no draws: trained as given.
-    def apply(params, x, rng=None, train=False, bias=False):
-        return _dropout(params, x, train, rng) + (1.0 if bias else 0.0)
+def test_a_bool_option_is_no_train_flag_where_the_call_draws_or_has_one():
+    # A bias option changes no draws; extra noise added to a call that draws already, or
+    # beside a flag fuseloop passes, is an option left off on purpose: trained as given.
+    def biased(params, x, rng=None, bias=False):
+        return _dropout(params, x, rng is not None, rng) + (1.0 if bias else 0.0)
 
-    assert fl.trainer((_init, apply), SPARSE, "sgd").run(DATA).status == "completed"
+    def noisier(params, x, rng=None, extra_noise=False):
+        h = _dropout(params, x, rng is not None, rng)
+        return _dropout({"w": params["w"] * 0 + 1}, h, extra_noise, rng) if extra_noise else h
+
+    def flagged(params, x, rng=None, train=False, extra_noise=False):
+        h = _dropout(params, x, train, rng)
+        return h + jax.random.normal(rng, h.shape) if extra_noise else h
+
+    for apply in (biased, noisier, flagged):
+        assert fl.trainer((_init, apply), SPARSE, "sgd").run(DATA).status == "completed"
 
 
 def test_a_wrapper_passing_the_rest_on_after_x_is_warned_of():

@@ -103,20 +103,20 @@ def hidden_flags(parameters: Any, passed: Mapping[str, Any]) -> dict[str, bool]:
 def refuse_hidden_flags(
     call: Callable[[Any, dict[str, bool]], Any], flags: dict[str, bool], rng: Any
 ) -> None:
-    """A ModelModeError where one of `flags` (at their defaults, `hidden_flags`), flipped,
-    makes the training call draw more random numbers from its key than it does at the
-    default: it is a train flag under another name, and at its default the model would
-    train with its dropout or noise off. `call(rng, extra)` is the training call with the
-    keyword arguments `extra` added."""
-    if not flags:
+    """A ModelModeError where the training call draws nothing from the key it is given
+    while one of `flags` (at their defaults, `hidden_flags`), flipped, makes it draw: a
+    train flag under another name, at whose default the model would train with its
+    dropout or noise off. A call that draws at its defaults already uses its key, and a
+    flag that adds draws then is an option (`extra_noise=False`), not judged. `call(rng,
+    extra)` is the training call with the keyword arguments `extra` added."""
+    if not flags or _draws_of(call, {}, rng):
         return
-    at_default = _draws_of(call, {}, rng)
     for name, default in flags.items():
         try:
             flipped = _draws_of(call, {name: not default}, rng)
         except Exception:  # noqa: BLE001 - flipped, it needs more than fuseloop gives
             continue
-        if flipped > at_default:
+        if flipped:
             raise ModelModeError(
                 f"model: apply_fn's parameter {name}={default} draws from the key when it "
                 f"is {not default}, so it reads as a train flag, but fuseloop passes a "

@@ -239,10 +239,12 @@ class from_functions:  # noqa: N801 - reads as a constructor
         passed = {*self.flags, *([self.rng_name] if self.rng_name else [])}
         after_x = 3 if self.rng_second else 2
         self.by_position = _flags_at(apply_fn, parameters, after_x, passed, self.flags)
-        # Flags of other names (`is_train`), checked at the first training call; not one
-        # passed by position with its default (`positional_through`).
+        # Flags of other names (`is_train`), checked at the first training call of a
+        # function with a key and no flag fuseloop passes (where it has one, other bools
+        # are options); not one passed by position with its default (`positional_through`).
         named = {*passed, *(p.name for p in self.by_position)}
-        self.hidden = hidden_flags(parameters, dict.fromkeys(named)) if self.rng_name else {}
+        asked = self.rng_name is not None and not self.flags
+        self.hidden = hidden_flags(parameters, dict.fromkeys(named)) if asked else {}
         self._training_checked = False
         self._owner = _plain_owner(apply_fn)
 
