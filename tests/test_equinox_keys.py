@@ -277,3 +277,35 @@ def test_a_key_parameter_of_another_name_is_warned_about_as_never_given(net, nam
 def test_a_required_key_parameter_of_another_name_is_refused_naming_key():
     with pytest.raises(ValueError, match=r"RequiredRngNet.__call__'s parameter 'rng'.*to `key`"):
         fl.trainer(RequiredRngNet(), SPARSE, "sgd")
+
+
+class _Permuted(eqx.Module):
+    """A linear layer over its input's features in a fixed order: `perm` is an int array
+    field, not trained."""
+
+    weight: jax.Array
+    perm: jax.Array
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.weight @ x[self.perm]
+
+
+def _permuted(perm: list[int]) -> _Permuted:
+    return _Permuted(jax.numpy.ones((3, 4)) * 0.1, jax.numpy.asarray(perm, jax.numpy.int32))
+
+
+def test_a_module_with_other_untrained_fields_than_the_loops_is_refused():
+    # The README's reuse (one trainer, a fresh module per fold) trained and predicted with
+    # the trainer's own module's int fields, those of the module given dropped in silence.
+    base, other = _permuted([0, 1, 2, 3]), _permuted([3, 2, 1, 0])
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    data = [(x, np.zeros(8, np.int32))]
+    loop = fl.trainer(base, "sparse_categorical_cross_entropy", "sgd")
+    with pytest.raises(ValueError, match=r"init_state: .*\(model\.perm: int or bool"):
+        loop.run(data, other)
+    with pytest.raises(ValueError, match=r"variables_or_state: .*model\.perm"):
+        fl.predict(base, other, x)
+    # The same fields: taken (a fresh module of the same layer, its weights anew).
+    again = _permuted([0, 1, 2, 3])
+    assert loop.run(data, again).status == "completed"
+    np.testing.assert_allclose(fl.predict(other, other, x), jax.vmap(other)(x), rtol=1e-6)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
 from ._functions import key_like, refuse_unpassed_key, required, takes_keyword
 from ._linen import call_flags, flag_values, parameters_of
@@ -146,6 +147,7 @@ class from_equinox:  # noqa: N801
                 f"every call. Use a stateless normalization (eqx.nn.LayerNorm, "
                 f"eqx.nn.GroupNorm), or write the step yourself with fl.loop(step_fn)"
             )
+        self.module = module
         self.params, self.static = eqx.partition(module, eqx.is_inexact_array)
         self.batched = batched
         self.flags = call_flags(module)  # `__call__`'s own train/eval flags (`inference`)
@@ -189,6 +191,32 @@ class from_equinox:  # noqa: N801
                 f"too (dropout drops). To keep one off, pass inference=True in its call "
                 f"(self.dropout(x, inference=True))",
                 UserWarning,
+            )
+
+    def refuse_other_fields(self, module: Any, argument: str) -> None:
+        """A ValueError where `module`, given to a run or to `fl.predict` in place of this
+        adapter's, holds other values in its fields that are not trained (an int or bool
+        array, a Python number, a flag): those are baked into this adapter's programs, so
+        the given module's would be replaced by this one's with no word."""
+        if module is self.module:
+            return
+        _, static = self._eqx.partition(plain_module(module), self._eqx.is_inexact_array)
+        mine, theirs = (jax.tree_util.tree_flatten_with_path(t) for t in (self.static, static))
+        differ = ["their layout differs"]
+        built_on: Any = mine[1]  # a PyTreeDef, compared with == (jax's stubs leave it open)
+        if built_on == theirs[1]:
+            pairs = zip(mine[0], theirs[0], strict=True)
+            differ = [
+                f"model{jax.tree_util.keystr(p)}" for (p, a), (_, b) in pairs if not _same(a, b)
+            ]
+        if differ:
+            raise ValueError(
+                f"{argument}: the equinox module holds other values than the one the loop "
+                f"(or fl.predict's model) was built on in fields that are not trained "
+                f"({', '.join(differ[:3])}: int or bool arrays, numbers, flags). Those are "
+                f"compiled into the programs, so they would be replaced by the built-on "
+                f"module's. Build the loop on this module (fl.trainer(module, ...)), or "
+                f"give both modules the same fields"
             )
 
     def init(self, rng: Any, x: Any) -> Any:
@@ -265,3 +293,17 @@ class from_equinox:  # noqa: N801
         if self.requires_key:
             return jax.random.PRNGKey(_INFERENCE_KEY_SEED)
         return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two fields that are not trained hold the same: arrays by value, functions by
+    their code (a lambda made anew per module is the same function), others by `==`."""
+    if hasattr(a, "shape") or hasattr(b, "shape"):
+        same_kind = np.shape(a) == np.shape(b) and np.result_type(a) == np.result_type(b)
+        return bool(same_kind and np.array_equal(np.asarray(a), np.asarray(b)))
+    if callable(a) and callable(b):
+        return a is b or getattr(a, "__code__", a) == getattr(b, "__code__", b)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a value that does not compare: not the same
+        return False

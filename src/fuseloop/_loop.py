@@ -290,7 +290,7 @@ class Loop(HandlerBuilders):
         check_run_options(epochs, iterations, jit, progress, max_in_flight, prefetch)
         check_init_state(init_state, self.program.kind, population, data)
         if self.program.kind in ("trainer", "evaluator"):
-            init_state = weights_of_module(init_state, "init_state")
+            init_state = weights_of_module(init_state, "init_state", self.program.model)
         if self.program.kind == "evaluator":
             warn_left_out(
                 data,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections.abc
 import functools
 import itertools
+import sys
 import types
 from typing import Any
 
@@ -223,6 +224,13 @@ def _batches(leaf: np.ndarray, start: int, rows: int, batches: tuple[int, int]) 
 
 
 @advise_foreign_keywords(PREDICT_ADVICE)
+def _equinox(model: Any) -> Any:
+    """`model`'s adapter where it is an equinox module (whose fields that are not trained a
+    module given as the variables must share), else None."""
+    eqx = sys.modules.get("equinox")
+    return as_model(model) if eqx is not None and isinstance(model, eqx.Module) else None
+
+
 def predict(
     model: Any, variables_or_state: Any, x: Any, *, batch_size: int = 256, fuse: bool | int = True
 ) -> Any:
@@ -253,7 +261,7 @@ def predict(
         >>> predict(model, variables, np.zeros((10, 3), np.float32), batch_size=4).shape
         (10, 2)
     """
-    variables = variables_given(variables_or_state, "variables_or_state")
+    variables = variables_given(variables_or_state, "variables_or_state", _equinox(model))
     if variables is None:
         raise ValueError(no_variables(variables_or_state))
     refuse_deleted_arrays(variables, "variables_or_state")

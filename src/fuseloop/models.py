@@ -242,12 +242,14 @@ def _pair_hint(model: Any, adapters: dict[type, Any]) -> str:
     return ""
 
 
-def weights_of_module(value: Any, argument: str) -> Any:
+def weights_of_module(value: Any, argument: str, model: Any = None) -> Any:
     """`value` as given, or a module's own weights as fuseloop's variables.
 
     An nnx or equinox module is built with its weights: they are what `state.params` holds
     for it (not what a call sowed, refused). A linen module holds none and is refused,
-    naming what to pass, unless bound to them (as `fl.models.trained` returns it).
+    naming what to pass, unless bound to them (as `fl.models.trained` returns it). With
+    `model`, the adapter the weights are for, an equinox module's fields that are not
+    trained must be that model's (they are compiled into its programs).
 
     Example:
         >>> from flax import nnx
@@ -268,11 +270,14 @@ def weights_of_module(value: Any, argument: str) -> Any:
                     f"(state.params), or the State"
                 )
             refuse_sown_weights(value, argument)
+            refuse_other_fields = getattr(model, "refuse_other_fields", None)
+            if refuse_other_fields is not None:  # an equinox module: fields not trained
+                refuse_other_fields(value, argument)
             return adapted.init(None, None)
     return value
 
 
-def variables_given(value: Any, argument: str) -> Any:
+def variables_given(value: Any, argument: str, model: Any = None) -> Any:
     """The variables `value` gives: a State's params, or `value` itself.
 
     An nnx or equinox module among them (a custom loop may keep one as its params) is
@@ -282,8 +287,8 @@ def variables_given(value: Any, argument: str) -> Any:
         >>> variables_given({"params": {"w": 1.0}}, "variables")
         {'params': {'w': 1.0}}
     """
-    value = weights_of_module(value, argument)
-    return weights_of_module(getattr(value, "params", value), argument)
+    value = weights_of_module(value, argument, model)
+    return weights_of_module(getattr(value, "params", value), argument, model)
 
 
 def without_params(step_state: Any) -> str:
