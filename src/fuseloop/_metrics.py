@@ -19,7 +19,15 @@ import optax
 
 from ._arg_types import refuse_signature
 from ._outputs import losses_per_output, require_arrays, targets_misfit
-from ._sums import Mean, accumulate, accumulated, accumulator_dtype, empty_accumulator, mean_of
+from ._sums import (
+    Mean,
+    accumulate,
+    accumulated,
+    accumulator_dtype,
+    empty_accumulator,
+    mean_of,
+    refuse_unsummable,
+)
 from ._target_shapes import refusing_cross_broadcast
 
 __all__ = [
@@ -97,7 +105,8 @@ def _bce_each(y_true: Array, y_pred: Array) -> Array:
 
 
 def _mse_each(y_true: Array, y_pred: Array) -> Array:
-    return jnp.square(y_pred - _like_output(y_true, y_pred, "mean_squared_error"))
+    d = y_pred - _like_output(y_true, y_pred, "mean_squared_error")
+    return jnp.square(jnp.abs(d) if jnp.iscomplexobj(d) else d)  # a complex d: |d|^2
 
 
 def _mae_each(y_true: Array, y_pred: Array) -> Array:
@@ -295,13 +304,7 @@ class MetricSpec:
         """`acc` plus one batch: a `Mean` adds its sum and example count, per-example
         values their sum and number, a scalar itself and a count of one (a running sum
         counts batches, so it reads as present)."""
-        if not isinstance(value, (Mean, jax.Array, np.ndarray, np.generic, int, float)):
-            raise TypeError(
-                f"metric {self.name!r} returned a {type(value).__name__}, not an array: a "
-                f"metric returns per-example values (the batch first) or one scalar per "
-                f"batch. Give each value its own metric, e.g. loop.metric(fn_a, name='a')"
-                f".metric(fn_b, name='b')"
-            )
+        refuse_unsummable(value, f"metric {self.name!r}")
         dtype = accumulator_dtype()
         if isinstance(value, Mean):
             total = jnp.asarray(value.total, dtype)

@@ -62,7 +62,9 @@ def _to_float32(tree: Any) -> Any:
 
 
 def _any_float64(tree: Any) -> bool:
-    return any(jnp.result_type(leaf) == jnp.float64 for leaf in jax.tree.leaves(tree))
+    """Whether a leaf of `tree` is double width: float64, or complex128 (of float64 parts)."""
+    wide = (jnp.float64, jnp.complex128)
+    return any(jnp.result_type(leaf) in wide for leaf in jax.tree.leaves(tree))
 
 
 def in_float32(

@@ -17,6 +17,7 @@ __all__ = [
     "empty_accumulator",
     "mean_of",
     "pairwise_sum",
+    "refuse_unsummable",
 ]
 
 Array = Any
@@ -41,6 +42,25 @@ def accumulator_dtype() -> np.dtype[Any]:
         dtype('float32')
     """
     return np.dtype(np.float64 if jax.config.read("jax_enable_x64") else np.float32)
+
+
+def refuse_unsummable(value: Any, what: str) -> None:
+    """A TypeError where `value`, what a metric returned for a batch, is not an array (or
+    a `Mean`, or a number), or holds complex numbers: its sum would keep the real part
+    alone, the accumulators being real."""
+    if not isinstance(value, (Mean, jax.Array, np.ndarray, np.generic, int, float)):
+        raise TypeError(
+            f"{what} returned a {type(value).__name__}, not an array: a metric returns "
+            f"per-example values (the batch first) or one scalar per batch. Give each value "
+            f"its own metric, e.g. loop.metric(fn_a, name='a').metric(fn_b, name='b')"
+        )
+    if any(jnp.iscomplexobj(part) for part in jax.tree.leaves(value)):
+        raise TypeError(
+            f"{what} returned complex values, and a metric is a mean of real numbers (the "
+            f"imaginary part would be dropped): return a real one, e.g. jnp.abs(d) or "
+            f"jnp.abs(d) ** 2 of a complex difference d, or jnp.real and jnp.imag of it as "
+            f"two metrics"
+        )
 
 
 def mean_of(values: Array) -> Mean:
