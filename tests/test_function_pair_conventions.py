@@ -12,6 +12,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
+import optax
 import pytest
 
 import fuseloop as fl
@@ -260,7 +261,9 @@ def test_a_state_returned_beside_the_output_while_training_is_refused():
             return h - params["bn"]["mean"]
         return h - h.mean(0), {"bn": {"mean": 0.9 * params["bn"]["mean"] + 0.1 * h.mean(0)}}
 
-    loss = lambda y, y_pred: fl.losses.sparse_categorical_cross_entropy(y, y_pred[0])  # noqa: E731
+    def loss(y: Any, y_pred: Any) -> Any:  # the tuple-output advice: pick the output
+        return optax.softmax_cross_entropy_with_integer_labels(y_pred[0], y).mean()
+
     loop = fl.trainer((init, apply), loss, "sgd")
     with pytest.raises(fl.models.ModelConventionError, match=r"returns \(out, state\).*fl\.loop"):
         loop.run(DATA)
@@ -281,8 +284,52 @@ def test_a_jitted_apply_whose_flag_is_traced_is_told_to_make_it_static():
         return _dropout(params, x, train, rng)
 
     loop = fl.trainer((_init, jax.jit(apply)), SPARSE, "sgd")
-    with pytest.raises(ValueError, match=r"static_argnames=\('train',\)") as caught:
+    with pytest.raises(ValueError, match=r"static_argnames=\('<the flag>',\)") as caught:
         loop.run(DATA)
     assert "shape the model expects" not in str(caught.value)
     static = fl.trainer((_init, jax.jit(apply, static_argnames="train")), SPARSE, "sgd")
     assert static.run(DATA).status == "completed"
+
+
+def test_a_training_only_auxiliary_output_is_no_returned_state():
+    # An array beside the output (an auxiliary loss, an attention map) was taken as a
+    # state shaped as a params leaf and refused.
+    def with_aux(params, x, train=False):
+        h = x @ params["w"]
+        return (h, 0.01 * jax.numpy.mean(h**2)) if train else h
+
+    def with_map(params, x, train=False):
+        h = x @ params["w"]
+        return (h, jax.nn.softmax(h)) if train else h
+
+    def loss(y: Any, y_pred: Any) -> Any:
+        return optax.softmax_cross_entropy_with_integer_labels(y_pred[0], y).mean()
+
+    for apply in (with_aux, with_map):
+        assert fl.trainer((_init, apply), loss, "sgd").run(DATA).status == "completed"
+
+
+def test_a_hidden_flag_is_told_with_the_key_it_takes_and_an_option_can_be_bound():
+    def apply(params, x, greedy=True, key=None):
+        h = x @ params["w"]
+        return h if greedy else h + jax.random.gumbel(key, h.shape)
+
+    with pytest.raises(fl.models.ModelModeError) as caught:
+        fl.trainer((_init, apply), SPARSE, "sgd").run(DATA)
+    said = str(caught.value)
+    assert "lambda params, x, train=False, key=None: apply_fn(params, x, greedy=not train" in said
+    assert "functools.partial(apply_fn, greedy=True)" in said
+    kept = functools.partial(apply, greedy=True)  # an option kept off in training: taken
+    assert fl.trainer((_init, kept), SPARSE, "sgd").run(DATA).status == "completed"
+    wrapped = lambda params, x, train=False, key=None: apply(params, x, greedy=not train, key=key)  # noqa: E731
+    assert fl.trainer((_init, wrapped), SPARSE, "sgd").run(DATA).status == "completed"
+
+
+def test_an_agents_state_and_action_are_not_a_state_beside_the_params():
+    # apply(params, state, action) was told it reads as hk.transform_with_state.
+    def apply(params, state, action):
+        return state @ params["w"] + action
+
+    with pytest.raises(ValueError) as caught:
+        fl.trainer((_init, apply), SPARSE, "sgd").run(DATA)
+    assert "transform_with_state" not in str(caught.value)

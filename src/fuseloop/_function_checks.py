@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from ._data_flow import draws
 from ._linen import TRAIN_FLAGS, ModelConventionError, ModelModeError
@@ -43,7 +44,7 @@ def refuse_separate_state(parameters: Any, apply_fn: Any, rng_names: tuple[str, 
     names, values = list(parameters), list(parameters.values())
     haikus = (getattr(apply_fn, "__module__", None) or "").startswith("haiku")
     haiku_order = names[2:3] == ["rng"] and _x_at(values, 3)  # (params, state, rng, x)
-    takes_x = len(values) > 2 and _required_input(values[2], rng_names)  # (params, state, x)
+    takes_x = names[2:3] in _X_NAMES and _required_input(values[2], rng_names)  # (params, state, x)
     if names[1:2] == ["state"] and (haikus or haiku_order or takes_x):
         raise ModelConventionError(
             f"model: apply_fn reads as ({', '.join(names[:4])}) -> (out, state), taking a "
@@ -53,6 +54,11 @@ def refuse_separate_state(parameters: Any, apply_fn: Any, rng_names: tuple[str, 
             f"model keeps no state, or write the step with fl.loop(step_fn), carrying the "
             f"state in the step state (where `state` is your input, rename that parameter)"
         )
+
+
+# The names an input after `state` goes by where `state` is a model's state beside its
+# params (`apply(params, state, x)`); an agent's `(params, state, action)` is not one.
+_X_NAMES = (["x"], ["inputs"], ["input"], ["batch"], ["features"])
 
 
 def _x_at(values: list[Any], index: int) -> bool:
@@ -76,8 +82,10 @@ def warn_unread_signature(parameters: Any) -> None:
     values = list(parameters.values())
     if any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in values[:2]):
         shown = "names no x (it takes *args), as a wrapper without functools.wraps shows it"
-    elif len(values) > 2 and all(p.kind in _VARIADIC for p in values[2:]):
-        shown = "names nothing after x (it passes *args or **kwargs on)"
+    elif any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in values[2:]) and all(
+        p.kind in _VARIADIC for p in values[2:]
+    ):
+        shown = "names nothing after x (it passes *args on)"
     else:
         return
     warn(
@@ -101,14 +109,18 @@ def hidden_flags(parameters: Any, passed: Mapping[str, Any]) -> dict[str, bool]:
 
 
 def refuse_hidden_flags(
-    call: Callable[[Any, dict[str, bool]], Any], flags: dict[str, bool], rng: Any
+    call: Callable[[Any, dict[str, bool]], Any],
+    flags: dict[str, bool],
+    rng: Any,
+    key: tuple[str, bool],
 ) -> None:
     """A ModelModeError where the training call draws nothing from the key it is given
     while one of `flags` (at their defaults, `hidden_flags`), flipped, makes it draw: a
     train flag under another name, at whose default the model would train with its
     dropout or noise off. A call that draws at its defaults already uses its key, and a
     flag that adds draws then is an option (`extra_noise=False`), not judged. `call(rng,
-    extra)` is the training call with the keyword arguments `extra` added."""
+    extra)` is the training call with the keyword arguments `extra` added; `key`: the
+    name apply_fn takes its key by, and whether it comes before x (haiku's order)."""
     if not flags or _draws_of(call, {}, rng):
         return
     for name, default in flags.items():
@@ -117,15 +129,28 @@ def refuse_hidden_flags(
         except Exception:  # noqa: BLE001 - flipped, it needs more than fuseloop gives
             continue
         if flipped:
-            raise ModelModeError(
-                f"model: apply_fn's parameter {name}={default} draws from the key when it "
-                f"is {not default}, so it reads as a train flag, but fuseloop passes a "
-                f"train/eval value only to a parameter named {', '.join(TRAIN_FLAGS)}: as "
-                f"it is, training would keep {name}={default} (dropout or noise off). "
-                f"Rename it (train: bool = False), or wrap apply_fn (lambda params, x, "
-                f"train=False, rng=None: apply_fn(params, x, {name}="
-                f"{'train' if default is False else 'not train'}, rng=rng))"
-            )
+            raise ModelModeError(_hidden_flag(name, default, *key))
+
+
+def _hidden_flag(name: str, default: bool, key: str, key_first: bool) -> str:
+    value = "train" if default is False else "not train"
+    if key_first:  # haiku's apply(params, rng, x)
+        wrapper = (
+            f"lambda params, {key}, x, train=False: apply_fn(params, {key}, x, {name}={value})"
+        )
+    else:
+        wrapper = (
+            f"lambda params, x, train=False, {key}=None: apply_fn(params, x, {name}={value}, "
+            f"{key}={key})"
+        )
+    return (
+        f"model: apply_fn's parameter {name}={default} draws from the key when it is "
+        f"{not default}, so it reads as a train flag, but fuseloop passes a train/eval "
+        f"value only to a parameter named {', '.join(TRAIN_FLAGS)}: as it is, training would "
+        f"keep {name}={default} (dropout or noise off). Rename it (train: bool = False), or "
+        f"wrap apply_fn ({wrapper}); where it is an option to keep at {default} in training, "
+        f"bind it: functools.partial(apply_fn, {name}={default})"
+    )
 
 
 def _draws_of(call: Callable[[Any, dict[str, bool]], Any], extra: dict[str, bool], rng: Any) -> int:
@@ -156,11 +181,11 @@ def refuse_returned_state(trained: Any, evaluated: Any, params: Any) -> None:
 
 
 def _shaped_as_part(extra: Any, params: Any) -> bool:
-    """Whether `extra` has the structure of a container in `params`, or is a dict holding
-    some of one's entries, each of its structure (`{"bn": new}` of params' `"bn"`)."""
-    shape = _structure(extra)
+    """Whether `extra` is shaped as a container in `params` (its structure and its arrays'
+    shapes), or is a dict holding some of one's entries, each shaped as it is (`{"bn":
+    new}` of params' `"bn"`). A lone array (an auxiliary loss, an attention map) is not."""
     for part in _subtrees(params):
-        if shape == _structure(part):
+        if _same_shapes(extra, part):
             return True
         some = (
             isinstance(extra, dict)
@@ -168,9 +193,17 @@ def _shaped_as_part(extra: Any, params: Any) -> bool:
             and extra
             and extra.keys() <= part.keys()
         )
-        if some and all(_structure(extra[k]) == _structure(part[k]) for k in extra):
+        if some and all(_same_shapes(extra[k], part[k]) for k in extra):
             return True
     return False
+
+
+def _same_shapes(a: Any, b: Any) -> bool:
+    """Whether `a` and `b` are containers of one structure whose arrays have one shape."""
+    if not isinstance(a, (dict, list, tuple)) or _structure(a) != _structure(b):
+        return False
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    return all(np.shape(x) == np.shape(y) for x, y in pairs)
 
 
 def _structure(tree: Any) -> Any:
@@ -179,8 +212,8 @@ def _structure(tree: Any) -> Any:
 
 
 def _subtrees(tree: Any) -> list[Any]:
-    """`tree` and every dict, list or tuple inside it."""
-    found = [tree]
+    """Every dict, list or tuple in `tree`, `tree` itself included (not its arrays)."""
+    found = [tree] if isinstance(tree, (dict, list, tuple)) else []
     children = (
         tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else ()
     )

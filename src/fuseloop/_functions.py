@@ -242,7 +242,8 @@ class from_functions:  # noqa: N801 - reads as a constructor
         # Flags of other names (`is_train`), checked at the first training call of a
         # function with a key and no flag fuseloop passes (where it has one, other bools
         # are options); not one passed by position with its default (`positional_through`).
-        named = {*passed, *(p.name for p in self.by_position)}
+        bound = apply_fn.keywords if isinstance(apply_fn, functools.partial) else {}
+        named = {*passed, *(p.name for p in self.by_position), *bound}
         asked = self.rng_name is not None and not self.flags
         self.hidden = hidden_flags(parameters, dict.fromkeys(named)) if asked else {}
         self._training_checked = False
@@ -360,7 +361,8 @@ class from_functions:  # noqa: N801 - reads as a constructor
             def call(key: Any, extra: dict[str, bool]) -> Any:
                 return self._apply(variables, x, True, key, extra)
 
-            refuse_hidden_flags(call, self.hidden, rng)
+            key = (self.rng_name or "rng", self.rng_second)
+            refuse_hidden_flags(call, self.hidden, rng, key)
         if self.flags and isinstance(out, (tuple, list)):
             try:
                 evaluated = jax.eval_shape(

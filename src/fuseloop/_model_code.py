@@ -133,10 +133,10 @@ def model_code_error(error: BaseException, doing: str, x: Any = None) -> ValueEr
         return ValueError(
             f"model: {doing} fails with {first_line(error)}: the model reads a traced "
             f"value as a Python one (an `if` on an array, int() or np.asarray of one), which "
-            f"no shape of x avoids. Where it is a flag reaching a jax.jit (fuseloop passes "
-            f"train/eval flags by keyword), mark it static: jax.jit(apply, "
-            f"static_argnames=('train',)); where it is a number held in the batch, keep it "
-            f"out of the batch (close over it); else use jnp.where or jax.lax.cond"
+            f"no shape of x avoids. Where it is a flag reaching a jax.jit, mark the flag "
+            f"static (jax.jit(apply, static_argnames=('<the flag>',))); where it is a number "
+            f"held in the batch, keep it out of the batch (close over it); where numpy reads "
+            f"an array, use jax.numpy; else use jnp.where or jax.lax.cond"
         )
     if not _in_model_code(error, x):
         return None
