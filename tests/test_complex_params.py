@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import fuseloop as fl
@@ -58,3 +59,18 @@ def test_complex128_params_get_the_named_optimizers_float64_hyperparameters():
         hyperparams = state.step_state["opt_state"].hyperparams
         assert {str(v.dtype) for v in hyperparams.values()} == {"float64"}
         assert state.params["w"].dtype == np.complex128
+
+
+@pytest.mark.parametrize("fuse", [False, 2])
+def test_a_plateau_lowers_the_injected_rate_of_complex_params(fuse):
+    # optax holds the injected rate in the params' complex dtype: the handler's float()
+    # of it failed at its first reduction.
+    tx = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+    loop = fl.trainer((_init, _apply), "mean_squared_error", tx).reduce_lr_on_plateau(
+        "loss", factor=0.5, patience=0, min_delta=1e9
+    )
+    state = loop.run(DATA, epochs=3, fuse=fuse)
+    rates = [state.history[e]["learning_rate"] for e in range(3)]
+    assert rates == pytest.approx([1e-3, 1e-3, 5e-4])  # lowered at the ends of 1 and 2
+    held = state.step_state["opt_state"].hyperparams["learning_rate"]
+    assert held.dtype == np.complex64 and complex(held) == pytest.approx(2.5e-4)

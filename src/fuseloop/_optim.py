@@ -253,7 +253,7 @@ def set_learning_rate(opt_state: Any, scale: float, floor: float) -> Any:
     def change(old: Any) -> Any:
         # Computed on the host in float64 and cast once, so the result is a pure function
         # of the old value: the same in a fused and an unfused run.
-        return jnp.asarray(max(float(np.asarray(old)) * scale, floor), old.dtype)
+        return jnp.asarray(max(float(np.real(np.asarray(old))) * scale, floor), old.dtype)
 
     return map_injected_rates(opt_state, change)
 
@@ -308,7 +308,8 @@ def learning_rate_of(tx: Any, opt_state: Any) -> Any | None:
     rates = find_learning_rates(opt_state)
     dtype = accumulator_dtype()  # the metric's: float64 under x64, not rounded to float32
     if rates:
-        return jnp.asarray(rates[0], dtype) * _plateau_scale(opt_state)
+        # complex params: optax holds the rate in their dtype, its imaginary part zero
+        return jnp.asarray(jnp.real(rates[0]), dtype) * _plateau_scale(opt_state)
     found = [s for s in _schedules(getattr(tx, "update", None), opt_state) if s.rate]
     if not found:
         return None

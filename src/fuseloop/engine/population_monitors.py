@@ -315,7 +315,7 @@ def _set_member_rates(opt_state: Any, reduce: np.ndarray, handler: Any) -> Any:
     def change(old: Any) -> Any:
         # Host read: the rates being lowered (an epoch with a reduction due).
         host = np.asarray(old)
-        lowered = np.maximum(host.astype(np.float64) * handler.factor, handler.min_lr)
+        lowered = np.maximum(np.real(host).astype(np.float64) * handler.factor, handler.min_lr)
         return jnp.asarray(np.where(reduce, lowered.astype(host.dtype), host), old.dtype)
 
     return map_injected_rates(opt_state, change)
