@@ -36,9 +36,20 @@ def test_the_squared_error_of_complex_outputs_is_the_squared_distance():
     d = X @ np.asarray(params["w"]) - Y
     assert evaluated.metrics["mse"] == pytest.approx(float(np.mean(np.abs(d) ** 2)), rel=1e-6)
     trained = fl.trainer((_init, _apply), "mean_squared_error", "sgd").run(DATA, fuse=False)
-    assert np.isfinite(trained.metrics["loss"]) and trained.metrics["loss"] > 0
     fused = fl.trainer((_init, _apply), "mean_squared_error", "sgd").run(DATA, fuse=2)
     np.testing.assert_array_equal(fused.params["w"], trained.params["w"])
+
+
+def test_complex_params_descend():
+    # jax.grad of a real loss gives a complex param the conjugate of its descent direction:
+    # passed to optax as it was, sgd climbed (6.5 to 954 in 20 epochs) and adam stalled.
+    w = (RNG.normal(size=(4, 2)) + 1j * RNG.normal(size=(4, 2))).astype(np.complex64)
+    data = [(x, x @ w) for x, _ in DATA]
+    for tx in (optax.sgd(0.05), optax.adam(0.05)):
+        state = fl.trainer((_init, _apply), "mean_squared_error", tx).run(data, epochs=40)
+        losses = [state.history[e]["loss"] for e in sorted(state.history)]
+        assert losses[-1] < 0.01 * losses[0]
+        np.testing.assert_allclose(state.params["w"], w, atol=0.05)
 
 
 def test_a_metric_returning_complex_values_is_refused_by_name():

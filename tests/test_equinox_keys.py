@@ -3,6 +3,8 @@ the one key per step a `batched=True` module gets in training."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import numpy as np
 import pytest
@@ -309,3 +311,34 @@ def test_a_module_with_other_untrained_fields_than_the_loops_is_refused():
     again = _permuted([0, 1, 2, 3])
     assert loop.run(data, again).status == "completed"
     np.testing.assert_allclose(fl.predict(other, other, x), jax.vmap(other)(x), rtol=1e-6)
+
+
+class _Dropped(eqx.Module):
+    """A layer with Dropout (its `inference` a flag each call sets) and an int field."""
+
+    linear: eqx.nn.Linear
+    drop: eqx.nn.Dropout
+    order: np.ndarray
+
+    def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        return self.drop(self.linear(x[self.order]), key=key)
+
+
+def test_modules_differing_in_flags_or_int_widths_alone_are_taken():
+    # The field check refused a trained module (inference mode) and the same ints held
+    # as int64 and int32; neither reaches the programs otherwise.
+    def build(order: Any) -> _Dropped:
+        linear = eqx.nn.Linear(4, 3, key=jax.random.PRNGKey(0))
+        return _Dropped(linear, eqx.nn.Dropout(0.5), order)
+
+    base = build(np.arange(4))  # int64 on the host
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    loop = fl.trainer(base, "sparse_categorical_cross_entropy", "sgd")
+    state = loop.run([(x, np.zeros(8, np.int32))])
+    trained = fl.models.trained(base, state)
+    np.testing.assert_array_equal(fl.predict(base, trained, x), fl.predict(base, state, x))
+    assert loop.run([(x, np.zeros(8, np.int32))], trained).status == "completed"
+    narrower = build(jax.numpy.arange(4, dtype=jax.numpy.int32))
+    assert loop.run([(x, np.zeros(8, np.int32))], narrower).status == "completed"
+    with pytest.raises(TypeError, match=r"Monte Carlo"):  # predict's keyword advice
+        fl.predict(base, state, x, train=True)

@@ -196,21 +196,19 @@ class from_equinox:  # noqa: N801
     def refuse_other_fields(self, module: Any, argument: str) -> None:
         """A ValueError where `module`, given to a run or to `fl.predict` in place of this
         adapter's, holds other values in its fields that are not trained (an int or bool
-        array, a Python number, a flag): those are baked into this adapter's programs, so
-        the given module's would be replaced by this one's with no word."""
+        array, a Python number): those are baked into this adapter's programs, so the
+        given module's would be replaced by this one's with no word. Only fields of one
+        layout are compared, and not flags (`inference`, which each call sets), functions
+        or keys."""
         if module is self.module:
             return
         _, static = self._eqx.partition(plain_module(module), self._eqx.is_inexact_array)
-        if not jax.tree.leaves(static):  # the weights half of eqx.partition: none to compare
-            return
         mine, theirs = (jax.tree_util.tree_flatten_with_path(t) for t in (self.static, static))
-        differ = ["their layout differs"]
         built_on: Any = mine[1]  # a PyTreeDef, compared with == (jax's stubs leave it open)
-        if built_on == theirs[1]:
-            pairs = zip(mine[0], theirs[0], strict=True)
-            differ = [
-                f"model{jax.tree_util.keystr(p)}" for (p, a), (_, b) in pairs if not _same(a, b)
-            ]
+        if built_on != theirs[1]:  # another layout: not judged here
+            return
+        pairs = zip(mine[0], theirs[0], strict=True)
+        differ = [f"model{jax.tree_util.keystr(p)}" for (p, a), (_, b) in pairs if _differ(a, b)]
         if differ:
             raise ValueError(
                 f"{argument}: the equinox module holds other values than the one the loop "
@@ -297,15 +295,21 @@ class from_equinox:  # noqa: N801
         return None
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Whether two fields that are not trained hold the same: arrays by value, functions by
-    their code (a lambda made anew per module is the same function), others by `==`."""
-    if hasattr(a, "shape") or hasattr(b, "shape"):
-        same_kind = np.shape(a) == np.shape(b) and np.result_type(a) == np.result_type(b)
-        return bool(same_kind and np.array_equal(np.asarray(a), np.asarray(b)))
-    if callable(a) and callable(b):
-        return a is b or getattr(a, "__code__", a) == getattr(b, "__code__", b)
+def _differ(a: Any, b: Any) -> bool:
+    """Whether two fields that are not trained hold other numbers: int or bool arrays by
+    shape and value (whatever their width or library), Python numbers by value (NaN the
+    same as NaN). Flags, functions, keys and anything else are not judged."""
+    if _whole_array(a) and _whole_array(b):
+        x, y = np.asarray(a), np.asarray(b)
+        return x.shape != y.shape or not np.array_equal(x, y)
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b))
+    return numbers and a != b and not (a != a and b != b)
+
+
+def _whole_array(value: Any) -> bool:
+    """An array of ints or bools (numpy's or jax's; a PRNG key's dtype is neither)."""
+    dtype = getattr(value, "dtype", None)
     try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - a value that does not compare: not the same
+        return hasattr(value, "shape") and np.dtype(dtype).kind in "biu"
+    except TypeError:  # a PRNG key's dtype, which numpy does not know
         return False

@@ -106,7 +106,7 @@ def _bce_each(y_true: Array, y_pred: Array) -> Array:
 
 def _mse_each(y_true: Array, y_pred: Array) -> Array:
     d = y_pred - _like_output(y_true, y_pred, "mean_squared_error")
-    return jnp.square(jnp.abs(d) if jnp.iscomplexobj(d) else d)  # a complex d: |d|^2
+    return jnp.real(d * jnp.conj(d)) if jnp.iscomplexobj(d) else jnp.square(d)  # |d|^2
 
 
 def _mae_each(y_true: Array, y_pred: Array) -> Array:

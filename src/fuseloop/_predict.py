@@ -223,7 +223,6 @@ def _batches(leaf: np.ndarray, start: int, rows: int, batches: tuple[int, int]) 
     return padded.reshape((held, size) + leaf.shape[1:])
 
 
-@advise_foreign_keywords(PREDICT_ADVICE)
 def _equinox(model: Any) -> Any:
     """`model`'s adapter where it is an equinox module (whose fields that are not trained a
     module given as the variables must share), else None."""
@@ -231,6 +230,7 @@ def _equinox(model: Any) -> Any:
     return as_model(model) if eqx is not None and isinstance(model, eqx.Module) else None
 
 
+@advise_foreign_keywords(PREDICT_ADVICE)
 def predict(
     model: Any, variables_or_state: Any, x: Any, *, batch_size: int = 256, fuse: bool | int = True
 ) -> Any:

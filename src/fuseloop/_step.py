@@ -183,6 +183,9 @@ def _descend(tx: Any, objective: Callable[[Any], Any], params: Any, opt_state: A
     -> (loss, aux)`; an optimizer that reads the loss or re-evaluates it (a line search)
     gets both (`optimizer_update`)."""
     (value, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    # jax.grad of a real loss gives a complex param the conjugate of its descent direction
+    # (JAX's convention); optax descends along what it is given.
+    grads = jax.tree.map(lambda g: jnp.conj(g) if jnp.iscomplexobj(g) else g, grads)
     updates, opt_state = optimizer_update(
         tx, grads, opt_state, params, value, lambda p: objective(p)[0]
     )
