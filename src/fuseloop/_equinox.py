@@ -213,7 +213,7 @@ class from_equinox:  # noqa: N801
             raise ValueError(
                 f"{argument}: the equinox module holds other values than the one the loop "
                 f"(or fl.predict's model) was built on in fields that are not trained "
-                f"({', '.join(differ[:3])}: int or bool arrays, numbers, flags). Those are "
+                f"({', '.join(differ[:3])}: int or bool arrays, numbers). Those are "
                 f"compiled into the programs, so they would be replaced by the built-on "
                 f"module's. Build the loop on this module (fl.trainer(module, ...)), or "
                 f"give both modules the same fields"
