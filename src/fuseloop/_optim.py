@@ -18,12 +18,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from ._rate_groups import (
     find_learning_rates,
     fixed_rate_groups,
+    lowered_rate,
     map_injected_rates,
     schedule_count,
 )
@@ -250,12 +250,9 @@ def _abstract_state(tx: Any) -> Any | None:
 def set_learning_rate(opt_state: Any, scale: float, floor: float) -> Any:
     """`opt_state` with every injected learning rate set to max(lr * scale, floor)."""
 
-    def change(old: Any) -> Any:
-        # Computed on the host in float64 and cast once, so the result is a pure function
-        # of the old value: the same in a fused and an unfused run.
-        return jnp.asarray(max(float(np.real(np.asarray(old))) * scale, floor), old.dtype)
-
-    return map_injected_rates(opt_state, change)
+    return map_injected_rates(
+        opt_state, lambda old: jnp.asarray(lowered_rate(old, scale, floor), old.dtype)
+    )
 
 
 class _Schedule(NamedTuple):

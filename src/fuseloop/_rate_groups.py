@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
 __all__ = [
@@ -31,7 +32,9 @@ __all__ = [
     "holds_injected_rate",
     "inject_states",
     "is_inject_state",
+    "lowered_rate",
     "map_injected_rates",
+    "rate_value",
     "schedule_count",
     "several_rates_error",
 ]
@@ -94,6 +97,25 @@ def map_injected_rates(opt_state: Any, change: Callable[[Any], Any]) -> Any:
         return node._replace(hyperparams={**node.hyperparams, "learning_rate": new})
 
     return jax.tree.map(replace, opt_state, is_leaf=is_inject_state)
+
+
+def rate_value(rate: Any) -> float:
+    """A learning rate as a Python float: its real part (optax holds the rate of complex
+    params in their dtype, its imaginary part zero)."""
+    return float(np.real(np.asarray(rate)))
+
+
+def lowered_rate(rate: Any, scale: float, floor: float) -> float:
+    """`max(rate * scale, floor)`, computed on the host in float64 so that it is a pure
+    function of the old value (the same in a fused and an unfused run), to be cast once to
+    the rate's dtype. `set_learning_rate` and `ReduceLROnPlateau.next_rate` (whose rates
+    the device's dispatch takes) both lower a rate by it.
+
+    Example:
+        >>> lowered_rate(np.float32(0.1), 0.5, 0.01)
+        0.05000000074505806
+    """
+    return max(rate_value(rate) * scale, floor)
 
 
 def schedule_count(state: Any) -> int:

@@ -22,6 +22,8 @@ from .._rate_groups import (
     find_learning_rates,
     fixed_rate_groups,
     inject_states,
+    lowered_rate,
+    rate_value,
     several_rates_error,
 )
 from .._state import RESTORED_KEY, State, without_restored
@@ -290,11 +292,11 @@ class ReduceLROnPlateau:
         `rate` is an array or numpy scalar of the rate's dtype: at the floor means at
         `min_lr` as that dtype holds it (float32 0.2 is above the Python 0.2), or below it.
         """
-        return bool(_real(self.next_rate(rate)) >= _real(rate))
+        return bool(rate_value(self.next_rate(rate)) >= rate_value(rate))
 
     def next_rate(self, rate: Any) -> Any:
         """The rate after one reduction, as `set_learning_rate` computes it."""
-        return np.asarray(max(_real(rate) * self.factor, self.min_lr), rate.dtype)
+        return np.asarray(lowered_rate(rate, self.factor, self.min_lr), rate.dtype)
 
     def __call__(self, state: State) -> tuple[Status, State]:
         """Records the monitored value; lowers the learning rate once it stopped improving."""
@@ -389,11 +391,3 @@ def _fixed_lr_error(opt_state: Any) -> ValueError:
         "optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), or pass a named "
         "optimizer ('sgd', 'adam', 'adamw')"
     )
-
-
-def _real(rate: Any) -> float:
-    """A learning rate as a Python float: its real part.
-
-    optax holds the rate of complex params in their dtype, its imaginary part zero.
-    """
-    return float(np.real(np.asarray(rate)))
